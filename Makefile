@@ -1,0 +1,65 @@
+# agentmesh: set-up, code generation, checks, tests, demo.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+PROTOS := $(wildcard proto/mesh/v1/*.proto)
+
+.DEFAULT_GOAL := help
+.PHONY: help setup proto proto-check lint test test-fast demo up bench clean
+
+help:
+	@echo "make setup        virtualenv in $(VENV) with agentmesh and its dev tools"
+	@echo "make demo         set-up, then run the mesh on localhost and its demo, then shut down"
+	@echo "make test         set-up, check generated code, run the whole test suite"
+	@echo "make proto        regenerate mesh/v1 from proto/"
+	@echo "make lint         ruff, mypy, buf lint and buf format"
+	@echo "make bench        latency benchmarks (benchmarks/results/)"
+
+$(BIN)/agentmesh: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e ".[dev]"
+	@touch $@
+
+setup: $(BIN)/agentmesh
+
+proto: setup
+	PATH="$(abspath $(BIN)):$$PATH" $(PY) -m grpc_tools.protoc -I proto \
+		--python_out=. --grpc_python_out=. --mypy_out=. --mypy_grpc_out=. $(PROTOS)
+
+# Fails when the committed generated code differs from what proto/ generates.
+proto-check: setup
+	@tmp=$$(mktemp -d) && \
+	PATH="$(abspath $(BIN)):$$PATH" $(PY) -m grpc_tools.protoc -I proto \
+		--python_out=$$tmp --grpc_python_out=$$tmp --mypy_out=$$tmp --mypy_grpc_out=$$tmp $(PROTOS) && \
+	for f in $$tmp/mesh/v1/*; do \
+		if ! cmp -s $$f mesh/v1/$$(basename $$f); then \
+			echo "mesh/v1/$$(basename $$f) is stale: run 'make proto' and commit"; rm -rf $$tmp; exit 1; \
+		fi; \
+	done; rm -rf $$tmp; echo "generated code is up to date"
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy mesh agents gateway
+	$(BIN)/buf lint
+	$(BIN)/buf format --exit-code > /dev/null
+
+test: setup proto-check
+	$(BIN)/buf lint
+	$(BIN)/pytest -q
+
+test-fast: setup
+	$(BIN)/pytest -q -x -m "not processes"
+
+demo: setup
+	$(BIN)/agentmesh demo
+
+up: setup
+	$(BIN)/agentmesh up
+
+bench: setup
+	$(PY) -m benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -1,0 +1,78 @@
+"""agentmesh: a gRPC agent mesh.
+
+The pieces most programs need::
+
+    from mesh import connect, Agent, agent, serve, Message, Priority
+"""
+
+from mesh.agent import Agent, AgentContext, AgentServer, agent, on, serve
+from mesh.client import AgentClient, MeshClient, Received, RetryPolicy, connect
+from mesh.config import BrokerConfig, ServerConfig
+from mesh.core import (
+    BROADCAST_TARGET,
+    AgentCard,
+    AgentError,
+    AgentInfo,
+    AgentNotFoundError,
+    Broker,
+    BrokerUnavailableError,
+    ConflictResolutionError,
+    DeadLetter,
+    Delivery,
+    Handoff,
+    HandoffError,
+    MeshError,
+    Message,
+    MessageQueueFullError,
+    MessageTooLargeError,
+    MessageType,
+    MessageValidationError,
+    MultiAgentCommunicationError,
+    Priority,
+    RequestTimeoutError,
+    RoutingError,
+    Tool,
+)
+from mesh.server import serve_broker
+from mesh.testing import LocalMesh
+
+__all__ = [
+    "BROADCAST_TARGET",
+    "Agent",
+    "AgentCard",
+    "AgentClient",
+    "AgentContext",
+    "AgentError",
+    "AgentInfo",
+    "AgentNotFoundError",
+    "AgentServer",
+    "Broker",
+    "BrokerConfig",
+    "BrokerUnavailableError",
+    "ConflictResolutionError",
+    "DeadLetter",
+    "Delivery",
+    "Handoff",
+    "HandoffError",
+    "LocalMesh",
+    "MeshClient",
+    "MeshError",
+    "Message",
+    "MessageQueueFullError",
+    "MessageTooLargeError",
+    "MessageType",
+    "MessageValidationError",
+    "MultiAgentCommunicationError",
+    "Priority",
+    "Received",
+    "RequestTimeoutError",
+    "RetryPolicy",
+    "RoutingError",
+    "ServerConfig",
+    "Tool",
+    "agent",
+    "connect",
+    "on",
+    "serve",
+    "serve_broker",
+]

@@ -1,0 +1,90 @@
+"""MeshError <-> gRPC status, with google.rpc details (ErrorInfo, BadRequest, RetryInfo)."""
+
+from __future__ import annotations
+
+import logging
+from typing import NoReturn
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from mesh.codec import STATUS_CODES, seconds_to_duration
+from mesh.core.errors import FieldViolation, MeshError, error_class_for
+
+ERROR_DOMAIN = "agentmesh.dev"
+logger = logging.getLogger("mesh.status")
+
+_CODES_BY_NAME = {code.name: code for code in grpc.StatusCode}
+
+
+def status_code(name: str) -> grpc.StatusCode:
+    return _CODES_BY_NAME.get(name, grpc.StatusCode.UNKNOWN)
+
+
+def to_rpc_status(error: MeshError) -> status_pb2.Status:
+    """The rich status for an error: code, message and typed details."""
+    details: list[any_pb2.Any] = []
+    info = error_details_pb2.ErrorInfo(reason=error.reason, domain=ERROR_DOMAIN)
+    details.append(_pack(info))
+    if error.field_violations:
+        bad = error_details_pb2.BadRequest()
+        for v in error.field_violations:
+            bad.field_violations.add(field=v.field, description=v.description)
+        details.append(_pack(bad))
+    if error.retry_after is not None:
+        retry = error_details_pb2.RetryInfo()
+        seconds_to_duration(error.retry_after, retry.retry_delay)
+        details.append(_pack(retry))
+    return status_pb2.Status(
+        code=STATUS_CODES.get(error.code, code_pb2.INTERNAL), message=error.message, details=details
+    )
+
+
+def _pack(detail: object) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(detail)  # type: ignore[arg-type]
+    return packed
+
+
+async def abort(context: grpc.aio.ServicerContext, error: MeshError) -> NoReturn:  # type: ignore[type-arg]
+    await context.abort_with_status(rpc_status.to_status(to_rpc_status(error)))
+    raise AssertionError("unreachable")  # abort_with_status always raises
+
+
+def from_rpc_error(error: grpc.RpcError) -> MeshError:
+    """The mesh error a failed call stands for, read from its rich status when present."""
+    code: grpc.StatusCode = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    message = error.details() if hasattr(error, "details") else str(error)
+    reason = ""
+    violations: list[FieldViolation] = []
+    retry_after: float | None = None
+    try:
+        status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    except Exception:  # a malformed status detail must not hide the error itself
+        status = None
+    if status is not None:
+        for detail in status.details:
+            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                detail.Unpack(info)
+                reason = info.reason
+            elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+                bad = error_details_pb2.BadRequest()
+                detail.Unpack(bad)
+                violations.extend(
+                    FieldViolation(v.field, v.description) for v in bad.field_violations
+                )
+            elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+                retry = error_details_pb2.RetryInfo()
+                detail.Unpack(retry)
+                retry_after = retry.retry_delay.seconds + retry.retry_delay.nanos / 1e9
+    cls = error_class_for(reason, code.name)
+    return cls(
+        message or code.name,
+        field_violations=tuple(violations),
+        retry_after=retry_after,
+        reason=reason or None,
+        code=code.name,
+    )

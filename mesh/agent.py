@@ -1,0 +1,471 @@
+"""The agent runtime: an agent is a class or a decorated function; :func:`serve` runs it.
+
+``serve(agent, broker)`` starts the agent's own gRPC server (Agent service, health,
+reflection), registers the agent with the broker, takes its deliveries from a subscription,
+calls the handler, sends responses (and ACKs when asked), and shuts down gracefully: health
+NOT_SERVING first, no new deliveries, work in flight finished (or returned to the queue),
+deregistered, server stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import grpc
+
+from mesh import codec
+from mesh._status import abort
+from mesh.client import ClientSubscription, MeshClient, Received, RetryPolicy
+from mesh.core.errors import BrokerUnavailableError, MeshError, SessionClosedError
+from mesh.core.model import (
+    JSON,
+    AgentCard,
+    Handoff,
+    Message,
+    MessageType,
+    Tool,
+)
+from mesh.serving import MeshServer, start_server
+from mesh.v1 import agent_pb2, agent_pb2_grpc
+
+logger = logging.getLogger("mesh.agent")
+
+AGENT_SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name
+Reply = dict[str, JSON] | Message | JSON | None
+HandlerFn = Callable[[Message, "AgentContext"], Awaitable[Reply]]
+
+_RECONNECT_DELAYS = (0.1, 0.5, 1.0, 2.0)
+
+
+def on(action: str) -> Callable[[Callable[..., Awaitable[Reply]]], Callable[..., Awaitable[Reply]]]:
+    """Marks an Agent method as the handler of one content.action."""
+
+    def mark(method: Callable[..., Awaitable[Reply]]) -> Callable[..., Awaitable[Reply]]:
+        method.__mesh_action__ = action  # type: ignore[attr-defined]
+        return method
+
+    return mark
+
+
+class AgentContext:
+    """What a handler can do besides answering: send, request and hand off, as this agent."""
+
+    def __init__(self, agent: Agent, client: MeshClient, message: Message) -> None:
+        self.agent = agent
+        self.client = client
+        self.message = message
+
+    @property
+    def agent_id(self) -> str:
+        return self.agent.agent_id
+
+    async def send(self, to_agent: str, content: dict[str, JSON], **options: Any) -> Message:
+        options.setdefault("headers", self.message.headers)
+        return await self.client.send(to_agent, content, from_agent=self.agent_id, **options)
+
+    async def request(self, to_agent: str, content: dict[str, JSON], **options: Any) -> Message:
+        options.setdefault("headers", self.message.headers)
+        return await self.client.request(to_agent, content, from_agent=self.agent_id, **options)
+
+    async def handoff(
+        self,
+        to_agent: str,
+        task_description: str,
+        *,
+        context: dict[str, JSON] | None = None,
+        previous_result: JSON = None,
+        constraints: dict[str, JSON] | None = None,
+        **options: Any,
+    ) -> Message:
+        """Hands the task on; workflow_id carries over and step_number is incremented."""
+        incoming = Handoff.from_message(self.message) if self.message.message_type is MessageType.HANDOFF else None
+        options.setdefault("workflow_id", incoming.workflow_id if incoming else "")
+        options.setdefault("step_number", (incoming.step_number + 1) if incoming else 1)
+        options.setdefault("headers", self.message.headers)
+        return await self.client.handoff(
+            to_agent,
+            task_description,
+            context=context,
+            previous_result=previous_result,
+            constraints=constraints,
+            from_agent=self.agent_id,
+            **options,
+        )
+
+
+class Agent:
+    """Base class of agents. Override :meth:`handle`, or mark methods with ``@on("action")``.
+
+    A handler returns the response content (a dict), a whole :class:`Message`, any other
+    JSON value (sent as ``{"result": value}``) or None. REQUEST messages always get a
+    RESPONSE; BROADCAST and HANDOFF messages get one when the handler returns something.
+    A handler that raises answers a REQUEST with an ERROR message.
+    """
+
+    agent_id: str = ""
+    agent_types: tuple[str, ...] = ()
+    capabilities: tuple[str, ...] = ()
+    tools: tuple[Tool, ...] = ()
+    description: str = ""
+
+    def __init__(
+        self,
+        agent_id: str | None = None,
+        *,
+        agent_types: Iterable[str] | None = None,
+        capabilities: Iterable[str] | None = None,
+        tools: Iterable[Tool] | None = None,
+        description: str | None = None,
+    ) -> None:
+        if agent_id is not None:
+            self.agent_id = agent_id
+        if not self.agent_id:
+            raise ValueError("an agent needs an agent_id")
+        if agent_types is not None:
+            self.agent_types = tuple(agent_types)
+        if capabilities is not None:
+            self.capabilities = tuple(capabilities)
+        if tools is not None:
+            self.tools = tuple(tools)
+        if description is not None:
+            self.description = description
+        self._actions: dict[str, Callable[..., Awaitable[Reply]]] = {}
+        for _, member in inspect.getmembers(self, inspect.ismethod):
+            action = getattr(member, "__mesh_action__", None)
+            if action:
+                self._actions[action] = member
+
+    @property
+    def actions(self) -> tuple[str, ...]:
+        return tuple(sorted(self._actions))
+
+    def card(self) -> AgentCard:
+        return AgentCard(
+            agent_id=self.agent_id,
+            agent_types=tuple(self.agent_types),
+            capabilities=tuple(self.capabilities) or self.actions,
+            tools=tuple(self.tools),
+            description=self.description or (inspect.getdoc(self) or "").split("\n")[0],
+            actions=self.actions,
+        )
+
+    async def handle(self, message: Message, ctx: AgentContext) -> Reply:
+        """Handles one message; the default dispatches on content.action."""
+        handler = self._actions.get(message.action)
+        if handler is None:
+            raise LookupError(f"{self.agent_id} does not handle action {message.action!r}")
+        return await handler(message, ctx)
+
+    async def on_ack(self, message: Message, ctx: AgentContext) -> None:
+        """Called for ACK messages addressed to this agent; the default only logs them."""
+        logger.debug("%s received ACK for %s", self.agent_id, message.correlation_id)
+
+
+class FunctionAgent(Agent):
+    """An agent whose handler is one coroutine function."""
+
+    def __init__(self, fn: HandlerFn, agent_id: str, **kwargs: Any) -> None:
+        kwargs.setdefault("description", (inspect.getdoc(fn) or "").split("\n")[0])
+        super().__init__(agent_id, **kwargs)
+        self._fn = fn
+
+    async def handle(self, message: Message, ctx: AgentContext) -> Reply:
+        return await self._fn(message, ctx)
+
+
+def agent(
+    agent_id: str,
+    *,
+    agent_types: Iterable[str] = (),
+    capabilities: Iterable[str] = (),
+    tools: Iterable[Tool] = (),
+    description: str | None = None,
+) -> Callable[[HandlerFn], FunctionAgent]:
+    """Turns ``async def fn(message, ctx)`` into an agent::
+
+        @agent("PaymentAgent", agent_types=["payment"])
+        async def payment(message, ctx):
+            return {"status": "PAID"}
+    """
+
+    def wrap(fn: HandlerFn) -> FunctionAgent:
+        return FunctionAgent(
+            fn, agent_id, agent_types=agent_types, capabilities=capabilities, tools=tools,
+            description=description,
+        )
+
+    return wrap
+
+
+def answer_to(message: Message, agent_id: str, reply: Reply) -> Message | None:
+    """The RESPONSE a handler's return value makes, or None when no answer is due."""
+    expects = message.message_type is MessageType.REQUEST
+    if reply is None and not expects:
+        return None
+    target = message.reply_target
+    correlation_id = message.correlation_id or message.message_id
+    if isinstance(reply, Message):
+        return reply.evolve(
+            from_agent=reply.from_agent or agent_id,
+            to_agent=reply.to_agent or target,
+            correlation_id=reply.correlation_id or correlation_id,
+        )
+    if isinstance(reply, dict):
+        content = dict(reply)
+    elif reply is None:
+        content = {}
+    else:
+        content = {"result": reply}
+    content.setdefault("action", message.action or "response")
+    return Message(
+        from_agent=agent_id,
+        to_agent=target,
+        message_type=MessageType.RESPONSE,
+        content=content,
+        correlation_id=correlation_id,
+        priority=message.priority,
+        headers=dict(message.headers),
+    )
+
+
+def error_to(message: Message, agent_id: str, error: BaseException) -> Message:
+    reason = error.reason if isinstance(error, MeshError) else type(error).__name__
+    return Message(
+        from_agent=agent_id,
+        to_agent=message.reply_target,
+        message_type=MessageType.ERROR,
+        content={"action": "error", "error": str(error) or type(error).__name__, "reason": reason},
+        correlation_id=message.correlation_id or message.message_id,
+        priority=message.priority,
+        headers=dict(message.headers),
+    )
+
+
+class AgentRuntime:
+    """Runs one agent against the broker: subscription, handlers, answers, shutdown."""
+
+    def __init__(
+        self,
+        agent: Agent,
+        client: MeshClient,
+        *,
+        max_in_flight: int = 16,
+        lease_seconds: float = 30.0,
+        address: str = "",
+    ) -> None:
+        self.agent = agent
+        self.client = client
+        self.max_in_flight = max_in_flight
+        self.lease_seconds = lease_seconds
+        self.address = address
+        self.handled = 0
+        self.failed = 0
+        self._consumer: asyncio.Task[None] | None = None
+        self._in_flight: set[asyncio.Task[None]] = set()
+        self._subscription: ClientSubscription | None = None
+        self._stopping = False
+        self.subscribed = asyncio.Event()
+
+    async def register(self) -> None:
+        await self.client.register(
+            self.agent.agent_id,
+            agent_types=self.agent.agent_types,
+            address=self.address,
+            capabilities=self.agent.card().capabilities,
+        )
+
+    async def start(self) -> None:
+        await self.register()
+        self._consumer = asyncio.create_task(self._consume(), name=f"agent-{self.agent.agent_id}")
+
+    async def _consume(self) -> None:
+        attempt = 0
+        while not self._stopping:
+            try:
+                if attempt:
+                    await self.register()  # the broker may have restarted and forgotten us
+                sub = self.client.subscribe(
+                    self.agent.agent_id,
+                    max_in_flight=self.max_in_flight,
+                    lease_seconds=self.lease_seconds,
+                )
+                await sub.start()
+                self._subscription = sub
+                self.subscribed.set()
+                attempt = 0
+                async for received in sub:
+                    if self._stopping:
+                        break
+                    task = asyncio.create_task(self._process(received))
+                    self._in_flight.add(task)
+                    task.add_done_callback(self._in_flight.discard)
+                if self._stopping:
+                    return
+            except (BrokerUnavailableError, SessionClosedError) as error:
+                if self._stopping:
+                    return
+                delay = _RECONNECT_DELAYS[min(attempt, len(_RECONNECT_DELAYS) - 1)]
+                logger.warning("%s lost the broker (%s); reconnecting in %.1f s",
+                               self.agent.agent_id, error.message, delay)
+                self.subscribed.clear()
+                attempt += 1
+                await asyncio.sleep(delay)
+            except MeshError as error:
+                logger.error("%s cannot subscribe: %s", self.agent.agent_id, error.message)
+                self.subscribed.clear()
+                attempt += 1
+                await asyncio.sleep(_RECONNECT_DELAYS[-1])
+
+    async def _process(self, received: Received) -> None:
+        message = received.message
+        try:
+            await self.dispatch(message)
+        except Exception:
+            # Not answerable (not a REQUEST): let the broker redeliver, then dead-letter it.
+            await received.nack()
+            return
+        await received.ack()
+
+    async def dispatch(self, message: Message) -> Message | None:
+        """Runs the handler for a delivered message and sends its answer through the broker.
+
+        Raises when a message that expects no answer failed, so that it is redelivered.
+        """
+        answer = await self.run_handler(message)
+        if answer is not None:
+            try:
+                await self.client.send_message(answer)
+            except MeshError as error:
+                logger.warning("%s could not answer %s: %s", self.agent.agent_id,
+                               message.message_id, error.message)
+        return answer
+
+    async def run_handler(self, message: Message) -> Message | None:
+        """Calls the handler; returns the answer (RESPONSE or ERROR) that is due, if any."""
+        ctx = AgentContext(self.agent, self.client, message)
+        if message.message_type is MessageType.ACK:
+            await self.agent.on_ack(message, ctx)
+            return None
+        try:
+            reply = await self.agent.handle(message, ctx)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            self.failed += 1
+            logger.exception("%s failed on %s (%s)", self.agent.agent_id, message.action,
+                             message.message_id)
+            if message.message_type is MessageType.REQUEST:
+                return error_to(message, self.agent.agent_id, error)
+            raise
+        self.handled += 1
+        return answer_to(message, self.agent.agent_id, reply)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """No new deliveries; in-flight work finishes within ``grace`` or goes back to the queue."""
+        self._stopping = True
+        if self._consumer is not None:
+            self._consumer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._consumer
+        if self._in_flight:
+            _, pending = await asyncio.wait(list(self._in_flight), timeout=grace)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        if self._subscription is not None:
+            await self._subscription.close()
+        with contextlib.suppress(MeshError):
+            await self.client.deregister(self.agent.agent_id)
+
+
+class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
+    """The Agent service: direct calls to the handler, and the agent's card."""
+
+    def __init__(self, runtime: AgentRuntime) -> None:
+        self.runtime = runtime
+
+    async def HandleMessage(self, request: agent_pb2.HandleMessageRequest, context: Any) -> agent_pb2.HandleMessageResponse:
+        message = codec.message_from_pb(request.message)
+        try:
+            answer = await self.runtime.run_handler(message)
+        except MeshError as error:
+            await abort(context, error)
+        except Exception:
+            await context.abort(grpc.StatusCode.INTERNAL, "the handler failed")
+        response = agent_pb2.HandleMessageResponse()
+        if answer is not None:
+            codec.message_to_pb(answer, response.response)
+        return response
+
+    async def DescribeAgent(self, request: agent_pb2.DescribeAgentRequest, context: Any) -> agent_pb2.DescribeAgentResponse:
+        response = agent_pb2.DescribeAgentResponse()
+        codec.card_to_pb(self.runtime.agent.card(), response.card)
+        return response
+
+
+class AgentServer:
+    """A served agent: its gRPC server, its broker client and its runtime."""
+
+    def __init__(self, agent: Agent, server: MeshServer, runtime: AgentRuntime, client: MeshClient) -> None:
+        self.agent = agent
+        self.server = server
+        self.runtime = runtime
+        self.client = client
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Graceful shutdown: NOT_SERVING, finish or return work, deregister, stop."""
+        await self.server.set_serving(False)
+        await self.runtime.stop(grace)
+        await self.server.stop(grace)
+        await self.client.close()
+
+    async def __aenter__(self) -> AgentServer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+async def serve(
+    agent: Agent,
+    broker: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_in_flight: int = 16,
+    lease_seconds: float = 30.0,
+    retry: RetryPolicy | None = None,
+    advertise: str | None = None,
+) -> AgentServer:
+    """Serves ``agent``: its own gRPC server on host:port (0 picks one), registered with the
+    broker at ``broker`` and subscribed to its queue. Returns once it is ready."""
+    client = MeshClient(broker, agent_id=agent.agent_id, retry=retry)
+    runtime = AgentRuntime(agent, client, max_in_flight=max_in_flight, lease_seconds=lease_seconds)
+    servicer = AgentServicer(runtime)
+    server = await start_server(
+        lambda s: agent_pb2_grpc.add_AgentServiceServicer_to_server(servicer, s),
+        [AGENT_SERVICE],
+        host=host,
+        port=port,
+    )
+    runtime.address = advertise or server.address
+    try:
+        await runtime.start()
+        await asyncio.wait_for(runtime.subscribed.wait(), timeout=client.default_timeout)
+    except BaseException:
+        await server.stop(0)
+        await client.close()
+        raise
+    logger.info("agent %s serving on %s", agent.agent_id, server.address,
+                extra={"event": {"category": "agent", "agent_id": agent.agent_id,
+                                 "address": server.address}})
+    return AgentServer(agent, server, runtime, client)

@@ -1,0 +1,742 @@
+"""The Python SDK: ``async with connect(target) as client`` and talk to the mesh.
+
+Hot paths (send, request, deliveries, acks) travel as frames on one long-lived Connect stream
+per client; the rest are unary calls. Sends are retried with exponential backoff on
+RESOURCE_EXHAUSTED and UNAVAILABLE (100 ms, 500 ms, 2000 ms by default); after the last retry
+the caller gets a typed exception from :mod:`mesh.core.errors`, never a raw gRPC error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+
+from mesh import codec
+from mesh._status import from_rpc_error
+from mesh.core.errors import (
+    AgentError,
+    BrokerUnavailableError,
+    MeshError,
+    RequestTimeoutError,
+    SessionClosedError,
+)
+from mesh.core.model import (
+    JSON,
+    AgentCard,
+    AgentInfo,
+    DeadLetter,
+    Delivery,
+    Handoff,
+    Message,
+    MessageType,
+    Priority,
+)
+from mesh.serving import GRPC_OPTIONS
+from mesh.v1 import agent_pb2, agent_pb2_grpc, broker_pb2, broker_pb2_grpc
+
+logger = logging.getLogger("mesh.client")
+T = TypeVar("T")
+
+_CLOSED = object()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RetryPolicy:
+    """Waits between attempts (RT-011 retry_backoff_ms) and the status codes worth retrying."""
+
+    delays: tuple[float, ...] = (0.1, 0.5, 2.0)
+    retry_on: frozenset[str] = frozenset({"RESOURCE_EXHAUSTED", "UNAVAILABLE"})
+
+    def __post_init__(self) -> None:
+        if any(d < 0 for d in self.delays):
+            raise ValueError("retry delays must not be negative")
+
+    @property
+    def max_retries(self) -> int:
+        return len(self.delays)
+
+
+NO_RETRY = RetryPolicy(delays=())
+
+
+@dataclass(slots=True)
+class ClientStats:
+    """What a client did: retries by status code, and messages it sent."""
+
+    sent: int = 0
+    retries: dict[str, int] = field(default_factory=dict)
+    acks_sent: int = 0
+
+    @property
+    def total_retries(self) -> int:
+        return sum(self.retries.values())
+
+
+@dataclass(frozen=True, slots=True)
+class BroadcastResult:
+    message_id: str
+    recipients: tuple[str, ...]
+    failures: tuple[tuple[str, MeshError], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStatsView:
+    agent_id: str
+    depth: int
+    high: int
+    medium: int
+    low: int
+    in_flight: int
+    dead_letters: int
+    subscribers: int
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStatsReport:
+    agents: tuple[QueueStatsView, ...]
+    totals: dict[str, int]
+
+    def for_agent(self, agent_id: str) -> QueueStatsView | None:
+        return next((a for a in self.agents if a.agent_id == agent_id), None)
+
+
+class _Session:
+    """One Connect stream: numbered frames out, answers matched back by seq."""
+
+    def __init__(self, stub: broker_pb2_grpc.BrokerServiceStub) -> None:
+        self._call = stub.Connect()
+        self._seq = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future[broker_pb2.ConnectResponse]] = {}
+        self._write_lock = asyncio.Lock()
+        self.deliveries: asyncio.Queue[Any] | None = None
+        self.closed = False
+        self.failure: MeshError | None = None
+        self._reader = asyncio.create_task(self._read(), name="mesh-session-reader")
+
+    async def _read(self) -> None:
+        failure: MeshError = SessionClosedError("the session was closed")
+        try:
+            while True:
+                frame = await self._call.read()
+                if frame is grpc.aio.EOF:
+                    failure = BrokerUnavailableError("the broker ended the session")
+                    break
+                if frame.seq:
+                    waiter = self._waiting.pop(frame.seq, None)
+                    if waiter is not None and not waiter.done():
+                        waiter.set_result(frame)
+                elif frame.HasField("delivery") and self.deliveries is not None:
+                    await self.deliveries.put(codec.delivery_from_pb(frame.delivery))
+        except grpc.RpcError as error:
+            failure = from_rpc_error(error)
+            if failure.code == "CANCELLED" and self.closed:
+                failure = SessionClosedError("the session was closed")
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._fail(failure)
+
+    def _fail(self, failure: MeshError) -> None:
+        self.closed = True
+        self.failure = failure
+        for waiter in self._waiting.values():
+            if not waiter.done():
+                waiter.set_exception(failure)
+        self._waiting.clear()
+        if self.deliveries is not None:
+            with contextlib.suppress(asyncio.QueueFull):
+                self.deliveries.put_nowait(_CLOSED)
+
+    async def write(self, frame: broker_pb2.ConnectRequest) -> None:
+        if self.closed:
+            raise self.failure or SessionClosedError("the session is closed")
+        try:
+            async with self._write_lock:
+                await self._call.write(frame)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        except asyncio.InvalidStateError:
+            await asyncio.sleep(0)  # let the reader record why the stream ended
+            raise self.failure or BrokerUnavailableError("the session ended") from None
+
+    async def call(
+        self, frame: broker_pb2.ConnectRequest, timeout: float | None = None
+    ) -> broker_pb2.ConnectResponse:
+        seq = next(self._seq)
+        frame.seq = seq
+        waiter: asyncio.Future[broker_pb2.ConnectResponse] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self._waiting[seq] = waiter
+        try:
+            await self.write(frame)
+            if timeout is None:
+                answer = await waiter
+            else:
+                async with asyncio.timeout(timeout):
+                    answer = await waiter
+        finally:
+            self._waiting.pop(seq, None)
+        if answer.HasField("error"):
+            raise codec.error_from_pb(answer.error)
+        return answer
+
+    async def close(self, grace: float = 1.0) -> None:
+        """Half-closes the stream so that frames already written (acks) are processed, waits
+        up to ``grace`` seconds for the broker to end it, then cancels."""
+        if not self.closed:
+            with contextlib.suppress(Exception):
+                async with self._write_lock:
+                    await self._call.done_writing()
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(self._reader), grace)
+            self.closed = True
+            self._call.cancel()
+        self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader
+
+
+class Received:
+    """A message delivered by a subscription; ack it when done, or nack it to have it again."""
+
+    __slots__ = ("_subscription", "attempt", "done", "lease_expires_at", "message")
+
+    def __init__(self, subscription: ClientSubscription, delivery: Delivery) -> None:
+        self._subscription = subscription
+        self.message = delivery.message
+        self.attempt = delivery.attempt
+        self.lease_expires_at = delivery.lease_expires_at
+        self.done = False
+
+    async def ack(self) -> None:
+        if not self.done:
+            self.done = True
+            await self._subscription._settle("ack", self.message.message_id)
+
+    async def nack(self) -> None:
+        if not self.done:
+            self.done = True
+            await self._subscription._settle("nack", self.message.message_id)
+
+    def __repr__(self) -> str:
+        return f"Received({self.message.message_id}, attempt={self.attempt})"
+
+
+class ClientSubscription:
+    """An async iterator over an agent's deliveries, on its own Connect stream."""
+
+    def __init__(
+        self, client: MeshClient, agent_id: str, max_in_flight: int, lease_seconds: float
+    ) -> None:
+        self.client = client
+        self.agent_id = agent_id
+        self.max_in_flight = max_in_flight
+        self.lease_seconds = lease_seconds
+        self._session: _Session | None = None
+
+    async def start(self) -> ClientSubscription:
+        session = _Session(self.client._stub)
+        # Deliveries are bounded by max_in_flight at the broker; the extra slot is for the
+        # end-of-session marker.
+        session.deliveries = asyncio.Queue(self.max_in_flight + 1)
+        frame = broker_pb2.ConnectRequest()
+        frame.subscribe.agent_id = self.agent_id
+        frame.subscribe.max_in_flight = self.max_in_flight
+        codec.seconds_to_duration(self.lease_seconds, frame.subscribe.lease)
+        try:
+            await session.call(frame, timeout=self.client.default_timeout)
+        except BaseException:
+            await session.close()
+            raise
+        self._session = session
+        return self
+
+    async def __aenter__(self) -> ClientSubscription:
+        if self._session is None:
+            await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __aiter__(self) -> AsyncIterator[Received]:
+        return self
+
+    async def __anext__(self) -> Received:
+        if self._session is None:
+            await self.start()
+        assert self._session is not None and self._session.deliveries is not None
+        item = await self._session.deliveries.get()
+        if item is _CLOSED:
+            failure = self._session.failure
+            if failure is None or isinstance(failure, SessionClosedError):
+                raise StopAsyncIteration
+            raise failure
+        received = Received(self, item)
+        if received.message.ack_required and received.attempt == 1:
+            self.client._ack_in_background(received.message)
+        return received
+
+    async def _settle(self, kind: str, message_id: str) -> None:
+        if self._session is None or self._session.closed:
+            return  # the broker returns the lease by itself when the session ends
+        frame = broker_pb2.ConnectRequest()
+        target = frame.ack if kind == "ack" else frame.nack
+        target.agent_id = self.agent_id
+        target.message_ids.append(message_id)
+        with contextlib.suppress(MeshError):
+            await self._session.write(frame)
+
+    async def close(self) -> None:
+        """Ends the subscription; unacknowledged messages go back to the queue."""
+        if self._session is not None:
+            await self._session.close()
+
+
+class MeshClient:
+    """A connection to the broker. Use :func:`connect` to make one."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        agent_id: str = "",
+        retry: RetryPolicy | None = None,
+        default_timeout: float = 30.0,
+        auto_ack: bool = True,
+        channel: grpc.aio.Channel | None = None,
+    ) -> None:
+        self.target = target
+        self.agent_id = agent_id
+        self.retry = retry or RetryPolicy()
+        self.default_timeout = default_timeout
+        self.auto_ack = auto_ack
+        self.stats = ClientStats()
+        self._own_channel = channel is None
+        self._channel = channel or grpc.aio.insecure_channel(target, options=GRPC_OPTIONS)
+        self._stub = broker_pb2_grpc.BrokerServiceStub(self._channel)
+        self._session: _Session | None = None
+        self._session_lock = asyncio.Lock()
+        self._background: set[asyncio.Task[None]] = set()
+        self._subscriptions: set[ClientSubscription] = set()
+
+    async def __aenter__(self) -> MeshClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        for sub in list(self._subscriptions):
+            await sub.close()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        if self._own_channel:
+            await self._channel.close()
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    async def _open_session(self) -> _Session:
+        session = self._session
+        if session is not None and not session.closed:
+            return session
+        async with self._session_lock:
+            if self._session is None or self._session.closed:
+                self._session = _Session(self._stub)
+            return self._session
+
+    async def _with_retry(self, operation: Callable[[], Awaitable[T]]) -> T:
+        delays = self.retry.delays
+        for attempt in itertools.count():
+            try:
+                return await operation()
+            except grpc.RpcError as error:
+                failure = from_rpc_error(error)
+            except MeshError as error:
+                failure = error
+            if failure.code not in self.retry.retry_on or attempt >= len(delays):
+                raise failure
+            self.stats.retries[failure.code] = self.stats.retries.get(failure.code, 0) + 1
+            logger.info(
+                "retry %d/%d in %.0f ms after %s: %s",
+                attempt + 1, len(delays), delays[attempt] * 1000, failure.code, failure.message,
+                extra={"event": {"category": "retry", "attempt": attempt + 1,
+                                 "code": failure.code, "delay_ms": delays[attempt] * 1000}},
+            )
+            await asyncio.sleep(delays[attempt])
+        raise AssertionError("unreachable")
+
+    def _unary(self, method: Callable[..., Any], request: Any, timeout: float | None = None) -> Callable[[], Awaitable[Any]]:
+        async def call() -> Any:
+            return await method(request, timeout=timeout or self.default_timeout)
+
+        return call
+
+    def build(
+        self,
+        to_agent: str,
+        content: dict[str, JSON] | None = None,
+        *,
+        message_type: MessageType = MessageType.REQUEST,
+        priority: Priority = Priority.MEDIUM,
+        ttl: int = 0,
+        correlation_id: str = "",
+        reply_to: str = "",
+        ack_required: bool = False,
+        metadata: dict[str, JSON] | None = None,
+        headers: dict[str, str] | None = None,
+        from_agent: str | None = None,
+    ) -> Message:
+        """A message from this client (``agent_id``) with a fresh id and timestamp."""
+        return Message(
+            from_agent=self.agent_id if from_agent is None else from_agent,
+            to_agent=to_agent,
+            content=content,
+            message_type=message_type,
+            priority=priority,
+            ttl=ttl,
+            correlation_id=correlation_id,
+            reply_to=reply_to,
+            ack_required=ack_required,
+            metadata=dict(metadata or {}),
+            headers=dict(headers or {}),
+        )
+
+    # -- sending -----------------------------------------------------------------------------
+
+    async def send(self, to_agent: str, content: dict[str, JSON] | None = None, **options: Any) -> Message:
+        """Sends a message to ``to_agent`` (or "broadcast"); returns it as accepted."""
+        return await self.send_message(self.build(to_agent, content, **options))
+
+    async def send_message(self, message: Message) -> Message:
+        """Sends a prepared message, retrying on backpressure and unavailability."""
+        if not message.from_agent and self.agent_id:
+            message = message.evolve(from_agent=self.agent_id)
+
+        async def attempt() -> Message:
+            session = await self._open_session()
+            frame = broker_pb2.ConnectRequest()
+            codec.message_to_pb(message, frame.send)
+            await session.call(frame, timeout=self.default_timeout)
+            return message
+
+        sent = await self._with_retry(attempt)
+        self.stats.sent += 1
+        return sent
+
+    async def send_parallel(
+        self, messages: Sequence[Message], *, return_exceptions: bool = False
+    ) -> list[Any]:
+        """Sends all messages concurrently in one call; results in the order given."""
+        started = time.perf_counter()
+        results = await asyncio.gather(
+            *(self.send_message(m) for m in messages), return_exceptions=return_exceptions
+        )
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        logger.info(
+            "parallel send of %d messages in %.2f ms", len(messages), elapsed_ms,
+            extra={"event": {"category": "parallel_send", "count": len(messages),
+                             "to_agents": [m.to_agent for m in messages],
+                             "latency_ms": round(elapsed_ms, 3)}},
+        )
+        return list(results)
+
+    async def send_batch(self, messages: Sequence[Message]) -> list[Message | MeshError]:
+        """Sends messages in one SendMessages call; each gets its own result."""
+        prepared = [
+            m if m.from_agent or not self.agent_id else m.evolve(from_agent=self.agent_id)
+            for m in messages
+        ]
+        request = broker_pb2.SendMessagesRequest()
+        for m in prepared:
+            codec.message_to_pb(m, request.messages.add())
+        response = await self._with_retry(self._unary(self._stub.SendMessages, request))
+        out: list[Message | MeshError] = []
+        for m, result in zip(prepared, response.results, strict=True):
+            out.append(codec.error_from_pb(result.error) if result.HasField("error") else m)
+        return out
+
+    async def request(
+        self,
+        to_agent: str,
+        content: dict[str, JSON] | None = None,
+        *,
+        timeout: float | None = None,
+        **options: Any,
+    ) -> Message:
+        """Sends a REQUEST and returns the correlated RESPONSE.
+
+        Raises AgentError when the agent answers with an ERROR, RequestTimeoutError when no
+        answer arrives within ``timeout`` seconds.
+        """
+        options.setdefault("message_type", MessageType.REQUEST)
+        return await self.request_message(self.build(to_agent, content, **options), timeout=timeout)
+
+    async def request_message(self, message: Message, *, timeout: float | None = None) -> Message:
+        timeout = self.default_timeout if timeout is None else timeout
+        if not message.from_agent and self.agent_id:
+            message = message.evolve(from_agent=self.agent_id)
+        if not message.correlation_id:
+            message = message.evolve(correlation_id=message.message_id)
+        deadline = time.monotonic() + timeout
+
+        async def attempt() -> Message:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RequestTimeoutError(f"no response from {message.to_agent} within {timeout:.3g} s")
+            session = await self._open_session()
+            frame = broker_pb2.ConnectRequest()
+            codec.message_to_pb(message, frame.request.message)
+            codec.seconds_to_duration(remaining, frame.request.timeout)
+            try:
+                # The broker answers DEADLINE_EXCEEDED at the deadline; the margin covers transit.
+                answer = await session.call(frame, timeout=remaining + 1.0)
+            except TimeoutError:
+                raise RequestTimeoutError(
+                    f"no response from {message.to_agent} within {timeout:.3g} s"
+                ) from None
+            return codec.message_from_pb(answer.response)
+
+        response = await self._with_retry(attempt)
+        if response.message_type is MessageType.ERROR:
+            content = response.content or {}
+            raise AgentError(
+                str(content.get("error") or f"{response.from_agent} answered with an error"),
+                reason=str(content.get("reason") or "AGENT_ERROR"),
+            )
+        return response
+
+    async def broadcast(
+        self,
+        content: dict[str, JSON],
+        *,
+        agent_types: Iterable[str] = (),
+        **options: Any,
+    ) -> BroadcastResult:
+        """A copy to every other registered agent, or only to agents of ``agent_types``."""
+        options["message_type"] = MessageType.BROADCAST
+        message = self.build("broadcast", content, **options)
+        request = broker_pb2.BroadcastRequest(agent_types=list(agent_types))
+        codec.message_to_pb(message, request.message)
+        response = await self._with_retry(self._unary(self._stub.Broadcast, request))
+        return BroadcastResult(
+            response.message_id,
+            tuple(response.recipients),
+            tuple((f.agent_id, codec.error_from_pb(f.error)) for f in response.failures),
+        )
+
+    async def broadcast_to_types(
+        self, agent_types: Iterable[str], content: dict[str, JSON], **options: Any
+    ) -> BroadcastResult:
+        """Selective broadcast: only agents of the given types receive the message."""
+        types = list(agent_types)
+        if not types:
+            raise ValueError("broadcast_to_types needs at least one agent type")
+        return await self.broadcast(content, agent_types=types, **options)
+
+    async def handoff(
+        self,
+        to_agent: str,
+        task_description: str,
+        *,
+        context: dict[str, JSON] | None = None,
+        previous_result: JSON = None,
+        constraints: dict[str, JSON] | None = None,
+        workflow_id: str = "",
+        step_number: int = 1,
+        priority: Priority = Priority.MEDIUM,
+        ttl: int = 0,
+        headers: dict[str, str] | None = None,
+        from_agent: str | None = None,
+    ) -> Message:
+        """Transfers a task to ``to_agent`` with its context, as a HANDOFF message."""
+        handoff = Handoff(
+            task_description=task_description,
+            context=dict(context or {}),
+            previous_result=previous_result,
+            constraints=dict(constraints or {}),
+            workflow_id=workflow_id,
+            step_number=step_number,
+        )
+        message = Message(
+            from_agent=self.agent_id if from_agent is None else from_agent,
+            to_agent=to_agent,
+            message_type=MessageType.HANDOFF,
+            content=handoff.to_content(),
+            metadata=handoff.to_metadata(),
+            priority=priority,
+            ttl=ttl,
+            headers=dict(headers or {}),
+        )
+        return await self.send_message(message)
+
+    # -- receiving ---------------------------------------------------------------------------
+
+    async def receive(self, agent_id: str | None = None, max_messages: int = 0) -> list[Message]:
+        """Removes and returns the agent's waiting messages, HIGH first, then oldest first.
+
+        Messages sent with ack_required are acknowledged to their senders automatically.
+        """
+        request = broker_pb2.ReceiveMessagesRequest(
+            agent_id=agent_id or self.agent_id, max_messages=max_messages
+        )
+        response = await self._with_retry(self._unary(self._stub.ReceiveMessages, request))
+        messages = [codec.message_from_pb(pb) for pb in response.messages]
+        if self.auto_ack:
+            wanted = [m for m in messages if m.ack_required]
+            if wanted:
+                await asyncio.gather(*(self._send_ack(m) for m in wanted))
+        return messages
+
+    def subscribe(
+        self, agent_id: str | None = None, *, max_in_flight: int = 64, lease_seconds: float = 30.0
+    ) -> ClientSubscription:
+        """Deliveries of the agent's messages as they arrive: ``async for r in sub`` then
+        ``await r.ack()``. Unacknowledged messages are redelivered."""
+        sub = ClientSubscription(self, agent_id or self.agent_id, max_in_flight, lease_seconds)
+        self._subscriptions.add(sub)
+        return sub
+
+    def _ack_in_background(self, message: Message) -> None:
+        task = asyncio.create_task(self._send_ack(message))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _send_ack(self, message: Message) -> None:
+        ack = Message(
+            from_agent=message.to_agent or self.agent_id,
+            to_agent=message.from_agent,
+            message_type=MessageType.ACK,
+            content={"action": "ack", "acknowledged_message_id": message.message_id},
+            correlation_id=message.message_id,
+            priority=Priority.HIGH,
+        )
+        try:
+            await self.send_message(ack)
+            self.stats.acks_sent += 1
+        except MeshError as error:
+            logger.warning("could not acknowledge %s to %s: %s", message.message_id,
+                           message.from_agent, error.message)
+
+    async def ack(self, message_ids: Iterable[str], agent_id: str | None = None) -> int:
+        request = broker_pb2.AckRequest(agent_id=agent_id or self.agent_id, message_ids=list(message_ids))
+        response = await self._with_retry(self._unary(self._stub.Ack, request))
+        return int(response.acknowledged)
+
+    async def nack(self, message_ids: Iterable[str], agent_id: str | None = None) -> tuple[int, int]:
+        request = broker_pb2.NackRequest(agent_id=agent_id or self.agent_id, message_ids=list(message_ids))
+        response = await self._with_retry(self._unary(self._stub.Nack, request))
+        return int(response.requeued), int(response.dead_lettered)
+
+    # -- registry and statistics -------------------------------------------------------------
+
+    async def register(
+        self,
+        agent_id: str | None = None,
+        *,
+        agent_types: Iterable[str] = (),
+        address: str = "",
+        capabilities: Iterable[str] = (),
+    ) -> AgentInfo:
+        info = AgentInfo(
+            agent_id=agent_id or self.agent_id,
+            agent_types=tuple(agent_types),
+            address=address,
+            capabilities=tuple(capabilities),
+        )
+        request = broker_pb2.RegisterAgentRequest()
+        codec.agent_to_pb(info, request.agent)
+        response = await self._with_retry(self._unary(self._stub.RegisterAgent, request))
+        if not self.agent_id:
+            self.agent_id = info.agent_id
+        return codec.agent_from_pb(response.agent)
+
+    async def deregister(self, agent_id: str | None = None) -> None:
+        request = broker_pb2.DeregisterAgentRequest(agent_id=agent_id or self.agent_id)
+        await self._with_retry(self._unary(self._stub.DeregisterAgent, request))
+
+    async def list_agents(self, agent_type: str = "") -> list[AgentInfo]:
+        request = broker_pb2.ListAgentsRequest(agent_type=agent_type)
+        response = await self._with_retry(self._unary(self._stub.ListAgents, request))
+        return [codec.agent_from_pb(a) for a in response.agents]
+
+    async def queue_stats(self, agent_id: str = "") -> QueueStatsReport:
+        request = broker_pb2.GetQueueStatsRequest(agent_id=agent_id)
+        response = await self._with_retry(self._unary(self._stub.GetQueueStats, request))
+        t = response.totals
+        return QueueStatsReport(
+            tuple(
+                QueueStatsView(a.agent_id, a.depth, a.high, a.medium, a.low, a.in_flight,
+                               a.dead_letters, a.subscribers)
+                for a in response.agents
+            ),
+            {f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields},
+        )
+
+    async def dead_letters(self, agent_id: str = "") -> list[DeadLetter]:
+        request = broker_pb2.ListDeadLettersRequest(agent_id=agent_id)
+        response = await self._with_retry(self._unary(self._stub.ListDeadLetters, request))
+        return [codec.dead_letter_from_pb(d) for d in response.dead_letters]
+
+
+def connect(
+    target: str,
+    *,
+    agent_id: str = "",
+    retry: RetryPolicy | None = None,
+    default_timeout: float = 30.0,
+    auto_ack: bool = True,
+) -> MeshClient:
+    """A client of the broker at ``target`` (host:port); use as ``async with connect(...)``."""
+    return MeshClient(
+        target, agent_id=agent_id, retry=retry, default_timeout=default_timeout, auto_ack=auto_ack
+    )
+
+
+class AgentClient:
+    """Calls an agent's own gRPC server directly (the Agent service)."""
+
+    def __init__(self, target: str, *, default_timeout: float = 30.0) -> None:
+        self.target = target
+        self.default_timeout = default_timeout
+        self._channel = grpc.aio.insecure_channel(target, options=GRPC_OPTIONS)
+        self._stub = agent_pb2_grpc.AgentServiceStub(self._channel)
+
+    async def __aenter__(self) -> AgentClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def handle(self, message: Message, *, timeout: float | None = None) -> Message | None:
+        request = agent_pb2.HandleMessageRequest()
+        codec.message_to_pb(message, request.message)
+        try:
+            response = await self._stub.HandleMessage(request, timeout=timeout or self.default_timeout)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        return codec.message_from_pb(response.response) if response.HasField("response") else None
+
+    async def describe(self, *, timeout: float | None = None) -> AgentCard:
+        try:
+            response = await self._stub.DescribeAgent(
+                agent_pb2.DescribeAgentRequest(), timeout=timeout or self.default_timeout
+            )
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        return codec.card_from_pb(response.card)

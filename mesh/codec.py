@@ -1,0 +1,316 @@
+"""Protobuf <-> domain conversion for the mesh.v1 contract; the only place that does it."""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime
+from typing import Any
+
+from google.protobuf import duration_pb2, struct_pb2, timestamp_pb2
+
+from mesh.core.errors import FieldViolation, MeshError, error_class_for
+from mesh.core.model import (
+    JSON,
+    AgentCard,
+    AgentInfo,
+    DeadLetter,
+    Delivery,
+    Handoff,
+    Message,
+    MessageType,
+    Priority,
+    Tool,
+    new_message_id,
+    utc_now,
+)
+from mesh.v1 import broker_pb2, message_pb2
+
+# gRPC status codes by name, as numbers; kept here so that the codec needs no grpc import.
+STATUS_CODES = {
+    "OK": 0, "CANCELLED": 1, "UNKNOWN": 2, "INVALID_ARGUMENT": 3, "DEADLINE_EXCEEDED": 4,
+    "NOT_FOUND": 5, "ALREADY_EXISTS": 6, "PERMISSION_DENIED": 7, "RESOURCE_EXHAUSTED": 8,
+    "FAILED_PRECONDITION": 9, "ABORTED": 10, "OUT_OF_RANGE": 11, "UNIMPLEMENTED": 12,
+    "INTERNAL": 13, "UNAVAILABLE": 14, "DATA_LOSS": 15, "UNAUTHENTICATED": 16,
+}  # fmt: skip
+STATUS_NAMES = {number: name for name, number in STATUS_CODES.items()}
+
+_TYPE_TO_PB = {
+    MessageType.REQUEST: message_pb2.MESSAGE_TYPE_REQUEST,
+    MessageType.RESPONSE: message_pb2.MESSAGE_TYPE_RESPONSE,
+    MessageType.BROADCAST: message_pb2.MESSAGE_TYPE_BROADCAST,
+    MessageType.HANDOFF: message_pb2.MESSAGE_TYPE_HANDOFF,
+    MessageType.ERROR: message_pb2.MESSAGE_TYPE_ERROR,
+    MessageType.ACK: message_pb2.MESSAGE_TYPE_ACK,
+}
+_TYPE_FROM_PB = {v: k for k, v in _TYPE_TO_PB.items()}
+_PRIORITY_TO_PB = {
+    Priority.HIGH: message_pb2.PRIORITY_HIGH,
+    Priority.MEDIUM: message_pb2.PRIORITY_MEDIUM,
+    Priority.LOW: message_pb2.PRIORITY_LOW,
+}
+_PRIORITY_FROM_PB = {v: k for k, v in _PRIORITY_TO_PB.items()}
+
+_MAX_SAFE_INT = 2**53
+
+
+# -- JSON values ---------------------------------------------------------------------------
+
+
+def value_to_python(value: struct_pb2.Value) -> JSON:
+    """A protobuf Value as plain Python; whole numbers come back as int, as JSON would."""
+    kind = value.WhichOneof("kind")
+    if kind == "struct_value":
+        return struct_to_dict(value.struct_value)
+    if kind == "list_value":
+        return [value_to_python(v) for v in value.list_value.values]
+    if kind == "number_value":
+        number = value.number_value
+        if math.isfinite(number) and number.is_integer() and abs(number) < _MAX_SAFE_INT:
+            return int(number)
+        return number
+    if kind == "string_value":
+        return value.string_value
+    if kind == "bool_value":
+        return value.bool_value
+    return None
+
+
+def struct_to_dict(struct: struct_pb2.Struct) -> dict[str, JSON]:
+    return {key: value_to_python(v) for key, v in struct.fields.items()}
+
+
+def python_to_value(data: JSON, out: struct_pb2.Value) -> None:
+    if data is None:
+        out.null_value = struct_pb2.NULL_VALUE
+    elif isinstance(data, bool):
+        out.bool_value = data
+    elif isinstance(data, int | float):
+        out.number_value = float(data)
+    elif isinstance(data, str):
+        out.string_value = data
+    elif isinstance(data, dict):
+        dict_to_struct(data, out.struct_value)
+    elif isinstance(data, list | tuple):
+        values = out.list_value.values
+        out.list_value.SetInParent()
+        for item in data:
+            python_to_value(item, values.add())
+    else:
+        out.string_value = str(data)
+
+
+def dict_to_struct(data: dict[str, JSON], out: struct_pb2.Struct) -> None:
+    out.SetInParent()
+    for key, item in data.items():
+        python_to_value(item, out.fields[str(key)])
+
+
+# -- time ----------------------------------------------------------------------------------
+
+
+def timestamp_to_datetime(ts: timestamp_pb2.Timestamp) -> datetime:
+    return datetime.fromtimestamp(ts.seconds + ts.nanos / 1e9, UTC)
+
+
+def datetime_to_timestamp(dt: datetime, out: timestamp_pb2.Timestamp) -> None:
+    moment = dt.timestamp()
+    seconds = math.floor(moment)
+    out.seconds = seconds
+    out.nanos = int(round((moment - seconds) * 1e6)) * 1000
+
+
+def duration_seconds(d: duration_pb2.Duration) -> float:
+    return d.seconds + d.nanos / 1e9
+
+
+def seconds_to_duration(seconds: float, out: duration_pb2.Duration) -> None:
+    whole = math.floor(seconds)
+    out.seconds = whole
+    out.nanos = int(round((seconds - whole) * 1e9))
+
+
+# -- messages ------------------------------------------------------------------------------
+
+
+def message_from_pb(pb: message_pb2.Message) -> Message:
+    """Decodes an envelope; an empty message_id or timestamp is assigned here."""
+    return Message(
+        message_id=pb.message_id or new_message_id(),
+        from_agent=pb.from_agent,
+        to_agent=pb.to_agent,
+        message_type=_TYPE_FROM_PB.get(pb.message_type, MessageType.REQUEST),
+        content=struct_to_dict(pb.content) if pb.HasField("content") else None,
+        timestamp=timestamp_to_datetime(pb.timestamp) if pb.HasField("timestamp") else utc_now(),
+        metadata=struct_to_dict(pb.metadata),
+        correlation_id=pb.correlation_id,
+        priority=_PRIORITY_FROM_PB.get(pb.priority, Priority.MEDIUM),
+        ttl=pb.ttl,
+        reply_to=pb.reply_to,
+        ack_required=pb.ack_required,
+        headers=dict(pb.headers),
+    )
+
+
+def message_to_pb(message: Message, out: message_pb2.Message | None = None) -> message_pb2.Message:
+    pb = message_pb2.Message() if out is None else out
+    pb.message_id = message.message_id
+    pb.from_agent = message.from_agent
+    pb.to_agent = message.to_agent
+    pb.message_type = _TYPE_TO_PB[message.message_type]
+    if message.content is not None:
+        dict_to_struct(message.content, pb.content)
+    datetime_to_timestamp(message.timestamp, pb.timestamp)
+    if message.metadata:
+        dict_to_struct(message.metadata, pb.metadata)
+    pb.correlation_id = message.correlation_id
+    pb.priority = _PRIORITY_TO_PB[message.priority]
+    pb.ttl = message.ttl
+    pb.reply_to = message.reply_to
+    pb.ack_required = message.ack_required
+    for key, value in message.headers.items():
+        pb.headers[key] = value
+    return pb
+
+
+def priority_from_pb(value: int) -> Priority:
+    return _PRIORITY_FROM_PB.get(value, Priority.MEDIUM)
+
+
+def priority_to_pb(priority: Priority) -> int:
+    return _PRIORITY_TO_PB[priority]
+
+
+def handoff_from_pb(pb: message_pb2.Handoff) -> Handoff:
+    return Handoff(
+        task_description=pb.task_description,
+        context=struct_to_dict(pb.context),
+        previous_result=value_to_python(pb.previous_result)
+        if pb.HasField("previous_result")
+        else None,
+        constraints=struct_to_dict(pb.constraints),
+        workflow_id=pb.workflow_id,
+        step_number=pb.step_number,
+    )
+
+
+def handoff_to_pb(handoff: Handoff, out: message_pb2.Handoff) -> message_pb2.Handoff:
+    out.task_description = handoff.task_description
+    dict_to_struct(handoff.context, out.context)
+    if handoff.previous_result is not None:
+        python_to_value(handoff.previous_result, out.previous_result)
+    dict_to_struct(handoff.constraints, out.constraints)
+    out.workflow_id = handoff.workflow_id
+    out.step_number = handoff.step_number
+    return out
+
+
+# -- agents --------------------------------------------------------------------------------
+
+
+def agent_from_pb(pb: message_pb2.AgentInfo) -> AgentInfo:
+    return AgentInfo(
+        agent_id=pb.agent_id,
+        agent_types=tuple(pb.agent_types),
+        address=pb.address,
+        capabilities=tuple(pb.capabilities),
+        registered_at=timestamp_to_datetime(pb.registered_at)
+        if pb.HasField("registered_at")
+        else None,
+    )
+
+
+def agent_to_pb(info: AgentInfo, out: message_pb2.AgentInfo | None = None) -> message_pb2.AgentInfo:
+    pb = message_pb2.AgentInfo() if out is None else out
+    pb.agent_id = info.agent_id
+    pb.agent_types.extend(info.agent_types)
+    pb.address = info.address
+    pb.capabilities.extend(info.capabilities)
+    if info.registered_at is not None:
+        datetime_to_timestamp(info.registered_at, pb.registered_at)
+    return pb
+
+
+def card_to_pb(card: AgentCard, out: message_pb2.AgentCard) -> message_pb2.AgentCard:
+    out.agent_id = card.agent_id
+    out.agent_types.extend(card.agent_types)
+    out.capabilities.extend(card.capabilities)
+    for tool in card.tools:
+        out.tools.add(name=tool.name, description=tool.description)
+    out.description = card.description
+    out.actions.extend(card.actions)
+    return out
+
+
+def card_from_pb(pb: message_pb2.AgentCard) -> AgentCard:
+    return AgentCard(
+        agent_id=pb.agent_id,
+        agent_types=tuple(pb.agent_types),
+        capabilities=tuple(pb.capabilities),
+        tools=tuple(Tool(name=t.name, description=t.description) for t in pb.tools),
+        description=pb.description,
+        actions=tuple(pb.actions),
+    )
+
+
+# -- deliveries, dead letters, errors -------------------------------------------------------
+
+
+def delivery_to_pb(delivery: Delivery, out: broker_pb2.Delivery) -> broker_pb2.Delivery:
+    message_to_pb(delivery.message, out.message)
+    out.delivery_attempt = delivery.attempt
+    if delivery.lease_expires_at is not None:
+        datetime_to_timestamp(delivery.lease_expires_at, out.lease_expires_at)
+    return out
+
+
+def delivery_from_pb(pb: broker_pb2.Delivery) -> Delivery:
+    return Delivery(
+        message_from_pb(pb.message),
+        pb.delivery_attempt,
+        timestamp_to_datetime(pb.lease_expires_at) if pb.HasField("lease_expires_at") else None,
+    )
+
+
+def dead_letter_to_pb(dead: DeadLetter, out: broker_pb2.DeadLetter) -> broker_pb2.DeadLetter:
+    message_to_pb(dead.message, out.message)
+    out.reason = dead.reason
+    out.delivery_attempts = dead.attempts
+    datetime_to_timestamp(dead.dead_lettered_at, out.dead_lettered_at)
+    return out
+
+
+def dead_letter_from_pb(pb: broker_pb2.DeadLetter) -> DeadLetter:
+    return DeadLetter(
+        message_from_pb(pb.message),
+        pb.reason,
+        pb.delivery_attempts,
+        timestamp_to_datetime(pb.dead_lettered_at),
+    )
+
+
+def error_to_pb(error: MeshError, out: broker_pb2.Error) -> broker_pb2.Error:
+    out.code = STATUS_CODES.get(error.code, STATUS_CODES["INTERNAL"])
+    out.message = error.message
+    out.reason = error.reason
+    for v in error.field_violations:
+        out.field_violations.add(field=v.field, description=v.description)
+    if error.retry_after is not None:
+        seconds_to_duration(error.retry_after, out.retry_delay)
+    return out
+
+
+def error_from_pb(pb: broker_pb2.Error) -> MeshError:
+    code = STATUS_NAMES.get(pb.code, "UNKNOWN")
+    cls = error_class_for(pb.reason, code)
+    return cls(
+        pb.message,
+        field_violations=tuple(FieldViolation(v.field, v.description) for v in pb.field_violations),
+        retry_after=duration_seconds(pb.retry_delay) if pb.HasField("retry_delay") else None,
+        reason=pb.reason or None,
+        code=code,
+    )
+
+
+def content_of(data: dict[str, Any] | None) -> dict[str, JSON] | None:
+    """Content as the wire will carry it (keys as strings)."""
+    return None if data is None else {str(k): v for k, v in data.items()}

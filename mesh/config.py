@@ -1,0 +1,116 @@
+"""Configuration: frozen dataclasses validated on construction, from flags or environment."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Self
+
+ENV_PREFIX = "AGENTMESH_"
+
+
+def _from_env(cls: type[Any], environ: Mapping[str, str], prefix: str) -> dict[str, Any]:
+    """Reads every field of a config dataclass from PREFIX + FIELD_NAME, converting by type."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        raw = environ.get(prefix + f.name.upper())
+        if raw is None or raw == "":
+            continue
+        kind = str(f.type)
+        try:
+            if kind.startswith("int"):
+                values[f.name] = int(raw)
+            elif kind.startswith("float"):
+                values[f.name] = float(raw)
+            elif kind.startswith("bool"):
+                values[f.name] = raw.strip().lower() in {"1", "true", "yes", "on"}
+            else:
+                values[f.name] = raw
+        except ValueError as exc:
+            raise ValueError(f"{prefix}{f.name.upper()}: {exc}") from None
+    return values
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BrokerConfig:
+    """Limits and defaults of the broker (RT-011 message queue configuration)."""
+
+    max_messages_per_agent: int = 1000
+    max_total_messages: int = 10_000
+    default_ttl: int = 3600
+    max_ttl: int = 86_400
+    max_delivery_attempts: int = 4
+    """RT-011 max_retries = 3: one delivery plus three redeliveries, then dead-letter."""
+    lease_seconds: float = 30.0
+    default_max_in_flight: int = 64
+    max_in_flight_limit: int = 10_000
+    max_message_bytes: int = 1024 * 1024
+    max_headers: int = 64
+    max_header_bytes: int = 8 * 1024
+    max_id_length: int = 256
+    max_agents: int = 10_000
+    max_pending_requests: int = 10_000
+    max_dead_letters: int = 10_000
+    max_batch_size: int = 1000
+    retry_after_seconds: float = 0.1
+    sweep_interval: float = 0.2
+    default_request_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        positive = (
+            "max_messages_per_agent",
+            "max_total_messages",
+            "default_ttl",
+            "max_ttl",
+            "max_delivery_attempts",
+            "lease_seconds",
+            "default_max_in_flight",
+            "max_in_flight_limit",
+            "max_message_bytes",
+            "max_agents",
+            "max_pending_requests",
+            "max_dead_letters",
+            "max_batch_size",
+            "sweep_interval",
+            "default_request_timeout",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.default_ttl > self.max_ttl:
+            raise ValueError("default_ttl must not exceed max_ttl")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, prefix: str = ENV_PREFIX) -> Self:
+        """Reads AGENTMESH_MAX_MESSAGES_PER_AGENT and friends."""
+        return cls(**_from_env(cls, os.environ if environ is None else environ, prefix))
+
+    def evolve(self, **changes: Any) -> Self:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerConfig:
+    """Where a server listens. Port 0 picks a free port."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = -1
+    """HTTP port of /metrics: -1 disables it, 0 picks a free port."""
+    grace_seconds: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError("port must be within 0..65535")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError("metrics_port must be within -1..65535")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, prefix: str = ENV_PREFIX) -> Self:
+        return cls(**_from_env(cls, os.environ if environ is None else environ, prefix))

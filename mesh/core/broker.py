@@ -1,0 +1,573 @@
+"""The broker core: routing, request/response correlation, subscriptions, broadcast, hand-off.
+
+Plain asyncio over a :class:`~mesh.core.queue.QueueStore`; no transport here. The gRPC
+servicer translates calls into these methods and errors into statuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from mesh.config import BrokerConfig
+from mesh.core.errors import (
+    AgentNotFoundError,
+    FieldViolation,
+    HandoffError,
+    LimitExceededError,
+    MeshError,
+    MessageQueueFullError,
+    MessageValidationError,
+    RequestTimeoutError,
+    SessionClosedError,
+)
+from mesh.core.model import (
+    BROADCAST_TARGET,
+    AgentInfo,
+    DeadLetter,
+    Delivery,
+    Handoff,
+    Message,
+    MessageType,
+    Priority,
+)
+from mesh.core.queue import InMemoryQueueStore, QueueStats, QueueStore, Released
+from mesh.core.registry import AgentRegistry
+from mesh.core.validation import handoff_violations, validate_message
+from mesh.metrics import BrokerMetrics, Totals
+
+logger = logging.getLogger("mesh.broker")
+handoff_logger = logging.getLogger("mesh.handoff")
+
+_ANSWER_TYPES = (MessageType.RESPONSE, MessageType.ERROR)
+
+
+@dataclass(frozen=True, slots=True)
+class SendOutcome:
+    """An accepted message and the agents whose queues (or waiting requesters) received it."""
+
+    message: Message
+    recipients: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BroadcastOutcome:
+    message: Message
+    recipients: tuple[str, ...]
+    failures: tuple[tuple[str, MeshError], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AgentQueueStats:
+    queue: QueueStats
+    subscribers: int
+
+
+class Subscription:
+    """A push subscription on one agent's queue, with at most ``max_in_flight`` unacked."""
+
+    _ids = itertools.count(1)
+
+    def __init__(
+        self, broker: Broker, agent_id: str, max_in_flight: int, lease_seconds: float
+    ) -> None:
+        self.broker = broker
+        self.agent_id = agent_id
+        self.subscription_id = f"{agent_id}#{next(self._ids)}"
+        self.max_in_flight = max_in_flight
+        self.lease_seconds = lease_seconds
+        self.in_flight: set[str] = set()
+        self.closed = False
+        self._wake = asyncio.Event()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def next(self) -> Delivery:
+        """Waits for the next message and leases it to this subscription."""
+        while True:
+            self._wake.clear()
+            if self.closed:
+                raise SessionClosedError(f"subscription {self.subscription_id} is closed")
+            if len(self.in_flight) < self.max_in_flight:
+                delivery = await self.broker._lease(self)
+                if delivery is not None:
+                    return delivery
+            await self._wake.wait()
+
+    async def close(self) -> None:
+        """Ends the subscription; its unacknowledged messages go back to the queue."""
+        if not self.closed:
+            self.closed = True
+            self._wake.set()
+            await self.broker._unsubscribe(self)
+
+    def __aiter__(self) -> Subscription:
+        return self
+
+    async def __anext__(self) -> Delivery:
+        try:
+            return await self.next()
+        except SessionClosedError:
+            raise StopAsyncIteration from None
+
+
+class Broker:
+    """Routes messages between agents (RF-009)."""
+
+    def __init__(
+        self,
+        config: BrokerConfig | None = None,
+        *,
+        store: QueueStore | None = None,
+        metrics: BrokerMetrics | None = None,
+    ) -> None:
+        self.config = config or BrokerConfig()
+        self.metrics = metrics or BrokerMetrics()
+        self.registry = AgentRegistry(self.config.max_agents, self.config.max_id_length)
+        if store is None:
+            store = InMemoryQueueStore(
+                max_messages_per_agent=self.config.max_messages_per_agent,
+                max_total_messages=self.config.max_total_messages,
+                max_delivery_attempts=self.config.max_delivery_attempts,
+                max_dead_letters=self.config.max_dead_letters,
+                retry_after_seconds=self.config.retry_after_seconds,
+            )
+        self.store = store
+        store.listener = self
+        self._pending: dict[tuple[str, str], asyncio.Future[Message]] = {}
+        self._subscriptions: dict[str, list[Subscription]] = {}
+        self._by_subscription: dict[str, Subscription] = {}
+        self._dirty: set[str] = set()
+        self._sweeper: asyncio.Task[None] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._sweeper is None:
+            self._sweeper = asyncio.create_task(self._sweep_forever(), name="broker-sweeper")
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
+        for subs in list(self._subscriptions.values()):
+            for sub in list(subs):
+                await sub.close()
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(SessionClosedError("the broker is shutting down"))
+
+    async def __aenter__(self) -> Broker:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.sweep_interval)
+            try:
+                await self.sweep()
+            except Exception:  # the sweeper must outlive any one bad pass
+                logger.exception("queue sweep failed")
+
+    async def sweep(self) -> None:
+        """Expires messages, reclaims ended leases and refreshes the depth gauges."""
+        await self.store.sweep()
+        await self._refresh_gauges()
+
+    async def _refresh_gauges(self) -> None:
+        dirty, self._dirty = self._dirty, set()
+        for agent_id in dirty:
+            self.metrics.queue_depth.labels(agent_id).set(await self.store.depth(agent_id))
+        self.metrics.messages_held.set(await self.store.held())
+
+    # -- registry ----------------------------------------------------------------------------
+
+    async def register(self, info: AgentInfo) -> AgentInfo:
+        registered = self.registry.register(info)
+        logger.info(
+            "agent registered: %s",
+            registered.agent_id,
+            extra={"event": {"category": "registry", "agent_id": registered.agent_id,
+                             "agent_types": list(registered.agent_types),
+                             "address": registered.address}},
+        )
+        return registered
+
+    async def deregister(self, agent_id: str) -> None:
+        self.registry.deregister(agent_id)
+        logger.info("agent deregistered: %s", agent_id,
+                    extra={"event": {"category": "registry", "agent_id": agent_id}})
+
+    def list_agents(self, agent_type: str = "") -> list[AgentInfo]:
+        return self.registry.list(agent_type)
+
+    # -- sending -----------------------------------------------------------------------------
+
+    def _validate(self, message: Message, size_bytes: int) -> None:
+        try:
+            validate_message(message, self.config, size_bytes)
+        except MessageValidationError:
+            self.metrics.invalid()
+            raise
+
+    async def send(self, message: Message, *, size_bytes: int = 0) -> SendOutcome:
+        """Accepts one message: validates, routes an answer to its waiting requester, or enqueues.
+
+        ``to_agent`` "broadcast" fans the message out to every other agent.
+        """
+        started = time.perf_counter()
+        self._validate(message, size_bytes)
+        if message.to_agent == BROADCAST_TARGET:
+            outcome = await self.broadcast(message)
+            return SendOutcome(outcome.message, outcome.recipients)
+        if message.message_type in _ANSWER_TYPES and message.correlation_id:
+            waiter = self._pending.get((message.to_agent, message.correlation_id))
+            if waiter is not None and not waiter.done():
+                waiter.set_result(message)
+                self.metrics.sent(message.message_type.value, time.perf_counter() - started)
+                return SendOutcome(message, (message.to_agent,))
+        if message.to_agent not in self.registry:
+            raise AgentNotFoundError(f"agent {message.to_agent} is not registered")
+        await self._enqueue(message)
+        self.metrics.sent(message.message_type.value, time.perf_counter() - started)
+        return SendOutcome(message, (message.to_agent,))
+
+    async def _enqueue(self, message: Message) -> None:
+        try:
+            accepted = await self.store.put(message, message.ttl or self.config.default_ttl)
+        except MessageQueueFullError:
+            self.metrics.dropped("queue_full")
+            logger.warning(
+                "queue full: %s refused a message from %s", message.to_agent, message.from_agent,
+                extra={"event": {"category": "queue_full", "message_id": message.message_id,
+                                 "from_agent": message.from_agent,
+                                 "to_agent": message.to_agent}},
+            )
+            raise
+        if not accepted:
+            return  # a retried send of a message the queue already holds
+        if message.message_type is MessageType.HANDOFF:
+            self._log_handoff(message)
+        self._dirty.add(message.to_agent)
+        for sub in self._subscriptions.get(message.to_agent, ()):
+            sub.wake()
+
+    async def send_many(
+        self, messages: Sequence[Message], sizes: Sequence[int] | None = None
+    ) -> list[SendOutcome | MeshError]:
+        """Sends each message in order; one refusal does not stop the others."""
+        if len(messages) > self.config.max_batch_size:
+            raise MessageValidationError(
+                f"a batch holds at most {self.config.max_batch_size} messages",
+                field_violations=(FieldViolation("messages", "batch too large"),),
+            )
+        results: list[SendOutcome | MeshError] = []
+        for index, message in enumerate(messages):
+            try:
+                results.append(await self.send(message, size_bytes=sizes[index] if sizes else 0))
+            except MeshError as error:
+                results.append(error)
+        return results
+
+    def _log_handoff(self, message: Message) -> None:
+        self.metrics.handoff()
+        handoff = Handoff.from_message(message)
+        handoff_logger.info(
+            "handoff %s -> %s (workflow=%s, step=%d)",
+            message.from_agent, message.to_agent, handoff.workflow_id, handoff.step_number,
+            extra={"event": {
+                "category": "handoff",
+                "message_id": message.message_id,
+                "from_agent": message.from_agent,
+                "to_agent": message.to_agent,
+                "workflow_id": handoff.workflow_id,
+                "step_number": handoff.step_number,
+                "task_description": handoff.task_description,
+                "context_size_kb": handoff.context_size_kb,
+                "constraints": handoff.constraints,
+                "timestamp": message.timestamp.isoformat(),
+            }},
+        )
+
+    async def broadcast(
+        self, message: Message, agent_types: Iterable[str] = ()
+    ) -> BroadcastOutcome:
+        """A copy to every registered agent but the sender, or to the agents of given types.
+
+        Every copy keeps the message id and differs only in ``to_agent``.
+        """
+        started = time.perf_counter()
+        types = tuple(agent_types)
+        message = message.evolve(message_type=MessageType.BROADCAST)
+        if not message.to_agent:
+            message = message.evolve(to_agent=BROADCAST_TARGET)
+        self._validate(message, 0)
+        targets = self.registry.of_types(types) if types else self.registry.list()
+        recipients: list[str] = []
+        failures: list[tuple[str, MeshError]] = []
+        for info in targets:
+            if info.agent_id == message.from_agent:
+                continue
+            try:
+                await self._enqueue(message.copy_to(info.agent_id))
+                recipients.append(info.agent_id)
+            except MeshError as error:
+                failures.append((info.agent_id, error))
+        elapsed = time.perf_counter() - started
+        for _ in recipients:
+            self.metrics.sent(MessageType.BROADCAST.value, elapsed / max(len(recipients), 1))
+        self.metrics.broadcast(bool(types), elapsed)
+        logger.info(
+            "broadcast from %s to %d agents",
+            message.from_agent, len(recipients),
+            extra={"event": {
+                "category": "broadcast",
+                "message_id": message.message_id,
+                "from_agent": message.from_agent,
+                "agent_types": list(types),
+                "recipients": recipients,
+                "failed": [agent for agent, _ in failures],
+                "latency_ms": round(elapsed * 1000, 3),
+            }},
+        )
+        if targets and not recipients and failures:
+            raise failures[0][1]
+        return BroadcastOutcome(message, tuple(recipients), tuple(failures))
+
+    async def handoff(
+        self,
+        *,
+        from_agent: str,
+        to_agent: str,
+        handoff: Handoff,
+        priority: Priority = Priority.MEDIUM,
+        ttl: int = 0,
+        headers: dict[str, str] | None = None,
+        message_id: str = "",
+        size_bytes: int = 0,
+    ) -> Message:
+        """Sends a HANDOFF message carrying the payload; logged as a structured line."""
+        violations = handoff_violations(handoff)
+        if violations:
+            self.metrics.invalid()
+            raise HandoffError(
+                "; ".join(v.description for v in violations), field_violations=tuple(violations)
+            )
+        fields: dict[str, object] = {}
+        if message_id:
+            fields["message_id"] = message_id
+        message = Message(
+            from_agent=from_agent,
+            to_agent=to_agent,
+            message_type=MessageType.HANDOFF,
+            content=handoff.to_content(),
+            metadata=handoff.to_metadata(),
+            priority=priority,
+            ttl=ttl,
+            headers=dict(headers or {}),
+            **fields,  # type: ignore[arg-type]
+        )
+        return (await self.send(message, size_bytes=size_bytes)).message
+
+    # -- request / response ------------------------------------------------------------------
+
+    async def request(self, message: Message, timeout: float | None = None) -> Message:
+        """Sends a REQUEST and waits for the RESPONSE (or ERROR) with its correlation id.
+
+        The answer reaches only this caller: waiters are keyed by (requester, correlation id).
+        Raises RequestTimeoutError when no answer arrives within ``timeout`` seconds.
+        """
+        timeout = self.config.default_request_timeout if timeout is None else timeout
+        if timeout <= 0:
+            raise RequestTimeoutError("the request's deadline has already passed")
+        correlation_id = message.correlation_id or message.message_id
+        # The request must not outlive its caller: it expires from the queue with the deadline.
+        ttl_cap = max(1, math.ceil(timeout))
+        ttl = min(message.ttl or self.config.default_ttl, ttl_cap)
+        message = message.evolve(
+            message_type=MessageType.REQUEST, correlation_id=correlation_id, ttl=ttl
+        )
+        key = (message.reply_target, correlation_id)
+        if key in self._pending:
+            self._validate(message, 0)
+            raise MessageValidationError(
+                f"a request with correlation_id {correlation_id} is already waiting",
+                field_violations=(
+                    FieldViolation("correlation_id", "correlation_id is already in use"),
+                ),
+            )
+        if len(self._pending) >= self.config.max_pending_requests:
+            raise LimitExceededError(
+                f"the broker holds its limit of {self.config.max_pending_requests} pending requests",
+                retry_after=self.config.retry_after_seconds,
+            )
+        waiter: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._pending[key] = waiter
+        started = time.perf_counter()
+        try:
+            await self.send(message)
+            try:
+                async with asyncio.timeout(timeout):
+                    answer = await waiter
+            except TimeoutError:
+                self.metrics.request("timeout")
+                raise RequestTimeoutError(
+                    f"no response from {message.to_agent} within {timeout:.3g} s"
+                ) from None
+            self.metrics.request(
+                "error" if answer.message_type is MessageType.ERROR else "ok",
+                time.perf_counter() - started,
+            )
+            return answer
+        finally:
+            if self._pending.get(key) is waiter:
+                del self._pending[key]
+
+    @property
+    def pending_requests(self) -> int:
+        return len(self._pending)
+
+    # -- receiving ---------------------------------------------------------------------------
+
+    async def receive(self, agent_id: str, max_messages: int = 0) -> list[Message]:
+        """Removes and returns the agent's waiting messages, HIGH first, then oldest first."""
+        started = time.perf_counter()
+        popped = await self.store.pop(agent_id, max_messages)
+        if popped:
+            self._dirty.add(agent_id)
+            self.metrics.delivered("receive", len(popped))
+            for item in popped:
+                self._observe_delivery(item.message, item.queued_seconds)
+        self.metrics.receive_latency.observe(time.perf_counter() - started)
+        return [item.message for item in popped]
+
+    def _observe_delivery(self, message: Message, queued_seconds: float) -> None:
+        self.metrics.queue_wait.observe(queued_seconds)
+        if message.message_type is MessageType.HANDOFF:
+            self.metrics.handoff_latency.observe(queued_seconds)
+
+    async def subscribe(
+        self, agent_id: str, *, max_in_flight: int = 0, lease_seconds: float = 0
+    ) -> Subscription:
+        """Opens a push subscription; the agent must be registered."""
+        self.registry.require(agent_id)
+        if max_in_flight < 0 or max_in_flight > self.config.max_in_flight_limit:
+            raise MessageValidationError(
+                f"max_in_flight must be within 0..{self.config.max_in_flight_limit}",
+                field_violations=(FieldViolation("max_in_flight", "out of range"),),
+            )
+        if lease_seconds < 0 or lease_seconds > self.config.max_ttl:
+            raise MessageValidationError(
+                f"lease must be within 0..{self.config.max_ttl} seconds",
+                field_violations=(FieldViolation("lease", "out of range"),),
+            )
+        sub = Subscription(
+            self,
+            agent_id,
+            max_in_flight or self.config.default_max_in_flight,
+            lease_seconds or self.config.lease_seconds,
+        )
+        self._subscriptions.setdefault(agent_id, []).append(sub)
+        self._by_subscription[sub.subscription_id] = sub
+        return sub
+
+    async def _lease(self, sub: Subscription) -> Delivery | None:
+        lease = await self.store.lease(sub.agent_id, sub.subscription_id, sub.lease_seconds)
+        if lease is None:
+            return None
+        sub.in_flight.add(lease.message.message_id)
+        self._dirty.add(sub.agent_id)
+        self.metrics.delivered("subscription")
+        self._observe_delivery(lease.message, lease.queued_seconds)
+        return Delivery(lease.message, lease.attempt, lease.lease_expires_at)
+
+    async def _unsubscribe(self, sub: Subscription) -> None:
+        subs = self._subscriptions.get(sub.agent_id, [])
+        if sub in subs:
+            subs.remove(sub)
+        if not subs:
+            self._subscriptions.pop(sub.agent_id, None)
+        self._by_subscription.pop(sub.subscription_id, None)
+        returned = await self.store.release_subscriber(sub.agent_id, sub.subscription_id)
+        sub.in_flight.clear()
+        if returned:
+            logger.info(
+                "subscription %s closed; %d unacknowledged messages returned to the queue",
+                sub.subscription_id, returned,
+            )
+
+    async def ack(self, agent_id: str, message_ids: Iterable[str]) -> int:
+        return await self.store.ack(agent_id, message_ids)
+
+    async def nack(self, agent_id: str, message_ids: Iterable[str]) -> tuple[int, int]:
+        return await self.store.nack(agent_id, message_ids)
+
+    # -- store listener ----------------------------------------------------------------------
+
+    def on_expired(self, message: Message) -> None:
+        self.metrics.expired()
+        self._dirty.add(message.to_agent)
+        logger.warning(
+            "message %s to %s expired (ttl %s s)", message.message_id, message.to_agent,
+            message.ttl or self.config.default_ttl,
+            extra={"event": {"category": "expired", "message_id": message.message_id,
+                             "from_agent": message.from_agent, "to_agent": message.to_agent,
+                             "ttl": message.ttl or self.config.default_ttl}},
+        )
+
+    def on_dead_letter(self, dead: DeadLetter) -> None:
+        self.metrics.dead_letter()
+        logger.warning(
+            "message %s to %s dead-lettered: %s", dead.message.message_id,
+            dead.message.to_agent, dead.reason,
+            extra={"event": {"category": "dead_letter", "message_id": dead.message.message_id,
+                             "to_agent": dead.message.to_agent, "reason": dead.reason}},
+        )
+
+    def on_redelivery(self, message: Message, attempt: int) -> None:
+        self.metrics.redelivery()
+        self._dirty.add(message.to_agent)
+        for sub in self._subscriptions.get(message.to_agent, ()):
+            sub.wake()
+
+    def on_released(self, released: Released) -> None:
+        sub = self._by_subscription.get(released.subscriber)
+        if sub is not None:
+            sub.in_flight.discard(released.message_id)
+            sub.wake()
+
+    # -- reading -----------------------------------------------------------------------------
+
+    async def queue_stats(self, agent_id: str = "") -> tuple[list[AgentQueueStats], Totals]:
+        if agent_id and agent_id not in self.registry:
+            stats = [s for s in await self.store.stats(agent_id) if s.depth or s.in_flight]
+            if not stats:
+                raise AgentNotFoundError(f"agent {agent_id} is not registered")
+        known = {s.agent_id: s for s in await self.store.stats(agent_id or None)}
+        ids = [agent_id] if agent_id else sorted(set(known) | {a.agent_id for a in self.list_agents()})
+        out = [
+            AgentQueueStats(
+                known.get(aid) or QueueStats(aid, 0, 0, 0, 0, 0),
+                len(self._subscriptions.get(aid, ())),
+            )
+            for aid in ids
+        ]
+        return out, self.metrics.totals
+
+    async def held(self) -> int:
+        return await self.store.held()
+
+    async def dead_letters(self, agent_id: str = "") -> list[DeadLetter]:
+        return await self.store.dead_letters(agent_id or None)

@@ -1,0 +1,168 @@
+"""The exception tree of the mesh (RT-011 "Excepciones").
+
+Every error carries the name of the gRPC status code it maps to, a machine-readable
+``reason`` and, where it applies, field violations and a retry delay. The core raises these;
+the transport turns them into a rich gRPC status in one place, and the SDK turns the status
+back into the same class by its reason, so callers never see a raw gRPC error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class FieldViolation:
+    """One invalid field of a message: its path and what is wrong with it."""
+
+    field: str
+    description: str
+
+
+class MultiAgentCommunicationError(Exception):
+    """Base exception for multi-agent communication errors."""
+
+    code: str = "INTERNAL"
+    reason: str = "INTERNAL"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        field_violations: tuple[FieldViolation, ...] = (),
+        retry_after: float | None = None,
+        reason: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field_violations = field_violations
+        self.retry_after = retry_after
+        if reason is not None:
+            self.reason = reason
+        if code is not None:
+            self.code = code
+
+
+MeshError = MultiAgentCommunicationError
+
+
+class MessageValidationError(MultiAgentCommunicationError):
+    """Message does not conform to the format standard."""
+
+    code = "INVALID_ARGUMENT"
+    reason = "VALIDATION_FAILED"
+
+    @classmethod
+    def from_violations(cls, violations: list[FieldViolation]) -> MessageValidationError:
+        text = "; ".join(v.description for v in violations)
+        return cls(text, field_violations=tuple(violations))
+
+
+class MessageTooLargeError(MessageValidationError):
+    """A message, or a part of it, is larger than the configured limit."""
+
+    reason = "MESSAGE_TOO_LARGE"
+
+
+class RoutingError(MultiAgentCommunicationError):
+    """Cannot route a message or task to an appropriate agent."""
+
+    code = "FAILED_PRECONDITION"
+    reason = "ROUTING_FAILED"
+
+
+class AgentNotFoundError(RoutingError):
+    """The target agent is not registered."""
+
+    code = "NOT_FOUND"
+    reason = "AGENT_NOT_FOUND"
+
+
+class HandoffError(MultiAgentCommunicationError):
+    """Hand-off between agents failed."""
+
+    code = "INVALID_ARGUMENT"
+    reason = "HANDOFF_FAILED"
+
+
+class ConflictResolutionError(MultiAgentCommunicationError):
+    """Cannot resolve a conflict between agents."""
+
+    code = "ABORTED"
+    reason = "CONFLICT_UNRESOLVED"
+
+
+class MessageQueueFullError(MultiAgentCommunicationError):
+    """A message queue is full; retry after ``retry_after`` seconds."""
+
+    code = "RESOURCE_EXHAUSTED"
+    reason = "QUEUE_FULL"
+
+
+class RequestTimeoutError(MultiAgentCommunicationError):
+    """No response arrived before the deadline."""
+
+    code = "DEADLINE_EXCEEDED"
+    reason = "DEADLINE_EXCEEDED"
+
+
+class BrokerUnavailableError(MultiAgentCommunicationError):
+    """The broker (or an agent server) could not be reached."""
+
+    code = "UNAVAILABLE"
+    reason = "UNAVAILABLE"
+
+
+class AgentError(MultiAgentCommunicationError):
+    """The agent handled the request and answered with an ERROR message."""
+
+    code = "ABORTED"
+    reason = "AGENT_ERROR"
+
+
+class SessionClosedError(MultiAgentCommunicationError):
+    """The session or subscription was closed."""
+
+    code = "CANCELLED"
+    reason = "SESSION_CLOSED"
+
+
+class LimitExceededError(MultiAgentCommunicationError):
+    """A bounded resource (pending requests, subscriptions) is at its limit."""
+
+    code = "RESOURCE_EXHAUSTED"
+    reason = "LIMIT_EXCEEDED"
+
+
+_BY_REASON: dict[str, type[MultiAgentCommunicationError]] = {
+    cls.reason: cls
+    for cls in (
+        MessageValidationError,
+        MessageTooLargeError,
+        RoutingError,
+        AgentNotFoundError,
+        HandoffError,
+        ConflictResolutionError,
+        MessageQueueFullError,
+        RequestTimeoutError,
+        BrokerUnavailableError,
+        AgentError,
+        SessionClosedError,
+        LimitExceededError,
+    )
+}
+
+_BY_CODE: dict[str, type[MultiAgentCommunicationError]] = {
+    "INVALID_ARGUMENT": MessageValidationError,
+    "NOT_FOUND": AgentNotFoundError,
+    "RESOURCE_EXHAUSTED": MessageQueueFullError,
+    "DEADLINE_EXCEEDED": RequestTimeoutError,
+    "UNAVAILABLE": BrokerUnavailableError,
+    "CANCELLED": SessionClosedError,
+}
+
+
+def error_class_for(reason: str, code: str) -> type[MultiAgentCommunicationError]:
+    """The exception class for a reason, falling back to the status code, then the base."""
+    return _BY_REASON.get(reason) or _BY_CODE.get(code) or MultiAgentCommunicationError

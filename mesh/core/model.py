@@ -1,0 +1,257 @@
+"""The message envelope, hand-off payload and agent descriptions (RT-011), as plain data."""
+
+from __future__ import annotations
+
+import enum
+import json
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any
+
+JSON = Any
+"""A JSON-compatible value: dict, list, str, int, float, bool or None."""
+
+BROADCAST_TARGET = "broadcast"
+"""The to_agent that sends a copy of a message to every other registered agent."""
+
+HANDOFF_ACTION = "execute_handoff"
+
+
+class MessageType(enum.StrEnum):
+    """What a message is for."""
+
+    REQUEST = "REQUEST"
+    RESPONSE = "RESPONSE"
+    BROADCAST = "BROADCAST"
+    HANDOFF = "HANDOFF"
+    ERROR = "ERROR"
+    ACK = "ACK"
+
+
+class Priority(enum.StrEnum):
+    """Queue priority: HIGH is delivered before MEDIUM, MEDIUM before LOW."""
+
+    HIGH = "HIGH"
+    MEDIUM = "MEDIUM"
+    LOW = "LOW"
+
+    @property
+    def rank(self) -> int:
+        """0 for HIGH, 1 for MEDIUM, 2 for LOW (RT-011 priority_levels)."""
+        return _PRIORITY_RANK[self]
+
+
+_PRIORITY_RANK = {Priority.HIGH: 0, Priority.MEDIUM: 1, Priority.LOW: 2}
+
+
+def new_message_id() -> str:
+    """A fresh message id (UUID 4)."""
+    return str(uuid.uuid4())
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Message:
+    """The envelope every agent exchange travels in.
+
+    ``content`` is a dict with ``action`` (required except on BROADCAST), ``parameters``,
+    ``context`` and ``previous_result``; ``None`` means the content is missing, which the broker
+    refuses. ``ttl`` is in seconds; 0 means the broker's default.
+    """
+
+    from_agent: str
+    to_agent: str
+    content: dict[str, JSON] | None
+    message_type: MessageType = MessageType.REQUEST
+    message_id: str = field(default_factory=new_message_id)
+    timestamp: datetime = field(default_factory=utc_now)
+    metadata: dict[str, JSON] = field(default_factory=dict)
+    correlation_id: str = ""
+    priority: Priority = Priority.MEDIUM
+    ttl: int = 0
+    reply_to: str = ""
+    ack_required: bool = False
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def action(self) -> str:
+        """content["action"], or "" when absent."""
+        if self.content is None:
+            return ""
+        action = self.content.get("action", "")
+        return action if isinstance(action, str) else ""
+
+    @property
+    def parameters(self) -> dict[str, JSON]:
+        """content["parameters"], or an empty dict."""
+        value = (self.content or {}).get("parameters")
+        return value if isinstance(value, dict) else {}
+
+    @property
+    def handoff(self) -> Handoff | None:
+        """The hand-off payload of a HANDOFF message, else None."""
+        if self.message_type is not MessageType.HANDOFF:
+            return None
+        return Handoff.from_message(self)
+
+    @property
+    def reply_target(self) -> str:
+        """Where answers to this message go: reply_to when set, else the sender."""
+        return self.reply_to or self.from_agent
+
+    def copy_to(self, to_agent: str, **changes: Any) -> Message:
+        """The same message addressed to another agent (broadcast copies keep the id)."""
+        return replace(self, to_agent=to_agent, **changes)
+
+    def evolve(self, **changes: Any) -> Message:
+        """A copy with some fields changed."""
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, JSON]:
+        """The JSON form of RT-011, with the timestamp in ISO 8601."""
+        return {
+            "message_id": self.message_id,
+            "from_agent": self.from_agent,
+            "to_agent": self.to_agent,
+            "message_type": self.message_type.value,
+            "content": self.content,
+            "timestamp": self.timestamp.isoformat(),
+            "metadata": self.metadata,
+            "correlation_id": self.correlation_id or None,
+            "priority": self.priority.value,
+            "ttl": self.ttl or None,
+            "reply_to": self.reply_to or None,
+            "ack_required": self.ack_required,
+            "headers": self.headers,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, JSON]) -> Message:
+        """Reads the JSON form back; missing optional fields take their defaults."""
+        timestamp = data.get("timestamp")
+        return cls(
+            message_id=str(data.get("message_id") or new_message_id()),
+            from_agent=str(data.get("from_agent") or ""),
+            to_agent=str(data.get("to_agent") or ""),
+            message_type=MessageType(data.get("message_type") or "REQUEST"),
+            content=data.get("content"),
+            timestamp=datetime.fromisoformat(timestamp) if timestamp else utc_now(),
+            metadata=dict(data.get("metadata") or {}),
+            correlation_id=str(data.get("correlation_id") or ""),
+            priority=Priority(data.get("priority") or "MEDIUM"),
+            ttl=int(data.get("ttl") or 0),
+            reply_to=str(data.get("reply_to") or ""),
+            ack_required=bool(data.get("ack_required", False)),
+            headers={str(k): str(v) for k, v in dict(data.get("headers") or {}).items()},
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Handoff:
+    """The hand-off payload (RT-011 hand-off protocol)."""
+
+    task_description: str
+    context: dict[str, JSON] = field(default_factory=dict)
+    previous_result: JSON = None
+    constraints: dict[str, JSON] = field(default_factory=dict)
+    workflow_id: str = ""
+    step_number: int = 0
+
+    @property
+    def context_size_kb(self) -> float:
+        """Size of the context as UTF-8 JSON, in KiB (logged with every hand-off)."""
+        return context_size_kb(self.context)
+
+    def to_content(self) -> dict[str, JSON]:
+        """The content of the HANDOFF message that carries this payload."""
+        return {
+            "action": HANDOFF_ACTION,
+            "parameters": {
+                "task_description": self.task_description,
+                "context": self.context,
+                "previous_result": self.previous_result,
+                "constraints": self.constraints,
+            },
+        }
+
+    def to_metadata(self) -> dict[str, JSON]:
+        return {"workflow_id": self.workflow_id, "step_number": self.step_number}
+
+    @classmethod
+    def from_message(cls, message: Message) -> Handoff:
+        params = message.parameters
+        meta = message.metadata
+        step = meta.get("step_number", meta.get("handoff_step", 0))
+        return cls(
+            task_description=str(params.get("task_description") or ""),
+            context=_as_dict(params.get("context")),
+            previous_result=params.get("previous_result"),
+            constraints=_as_dict(params.get("constraints")),
+            workflow_id=str(meta.get("workflow_id") or ""),
+            step_number=int(step) if isinstance(step, int | float) else 0,
+        )
+
+
+def _as_dict(value: JSON) -> dict[str, JSON]:
+    return value if isinstance(value, dict) else {}
+
+
+def context_size_kb(context: JSON) -> float:
+    """Size of a JSON value encoded as UTF-8, in KiB."""
+    encoded = json.dumps(context, separators=(",", ":"), default=str).encode("utf-8")
+    return round(len(encoded) / 1024, 3)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AgentInfo:
+    """A registered agent: id, types (for selective broadcast), address and capabilities."""
+
+    agent_id: str
+    agent_types: tuple[str, ...] = ()
+    address: str = ""
+    capabilities: tuple[str, ...] = ()
+    registered_at: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tool:
+    """A tool an agent may use."""
+
+    name: str
+    description: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AgentCard:
+    """What an agent says about itself."""
+
+    agent_id: str
+    agent_types: tuple[str, ...] = ()
+    capabilities: tuple[str, ...] = ()
+    tools: tuple[Tool, ...] = ()
+    description: str = ""
+    actions: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """A message pushed to a subscriber, leased until acked."""
+
+    message: Message
+    attempt: int
+    lease_expires_at: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """A message that exhausted its delivery attempts."""
+
+    message: Message
+    reason: str
+    attempts: int
+    dead_lettered_at: datetime

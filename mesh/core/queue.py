@@ -1,0 +1,436 @@
+"""Per-agent priority queues with TTL, capacity, leases, redelivery and dead-lettering.
+
+The :class:`QueueStore` protocol is what the broker needs from a queue backend; the
+in-memory store here is the embedded default. Every method is a coroutine so that durable
+and networked stores fit behind the same interface.
+
+Order: HIGH before MEDIUM before LOW, then by message timestamp, then by arrival.
+TTL counts from acceptance on the store's monotonic clock; an expired message is never
+returned by :meth:`pop` or :meth:`lease`, does not hold capacity and is reported to the
+listener. A leased message holds capacity until it is acked; a nack, an expired lease or the
+subscriber's departure puts it back in its place, or in the dead-letter queue once it has
+been delivered ``max_delivery_attempts`` times.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Protocol
+
+from mesh.core.errors import MessageQueueFullError
+from mesh.core.model import DeadLetter, Message, Priority, utc_now
+
+Clock = Callable[[], float]
+WallClock = Callable[[], datetime]
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A message handed to a subscriber: who holds it, which attempt, until when."""
+
+    message: Message
+    agent_id: str
+    subscriber: str
+    attempt: int
+    lease_expires_at: datetime
+    queued_seconds: float
+    """Time the message spent in the store between acceptance and this delivery."""
+
+
+@dataclass(frozen=True, slots=True)
+class Popped:
+    """A message removed from its queue by :meth:`QueueStore.pop`."""
+
+    message: Message
+    queued_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    """A lease that ended (ack, nack, expiry or departure), for the subscriber's credit."""
+
+    message_id: str
+    agent_id: str
+    subscriber: str
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStats:
+    agent_id: str
+    high: int
+    medium: int
+    low: int
+    in_flight: int
+    dead_letters: int
+
+    @property
+    def depth(self) -> int:
+        return self.high + self.medium + self.low
+
+
+class StoreListener(Protocol):
+    """Receives what happens inside the store without a caller asking."""
+
+    def on_expired(self, message: Message) -> None: ...
+
+    def on_dead_letter(self, dead: DeadLetter) -> None: ...
+
+    def on_redelivery(self, message: Message, attempt: int) -> None: ...
+
+    def on_released(self, released: Released) -> None: ...
+
+
+class QueueStore(Protocol):
+    """What the broker needs from a queue backend."""
+
+    listener: StoreListener | None
+
+    async def put(self, message: Message, ttl_seconds: float) -> bool:
+        """Enqueues a message for ``message.to_agent``.
+
+        Returns False when a message with the same id is already held for that agent (the
+        send is then a harmless retry). Raises MessageQueueFullError over capacity.
+        """
+        ...
+
+    async def pop(self, agent_id: str, max_messages: int = 0) -> list[Popped]:
+        """Removes and returns up to ``max_messages`` (0: all) messages, in order."""
+        ...
+
+    async def lease(self, agent_id: str, subscriber: str, lease_seconds: float) -> Lease | None:
+        """Leases the next message to a subscriber, or returns None when none is waiting."""
+        ...
+
+    async def ack(self, agent_id: str, message_ids: Iterable[str]) -> int:
+        """Releases leased messages for good; returns how many were leased."""
+        ...
+
+    async def nack(self, agent_id: str, message_ids: Iterable[str]) -> tuple[int, int]:
+        """Returns leased messages for redelivery; returns (requeued, dead-lettered)."""
+        ...
+
+    async def release_subscriber(self, agent_id: str, subscriber: str) -> int:
+        """Returns every message leased to a departed subscriber; returns how many."""
+        ...
+
+    async def sweep(self) -> None:
+        """Expires messages past their TTL and reclaims leases past their end."""
+        ...
+
+    async def stats(self, agent_id: str | None = None) -> list[QueueStats]: ...
+
+    async def held(self) -> int:
+        """Messages held in total, waiting and in flight."""
+        ...
+
+    async def dead_letters(self, agent_id: str | None = None) -> list[DeadLetter]: ...
+
+    async def depth(self, agent_id: str) -> int:
+        """Messages waiting for one agent."""
+        ...
+
+
+class _State(enum.Enum):
+    QUEUED = 1
+    LEASED = 2
+    GONE = 3
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    message: Message
+    agent_id: str
+    rank: int
+    sort_time: float
+    seq: int
+    accepted_at: float
+    expires_at: float
+    attempts: int = 0
+    state: _State = _State.QUEUED
+    subscriber: str = ""
+    lease_until: float = 0.0
+
+    def key(self) -> tuple[int, float, int]:
+        return (self.rank, self.sort_time, self.seq)
+
+
+@dataclass(slots=True)
+class _AgentQueue:
+    heap: list[tuple[int, float, int, _Entry]] = field(default_factory=list)
+    by_id: dict[str, _Entry] = field(default_factory=dict)
+    leased: dict[str, _Entry] = field(default_factory=dict)
+    waiting: list[int] = field(default_factory=lambda: [0, 0, 0])
+    dead: int = 0
+
+    @property
+    def held(self) -> int:
+        return len(self.by_id)
+
+
+class InMemoryQueueStore:
+    """The embedded queue store: bounded heaps in memory, O(log n) per operation."""
+
+    def __init__(
+        self,
+        *,
+        max_messages_per_agent: int = 1000,
+        max_total_messages: int = 10_000,
+        max_delivery_attempts: int = 4,
+        max_dead_letters: int = 10_000,
+        retry_after_seconds: float = 0.1,
+        clock: Clock = time.monotonic,
+        wall_clock: WallClock = utc_now,
+        listener: StoreListener | None = None,
+    ) -> None:
+        self.max_messages_per_agent = max_messages_per_agent
+        self.max_total_messages = max_total_messages
+        self.max_delivery_attempts = max_delivery_attempts
+        self.retry_after_seconds = retry_after_seconds
+        self._clock = clock
+        self._wall = wall_clock
+        self.listener = listener
+        self._queues: dict[str, _AgentQueue] = {}
+        self._total = 0
+        self._seq = itertools.count()
+        self._expiry: list[tuple[float, int, _Entry]] = []
+        self._lease_heap: list[tuple[float, int, _Entry]] = []
+        self._dead: deque[tuple[str, DeadLetter]] = deque(maxlen=max_dead_letters)
+
+    # -- producing ---------------------------------------------------------------------------
+
+    async def put(self, message: Message, ttl_seconds: float) -> bool:
+        agent_id = message.to_agent
+        queue = self._queues.get(agent_id)
+        if queue is None:
+            queue = self._queues[agent_id] = _AgentQueue()
+        elif message.message_id in queue.by_id:
+            return False
+        if queue.held >= self.max_messages_per_agent or self._total >= self.max_total_messages:
+            # Expired messages must not hold capacity: drop them before refusing.
+            self._expire(self._clock())
+            if queue.held >= self.max_messages_per_agent:
+                raise MessageQueueFullError(
+                    f"{agent_id} queue full ({self.max_messages_per_agent} messages)",
+                    retry_after=self.retry_after_seconds,
+                )
+            if self._total >= self.max_total_messages:
+                raise MessageQueueFullError(
+                    f"{agent_id} queue full: the broker holds its limit of "
+                    f"{self.max_total_messages} messages",
+                    retry_after=self.retry_after_seconds,
+                )
+        now = self._clock()
+        entry = _Entry(
+            message=message,
+            agent_id=agent_id,
+            rank=message.priority.rank,
+            sort_time=message.timestamp.timestamp(),
+            seq=next(self._seq),
+            accepted_at=now,
+            expires_at=now + ttl_seconds,
+        )
+        queue.by_id[message.message_id] = entry
+        self._push(queue, entry)
+        self._total += 1
+        heapq.heappush(self._expiry, (entry.expires_at, entry.seq, entry))
+        return True
+
+    def _push(self, queue: _AgentQueue, entry: _Entry) -> None:
+        entry.state = _State.QUEUED
+        entry.subscriber = ""
+        heapq.heappush(queue.heap, (entry.rank, entry.sort_time, entry.seq, entry))
+        queue.waiting[entry.rank] += 1
+
+    # -- consuming ---------------------------------------------------------------------------
+
+    def _next_queued(self, queue: _AgentQueue, now: float) -> _Entry | None:
+        """Pops the next live queued entry off the heap, expiring dead ones on the way."""
+        while queue.heap:
+            entry = heapq.heappop(queue.heap)[3]
+            if entry.state is not _State.QUEUED:
+                continue
+            queue.waiting[entry.rank] -= 1
+            if entry.expires_at <= now:
+                self._drop_expired(queue, entry)
+                continue
+            return entry
+        return None
+
+    async def pop(self, agent_id: str, max_messages: int = 0) -> list[Popped]:
+        queue = self._queues.get(agent_id)
+        if queue is None:
+            return []
+        now = self._clock()
+        out: list[Popped] = []
+        while max_messages <= 0 or len(out) < max_messages:
+            entry = self._next_queued(queue, now)
+            if entry is None:
+                break
+            self._forget(queue, entry)
+            out.append(Popped(entry.message, now - entry.accepted_at))
+        return out
+
+    async def lease(self, agent_id: str, subscriber: str, lease_seconds: float) -> Lease | None:
+        queue = self._queues.get(agent_id)
+        if queue is None:
+            return None
+        now = self._clock()
+        entry = self._next_queued(queue, now)
+        if entry is None:
+            return None
+        entry.state = _State.LEASED
+        entry.subscriber = subscriber
+        entry.attempts += 1
+        entry.lease_until = now + lease_seconds
+        queue.leased[entry.message.message_id] = entry
+        heapq.heappush(self._lease_heap, (entry.lease_until, entry.seq, entry))
+        return Lease(
+            message=entry.message,
+            agent_id=agent_id,
+            subscriber=subscriber,
+            attempt=entry.attempts,
+            lease_expires_at=self._wall() + timedelta(seconds=lease_seconds),
+            queued_seconds=now - entry.accepted_at,
+        )
+
+    async def ack(self, agent_id: str, message_ids: Iterable[str]) -> int:
+        queue = self._queues.get(agent_id)
+        if queue is None:
+            return 0
+        count = 0
+        for message_id in message_ids:
+            entry = queue.leased.pop(message_id, None)
+            if entry is None:
+                continue
+            self._forget(queue, entry)
+            self._released(entry)
+            count += 1
+        return count
+
+    async def nack(self, agent_id: str, message_ids: Iterable[str]) -> tuple[int, int]:
+        queue = self._queues.get(agent_id)
+        if queue is None:
+            return (0, 0)
+        requeued = dead = 0
+        now = self._clock()
+        for message_id in message_ids:
+            entry = queue.leased.pop(message_id, None)
+            if entry is None:
+                continue
+            if self._return(queue, entry, now, "nacked"):
+                requeued += 1
+            else:
+                dead += 1
+        return (requeued, dead)
+
+    async def release_subscriber(self, agent_id: str, subscriber: str) -> int:
+        queue = self._queues.get(agent_id)
+        if queue is None:
+            return 0
+        now = self._clock()
+        mine = [e for e in queue.leased.values() if e.subscriber == subscriber]
+        for entry in mine:
+            del queue.leased[entry.message.message_id]
+            self._return(queue, entry, now, "subscriber left")
+        return len(mine)
+
+    def _return(self, queue: _AgentQueue, entry: _Entry, now: float, why: str) -> bool:
+        """Puts a leased entry back in its place; False when it expired or was dead-lettered."""
+        self._released(entry)
+        if entry.expires_at <= now:
+            self._drop_expired(queue, entry)
+            return False
+        if entry.attempts >= self.max_delivery_attempts:
+            self._forget(queue, entry)
+            dead = DeadLetter(
+                message=entry.message,
+                reason=f"{why} after {entry.attempts} delivery attempts",
+                attempts=entry.attempts,
+                dead_lettered_at=self._wall(),
+            )
+            queue.dead += 1
+            if len(self._dead) == self._dead.maxlen:
+                evicted_agent = self._dead[0][0]
+                if evicted_agent in self._queues:
+                    self._queues[evicted_agent].dead -= 1
+            self._dead.append((entry.agent_id, dead))
+            if self.listener:
+                self.listener.on_dead_letter(dead)
+            return False
+        self._push(queue, entry)
+        if self.listener:
+            self.listener.on_redelivery(entry.message, entry.attempts + 1)
+        return True
+
+    def _released(self, entry: _Entry) -> None:
+        if self.listener and entry.subscriber:
+            self.listener.on_released(
+                Released(entry.message.message_id, entry.agent_id, entry.subscriber)
+            )
+
+    def _forget(self, queue: _AgentQueue, entry: _Entry) -> None:
+        entry.state = _State.GONE
+        if queue.by_id.get(entry.message.message_id) is entry:
+            del queue.by_id[entry.message.message_id]
+            self._total -= 1
+
+    def _drop_expired(self, queue: _AgentQueue, entry: _Entry) -> None:
+        self._forget(queue, entry)
+        if self.listener:
+            self.listener.on_expired(entry.message)
+
+    # -- housekeeping ------------------------------------------------------------------------
+
+    def _expire(self, now: float) -> None:
+        while self._expiry and self._expiry[0][0] <= now:
+            entry = heapq.heappop(self._expiry)[2]
+            if entry.state is not _State.QUEUED:
+                continue  # gone, or leased: a lease that ends after the TTL expires then.
+            queue = self._queues[entry.agent_id]
+            queue.waiting[entry.rank] -= 1
+            self._drop_expired(queue, entry)
+
+    async def sweep(self) -> None:
+        now = self._clock()
+        self._expire(now)
+        while self._lease_heap and self._lease_heap[0][0] <= now:
+            until, _, entry = heapq.heappop(self._lease_heap)
+            if entry.state is not _State.LEASED or entry.lease_until != until:
+                continue
+            queue = self._queues[entry.agent_id]
+            del queue.leased[entry.message.message_id]
+            self._return(queue, entry, now, "lease expired")
+
+    # -- reading -----------------------------------------------------------------------------
+
+    async def stats(self, agent_id: str | None = None) -> list[QueueStats]:
+        self._expire(self._clock())
+        ids = [agent_id] if agent_id is not None else sorted(self._queues)
+        out = []
+        for aid in ids:
+            q = self._queues.get(aid)
+            if q is None:
+                out.append(QueueStats(aid, 0, 0, 0, 0, 0))
+                continue
+            out.append(QueueStats(aid, q.waiting[0], q.waiting[1], q.waiting[2], len(q.leased), q.dead))
+        return out
+
+    async def held(self) -> int:
+        return self._total
+
+    async def depth(self, agent_id: str) -> int:
+        q = self._queues.get(agent_id)
+        return sum(q.waiting) if q else 0
+
+    async def dead_letters(self, agent_id: str | None = None) -> list[DeadLetter]:
+        return [d for aid, d in self._dead if agent_id is None or aid == agent_id]
+
+
+PRIORITY_BY_RANK = (Priority.HIGH, Priority.MEDIUM, Priority.LOW)

@@ -1,0 +1,363 @@
+"""The Broker gRPC service: a thin translation of mesh.v1 calls into the broker core."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from mesh import codec
+from mesh._status import abort
+from mesh.config import BrokerConfig, ServerConfig
+from mesh.core.broker import Broker, Subscription
+from mesh.core.errors import LimitExceededError, MeshError, MessageValidationError
+from mesh.serving import MeshServer, start_server
+from mesh.v1 import broker_pb2, broker_pb2_grpc
+
+logger = logging.getLogger("mesh.server")
+
+BROKER_SERVICE = broker_pb2.DESCRIPTOR.services_by_name["BrokerService"].full_name
+MAX_SESSION_REQUESTS = 10_000
+SESSION_OUTBOUND_FRAMES = 1024
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+Handler = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]  # type: ignore[type-arg]
+
+
+def translating(method: Handler[Req, Resp]) -> Handler[Req, Resp]:
+    """Maps mesh errors to their status; anything else becomes INTERNAL, logged, not leaked."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:  # type: ignore[type-arg]
+        try:
+            return await method(self, request, context)
+        except MeshError as error:
+            await abort(context, error)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception:
+            logger.exception("%s failed", method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+        raise AssertionError("unreachable")
+
+    return wrapper
+
+
+def _invalid(field: str, description: str) -> MessageValidationError:
+    from mesh.core.errors import FieldViolation
+
+    return MessageValidationError(description, field_violations=(FieldViolation(field, description),))
+
+
+class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
+    """Translates BrokerService calls; all state and logic live in :class:`Broker`."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+
+    @translating
+    async def RegisterAgent(self, request: broker_pb2.RegisterAgentRequest, context: Any) -> broker_pb2.RegisterAgentResponse:
+        registered = await self.broker.register(codec.agent_from_pb(request.agent))
+        response = broker_pb2.RegisterAgentResponse()
+        codec.agent_to_pb(registered, response.agent)
+        return response
+
+    @translating
+    async def DeregisterAgent(self, request: broker_pb2.DeregisterAgentRequest, context: Any) -> broker_pb2.DeregisterAgentResponse:
+        await self.broker.deregister(request.agent_id)
+        return broker_pb2.DeregisterAgentResponse()
+
+    @translating
+    async def ListAgents(self, request: broker_pb2.ListAgentsRequest, context: Any) -> broker_pb2.ListAgentsResponse:
+        response = broker_pb2.ListAgentsResponse()
+        for info in self.broker.list_agents(request.agent_type):
+            codec.agent_to_pb(info, response.agents.add())
+        return response
+
+    @translating
+    async def SendMessage(self, request: broker_pb2.SendMessageRequest, context: Any) -> broker_pb2.SendMessageResponse:
+        if not request.HasField("message"):
+            raise _invalid("message", "message is required")
+        outcome = await self.broker.send(
+            codec.message_from_pb(request.message), size_bytes=request.message.ByteSize()
+        )
+        response = broker_pb2.SendMessageResponse(recipients=outcome.recipients)
+        codec.message_to_pb(outcome.message, response.message)
+        return response
+
+    @translating
+    async def SendMessages(self, request: broker_pb2.SendMessagesRequest, context: Any) -> broker_pb2.SendMessagesResponse:
+        messages = [codec.message_from_pb(pb) for pb in request.messages]
+        sizes = [pb.ByteSize() for pb in request.messages]
+        results = await self.broker.send_many(messages, sizes)
+        response = broker_pb2.SendMessagesResponse()
+        for message, result in zip(messages, results, strict=True):
+            item = response.results.add(message_id=message.message_id)
+            if isinstance(result, MeshError):
+                codec.error_to_pb(result, item.error)
+        return response
+
+    @translating
+    async def ReceiveMessages(self, request: broker_pb2.ReceiveMessagesRequest, context: Any) -> broker_pb2.ReceiveMessagesResponse:
+        if not request.agent_id:
+            raise _invalid("agent_id", "agent_id is required")
+        if request.max_messages < 0:
+            raise _invalid("max_messages", "max_messages must not be negative")
+        messages = await self.broker.receive(request.agent_id, request.max_messages)
+        response = broker_pb2.ReceiveMessagesResponse()
+        for message in messages:
+            codec.message_to_pb(message, response.messages.add())
+        return response
+
+    async def Subscribe(self, request: broker_pb2.SubscribeRequest, context: Any) -> AsyncIterator[broker_pb2.SubscribeResponse]:
+        try:
+            sub = await self.broker.subscribe(
+                request.agent_id,
+                max_in_flight=request.max_in_flight,
+                lease_seconds=codec.duration_seconds(request.lease),
+            )
+        except MeshError as error:
+            await abort(context, error)
+        try:
+            async for delivery in sub:
+                response = broker_pb2.SubscribeResponse()
+                codec.delivery_to_pb(delivery, response.delivery)
+                yield response
+        finally:
+            await sub.close()
+
+    @translating
+    async def Ack(self, request: broker_pb2.AckRequest, context: Any) -> broker_pb2.AckResponse:
+        return broker_pb2.AckResponse(
+            acknowledged=await self.broker.ack(request.agent_id, request.message_ids)
+        )
+
+    @translating
+    async def Nack(self, request: broker_pb2.NackRequest, context: Any) -> broker_pb2.NackResponse:
+        requeued, dead = await self.broker.nack(request.agent_id, request.message_ids)
+        return broker_pb2.NackResponse(requeued=requeued, dead_lettered=dead)
+
+    @translating
+    async def Broadcast(self, request: broker_pb2.BroadcastRequest, context: Any) -> broker_pb2.BroadcastResponse:
+        if not request.HasField("message"):
+            raise _invalid("message", "message is required")
+        outcome = await self.broker.broadcast(
+            codec.message_from_pb(request.message), request.agent_types
+        )
+        response = broker_pb2.BroadcastResponse(
+            message_id=outcome.message.message_id, recipients=outcome.recipients
+        )
+        for agent_id, error in outcome.failures:
+            codec.error_to_pb(error, response.failures.add(agent_id=agent_id).error)
+        return response
+
+    @translating
+    async def SendRequest(self, request: broker_pb2.SendRequestRequest, context: Any) -> broker_pb2.SendRequestResponse:
+        if not request.HasField("message"):
+            raise _invalid("message", "message is required")
+        answer = await self.broker.request(
+            codec.message_from_pb(request.message), context.time_remaining()
+        )
+        response = broker_pb2.SendRequestResponse()
+        codec.message_to_pb(answer, response.response)
+        return response
+
+    @translating
+    async def Handoff(self, request: broker_pb2.HandoffRequest, context: Any) -> broker_pb2.HandoffResponse:
+        message = await self.broker.handoff(
+            from_agent=request.from_agent,
+            to_agent=request.to_agent,
+            handoff=codec.handoff_from_pb(request.handoff),
+            priority=codec.priority_from_pb(request.priority),
+            ttl=request.ttl,
+            headers=dict(request.headers),
+            message_id=request.message_id,
+            size_bytes=request.ByteSize(),
+        )
+        response = broker_pb2.HandoffResponse()
+        codec.message_to_pb(message, response.message)
+        return response
+
+    @translating
+    async def GetQueueStats(self, request: broker_pb2.GetQueueStatsRequest, context: Any) -> broker_pb2.GetQueueStatsResponse:
+        agents, totals = await self.broker.queue_stats(request.agent_id)
+        response = broker_pb2.GetQueueStatsResponse()
+        for item in agents:
+            q = item.queue
+            response.agents.add(
+                agent_id=q.agent_id, depth=q.depth, high=q.high, medium=q.medium, low=q.low,
+                in_flight=q.in_flight, dead_letters=q.dead_letters, subscribers=item.subscribers,
+            )
+        t = response.totals
+        t.held = await self.broker.held()
+        t.max_messages_per_agent = self.broker.config.max_messages_per_agent
+        t.max_total_messages = self.broker.config.max_total_messages
+        t.sent_count = totals.sent
+        t.delivered_count = totals.delivered
+        t.expired_count = totals.expired
+        t.dropped_count = totals.dropped
+        t.validation_errors = totals.validation_errors
+        t.dead_lettered_count = totals.dead_lettered
+        t.redelivered_count = totals.redelivered
+        t.handoff_count = totals.handoffs
+        t.broadcast_count = totals.broadcasts
+        return response
+
+    @translating
+    async def ListDeadLetters(self, request: broker_pb2.ListDeadLettersRequest, context: Any) -> broker_pb2.ListDeadLettersResponse:
+        response = broker_pb2.ListDeadLettersResponse()
+        for dead in await self.broker.dead_letters(request.agent_id):
+            codec.dead_letter_to_pb(dead, response.dead_letters.add())
+        return response
+
+    async def Connect(self, request_iterator: AsyncIterator[broker_pb2.ConnectRequest], context: Any) -> None:
+        await _Session(self.broker, context).run(request_iterator)
+
+
+class _Session:
+    """One Connect stream: frames in are dispatched to the broker; answers and deliveries
+    leave through one bounded outbound queue drained by a single writer."""
+
+    def __init__(self, broker: Broker, context: Any) -> None:
+        self.broker = broker
+        self.context = context
+        self.outbound: asyncio.Queue[broker_pb2.ConnectResponse | None] = asyncio.Queue(
+            SESSION_OUTBOUND_FRAMES
+        )
+        self.subscription: Subscription | None = None
+        self.pump: asyncio.Task[None] | None = None
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def run(self, frames: AsyncIterator[broker_pb2.ConnectRequest]) -> None:
+        reader = asyncio.create_task(self._read(frames), name="session-reader")
+        try:
+            while True:
+                frame = await self.outbound.get()
+                if frame is None:
+                    break
+                await self.context.write(frame)
+        finally:
+            reader.cancel()
+            for task in [*self.tasks, self.pump]:
+                if task is not None:
+                    task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+            if self.subscription is not None:
+                await self.subscription.close()
+
+    async def _read(self, frames: AsyncIterator[broker_pb2.ConnectRequest]) -> None:
+        try:
+            async for frame in frames:
+                await self._dispatch(frame)
+            # The client finished sending: let requests in flight answer, then end the stream.
+            if self.tasks:
+                await asyncio.gather(*list(self.tasks), return_exceptions=True)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.debug("session reader ended", exc_info=True)
+        finally:
+            with contextlib.suppress(asyncio.QueueFull):
+                self.outbound.put_nowait(None)
+
+    async def _error(self, seq: int, error: MeshError) -> None:
+        frame = broker_pb2.ConnectResponse(seq=seq)
+        codec.error_to_pb(error, frame.error)
+        await self.outbound.put(frame)
+
+    async def _dispatch(self, frame: broker_pb2.ConnectRequest) -> None:
+        kind = frame.WhichOneof("frame")
+        seq = frame.seq
+        try:
+            if kind == "send":
+                outcome = await self.broker.send(
+                    codec.message_from_pb(frame.send), size_bytes=frame.send.ByteSize()
+                )
+                out = broker_pb2.ConnectResponse(seq=seq)
+                out.accepted.message_id = outcome.message.message_id
+                out.accepted.recipients.extend(outcome.recipients)
+                await self.outbound.put(out)
+            elif kind == "request":
+                if len(self.tasks) >= MAX_SESSION_REQUESTS:
+                    raise LimitExceededError(
+                        f"a session holds at most {MAX_SESSION_REQUESTS} pending requests"
+                    )
+                task = asyncio.create_task(self._request(seq, frame.request))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
+            elif kind == "ack":
+                await self.broker.ack(self._agent(frame.ack.agent_id), frame.ack.message_ids)
+            elif kind == "nack":
+                await self.broker.nack(self._agent(frame.nack.agent_id), frame.nack.message_ids)
+            elif kind == "subscribe":
+                await self._subscribe(seq, frame.subscribe)
+            else:
+                raise _invalid("frame", "the frame carries nothing")
+        except MeshError as error:
+            await self._error(seq, error)
+
+    def _agent(self, agent_id: str) -> str:
+        if agent_id:
+            return agent_id
+        if self.subscription is not None:
+            return self.subscription.agent_id
+        raise _invalid("agent_id", "agent_id is required")
+
+    async def _subscribe(self, seq: int, request: broker_pb2.SubscribeRequest) -> None:
+        if self.subscription is not None:
+            raise _invalid("subscribe", "the session is already subscribed")
+        self.subscription = await self.broker.subscribe(
+            request.agent_id,
+            max_in_flight=request.max_in_flight,
+            lease_seconds=codec.duration_seconds(request.lease),
+        )
+        out = broker_pb2.ConnectResponse(seq=seq)
+        out.accepted.SetInParent()
+        await self.outbound.put(out)
+        self.pump = asyncio.create_task(self._pump(self.subscription), name="session-pump")
+
+    async def _pump(self, sub: Subscription) -> None:
+        async for delivery in sub:
+            frame = broker_pb2.ConnectResponse()
+            codec.delivery_to_pb(delivery, frame.delivery)
+            await self.outbound.put(frame)
+
+    async def _request(self, seq: int, request: broker_pb2.SessionRequest) -> None:
+        timeout = codec.duration_seconds(request.timeout) if request.HasField("timeout") else None
+        try:
+            answer = await self.broker.request(codec.message_from_pb(request.message), timeout)
+        except MeshError as error:
+            await self._error(seq, error)
+            return
+        frame = broker_pb2.ConnectResponse(seq=seq)
+        codec.message_to_pb(answer, frame.response)
+        await self.outbound.put(frame)
+
+
+async def serve_broker(
+    broker: Broker | None = None,
+    server_config: ServerConfig | None = None,
+    broker_config: BrokerConfig | None = None,
+) -> tuple[Broker, MeshServer]:
+    """Starts a broker and its gRPC server (health, reflection, optional /metrics)."""
+    config = server_config or ServerConfig(port=0)
+    broker = broker or Broker(broker_config)
+    await broker.start()
+    servicer = BrokerServicer(broker)
+    server = await start_server(
+        lambda s: broker_pb2_grpc.add_BrokerServiceServicer_to_server(servicer, s),
+        [BROKER_SERVICE],
+        host=config.host,
+        port=config.port,
+        metrics_registry=broker.metrics.registry,
+        metrics_port=config.metrics_port,
+    )
+    server._on_stop.append(broker.stop)
+    return broker, server

@@ -1,0 +1,107 @@
+"""One way to run a gRPC server of the mesh: health checking and reflection always on,
+graceful shutdown (NOT_SERVING first, then stop with a grace period), optional /metrics."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
+
+logger = logging.getLogger("mesh.serving")
+
+MAX_GRPC_MESSAGE_BYTES = 8 * 1024 * 1024
+"""gRPC's own frame limit, above the mesh's message limit so that oversize messages
+reach validation and get a clear error instead of a transport failure."""
+
+GRPC_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.so_reuseport", 0),
+]
+
+
+@dataclass
+class MeshServer:
+    """A running gRPC server with its health service."""
+
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    host: str
+    port: int
+    service_names: Sequence[str]
+    metrics_port: int | None = None
+    _metrics_http: Any = field(default=None, repr=False)
+    _on_stop: list[Callable[[], Any]] = field(default_factory=list, repr=False)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """NOT_SERVING first, so balancers stop sending, then stop with a grace period."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+            self._metrics_http = None
+        for callback in self._on_stop:
+            result = callback()
+            if hasattr(result, "__await__"):
+                await result
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def start_server(
+    register: Callable[[grpc.aio.Server], None],
+    service_names: Sequence[str],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    metrics_registry: CollectorRegistry | None = None,
+    metrics_port: int = -1,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> MeshServer:
+    """Starts a grpc.aio server with the given services, health and reflection.
+
+    ``port`` 0 picks a free port; the chosen one is on the returned server. ``metrics_port``
+    -1 serves no /metrics, 0 picks a free port.
+    """
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=list(interceptors))
+    register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+    reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    await server.start()
+    mesh_server = MeshServer(server, health_servicer, host, bound, list(service_names))
+    await mesh_server.set_serving(True)
+    if metrics_registry is not None and metrics_port >= 0:
+        httpd, _ = start_http_server(metrics_port, addr=host, registry=metrics_registry)
+        mesh_server._metrics_http = httpd
+        mesh_server.metrics_port = httpd.server_port
+    return mesh_server
