@@ -47,6 +47,14 @@ T = TypeVar("T")
 
 _CLOSED = object()
 
+# Reconnect quickly after a broker restart: the retry policy, not the channel, sets the pace.
+CLIENT_OPTIONS = [
+    *GRPC_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RetryPolicy:
@@ -314,6 +322,7 @@ class MeshClient:
         default_timeout: float = 30.0,
         auto_ack: bool = True,
         channel: grpc.aio.Channel | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.target = target
         self.agent_id = agent_id
@@ -321,8 +330,9 @@ class MeshClient:
         self.default_timeout = default_timeout
         self.auto_ack = auto_ack
         self.stats = ClientStats()
+        self._sleep = sleep
         self._own_channel = channel is None
-        self._channel = channel or grpc.aio.insecure_channel(target, options=GRPC_OPTIONS)
+        self._channel = channel or grpc.aio.insecure_channel(target, options=CLIENT_OPTIONS)
         self._stub = broker_pb2_grpc.BrokerServiceStub(self._channel)
         self._session: _Session | None = None
         self._session_lock = asyncio.Lock()
@@ -375,7 +385,7 @@ class MeshClient:
                 extra={"event": {"category": "retry", "attempt": attempt + 1,
                                  "code": failure.code, "delay_ms": delays[attempt] * 1000}},
             )
-            await asyncio.sleep(delays[attempt])
+            await self._sleep(delays[attempt])
         raise AssertionError("unreachable")
 
     def _unary(self, method: Callable[..., Any], request: Any, timeout: float | None = None) -> Callable[[], Awaitable[Any]]:
@@ -698,10 +708,12 @@ def connect(
     retry: RetryPolicy | None = None,
     default_timeout: float = 30.0,
     auto_ack: bool = True,
+    **options: Any,
 ) -> MeshClient:
     """A client of the broker at ``target`` (host:port); use as ``async with connect(...)``."""
     return MeshClient(
-        target, agent_id=agent_id, retry=retry, default_timeout=default_timeout, auto_ack=auto_ack
+        target, agent_id=agent_id, retry=retry, default_timeout=default_timeout,
+        auto_ack=auto_ack, **options,
     )
 
 
@@ -711,7 +723,7 @@ class AgentClient:
     def __init__(self, target: str, *, default_timeout: float = 30.0) -> None:
         self.target = target
         self.default_timeout = default_timeout
-        self._channel = grpc.aio.insecure_channel(target, options=GRPC_OPTIONS)
+        self._channel = grpc.aio.insecure_channel(target, options=CLIENT_OPTIONS)
         self._stub = agent_pb2_grpc.AgentServiceStub(self._channel)
 
     async def __aenter__(self) -> AgentClient:

@@ -21,10 +21,16 @@ from mesh.server import serve_broker
 class LocalMesh:
     """A broker server and any number of agent servers, all in this process."""
 
-    def __init__(self, config: BrokerConfig | None = None, *, metrics_port: int = -1) -> None:
-        self.config = config or BrokerConfig()
+    def __init__(
+        self,
+        config: BrokerConfig | None = None,
+        *,
+        broker: Broker | None = None,
+        metrics_port: int = -1,
+    ) -> None:
+        self.config = broker.config if broker is not None else (config or BrokerConfig())
         self.metrics_port = metrics_port
-        self.broker: Broker | None = None
+        self.broker: Broker | None = broker
         self.server: MeshServer | None = None
         self.agents: dict[str, AgentServer] = {}
         self._clients: list[MeshClient] = []
@@ -37,6 +43,7 @@ class LocalMesh:
 
     async def start(self) -> LocalMesh:
         self.broker, self.server = await serve_broker(
+            self.broker,
             server_config=ServerConfig(port=0, metrics_port=self.metrics_port),
             broker_config=self.config,
         )

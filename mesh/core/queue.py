@@ -324,9 +324,10 @@ class InMemoryQueueStore:
             entry = queue.leased.pop(message_id, None)
             if entry is None:
                 continue
-            if self._return(queue, entry, now, "nacked"):
+            outcome = self._return(queue, entry, now, "nacked")
+            if outcome == "requeued":
                 requeued += 1
-            else:
+            elif outcome == "dead":
                 dead += 1
         return (requeued, dead)
 
@@ -341,12 +342,12 @@ class InMemoryQueueStore:
             self._return(queue, entry, now, "subscriber left")
         return len(mine)
 
-    def _return(self, queue: _AgentQueue, entry: _Entry, now: float, why: str) -> bool:
-        """Puts a leased entry back in its place; False when it expired or was dead-lettered."""
+    def _return(self, queue: _AgentQueue, entry: _Entry, now: float, why: str) -> str:
+        """Puts a leased entry back in its place: "requeued", "expired" or "dead"."""
         self._released(entry)
         if entry.expires_at <= now:
             self._drop_expired(queue, entry)
-            return False
+            return "expired"
         if entry.attempts >= self.max_delivery_attempts:
             self._forget(queue, entry)
             dead = DeadLetter(
@@ -363,11 +364,11 @@ class InMemoryQueueStore:
             self._dead.append((entry.agent_id, dead))
             if self.listener:
                 self.listener.on_dead_letter(dead)
-            return False
+            return "dead"
         self._push(queue, entry)
         if self.listener:
             self.listener.on_redelivery(entry.message, entry.attempts + 1)
-        return True
+        return "requeued"
 
     def _released(self, entry: _Entry) -> None:
         if self.listener and entry.subscriber:

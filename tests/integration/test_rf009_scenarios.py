@@ -1,0 +1,589 @@
+"""RF-009 (agent communication and hand-off), scenarios 1 to 20, through real gRPC servers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import socket
+import urllib.request
+import uuid
+from datetime import UTC, datetime
+
+import pytest
+
+from mesh import (
+    Agent,
+    AgentContext,
+    BrokerConfig,
+    LocalMesh,
+    Message,
+    MessageQueueFullError,
+    MessageType,
+    MessageValidationError,
+    Priority,
+    RetryPolicy,
+    agent,
+    on,
+)
+from mesh.client import NO_RETRY, MeshClient
+from mesh.config import ServerConfig
+from mesh.core.broker import Broker
+from mesh.core.queue import InMemoryQueueStore
+from mesh.logs import JsonFormatter
+from mesh.server import serve_broker
+
+ISO_8601 = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}")
+
+
+async def register(client: MeshClient, *agents: str, agent_types: tuple[str, ...] = ()) -> None:
+    for agent_id in agents:
+        await client.register(agent_id, agent_types=agent_types)
+
+
+class Collector:
+    """An agent that records what it gets and answers REQUESTs with what it was told."""
+
+    def __init__(self) -> None:
+        self.got: list[Message] = []
+        self.arrived = asyncio.Event()
+
+    def make(self, agent_id: str, reply: dict | None = None, **kwargs: object) -> Agent:
+        async def handler(message: Message, ctx: AgentContext) -> dict | None:
+            self.got.append(message)
+            self.arrived.set()
+            return reply
+
+        return agent(agent_id, **kwargs)(handler)  # type: ignore[arg-type]
+
+    async def wait(self, count: int = 1, timeout: float = 5.0) -> list[Message]:
+        async with asyncio.timeout(timeout):
+            while len(self.got) < count:
+                self.arrived.clear()
+                await self.arrived.wait()
+        return self.got
+
+
+async def test_scenario_01_send_message_between_agents(mesh: LocalMesh) -> None:
+    async with mesh.client("FlightAgent") as flight:
+        await register(flight, "PaymentAgent", "FlightAgent")
+        sent = await flight.send(
+            "PaymentAgent",
+            {"action": "process_payment", "parameters": {"flight": "Flight A", "amount": 450}},
+            message_type=MessageType.REQUEST,
+        )
+        assert uuid.UUID(sent.message_id).version == 4
+        stats = await flight.queue_stats("PaymentAgent")
+        assert stats.agents[0].depth == 1
+
+        [got] = await flight.receive("PaymentAgent")
+        assert got.message_id == sent.message_id
+        assert got.from_agent == "FlightAgent"
+        assert got.to_agent == "PaymentAgent"
+        assert got.message_type is MessageType.REQUEST
+        assert got.content == {
+            "action": "process_payment",
+            "parameters": {"flight": "Flight A", "amount": 450},
+        }
+        assert ISO_8601.match(got.to_dict()["timestamp"])
+
+
+async def test_scenario_02_receive_messages(mesh: LocalMesh) -> None:
+    async with mesh.client() as client:
+        await register(client, "PaymentAgent")
+        for mid, sender in (("msg_001", "FlightAgent"), ("msg_002", "HotelAgent"),
+                            ("msg_003", "CarAgent")):
+            await client.send_message(Message(message_id=mid, from_agent=sender,
+                                              to_agent="PaymentAgent",
+                                              content={"action": "process_payment"}))
+        messages = await client.receive("PaymentAgent")
+        assert [m.message_id for m in messages] == ["msg_001", "msg_002", "msg_003"]
+        assert [m.from_agent for m in messages] == ["FlightAgent", "HotelAgent", "CarAgent"]
+        assert all(m.message_type is MessageType.REQUEST for m in messages)
+        assert await client.receive("PaymentAgent") == []  # removed from the queue
+
+
+async def test_scenario_03_broadcast_to_all_agents(
+    mesh: LocalMesh, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="mesh.broker")
+    names = ["FlightAgent", "HotelAgent", "CarAgent", "PaymentAgent", "NotifyAgent"]
+    async with mesh.client("Orchestrator") as orchestrator:
+        await register(orchestrator, "Orchestrator", *names)
+        result = await orchestrator.broadcast({"alert": "System maintenance in 10 minutes"})
+        assert sorted(result.recipients) == sorted(names)
+        copies = {}
+        for name in names:
+            [copy] = await orchestrator.receive(name)
+            copies[name] = copy
+        assert await orchestrator.receive("Orchestrator") == []  # not to the sender
+        first = copies["FlightAgent"].to_dict()
+        for name, copy in copies.items():
+            assert copy.to_agent == name
+            assert copy.message_type is MessageType.BROADCAST
+            assert copy.content == {"alert": "System maintenance in 10 minutes"}
+            data = copy.to_dict()
+            assert {k: v for k, v in data.items() if k != "to_agent"} == {
+                k: v for k, v in first.items() if k != "to_agent"
+            }
+    logged = [r for r in caplog.records if getattr(r, "event", {}).get("category") == "broadcast"]
+    assert logged and sorted(logged[-1].event["recipients"]) == sorted(names)
+
+
+async def test_scenario_04_request_response_correlation(mesh: LocalMesh) -> None:
+    class Payment(Agent):
+        agent_id = "PaymentAgent"
+
+        @on("process_payment")
+        async def pay(self, message: Message, ctx: AgentContext) -> dict:
+            return {"status": "PAID", "amount": message.parameters["amount"]}
+
+    await mesh.add_agent(Payment())
+    async with mesh.client("HotelAgent") as hotel:
+        response = await hotel.request(
+            "PaymentAgent",
+            {"action": "process_payment", "parameters": {"amount": 120}},
+            correlation_id="cor_123",
+        )
+    assert response.correlation_id == "cor_123"
+    assert response.message_type is MessageType.RESPONSE
+    assert response.from_agent == "PaymentAgent"
+    assert response.to_agent == "HotelAgent"
+    assert response.content == {"action": "process_payment", "status": "PAID", "amount": 120}
+
+
+async def test_scenario_05_message_priority(mesh: LocalMesh) -> None:
+    async with mesh.client() as client:
+        await register(client, "PaymentAgent")
+        table = [("msg_001", Priority.LOW, "2025-11-16T10:00:00+00:00"),
+                 ("msg_002", Priority.HIGH, "2025-11-16T10:00:05+00:00"),
+                 ("msg_003", Priority.MEDIUM, "2025-11-16T10:00:02+00:00")]
+        for mid, priority, ts in table:
+            await client.send_message(Message(
+                message_id=mid, from_agent="FlightAgent", to_agent="PaymentAgent",
+                content={"action": "process_payment"}, priority=priority,
+                timestamp=datetime.fromisoformat(ts)))
+        messages = await client.receive("PaymentAgent")
+    assert [(m.message_id, m.priority) for m in messages] == [
+        ("msg_002", Priority.HIGH), ("msg_003", Priority.MEDIUM), ("msg_001", Priority.LOW)]
+
+
+class ManualClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_scenario_06_message_ttl(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="mesh.broker")
+    clock = ManualClock()
+    broker = Broker(BrokerConfig(), store=InMemoryQueueStore(clock=clock))
+    async with LocalMesh(broker=broker) as local, local.client("FlightAgent") as flight:
+        await register(flight, "PaymentAgent")
+        sent = await flight.send("PaymentAgent", {"action": "process_payment"}, ttl=60)
+        clock.now += 65
+        assert await flight.receive("PaymentAgent") == []
+        report = await flight.queue_stats()
+        assert report.totals["expired_count"] == 1
+    expired = [r for r in caplog.records if getattr(r, "event", {}).get("category") == "expired"]
+    assert [r.event["message_id"] for r in expired] == [sent.message_id]
+    assert expired[0].event["ttl"] == 60
+
+
+async def test_scenario_06_ttl_limits(mesh: LocalMesh) -> None:
+    async with mesh.client("FlightAgent") as flight:
+        await register(flight, "PaymentAgent")
+        with pytest.raises(MessageValidationError, match="ttl must be at most 86400 seconds"):
+            await flight.send("PaymentAgent", {"action": "x"}, ttl=86_401)
+        await flight.send("PaymentAgent", {"action": "x"}, ttl=86_400)
+
+
+async def test_scenario_07_handoff_between_agents(
+    mesh: LocalMesh, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="mesh.handoff")
+    seller = Collector()
+    await mesh.add_agent(seller.make("SellerAgent"))
+    async with mesh.client("CustomerAgent") as customer:
+        await customer.handoff(
+            "SellerAgent",
+            "Approve refund for order 12345",
+            context={"order_id": "12345", "reason": "defective product", "amount": 50},
+            previous_result={"order_id": "12345", "refund_eligible": True},
+            workflow_id="wf_refund_123",
+            step_number=2,
+        )
+    [got] = await seller.wait()
+    assert got.message_type is MessageType.HANDOFF
+    handoff = got.handoff
+    assert handoff is not None
+    assert handoff.task_description == "Approve refund for order 12345"
+    assert handoff.context == {"order_id": "12345", "reason": "defective product", "amount": 50}
+    assert handoff.previous_result == {"order_id": "12345", "refund_eligible": True}
+    assert handoff.constraints == {}
+    assert (handoff.workflow_id, handoff.step_number) == ("wf_refund_123", 2)
+    logged = [r for r in caplog.records if getattr(r, "event", {}).get("category") == "handoff"]
+    assert logged[-1].event["to_agent"] == "SellerAgent"
+
+
+async def test_scenario_07_step_increments_when_an_agent_hands_on(mesh: LocalMesh) -> None:
+    payment = Collector()
+    await mesh.add_agent(payment.make("PaymentAgent"))
+
+    @agent("SellerAgent")
+    async def seller(message: Message, ctx: AgentContext) -> None:
+        await ctx.handoff("PaymentAgent", "Pay refund", context=message.handoff.context,
+                          previous_result={"approved": True})
+
+    await mesh.add_agent(seller)
+    async with mesh.client("CustomerAgent") as customer:
+        await customer.handoff("SellerAgent", "Approve refund", context={"order_id": "12345"},
+                               workflow_id="wf_1", step_number=1)
+    [got] = await payment.wait()
+    assert (got.handoff.workflow_id, got.handoff.step_number) == ("wf_1", 2)
+    assert got.from_agent == "SellerAgent"
+
+
+async def test_scenario_08_handoff_with_context_transfer(
+    mesh: LocalMesh, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="mesh.handoff")
+    payment = Collector()
+    await mesh.add_agent(payment.make("PaymentAgent"))
+    context = {
+        "user_preferences": {"prefer_morning": True, "notes": "x" * 4700},
+        "travel_dates": {"departure": "Dec 15", "return": "Dec 20"},
+        "selected_flight": {"id": "Flight A", "price": 450},
+    }
+    size_kb = len(json.dumps(context, separators=(",", ":")).encode()) / 1024
+    assert 4.5 < size_kb < 5.5
+    async with mesh.client("FlightAgent") as flight:
+        await flight.handoff("PaymentAgent", "Charge the selected flight", context=context)
+    [got] = await payment.wait()
+    assert got.handoff.context == context
+    assert got.handoff.context["user_preferences"]["prefer_morning"] is True
+    [log] = [r for r in caplog.records if getattr(r, "event", {}).get("category") == "handoff"]
+    assert log.event["context_size_kb"] == pytest.approx(size_kb, abs=0.01)
+
+
+async def test_scenario_09_sequential_handoff_chain(mesh: LocalMesh) -> None:
+    done = Collector()
+    await mesh.add_agent(done.make("WorkflowObserver"))
+    chain = ["CustomerAgent", "SellerAgent", "PaymentAgent", "NotificationAgent"]
+    results = {
+        "CustomerAgent": {"order_id": "12345", "eligible": True},
+        "SellerAgent": {"approved": True, "reason": "defective"},
+        "PaymentAgent": {"refunded": 50, "status": "SUCCESS"},
+        "NotificationAgent": {"email": "SENT"},
+    }
+    seen: list[tuple[str, object, int]] = []
+
+    def make(index: int, name: str) -> Agent:
+        async def handler(message: Message, ctx: AgentContext) -> None:
+            handoff = message.handoff
+            seen.append((name, handoff.previous_result, handoff.step_number))
+            nxt = chain[index + 1] if index + 1 < len(chain) else "WorkflowObserver"
+            await ctx.handoff(nxt, f"step after {name}", context=handoff.context,
+                              previous_result=results[name])
+
+        return agent(name)(handler)
+
+    for i, name in enumerate(chain):
+        await mesh.add_agent(make(i, name))
+    async with mesh.client("user") as user:
+        await user.handoff("CustomerAgent", "Process refund for order #12345",
+                           workflow_id="wf_chain", step_number=1)
+    [final] = await done.wait()
+    assert [s[0] for s in seen] == chain
+    assert [s[2] for s in seen] == [1, 2, 3, 4]
+    assert seen[1][1] == results["CustomerAgent"]
+    assert seen[2][1] == results["SellerAgent"]
+    assert seen[3][1] == results["PaymentAgent"]
+    assert final.handoff.previous_result == {"email": "SENT"}
+    assert mesh.broker is not None and mesh.broker.metrics.totals.handoffs == 5
+
+
+@pytest.mark.parametrize(("approval", "expected"), [("APPROVED", "PaymentAgent"),
+                                                     ("REJECTED", "NotificationAgent")])
+async def test_scenario_10_conditional_handoff(
+    mesh: LocalMesh, caplog: pytest.LogCaptureFixture, approval: str, expected: str
+) -> None:
+    caplog.set_level(logging.INFO)
+    payment, notification = Collector(), Collector()
+    await mesh.add_agent(payment.make("PaymentAgent"))
+    await mesh.add_agent(notification.make("NotificationAgent"))
+
+    @agent("SellerAgent")
+    async def seller(message: Message, ctx: AgentContext) -> None:
+        result = message.handoff.context["approval_result"]
+        nxt = "PaymentAgent" if result == "APPROVED" else "NotificationAgent"
+        logging.getLogger("refund").info("approval_result=%s -> %s", result, nxt)
+        await ctx.handoff(nxt, "continue refund", previous_result={"approval_result": result})
+
+    await mesh.add_agent(seller)
+    async with mesh.client("CustomerAgent") as customer:
+        await customer.handoff("SellerAgent", "Review refund",
+                               context={"approval_result": approval})
+    chosen = payment if expected == "PaymentAgent" else notification
+    other = notification if chosen is payment else payment
+    [got] = await chosen.wait()
+    assert got.handoff.previous_result == {"approval_result": approval}
+    assert other.got == []
+    assert any(f"-> {expected}" in r.getMessage() for r in caplog.records)
+
+
+async def test_scenario_11_message_validation_error(mesh: LocalMesh) -> None:
+    async with mesh.client("FlightAgent") as flight:
+        await register(flight, "PaymentAgent")
+        with pytest.raises(MessageValidationError) as info:
+            await flight.send("PaymentAgent", message_type=MessageType.REQUEST)
+        assert info.value.message == "content is required"
+        assert info.value.code == "INVALID_ARGUMENT"
+        assert [v.field for v in info.value.field_violations] == ["content"]
+        stats = await flight.queue_stats("PaymentAgent")
+        assert stats.agents[0].depth == 0
+        assert stats.totals["validation_errors"] == 1
+
+
+class RecordingSleep:
+    def __init__(self, on_call: dict[int, object] | None = None) -> None:
+        self.delays: list[float] = []
+        self.on_call = on_call or {}
+
+    async def __call__(self, delay: float) -> None:
+        self.delays.append(delay)
+        hook = self.on_call.get(len(self.delays))
+        if hook is not None:
+            await hook()  # type: ignore[operator]
+
+
+async def test_scenario_12_message_queue_full() -> None:
+    async with LocalMesh(BrokerConfig(max_messages_per_agent=1000)) as local:
+        async with local.client("FlightAgent", retry=NO_RETRY) as flight:
+            await register(flight, "PaymentAgent")
+            batch = [flight.build("PaymentAgent", {"action": "process_payment", "parameters": {"i": i}})
+                     for i in range(1000)]
+            assert all(isinstance(r, Message) for r in await flight.send_batch(batch))
+            with pytest.raises(MessageQueueFullError, match="PaymentAgent queue full") as info:
+                await flight.send("PaymentAgent", {"action": "process_payment"})
+            assert info.value.code == "RESOURCE_EXHAUSTED"
+            assert info.value.retry_after is not None
+
+        # With the default policy the sender backs off 100 ms, 500 ms, 2000 ms ...
+        exhausted = RecordingSleep()
+        async with local.client("FlightAgent", sleep=exhausted) as flight:
+            with pytest.raises(MessageQueueFullError):
+                await flight.send("PaymentAgent", {"action": "process_payment"})
+            assert exhausted.delays == [0.1, 0.5, 2.0]
+            assert flight.stats.retries == {"RESOURCE_EXHAUSTED": 3}
+
+            # ... and once the queue clears, the message is sent.
+            async def drain() -> None:
+                await flight.receive("PaymentAgent", max_messages=10)
+
+            clearing = RecordingSleep({2: drain})
+            flight._sleep = clearing
+            sent = await flight.send("PaymentAgent", {"action": "process_payment", "last": True})
+            assert clearing.delays == [0.1, 0.5]
+            stats = await flight.queue_stats("PaymentAgent")
+            assert stats.agents[0].depth == 991
+            assert stats.totals["dropped_count"] == 1 + 4 + 2  # every refusal counted
+            messages = await flight.receive("PaymentAgent")
+            assert messages[-1].message_id == sent.message_id
+
+
+async def test_scenario_13_acknowledge_receipt(mesh: LocalMesh) -> None:
+    flight = Collector()
+    await mesh.add_agent(flight.make("FlightAgent", reply={"status": "searching"}))
+    async with mesh.client("Orchestrator") as orchestrator:
+        await orchestrator.register()
+        sent = await orchestrator.send("FlightAgent", {"action": "search_flights"},
+                                       ack_required=True)
+        async with orchestrator.subscribe() as inbox:
+            async for received in inbox:
+                await received.ack()
+                if received.message.message_type is MessageType.ACK:
+                    ack = received.message
+                    break
+    assert ack.correlation_id == sent.message_id
+    assert ack.from_agent == "FlightAgent"
+    assert ack.to_agent == "Orchestrator"
+
+
+async def test_scenario_14_parallel_messages(
+    mesh: LocalMesh, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="mesh.client")
+    collectors = {name: Collector() for name in ("FlightAgent", "HotelAgent", "CarAgent")}
+    for name, collector in collectors.items():
+        await mesh.add_agent(collector.make(name))
+    async with mesh.client("Orchestrator") as orchestrator:
+        messages = [orchestrator.build(name, {"action": "book"}, message_type=MessageType.BROADCAST)
+                    for name in collectors]
+        sent = await orchestrator.send_parallel(messages)
+    assert [m.message_id for m in sent] == [m.message_id for m in messages]
+    for name, collector in collectors.items():
+        [got] = await collector.wait()
+        assert got.to_agent == name
+    logged = [r for r in caplog.records
+              if getattr(r, "event", {}).get("category") == "parallel_send"]
+    assert logged[-1].event["count"] == 3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_scenario_15_retry_with_backoff_on_network_error() -> None:
+    port = free_port()
+    started: list[object] = []
+
+    async def start_broker() -> None:
+        broker, server = await serve_broker(server_config=ServerConfig(port=port))
+        await broker.register(__import__("mesh").AgentInfo(agent_id="PaymentAgent"))
+        started.append(server)
+
+    class RealSleep(RecordingSleep):
+        async def __call__(self, delay: float) -> None:
+            await super().__call__(delay)
+            await asyncio.sleep(delay)
+
+    sleep = RealSleep({3: start_broker})
+    try:
+        async with MeshClient(f"127.0.0.1:{port}", agent_id="FlightAgent", sleep=sleep) as flight:
+            sent = await flight.send("PaymentAgent", {"action": "process_payment"})
+            assert sleep.delays == [0.1, 0.5, 2.0]
+            assert flight.stats.retries == {"UNAVAILABLE": 3}
+            [got] = await flight.receive("PaymentAgent")
+            assert got.message_id == sent.message_id
+    finally:
+        for server in started:
+            await server.stop(0)  # type: ignore[attr-defined]
+
+
+async def test_scenario_16_handoff_logging(
+    mesh: LocalMesh, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="mesh.handoff")
+    seller = Collector()
+    await mesh.add_agent(seller.make("SellerAgent"))
+    context = {"order_id": "12345", "amount": 50}
+    async with mesh.client("CustomerAgent") as customer:
+        await customer.handoff("SellerAgent", "Approve refund", context=context,
+                               workflow_id="wf_refund_123", step_number=2)
+    await seller.wait()
+    [record] = [r for r in caplog.records if r.name == "mesh.handoff"]
+    line = json.loads(JsonFormatter().format(record))
+    assert line["category"] == "handoff"
+    assert line["from_agent"] == "CustomerAgent"
+    assert line["to_agent"] == "SellerAgent"
+    assert line["workflow_id"] == "wf_refund_123"
+    assert line["step_number"] == 2
+    assert line["task_description"] == "Approve refund"
+    expected_kb = len(json.dumps(context, separators=(",", ":")).encode()) / 1024
+    assert line["context_size_kb"] == pytest.approx(expected_kb, abs=0.001)
+    assert ISO_8601.match(line["timestamp"])
+
+
+async def test_scenario_17_broadcast_with_selective_targeting(mesh: LocalMesh) -> None:
+    async with mesh.client("Orchestrator") as orchestrator:
+        await register(orchestrator, "FlightAgent", "HotelAgent", "CarAgent",
+                       agent_types=("booking",))
+        await register(orchestrator, "PaymentAgent", agent_types=("payment",))
+        await register(orchestrator, "NotificationAgent", agent_types=("notification",))
+        result = await orchestrator.broadcast_to_types(
+            ["booking"], {"alert": "Booking API maintenance"})
+        assert sorted(result.recipients) == ["CarAgent", "FlightAgent", "HotelAgent"]
+        for name in ("FlightAgent", "HotelAgent", "CarAgent"):
+            [got] = await orchestrator.receive(name)
+            assert got.content == {"alert": "Booking API maintenance"}
+        for name in ("PaymentAgent", "NotificationAgent"):
+            assert await orchestrator.receive(name) == []
+        stats = await orchestrator.queue_stats()
+        assert stats.totals["broadcast_count"] == 1
+
+
+async def test_scenario_18_content_structure_validation(mesh: LocalMesh) -> None:
+    async with mesh.client("FlightAgent") as flight:
+        await register(flight, "PaymentAgent")
+        await flight.send("PaymentAgent", {"action": "process_payment",
+                                           "parameters": {"amount": 450, "flight": "Flight A"}})
+        [accepted] = await flight.receive("PaymentAgent")
+        assert accepted.parameters == {"amount": 450, "flight": "Flight A"}
+        with pytest.raises(MessageValidationError, match="content.action is required"):
+            await flight.send("PaymentAgent", {"parameters": {"amount": 450}})
+        with pytest.raises(MessageValidationError, match="content.parameters must be an object"):
+            await flight.send("PaymentAgent", {"action": "x", "parameters": [1, 2]})
+        assert await flight.receive("PaymentAgent") == []
+
+
+async def test_scenario_19_handoff_with_constraints(
+    mesh: LocalMesh, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="mesh.handoff")
+    outcomes = Collector()
+    await mesh.add_agent(outcomes.make("Outcomes"))
+
+    @agent("PaymentAgent")
+    async def payment(message: Message, ctx: AgentContext) -> None:
+        constraints = message.handoff.constraints
+        days = {"within_3_days": 3}[constraints["processing_time"]]
+        await ctx.send("Outcomes", {"action": "refund_done", "method": constraints["refund_method"],
+                                    "processing_days": days})
+
+    await mesh.add_agent(payment)
+    constraints = {"refund_method": "original_payment", "processing_time": "within_3_days"}
+    async with mesh.client("SellerAgent") as seller:
+        await seller.handoff("PaymentAgent", "Refund $50", constraints=constraints)
+    [outcome] = await outcomes.wait()
+    assert outcome.content == {"action": "refund_done", "method": "original_payment",
+                               "processing_days": 3}
+    [record] = [r for r in caplog.records if r.name == "mesh.handoff"]
+    assert record.event["constraints"] == constraints
+
+
+def scrape(port: int) -> dict[str, float]:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    samples = {}
+    for line in body.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+async def test_scenario_20_communication_metrics() -> None:
+    async with LocalMesh(metrics_port=0) as local:
+        async with local.client("FlightAgent") as flight:
+            await register(flight, "PaymentAgent", "SellerAgent")
+            batch = [flight.build("PaymentAgent", {"action": "process_payment", "parameters": {"i": i}})
+                     for i in range(1000)]
+            results = await flight.send_batch(batch)
+            assert all(isinstance(r, Message) for r in results)
+            received = await flight.receive("PaymentAgent")
+            assert len(received) == 1000
+            for step in range(150):
+                await flight.handoff("SellerAgent", "Approve refund", workflow_id="wf",
+                                     step_number=step + 1)
+            assert len(await flight.receive("SellerAgent")) == 150
+            report = await flight.queue_stats()
+        assert report.totals["sent_count"] == 1150
+        assert report.totals["delivered_count"] == 1150
+        assert report.totals["handoff_count"] == 150
+        assert report.totals["dropped_count"] == 0
+        assert local.server is not None and local.server.metrics_port
+        samples = scrape(local.server.metrics_port)
+    assert samples['agentmesh_messages_sent_total{message_type="REQUEST"}'] == 1000
+    assert samples['agentmesh_messages_sent_total{message_type="HANDOFF"}'] == 150
+    assert samples['agentmesh_messages_received_total{path="receive"}'] == 1150
+    assert samples["agentmesh_handoffs_total"] == 150
+    assert samples["agentmesh_send_latency_seconds_count"] == 1150
+    assert samples["agentmesh_handoff_latency_seconds_count"] == 150
+    assert samples["agentmesh_receive_latency_seconds_count"] == 2
+    assert samples.get('agentmesh_messages_dropped_total{reason="queue_full"}', 0) == 0
+    assert samples["agentmesh_messages_expired_total"] == 0

@@ -1,0 +1,247 @@
+"""The in-memory queue store: order, TTL, capacity, leases, redelivery, dead letters."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from mesh.core.errors import MessageQueueFullError
+from mesh.core.model import DeadLetter, Message, Priority
+from mesh.core.queue import InMemoryQueueStore, Released
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.expired: list[Message] = []
+        self.dead: list[DeadLetter] = []
+        self.redelivered: list[tuple[str, int]] = []
+        self.released: list[Released] = []
+
+    def on_expired(self, message: Message) -> None:
+        self.expired.append(message)
+
+    def on_dead_letter(self, dead: DeadLetter) -> None:
+        self.dead.append(dead)
+
+    def on_redelivery(self, message: Message, attempt: int) -> None:
+        self.redelivered.append((message.message_id, attempt))
+
+    def on_released(self, released: Released) -> None:
+        self.released.append(released)
+
+
+BASE = datetime(2025, 11, 16, 10, 0, 0, tzinfo=UTC)
+
+
+def msg(mid: str, *, to: str = "PaymentAgent", priority: Priority = Priority.MEDIUM,
+        at: float = 0.0) -> Message:
+    return Message(message_id=mid, from_agent="FlightAgent", to_agent=to,
+                   content={"action": "process_payment"}, priority=priority,
+                   timestamp=BASE + timedelta(seconds=at))
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def recorder() -> Recorder:
+    return Recorder()
+
+
+@pytest.fixture
+def store(clock: FakeClock, recorder: Recorder) -> InMemoryQueueStore:
+    return InMemoryQueueStore(max_messages_per_agent=5, max_total_messages=8,
+                              max_delivery_attempts=3, clock=clock, listener=recorder)
+
+
+async def ids(store: InMemoryQueueStore, agent: str = "PaymentAgent") -> list[str]:
+    return [p.message.message_id for p in await store.pop(agent)]
+
+
+async def test_priority_then_timestamp_order(store: InMemoryQueueStore) -> None:
+    # RF-009 scenario 5's table: LOW at :00, HIGH at :05, MEDIUM at :02.
+    await store.put(msg("msg_001", priority=Priority.LOW, at=0), 3600)
+    await store.put(msg("msg_002", priority=Priority.HIGH, at=5), 3600)
+    await store.put(msg("msg_003", priority=Priority.MEDIUM, at=2), 3600)
+    assert await ids(store) == ["msg_002", "msg_003", "msg_001"]
+
+
+async def test_same_priority_is_oldest_first_and_then_arrival(store: InMemoryQueueStore) -> None:
+    await store.put(msg("late", at=9), 3600)
+    await store.put(msg("early", at=1), 3600)
+    await store.put(msg("tie-a", at=5), 3600)
+    await store.put(msg("tie-b", at=5), 3600)
+    assert await ids(store) == ["early", "tie-a", "tie-b", "late"]
+
+
+async def test_pop_removes_and_respects_max(store: InMemoryQueueStore) -> None:
+    for i in range(4):
+        await store.put(msg(f"m{i}", at=i), 3600)
+    assert [p.message.message_id for p in await store.pop("PaymentAgent", 3)] == ["m0", "m1", "m2"]
+    assert await ids(store) == ["m3"]
+    assert await ids(store) == []
+    assert await store.held() == 0
+
+
+async def test_expired_message_is_never_popped_and_is_reported(
+    store: InMemoryQueueStore, clock: FakeClock, recorder: Recorder
+) -> None:
+    await store.put(msg("old"), 60)
+    await store.put(msg("fresh", at=1), 3600)
+    clock.advance(65)
+    assert await ids(store) == ["fresh"]
+    assert [m.message_id for m in recorder.expired] == ["old"]
+
+
+async def test_expired_message_is_never_leased(
+    store: InMemoryQueueStore, clock: FakeClock, recorder: Recorder
+) -> None:
+    await store.put(msg("old"), 60)
+    clock.advance(61)
+    assert await store.lease("PaymentAgent", "sub", 30) is None
+    assert len(recorder.expired) == 1
+
+
+async def test_sweep_expires_without_a_reader(
+    store: InMemoryQueueStore, clock: FakeClock, recorder: Recorder
+) -> None:
+    await store.put(msg("old"), 60)
+    clock.advance(60)
+    await store.sweep()
+    assert [m.message_id for m in recorder.expired] == ["old"]
+    assert await store.held() == 0
+    [stats] = await store.stats("PaymentAgent")
+    assert stats.depth == 0
+
+
+async def test_capacity_per_agent(store: InMemoryQueueStore) -> None:
+    for i in range(5):
+        await store.put(msg(f"m{i}"), 3600)
+    with pytest.raises(MessageQueueFullError, match="PaymentAgent queue full") as info:
+        await store.put(msg("m5"), 3600)
+    assert info.value.retry_after and info.value.retry_after > 0
+    # Another agent still has room.
+    assert await store.put(msg("other", to="HotelAgent"), 3600)
+    # Nothing accepted was lost.
+    assert await ids(store) == [f"m{i}" for i in range(5)]
+
+
+async def test_capacity_in_total(store: InMemoryQueueStore) -> None:
+    for i in range(4):
+        await store.put(msg(f"a{i}", to="A"), 3600)
+        await store.put(msg(f"b{i}", to="B"), 3600)
+    with pytest.raises(MessageQueueFullError, match="C queue full"):
+        await store.put(msg("c0", to="C"), 3600)
+    assert await store.held() == 8
+
+
+async def test_expired_messages_do_not_hold_capacity(
+    store: InMemoryQueueStore, clock: FakeClock, recorder: Recorder
+) -> None:
+    for i in range(5):
+        await store.put(msg(f"m{i}"), 10)
+    clock.advance(11)
+    assert await store.put(msg("new"), 3600)
+    assert len(recorder.expired) == 5
+    assert await ids(store) == ["new"]
+
+
+async def test_duplicate_message_id_is_accepted_once(store: InMemoryQueueStore) -> None:
+    assert await store.put(msg("same"), 3600)
+    assert not await store.put(msg("same"), 3600)
+    assert await ids(store) == ["same"]
+
+
+async def test_lease_ack_releases_capacity(store: InMemoryQueueStore, recorder: Recorder) -> None:
+    await store.put(msg("m1"), 3600)
+    lease = await store.lease("PaymentAgent", "sub-1", 30)
+    assert lease is not None and lease.attempt == 1 and lease.subscriber == "sub-1"
+    assert await store.held() == 1  # in flight still holds capacity
+    [stats] = await store.stats("PaymentAgent")
+    assert (stats.depth, stats.in_flight) == (0, 1)
+    assert await store.ack("PaymentAgent", ["m1"]) == 1
+    assert await store.held() == 0
+    assert await store.ack("PaymentAgent", ["m1"]) == 0
+    assert [r.message_id for r in recorder.released] == ["m1"]
+
+
+async def test_nack_redelivers_in_place_with_attempt_count(
+    store: InMemoryQueueStore, recorder: Recorder
+) -> None:
+    await store.put(msg("first", at=0), 3600)
+    await store.put(msg("second", at=1), 3600)
+    lease = await store.lease("PaymentAgent", "s", 30)
+    assert lease is not None and lease.message.message_id == "first"
+    assert await store.nack("PaymentAgent", ["first"]) == (1, 0)
+    again = await store.lease("PaymentAgent", "s", 30)
+    assert again is not None
+    assert (again.message.message_id, again.attempt) == ("first", 2)
+    assert recorder.redelivered == [("first", 2)]
+
+
+async def test_lease_expiry_redelivers(store: InMemoryQueueStore, clock: FakeClock) -> None:
+    await store.put(msg("m1"), 3600)
+    await store.lease("PaymentAgent", "s", 5)
+    clock.advance(4)
+    await store.sweep()
+    assert await store.lease("PaymentAgent", "s", 5) is None
+    clock.advance(2)
+    await store.sweep()
+    lease = await store.lease("PaymentAgent", "s", 5)
+    assert lease is not None and lease.attempt == 2
+
+
+async def test_dead_letter_after_max_attempts(
+    store: InMemoryQueueStore, recorder: Recorder
+) -> None:
+    await store.put(msg("poison"), 3600)
+    for attempt in (1, 2):
+        lease = await store.lease("PaymentAgent", "s", 30)
+        assert lease is not None and lease.attempt == attempt
+        assert await store.nack("PaymentAgent", ["poison"]) == (1, 0)
+    lease = await store.lease("PaymentAgent", "s", 30)
+    assert lease is not None and lease.attempt == 3
+    assert await store.nack("PaymentAgent", ["poison"]) == (0, 1)
+    assert await store.lease("PaymentAgent", "s", 30) is None
+    [dead] = await store.dead_letters("PaymentAgent")
+    assert dead.message.message_id == "poison" and dead.attempts == 3
+    assert "nacked after 3 delivery attempts" in dead.reason
+    assert recorder.dead == [dead]
+    assert await store.held() == 0
+    [stats] = await store.stats("PaymentAgent")
+    assert stats.dead_letters == 1
+
+
+async def test_departed_subscriber_returns_its_leases(store: InMemoryQueueStore) -> None:
+    await store.put(msg("a", at=0), 3600)
+    await store.put(msg("b", at=1), 3600)
+    await store.lease("PaymentAgent", "gone", 30)
+    await store.lease("PaymentAgent", "stays", 30)
+    assert await store.release_subscriber("PaymentAgent", "gone") == 1
+    lease = await store.lease("PaymentAgent", "next", 30)
+    assert lease is not None and (lease.message.message_id, lease.attempt) == ("a", 2)
+
+
+async def test_expired_while_leased_is_not_redelivered(
+    store: InMemoryQueueStore, clock: FakeClock, recorder: Recorder
+) -> None:
+    await store.put(msg("m"), 10)
+    await store.lease("PaymentAgent", "s", 30)
+    clock.advance(11)
+    assert await store.nack("PaymentAgent", ["m"]) == (0, 0)
+    assert [m.message_id for m in recorder.expired] == ["m"]
+    assert await store.held() == 0
