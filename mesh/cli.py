@@ -1,0 +1,288 @@
+"""The agentmesh command line: run a broker or an agent, and poke at a running mesh."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import importlib
+import json
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from mesh.agent import Agent, serve
+from mesh.client import connect
+from mesh.config import BrokerConfig, ServerConfig
+from mesh.core.errors import MeshError
+from mesh.core.model import Message, MessageType, Priority
+from mesh.logs import configure_logging
+
+DEFAULT_BROKER = "127.0.0.1:50051"
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"AGENTMESH_{name}", default)
+
+
+async def _until_signalled() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+# -- broker ----------------------------------------------------------------------------------
+
+
+def _add_broker_config_flags(parser: argparse.ArgumentParser) -> None:
+    for f in dataclasses.fields(BrokerConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = float if str(f.type).startswith("float") else int
+        parser.add_argument(flag, type=kind, default=None,
+                            help=f"(env AGENTMESH_{f.name.upper()}; default {f.default})")
+
+
+def _broker_config(args: argparse.Namespace) -> BrokerConfig:
+    config = BrokerConfig.from_env()
+    changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(BrokerConfig)
+               if getattr(args, f.name, None) is not None}
+    return config.evolve(**changes)
+
+
+async def _run_broker(args: argparse.Namespace) -> int:
+    from mesh.server import serve_broker
+
+    server_config = ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port)
+    broker, server = await serve_broker(server_config=server_config,
+                                        broker_config=_broker_config(args))
+    metrics = f", metrics on http://{args.host}:{server.metrics_port}/metrics" if server.metrics_port else ""
+    _print(f"agentmesh broker listening on {server.address}{metrics} (insecure, plaintext)")
+    await _until_signalled()
+    _print("agentmesh broker shutting down")
+    await server.stop(server_config.grace_seconds)
+    return 0
+
+
+# -- agent -----------------------------------------------------------------------------------
+
+
+def load_agent(spec: str, agent_id: str | None = None) -> Agent:
+    """Loads ``module:attr``: an Agent instance, an Agent class, or a factory returning one."""
+    module_name, _, attr = spec.partition(":")
+    if not attr:
+        raise SystemExit(f"agent spec must be module:attribute, got {spec!r}")
+    target: Any = getattr(importlib.import_module(module_name), attr)
+    if isinstance(target, type) and issubclass(target, Agent):
+        target = target(agent_id) if agent_id else target()
+    elif not isinstance(target, Agent) and callable(target):
+        target = target(agent_id) if agent_id else target()
+    if not isinstance(target, Agent):
+        raise SystemExit(f"{spec} is not an agent")
+    if agent_id and target.agent_id != agent_id:
+        target.agent_id = agent_id
+    return target
+
+
+async def _run_agent(args: argparse.Namespace) -> int:
+    agent = load_agent(args.spec, args.id)
+    served = await serve(agent, args.broker, host=args.host, port=args.port,
+                         max_in_flight=args.max_in_flight)
+    _print(f"agentmesh agent {agent.agent_id} serving on {served.address}, broker {args.broker}")
+    await _until_signalled()
+    await served.stop()
+    return 0
+
+
+# -- debugging commands ------------------------------------------------------------------------
+
+
+def _json_arg(text: str | None, what: str) -> Any:
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"{what} is not valid JSON: {exc}") from None
+
+
+def _message_line(m: Message) -> str:
+    return (f"{m.timestamp.isoformat()}  {m.priority.value:<6} {m.message_type.value:<9} "
+            f"{m.from_agent} -> {m.to_agent}  {m.message_id}  "
+            f"{json.dumps(m.content, separators=(',', ':'))}")
+
+
+def _content(args: argparse.Namespace) -> dict[str, Any] | None:
+    content = _json_arg(args.content, "--content")
+    if content is None and args.action:
+        content = {"action": args.action}
+        params = _json_arg(args.params, "--params")
+        if params is not None:
+            content["parameters"] = params
+    return content
+
+
+async def _send(args: argparse.Namespace) -> int:
+    async with connect(args.broker, agent_id=args.sender) as client:
+        message = client.build(
+            args.to, _content(args), message_type=MessageType(args.type),
+            priority=Priority(args.priority), ttl=args.ttl,
+            correlation_id=args.correlation_id or "", ack_required=args.ack_required,
+        )
+        if args.request:
+            response = await client.request_message(message, timeout=args.timeout)
+            _print(json.dumps(response.to_dict(), indent=2) if args.json else _message_line(response))
+        else:
+            sent = await client.send_message(message)
+            _print(json.dumps(sent.to_dict(), indent=2) if args.json else f"sent {sent.message_id}")
+    return 0
+
+
+async def _receive(args: argparse.Namespace) -> int:
+    async with connect(args.broker, agent_id=args.agent) as client:
+        messages = await client.receive(args.agent, args.max)
+    if args.json:
+        _print(json.dumps([m.to_dict() for m in messages], indent=2))
+    elif not messages:
+        _print(f"no messages for {args.agent}")
+    else:
+        for m in messages:
+            _print(_message_line(m))
+    return 0
+
+
+async def _agents(args: argparse.Namespace) -> int:
+    async with connect(args.broker) as client:
+        agents = await client.list_agents(args.type or "")
+        stats = await client.queue_stats()
+    if args.json:
+        _print(json.dumps([{"agent_id": a.agent_id, "agent_types": list(a.agent_types),
+                            "address": a.address, "capabilities": list(a.capabilities)}
+                           for a in agents], indent=2))
+        return 0
+    depth = {s.agent_id: s for s in stats.agents}
+    rows = [("AGENT", "TYPES", "ADDRESS", "QUEUED", "IN FLIGHT", "CAPABILITIES")]
+    for a in agents:
+        s = depth.get(a.agent_id)
+        rows.append((a.agent_id, ",".join(a.agent_types) or "-", a.address or "-",
+                     str(s.depth if s else 0), str(s.in_flight if s else 0),
+                     ",".join(a.capabilities) or "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        _print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    _print(f"{len(agents)} agents; broker holds {stats.totals['held']} messages")
+    return 0
+
+
+async def _stats(args: argparse.Namespace) -> int:
+    async with connect(args.broker) as client:
+        report = await client.queue_stats(args.agent or "")
+        dead = await client.dead_letters(args.agent or "")
+    _print(f"{'AGENT':<24} {'DEPTH':>6} {'HIGH':>6} {'MEDIUM':>6} {'LOW':>6} {'IN FLIGHT':>9} {'DEAD':>5}")
+    for a in report.agents:
+        _print(f"{a.agent_id:<24} {a.depth:>6} {a.high:>6} {a.medium:>6} {a.low:>6} "
+               f"{a.in_flight:>9} {a.dead_letters:>5}")
+    _print("totals: " + ", ".join(f"{k}={v}" for k, v in report.totals.items()))
+    for d in dead:
+        _print(f"dead letter {d.message.message_id} to {d.message.to_agent}: {d.reason}")
+    return 0
+
+
+# -- parser ------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agentmesh", description=__doc__)
+    parser.add_argument("--log-level", default=_env("LOG_LEVEL", "WARNING"))
+    sub = parser.add_subparsers(dest="command", required=True)
+    broker_default = _env("BROKER", DEFAULT_BROKER)
+
+    p = sub.add_parser("broker", help="run the broker")
+    p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(_env("PORT", "50051")))
+    p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "-1")),
+                   help="HTTP port of /metrics (-1 off, 0 any free port)")
+    _add_broker_config_flags(p)
+    p.set_defaults(run=_run_broker)
+
+    p = sub.add_parser("agent", help="run an agent from module:attribute")
+    p.add_argument("spec", help="module:attribute naming an Agent (instance, class or factory)")
+    p.add_argument("--id", help="agent id to use instead of the agent's own")
+    p.add_argument("--broker", default=broker_default)
+    p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(_env("AGENT_PORT", "0")))
+    p.add_argument("--max-in-flight", type=int, default=16)
+    p.set_defaults(run=_run_agent)
+
+    p = sub.add_parser("send", help="send a message (or a request with --request)")
+    p.add_argument("--broker", default=broker_default)
+    p.add_argument("--from", dest="sender", default="cli")
+    p.add_argument("--to", required=True)
+    p.add_argument("--action")
+    p.add_argument("--params", help="JSON object for content.parameters")
+    p.add_argument("--content", help="the whole content as a JSON object")
+    p.add_argument("--type", default="REQUEST", choices=[t.value for t in MessageType])
+    p.add_argument("--priority", default="MEDIUM", choices=[x.value for x in Priority])
+    p.add_argument("--ttl", type=int, default=0)
+    p.add_argument("--correlation-id")
+    p.add_argument("--ack-required", action="store_true")
+    p.add_argument("--request", action="store_true", help="wait for the response")
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_send)
+
+    p = sub.add_parser("receive", help="take an agent's queued messages")
+    p.add_argument("--broker", default=broker_default)
+    p.add_argument("--agent", required=True)
+    p.add_argument("--max", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_receive)
+
+    p = sub.add_parser("agents", help="list registered agents")
+    p.add_argument("--broker", default=broker_default)
+    p.add_argument("--type")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_agents)
+
+    p = sub.add_parser("stats", help="queue depths, counters and dead letters")
+    p.add_argument("--broker", default=broker_default)
+    p.add_argument("--agent")
+    p.set_defaults(run=_stats)
+
+    _add_gateway_commands(sub, broker_default)
+    return parser
+
+
+def _add_gateway_commands(sub: Any, broker_default: str) -> None:
+    """`up` and `demo` live with the gateway; they are added when it is installed."""
+    try:
+        from gateway.cli import add_commands
+    except ImportError:
+        return
+    add_commands(sub, broker_default)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        return int(asyncio.run(args.run(args)) or 0)
+    except MeshError as error:
+        print(f"error: {error.code}: {error.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""At-least-once delivery, request deadlines, concurrency and error statuses over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from google.protobuf import duration_pb2
+
+from mesh import (
+    Agent,
+    AgentContext,
+    BrokerConfig,
+    LocalMesh,
+    Message,
+    MessageTooLargeError,
+    MessageType,
+    RequestTimeoutError,
+    agent,
+)
+from mesh.core.errors import AgentNotFoundError
+from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
+
+
+async def test_request_to_an_agent_that_does_not_answer_ends_at_the_deadline(
+    mesh: LocalMesh,
+) -> None:
+    async with mesh.client("Orchestrator") as client:
+        await client.register("SilentAgent")  # registered, but nobody consumes its queue
+        with pytest.raises(RequestTimeoutError, match="no response from SilentAgent"):
+            await client.request("SilentAgent", {"action": "ping"}, timeout=0.3)
+        assert mesh.broker is not None and mesh.broker.pending_requests == 0
+
+
+async def test_unary_send_request_honours_the_grpc_deadline(mesh: LocalMesh) -> None:
+    async with grpc.aio.insecure_channel(mesh.address) as channel:
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        await stub.RegisterAgent(broker_pb2.RegisterAgentRequest(
+            agent=message_pb2.AgentInfo(agent_id="SilentAgent")))
+        request = broker_pb2.SendRequestRequest(message=message_pb2.Message(
+            from_agent="caller", to_agent="SilentAgent"))
+        request.message.content.update({"action": "ping"})
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.SendRequest(request, timeout=0.3)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+async def test_two_concurrent_requesters_each_get_their_own_answers(mesh: LocalMesh) -> None:
+    @agent("EchoAgent")
+    async def echo(message: Message, ctx: AgentContext) -> dict:
+        await asyncio.sleep(0)  # interleave handlers
+        return {"requester": message.from_agent, "n": message.parameters["n"]}
+
+    await mesh.add_agent(echo, max_in_flight=64)
+
+    async def requester(name: str) -> list[tuple[str, int, str]]:
+        async with mesh.client(name) as client:
+            async def one(n: int) -> tuple[str, int, str]:
+                reply = await client.request("EchoAgent", {"action": "echo", "parameters": {"n": n}})
+                return reply.content["requester"], reply.content["n"], reply.to_agent
+
+            return list(await asyncio.gather(*(one(n) for n in range(500))))
+
+    a, b = await asyncio.gather(requester("RequesterA"), requester("RequesterB"))
+    assert a == [("RequesterA", n, "RequesterA") for n in range(500)]
+    assert b == [("RequesterB", n, "RequesterB") for n in range(500)]
+
+
+async def test_unacked_delivery_is_redelivered_after_its_lease_then_dead_lettered() -> None:
+    config = BrokerConfig(sweep_interval=0.02, max_delivery_attempts=2)
+    async with LocalMesh(config) as local, local.client("sender") as client:
+        await client.register("Worker")
+        sent = await client.send("Worker", {"action": "work"})
+        attempts = []
+        async with client.subscribe("Worker", lease_seconds=0.1) as sub:
+            async for received in sub:
+                attempts.append(received.attempt)  # never acked
+                if len(attempts) == 2:
+                    break
+        assert attempts == [1, 2]
+        async with asyncio.timeout(5):
+            while not await client.dead_letters("Worker"):
+                await asyncio.sleep(0.02)
+        [dead] = await client.dead_letters("Worker")
+        assert dead.message.message_id == sent.message_id
+        assert dead.attempts == 2
+        stats = await client.queue_stats("Worker")
+        assert stats.agents[0].dead_letters == 1
+        assert stats.totals["redelivered_count"] == 1
+
+
+async def test_nack_redelivers_with_attempt_count(mesh: LocalMesh) -> None:
+    async with mesh.client("sender") as client:
+        await client.register("Worker")
+        await client.send("Worker", {"action": "work"})
+        seen = []
+        async with client.subscribe("Worker") as sub:
+            async for received in sub:
+                seen.append(received.attempt)
+                if received.attempt == 1:
+                    await received.nack()
+                else:
+                    await received.ack()
+                    break
+        assert seen == [1, 2]
+        assert (await client.queue_stats("Worker")).agents[0].in_flight == 0
+
+
+async def test_closed_subscription_returns_unacked_messages_to_the_next_instance(
+    mesh: LocalMesh,
+) -> None:
+    async with mesh.client("sender") as client:
+        await client.register("Worker")
+        sent = [await client.send("Worker", {"action": "work", "i": i}) for i in range(3)]
+        first = client.subscribe("Worker")
+        got = []
+        async for received in first:
+            got.append(received.message.message_id)
+            if len(got) == 3:
+                break
+        await first.close()  # died holding three leased messages
+        again = []
+        async with client.subscribe("Worker") as second:
+            async for received in second:
+                again.append((received.message.message_id, received.attempt))
+                await received.ack()
+                if len(again) == 3:
+                    break
+        assert again == [(m.message_id, 2) for m in sent]
+
+
+async def test_max_in_flight_bounds_unacked_deliveries(mesh: LocalMesh) -> None:
+    async with mesh.client("sender") as client:
+        await client.register("Worker")
+        for i in range(5):
+            await client.send("Worker", {"action": "work", "i": i})
+        async with client.subscribe("Worker", max_in_flight=2) as sub:
+            iterator = sub.__aiter__()
+            first = await iterator.__anext__()
+            await iterator.__anext__()
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.2):
+                    await iterator.__anext__()
+            await first.ack()
+            third = await iterator.__anext__()
+            assert third.message.content["i"] == 2
+
+
+async def test_unary_subscribe_streams_deliveries_for_plain_grpc_clients(mesh: LocalMesh) -> None:
+    async with mesh.client("sender") as client, grpc.aio.insecure_channel(mesh.address) as channel:
+        await client.register("Worker")
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        call = stub.Subscribe(broker_pb2.SubscribeRequest(
+            agent_id="Worker", lease=duration_pb2.Duration(seconds=30)))
+        sent = await client.send("Worker", {"action": "work"})
+        first = await call.read()
+        assert first.delivery.message.message_id == sent.message_id
+        assert first.delivery.delivery_attempt == 1
+        ack = await stub.Ack(broker_pb2.AckRequest(agent_id="Worker", message_ids=[sent.message_id]))
+        assert ack.acknowledged == 1
+        call.cancel()
+
+
+async def test_unknown_agent_is_not_found(mesh: LocalMesh) -> None:
+    async with mesh.client("sender") as client:
+        with pytest.raises(AgentNotFoundError, match="agent Ghost is not registered"):
+            await client.send("Ghost", {"action": "x"})
+        with pytest.raises(AgentNotFoundError):
+            await client.request("Ghost", {"action": "x"}, timeout=1)
+
+
+async def test_oversize_message_gets_a_clear_error_and_nothing_is_enqueued() -> None:
+    async with LocalMesh(BrokerConfig(max_message_bytes=64 * 1024)) as local:
+        async with local.client("sender") as client:
+            await client.register("Worker")
+            with pytest.raises(MessageTooLargeError, match="the limit is 65536 bytes") as info:
+                await client.send("Worker", {"action": "x", "blob": "y" * 70_000})
+            assert info.value.code == "INVALID_ARGUMENT"
+            assert await client.receive("Worker") == []
+
+
+async def test_validation_errors_carry_field_violations_in_the_grpc_status(mesh: LocalMesh) -> None:
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    async with grpc.aio.insecure_channel(mesh.address) as channel:
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.SendMessage(broker_pb2.SendMessageRequest(
+                message=message_pb2.Message(to_agent="PaymentAgent")))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details() == "from_agent is required; content is required"
+        status = rpc_status.from_call(info.value)
+        bad = error_details_pb2.BadRequest()
+        assert any(d.Unpack(bad) for d in status.details if d.Is(bad.DESCRIPTOR))
+        assert [v.field for v in bad.field_violations] == ["from_agent", "content"]
+
+
+async def test_batch_results_are_per_message(mesh: LocalMesh) -> None:
+    async with mesh.client("sender") as client:
+        await client.register("Worker")
+        good = client.build("Worker", {"action": "x"})
+        bad = client.build("Worker", None)
+        ghost = client.build("Ghost", {"action": "x"})
+        results = await client.send_batch([good, bad, ghost])
+        assert results[0] == good
+        assert results[1].code == "INVALID_ARGUMENT"
+        assert results[2].code == "NOT_FOUND"
+        assert [m.message_id for m in await client.receive("Worker")] == [good.message_id]
+
+
+async def test_agent_handler_error_answers_with_error_message(mesh: LocalMesh) -> None:
+    from mesh import AgentError
+
+    class Failing(Agent):
+        agent_id = "PaymentAgent"
+
+        async def handle(self, message: Message, ctx: AgentContext) -> dict:
+            raise ValueError("Payment failed")
+
+    await mesh.add_agent(Failing())
+    async with mesh.client("caller") as client:
+        with pytest.raises(AgentError, match="Payment failed"):
+            await client.request("PaymentAgent", {"action": "pay"})
+
+
+async def test_broadcast_via_to_agent_broadcast(mesh: LocalMesh) -> None:
+    async with mesh.client("Orchestrator") as client:
+        for name in ("A", "B"):
+            await client.register(name)
+        sent = await client.send("broadcast", {"alert": "hi"}, message_type=MessageType.BROADCAST)
+        for name in ("A", "B"):
+            [got] = await client.receive(name)
+            assert got.message_id == sent.message_id and got.to_agent == name

@@ -1,0 +1,131 @@
+"""The mesh across OS processes: broker and agents started with the `agentmesh` command."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from mesh import MessageType, connect
+
+pytestmark = pytest.mark.processes
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Proc:
+    def __init__(self, process: asyncio.subprocess.Process, address: str) -> None:
+        self.process = process
+        self.address = address
+
+
+async def start(*args: str, ready: str) -> Proc:
+    """Starts `agentmesh ARGS` and waits for its ready line, which names its address."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "mesh.cli", *args, cwd=ROOT, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    assert process.stdout is not None
+    async with asyncio.timeout(30):
+        while True:
+            line = (await process.stdout.readline()).decode()
+            if not line:
+                raise RuntimeError(f"agentmesh {args[0]} exited before it was ready")
+            match = re.search(ready, line)
+            if match:
+                return Proc(process, match.group(1))
+
+
+async def stop(proc: Proc) -> int:
+    if proc.process.returncode is None:
+        proc.process.send_signal(signal.SIGTERM)
+    async with asyncio.timeout(15):
+        return await proc.process.wait()
+
+
+@pytest.fixture
+async def broker_proc() -> AsyncIterator[Proc]:
+    proc = await start("broker", "--port", "0", ready=r"listening on (\S+?)[,\s]")
+    try:
+        yield proc
+    finally:
+        await stop(proc)
+
+
+async def test_request_and_handoff_cross_three_processes(broker_proc: Proc) -> None:
+    payment = await start("agent", "tests.helpers.process_agents:Payment",
+                          "--broker", broker_proc.address, ready=r"serving on (\S+),")
+    seller = await start("agent", "tests.helpers.process_agents:Seller",
+                         "--broker", broker_proc.address, ready=r"serving on (\S+),")
+    try:
+        async with connect(broker_proc.address, agent_id="CustomerAgent") as customer:
+            await customer.register()
+            agents = {a.agent_id: a for a in await customer.list_agents()}
+            assert agents["PaymentAgent"].address == payment.address
+            assert agents["PaymentAgent"].agent_types == ("payment",)
+
+            response = await customer.request(
+                "PaymentAgent", {"action": "process_payment", "parameters": {"amount": 50}},
+                timeout=10)
+            assert response.message_type is MessageType.RESPONSE
+            assert response.content["status"] == "PAID"
+            assert response.content["pid"] == payment.process.pid
+
+            await customer.handoff("SellerAgent", "Approve refund for order 12345",
+                                   context={"order_id": "12345", "report_to": "CustomerAgent"},
+                                   previous_result={"eligible": True},
+                                   workflow_id="wf_refund_123", step_number=1)
+            async with customer.subscribe() as inbox:
+                async with asyncio.timeout(10):
+                    async for received in inbox:
+                        await received.ack()
+                        message = received.message
+                        break
+            assert message.message_type is MessageType.HANDOFF
+            assert message.from_agent == "SellerAgent"
+            handoff = message.handoff
+            assert handoff.workflow_id == "wf_refund_123" and handoff.step_number == 2
+            assert handoff.previous_result["seller_pid"] == seller.process.pid
+            assert handoff.previous_result["received"] == {"eligible": True}
+            assert handoff.context["order_id"] == "12345"
+    finally:
+        assert await stop(payment) == 0
+        assert await stop(seller) == 0
+    async with connect(broker_proc.address) as client:
+        # Graceful shutdown deregistered both agents.
+        remaining = {a.agent_id for a in await client.list_agents()}
+        assert remaining == {"CustomerAgent"}
+
+
+async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "AGENTMESH_BROKER": broker_proc.address}
+
+    async def cli(*args: str) -> tuple[int, str]:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "mesh.cli", *args, cwd=ROOT, env=env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        out, _ = await process.communicate()
+        return process.returncode or 0, out.decode()
+
+    async with connect(broker_proc.address) as client:
+        await client.register("PaymentAgent", agent_types=["payment"])
+    code, out = await cli("send", "--to", "PaymentAgent", "--action", "process_payment",
+                          "--params", '{"amount": 450}', "--priority", "HIGH")
+    assert code == 0 and out.startswith("sent ")
+    code, out = await cli("agents")
+    assert code == 0
+    assert re.search(r"PaymentAgent\s+payment\s+-\s+1\s+0", out), out
+    code, out = await cli("receive", "--agent", "PaymentAgent")
+    assert code == 0
+    assert "HIGH   REQUEST   cli -> PaymentAgent" in out
+    assert '"parameters":{"amount":450}' in out
+    code, out = await cli("send", "--to", "PaymentAgent")
+    assert code == 1
+    assert "INVALID_ARGUMENT: content is required" in out
+    code, out = await cli("send", "--to", "Nobody", "--action", "x")
+    assert code == 1 and "NOT_FOUND: agent Nobody is not registered" in out

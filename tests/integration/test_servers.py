@@ -1,0 +1,172 @@
+"""Every server speaks health and reflection; buf sees the contract; agents shut down cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from mesh import Agent, AgentClient, AgentContext, LocalMesh, Message, Tool, agent, on
+from mesh.core.model import MessageType
+
+ROOT = Path(__file__).resolve().parents[2]
+BUF = shutil.which("buf") or str(Path(sys.executable).parent / "buf")
+
+
+def buf(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([BUF, *args], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          input=stdin)
+
+
+async def abuf(*args: str) -> subprocess.CompletedProcess[str]:
+    return await asyncio.to_thread(buf, *args)
+
+
+def test_contract_is_buf_lint_clean() -> None:
+    result = buf("lint")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_contract_is_buf_formatted() -> None:
+    result = buf("format", "--exit-code")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+class Weather(Agent):
+    """Answers forecast requests."""
+
+    agent_id = "WeatherAgent"
+    agent_types = ("info",)
+    tools = (Tool(name="forecast_db", description="local forecast table"),)
+
+    @on("forecast")
+    async def forecast(self, message: Message, ctx: AgentContext) -> dict:
+        return {"city": message.parameters["city"], "sky": "clear"}
+
+
+async def test_buf_curl_lists_and_calls_every_service_through_reflection(mesh: LocalMesh) -> None:
+    served = await mesh.add_agent(Weather())
+    listed = await abuf("curl", "--protocol", "grpc", "--http2-prior-knowledge",
+                        "--list-methods", f"http://{mesh.address}")
+    assert listed.returncode == 0, listed.stderr
+    for method in ("mesh.v1.BrokerService/SendMessage", "mesh.v1.BrokerService/Connect",
+                   "mesh.v1.BrokerService/Subscribe", "grpc.health.v1.Health/Check"):
+        assert method in listed.stdout.split()
+    agent_methods = await abuf("curl", "--protocol", "grpc", "--http2-prior-knowledge",
+                               "--list-methods", f"http://{served.address}")
+    assert "mesh.v1.AgentService/HandleMessage" in agent_methods.stdout.split()
+
+    called = await abuf("curl", "--protocol", "grpc", "--http2-prior-knowledge", "-d",
+                        json.dumps({"message": {"from_agent": "cli", "to_agent": "WeatherAgent",
+                                                "content": {"action": "forecast",
+                                                            "parameters": {"city": "Paris"}}}}),
+                        f"http://{mesh.address}/mesh.v1.BrokerService/SendRequest")
+    assert called.returncode == 0, called.stderr
+    response = json.loads(called.stdout)["response"]
+    assert response["messageType"] == "MESSAGE_TYPE_RESPONSE"
+    assert response["content"] == {"action": "forecast", "city": "Paris", "sky": "clear"}
+
+    card = await abuf("curl", "--protocol", "grpc", "--http2-prior-knowledge",
+                      f"http://{served.address}/mesh.v1.AgentService/DescribeAgent")
+    assert json.loads(card.stdout)["card"]["tools"] == [
+        {"name": "forecast_db", "description": "local forecast table"}]
+
+
+async def health_of(address: str, service: str = "") -> int:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        return int(reply.status)
+
+
+async def test_health_is_serving_on_broker_and_agents(mesh: LocalMesh) -> None:
+    served = await mesh.add_agent(Weather())
+    assert await health_of(mesh.address) == health_pb2.HealthCheckResponse.SERVING
+    assert await health_of(mesh.address, "mesh.v1.BrokerService") == health_pb2.HealthCheckResponse.SERVING
+    assert await health_of(served.address, "mesh.v1.AgentService") == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_agent_service_describes_and_handles_directly(mesh: LocalMesh) -> None:
+    served = await mesh.add_agent(Weather())
+    async with AgentClient(served.address) as direct:
+        card = await direct.describe()
+        assert card.agent_id == "WeatherAgent"
+        assert card.agent_types == ("info",)
+        assert card.actions == ("forecast",)
+        assert card.description == "Answers forecast requests."
+        answer = await direct.handle(Message(from_agent="cli", to_agent="WeatherAgent",
+                                             content={"action": "forecast",
+                                                      "parameters": {"city": "Lima"}}))
+        assert answer is not None and answer.message_type is MessageType.RESPONSE
+        assert answer.content["city"] == "Lima"
+        failed = await direct.handle(Message(from_agent="cli", to_agent="WeatherAgent",
+                                             content={"action": "unknown"}))
+        assert failed is not None and failed.message_type is MessageType.ERROR
+        assert "does not handle action 'unknown'" in failed.content["error"]
+
+
+async def test_graceful_shutdown_finishes_in_flight_work_then_deregisters(mesh: LocalMesh) -> None:
+    started = asyncio.Event()
+    release = asyncio.Event()
+
+    @agent("SlowAgent")
+    async def slow(message: Message, ctx: AgentContext) -> dict:
+        started.set()
+        await release.wait()
+        return {"done": True}
+
+    served = await mesh.add_agent(slow)
+    async with mesh.client("caller") as caller:
+        pending = asyncio.create_task(caller.request("SlowAgent", {"action": "work"}, timeout=10))
+        await started.wait()
+        stopping = asyncio.create_task(mesh.stop_agent("SlowAgent", grace=5))
+        async with asyncio.timeout(5):
+            while await health_of(served.address) != health_pb2.HealthCheckResponse.NOT_SERVING:
+                await asyncio.sleep(0.01)
+        release.set()
+        answer = await pending
+        await stopping
+        assert answer.content == {"action": "work", "done": True}
+        assert [a.agent_id for a in await caller.list_agents()] == []
+        stats = await caller.queue_stats()
+        assert stats.totals["held"] == 0  # acked before the agent left
+
+
+async def test_shutdown_past_grace_returns_unfinished_work_to_the_queue(mesh: LocalMesh) -> None:
+    started = asyncio.Event()
+
+    @agent("StuckAgent")
+    async def stuck(message: Message, ctx: AgentContext) -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    await mesh.add_agent(stuck)
+    async with mesh.client("caller") as caller:
+        sent = await caller.send("StuckAgent", {"action": "work"})
+        await started.wait()
+        await mesh.stop_agent("StuckAgent", grace=0.1)
+        # Nothing accepted is lost: the message waits for the agent's next instance.
+        [back] = await caller.receive("StuckAgent")
+        assert back.message_id == sent.message_id
+
+
+async def test_decorated_function_and_class_agents_are_equivalent(mesh: LocalMesh) -> None:
+    @agent("Doubler", agent_types=["math"])
+    async def doubler(message: Message, ctx: AgentContext) -> int:
+        return int(message.parameters["x"]) * 2
+
+    await mesh.add_agent(doubler)
+    async with mesh.client("caller") as caller:
+        reply = await caller.request("Doubler", {"action": "double", "parameters": {"x": 21}})
+        assert reply.content == {"action": "double", "result": 42}
+        [info] = await caller.list_agents("math")
+        assert info.agent_id == "Doubler"
+    with pytest.raises(ValueError, match="needs an agent_id"):
+        Agent()
