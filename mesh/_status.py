@@ -61,7 +61,7 @@ def from_rpc_error(error: grpc.RpcError) -> MeshError:
     violations: list[FieldViolation] = []
     retry_after: float | None = None
     try:
-        status = rpc_status.from_call(error)  # type: ignore[arg-type]
+        status = rpc_status.from_call(error)
     except Exception:  # a malformed status detail must not hide the error itself
         status = None
     if status is not None:

@@ -83,7 +83,11 @@ class AgentContext:
         **options: Any,
     ) -> Message:
         """Hands the task on; workflow_id carries over and step_number is incremented."""
-        incoming = Handoff.from_message(self.message) if self.message.message_type is MessageType.HANDOFF else None
+        incoming = (
+            Handoff.from_message(self.message)
+            if self.message.message_type is MessageType.HANDOFF
+            else None
+        )
         options.setdefault("workflow_id", incoming.workflow_id if incoming else "")
         options.setdefault("step_number", (incoming.step_number + 1) if incoming else 1)
         options.setdefault("headers", self.message.headers)
@@ -188,14 +192,18 @@ def agent(
 ) -> Callable[[HandlerFn], FunctionAgent]:
     """Turns ``async def fn(message, ctx)`` into an agent::
 
-        @agent("PaymentAgent", agent_types=["payment"])
-        async def payment(message, ctx):
-            return {"status": "PAID"}
+    @agent("PaymentAgent", agent_types=["payment"])
+    async def payment(message, ctx):
+        return {"status": "PAID"}
     """
 
     def wrap(fn: HandlerFn) -> FunctionAgent:
         return FunctionAgent(
-            fn, agent_id, agent_types=agent_types, capabilities=capabilities, tools=tools,
+            fn,
+            agent_id,
+            agent_types=agent_types,
+            capabilities=capabilities,
+            tools=tools,
             description=description,
         )
 
@@ -310,8 +318,12 @@ class AgentRuntime:
                 if self._stopping:
                     return
                 delay = _RECONNECT_DELAYS[min(attempt, len(_RECONNECT_DELAYS) - 1)]
-                logger.warning("%s lost the broker (%s); reconnecting in %.1f s",
-                               self.agent.agent_id, error.message, delay)
+                logger.warning(
+                    "%s lost the broker (%s); reconnecting in %.1f s",
+                    self.agent.agent_id,
+                    error.message,
+                    delay,
+                )
                 self.subscribed.clear()
                 attempt += 1
                 await asyncio.sleep(delay)
@@ -341,8 +353,12 @@ class AgentRuntime:
             try:
                 await self.client.send_message(answer)
             except MeshError as error:
-                logger.warning("%s could not answer %s: %s", self.agent.agent_id,
-                               message.message_id, error.message)
+                logger.warning(
+                    "%s could not answer %s: %s",
+                    self.agent.agent_id,
+                    message.message_id,
+                    error.message,
+                )
         return answer
 
     async def run_handler(self, message: Message) -> Message | None:
@@ -357,8 +373,9 @@ class AgentRuntime:
             raise
         except Exception as error:
             self.failed += 1
-            logger.exception("%s failed on %s (%s)", self.agent.agent_id, message.action,
-                             message.message_id)
+            logger.exception(
+                "%s failed on %s (%s)", self.agent.agent_id, message.action, message.message_id
+            )
             if message.message_type is MessageType.REQUEST:
                 return error_to(message, self.agent.agent_id, error)
             raise
@@ -389,7 +406,9 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     def __init__(self, runtime: AgentRuntime) -> None:
         self.runtime = runtime
 
-    async def HandleMessage(self, request: agent_pb2.HandleMessageRequest, context: Any) -> agent_pb2.HandleMessageResponse:
+    async def HandleMessage(
+        self, request: agent_pb2.HandleMessageRequest, context: Any
+    ) -> agent_pb2.HandleMessageResponse:
         message = codec.message_from_pb(request.message)
         try:
             answer = await self.runtime.run_handler(message)
@@ -402,7 +421,9 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             codec.message_to_pb(answer, response.response)
         return response
 
-    async def DescribeAgent(self, request: agent_pb2.DescribeAgentRequest, context: Any) -> agent_pb2.DescribeAgentResponse:
+    async def DescribeAgent(
+        self, request: agent_pb2.DescribeAgentRequest, context: Any
+    ) -> agent_pb2.DescribeAgentResponse:
         response = agent_pb2.DescribeAgentResponse()
         codec.card_to_pb(self.runtime.agent.card(), response.card)
         return response
@@ -411,7 +432,9 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
 class AgentServer:
     """A served agent: its gRPC server, its broker client and its runtime."""
 
-    def __init__(self, agent: Agent, server: MeshServer, runtime: AgentRuntime, client: MeshClient) -> None:
+    def __init__(
+        self, agent: Agent, server: MeshServer, runtime: AgentRuntime, client: MeshClient
+    ) -> None:
         self.agent = agent
         self.server = server
         self.runtime = runtime
@@ -465,7 +488,12 @@ async def serve(
         await server.stop(0)
         await client.close()
         raise
-    logger.info("agent %s serving on %s", agent.agent_id, server.address,
-                extra={"event": {"category": "agent", "agent_id": agent.agent_id,
-                                 "address": server.address}})
+    logger.info(
+        "agent %s serving on %s",
+        agent.agent_id,
+        server.address,
+        extra={
+            "event": {"category": "agent", "agent_id": agent.agent_id, "address": server.address}
+        },
+    )
     return AgentServer(agent, server, runtime, client)

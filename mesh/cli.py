@@ -48,14 +48,21 @@ def _add_broker_config_flags(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(BrokerConfig):
         flag = "--" + f.name.replace("_", "-")
         kind = float if str(f.type).startswith("float") else int
-        parser.add_argument(flag, type=kind, default=None,
-                            help=f"(env AGENTMESH_{f.name.upper()}; default {f.default})")
+        parser.add_argument(
+            flag,
+            type=kind,
+            default=None,
+            help=f"(env AGENTMESH_{f.name.upper()}; default {f.default})",
+        )
 
 
 def _broker_config(args: argparse.Namespace) -> BrokerConfig:
     config = BrokerConfig.from_env()
-    changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(BrokerConfig)
-               if getattr(args, f.name, None) is not None}
+    changes = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(BrokerConfig)
+        if getattr(args, f.name, None) is not None
+    }
     return config.evolve(**changes)
 
 
@@ -63,9 +70,12 @@ async def _run_broker(args: argparse.Namespace) -> int:
     from mesh.server import serve_broker
 
     server_config = ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port)
-    broker, server = await serve_broker(server_config=server_config,
-                                        broker_config=_broker_config(args))
-    metrics = f", metrics on http://{args.host}:{server.metrics_port}/metrics" if server.metrics_port else ""
+    _, server = await serve_broker(server_config=server_config, broker_config=_broker_config(args))
+    metrics = (
+        f", metrics on http://{args.host}:{server.metrics_port}/metrics"
+        if server.metrics_port
+        else ""
+    )
     _print(f"agentmesh broker listening on {server.address}{metrics} (insecure, plaintext)")
     await _until_signalled()
     _print("agentmesh broker shutting down")
@@ -82,9 +92,8 @@ def load_agent(spec: str, agent_id: str | None = None) -> Agent:
     if not attr:
         raise SystemExit(f"agent spec must be module:attribute, got {spec!r}")
     target: Any = getattr(importlib.import_module(module_name), attr)
-    if isinstance(target, type) and issubclass(target, Agent):
-        target = target(agent_id) if agent_id else target()
-    elif not isinstance(target, Agent) and callable(target):
+    is_class = isinstance(target, type) and issubclass(target, Agent)
+    if is_class or (not isinstance(target, Agent) and callable(target)):
         target = target(agent_id) if agent_id else target()
     if not isinstance(target, Agent):
         raise SystemExit(f"{spec} is not an agent")
@@ -95,8 +104,9 @@ def load_agent(spec: str, agent_id: str | None = None) -> Agent:
 
 async def _run_agent(args: argparse.Namespace) -> int:
     agent = load_agent(args.spec, args.id)
-    served = await serve(agent, args.broker, host=args.host, port=args.port,
-                         max_in_flight=args.max_in_flight)
+    served = await serve(
+        agent, args.broker, host=args.host, port=args.port, max_in_flight=args.max_in_flight
+    )
     _print(f"agentmesh agent {agent.agent_id} serving on {served.address}, broker {args.broker}")
     await _until_signalled()
     await served.stop()
@@ -110,19 +120,24 @@ def _json_arg(text: str | None, what: str) -> Any:
     if text is None:
         return None
     try:
-        return json.loads(text)
+        value: Any = json.loads(text)
+        return value
     except json.JSONDecodeError as exc:
         raise SystemExit(f"{what} is not valid JSON: {exc}") from None
 
 
 def _message_line(m: Message) -> str:
-    return (f"{m.timestamp.isoformat()}  {m.priority.value:<6} {m.message_type.value:<9} "
-            f"{m.from_agent} -> {m.to_agent}  {m.message_id}  "
-            f"{json.dumps(m.content, separators=(',', ':'))}")
+    return (
+        f"{m.timestamp.isoformat()}  {m.priority.value:<6} {m.message_type.value:<9} "
+        f"{m.from_agent} -> {m.to_agent}  {m.message_id}  "
+        f"{json.dumps(m.content, separators=(',', ':'))}"
+    )
 
 
 def _content(args: argparse.Namespace) -> dict[str, Any] | None:
-    content = _json_arg(args.content, "--content")
+    content: dict[str, Any] | None = _json_arg(args.content, "--content")
+    if content is not None and not isinstance(content, dict):
+        raise SystemExit("--content must be a JSON object")
     if content is None and args.action:
         content = {"action": args.action}
         params = _json_arg(args.params, "--params")
@@ -134,13 +149,19 @@ def _content(args: argparse.Namespace) -> dict[str, Any] | None:
 async def _send(args: argparse.Namespace) -> int:
     async with connect(args.broker, agent_id=args.sender) as client:
         message = client.build(
-            args.to, _content(args), message_type=MessageType(args.type),
-            priority=Priority(args.priority), ttl=args.ttl,
-            correlation_id=args.correlation_id or "", ack_required=args.ack_required,
+            args.to,
+            _content(args),
+            message_type=MessageType(args.type),
+            priority=Priority(args.priority),
+            ttl=args.ttl,
+            correlation_id=args.correlation_id or "",
+            ack_required=args.ack_required,
         )
         if args.request:
             response = await client.request_message(message, timeout=args.timeout)
-            _print(json.dumps(response.to_dict(), indent=2) if args.json else _message_line(response))
+            _print(
+                json.dumps(response.to_dict(), indent=2) if args.json else _message_line(response)
+            )
         else:
             sent = await client.send_message(message)
             _print(json.dumps(sent.to_dict(), indent=2) if args.json else f"sent {sent.message_id}")
@@ -165,17 +186,35 @@ async def _agents(args: argparse.Namespace) -> int:
         agents = await client.list_agents(args.type or "")
         stats = await client.queue_stats()
     if args.json:
-        _print(json.dumps([{"agent_id": a.agent_id, "agent_types": list(a.agent_types),
-                            "address": a.address, "capabilities": list(a.capabilities)}
-                           for a in agents], indent=2))
+        _print(
+            json.dumps(
+                [
+                    {
+                        "agent_id": a.agent_id,
+                        "agent_types": list(a.agent_types),
+                        "address": a.address,
+                        "capabilities": list(a.capabilities),
+                    }
+                    for a in agents
+                ],
+                indent=2,
+            )
+        )
         return 0
     depth = {s.agent_id: s for s in stats.agents}
     rows = [("AGENT", "TYPES", "ADDRESS", "QUEUED", "IN FLIGHT", "CAPABILITIES")]
     for a in agents:
         s = depth.get(a.agent_id)
-        rows.append((a.agent_id, ",".join(a.agent_types) or "-", a.address or "-",
-                     str(s.depth if s else 0), str(s.in_flight if s else 0),
-                     ",".join(a.capabilities) or "-"))
+        rows.append(
+            (
+                a.agent_id,
+                ",".join(a.agent_types) or "-",
+                a.address or "-",
+                str(s.depth if s else 0),
+                str(s.in_flight if s else 0),
+                ",".join(a.capabilities) or "-",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         _print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
@@ -187,10 +226,11 @@ async def _stats(args: argparse.Namespace) -> int:
     async with connect(args.broker) as client:
         report = await client.queue_stats(args.agent or "")
         dead = await client.dead_letters(args.agent or "")
-    _print(f"{'AGENT':<24} {'DEPTH':>6} {'HIGH':>6} {'MEDIUM':>6} {'LOW':>6} {'IN FLIGHT':>9} {'DEAD':>5}")
+    header = ("AGENT", "DEPTH", "HIGH", "MEDIUM", "LOW", "IN FLIGHT", "DEAD")
+    _print(f"{header[0]:<24} " + " ".join(f"{h:>6}" for h in header[1:]))
     for a in report.agents:
-        _print(f"{a.agent_id:<24} {a.depth:>6} {a.high:>6} {a.medium:>6} {a.low:>6} "
-               f"{a.in_flight:>9} {a.dead_letters:>5}")
+        values = (a.depth, a.high, a.medium, a.low, a.in_flight, a.dead_letters)
+        _print(f"{a.agent_id:<24} " + " ".join(f"{v:>6}" for v in values))
     _print("totals: " + ", ".join(f"{k}={v}" for k, v in report.totals.items()))
     for d in dead:
         _print(f"dead letter {d.message.message_id} to {d.message.to_agent}: {d.reason}")
@@ -209,8 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("broker", help="run the broker")
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(_env("PORT", "50051")))
-    p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "-1")),
-                   help="HTTP port of /metrics (-1 off, 0 any free port)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(_env("METRICS_PORT", "-1")),
+        help="HTTP port of /metrics (-1 off, 0 any free port)",
+    )
     _add_broker_config_flags(p)
     p.set_defaults(run=_run_broker)
 

@@ -120,7 +120,7 @@ class _Session:
     """One Connect stream: numbered frames out, answers matched back by seq."""
 
     def __init__(self, stub: broker_pb2_grpc.BrokerServiceStub) -> None:
-        self._call = stub.Connect()
+        self._call: Any = stub.Connect()  # type: ignore[call-arg]
         self._seq = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[broker_pb2.ConnectResponse]] = {}
         self._write_lock = asyncio.Lock()
@@ -381,14 +381,26 @@ class MeshClient:
             self.stats.retries[failure.code] = self.stats.retries.get(failure.code, 0) + 1
             logger.info(
                 "retry %d/%d in %.0f ms after %s: %s",
-                attempt + 1, len(delays), delays[attempt] * 1000, failure.code, failure.message,
-                extra={"event": {"category": "retry", "attempt": attempt + 1,
-                                 "code": failure.code, "delay_ms": delays[attempt] * 1000}},
+                attempt + 1,
+                len(delays),
+                delays[attempt] * 1000,
+                failure.code,
+                failure.message,
+                extra={
+                    "event": {
+                        "category": "retry",
+                        "attempt": attempt + 1,
+                        "code": failure.code,
+                        "delay_ms": delays[attempt] * 1000,
+                    }
+                },
             )
             await self._sleep(delays[attempt])
         raise AssertionError("unreachable")
 
-    def _unary(self, method: Callable[..., Any], request: Any, timeout: float | None = None) -> Callable[[], Awaitable[Any]]:
+    def _unary(
+        self, method: Callable[..., Any], request: Any, timeout: float | None = None
+    ) -> Callable[[], Awaitable[Any]]:
         async def call() -> Any:
             return await method(request, timeout=timeout or self.default_timeout)
 
@@ -426,7 +438,9 @@ class MeshClient:
 
     # -- sending -----------------------------------------------------------------------------
 
-    async def send(self, to_agent: str, content: dict[str, JSON] | None = None, **options: Any) -> Message:
+    async def send(
+        self, to_agent: str, content: dict[str, JSON] | None = None, **options: Any
+    ) -> Message:
         """Sends a message to ``to_agent`` (or "broadcast"); returns it as accepted."""
         return await self.send_message(self.build(to_agent, content, **options))
 
@@ -456,10 +470,17 @@ class MeshClient:
         )
         elapsed_ms = (time.perf_counter() - started) * 1000
         logger.info(
-            "parallel send of %d messages in %.2f ms", len(messages), elapsed_ms,
-            extra={"event": {"category": "parallel_send", "count": len(messages),
-                             "to_agents": [m.to_agent for m in messages],
-                             "latency_ms": round(elapsed_ms, 3)}},
+            "parallel send of %d messages in %.2f ms",
+            len(messages),
+            elapsed_ms,
+            extra={
+                "event": {
+                    "category": "parallel_send",
+                    "count": len(messages),
+                    "to_agents": [m.to_agent for m in messages],
+                    "latency_ms": round(elapsed_ms, 3),
+                }
+            },
         )
         return list(results)
 
@@ -505,7 +526,9 @@ class MeshClient:
         async def attempt() -> Message:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise RequestTimeoutError(f"no response from {message.to_agent} within {timeout:.3g} s")
+                raise RequestTimeoutError(
+                    f"no response from {message.to_agent} within {timeout:.3g} s"
+                )
             session = await self._open_session()
             frame = broker_pb2.ConnectRequest()
             codec.message_to_pb(message, frame.request.message)
@@ -637,16 +660,26 @@ class MeshClient:
             await self.send_message(ack)
             self.stats.acks_sent += 1
         except MeshError as error:
-            logger.warning("could not acknowledge %s to %s: %s", message.message_id,
-                           message.from_agent, error.message)
+            logger.warning(
+                "could not acknowledge %s to %s: %s",
+                message.message_id,
+                message.from_agent,
+                error.message,
+            )
 
     async def ack(self, message_ids: Iterable[str], agent_id: str | None = None) -> int:
-        request = broker_pb2.AckRequest(agent_id=agent_id or self.agent_id, message_ids=list(message_ids))
+        request = broker_pb2.AckRequest(
+            agent_id=agent_id or self.agent_id, message_ids=list(message_ids)
+        )
         response = await self._with_retry(self._unary(self._stub.Ack, request))
         return int(response.acknowledged)
 
-    async def nack(self, message_ids: Iterable[str], agent_id: str | None = None) -> tuple[int, int]:
-        request = broker_pb2.NackRequest(agent_id=agent_id or self.agent_id, message_ids=list(message_ids))
+    async def nack(
+        self, message_ids: Iterable[str], agent_id: str | None = None
+    ) -> tuple[int, int]:
+        request = broker_pb2.NackRequest(
+            agent_id=agent_id or self.agent_id, message_ids=list(message_ids)
+        )
         response = await self._with_retry(self._unary(self._stub.Nack, request))
         return int(response.requeued), int(response.dead_lettered)
 
@@ -688,8 +721,16 @@ class MeshClient:
         t = response.totals
         return QueueStatsReport(
             tuple(
-                QueueStatsView(a.agent_id, a.depth, a.high, a.medium, a.low, a.in_flight,
-                               a.dead_letters, a.subscribers)
+                QueueStatsView(
+                    a.agent_id,
+                    a.depth,
+                    a.high,
+                    a.medium,
+                    a.low,
+                    a.in_flight,
+                    a.dead_letters,
+                    a.subscribers,
+                )
                 for a in response.agents
             ),
             {f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields},
@@ -712,8 +753,12 @@ def connect(
 ) -> MeshClient:
     """A client of the broker at ``target`` (host:port); use as ``async with connect(...)``."""
     return MeshClient(
-        target, agent_id=agent_id, retry=retry, default_timeout=default_timeout,
-        auto_ack=auto_ack, **options,
+        target,
+        agent_id=agent_id,
+        retry=retry,
+        default_timeout=default_timeout,
+        auto_ack=auto_ack,
+        **options,
     )
 
 
@@ -739,7 +784,9 @@ class AgentClient:
         request = agent_pb2.HandleMessageRequest()
         codec.message_to_pb(message, request.message)
         try:
-            response = await self._stub.HandleMessage(request, timeout=timeout or self.default_timeout)
+            response = await self._stub.HandleMessage(
+                request, timeout=timeout or self.default_timeout
+            )
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
         return codec.message_from_pb(response.response) if response.HasField("response") else None

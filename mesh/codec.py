@@ -34,7 +34,7 @@ STATUS_CODES = {
 }  # fmt: skip
 STATUS_NAMES = {number: name for name, number in STATUS_CODES.items()}
 
-_TYPE_TO_PB = {
+_TYPE_TO_PB: dict[MessageType, Any] = {
     MessageType.REQUEST: message_pb2.MESSAGE_TYPE_REQUEST,
     MessageType.RESPONSE: message_pb2.MESSAGE_TYPE_RESPONSE,
     MessageType.BROADCAST: message_pb2.MESSAGE_TYPE_BROADCAST,
@@ -42,13 +42,13 @@ _TYPE_TO_PB = {
     MessageType.ERROR: message_pb2.MESSAGE_TYPE_ERROR,
     MessageType.ACK: message_pb2.MESSAGE_TYPE_ACK,
 }
-_TYPE_FROM_PB = {v: k for k, v in _TYPE_TO_PB.items()}
-_PRIORITY_TO_PB = {
+_TYPE_FROM_PB: dict[int, MessageType] = {v: k for k, v in _TYPE_TO_PB.items()}
+_PRIORITY_TO_PB: dict[Priority, Any] = {
     Priority.HIGH: message_pb2.PRIORITY_HIGH,
     Priority.MEDIUM: message_pb2.PRIORITY_MEDIUM,
     Priority.LOW: message_pb2.PRIORITY_LOW,
 }
-_PRIORITY_FROM_PB = {v: k for k, v in _PRIORITY_TO_PB.items()}
+_PRIORITY_FROM_PB: dict[int, Priority] = {v: k for k, v in _PRIORITY_TO_PB.items()}
 
 _MAX_SAFE_INT = 2**53
 
@@ -109,14 +109,13 @@ def dict_to_struct(data: dict[str, JSON], out: struct_pb2.Struct) -> None:
 
 
 def timestamp_to_datetime(ts: timestamp_pb2.Timestamp) -> datetime:
-    return datetime.fromtimestamp(ts.seconds + ts.nanos / 1e9, UTC)
+    return ts.ToDatetime(tzinfo=UTC)
 
 
 def datetime_to_timestamp(dt: datetime, out: timestamp_pb2.Timestamp) -> None:
-    moment = dt.timestamp()
-    seconds = math.floor(moment)
-    out.seconds = seconds
-    out.nanos = int(round((moment - seconds) * 1e6)) * 1000
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=UTC)  # naive times are taken as UTC
+    out.FromDatetime(dt)
 
 
 def duration_seconds(d: duration_pb2.Duration) -> float:
@@ -126,7 +125,7 @@ def duration_seconds(d: duration_pb2.Duration) -> float:
 def seconds_to_duration(seconds: float, out: duration_pb2.Duration) -> None:
     whole = math.floor(seconds)
     out.seconds = whole
-    out.nanos = int(round((seconds - whole) * 1e9))
+    out.nanos = round((seconds - whole) * 1e9)
 
 
 # -- messages ------------------------------------------------------------------------------
@@ -177,7 +176,7 @@ def priority_from_pb(value: int) -> Priority:
 
 
 def priority_to_pb(priority: Priority) -> int:
-    return _PRIORITY_TO_PB[priority]
+    return int(_PRIORITY_TO_PB[priority])
 
 
 def handoff_from_pb(pb: message_pb2.Handoff) -> Handoff:

@@ -39,7 +39,10 @@ class BrokerMetrics:
         self.totals = Totals()
         r = self.registry
         self.messages_sent = Counter(
-            "agentmesh_messages_sent", "Messages accepted by the broker.", ["message_type"], registry=r
+            "agentmesh_messages_sent",
+            "Messages accepted by the broker.",
+            ["message_type"],
+            registry=r,
         )
         self.messages_received = Counter(
             "agentmesh_messages_received",
@@ -57,7 +60,9 @@ class BrokerMetrics:
             "agentmesh_validation_errors", "Messages refused by validation.", registry=r
         )
         self.dead_lettered = Counter(
-            "agentmesh_messages_dead_lettered", "Messages moved to the dead-letter queue.", registry=r
+            "agentmesh_messages_dead_lettered",
+            "Messages moved to the dead-letter queue.",
+            registry=r,
         )
         self.redelivered = Counter(
             "agentmesh_messages_redelivered", "Redeliveries after nack or lease expiry.", registry=r
@@ -73,7 +78,9 @@ class BrokerMetrics:
             "agentmesh_queue_depth", "Messages waiting per agent.", ["agent"], registry=r
         )
         self.messages_held = Gauge(
-            "agentmesh_messages_held", "Messages held by the broker (waiting and in flight).", registry=r
+            "agentmesh_messages_held",
+            "Messages held by the broker (waiting and in flight).",
+            registry=r,
         )
 
         def histogram(name: str, doc: str) -> Histogram:

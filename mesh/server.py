@@ -52,7 +52,9 @@ def translating(method: Handler[Req, Resp]) -> Handler[Req, Resp]:
 def _invalid(field: str, description: str) -> MessageValidationError:
     from mesh.core.errors import FieldViolation
 
-    return MessageValidationError(description, field_violations=(FieldViolation(field, description),))
+    return MessageValidationError(
+        description, field_violations=(FieldViolation(field, description),)
+    )
 
 
 class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
@@ -62,26 +64,34 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         self.broker = broker
 
     @translating
-    async def RegisterAgent(self, request: broker_pb2.RegisterAgentRequest, context: Any) -> broker_pb2.RegisterAgentResponse:
+    async def RegisterAgent(
+        self, request: broker_pb2.RegisterAgentRequest, context: Any
+    ) -> broker_pb2.RegisterAgentResponse:
         registered = await self.broker.register(codec.agent_from_pb(request.agent))
         response = broker_pb2.RegisterAgentResponse()
         codec.agent_to_pb(registered, response.agent)
         return response
 
     @translating
-    async def DeregisterAgent(self, request: broker_pb2.DeregisterAgentRequest, context: Any) -> broker_pb2.DeregisterAgentResponse:
+    async def DeregisterAgent(
+        self, request: broker_pb2.DeregisterAgentRequest, context: Any
+    ) -> broker_pb2.DeregisterAgentResponse:
         await self.broker.deregister(request.agent_id)
         return broker_pb2.DeregisterAgentResponse()
 
     @translating
-    async def ListAgents(self, request: broker_pb2.ListAgentsRequest, context: Any) -> broker_pb2.ListAgentsResponse:
+    async def ListAgents(
+        self, request: broker_pb2.ListAgentsRequest, context: Any
+    ) -> broker_pb2.ListAgentsResponse:
         response = broker_pb2.ListAgentsResponse()
         for info in self.broker.list_agents(request.agent_type):
             codec.agent_to_pb(info, response.agents.add())
         return response
 
     @translating
-    async def SendMessage(self, request: broker_pb2.SendMessageRequest, context: Any) -> broker_pb2.SendMessageResponse:
+    async def SendMessage(
+        self, request: broker_pb2.SendMessageRequest, context: Any
+    ) -> broker_pb2.SendMessageResponse:
         if not request.HasField("message"):
             raise _invalid("message", "message is required")
         outcome = await self.broker.send(
@@ -92,7 +102,9 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         return response
 
     @translating
-    async def SendMessages(self, request: broker_pb2.SendMessagesRequest, context: Any) -> broker_pb2.SendMessagesResponse:
+    async def SendMessages(
+        self, request: broker_pb2.SendMessagesRequest, context: Any
+    ) -> broker_pb2.SendMessagesResponse:
         messages = [codec.message_from_pb(pb) for pb in request.messages]
         sizes = [pb.ByteSize() for pb in request.messages]
         results = await self.broker.send_many(messages, sizes)
@@ -104,7 +116,9 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         return response
 
     @translating
-    async def ReceiveMessages(self, request: broker_pb2.ReceiveMessagesRequest, context: Any) -> broker_pb2.ReceiveMessagesResponse:
+    async def ReceiveMessages(
+        self, request: broker_pb2.ReceiveMessagesRequest, context: Any
+    ) -> broker_pb2.ReceiveMessagesResponse:
         if not request.agent_id:
             raise _invalid("agent_id", "agent_id is required")
         if request.max_messages < 0:
@@ -115,7 +129,9 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
             codec.message_to_pb(message, response.messages.add())
         return response
 
-    async def Subscribe(self, request: broker_pb2.SubscribeRequest, context: Any) -> AsyncIterator[broker_pb2.SubscribeResponse]:
+    async def Subscribe(
+        self, request: broker_pb2.SubscribeRequest, context: Any
+    ) -> AsyncIterator[broker_pb2.SubscribeResponse]:
         try:
             sub = await self.broker.subscribe(
                 request.agent_id,
@@ -144,7 +160,9 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         return broker_pb2.NackResponse(requeued=requeued, dead_lettered=dead)
 
     @translating
-    async def Broadcast(self, request: broker_pb2.BroadcastRequest, context: Any) -> broker_pb2.BroadcastResponse:
+    async def Broadcast(
+        self, request: broker_pb2.BroadcastRequest, context: Any
+    ) -> broker_pb2.BroadcastResponse:
         if not request.HasField("message"):
             raise _invalid("message", "message is required")
         outcome = await self.broker.broadcast(
@@ -158,7 +176,9 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         return response
 
     @translating
-    async def SendRequest(self, request: broker_pb2.SendRequestRequest, context: Any) -> broker_pb2.SendRequestResponse:
+    async def SendRequest(
+        self, request: broker_pb2.SendRequestRequest, context: Any
+    ) -> broker_pb2.SendRequestResponse:
         if not request.HasField("message"):
             raise _invalid("message", "message is required")
         answer = await self.broker.request(
@@ -169,7 +189,9 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         return response
 
     @translating
-    async def Handoff(self, request: broker_pb2.HandoffRequest, context: Any) -> broker_pb2.HandoffResponse:
+    async def Handoff(
+        self, request: broker_pb2.HandoffRequest, context: Any
+    ) -> broker_pb2.HandoffResponse:
         message = await self.broker.handoff(
             from_agent=request.from_agent,
             to_agent=request.to_agent,
@@ -185,14 +207,22 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         return response
 
     @translating
-    async def GetQueueStats(self, request: broker_pb2.GetQueueStatsRequest, context: Any) -> broker_pb2.GetQueueStatsResponse:
+    async def GetQueueStats(
+        self, request: broker_pb2.GetQueueStatsRequest, context: Any
+    ) -> broker_pb2.GetQueueStatsResponse:
         agents, totals = await self.broker.queue_stats(request.agent_id)
         response = broker_pb2.GetQueueStatsResponse()
         for item in agents:
             q = item.queue
             response.agents.add(
-                agent_id=q.agent_id, depth=q.depth, high=q.high, medium=q.medium, low=q.low,
-                in_flight=q.in_flight, dead_letters=q.dead_letters, subscribers=item.subscribers,
+                agent_id=q.agent_id,
+                depth=q.depth,
+                high=q.high,
+                medium=q.medium,
+                low=q.low,
+                in_flight=q.in_flight,
+                dead_letters=q.dead_letters,
+                subscribers=item.subscribers,
             )
         t = response.totals
         t.held = await self.broker.held()
@@ -210,13 +240,17 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         return response
 
     @translating
-    async def ListDeadLetters(self, request: broker_pb2.ListDeadLettersRequest, context: Any) -> broker_pb2.ListDeadLettersResponse:
+    async def ListDeadLetters(
+        self, request: broker_pb2.ListDeadLettersRequest, context: Any
+    ) -> broker_pb2.ListDeadLettersResponse:
         response = broker_pb2.ListDeadLettersResponse()
         for dead in await self.broker.dead_letters(request.agent_id):
             codec.dead_letter_to_pb(dead, response.dead_letters.add())
         return response
 
-    async def Connect(self, request_iterator: AsyncIterator[broker_pb2.ConnectRequest], context: Any) -> None:
+    async def Connect(  # type: ignore[override]
+        self, request_iterator: AsyncIterator[broker_pb2.ConnectRequest], context: Any
+    ) -> None:
         await _Session(self.broker, context).run(request_iterator)
 
 

@@ -1,9 +1,9 @@
 """An in-process mesh for tests: a real broker and real agent servers on 127.0.0.1, free ports.
 
-    async with LocalMesh() as mesh:
-        await mesh.add_agent(MyAgent("PaymentAgent"))
-        async with mesh.client("tester") as client:
-            reply = await client.request("PaymentAgent", {"action": "pay"})
+async with LocalMesh() as mesh:
+    await mesh.add_agent(MyAgent("PaymentAgent"))
+    async with mesh.client("tester") as client:
+        reply = await client.request("PaymentAgent", {"action": "pay"})
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from mesh.agent import Agent, AgentServer, serve
 from mesh.client import MeshClient, RetryPolicy
 from mesh.config import BrokerConfig, ServerConfig
 from mesh.core.broker import Broker
-from mesh.serving import MeshServer
 from mesh.server import serve_broker
+from mesh.serving import MeshServer
 
 
 class LocalMesh:
@@ -59,7 +59,9 @@ class LocalMesh:
         served = self.agents.pop(agent_id)
         await served.stop(grace)
 
-    def client(self, agent_id: str = "", *, retry: RetryPolicy | None = None, **options: Any) -> MeshClient:
+    def client(
+        self, agent_id: str = "", *, retry: RetryPolicy | None = None, **options: Any
+    ) -> MeshClient:
         """A client of this mesh's broker, closed with the mesh."""
         client = MeshClient(self.address, agent_id=agent_id, retry=retry, **options)
         self._clients.append(client)

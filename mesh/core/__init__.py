@@ -4,7 +4,7 @@ Nothing here imports gRPC; the transport in :mod:`mesh.server` and :mod:`mesh.cl
 translates to and from it.
 """
 
-from mesh.core.broker import Broker, BroadcastOutcome, SendOutcome, Subscription
+from mesh.core.broker import BroadcastOutcome, Broker, SendOutcome, Subscription
 from mesh.core.errors import (
     AgentError,
     AgentNotFoundError,

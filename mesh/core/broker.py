@@ -199,19 +199,27 @@ class Broker:
         logger.info(
             "agent registered: %s",
             registered.agent_id,
-            extra={"event": {"category": "registry", "agent_id": registered.agent_id,
-                             "agent_types": list(registered.agent_types),
-                             "address": registered.address}},
+            extra={
+                "event": {
+                    "category": "registry",
+                    "agent_id": registered.agent_id,
+                    "agent_types": list(registered.agent_types),
+                    "address": registered.address,
+                }
+            },
         )
         return registered
 
     async def deregister(self, agent_id: str) -> None:
         self.registry.deregister(agent_id)
-        logger.info("agent deregistered: %s", agent_id,
-                    extra={"event": {"category": "registry", "agent_id": agent_id}})
+        logger.info(
+            "agent deregistered: %s",
+            agent_id,
+            extra={"event": {"category": "registry", "agent_id": agent_id}},
+        )
 
     def list_agents(self, agent_type: str = "") -> list[AgentInfo]:
-        return self.registry.list(agent_type)
+        return self.registry.agents(agent_type)
 
     # -- sending -----------------------------------------------------------------------------
 
@@ -250,10 +258,17 @@ class Broker:
         except MessageQueueFullError:
             self.metrics.dropped("queue_full")
             logger.warning(
-                "queue full: %s refused a message from %s", message.to_agent, message.from_agent,
-                extra={"event": {"category": "queue_full", "message_id": message.message_id,
-                                 "from_agent": message.from_agent,
-                                 "to_agent": message.to_agent}},
+                "queue full: %s refused a message from %s",
+                message.to_agent,
+                message.from_agent,
+                extra={
+                    "event": {
+                        "category": "queue_full",
+                        "message_id": message.message_id,
+                        "from_agent": message.from_agent,
+                        "to_agent": message.to_agent,
+                    }
+                },
             )
             raise
         if not accepted:
@@ -286,19 +301,24 @@ class Broker:
         handoff = Handoff.from_message(message)
         handoff_logger.info(
             "handoff %s -> %s (workflow=%s, step=%d)",
-            message.from_agent, message.to_agent, handoff.workflow_id, handoff.step_number,
-            extra={"event": {
-                "category": "handoff",
-                "message_id": message.message_id,
-                "from_agent": message.from_agent,
-                "to_agent": message.to_agent,
-                "workflow_id": handoff.workflow_id,
-                "step_number": handoff.step_number,
-                "task_description": handoff.task_description,
-                "context_size_kb": handoff.context_size_kb,
-                "constraints": handoff.constraints,
-                "timestamp": message.timestamp.isoformat(),
-            }},
+            message.from_agent,
+            message.to_agent,
+            handoff.workflow_id,
+            handoff.step_number,
+            extra={
+                "event": {
+                    "category": "handoff",
+                    "message_id": message.message_id,
+                    "from_agent": message.from_agent,
+                    "to_agent": message.to_agent,
+                    "workflow_id": handoff.workflow_id,
+                    "step_number": handoff.step_number,
+                    "task_description": handoff.task_description,
+                    "context_size_kb": handoff.context_size_kb,
+                    "constraints": handoff.constraints,
+                    "timestamp": message.timestamp.isoformat(),
+                }
+            },
         )
 
     async def broadcast(
@@ -314,7 +334,7 @@ class Broker:
         if not message.to_agent:
             message = message.evolve(to_agent=BROADCAST_TARGET)
         self._validate(message, 0)
-        targets = self.registry.of_types(types) if types else self.registry.list()
+        targets = self.registry.of_types(types) if types else self.registry.agents()
         recipients: list[str] = []
         failures: list[tuple[str, MeshError]] = []
         for info in targets:
@@ -331,16 +351,19 @@ class Broker:
         self.metrics.broadcast(bool(types), elapsed)
         logger.info(
             "broadcast from %s to %d agents",
-            message.from_agent, len(recipients),
-            extra={"event": {
-                "category": "broadcast",
-                "message_id": message.message_id,
-                "from_agent": message.from_agent,
-                "agent_types": list(types),
-                "recipients": recipients,
-                "failed": [agent for agent, _ in failures],
-                "latency_ms": round(elapsed * 1000, 3),
-            }},
+            message.from_agent,
+            len(recipients),
+            extra={
+                "event": {
+                    "category": "broadcast",
+                    "message_id": message.message_id,
+                    "from_agent": message.from_agent,
+                    "agent_types": list(types),
+                    "recipients": recipients,
+                    "failed": [agent for agent, _ in failures],
+                    "latency_ms": round(elapsed * 1000, 3),
+                }
+            },
         )
         if targets and not recipients and failures:
             raise failures[0][1]
@@ -410,7 +433,7 @@ class Broker:
             )
         if len(self._pending) >= self.config.max_pending_requests:
             raise LimitExceededError(
-                f"the broker holds its limit of {self.config.max_pending_requests} pending requests",
+                f"the broker holds {self.config.max_pending_requests} pending requests, its limit",
                 retry_after=self.config.retry_after_seconds,
             )
         waiter: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
@@ -505,7 +528,8 @@ class Broker:
         if returned:
             logger.info(
                 "subscription %s closed; %d unacknowledged messages returned to the queue",
-                sub.subscription_id, returned,
+                sub.subscription_id,
+                returned,
             )
 
     async def ack(self, agent_id: str, message_ids: Iterable[str]) -> int:
@@ -520,20 +544,36 @@ class Broker:
         self.metrics.expired()
         self._dirty.add(message.to_agent)
         logger.warning(
-            "message %s to %s expired (ttl %s s)", message.message_id, message.to_agent,
+            "message %s to %s expired (ttl %s s)",
+            message.message_id,
+            message.to_agent,
             message.ttl or self.config.default_ttl,
-            extra={"event": {"category": "expired", "message_id": message.message_id,
-                             "from_agent": message.from_agent, "to_agent": message.to_agent,
-                             "ttl": message.ttl or self.config.default_ttl}},
+            extra={
+                "event": {
+                    "category": "expired",
+                    "message_id": message.message_id,
+                    "from_agent": message.from_agent,
+                    "to_agent": message.to_agent,
+                    "ttl": message.ttl or self.config.default_ttl,
+                }
+            },
         )
 
     def on_dead_letter(self, dead: DeadLetter) -> None:
         self.metrics.dead_letter()
         logger.warning(
-            "message %s to %s dead-lettered: %s", dead.message.message_id,
-            dead.message.to_agent, dead.reason,
-            extra={"event": {"category": "dead_letter", "message_id": dead.message.message_id,
-                             "to_agent": dead.message.to_agent, "reason": dead.reason}},
+            "message %s to %s dead-lettered: %s",
+            dead.message.message_id,
+            dead.message.to_agent,
+            dead.reason,
+            extra={
+                "event": {
+                    "category": "dead_letter",
+                    "message_id": dead.message.message_id,
+                    "to_agent": dead.message.to_agent,
+                    "reason": dead.reason,
+                }
+            },
         )
 
     def on_redelivery(self, message: Message, attempt: int) -> None:
@@ -556,7 +596,11 @@ class Broker:
             if not stats:
                 raise AgentNotFoundError(f"agent {agent_id} is not registered")
         known = {s.agent_id: s for s in await self.store.stats(agent_id or None)}
-        ids = [agent_id] if agent_id else sorted(set(known) | {a.agent_id for a in self.list_agents()})
+        ids = (
+            [agent_id]
+            if agent_id
+            else sorted(set(known) | {a.agent_id for a in self.list_agents()})
+        )
         out = [
             AgentQueueStats(
                 known.get(aid) or QueueStats(aid, 0, 0, 0, 0, 0),

@@ -420,7 +420,9 @@ class InMemoryQueueStore:
             if q is None:
                 out.append(QueueStats(aid, 0, 0, 0, 0, 0))
                 continue
-            out.append(QueueStats(aid, q.waiting[0], q.waiting[1], q.waiting[2], len(q.leased), q.dead))
+            out.append(
+                QueueStats(aid, q.waiting[0], q.waiting[1], q.waiting[2], len(q.leased), q.dead)
+            )
         return out
 
     async def held(self) -> int:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from mesh.core.errors import AgentNotFoundError, FieldViolation, LimitExceededError
-from mesh.core.errors import MessageValidationError
+from mesh.core.errors import (
+    AgentNotFoundError,
+    FieldViolation,
+    LimitExceededError,
+    MessageValidationError,
+)
 from mesh.core.model import BROADCAST_TARGET, AgentInfo, utc_now
 
 
@@ -22,9 +26,7 @@ class AgentRegistry:
         if not info.agent_id:
             violations.append(FieldViolation("agent.agent_id", "agent_id is required"))
         elif info.agent_id == BROADCAST_TARGET:
-            violations.append(
-                FieldViolation("agent.agent_id", f'"{BROADCAST_TARGET}" is reserved')
-            )
+            violations.append(FieldViolation("agent.agent_id", f'"{BROADCAST_TARGET}" is reserved'))
         elif len(info.agent_id) > self.max_id_length or not info.agent_id.isprintable():
             violations.append(
                 FieldViolation(
@@ -70,7 +72,7 @@ class AgentRegistry:
     def __len__(self) -> int:
         return len(self._agents)
 
-    def list(self, agent_type: str = "") -> list[AgentInfo]:
+    def agents(self, agent_type: str = "") -> list[AgentInfo]:
         agents = sorted(self._agents.values(), key=lambda a: a.agent_id)
         if agent_type:
             agents = [a for a in agents if agent_type in a.agent_types]
@@ -78,4 +80,4 @@ class AgentRegistry:
 
     def of_types(self, agent_types: Iterable[str]) -> list[AgentInfo]:
         wanted = set(agent_types)
-        return [a for a in self.list() if wanted.intersection(a.agent_types)]
+        return [a for a in self.agents() if wanted.intersection(a.agent_types)]

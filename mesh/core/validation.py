@@ -68,7 +68,9 @@ def validate_message(message: Message, config: BrokerConfig, size_bytes: int = 0
         raise MessageTooLargeError(
             f"message is {size_bytes} bytes; the limit is {config.max_message_bytes} bytes",
             field_violations=(
-                FieldViolation("message", f"message must be at most {config.max_message_bytes} bytes"),
+                FieldViolation(
+                    "message", f"message must be at most {config.max_message_bytes} bytes"
+                ),
             ),
         )
     found = message_violations(message, config)

@@ -30,6 +30,9 @@ class Seller(Agent):
             str(handoff.context["report_to"]),
             "Refund approved: notify the customer",
             context=handoff.context,
-            previous_result={"approved": True, "seller_pid": os.getpid(),
-                             "received": handoff.previous_result},
+            previous_result={
+                "approved": True,
+                "seller_pid": os.getpid(),
+                "received": handoff.previous_result,
+            },
         )

@@ -36,10 +36,12 @@ async def test_request_to_an_agent_that_does_not_answer_ends_at_the_deadline(
 async def test_unary_send_request_honours_the_grpc_deadline(mesh: LocalMesh) -> None:
     async with grpc.aio.insecure_channel(mesh.address) as channel:
         stub = broker_pb2_grpc.BrokerServiceStub(channel)
-        await stub.RegisterAgent(broker_pb2.RegisterAgentRequest(
-            agent=message_pb2.AgentInfo(agent_id="SilentAgent")))
-        request = broker_pb2.SendRequestRequest(message=message_pb2.Message(
-            from_agent="caller", to_agent="SilentAgent"))
+        await stub.RegisterAgent(
+            broker_pb2.RegisterAgentRequest(agent=message_pb2.AgentInfo(agent_id="SilentAgent"))
+        )
+        request = broker_pb2.SendRequestRequest(
+            message=message_pb2.Message(from_agent="caller", to_agent="SilentAgent")
+        )
         request.message.content.update({"action": "ping"})
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.SendRequest(request, timeout=0.3)
@@ -56,8 +58,11 @@ async def test_two_concurrent_requesters_each_get_their_own_answers(mesh: LocalM
 
     async def requester(name: str) -> list[tuple[str, int, str]]:
         async with mesh.client(name) as client:
+
             async def one(n: int) -> tuple[str, int, str]:
-                reply = await client.request("EchoAgent", {"action": "echo", "parameters": {"n": n}})
+                reply = await client.request(
+                    "EchoAgent", {"action": "echo", "parameters": {"n": n}}
+                )
                 return reply.content["requester"], reply.content["n"], reply.to_agent
 
             return list(await asyncio.gather(*(one(n) for n in range(500))))
@@ -80,7 +85,7 @@ async def test_unacked_delivery_is_redelivered_after_its_lease_then_dead_lettere
                     break
         assert attempts == [1, 2]
         async with asyncio.timeout(5):
-            while not await client.dead_letters("Worker"):
+            while not await client.dead_letters("Worker"):  # noqa: ASYNC110 - broker state
                 await asyncio.sleep(0.02)
         [dead] = await client.dead_letters("Worker")
         assert dead.message.message_id == sent.message_id
@@ -151,13 +156,16 @@ async def test_unary_subscribe_streams_deliveries_for_plain_grpc_clients(mesh: L
     async with mesh.client("sender") as client, grpc.aio.insecure_channel(mesh.address) as channel:
         await client.register("Worker")
         stub = broker_pb2_grpc.BrokerServiceStub(channel)
-        call = stub.Subscribe(broker_pb2.SubscribeRequest(
-            agent_id="Worker", lease=duration_pb2.Duration(seconds=30)))
+        call = stub.Subscribe(
+            broker_pb2.SubscribeRequest(agent_id="Worker", lease=duration_pb2.Duration(seconds=30))
+        )
         sent = await client.send("Worker", {"action": "work"})
         first = await call.read()
         assert first.delivery.message.message_id == sent.message_id
         assert first.delivery.delivery_attempt == 1
-        ack = await stub.Ack(broker_pb2.AckRequest(agent_id="Worker", message_ids=[sent.message_id]))
+        ack = await stub.Ack(
+            broker_pb2.AckRequest(agent_id="Worker", message_ids=[sent.message_id])
+        )
         assert ack.acknowledged == 1
         call.cancel()
 
@@ -171,13 +179,13 @@ async def test_unknown_agent_is_not_found(mesh: LocalMesh) -> None:
 
 
 async def test_oversize_message_gets_a_clear_error_and_nothing_is_enqueued() -> None:
-    async with LocalMesh(BrokerConfig(max_message_bytes=64 * 1024)) as local:
-        async with local.client("sender") as client:
-            await client.register("Worker")
-            with pytest.raises(MessageTooLargeError, match="the limit is 65536 bytes") as info:
-                await client.send("Worker", {"action": "x", "blob": "y" * 70_000})
-            assert info.value.code == "INVALID_ARGUMENT"
-            assert await client.receive("Worker") == []
+    limit = BrokerConfig(max_message_bytes=64 * 1024)
+    async with LocalMesh(limit) as local, local.client("sender") as client:
+        await client.register("Worker")
+        with pytest.raises(MessageTooLargeError, match="the limit is 65536 bytes") as info:
+            await client.send("Worker", {"action": "x", "blob": "y" * 70_000})
+        assert info.value.code == "INVALID_ARGUMENT"
+        assert await client.receive("Worker") == []
 
 
 async def test_validation_errors_carry_field_violations_in_the_grpc_status(mesh: LocalMesh) -> None:
@@ -187,8 +195,9 @@ async def test_validation_errors_carry_field_violations_in_the_grpc_status(mesh:
     async with grpc.aio.insecure_channel(mesh.address) as channel:
         stub = broker_pb2_grpc.BrokerServiceStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await stub.SendMessage(broker_pb2.SendMessageRequest(
-                message=message_pb2.Message(to_agent="PaymentAgent")))
+            await stub.SendMessage(
+                broker_pb2.SendMessageRequest(message=message_pb2.Message(to_agent="PaymentAgent"))
+            )
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert info.value.details() == "from_agent is required; content is required"
         status = rpc_status.from_call(info.value)

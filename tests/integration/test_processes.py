@@ -28,8 +28,15 @@ async def start(*args: str, ready: str) -> Proc:
     """Starts `agentmesh ARGS` and waits for its ready line, which names its address."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "mesh.cli", *args, cwd=ROOT, env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        sys.executable,
+        "-m",
+        "mesh.cli",
+        *args,
+        cwd=ROOT,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     assert process.stdout is not None
     async with asyncio.timeout(30):
         while True:
@@ -58,10 +65,20 @@ async def broker_proc() -> AsyncIterator[Proc]:
 
 
 async def test_request_and_handoff_cross_three_processes(broker_proc: Proc) -> None:
-    payment = await start("agent", "tests.helpers.process_agents:Payment",
-                          "--broker", broker_proc.address, ready=r"serving on (\S+),")
-    seller = await start("agent", "tests.helpers.process_agents:Seller",
-                         "--broker", broker_proc.address, ready=r"serving on (\S+),")
+    payment = await start(
+        "agent",
+        "tests.helpers.process_agents:Payment",
+        "--broker",
+        broker_proc.address,
+        ready=r"serving on (\S+),",
+    )
+    seller = await start(
+        "agent",
+        "tests.helpers.process_agents:Seller",
+        "--broker",
+        broker_proc.address,
+        ready=r"serving on (\S+),",
+    )
     try:
         async with connect(broker_proc.address, agent_id="CustomerAgent") as customer:
             await customer.register()
@@ -70,16 +87,22 @@ async def test_request_and_handoff_cross_three_processes(broker_proc: Proc) -> N
             assert agents["PaymentAgent"].agent_types == ("payment",)
 
             response = await customer.request(
-                "PaymentAgent", {"action": "process_payment", "parameters": {"amount": 50}},
-                timeout=10)
+                "PaymentAgent",
+                {"action": "process_payment", "parameters": {"amount": 50}},
+                timeout=10,
+            )
             assert response.message_type is MessageType.RESPONSE
             assert response.content["status"] == "PAID"
             assert response.content["pid"] == payment.process.pid
 
-            await customer.handoff("SellerAgent", "Approve refund for order 12345",
-                                   context={"order_id": "12345", "report_to": "CustomerAgent"},
-                                   previous_result={"eligible": True},
-                                   workflow_id="wf_refund_123", step_number=1)
+            await customer.handoff(
+                "SellerAgent",
+                "Approve refund for order 12345",
+                context={"order_id": "12345", "report_to": "CustomerAgent"},
+                previous_result={"eligible": True},
+                workflow_id="wf_refund_123",
+                step_number=1,
+            )
             async with customer.subscribe() as inbox:
                 async with asyncio.timeout(10):
                     async for received in inbox:
@@ -107,15 +130,31 @@ async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
 
     async def cli(*args: str) -> tuple[int, str]:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "mesh.cli", *args, cwd=ROOT, env=env,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            sys.executable,
+            "-m",
+            "mesh.cli",
+            *args,
+            cwd=ROOT,
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
         out, _ = await process.communicate()
         return process.returncode or 0, out.decode()
 
     async with connect(broker_proc.address) as client:
         await client.register("PaymentAgent", agent_types=["payment"])
-    code, out = await cli("send", "--to", "PaymentAgent", "--action", "process_payment",
-                          "--params", '{"amount": 450}', "--priority", "HIGH")
+    code, out = await cli(
+        "send",
+        "--to",
+        "PaymentAgent",
+        "--action",
+        "process_payment",
+        "--params",
+        '{"amount": 450}',
+        "--priority",
+        "HIGH",
+    )
     assert code == 0 and out.startswith("sent ")
     code, out = await cli("agents")
     assert code == 0

@@ -9,7 +9,7 @@ import re
 import socket
 import urllib.request
 import uuid
-from datetime import UTC, datetime
+from datetime import datetime
 
 import pytest
 
@@ -23,7 +23,6 @@ from mesh import (
     MessageType,
     MessageValidationError,
     Priority,
-    RetryPolicy,
     agent,
     on,
 )
@@ -92,11 +91,19 @@ async def test_scenario_01_send_message_between_agents(mesh: LocalMesh) -> None:
 async def test_scenario_02_receive_messages(mesh: LocalMesh) -> None:
     async with mesh.client() as client:
         await register(client, "PaymentAgent")
-        for mid, sender in (("msg_001", "FlightAgent"), ("msg_002", "HotelAgent"),
-                            ("msg_003", "CarAgent")):
-            await client.send_message(Message(message_id=mid, from_agent=sender,
-                                              to_agent="PaymentAgent",
-                                              content={"action": "process_payment"}))
+        for mid, sender in (
+            ("msg_001", "FlightAgent"),
+            ("msg_002", "HotelAgent"),
+            ("msg_003", "CarAgent"),
+        ):
+            await client.send_message(
+                Message(
+                    message_id=mid,
+                    from_agent=sender,
+                    to_agent="PaymentAgent",
+                    content={"action": "process_payment"},
+                )
+            )
         messages = await client.receive("PaymentAgent")
         assert [m.message_id for m in messages] == ["msg_001", "msg_002", "msg_003"]
         assert [m.from_agent for m in messages] == ["FlightAgent", "HotelAgent", "CarAgent"]
@@ -156,17 +163,28 @@ async def test_scenario_04_request_response_correlation(mesh: LocalMesh) -> None
 async def test_scenario_05_message_priority(mesh: LocalMesh) -> None:
     async with mesh.client() as client:
         await register(client, "PaymentAgent")
-        table = [("msg_001", Priority.LOW, "2025-11-16T10:00:00+00:00"),
-                 ("msg_002", Priority.HIGH, "2025-11-16T10:00:05+00:00"),
-                 ("msg_003", Priority.MEDIUM, "2025-11-16T10:00:02+00:00")]
+        table = [
+            ("msg_001", Priority.LOW, "2025-11-16T10:00:00+00:00"),
+            ("msg_002", Priority.HIGH, "2025-11-16T10:00:05+00:00"),
+            ("msg_003", Priority.MEDIUM, "2025-11-16T10:00:02+00:00"),
+        ]
         for mid, priority, ts in table:
-            await client.send_message(Message(
-                message_id=mid, from_agent="FlightAgent", to_agent="PaymentAgent",
-                content={"action": "process_payment"}, priority=priority,
-                timestamp=datetime.fromisoformat(ts)))
+            await client.send_message(
+                Message(
+                    message_id=mid,
+                    from_agent="FlightAgent",
+                    to_agent="PaymentAgent",
+                    content={"action": "process_payment"},
+                    priority=priority,
+                    timestamp=datetime.fromisoformat(ts),
+                )
+            )
         messages = await client.receive("PaymentAgent")
     assert [(m.message_id, m.priority) for m in messages] == [
-        ("msg_002", Priority.HIGH), ("msg_003", Priority.MEDIUM), ("msg_001", Priority.LOW)]
+        ("msg_002", Priority.HIGH),
+        ("msg_003", Priority.MEDIUM),
+        ("msg_001", Priority.LOW),
+    ]
 
 
 class ManualClock:
@@ -235,13 +253,22 @@ async def test_scenario_07_step_increments_when_an_agent_hands_on(mesh: LocalMes
 
     @agent("SellerAgent")
     async def seller(message: Message, ctx: AgentContext) -> None:
-        await ctx.handoff("PaymentAgent", "Pay refund", context=message.handoff.context,
-                          previous_result={"approved": True})
+        await ctx.handoff(
+            "PaymentAgent",
+            "Pay refund",
+            context=message.handoff.context,
+            previous_result={"approved": True},
+        )
 
     await mesh.add_agent(seller)
     async with mesh.client("CustomerAgent") as customer:
-        await customer.handoff("SellerAgent", "Approve refund", context={"order_id": "12345"},
-                               workflow_id="wf_1", step_number=1)
+        await customer.handoff(
+            "SellerAgent",
+            "Approve refund",
+            context={"order_id": "12345"},
+            workflow_id="wf_1",
+            step_number=1,
+        )
     [got] = await payment.wait()
     assert (got.handoff.workflow_id, got.handoff.step_number) == ("wf_1", 2)
     assert got.from_agent == "SellerAgent"
@@ -286,16 +313,21 @@ async def test_scenario_09_sequential_handoff_chain(mesh: LocalMesh) -> None:
             handoff = message.handoff
             seen.append((name, handoff.previous_result, handoff.step_number))
             nxt = chain[index + 1] if index + 1 < len(chain) else "WorkflowObserver"
-            await ctx.handoff(nxt, f"step after {name}", context=handoff.context,
-                              previous_result=results[name])
+            await ctx.handoff(
+                nxt, f"step after {name}", context=handoff.context, previous_result=results[name]
+            )
 
         return agent(name)(handler)
 
     for i, name in enumerate(chain):
         await mesh.add_agent(make(i, name))
     async with mesh.client("user") as user:
-        await user.handoff("CustomerAgent", "Process refund for order #12345",
-                           workflow_id="wf_chain", step_number=1)
+        await user.handoff(
+            "CustomerAgent",
+            "Process refund for order #12345",
+            workflow_id="wf_chain",
+            step_number=1,
+        )
     [final] = await done.wait()
     assert [s[0] for s in seen] == chain
     assert [s[2] for s in seen] == [1, 2, 3, 4]
@@ -306,8 +338,9 @@ async def test_scenario_09_sequential_handoff_chain(mesh: LocalMesh) -> None:
     assert mesh.broker is not None and mesh.broker.metrics.totals.handoffs == 5
 
 
-@pytest.mark.parametrize(("approval", "expected"), [("APPROVED", "PaymentAgent"),
-                                                     ("REJECTED", "NotificationAgent")])
+@pytest.mark.parametrize(
+    ("approval", "expected"), [("APPROVED", "PaymentAgent"), ("REJECTED", "NotificationAgent")]
+)
 async def test_scenario_10_conditional_handoff(
     mesh: LocalMesh, caplog: pytest.LogCaptureFixture, approval: str, expected: str
 ) -> None:
@@ -325,8 +358,9 @@ async def test_scenario_10_conditional_handoff(
 
     await mesh.add_agent(seller)
     async with mesh.client("CustomerAgent") as customer:
-        await customer.handoff("SellerAgent", "Review refund",
-                               context={"approval_result": approval})
+        await customer.handoff(
+            "SellerAgent", "Review refund", context={"approval_result": approval}
+        )
     chosen = payment if expected == "PaymentAgent" else notification
     other = notification if chosen is payment else payment
     [got] = await chosen.wait()
@@ -364,8 +398,10 @@ async def test_scenario_12_message_queue_full() -> None:
     async with LocalMesh(BrokerConfig(max_messages_per_agent=1000)) as local:
         async with local.client("FlightAgent", retry=NO_RETRY) as flight:
             await register(flight, "PaymentAgent")
-            batch = [flight.build("PaymentAgent", {"action": "process_payment", "parameters": {"i": i}})
-                     for i in range(1000)]
+            batch = [
+                flight.build("PaymentAgent", {"action": "process_payment", "parameters": {"i": i}})
+                for i in range(1000)
+            ]
             assert all(isinstance(r, Message) for r in await flight.send_batch(batch))
             with pytest.raises(MessageQueueFullError, match="PaymentAgent queue full") as info:
                 await flight.send("PaymentAgent", {"action": "process_payment"})
@@ -400,8 +436,9 @@ async def test_scenario_13_acknowledge_receipt(mesh: LocalMesh) -> None:
     await mesh.add_agent(flight.make("FlightAgent", reply={"status": "searching"}))
     async with mesh.client("Orchestrator") as orchestrator:
         await orchestrator.register()
-        sent = await orchestrator.send("FlightAgent", {"action": "search_flights"},
-                                       ack_required=True)
+        sent = await orchestrator.send(
+            "FlightAgent", {"action": "search_flights"}, ack_required=True
+        )
         async with orchestrator.subscribe() as inbox:
             async for received in inbox:
                 await received.ack()
@@ -421,15 +458,18 @@ async def test_scenario_14_parallel_messages(
     for name, collector in collectors.items():
         await mesh.add_agent(collector.make(name))
     async with mesh.client("Orchestrator") as orchestrator:
-        messages = [orchestrator.build(name, {"action": "book"}, message_type=MessageType.BROADCAST)
-                    for name in collectors]
+        messages = [
+            orchestrator.build(name, {"action": "book"}, message_type=MessageType.BROADCAST)
+            for name in collectors
+        ]
         sent = await orchestrator.send_parallel(messages)
     assert [m.message_id for m in sent] == [m.message_id for m in messages]
     for name, collector in collectors.items():
         [got] = await collector.wait()
         assert got.to_agent == name
-    logged = [r for r in caplog.records
-              if getattr(r, "event", {}).get("category") == "parallel_send"]
+    logged = [
+        r for r in caplog.records if getattr(r, "event", {}).get("category") == "parallel_send"
+    ]
     assert logged[-1].event["count"] == 3
 
 
@@ -474,8 +514,13 @@ async def test_scenario_16_handoff_logging(
     await mesh.add_agent(seller.make("SellerAgent"))
     context = {"order_id": "12345", "amount": 50}
     async with mesh.client("CustomerAgent") as customer:
-        await customer.handoff("SellerAgent", "Approve refund", context=context,
-                               workflow_id="wf_refund_123", step_number=2)
+        await customer.handoff(
+            "SellerAgent",
+            "Approve refund",
+            context=context,
+            workflow_id="wf_refund_123",
+            step_number=2,
+        )
     await seller.wait()
     [record] = [r for r in caplog.records if r.name == "mesh.handoff"]
     line = json.loads(JsonFormatter().format(record))
@@ -492,12 +537,14 @@ async def test_scenario_16_handoff_logging(
 
 async def test_scenario_17_broadcast_with_selective_targeting(mesh: LocalMesh) -> None:
     async with mesh.client("Orchestrator") as orchestrator:
-        await register(orchestrator, "FlightAgent", "HotelAgent", "CarAgent",
-                       agent_types=("booking",))
+        await register(
+            orchestrator, "FlightAgent", "HotelAgent", "CarAgent", agent_types=("booking",)
+        )
         await register(orchestrator, "PaymentAgent", agent_types=("payment",))
         await register(orchestrator, "NotificationAgent", agent_types=("notification",))
         result = await orchestrator.broadcast_to_types(
-            ["booking"], {"alert": "Booking API maintenance"})
+            ["booking"], {"alert": "Booking API maintenance"}
+        )
         assert sorted(result.recipients) == ["CarAgent", "FlightAgent", "HotelAgent"]
         for name in ("FlightAgent", "HotelAgent", "CarAgent"):
             [got] = await orchestrator.receive(name)
@@ -511,13 +558,15 @@ async def test_scenario_17_broadcast_with_selective_targeting(mesh: LocalMesh) -
 async def test_scenario_18_content_structure_validation(mesh: LocalMesh) -> None:
     async with mesh.client("FlightAgent") as flight:
         await register(flight, "PaymentAgent")
-        await flight.send("PaymentAgent", {"action": "process_payment",
-                                           "parameters": {"amount": 450, "flight": "Flight A"}})
+        await flight.send(
+            "PaymentAgent",
+            {"action": "process_payment", "parameters": {"amount": 450, "flight": "Flight A"}},
+        )
         [accepted] = await flight.receive("PaymentAgent")
         assert accepted.parameters == {"amount": 450, "flight": "Flight A"}
-        with pytest.raises(MessageValidationError, match="content.action is required"):
+        with pytest.raises(MessageValidationError, match=r"content\.action is required"):
             await flight.send("PaymentAgent", {"parameters": {"amount": 450}})
-        with pytest.raises(MessageValidationError, match="content.parameters must be an object"):
+        with pytest.raises(MessageValidationError, match=r"content\.parameters must be an object"):
             await flight.send("PaymentAgent", {"action": "x", "parameters": [1, 2]})
         assert await flight.receive("PaymentAgent") == []
 
@@ -533,16 +582,25 @@ async def test_scenario_19_handoff_with_constraints(
     async def payment(message: Message, ctx: AgentContext) -> None:
         constraints = message.handoff.constraints
         days = {"within_3_days": 3}[constraints["processing_time"]]
-        await ctx.send("Outcomes", {"action": "refund_done", "method": constraints["refund_method"],
-                                    "processing_days": days})
+        await ctx.send(
+            "Outcomes",
+            {
+                "action": "refund_done",
+                "method": constraints["refund_method"],
+                "processing_days": days,
+            },
+        )
 
     await mesh.add_agent(payment)
     constraints = {"refund_method": "original_payment", "processing_time": "within_3_days"}
     async with mesh.client("SellerAgent") as seller:
         await seller.handoff("PaymentAgent", "Refund $50", constraints=constraints)
     [outcome] = await outcomes.wait()
-    assert outcome.content == {"action": "refund_done", "method": "original_payment",
-                               "processing_days": 3}
+    assert outcome.content == {
+        "action": "refund_done",
+        "method": "original_payment",
+        "processing_days": 3,
+    }
     [record] = [r for r in caplog.records if r.name == "mesh.handoff"]
     assert record.event["constraints"] == constraints
 
@@ -561,15 +619,18 @@ async def test_scenario_20_communication_metrics() -> None:
     async with LocalMesh(metrics_port=0) as local:
         async with local.client("FlightAgent") as flight:
             await register(flight, "PaymentAgent", "SellerAgent")
-            batch = [flight.build("PaymentAgent", {"action": "process_payment", "parameters": {"i": i}})
-                     for i in range(1000)]
+            batch = [
+                flight.build("PaymentAgent", {"action": "process_payment", "parameters": {"i": i}})
+                for i in range(1000)
+            ]
             results = await flight.send_batch(batch)
             assert all(isinstance(r, Message) for r in results)
             received = await flight.receive("PaymentAgent")
             assert len(received) == 1000
             for step in range(150):
-                await flight.handoff("SellerAgent", "Approve refund", workflow_id="wf",
-                                     step_number=step + 1)
+                await flight.handoff(
+                    "SellerAgent", "Approve refund", workflow_id="wf", step_number=step + 1
+                )
             assert len(await flight.receive("SellerAgent")) == 150
             report = await flight.queue_stats()
         assert report.totals["sent_count"] == 1150

@@ -17,12 +17,14 @@ from mesh import Agent, AgentClient, AgentContext, LocalMesh, Message, Tool, age
 from mesh.core.model import MessageType
 
 ROOT = Path(__file__).resolve().parents[2]
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 BUF = shutil.which("buf") or str(Path(sys.executable).parent / "buf")
 
 
 def buf(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([BUF, *args], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          input=stdin)
+    return subprocess.run(
+        [BUF, *args], cwd=ROOT, capture_output=True, text=True, timeout=60, input=stdin
+    )
 
 
 async def abuf(*args: str) -> subprocess.CompletedProcess[str]:
@@ -53,30 +55,64 @@ class Weather(Agent):
 
 async def test_buf_curl_lists_and_calls_every_service_through_reflection(mesh: LocalMesh) -> None:
     served = await mesh.add_agent(Weather())
-    listed = await abuf("curl", "--protocol", "grpc", "--http2-prior-knowledge",
-                        "--list-methods", f"http://{mesh.address}")
+    listed = await abuf(
+        "curl",
+        "--protocol",
+        "grpc",
+        "--http2-prior-knowledge",
+        "--list-methods",
+        f"http://{mesh.address}",
+    )
     assert listed.returncode == 0, listed.stderr
-    for method in ("mesh.v1.BrokerService/SendMessage", "mesh.v1.BrokerService/Connect",
-                   "mesh.v1.BrokerService/Subscribe", "grpc.health.v1.Health/Check"):
+    for method in (
+        "mesh.v1.BrokerService/SendMessage",
+        "mesh.v1.BrokerService/Connect",
+        "mesh.v1.BrokerService/Subscribe",
+        "grpc.health.v1.Health/Check",
+    ):
         assert method in listed.stdout.split()
-    agent_methods = await abuf("curl", "--protocol", "grpc", "--http2-prior-knowledge",
-                               "--list-methods", f"http://{served.address}")
+    agent_methods = await abuf(
+        "curl",
+        "--protocol",
+        "grpc",
+        "--http2-prior-knowledge",
+        "--list-methods",
+        f"http://{served.address}",
+    )
     assert "mesh.v1.AgentService/HandleMessage" in agent_methods.stdout.split()
 
-    called = await abuf("curl", "--protocol", "grpc", "--http2-prior-knowledge", "-d",
-                        json.dumps({"message": {"from_agent": "cli", "to_agent": "WeatherAgent",
-                                                "content": {"action": "forecast",
-                                                            "parameters": {"city": "Paris"}}}}),
-                        f"http://{mesh.address}/mesh.v1.BrokerService/SendRequest")
+    called = await abuf(
+        "curl",
+        "--protocol",
+        "grpc",
+        "--http2-prior-knowledge",
+        "-d",
+        json.dumps(
+            {
+                "message": {
+                    "from_agent": "cli",
+                    "to_agent": "WeatherAgent",
+                    "content": {"action": "forecast", "parameters": {"city": "Paris"}},
+                }
+            }
+        ),
+        f"http://{mesh.address}/mesh.v1.BrokerService/SendRequest",
+    )
     assert called.returncode == 0, called.stderr
     response = json.loads(called.stdout)["response"]
     assert response["messageType"] == "MESSAGE_TYPE_RESPONSE"
     assert response["content"] == {"action": "forecast", "city": "Paris", "sky": "clear"}
 
-    card = await abuf("curl", "--protocol", "grpc", "--http2-prior-knowledge",
-                      f"http://{served.address}/mesh.v1.AgentService/DescribeAgent")
+    card = await abuf(
+        "curl",
+        "--protocol",
+        "grpc",
+        "--http2-prior-knowledge",
+        f"http://{served.address}/mesh.v1.AgentService/DescribeAgent",
+    )
     assert json.loads(card.stdout)["card"]["tools"] == [
-        {"name": "forecast_db", "description": "local forecast table"}]
+        {"name": "forecast_db", "description": "local forecast table"}
+    ]
 
 
 async def health_of(address: str, service: str = "") -> int:
@@ -89,8 +125,14 @@ async def health_of(address: str, service: str = "") -> int:
 async def test_health_is_serving_on_broker_and_agents(mesh: LocalMesh) -> None:
     served = await mesh.add_agent(Weather())
     assert await health_of(mesh.address) == health_pb2.HealthCheckResponse.SERVING
-    assert await health_of(mesh.address, "mesh.v1.BrokerService") == health_pb2.HealthCheckResponse.SERVING
-    assert await health_of(served.address, "mesh.v1.AgentService") == health_pb2.HealthCheckResponse.SERVING
+    assert (
+        await health_of(mesh.address, "mesh.v1.BrokerService")
+        == health_pb2.HealthCheckResponse.SERVING
+    )
+    assert (
+        await health_of(served.address, "mesh.v1.AgentService")
+        == health_pb2.HealthCheckResponse.SERVING
+    )
 
 
 async def test_agent_service_describes_and_handles_directly(mesh: LocalMesh) -> None:
@@ -101,13 +143,18 @@ async def test_agent_service_describes_and_handles_directly(mesh: LocalMesh) -> 
         assert card.agent_types == ("info",)
         assert card.actions == ("forecast",)
         assert card.description == "Answers forecast requests."
-        answer = await direct.handle(Message(from_agent="cli", to_agent="WeatherAgent",
-                                             content={"action": "forecast",
-                                                      "parameters": {"city": "Lima"}}))
+        answer = await direct.handle(
+            Message(
+                from_agent="cli",
+                to_agent="WeatherAgent",
+                content={"action": "forecast", "parameters": {"city": "Lima"}},
+            )
+        )
         assert answer is not None and answer.message_type is MessageType.RESPONSE
         assert answer.content["city"] == "Lima"
-        failed = await direct.handle(Message(from_agent="cli", to_agent="WeatherAgent",
-                                             content={"action": "unknown"}))
+        failed = await direct.handle(
+            Message(from_agent="cli", to_agent="WeatherAgent", content={"action": "unknown"})
+        )
         assert failed is not None and failed.message_type is MessageType.ERROR
         assert "does not handle action 'unknown'" in failed.content["error"]
 
@@ -128,7 +175,7 @@ async def test_graceful_shutdown_finishes_in_flight_work_then_deregisters(mesh: 
         await started.wait()
         stopping = asyncio.create_task(mesh.stop_agent("SlowAgent", grace=5))
         async with asyncio.timeout(5):
-            while await health_of(served.address) != health_pb2.HealthCheckResponse.NOT_SERVING:
+            while await health_of(served.address) != NOT_SERVING:  # noqa: ASYNC110
                 await asyncio.sleep(0.01)
         release.set()
         answer = await pending

@@ -45,11 +45,17 @@ class Recorder:
 BASE = datetime(2025, 11, 16, 10, 0, 0, tzinfo=UTC)
 
 
-def msg(mid: str, *, to: str = "PaymentAgent", priority: Priority = Priority.MEDIUM,
-        at: float = 0.0) -> Message:
-    return Message(message_id=mid, from_agent="FlightAgent", to_agent=to,
-                   content={"action": "process_payment"}, priority=priority,
-                   timestamp=BASE + timedelta(seconds=at))
+def msg(
+    mid: str, *, to: str = "PaymentAgent", priority: Priority = Priority.MEDIUM, at: float = 0.0
+) -> Message:
+    return Message(
+        message_id=mid,
+        from_agent="FlightAgent",
+        to_agent=to,
+        content={"action": "process_payment"},
+        priority=priority,
+        timestamp=BASE + timedelta(seconds=at),
+    )
 
 
 @pytest.fixture
@@ -64,8 +70,13 @@ def recorder() -> Recorder:
 
 @pytest.fixture
 def store(clock: FakeClock, recorder: Recorder) -> InMemoryQueueStore:
-    return InMemoryQueueStore(max_messages_per_agent=5, max_total_messages=8,
-                              max_delivery_attempts=3, clock=clock, listener=recorder)
+    return InMemoryQueueStore(
+        max_messages_per_agent=5,
+        max_total_messages=8,
+        max_delivery_attempts=3,
+        clock=clock,
+        listener=recorder,
+    )
 
 
 async def ids(store: InMemoryQueueStore, agent: str = "PaymentAgent") -> list[str]:
