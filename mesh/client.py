@@ -96,6 +96,15 @@ class BroadcastResult:
 
 
 @dataclass(frozen=True, slots=True)
+class GatherResult:
+    """One agent's outcome of :meth:`MeshClient.gather`."""
+
+    agent_id: str
+    response: Message | None
+    error: MeshError | None
+
+
+@dataclass(frozen=True, slots=True)
 class QueueStatsView:
     agent_id: str
     depth: int
@@ -550,6 +559,42 @@ class MeshClient:
                 reason=str(content.get("reason") or "AGENT_ERROR"),
             )
         return response
+
+    async def gather(
+        self,
+        content: dict[str, JSON] | Message,
+        *,
+        agent_ids: Iterable[str] = (),
+        agent_types: Iterable[str] = (),
+        timeout: float | None = None,
+        **options: Any,
+    ) -> AsyncIterator[GatherResult]:
+        """Asks several agents at once; yields each agent's answer (or error) as it arrives.
+
+        The copies are BROADCAST messages sharing one id (REQUEST or HANDOFF when a prepared
+        message of that type is given); agents that do not answer within ``timeout`` seconds
+        come last, with RequestTimeoutError.
+        """
+        timeout = self.default_timeout if timeout is None else timeout
+        if isinstance(content, Message):
+            message = content
+        else:
+            options.setdefault("message_type", MessageType.BROADCAST)
+            message = self.build("broadcast", content, **options)
+        request = broker_pb2.GatherRequest(agent_ids=list(agent_ids), agent_types=list(agent_types))
+        codec.message_to_pb(message, request.message)
+        codec.seconds_to_duration(timeout, request.timeout)
+        call = self._stub.Gather(request, timeout=timeout + 5.0)
+        try:
+            async for item in call:
+                if item.HasField("response"):
+                    yield GatherResult(item.agent_id, codec.message_from_pb(item.response), None)
+                else:
+                    yield GatherResult(item.agent_id, None, codec.error_from_pb(item.error))
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        finally:
+            call.cancel()
 
     async def broadcast(
         self,

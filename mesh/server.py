@@ -188,6 +188,38 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         codec.message_to_pb(answer, response.response)
         return response
 
+    async def Gather(
+        self, request: broker_pb2.GatherRequest, context: Any
+    ) -> AsyncIterator[broker_pb2.GatherResponse]:
+        if not request.HasField("message"):
+            await abort(context, _invalid("message", "message is required"))
+        timeout = (
+            codec.duration_seconds(request.timeout)
+            if request.HasField("timeout")
+            else context.time_remaining()
+        )
+        remaining = context.time_remaining()
+        if timeout is not None and remaining is not None:
+            timeout = min(timeout, remaining)
+        items = self.broker.gather(
+            codec.message_from_pb(request.message),
+            agent_ids=list(request.agent_ids),
+            agent_types=list(request.agent_types),
+            timeout=timeout,
+        )
+        try:
+            async for item in items:
+                response = broker_pb2.GatherResponse(agent_id=item.agent_id)
+                if item.response is not None:
+                    codec.message_to_pb(item.response, response.response)
+                elif item.error is not None:
+                    codec.error_to_pb(item.error, response.error)
+                yield response
+        except MeshError as error:
+            await abort(context, error)
+        finally:
+            await items.aclose()
+
     @translating
     async def Handoff(
         self, request: broker_pb2.HandoffRequest, context: Any

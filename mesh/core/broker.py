@@ -12,7 +12,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 
 from mesh.config import BrokerConfig
@@ -46,6 +46,7 @@ logger = logging.getLogger("mesh.broker")
 handoff_logger = logging.getLogger("mesh.handoff")
 
 _ANSWER_TYPES = (MessageType.RESPONSE, MessageType.ERROR)
+_ASKING_TYPES = (MessageType.REQUEST, MessageType.HANDOFF, MessageType.BROADCAST)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,30 @@ class BroadcastOutcome:
     message: Message
     recipients: tuple[str, ...]
     failures: tuple[tuple[str, MeshError], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class GatherItem:
+    """One agent's outcome in a gather: its answer, or why there is none."""
+
+    agent_id: str
+    response: Message | None = None
+    error: MeshError | None = None
+
+
+class _Gathering:
+    """Answers expected from several agents to one correlation id."""
+
+    def __init__(self, expected: Iterable[str]) -> None:
+        self.expected = set(expected)
+        self.answers: asyncio.Queue[Message] = asyncio.Queue(len(self.expected) or 1)
+
+    def offer(self, message: Message) -> bool:
+        if message.from_agent not in self.expected:
+            return False
+        self.expected.discard(message.from_agent)
+        self.answers.put_nowait(message)
+        return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +166,7 @@ class Broker:
             )
         self.store = store
         store.listener = self
-        self._pending: dict[tuple[str, str], asyncio.Future[Message]] = {}
+        self._pending: dict[tuple[str, str], asyncio.Future[Message] | _Gathering] = {}
         self._subscriptions: dict[str, list[Subscription]] = {}
         self._by_subscription: dict[str, Subscription] = {}
         self._dirty: set[str] = set()
@@ -163,7 +188,7 @@ class Broker:
             for sub in list(subs):
                 await sub.close()
         for future in self._pending.values():
-            if not future.done():
+            if isinstance(future, asyncio.Future) and not future.done():
                 future.set_exception(SessionClosedError("the broker is shutting down"))
 
     async def __aenter__(self) -> Broker:
@@ -242,8 +267,13 @@ class Broker:
             return SendOutcome(outcome.message, outcome.recipients)
         if message.message_type in _ANSWER_TYPES and message.correlation_id:
             waiter = self._pending.get((message.to_agent, message.correlation_id))
-            if waiter is not None and not waiter.done():
-                waiter.set_result(message)
+            if isinstance(waiter, _Gathering):
+                taken = waiter.offer(message)
+            else:
+                taken = waiter is not None and not waiter.done()
+                if taken:
+                    waiter.set_result(message)  # type: ignore[union-attr]
+            if taken:
                 self.metrics.sent(message.message_type.value, time.perf_counter() - started)
                 return SendOutcome(message, (message.to_agent,))
         if message.to_agent not in self.registry:
@@ -419,23 +449,9 @@ class Broker:
         # The request must not outlive its caller: it expires from the queue with the deadline.
         ttl_cap = max(1, math.ceil(timeout))
         ttl = min(message.ttl or self.config.default_ttl, ttl_cap)
-        message = message.evolve(
-            message_type=MessageType.REQUEST, correlation_id=correlation_id, ttl=ttl
-        )
-        key = (message.reply_target, correlation_id)
-        if key in self._pending:
-            self._validate(message, 0)
-            raise MessageValidationError(
-                f"a request with correlation_id {correlation_id} is already waiting",
-                field_violations=(
-                    FieldViolation("correlation_id", "correlation_id is already in use"),
-                ),
-            )
-        if len(self._pending) >= self.config.max_pending_requests:
-            raise LimitExceededError(
-                f"the broker holds {self.config.max_pending_requests} pending requests, its limit",
-                retry_after=self.config.retry_after_seconds,
-            )
+        kind = message.message_type if message.message_type in _ASKING_TYPES else MessageType.REQUEST
+        message = message.evolve(message_type=kind, correlation_id=correlation_id, ttl=ttl)
+        key = self._reserve(message)
         waiter: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._pending[key] = waiter
         started = time.perf_counter()
@@ -456,6 +472,82 @@ class Broker:
             return answer
         finally:
             if self._pending.get(key) is waiter:
+                del self._pending[key]
+
+    def _reserve(self, message: Message) -> tuple[str, str]:
+        """The waiter key of a request; refuses a duplicate key or one over the limit."""
+        key = (message.reply_target, message.correlation_id)
+        if key in self._pending:
+            self._validate(message, 0)
+            raise MessageValidationError(
+                f"a request with correlation_id {message.correlation_id} is already waiting",
+                field_violations=(
+                    FieldViolation("correlation_id", "correlation_id is already in use"),
+                ),
+            )
+        if len(self._pending) >= self.config.max_pending_requests:
+            raise LimitExceededError(
+                f"the broker holds {self.config.max_pending_requests} pending requests, its limit",
+                retry_after=self.config.retry_after_seconds,
+            )
+        return key
+
+    async def gather(
+        self,
+        message: Message,
+        *,
+        agent_ids: Sequence[str] = (),
+        agent_types: Sequence[str] = (),
+        timeout: float | None = None,
+    ) -> AsyncIterator[GatherItem]:
+        """Asks several agents at once and yields each one's answer as it arrives.
+
+        Every copy shares the message id; agents that cannot be asked, or do not answer
+        within ``timeout`` seconds, are yielded with an error. Scatter-gather for patterns
+        such as group chat and collaborative filtering.
+        """
+        timeout = self.config.default_request_timeout if timeout is None else timeout
+        correlation_id = message.correlation_id or message.message_id
+        kind = message.message_type if message.message_type in _ASKING_TYPES else MessageType.BROADCAST
+        ttl = min(message.ttl or self.config.default_ttl, max(1, math.ceil(timeout)))
+        message = message.evolve(
+            message_type=kind, correlation_id=correlation_id, ttl=ttl,
+            to_agent=message.to_agent or BROADCAST_TARGET,
+        )
+        self._validate(message, 0)
+        if agent_ids:
+            targets = list(dict.fromkeys(agent_ids))
+        else:
+            infos = self.registry.of_types(agent_types) if agent_types else self.registry.agents()
+            targets = [a.agent_id for a in infos if a.agent_id != message.from_agent]
+        key = self._reserve(message)
+        gathering = _Gathering(targets)
+        self._pending[key] = gathering
+        started = time.perf_counter()
+        try:
+            for agent_id in targets:
+                try:
+                    if agent_id not in self.registry:
+                        raise AgentNotFoundError(f"agent {agent_id} is not registered")
+                    await self._enqueue(message.copy_to(agent_id))
+                    self.metrics.sent(kind.value, 0.0)
+                except MeshError as error:
+                    gathering.expected.discard(agent_id)
+                    yield GatherItem(agent_id, error=error)
+            deadline = asyncio.get_running_loop().time() + timeout
+            while gathering.expected or not gathering.answers.empty():
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        answer = await gathering.answers.get()
+                except TimeoutError:
+                    break
+                yield GatherItem(answer.from_agent, response=answer)
+            for agent_id in sorted(gathering.expected):
+                yield GatherItem(agent_id, error=RequestTimeoutError(
+                    f"no response from {agent_id} within {timeout:.3g} s"))
+            self.metrics.request("gather", time.perf_counter() - started)
+        finally:
+            if self._pending.get(key) is gathering:
                 del self._pending[key]
 
     @property

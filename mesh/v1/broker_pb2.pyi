@@ -739,6 +739,88 @@ class SendRequestResponse(_message.Message):
 Global___SendRequestResponse: _TypeAlias = SendRequestResponse  # noqa: Y015
 
 @_typing.final
+class GatherRequest(_message.Message):
+    """GatherRequest asks several agents the same thing."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    AGENT_IDS_FIELD_NUMBER: _builtins.int
+    AGENT_TYPES_FIELD_NUMBER: _builtins.int
+    TIMEOUT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def message(self) -> _message_pb2.Message:
+        """The message; to_agent is set per recipient. Its type is kept when it is REQUEST or
+        HANDOFF, and BROADCAST otherwise.
+        """
+
+    @_builtins.property
+    def agent_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The agents to ask. When empty, agent_types selects them; when both are empty, every
+        registered agent but the sender is asked.
+        """
+
+    @_builtins.property
+    def agent_types(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Ask the agents of these types."""
+
+    @_builtins.property
+    def timeout(self) -> _duration_pb2.Duration:
+        """How long to wait for answers; unset means the call's deadline, or 30 s."""
+
+    def __init__(
+        self,
+        *,
+        message: _message_pb2.Message | None = ...,
+        agent_ids: _abc.Iterable[_builtins.str] | None = ...,
+        agent_types: _abc.Iterable[_builtins.str] | None = ...,
+        timeout: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "timeout", b"timeout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_ids", b"agent_ids", "agent_types", b"agent_types", "message", b"message", "timeout", b"timeout"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GatherRequest: _TypeAlias = GatherRequest  # noqa: Y015
+
+@_typing.final
+class GatherResponse(_message.Message):
+    """GatherResponse is one agent's outcome."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    RESPONSE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """The agent this outcome is about."""
+    @_builtins.property
+    def response(self) -> _message_pb2.Message:
+        """The agent's RESPONSE or ERROR message."""
+
+    @_builtins.property
+    def error(self) -> Global___Error:
+        """The agent could not be asked, or did not answer in time (DEADLINE_EXCEEDED)."""
+
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+        response: _message_pb2.Message | None = ...,
+        error: Global___Error | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "outcome", b"outcome", "response", b"response"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "error", b"error", "outcome", b"outcome", "response", b"response"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["response", "error"]  # noqa: Y015
+    _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
+
+Global___GatherResponse: _TypeAlias = GatherResponse  # noqa: Y015
+
+@_typing.final
 class HandoffRequest(_message.Message):
     """HandoffRequest transfers a task to another agent."""
 

@@ -92,6 +92,11 @@ class BrokerServiceStub:
                 request_serializer=mesh_dot_v1_dot_broker__pb2.SendRequestRequest.SerializeToString,
                 response_deserializer=mesh_dot_v1_dot_broker__pb2.SendRequestResponse.FromString,
                 _registered_method=True)
+        self.Gather = channel.unary_stream(
+                '/mesh.v1.BrokerService/Gather',
+                request_serializer=mesh_dot_v1_dot_broker__pb2.GatherRequest.SerializeToString,
+                response_deserializer=mesh_dot_v1_dot_broker__pb2.GatherResponse.FromString,
+                _registered_method=True)
         self.Handoff = channel.unary_unary(
                 '/mesh.v1.BrokerService/Handoff',
                 request_serializer=mesh_dot_v1_dot_broker__pb2.HandoffRequest.SerializeToString,
@@ -200,6 +205,15 @@ class BrokerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Gather(self, request, context):
+        """Sends one message to several agents (BROADCAST copies that share the message id) and
+        streams each agent's correlated answer as it arrives; agents that do not answer by the
+        call's deadline (or the request's timeout) are reported as missing, then the stream ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Handoff(self, request, context):
         """Sends a HANDOFF message that transfers a task, with its context, to the next agent.
         """
@@ -286,6 +300,11 @@ def add_BrokerServiceServicer_to_server(servicer, server):
                     servicer.SendRequest,
                     request_deserializer=mesh_dot_v1_dot_broker__pb2.SendRequestRequest.FromString,
                     response_serializer=mesh_dot_v1_dot_broker__pb2.SendRequestResponse.SerializeToString,
+            ),
+            'Gather': grpc.unary_stream_rpc_method_handler(
+                    servicer.Gather,
+                    request_deserializer=mesh_dot_v1_dot_broker__pb2.GatherRequest.FromString,
+                    response_serializer=mesh_dot_v1_dot_broker__pb2.GatherResponse.SerializeToString,
             ),
             'Handoff': grpc.unary_unary_rpc_method_handler(
                     servicer.Handoff,
@@ -608,6 +627,33 @@ class BrokerService:
             '/mesh.v1.BrokerService/SendRequest',
             mesh_dot_v1_dot_broker__pb2.SendRequestRequest.SerializeToString,
             mesh_dot_v1_dot_broker__pb2.SendRequestResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Gather(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/mesh.v1.BrokerService/Gather',
+            mesh_dot_v1_dot_broker__pb2.GatherRequest.SerializeToString,
+            mesh_dot_v1_dot_broker__pb2.GatherResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -64,6 +64,11 @@ class BrokerServiceStub:
     """
     SendRequest: _grpc.UnaryUnaryMultiCallable[_broker_pb2.SendRequestRequest, _broker_pb2.SendRequestResponse]
     """Sends a REQUEST and waits for the correlated RESPONSE, up to the call's deadline."""
+    Gather: _grpc.UnaryStreamMultiCallable[_broker_pb2.GatherRequest, _broker_pb2.GatherResponse]
+    """Sends one message to several agents (BROADCAST copies that share the message id) and
+    streams each agent's correlated answer as it arrives; agents that do not answer by the
+    call's deadline (or the request's timeout) are reported as missing, then the stream ends.
+    """
     Handoff: _grpc.UnaryUnaryMultiCallable[_broker_pb2.HandoffRequest, _broker_pb2.HandoffResponse]
     """Sends a HANDOFF message that transfers a task, with its context, to the next agent."""
     GetQueueStats: _grpc.UnaryUnaryMultiCallable[_broker_pb2.GetQueueStatsRequest, _broker_pb2.GetQueueStatsResponse]
@@ -111,6 +116,11 @@ class BrokerServiceAsyncStub(BrokerServiceStub):
     """
     SendRequest: _aio.UnaryUnaryMultiCallable[_broker_pb2.SendRequestRequest, _broker_pb2.SendRequestResponse]  # type: ignore[assignment]
     """Sends a REQUEST and waits for the correlated RESPONSE, up to the call's deadline."""
+    Gather: _aio.UnaryStreamMultiCallable[_broker_pb2.GatherRequest, _broker_pb2.GatherResponse]  # type: ignore[assignment]
+    """Sends one message to several agents (BROADCAST copies that share the message id) and
+    streams each agent's correlated answer as it arrives; agents that do not answer by the
+    call's deadline (or the request's timeout) are reported as missing, then the stream ends.
+    """
     Handoff: _aio.UnaryUnaryMultiCallable[_broker_pb2.HandoffRequest, _broker_pb2.HandoffResponse]  # type: ignore[assignment]
     """Sends a HANDOFF message that transfers a task, with its context, to the next agent."""
     GetQueueStats: _aio.UnaryUnaryMultiCallable[_broker_pb2.GetQueueStatsRequest, _broker_pb2.GetQueueStatsResponse]  # type: ignore[assignment]
@@ -221,6 +231,17 @@ class BrokerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_broker_pb2.SendRequestResponse, _abc.Awaitable[_broker_pb2.SendRequestResponse]]:
         """Sends a REQUEST and waits for the correlated RESPONSE, up to the call's deadline."""
+
+    @_abc_1.abstractmethod
+    def Gather(
+        self,
+        request: _broker_pb2.GatherRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_broker_pb2.GatherResponse], _abc.AsyncIterator[_broker_pb2.GatherResponse]]:
+        """Sends one message to several agents (BROADCAST copies that share the message id) and
+        streams each agent's correlated answer as it arrives; agents that do not answer by the
+        call's deadline (or the request's timeout) are reported as missing, then the stream ends.
+        """
 
     @_abc_1.abstractmethod
     def Handoff(

@@ -242,3 +242,28 @@ async def test_broadcast_via_to_agent_broadcast(mesh: LocalMesh) -> None:
         for name in ("A", "B"):
             [got] = await client.receive(name)
             assert got.message_id == sent.message_id and got.to_agent == name
+
+
+async def test_gather_streams_answers_and_names_the_silent(mesh: LocalMesh) -> None:
+    for name, delay in (("Fast", 0.0), ("Slow", 0.05)):
+
+        def make(name: str, delay: float) -> Agent:
+            async def handler(message: Message, ctx: AgentContext) -> dict:
+                await asyncio.sleep(delay)
+                return {"from": name, "query": message.content["query"]}
+
+            return agent(name, agent_types=["expert"])(handler)
+
+        await mesh.add_agent(make(name, delay))
+    async with mesh.client("user") as user:
+        await user.register("Silent", agent_types=["expert"])
+        seen = []
+        async for item in user.gather({"query": "q?"}, agent_types=["expert"], timeout=0.5):
+            seen.append(item)
+        assert [i.agent_id for i in seen] == ["Fast", "Slow", "Silent"]
+        assert seen[0].response.message_type is MessageType.RESPONSE
+        assert seen[0].response.content == {"action": "response", "from": "Fast", "query": "q?"}
+        assert isinstance(seen[2].error, RequestTimeoutError)
+        # Every copy was a BROADCAST with the same id, answered under that id.
+        assert seen[0].response.correlation_id == seen[1].response.correlation_id
+        assert mesh.broker is not None and mesh.broker.pending_requests == 0
