@@ -52,8 +52,19 @@ test: setup proto-check
 test-fast: setup
 	$(BIN)/pytest -q -x -m "not processes"
 
+# The embedded default end to end: `agentmesh up` in the background (free ports), the demo
+# against its gateway over gRPC, then a clean shutdown.
 demo: setup
-	$(BIN)/agentmesh demo
+	@tmp=$$(mktemp -d); \
+	$(BIN)/agentmesh up --port 0 --gateway-port 0 --metrics-port 0 --ready-file $$tmp/ready.json \
+		> $$tmp/up.log 2>&1 & pid=$$!; \
+	for i in $$(seq 1 150); do [ -s $$tmp/ready.json ] && break; \
+		kill -0 $$pid 2>/dev/null || break; sleep 0.2; done; \
+	if [ ! -s $$tmp/ready.json ]; then cat $$tmp/up.log; kill $$pid 2>/dev/null; exit 1; fi; \
+	head -n 2 $$tmp/up.log; \
+	gateway=$$($(PY) -c "import json,sys; print(json.load(open(sys.argv[1]))['gateway'])" $$tmp/ready.json); \
+	$(BIN)/agentmesh demo --gateway $$gateway; rc=$$?; \
+	kill -TERM $$pid; wait $$pid; tail -n 1 $$tmp/up.log; rm -rf $$tmp; exit $$rc
 
 up: setup
 	$(BIN)/agentmesh up

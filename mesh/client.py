@@ -524,7 +524,9 @@ class MeshClient:
         options.setdefault("message_type", MessageType.REQUEST)
         return await self.request_message(self.build(to_agent, content, **options), timeout=timeout)
 
-    async def request_message(self, message: Message, *, timeout: float | None = None) -> Message:
+    async def request_message(
+        self, message: Message, *, timeout: float | None = None, raise_on_error: bool = True
+    ) -> Message:
         timeout = self.default_timeout if timeout is None else timeout
         if not message.from_agent and self.agent_id:
             message = message.evolve(from_agent=self.agent_id)
@@ -552,7 +554,7 @@ class MeshClient:
             return codec.message_from_pb(answer.response)
 
         response = await self._with_retry(attempt)
-        if response.message_type is MessageType.ERROR:
+        if raise_on_error and response.message_type is MessageType.ERROR:
             content = response.content or {}
             raise AgentError(
                 str(content.get("error") or f"{response.from_agent} answered with an error"),

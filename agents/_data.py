@@ -1,0 +1,24 @@
+"""Where the sample agents read their data: agents/data, or AGENTMESH_DATA_DIR."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+DEFAULT_DATA_DIR = Path(__file__).resolve().parent / "data"
+
+
+def data_dir(override: str | Path | None = None) -> Path:
+    if override is not None:
+        return Path(override)
+    return Path(os.environ.get("AGENTMESH_DATA_DIR") or DEFAULT_DATA_DIR)
+
+
+def load(name: str, directory: str | Path | None = None) -> dict[str, Any]:
+    """Reads data/<name>; read on every call so that edits show up without a restart."""
+    path = data_dir(directory) / name
+    with path.open(encoding="utf-8") as handle:
+        data: dict[str, Any] = json.load(handle)
+    return data

@@ -1,0 +1,81 @@
+"""The stock experts of the group chat (RF-010 scenarios 1 to 5), reasoning over stocks.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from agents._data import load
+from mesh import Agent, AgentContext, Message
+
+
+class StockExpert(Agent):
+    """Base of the experts: answers a query with a recommendation, a confidence and a reason."""
+
+    agent_types = ("stock_expert",)
+
+    def __init__(self, agent_id: str | None = None, *, data_dir: str | Path | None = None) -> None:
+        super().__init__(agent_id)
+        self.data_dir = data_dir
+
+    async def handle(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
+        data = load("stocks.json", self.data_dir)
+        ticker, confidence, reasoning = self.analyse(data)
+        return {"recommendation": f"Buy {ticker}", "confidence": round(confidence, 4),
+                "reasoning": reasoning, "ticker": ticker}
+
+    def analyse(self, data: dict[str, Any]) -> tuple[str, float, str]:
+        raise NotImplementedError
+
+
+class IndustryExpertAgent(StockExpert):
+    """Tech-sector expert: the leader of the strongest sector."""
+
+    agent_id = "IndustryExpertAgent"
+    capabilities = ("sector_analysis",)
+
+    def analyse(self, data: dict[str, Any]) -> tuple[str, float, str]:
+        sectors = data["sectors"]
+        best = max(sectors, key=lambda s: (sectors[s]["strength"], s))
+        members = {t: s for t, s in data["stocks"].items() if s["sector"] == best}
+        leader = max(members, key=lambda t: (members[t]["market_cap_bn"], t))
+        strength = float(sectors[best]["strength"])
+        return leader, strength, (f"{leader} strong in {sectors[best]['label']} sector "
+                                  f"(sector strength {strength:.2f})")
+
+
+class TechnicalAnalysisAgent(StockExpert):
+    """Chart patterns: the strongest trend among stocks with a bullish RSI."""
+
+    agent_id = "TechnicalAnalysisAgent"
+    capabilities = ("chart_patterns",)
+
+    def analyse(self, data: dict[str, Any]) -> tuple[str, float, str]:
+        band = data["technical"]
+        stocks = data["stocks"]
+        bullish = {t: s for t, s in stocks.items()
+                   if band["rsi_bullish_min"] <= s["rsi"] <= band["rsi_bullish_max"]} or stocks
+        pick = max(bullish, key=lambda t: (bullish[t]["trend_strength"], t))
+        stock = bullish[pick]
+        return pick, float(stock["trend_strength"]), (
+            f"{pick} shows bullish pattern (RSI={stock['rsi']:g})")
+
+
+class FundamentalAnalysisAgent(StockExpert):
+    """Financials: the lowest P/E among stocks whose earnings grow."""
+
+    agent_id = "FundamentalAnalysisAgent"
+    capabilities = ("financials",)
+
+    def analyse(self, data: dict[str, Any]) -> tuple[str, float, str]:
+        stocks = data["stocks"]
+        growing = {t: s for t, s in stocks.items() if s["earnings_growth"] > 0} or stocks
+        pick = min(growing, key=lambda t: (growing[t]["pe"], t))
+        pe = float(growing[pick]["pe"])
+        confidence = max(0.0, min(1.0, 1 - pe / 100))
+        return pick, confidence, f"{pick} P/E ratio attractive (P/E={pe:g})"
+
+
+def stock_experts(data_dir: str | Path | None = None) -> list[Agent]:
+    return [IndustryExpertAgent(data_dir=data_dir), TechnicalAnalysisAgent(data_dir=data_dir),
+            FundamentalAnalysisAgent(data_dir=data_dir)]

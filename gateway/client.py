@@ -1,0 +1,99 @@
+"""A Python client of the Gateway service: run patterns and read their events as dicts."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from mesh._status import from_rpc_error
+from mesh.client import CLIENT_OPTIONS
+from mesh.codec import struct_to_dict
+from mesh.v1 import gateway_pb2, gateway_pb2_grpc
+
+
+def event_dict(pb: gateway_pb2.PatternEvent) -> dict[str, Any]:
+    """A PatternEvent as a plain dict: kind and pattern by name, data as JSON."""
+    return {
+        "run_id": pb.run_id,
+        "pattern": gateway_pb2.Pattern.Name(pb.pattern).removeprefix("PATTERN_"),
+        "kind": gateway_pb2.EventKind.Name(pb.kind).removeprefix("EVENT_KIND_"),
+        "timestamp": pb.timestamp.ToDatetime().isoformat() + "Z",
+        "elapsed_ms": pb.elapsed_ms,
+        "agent_id": pb.agent_id,
+        "step": pb.step,
+        "round": pb.round,
+        "summary": pb.summary,
+        "data": struct_to_dict(pb.data),
+    }
+
+
+class GatewayClient:
+    """``async with GatewayClient(address) as gw: async for event in gw.route(...)``."""
+
+    def __init__(self, target: str, *, timeout: float = 60.0) -> None:
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(target, options=CLIENT_OPTIONS)
+        self.stub = gateway_pb2_grpc.GatewayServiceStub(self._channel)
+
+    async def __aenter__(self) -> GatewayClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._channel.close()
+
+    async def _stream(self, call: Any) -> AsyncIterator[dict[str, Any]]:
+        try:
+            async for response in call:
+                yield event_dict(response.event)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+
+    def run(self, rpc: str, request: dict[str, Any] | Any) -> AsyncIterator[dict[str, Any]]:
+        """Calls a pattern RPC by name ("RunGroupChat", "Route", ...) with a dict or message."""
+        method = getattr(self.stub, rpc)
+        if isinstance(request, dict):
+            request_type = {
+                "RunGroupChat": gateway_pb2.RunGroupChatRequest,
+                "RunHandoffWorkflow": gateway_pb2.RunHandoffWorkflowRequest,
+                "RunCollaborativeFiltering": gateway_pb2.RunCollaborativeFilteringRequest,
+                "Route": gateway_pb2.RouteRequest,
+                "RunParallel": gateway_pb2.RunParallelRequest,
+            }[rpc]
+            request = json_format.ParseDict(request, request_type())
+        return self._stream(method(request, timeout=self.timeout))
+
+    def group_chat(self, **request: Any) -> AsyncIterator[dict[str, Any]]:
+        return self.run("RunGroupChat", request)
+
+    def handoff_workflow(self, **request: Any) -> AsyncIterator[dict[str, Any]]:
+        return self.run("RunHandoffWorkflow", request)
+
+    def collaborative_filtering(self, **request: Any) -> AsyncIterator[dict[str, Any]]:
+        return self.run("RunCollaborativeFiltering", request)
+
+    def route(self, request_type: str, query: str = "", **parameters: Any) -> AsyncIterator[dict[str, Any]]:
+        return self.run("Route", {"request_type": request_type, "query": query,
+                                  "parameters": parameters})
+
+    def parallel(self, patterns: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+        return self.run("RunParallel", {"patterns": patterns})
+
+    async def collect(self, events: AsyncIterator[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [event async for event in events]
+
+    async def pattern_stats(self) -> dict[str, dict[str, Any]]:
+        try:
+            reply = await self.stub.GetPatternStats(gateway_pb2.GetPatternStatsRequest(),
+                                                    timeout=self.timeout)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        out = {}
+        for p in reply.patterns:
+            data = json_format.MessageToDict(p, preserving_proto_field_name=True,
+                                             always_print_fields_with_no_presence=True)
+            data.pop("pattern", None)
+            out[gateway_pb2.Pattern.Name(p.pattern).removeprefix("PATTERN_")] = data
+        return out

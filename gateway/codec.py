@@ -1,0 +1,90 @@
+"""Protobuf <-> domain conversion for the Gateway service; the only place that does it."""
+
+from __future__ import annotations
+
+from google.protobuf import json_format
+
+from gateway.events import EventKind, Pattern, PatternEvent
+from gateway.patterns.collaborative import FilteringSpec
+from gateway.patterns.group_chat import GroupChatSpec
+from gateway.patterns.handoff import DEFAULT_MAX_HOPS, WorkflowSpec, WorkflowStep
+from mesh.codec import datetime_to_timestamp, dict_to_struct, duration_seconds, struct_to_dict
+from mesh.core.model import JSON
+from mesh.v1 import gateway_pb2
+
+PATTERN_TO_PB = {
+    Pattern.GROUP_CHAT: gateway_pb2.PATTERN_GROUP_CHAT,
+    Pattern.HAND_OFF: gateway_pb2.PATTERN_HAND_OFF,
+    Pattern.COLLABORATIVE_FILTERING: gateway_pb2.PATTERN_COLLABORATIVE_FILTERING,
+    Pattern.PARALLEL: gateway_pb2.PATTERN_PARALLEL,
+}
+KIND_TO_PB = {kind: gateway_pb2.EventKind.Value(f"EVENT_KIND_{kind.value}") for kind in EventKind}
+
+
+def _seconds(pb: object, name: str, default: float) -> float:
+    return duration_seconds(getattr(pb, name)) if pb.HasField(name) else default  # type: ignore[attr-defined]
+
+
+def group_chat_spec(pb: gateway_pb2.RunGroupChatRequest) -> GroupChatSpec:
+    return GroupChatSpec(
+        agent_ids=list(pb.agent_ids),
+        query=pb.query,
+        rounds=pb.rounds or 1,
+        strategy=pb.strategy or "consensus",
+        option_label=pb.option_label or "options",
+        agent_timeout=_seconds(pb, "agent_timeout", 10.0),
+        group_id=pb.group_id,
+        context=struct_to_dict(pb.context),
+    )
+
+
+def workflow_spec(pb: gateway_pb2.RunHandoffWorkflowRequest) -> WorkflowSpec:
+    return WorkflowSpec(
+        steps=[
+            WorkflowStep(
+                agent_id=s.agent_id,
+                task_description=s.task_description,
+                routes=dict(s.routes),
+                group_chat=group_chat_spec(s.group_chat) if s.HasField("group_chat") else None,
+            )
+            for s in pb.steps
+        ],
+        task=pb.task,
+        context=struct_to_dict(pb.context),
+        constraints=struct_to_dict(pb.constraints),
+        failure_agent=pb.failure_agent,
+        max_hops=pb.max_hops or DEFAULT_MAX_HOPS,
+        step_timeout=_seconds(pb, "step_timeout", 10.0),
+        workflow_id=pb.workflow_id,
+    )
+
+
+def filtering_spec(pb: gateway_pb2.RunCollaborativeFilteringRequest) -> FilteringSpec:
+    return FilteringSpec(
+        agent_ids=list(pb.agent_ids),
+        weights=dict(pb.weights),
+        query=pb.query,
+        method=pb.method or "weighted",
+        seed=pb.seed,
+        agent_timeout=_seconds(pb, "agent_timeout", 5.0),
+        parameters=struct_to_dict(pb.parameters),
+    )
+
+
+def event_to_pb(event: PatternEvent, out: gateway_pb2.PatternEvent) -> gateway_pb2.PatternEvent:
+    out.run_id = event.run_id
+    out.pattern = PATTERN_TO_PB[event.pattern]
+    out.kind = KIND_TO_PB[event.kind]
+    datetime_to_timestamp(event.timestamp, out.timestamp)
+    out.elapsed_ms = event.elapsed_ms
+    out.agent_id = event.agent_id
+    out.step = event.step
+    out.round = event.round
+    out.summary = event.summary
+    dict_to_struct(event.data, out.data)
+    return out
+
+
+def preset_request(preset: dict[str, JSON], message_type: type) -> object:
+    """A preset from the routing table, read as the request message of its pattern."""
+    return json_format.ParseDict(preset, message_type(), ignore_unknown_fields=False)

@@ -1,0 +1,68 @@
+"""How patterns reach agents: a small Dispatcher protocol, over the broker core in-process or
+over gRPC through the SDK."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol
+
+from mesh.client import MeshClient
+from mesh.core.broker import Broker, GatherItem
+from mesh.core.model import AgentInfo, Message
+
+
+class Dispatcher(Protocol):
+    """What a pattern needs from the mesh."""
+
+    def gather(
+        self, message: Message, agent_ids: Sequence[str], timeout: float
+    ) -> AsyncIterator[GatherItem]:
+        """Sends copies of ``message`` to the agents; yields answers as they arrive, then the
+        agents that did not answer in time."""
+        ...
+
+    async def ask(self, message: Message, timeout: float) -> Message:
+        """Sends a REQUEST or HANDOFF and returns the correlated answer (RESPONSE or ERROR)."""
+        ...
+
+    async def agents(self) -> list[AgentInfo]:
+        """The registered agents."""
+        ...
+
+
+class BrokerDispatcher:
+    """Dispatches straight into a broker core in this process (tests, embedded use)."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+
+    def gather(
+        self, message: Message, agent_ids: Sequence[str], timeout: float
+    ) -> AsyncIterator[GatherItem]:
+        return self.broker.gather(message, agent_ids=agent_ids, timeout=timeout)
+
+    async def ask(self, message: Message, timeout: float) -> Message:
+        return await self.broker.request(message, timeout)
+
+    async def agents(self) -> list[AgentInfo]:
+        return self.broker.list_agents()
+
+
+class MeshDispatcher:
+    """Dispatches through a broker over gRPC."""
+
+    def __init__(self, client: MeshClient) -> None:
+        self.client = client
+
+    async def gather(
+        self, message: Message, agent_ids: Sequence[str], timeout: float
+    ) -> AsyncIterator[GatherItem]:
+        async for item in self.client.gather(message, agent_ids=agent_ids, timeout=timeout):
+            yield GatherItem(item.agent_id, item.response, item.error)
+
+    async def ask(self, message: Message, timeout: float) -> Message:
+        # The raw answer, ERROR included: patterns decide what an agent's error means.
+        return await self.client.request_message(message, timeout=timeout, raise_on_error=False)
+
+    async def agents(self) -> list[AgentInfo]:
+        return await self.client.list_agents()

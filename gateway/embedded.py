@@ -1,0 +1,63 @@
+"""The embedded default: broker, gateway and the sample agents on localhost, no external service."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agents import sample_agents
+from gateway.server import GatewayServer, serve_gateway
+from mesh.agent import AgentServer, serve
+from mesh.config import BrokerConfig, ServerConfig
+from mesh.serving import MeshServer
+from mesh.server import serve_broker
+
+
+@dataclass
+class EmbeddedMesh:
+    broker: MeshServer
+    gateway: GatewayServer
+    agents: list[AgentServer] = field(default_factory=list)
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "broker": self.broker.address,
+            "gateway": self.gateway.address,
+            "metrics": (f"http://{self.broker.host}:{self.broker.metrics_port}/metrics"
+                        if self.broker.metrics_port else None),
+            "agents": {a.agent.agent_id: a.address for a in self.agents},
+        }
+
+    async def stop(self, grace: float = 2.0) -> None:
+        """Agents first (they finish their work and deregister), then gateway, then broker."""
+        for served in self.agents:
+            await served.stop(grace)
+        await self.gateway.stop(grace)
+        await self.broker.stop(grace)
+
+
+async def start_embedded(
+    *,
+    host: str = "127.0.0.1",
+    broker_port: int = 0,
+    gateway_port: int = 0,
+    metrics_port: int = -1,
+    data_dir: str | Path | None = None,
+    broker_config: BrokerConfig | None = None,
+) -> EmbeddedMesh:
+    """Starts everything; each agent on its own gRPC server. Pattern metrics are exported
+    beside the broker's on the broker's /metrics."""
+    broker, broker_server = await serve_broker(
+        server_config=ServerConfig(host=host, port=broker_port, metrics_port=metrics_port),
+        broker_config=broker_config,
+    )
+    gateway = await serve_gateway(broker_server.address, host=host, port=gateway_port,
+                                  registry=broker.metrics.registry)
+    mesh = EmbeddedMesh(broker_server, gateway)
+    try:
+        for agent in sample_agents(data_dir):
+            mesh.agents.append(await serve(agent, broker_server.address, host=host))
+    except BaseException:
+        await mesh.stop(0)
+        raise
+    return mesh

@@ -1,0 +1,88 @@
+"""Pattern metrics (RF-010 scenario 20, RT-011): durations, consensus and completion rates,
+routing and aggregation latency, conflict resolutions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from gateway.events import Pattern
+from mesh.core.model import JSON
+
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60)
+FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2)
+
+
+@dataclass(slots=True)
+class PatternTally:
+    runs: int = 0
+    completed: int = 0
+    partial: int = 0
+    failed: int = 0
+    total_seconds: float = 0.0
+    unanimous: int = 0
+
+    @property
+    def duration_avg_seconds(self) -> float:
+        return self.total_seconds / self.runs if self.runs else 0.0
+
+    @property
+    def completion_rate(self) -> float:
+        return self.completed / self.runs if self.runs else 0.0
+
+    @property
+    def consensus_rate(self) -> float:
+        return self.unanimous / self.runs if self.runs else 0.0
+
+
+class PatternMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.tallies = {p: PatternTally() for p in Pattern}
+        self.duration = Histogram("agentmesh_pattern_duration_seconds", "Pattern run duration.",
+                                  ["pattern"], buckets=DURATION_BUCKETS, registry=r)
+        self.runs = Counter("agentmesh_pattern_runs", "Pattern runs by outcome.",
+                            ["pattern", "status"], registry=r)
+        self.consensus_rate = Gauge("agentmesh_group_chat_consensus_rate",
+                                    "Share of group chats that ended unanimous.", registry=r)
+        self.completion_rate = Gauge("agentmesh_pattern_completion_rate",
+                                     "Share of runs that completed, per pattern.", ["pattern"],
+                                     registry=r)
+        self.routing_latency = Histogram("agentmesh_routing_latency_seconds",
+                                         "Time to route a request to a pattern.",
+                                         buckets=FAST_BUCKETS, registry=r)
+        self.aggregation_latency = Histogram("agentmesh_aggregation_latency_seconds",
+                                             "Time to aggregate agents' answers.",
+                                             buckets=FAST_BUCKETS, registry=r)
+        self.conflicts = Counter("agentmesh_conflict_resolutions",
+                                 "Disagreements resolved by voting or tie-breaks.", registry=r)
+        self.conflict_latency = Histogram("agentmesh_conflict_resolution_latency_seconds",
+                                          "Time to resolve a disagreement.", buckets=FAST_BUCKETS,
+                                          registry=r)
+
+    def observe(self, pattern: Pattern, result: dict[str, JSON], seconds: float) -> None:
+        status = str(result.get("status", "FAILED"))
+        tally = self.tallies[pattern]
+        tally.runs += 1
+        tally.total_seconds += seconds
+        if status == "COMPLETED":
+            tally.completed += 1
+        elif status == "PARTIAL":
+            tally.partial += 1
+        else:
+            tally.failed += 1
+        self.duration.labels(pattern.value).observe(seconds)
+        self.runs.labels(pattern.value, status).inc()
+        self.completion_rate.labels(pattern.value).set(tally.completion_rate)
+        if pattern is Pattern.GROUP_CHAT:
+            if result.get("unanimous"):
+                tally.unanimous += 1
+            self.consensus_rate.set(tally.consensus_rate)
+
+    def aggregation(self, seconds: float, conflict: bool) -> None:
+        self.aggregation_latency.observe(seconds)
+        if conflict:
+            self.conflicts.inc()
+            self.conflict_latency.observe(seconds)

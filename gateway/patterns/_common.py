@@ -1,0 +1,43 @@
+"""Shared pieces of the pattern core: ids, clocks, number handling, spec errors."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+
+from mesh.core.errors import FieldViolation, MessageValidationError
+from mesh.core.model import JSON
+
+Clock = Callable[[], float]
+GATEWAY_ID = "gateway"
+"""The reply_to of every message the gateway sends: answers come back to the gateway."""
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:12]}"
+
+
+def invalid(field: str, description: str) -> MessageValidationError:
+    return MessageValidationError(description, field_violations=(FieldViolation(field, description),))
+
+
+def as_float(value: JSON, default: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return default
+    return float(value)
+
+
+def clean(value: float) -> float:
+    """Rounds away binary noise (0.7600000000000001 -> 0.76) for reporting."""
+    return round(value, 9)
+
+
+class Stopwatch:
+    def __init__(self, clock: Clock = time.perf_counter) -> None:
+        self._clock = clock
+        self._start = clock()
+
+    @property
+    def ms(self) -> float:
+        return round((self._clock() - self._start) * 1000, 3)

@@ -1,0 +1,246 @@
+"""Group chat (RF-010 pattern 1): every agent sees the query and the shared history; their
+contributions are aggregated by unanimous consensus, weighted voting or highest confidence."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.dispatch import Dispatcher
+from gateway.events import Emit, EventKind, Pattern, PatternEvent
+from gateway.patterns._common import GATEWAY_ID, Stopwatch, as_float, clean, invalid, new_id
+from mesh.core.model import JSON, Message, MessageType
+
+STRATEGIES = ("consensus", "weighted_voting", "highest_confidence")
+DEFAULT_CONFIDENCE = 0.5
+MAX_ROUNDS = 10
+MAX_AGENTS = 50  # RT-011 orchestrator max_agents
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Contribution:
+    """One agent's answer in a round."""
+
+    agent_id: str
+    recommendation: str
+    confidence: float
+    reasoning: str
+    round: int = 1
+    timestamp: str = ""
+    latency_ms: float = 0.0
+
+    def to_dict(self) -> dict[str, JSON]:
+        return {
+            "agent_id": self.agent_id,
+            "recommendation": self.recommendation,
+            "confidence": self.confidence,
+            "reasoning": self.reasoning,
+            "round": self.round,
+            "timestamp": self.timestamp,
+            "latency_ms": self.latency_ms,
+        }
+
+
+def contribution_from(agent_id: str, content: dict[str, JSON], **extra: Any) -> Contribution:
+    """Reads an agent's answer: recommendation, confidence (default 0.5) and reasoning."""
+    recommendation = content.get("recommendation", content.get("result", ""))
+    return Contribution(
+        agent_id=agent_id,
+        recommendation=str(recommendation),
+        confidence=as_float(content.get("confidence"), DEFAULT_CONFIDENCE),
+        reasoning=str(content.get("reasoning", "")),
+        **extra,
+    )
+
+
+def aggregate(
+    contributions: Sequence[Contribution],
+    strategy: str = "consensus",
+    option_label: str = "options",
+) -> dict[str, JSON]:
+    """Aggregates contributions (RF-010 scenarios 4 and 5).
+
+    consensus: unanimous -> the shared recommendation with confidence HIGH; otherwise
+    weighted voting. weighted_voting: each option scores the sum of its confidences.
+    highest_confidence: the single most confident contribution.
+    """
+    if not contributions:
+        return {"recommendation": None, "confidence": "NONE", "reasoning": [],
+                "note": "No contributions to aggregate", "unanimous": False}
+    if strategy not in STRATEGIES:
+        raise invalid("strategy", f"strategy must be one of {', '.join(STRATEGIES)}")
+    if strategy == "highest_confidence":
+        best = max(contributions, key=lambda c: c.confidence)
+        return {
+            "recommendation": best.recommendation,
+            "confidence": best.confidence,
+            "reasoning": [best.reasoning],
+            "agent_id": best.agent_id,
+            "note": "Selected based on highest confidence",
+            "unanimous": len({c.recommendation for c in contributions}) == 1,
+        }
+    options = {c.recommendation for c in contributions}
+    if strategy == "consensus" and len(options) == 1:
+        [choice] = options
+        return {
+            "consensus": choice,
+            "confidence": "HIGH",
+            "reasoning": [c.reasoning for c in contributions],
+            "recommendation": f"{choice} (unanimous expert consensus)",
+            "votes": {choice: len(contributions)},
+            "unanimous": True,
+        }
+    return weighted_vote(contributions, option_label)
+
+
+def weighted_vote(contributions: Sequence[Contribution], option_label: str) -> dict[str, JSON]:
+    scores: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    best_single: dict[str, float] = {}
+    for c in contributions:
+        scores[c.recommendation] = scores.get(c.recommendation, 0.0) + c.confidence
+        counts[c.recommendation] = counts.get(c.recommendation, 0) + 1
+        best_single[c.recommendation] = max(best_single.get(c.recommendation, 0.0), c.confidence)
+    # Highest score; ties go to the more confident single vote, then alphabetical order.
+    winner = sorted(scores, key=lambda o: (-scores[o], -best_single[o], o))[0]
+    single_votes = all(n == 1 for n in counts.values())
+    how = "highest confidence" if single_votes else "highest weighted vote"
+    total = sum(scores.values())
+    unanimous = len(scores) == 1
+    note = (
+        f"Disagreement detected: {len(scores)} different {option_label} recommended"
+        if not unanimous
+        else "Weighted voting over a unanimous group"
+    )
+    return {
+        "recommendation": f"{winner} ({how})",
+        "winner": winner,
+        "score": clean(scores[winner]),
+        "scores": {o: clean(s) for o, s in scores.items()},
+        "votes": counts,
+        "confidence": clean(scores[winner] / total) if total else 0.0,
+        "reasoning": [c.reasoning for c in contributions if c.recommendation == winner],
+        "note": note,
+        "unanimous": unanimous,
+    }
+
+
+@dataclass(slots=True, kw_only=True)
+class GroupChatSpec:
+    """What to run: who, what, how many rounds, how to aggregate."""
+
+    agent_ids: list[str]
+    query: str
+    rounds: int = 1
+    strategy: str = "consensus"
+    option_label: str = "options"
+    agent_timeout: float = 10.0
+    group_id: str = ""
+    context: dict[str, JSON] = field(default_factory=dict)
+    from_agent: str = "user"
+
+    def validate(self) -> None:
+        if not self.agent_ids:
+            raise invalid("agent_ids", "a group chat needs at least one agent")
+        if len(self.agent_ids) > MAX_AGENTS:
+            raise invalid("agent_ids", f"a group chat takes at most {MAX_AGENTS} agents")
+        if len(set(self.agent_ids)) != len(self.agent_ids):
+            raise invalid("agent_ids", "agent_ids must not repeat")
+        if not self.query:
+            raise invalid("query", "query is required")
+        if not 1 <= self.rounds <= MAX_ROUNDS:
+            raise invalid("rounds", f"rounds must be within 1..{MAX_ROUNDS}")
+        if self.strategy not in STRATEGIES:
+            raise invalid("strategy", f"strategy must be one of {', '.join(STRATEGIES)}")
+        if self.agent_timeout <= 0:
+            raise invalid("agent_timeout", "agent_timeout must be positive")
+
+
+async def run_group_chat(
+    spec: GroupChatSpec, dispatcher: Dispatcher, emit: Emit
+) -> dict[str, JSON]:
+    """Creates the group, broadcasts the query round by round, aggregates; returns the result.
+
+    Agents that do not answer within ``agent_timeout`` are named and left out; the others'
+    answers are aggregated all the same.
+    """
+    spec.validate()
+    group_id = spec.group_id or new_id("group")
+    clock = Stopwatch()
+    history: list[dict[str, JSON]] = []
+
+    async def event(kind: EventKind, summary: str, **fields: Any) -> None:
+        await emit(PatternEvent(run_id=group_id, pattern=Pattern.GROUP_CHAT, kind=kind,
+                                summary=summary, elapsed_ms=clock.ms, **fields))
+
+    await event(EventKind.GROUP_CREATED, f"group {group_id} created with {len(spec.agent_ids)} agents",
+                data={"group_id": group_id, "agents": list(spec.agent_ids), "status": "ACTIVE",
+                      "message_history": [], "query": spec.query, "rounds": spec.rounds})
+    missing: dict[str, str] = {}
+    contributions: list[Contribution] = []
+    for round_number in range(1, spec.rounds + 1):
+        content: dict[str, JSON] = {"query": spec.query}
+        if spec.rounds > 1 or history:
+            content["round"] = round_number
+            content["history"] = list(history)
+        if spec.context:
+            content["context"] = spec.context
+        message = Message(from_agent=spec.from_agent, to_agent="group",
+                          message_type=MessageType.BROADCAST, content=content,
+                          reply_to=GATEWAY_ID, metadata={"group_id": group_id})
+        history.append({"from_agent": spec.from_agent, "message_type": "BROADCAST",
+                        "content": {"query": spec.query}, "round": round_number})
+        await event(EventKind.BROADCAST_SENT,
+                    f"round {round_number}: query broadcast to {len(spec.agent_ids)} agents",
+                    round=round_number,
+                    data={"message_id": message.message_id, "from_agent": spec.from_agent,
+                          "message_type": "BROADCAST", "content": {"query": spec.query},
+                          "recipients": list(spec.agent_ids)})
+        sent_at = clock.ms
+        this_round: list[Contribution] = []
+        async for item in dispatcher.gather(message, spec.agent_ids, spec.agent_timeout):
+            answer = item.response
+            if answer is None or answer.message_type is MessageType.ERROR:
+                reason = (item.error.message if item.error is not None
+                          else str((answer.content or {}).get("error", "error")) if answer else "")
+                missing[item.agent_id] = reason
+                await event(EventKind.AGENT_MISSING, f"{item.agent_id} gave no answer: {reason}",
+                            agent_id=item.agent_id, round=round_number,
+                            data={"agent_id": item.agent_id, "reason": reason})
+                continue
+            contribution = contribution_from(
+                item.agent_id, answer.content or {}, round=round_number,
+                timestamp=answer.timestamp.isoformat(), latency_ms=round(clock.ms - sent_at, 3))
+            this_round.append(contribution)
+            history.append({"from_agent": item.agent_id, "message_type": "RESPONSE",
+                            **contribution.to_dict()})
+            await event(EventKind.CONTRIBUTION,
+                        f"{item.agent_id}: {contribution.recommendation} "
+                        f"(confidence {contribution.confidence:g})",
+                        agent_id=item.agent_id, round=round_number, data=contribution.to_dict())
+        contributions = this_round or contributions
+    aggregation_clock = Stopwatch()
+    result = aggregate(contributions, spec.strategy, spec.option_label)
+    await event(EventKind.AGGREGATION, str(result.get("recommendation")),
+                data={"strategy": spec.strategy, **result,
+                      "aggregation_ms": aggregation_clock.ms})
+    answered = sorted({c.agent_id for c in contributions})
+    status = "COMPLETED" if not missing else ("PARTIAL" if contributions else "FAILED")
+    final: dict[str, JSON] = {
+        "group_id": group_id,
+        "status": status,
+        "query": spec.query,
+        "agents": list(spec.agent_ids),
+        "answered": answered,
+        "missing": sorted(missing),
+        "missing_reasons": missing,
+        "contributions": [c.to_dict() for c in contributions],
+        "message_history": history,
+        "aggregate": result,
+        "unanimous": bool(result.get("unanimous")),
+        "duration_ms": clock.ms,
+    }
+    await event(EventKind.RESULT, f"group chat {status.lower()}: {result.get('recommendation')}",
+                data=final)
+    return final

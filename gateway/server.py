@@ -1,0 +1,272 @@
+"""The Gateway gRPC service: pattern RPCs that stream their events; a thin translation layer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from gateway import codec
+from gateway.dispatch import Dispatcher, MeshDispatcher
+from gateway.events import Emit, EventKind, Pattern, PatternEvent
+from gateway.metrics import PatternMetrics
+from gateway.patterns._common import new_id
+from gateway.patterns.group_chat import GroupChatSpec
+from gateway.patterns.handoff import WorkflowSpec
+from gateway.patterns.orchestrator import Router, Spec, pattern_of, routed, run_parallel, run_spec
+from mesh._status import abort
+from mesh.client import MeshClient
+from mesh.core.errors import MeshError
+from mesh.core.model import JSON
+from mesh.serving import MeshServer, start_server
+from mesh.v1 import gateway_pb2, gateway_pb2_grpc
+
+logger = logging.getLogger("gateway.server")
+GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+EVENT_BUFFER = 256
+Run = Callable[[Emit], Awaitable[dict[str, JSON]]]
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
+    """Translates pattern RPCs; the patterns themselves live in gateway.patterns."""
+
+    def __init__(self, dispatcher: Dispatcher, router: Router, metrics: PatternMetrics) -> None:
+        self.dispatcher = dispatcher
+        self.router = router
+        self.metrics = metrics
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _observed(self, emit: Emit) -> Emit:
+        async def observe(event: PatternEvent) -> None:
+            data = event.data
+            if event.kind is EventKind.AGGREGATION:
+                conflict = bool(data.get("tie")) or data.get("unanimous") is False
+                self.metrics.aggregation(float(data.get("aggregation_ms", 0.0)) / 1000, conflict)  # type: ignore[arg-type]
+            elif event.kind is EventKind.ROUTED:
+                self.metrics.routing_latency.observe(float(data["routing_latency_ms"]) / 1000)  # type: ignore[arg-type]
+            await emit(event)
+
+        return observe
+
+    async def _events(self, pattern: Pattern, run: Run, context: Any) -> AsyncIterator[gateway_pb2.PatternEvent]:
+        """Runs a pattern and yields its events as they happen, within the caller's deadline."""
+        queue: asyncio.Queue[PatternEvent | None] = asyncio.Queue(EVENT_BUFFER)
+        emit = self._observed(queue.put)
+        outcome: dict[str, Any] = {}
+
+        async def runner() -> None:
+            started = time.perf_counter()
+            try:
+                remaining = context.time_remaining()
+                async with asyncio.timeout(remaining):
+                    result = await run(emit)
+                self.metrics.observe(pattern, result, time.perf_counter() - started)
+            except TimeoutError:
+                outcome["error"] = MeshError("the pattern did not finish before the deadline",
+                                             code="DEADLINE_EXCEEDED", reason="DEADLINE_EXCEEDED")
+                self.metrics.observe(pattern, {"status": "FAILED"}, time.perf_counter() - started)
+            except MeshError as error:
+                outcome["error"] = error
+            except Exception:
+                logger.exception("%s run failed", pattern.value)
+                outcome["error"] = MeshError("the pattern failed", code="INTERNAL")
+                self.metrics.observe(pattern, {"status": "FAILED"}, time.perf_counter() - started)
+            finally:
+                await queue.put(None)
+
+        task = asyncio.create_task(runner())
+        try:
+            while (event := await queue.get()) is not None:
+                yield codec.event_to_pb(event, gateway_pb2.PatternEvent())
+        finally:
+            if not task.done():
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if "error" in outcome:
+            await abort(context, outcome["error"])
+
+    async def _spec_of_route(self, request: gateway_pb2.RouteRequest) -> tuple[Any, Spec]:
+        route = self.router.determine_pattern(request.request_type)
+        preset = dict(route.preset)
+        parameters = codec.struct_to_dict(request.parameters)
+        spec: Spec
+        try:
+            if route.pattern is Pattern.GROUP_CHAT:
+                pb = codec.preset_request(preset, gateway_pb2.RunGroupChatRequest)
+                spec = codec.group_chat_spec(pb)  # type: ignore[arg-type]
+                spec.query = request.query or spec.query
+                spec.context.update(parameters)
+            elif route.pattern is Pattern.HAND_OFF:
+                pb = codec.preset_request(preset, gateway_pb2.RunHandoffWorkflowRequest)
+                spec = codec.workflow_spec(pb)  # type: ignore[arg-type]
+                spec.task = request.query or spec.task
+                spec.context.update(parameters)
+            else:
+                pb = codec.preset_request(preset, gateway_pb2.RunCollaborativeFilteringRequest)
+                spec = codec.filtering_spec(pb)  # type: ignore[arg-type]
+                spec.query = request.query or spec.query
+                spec.parameters.update(parameters)
+        except codec.json_format.ParseError as error:
+            raise MeshError(f"the preset of {route.request_type} is invalid: {error}",
+                            code="FAILED_PRECONDITION", reason="BAD_PRESET") from None
+        if isinstance(spec, GroupChatSpec):
+            spec.group_id = spec.group_id or new_id("group")
+        elif isinstance(spec, WorkflowSpec):
+            spec.workflow_id = spec.workflow_id or new_id("wf")
+        else:
+            spec.run_id = spec.run_id or new_id("cf")
+        spec.validate()
+        return route, spec
+
+    # -- RPCs --------------------------------------------------------------------------------
+
+    async def RunGroupChat(self, request: gateway_pb2.RunGroupChatRequest, context: Any) -> AsyncIterator[gateway_pb2.RunGroupChatResponse]:
+        spec = codec.group_chat_spec(request)
+        try:
+            spec.validate()
+        except MeshError as error:
+            await abort(context, error)
+        async for event in self._events(Pattern.GROUP_CHAT, lambda emit: run_spec(spec, self.dispatcher, emit), context):
+            yield gateway_pb2.RunGroupChatResponse(event=event)
+
+    async def RunHandoffWorkflow(self, request: gateway_pb2.RunHandoffWorkflowRequest, context: Any) -> AsyncIterator[gateway_pb2.RunHandoffWorkflowResponse]:
+        spec = codec.workflow_spec(request)
+        try:
+            spec.validate()
+        except MeshError as error:
+            await abort(context, error)
+        async for event in self._events(Pattern.HAND_OFF, lambda emit: run_spec(spec, self.dispatcher, emit), context):
+            yield gateway_pb2.RunHandoffWorkflowResponse(event=event)
+
+    async def RunCollaborativeFiltering(self, request: gateway_pb2.RunCollaborativeFilteringRequest, context: Any) -> AsyncIterator[gateway_pb2.RunCollaborativeFilteringResponse]:
+        spec = codec.filtering_spec(request)
+        try:
+            spec.validate()
+        except MeshError as error:
+            await abort(context, error)
+        async for event in self._events(Pattern.COLLABORATIVE_FILTERING, lambda emit: run_spec(spec, self.dispatcher, emit), context):
+            yield gateway_pb2.RunCollaborativeFilteringResponse(event=event)
+
+    async def Route(self, request: gateway_pb2.RouteRequest, context: Any) -> AsyncIterator[gateway_pb2.RouteResponse]:
+        started = time.perf_counter()
+        try:
+            route, spec = await self._spec_of_route(request)
+        except MeshError as error:
+            await abort(context, error)
+
+        async def run(emit: Emit) -> dict[str, JSON]:
+            await routed(route, started, emit, run_id=run_id_of(spec))
+            return await run_spec(spec, self.dispatcher, emit)
+
+        async for event in self._events(route.pattern, run, context):
+            yield gateway_pb2.RouteResponse(event=event)
+
+    async def RunParallel(self, request: gateway_pb2.RunParallelRequest, context: Any) -> AsyncIterator[gateway_pb2.RunParallelResponse]:
+        specs: list[tuple[str, Spec]] = []
+        try:
+            if not request.patterns:
+                raise codec_invalid("patterns", "at least one pattern is required")
+            for i, item in enumerate(request.patterns):
+                name = item.name or f"pattern_{i + 1}"
+                kind = item.WhichOneof("spec")
+                if kind == "group_chat":
+                    spec: Spec = codec.group_chat_spec(item.group_chat)
+                elif kind == "hand_off":
+                    spec = codec.workflow_spec(item.hand_off)
+                elif kind == "collaborative_filtering":
+                    spec = codec.filtering_spec(item.collaborative_filtering)
+                elif kind == "route":
+                    _, spec = await self._spec_of_route(item.route)
+                else:
+                    raise codec_invalid(f"patterns[{i}]", "each pattern needs a spec")
+                spec.validate()
+                specs.append((name, spec))
+        except MeshError as error:
+            await abort(context, error)
+
+        async def run(emit: Emit) -> dict[str, JSON]:
+            result = await run_parallel(specs, self.dispatcher, emit)
+            results = result["results"]
+            assert isinstance(results, dict)
+            for name, spec in specs:
+                sub = results[name]
+                self.metrics.observe(pattern_of(spec), sub, float(sub["duration_ms"]) / 1000)
+            return result
+
+        async for event in self._events(Pattern.PARALLEL, run, context):
+            yield gateway_pb2.RunParallelResponse(event=event)
+
+    async def GetPatternStats(self, request: gateway_pb2.GetPatternStatsRequest, context: Any) -> gateway_pb2.GetPatternStatsResponse:
+        response = gateway_pb2.GetPatternStatsResponse()
+        for pattern, tally in self.metrics.tallies.items():
+            response.patterns.add(
+                pattern=codec.PATTERN_TO_PB[pattern], runs=tally.runs, completed=tally.completed,
+                partial=tally.partial, failed=tally.failed,
+                duration_avg_seconds=tally.duration_avg_seconds,
+                completion_rate=tally.completion_rate, consensus_rate=tally.consensus_rate)
+        return response
+
+
+def run_id_of(spec: Spec) -> str:
+    if isinstance(spec, GroupChatSpec):
+        return spec.group_id
+    if isinstance(spec, WorkflowSpec):
+        return spec.workflow_id
+    return spec.run_id
+
+
+def codec_invalid(field: str, description: str) -> MeshError:
+    from gateway.patterns._common import invalid
+
+    return invalid(field, description)
+
+
+class GatewayServer:
+    """A running gateway: its gRPC server and its broker client."""
+
+    def __init__(self, server: MeshServer, client: MeshClient, metrics: PatternMetrics) -> None:
+        self.server = server
+        self.client = client
+        self.metrics = metrics
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    async def stop(self, grace: float = 5.0) -> None:
+        await self.server.stop(grace)
+        await self.client.close()
+
+
+async def serve_gateway(
+    broker: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    router: Router | None = None,
+    registry: CollectorRegistry | None = None,
+    metrics_port: int = -1,
+) -> GatewayServer:
+    """Starts the gateway on host:port (0 picks one), talking to the broker at ``broker``.
+
+    Pass the broker's registry to export pattern metrics beside the broker's on one /metrics.
+    """
+    client = MeshClient(broker, agent_id="gateway")
+    metrics = PatternMetrics(registry)
+    servicer = GatewayServicer(MeshDispatcher(client), router or Router.from_file(), metrics)
+    server = await start_server(
+        lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
+        [GATEWAY_SERVICE],
+        host=host,
+        port=port,
+        metrics_registry=metrics.registry if registry is None else None,
+        metrics_port=metrics_port,
+    )
+    return GatewayServer(server, client, metrics)
