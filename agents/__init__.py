@@ -12,8 +12,12 @@ from mesh import Agent
 
 def sample_agents(data_dir: str | Path | None = None) -> list[Agent]:
     """Every sample agent: stock experts, refund workflow, hotel and flight specialists."""
-    return [*stock_experts(data_dir), *refund_agents(data_dir), *hotel_agents(data_dir),
-            *flight_agents(data_dir)]
+    return [
+        *stock_experts(data_dir),
+        *refund_agents(data_dir),
+        *hotel_agents(data_dir),
+        *flight_agents(data_dir),
+    ]
 
 
 __all__ = ["flight_agents", "hotel_agents", "refund_agents", "sample_agents", "stock_experts"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from pathlib import Path
@@ -22,3 +23,8 @@ def load(name: str, directory: str | Path | None = None) -> dict[str, Any]:
     with path.open(encoding="utf-8") as handle:
         data: dict[str, Any] = json.load(handle)
     return data
+
+
+async def read(name: str, directory: str | Path | None = None) -> dict[str, Any]:
+    """:func:`load` off the event loop."""
+    return await asyncio.to_thread(load, name, directory)

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from agents._data import load
+from agents._data import read
 from mesh import Agent, AgentContext, Message
 from mesh.core.model import Handoff
 
@@ -22,25 +22,27 @@ def order_id_of(message: Message) -> str:
     for source in (context, accumulated):
         if isinstance(source, dict) and source.get("order_id"):
             return str(source["order_id"])
-    text = " ".join(str(x) for x in (
-        handoff.task_description if handoff else "", context.get("task", ""),
-        content.get("query", "")))
+    text = " ".join(
+        str(x)
+        for x in (
+            handoff.task_description if handoff else "",
+            context.get("task", ""),
+            content.get("query", ""),
+        )
+    )
     match = re.search(r"#?(\d{4,})", text)
     return match.group(1) if match else ""
 
 
 class RefundAgent(Agent):
-    agent_types = ("refund",)
+    agent_types: tuple[str, ...] = ("refund",)
 
     def __init__(self, agent_id: str | None = None, *, data_dir: str | Path | None = None) -> None:
         super().__init__(agent_id)
         self.data_dir = data_dir
 
-    def data(self) -> dict[str, Any]:
-        return load("orders.json", self.data_dir)
-
-    def order(self, message: Message) -> tuple[str, dict[str, Any] | None, dict[str, Any]]:
-        data = self.data()
+    async def order(self, message: Message) -> tuple[str, dict[str, Any] | None, dict[str, Any]]:
+        data = await read("orders.json", self.data_dir)
         order_id = order_id_of(message)
         return order_id, data["orders"].get(order_id), data["policy"]
 
@@ -52,16 +54,23 @@ class CustomerAgent(RefundAgent):
     capabilities = ("validate_refund",)
 
     async def handle(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
-        order_id, order, policy = self.order(message)
+        order_id, order, policy = await self.order(message)
         if order is None:
             return {"status": "FAILED", "error": f"order {order_id or '?'} not found"}
         eligible = order["days_since_purchase"] <= policy["refund_window_days"]
         result = {"order_id": order_id, "eligible": eligible}
         if eligible:
-            return {"status": "APPROVED", "result": result,
-                    "next_task": f"Approve refund for order {order_id}"}
-        return {"status": "REJECTED", "result": result, "next_agent": "NotificationAgent",
-                "next_task": f"Tell the customer order {order_id} is outside the refund window"}
+            return {
+                "status": "APPROVED",
+                "result": result,
+                "next_task": f"Approve refund for order {order_id}",
+            }
+        return {
+            "status": "REJECTED",
+            "result": result,
+            "next_agent": "NotificationAgent",
+            "next_task": f"Tell the customer order {order_id} is outside the refund window",
+        }
 
 
 class SellerAgent(RefundAgent):
@@ -71,17 +80,27 @@ class SellerAgent(RefundAgent):
     capabilities = ("approve_refund",)
 
     async def handle(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
-        order_id, order, policy = self.order(message)
+        order_id, order, policy = await self.order(message)
         if order is None:
             return {"status": "FAILED", "error": f"order {order_id or '?'} not found"}
-        approved = (order["reason"] in policy["approved_reasons"]
-                    and order["amount"] <= policy["seller_auto_approve_limit"])
+        approved = (
+            order["reason"] in policy["approved_reasons"]
+            and order["amount"] <= policy["seller_auto_approve_limit"]
+        )
         result = {"approved": approved, "reason": order["reason"]}
         if approved:
-            return {"status": "APPROVED", "result": result, "next_agent": "PaymentAgent",
-                    "next_task": f"Refund ${order['amount']:g} for order {order_id}"}
-        return {"status": "REJECTED", "result": result, "next_agent": "NotificationAgent",
-                "next_task": f"Send rejection email for order {order_id}"}
+            return {
+                "status": "APPROVED",
+                "result": result,
+                "next_agent": "PaymentAgent",
+                "next_task": f"Refund ${order['amount']:g} for order {order_id}",
+            }
+        return {
+            "status": "REJECTED",
+            "result": result,
+            "next_agent": "NotificationAgent",
+            "next_task": f"Send rejection email for order {order_id}",
+        }
 
 
 class PaymentAgent(RefundAgent):
@@ -92,7 +111,7 @@ class PaymentAgent(RefundAgent):
     capabilities = ("process_refund",)
 
     async def handle(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
-        order_id, order, policy = self.order(message)
+        order_id, order, policy = await self.order(message)
         if order is None:
             return {"status": "FAILED", "error": f"order {order_id or '?'} not found"}
         if order["card_status"] != "active":
@@ -100,8 +119,10 @@ class PaymentAgent(RefundAgent):
         constraints = message.handoff.constraints if message.handoff else {}
         method = str(constraints.get("refund_method") or order["payment_method"])
         days = policy["processing_days"].get(str(constraints.get("processing_time", "")), 5)
-        return {"status": "SUCCESS", "result": {"refunded": order["amount"], "method": method,
-                                                "processing_days": days}}
+        return {
+            "status": "SUCCESS",
+            "result": {"refunded": order["amount"], "method": method, "processing_days": days},
+        }
 
 
 class NotificationAgent(RefundAgent):
@@ -112,7 +133,7 @@ class NotificationAgent(RefundAgent):
     capabilities = ("send_email",)
 
     async def handle(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
-        order_id, order, _ = self.order(message)
+        order_id, order, _ = await self.order(message)
         handoff = message.handoff or Handoff(task_description="")
         context = handoff.context
         accumulated = context.get("accumulated_context") or {}
@@ -125,8 +146,10 @@ class NotificationAgent(RefundAgent):
         elif accumulated.get("approved") is False:
             text = f"Refund rejected: order {order_id} ({accumulated.get('reason')})"
         elif "refunded" in accumulated:
-            text = (f"Refund approved: ${accumulated['refunded']:g} to "
-                    f"{accumulated.get('method', 'original payment')} for order {order_id}")
+            text = (
+                f"Refund approved: ${accumulated['refunded']:g} to "
+                f"{accumulated.get('method', 'original payment')} for order {order_id}"
+            )
         else:
             text = f"Refund update for order {order_id}"
         return {"status": "SENT", "result": {"email": text, "to": to}}
@@ -138,13 +161,19 @@ class ApprovalAgent(RefundAgent):
     agent_types = ("refund_approval",)
 
     async def handle(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
-        order_id, order, policy = self.order(message)
+        order_id, order, policy = await self.order(message)
         if order is None:
-            return {"recommendation": "REJECTED", "confidence": 1.0,
-                    "reasoning": f"order {order_id or '?'} not found"}
+            return {
+                "recommendation": "REJECTED",
+                "confidence": 1.0,
+                "reasoning": f"order {order_id or '?'} not found",
+            }
         approve, confidence, reasoning = self.judge(order, policy)
-        return {"recommendation": "APPROVED" if approve else "REJECTED",
-                "confidence": confidence, "reasoning": reasoning}
+        return {
+            "recommendation": "APPROVED" if approve else "REJECTED",
+            "confidence": confidence,
+            "reasoning": reasoning,
+        }
 
     def judge(self, order: dict[str, Any], policy: dict[str, Any]) -> tuple[bool, float, str]:
         raise NotImplementedError
@@ -156,8 +185,10 @@ class PolicyAgent(ApprovalAgent):
     agent_id = "PolicyAgent"
 
     def judge(self, order: dict[str, Any], policy: dict[str, Any]) -> tuple[bool, float, str]:
-        ok = (order["reason"] in policy["approved_reasons"]
-              and order["days_since_purchase"] <= policy["refund_window_days"])
+        ok = (
+            order["reason"] in policy["approved_reasons"]
+            and order["days_since_purchase"] <= policy["refund_window_days"]
+        )
         return ok, 0.9, f"reason {order['reason']}, day {order['days_since_purchase']}"
 
 
@@ -169,7 +200,11 @@ class FraudCheckAgent(ApprovalAgent):
     def judge(self, order: dict[str, Any], policy: dict[str, Any]) -> tuple[bool, float, str]:
         score = float(order["fraud_score"])
         ok = score < policy["fraud_score_limit"]
-        return ok, round(abs(score - policy["fraud_score_limit"]) + 0.5, 2), f"fraud score {score:g}"
+        return (
+            ok,
+            round(abs(score - policy["fraud_score_limit"]) + 0.5, 2),
+            f"fraud score {score:g}",
+        )
 
 
 class FinanceAgent(ApprovalAgent):
@@ -183,6 +218,15 @@ class FinanceAgent(ApprovalAgent):
 
 
 def refund_agents(data_dir: str | Path | None = None) -> list[Agent]:
-    return [cls(data_dir=data_dir) for cls in (
-        CustomerAgent, SellerAgent, PaymentAgent, NotificationAgent,
-        PolicyAgent, FraudCheckAgent, FinanceAgent)]
+    return [
+        cls(data_dir=data_dir)
+        for cls in (
+            CustomerAgent,
+            SellerAgent,
+            PaymentAgent,
+            NotificationAgent,
+            PolicyAgent,
+            FraudCheckAgent,
+            FinanceAgent,
+        )
+    ]

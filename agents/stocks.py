@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from agents._data import load
+from agents._data import read
 from mesh import Agent, AgentContext, Message
 
 
@@ -19,10 +19,14 @@ class StockExpert(Agent):
         self.data_dir = data_dir
 
     async def handle(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
-        data = load("stocks.json", self.data_dir)
+        data = await read("stocks.json", self.data_dir)
         ticker, confidence, reasoning = self.analyse(data)
-        return {"recommendation": f"Buy {ticker}", "confidence": round(confidence, 4),
-                "reasoning": reasoning, "ticker": ticker}
+        return {
+            "recommendation": f"Buy {ticker}",
+            "confidence": round(confidence, 4),
+            "reasoning": reasoning,
+            "ticker": ticker,
+        }
 
     def analyse(self, data: dict[str, Any]) -> tuple[str, float, str]:
         raise NotImplementedError
@@ -40,8 +44,14 @@ class IndustryExpertAgent(StockExpert):
         members = {t: s for t, s in data["stocks"].items() if s["sector"] == best}
         leader = max(members, key=lambda t: (members[t]["market_cap_bn"], t))
         strength = float(sectors[best]["strength"])
-        return leader, strength, (f"{leader} strong in {sectors[best]['label']} sector "
-                                  f"(sector strength {strength:.2f})")
+        return (
+            leader,
+            strength,
+            (
+                f"{leader} strong in {sectors[best]['label']} sector "
+                f"(sector strength {strength:.2f})"
+            ),
+        )
 
 
 class TechnicalAnalysisAgent(StockExpert):
@@ -53,12 +63,18 @@ class TechnicalAnalysisAgent(StockExpert):
     def analyse(self, data: dict[str, Any]) -> tuple[str, float, str]:
         band = data["technical"]
         stocks = data["stocks"]
-        bullish = {t: s for t, s in stocks.items()
-                   if band["rsi_bullish_min"] <= s["rsi"] <= band["rsi_bullish_max"]} or stocks
+        bullish = {
+            t: s
+            for t, s in stocks.items()
+            if band["rsi_bullish_min"] <= s["rsi"] <= band["rsi_bullish_max"]
+        } or stocks
         pick = max(bullish, key=lambda t: (bullish[t]["trend_strength"], t))
         stock = bullish[pick]
-        return pick, float(stock["trend_strength"]), (
-            f"{pick} shows bullish pattern (RSI={stock['rsi']:g})")
+        return (
+            pick,
+            float(stock["trend_strength"]),
+            (f"{pick} shows bullish pattern (RSI={stock['rsi']:g})"),
+        )
 
 
 class FundamentalAnalysisAgent(StockExpert):
@@ -77,5 +93,8 @@ class FundamentalAnalysisAgent(StockExpert):
 
 
 def stock_experts(data_dir: str | Path | None = None) -> list[Agent]:
-    return [IndustryExpertAgent(data_dir=data_dir), TechnicalAnalysisAgent(data_dir=data_dir),
-            FundamentalAnalysisAgent(data_dir=data_dir)]
+    return [
+        IndustryExpertAgent(data_dir=data_dir),
+        TechnicalAnalysisAgent(data_dir=data_dir),
+        FundamentalAnalysisAgent(data_dir=data_dir),
+    ]

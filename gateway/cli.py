@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 from pathlib import Path
@@ -17,18 +18,25 @@ async def _up(args: argparse.Namespace) -> int:
     from gateway.embedded import start_embedded
     from mesh.cli import _print, _until_signalled
 
-    mesh = await start_embedded(host=args.host, broker_port=args.port,
-                                gateway_port=args.gateway_port, metrics_port=args.metrics_port,
-                                data_dir=args.data_dir)
+    mesh = await start_embedded(
+        host=args.host,
+        broker_port=args.port,
+        gateway_port=args.gateway_port,
+        metrics_port=args.metrics_port,
+        data_dir=args.data_dir,
+    )
     info = mesh.describe()
-    _print(f"agentmesh up: broker {info['broker']}, gateway {info['gateway']}, "
-           f"{len(mesh.agents)} agents (insecure, plaintext, localhost)")
+    _print(
+        f"agentmesh up: broker {info['broker']}, gateway {info['gateway']}, "
+        f"{len(mesh.agents)} agents (insecure, plaintext, localhost)"
+    )
     if info["metrics"]:
         _print(f"metrics: {info['metrics']}")
-    for agent_id, address in info["agents"].items():  # type: ignore[union-attr]
-        _print(f"  agent {agent_id:<26} {address}")
+    for served in mesh.agents:
+        _print(f"  agent {served.agent.agent_id:<26} {served.address}")
     if args.ready_file:
-        Path(args.ready_file).write_text(json.dumps(info, indent=2), encoding="utf-8")
+        text = json.dumps(info, indent=2)
+        await asyncio.to_thread(Path(args.ready_file).write_text, text, encoding="utf-8")
     _print("ready; Ctrl-C to stop")
     await _until_signalled()
     _print("agentmesh up: shutting down")
@@ -56,15 +64,25 @@ def add_commands(sub: Any, broker_default: str) -> None:
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(_env("PORT", "50051")), help="broker port")
     p.add_argument("--gateway-port", type=int, default=int(_env("GATEWAY_PORT", "50052")))
-    p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "9464")),
-                   help="HTTP port of /metrics (-1 off, 0 any free port)")
-    p.add_argument("--data-dir", default=_env("DATA_DIR", "") or None,
-                   help="folder of the sample agents' JSON data")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(_env("METRICS_PORT", "9464")),
+        help="HTTP port of /metrics (-1 off, 0 any free port)",
+    )
+    p.add_argument(
+        "--data-dir",
+        default=_env("DATA_DIR", "") or None,
+        help="folder of the sample agents' JSON data",
+    )
     p.add_argument("--ready-file", help="write the addresses as JSON here once ready")
     p.set_defaults(run=_up)
 
     p = sub.add_parser("demo", help="run every pattern through the gateway and report")
-    p.add_argument("--gateway", default=_env("GATEWAY", "") or None,
-                   help="address of a running gateway; without it an embedded mesh is started")
+    p.add_argument(
+        "--gateway",
+        default=_env("GATEWAY", "") or None,
+        help="address of a running gateway; without it an embedded mesh is started",
+    )
     p.add_argument("--data-dir", default=_env("DATA_DIR", "") or None)
     p.set_defaults(run=_demo)

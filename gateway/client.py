@@ -74,9 +74,12 @@ class GatewayClient:
     def collaborative_filtering(self, **request: Any) -> AsyncIterator[dict[str, Any]]:
         return self.run("RunCollaborativeFiltering", request)
 
-    def route(self, request_type: str, query: str = "", **parameters: Any) -> AsyncIterator[dict[str, Any]]:
-        return self.run("Route", {"request_type": request_type, "query": query,
-                                  "parameters": parameters})
+    def route(
+        self, request_type: str, query: str = "", **parameters: Any
+    ) -> AsyncIterator[dict[str, Any]]:
+        return self.run(
+            "Route", {"request_type": request_type, "query": query, "parameters": parameters}
+        )
 
     def parallel(self, patterns: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
         return self.run("RunParallel", {"patterns": patterns})
@@ -86,14 +89,14 @@ class GatewayClient:
 
     async def pattern_stats(self) -> dict[str, dict[str, Any]]:
         try:
-            reply = await self.stub.GetPatternStats(gateway_pb2.GetPatternStatsRequest(),
-                                                    timeout=self.timeout)
+            reply = await self.stub.GetPatternStats(
+                gateway_pb2.GetPatternStatsRequest(), timeout=self.timeout
+            )
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
-        out = {}
-        for p in reply.patterns:
-            data = json_format.MessageToDict(p, preserving_proto_field_name=True,
-                                             always_print_fields_with_no_presence=True)
-            data.pop("pattern", None)
-            out[gateway_pb2.Pattern.Name(p.pattern).removeprefix("PATTERN_")] = data
-        return out
+        return {
+            gateway_pb2.Pattern.Name(p.pattern).removeprefix("PATTERN_"): {
+                f.name: getattr(p, f.name) for f in p.DESCRIPTOR.fields if f.name != "pattern"
+            }
+            for p in reply.patterns
+        }

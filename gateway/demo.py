@@ -12,29 +12,72 @@ from gateway.client import GatewayClient
 Printer = Callable[[str], None]
 
 SCENARIOS: list[tuple[str, str, dict[str, Any]]] = [
-    ("Group chat: stock experts (RF-010 1-5)", "Route",
-     {"request_type": "stock_recommendation", "query": "What stock should I buy?"}),
-    ("Hand-off workflow: refund approved (RF-010 6-8)", "Route",
-     {"request_type": "refund_request", "query": "Process refund for order #12345",
-      "parameters": {"order_id": "12345"}}),
-    ("Hand-off workflow: seller rejects, payment skipped (RF-010 9)", "Route",
-     {"request_type": "refund_request", "query": "Process refund for order #12346",
-      "parameters": {"order_id": "12346"}}),
-    ("Hand-off workflow: payment fails (RF-010 10)", "Route",
-     {"request_type": "refund_request", "query": "Process refund for order #12347",
-      "parameters": {"order_id": "12347"}}),
-    ("Pattern switch: hand-off pauses for a group chat (RF-010 17)", "Route",
-     {"request_type": "refund_with_review", "query": "Process refund for order #12345",
-      "parameters": {"order_id": "12345"}}),
-    ("Collaborative filtering: weighted scores (RF-010 11-13)", "Route",
-     {"request_type": "hotel_recommendation", "query": "Hotel in Paris near Eiffel Tower"}),
-    ("Collaborative filtering: confidence-based (RF-010 14)", "RunCollaborativeFiltering",
-     {"agent_ids": ["PriceAgent", "QualityAgent", "LocationAgent", "ReviewsAgent"],
-      "weights": {"price": 0.2, "quality": 0.4, "location": 0.3, "reviews": 0.1},
-      "query": "Hotel in Paris near Eiffel Tower", "method": "confidence"}),
-    ("Parallel patterns: hotel and flight at once (RF-010 18)", "RunParallel",
-     {"patterns": [{"name": "hotel", "route": {"request_type": "hotel_recommendation"}},
-                   {"name": "flight", "route": {"request_type": "flight_recommendation"}}]}),
+    (
+        "Group chat: stock experts (RF-010 1-5)",
+        "Route",
+        {"request_type": "stock_recommendation", "query": "What stock should I buy?"},
+    ),
+    (
+        "Hand-off workflow: refund approved (RF-010 6-8)",
+        "Route",
+        {
+            "request_type": "refund_request",
+            "query": "Process refund for order #12345",
+            "parameters": {"order_id": "12345"},
+        },
+    ),
+    (
+        "Hand-off workflow: seller rejects, payment skipped (RF-010 9)",
+        "Route",
+        {
+            "request_type": "refund_request",
+            "query": "Process refund for order #12346",
+            "parameters": {"order_id": "12346"},
+        },
+    ),
+    (
+        "Hand-off workflow: payment fails (RF-010 10)",
+        "Route",
+        {
+            "request_type": "refund_request",
+            "query": "Process refund for order #12347",
+            "parameters": {"order_id": "12347"},
+        },
+    ),
+    (
+        "Pattern switch: hand-off pauses for a group chat (RF-010 17)",
+        "Route",
+        {
+            "request_type": "refund_with_review",
+            "query": "Process refund for order #12345",
+            "parameters": {"order_id": "12345"},
+        },
+    ),
+    (
+        "Collaborative filtering: weighted scores (RF-010 11-13)",
+        "Route",
+        {"request_type": "hotel_recommendation", "query": "Hotel in Paris near Eiffel Tower"},
+    ),
+    (
+        "Collaborative filtering: confidence-based (RF-010 14)",
+        "RunCollaborativeFiltering",
+        {
+            "agent_ids": ["PriceAgent", "QualityAgent", "LocationAgent", "ReviewsAgent"],
+            "weights": {"price": 0.2, "quality": 0.4, "location": 0.3, "reviews": 0.1},
+            "query": "Hotel in Paris near Eiffel Tower",
+            "method": "confidence",
+        },
+    ),
+    (
+        "Parallel patterns: hotel and flight at once (RF-010 18)",
+        "RunParallel",
+        {
+            "patterns": [
+                {"name": "hotel", "route": {"request_type": "hotel_recommendation"}},
+                {"name": "flight", "route": {"request_type": "flight_recommendation"}},
+            ]
+        },
+    ),
 ]
 
 
@@ -51,22 +94,31 @@ def _result_lines(result: dict[str, Any]) -> list[str]:
             lines.append("scores: " + ", ".join(f"{k} {v:g}" for k, v in scores))
     if "path" in result:
         lines.append(f"status: {result['status']}   path: {' -> '.join(result['path'])}")
-        lines.append(f"current_step: {result['current_step']}   "
-                     f"accumulated_context: {json.dumps(result.get('accumulated_context'))}")
+        lines.append(
+            f"current_step: {result['current_step']}   "
+            f"accumulated_context: {json.dumps(result.get('accumulated_context'))}"
+        )
         if result.get("error_reason"):
-            lines.append(f"failed_at_step: {result.get('failed_at_step')}   "
-                         f"error_reason: {result['error_reason']}")
+            lines.append(
+                f"failed_at_step: {result.get('failed_at_step')}   "
+                f"error_reason: {result['error_reason']}"
+            )
         final = result.get("notification") or result.get("final_result")
         if isinstance(final, dict) and final.get("email"):
             lines.append(f"customer email: {final['email']!r}")
     if "decision" in result and isinstance(result["decision"], dict):
         d = result["decision"]
-        lines.append(f"recommendation: {d.get('recommendation')} (score {d.get('score')}, "
-                     f"method {d.get('method')})")
+        lines.append(
+            f"recommendation: {d.get('recommendation')} (score {d.get('score')}, "
+            f"method {d.get('method')})"
+        )
         breakdown = d.get("breakdown") or {}
-        cells = [f"{k} {v:g}" if isinstance(v, int | float)
-                 else f"{k} {v.get('votes')} votes avg {v.get('avg_confidence'):g}"
-                 for k, v in sorted(breakdown.items())]
+        cells = [
+            f"{k} {v:g}"
+            if isinstance(v, int | float)
+            else f"{k} {v.get('votes')} votes avg {v.get('avg_confidence'):g}"
+            for k, v in sorted(breakdown.items())
+        ]
         lines.append("breakdown: " + ", ".join(cells))
         if d.get("tie_break"):
             lines.append(f"tie broken by {d['tie_break']}")
@@ -74,8 +126,10 @@ def _result_lines(result: dict[str, Any]) -> list[str]:
         for name, sub in result["results"].items():
             rec = sub.get("recommendation")
             lines.append(f"{name}: {rec} in {result['durations_ms'][name]:.1f} ms")
-        lines.append(f"total {result['duration_ms']:.1f} ms vs sum of parts "
-                     f"{result['sum_of_durations_ms']:.1f} ms")
+        lines.append(
+            f"total {result['duration_ms']:.1f} ms vs sum of parts "
+            f"{result['sum_of_durations_ms']:.1f} ms"
+        )
     if result.get("missing"):
         lines.append(f"missing agents: {', '.join(result['missing'])}")
     return lines
@@ -88,8 +142,10 @@ async def show(title: str, events: AsyncIterator[dict[str, Any]], out: Printer) 
     started = time.perf_counter()
     last: dict[str, Any] = {}
     async for event in events:
-        out(f"   {event['elapsed_ms']:8.2f}  {event['kind']:<16} {event['agent_id'] or '-':<26} "
-            f"{event['summary']}")
+        out(
+            f"   {event['elapsed_ms']:8.2f}  {event['kind']:<16} {event['agent_id'] or '-':<26} "
+            f"{event['summary']}"
+        )
         last = event
     wall_ms = (time.perf_counter() - started) * 1000
     result = last.get("data", {})
@@ -112,12 +168,16 @@ async def run_demo(gateway: str, out: Printer = print) -> int:
     for row in summary:
         out(f"   {row['title']:<64} {row['status']!s:<10} {row['ms']:8.1f}")
     out("")
-    out(f"   {'pattern':<26} {'runs':>5} {'completed':>9} {'avg ms':>8} {'completion':>10} "
-        f"{'consensus':>9}")
+    out(
+        f"   {'pattern':<26} {'runs':>5} {'completed':>9} {'avg ms':>8} {'completion':>10} "
+        f"{'consensus':>9}"
+    )
     for name, s in stats.items():
-        if int(s.get("runs", 0)):
-            out(f"   {name:<26} {int(s['runs']):>5} {int(s['completed']):>9} "
-                f"{float(s['duration_avg_seconds']) * 1000:8.1f} {float(s['completion_rate']):10.2f} "
-                f"{float(s['consensus_rate']):9.2f}")
+        if s["runs"]:
+            avg_ms = s["duration_avg_seconds"] * 1000
+            out(
+                f"   {name:<26} {s['runs']:>5} {s['completed']:>9} {avg_ms:8.1f} "
+                f"{s['completion_rate']:10.2f} {s['consensus_rate']:9.2f}"
+            )
     failed = [row for row in summary if row["status"] not in ("COMPLETED", "FAILED")]
     return 1 if failed else 0

@@ -9,8 +9,8 @@ from agents import sample_agents
 from gateway.server import GatewayServer, serve_gateway
 from mesh.agent import AgentServer, serve
 from mesh.config import BrokerConfig, ServerConfig
-from mesh.serving import MeshServer
 from mesh.server import serve_broker
+from mesh.serving import MeshServer
 
 
 @dataclass
@@ -23,8 +23,11 @@ class EmbeddedMesh:
         return {
             "broker": self.broker.address,
             "gateway": self.gateway.address,
-            "metrics": (f"http://{self.broker.host}:{self.broker.metrics_port}/metrics"
-                        if self.broker.metrics_port else None),
+            "metrics": (
+                f"http://{self.broker.host}:{self.broker.metrics_port}/metrics"
+                if self.broker.metrics_port
+                else None
+            ),
             "agents": {a.agent.agent_id: a.address for a in self.agents},
         }
 
@@ -51,8 +54,9 @@ async def start_embedded(
         server_config=ServerConfig(host=host, port=broker_port, metrics_port=metrics_port),
         broker_config=broker_config,
     )
-    gateway = await serve_gateway(broker_server.address, host=host, port=gateway_port,
-                                  registry=broker.metrics.registry)
+    gateway = await serve_gateway(
+        broker_server.address, host=host, port=gateway_port, registry=broker.metrics.registry
+    )
     mesh = EmbeddedMesh(broker_server, gateway)
     try:
         for agent in sample_agents(data_dir):

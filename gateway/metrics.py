@@ -41,26 +41,50 @@ class PatternMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.tallies = {p: PatternTally() for p in Pattern}
-        self.duration = Histogram("agentmesh_pattern_duration_seconds", "Pattern run duration.",
-                                  ["pattern"], buckets=DURATION_BUCKETS, registry=r)
-        self.runs = Counter("agentmesh_pattern_runs", "Pattern runs by outcome.",
-                            ["pattern", "status"], registry=r)
-        self.consensus_rate = Gauge("agentmesh_group_chat_consensus_rate",
-                                    "Share of group chats that ended unanimous.", registry=r)
-        self.completion_rate = Gauge("agentmesh_pattern_completion_rate",
-                                     "Share of runs that completed, per pattern.", ["pattern"],
-                                     registry=r)
-        self.routing_latency = Histogram("agentmesh_routing_latency_seconds",
-                                         "Time to route a request to a pattern.",
-                                         buckets=FAST_BUCKETS, registry=r)
-        self.aggregation_latency = Histogram("agentmesh_aggregation_latency_seconds",
-                                             "Time to aggregate agents' answers.",
-                                             buckets=FAST_BUCKETS, registry=r)
-        self.conflicts = Counter("agentmesh_conflict_resolutions",
-                                 "Disagreements resolved by voting or tie-breaks.", registry=r)
-        self.conflict_latency = Histogram("agentmesh_conflict_resolution_latency_seconds",
-                                          "Time to resolve a disagreement.", buckets=FAST_BUCKETS,
-                                          registry=r)
+        self.duration = Histogram(
+            "agentmesh_pattern_duration_seconds",
+            "Pattern run duration.",
+            ["pattern"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.runs = Counter(
+            "agentmesh_pattern_runs", "Pattern runs by outcome.", ["pattern", "status"], registry=r
+        )
+        self.consensus_rate = Gauge(
+            "agentmesh_group_chat_consensus_rate",
+            "Share of group chats that ended unanimous.",
+            registry=r,
+        )
+        self.completion_rate = Gauge(
+            "agentmesh_pattern_completion_rate",
+            "Share of runs that completed, per pattern.",
+            ["pattern"],
+            registry=r,
+        )
+        self.routing_latency = Histogram(
+            "agentmesh_routing_latency_seconds",
+            "Time to route a request to a pattern.",
+            buckets=FAST_BUCKETS,
+            registry=r,
+        )
+        self.aggregation_latency = Histogram(
+            "agentmesh_aggregation_latency_seconds",
+            "Time to aggregate agents' answers.",
+            buckets=FAST_BUCKETS,
+            registry=r,
+        )
+        self.conflicts = Counter(
+            "agentmesh_conflict_resolutions",
+            "Disagreements resolved by voting or tie-breaks.",
+            registry=r,
+        )
+        self.conflict_latency = Histogram(
+            "agentmesh_conflict_resolution_latency_seconds",
+            "Time to resolve a disagreement.",
+            buckets=FAST_BUCKETS,
+            registry=r,
+        )
 
     def observe(self, pattern: Pattern, result: dict[str, JSON], seconds: float) -> None:
         status = str(result.get("status", "FAILED"))

@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from google.protobuf import json_format
 from prometheus_client import CollectorRegistry
 
 from gateway import codec
@@ -21,6 +22,7 @@ from gateway.patterns.handoff import WorkflowSpec
 from gateway.patterns.orchestrator import Router, Spec, pattern_of, routed, run_parallel, run_spec
 from mesh._status import abort
 from mesh.client import MeshClient
+from mesh.codec import struct_to_dict
 from mesh.core.errors import MeshError
 from mesh.core.model import JSON
 from mesh.serving import MeshServer, start_server
@@ -47,14 +49,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             data = event.data
             if event.kind is EventKind.AGGREGATION:
                 conflict = bool(data.get("tie")) or data.get("unanimous") is False
-                self.metrics.aggregation(float(data.get("aggregation_ms", 0.0)) / 1000, conflict)  # type: ignore[arg-type]
+                self.metrics.aggregation(float(data.get("aggregation_ms", 0.0)) / 1000, conflict)
             elif event.kind is EventKind.ROUTED:
-                self.metrics.routing_latency.observe(float(data["routing_latency_ms"]) / 1000)  # type: ignore[arg-type]
+                self.metrics.routing_latency.observe(float(data["routing_latency_ms"]) / 1000)
             await emit(event)
 
         return observe
 
-    async def _events(self, pattern: Pattern, run: Run, context: Any) -> AsyncIterator[gateway_pb2.PatternEvent]:
+    async def _events(
+        self, pattern: Pattern, run: Run, context: Any
+    ) -> AsyncIterator[gateway_pb2.PatternEvent]:
         """Runs a pattern and yields its events as they happen, within the caller's deadline."""
         queue: asyncio.Queue[PatternEvent | None] = asyncio.Queue(EVENT_BUFFER)
         emit = self._observed(queue.put)
@@ -68,8 +72,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     result = await run(emit)
                 self.metrics.observe(pattern, result, time.perf_counter() - started)
             except TimeoutError:
-                outcome["error"] = MeshError("the pattern did not finish before the deadline",
-                                             code="DEADLINE_EXCEEDED", reason="DEADLINE_EXCEEDED")
+                outcome["error"] = MeshError(
+                    "the pattern did not finish before the deadline",
+                    code="DEADLINE_EXCEEDED",
+                    reason="DEADLINE_EXCEEDED",
+                )
                 self.metrics.observe(pattern, {"status": "FAILED"}, time.perf_counter() - started)
             except MeshError as error:
                 outcome["error"] = error
@@ -95,7 +102,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def _spec_of_route(self, request: gateway_pb2.RouteRequest) -> tuple[Any, Spec]:
         route = self.router.determine_pattern(request.request_type)
         preset = dict(route.preset)
-        parameters = codec.struct_to_dict(request.parameters)
+        parameters = struct_to_dict(request.parameters)
         spec: Spec
         try:
             if route.pattern is Pattern.GROUP_CHAT:
@@ -113,9 +120,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 spec = codec.filtering_spec(pb)  # type: ignore[arg-type]
                 spec.query = request.query or spec.query
                 spec.parameters.update(parameters)
-        except codec.json_format.ParseError as error:
-            raise MeshError(f"the preset of {route.request_type} is invalid: {error}",
-                            code="FAILED_PRECONDITION", reason="BAD_PRESET") from None
+        except json_format.ParseError as error:
+            raise MeshError(
+                f"the preset of {route.request_type} is invalid: {error}",
+                code="FAILED_PRECONDITION",
+                reason="BAD_PRESET",
+            ) from None
         if isinstance(spec, GroupChatSpec):
             spec.group_id = spec.group_id or new_id("group")
         elif isinstance(spec, WorkflowSpec):
@@ -127,34 +137,50 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     # -- RPCs --------------------------------------------------------------------------------
 
-    async def RunGroupChat(self, request: gateway_pb2.RunGroupChatRequest, context: Any) -> AsyncIterator[gateway_pb2.RunGroupChatResponse]:
+    async def RunGroupChat(
+        self, request: gateway_pb2.RunGroupChatRequest, context: Any
+    ) -> AsyncIterator[gateway_pb2.RunGroupChatResponse]:
         spec = codec.group_chat_spec(request)
         try:
             spec.validate()
         except MeshError as error:
             await abort(context, error)
-        async for event in self._events(Pattern.GROUP_CHAT, lambda emit: run_spec(spec, self.dispatcher, emit), context):
+        async for event in self._events(
+            Pattern.GROUP_CHAT, lambda emit: run_spec(spec, self.dispatcher, emit), context
+        ):
             yield gateway_pb2.RunGroupChatResponse(event=event)
 
-    async def RunHandoffWorkflow(self, request: gateway_pb2.RunHandoffWorkflowRequest, context: Any) -> AsyncIterator[gateway_pb2.RunHandoffWorkflowResponse]:
+    async def RunHandoffWorkflow(
+        self, request: gateway_pb2.RunHandoffWorkflowRequest, context: Any
+    ) -> AsyncIterator[gateway_pb2.RunHandoffWorkflowResponse]:
         spec = codec.workflow_spec(request)
         try:
             spec.validate()
         except MeshError as error:
             await abort(context, error)
-        async for event in self._events(Pattern.HAND_OFF, lambda emit: run_spec(spec, self.dispatcher, emit), context):
+        async for event in self._events(
+            Pattern.HAND_OFF, lambda emit: run_spec(spec, self.dispatcher, emit), context
+        ):
             yield gateway_pb2.RunHandoffWorkflowResponse(event=event)
 
-    async def RunCollaborativeFiltering(self, request: gateway_pb2.RunCollaborativeFilteringRequest, context: Any) -> AsyncIterator[gateway_pb2.RunCollaborativeFilteringResponse]:
+    async def RunCollaborativeFiltering(
+        self, request: gateway_pb2.RunCollaborativeFilteringRequest, context: Any
+    ) -> AsyncIterator[gateway_pb2.RunCollaborativeFilteringResponse]:
         spec = codec.filtering_spec(request)
         try:
             spec.validate()
         except MeshError as error:
             await abort(context, error)
-        async for event in self._events(Pattern.COLLABORATIVE_FILTERING, lambda emit: run_spec(spec, self.dispatcher, emit), context):
+        async for event in self._events(
+            Pattern.COLLABORATIVE_FILTERING,
+            lambda emit: run_spec(spec, self.dispatcher, emit),
+            context,
+        ):
             yield gateway_pb2.RunCollaborativeFilteringResponse(event=event)
 
-    async def Route(self, request: gateway_pb2.RouteRequest, context: Any) -> AsyncIterator[gateway_pb2.RouteResponse]:
+    async def Route(
+        self, request: gateway_pb2.RouteRequest, context: Any
+    ) -> AsyncIterator[gateway_pb2.RouteResponse]:
         started = time.perf_counter()
         try:
             route, spec = await self._spec_of_route(request)
@@ -168,7 +194,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         async for event in self._events(route.pattern, run, context):
             yield gateway_pb2.RouteResponse(event=event)
 
-    async def RunParallel(self, request: gateway_pb2.RunParallelRequest, context: Any) -> AsyncIterator[gateway_pb2.RunParallelResponse]:
+    async def RunParallel(
+        self, request: gateway_pb2.RunParallelRequest, context: Any
+    ) -> AsyncIterator[gateway_pb2.RunParallelResponse]:
         specs: list[tuple[str, Spec]] = []
         try:
             if not request.patterns:
@@ -203,14 +231,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         async for event in self._events(Pattern.PARALLEL, run, context):
             yield gateway_pb2.RunParallelResponse(event=event)
 
-    async def GetPatternStats(self, request: gateway_pb2.GetPatternStatsRequest, context: Any) -> gateway_pb2.GetPatternStatsResponse:
+    async def GetPatternStats(
+        self, request: gateway_pb2.GetPatternStatsRequest, context: Any
+    ) -> gateway_pb2.GetPatternStatsResponse:
         response = gateway_pb2.GetPatternStatsResponse()
         for pattern, tally in self.metrics.tallies.items():
             response.patterns.add(
-                pattern=codec.PATTERN_TO_PB[pattern], runs=tally.runs, completed=tally.completed,
-                partial=tally.partial, failed=tally.failed,
+                pattern=codec.PATTERN_TO_PB[pattern],
+                runs=tally.runs,
+                completed=tally.completed,
+                partial=tally.partial,
+                failed=tally.failed,
                 duration_avg_seconds=tally.duration_avg_seconds,
-                completion_rate=tally.completion_rate, consensus_rate=tally.consensus_rate)
+                completion_rate=tally.completion_rate,
+                consensus_rate=tally.consensus_rate,
+            )
         return response
 
 

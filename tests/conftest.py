@@ -1,4 +1,4 @@
-"""Shared fixtures: a real broker server on 127.0.0.1 with a free port."""
+"""Shared fixtures: real servers on 127.0.0.1 with free ports."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from gateway.embedded import EmbeddedMesh, start_embedded
 from mesh.config import BrokerConfig
 from mesh.testing import LocalMesh
 
@@ -14,3 +15,13 @@ from mesh.testing import LocalMesh
 async def mesh() -> AsyncIterator[LocalMesh]:
     async with LocalMesh(BrokerConfig(sweep_interval=0.05)) as local:
         yield local
+
+
+@pytest.fixture
+async def embedded() -> AsyncIterator[EmbeddedMesh]:
+    """Broker, gateway and every sample agent, each on its own gRPC server."""
+    running = await start_embedded(metrics_port=0)
+    try:
+        yield running
+    finally:
+        await running.stop(1.0)

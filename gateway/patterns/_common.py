@@ -19,7 +19,9 @@ def new_id(prefix: str) -> str:
 
 
 def invalid(field: str, description: str) -> MessageValidationError:
-    return MessageValidationError(description, field_violations=(FieldViolation(field, description),))
+    return MessageValidationError(
+        description, field_violations=(FieldViolation(field, description),)
+    )
 
 
 def as_float(value: JSON, default: float) -> float:

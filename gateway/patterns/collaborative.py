@@ -11,6 +11,7 @@ from typing import Any
 from gateway.dispatch import Dispatcher
 from gateway.events import Emit, EventKind, Pattern, PatternEvent
 from gateway.patterns._common import GATEWAY_ID, Stopwatch, as_float, clean, invalid, new_id
+from gateway.tracing import now_ns, record_span, span_name, tracer
 from mesh.core.model import JSON, Message, MessageType
 
 METHODS = ("weighted", "confidence")
@@ -29,20 +30,29 @@ class AgentOpinion:
     confidence: float
 
     def to_dict(self) -> dict[str, JSON]:
-        return {"agent_id": self.agent_id, "weight_key": self.weight_key,
-                "scores": dict(self.scores), "recommendation": self.recommendation,
-                "confidence": self.confidence}
+        return {
+            "agent_id": self.agent_id,
+            "weight_key": self.weight_key,
+            "scores": dict(self.scores),
+            "recommendation": self.recommendation,
+            "confidence": self.confidence,
+        }
 
 
 def opinion_from(agent_id: str, weight_key: str, content: Mapping[str, JSON]) -> AgentOpinion:
     raw = content.get("scores")
-    scores = ({str(k): as_float(v, 0.0) for k, v in raw.items()} if isinstance(raw, dict) else {})
+    scores = {str(k): as_float(v, 0.0) for k, v in raw.items()} if isinstance(raw, dict) else {}
     recommendation = str(content.get("recommendation") or "")
     if not recommendation and scores:
         recommendation = max(sorted(scores), key=lambda o: scores[o])
     confidence = as_float(content.get("confidence"), scores.get(recommendation, 0.5))
-    return AgentOpinion(agent_id=agent_id, weight_key=weight_key, scores=scores,
-                        recommendation=recommendation, confidence=confidence)
+    return AgentOpinion(
+        agent_id=agent_id,
+        weight_key=weight_key,
+        scores=scores,
+        recommendation=recommendation,
+        confidence=confidence,
+    )
 
 
 def validate_weights(weights: Mapping[str, float]) -> None:
@@ -61,8 +71,9 @@ def weighted_scores(
     """Each option's weighted score: the sum over agents of weight x score (scenario 13)."""
     options = sorted({o for op in opinions for o in op.scores})
     return {
-        option: clean(sum(weights.get(op.weight_key, 0.0) * op.scores.get(option, 0.0)
-                          for op in opinions))
+        option: clean(
+            sum(weights.get(op.weight_key, 0.0) * op.scores.get(option, 0.0) for op in opinions)
+        )
         for option in options
     }
 
@@ -74,8 +85,11 @@ def confidence_votes(opinions: Sequence[AgentOpinion]) -> dict[str, dict[str, JS
         if op.recommendation:
             voters.setdefault(op.recommendation, []).append(op)
     return {
-        option: {"votes": len(ops), "agents": [op.agent_id for op in ops],
-                 "avg_confidence": clean(sum(op.confidence for op in ops) / len(ops))}
+        option: {
+            "votes": len(ops),
+            "agents": [op.agent_id for op in ops],
+            "avg_confidence": clean(sum(op.confidence for op in ops) / len(ops)),
+        }
         for option, ops in sorted(voters.items())
     }
 
@@ -100,8 +114,10 @@ def break_tie(
         if len(leaders) < len(candidates):
             others = ", ".join(f"{op.scores.get(o, 0.0):g}" for o in candidates if o not in leaders)
             if len(leaders) == 1:
-                return leaders[0], (f"highest individual agent score: {op.weight_key or op.agent_id}"
-                                    f" {best:g} > {others}")
+                return leaders[0], (
+                    f"highest individual agent score: {op.weight_key or op.agent_id}"
+                    f" {best:g} > {others}"
+                )
             candidates = leaders
     votes = {o: sum(1 for op in opinions if op.recommendation == o) for o in candidates}
     most = max(votes.values())
@@ -128,8 +144,8 @@ def decide(
         breakdown: JSON = scores
     else:
         votes = confidence_votes(opinions)
-        key = {o: float(v["avg_confidence"]) for o, v in votes.items()}  # type: ignore[arg-type]
-        breakdown = votes  # type: ignore[assignment]
+        key = {o: float(v["avg_confidence"]) for o, v in votes.items()}
+        breakdown = votes
     best = max(key.values())
     tied = [o for o, s in key.items() if abs(s - best) <= TIE_EPSILON]
     result: dict[str, JSON] = {"method": method, "breakdown": breakdown}
@@ -193,43 +209,86 @@ async def run_filtering(spec: FilteringSpec, dispatcher: Dispatcher, emit: Emit)
     clock = Stopwatch()
 
     async def event(kind: EventKind, summary: str, **fields: Any) -> None:
-        await emit(PatternEvent(run_id=run_id, pattern=Pattern.COLLABORATIVE_FILTERING, kind=kind,
-                                summary=summary, elapsed_ms=clock.ms, **fields))
+        await emit(
+            PatternEvent(
+                run_id=run_id,
+                pattern=Pattern.COLLABORATIVE_FILTERING,
+                kind=kind,
+                summary=summary,
+                elapsed_ms=clock.ms,
+                **fields,
+            )
+        )
 
-    message = Message(from_agent=spec.from_agent, to_agent="group",
-                      message_type=MessageType.REQUEST,
-                      content={"action": "score", "query": spec.query,
-                               "parameters": dict(spec.parameters)},
-                      reply_to=GATEWAY_ID, metadata={"run_id": run_id})
-    await event(EventKind.BROADCAST_SENT, f"asking {len(spec.agent_ids)} agents in parallel",
-                data={"message_id": message.message_id, "recipients": list(spec.agent_ids),
-                      "query": spec.query, "weights": dict(spec.weights)})
+    message = Message(
+        from_agent=spec.from_agent,
+        to_agent="group",
+        message_type=MessageType.REQUEST,
+        content={"action": "score", "query": spec.query, "parameters": dict(spec.parameters)},
+        reply_to=GATEWAY_ID,
+        metadata={"run_id": run_id},
+    )
+    await event(
+        EventKind.BROADCAST_SENT,
+        f"asking {len(spec.agent_ids)} agents in parallel",
+        data={
+            "message_id": message.message_id,
+            "recipients": list(spec.agent_ids),
+            "query": spec.query,
+            "weights": dict(spec.weights),
+        },
+    )
     opinions: list[AgentOpinion] = []
     durations: dict[str, float] = {}
     missing: dict[str, str] = {}
+    sent_ns = now_ns()
     async for item in dispatcher.gather(message, spec.agent_ids, spec.agent_timeout):
+        record_span(
+            span_name(item.agent_id, "score"),
+            sent_ns,
+            now_ns(),
+            None,
+            agent=item.agent_id,
+            run_id=run_id,
+            answered=item.response is not None,
+        )
         answer = item.response
         if answer is None or answer.message_type is MessageType.ERROR:
             reason = item.error.message if item.error is not None else "agent error"
             missing[item.agent_id] = reason
-            await event(EventKind.AGENT_MISSING, f"{item.agent_id} gave no scores: {reason}",
-                        agent_id=item.agent_id, data={"agent_id": item.agent_id, "reason": reason})
+            await event(
+                EventKind.AGENT_MISSING,
+                f"{item.agent_id} gave no scores: {reason}",
+                agent_id=item.agent_id,
+                data={"agent_id": item.agent_id, "reason": reason},
+            )
             continue
         durations[item.agent_id] = clock.ms
         opinion = opinion_from(item.agent_id, keys[item.agent_id], answer.content or {})
         opinions.append(opinion)
-        await event(EventKind.SCORES, f"{item.agent_id} scored {len(opinion.scores)} options; "
-                    f"picks {opinion.recommendation}", agent_id=item.agent_id,
-                    data={**opinion.to_dict(), "latency_ms": durations[item.agent_id]})
+        await event(
+            EventKind.SCORES,
+            f"{item.agent_id} scored {len(opinion.scores)} options; picks {opinion.recommendation}",
+            agent_id=item.agent_id,
+            data={**opinion.to_dict(), "latency_ms": durations[item.agent_id]},
+        )
     aggregation = Stopwatch()
     # With agents missing, the weights of those that answered are scaled back to 1.0.
     answered_weight = sum(spec.weights[keys[op.agent_id]] for op in opinions)
-    weights = ({k: w / answered_weight for k, w in spec.weights.items()}
-               if missing and answered_weight else dict(spec.weights))
-    decision = decide(opinions, weights, spec.method, spec.seed)
-    await event(EventKind.AGGREGATION, f"{decision.get('recommendation')} "
-                f"(score {decision.get('score')})",
-                data={**decision, "aggregation_ms": aggregation.ms})
+    weights = (
+        {k: w / answered_weight for k, w in spec.weights.items()}
+        if missing and answered_weight
+        else dict(spec.weights)
+    )
+    with tracer().start_as_current_span(
+        "collaborative_filtering.aggregate", attributes={"run_id": run_id, "method": spec.method}
+    ):
+        decision = decide(opinions, weights, spec.method, spec.seed)
+    await event(
+        EventKind.AGGREGATION,
+        f"{decision.get('recommendation')} (score {decision.get('score')})",
+        data={**decision, "aggregation_ms": aggregation.ms},
+    )
     status = "COMPLETED" if not missing else ("PARTIAL" if opinions else "FAILED")
     result: dict[str, JSON] = {
         "run_id": run_id,

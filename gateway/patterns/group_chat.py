@@ -10,6 +10,7 @@ from typing import Any
 from gateway.dispatch import Dispatcher
 from gateway.events import Emit, EventKind, Pattern, PatternEvent
 from gateway.patterns._common import GATEWAY_ID, Stopwatch, as_float, clean, invalid, new_id
+from gateway.tracing import now_ns, record_span, span_name, tracer
 from mesh.core.model import JSON, Message, MessageType
 
 STRATEGIES = ("consensus", "weighted_voting", "highest_confidence")
@@ -66,8 +67,13 @@ def aggregate(
     highest_confidence: the single most confident contribution.
     """
     if not contributions:
-        return {"recommendation": None, "confidence": "NONE", "reasoning": [],
-                "note": "No contributions to aggregate", "unanimous": False}
+        return {
+            "recommendation": None,
+            "confidence": "NONE",
+            "reasoning": [],
+            "note": "No contributions to aggregate",
+            "unanimous": False,
+        }
     if strategy not in STRATEGIES:
         raise invalid("strategy", f"strategy must be one of {', '.join(STRATEGIES)}")
     if strategy == "highest_confidence":
@@ -171,12 +177,45 @@ async def run_group_chat(
     history: list[dict[str, JSON]] = []
 
     async def event(kind: EventKind, summary: str, **fields: Any) -> None:
-        await emit(PatternEvent(run_id=group_id, pattern=Pattern.GROUP_CHAT, kind=kind,
-                                summary=summary, elapsed_ms=clock.ms, **fields))
+        await emit(
+            PatternEvent(
+                run_id=group_id,
+                pattern=Pattern.GROUP_CHAT,
+                kind=kind,
+                summary=summary,
+                elapsed_ms=clock.ms,
+                **fields,
+            )
+        )
 
-    await event(EventKind.GROUP_CREATED, f"group {group_id} created with {len(spec.agent_ids)} agents",
-                data={"group_id": group_id, "agents": list(spec.agent_ids), "status": "ACTIVE",
-                      "message_history": [], "query": spec.query, "rounds": spec.rounds})
+    with tracer().start_as_current_span(
+        "group_chat",
+        attributes={"group_id": group_id, "workflow_id": group_id, "agents": len(spec.agent_ids)},
+    ) as root:
+        return await _run(spec, dispatcher, group_id, clock, history, event, root)
+
+
+async def _run(
+    spec: GroupChatSpec,
+    dispatcher: Dispatcher,
+    group_id: str,
+    clock: Stopwatch,
+    history: list[dict[str, JSON]],
+    event: Any,
+    root: Any,
+) -> dict[str, JSON]:
+    await event(
+        EventKind.GROUP_CREATED,
+        f"group {group_id} created with {len(spec.agent_ids)} agents",
+        data={
+            "group_id": group_id,
+            "agents": list(spec.agent_ids),
+            "status": "ACTIVE",
+            "message_history": [],
+            "query": spec.query,
+            "rounds": spec.rounds,
+        },
+    )
     missing: dict[str, str] = {}
     contributions: list[Contribution] = []
     for round_number in range(1, spec.rounds + 1):
@@ -186,46 +225,112 @@ async def run_group_chat(
             content["history"] = list(history)
         if spec.context:
             content["context"] = spec.context
-        message = Message(from_agent=spec.from_agent, to_agent="group",
-                          message_type=MessageType.BROADCAST, content=content,
-                          reply_to=GATEWAY_ID, metadata={"group_id": group_id})
-        history.append({"from_agent": spec.from_agent, "message_type": "BROADCAST",
-                        "content": {"query": spec.query}, "round": round_number})
-        await event(EventKind.BROADCAST_SENT,
-                    f"round {round_number}: query broadcast to {len(spec.agent_ids)} agents",
-                    round=round_number,
-                    data={"message_id": message.message_id, "from_agent": spec.from_agent,
-                          "message_type": "BROADCAST", "content": {"query": spec.query},
-                          "recipients": list(spec.agent_ids)})
+        message = Message(
+            from_agent=spec.from_agent,
+            to_agent="group",
+            message_type=MessageType.BROADCAST,
+            content=content,
+            reply_to=GATEWAY_ID,
+            metadata={"group_id": group_id},
+        )
+        history.append(
+            {
+                "from_agent": spec.from_agent,
+                "message_type": "BROADCAST",
+                "content": {"query": spec.query},
+                "round": round_number,
+            }
+        )
+        await event(
+            EventKind.BROADCAST_SENT,
+            f"round {round_number}: query broadcast to {len(spec.agent_ids)} agents",
+            round=round_number,
+            data={
+                "message_id": message.message_id,
+                "from_agent": spec.from_agent,
+                "message_type": "BROADCAST",
+                "content": {"query": spec.query},
+                "recipients": list(spec.agent_ids),
+            },
+        )
         sent_at = clock.ms
+        sent_ns = now_ns()
+        record_span(
+            "group_chat.broadcast",
+            sent_ns,
+            sent_ns,
+            root,
+            group_id=group_id,
+            round=round_number,
+            recipients=len(spec.agent_ids),
+        )
         this_round: list[Contribution] = []
         async for item in dispatcher.gather(message, spec.agent_ids, spec.agent_timeout):
+            record_span(
+                span_name(item.agent_id, "analyze"),
+                sent_ns,
+                now_ns(),
+                root,
+                agent=item.agent_id,
+                group_id=group_id,
+                round=round_number,
+                answered=item.response is not None,
+            )
             answer = item.response
             if answer is None or answer.message_type is MessageType.ERROR:
-                reason = (item.error.message if item.error is not None
-                          else str((answer.content or {}).get("error", "error")) if answer else "")
+                reason = (
+                    item.error.message
+                    if item.error is not None
+                    else str((answer.content or {}).get("error", "error"))
+                    if answer
+                    else ""
+                )
                 missing[item.agent_id] = reason
-                await event(EventKind.AGENT_MISSING, f"{item.agent_id} gave no answer: {reason}",
-                            agent_id=item.agent_id, round=round_number,
-                            data={"agent_id": item.agent_id, "reason": reason})
+                await event(
+                    EventKind.AGENT_MISSING,
+                    f"{item.agent_id} gave no answer: {reason}",
+                    agent_id=item.agent_id,
+                    round=round_number,
+                    data={"agent_id": item.agent_id, "reason": reason},
+                )
                 continue
             contribution = contribution_from(
-                item.agent_id, answer.content or {}, round=round_number,
-                timestamp=answer.timestamp.isoformat(), latency_ms=round(clock.ms - sent_at, 3))
+                item.agent_id,
+                answer.content or {},
+                round=round_number,
+                timestamp=answer.timestamp.isoformat(),
+                latency_ms=round(clock.ms - sent_at, 3),
+            )
             this_round.append(contribution)
-            history.append({"from_agent": item.agent_id, "message_type": "RESPONSE",
-                            **contribution.to_dict()})
-            await event(EventKind.CONTRIBUTION,
-                        f"{item.agent_id}: {contribution.recommendation} "
-                        f"(confidence {contribution.confidence:g})",
-                        agent_id=item.agent_id, round=round_number, data=contribution.to_dict())
+            history.append(
+                {"from_agent": item.agent_id, "message_type": "RESPONSE", **contribution.to_dict()}
+            )
+            await event(
+                EventKind.CONTRIBUTION,
+                f"{item.agent_id}: {contribution.recommendation} "
+                f"(confidence {contribution.confidence:g})",
+                agent_id=item.agent_id,
+                round=round_number,
+                data=contribution.to_dict(),
+            )
         contributions = this_round or contributions
     aggregation_clock = Stopwatch()
-    result = aggregate(contributions, spec.strategy, spec.option_label)
-    await event(EventKind.AGGREGATION, str(result.get("recommendation")),
-                data={"strategy": spec.strategy, **result,
-                      "aggregation_ms": aggregation_clock.ms})
+    with tracer().start_as_current_span(
+        "group_chat.aggregate", attributes={"group_id": group_id, "strategy": spec.strategy}
+    ):
+        result = aggregate(contributions, spec.strategy, spec.option_label)
+    await event(
+        EventKind.AGGREGATION,
+        str(result.get("recommendation")),
+        data={"strategy": spec.strategy, **result, "aggregation_ms": aggregation_clock.ms},
+    )
     answered = sorted({c.agent_id for c in contributions})
+    slowest = max(contributions, key=lambda c: c.latency_ms, default=None)
+    critical_path = [
+        "group_chat.broadcast",
+        *([span_name(slowest.agent_id, "analyze")] if slowest else []),
+        "group_chat.aggregate",
+    ]
     status = "COMPLETED" if not missing else ("PARTIAL" if contributions else "FAILED")
     final: dict[str, JSON] = {
         "group_id": group_id,
@@ -239,8 +344,10 @@ async def run_group_chat(
         "message_history": history,
         "aggregate": result,
         "unanimous": bool(result.get("unanimous")),
+        "critical_path": critical_path,
         "duration_ms": clock.ms,
     }
-    await event(EventKind.RESULT, f"group chat {status.lower()}: {result.get('recommendation')}",
-                data=final)
+    await event(
+        EventKind.RESULT, f"group chat {status.lower()}: {result.get('recommendation')}", data=final
+    )
     return final

@@ -5,6 +5,7 @@ mid-workflow and resumes with the group's decision."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,9 +13,11 @@ from gateway.dispatch import Dispatcher
 from gateway.events import Emit, EventKind, Pattern, PatternEvent
 from gateway.patterns._common import GATEWAY_ID, Stopwatch, invalid, new_id
 from gateway.patterns.group_chat import GroupChatSpec, run_group_chat
+from gateway.tracing import span_name, tracer
 from mesh.core.errors import MeshError
 from mesh.core.model import JSON, Handoff, Message, MessageType
 
+logger = logging.getLogger("gateway.handoff")
 END = "END"
 FAILED_STATUSES = frozenset({"FAILED", "ERROR"})
 RESERVED_KEYS = frozenset({"action", "status", "next_agent", "next_task", "error", "result"})
@@ -91,8 +94,11 @@ def read_outcome(answer: Message) -> StepOutcome:
     if answer.message_type is MessageType.ERROR:
         return StepOutcome("FAILED", {}, error=str(content.get("error") or "agent error"))
     result = content.get("result")
-    data = result if isinstance(result, dict) else {
-        k: v for k, v in content.items() if k not in RESERVED_KEYS}
+    data = (
+        result
+        if isinstance(result, dict)
+        else {k: v for k, v in content.items() if k not in RESERVED_KEYS}
+    )
     status = str(content.get("status") or "DONE").upper()
     return StepOutcome(
         status=status,
@@ -110,15 +116,34 @@ async def run_workflow(spec: WorkflowSpec, dispatcher: Dispatcher, emit: Emit) -
     clock = Stopwatch()
 
     async def event(kind: EventKind, summary: str, **fields: Any) -> None:
-        await emit(PatternEvent(run_id=workflow_id, pattern=Pattern.HAND_OFF, kind=kind,
-                                summary=summary, elapsed_ms=clock.ms, **fields))
+        await emit(
+            PatternEvent(
+                run_id=workflow_id,
+                pattern=Pattern.HAND_OFF,
+                kind=kind,
+                summary=summary,
+                elapsed_ms=clock.ms,
+                **fields,
+            )
+        )
 
-    await event(EventKind.WORKFLOW_CREATED,
-                f"workflow {workflow_id} created with {len(spec.steps)} steps",
-                data={"workflow_id": workflow_id, "current_step": 0, "status": "CREATED",
-                      "steps": [{"step": i + 1, "agent_id": s.name,
-                                 "pattern": "GROUP_CHAT" if s.group_chat else "HAND_OFF"}
-                                for i, s in enumerate(spec.steps)]})
+    await event(
+        EventKind.WORKFLOW_CREATED,
+        f"workflow {workflow_id} created with {len(spec.steps)} steps",
+        data={
+            "workflow_id": workflow_id,
+            "current_step": 0,
+            "status": "CREATED",
+            "steps": [
+                {
+                    "step": i + 1,
+                    "agent_id": s.name,
+                    "pattern": "GROUP_CHAT" if s.group_chat else "HAND_OFF",
+                }
+                for i, s in enumerate(spec.steps)
+            ],
+        },
+    )
 
     accumulated: dict[str, JSON] = {}
     previous_results: list[JSON] = []
@@ -135,8 +160,11 @@ async def run_workflow(spec: WorkflowSpec, dispatcher: Dispatcher, emit: Emit) -
     while index is not None and index < len(spec.steps):
         step = spec.steps[index]
         if hops >= spec.max_hops:
-            failure = {"failed_at_step": index, "agent_id": step.name,
-                       "error_reason": f"workflow exceeded {spec.max_hops} hand-offs (loop protection)"}
+            failure = {
+                "failed_at_step": index,
+                "agent_id": step.name,
+                "error_reason": f"workflow exceeded {spec.max_hops} hand-offs (loop protection)",
+            }
             break
         hops += 1
         step_number = index + 1
@@ -150,19 +178,41 @@ async def run_workflow(spec: WorkflowSpec, dispatcher: Dispatcher, emit: Emit) -
         if step.group_chat is not None:
             outcome = await _group_step(spec, step, step_number, context, dispatcher, emit, event)
         else:
-            outcome = await _agent_step(spec, workflow_id, step, step_number, step_task, context,
-                                        previous_agent, previous_result, dispatcher, event)
+            outcome = await _agent_step(
+                spec,
+                workflow_id,
+                step,
+                step_number,
+                step_task,
+                context,
+                previous_agent,
+                previous_result,
+                dispatcher,
+                event,
+            )
         last_outcome = outcome
         path.append(step.name)
         current_step = index + 1
-        await event(EventKind.STEP_RESULT, f"step {step_number} {step.name}: {outcome.status}",
-                    agent_id=step.name, step=step_number,
-                    data={"step_number": step_number, "agent_id": step.name,
-                          "status": outcome.status, "result": outcome.data,
-                          "error": outcome.error, "current_step": current_step})
+        await event(
+            EventKind.STEP_RESULT,
+            f"step {step_number} {step.name}: {outcome.status}",
+            agent_id=step.name,
+            step=step_number,
+            data={
+                "step_number": step_number,
+                "agent_id": step.name,
+                "status": outcome.status,
+                "result": outcome.data,
+                "error": outcome.error,
+                "current_step": current_step,
+            },
+        )
         if outcome.status in FAILED_STATUSES:
-            failure = {"failed_at_step": index, "agent_id": step.name,
-                       "error_reason": outcome.error or outcome.status}
+            failure = {
+                "failed_at_step": index,
+                "agent_id": step.name,
+                "error_reason": outcome.error or outcome.status,
+            }
             break
         previous_results.append(outcome.data)
         accumulated.update(outcome.data)
@@ -174,8 +224,11 @@ async def run_workflow(spec: WorkflowSpec, dispatcher: Dispatcher, emit: Emit) -
         if chosen:
             index = spec.index_of(chosen, index)
             if index is None:
-                failure = {"failed_at_step": current_step - 1, "agent_id": step.name,
-                           "error_reason": f"{step.name} routed to {chosen}, which is not a step"}
+                failure = {
+                    "failed_at_step": current_step - 1,
+                    "agent_id": step.name,
+                    "error_reason": f"{step.name} routed to {chosen}, which is not a step",
+                }
                 break
         else:
             index += 1
@@ -193,95 +246,218 @@ async def run_workflow(spec: WorkflowSpec, dispatcher: Dispatcher, emit: Emit) -
     }
     if failure is not None:
         result.update(failure)
-        await event(EventKind.FAILURE, f"workflow failed at step {failure['failed_at_step']}: "
-                    f"{failure['error_reason']}", agent_id=str(failure["agent_id"]),
-                    data=dict(failure))
+        await event(
+            EventKind.FAILURE,
+            f"workflow failed at step {failure['failed_at_step']}: {failure['error_reason']}",
+            agent_id=str(failure["agent_id"]),
+            data=dict(failure),
+        )
         if spec.failure_agent and spec.failure_agent != failure["agent_id"]:
             result["notification"] = await _notify_failure(
-                spec, workflow_id, failure, accumulated, dispatcher, event)
+                spec, workflow_id, failure, accumulated, dispatcher, event
+            )
     result["duration_ms"] = clock.ms
-    await event(EventKind.RESULT, f"workflow {result['status'].lower()} after {len(path)} steps",
-                data=result)
+    await event(
+        EventKind.RESULT,
+        f"workflow {result['status'].lower()} after {len(path)} steps",
+        data=result,
+    )
     return result
 
 
 async def _agent_step(
-    spec: WorkflowSpec, workflow_id: str, step: WorkflowStep, step_number: int, task: str,
-    context: dict[str, JSON], previous_agent: str, previous_result: JSON,
-    dispatcher: Dispatcher, event: Any,
+    spec: WorkflowSpec,
+    workflow_id: str,
+    step: WorkflowStep,
+    step_number: int,
+    task: str,
+    context: dict[str, JSON],
+    previous_agent: str,
+    previous_result: JSON,
+    dispatcher: Dispatcher,
+    event: Any,
 ) -> StepOutcome:
-    handoff = Handoff(task_description=task, context=context, previous_result=previous_result,
-                      constraints=spec.constraints, workflow_id=workflow_id,
-                      step_number=step_number)
-    message = Message(from_agent=previous_agent, to_agent=step.agent_id,
-                      message_type=MessageType.HANDOFF, content=handoff.to_content(),
-                      metadata=handoff.to_metadata(), reply_to=GATEWAY_ID)
-    await event(EventKind.HANDOFF, f"hand-off {previous_agent} -> {step.agent_id} "
-                f"(step {step_number})", agent_id=step.agent_id, step=step_number,
-                data={"from_agent": previous_agent, "to_agent": step.agent_id,
-                      "step_number": step_number, "task_description": task,
-                      "message_id": message.message_id,
-                      "context_size_kb": handoff.context_size_kb})
-    try:
-        answer = await dispatcher.ask(message, spec.step_timeout)
-    except MeshError as error:
-        return StepOutcome("FAILED", {}, error=f"{step.agent_id}: {error.message}")
-    return read_outcome(answer)
+    handoff = Handoff(
+        task_description=task,
+        context=context,
+        previous_result=previous_result,
+        constraints=spec.constraints,
+        workflow_id=workflow_id,
+        step_number=step_number,
+    )
+    message = Message(
+        from_agent=previous_agent,
+        to_agent=step.agent_id,
+        message_type=MessageType.HANDOFF,
+        content=handoff.to_content(),
+        metadata=handoff.to_metadata(),
+        reply_to=GATEWAY_ID,
+    )
+    await event(
+        EventKind.HANDOFF,
+        f"hand-off {previous_agent} -> {step.agent_id} (step {step_number})",
+        agent_id=step.agent_id,
+        step=step_number,
+        data={
+            "from_agent": previous_agent,
+            "to_agent": step.agent_id,
+            "step_number": step_number,
+            "task_description": task,
+            "message_id": message.message_id,
+            "context_size_kb": handoff.context_size_kb,
+        },
+    )
+    with tracer().start_as_current_span(
+        span_name(step.agent_id, "handle"),
+        attributes={
+            "workflow_id": workflow_id,
+            "agent": step.agent_id,
+            "step_number": step_number,
+            "from_agent": previous_agent,
+        },
+    ) as span:
+        try:
+            answer = await dispatcher.ask(message, spec.step_timeout)
+        except MeshError as error:
+            span.set_attribute("error", error.message)
+            return StepOutcome("FAILED", {}, error=f"{step.agent_id}: {error.message}")
+        outcome = read_outcome(answer)
+        span.set_attribute("status", outcome.status)
+        return outcome
 
 
 async def _group_step(
-    spec: WorkflowSpec, step: WorkflowStep, step_number: int, context: dict[str, JSON],
-    dispatcher: Dispatcher, emit: Emit, event: Any,
+    spec: WorkflowSpec,
+    step: WorkflowStep,
+    step_number: int,
+    context: dict[str, JSON],
+    dispatcher: Dispatcher,
+    emit: Emit,
+    event: Any,
 ) -> StepOutcome:
     """Pauses the hand-off, runs a group chat, resumes with the group's decision."""
     assert step.group_chat is not None
     group = step.group_chat
     group.context = {**group.context, **context}
     switch = Stopwatch()
-    await event(EventKind.PATTERN_SWITCH, f"pausing hand-off at step {step_number} for a group chat",
-                step=step_number, data={"from_pattern": "HAND_OFF", "to_pattern": "GROUP_CHAT",
-                                        "at_step": step_number, "agents": list(group.agent_ids),
-                                        "reason": "decision requires expert consensus"})
+    logger.info(
+        "pattern switch HAND_OFF -> GROUP_CHAT at step %d",
+        step_number,
+        extra={
+            "event": {
+                "category": "pattern_switch",
+                "from_pattern": "HAND_OFF",
+                "to_pattern": "GROUP_CHAT",
+                "at_step": step_number,
+                "agents": list(group.agent_ids),
+            }
+        },
+    )
+    await event(
+        EventKind.PATTERN_SWITCH,
+        f"pausing hand-off at step {step_number} for a group chat",
+        step=step_number,
+        data={
+            "from_pattern": "HAND_OFF",
+            "to_pattern": "GROUP_CHAT",
+            "at_step": step_number,
+            "agents": list(group.agent_ids),
+            "reason": "decision requires expert consensus",
+        },
+    )
     result = await run_group_chat(group, dispatcher, emit)
     aggregate = result["aggregate"]
     assert isinstance(aggregate, dict)
-    decision = str(aggregate.get("consensus") or aggregate.get("winner")
-                   or aggregate.get("recommendation") or "")
-    await event(EventKind.PATTERN_SWITCH, f"resuming hand-off at step {step_number} with "
-                f"decision {decision}", step=step_number,
-                data={"from_pattern": "GROUP_CHAT", "to_pattern": "HAND_OFF",
-                      "at_step": step_number, "decision": decision,
-                      "group_id": result["group_id"], "switch_ms": switch.ms})
+    decision = str(
+        aggregate.get("consensus")
+        or aggregate.get("winner")
+        or aggregate.get("recommendation")
+        or ""
+    )
+    logger.info(
+        "pattern switch GROUP_CHAT -> HAND_OFF at step %d: %s",
+        step_number,
+        decision,
+        extra={
+            "event": {
+                "category": "pattern_switch",
+                "from_pattern": "GROUP_CHAT",
+                "to_pattern": "HAND_OFF",
+                "at_step": step_number,
+                "decision": decision,
+                "switch_ms": switch.ms,
+            }
+        },
+    )
+    await event(
+        EventKind.PATTERN_SWITCH,
+        f"resuming hand-off at step {step_number} with decision {decision}",
+        step=step_number,
+        data={
+            "from_pattern": "GROUP_CHAT",
+            "to_pattern": "HAND_OFF",
+            "at_step": step_number,
+            "decision": decision,
+            "group_id": result["group_id"],
+            "switch_ms": switch.ms,
+        },
+    )
     if not result["answered"]:
         return StepOutcome("FAILED", {}, error="no member of the group chat answered")
-    return StepOutcome(decision.upper(), {"decision": decision, "group_id": result["group_id"],
-                                          "group_recommendation": aggregate.get("recommendation")})
+    return StepOutcome(
+        decision.upper(),
+        {
+            "decision": decision,
+            "group_id": result["group_id"],
+            "group_recommendation": aggregate.get("recommendation"),
+        },
+    )
 
 
 async def _notify_failure(
-    spec: WorkflowSpec, workflow_id: str, failure: dict[str, JSON],
-    accumulated: dict[str, JSON], dispatcher: Dispatcher, event: Any,
+    spec: WorkflowSpec,
+    workflow_id: str,
+    failure: dict[str, JSON],
+    accumulated: dict[str, JSON],
+    dispatcher: Dispatcher,
+    event: Any,
 ) -> JSON:
     """The error hand-off of RF-010 scenario 10: the notification agent tells the customer."""
     failed_agent = str(failure["agent_id"])
     handoff = Handoff(
         task_description=f"Notify failure: {failure['error_reason']}",
-        context={"task": spec.task, "error": failure["error_reason"],
-                 "failed_at_step": failure["failed_at_step"], "failed_agent": failed_agent,
-                 "accumulated_context": accumulated},
+        context={
+            "task": spec.task,
+            "error": failure["error_reason"],
+            "failed_at_step": failure["failed_at_step"],
+            "failed_agent": failed_agent,
+            "accumulated_context": accumulated,
+        },
         previous_result={"status": "FAILED", "error": failure["error_reason"]},
-        constraints=spec.constraints, workflow_id=workflow_id,
-        step_number=int(failure["failed_at_step"]) + 2,  # type: ignore[call-overload]
+        constraints=spec.constraints,
+        workflow_id=workflow_id,
+        step_number=int(failure["failed_at_step"]) + 2,
     )
-    message = Message(from_agent=failed_agent, to_agent=spec.failure_agent,
-                      message_type=MessageType.HANDOFF, content=handoff.to_content(),
-                      metadata={**handoff.to_metadata(), "error_handoff": True},
-                      reply_to=GATEWAY_ID)
-    await event(EventKind.HANDOFF, f"error hand-off {failed_agent} -> {spec.failure_agent}",
-                agent_id=spec.failure_agent,
-                data={"from_agent": failed_agent, "to_agent": spec.failure_agent,
-                      "error_handoff": True, "task_description": handoff.task_description,
-                      "message_id": message.message_id})
+    message = Message(
+        from_agent=failed_agent,
+        to_agent=spec.failure_agent,
+        message_type=MessageType.HANDOFF,
+        content=handoff.to_content(),
+        metadata={**handoff.to_metadata(), "error_handoff": True},
+        reply_to=GATEWAY_ID,
+    )
+    await event(
+        EventKind.HANDOFF,
+        f"error hand-off {failed_agent} -> {spec.failure_agent}",
+        agent_id=spec.failure_agent,
+        data={
+            "from_agent": failed_agent,
+            "to_agent": spec.failure_agent,
+            "error_handoff": True,
+            "task_description": handoff.task_description,
+            "message_id": message.message_id,
+        },
+    )
     try:
         answer = await dispatcher.ask(message, spec.step_timeout)
     except MeshError as error:

@@ -17,6 +17,7 @@ from gateway.patterns._common import Stopwatch, new_id
 from gateway.patterns.collaborative import FilteringSpec, run_filtering
 from gateway.patterns.group_chat import GroupChatSpec, run_group_chat
 from gateway.patterns.handoff import WorkflowSpec, run_workflow
+from gateway.tracing import tracer
 from mesh.core.errors import RoutingError
 from mesh.core.model import JSON
 
@@ -51,29 +52,45 @@ class Router:
     def from_file(cls, path: Path = ROUTES_FILE) -> Router:
         """Reads {"request_type": {"pattern": ..., "reason": ..., "preset": {...}}, ...}."""
         data = json.loads(path.read_text(encoding="utf-8"))
-        return cls({
-            name: Route(request_type=name, pattern=Pattern(entry["pattern"]),
-                        reason=entry["reason"], preset=dict(entry.get("preset", {})))
-            for name, entry in data.items()
-        })
+        return cls(
+            {
+                name: Route(
+                    request_type=name,
+                    pattern=Pattern(entry["pattern"]),
+                    reason=entry["reason"],
+                    preset=dict(entry.get("preset", {})),
+                )
+                for name, entry in data.items()
+            }
+        )
 
     def determine_pattern(self, request_type: str) -> Route:
         route = self.routes.get(request_type)
         if route is None:
             known = ", ".join(sorted(self.routes))
             raise UnknownRequestTypeError(
-                f"no pattern for request type {request_type!r}; known types: {known}")
+                f"no pattern for request type {request_type!r}; known types: {known}"
+            )
         return route
 
 
 async def routed(route: Route, started: float, emit: Emit, run_id: str) -> None:
     """Reports the routing decision and how long it took."""
     latency_ms = round((time.perf_counter() - started) * 1000, 3)
-    await emit(PatternEvent(
-        run_id=run_id, pattern=route.pattern, kind=EventKind.ROUTED,
-        summary=f"{route.request_type} -> {route.pattern.value}: {route.reason}",
-        data={"request_type": route.request_type, "pattern": route.pattern.value,
-              "reason": route.reason, "routing_latency_ms": latency_ms}))
+    await emit(
+        PatternEvent(
+            run_id=run_id,
+            pattern=route.pattern,
+            kind=EventKind.ROUTED,
+            summary=f"{route.request_type} -> {route.pattern.value}: {route.reason}",
+            data={
+                "request_type": route.request_type,
+                "pattern": route.pattern.value,
+                "reason": route.reason,
+                "routing_latency_ms": latency_ms,
+            },
+        )
+    )
 
 
 def pattern_of(spec: Spec) -> Pattern:
@@ -86,10 +103,18 @@ def pattern_of(spec: Spec) -> Pattern:
 
 async def run_spec(spec: Spec, dispatcher: Dispatcher, emit: Emit) -> dict[str, JSON]:
     if isinstance(spec, GroupChatSpec):
-        return await run_group_chat(spec, dispatcher, emit)
+        return await run_group_chat(spec, dispatcher, emit)  # opens its own root span
     if isinstance(spec, WorkflowSpec):
-        return await run_workflow(spec, dispatcher, emit)
-    return await run_filtering(spec, dispatcher, emit)
+        spec.workflow_id = spec.workflow_id or new_id("wf")
+        with tracer().start_as_current_span(
+            "hand_off", attributes={"workflow_id": spec.workflow_id}
+        ):
+            return await run_workflow(spec, dispatcher, emit)
+    spec.run_id = spec.run_id or new_id("cf")
+    with tracer().start_as_current_span(
+        "collaborative_filtering", attributes={"workflow_id": spec.run_id}
+    ):
+        return await run_filtering(spec, dispatcher, emit)
 
 
 def validate(spec: Spec) -> None:
@@ -97,7 +122,9 @@ def validate(spec: Spec) -> None:
 
 
 async def run_parallel(
-    specs: Sequence[tuple[str, Spec]], dispatcher: Dispatcher, emit: Emit,
+    specs: Sequence[tuple[str, Spec]],
+    dispatcher: Dispatcher,
+    emit: Emit,
     run_id: str = "",
 ) -> dict[str, JSON]:
     """Runs patterns concurrently; the total is about the slowest, not the sum."""
@@ -117,16 +144,25 @@ async def run_parallel(
     statuses = {str(r["status"]) for _, r, _ in outcomes}
     final: dict[str, Any] = {
         "run_id": run_id,
-        "status": "COMPLETED" if statuses == {"COMPLETED"} else
-        ("FAILED" if statuses == {"FAILED"} else "PARTIAL"),
+        "status": "COMPLETED"
+        if statuses == {"COMPLETED"}
+        else ("FAILED" if statuses == {"FAILED"} else "PARTIAL"),
         "results": results,
-        "recommendations": {name: r.get("recommendation", r.get("aggregate"))
-                            for name, r, _ in outcomes},
+        "recommendations": {
+            name: r.get("recommendation", r.get("aggregate")) for name, r, _ in outcomes
+        },
         "durations_ms": durations,
         "duration_ms": clock.ms,
         "sum_of_durations_ms": round(sum(ms for _, _, ms in outcomes), 3),
     }
-    await emit(PatternEvent(run_id=run_id, pattern=Pattern.PARALLEL, kind=EventKind.RESULT,
-                            summary=f"{len(specs)} patterns in {final['duration_ms']:.0f} ms",
-                            data=final, elapsed_ms=clock.ms))
+    await emit(
+        PatternEvent(
+            run_id=run_id,
+            pattern=Pattern.PARALLEL,
+            kind=EventKind.RESULT,
+            summary=f"{len(specs)} patterns in {final['duration_ms']:.0f} ms",
+            data=final,
+            elapsed_ms=clock.ms,
+        )
+    )
     return final

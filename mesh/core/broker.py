@@ -12,7 +12,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncGenerator, Iterable, Sequence
 from dataclasses import dataclass
 
 from mesh.config import BrokerConfig
@@ -449,7 +449,9 @@ class Broker:
         # The request must not outlive its caller: it expires from the queue with the deadline.
         ttl_cap = max(1, math.ceil(timeout))
         ttl = min(message.ttl or self.config.default_ttl, ttl_cap)
-        kind = message.message_type if message.message_type in _ASKING_TYPES else MessageType.REQUEST
+        kind = (
+            message.message_type if message.message_type in _ASKING_TYPES else MessageType.REQUEST
+        )
         message = message.evolve(message_type=kind, correlation_id=correlation_id, ttl=ttl)
         key = self._reserve(message)
         waiter: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
@@ -499,7 +501,7 @@ class Broker:
         agent_ids: Sequence[str] = (),
         agent_types: Sequence[str] = (),
         timeout: float | None = None,
-    ) -> AsyncIterator[GatherItem]:
+    ) -> AsyncGenerator[GatherItem, None]:
         """Asks several agents at once and yields each one's answer as it arrives.
 
         Every copy shares the message id; agents that cannot be asked, or do not answer
@@ -508,10 +510,14 @@ class Broker:
         """
         timeout = self.config.default_request_timeout if timeout is None else timeout
         correlation_id = message.correlation_id or message.message_id
-        kind = message.message_type if message.message_type in _ASKING_TYPES else MessageType.BROADCAST
+        kind = (
+            message.message_type if message.message_type in _ASKING_TYPES else MessageType.BROADCAST
+        )
         ttl = min(message.ttl or self.config.default_ttl, max(1, math.ceil(timeout)))
         message = message.evolve(
-            message_type=kind, correlation_id=correlation_id, ttl=ttl,
+            message_type=kind,
+            correlation_id=correlation_id,
+            ttl=ttl,
             to_agent=message.to_agent or BROADCAST_TARGET,
         )
         self._validate(message, 0)
@@ -543,8 +549,12 @@ class Broker:
                     break
                 yield GatherItem(answer.from_agent, response=answer)
             for agent_id in sorted(gathering.expected):
-                yield GatherItem(agent_id, error=RequestTimeoutError(
-                    f"no response from {agent_id} within {timeout:.3g} s"))
+                yield GatherItem(
+                    agent_id,
+                    error=RequestTimeoutError(
+                        f"no response from {agent_id} within {timeout:.3g} s"
+                    ),
+                )
             self.metrics.request("gather", time.perf_counter() - started)
         finally:
             if self._pending.get(key) is gathering:

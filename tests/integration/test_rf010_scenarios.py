@@ -1,0 +1,700 @@
+"""RF-010 (multi-agent patterns), scenarios 1 to 20, through the gateway's gRPC API with agents
+on the mesh."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agents import sample_agents
+from agents._data import DEFAULT_DATA_DIR
+from agents.refund import PaymentAgent
+from gateway.client import GatewayClient
+from gateway.embedded import EmbeddedMesh, start_embedded
+from gateway.server import serve_gateway
+from mesh import Agent, AgentContext, LocalMesh, Message, MessageType, MessageValidationError, agent
+from mesh.core.errors import MeshError
+
+REFUND_STEPS = [
+    {"agent_id": a} for a in ("CustomerAgent", "SellerAgent", "PaymentAgent", "NotificationAgent")
+]
+HOTEL_AGENTS = ["PriceAgent", "QualityAgent", "LocationAgent", "ReviewsAgent"]
+HOTEL_WEIGHTS = {"price": 0.2, "quality": 0.4, "location": 0.3, "reviews": 0.1}
+EXPERTS = ["IndustryExpertAgent", "TechnicalAnalysisAgent", "FundamentalAnalysisAgent"]
+
+
+def of_kind(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [e for e in events if e["kind"] == kind]
+
+
+def result_of(events: list[dict[str, Any]]) -> dict[str, Any]:
+    assert events[-1]["kind"] == "RESULT"
+    return events[-1]["data"]
+
+
+@pytest.fixture
+async def gw(embedded: EmbeddedMesh) -> AsyncIterator[GatewayClient]:
+    async with GatewayClient(embedded.gateway.address, timeout=30) as client:
+        yield client
+
+
+def data_copy(tmp_path: Path, name: str, change: Any) -> Path:
+    """A data folder like the shipped one, with one file changed."""
+    for source in DEFAULT_DATA_DIR.glob("*.json"):
+        (tmp_path / source.name).write_text(source.read_text())
+    data = json.loads((tmp_path / name).read_text())
+    change(data)
+    (tmp_path / name).write_text(json.dumps(data))
+    return tmp_path
+
+
+class Recorder:
+    """Agents that record what they receive and answer with a fixed contribution."""
+
+    def __init__(self) -> None:
+        self.received: dict[str, list[Message]] = {}
+
+    def expert(self, agent_id: str, recommendation: str, confidence: float) -> Agent:
+        async def handler(message: Message, ctx: AgentContext) -> dict[str, Any]:
+            self.received.setdefault(agent_id, []).append(message)
+            return {
+                "recommendation": recommendation,
+                "confidence": confidence,
+                "reasoning": f"{agent_id} likes {recommendation}",
+            }
+
+        return agent(agent_id, agent_types=["expert"])(handler)
+
+
+@pytest.fixture
+async def recorded() -> AsyncIterator[tuple[LocalMesh, GatewayClient, Recorder]]:
+    recorder = Recorder()
+    async with LocalMesh() as local:
+        for name, rec, conf in (
+            ("IndustryExpert", "Buy AAPL", 0.8),
+            ("TechnicalAnalyst", "Buy AAPL", 0.7),
+            ("FundamentalAnalyst", "Buy AAPL", 0.9),
+        ):
+            await local.add_agent(recorder.expert(name, rec, conf))
+        gateway = await serve_gateway(local.address)
+        try:
+            async with GatewayClient(gateway.address) as client:
+                yield local, client, recorder
+        finally:
+            await gateway.stop(0.5)
+
+
+GROUP = ["IndustryExpert", "TechnicalAnalyst", "FundamentalAnalyst"]
+
+
+# -- group chat -------------------------------------------------------------------------------
+
+
+async def test_scenario_01_group_chat_creation(gw: GatewayClient) -> None:
+    events = await gw.collect(gw.group_chat(agent_ids=EXPERTS, query="What stock should I buy?"))
+    created = events[0]
+    assert created["kind"] == "GROUP_CREATED"
+    data = created["data"]
+    assert data["group_id"] and data["group_id"] == created["run_id"]
+    assert data["agents"] == EXPERTS
+    assert data["message_history"] == []
+    assert data["status"] == "ACTIVE"
+
+
+async def test_scenario_02_broadcast_query_to_group(recorded: Any) -> None:
+    _, client, recorder = recorded
+    events = await client.collect(
+        client.group_chat(agent_ids=GROUP, query="Recommend a tech stock")
+    )
+    [sent] = of_kind(events, "BROADCAST_SENT")
+    assert sent["data"]["recipients"] == GROUP
+    for name in GROUP:
+        [message] = recorder.received[name]
+        assert message.message_type is MessageType.BROADCAST
+        assert message.from_agent == "user"
+        assert message.content == {"query": "Recommend a tech stock"}
+        assert message.message_id == sent["data"]["message_id"]
+    history = result_of(events)["message_history"]
+    assert history[0] == {
+        "from_agent": "user",
+        "message_type": "BROADCAST",
+        "content": {"query": "Recommend a tech stock"},
+        "round": 1,
+    }
+
+
+async def test_scenario_03_agents_contribute_to_group(recorded: Any) -> None:
+    _, client, recorder = recorded
+    events = await client.collect(
+        client.group_chat(agent_ids=GROUP, query="Recommend a tech stock", rounds=2)
+    )
+    contributions = of_kind(events, "CONTRIBUTION")
+    assert len(contributions) == 6
+    assert {c["agent_id"] for c in contributions} == set(GROUP)
+    assert all(c["data"]["timestamp"] for c in contributions)
+    # In round 2 every agent sees every round-1 response: the shared history.
+    for name in GROUP:
+        second = recorder.received[name][1]
+        history = second.content["history"]
+        responders = {h["from_agent"] for h in history if h["message_type"] == "RESPONSE"}
+        assert responders == set(GROUP)
+        assert second.content["round"] == 2
+    result = result_of(events)
+    assert len([h for h in result["message_history"] if h["message_type"] == "RESPONSE"]) == 6
+
+
+async def test_scenario_04_aggregate_unanimous(gw: GatewayClient) -> None:
+    events = await gw.collect(
+        gw.group_chat(agent_ids=EXPERTS, query="What stock should I buy?", option_label="stocks")
+    )
+    aggregate = result_of(events)["aggregate"]
+    assert aggregate["consensus"] == "Buy AAPL"
+    assert aggregate["confidence"] == "HIGH"
+    assert aggregate["recommendation"] == "Buy AAPL (unanimous expert consensus)"
+    assert aggregate["reasoning"] == [
+        "AAPL strong in tech sector (sector strength 0.80)",
+        "AAPL shows bullish pattern (RSI=65)",
+        "AAPL P/E ratio attractive (P/E=28)",
+    ]
+
+
+def disagreeing_stocks(data: dict[str, Any]) -> None:
+    stocks = data["stocks"]
+    stocks["AAPL"].update(rsi=75, earnings_growth=-0.01)  # leads its sector, nothing else
+    stocks["MSFT"].update(rsi=65, trend_strength=0.9, pe=40)
+    stocks["GOOGL"].update(rsi=45, pe=30, earnings_growth=0.05)
+    data["sectors"]["technology"]["strength"] = 0.8
+
+
+async def test_scenario_05_group_chat_with_disagreement(tmp_path: Path) -> None:
+    running = await start_embedded(data_dir=data_copy(tmp_path, "stocks.json", disagreeing_stocks))
+    try:
+        async with GatewayClient(running.gateway.address) as client:
+            events = await client.collect(client.route("stock_recommendation"))
+    finally:
+        await running.stop(0.5)
+    contributions = {c["agent_id"]: c["data"] for c in of_kind(events, "CONTRIBUTION")}
+    assert {k: (v["recommendation"], v["confidence"]) for k, v in contributions.items()} == {
+        "IndustryExpertAgent": ("Buy AAPL", 0.8),
+        "TechnicalAnalysisAgent": ("Buy MSFT", 0.9),
+        "FundamentalAnalysisAgent": ("Buy GOOGL", 0.7),
+    }
+    aggregate = result_of(events)["aggregate"]
+    assert aggregate["scores"] == {"Buy AAPL": 0.8, "Buy MSFT": 0.9, "Buy GOOGL": 0.7}
+    assert aggregate["recommendation"] == "Buy MSFT (highest confidence)"
+    assert aggregate["note"] == "Disagreement detected: 3 different stocks recommended"
+
+
+async def test_group_chat_agent_stopped_mid_pattern_finishes_with_the_others() -> None:
+    entered = asyncio.Event()
+
+    @agent("SlowExpert")
+    async def slow(message: Message, ctx: AgentContext) -> dict[str, Any]:
+        entered.set()
+        await asyncio.Event().wait()  # never answers; stopped mid-pattern below
+        return {}
+
+    recorder = Recorder()
+    async with LocalMesh() as local:
+        await local.add_agent(recorder.expert("A", "Buy AAPL", 0.8))
+        await local.add_agent(recorder.expert("B", "Buy AAPL", 0.6))
+        await local.add_agent(slow)
+        gateway = await serve_gateway(local.address)
+        try:
+            async with GatewayClient(gateway.address) as client:
+                run = asyncio.create_task(
+                    client.collect(
+                        client.group_chat(
+                            agent_ids=["A", "B", "SlowExpert"], query="q", agent_timeout="1s"
+                        )
+                    )
+                )
+                await entered.wait()
+                await local.stop_agent("SlowExpert", grace=0.05)
+                events = await run
+        finally:
+            await gateway.stop(0.5)
+    result = result_of(events)
+    assert result["status"] == "PARTIAL"
+    assert result["missing"] == ["SlowExpert"]
+    assert result["answered"] == ["A", "B"]
+    assert result["aggregate"]["recommendation"] == "Buy AAPL (unanimous expert consensus)"
+    [missing] = of_kind(events, "AGENT_MISSING")
+    assert missing["agent_id"] == "SlowExpert"
+
+
+# -- hand-off ---------------------------------------------------------------------------------
+
+
+async def test_scenario_06_handoff_workflow_creation(gw: GatewayClient) -> None:
+    events = await gw.collect(
+        gw.handoff_workflow(steps=REFUND_STEPS, task="Process refund for order #12345")
+    )
+    created = events[0]
+    assert created["kind"] == "WORKFLOW_CREATED"
+    assert created["data"]["workflow_id"] == created["run_id"]
+    assert created["data"]["current_step"] == 0
+    assert [s["agent_id"] for s in created["data"]["steps"]] == [
+        s["agent_id"] for s in REFUND_STEPS
+    ]
+    assert [s["step"] for s in created["data"]["steps"]] == [1, 2, 3, 4]
+
+
+async def test_scenario_07_execute_handoff_workflow(
+    gw: GatewayClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="mesh.handoff")
+    events = await gw.collect(
+        gw.handoff_workflow(steps=REFUND_STEPS, task="Process refund for order #12345")
+    )
+    steps = [(e["agent_id"], e["data"]["status"]) for e in of_kind(events, "STEP_RESULT")]
+    assert steps == [
+        ("CustomerAgent", "APPROVED"),
+        ("SellerAgent", "APPROVED"),
+        ("PaymentAgent", "SUCCESS"),
+        ("NotificationAgent", "SENT"),
+    ]
+    handoffs = [
+        (e["data"]["from_agent"], e["data"]["to_agent"]) for e in of_kind(events, "HANDOFF")
+    ]
+    assert handoffs == [
+        ("user", "CustomerAgent"),
+        ("CustomerAgent", "SellerAgent"),
+        ("SellerAgent", "PaymentAgent"),
+        ("PaymentAgent", "NotificationAgent"),
+    ]
+    result = result_of(events)
+    assert result["status"] == "COMPLETED"
+    assert result["current_step"] == 4
+    assert result["accumulated_context"]["refunded"] == 50
+    logged = [
+        (r.event["from_agent"], r.event["to_agent"], r.event["step_number"])
+        for r in caplog.records
+        if r.name == "mesh.handoff"
+    ]
+    assert logged == [
+        ("user", "CustomerAgent", 1),
+        ("CustomerAgent", "SellerAgent", 2),
+        ("SellerAgent", "PaymentAgent", 3),
+        ("PaymentAgent", "NotificationAgent", 4),
+    ]
+
+
+async def test_scenario_08_handoff_with_context_accumulation() -> None:
+    received: list[Message] = []
+
+    class RecordingPayment(PaymentAgent):
+        async def handle(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
+            received.append(message)
+            return await super().handle(message, ctx)
+
+    async with LocalMesh() as local:
+        for a in sample_agents():
+            await local.add_agent(RecordingPayment() if a.agent_id == "PaymentAgent" else a)
+        gateway = await serve_gateway(local.address)
+        try:
+            async with GatewayClient(gateway.address) as client:
+                await client.collect(
+                    client.handoff_workflow(
+                        steps=REFUND_STEPS, task="Process refund for order #12345"
+                    )
+                )
+        finally:
+            await gateway.stop(0.5)
+    [message] = received
+    context = message.handoff.context
+    assert context["previous_results"] == [
+        {"order_id": "12345", "eligible": True},
+        {"approved": True, "reason": "defective"},
+    ]
+    assert context["accumulated_context"] == {
+        "order_id": "12345",
+        "eligible": True,
+        "approved": True,
+        "reason": "defective",
+    }
+    assert message.handoff.previous_result == {"approved": True, "reason": "defective"}
+
+
+async def test_scenario_09_conditional_handoff_rejection_skips_payment(gw: GatewayClient) -> None:
+    events = await gw.collect(
+        gw.handoff_workflow(steps=REFUND_STEPS, task="Process refund for order #12346")
+    )
+    result = result_of(events)
+    assert result["path"] == ["CustomerAgent", "SellerAgent", "NotificationAgent"]
+    assert "PaymentAgent" not in [e["agent_id"] for e in of_kind(events, "HANDOFF")]
+    assert result["status"] == "COMPLETED"
+    assert result["final_result"]["email"].startswith("Refund rejected: order 12346")
+    seller = of_kind(events, "STEP_RESULT")[1]
+    assert seller["data"]["status"] == "REJECTED"
+
+
+async def test_scenario_10_handoff_chain_interruption(gw: GatewayClient) -> None:
+    events = await gw.collect(
+        gw.handoff_workflow(
+            steps=REFUND_STEPS,
+            task="Process refund for order #12347",
+            failure_agent="NotificationAgent",
+        )
+    )
+    result = result_of(events)
+    assert result["status"] == "FAILED"
+    assert result["failed_at_step"] == 2
+    assert result["agent_id"] == "PaymentAgent"
+    assert result["error_reason"] == "Payment failed"
+    assert result["notification"]["email"] == "Refund failed - payment error"
+    [failure] = of_kind(events, "FAILURE")
+    assert failure["data"]["failed_at_step"] == 2
+    error_handoff = of_kind(events, "HANDOFF")[-1]["data"]
+    assert (error_handoff["from_agent"], error_handoff["to_agent"]) == (
+        "PaymentAgent",
+        "NotificationAgent",
+    )
+    assert error_handoff["error_handoff"] is True
+
+
+async def test_handoff_loop_protection_stops_with_a_clear_error() -> None:
+    @agent("PingAgent")
+    async def ping(message: Message, ctx: AgentContext) -> dict[str, Any]:
+        return {"status": "DONE", "next_agent": "PongAgent"}
+
+    @agent("PongAgent")
+    async def pong(message: Message, ctx: AgentContext) -> dict[str, Any]:
+        return {"status": "DONE", "next_agent": "PingAgent"}
+
+    async with LocalMesh() as local:
+        await local.add_agent(ping)
+        await local.add_agent(pong)
+        gateway = await serve_gateway(local.address)
+        try:
+            async with GatewayClient(gateway.address) as client:
+                events = await client.collect(
+                    client.handoff_workflow(
+                        steps=[{"agent_id": "PingAgent"}, {"agent_id": "PongAgent"}],
+                        task="bounce",
+                        max_hops=5,
+                    )
+                )
+        finally:
+            await gateway.stop(0.5)
+    result = result_of(events)
+    assert result["status"] == "FAILED"
+    assert result["hops"] == 5
+    assert result["error_reason"] == "workflow exceeded 5 hand-offs (loop protection)"
+
+
+# -- collaborative filtering ------------------------------------------------------------------
+
+
+async def test_scenario_11_collaborative_filtering_setup(gw: GatewayClient) -> None:
+    events = await gw.collect(
+        gw.collaborative_filtering(
+            agent_ids=HOTEL_AGENTS, weights=HOTEL_WEIGHTS, query="Hotel in Paris near Eiffel Tower"
+        )
+    )
+    sent = of_kind(events, "BROADCAST_SENT")[0]["data"]
+    assert sent["recipients"] == HOTEL_AGENTS
+    assert sent["weights"] == HOTEL_WEIGHTS
+    with pytest.raises(MessageValidationError, match=r"weights must sum to 1\.0, got 0\.9") as info:
+        await gw.collect(
+            gw.collaborative_filtering(
+                agent_ids=HOTEL_AGENTS,
+                weights={**HOTEL_WEIGHTS, "reviews": 0.0},
+                query="Hotel in Paris",
+            )
+        )
+    assert info.value.code == "INVALID_ARGUMENT"
+
+
+async def test_scenario_12_parallel_recommendations() -> None:
+    """All four agents must be working at the same moment: a barrier that only opens when all
+    four have started proves the calls run in parallel."""
+    barrier = asyncio.Barrier(4)
+    scores = {"PriceAgent": 0.9, "QualityAgent": 0.7, "LocationAgent": 0.8, "ReviewsAgent": 0.6}
+
+    def make(name: str) -> Agent:
+        async def handler(message: Message, ctx: AgentContext) -> dict[str, Any]:
+            async with asyncio.timeout(3):
+                await barrier.wait()
+            return {"scores": {"Hotel A": scores[name]}, "confidence": scores[name]}
+
+        return agent(name, agent_types=["hotel", name.removesuffix("Agent").lower()])(handler)
+
+    async with LocalMesh() as local:
+        for name in scores:
+            await local.add_agent(make(name))
+        gateway = await serve_gateway(local.address)
+        try:
+            async with GatewayClient(gateway.address) as client:
+                events = await client.collect(
+                    client.collaborative_filtering(
+                        agent_ids=list(scores), weights=HOTEL_WEIGHTS, query="Hotel in Paris"
+                    )
+                )
+        finally:
+            await gateway.stop(0.5)
+    result = result_of(events)
+    assert result["status"] == "COMPLETED"
+    assert sorted(result["agent_durations_ms"]) == sorted(scores)
+    assert result["score"] == pytest.approx(0.76)
+
+
+async def test_scenario_13_weighted_aggregation(gw: GatewayClient) -> None:
+    events = await gw.collect(
+        gw.collaborative_filtering(
+            agent_ids=HOTEL_AGENTS, weights=HOTEL_WEIGHTS, query="Hotel in Paris near Eiffel Tower"
+        )
+    )
+    opinions = {e["agent_id"]: e["data"]["scores"] for e in of_kind(events, "SCORES")}
+    assert opinions == {
+        "PriceAgent": {"Hotel A": 0.9, "Hotel B": 0.6, "Hotel C": 0.5},
+        "QualityAgent": {"Hotel A": 0.7, "Hotel B": 0.9, "Hotel C": 0.6},
+        "LocationAgent": {"Hotel A": 0.8, "Hotel B": 0.8, "Hotel C": 0.9},
+        "ReviewsAgent": {"Hotel A": 0.6, "Hotel B": 0.9, "Hotel C": 0.7},
+    }
+    result = result_of(events)
+    assert result["decision"]["breakdown"] == {"Hotel A": 0.76, "Hotel B": 0.81, "Hotel C": 0.68}
+    assert result["recommendation"] == "Hotel B"
+    assert result["score"] == 0.81
+
+
+def confidence_hotels(data: dict[str, Any]) -> None:
+    data["cities"]["Paris"]["options"] = [
+        {
+            "name": "Hotel A",
+            "price": 100,
+            "rating": 3.5,
+            "distance_km": 2.0,
+            "review_ratings": [2.5],
+        },
+        {
+            "name": "Hotel B",
+            "price": 400,
+            "rating": 4.75,
+            "distance_km": 3.0,
+            "review_ratings": [2.75],
+        },
+        {"name": "Hotel C", "price": 500, "rating": 3.0, "distance_km": 2.5, "review_ratings": [3]},
+    ]
+
+
+async def test_scenario_14_confidence_based_weighting(tmp_path: Path) -> None:
+    running = await start_embedded(data_dir=data_copy(tmp_path, "hotels.json", confidence_hotels))
+    try:
+        async with GatewayClient(running.gateway.address) as client:
+            events = await client.collect(
+                client.collaborative_filtering(
+                    agent_ids=HOTEL_AGENTS,
+                    weights=HOTEL_WEIGHTS,
+                    query="Hotel in Paris",
+                    method="confidence",
+                )
+            )
+    finally:
+        await running.stop(0.5)
+    picks = {
+        e["agent_id"]: (e["data"]["recommendation"], e["data"]["confidence"])
+        for e in of_kind(events, "SCORES")
+    }
+    assert picks == {
+        "PriceAgent": ("Hotel A", 0.9),
+        "QualityAgent": ("Hotel B", 0.95),
+        "LocationAgent": ("Hotel A", 0.8),
+        "ReviewsAgent": ("Hotel C", 0.6),
+    }
+    decision = result_of(events)["decision"]
+    assert decision["breakdown"] == {
+        "Hotel A": {"votes": 2, "agents": ["PriceAgent", "LocationAgent"], "avg_confidence": 0.85},
+        "Hotel B": {"votes": 1, "agents": ["QualityAgent"], "avg_confidence": 0.95},
+        "Hotel C": {"votes": 1, "agents": ["ReviewsAgent"], "avg_confidence": 0.6},
+    }
+    assert decision["recommendation"] == "Hotel B"
+
+
+def tied_hotels(data: dict[str, Any]) -> None:
+    data["cities"]["Paris"]["options"] = [
+        {"name": "Hotel A", "price": 100, "rating": 3.5, "distance_km": 0.0, "review_ratings": [3]},
+        {
+            "name": "Hotel B",
+            "price": 500,
+            "rating": 4.5,
+            "distance_km": 1.0,
+            "review_ratings": [4.5],
+        },
+    ]
+
+
+async def test_scenario_15_tie_breaking(tmp_path: Path) -> None:
+    running = await start_embedded(data_dir=data_copy(tmp_path, "hotels.json", tied_hotels))
+    try:
+        async with GatewayClient(running.gateway.address) as client:
+            runs = [
+                await client.collect(
+                    client.collaborative_filtering(
+                        agent_ids=HOTEL_AGENTS,
+                        weights=HOTEL_WEIGHTS,
+                        query="Hotel in Paris",
+                        seed=7,
+                    )
+                )
+                for _ in range(2)
+            ]
+    finally:
+        await running.stop(0.5)
+    for events in runs:
+        decision = result_of(events)["decision"]
+        assert decision["breakdown"] == {"Hotel A": 0.82, "Hotel B": 0.82}
+        assert decision["tie"] == ["Hotel A", "Hotel B"]
+        assert decision["recommendation"] == "Hotel B"
+        assert decision["tie_break"] == "highest individual agent score: quality 0.9 > 0.7"
+
+
+# -- orchestration ----------------------------------------------------------------------------
+
+
+async def test_scenario_16_orchestrator_routes_to_pattern(gw: GatewayClient) -> None:
+    events = await gw.collect(gw.route("stock_recommendation", "What stock should I buy?"))
+    routed = events[0]
+    assert routed["kind"] == "ROUTED"
+    assert routed["data"]["pattern"] == "GROUP_CHAT"
+    assert routed["data"]["reason"] == "Multiple expert opinions needed"
+    assert events[1]["kind"] == "GROUP_CREATED"
+    assert routed["run_id"] == events[1]["run_id"]
+    assert result_of(events)["aggregate"]["consensus"] == "Buy AAPL"
+    with pytest.raises(MeshError, match="no pattern for request type 'weather'") as info:
+        await gw.collect(gw.route("weather"))
+    assert info.value.code == "INVALID_ARGUMENT"
+
+
+async def test_scenario_17_pattern_switching_mid_workflow(
+    gw: GatewayClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="gateway.handoff")
+    events = await gw.collect(gw.route("refund_with_review", order_id="12345"))
+    switches = [
+        (e["data"]["from_pattern"], e["data"]["to_pattern"], e["data"]["at_step"])
+        for e in of_kind(events, "PATTERN_SWITCH")
+    ]
+    assert switches == [("HAND_OFF", "GROUP_CHAT", 2), ("GROUP_CHAT", "HAND_OFF", 2)]
+    members = {e["agent_id"] for e in of_kind(events, "CONTRIBUTION")}
+    assert members == {"PolicyAgent", "FraudCheckAgent", "FinanceAgent"}
+    result = result_of(events)
+    assert result["status"] == "COMPLETED"
+    assert result["path"] == ["CustomerAgent", "ApprovalBoard", "PaymentAgent", "NotificationAgent"]
+    assert result["accumulated_context"]["decision"] == "APPROVED"
+    logged = [
+        r.event["to_pattern"]
+        for r in caplog.records
+        if getattr(r, "event", {}).get("category") == "pattern_switch"
+    ]
+    assert logged == ["GROUP_CHAT", "HAND_OFF"]
+
+
+async def test_scenario_18_parallel_patterns(gw: GatewayClient) -> None:
+    events = await gw.collect(
+        gw.parallel(
+            [
+                {"name": "hotel", "route": {"request_type": "hotel_recommendation"}},
+                {"name": "flight", "route": {"request_type": "flight_recommendation"}},
+            ]
+        )
+    )
+    result = result_of(events)
+    assert result["status"] == "COMPLETED"
+    assert result["results"]["hotel"]["recommendation"] == "Hotel B"
+    assert result["results"]["flight"]["recommendation"] == "IB3402 13:30"
+    assert len(result["results"]["hotel"]["opinions"]) == 4
+    assert len(result["results"]["flight"]["opinions"]) == 3
+    # Both ran at once: both questions went out before either pattern finished.
+    kinds = [(e["kind"], e["pattern"]) for e in events]
+    first_result = kinds.index(("RESULT", "COLLABORATIVE_FILTERING"))
+    assert [k for k, _ in kinds[:first_result]].count("BROADCAST_SENT") == 2
+
+
+@pytest.fixture(scope="session")
+def span_exporter() -> Any:
+    """An SDK tracer provider that keeps spans in memory (installed once per process)."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    return exporter
+
+
+async def test_scenario_19_pattern_tracing(recorded: Any, span_exporter: Any) -> None:
+    _, client, _ = recorded
+    span_exporter.clear()
+    events = await client.collect(
+        client.group_chat(agent_ids=GROUP, query="Stock?", group_id="wf_stock_rec_123")
+    )
+    spans = [
+        s
+        for s in span_exporter.get_finished_spans()
+        if s.attributes.get("group_id") == "wf_stock_rec_123"
+    ]
+    by_name = {s.name: s for s in spans}
+    assert set(by_name) == {
+        "group_chat",
+        "group_chat.broadcast",
+        "industry_expert.analyze",
+        "technical_analyst.analyze",
+        "fundamental_analyst.analyze",
+        "group_chat.aggregate",
+    }
+    root = by_name["group_chat"]
+    assert root.attributes["workflow_id"] == "wf_stock_rec_123"
+    for name, span in by_name.items():
+        assert span.context.trace_id == root.context.trace_id
+        if name != "group_chat":
+            assert span.parent is not None and span.parent.span_id == root.context.span_id
+    agent_spans = [s for n, s in by_name.items() if n.endswith(".analyze")]
+    slowest = max(agent_spans, key=lambda s: s.end_time - s.start_time)
+    assert result_of(events)["critical_path"] == [
+        "group_chat.broadcast",
+        slowest.name,
+        "group_chat.aggregate",
+    ]
+
+
+async def test_scenario_20_pattern_performance_metrics(embedded: EmbeddedMesh) -> None:
+    async with GatewayClient(embedded.gateway.address) as client:
+        for _ in range(2):
+            await client.collect(client.route("stock_recommendation"))
+        for order in ("12345", "12346", "12347"):
+            await client.collect(client.route("refund_request", order_id=order))
+        await client.collect(client.route("hotel_recommendation"))
+        stats = await client.pattern_stats()
+    assert stats["GROUP_CHAT"]["runs"] == 2
+    assert stats["GROUP_CHAT"]["consensus_rate"] == 1.0
+    assert stats["HAND_OFF"]["runs"] == 3
+    assert stats["HAND_OFF"]["failed"] == 1
+    assert stats["HAND_OFF"]["completion_rate"] == pytest.approx(2 / 3)
+    assert stats["COLLABORATIVE_FILTERING"]["completed"] == 1
+    assert stats["HAND_OFF"]["duration_avg_seconds"] > 0
+    port = embedded.broker.metrics_port
+    url = f"http://127.0.0.1:{port}/metrics"
+    body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+    samples = {
+        line.rpartition(" ")[0]: float(line.rpartition(" ")[2])
+        for line in body.splitlines()
+        if line and not line.startswith("#")
+    }
+    assert samples['agentmesh_pattern_duration_seconds_count{pattern="GROUP_CHAT"}'] == 2
+    assert samples['agentmesh_pattern_runs_total{pattern="HAND_OFF",status="FAILED"}'] == 1
+    assert samples['agentmesh_pattern_completion_rate{pattern="HAND_OFF"}'] == pytest.approx(2 / 3)
+    assert samples["agentmesh_group_chat_consensus_rate"] == 1.0
+    assert samples["agentmesh_routing_latency_seconds_count"] == 6
+    # The broker's own metrics are on the same page.
+    assert samples["agentmesh_handoffs_total"] >= 10
