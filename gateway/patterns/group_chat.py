@@ -313,6 +313,9 @@ async def _run(
                 round=round_number,
                 data=contribution.to_dict(),
             )
+        # Aggregation reads contributions in the group's order, not in arrival order.
+        order = {agent_id: i for i, agent_id in enumerate(spec.agent_ids)}
+        this_round.sort(key=lambda c: order.get(c.agent_id, len(order)))
         contributions = this_round or contributions
     aggregation_clock = Stopwatch()
     with tracer().start_as_current_span(
