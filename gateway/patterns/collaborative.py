@@ -272,6 +272,8 @@ async def run_filtering(spec: FilteringSpec, dispatcher: Dispatcher, emit: Emit)
             agent_id=item.agent_id,
             data={**opinion.to_dict(), "latency_ms": durations[item.agent_id]},
         )
+    order = {agent_id: i for i, agent_id in enumerate(spec.agent_ids)}
+    opinions.sort(key=lambda op: order[op.agent_id])  # the request's order, not arrival order
     aggregation = Stopwatch()
     # With agents missing, the weights of those that answered are scaled back to 1.0.
     answered_weight = sum(spec.weights[keys[op.agent_id]] for op in opinions)
