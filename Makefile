@@ -70,7 +70,8 @@ up: setup
 	$(BIN)/agentmesh up
 
 bench: setup
-	$(PY) -m benchmarks
+	@$(PY) -c "import matplotlib" 2>/dev/null || $(BIN)/pip install --quiet -e ".[dev,bench]"
+	$(PY) -m benchmarks $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

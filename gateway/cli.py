@@ -45,6 +45,26 @@ async def _up(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _gateway(args: argparse.Namespace) -> int:
+    from gateway.patterns.orchestrator import Router
+    from gateway.server import serve_gateway
+    from mesh.cli import _print, _until_signalled
+
+    router = Router.from_file(Path(args.routes)) if args.routes else None
+    gateway = await serve_gateway(
+        args.broker, host=args.host, port=args.port, router=router, metrics_port=args.metrics_port
+    )
+    metrics = gateway.server.metrics_port
+    where = f", metrics on http://{args.host}:{metrics}/metrics" if metrics else ""
+    _print(
+        f"agentmesh gateway listening on {gateway.address}{where}, broker {args.broker} "
+        "(insecure, plaintext)"
+    )
+    await _until_signalled()
+    await gateway.stop()
+    return 0
+
+
 async def _demo(args: argparse.Namespace) -> int:
     from gateway.demo import run_demo
 
@@ -77,6 +97,18 @@ def add_commands(sub: Any, broker_default: str) -> None:
     )
     p.add_argument("--ready-file", help="write the addresses as JSON here once ready")
     p.set_defaults(run=_up)
+
+    p = sub.add_parser("gateway", help="run the gateway against a broker")
+    p.add_argument("--broker", default=broker_default)
+    p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(_env("GATEWAY_PORT", "50052")))
+    p.add_argument("--metrics-port", type=int, default=int(_env("GATEWAY_METRICS_PORT", "-1")))
+    p.add_argument(
+        "--routes",
+        default=_env("ROUTES", "") or None,
+        help="routing table JSON (default: gateway/data/routes.json)",
+    )
+    p.set_defaults(run=_gateway)
 
     p = sub.add_parser("demo", help="run every pattern through the gateway and report")
     p.add_argument(

@@ -1,0 +1,3 @@
+from benchmarks.harness import run
+
+run()

@@ -1,0 +1,53 @@
+"""Benchmark agents: `python -m benchmarks.agents --broker ADDR --prefix echo --count N` serves
+N echo agents, each on its own gRPC server, in this one process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from mesh import Agent, AgentContext, Message, serve
+from mesh.cli import _until_signalled
+
+
+class EchoAgent(Agent):
+    """Answers every REQUEST, HANDOFF and BROADCAST at once with what it was sent; messages
+    whose action is "sink" are only consumed."""
+
+    async def handle(self, message: Message, ctx: AgentContext) -> dict[str, object] | None:
+        if message.action == "sink":
+            return None
+        return {
+            "echo": (message.content or {}).get("parameters"),
+            "recommendation": "Buy AAPL",
+            "confidence": 0.8,
+            "reasoning": self.agent_id,
+        }
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--broker", required=True)
+    parser.add_argument("--prefix", default="echo")
+    parser.add_argument("--count", type=int, default=1)
+    parser.add_argument("--start", type=int, default=0)
+    parser.add_argument("--types", default="bench")
+    parser.add_argument("--max-in-flight", type=int, default=128)
+    args = parser.parse_args()
+    types = args.types.split(",")
+    served = [
+        await serve(
+            EchoAgent(f"{args.prefix}-{i}", agent_types=types),
+            args.broker,
+            max_in_flight=args.max_in_flight,
+        )
+        for i in range(args.start, args.start + args.count)
+    ]
+    print(f"agents ready: {len(served)}", flush=True)
+    await _until_signalled()
+    for s in served:
+        await s.stop(1.0)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

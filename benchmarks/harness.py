@@ -1,0 +1,584 @@
+"""The benchmark harness: a real mesh in separate OS processes, measured side by side with a raw
+grpc.aio baseline, reported as Markdown, JSON and a PNG plot."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import re
+import signal
+import statistics
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from benchmarks.baseline import StreamClient
+from gateway.client import GatewayClient
+from mesh import MessageType, connect
+from mesh.client import MeshClient
+from mesh.codec import message_to_pb
+from mesh.core.model import Message
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+PAYLOAD = {"action": "process_payment", "parameters": {"flight": "Flight A", "amount": 450}}
+
+
+@dataclass(frozen=True)
+class Settings:
+    quick: bool
+    repetitions: int
+    operations: int
+    warmup: int
+    throughput_seconds: float
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        if os.environ.get("BENCH_QUICK"):
+            return cls(True, 1, 300, 50, 1.0)
+        return cls(False, 3, 2000, 200, 3.0)
+
+
+# -- processes --------------------------------------------------------------------------------
+
+
+@dataclass
+class Proc:
+    process: asyncio.subprocess.Process
+    address: str = ""
+
+
+async def spawn(*args: str, ready: str) -> Proc:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        *args,
+        cwd=ROOT,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    assert process.stdout is not None
+    async with asyncio.timeout(60):
+        while True:
+            line = (await process.stdout.readline()).decode()
+            if not line:
+                raise RuntimeError(f"{' '.join(args)} exited before it was ready")
+            match = re.search(ready, line)
+            if match:
+                proc = Proc(process, match.group(1) if match.groups() else "")
+                asyncio.create_task(_drain(process))
+                return proc
+
+
+async def _drain(process: asyncio.subprocess.Process) -> None:
+    assert process.stdout is not None
+    while await process.stdout.readline():
+        pass
+
+
+async def stop_all(procs: list[Proc]) -> None:
+    for proc in procs:
+        if proc.process.returncode is None:
+            proc.process.send_signal(signal.SIGTERM)
+    for proc in procs:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(15):
+                await proc.process.wait()
+        if proc.process.returncode is None:
+            proc.process.kill()
+
+
+@dataclass
+class Mesh:
+    broker: Proc
+    gateway: Proc
+    echo: Proc
+    relay: Proc
+    procs: list[Proc] = field(default_factory=list)
+
+
+async def start_mesh() -> Mesh:
+    procs: list[Proc] = []
+    try:
+        broker = await spawn(
+            "-m",
+            "mesh.cli",
+            "broker",
+            "--port",
+            "0",
+            "--max-messages-per-agent",
+            "100000",
+            "--max-total-messages",
+            "400000",
+            ready=r"listening on (\S+?)[,\s]",
+        )
+        procs.append(broker)
+        agent_sets = (
+            [("echo", 0, 1, "bench")]
+            + [("b5", i, 1, "b5") for i in range(5)]
+            + [("b100", i * 25, 25, "b100") for i in range(4)]
+        )
+        starts = [
+            spawn(
+                "-m",
+                "benchmarks.agents",
+                "--broker",
+                broker.address,
+                "--prefix",
+                prefix,
+                "--start",
+                str(start),
+                "--count",
+                str(count),
+                "--types",
+                types,
+                ready=r"agents ready",
+            )
+            for prefix, start, count, types in agent_sets
+        ]
+        procs.extend(await asyncio.gather(*starts))
+        gateway = await spawn(
+            "-m",
+            "mesh.cli",
+            "gateway",
+            "--broker",
+            broker.address,
+            "--port",
+            "0",
+            "--routes",
+            str(ROOT / "benchmarks" / "routes.json"),
+            ready=r"listening on (\S+?)[,\s]",
+        )
+        echo = await spawn("-m", "benchmarks.baseline", "echo", ready=r"listening on (\S+)")
+        relay = await spawn(
+            "-m",
+            "benchmarks.baseline",
+            "relay",
+            "--upstream",
+            echo.address,
+            ready=r"listening on (\S+)",
+        )
+        procs.extend([gateway, echo, relay])
+        return Mesh(broker, gateway, echo, relay, procs)
+    except BaseException:
+        await stop_all(procs)
+        raise
+
+
+# -- measuring --------------------------------------------------------------------------------
+
+
+def stats(samples: list[float]) -> dict[str, float]:
+    """p50/p95/p99/max/mean in milliseconds of samples in seconds."""
+    ordered = sorted(samples)
+    n = len(ordered)
+
+    def pct(p: float) -> float:
+        return ordered[min(n - 1, max(0, round(p / 100 * n + 0.5) - 1))] * 1000
+
+    return {
+        "p50_ms": pct(50),
+        "p95_ms": pct(95),
+        "p99_ms": pct(99),
+        "max_ms": ordered[-1] * 1000,
+        "mean_ms": statistics.fmean(ordered) * 1000,
+        "n": n,
+    }
+
+
+async def timed(op: Callable[[], Awaitable[Any]], count: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        await op()
+    samples = []
+    clock = time.perf_counter
+    for _ in range(count):
+        start = clock()
+        await op()
+        samples.append(clock() - start)
+    return samples
+
+
+async def rate(op: Callable[[], Awaitable[int]], in_flight: int, seconds: float) -> float:
+    """Operations per second with ``in_flight`` workers running ``op`` for ``seconds``."""
+    done = 0
+    deadline = time.perf_counter() + seconds
+
+    async def worker() -> None:
+        nonlocal done
+        while time.perf_counter() < deadline:
+            finished = await op()  # not `done += await op()`: that loses concurrent updates
+            done += finished
+
+    await asyncio.gather(*(worker() for _ in range(in_flight)))
+    return done / seconds
+
+
+# -- the figures ------------------------------------------------------------------------------
+
+
+async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    n, w = s.operations, s.warmup
+    sample_message = Message(from_agent="driver", to_agent="echo-0", content=PAYLOAD)
+    payload = message_to_pb(sample_message).SerializeToString()
+
+    relay1 = StreamClient(mesh.echo.address)
+    relay2 = StreamClient(mesh.relay.address)
+    try:
+        out["baseline.hop1"] = stats(await timed(lambda: relay1.roundtrip(payload), n, w))
+        out["baseline.relay2"] = stats(await timed(lambda: relay2.roundtrip(payload), n, w))
+
+        async def relay_op() -> int:
+            await relay2.roundtrip(payload)
+            return 1
+
+        out["baseline.relay2"]["throughput_64"] = await rate(relay_op, 64, s.throughput_seconds)
+    finally:
+        await relay1.close()
+        await relay2.close()
+
+    async with connect(mesh.broker.address, agent_id="driver") as client:
+        await client.register()
+        out["send"] = stats(
+            await timed(
+                lambda: client.send(
+                    "echo-0", {"action": "sink", "parameters": PAYLOAD["parameters"]}
+                ),
+                n,
+                w,
+            )
+        )
+        await client.register("parked")
+        for _ in range(10):
+            await client.send("parked", PAYLOAD)
+
+        async def receive_one() -> None:
+            await client.send("parked", PAYLOAD)
+            await client.receive("parked", max_messages=1)
+
+        out["receive"] = stats(await timed(receive_one, n, w))
+        out["roundtrip"] = stats(await timed(lambda: client.request("echo-0", PAYLOAD), n, w))
+
+        async def roundtrip_op() -> int:
+            await client.request("echo-0", PAYLOAD)
+            return 1
+
+        out["roundtrip"]["throughput_64"] = await rate(roundtrip_op, 64, s.throughput_seconds)
+
+        def handoff_message() -> Message:
+            return Message(
+                from_agent="driver",
+                to_agent="echo-0",
+                message_type=MessageType.HANDOFF,
+                content={
+                    "action": "execute_handoff",
+                    "parameters": {
+                        "task_description": "Approve refund",
+                        "context": {"order": 1},
+                        "previous_result": None,
+                        "constraints": {},
+                    },
+                },
+                metadata={"workflow_id": "wf_bench", "step_number": 2},
+            )
+
+        out["handoff"] = stats(await timed(lambda: client.request_message(handoff_message()), n, w))
+
+        async def gather(types: str, expected: int) -> None:
+            got = 0
+            async for item in client.gather({"query": "q"}, agent_types=[types], timeout=5):
+                got += item.response is not None
+            if got != expected:
+                raise RuntimeError(f"broadcast to {types} reached {got}/{expected}")
+
+        out["broadcast5"] = stats(await timed(lambda: gather("b5", 5), n // 4, w // 4))
+        out["broadcast100"] = stats(
+            await timed(lambda: gather("b100", 100), max(20, n // 40), max(5, w // 20))
+        )
+        out["broadcast5_send"] = stats(
+            await timed(
+                lambda: client.broadcast({"action": "sink"}, agent_types=["b5"]), n // 4, w // 4
+            )
+        )
+
+        for in_flight in (1, 16, 64):
+
+            async def one_way() -> int:
+                await client.send("echo-0", {"action": "sink", "parameters": {"i": 1}})
+                return 1
+
+            out[f"oneway_{in_flight}"] = {
+                "throughput": await rate(one_way, in_flight, s.throughput_seconds)
+            }
+        batch = [
+            Message(
+                from_agent="driver",
+                to_agent="echo-0",
+                content={"action": "sink", "parameters": {"i": i}},
+            )
+            for i in range(100)
+        ]
+
+        async def batch_op() -> int:
+            fresh = [
+                m.evolve(message_id=Message(from_agent="", to_agent="", content={}).message_id)
+                for m in batch
+            ]
+            results = await client.send_batch(fresh)
+            return sum(isinstance(r, Message) for r in results)
+
+        out["oneway_batch100"] = {"throughput": await rate(batch_op, 4, s.throughput_seconds)}
+
+    async with GatewayClient(mesh.gateway.address) as gw:
+
+        async def first_event() -> None:
+            stream = gw.route("bench_group_chat")
+            async for _ in stream:
+                break
+            await stream.aclose()  # type: ignore[attr-defined]
+
+        async def group_chat() -> None:
+            events = await gw.collect(
+                gw.group_chat(agent_ids=["b5-0", "b5-1", "b5-2"], query="What stock should I buy?")
+            )
+            if events[-1]["data"]["status"] != "COMPLETED":
+                raise RuntimeError("group chat did not complete")
+
+        out["routing"] = stats(await timed(first_event, n // 4, w // 4))
+        out["group_chat"] = stats(await timed(group_chat, n // 4, w // 4))
+    return out
+
+
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median of each figure over the repetitions, with the spread (min, max) of the medians."""
+    combined: dict[str, Any] = {}
+    for name in runs[0]:
+        combined[name] = {}
+        for key in runs[0][name]:
+            values = [run[name][key] for run in runs]
+            combined[name][key] = statistics.median(values)
+            if len(values) > 1 and key in ("p50_ms", "throughput", "throughput_64"):
+                combined[name][f"{key}_spread"] = [min(values), max(values)]
+    return combined
+
+
+# -- targets and reports ------------------------------------------------------------------------
+
+TARGETS: list[tuple[str, str, str, float, str]] = [
+    # figure, key, comparison, limit, what it stands for
+    ("send", "p95_ms", "<", 1.0, "RT-011 send p95 < 10 ms, with a 10x margin"),
+    ("receive", "p95_ms", "<", 1.0, "RT-011 receive p95 < 10 ms, with a 10x margin"),
+    ("roundtrip", "p95_ms", "<", 5.0, "RT-011 roundtrip p95 < 50 ms, with a 10x margin"),
+    ("handoff", "p95_ms", "<", 20.0, "RT-011 hand-off p95 < 200 ms, with a 10x margin"),
+    ("broadcast5", "p50_ms", "<", 5.0, "RT-011 broadcast p50 < 50 ms, with a 10x margin"),
+    ("broadcast5", "p50_ms", "<=", 1.5, "broadcast to 5 agents in 5 processes p50 <= 1.5 ms"),
+    ("broadcast100", "p50_ms", "<=", 20.0, "broadcast to 100 agents p50 <= 20 ms"),
+    ("routing", "p95_ms", "<", 10.0, "RT-011 routing p95 < 100 ms, with a 10x margin"),
+]
+RATIO_TARGETS: list[tuple[str, str, str, str, float, str]] = [
+    ("roundtrip", "p50_ms", "baseline.relay2", "p50_ms", 1.5, "roundtrip p50 <= 1.5x relay"),
+    ("roundtrip", "p95_ms", "baseline.relay2", "p95_ms", 2.0, "roundtrip p95 <= 2x relay"),
+]
+
+
+def evaluate(figures: dict[str, Any]) -> list[dict[str, Any]]:
+    checks = []
+    for name, key, op, limit, what in TARGETS:
+        value = figures[name][key]
+        ok = value < limit if op == "<" else value <= limit
+        checks.append(
+            {
+                "figure": f"{name}.{key}",
+                "value": value,
+                "target": f"{op} {limit:g}",
+                "pass": ok,
+                "what": what,
+            }
+        )
+    for name, key, base, base_key, limit, what in RATIO_TARGETS:
+        ratio = figures[name][key] / figures[base][base_key]
+        checks.append(
+            {
+                "figure": f"{name}.{key} / {base}.{base_key}",
+                "value": ratio,
+                "target": f"<= {limit:g}x",
+                "pass": ratio <= limit,
+                "what": what,
+            }
+        )
+    t64 = figures["roundtrip"]["throughput_64"] / figures["baseline.relay2"]["throughput_64"]
+    checks.append(
+        {
+            "figure": "roundtrip.throughput_64 / baseline.relay2.throughput_64",
+            "value": t64,
+            "target": ">= 0.75x",
+            "pass": t64 >= 0.75,
+            "what": "request/response throughput at 64 in flight vs relay",
+        }
+    )
+    batched = figures["oneway_batch100"]["throughput"]
+    checks.append(
+        {
+            "figure": "oneway_batch100.throughput",
+            "value": batched,
+            "target": ">= 20000/s",
+            "pass": batched >= 20_000,
+            "what": "one-way batched throughput with priority, TTL and capacity",
+        }
+    )
+    return checks
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+        "grpcio": grpc.__version__,
+    }
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    f = report["figures"]
+    base = f["baseline.relay2"]
+    lines = [
+        f"# agentmesh benchmark — {report['timestamp']}",
+        "",
+        f"Machine: {report['machine']['platform']}, {report['machine']['cpus']} CPUs, "
+        f"Python {report['machine']['python']}, grpcio {report['machine']['grpcio']}. "
+        f"{report['settings']['repetitions']} repetition(s) of "
+        f"{report['settings']['operations']} operations after "
+        f"{report['settings']['warmup']} warm-up; medians shown.",
+        "",
+        "| figure | p50 ms | p95 ms | p99 ms | max ms | x relay p50 | throughput/s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, v in f.items():
+        if "p50_ms" in v:
+            thr = v.get("throughput_64")
+            lines.append(
+                f"| {name} | {v['p50_ms']:.3f} | {v['p95_ms']:.3f} | {v['p99_ms']:.3f} | "
+                f"{v['max_ms']:.3f} | {v['p50_ms'] / base['p50_ms']:.2f} | "
+                f"{f'{thr:,.0f} (64 in flight)' if thr else ''} |"
+            )
+        else:
+            lines.append(f"| {name} | | | | | | {v['throughput']:,.0f} |")
+    lines += ["", "| target | value | limit | result |", "| --- | ---: | ---: | --- |"]
+    for c in report["checks"]:
+        lines.append(
+            f"| {c['what']} (`{c['figure']}`) | {c['value']:.3f} | {c['target']} | "
+            f"{'PASS' if c['pass'] else 'FAIL'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figures = {k: v for k, v in report["figures"].items() if "p50_ms" in v}
+    names = list(figures)
+    fig, ax = plt.subplots(figsize=(10, 0.5 * len(names) + 1.5))
+    for i, name in enumerate(names):
+        v = figures[name]
+        ax.plot([v["p50_ms"], v["p95_ms"], v["p99_ms"]], [i, i, i], "-", color="0.7")
+        ax.scatter([v["p50_ms"]], [i], color="tab:blue", label="p50" if i == 0 else None)
+        ax.scatter([v["p95_ms"]], [i], color="tab:orange", label="p95" if i == 0 else None)
+        ax.scatter([v["p99_ms"]], [i], color="tab:red", label="p99" if i == 0 else None)
+    ax.set_yticks(range(len(names)), names)
+    ax.set_xscale("log")
+    ax.set_xlabel("latency (ms, log scale)")
+    ax.set_title("agentmesh latency distributions vs raw gRPC baseline")
+    ax.legend(loc="lower right")
+    ax.grid(True, axis="x", which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def compare(report: dict[str, Any], earlier: dict[str, Any]) -> list[str]:
+    lines = []
+    for name, v in report["figures"].items():
+        old = earlier.get("figures", {}).get(name)
+        if not old:
+            continue
+        key = "p50_ms" if "p50_ms" in v else "throughput"
+        if key not in old or not old[key]:
+            continue
+        change = (v[key] - old[key]) / old[key]
+        better = change < 0 if key == "p50_ms" else change > 0
+        if abs(change) >= 0.05:
+            lines.append(
+                f"{name}.{key}: {old[key]:.3f} -> {v[key]:.3f} "
+                f"({change:+.0%}, {'faster' if better else 'slower'})"
+            )
+    return lines or ["no figure moved by 5% or more"]
+
+
+async def main(argv: list[str]) -> int:
+    settings = Settings.from_env()
+    compare_with = None
+    if "--compare" in argv:
+        compare_with = Path(argv[argv.index("--compare") + 1])
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    mesh = await start_mesh()
+    try:
+        runs = []
+        for i in range(settings.repetitions):
+            print(f"repetition {i + 1}/{settings.repetitions} ...", flush=True)
+            runs.append(await run_once(mesh, settings))
+    finally:
+        await stop_all(mesh.procs)
+    figures = combine(runs)
+    report = {
+        "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "settings": settings.__dict__,
+        "figures": figures,
+        "checks": evaluate(figures),
+        "duration_s": round(time.perf_counter() - started, 1),
+    }
+    previous = RESULTS / "latest.json"
+    earlier = (
+        json.loads(previous.read_text())
+        if compare_with is None and previous.exists()
+        else (json.loads(compare_with.read_text()) if compare_with else None)
+    )
+    (RESULTS / "latest.json").write_text(json.dumps(report, indent=2) + "\n")
+    markdown = to_markdown(report)
+    (RESULTS / "latest.md").write_text(markdown)
+    plotted = plot(report, RESULTS / "latest.png")
+    print(markdown)
+    if earlier:
+        print("Compared with the previous result:")
+        for line in compare(report, earlier):
+            print(f"  {line}")
+    print(
+        f"wrote {RESULTS / 'latest.json'}, latest.md{', latest.png' if plotted else ''} "
+        f"in {report['duration_s']} s"
+    )
+    return 0
+
+
+def run() -> None:
+    sys.exit(asyncio.run(main(sys.argv[1:])))
+
+
+_ = AsyncIterator, MeshClient
