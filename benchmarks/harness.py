@@ -13,7 +13,7 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,7 +24,6 @@ import grpc
 from benchmarks.baseline import StreamClient
 from gateway.client import GatewayClient
 from mesh import MessageType, connect
-from mesh.client import MeshClient
 from mesh.codec import message_to_pb
 from mesh.core.model import Message
 
@@ -55,6 +54,7 @@ class Settings:
 class Proc:
     process: asyncio.subprocess.Process
     address: str = ""
+    drain: asyncio.Task[None] | None = None
 
 
 async def spawn(*args: str, ready: str) -> Proc:
@@ -75,9 +75,8 @@ async def spawn(*args: str, ready: str) -> Proc:
                 raise RuntimeError(f"{' '.join(args)} exited before it was ready")
             match = re.search(ready, line)
             if match:
-                proc = Proc(process, match.group(1) if match.groups() else "")
-                asyncio.create_task(_drain(process))
-                return proc
+                address = match.group(1) if match.groups() else ""
+                return Proc(process, address, asyncio.create_task(_drain(process)))
 
 
 async def _drain(process: asyncio.subprocess.Process) -> None:
@@ -580,5 +579,3 @@ async def main(argv: list[str]) -> int:
 def run() -> None:
     sys.exit(asyncio.run(main(sys.argv[1:])))
 
-
-_ = AsyncIterator, MeshClient

@@ -7,6 +7,7 @@ tests) and /metrics shows exactly one broker's figures.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -37,6 +38,8 @@ class BrokerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self.totals = Totals()
+        self._sent_by_type: dict[str, Any] = {}
+        self._received_by_path: dict[str, Any] = {}
         r = self.registry
         self.messages_sent = Counter(
             "agentmesh_messages_sent",
@@ -108,12 +111,18 @@ class BrokerMetrics:
 
     def sent(self, message_type: str, seconds: float) -> None:
         self.totals.sent += 1
-        self.messages_sent.labels(message_type).inc()
+        child = self._sent_by_type.get(message_type)
+        if child is None:
+            child = self._sent_by_type[message_type] = self.messages_sent.labels(message_type)
+        child.inc()
         self.send_latency.observe(seconds)
 
     def delivered(self, path: str, count: int = 1) -> None:
         self.totals.delivered += count
-        self.messages_received.labels(path).inc(count)
+        child = self._received_by_path.get(path)
+        if child is None:
+            child = self._received_by_path[path] = self.messages_received.labels(path)
+        child.inc(count)
 
     def dropped(self, reason: str, count: int = 1) -> None:
         self.totals.dropped += count

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,7 +22,6 @@ logger = logging.getLogger("mesh.server")
 
 BROKER_SERVICE = broker_pb2.DESCRIPTOR.services_by_name["BrokerService"].full_name
 MAX_SESSION_REQUESTS = 10_000
-SESSION_OUTBOUND_FRAMES = 1024
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -287,56 +285,41 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
 
 
 class _Session:
-    """One Connect stream: frames in are dispatched to the broker; answers and deliveries
-    leave through one bounded outbound queue drained by a single writer."""
+    """One Connect stream. Frames are read and dispatched in the handler's own task; answers
+    and deliveries are written directly, one at a time (grpc.aio allows one write in flight),
+    so a frame costs no extra task hop. Backpressure is the write itself: a slow client slows
+    the reading of its own frames and, through max_in_flight, its deliveries."""
 
     def __init__(self, broker: Broker, context: Any) -> None:
         self.broker = broker
         self.context = context
-        self.outbound: asyncio.Queue[broker_pb2.ConnectResponse | None] = asyncio.Queue(
-            SESSION_OUTBOUND_FRAMES
-        )
+        self.write_lock = asyncio.Lock()
         self.subscription: Subscription | None = None
         self.pump: asyncio.Task[None] | None = None
         self.tasks: set[asyncio.Task[None]] = set()
 
-    async def run(self, frames: AsyncIterator[broker_pb2.ConnectRequest]) -> None:
-        reader = asyncio.create_task(self._read(frames), name="session-reader")
-        try:
-            while True:
-                frame = await self.outbound.get()
-                if frame is None:
-                    break
-                await self.context.write(frame)
-        finally:
-            reader.cancel()
-            for task in [*self.tasks, self.pump]:
-                if task is not None:
-                    task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await reader
-            if self.subscription is not None:
-                await self.subscription.close()
+    async def write(self, frame: broker_pb2.ConnectResponse) -> None:
+        async with self.write_lock:
+            await self.context.write(frame)
 
-    async def _read(self, frames: AsyncIterator[broker_pb2.ConnectRequest]) -> None:
+    async def run(self, frames: AsyncIterator[broker_pb2.ConnectRequest]) -> None:
         try:
             async for frame in frames:
                 await self._dispatch(frame)
             # The client finished sending: let requests in flight answer, then end the stream.
             if self.tasks:
                 await asyncio.gather(*list(self.tasks), return_exceptions=True)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            logger.debug("session reader ended", exc_info=True)
         finally:
-            with contextlib.suppress(asyncio.QueueFull):
-                self.outbound.put_nowait(None)
+            for task in [*self.tasks, self.pump]:
+                if task is not None:
+                    task.cancel()
+            if self.subscription is not None:
+                await self.subscription.close()
 
     async def _error(self, seq: int, error: MeshError) -> None:
         frame = broker_pb2.ConnectResponse(seq=seq)
         codec.error_to_pb(error, frame.error)
-        await self.outbound.put(frame)
+        await self.write(frame)
 
     async def _dispatch(self, frame: broker_pb2.ConnectRequest) -> None:
         kind = frame.WhichOneof("frame")
@@ -347,9 +330,10 @@ class _Session:
                     codec.message_from_pb(frame.send), size_bytes=frame.send.ByteSize()
                 )
                 out = broker_pb2.ConnectResponse(seq=seq)
-                out.accepted.message_id = outcome.message.message_id
-                out.accepted.recipients.extend(outcome.recipients)
-                await self.outbound.put(out)
+                accepted = out.accepted
+                accepted.message_id = outcome.message.message_id
+                accepted.recipients.extend(outcome.recipients)
+                await self.write(out)
             elif kind == "request":
                 if len(self.tasks) >= MAX_SESSION_REQUESTS:
                     raise LimitExceededError(
@@ -386,14 +370,14 @@ class _Session:
         )
         out = broker_pb2.ConnectResponse(seq=seq)
         out.accepted.SetInParent()
-        await self.outbound.put(out)
+        await self.write(out)
         self.pump = asyncio.create_task(self._pump(self.subscription), name="session-pump")
 
     async def _pump(self, sub: Subscription) -> None:
         async for delivery in sub:
             frame = broker_pb2.ConnectResponse()
             codec.delivery_to_pb(delivery, frame.delivery)
-            await self.outbound.put(frame)
+            await self.write(frame)
 
     async def _request(self, seq: int, request: broker_pb2.SessionRequest) -> None:
         timeout = codec.duration_seconds(request.timeout) if request.HasField("timeout") else None
@@ -404,7 +388,7 @@ class _Session:
             return
         frame = broker_pb2.ConnectResponse(seq=seq)
         codec.message_to_pb(answer, frame.response)
-        await self.outbound.put(frame)
+        await self.write(frame)
 
 
 async def serve_broker(
