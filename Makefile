@@ -22,7 +22,13 @@ $(BIN)/agentmesh: pyproject.toml
 	$(BIN)/pip install --quiet -e ".[dev]"
 	@touch $@
 
-setup: $(BIN)/agentmesh
+NODE_DEPS := clients/node/node_modules/.package-lock.json
+
+$(NODE_DEPS): clients/node/package-lock.json
+	@if command -v npm >/dev/null; then npm ci --prefix clients/node --no-audit --no-fund --silent; \
+	else echo "npm not found: the Node.js client tests will be skipped"; fi
+
+setup: $(BIN)/agentmesh $(NODE_DEPS)
 
 proto: setup
 	PATH="$(abspath $(BIN)):$$PATH" $(PY) -m grpc_tools.protoc -I proto \

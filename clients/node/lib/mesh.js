@@ -1,0 +1,284 @@
+'use strict';
+// A Node.js client and agent for agentmesh. It loads the same proto/mesh/v1/*.proto files as
+// the Python code, with @grpc/proto-loader, and talks plain gRPC to the broker and gateway.
+
+const path = require('node:path');
+const crypto = require('node:crypto');
+const grpc = require('@grpc/grpc-js');
+const protoLoader = require('@grpc/proto-loader');
+
+const PROTO_ROOT = path.resolve(__dirname, '..', '..', '..', 'proto');
+const definition = protoLoader.loadSync(
+  ['mesh/v1/broker.proto', 'mesh/v1/agent.proto', 'mesh/v1/gateway.proto'],
+  { includeDirs: [PROTO_ROOT], keepCase: true, longs: Number, enums: String, defaults: true,
+    oneofs: true },
+);
+const meshV1 = grpc.loadPackageDefinition(definition).mesh.v1;
+
+// -- google.protobuf.Struct <-> plain JSON ---------------------------------------------------
+
+function toValue(v) {
+  if (v === null || v === undefined) return { nullValue: 'NULL_VALUE' };
+  if (typeof v === 'boolean') return { boolValue: v };
+  if (typeof v === 'number') return { numberValue: v };
+  if (typeof v === 'string') return { stringValue: v };
+  if (Array.isArray(v)) return { listValue: { values: v.map(toValue) } };
+  return { structValue: toStruct(v) };
+}
+
+function toStruct(obj) {
+  const fields = {};
+  for (const [k, v] of Object.entries(obj || {})) fields[k] = toValue(v);
+  return { fields };
+}
+
+function fromValue(v) {
+  if (!v) return null;
+  switch (v.kind) {
+    case 'structValue': return fromStruct(v.structValue);
+    case 'listValue': return (v.listValue.values || []).map(fromValue);
+    case 'numberValue': return v.numberValue;
+    case 'stringValue': return v.stringValue;
+    case 'boolValue': return v.boolValue;
+    default: return null;
+  }
+}
+
+function fromStruct(s) {
+  const out = {};
+  for (const [k, v] of Object.entries((s && s.fields) || {})) out[k] = fromValue(v);
+  return out;
+}
+
+// -- messages ---------------------------------------------------------------------------------
+
+const TYPES = ['REQUEST', 'RESPONSE', 'BROADCAST', 'HANDOFF', 'ERROR', 'ACK'];
+
+function nowTimestamp() {
+  const ms = Date.now();
+  return { seconds: Math.floor(ms / 1000), nanos: (ms % 1000) * 1e6 };
+}
+
+/** A mesh.v1.Message from a plain object: {from, to, type, content, priority, ...}. */
+function buildMessage(m) {
+  return {
+    message_id: m.messageId || crypto.randomUUID(),
+    from_agent: m.from,
+    to_agent: m.to,
+    message_type: `MESSAGE_TYPE_${m.type || 'REQUEST'}`,
+    content: m.content === undefined ? undefined : toStruct(m.content),
+    timestamp: nowTimestamp(),
+    metadata: toStruct(m.metadata || {}),
+    correlation_id: m.correlationId || '',
+    priority: `PRIORITY_${m.priority || 'MEDIUM'}`,
+    ttl: m.ttl || 0,
+    reply_to: m.replyTo || '',
+    ack_required: Boolean(m.ackRequired),
+    headers: m.headers || {},
+  };
+}
+
+/** A plain object from a mesh.v1.Message. */
+function readMessage(pb) {
+  return {
+    messageId: pb.message_id,
+    from: pb.from_agent,
+    to: pb.to_agent,
+    type: String(pb.message_type).replace('MESSAGE_TYPE_', ''),
+    content: pb.content ? fromStruct(pb.content) : null,
+    timestamp: pb.timestamp
+      ? new Date(Number(pb.timestamp.seconds) * 1000 + pb.timestamp.nanos / 1e6).toISOString()
+      : null,
+    metadata: fromStruct(pb.metadata),
+    correlationId: pb.correlation_id,
+    priority: String(pb.priority).replace('PRIORITY_', ''),
+    ttl: pb.ttl,
+    replyTo: pb.reply_to,
+    ackRequired: pb.ack_required,
+    headers: pb.headers || {},
+  };
+}
+
+/** Errors carry the gRPC status code and the mesh's reason (google.rpc.ErrorInfo). */
+class MeshError extends Error {
+  constructor(grpcError) {
+    super(grpcError.details || grpcError.message);
+    this.code = grpcError.code;
+    this.codeName = Object.keys(grpc.status).find((k) => grpc.status[k] === grpcError.code);
+  }
+}
+
+function unary(client, method, request, timeoutMs = 10000) {
+  return new Promise((resolve, reject) => {
+    client[method](request, { deadline: Date.now() + timeoutMs }, (err, res) => {
+      if (err) reject(new MeshError(err));
+      else resolve(res);
+    });
+  });
+}
+
+// -- the broker client ------------------------------------------------------------------------
+
+class MeshClient {
+  constructor(address, { agentId = '' } = {}) {
+    this.agentId = agentId;
+    this.broker = new meshV1.BrokerService(address, grpc.credentials.createInsecure());
+  }
+
+  close() { this.broker.close(); }
+
+  async register({ agentId = this.agentId, agentTypes = [], address = '', capabilities = [] } = {}) {
+    const res = await unary(this.broker, 'RegisterAgent', {
+      agent: { agent_id: agentId, agent_types: agentTypes, address, capabilities },
+    });
+    return res.agent;
+  }
+
+  async deregister(agentId = this.agentId) {
+    await unary(this.broker, 'DeregisterAgent', { agent_id: agentId });
+  }
+
+  async listAgents(agentType = '') {
+    const res = await unary(this.broker, 'ListAgents', { agent_type: agentType });
+    return res.agents;
+  }
+
+  /** Sends a message; returns it as accepted (with its id and recipients). */
+  async send(to, content, options = {}) {
+    const message = buildMessage({ from: this.agentId, to, content, ...options });
+    const res = await unary(this.broker, 'SendMessage', { message });
+    return { ...readMessage(res.message), recipients: res.recipients };
+  }
+
+  /** Removes and returns the agent's queued messages (HIGH first, then oldest first). */
+  async receive(agentId = this.agentId, maxMessages = 0) {
+    const res = await unary(this.broker, 'ReceiveMessages',
+      { agent_id: agentId, max_messages: maxMessages });
+    return res.messages.map(readMessage);
+  }
+
+  /** Sends a REQUEST and waits for the correlated RESPONSE. */
+  async request(to, content, { timeoutMs = 10000, ...options } = {}) {
+    const message = buildMessage({ from: this.agentId, to, content, ...options });
+    const res = await unary(this.broker, 'SendRequest', { message }, timeoutMs);
+    return readMessage(res.response);
+  }
+
+  async broadcast(content, { agentTypes = [], ...options } = {}) {
+    const message = buildMessage({ from: this.agentId, to: 'broadcast', type: 'BROADCAST',
+      content, ...options });
+    const res = await unary(this.broker, 'Broadcast', { message, agent_types: agentTypes });
+    return { messageId: res.message_id, recipients: res.recipients };
+  }
+
+  /** Deliveries of the agent's messages: onDelivery(message, attempt) must resolve to ack. */
+  subscribe(onDelivery, { agentId = this.agentId, maxInFlight = 16 } = {}) {
+    const call = this.broker.Subscribe({ agent_id: agentId, max_in_flight: maxInFlight });
+    call.on('data', async (res) => {
+      const message = readMessage(res.delivery.message);
+      try {
+        await onDelivery(message, res.delivery.delivery_attempt);
+        await unary(this.broker, 'Ack', { agent_id: agentId, message_ids: [message.messageId] });
+      } catch (err) {
+        await unary(this.broker, 'Nack', { agent_id: agentId, message_ids: [message.messageId] })
+          .catch(() => {});
+      }
+    });
+    call.on('error', () => {});
+    return call;
+  }
+}
+
+// -- the gateway client -----------------------------------------------------------------------
+
+function readEvent(pb) {
+  return {
+    runId: pb.run_id,
+    pattern: String(pb.pattern).replace('PATTERN_', ''),
+    kind: String(pb.kind).replace('EVENT_KIND_', ''),
+    elapsedMs: pb.elapsed_ms,
+    agentId: pb.agent_id,
+    summary: pb.summary,
+    data: fromStruct(pb.data),
+  };
+}
+
+class GatewayClient {
+  constructor(address) {
+    this.gateway = new meshV1.GatewayService(address, grpc.credentials.createInsecure());
+  }
+
+  close() { this.gateway.close(); }
+
+  /** Runs a group chat; calls onEvent for each streamed event; resolves with all events. */
+  groupChat({ agentIds, query, rounds = 1, optionLabel = '', timeoutMs = 30000 }, onEvent) {
+    const call = this.gateway.RunGroupChat(
+      { agent_ids: agentIds, query, rounds, option_label: optionLabel },
+      { deadline: Date.now() + timeoutMs });
+    return new Promise((resolve, reject) => {
+      const events = [];
+      call.on('data', (res) => {
+        const event = readEvent(res.event);
+        events.push(event);
+        if (onEvent) onEvent(event);
+      });
+      call.on('error', (err) => reject(new MeshError(err)));
+      call.on('end', () => resolve(events));
+    });
+  }
+}
+
+// -- a Node.js agent --------------------------------------------------------------------------
+
+/**
+ * Serves an agent: its own gRPC server (Agent service), registered with the broker, taking its
+ * deliveries from a subscription. handler(message) returns the response content (an object)
+ * or null.
+ */
+async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [], handler,
+  host = '127.0.0.1', port = 0 }) {
+  const server = new grpc.Server();
+  const answer = async (message) => {
+    const content = await handler(message);
+    if (content === null || content === undefined) return null;
+    const reply = { action: (message.content && message.content.action) || 'response', ...content };
+    return buildMessage({ from: agentId, to: message.replyTo || message.from, type: 'RESPONSE',
+      content: reply, correlationId: message.correlationId || message.messageId });
+  };
+  server.addService(meshV1.AgentService.service, {
+    HandleMessage: (call, callback) => {
+      answer(readMessage(call.request.message))
+        .then((response) => callback(null, { response }))
+        .catch((err) => callback({ code: grpc.status.INTERNAL, details: String(err) }));
+    },
+    DescribeAgent: (call, callback) => callback(null, {
+      card: { agent_id: agentId, agent_types: agentTypes, capabilities, tools: [],
+        description: 'A Node.js agent', actions: [] },
+    }),
+  });
+  const boundPort = await new Promise((resolve, reject) => {
+    server.bindAsync(`${host}:${port}`, grpc.ServerCredentials.createInsecure(),
+      (err, p) => (err ? reject(err) : resolve(p)));
+  });
+  const address = `${host}:${boundPort}`;
+  const client = new MeshClient(broker, { agentId });
+  await client.register({ agentTypes, address, capabilities });
+  const subscription = client.subscribe(async (message) => {
+    const response = await answer(message);
+    if (response) await unary(client.broker, 'SendMessage', { message: response });
+  });
+  return {
+    address,
+    async stop() {
+      subscription.cancel();
+      await client.deregister().catch(() => {});
+      client.close();
+      await new Promise((resolve) => server.tryShutdown(resolve));
+    },
+  };
+}
+
+module.exports = {
+  MeshClient, GatewayClient, MeshError, serveAgent, buildMessage, readMessage, toStruct,
+  fromStruct, TYPES, PROTO_ROOT,
+};
