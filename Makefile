@@ -6,7 +6,7 @@ PY := $(BIN)/python
 PROTOS := $(wildcard proto/mesh/v1/*.proto)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup proto proto-check lint test test-fast demo up bench clean
+.PHONY: help setup proto proto-check proto-baseline breaking lint test test-fast demo up bench clean
 
 help:
 	@echo "make setup        virtualenv in $(VENV) with agentmesh and its dev tools"
@@ -45,14 +45,23 @@ proto-check: setup
 		fi; \
 	done; rm -rf $$tmp; echo "generated code is up to date"
 
-lint: setup
+# The contract must stay compatible with the last released one (proto/baseline).
+breaking: setup
+	$(BIN)/buf breaking --against proto/baseline/mesh-v1.binpb
+
+# After a release: make the current contract the baseline that `breaking` checks against.
+proto-baseline: setup
+	$(BIN)/buf build -o proto/baseline/mesh-v1.binpb
+
+lint: setup breaking
 	$(BIN)/ruff check .
 	$(BIN)/mypy mesh agents gateway
 	$(BIN)/buf lint
 	$(BIN)/buf format --exit-code > /dev/null
 
-test: setup proto-check
+test: setup proto-check breaking
 	$(BIN)/buf lint
+	$(BIN)/buf format --exit-code > /dev/null
 	$(BIN)/pytest -q
 
 test-fast: setup

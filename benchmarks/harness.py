@@ -578,4 +578,3 @@ async def main(argv: list[str]) -> int:
 
 def run() -> None:
     sys.exit(asyncio.run(main(sys.argv[1:])))
-

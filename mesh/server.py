@@ -16,7 +16,8 @@ from mesh.config import BrokerConfig, ServerConfig
 from mesh.core.broker import Broker, Subscription
 from mesh.core.errors import LimitExceededError, MeshError, MessageValidationError
 from mesh.serving import MeshServer, start_server
-from mesh.v1 import broker_pb2, broker_pb2_grpc
+from mesh.core.model import MessageType
+from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
 
 logger = logging.getLogger("mesh.server")
 
@@ -199,8 +200,11 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         remaining = context.time_remaining()
         if timeout is not None and remaining is not None:
             timeout = min(timeout, remaining)
+        message = codec.message_from_pb(request.message)
+        if request.message.message_type == message_pb2.MESSAGE_TYPE_UNSPECIFIED:
+            message = message.evolve(message_type=MessageType.BROADCAST)
         items = self.broker.gather(
-            codec.message_from_pb(request.message),
+            message,
             agent_ids=list(request.agent_ids),
             agent_types=list(request.agent_types),
             timeout=timeout,

@@ -18,11 +18,21 @@ NODE_DIR = Path(__file__).resolve().parents[2] / "clients" / "node"
 async def test_node_client_and_agent_pass_their_tests(embedded: EmbeddedMesh) -> None:
     if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").exists():
         pytest.fail("clients/node dependencies are missing: run `make setup`")
-    env = {**os.environ, "AGENTMESH_BROKER": embedded.broker.address,
-           "AGENTMESH_GATEWAY": embedded.gateway.address}
+    env = {
+        **os.environ,
+        "AGENTMESH_BROKER": embedded.broker.address,
+        "AGENTMESH_GATEWAY": embedded.gateway.address,
+    }
     process = await asyncio.create_subprocess_exec(
-        "node", "--test", "--test-reporter=spec", "test/", cwd=NODE_DIR, env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        "node",
+        "--test",
+        "--test-reporter=spec",
+        "test/",
+        cwd=NODE_DIR,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     async with asyncio.timeout(120):
         out, _ = await process.communicate()
     text = out.decode()
