@@ -15,8 +15,8 @@ from mesh._status import abort
 from mesh.config import BrokerConfig, ServerConfig
 from mesh.core.broker import Broker, Subscription
 from mesh.core.errors import LimitExceededError, MeshError, MessageValidationError
-from mesh.serving import MeshServer, start_server
 from mesh.core.model import MessageType
+from mesh.serving import MeshServer, start_server
 from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
 
 logger = logging.getLogger("mesh.server")
