@@ -6,7 +6,7 @@ PY := $(BIN)/python
 PROTOS := $(wildcard proto/mesh/v1/*.proto)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup proto proto-check proto-baseline breaking lint test test-fast demo up bench clean
+.PHONY: deploy-check help setup proto proto-check proto-baseline breaking lint test test-fast demo up bench clean
 
 help:
 	@echo "make setup        virtualenv in $(VENV) with agentmesh and its dev tools"
@@ -15,6 +15,7 @@ help:
 	@echo "make proto        regenerate mesh/v1 from proto/"
 	@echo "make lint         ruff, mypy, buf lint and buf format"
 	@echo "make bench        latency benchmarks (benchmarks/results/)"
+	@echo "make deploy-check render and validate the Kubernetes overlays in deploy/"
 
 $(BIN)/agentmesh: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -83,6 +84,10 @@ demo: setup
 
 up: setup
 	$(BIN)/agentmesh up
+
+# Renders every kustomize overlay and validates it strictly against the Kubernetes schemas.
+deploy-check: setup
+	KUBERNETES_VALIDATE=$(BIN)/kubernetes-validate deploy/check.sh
 
 bench: setup
 	@$(PY) -c "import matplotlib" 2>/dev/null || $(BIN)/pip install --quiet -e ".[dev,bench]"

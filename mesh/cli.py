@@ -86,30 +86,50 @@ async def _run_broker(args: argparse.Namespace) -> int:
 # -- agent -----------------------------------------------------------------------------------
 
 
-def load_agent(spec: str, agent_id: str | None = None) -> Agent:
-    """Loads ``module:attr``: an Agent instance, an Agent class, or a factory returning one."""
+def load_agents(spec: str, agent_id: str | None = None) -> list[Agent]:
+    """Loads ``module:attr``: an Agent instance or class, or a factory returning one agent or a
+    list of agents."""
     module_name, _, attr = spec.partition(":")
     if not attr:
         raise SystemExit(f"agent spec must be module:attribute, got {spec!r}")
     target: Any = getattr(importlib.import_module(module_name), attr)
     is_class = isinstance(target, type) and issubclass(target, Agent)
     if is_class or (not isinstance(target, Agent) and callable(target)):
-        target = target(agent_id) if agent_id else target()
-    if not isinstance(target, Agent):
+        target = target(agent_id) if agent_id and is_class else target()
+    found = list(target) if isinstance(target, list | tuple) else [target]
+    if not found or not all(isinstance(a, Agent) for a in found):
         raise SystemExit(f"{spec} is not an agent")
-    if agent_id and target.agent_id != agent_id:
-        target.agent_id = agent_id
-    return target
+    if agent_id:
+        if len(found) != 1:
+            raise SystemExit("--id needs a spec that names exactly one agent")
+        found[0].agent_id = agent_id
+    return found
+
+
+def load_agent(spec: str, agent_id: str | None = None) -> Agent:
+    [agent] = load_agents(spec, agent_id)
+    return agent
 
 
 async def _run_agent(args: argparse.Namespace) -> int:
-    agent = load_agent(args.spec, args.id)
-    served = await serve(
-        agent, args.broker, host=args.host, port=args.port, max_in_flight=args.max_in_flight
-    )
-    _print(f"agentmesh agent {agent.agent_id} serving on {served.address}, broker {args.broker}")
+    agents = [a for spec in args.spec for a in load_agents(spec, args.id)]
+    served = []
+    for i, agent in enumerate(agents):
+        port = args.port + i if args.port else 0
+        advertise = f"{args.advertise_host}:{port}" if args.advertise_host and port else None
+        one = await serve(
+            agent,
+            args.broker,
+            host=args.host,
+            port=port,
+            max_in_flight=args.max_in_flight,
+            advertise=advertise,
+        )
+        served.append(one)
+        _print(f"agentmesh agent {agent.agent_id} serving on {one.address}, broker {args.broker}")
     await _until_signalled()
-    await served.stop()
+    for one in served:
+        await one.stop()
     return 0
 
 
@@ -258,12 +278,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_broker_config_flags(p)
     p.set_defaults(run=_run_broker)
 
-    p = sub.add_parser("agent", help="run an agent from module:attribute")
-    p.add_argument("spec", help="module:attribute naming an Agent (instance, class or factory)")
+    p = sub.add_parser("agent", help="run agents from module:attribute specs")
+    p.add_argument(
+        "spec",
+        nargs="+",
+        help="module:attribute naming an Agent (instance, class, or a factory of one "
+        "or a list), e.g. agents.stocks:stock_experts",
+    )
     p.add_argument("--id", help="agent id to use instead of the agent's own")
     p.add_argument("--broker", default=broker_default)
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(_env("AGENT_PORT", "0")))
+    p.add_argument(
+        "--port",
+        type=int,
+        default=int(_env("AGENT_PORT", "0")),
+        help="port of the first agent, the next ones count up (0: free ports)",
+    )
+    p.add_argument(
+        "--advertise-host",
+        default=_env("ADVERTISE_HOST", "") or None,
+        help="host others reach the agents at (e.g. the pod IP)",
+    )
     p.add_argument("--max-in-flight", type=int, default=16)
     p.set_defaults(run=_run_agent)
 
