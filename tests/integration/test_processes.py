@@ -168,3 +168,23 @@ async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
     assert "INVALID_ARGUMENT: content is required" in out
     code, out = await cli("send", "--to", "Nobody", "--action", "x")
     assert code == 1 and "NOT_FOUND: agent Nobody is not registered" in out
+
+
+async def test_broker_takes_its_limits_from_the_environment() -> None:
+    os.environ["AGENTMESH_MAX_MESSAGES_PER_AGENT"] = "2"
+    try:
+        proc = await start("broker", "--port", "0", ready=r"listening on (\S+?)[,\s]")
+    finally:
+        del os.environ["AGENTMESH_MAX_MESSAGES_PER_AGENT"]
+    try:
+        from mesh import MessageQueueFullError
+        from mesh.client import NO_RETRY
+
+        async with connect(proc.address, agent_id="sender", retry=NO_RETRY) as client:
+            await client.register("Small")
+            await client.send("Small", {"action": "one"})
+            await client.send("Small", {"action": "two"})
+            with pytest.raises(MessageQueueFullError, match="Small queue full"):
+                await client.send("Small", {"action": "three"})
+    finally:
+        assert await stop(proc) == 0
