@@ -20,8 +20,9 @@ pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl
 
 def check(*overlays: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "KUBERNETES_VALIDATE": VALIDATE}
-    return subprocess.run([str(CHECK), *map(str, overlays)], capture_output=True, text=True,
-                          env=env, timeout=120)
+    return subprocess.run(
+        [str(CHECK), *map(str, overlays)], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def test_every_overlay_renders_and_validates() -> None:
@@ -32,8 +33,12 @@ def test_every_overlay_renders_and_validates() -> None:
 
 
 def test_rendered_manifests_have_grpc_probes_and_locked_down_pods() -> None:
-    rendered = subprocess.run(["kubectl", "kustomize", str(ROOT / "deploy/overlays/prod")],
-                              capture_output=True, text=True, check=True).stdout
+    rendered = subprocess.run(
+        ["kubectl", "kustomize", str(ROOT / "deploy/overlays/prod")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert rendered.count("service: mesh.v1.BrokerService") == 1
     assert rendered.count("service: mesh.v1.GatewayService") == 1
     assert rendered.count("service: mesh.v1.AgentService") == 3
@@ -51,7 +56,8 @@ def test_a_broken_manifest_fails_the_check(tmp_path: Path) -> None:
     (overlay / "kustomization.yaml").write_text(
         "resources:\n  - ../../base\n"
         "patches:\n  - target: {kind: Deployment, name: agentmesh-broker}\n"
-        "    patch: |\n      - op: replace\n        path: /spec/replicas\n        value: two\n")
+        "    patch: |\n      - op: replace\n        path: /spec/replicas\n        value: two\n"
+    )
     result = check(overlay)
     assert result.returncode != 0
     assert "spec.replicas: 'two' is not of type 'integer'" in result.stdout + result.stderr
