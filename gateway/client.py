@@ -61,6 +61,7 @@ class GatewayClient:
                 "RunCollaborativeFiltering": gateway_pb2.RunCollaborativeFilteringRequest,
                 "Route": gateway_pb2.RouteRequest,
                 "RunParallel": gateway_pb2.RunParallelRequest,
+                "RunConsensus": gateway_pb2.RunConsensusRequest,
             }[rpc]
             request = json_format.ParseDict(request, request_type())
         return self._stream(method(request, timeout=self.timeout))
@@ -73,6 +74,9 @@ class GatewayClient:
 
     def collaborative_filtering(self, **request: Any) -> AsyncIterator[dict[str, Any]]:
         return self.run("RunCollaborativeFiltering", request)
+
+    def consensus(self, **request: Any) -> AsyncIterator[dict[str, Any]]:
+        return self.run("RunConsensus", request)
 
     def route(
         self, request_type: str, query: str = "", **parameters: Any

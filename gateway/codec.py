@@ -6,6 +6,7 @@ from google.protobuf import json_format
 
 from gateway.events import EventKind, Pattern, PatternEvent
 from gateway.patterns.collaborative import FilteringSpec
+from gateway.patterns.consensus import ConsensusSpec
 from gateway.patterns.group_chat import GroupChatSpec
 from gateway.patterns.handoff import DEFAULT_MAX_HOPS, WorkflowSpec, WorkflowStep
 from mesh.codec import datetime_to_timestamp, dict_to_struct, duration_seconds, struct_to_dict
@@ -17,6 +18,7 @@ PATTERN_TO_PB = {
     Pattern.HAND_OFF: gateway_pb2.PATTERN_HAND_OFF,
     Pattern.COLLABORATIVE_FILTERING: gateway_pb2.PATTERN_COLLABORATIVE_FILTERING,
     Pattern.PARALLEL: gateway_pb2.PATTERN_PARALLEL,
+    Pattern.CONSENSUS: gateway_pb2.PATTERN_CONSENSUS,
 }
 KIND_TO_PB = {kind: gateway_pb2.EventKind.Value(f"EVENT_KIND_{kind.value}") for kind in EventKind}
 
@@ -69,6 +71,22 @@ def filtering_spec(pb: gateway_pb2.RunCollaborativeFilteringRequest) -> Filterin
         agent_timeout=_seconds(pb, "agent_timeout", 5.0),
         parameters=struct_to_dict(pb.parameters),
     )
+
+
+def consensus_spec(pb: gateway_pb2.RunConsensusRequest) -> ConsensusSpec:
+    spec = ConsensusSpec(
+        problem=pb.problem,
+        threshold=pb.threshold or 0.67,
+        quorum=pb.quorum,
+        weights=dict(pb.reviewer_weights),
+        early_termination=not pb.wait_for_all_votes,
+        agent_timeout=_seconds(pb, "agent_timeout", 10.0),
+    )
+    if pb.reviewer_ids:
+        spec.reviewer_ids = list(pb.reviewer_ids)
+    spec.proposer_id = pb.proposer_id or spec.proposer_id
+    spec.facilitator_id = pb.facilitator_id or spec.facilitator_id
+    return spec
 
 
 def event_to_pb(event: PatternEvent, out: gateway_pb2.PatternEvent) -> gateway_pb2.PatternEvent:

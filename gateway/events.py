@@ -15,6 +15,7 @@ class Pattern(enum.StrEnum):
     HAND_OFF = "HAND_OFF"
     COLLABORATIVE_FILTERING = "COLLABORATIVE_FILTERING"
     PARALLEL = "PARALLEL"
+    CONSENSUS = "CONSENSUS"
 
 
 class EventKind(enum.StrEnum):
@@ -31,6 +32,9 @@ class EventKind(enum.StrEnum):
     ROUTED = "ROUTED"
     RESULT = "RESULT"
     FAILURE = "FAILURE"
+    PROPOSAL = "PROPOSAL"
+    VOTE = "VOTE"
+    DECISION = "DECISION"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

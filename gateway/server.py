@@ -17,6 +17,7 @@ from gateway.dispatch import Dispatcher, MeshDispatcher
 from gateway.events import Emit, EventKind, Pattern, PatternEvent
 from gateway.metrics import PatternMetrics
 from gateway.patterns._common import new_id
+from gateway.patterns.consensus import run_consensus
 from gateway.patterns.group_chat import GroupChatSpec
 from gateway.patterns.handoff import WorkflowSpec
 from gateway.patterns.orchestrator import Router, Spec, pattern_of, routed, run_parallel, run_spec
@@ -230,6 +231,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
         async for event in self._events(Pattern.PARALLEL, run, context):
             yield gateway_pb2.RunParallelResponse(event=event)
+
+    async def RunConsensus(
+        self, request: gateway_pb2.RunConsensusRequest, context: Any
+    ) -> AsyncIterator[gateway_pb2.RunConsensusResponse]:
+        spec = codec.consensus_spec(request)
+        try:
+            spec.validate()
+        except MeshError as error:
+            await abort(context, error)
+        async for event in self._events(
+            Pattern.CONSENSUS, lambda emit: run_consensus(spec, self.dispatcher, emit), context
+        ):
+            yield gateway_pb2.RunConsensusResponse(event=event)
 
     async def GetPatternStats(
         self, request: gateway_pb2.GetPatternStatsRequest, context: Any

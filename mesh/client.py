@@ -28,6 +28,7 @@ from mesh.core.errors import (
     RequestTimeoutError,
     SessionClosedError,
 )
+from mesh.core.memory import Insight, MemoryStats
 from mesh.core.model import (
     JSON,
     AgentCard,
@@ -40,7 +41,14 @@ from mesh.core.model import (
     Priority,
 )
 from mesh.serving import GRPC_OPTIONS
-from mesh.v1 import agent_pb2, agent_pb2_grpc, broker_pb2, broker_pb2_grpc
+from mesh.v1 import (
+    agent_pb2,
+    agent_pb2_grpc,
+    broker_pb2,
+    broker_pb2_grpc,
+    memory_pb2,
+    memory_pb2_grpc,
+)
 
 logger = logging.getLogger("mesh.client")
 T = TypeVar("T")
@@ -343,6 +351,7 @@ class MeshClient:
         self._own_channel = channel is None
         self._channel = channel or grpc.aio.insecure_channel(target, options=CLIENT_OPTIONS)
         self._stub = broker_pb2_grpc.BrokerServiceStub(self._channel)
+        self._memory = memory_pb2_grpc.MemoryServiceStub(self._channel)
         self._session: _Session | None = None
         self._session_lock = asyncio.Lock()
         self._background: set[asyncio.Task[None]] = set()
@@ -781,6 +790,70 @@ class MeshClient:
                 for a in response.agents
             ),
             {f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields},
+        )
+
+    # -- shared memory pool ------------------------------------------------------------------
+
+    async def write_insight(
+        self,
+        content: JSON,
+        *,
+        tags: Iterable[str] = (),
+        importance: float = 0.5,
+        segment: str = "default",
+        metadata: dict[str, JSON] | None = None,
+        agent_id: str | None = None,
+    ) -> Insight:
+        """Writes an insight to the mesh's shared memory pool."""
+        from mesh.memory_server import insight_from_pb, insight_to_pb
+
+        request = memory_pb2.WriteInsightRequest()
+        insight_to_pb(
+            Insight(
+                agent_id=agent_id or self.agent_id,
+                content=content,
+                tags=tuple(tags),
+                importance=importance,
+                segment=segment,
+                metadata=dict(metadata or {}),
+            ),
+            request.insight,
+        )
+        response = await self._with_retry(self._unary(self._memory.WriteInsight, request))
+        return insight_from_pb(response.insight)
+
+    async def read_insights(
+        self,
+        *,
+        tags: Iterable[str] = (),
+        segment: str = "",
+        min_importance: float = 0.0,
+        limit: int = 0,
+        agent_id: str = "",
+    ) -> list[Insight]:
+        """Insights with all of ``tags``, most important first, then newest first."""
+        from mesh.memory_server import insight_from_pb
+
+        request = memory_pb2.ReadInsightsRequest(
+            tags=list(tags),
+            segment=segment,
+            min_importance=min_importance,
+            limit=limit,
+            agent_id=agent_id,
+        )
+        response = await self._with_retry(self._unary(self._memory.ReadInsights, request))
+        return [insight_from_pb(pb) for pb in response.insights]
+
+    async def memory_stats(self) -> MemoryStats:
+        response = await self._with_retry(
+            self._unary(self._memory.GetMemoryStats, memory_pb2.GetMemoryStatsRequest())
+        )
+        return MemoryStats(
+            response.total_insights,
+            response.agents_involved,
+            dict(response.tag_distribution),
+            dict(response.segment_distribution),
+            response.capacity,
         )
 
     async def dead_letters(self, agent_id: str = "") -> list[DeadLetter]:

@@ -401,13 +401,22 @@ async def serve_broker(
     broker_config: BrokerConfig | None = None,
 ) -> tuple[Broker, MeshServer]:
     """Starts a broker and its gRPC server (health, reflection, optional /metrics)."""
+    from mesh.memory_server import MEMORY_SERVICE, MemoryServicer
+    from mesh.v1 import memory_pb2_grpc
+
     config = server_config or ServerConfig(port=0)
     broker = broker or Broker(broker_config)
     await broker.start()
     servicer = BrokerServicer(broker)
+    memory = MemoryServicer(broker.memory)
+
+    def register(s: grpc.aio.Server) -> None:
+        broker_pb2_grpc.add_BrokerServiceServicer_to_server(servicer, s)
+        memory_pb2_grpc.add_MemoryServiceServicer_to_server(memory, s)
+
     server = await start_server(
-        lambda s: broker_pb2_grpc.add_BrokerServiceServicer_to_server(servicer, s),
-        [BROKER_SERVICE],
+        register,
+        [BROKER_SERVICE, MEMORY_SERVICE],
         host=config.host,
         port=config.port,
         metrics_registry=broker.metrics.registry,

@@ -27,6 +27,7 @@ from mesh.core.errors import (
     RequestTimeoutError,
     SessionClosedError,
 )
+from mesh.core.memory import SharedMemoryPool
 from mesh.core.model import (
     BROADCAST_TARGET,
     AgentInfo,
@@ -156,6 +157,7 @@ class Broker:
         self.config = config or BrokerConfig()
         self.metrics = metrics or BrokerMetrics()
         self.registry = AgentRegistry(self.config.max_agents, self.config.max_id_length)
+        self.memory = SharedMemoryPool()
         if store is None:
             store = InMemoryQueueStore(
                 max_messages_per_agent=self.config.max_messages_per_agent,

@@ -38,6 +38,8 @@ class _PatternEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Pattern.Value
     """Collaborative filtering."""
     PATTERN_PARALLEL: _Pattern.ValueType  # 4
     """Several patterns in parallel."""
+    PATTERN_CONSENSUS: _Pattern.ValueType  # 5
+    """Consensus building."""
 
 class Pattern(_Pattern, metaclass=_PatternEnumTypeWrapper):
     """Pattern names a multi-agent pattern."""
@@ -52,6 +54,8 @@ PATTERN_COLLABORATIVE_FILTERING: Pattern.ValueType  # 3
 """Collaborative filtering."""
 PATTERN_PARALLEL: Pattern.ValueType  # 4
 """Several patterns in parallel."""
+PATTERN_CONSENSUS: Pattern.ValueType  # 5
+"""Consensus building."""
 Global___Pattern: _TypeAlias = Pattern  # noqa: Y015
 
 class _EventKind:
@@ -90,6 +94,12 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     """The final result of the run (always the last event)."""
     EVENT_KIND_FAILURE: _EventKind.ValueType  # 13
     """The run failed: failed_at_step, agent_id, error_reason."""
+    EVENT_KIND_PROPOSAL: _EventKind.ValueType  # 14
+    """A proposal: proposal_id, proposal, reasoning."""
+    EVENT_KIND_VOTE: _EventKind.ValueType  # 15
+    """A reviewer's vote: reviewer_id, vote (approve, reject, modify), feedback, confidence."""
+    EVENT_KIND_DECISION: _EventKind.ValueType  # 16
+    """The facilitator's decision: decision, rationale, consensus_level, counts."""
 
 class EventKind(_EventKind, metaclass=_EventKindEnumTypeWrapper):
     """EventKind says what a PatternEvent reports; its data fields are listed per kind."""
@@ -124,6 +134,12 @@ EVENT_KIND_RESULT: EventKind.ValueType  # 12
 """The final result of the run (always the last event)."""
 EVENT_KIND_FAILURE: EventKind.ValueType  # 13
 """The run failed: failed_at_step, agent_id, error_reason."""
+EVENT_KIND_PROPOSAL: EventKind.ValueType  # 14
+"""A proposal: proposal_id, proposal, reasoning."""
+EVENT_KIND_VOTE: EventKind.ValueType  # 15
+"""A reviewer's vote: reviewer_id, vote (approve, reject, modify), feedback, confidence."""
+EVENT_KIND_DECISION: EventKind.ValueType  # 16
+"""The facilitator's decision: decision, rationale, consensus_level, counts."""
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
 @_typing.final
@@ -659,6 +675,112 @@ class RunParallelResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RunParallelResponse: _TypeAlias = RunParallelResponse  # noqa: Y015
+
+@_typing.final
+class RunConsensusRequest(_message.Message):
+    """RunConsensusRequest describes a consensus round."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ReviewerWeightsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    PROBLEM_FIELD_NUMBER: _builtins.int
+    REVIEWER_IDS_FIELD_NUMBER: _builtins.int
+    PROPOSER_ID_FIELD_NUMBER: _builtins.int
+    FACILITATOR_ID_FIELD_NUMBER: _builtins.int
+    THRESHOLD_FIELD_NUMBER: _builtins.int
+    QUORUM_FIELD_NUMBER: _builtins.int
+    REVIEWER_WEIGHTS_FIELD_NUMBER: _builtins.int
+    WAIT_FOR_ALL_VOTES_FIELD_NUMBER: _builtins.int
+    AGENT_TIMEOUT_FIELD_NUMBER: _builtins.int
+    problem: _builtins.str
+    """The problem to decide on."""
+    proposer_id: _builtins.str
+    """The proposer; default "proposer"."""
+    facilitator_id: _builtins.str
+    """The facilitator; default "facilitator"."""
+    threshold: _builtins.float
+    """ACCEPT at or above this approval, REJECT at or above this rejection; default 0.67.
+    Common values: 0.51, 0.67, 0.75, 1.0.
+    """
+    quorum: _builtins.int
+    """The minimum number of votes for any decision; fewer gives NO_QUORUM. 0 means none."""
+    wait_for_all_votes: _builtins.bool
+    """When true, waits for every vote even once the outcome cannot change."""
+    @_builtins.property
+    def reviewer_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The reviewers; default reviewer_1, reviewer_2, reviewer_3."""
+
+    @_builtins.property
+    def reviewer_weights(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Weight per reviewer id (default 1.0 each), e.g. {"senior_reviewer": 2.0}."""
+
+    @_builtins.property
+    def agent_timeout(self) -> _duration_pb2.Duration:
+        """How long each agent may take; default 10 s."""
+
+    def __init__(
+        self,
+        *,
+        problem: _builtins.str = ...,
+        reviewer_ids: _abc.Iterable[_builtins.str] | None = ...,
+        proposer_id: _builtins.str = ...,
+        facilitator_id: _builtins.str = ...,
+        threshold: _builtins.float = ...,
+        quorum: _builtins.int = ...,
+        reviewer_weights: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        wait_for_all_votes: _builtins.bool = ...,
+        agent_timeout: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent_timeout", b"agent_timeout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_timeout", b"agent_timeout", "facilitator_id", b"facilitator_id", "problem", b"problem", "proposer_id", b"proposer_id", "quorum", b"quorum", "reviewer_ids", b"reviewer_ids", "reviewer_weights", b"reviewer_weights", "threshold", b"threshold", "wait_for_all_votes", b"wait_for_all_votes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunConsensusRequest: _TypeAlias = RunConsensusRequest  # noqa: Y015
+
+@_typing.final
+class RunConsensusResponse(_message.Message):
+    """RunConsensusResponse carries one event."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def event(self) -> Global___PatternEvent:
+        """The event."""
+
+    def __init__(
+        self,
+        *,
+        event: Global___PatternEvent | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunConsensusResponse: _TypeAlias = RunConsensusResponse  # noqa: Y015
 
 @_typing.final
 class GetPatternStatsRequest(_message.Message):

@@ -62,6 +62,11 @@ class GatewayServiceStub:
                 request_serializer=mesh_dot_v1_dot_gateway__pb2.RunParallelRequest.SerializeToString,
                 response_deserializer=mesh_dot_v1_dot_gateway__pb2.RunParallelResponse.FromString,
                 _registered_method=True)
+        self.RunConsensus = channel.unary_stream(
+                '/mesh.v1.GatewayService/RunConsensus',
+                request_serializer=mesh_dot_v1_dot_gateway__pb2.RunConsensusRequest.SerializeToString,
+                response_deserializer=mesh_dot_v1_dot_gateway__pb2.RunConsensusResponse.FromString,
+                _registered_method=True)
         self.GetPatternStats = channel.unary_unary(
                 '/mesh.v1.GatewayService/GetPatternStats',
                 request_serializer=mesh_dot_v1_dot_gateway__pb2.GetPatternStatsRequest.SerializeToString,
@@ -113,6 +118,14 @@ class GatewayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunConsensus(self, request, context):
+        """Consensus building: a proposer proposes, reviewers vote in parallel, a facilitator
+        decides (ACCEPT, REJECT, REQUEST_REVISION, or NO_QUORUM).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetPatternStats(self, request, context):
         """Runs, durations, completion and consensus rates per pattern since start.
         """
@@ -147,6 +160,11 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.RunParallel,
                     request_deserializer=mesh_dot_v1_dot_gateway__pb2.RunParallelRequest.FromString,
                     response_serializer=mesh_dot_v1_dot_gateway__pb2.RunParallelResponse.SerializeToString,
+            ),
+            'RunConsensus': grpc.unary_stream_rpc_method_handler(
+                    servicer.RunConsensus,
+                    request_deserializer=mesh_dot_v1_dot_gateway__pb2.RunConsensusRequest.FromString,
+                    response_serializer=mesh_dot_v1_dot_gateway__pb2.RunConsensusResponse.SerializeToString,
             ),
             'GetPatternStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPatternStats,
@@ -292,6 +310,33 @@ class GatewayService:
             '/mesh.v1.GatewayService/RunParallel',
             mesh_dot_v1_dot_gateway__pb2.RunParallelRequest.SerializeToString,
             mesh_dot_v1_dot_gateway__pb2.RunParallelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunConsensus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/mesh.v1.GatewayService/RunConsensus',
+            mesh_dot_v1_dot_gateway__pb2.RunConsensusRequest.SerializeToString,
+            mesh_dot_v1_dot_gateway__pb2.RunConsensusResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -52,6 +52,10 @@ class GatewayServiceStub:
     """Routes a request type to its pattern (with the reason) and runs it with its preset."""
     RunParallel: _grpc.UnaryStreamMultiCallable[_gateway_pb2.RunParallelRequest, _gateway_pb2.RunParallelResponse]
     """Runs several patterns at once; the result combines theirs."""
+    RunConsensus: _grpc.UnaryStreamMultiCallable[_gateway_pb2.RunConsensusRequest, _gateway_pb2.RunConsensusResponse]
+    """Consensus building: a proposer proposes, reviewers vote in parallel, a facilitator
+    decides (ACCEPT, REJECT, REQUEST_REVISION, or NO_QUORUM).
+    """
     GetPatternStats: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.GetPatternStatsRequest, _gateway_pb2.GetPatternStatsResponse]
     """Runs, durations, completion and consensus rates per pattern since start."""
 
@@ -79,6 +83,10 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     """Routes a request type to its pattern (with the reason) and runs it with its preset."""
     RunParallel: _aio.UnaryStreamMultiCallable[_gateway_pb2.RunParallelRequest, _gateway_pb2.RunParallelResponse]  # type: ignore[assignment]
     """Runs several patterns at once; the result combines theirs."""
+    RunConsensus: _aio.UnaryStreamMultiCallable[_gateway_pb2.RunConsensusRequest, _gateway_pb2.RunConsensusResponse]  # type: ignore[assignment]
+    """Consensus building: a proposer proposes, reviewers vote in parallel, a facilitator
+    decides (ACCEPT, REJECT, REQUEST_REVISION, or NO_QUORUM).
+    """
     GetPatternStats: _aio.UnaryUnaryMultiCallable[_gateway_pb2.GetPatternStatsRequest, _gateway_pb2.GetPatternStatsResponse]  # type: ignore[assignment]
     """Runs, durations, completion and consensus rates per pattern since start."""
 
@@ -133,6 +141,16 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_gateway_pb2.RunParallelResponse], _abc.AsyncIterator[_gateway_pb2.RunParallelResponse]]:
         """Runs several patterns at once; the result combines theirs."""
+
+    @_abc_1.abstractmethod
+    def RunConsensus(
+        self,
+        request: _gateway_pb2.RunConsensusRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_gateway_pb2.RunConsensusResponse], _abc.AsyncIterator[_gateway_pb2.RunConsensusResponse]]:
+        """Consensus building: a proposer proposes, reviewers vote in parallel, a facilitator
+        decides (ACCEPT, REJECT, REQUEST_REVISION, or NO_QUORUM).
+        """
 
     @_abc_1.abstractmethod
     def GetPatternStats(

@@ -1,0 +1,175 @@
+"""The consensus-building agents: proposer, reviewers and facilitator, coordinating through the
+mesh's shared memory pool (segments proposals, votes, decisions)."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+from agents._data import read
+from agents.reasoning import Reasoner, reasoner_from_env
+from gateway.patterns.consensus import decide, vote_from
+from mesh import Agent, AgentContext, Message
+
+
+class ProposerAgent(Agent):
+    """Creates a proposal for a problem and writes it to the shared memory pool."""
+
+    agent_id = "proposer"
+    agent_types = ("consensus", "proposer")
+    capabilities = ("propose",)
+
+    def __init__(
+        self,
+        agent_id: str | None = None,
+        *,
+        data_dir: str | Path | None = None,
+        reasoner: Reasoner | None = None,
+    ) -> None:
+        super().__init__(agent_id)
+        self.data_dir = data_dir
+        self.reasoner = reasoner or reasoner_from_env(self._rules)
+
+    async def _rules(self, task: str, inputs: dict[str, Any]) -> dict[str, Any]:
+        problem = str(inputs["problem"]).lower()
+        catalog = (await read("consensus.json", self.data_dir))["proposals"]
+        chosen = next(p for p in catalog if not p["match"] or any(m in problem for m in p["match"]))
+        return {
+            "proposal": chosen["proposal"],
+            "reasoning": chosen["reasoning"],
+            "traits": chosen["traits"],
+        }
+
+    async def handle(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
+        problem = str((message.content or {}).get("problem") or "")
+        if not problem:
+            raise ValueError("a proposal needs a problem")
+        made = await self.reasoner.complete(
+            "propose", {"problem": problem}, '{"proposal": str, "reasoning": str, "traits": [str]}'
+        )
+        proposal_id = f"proposal_{uuid.uuid4().hex[:8]}"
+        content = {
+            "proposal": made["proposal"],
+            "reasoning": made.get("reasoning", ""),
+            "problem": problem,
+            "traits": made.get("traits", []),
+        }
+        await ctx.client.write_insight(
+            content,
+            tags=["proposal", "pending", proposal_id],
+            importance=0.9,
+            segment="proposals",
+            metadata={"proposal_id": proposal_id, "problem": problem},
+            agent_id=self.agent_id,
+        )
+        return {"proposal_id": proposal_id, **content}
+
+
+class ReviewerAgent(Agent):
+    """Reads a proposal from the pool, votes approve / reject / modify from its focus, and
+    writes the vote to the pool."""
+
+    agent_types = ("consensus", "reviewer")
+    capabilities = ("review",)
+
+    def __init__(
+        self, agent_id: str, *, data_dir: str | Path | None = None, reasoner: Reasoner | None = None
+    ) -> None:
+        super().__init__(agent_id)
+        self.data_dir = data_dir
+        self.reasoner = reasoner or reasoner_from_env(self._rules)
+
+    async def _rules(self, task: str, inputs: dict[str, Any]) -> dict[str, Any]:
+        profile = (await read("consensus.json", self.data_dir))["reviewers"][self.agent_id]
+        traits = set(inputs["proposal"].get("traits", []))
+        for vote in ("reject", "modify", "approve"):
+            hits = sorted(traits.intersection(profile[vote]))
+            if hits:
+                return {
+                    "vote": vote,
+                    "confidence": profile["confidence"],
+                    "feedback": f"{profile['focus']} review: {vote} because of {', '.join(hits)}",
+                }
+        return {
+            "vote": "modify",
+            "confidence": 0.5,
+            "feedback": f"{profile['focus']} review: nothing in it addresses my concerns",
+        }
+
+    async def handle(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
+        proposal_id = str((message.content or {}).get("proposal_id") or "")
+        found = await ctx.client.read_insights(tags=["proposal", proposal_id], limit=1)
+        if not found:
+            raise LookupError(f"proposal {proposal_id} is not in the shared memory pool")
+        proposal = found[0].content
+        assert isinstance(proposal, dict)
+        answer = await self.reasoner.complete(
+            "review",
+            {"proposal": proposal, "reviewer": self.agent_id},
+            '{"vote": "approve"|"reject"|"modify", "feedback": str, "confidence": number}',
+        )
+        vote = vote_from(self.agent_id, answer)
+        await ctx.client.write_insight(
+            vote.to_dict(),
+            tags=["vote", self.agent_id, proposal_id],
+            importance=0.8,
+            segment="votes",
+            metadata={"proposal_id": proposal_id, "reviewer_id": self.agent_id},
+            agent_id=self.agent_id,
+        )
+        return vote.to_dict()
+
+
+class FacilitatorAgent(Agent):
+    """Reads the votes from the pool, applies the decision matrix, writes the decision."""
+
+    agent_id = "facilitator"
+    agent_types = ("consensus", "facilitator")
+    capabilities = ("facilitate",)
+
+    async def handle(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
+        content = message.content or {}
+        proposal_id = str(content.get("proposal_id") or "")
+        counted = set(content.get("reviewers") or [])
+        insights = await ctx.client.read_insights(
+            tags=["vote", proposal_id], segment="votes", limit=1000
+        )
+        latest: dict[str, Any] = {}
+        for insight in reversed(insights):  # oldest first, so a later vote wins
+            if isinstance(insight.content, dict):
+                latest[str(insight.content.get("reviewer_id"))] = insight.content
+        votes = [vote_from(r, v) for r, v in sorted(latest.items()) if not counted or r in counted]
+        decision = decide(
+            votes,
+            threshold=float(content.get("threshold") or 0.67),
+            quorum=int(content.get("quorum") or 0),
+            weights=dict(content.get("weights") or {}),
+        )
+        await ctx.client.write_insight(
+            decision,
+            tags=["decision", "final", proposal_id],
+            importance=1.0,
+            segment="decisions",
+            metadata={"proposal_id": proposal_id},
+            agent_id=self.agent_id,
+        )
+        stats = await ctx.client.memory_stats()
+        return {
+            **decision,
+            "proposal_id": proposal_id,
+            "memory_stats": {
+                "total_insights": stats.total_insights,
+                "agents_involved": stats.agents_involved,
+                "tag_distribution": stats.tag_distribution,
+                "segment_distribution": stats.segment_distribution,
+            },
+        }
+
+
+def consensus_agents(data_dir: str | Path | None = None, reviewers: int = 5) -> list[Agent]:
+    return [
+        ProposerAgent(data_dir=data_dir),
+        *(ReviewerAgent(f"reviewer_{i}", data_dir=data_dir) for i in range(1, reviewers + 1)),
+        FacilitatorAgent(),
+    ]
