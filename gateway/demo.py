@@ -69,6 +69,11 @@ SCENARIOS: list[tuple[str, str, dict[str, Any]]] = [
         },
     ),
     (
+        "Consensus building: proposal, votes, decision",
+        "RunConsensus",
+        {"problem": "Should we migrate to microservices?", "wait_for_all_votes": True},
+    ),
+    (
         "Parallel patterns: hotel and flight at once (RF-010 18)",
         "RunParallel",
         {
@@ -122,6 +127,13 @@ def _result_lines(result: dict[str, Any]) -> list[str]:
         lines.append("breakdown: " + ", ".join(cells))
         if d.get("tie_break"):
             lines.append(f"tie broken by {d['tie_break']}")
+    if "votes" in result and isinstance(result.get("decision"), dict):
+        d = result["decision"]
+        lines.append(f"proposal: {result['proposal'].get('proposal')}")
+        lines.append("votes: " + ", ".join(f"{v['reviewer_id']} {v['vote']}"
+                                           for v in result["votes"]))
+        lines.append(f"decision: {d.get('decision')} at {d.get('consensus_level')}: "
+                     f"{d.get('rationale')}")
     if "results" in result:
         for name, sub in result["results"].items():
             rec = sub.get("recommendation")

@@ -28,8 +28,8 @@ def check(*overlays: Path) -> subprocess.CompletedProcess[str]:
 def test_every_overlay_renders_and_validates() -> None:
     result = check()
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "dev: 23 objects rendered and valid" in result.stdout
-    assert "prod: 23 objects rendered and valid" in result.stdout
+    assert "dev: 26 objects rendered and valid" in result.stdout
+    assert "prod: 26 objects rendered and valid" in result.stdout
 
 
 def test_rendered_manifests_have_grpc_probes_and_locked_down_pods() -> None:
@@ -41,11 +41,11 @@ def test_rendered_manifests_have_grpc_probes_and_locked_down_pods() -> None:
     ).stdout
     assert rendered.count("service: mesh.v1.BrokerService") == 1
     assert rendered.count("service: mesh.v1.GatewayService") == 1
-    assert rendered.count("service: mesh.v1.AgentService") == 3
-    assert rendered.count("runAsNonRoot: true") == 5
-    assert rendered.count("readOnlyRootFilesystem: true") == 5
+    assert rendered.count("service: mesh.v1.AgentService") == 4
+    assert rendered.count("runAsNonRoot: true") == 6
+    assert rendered.count("readOnlyRootFilesystem: true") == 6
     assert "kind: PodDisruptionBudget" in rendered
-    assert rendered.count("kind: HorizontalPodAutoscaler") == 4
+    assert rendered.count("kind: HorizontalPodAutoscaler") == 5
     assert rendered.count("kind: NetworkPolicy") == 6
 
 
