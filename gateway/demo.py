@@ -111,7 +111,7 @@ def _result_lines(result: dict[str, Any]) -> list[str]:
         final = result.get("notification") or result.get("final_result")
         if isinstance(final, dict) and final.get("email"):
             lines.append(f"customer email: {final['email']!r}")
-    if "decision" in result and isinstance(result["decision"], dict):
+    if "opinions" in result and isinstance(result.get("decision"), dict):
         d = result["decision"]
         lines.append(
             f"recommendation: {d.get('recommendation')} (score {d.get('score')}, "
