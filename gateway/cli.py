@@ -19,6 +19,8 @@ async def _up(args: argparse.Namespace) -> int:
     from mesh.cli import _print, _until_signalled
 
     mesh = await start_embedded(
+        docs_dir=args.docs,
+        reports_dir=args.reports_dir,
         host=args.host,
         broker_port=args.port,
         gateway_port=args.gateway_port,
@@ -65,6 +67,41 @@ async def _gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _research(args: argparse.Namespace) -> int:
+    from gateway.client import GatewayClient
+    from mesh.cli import _print
+
+    mesh = None
+    gateway_address = args.gateway
+    if not gateway_address:
+        from gateway.embedded import start_embedded
+
+        mesh = await start_embedded(docs_dir=args.docs, reports_dir=args.out)
+        gateway_address = mesh.gateway.address
+    try:
+        async with GatewayClient(gateway_address, timeout=args.timeout) as client:
+            result: dict[str, Any] = {}
+            async for event in client.research(
+                query=args.query,
+                documents=bool(args.docs),
+                max_iterations=args.max_iterations,
+                report_name=args.name or "",
+            ):
+                _print(f"[{event['elapsed_ms']:8.1f} ms] {event['kind']:<13} {event['summary']}")
+                if event["kind"] == "RESULT":
+                    result = event["data"]
+    finally:
+        if mesh is not None:
+            await mesh.stop()
+    _print("")
+    _print(str(result.get("summary") or ""))
+    for gap in result.get("gaps") or []:
+        _print(f"open gap: {gap}")
+    for path in (result.get("report") or {}).get("files") or []:
+        _print(f"wrote {path}")
+    return 0 if result.get("status") in ("COMPLETED", "PARTIAL") else 1
+
+
 async def _demo(args: argparse.Namespace) -> int:
     from gateway.demo import run_demo
 
@@ -96,6 +133,16 @@ def add_commands(sub: Any, broker_default: str) -> None:
         help="folder of the sample agents' JSON data",
     )
     p.add_argument("--ready-file", help="write the addresses as JSON here once ready")
+    p.add_argument(
+        "--docs",
+        default=_env("DOCS_DIR", "") or None,
+        help="local documents for research (default: the shipped sample documents)",
+    )
+    p.add_argument(
+        "--reports-dir",
+        default=_env("REPORTS_DIR", "research-reports"),
+        help="where the report agent writes research reports",
+    )
     p.set_defaults(run=_up)
 
     p = sub.add_parser("gateway", help="run the gateway against a broker")
@@ -109,6 +156,28 @@ def add_commands(sub: Any, broker_default: str) -> None:
         help="routing table JSON (default: gateway/data/routes.json)",
     )
     p.set_defaults(run=_gateway)
+
+    p = sub.add_parser("research", help="research a question with the hub-and-spoke agents")
+    p.add_argument("query")
+    p.add_argument(
+        "--docs",
+        help="folder of local documents (.txt, .md; pages split by form "
+        "feeds) to search besides the web snapshot",
+    )
+    p.add_argument(
+        "--out",
+        default=_env("REPORTS_DIR", "research-reports"),
+        help="folder the report agent writes the Markdown and JSON report to",
+    )
+    p.add_argument("--name", help="base name of the report files")
+    p.add_argument("--max-iterations", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument(
+        "--gateway",
+        default=None,
+        help="a running gateway (its mesh's tool host decides docs and output)",
+    )
+    p.set_defaults(run=_research)
 
     p = sub.add_parser("demo", help="run every pattern through the gateway and report")
     p.add_argument(

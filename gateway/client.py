@@ -62,6 +62,7 @@ class GatewayClient:
                 "Route": gateway_pb2.RouteRequest,
                 "RunParallel": gateway_pb2.RunParallelRequest,
                 "RunConsensus": gateway_pb2.RunConsensusRequest,
+                "RunResearch": gateway_pb2.RunResearchRequest,
             }[rpc]
             request = json_format.ParseDict(request, request_type())
         return self._stream(method(request, timeout=self.timeout))
@@ -77,6 +78,9 @@ class GatewayClient:
 
     def consensus(self, **request: Any) -> AsyncIterator[dict[str, Any]]:
         return self.run("RunConsensus", request)
+
+    def research(self, **request: Any) -> AsyncIterator[dict[str, Any]]:
+        return self.run("RunResearch", request)
 
     def route(
         self, request_type: str, query: str = "", **parameters: Any

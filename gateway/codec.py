@@ -9,6 +9,7 @@ from gateway.patterns.collaborative import FilteringSpec
 from gateway.patterns.consensus import ConsensusSpec
 from gateway.patterns.group_chat import GroupChatSpec
 from gateway.patterns.handoff import DEFAULT_MAX_HOPS, WorkflowSpec, WorkflowStep
+from gateway.patterns.research import ResearchSpec
 from mesh.codec import datetime_to_timestamp, dict_to_struct, duration_seconds, struct_to_dict
 from mesh.core.model import JSON
 from mesh.v1 import gateway_pb2
@@ -19,6 +20,7 @@ PATTERN_TO_PB = {
     Pattern.COLLABORATIVE_FILTERING: gateway_pb2.PATTERN_COLLABORATIVE_FILTERING,
     Pattern.PARALLEL: gateway_pb2.PATTERN_PARALLEL,
     Pattern.CONSENSUS: gateway_pb2.PATTERN_CONSENSUS,
+    Pattern.RESEARCH: gateway_pb2.PATTERN_RESEARCH,
 }
 KIND_TO_PB = {kind: gateway_pb2.EventKind.Value(f"EVENT_KIND_{kind.value}") for kind in EventKind}
 
@@ -87,6 +89,20 @@ def consensus_spec(pb: gateway_pb2.RunConsensusRequest) -> ConsensusSpec:
     spec.proposer_id = pb.proposer_id or spec.proposer_id
     spec.facilitator_id = pb.facilitator_id or spec.facilitator_id
     return spec
+
+
+def research_spec(pb: gateway_pb2.RunResearchRequest) -> ResearchSpec:
+    return ResearchSpec(
+        query=pb.query,
+        documents=pb.documents,
+        max_iterations=pb.max_iterations or 3,
+        subagent_timeout=_seconds(pb, "subagent_timeout", 10.0),
+        tool_timeout=_seconds(pb, "tool_timeout", 2.0),
+        dependencies={k: list(v.depends_on) for k, v in pb.dependencies.items()},
+        break_cycles=not pb.fail_on_cycle,
+        constraints=struct_to_dict(pb.constraints),
+        report_name=pb.report_name,
+    )
 
 
 def event_to_pb(event: PatternEvent, out: gateway_pb2.PatternEvent) -> gateway_pb2.PatternEvent:

@@ -130,10 +130,12 @@ def _result_lines(result: dict[str, Any]) -> list[str]:
     if "votes" in result and isinstance(result.get("decision"), dict):
         d = result["decision"]
         lines.append(f"proposal: {result['proposal'].get('proposal')}")
-        lines.append("votes: " + ", ".join(f"{v['reviewer_id']} {v['vote']}"
-                                           for v in result["votes"]))
-        lines.append(f"decision: {d.get('decision')} at {d.get('consensus_level')}: "
-                     f"{d.get('rationale')}")
+        lines.append(
+            "votes: " + ", ".join(f"{v['reviewer_id']} {v['vote']}" for v in result["votes"])
+        )
+        lines.append(
+            f"decision: {d.get('decision')} at {d.get('consensus_level')}: {d.get('rationale')}"
+        )
     if "results" in result:
         for name, sub in result["results"].items():
             rec = sub.get("recommendation")

@@ -6,9 +6,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agents import sample_agents
+from agents.research import RESEARCH_POLICY, research_agents, research_tools
+from agents.research.corpus import DocumentFolder
 from gateway.server import GatewayServer, serve_gateway
 from mesh.agent import AgentServer, serve
 from mesh.config import BrokerConfig, ServerConfig
+from mesh.core.tools import ToolHost
 from mesh.server import serve_broker
 from mesh.serving import MeshServer
 
@@ -47,19 +50,24 @@ async def start_embedded(
     metrics_port: int = -1,
     data_dir: str | Path | None = None,
     broker_config: BrokerConfig | None = None,
+    docs_dir: str | Path | None = None,
+    reports_dir: str | Path = "research-reports",
 ) -> EmbeddedMesh:
     """Starts everything; each agent on its own gRPC server. Pattern metrics are exported
     beside the broker's on the broker's /metrics."""
+    docs = DocumentFolder(Path(docs_dir)) if docs_dir else DocumentFolder()
+    tools = ToolHost(research_tools(docs=docs, output=Path(reports_dir)), RESEARCH_POLICY)
     broker, broker_server = await serve_broker(
         server_config=ServerConfig(host=host, port=broker_port, metrics_port=metrics_port),
         broker_config=broker_config,
+        tool_host=tools,
     )
     gateway = await serve_gateway(
         broker_server.address, host=host, port=gateway_port, registry=broker.metrics.registry
     )
     mesh = EmbeddedMesh(broker_server, gateway)
     try:
-        for agent in sample_agents(data_dir):
+        for agent in [*sample_agents(data_dir), *research_agents()]:
             mesh.agents.append(await serve(agent, broker_server.address, host=host))
     except BaseException:
         await mesh.stop(0)

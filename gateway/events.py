@@ -16,6 +16,7 @@ class Pattern(enum.StrEnum):
     COLLABORATIVE_FILTERING = "COLLABORATIVE_FILTERING"
     PARALLEL = "PARALLEL"
     CONSENSUS = "CONSENSUS"
+    RESEARCH = "RESEARCH"
 
 
 class EventKind(enum.StrEnum):
@@ -35,6 +36,12 @@ class EventKind(enum.StrEnum):
     PROPOSAL = "PROPOSAL"
     VOTE = "VOTE"
     DECISION = "DECISION"
+    PLAN = "PLAN"
+    FINDINGS = "FINDINGS"
+    CONFLICT = "CONFLICT"
+    ESCALATION = "ESCALATION"
+    ITERATION = "ITERATION"
+    REPORT = "REPORT"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

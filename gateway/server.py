@@ -21,6 +21,7 @@ from gateway.patterns.consensus import run_consensus
 from gateway.patterns.group_chat import GroupChatSpec
 from gateway.patterns.handoff import WorkflowSpec
 from gateway.patterns.orchestrator import Router, Spec, pattern_of, routed, run_parallel, run_spec
+from gateway.patterns.research import run_research
 from mesh._status import abort
 from mesh.client import MeshClient
 from mesh.codec import struct_to_dict
@@ -244,6 +245,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             Pattern.CONSENSUS, lambda emit: run_consensus(spec, self.dispatcher, emit), context
         ):
             yield gateway_pb2.RunConsensusResponse(event=event)
+
+    async def RunResearch(
+        self, request: gateway_pb2.RunResearchRequest, context: Any
+    ) -> AsyncIterator[gateway_pb2.RunResearchResponse]:
+        spec = codec.research_spec(request)
+        try:
+            spec.validate()
+        except MeshError as error:
+            await abort(context, error)
+        async for event in self._events(
+            Pattern.RESEARCH, lambda emit: run_research(spec, self.dispatcher, emit), context
+        ):
+            yield gateway_pb2.RunResearchResponse(event=event)
 
     async def GetPatternStats(
         self, request: gateway_pb2.GetPatternStatsRequest, context: Any

@@ -48,6 +48,8 @@ from mesh.v1 import (
     broker_pb2_grpc,
     memory_pb2,
     memory_pb2_grpc,
+    tools_pb2,
+    tools_pb2_grpc,
 )
 
 logger = logging.getLogger("mesh.client")
@@ -352,6 +354,7 @@ class MeshClient:
         self._channel = channel or grpc.aio.insecure_channel(target, options=CLIENT_OPTIONS)
         self._stub = broker_pb2_grpc.BrokerServiceStub(self._channel)
         self._memory = memory_pb2_grpc.MemoryServiceStub(self._channel)
+        self._tools = tools_pb2_grpc.ToolServiceStub(self._channel)
         self._session: _Session | None = None
         self._session_lock = asyncio.Lock()
         self._background: set[asyncio.Task[None]] = set()
@@ -791,6 +794,44 @@ class MeshClient:
             ),
             {f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields},
         )
+
+    # -- tools -------------------------------------------------------------------------------
+
+    async def call_tool(
+        self,
+        tool: str,
+        arguments: dict[str, JSON] | None = None,
+        *,
+        timeout: float = 10.0,
+        agent_id: str | None = None,
+    ) -> JSON:
+        """Runs a tool through the mesh as this agent; the mesh enforces the agent's allow-list
+        (ToolPermissionError). No retries here: a caller tells a ToolTimeoutError (worth
+        retrying) from a ToolFailedError (not worth it) and decides."""
+        from mesh.core.tools import (
+            ToolFailedError,
+            ToolPermissionError,
+            ToolTimeoutError,
+            UnknownToolError,
+        )
+
+        request = tools_pb2.InvokeToolRequest(agent_id=agent_id or self.agent_id, tool=tool)
+        codec.dict_to_struct(dict(arguments or {}), request.arguments)
+        codec.seconds_to_duration(timeout, request.timeout)
+        try:
+            response = await self._tools.InvokeTool(request, timeout=timeout + 5.0)
+        except grpc.RpcError as error:
+            failure = from_rpc_error(error)
+            kind = {
+                "TOOL_NOT_ALLOWED": ToolPermissionError,
+                "UNKNOWN_TOOL": UnknownToolError,
+                "TOOL_TIMEOUT": ToolTimeoutError,
+                "TOOL_FAILED": ToolFailedError,
+            }.get(failure.reason)
+            if kind is None and failure.code == "DEADLINE_EXCEEDED":
+                kind = ToolTimeoutError
+            raise (kind(failure.message) if kind else failure) from None
+        return codec.value_to_python(response.result)
 
     # -- shared memory pool ------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from mesh.config import BrokerConfig, ServerConfig
 from mesh.core.broker import Broker, Subscription
 from mesh.core.errors import LimitExceededError, MeshError, MessageValidationError
 from mesh.core.model import MessageType
+from mesh.core.tools import ToolHost
 from mesh.serving import MeshServer, start_server
 from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
 
@@ -399,8 +400,10 @@ async def serve_broker(
     broker: Broker | None = None,
     server_config: ServerConfig | None = None,
     broker_config: BrokerConfig | None = None,
+    tool_host: ToolHost | None = None,
 ) -> tuple[Broker, MeshServer]:
-    """Starts a broker and its gRPC server (health, reflection, optional /metrics)."""
+    """Starts a broker and its gRPC server (health, reflection, optional /metrics), with the
+    shared memory pool and, when a tool host is given, the Tool service."""
     from mesh.memory_server import MEMORY_SERVICE, MemoryServicer
     from mesh.v1 import memory_pb2_grpc
 
@@ -410,13 +413,24 @@ async def serve_broker(
     servicer = BrokerServicer(broker)
     memory = MemoryServicer(broker.memory)
 
+    services = [BROKER_SERVICE, MEMORY_SERVICE]
+    if tool_host is not None:
+        from mesh.tools_server import TOOL_SERVICE
+
+        services.append(TOOL_SERVICE)
+
     def register(s: grpc.aio.Server) -> None:
         broker_pb2_grpc.add_BrokerServiceServicer_to_server(servicer, s)
         memory_pb2_grpc.add_MemoryServiceServicer_to_server(memory, s)
+        if tool_host is not None:
+            from mesh.tools_server import ToolServicer
+            from mesh.v1 import tools_pb2_grpc
+
+            tools_pb2_grpc.add_ToolServiceServicer_to_server(ToolServicer(tool_host), s)
 
     server = await start_server(
         register,
-        [BROKER_SERVICE, MEMORY_SERVICE],
+        services,
         host=config.host,
         port=config.port,
         metrics_registry=broker.metrics.registry,

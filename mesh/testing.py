@@ -14,6 +14,7 @@ from mesh.agent import Agent, AgentServer, serve
 from mesh.client import MeshClient, RetryPolicy
 from mesh.config import BrokerConfig, ServerConfig
 from mesh.core.broker import Broker
+from mesh.core.tools import ToolHost
 from mesh.server import serve_broker
 from mesh.serving import MeshServer
 
@@ -27,9 +28,11 @@ class LocalMesh:
         *,
         broker: Broker | None = None,
         metrics_port: int = -1,
+        tool_host: ToolHost | None = None,
     ) -> None:
         self.config = broker.config if broker is not None else (config or BrokerConfig())
         self.metrics_port = metrics_port
+        self.tool_host = tool_host
         self.broker: Broker | None = broker
         self.server: MeshServer | None = None
         self.agents: dict[str, AgentServer] = {}
@@ -46,6 +49,7 @@ class LocalMesh:
             self.broker,
             server_config=ServerConfig(port=0, metrics_port=self.metrics_port),
             broker_config=self.config,
+            tool_host=self.tool_host,
         )
         return self
 

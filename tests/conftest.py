@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
@@ -18,9 +19,9 @@ async def mesh() -> AsyncIterator[LocalMesh]:
 
 
 @pytest.fixture
-async def embedded() -> AsyncIterator[EmbeddedMesh]:
+async def embedded(tmp_path: Path) -> AsyncIterator[EmbeddedMesh]:
     """Broker, gateway and every sample agent, each on its own gRPC server."""
-    running = await start_embedded(metrics_port=0)
+    running = await start_embedded(metrics_port=0, reports_dir=tmp_path / "reports")
     try:
         yield running
     finally:

@@ -40,6 +40,8 @@ class _PatternEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Pattern.Value
     """Several patterns in parallel."""
     PATTERN_CONSENSUS: _Pattern.ValueType  # 5
     """Consensus building."""
+    PATTERN_RESEARCH: _Pattern.ValueType  # 6
+    """The research coordinator."""
 
 class Pattern(_Pattern, metaclass=_PatternEnumTypeWrapper):
     """Pattern names a multi-agent pattern."""
@@ -56,6 +58,8 @@ PATTERN_PARALLEL: Pattern.ValueType  # 4
 """Several patterns in parallel."""
 PATTERN_CONSENSUS: Pattern.ValueType  # 5
 """Consensus building."""
+PATTERN_RESEARCH: Pattern.ValueType  # 6
+"""The research coordinator."""
 Global___Pattern: _TypeAlias = Pattern  # noqa: Y015
 
 class _EventKind:
@@ -100,6 +104,22 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     """A reviewer's vote: reviewer_id, vote (approve, reject, modify), feedback, confidence."""
     EVENT_KIND_DECISION: _EventKind.ValueType  # 16
     """The facilitator's decision: decision, rationale, consensus_level, counts."""
+    EVENT_KIND_PLAN: _EventKind.ValueType  # 17
+    """The research plan: kind, use_web, use_docs, topics, reason, agents, graph."""
+    EVENT_KIND_FINDINGS: _EventKind.ValueType  # 18
+    """A subagent's findings: agent_id, findings (claim, source, date or page, excerpt,
+    confidence), partial, errors.
+    """
+    EVENT_KIND_CONFLICT: _EventKind.ValueType  # 19
+    """A conflict between findings and its resolution: topic, kind, claim_a, claim_b, sources,
+    resolution (A_PREFERRED, B_PREFERRED, UNRESOLVED, NEWEST_CURRENT, BOTH_SHOWN).
+    """
+    EVENT_KIND_ESCALATION: _EventKind.ValueType  # 20
+    """A subagent escalated (failure_type, suggested_action), or a dependency cycle was broken."""
+    EVENT_KIND_ITERATION: _EventKind.ValueType  # 21
+    """A research iteration ended: iteration, findings, new_claims, gaps, stopped_because."""
+    EVENT_KIND_REPORT: _EventKind.ValueType  # 22
+    """The report was written: title, files, citations."""
 
 class EventKind(_EventKind, metaclass=_EventKindEnumTypeWrapper):
     """EventKind says what a PatternEvent reports; its data fields are listed per kind."""
@@ -140,6 +160,22 @@ EVENT_KIND_VOTE: EventKind.ValueType  # 15
 """A reviewer's vote: reviewer_id, vote (approve, reject, modify), feedback, confidence."""
 EVENT_KIND_DECISION: EventKind.ValueType  # 16
 """The facilitator's decision: decision, rationale, consensus_level, counts."""
+EVENT_KIND_PLAN: EventKind.ValueType  # 17
+"""The research plan: kind, use_web, use_docs, topics, reason, agents, graph."""
+EVENT_KIND_FINDINGS: EventKind.ValueType  # 18
+"""A subagent's findings: agent_id, findings (claim, source, date or page, excerpt,
+confidence), partial, errors.
+"""
+EVENT_KIND_CONFLICT: EventKind.ValueType  # 19
+"""A conflict between findings and its resolution: topic, kind, claim_a, claim_b, sources,
+resolution (A_PREFERRED, B_PREFERRED, UNRESOLVED, NEWEST_CURRENT, BOTH_SHOWN).
+"""
+EVENT_KIND_ESCALATION: EventKind.ValueType  # 20
+"""A subagent escalated (failure_type, suggested_action), or a dependency cycle was broken."""
+EVENT_KIND_ITERATION: EventKind.ValueType  # 21
+"""A research iteration ended: iteration, findings, new_claims, gaps, stopped_because."""
+EVENT_KIND_REPORT: EventKind.ValueType  # 22
+"""The report was written: title, files, citations."""
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
 @_typing.final
@@ -781,6 +817,137 @@ class RunConsensusResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RunConsensusResponse: _TypeAlias = RunConsensusResponse  # noqa: Y015
+
+@_typing.final
+class TaskDependencies(_message.Message):
+    """TaskDependencies lists the tasks one subagent waits for."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPENDS_ON_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def depends_on(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Agent ids this agent's task depends on."""
+
+    def __init__(
+        self,
+        *,
+        depends_on: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["depends_on", b"depends_on"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TaskDependencies: _TypeAlias = TaskDependencies  # noqa: Y015
+
+@_typing.final
+class RunResearchRequest(_message.Message):
+    """RunResearchRequest describes a research run."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class DependenciesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___TaskDependencies: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___TaskDependencies | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    QUERY_FIELD_NUMBER: _builtins.int
+    DOCUMENTS_FIELD_NUMBER: _builtins.int
+    MAX_ITERATIONS_FIELD_NUMBER: _builtins.int
+    SUBAGENT_TIMEOUT_FIELD_NUMBER: _builtins.int
+    TOOL_TIMEOUT_FIELD_NUMBER: _builtins.int
+    DEPENDENCIES_FIELD_NUMBER: _builtins.int
+    FAIL_ON_CYCLE_FIELD_NUMBER: _builtins.int
+    CONSTRAINTS_FIELD_NUMBER: _builtins.int
+    REPORT_NAME_FIELD_NUMBER: _builtins.int
+    query: _builtins.str
+    """The research question."""
+    documents: _builtins.bool
+    """Whether local documents may be searched."""
+    max_iterations: _builtins.int
+    """Refinement rounds at most; 0 means 3."""
+    fail_on_cycle: _builtins.bool
+    """When true, a dependency cycle fails the run (FAILED_PRECONDITION) instead of being broken."""
+    report_name: _builtins.str
+    """Base name of the report files; default the run id."""
+    @_builtins.property
+    def subagent_timeout(self) -> _duration_pb2.Duration:
+        """How long each subagent may take; default 10 s."""
+
+    @_builtins.property
+    def tool_timeout(self) -> _duration_pb2.Duration:
+        """How long each tool call may take; default 2 s."""
+
+    @_builtins.property
+    def dependencies(self) -> _containers.MessageMap[_builtins.str, Global___TaskDependencies]:
+        """Extra dependencies between subagents' tasks (agent id -> the agents it waits for)."""
+
+    @_builtins.property
+    def constraints(self) -> _struct_pb2.Struct:
+        """Constraints passed to every subagent, e.g. {"language": "en"}."""
+
+    def __init__(
+        self,
+        *,
+        query: _builtins.str = ...,
+        documents: _builtins.bool = ...,
+        max_iterations: _builtins.int = ...,
+        subagent_timeout: _duration_pb2.Duration | None = ...,
+        tool_timeout: _duration_pb2.Duration | None = ...,
+        dependencies: _abc.Mapping[_builtins.str, Global___TaskDependencies] | None = ...,
+        fail_on_cycle: _builtins.bool = ...,
+        constraints: _struct_pb2.Struct | None = ...,
+        report_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["constraints", b"constraints", "subagent_timeout", b"subagent_timeout", "tool_timeout", b"tool_timeout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["constraints", b"constraints", "dependencies", b"dependencies", "documents", b"documents", "fail_on_cycle", b"fail_on_cycle", "max_iterations", b"max_iterations", "query", b"query", "report_name", b"report_name", "subagent_timeout", b"subagent_timeout", "tool_timeout", b"tool_timeout"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunResearchRequest: _TypeAlias = RunResearchRequest  # noqa: Y015
+
+@_typing.final
+class RunResearchResponse(_message.Message):
+    """RunResearchResponse carries one event."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def event(self) -> Global___PatternEvent:
+        """The event."""
+
+    def __init__(
+        self,
+        *,
+        event: Global___PatternEvent | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunResearchResponse: _TypeAlias = RunResearchResponse  # noqa: Y015
 
 @_typing.final
 class GetPatternStatsRequest(_message.Message):

@@ -67,6 +67,11 @@ class GatewayServiceStub:
                 request_serializer=mesh_dot_v1_dot_gateway__pb2.RunConsensusRequest.SerializeToString,
                 response_deserializer=mesh_dot_v1_dot_gateway__pb2.RunConsensusResponse.FromString,
                 _registered_method=True)
+        self.RunResearch = channel.unary_stream(
+                '/mesh.v1.GatewayService/RunResearch',
+                request_serializer=mesh_dot_v1_dot_gateway__pb2.RunResearchRequest.SerializeToString,
+                response_deserializer=mesh_dot_v1_dot_gateway__pb2.RunResearchResponse.FromString,
+                _registered_method=True)
         self.GetPatternStats = channel.unary_unary(
                 '/mesh.v1.GatewayService/GetPatternStats',
                 request_serializer=mesh_dot_v1_dot_gateway__pb2.GetPatternStatsRequest.SerializeToString,
@@ -126,6 +131,14 @@ class GatewayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunResearch(self, request, context):
+        """Research: a coordinator plans, runs subagents with bounded tools, synthesizes with
+        provenance and conflict resolution, refines on gaps, and writes a report.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetPatternStats(self, request, context):
         """Runs, durations, completion and consensus rates per pattern since start.
         """
@@ -165,6 +178,11 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.RunConsensus,
                     request_deserializer=mesh_dot_v1_dot_gateway__pb2.RunConsensusRequest.FromString,
                     response_serializer=mesh_dot_v1_dot_gateway__pb2.RunConsensusResponse.SerializeToString,
+            ),
+            'RunResearch': grpc.unary_stream_rpc_method_handler(
+                    servicer.RunResearch,
+                    request_deserializer=mesh_dot_v1_dot_gateway__pb2.RunResearchRequest.FromString,
+                    response_serializer=mesh_dot_v1_dot_gateway__pb2.RunResearchResponse.SerializeToString,
             ),
             'GetPatternStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPatternStats,
@@ -337,6 +355,33 @@ class GatewayService:
             '/mesh.v1.GatewayService/RunConsensus',
             mesh_dot_v1_dot_gateway__pb2.RunConsensusRequest.SerializeToString,
             mesh_dot_v1_dot_gateway__pb2.RunConsensusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunResearch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/mesh.v1.GatewayService/RunResearch',
+            mesh_dot_v1_dot_gateway__pb2.RunResearchRequest.SerializeToString,
+            mesh_dot_v1_dot_gateway__pb2.RunResearchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -56,6 +56,10 @@ class GatewayServiceStub:
     """Consensus building: a proposer proposes, reviewers vote in parallel, a facilitator
     decides (ACCEPT, REJECT, REQUEST_REVISION, or NO_QUORUM).
     """
+    RunResearch: _grpc.UnaryStreamMultiCallable[_gateway_pb2.RunResearchRequest, _gateway_pb2.RunResearchResponse]
+    """Research: a coordinator plans, runs subagents with bounded tools, synthesizes with
+    provenance and conflict resolution, refines on gaps, and writes a report.
+    """
     GetPatternStats: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.GetPatternStatsRequest, _gateway_pb2.GetPatternStatsResponse]
     """Runs, durations, completion and consensus rates per pattern since start."""
 
@@ -86,6 +90,10 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     RunConsensus: _aio.UnaryStreamMultiCallable[_gateway_pb2.RunConsensusRequest, _gateway_pb2.RunConsensusResponse]  # type: ignore[assignment]
     """Consensus building: a proposer proposes, reviewers vote in parallel, a facilitator
     decides (ACCEPT, REJECT, REQUEST_REVISION, or NO_QUORUM).
+    """
+    RunResearch: _aio.UnaryStreamMultiCallable[_gateway_pb2.RunResearchRequest, _gateway_pb2.RunResearchResponse]  # type: ignore[assignment]
+    """Research: a coordinator plans, runs subagents with bounded tools, synthesizes with
+    provenance and conflict resolution, refines on gaps, and writes a report.
     """
     GetPatternStats: _aio.UnaryUnaryMultiCallable[_gateway_pb2.GetPatternStatsRequest, _gateway_pb2.GetPatternStatsResponse]  # type: ignore[assignment]
     """Runs, durations, completion and consensus rates per pattern since start."""
@@ -150,6 +158,16 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_gateway_pb2.RunConsensusResponse], _abc.AsyncIterator[_gateway_pb2.RunConsensusResponse]]:
         """Consensus building: a proposer proposes, reviewers vote in parallel, a facilitator
         decides (ACCEPT, REJECT, REQUEST_REVISION, or NO_QUORUM).
+        """
+
+    @_abc_1.abstractmethod
+    def RunResearch(
+        self,
+        request: _gateway_pb2.RunResearchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_gateway_pb2.RunResearchResponse], _abc.AsyncIterator[_gateway_pb2.RunResearchResponse]]:
+        """Research: a coordinator plans, runs subagents with bounded tools, synthesizes with
+        provenance and conflict resolution, refines on gaps, and writes a report.
         """
 
     @_abc_1.abstractmethod

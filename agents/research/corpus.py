@@ -1,0 +1,183 @@
+"""The research tools, over local data by default: web search and fetch over a snapshot corpus
+(behind a provider interface a real search API can implement), document read and grep over a
+folder with a SQLite FTS5 index, and a report writer confined to one output folder."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sqlite3
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+from mesh.core.model import JSON
+from mesh.core.tools import Tool, ToolFailedError
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "research"
+RESEARCH_POLICY: dict[str, list[str]] = {
+    "web-search-agent": ["web_search", "web_fetch"],
+    "document-analysis-agent": ["read", "grep"],
+    "synthesis-agent": [],
+    "report-agent": ["write"],
+}
+
+
+class SearchProvider(Protocol):
+    """What web search needs; a real search API can implement it."""
+
+    async def search(self, query: str, limit: int) -> list[dict[str, Any]]: ...
+
+    async def fetch(self, url: str) -> dict[str, Any]: ...
+
+
+def _fts_query(text: str) -> str:
+    words = re.findall(r"[a-zA-Z0-9]+", text.lower())
+    return " OR ".join(f'"{w}"' for w in words if len(w) > 2) or '""'
+
+
+class _FtsIndex:
+    """An in-memory SQLite FTS5 index of (key, title, body) rows."""
+
+    def __init__(self) -> None:
+        self.db = sqlite3.connect(":memory:", check_same_thread=False)
+        self.db.execute("CREATE VIRTUAL TABLE docs USING fts5(key UNINDEXED, title, body)")
+
+    def add(self, key: str, title: str, body: str) -> None:
+        self.db.execute("INSERT INTO docs VALUES (?, ?, ?)", (key, title, body))
+
+    def search(self, query: str, limit: int) -> list[tuple[str, str, str]]:
+        rows = self.db.execute(
+            "SELECT key, title, snippet(docs, 2, '', '', ' ... ', 24) FROM docs "
+            "WHERE docs MATCH ? ORDER BY rank LIMIT ?",
+            (_fts_query(query), limit),
+        ).fetchall()
+        return [(str(k), str(t), str(s)) for k, t, s in rows]
+
+
+class SnapshotSearch:
+    """Web search and fetch over a JSON snapshot of pages (url, title, published, tier, text).
+    A page may carry "latency_ms" to stand for a slow site."""
+
+    def __init__(self, snapshot: Path = DATA / "web_snapshot.json") -> None:
+        data = json.loads(snapshot.read_text(encoding="utf-8"))
+        self.pages = {p["url"]: p for p in data["pages"]}
+        self.index = _FtsIndex()
+        for page in self.pages.values():
+            self.index.add(page["url"], page["title"], page["text"])
+
+    async def search(self, query: str, limit: int) -> list[dict[str, Any]]:
+        hits = await asyncio.to_thread(self.index.search, query, limit)
+        return [{"url": url, "title": title, "snippet": snippet} for url, title, snippet in hits]
+
+    async def fetch(self, url: str) -> dict[str, Any]:
+        page = self.pages.get(url)
+        if page is None:
+            raise ToolFailedError(f"{url} is not in the snapshot (HTTP 404)")
+        if page.get("latency_ms"):
+            await asyncio.sleep(float(page["latency_ms"]) / 1000)
+        return {key: page[key] for key in ("url", "title", "published", "tier", "text")}
+
+
+class DocumentFolder:
+    """Plain-text documents, pages split by form feeds; optional header lines "Title:",
+    "Date:" and "Tier:" describe a document. Indexed with SQLite FTS5."""
+
+    def __init__(self, folder: Path = DATA / "docs") -> None:
+        self.folder = folder
+        self.documents: dict[str, dict[str, Any]] = {}
+        self.index = _FtsIndex()
+        for path in sorted(folder.glob("*")) if folder.is_dir() else []:
+            if not path.is_file() or path.suffix.lower() not in {".txt", ".md"}:
+                continue
+            text = path.read_text(encoding="utf-8", errors="replace")
+            meta = dict(re.findall(r"^(Title|Date|Tier):\s*(.+)$", text, flags=re.MULTILINE))
+            pages = [
+                re.sub(r"^(Title|Date|Tier):.*$", "", p, flags=re.MULTILINE).strip()
+                for p in text.split("\f")
+            ]
+            doc_id = path.stem
+            self.documents[doc_id] = {
+                "document_id": doc_id,
+                "title": meta.get("Title", doc_id),
+                "date": meta.get("Date", ""),
+                "tier": meta.get("Tier", "unknown").lower(),
+                "pages": pages,
+            }
+            for number, page in enumerate(pages, start=1):
+                self.index.add(f"{doc_id}:{number}", meta.get("Title", doc_id), page)
+
+    async def grep(self, pattern: str, limit: int = 20) -> list[dict[str, Any]]:
+        hits = await asyncio.to_thread(self.index.search, pattern, limit)
+        out = []
+        for key, title, snippet in hits:
+            doc_id, _, page = key.rpartition(":")
+            out.append(
+                {"document_id": doc_id, "page": int(page), "title": title, "snippet": snippet}
+            )
+        return out
+
+    async def read(self, document_id: str, page: int) -> dict[str, Any]:
+        doc = self.documents.get(document_id)
+        if doc is None or not 1 <= page <= len(doc["pages"]):
+            raise ToolFailedError(f"no page {page} in document {document_id!r}")
+        return {
+            "document_id": document_id,
+            "page": page,
+            "title": doc["title"],
+            "date": doc["date"],
+            "tier": doc["tier"],
+            "text": doc["pages"][page - 1],
+        }
+
+
+class ReportFolder:
+    """Writes files into one folder, never outside it."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    async def write(self, filename: str, content: str) -> dict[str, Any]:
+        name = Path(filename).name
+        if not name or name != filename or name.startswith("."):
+            raise ToolFailedError(f"invalid file name {filename!r}: a plain name is required")
+        path = self.folder / name
+        await asyncio.to_thread(self.folder.mkdir, parents=True, exist_ok=True)
+        await asyncio.to_thread(path.write_text, content, encoding="utf-8")
+        return {"path": str(path), "bytes": len(content.encode())}
+
+
+def research_tools(
+    *,
+    web: SearchProvider | None = None,
+    docs: DocumentFolder | None = None,
+    output: Path = Path("research-reports"),
+) -> list[Tool]:
+    web = web or SnapshotSearch()
+    docs = docs if docs is not None else DocumentFolder()
+    reports = ReportFolder(output)
+
+    async def web_search(args: dict[str, JSON]) -> JSON:
+        return await web.search(str(args.get("query", "")), int(args.get("limit") or 5))
+
+    async def web_fetch(args: dict[str, JSON]) -> JSON:
+        page = await web.fetch(str(args["url"]))
+        return {**page, "date_accessed": datetime.now(UTC).date().isoformat()}
+
+    async def grep(args: dict[str, JSON]) -> JSON:
+        return await docs.grep(str(args.get("pattern", "")), int(args.get("limit") or 20))
+
+    async def read(args: dict[str, JSON]) -> JSON:
+        return await docs.read(str(args["document_id"]), int(args.get("page") or 1))
+
+    async def write(args: dict[str, JSON]) -> JSON:
+        return await reports.write(str(args["filename"]), str(args["content"]))
+
+    return [
+        Tool("web_search", "Searches the web (a local snapshot by default)", web_search),
+        Tool("web_fetch", "Fetches a web page", web_fetch),
+        Tool("grep", "Full-text search over the local documents", grep),
+        Tool("read", "Reads one page of a local document", read),
+        Tool("write", "Writes a report file to the output folder", write),
+    ]
