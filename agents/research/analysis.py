@@ -13,10 +13,11 @@ TIER_PRIORITY = {"official": 3, "article": 2, "blog": 1, "unknown": 0}
 _SENTENCE = re.compile(r"(?<=[.!?])\s+")
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)?\s*%?")
 _NEGATION = re.compile(r"\b(not|no|never|only|without)\b", re.IGNORECASE)
-_STOP = frozenset(
+_STOP_WORDS = (
     "a an and are as at be by do does for from how in is it its of on or that the this to was "
-    "what when where which who why will with about tell me us you".split()
+    "what when where which who why will with about tell me us you"
 )
+_STOP = frozenset(_STOP_WORDS.split())
 
 
 def query_terms(query: str) -> list[str]:
