@@ -274,12 +274,13 @@ async def run_research(spec: ResearchSpec, dispatcher: Dispatcher, emit: Emit) -
             )
             action = up["suggested_action"]
             other = ALTERNATIVE.get(agent_id)
+            if action != "skip":
+                extra_gaps.append(
+                    f"Could not complete: {up['attempted_query']} "
+                    f"({up['failure_type']} in {agent_id})"
+                )
             if action == "retry_with_other_agent" and other and other not in tried:
                 return got + await research(other, focus, prior, tried)
-            if action == "report_gap" or action == "retry_with_other_agent":
-                extra_gaps.append(
-                    f"Could not complete: {up['attempted_query']} ({up['failure_type']})"
-                )
         await event(
             EventKind.FINDINGS,
             f"{agent_id}: {len(got)} findings" + (" (partial)" if result.get("partial") else ""),

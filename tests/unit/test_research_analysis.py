@@ -1,0 +1,164 @@
+"""Research analysis, planning, cycles and stopping criteria (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from agents.research.analysis import detect_conflicts, extract_claims, gaps_of, resolve, topics_of
+from gateway.patterns.research import analyze_query, detect_cycle, load_topics, stopping_reason
+
+LEXICON = load_topics()
+
+
+def finding(
+    claim: str,
+    *,
+    topic: str = "recycling_rate",
+    kind: str = "factual",
+    value: str = "",
+    tier: str = "article",
+    date: str = "2024-01-01",
+    url: str = "",
+) -> dict:
+    return {
+        "claim": claim,
+        "topic": topic,
+        "kind": kind,
+        "value": value or claim,
+        "tier": tier,
+        "date": date,
+        "source_url": url or f"https://example.org/{abs(hash(claim))}",
+    }
+
+
+@pytest.mark.parametrize(
+    ("query", "documents", "kind"),
+    [
+        ("What is the lithium-ion battery recycling rate?", False, "simple"),
+        ("What is the lithium-ion battery recycling rate?", True, "docs"),
+        ("What is the latest lithium-ion battery recycling rate?", False, "web"),
+        ("Compare the latest recycling rate with the EU collection target", True, "all"),
+    ],
+)
+def test_routing_by_query_kind(query: str, documents: bool, kind: str) -> None:
+    assert analyze_query(query, documents, LEXICON)["kind"] == kind
+
+
+def test_topics_and_gaps() -> None:
+    topics = topics_of("recycling rate and cost per tonne of lithium", LEXICON)
+    assert topics == ["recycling_rate", "recovery_cost"]
+    assert gaps_of(topics, [finding("x")], LEXICON) == ["cost of recovering lithium per tonne"]
+
+
+def test_claims_keep_their_provenance() -> None:
+    text = "Intro. The official recycling rate was 46% in 2022. Other things."
+    [claim] = extract_claims(
+        text,
+        ["recycling_rate"],
+        LEXICON,
+        {"document_id": "d1", "page": 2, "date": "2023-01-01", "tier": "official"},
+    )
+    assert claim["claim"] == "The official recycling rate was 46% in 2022."
+    assert (claim["document_id"], claim["page"], claim["value"]) == ("d1", 2, "46%")
+    assert claim["confidence"] == "high"
+    assert "Intro." in claim["excerpt"]
+
+
+def test_factual_conflicts_are_resolved_by_source_tier() -> None:
+    official = finding("Rate is 46%", value="46%", tier="official")
+    blog = finding("Rate is 5%", value="5%", tier="blog")
+    conflict = resolve(blog, official)
+    assert conflict["resolution"] == "B_PREFERRED"
+    assert conflict["preferred"] == "Rate is 46%"
+
+
+def test_factual_conflicts_of_one_tier_stay_unresolved() -> None:
+    [conflict] = detect_conflicts(
+        [finding("Rate is 46%", value="46%"), finding("Rate is 59%", value="59%")]
+    )
+    assert conflict["resolution"] == "UNRESOLVED"
+    assert "both versions shown" in conflict["note"]
+
+
+def test_temporal_conflicts_mark_the_newest_current() -> None:
+    old = finding(
+        "Target 45%", topic="collection_target", kind="temporal", value="45%", date="2021-04-20"
+    )
+    new = finding(
+        "Target 63% by 2027",
+        topic="collection_target",
+        kind="temporal",
+        value="63%",
+        date="2023-08-17",
+    )
+    conflict = resolve(old, new)
+    assert conflict["resolution"] == "NEWEST_CURRENT"
+    assert (conflict["current"], conflict["previous"]) == ("Target 63% by 2027", "Target 45%")
+
+
+def test_interpretive_conflicts_show_both() -> None:
+    a = finding("It is viable", topic="economic_viability", kind="interpretive", value="positive")
+    b = finding(
+        "It is not viable", topic="economic_viability", kind="interpretive", value="negative"
+    )
+    assert resolve(a, b)["resolution"] == "BOTH_SHOWN"
+
+
+def test_no_conflict_when_values_agree() -> None:
+    assert (
+        detect_conflicts([finding("A says 63%", value="63%"), finding("B says 63%", value="63%")])
+        == []
+    )
+
+
+def test_cycles_are_found_and_named() -> None:
+    graph = {
+        "web-search-agent": ["document-analysis-agent"],
+        "document-analysis-agent": ["web-search-agent"],
+        "synthesis-agent": [],
+    }
+    assert detect_cycle(graph) == [
+        "document-analysis-agent",
+        "web-search-agent",
+        "document-analysis-agent",
+    ]
+    assert detect_cycle({"a": ["b"], "b": ["c"], "c": []}) is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"gaps": []}, "all gaps answered"),
+        ({"iterations": 3}, "reached 3 iterations"),
+        ({"iterations": 2, "new_claims": 0}, "new findings only repeat known claims"),
+        ({"findings": [{"confidence": "high"}]}, "every claim has high confidence"),
+        (
+            {"iterations": 2, "findings": [{"confidence": "low"}] * 4},
+            "at least 2 findings per open gap",
+        ),
+    ],
+)
+def test_each_stopping_criterion(kwargs: dict, reason: str) -> None:
+    base = {
+        "iterations": 1,
+        "max_iterations": 3,
+        "gaps": ["g1"],
+        "new_claims": 5,
+        "findings": [{"confidence": "low"}],
+        "min_findings_per_gap": 2,
+    }
+    assert stopping_reason(**{**base, **kwargs}) == reason
+
+
+def test_refinement_goes_on_while_gaps_remain() -> None:
+    assert (
+        stopping_reason(
+            iterations=1,
+            max_iterations=3,
+            gaps=["g"],
+            new_claims=3,
+            findings=[{"confidence": "low"}],
+            min_findings_per_gap=2,
+        )
+        is None
+    )
