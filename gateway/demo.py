@@ -74,6 +74,16 @@ SCENARIOS: list[tuple[str, str, dict[str, Any]]] = [
         {"problem": "Should we migrate to microservices?", "wait_for_all_votes": True},
     ),
     (
+        "Research: hub and spoke over the web snapshot and local documents",
+        "RunResearch",
+        {
+            "query": "Compare the latest lithium-ion battery recycling rate, the EU collection "
+            "target, whether recycling is economically viable and the cost per tonne",
+            "documents": True,
+            "report_name": "demo-research",
+        },
+    ),
+    (
         "Parallel patterns: hotel and flight at once (RF-010 18)",
         "RunParallel",
         {
@@ -136,6 +146,18 @@ def _result_lines(result: dict[str, Any]) -> list[str]:
         lines.append(
             f"decision: {d.get('decision')} at {d.get('consensus_level')}: {d.get('rationale')}"
         )
+    if "report" in result and isinstance(result.get("report"), dict):
+        lines.append(
+            f"plan: {result['plan'].get('kind')} ({result['plan'].get('reason')}); "
+            f"{len(result['findings'])} findings in {result['iterations']} iterations, "
+            f"stopped: {result['stopped_because']}"
+        )
+        for c in result.get("conflicts") or []:
+            lines.append(f"conflict on {c['topic']}: {c['resolution']}")
+        for gap in result.get("gaps") or []:
+            lines.append(f"open gap: {gap}")
+        for path in result["report"].get("files") or []:
+            lines.append(f"report: {path}")
     if "results" in result:
         for name, sub in result["results"].items():
             rec = sub.get("recommendation")
