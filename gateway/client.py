@@ -11,6 +11,7 @@ from google.protobuf import json_format
 from mesh._status import from_rpc_error
 from mesh.client import CLIENT_OPTIONS
 from mesh.codec import struct_to_dict
+from mesh.tracing import inject
 from mesh.v1 import gateway_pb2, gateway_pb2_grpc
 
 
@@ -65,7 +66,8 @@ class GatewayClient:
                 "RunResearch": gateway_pb2.RunResearchRequest,
             }[rpc]
             request = json_format.ParseDict(request, request_type())
-        return self._stream(method(request, timeout=self.timeout))
+        metadata = tuple(inject().items())  # continue the caller's trace in the gateway
+        return self._stream(method(request, timeout=self.timeout, metadata=metadata or None))
 
     def group_chat(self, **request: Any) -> AsyncIterator[dict[str, Any]]:
         return self.run("RunGroupChat", request)

@@ -10,6 +10,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from google.protobuf import json_format
+from opentelemetry import context as otel_context
+from opentelemetry.trace import SpanKind
 from prometheus_client import CollectorRegistry
 
 from gateway import codec
@@ -28,6 +30,7 @@ from mesh.codec import struct_to_dict
 from mesh.core.errors import MeshError
 from mesh.core.model import JSON
 from mesh.serving import MeshServer, start_server
+from mesh.tracing import extract, tracer
 from mesh.v1 import gateway_pb2, gateway_pb2_grpc
 
 logger = logging.getLogger("gateway.server")
@@ -66,12 +69,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         emit = self._observed(queue.put)
         outcome: dict[str, Any] = {}
 
+        carrier = {
+            k: v
+            for k, v in (context.invocation_metadata() or ())
+            if k in ("traceparent", "tracestate") and isinstance(v, str)
+        }
+        parent = extract(carrier)
+
         async def runner() -> None:
             started = time.perf_counter()
+            token = otel_context.attach(parent) if parent is not None else None
             try:
                 remaining = context.time_remaining()
-                async with asyncio.timeout(remaining):
-                    result = await run(emit)
+                with tracer().start_as_current_span(
+                    f"gateway.{pattern.value.lower()}", kind=SpanKind.SERVER
+                ):
+                    async with asyncio.timeout(remaining):
+                        result = await run(emit)
                 self.metrics.observe(pattern, result, time.perf_counter() - started)
             except TimeoutError:
                 outcome["error"] = MeshError(
@@ -87,6 +101,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 outcome["error"] = MeshError("the pattern failed", code="INTERNAL")
                 self.metrics.observe(pattern, {"status": "FAILED"}, time.perf_counter() - started)
             finally:
+                if token is not None:
+                    otel_context.detach(token)
                 await queue.put(None)
 
         task = asyncio.create_task(runner())

@@ -1,27 +1,15 @@
-"""Pattern spans (RF-010 scenario 19) with the OpenTelemetry API: a no-op until a tracer
-provider is installed (the observability setup does that)."""
+"""Pattern spans (RF-010 scenario 19): the gateway's side of the mesh-wide tracing."""
 
 from __future__ import annotations
 
-import re
 import time
 
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
-TRACER_NAME = "agentmesh.gateway"
+from mesh.tracing import span_name, tracer
 
-
-def tracer() -> trace.Tracer:
-    # Looked up on every use so that a provider installed after import takes effect.
-    return trace.get_tracer(TRACER_NAME)
-
-
-def span_name(agent_id: str, operation: str) -> str:
-    """ "TechnicalAnalyst" -> "technical_analyst.analyze" (a trailing "Agent" is dropped)."""
-    base = agent_id[:-5] if agent_id.endswith("Agent") and len(agent_id) > 5 else agent_id
-    snake = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", base).replace("-", "_").lower()
-    return f"{snake}.{operation}"
+__all__ = ["now_ns", "record_span", "span_name", "tracer"]
 
 
 def now_ns() -> int:

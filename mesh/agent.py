@@ -31,6 +31,7 @@ from mesh.core.model import (
     Tool,
 )
 from mesh.serving import MeshServer, start_server
+from mesh.tracing import extract, inject, span_name, tracer, without_trace
 from mesh.v1 import agent_pb2, agent_pb2_grpc
 
 logger = logging.getLogger("mesh.agent")
@@ -65,11 +66,11 @@ class AgentContext:
         return self.agent.agent_id
 
     async def send(self, to_agent: str, content: dict[str, JSON], **options: Any) -> Message:
-        options.setdefault("headers", self.message.headers)
+        options.setdefault("headers", without_trace(self.message.headers))
         return await self.client.send(to_agent, content, from_agent=self.agent_id, **options)
 
     async def request(self, to_agent: str, content: dict[str, JSON], **options: Any) -> Message:
-        options.setdefault("headers", self.message.headers)
+        options.setdefault("headers", without_trace(self.message.headers))
         return await self.client.request(to_agent, content, from_agent=self.agent_id, **options)
 
     async def handoff(
@@ -90,7 +91,7 @@ class AgentContext:
         )
         options.setdefault("workflow_id", incoming.workflow_id if incoming else "")
         options.setdefault("step_number", (incoming.step_number + 1) if incoming else 1)
-        options.setdefault("headers", self.message.headers)
+        options.setdefault("headers", without_trace(self.message.headers))
         return await self.client.handoff(
             to_agent,
             task_description,
@@ -237,7 +238,7 @@ def answer_to(message: Message, agent_id: str, reply: Reply) -> Message | None:
         content=content,
         correlation_id=correlation_id,
         priority=message.priority,
-        headers=dict(message.headers),
+        headers=inject(without_trace(message.headers)),
     )
 
 
@@ -250,7 +251,7 @@ def error_to(message: Message, agent_id: str, error: BaseException) -> Message:
         content={"action": "error", "error": str(error) or type(error).__name__, "reason": reason},
         correlation_id=message.correlation_id or message.message_id,
         priority=message.priority,
-        headers=dict(message.headers),
+        headers=inject(without_trace(message.headers)),
     )
 
 
@@ -367,20 +368,37 @@ class AgentRuntime:
         if message.message_type is MessageType.ACK:
             await self.agent.on_ack(message, ctx)
             return None
-        try:
-            reply = await self.agent.handle(message, ctx)
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:
-            self.failed += 1
-            logger.exception(
-                "%s failed on %s (%s)", self.agent.agent_id, message.action, message.message_id
-            )
-            if message.message_type is MessageType.REQUEST:
-                return error_to(message, self.agent.agent_id, error)
-            raise
-        self.handled += 1
-        return answer_to(message, self.agent.agent_id, reply)
+        operation = "analyze" if message.message_type is MessageType.BROADCAST else "handle"
+        attributes = {
+            "agent": self.agent.agent_id,
+            "action": message.action,
+            "message_type": message.message_type.value,
+            "message_id": message.message_id,
+            "priority": message.priority.value,
+        }
+        for key in ("workflow_id", "group_id", "run_id"):
+            if message.metadata.get(key):
+                attributes[key] = str(message.metadata[key])
+        with tracer().start_as_current_span(
+            span_name(self.agent.agent_id, operation),
+            context=extract(message.headers),
+            attributes=attributes,
+        ) as span:
+            try:
+                reply = await self.agent.handle(message, ctx)
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                self.failed += 1
+                span.set_attribute("error", str(error))
+                logger.exception(
+                    "%s failed on %s (%s)", self.agent.agent_id, message.action, message.message_id
+                )
+                if message.message_type is MessageType.REQUEST:
+                    return error_to(message, self.agent.agent_id, error)
+                raise
+            self.handled += 1
+            return answer_to(message, self.agent.agent_id, reply)
 
     async def stop(self, grace: float = 5.0) -> None:
         """No new deliveries; in-flight work finishes within ``grace`` or goes back to the queue."""

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from mesh.agent import Agent, serve
@@ -22,6 +23,15 @@ from mesh.core.model import Message, MessageType, Priority
 from mesh.logs import configure_logging
 
 DEFAULT_BROKER = "127.0.0.1:50051"
+TRACED = {
+    "broker": "agentmesh-broker",
+    "gateway": "agentmesh-gateway",
+    "agent": "agentmesh-agent",
+    "up": "agentmesh",
+    "demo": "agentmesh-demo",
+    "research": "agentmesh-research",
+    "send": "agentmesh-cli",
+}
 
 
 def _env(name: str, default: str) -> str:
@@ -257,12 +267,39 @@ async def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _trace(args: argparse.Namespace) -> int:
+    from mesh.tracing import find_trace, load_spans, render_tree, render_waterfall
+
+    spans = await asyncio.to_thread(load_spans, args.dir)
+    found = find_trace(spans, args.id)
+    if not found:
+        print(f"no trace matches {args.id!r} in {args.dir}", file=sys.stderr)
+        return 1
+    for trace_id in dict.fromkeys(s["trace_id"] for s in found):
+        for line in render_tree([s for s in found if s["trace_id"] == trace_id]):
+            _print(line)
+    if args.png:
+        drawn = await asyncio.to_thread(render_waterfall, found, Path(args.png))
+        _print(
+            f"wrote {args.png}"
+            if drawn
+            else "no PNG: matplotlib is not installed (pip install 'agentmesh[bench]')"
+        )
+    return 0
+
+
 # -- parser ------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentmesh", description=__doc__)
     parser.add_argument("--log-level", default=_env("LOG_LEVEL", "WARNING"))
+    parser.add_argument(
+        "--trace-dir",
+        default=_env("TRACE_DIR", "") or None,
+        help="write spans as JSON lines to this folder (env AGENTMESH_TRACE_DIR;"
+        " `up` defaults to ./traces); OTLP via OTEL_EXPORTER_OTLP_ENDPOINT",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     broker_default = _env("BROKER", DEFAULT_BROKER)
 
@@ -332,6 +369,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_agents)
 
+    p = sub.add_parser("trace", help="print a trace (by trace, workflow, group or run id)")
+    p.add_argument("id", help="a trace id (or its start), or a workflow/group/run id")
+    p.add_argument("--dir", default=_env("TRACE_DIR", "traces"), help="the folder of spans")
+    p.add_argument("--png", help="also draw the trace as a waterfall PNG here")
+    p.set_defaults(run=_trace)
+
     p = sub.add_parser("stats", help="queue depths, counters and dead letters")
     p.add_argument("--broker", default=broker_default)
     p.add_argument("--agent")
@@ -354,6 +397,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
+    if args.command in TRACED:
+        from mesh.tracing import configure_tracing
+
+        trace_dir = args.trace_dir or ("traces" if args.command == "up" else None)
+        configure_tracing(TRACED[args.command], trace_dir)
     try:
         return int(asyncio.run(args.run(args)) or 0)
     except MeshError as error:
@@ -361,6 +409,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    finally:
+        from mesh.tracing import shutdown_tracing
+
+        shutdown_tracing()
 
 
 if __name__ == "__main__":

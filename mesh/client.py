@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
+from opentelemetry.trace import SpanKind
 
 from mesh import codec
 from mesh._status import from_rpc_error
@@ -41,6 +42,7 @@ from mesh.core.model import (
     Priority,
 )
 from mesh.serving import GRPC_OPTIONS
+from mesh.tracing import inject, tracer
 from mesh.v1 import (
     agent_pb2,
     agent_pb2_grpc,
@@ -133,6 +135,15 @@ class QueueStatsReport:
 
     def for_agent(self, agent_id: str) -> QueueStatsView | None:
         return next((a for a in self.agents if a.agent_id == agent_id), None)
+
+
+def with_trace(message: Message) -> Message:
+    """The message carrying the current trace context in its headers, when there is one and
+    it carries none yet."""
+    if "traceparent" in message.headers:
+        return message
+    headers = inject(message.headers)
+    return message if len(headers) == len(message.headers) else message.evolve(headers=headers)
 
 
 class _Session:
@@ -469,6 +480,7 @@ class MeshClient:
         """Sends a prepared message, retrying on backpressure and unavailability."""
         if not message.from_agent and self.agent_id:
             message = message.evolve(from_agent=self.agent_id)
+        message = with_trace(message)
 
         async def attempt() -> Message:
             session = await self._open_session()
@@ -565,7 +577,13 @@ class MeshClient:
                 ) from None
             return codec.message_from_pb(answer.response)
 
-        response = await self._with_retry(attempt)
+        with tracer().start_as_current_span(
+            f"request {message.to_agent}",
+            kind=SpanKind.CLIENT,
+            attributes={"agent": message.to_agent, "message_id": message.message_id},
+        ):
+            message = with_trace(message)
+            response = await self._with_retry(attempt)
         if raise_on_error and response.message_type is MessageType.ERROR:
             content = response.content or {}
             raise AgentError(
@@ -596,7 +614,7 @@ class MeshClient:
             options.setdefault("message_type", MessageType.BROADCAST)
             message = self.build("broadcast", content, **options)
         request = broker_pb2.GatherRequest(agent_ids=list(agent_ids), agent_types=list(agent_types))
-        codec.message_to_pb(message, request.message)
+        codec.message_to_pb(with_trace(message), request.message)
         codec.seconds_to_duration(timeout, request.timeout)
         call = self._stub.Gather(request, timeout=timeout + 5.0)
         try:
@@ -619,7 +637,7 @@ class MeshClient:
     ) -> BroadcastResult:
         """A copy to every other registered agent, or only to agents of ``agent_types``."""
         options["message_type"] = MessageType.BROADCAST
-        message = self.build("broadcast", content, **options)
+        message = with_trace(self.build("broadcast", content, **options))
         request = broker_pb2.BroadcastRequest(agent_types=list(agent_types))
         codec.message_to_pb(message, request.message)
         response = await self._with_retry(self._unary(self._stub.Broadcast, request))

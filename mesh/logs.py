@@ -8,6 +8,8 @@ import sys
 from datetime import UTC, datetime
 from typing import Any
 
+from opentelemetry import trace
+
 EVENT_ATTR = "event"
 
 
@@ -21,6 +23,10 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        span = trace.get_current_span().get_span_context()
+        if span.is_valid:
+            line["trace_id"] = f"{span.trace_id:032x}"
+            line["span_id"] = f"{span.span_id:016x}"
         event = getattr(record, EVENT_ATTR, None)
         if isinstance(event, dict):
             line.update(event)

@@ -7,11 +7,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentelemetry import trace
+
 from gateway.dispatch import Dispatcher
 from gateway.events import Emit, EventKind, Pattern, PatternEvent
 from gateway.patterns._common import GATEWAY_ID, Stopwatch, as_float, clean, invalid, new_id
-from gateway.tracing import now_ns, record_span, span_name, tracer
+from gateway.tracing import span_name, tracer
 from mesh.core.model import JSON, Message, MessageType
+from mesh.tracing import inject
 
 STRATEGIES = ("consensus", "weighted_voting", "highest_confidence")
 DEFAULT_CONFIDENCE = 0.5
@@ -225,6 +228,18 @@ async def _run(
             content["history"] = list(history)
         if spec.context:
             content["context"] = spec.context
+        # The broadcast's span travels in the message: every agent's work joins this trace.
+        broadcast = tracer().start_span(
+            "group_chat.broadcast",
+            context=trace.set_span_in_context(root),
+            attributes={
+                "group_id": group_id,
+                "round": round_number,
+                "recipients": len(spec.agent_ids),
+            },
+        )
+        with trace.use_span(broadcast, end_on_exit=True):
+            headers = inject()
         message = Message(
             from_agent=spec.from_agent,
             to_agent="group",
@@ -232,6 +247,7 @@ async def _run(
             content=content,
             reply_to=GATEWAY_ID,
             metadata={"group_id": group_id},
+            headers=headers,
         )
         history.append(
             {
@@ -254,28 +270,8 @@ async def _run(
             },
         )
         sent_at = clock.ms
-        sent_ns = now_ns()
-        record_span(
-            "group_chat.broadcast",
-            sent_ns,
-            sent_ns,
-            root,
-            group_id=group_id,
-            round=round_number,
-            recipients=len(spec.agent_ids),
-        )
         this_round: list[Contribution] = []
         async for item in dispatcher.gather(message, spec.agent_ids, spec.agent_timeout):
-            record_span(
-                span_name(item.agent_id, "analyze"),
-                sent_ns,
-                now_ns(),
-                root,
-                agent=item.agent_id,
-                group_id=group_id,
-                round=round_number,
-                answered=item.response is not None,
-            )
             answer = item.response
             if answer is None or answer.message_type is MessageType.ERROR:
                 reason = (

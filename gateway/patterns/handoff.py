@@ -13,7 +13,7 @@ from gateway.dispatch import Dispatcher
 from gateway.events import Emit, EventKind, Pattern, PatternEvent
 from gateway.patterns._common import GATEWAY_ID, Stopwatch, invalid, new_id
 from gateway.patterns.group_chat import GroupChatSpec, run_group_chat
-from gateway.tracing import span_name, tracer
+from gateway.tracing import tracer
 from mesh.core.errors import MeshError
 from mesh.core.model import JSON, Handoff, Message, MessageType
 
@@ -308,7 +308,7 @@ async def _agent_step(
         },
     )
     with tracer().start_as_current_span(
-        span_name(step.agent_id, "handle"),
+        "hand_off.step",
         attributes={
             "workflow_id": workflow_id,
             "agent": step.agent_id,

@@ -15,6 +15,8 @@ import time
 from collections.abc import AsyncGenerator, Iterable, Sequence
 from dataclasses import dataclass
 
+from opentelemetry.trace import use_span
+
 from mesh.config import BrokerConfig
 from mesh.core.errors import (
     AgentNotFoundError,
@@ -42,6 +44,7 @@ from mesh.core.queue import InMemoryQueueStore, QueueStats, QueueStore, Released
 from mesh.core.registry import AgentRegistry
 from mesh.core.validation import handoff_violations, validate_message
 from mesh.metrics import BrokerMetrics, Totals
+from mesh.tracing import extract, inject, tracer, without_trace
 
 logger = logging.getLogger("mesh.broker")
 handoff_logger = logging.getLogger("mesh.handoff")
@@ -575,15 +578,37 @@ class Broker:
         if popped:
             self._dirty.add(agent_id)
             self.metrics.delivered("receive", len(popped))
-            for item in popped:
-                self._observe_delivery(item.message, item.queued_seconds)
+        messages = [self._observe_delivery(item.message, item.queued_seconds) for item in popped]
         self.metrics.receive_latency.observe(time.perf_counter() - started)
-        return [item.message for item in popped]
+        return messages
 
-    def _observe_delivery(self, message: Message, queued_seconds: float) -> None:
+    def _observe_delivery(self, message: Message, queued_seconds: float) -> Message:
+        """Counts a delivery; a traced message gets a span for its time in the queue, and
+        is delivered as that span's child so the receiver's work hangs below it."""
         self.metrics.queue_wait.observe(queued_seconds)
         if message.message_type is MessageType.HANDOFF:
             self.metrics.handoff_latency.observe(queued_seconds)
+        parent = extract(message.headers)
+        if parent is None:
+            return message
+        end = time.time_ns()
+        span = tracer().start_span(
+            "broker.queue",
+            context=parent,
+            start_time=end - int(queued_seconds * 1e9),
+            attributes={
+                "agent": message.to_agent,
+                "from_agent": message.from_agent,
+                "message_id": message.message_id,
+                "message_type": message.message_type.value,
+                "priority": message.priority.value,
+                "queue_wait_ms": round(queued_seconds * 1000, 3),
+            },
+        )
+        with use_span(span, end_on_exit=False):
+            headers = inject(without_trace(message.headers))
+        span.end(end_time=end)
+        return message.evolve(headers=headers)
 
     async def subscribe(
         self, agent_id: str, *, max_in_flight: int = 0, lease_seconds: float = 0
@@ -617,8 +642,8 @@ class Broker:
         sub.in_flight.add(lease.message.message_id)
         self._dirty.add(sub.agent_id)
         self.metrics.delivered("subscription")
-        self._observe_delivery(lease.message, lease.queued_seconds)
-        return Delivery(lease.message, lease.attempt, lease.lease_expires_at)
+        message = self._observe_delivery(lease.message, lease.queued_seconds)
+        return Delivery(message, lease.attempt, lease.lease_expires_at)
 
     async def _unsubscribe(self, sub: Subscription) -> None:
         subs = self._subscriptions.get(sub.agent_id, [])

@@ -639,33 +639,52 @@ async def test_scenario_19_pattern_tracing(recorded: Any, span_exporter: Any) ->
     events = await client.collect(
         client.group_chat(agent_ids=GROUP, query="Stock?", group_id="wf_stock_rec_123")
     )
-    spans = [
+    finished = span_exporter.get_finished_spans()
+    [root] = [
         s
-        for s in span_exporter.get_finished_spans()
-        if s.attributes.get("group_id") == "wf_stock_rec_123"
+        for s in finished
+        if s.name == "group_chat" and s.attributes.get("group_id") == "wf_stock_rec_123"
     ]
-    by_name = {s.name: s for s in spans}
-    assert set(by_name) == {
-        "group_chat",
+    assert root.attributes["workflow_id"] == "wf_stock_rec_123"
+    spans = [s for s in finished if s.context.trace_id == root.context.trace_id]
+    names = [s.name for s in spans]
+    for name in (
         "group_chat.broadcast",
         "industry_expert.analyze",
         "technical_analyst.analyze",
         "fundamental_analyst.analyze",
         "group_chat.aggregate",
+    ):
+        assert names.count(name) == 1, name
+    assert names.count("broker.queue") == 3
+    by_id = {s.context.span_id: s for s in spans}
+
+    def parent_of(span: Any) -> Any:
+        return by_id[span.parent.span_id]
+
+    assert parent_of(root).name == "gateway.group_chat"  # the RPC's span holds the pattern
+    for span in spans:
+        if span.name != "gateway.group_chat":  # the rest hangs, through its parents, from root
+            ancestor = span
+            while ancestor is not root:
+                ancestor = parent_of(ancestor)
+    broadcast = next(s for s in spans if s.name == "group_chat.broadcast")
+    analyze = [s for s in spans if s.name.endswith(".analyze")]
+    for span in analyze:
+        queued = parent_of(span)
+        assert queued.name == "broker.queue"  # the wait in the agent's queue is in the trace
+        assert queued.attributes["queue_wait_ms"] >= 0
+        assert queued.attributes["agent"] == span.attributes["agent"]
+        assert parent_of(queued) is broadcast
+    assert parent_of(next(s for s in spans if s.name == "group_chat.aggregate")) is root
+    slowest = max(analyze, key=lambda s: s.end_time)
+    assert events[-1]["data"]["critical_path"][0] == "group_chat.broadcast"
+    assert events[-1]["data"]["critical_path"][-1] == "group_chat.aggregate"
+    assert slowest.name in {
+        "industry_expert.analyze",
+        "technical_analyst.analyze",
+        "fundamental_analyst.analyze",
     }
-    root = by_name["group_chat"]
-    assert root.attributes["workflow_id"] == "wf_stock_rec_123"
-    for name, span in by_name.items():
-        assert span.context.trace_id == root.context.trace_id
-        if name != "group_chat":
-            assert span.parent is not None and span.parent.span_id == root.context.span_id
-    agent_spans = [s for n, s in by_name.items() if n.endswith(".analyze")]
-    slowest = max(agent_spans, key=lambda s: s.end_time - s.start_time)
-    assert result_of(events)["critical_path"] == [
-        "group_chat.broadcast",
-        slowest.name,
-        "group_chat.aggregate",
-    ]
 
 
 async def test_scenario_20_pattern_performance_metrics(embedded: EmbeddedMesh) -> None:

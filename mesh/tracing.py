@@ -1,0 +1,254 @@
+"""Tracing across every hop: W3C trace context travels in each message's headers, through the
+broker's queues, so one trace covers client -> gateway -> broker -> agent -> broker -> gateway.
+
+Exporters: spans as JSON lines in a folder (the embedded default, no collector needed; one file
+per process, read back by `agentmesh trace`), and OTLP when the standard OTEL_EXPORTER_OTLP_*
+variables name an endpoint. Without either, tracing costs next to nothing: the API is a no-op.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+logger = logging.getLogger("mesh.tracing")
+TRACE_HEADERS = ("traceparent", "tracestate")
+
+
+def tracer() -> trace.Tracer:
+    return trace.get_tracer("agentmesh")
+
+
+def span_name(agent_id: str, operation: str) -> str:
+    """ "TechnicalAnalyst" -> "technical_analyst.analyze" (a trailing "Agent" is dropped)."""
+    base = agent_id[:-5] if agent_id.endswith("Agent") and len(agent_id) > 5 else agent_id
+    snake = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", base).replace("-", "_").lower()
+    return f"{snake}.{operation}"
+
+
+def inject(headers: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The headers with the current span's trace context added (when there is one)."""
+    carrier = dict(headers or {})
+    if trace.get_current_span().get_span_context().is_valid:
+        propagate.inject(carrier)
+    return carrier
+
+
+def without_trace(headers: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k not in TRACE_HEADERS}
+
+
+def extract(headers: Mapping[str, str]) -> otel_context.Context | None:
+    """The trace context a message carries, or None."""
+    if "traceparent" not in headers:
+        return None
+    return propagate.extract(dict(headers))
+
+
+class JsonlSpanExporter(SpanExporter):
+    """Writes each finished span as one JSON object per line (from the exporter's thread)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._lock = threading.Lock()
+        self._file = path.open("a", encoding="utf-8")
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        with self._lock:
+            for span in spans:
+                self._file.write(json.dumps(span_record(span), default=str) + "\n")
+            self._file.flush()
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def span_record(span: ReadableSpan) -> dict[str, Any]:
+    ctx = span.get_span_context()
+    assert ctx is not None
+    parent = span.parent
+    start, end = span.start_time or 0, span.end_time or 0
+    return {
+        "trace_id": f"{ctx.trace_id:032x}",
+        "span_id": f"{ctx.span_id:016x}",
+        "parent_span_id": f"{parent.span_id:016x}" if parent else None,
+        "name": span.name,
+        "service": span.resource.attributes.get("service.name", ""),
+        "start_ns": start,
+        "end_ns": end,
+        "start": datetime.fromtimestamp(start / 1e9, UTC).isoformat(),
+        "duration_ms": round((end - start) / 1e6, 3),
+        "attributes": dict(span.attributes or {}),
+        "status": span.status.status_code.name,
+    }
+
+
+_provider: TracerProvider | None = None
+
+
+def configure_tracing(
+    service: str, trace_dir: str | Path | None = None, environ: Mapping[str, str] | None = None
+) -> TracerProvider | None:
+    """Installs a tracer provider for this process when a trace folder (flag or
+    AGENTMESH_TRACE_DIR) or an OTLP endpoint (OTEL_EXPORTER_OTLP_ENDPOINT) is configured.
+    When an SDK provider is installed already, the exporters are added to it."""
+    global _provider
+    env = os.environ if environ is None else environ
+    folder = trace_dir or env.get("AGENTMESH_TRACE_DIR") or None
+    otlp = env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    if not folder and not otlp:
+        return None
+    current = trace.get_tracer_provider()
+    provider = (
+        current
+        if isinstance(current, TracerProvider)
+        else TracerProvider(resource=Resource.create({"service.name": service}))
+    )
+    if folder:
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", service)
+        exporter = JsonlSpanExporter(Path(folder) / f"spans-{safe}-{os.getpid()}.jsonl")
+        provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200))
+    if otlp:
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        except ImportError:
+            logger.warning(
+                "OTEL_EXPORTER_OTLP_ENDPOINT is set but the OTLP exporter is not "
+                "installed (pip install opentelemetry-exporter-otlp-proto-grpc)"
+            )
+        else:
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    if provider is not current:
+        trace.set_tracer_provider(provider)
+    _provider = provider
+    return provider
+
+
+def shutdown_tracing() -> None:
+    """Flushes and closes the exporters (call before the process exits)."""
+    if _provider is not None:
+        _provider.force_flush()
+
+
+# -- reading traces back ------------------------------------------------------------------------
+
+
+def load_spans(folder: str | Path) -> list[dict[str, Any]]:
+    spans = []
+    for path in sorted(Path(folder).glob("spans-*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                spans.append(json.loads(line))
+    return spans
+
+
+def find_trace(spans: Sequence[dict[str, Any]], wanted: str) -> list[dict[str, Any]]:
+    """The spans of the trace(s) a trace id (or its prefix), or a workflow, group or run id
+    found in span attributes, names."""
+    ids = {s["trace_id"] for s in spans if s["trace_id"].startswith(wanted)}
+    if not ids:
+        ids = {
+            s["trace_id"]
+            for s in spans
+            if wanted in {str(v) for v in s.get("attributes", {}).values()}
+        }
+    return sorted((s for s in spans if s["trace_id"] in ids), key=lambda s: s["start_ns"])
+
+
+def critical_path(spans: Sequence[dict[str, Any]]) -> list[str]:
+    """From each root, the child that finishes last, down to a leaf: the chain that sets the
+    trace's end time."""
+    by_id = {s["span_id"]: s for s in spans}
+    children: dict[str | None, list[dict[str, Any]]] = {}
+    for s in spans:
+        parent = s["parent_span_id"] if s["parent_span_id"] in by_id else None
+        children.setdefault(parent, []).append(s)
+    path: list[str] = []
+    level = children.get(None, [])
+    while level:
+        last = max(level, key=lambda s: s["end_ns"])
+        path.append(last["span_id"])
+        level = children.get(last["span_id"], [])
+    return path
+
+
+def render_tree(spans: Sequence[dict[str, Any]]) -> list[str]:
+    """The trace as an indented tree with offsets and durations; * marks the critical path."""
+    if not spans:
+        return []
+    by_id = {s["span_id"]: s for s in spans}
+    children: dict[str | None, list[dict[str, Any]]] = {}
+    for s in spans:
+        parent = s["parent_span_id"] if s["parent_span_id"] in by_id else None
+        children.setdefault(parent, []).append(s)
+    hot = set(critical_path(spans))
+    t0 = min(s["start_ns"] for s in spans)
+    lines = [
+        f"trace {spans[0]['trace_id']}: {len(spans)} spans, "
+        f"{(max(s['end_ns'] for s in spans) - t0) / 1e6:.2f} ms"
+    ]
+
+    def walk(node: dict[str, Any], depth: int) -> None:
+        mark = "*" if node["span_id"] in hot else " "
+        attrs = node.get("attributes", {})
+        extra = ", ".join(
+            f"{k}={attrs[k]}" for k in ("agent", "queue_wait_ms", "step_number") if k in attrs
+        )
+        lines.append(
+            f"{mark} {'  ' * depth}{node['name']}  [{node['service']}]  "
+            f"+{(node['start_ns'] - t0) / 1e6:.2f} ms  {node['duration_ms']:.2f} ms"
+            + (f"  ({extra})" if extra else "")
+        )
+        for child in sorted(children.get(node["span_id"], []), key=lambda s: s["start_ns"]):
+            walk(child, depth + 1)
+
+    for root in sorted(children.get(None, []), key=lambda s: s["start_ns"]):
+        walk(root, 0)
+    lines.append("* critical path")
+    return lines
+
+
+def render_waterfall(spans: Sequence[dict[str, Any]], path: Path) -> bool:
+    """A waterfall PNG of the trace (matplotlib, from the bench extra); False without it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    hot = set(critical_path(spans))
+    t0 = min(s["start_ns"] for s in spans)
+    ordered = sorted(spans, key=lambda s: s["start_ns"])
+    fig, ax = plt.subplots(figsize=(11, 0.35 * len(ordered) + 1.2))
+    for i, s in enumerate(ordered):
+        ax.barh(
+            i,
+            max(s["duration_ms"], 0.02),
+            left=(s["start_ns"] - t0) / 1e6,
+            color="tab:red" if s["span_id"] in hot else "tab:blue",
+        )
+    ax.set_yticks(range(len(ordered)), [f"{s['name']} [{s['service']}]" for s in ordered])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the trace started (red: critical path)")
+    ax.set_title(f"trace {ordered[0]['trace_id'][:16]}...")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
