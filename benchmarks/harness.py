@@ -57,8 +57,8 @@ class Proc:
     drain: asyncio.Task[None] | None = None
 
 
-async def spawn(*args: str, ready: str) -> Proc:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+async def spawn(*args: str, ready: str, env_extra: dict[str, str] | None = None) -> Proc:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         *args,
@@ -358,6 +358,55 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
     return out
 
 
+async def measure_tracing_cost(s: Settings, untraced_p50: float) -> dict[str, Any]:
+    """Roundtrip p50 through a second broker and echo agent with tracing on (spans to JSON
+    lines), the driver tracing too, against the untraced figure of the same run."""
+    import tempfile
+
+    from mesh.tracing import configure_tracing
+
+    folder = tempfile.mkdtemp(prefix="agentmesh-bench-traces-")
+    env = {"AGENTMESH_TRACE_DIR": folder}
+    procs: list[Proc] = []
+    try:
+        broker = await spawn(
+            "-m",
+            "mesh.cli",
+            "broker",
+            "--port",
+            "0",
+            env_extra=env,
+            ready=r"listening on (\S+?)[,\s]",
+        )
+        procs.append(broker)
+        procs.append(
+            await spawn(
+                "-m",
+                "benchmarks.agents",
+                "--broker",
+                broker.address,
+                "--prefix",
+                "traced",
+                "--count",
+                "1",
+                env_extra=env,
+                ready=r"agents ready",
+            )
+        )
+        provider = configure_tracing("bench-driver", folder)
+        async with connect(broker.address, agent_id="driver") as client:
+            samples = await timed(
+                lambda: client.request("traced-0", PAYLOAD), s.operations, s.warmup
+            )
+        if provider is not None:
+            provider.force_flush()
+    finally:
+        await stop_all(procs)
+    traced = stats(samples)
+    traced["overhead"] = traced["p50_ms"] / untraced_p50 - 1
+    return traced
+
+
 def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Median of each figure over the repetitions, with the spread (min, max) of the medians."""
     combined: dict[str, Any] = {}
@@ -423,6 +472,16 @@ def evaluate(figures: dict[str, Any]) -> list[dict[str, Any]]:
             "target": ">= 0.75x",
             "pass": t64 >= 0.75,
             "what": "request/response throughput at 64 in flight vs relay",
+        }
+    )
+    overhead = figures["roundtrip_traced"]["overhead"]
+    checks.append(
+        {
+            "figure": "roundtrip_traced.p50_ms / roundtrip.p50_ms - 1",
+            "value": overhead,
+            "target": "< 0.15",
+            "pass": overhead < 0.15,
+            "what": "cost of tracing (spans in every process) on the roundtrip p50",
         }
     )
     batched = figures["oneway_batch100"]["throughput"]
@@ -546,6 +605,9 @@ async def main(argv: list[str]) -> int:
     finally:
         await stop_all(mesh.procs)
     figures = combine(runs)
+    figures["roundtrip_traced"] = await measure_tracing_cost(
+        settings, figures["roundtrip"]["p50_ms"]
+    )
     report = {
         "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine(),

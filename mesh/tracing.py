@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from opentelemetry import context as otel_context
-from opentelemetry import propagate, trace
+from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 logger = logging.getLogger("mesh.tracing")
 TRACE_HEADERS = ("traceparent", "tracestate")
@@ -42,8 +43,25 @@ def span_name(agent_id: str, operation: str) -> str:
 def inject(headers: Mapping[str, str] | None = None) -> dict[str, str]:
     """The headers with the current span's trace context added (when there is one)."""
     carrier = dict(headers or {})
-    if trace.get_current_span().get_span_context().is_valid:
-        propagate.inject(carrier)
+    ctx = trace.get_current_span().get_span_context()
+    if ctx.is_valid:
+        # W3C traceparent written directly: the hot path needs no propagator machinery.
+        carrier["traceparent"] = (
+            f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+        )
+        if ctx.trace_state:
+            carrier["tracestate"] = ctx.trace_state.to_header()
+    return carrier
+
+
+def headers_for(span: trace.Span, headers: Mapping[str, str]) -> dict[str, str]:
+    """The headers carrying ``span``'s context (not necessarily the current span's)."""
+    carrier = dict(headers)
+    ctx = span.get_span_context()
+    if ctx.is_valid:
+        carrier["traceparent"] = (
+            f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+        )
     return carrier
 
 
@@ -51,11 +69,14 @@ def without_trace(headers: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k not in TRACE_HEADERS}
 
 
+_W3C = TraceContextTextMapPropagator()
+
+
 def extract(headers: Mapping[str, str]) -> otel_context.Context | None:
     """The trace context a message carries, or None."""
     if "traceparent" not in headers:
         return None
-    return propagate.extract(dict(headers))
+    return _W3C.extract(headers)
 
 
 class JsonlSpanExporter(SpanExporter):

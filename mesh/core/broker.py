@@ -15,8 +15,6 @@ import time
 from collections.abc import AsyncGenerator, Iterable, Sequence
 from dataclasses import dataclass
 
-from opentelemetry.trace import use_span
-
 from mesh.config import BrokerConfig
 from mesh.core.errors import (
     AgentNotFoundError,
@@ -44,7 +42,7 @@ from mesh.core.queue import InMemoryQueueStore, QueueStats, QueueStore, Released
 from mesh.core.registry import AgentRegistry
 from mesh.core.validation import handoff_violations, validate_message
 from mesh.metrics import BrokerMetrics, Totals
-from mesh.tracing import extract, inject, tracer, without_trace
+from mesh.tracing import extract, headers_for, tracer, without_trace
 
 logger = logging.getLogger("mesh.broker")
 handoff_logger = logging.getLogger("mesh.handoff")
@@ -605,8 +603,7 @@ class Broker:
                 "queue_wait_ms": round(queued_seconds * 1000, 3),
             },
         )
-        with use_span(span, end_on_exit=False):
-            headers = inject(without_trace(message.headers))
+        headers = headers_for(span, without_trace(message.headers))
         span.end(end_time=end)
         return message.evolve(headers=headers)
 

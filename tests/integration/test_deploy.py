@@ -28,8 +28,8 @@ def check(*overlays: Path) -> subprocess.CompletedProcess[str]:
 def test_every_overlay_renders_and_validates() -> None:
     result = check()
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "dev: 26 objects rendered and valid" in result.stdout
-    assert "prod: 26 objects rendered and valid" in result.stdout
+    assert "dev: 28 objects rendered and valid" in result.stdout
+    assert "prod: 28 objects rendered and valid" in result.stdout
 
 
 def test_rendered_manifests_have_grpc_probes_and_locked_down_pods() -> None:
