@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from agents._data import read
+from agents.reasoning import Reasoner, reasoner_from_env
 from mesh import Agent, AgentContext, Message
 
 
@@ -14,19 +15,40 @@ class StockExpert(Agent):
 
     agent_types = ("stock_expert",)
 
-    def __init__(self, agent_id: str | None = None, *, data_dir: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        agent_id: str | None = None,
+        *,
+        data_dir: str | Path | None = None,
+        reasoner: Reasoner | None = None,
+    ) -> None:
         super().__init__(agent_id)
         self.data_dir = data_dir
+        self.reasoner = reasoner or reasoner_from_env(self._rules)
 
-    async def handle(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
-        data = await read("stocks.json", self.data_dir)
-        ticker, confidence, reasoning = self.analyse(data)
+    async def _rules(self, task: str, inputs: dict[str, Any]) -> dict[str, Any]:
+        ticker, confidence, reasoning = self.analyse(inputs["data"])
         return {
             "recommendation": f"Buy {ticker}",
             "confidence": round(confidence, 4),
             "reasoning": reasoning,
             "ticker": ticker,
         }
+
+    async def handle(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
+        data = await read("stocks.json", self.data_dir)
+        content = message.content or {}
+        return await self.reasoner.complete(
+            "analyze",
+            {
+                "query": content.get("query", ""),
+                "history": content.get("history", []),
+                "expert": self.description or self.agent_id,
+                "data": data,
+            },
+            '{"recommendation": "Buy <TICKER>", "confidence": number 0-1, "reasoning": str, '
+            '"ticker": str}',
+        )
 
     def analyse(self, data: dict[str, Any]) -> tuple[str, float, str]:
         raise NotImplementedError

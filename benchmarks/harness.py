@@ -43,7 +43,7 @@ class Settings:
     @classmethod
     def from_env(cls) -> Settings:
         if os.environ.get("BENCH_QUICK"):
-            return cls(True, 1, 300, 50, 1.0)
+            return cls(True, 1, 200, 30, 0.5)
         return cls(False, 3, 2000, 200, 3.0)
 
 
@@ -86,6 +86,8 @@ async def _drain(process: asyncio.subprocess.Process) -> None:
 
 
 async def stop_all(procs: list[Proc]) -> None:
+    """Stops the processes, last started first (agents before the broker they deregister from)."""
+    procs = list(reversed(procs))
     for proc in procs:
         if proc.process.returncode is None:
             proc.process.send_signal(signal.SIGTERM)
@@ -358,61 +360,84 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
     return out
 
 
-async def measure_tracing_cost(s: Settings, untraced_p50: float) -> dict[str, Any]:
-    """Roundtrip p50 through a second broker and echo agent with tracing on (spans to JSON
-    lines), the driver tracing too, against the untraced figure of the same run."""
+async def measure_tracing_cost(s: Settings) -> dict[str, Any]:
+    """Roundtrip p50 with tracing on vs off, side by side: two brokers with an echo agent
+    each, one set writing spans (JSON lines) and one not, measured in alternating blocks so
+    that the machine's load falls on both alike. With tracing on every request is sampled,
+    then 10% of them (head sampling, as production runs it)."""
     import tempfile
 
-    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+    from opentelemetry.sdk.trace.sampling import (
+        ALWAYS_OFF,
+        ALWAYS_ON,
+        ParentBased,
+        TraceIdRatioBased,
+    )
 
     from mesh.tracing import configure_tracing
 
     folder = tempfile.mkdtemp(prefix="agentmesh-bench-traces-")
-    env = {"AGENTMESH_TRACE_DIR": folder}
     procs: list[Proc] = []
+    brokers: dict[str, str] = {}
     try:
-        broker = await spawn(
-            "-m",
-            "mesh.cli",
-            "broker",
-            "--port",
-            "0",
-            env_extra=env,
-            ready=r"listening on (\S+?)[,\s]",
-        )
-        procs.append(broker)
-        procs.append(
-            await spawn(
+        for name, env in (("plain", {}), ("traced", {"AGENTMESH_TRACE_DIR": folder})):
+            broker = await spawn(
                 "-m",
-                "benchmarks.agents",
-                "--broker",
-                broker.address,
-                "--prefix",
-                "traced",
-                "--count",
-                "1",
+                "mesh.cli",
+                "broker",
+                "--port",
+                "0",
                 env_extra=env,
-                ready=r"agents ready",
+                ready=r"listening on (\S+?)[,\s]",
             )
-        )
+            procs.append(broker)
+            procs.append(
+                await spawn(
+                    "-m",
+                    "benchmarks.agents",
+                    "--broker",
+                    broker.address,
+                    "--prefix",
+                    name,
+                    "--count",
+                    "1",
+                    env_extra=env,
+                    ready=r"agents ready",
+                )
+            )
+            brokers[name] = broker.address
         provider = configure_tracing("bench-driver", folder)
         assert provider is not None
-        async with connect(broker.address, agent_id="driver") as client:
-            full = await timed(lambda: client.request("traced-0", PAYLOAD), s.operations, s.warmup)
-            # Head sampling, as production runs it: the driver's root decides, every hop
-            # follows the traceparent flag (unsampled spans are neither recorded nor exported).
-            provider.sampler = ParentBased(TraceIdRatioBased(0.1))
-            sampled = await timed(
-                lambda: client.request("traced-0", PAYLOAD), s.operations, s.warmup
-            )
+        samples: dict[str, list[float]] = {"off": [], "on": [], "sampled": []}
+        block = max(25, s.operations // 10)
+        async with (
+            connect(brokers["plain"], agent_id="driver") as plain,
+            connect(brokers["traced"], agent_id="driver") as traced,
+        ):
+            for client, agent in ((plain, "plain-0"), (traced, "traced-0")):
+                await timed(lambda c=client, a=agent: c.request(a, PAYLOAD), 0, s.warmup)
+            for _ in range(max(1, s.operations // block)):
+                for key, client, agent, sampler in (
+                    ("off", plain, "plain-0", ALWAYS_OFF),
+                    ("on", traced, "traced-0", ALWAYS_ON),
+                    ("sampled", traced, "traced-0", ParentBased(TraceIdRatioBased(0.1))),
+                ):
+                    provider.sampler = sampler
+                    samples[key] += await timed(
+                        lambda c=client, a=agent: c.request(a, PAYLOAD), block, 0
+                    )
+        provider.sampler = ALWAYS_OFF
         provider.force_flush()
     finally:
         await stop_all(procs)
-    traced = stats(full)
-    traced["overhead"] = traced["p50_ms"] / untraced_p50 - 1
-    traced["sampled_10pct_p50_ms"] = stats(sampled)["p50_ms"]
-    traced["sampled_10pct_overhead"] = traced["sampled_10pct_p50_ms"] / untraced_p50 - 1
-    return traced
+    off, on, sampled = (stats(samples[k]) for k in ("off", "on", "sampled"))
+    return {
+        **on,
+        "untraced_p50_ms": off["p50_ms"],
+        "sampled_10pct_p50_ms": sampled["p50_ms"],
+        "overhead": on["p50_ms"] / off["p50_ms"] - 1,
+        "sampled_10pct_overhead": sampled["p50_ms"] / off["p50_ms"] - 1,
+    }
 
 
 def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -617,9 +642,7 @@ async def main(argv: list[str]) -> int:
     finally:
         await stop_all(mesh.procs)
     figures = combine(runs)
-    figures["roundtrip_traced"] = await measure_tracing_cost(
-        settings, figures["roundtrip"]["p50_ms"]
-    )
+    figures["roundtrip_traced"] = await measure_tracing_cost(settings)
     report = {
         "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine(),

@@ -20,7 +20,7 @@ import grpc
 
 from mesh import codec
 from mesh._status import abort
-from mesh.client import ClientSubscription, MeshClient, Received, RetryPolicy
+from mesh.client import NO_RETRY, ClientSubscription, MeshClient, Received, RetryPolicy
 from mesh.core.errors import BrokerUnavailableError, MeshError, SessionClosedError
 from mesh.core.model import (
     JSON,
@@ -414,8 +414,13 @@ class AgentRuntime:
             await asyncio.gather(*pending, return_exceptions=True)
         if self._subscription is not None:
             await self._subscription.close()
-        with contextlib.suppress(MeshError):
-            await self.client.deregister(self.agent.agent_id)
+        # Best effort, once: a broker that is gone forgets its agents anyway.
+        retry, self.client.retry = self.client.retry, NO_RETRY
+        try:
+            with contextlib.suppress(MeshError):
+                await self.client.deregister(self.agent.agent_id)
+        finally:
+            self.client.retry = retry
 
 
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):

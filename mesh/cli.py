@@ -138,8 +138,7 @@ async def _run_agent(args: argparse.Namespace) -> int:
         served.append(one)
         _print(f"agentmesh agent {agent.agent_id} serving on {one.address}, broker {args.broker}")
     await _until_signalled()
-    for one in served:
-        await one.stop()
+    await asyncio.gather(*(one.stop() for one in served))
     return 0
 
 

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from agents.reasoning import Reasoner, reasoner_from_env
 from agents.research import analysis
 from agents.research.corpus import DATA
 from mesh import Agent, AgentContext, Message
@@ -245,6 +246,16 @@ class SynthesisAgent(_Researcher):
     agent_types = ("research", "synthesis")
     capabilities = ("synthesis",)
 
+    def __init__(
+        self,
+        agent_id: str | None = None,
+        *,
+        topics_file: Path | None = None,
+        reasoner: Reasoner | None = None,
+    ) -> None:
+        super().__init__(agent_id, topics_file=topics_file)
+        self.reasoner = reasoner
+
     async def handle(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
         query, prior, constraints = self.context(message)
         topics = list(constraints.get("topics") or [])
@@ -279,7 +290,26 @@ class SynthesisAgent(_Researcher):
                 or on_topic[0]["claim"]
             )
             lines.append(f"{lexicon[topic]['label']}: {claim}")
-        summary = " ".join(lines) or f"No findings answer: {query}"
+        rule_summary = " ".join(lines) or f"No findings answer: {query}"
+
+        async def summarize(task: str, inputs: dict[str, Any]) -> dict[str, Any]:
+            return {"summary": rule_summary}
+
+        # Only the prose goes through the reasoner: findings, their sources, conflicts and
+        # gaps stay as computed, so provenance survives whatever writes the summary.
+        reasoner = self.reasoner or reasoner_from_env(summarize)
+        answer = await reasoner.complete(
+            "summarize",
+            {
+                "query": query,
+                "findings": findings,
+                "conflicts": conflicts,
+                "gaps": gaps,
+                "rule_summary": rule_summary,
+            },
+            '{"summary": str (cite no source that is not among the findings)}',
+        )
+        summary = str(answer.get("summary") or rule_summary)
         return {"summary": summary, "findings": findings, "conflicts": conflicts, "gaps": gaps}
 
 

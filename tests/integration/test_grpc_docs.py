@@ -34,6 +34,19 @@ def commands(block: str) -> list[str]:
     return out
 
 
+def test_every_rpc_of_the_contract_is_documented() -> None:
+    from mesh.v1 import agent_pb2, broker_pb2, gateway_pb2, memory_pb2, tools_pb2
+
+    text = DOC.read_text()
+    missing = []
+    for module in (broker_pb2, agent_pb2, gateway_pb2, memory_pb2, tools_pb2):
+        for service in module.DESCRIPTOR.services_by_name.values():
+            for method in service.methods:
+                if f"{service.full_name}/{method.name}" not in text:
+                    missing.append(f"{service.full_name}/{method.name}")
+    assert not missing, f"undocumented RPCs: {missing}"
+
+
 async def test_every_documented_call_works(embedded: EmbeddedMesh) -> None:
     agents = embedded.describe()["agents"]
     assert isinstance(agents, dict)
@@ -74,3 +87,7 @@ async def test_every_documented_call_works(embedded: EmbeddedMesh) -> None:
         )
     ]
     assert route_events[-1]["event"]["data"]["error_reason"] == "Payment failed"
+    assert '"decision": "ACCEPT"' in by_rpc["mesh.v1.GatewayService/RunConsensus"]
+    assert "EVENT_KIND_REPORT" in by_rpc["mesh.v1.GatewayService/RunResearch"]
+    assert '"tool": "web_search"' not in by_rpc["mesh.v1.ToolService/ListTools"]
+    assert '"name": "web_search"' in by_rpc["mesh.v1.ToolService/ListTools"]
