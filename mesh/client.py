@@ -699,10 +699,16 @@ class MeshClient:
 
         Messages sent with ack_required are acknowledged to their senders automatically.
         """
-        request = broker_pb2.ReceiveMessagesRequest(
-            agent_id=agent_id or self.agent_id, max_messages=max_messages
-        )
-        response = await self._with_retry(self._unary(self._stub.ReceiveMessages, request))
+
+        async def attempt() -> broker_pb2.ReceiveMessagesResponse:
+            session = await self._open_session()
+            frame = broker_pb2.ConnectRequest()
+            frame.receive.agent_id = agent_id or self.agent_id
+            frame.receive.max_messages = max_messages
+            answer = await session.call(frame, timeout=self.default_timeout)
+            return answer.received
+
+        response = await self._with_retry(attempt)
         messages = [codec.message_from_pb(pb) for pb in response.messages]
         if self.auto_ack:
             wanted = [m for m in messages if m.ack_required]

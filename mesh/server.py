@@ -353,6 +353,17 @@ class _Session:
                 await self.broker.nack(self._agent(frame.nack.agent_id), frame.nack.message_ids)
             elif kind == "subscribe":
                 await self._subscribe(seq, frame.subscribe)
+            elif kind == "receive":
+                if not frame.receive.agent_id:
+                    raise _invalid("agent_id", "agent_id is required")
+                messages = await self.broker.receive(
+                    frame.receive.agent_id, max(frame.receive.max_messages, 0)
+                )
+                out = broker_pb2.ConnectResponse(seq=seq)
+                out.received.SetInParent()
+                for message in messages:
+                    codec.message_to_pb(message, out.received.messages.add())
+                await self.write(out)
             else:
                 raise _invalid("frame", "the frame carries nothing")
         except MeshError as error:

@@ -1208,6 +1208,7 @@ class ConnectRequest(_message.Message):
     REQUEST_FIELD_NUMBER: _builtins.int
     ACK_FIELD_NUMBER: _builtins.int
     NACK_FIELD_NUMBER: _builtins.int
+    RECEIVE_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """Chosen by the client; the broker's answer to this frame carries the same seq."""
     @_builtins.property
@@ -1230,6 +1231,10 @@ class ConnectRequest(_message.Message):
     def nack(self) -> Global___NackRequest:
         """Return deliveries for redelivery; not answered."""
 
+    @_builtins.property
+    def receive(self) -> Global___ReceiveMessagesRequest:
+        """Remove and return an agent's queued messages; answered with `received`."""
+
     def __init__(
         self,
         *,
@@ -1239,12 +1244,13 @@ class ConnectRequest(_message.Message):
         request: Global___SessionRequest | None = ...,
         ack: Global___AckRequest | None = ...,
         nack: Global___NackRequest | None = ...,
+        receive: Global___ReceiveMessagesRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "frame", b"frame", "nack", b"nack", "request", b"request", "send", b"send", "subscribe", b"subscribe"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "frame", b"frame", "nack", b"nack", "receive", b"receive", "request", b"request", "send", b"send", "subscribe", b"subscribe"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "frame", b"frame", "nack", b"nack", "request", b"request", "send", b"send", "seq", b"seq", "subscribe", b"subscribe"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "frame", b"frame", "nack", b"nack", "receive", b"receive", "request", b"request", "send", b"send", "seq", b"seq", "subscribe", b"subscribe"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["subscribe", "send", "request", "ack", "nack"]  # noqa: Y015
+    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["subscribe", "send", "request", "ack", "nack", "receive"]  # noqa: Y015
     _WhichOneofArgType_frame: _TypeAlias = _typing.Literal["frame", b"frame"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_frame) -> _WhichOneofReturnType_frame | None: ...
 
@@ -1289,6 +1295,7 @@ class ConnectResponse(_message.Message):
     DELIVERY_FIELD_NUMBER: _builtins.int
     RESPONSE_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    RECEIVED_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """The seq of the client frame this answers; 0 on deliveries."""
     @_builtins.property
@@ -1307,6 +1314,10 @@ class ConnectResponse(_message.Message):
     def error(self) -> Global___Error:
         """The client frame failed."""
 
+    @_builtins.property
+    def received(self) -> Global___ReceiveMessagesResponse:
+        """The messages a `receive` frame removed, in delivery order."""
+
     def __init__(
         self,
         *,
@@ -1315,12 +1326,13 @@ class ConnectResponse(_message.Message):
         delivery: Global___Delivery | None = ...,
         response: _message_pb2.Message | None = ...,
         error: Global___Error | None = ...,
+        received: Global___ReceiveMessagesResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "delivery", b"delivery", "error", b"error", "frame", b"frame", "response", b"response"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "delivery", b"delivery", "error", b"error", "frame", b"frame", "received", b"received", "response", b"response"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "delivery", b"delivery", "error", b"error", "frame", b"frame", "response", b"response", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "delivery", b"delivery", "error", b"error", "frame", b"frame", "received", b"received", "response", b"response", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["accepted", "delivery", "response", "error"]  # noqa: Y015
+    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["accepted", "delivery", "response", "error", "received"]  # noqa: Y015
     _WhichOneofArgType_frame: _TypeAlias = _typing.Literal["frame", b"frame"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_frame) -> _WhichOneofReturnType_frame | None: ...
 
