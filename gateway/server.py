@@ -155,46 +155,57 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     # -- RPCs --------------------------------------------------------------------------------
 
-    async def RunGroupChat(
-        self, request: gateway_pb2.RunGroupChatRequest, context: Any
-    ) -> AsyncIterator[gateway_pb2.RunGroupChatResponse]:
-        spec = codec.group_chat_spec(request)
+    async def _serve(
+        self, spec: Any, pattern: Pattern, run: Any, wrap: Any, context: Any
+    ) -> AsyncIterator[Any]:
+        """Validates a pattern's spec (INVALID_ARGUMENT before any event), then streams it."""
         try:
             spec.validate()
         except MeshError as error:
             await abort(context, error)
         async for event in self._events(
-            Pattern.GROUP_CHAT, lambda emit: run_spec(spec, self.dispatcher, emit), context
+            pattern, lambda emit: run(spec, self.dispatcher, emit), context
         ):
-            yield gateway_pb2.RunGroupChatResponse(event=event)
+            yield wrap(event=event)
+
+    async def RunGroupChat(
+        self, request: gateway_pb2.RunGroupChatRequest, context: Any
+    ) -> AsyncIterator[gateway_pb2.RunGroupChatResponse]:
+        # grpc.aio recognises streaming handlers by being async generators.
+        async for response in self._serve(
+            codec.group_chat_spec(request),
+            Pattern.GROUP_CHAT,
+            run_spec,
+            gateway_pb2.RunGroupChatResponse,
+            context,
+        ):
+            yield response
 
     async def RunHandoffWorkflow(
         self, request: gateway_pb2.RunHandoffWorkflowRequest, context: Any
     ) -> AsyncIterator[gateway_pb2.RunHandoffWorkflowResponse]:
-        spec = codec.workflow_spec(request)
-        try:
-            spec.validate()
-        except MeshError as error:
-            await abort(context, error)
-        async for event in self._events(
-            Pattern.HAND_OFF, lambda emit: run_spec(spec, self.dispatcher, emit), context
+        # grpc.aio recognises streaming handlers by being async generators.
+        async for response in self._serve(
+            codec.workflow_spec(request),
+            Pattern.HAND_OFF,
+            run_spec,
+            gateway_pb2.RunHandoffWorkflowResponse,
+            context,
         ):
-            yield gateway_pb2.RunHandoffWorkflowResponse(event=event)
+            yield response
 
     async def RunCollaborativeFiltering(
         self, request: gateway_pb2.RunCollaborativeFilteringRequest, context: Any
     ) -> AsyncIterator[gateway_pb2.RunCollaborativeFilteringResponse]:
-        spec = codec.filtering_spec(request)
-        try:
-            spec.validate()
-        except MeshError as error:
-            await abort(context, error)
-        async for event in self._events(
+        # grpc.aio recognises streaming handlers by being async generators.
+        async for response in self._serve(
+            codec.filtering_spec(request),
             Pattern.COLLABORATIVE_FILTERING,
-            lambda emit: run_spec(spec, self.dispatcher, emit),
+            run_spec,
+            gateway_pb2.RunCollaborativeFilteringResponse,
             context,
         ):
-            yield gateway_pb2.RunCollaborativeFilteringResponse(event=event)
+            yield response
 
     async def Route(
         self, request: gateway_pb2.RouteRequest, context: Any
@@ -252,28 +263,28 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def RunConsensus(
         self, request: gateway_pb2.RunConsensusRequest, context: Any
     ) -> AsyncIterator[gateway_pb2.RunConsensusResponse]:
-        spec = codec.consensus_spec(request)
-        try:
-            spec.validate()
-        except MeshError as error:
-            await abort(context, error)
-        async for event in self._events(
-            Pattern.CONSENSUS, lambda emit: run_consensus(spec, self.dispatcher, emit), context
+        # grpc.aio recognises streaming handlers by being async generators.
+        async for response in self._serve(
+            codec.consensus_spec(request),
+            Pattern.CONSENSUS,
+            run_consensus,
+            gateway_pb2.RunConsensusResponse,
+            context,
         ):
-            yield gateway_pb2.RunConsensusResponse(event=event)
+            yield response
 
     async def RunResearch(
         self, request: gateway_pb2.RunResearchRequest, context: Any
     ) -> AsyncIterator[gateway_pb2.RunResearchResponse]:
-        spec = codec.research_spec(request)
-        try:
-            spec.validate()
-        except MeshError as error:
-            await abort(context, error)
-        async for event in self._events(
-            Pattern.RESEARCH, lambda emit: run_research(spec, self.dispatcher, emit), context
+        # grpc.aio recognises streaming handlers by being async generators.
+        async for response in self._serve(
+            codec.research_spec(request),
+            Pattern.RESEARCH,
+            run_research,
+            gateway_pb2.RunResearchResponse,
+            context,
         ):
-            yield gateway_pb2.RunResearchResponse(event=event)
+            yield response
 
     async def GetPatternStats(
         self, request: gateway_pb2.GetPatternStatsRequest, context: Any
