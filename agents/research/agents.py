@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -82,85 +83,22 @@ class _Researcher(Agent):
         )
 
 
-class WebSearchAgent(_Researcher):
-    """Searches the web and turns what it reads into findings with their sources."""
+class _SourceResearcher(_Researcher):
+    """A researcher over one kind of source: finds candidate pages, reads them, extracts the
+    claims on the wanted topics, and escalates what it cannot work around."""
 
-    agent_id = "web-search-agent"
-    agent_types = ("research", "web")
-    capabilities = ("web_research",)
-
-    async def handle(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
-        query, _, constraints = self.context(message)
-        topics = list(constraints.get("topics") or [])
-        lexicon = await asyncio.to_thread(_lexicon, self.topics_file)
-        if not topics:
-            return escalation(
-                self.agent_id,
-                "ambiguous_scope",
-                query,
-                [],
-                "report_gap",
-                "the query names no topic this agent can research",
-            )
-        timeout = float(constraints.get("tool_timeout") or 2.0)
-        focus = str(constraints.get("focus") or "")
-        errors: list[dict[str, Any]] = []
-        try:
-            hits = (
-                await self.tool(
-                    ctx,
-                    "web_search",
-                    {"query": f"{query} {focus}".strip(), "limit": 5},
-                    timeout,
-                    errors,
-                )
-                or []
-            )
-            findings: list[dict[str, Any]] = []
-            for hit in hits:
-                page = await self.tool(ctx, "web_fetch", {"url": hit["url"]}, timeout, errors)
-                if page is None:
-                    continue
-                findings.extend(
-                    analysis.extract_claims(
-                        page["text"],
-                        topics,
-                        lexicon,
-                        {
-                            "source_url": page["url"],
-                            "title": page["title"],
-                            "date_accessed": page["date_accessed"],
-                            "date": page["published"],
-                            "tier": page["tier"],
-                        },
-                    )
-                )
-        except ToolPermissionError as error:
-            return escalation(
-                self.agent_id, "access_denied", query, [], "retry_with_other_agent", error.message
-            )
-        timeouts = [e for e in errors if e["error"] == "timeout"]
-        if timeouts and not findings:
-            return {
-                **escalation(
-                    self.agent_id,
-                    "timeout_complete",
-                    query,
-                    [],
-                    "report_gap",
-                    f"{len(timeouts)} tool calls timed out",
-                ),
-                "errors": errors,
-            }
-        return {"findings": findings, "partial": bool(timeouts), "errors": errors}
-
-
-class DocumentAnalysisAgent(_Researcher):
-    """Searches the local documents (full-text index) and reads the pages that match."""
-
-    agent_id = "document-analysis-agent"
-    agent_types = ("research", "documents")
-    capabilities = ("document_research",)
+    async def pages(
+        self,
+        ctx: AgentContext,
+        query: str,
+        constraints: dict[str, Any],
+        lexicon: dict[str, Any],
+        timeout: float,
+        errors: list[dict[str, Any]],
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """Yields (text, provenance) for each page read."""
+        raise NotImplementedError
+        yield  # pragma: no cover
 
     async def handle(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
         query, prior, constraints = self.context(message)
@@ -176,43 +114,11 @@ class DocumentAnalysisAgent(_Researcher):
                 "the query names no topic this agent can research",
             )
         timeout = float(constraints.get("tool_timeout") or 2.0)
-        words = " ".join(
-            [
-                query,
-                str(constraints.get("focus") or ""),
-                *(" ".join(lexicon[t]["keywords"]) for t in topics),
-            ]
-        )
         errors: list[dict[str, Any]] = []
+        findings: list[dict[str, Any]] = []
         try:
-            hits = (
-                await self.tool(ctx, "grep", {"pattern": words, "limit": 20}, timeout, errors) or []
-            )
-            findings: list[dict[str, Any]] = []
-            for hit in hits:
-                page = await self.tool(
-                    ctx,
-                    "read",
-                    {"document_id": hit["document_id"], "page": hit["page"]},
-                    timeout,
-                    errors,
-                )
-                if page is None:
-                    continue
-                findings.extend(
-                    analysis.extract_claims(
-                        page["text"],
-                        topics,
-                        lexicon,
-                        {
-                            "document_id": page["document_id"],
-                            "page": page["page"],
-                            "title": page["title"],
-                            "date": page["date"],
-                            "tier": page["tier"],
-                        },
-                    )
-                )
+            async for text, source in self.pages(ctx, query, constraints, lexicon, timeout, errors):
+                findings.extend(analysis.extract_claims(text, topics, lexicon, source))
         except ToolPermissionError as error:
             return escalation(
                 self.agent_id, "access_denied", query, [], "retry_with_other_agent", error.message
@@ -236,6 +142,86 @@ class DocumentAnalysisAgent(_Researcher):
             "errors": errors,
             "used_prior_findings": len(prior),
         }
+
+
+class WebSearchAgent(_SourceResearcher):
+    """Searches the web and turns what it reads into findings with their sources."""
+
+    agent_id = "web-search-agent"
+    agent_types = ("research", "web")
+    capabilities = ("web_research",)
+
+    async def pages(
+        self,
+        ctx: AgentContext,
+        query: str,
+        constraints: dict[str, Any],
+        lexicon: dict[str, Any],
+        timeout: float,
+        errors: list[dict[str, Any]],
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        search = f"{query} {constraints.get('focus') or ''}".strip()
+        hits = (
+            await self.tool(ctx, "web_search", {"query": search, "limit": 5}, timeout, errors) or []
+        )
+        for hit in hits:
+            page = await self.tool(ctx, "web_fetch", {"url": hit["url"]}, timeout, errors)
+            if page is not None:
+                yield (
+                    page["text"],
+                    {
+                        "source_url": page["url"],
+                        "title": page["title"],
+                        "date_accessed": page["date_accessed"],
+                        "date": page["published"],
+                        "tier": page["tier"],
+                    },
+                )
+
+
+class DocumentAnalysisAgent(_SourceResearcher):
+    """Searches the local documents (full-text index) and reads the pages that match."""
+
+    agent_id = "document-analysis-agent"
+    agent_types = ("research", "documents")
+    capabilities = ("document_research",)
+
+    async def pages(
+        self,
+        ctx: AgentContext,
+        query: str,
+        constraints: dict[str, Any],
+        lexicon: dict[str, Any],
+        timeout: float,
+        errors: list[dict[str, Any]],
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        words = " ".join(
+            [
+                query,
+                str(constraints.get("focus") or ""),
+                *(" ".join(lexicon[t]["keywords"]) for t in constraints.get("topics") or []),
+            ]
+        )
+        hits = await self.tool(ctx, "grep", {"pattern": words, "limit": 20}, timeout, errors) or []
+        for hit in hits:
+            page = await self.tool(
+                ctx,
+                "read",
+                {"document_id": hit["document_id"], "page": hit["page"]},
+                timeout,
+                errors,
+            )
+            if page is not None:
+                yield (
+                    page["text"],
+                    {
+                        "document_id": page["document_id"],
+                        "page": page["page"],
+                        "title": page["title"],
+                        "date": page["date"],
+                        "tier": page["tier"],
+                    },
+                )
 
 
 class SynthesisAgent(_Researcher):
