@@ -18,7 +18,7 @@ from gateway import codec
 from gateway.dispatch import Dispatcher, MeshDispatcher
 from gateway.events import Emit, EventKind, Pattern, PatternEvent
 from gateway.metrics import PatternMetrics
-from gateway.patterns._common import new_id
+from gateway.patterns._common import invalid, new_id
 from gateway.patterns.consensus import run_consensus
 from gateway.patterns.group_chat import GroupChatSpec
 from gateway.patterns.handoff import WorkflowSpec
@@ -229,7 +229,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         specs: list[tuple[str, Spec]] = []
         try:
             if not request.patterns:
-                raise codec_invalid("patterns", "at least one pattern is required")
+                raise invalid("patterns", "at least one pattern is required")
             for i, item in enumerate(request.patterns):
                 name = item.name or f"pattern_{i + 1}"
                 kind = item.WhichOneof("spec")
@@ -242,7 +242,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 elif kind == "route":
                     _, spec = await self._spec_of_route(item.route)
                 else:
-                    raise codec_invalid(f"patterns[{i}]", "each pattern needs a spec")
+                    raise invalid(f"patterns[{i}]", "each pattern needs a spec")
                 spec.validate()
                 specs.append((name, spec))
         except MeshError as error:
@@ -310,12 +310,6 @@ def run_id_of(spec: Spec) -> str:
     if isinstance(spec, WorkflowSpec):
         return spec.workflow_id
     return spec.run_id
-
-
-def codec_invalid(field: str, description: str) -> MeshError:
-    from gateway.patterns._common import invalid
-
-    return invalid(field, description)
 
 
 class GatewayServer:

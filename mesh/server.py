@@ -49,12 +49,7 @@ def translating(method: Handler[Req, Resp]) -> Handler[Req, Resp]:
     return wrapper
 
 
-def _invalid(field: str, description: str) -> MessageValidationError:
-    from mesh.core.errors import FieldViolation
-
-    return MessageValidationError(
-        description, field_violations=(FieldViolation(field, description),)
-    )
+_invalid = MessageValidationError.for_field
 
 
 class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):

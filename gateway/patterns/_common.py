@@ -6,7 +6,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from mesh.core.errors import FieldViolation, MessageValidationError
+from mesh.core.errors import MessageValidationError
 from mesh.core.model import JSON
 
 Clock = Callable[[], float]
@@ -18,10 +18,7 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:12]}"
 
 
-def invalid(field: str, description: str) -> MessageValidationError:
-    return MessageValidationError(
-        description, field_violations=(FieldViolation(field, description),)
-    )
+invalid = MessageValidationError.for_field
 
 
 def as_float(value: JSON, default: float) -> float:

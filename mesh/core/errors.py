@@ -54,6 +54,11 @@ class MessageValidationError(MultiAgentCommunicationError):
     reason = "VALIDATION_FAILED"
 
     @classmethod
+    def for_field(cls, field: str, description: str) -> MessageValidationError:
+        """One invalid field, described: the message is the description."""
+        return cls(description, field_violations=(FieldViolation(field, description),))
+
+    @classmethod
     def from_violations(cls, violations: list[FieldViolation]) -> MessageValidationError:
         text = "; ".join(v.description for v in violations)
         return cls(text, field_violations=tuple(violations))
