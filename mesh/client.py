@@ -153,6 +153,7 @@ class _Session:
         self._call: Any = stub.Connect()  # type: ignore[call-arg]
         self._seq = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[broker_pb2.ConnectResponse]] = {}
+        self._streams: dict[int, asyncio.Queue[Any]] = {}
         self._write_lock = asyncio.Lock()
         self.deliveries: asyncio.Queue[Any] | None = None
         self.closed = False
@@ -168,6 +169,10 @@ class _Session:
                     failure = BrokerUnavailableError("the broker ended the session")
                     break
                 if frame.seq:
+                    stream = self._streams.get(frame.seq)
+                    if stream is not None:
+                        stream.put_nowait(frame)
+                        continue
                     waiter = self._waiting.pop(frame.seq, None)
                     if waiter is not None and not waiter.done():
                         waiter.set_result(frame)
@@ -189,6 +194,8 @@ class _Session:
             if not waiter.done():
                 waiter.set_exception(failure)
         self._waiting.clear()
+        for stream in self._streams.values():
+            stream.put_nowait(failure)
         if self.deliveries is not None:
             with contextlib.suppress(asyncio.QueueFull):
                 self.deliveries.put_nowait(_CLOSED)
@@ -226,6 +233,30 @@ class _Session:
         if answer.HasField("error"):
             raise codec.error_from_pb(answer.error)
         return answer
+
+    async def stream(
+        self, frame: broker_pb2.ConnectRequest, timeout: float
+    ) -> AsyncIterator[broker_pb2.ConnectResponse]:
+        """Frames answering one request frame, until `accepted` or `error` ends them."""
+        seq = next(self._seq)
+        frame.seq = seq
+        # Bounded by the frames the broker sends for one request (one per agent asked, + 1).
+        answers: asyncio.Queue[Any] = asyncio.Queue()
+        self._streams[seq] = answers
+        try:
+            await self.write(frame)
+            async with asyncio.timeout(timeout):
+                while True:
+                    answer = await answers.get()
+                    if isinstance(answer, MeshError):
+                        raise answer
+                    if answer.HasField("error"):
+                        raise codec.error_from_pb(answer.error)
+                    if answer.HasField("accepted"):
+                        return
+                    yield answer
+        finally:
+            self._streams.pop(seq, None)
 
     async def close(self, grace: float = 1.0) -> None:
         """Half-closes the stream so that frames already written (acks) are processed, waits
@@ -613,20 +644,19 @@ class MeshClient:
         else:
             options.setdefault("message_type", MessageType.BROADCAST)
             message = self.build("broadcast", content, **options)
-        request = broker_pb2.GatherRequest(agent_ids=list(agent_ids), agent_types=list(agent_types))
+        frame = broker_pb2.ConnectRequest()
+        request = frame.gather
+        request.agent_ids.extend(agent_ids)
+        request.agent_types.extend(agent_types)
         codec.message_to_pb(with_trace(message), request.message)
         codec.seconds_to_duration(timeout, request.timeout)
-        call = self._stub.Gather(request, timeout=timeout + 5.0)
-        try:
-            async for item in call:
-                if item.HasField("response"):
-                    yield GatherResult(item.agent_id, codec.message_from_pb(item.response), None)
-                else:
-                    yield GatherResult(item.agent_id, None, codec.error_from_pb(item.error))
-        except grpc.RpcError as error:
-            raise from_rpc_error(error) from None
-        finally:
-            call.cancel()
+        session = await self._open_session()
+        async for answer in session.stream(frame, timeout + 5.0):
+            item = answer.gathered
+            if item.HasField("response"):
+                yield GatherResult(item.agent_id, codec.message_from_pb(item.response), None)
+            else:
+                yield GatherResult(item.agent_id, None, codec.error_from_pb(item.error))
 
     async def broadcast(
         self,

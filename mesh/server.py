@@ -335,19 +335,15 @@ class _Session:
                 accepted.recipients.extend(outcome.recipients)
                 await self.write(out)
             elif kind == "request":
-                if len(self.tasks) >= MAX_SESSION_REQUESTS:
-                    raise LimitExceededError(
-                        f"a session holds at most {MAX_SESSION_REQUESTS} pending requests"
-                    )
-                task = asyncio.create_task(self._request(seq, frame.request))
-                self.tasks.add(task)
-                task.add_done_callback(self.tasks.discard)
+                self._spawn(self._request(seq, frame.request))
             elif kind == "ack":
                 await self.broker.ack(self._agent(frame.ack.agent_id), frame.ack.message_ids)
             elif kind == "nack":
                 await self.broker.nack(self._agent(frame.nack.agent_id), frame.nack.message_ids)
             elif kind == "subscribe":
                 await self._subscribe(seq, frame.subscribe)
+            elif kind == "gather":
+                self._spawn(self._gather(seq, frame.gather))
             elif kind == "receive":
                 if not frame.receive.agent_id:
                     raise _invalid("agent_id", "agent_id is required")
@@ -363,6 +359,45 @@ class _Session:
                 raise _invalid("frame", "the frame carries nothing")
         except MeshError as error:
             await self._error(seq, error)
+
+    def _spawn(self, work: Any) -> None:
+        if len(self.tasks) >= MAX_SESSION_REQUESTS:
+            work.close()
+            raise LimitExceededError(
+                f"a session holds at most {MAX_SESSION_REQUESTS} pending requests"
+            )
+        task = asyncio.create_task(work)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _gather(self, seq: int, request: broker_pb2.GatherRequest) -> None:
+        message = codec.message_from_pb(request.message)
+        if request.message.message_type == message_pb2.MESSAGE_TYPE_UNSPECIFIED:
+            message = message.evolve(message_type=MessageType.BROADCAST)
+        timeout = codec.duration_seconds(request.timeout) if request.HasField("timeout") else None
+        items = self.broker.gather(
+            message,
+            agent_ids=list(request.agent_ids),
+            agent_types=list(request.agent_types),
+            timeout=timeout,
+        )
+        try:
+            async for item in items:
+                frame = broker_pb2.ConnectResponse(seq=seq)
+                frame.gathered.agent_id = item.agent_id
+                if item.response is not None:
+                    codec.message_to_pb(item.response, frame.gathered.response)
+                elif item.error is not None:
+                    codec.error_to_pb(item.error, frame.gathered.error)
+                await self.write(frame)
+        except MeshError as error:
+            await self._error(seq, error)
+            return
+        finally:
+            await items.aclose()
+        done = broker_pb2.ConnectResponse(seq=seq)
+        done.accepted.SetInParent()
+        await self.write(done)
 
     def _agent(self, agent_id: str) -> str:
         if agent_id:

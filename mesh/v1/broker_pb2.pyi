@@ -1209,6 +1209,7 @@ class ConnectRequest(_message.Message):
     ACK_FIELD_NUMBER: _builtins.int
     NACK_FIELD_NUMBER: _builtins.int
     RECEIVE_FIELD_NUMBER: _builtins.int
+    GATHER_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """Chosen by the client; the broker's answer to this frame carries the same seq."""
     @_builtins.property
@@ -1235,6 +1236,12 @@ class ConnectRequest(_message.Message):
     def receive(self) -> Global___ReceiveMessagesRequest:
         """Remove and return an agent's queued messages; answered with `received`."""
 
+    @_builtins.property
+    def gather(self) -> Global___GatherRequest:
+        """Ask several agents at once; answered with one `gathered` frame per agent, then
+        `accepted` when every agent answered or timed out.
+        """
+
     def __init__(
         self,
         *,
@@ -1245,12 +1252,13 @@ class ConnectRequest(_message.Message):
         ack: Global___AckRequest | None = ...,
         nack: Global___NackRequest | None = ...,
         receive: Global___ReceiveMessagesRequest | None = ...,
+        gather: Global___GatherRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "frame", b"frame", "nack", b"nack", "receive", b"receive", "request", b"request", "send", b"send", "subscribe", b"subscribe"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "frame", b"frame", "gather", b"gather", "nack", b"nack", "receive", b"receive", "request", b"request", "send", b"send", "subscribe", b"subscribe"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "frame", b"frame", "nack", b"nack", "receive", b"receive", "request", b"request", "send", b"send", "seq", b"seq", "subscribe", b"subscribe"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "frame", b"frame", "gather", b"gather", "nack", b"nack", "receive", b"receive", "request", b"request", "send", b"send", "seq", b"seq", "subscribe", b"subscribe"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["subscribe", "send", "request", "ack", "nack", "receive"]  # noqa: Y015
+    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["subscribe", "send", "request", "ack", "nack", "receive", "gather"]  # noqa: Y015
     _WhichOneofArgType_frame: _TypeAlias = _typing.Literal["frame", b"frame"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_frame) -> _WhichOneofReturnType_frame | None: ...
 
@@ -1296,6 +1304,7 @@ class ConnectResponse(_message.Message):
     RESPONSE_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     RECEIVED_FIELD_NUMBER: _builtins.int
+    GATHERED_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """The seq of the client frame this answers; 0 on deliveries."""
     @_builtins.property
@@ -1318,6 +1327,10 @@ class ConnectResponse(_message.Message):
     def received(self) -> Global___ReceiveMessagesResponse:
         """The messages a `receive` frame removed, in delivery order."""
 
+    @_builtins.property
+    def gathered(self) -> Global___GatherResponse:
+        """One agent's outcome of a `gather` frame."""
+
     def __init__(
         self,
         *,
@@ -1327,12 +1340,13 @@ class ConnectResponse(_message.Message):
         response: _message_pb2.Message | None = ...,
         error: Global___Error | None = ...,
         received: Global___ReceiveMessagesResponse | None = ...,
+        gathered: Global___GatherResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "delivery", b"delivery", "error", b"error", "frame", b"frame", "received", b"received", "response", b"response"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "delivery", b"delivery", "error", b"error", "frame", b"frame", "gathered", b"gathered", "received", b"received", "response", b"response"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "delivery", b"delivery", "error", b"error", "frame", b"frame", "received", b"received", "response", b"response", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "delivery", b"delivery", "error", b"error", "frame", b"frame", "gathered", b"gathered", "received", b"received", "response", b"response", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["accepted", "delivery", "response", "error", "received"]  # noqa: Y015
+    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["accepted", "delivery", "response", "error", "received", "gathered"]  # noqa: Y015
     _WhichOneofArgType_frame: _TypeAlias = _typing.Literal["frame", b"frame"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_frame) -> _WhichOneofReturnType_frame | None: ...
 
