@@ -177,6 +177,14 @@ def message_to_pb(message: Message, out: message_pb2.Message | None = None) -> m
     return pb
 
 
+def gather_message_from_pb(pb: message_pb2.Message) -> Message:
+    """The message of a gather: an unset type means BROADCAST copies."""
+    message = message_from_pb(pb)
+    if pb.message_type == message_pb2.MESSAGE_TYPE_UNSPECIFIED:
+        message = message.evolve(message_type=MessageType.BROADCAST)
+    return message
+
+
 def priority_from_pb(value: int) -> Priority:
     return _PRIORITY_FROM_PB.get(value, Priority.MEDIUM)
 

@@ -15,10 +15,9 @@ from mesh._status import abort
 from mesh.config import BrokerConfig, ServerConfig
 from mesh.core.broker import Broker, Subscription
 from mesh.core.errors import LimitExceededError, MeshError, MessageValidationError
-from mesh.core.model import MessageType
 from mesh.core.tools import ToolHost
 from mesh.serving import MeshServer, start_server
-from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
+from mesh.v1 import broker_pb2, broker_pb2_grpc
 
 logger = logging.getLogger("mesh.server")
 
@@ -196,9 +195,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         remaining = context.time_remaining()
         if timeout is not None and remaining is not None:
             timeout = min(timeout, remaining)
-        message = codec.message_from_pb(request.message)
-        if request.message.message_type == message_pb2.MESSAGE_TYPE_UNSPECIFIED:
-            message = message.evolve(message_type=MessageType.BROADCAST)
+        message = codec.gather_message_from_pb(request.message)
         items = self.broker.gather(
             message,
             agent_ids=list(request.agent_ids),
@@ -371,9 +368,7 @@ class _Session:
         task.add_done_callback(self.tasks.discard)
 
     async def _gather(self, seq: int, request: broker_pb2.GatherRequest) -> None:
-        message = codec.message_from_pb(request.message)
-        if request.message.message_type == message_pb2.MESSAGE_TYPE_UNSPECIFIED:
-            message = message.evolve(message_type=MessageType.BROADCAST)
+        message = codec.gather_message_from_pb(request.message)
         timeout = codec.duration_seconds(request.timeout) if request.HasField("timeout") else None
         items = self.broker.gather(
             message,
