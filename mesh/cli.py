@@ -57,7 +57,11 @@ def _print(line: str) -> None:
 def _add_broker_config_flags(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(BrokerConfig):
         flag = "--" + f.name.replace("_", "-")
-        kind = float if str(f.type).startswith("float") else int
+        kind: type = str
+        if str(f.type).startswith("float"):
+            kind = float
+        elif str(f.type).startswith("int"):
+            kind = int
         parser.add_argument(
             flag,
             type=kind,

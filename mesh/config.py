@@ -55,8 +55,14 @@ class BrokerConfig:
     max_dead_letters: int = 10_000
     max_batch_size: int = 1000
     retry_after_seconds: float = 0.1
+    low_priority_share: float = 0.8
+    """LOW messages may fill this share of a queue (and of the broker); the rest is kept for
+    HIGH and MEDIUM, so a flood of LOW traffic cannot starve them."""
     sweep_interval: float = 0.2
     default_request_timeout: float = 30.0
+    store: str = "memory://"
+    """Where queues live: memory:// (the embedded default) or sqlite:///path/to/queues.db
+    (durable: accepted messages survive a crash and restart)."""
 
     def __post_init__(self) -> None:
         positive = (
@@ -79,6 +85,10 @@ class BrokerConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if not 0 < self.low_priority_share <= 1:
+            raise ValueError("low_priority_share must be within (0, 1]")
+        if not self.store.startswith(("memory://", "sqlite://")):
+            raise ValueError("store must be memory:// or sqlite:///path/to/queues.db")
         if self.default_ttl > self.max_ttl:
             raise ValueError("default_ttl must not exceed max_ttl")
 

@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator, Iterable, Sequence
 from dataclasses import dataclass
 
 from mesh.config import BrokerConfig
+from mesh.core.durable import open_store
 from mesh.core.errors import (
     AgentNotFoundError,
     FieldViolation,
@@ -38,7 +39,7 @@ from mesh.core.model import (
     MessageType,
     Priority,
 )
-from mesh.core.queue import InMemoryQueueStore, QueueStats, QueueStore, Released
+from mesh.core.queue import QueueStats, QueueStore, Released
 from mesh.core.registry import AgentRegistry
 from mesh.core.validation import handoff_violations, validate_message
 from mesh.metrics import BrokerMetrics, Totals
@@ -160,12 +161,14 @@ class Broker:
         self.registry = AgentRegistry(self.config.max_agents, self.config.max_id_length)
         self.memory = SharedMemoryPool()
         if store is None:
-            store = InMemoryQueueStore(
+            store = open_store(
+                self.config.store,
                 max_messages_per_agent=self.config.max_messages_per_agent,
                 max_total_messages=self.config.max_total_messages,
                 max_delivery_attempts=self.config.max_delivery_attempts,
                 max_dead_letters=self.config.max_dead_letters,
                 retry_after_seconds=self.config.retry_after_seconds,
+                low_priority_share=self.config.low_priority_share,
             )
         self.store = store
         store.listener = self
@@ -193,6 +196,7 @@ class Broker:
         for future in self._pending.values():
             if isinstance(future, asyncio.Future) and not future.done():
                 future.set_exception(SessionClosedError("the broker is shutting down"))
+        await self.store.close()
 
     async def __aenter__(self) -> Broker:
         await self.start()
@@ -261,8 +265,14 @@ class Broker:
     async def send(self, message: Message, *, size_bytes: int = 0) -> SendOutcome:
         """Accepts one message: validates, routes an answer to its waiting requester, or enqueues.
 
-        ``to_agent`` "broadcast" fans the message out to every other agent.
+        ``to_agent`` "broadcast" fans the message out to every other agent. Returns once the
+        message is accepted for good (on disk, with a durable store).
         """
+        outcome = await self._send(message, size_bytes)
+        await self.store.sync()
+        return outcome
+
+    async def _send(self, message: Message, size_bytes: int) -> SendOutcome:
         started = time.perf_counter()
         self._validate(message, size_bytes)
         if message.to_agent == BROADCAST_TARGET:
@@ -324,9 +334,10 @@ class Broker:
         results: list[SendOutcome | MeshError] = []
         for index, message in enumerate(messages):
             try:
-                results.append(await self.send(message, size_bytes=sizes[index] if sizes else 0))
+                results.append(await self._send(message, sizes[index] if sizes else 0))
             except MeshError as error:
                 results.append(error)
+        await self.store.sync()  # one commit for the batch
         return results
 
     def _log_handoff(self, message: Message) -> None:
@@ -378,6 +389,8 @@ class Broker:
                 recipients.append(info.agent_id)
             except MeshError as error:
                 failures.append((info.agent_id, error))
+        if recipients:
+            await self.store.sync()
         elapsed = time.perf_counter() - started
         for _ in recipients:
             self.metrics.sent(MessageType.BROADCAST.value, elapsed / max(len(recipients), 1))
@@ -543,6 +556,7 @@ class Broker:
                 except MeshError as error:
                     gathering.expected.discard(agent_id)
                     yield GatherItem(agent_id, error=error)
+            await self.store.sync()
             deadline = asyncio.get_running_loop().time() + timeout
             while gathering.expected or not gathering.answers.empty():
                 try:

@@ -136,6 +136,45 @@ class QueueStore(Protocol):
         """Messages waiting for one agent."""
         ...
 
+    async def sync(self) -> None:
+        """Returns once every message put so far survives a crash of the process."""
+        ...
+
+    async def close(self) -> None:
+        """Writes out what is pending and releases the store's resources."""
+        ...
+
+
+class Journal(Protocol):
+    """Records the store's changes so that a durable store can rebuild it after a crash.
+
+    Called synchronously on every change, in order; writing them out is the journal's
+    business (see :mod:`mesh.core.durable`).
+    """
+
+    def put(self, entry: StoredEntry) -> None: ...
+
+    def attempted(self, entry: StoredEntry) -> None:
+        """The entry's delivery attempts changed (leased, or returned to its queue)."""
+        ...
+
+    def removed(self, agent_id: str, message_id: str) -> None: ...
+
+    def dead(self, agent_id: str, dead: DeadLetter) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class StoredEntry:
+    """What a journal keeps of a message: enough to put it back in its place."""
+
+    message: Message
+    agent_id: str
+    accepted_at: float
+    """Wall-clock seconds (epoch) of acceptance."""
+    expires_at: float
+    """Wall-clock seconds (epoch) at which the TTL ends."""
+    attempts: int
+
 
 class _State(enum.Enum):
     QUEUED = 1
@@ -185,14 +224,23 @@ class InMemoryQueueStore:
         max_delivery_attempts: int = 4,
         max_dead_letters: int = 10_000,
         retry_after_seconds: float = 0.1,
+        low_priority_share: float = 0.8,
         clock: Clock = time.monotonic,
         wall_clock: WallClock = utc_now,
         listener: StoreListener | None = None,
+        journal: Journal | None = None,
     ) -> None:
         self.max_messages_per_agent = max_messages_per_agent
         self.max_total_messages = max_total_messages
         self.max_delivery_attempts = max_delivery_attempts
         self.retry_after_seconds = retry_after_seconds
+        self._limits = (max_messages_per_agent, max_total_messages)
+        # Priority isolation: LOW may fill only a share of a queue and of the broker, so a
+        # flood of LOW traffic leaves room for HIGH and MEDIUM (which go out first anyway).
+        self._low_limits = (
+            max(1, int(max_messages_per_agent * low_priority_share)),
+            max(1, int(max_total_messages * low_priority_share)),
+        )
         self._clock = clock
         self._wall = wall_clock
         self.listener = listener
@@ -202,6 +250,7 @@ class InMemoryQueueStore:
         self._expiry: list[tuple[float, int, _Entry]] = []
         self._lease_heap: list[tuple[float, int, _Entry]] = []
         self._dead: deque[tuple[str, DeadLetter]] = deque(maxlen=max_dead_letters)
+        self._journal = journal
 
     # -- producing ---------------------------------------------------------------------------
 
@@ -212,18 +261,27 @@ class InMemoryQueueStore:
             queue = self._queues[agent_id] = _AgentQueue()
         elif message.message_id in queue.by_id:
             return False
-        if queue.held >= self.max_messages_per_agent or self._total >= self.max_total_messages:
+        low = message.priority is Priority.LOW
+        per_agent, total = self._low_limits if low else self._limits
+        if queue.held >= per_agent or self._total >= total:
             # Expired messages must not hold capacity: drop them before refusing.
             self._expire(self._clock())
-            if queue.held >= self.max_messages_per_agent:
+            for_low = (
+                f" for LOW priority (the last {self.max_messages_per_agent - per_agent} places "
+                "are kept for HIGH and MEDIUM)"
+                if low
+                else ""
+            )
+            if queue.held >= per_agent:
                 raise MessageQueueFullError(
-                    f"{agent_id} queue full ({self.max_messages_per_agent} messages)",
+                    f"{agent_id} queue full ({queue.held} of {self.max_messages_per_agent} "
+                    f"messages){for_low}",
                     retry_after=self.retry_after_seconds,
                 )
-            if self._total >= self.max_total_messages:
+            if self._total >= total:
                 raise MessageQueueFullError(
-                    f"{agent_id} queue full: the broker holds its limit of "
-                    f"{self.max_total_messages} messages",
+                    f"{agent_id} queue full: the broker holds {self._total} of its "
+                    f"{self.max_total_messages} messages{for_low}",
                     retry_after=self.retry_after_seconds,
                 )
         now = self._clock()
@@ -236,11 +294,50 @@ class InMemoryQueueStore:
             accepted_at=now,
             expires_at=now + ttl_seconds,
         )
-        queue.by_id[message.message_id] = entry
+        self._admit(queue, entry)
+        if self._journal:
+            wall = self._wall().timestamp()
+            self._journal.put(StoredEntry(message, agent_id, wall, wall + ttl_seconds, 0))
+        return True
+
+    def _admit(self, queue: _AgentQueue, entry: _Entry) -> None:
+        queue.by_id[entry.message.message_id] = entry
         self._push(queue, entry)
         self._total += 1
         heapq.heappush(self._expiry, (entry.expires_at, entry.seq, entry))
-        return True
+
+    def restore(self, stored: StoredEntry) -> None:
+        """Puts back a message a journal kept, as queued, with its attempts and remaining TTL.
+
+        Capacity is not checked: what was accepted before a restart stays accepted.
+        """
+        queue = self._queues.get(stored.agent_id)
+        if queue is None:
+            queue = self._queues[stored.agent_id] = _AgentQueue()
+        elif stored.message.message_id in queue.by_id:
+            return
+        now = self._clock()
+        wall = self._wall().timestamp()
+        entry = _Entry(
+            message=stored.message,
+            agent_id=stored.agent_id,
+            rank=stored.message.priority.rank,
+            sort_time=stored.message.timestamp.timestamp(),
+            seq=next(self._seq),
+            accepted_at=now - max(0.0, wall - stored.accepted_at),
+            expires_at=now + (stored.expires_at - wall),
+            attempts=stored.attempts,
+        )
+        self._admit(queue, entry)
+
+    def restore_dead_letter(self, agent_id: str, dead: DeadLetter) -> None:
+        self._add_dead(agent_id, dead)
+
+    async def sync(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
 
     def _push(self, queue: _AgentQueue, entry: _Entry) -> None:
         entry.state = _State.QUEUED
@@ -291,6 +388,8 @@ class InMemoryQueueStore:
         entry.lease_until = now + lease_seconds
         queue.leased[entry.message.message_id] = entry
         heapq.heappush(self._lease_heap, (entry.lease_until, entry.seq, entry))
+        if self._journal:
+            self._journal.attempted(self._stored(entry))
         return Lease(
             message=entry.message,
             agent_id=agent_id,
@@ -356,19 +455,40 @@ class InMemoryQueueStore:
                 attempts=entry.attempts,
                 dead_lettered_at=self._wall(),
             )
-            queue.dead += 1
-            if len(self._dead) == self._dead.maxlen:
-                evicted_agent = self._dead[0][0]
-                if evicted_agent in self._queues:
-                    self._queues[evicted_agent].dead -= 1
-            self._dead.append((entry.agent_id, dead))
+            self._add_dead(entry.agent_id, dead)
+            if self._journal:
+                self._journal.dead(entry.agent_id, dead)
             if self.listener:
                 self.listener.on_dead_letter(dead)
             return "dead"
         self._push(queue, entry)
+        if self._journal:
+            self._journal.attempted(self._stored(entry))
         if self.listener:
             self.listener.on_redelivery(entry.message, entry.attempts + 1)
         return "requeued"
+
+    def _add_dead(self, agent_id: str, dead: DeadLetter) -> None:
+        queue = self._queues.get(agent_id)
+        if queue is None:
+            queue = self._queues[agent_id] = _AgentQueue()
+        queue.dead += 1
+        if len(self._dead) == self._dead.maxlen:
+            evicted_agent = self._dead[0][0]
+            if evicted_agent in self._queues:
+                self._queues[evicted_agent].dead -= 1
+        self._dead.append((agent_id, dead))
+
+    def _stored(self, entry: _Entry) -> StoredEntry:
+        now = self._clock()
+        wall = self._wall().timestamp()
+        return StoredEntry(
+            entry.message,
+            entry.agent_id,
+            wall - (now - entry.accepted_at),
+            wall + (entry.expires_at - now),
+            entry.attempts,
+        )
 
     def _released(self, entry: _Entry) -> None:
         if self.listener and entry.subscriber:
@@ -381,6 +501,8 @@ class InMemoryQueueStore:
         if queue.by_id.get(entry.message.message_id) is entry:
             del queue.by_id[entry.message.message_id]
             self._total -= 1
+            if self._journal:
+                self._journal.removed(entry.agent_id, entry.message.message_id)
 
     def _drop_expired(self, queue: _AgentQueue, entry: _Entry) -> None:
         self._forget(queue, entry)

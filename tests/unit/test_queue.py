@@ -1,11 +1,19 @@
-"""The in-memory queue store: order, TTL, capacity, leases, redelivery, dead letters."""
+"""The queue stores: order, TTL, capacity, leases, redelivery, dead letters.
+
+Every test runs against every store (in memory, and journalled to SQLite); the durable
+store's own tests (what survives a reopen) are at the end.
+"""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 
+from mesh.core.durable import SqliteQueueStore, open_store
 from mesh.core.errors import MessageQueueFullError
 from mesh.core.model import DeadLetter, Message, Priority
 from mesh.core.queue import InMemoryQueueStore, Released
@@ -68,15 +76,19 @@ def recorder() -> Recorder:
     return Recorder()
 
 
-@pytest.fixture
-def store(clock: FakeClock, recorder: Recorder) -> InMemoryQueueStore:
-    return InMemoryQueueStore(
-        max_messages_per_agent=5,
-        max_total_messages=8,
-        max_delivery_attempts=3,
-        clock=clock,
-        listener=recorder,
-    )
+OPTIONS = {"max_messages_per_agent": 5, "max_total_messages": 8, "max_delivery_attempts": 3}
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+async def store(
+    request: pytest.FixtureRequest, tmp_path: Path, clock: FakeClock, recorder: Recorder
+) -> AsyncIterator[InMemoryQueueStore]:
+    if request.param == "memory":
+        made = InMemoryQueueStore(**OPTIONS, clock=clock, listener=recorder)
+    else:
+        made = SqliteQueueStore(tmp_path / "q.db", **OPTIONS, clock=clock, listener=recorder)
+    yield made
+    await made.close()
 
 
 async def ids(store: InMemoryQueueStore, agent: str = "PaymentAgent") -> list[str]:
@@ -256,3 +268,108 @@ async def test_expired_while_leased_is_not_redelivered(
     assert await store.nack("PaymentAgent", ["m"]) == (0, 0)
     assert [m.message_id for m in recorder.expired] == ["m"]
     assert await store.held() == 0
+
+
+async def test_low_priority_flood_leaves_room_for_high(store: InMemoryQueueStore) -> None:
+    # 5 places: LOW may take 4 (80%); the last is kept for HIGH and MEDIUM.
+    for i in range(4):
+        await store.put(msg(f"low{i}", priority=Priority.LOW, at=i), 3600)
+    with pytest.raises(MessageQueueFullError, match=r"PaymentAgent queue full .*LOW"):
+        await store.put(msg("low4", priority=Priority.LOW), 3600)
+    assert await store.put(msg("urgent", priority=Priority.HIGH, at=10), 3600)
+    with pytest.raises(MessageQueueFullError, match="PaymentAgent queue full"):
+        await store.put(msg("more", priority=Priority.HIGH), 3600)
+    lease = await store.lease("PaymentAgent", "s", 30)
+    assert lease is not None and lease.message.message_id == "urgent"
+
+
+# -- the durable store ---------------------------------------------------------------------
+
+
+async def test_reopened_store_has_every_accepted_message_in_order_with_its_state(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    path = tmp_path / "queues.db"
+    first = SqliteQueueStore(path, **OPTIONS, clock=clock)
+    await first.put(msg("low", priority=Priority.LOW, at=0), 3600)
+    await first.put(msg("high", priority=Priority.HIGH, at=5), 3600)
+    await first.put(msg("medium", priority=Priority.MEDIUM, at=1), 100)
+    await first.put(msg("acked", at=2), 3600)
+    await first.put(msg("popped", to="HotelAgent"), 3600)
+    await first.sync()
+    leased = await first.lease("PaymentAgent", "s1", 30)
+    assert leased is not None and leased.message.message_id == "high"
+    await first.lease("PaymentAgent", "s1", 30)  # medium
+    await first.nack("PaymentAgent", ["medium"])  # back, attempt 1 recorded
+    await first.lease("PaymentAgent", "s1", 30)  # medium again, attempt 2
+    await first.lease("PaymentAgent", "s1", 30)  # acked
+    await first.ack("PaymentAgent", ["acked"])
+    await first.pop("HotelAgent")
+    await first.close()
+
+    second = SqliteQueueStore(path, **OPTIONS, clock=FakeClock())
+    assert second.restored == 3
+    stats = {s.agent_id: s for s in await second.stats()}
+    assert (stats["PaymentAgent"].high, stats["PaymentAgent"].medium) == (1, 1)
+    assert (stats["PaymentAgent"].low, stats["PaymentAgent"].in_flight) == (1, 0)
+    got = []
+    while (lease := await second.lease("PaymentAgent", "s2", 30)) is not None:
+        got.append((lease.message.message_id, lease.attempt))
+    # Leased when the first store closed: queued again, with the next attempt number.
+    assert got == [("high", 2), ("medium", 3), ("low", 1)]
+    assert await second.pop("HotelAgent") == []
+    await second.close()
+
+
+async def test_reopened_store_keeps_what_remains_of_the_ttl(tmp_path: Path) -> None:
+    path = tmp_path / "queues.db"
+    wall = [BASE]
+    first = SqliteQueueStore(path, **OPTIONS, wall_clock=lambda: wall[0])
+    await first.put(msg("short"), 10)
+    await first.put(msg("long"), 3600)
+    await first.close()
+    wall[0] = BASE + timedelta(seconds=11)  # the broker was down for 11 s
+    recorder = Recorder()
+    second = SqliteQueueStore(path, **OPTIONS, wall_clock=lambda: wall[0], listener=recorder)
+    assert await ids(second) == ["long"]
+    assert [m.message_id for m in recorder.expired] == ["short"]
+    await second.close()
+
+
+async def test_dead_letters_survive_a_reopen(tmp_path: Path, clock: FakeClock) -> None:
+    path = tmp_path / "queues.db"
+    first = SqliteQueueStore(path, **OPTIONS, clock=clock)
+    await first.put(msg("poison"), 3600)
+    for _ in range(3):
+        await first.lease("PaymentAgent", "s", 30)
+        await first.nack("PaymentAgent", ["poison"])
+    await first.close()
+    second = SqliteQueueStore(path, **OPTIONS, clock=clock)
+    dead = await second.dead_letters("PaymentAgent")
+    assert [(d.message.message_id, d.attempts) for d in dead] == [("poison", 3)]
+    assert (await second.stats("PaymentAgent"))[0].dead_letters == 1
+    assert await second.held() == 0
+    await second.close()
+
+
+async def test_concurrent_senders_share_commits(tmp_path: Path) -> None:
+    store = SqliteQueueStore(tmp_path / "q.db", max_messages_per_agent=1000)
+
+    async def send(i: int) -> None:
+        await store.put(msg(f"m{i}"), 3600)
+        await store.sync()
+
+    await asyncio.gather(*(send(i) for i in range(200)))
+    assert store.journal.commits < 200
+    await store.close()
+    reopened = SqliteQueueStore(tmp_path / "q.db", max_messages_per_agent=1000)
+    assert reopened.restored == 200
+    await reopened.close()
+
+
+def test_store_urls() -> None:
+    assert type(open_store("memory://")) is InMemoryQueueStore
+    with pytest.raises(ValueError, match="unknown queue store"):
+        open_store("postgres://x")
+    with pytest.raises(ValueError, match="needs a file path"):
+        open_store("sqlite://")
