@@ -302,6 +302,7 @@ class AgentRuntime:
                     self.agent.agent_id,
                     max_in_flight=self.max_in_flight,
                     lease_seconds=self.lease_seconds,
+                    reconnect=False,  # this loop reconnects, registering again first
                 )
                 await sub.start()
                 self._subscription = sub

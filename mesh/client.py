@@ -24,6 +24,7 @@ from mesh import codec
 from mesh._status import from_rpc_error
 from mesh.core.errors import (
     AgentError,
+    AgentNotFoundError,
     BrokerUnavailableError,
     MeshError,
     RequestTimeoutError,
@@ -40,6 +41,7 @@ from mesh.core.model import (
     Message,
     MessageType,
     Priority,
+    new_message_id,
 )
 from mesh.serving import GRPC_OPTIONS
 from mesh.tracing import inject, tracer
@@ -58,6 +60,7 @@ logger = logging.getLogger("mesh.client")
 T = TypeVar("T")
 
 _CLOSED = object()
+_RECONNECT_DELAYS = (0.1, 0.25, 0.5, 1.0, 2.0)
 
 # Reconnect quickly after a broker restart: the retry policy, not the channel, sets the pace.
 CLIENT_OPTIONS = [
@@ -304,13 +307,22 @@ class ClientSubscription:
     """An async iterator over an agent's deliveries, on its own Connect stream."""
 
     def __init__(
-        self, client: MeshClient, agent_id: str, max_in_flight: int, lease_seconds: float
+        self,
+        client: MeshClient,
+        agent_id: str,
+        max_in_flight: int,
+        lease_seconds: float,
+        *,
+        reconnect: bool = True,
     ) -> None:
         self.client = client
         self.agent_id = agent_id
         self.max_in_flight = max_in_flight
         self.lease_seconds = lease_seconds
+        self.reconnect = reconnect
+        self.reconnects = 0
         self._session: _Session | None = None
+        self._closed = False
 
     async def start(self) -> ClientSubscription:
         session = _Session(self.client._stub)
@@ -341,19 +353,62 @@ class ClientSubscription:
         return self
 
     async def __anext__(self) -> Received:
-        if self._session is None:
-            await self.start()
-        assert self._session is not None and self._session.deliveries is not None
-        item = await self._session.deliveries.get()
-        if item is _CLOSED:
+        while True:
+            if self._session is None:
+                await self.start()
+            assert self._session is not None and self._session.deliveries is not None
+            item = await self._session.deliveries.get()
+            if item is not _CLOSED:
+                break
             failure = self._session.failure
-            if failure is None or isinstance(failure, SessionClosedError):
+            if self._closed or failure is None or isinstance(failure, SessionClosedError):
                 raise StopAsyncIteration
-            raise failure
+            if not (self.reconnect and failure.code == "UNAVAILABLE"):
+                raise failure
+            await self._resubscribe(failure)
         received = Received(self, item)
         if received.message.ack_required and received.attempt == 1:
             self.client._ack_in_background(received.message)
         return received
+
+    async def _resubscribe(self, failure: MeshError) -> None:
+        """Subscribes again after the broker went away, with backoff; what this subscription
+        held and had not acknowledged is redelivered by the broker."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.client.reconnect_timeout
+        for attempt in itertools.count():
+            delay = _RECONNECT_DELAYS[min(attempt, len(_RECONNECT_DELAYS) - 1)]
+            logger.warning(
+                "subscription of %s lost the broker (%s); subscribing again in %.1f s",
+                self.agent_id,
+                failure.message,
+                delay,
+            )
+            await asyncio.sleep(delay)
+            if self._closed:
+                raise StopAsyncIteration
+            try:
+                await self.start()
+                self.reconnects += 1
+                return
+            except AgentNotFoundError as error:
+                failure = error
+                known = self.client._registered.get(self.agent_id)
+                if known is None:
+                    raise
+                with contextlib.suppress(MeshError):
+                    await self.client.register(
+                        known.agent_id,
+                        agent_types=known.agent_types,
+                        address=known.address,
+                        capabilities=known.capabilities,
+                    )
+            except MeshError as error:
+                if error.code != "UNAVAILABLE":
+                    raise
+                failure = error
+            if loop.time() >= give_up:
+                raise failure
 
     async def _settle(self, kind: str, message_id: str) -> None:
         if self._session is None or self._session.closed:
@@ -367,6 +422,7 @@ class ClientSubscription:
 
     async def close(self) -> None:
         """Ends the subscription; unacknowledged messages go back to the queue."""
+        self._closed = True
         if self._session is not None:
             await self._session.close()
 
@@ -382,6 +438,7 @@ class MeshClient:
         retry: RetryPolicy | None = None,
         default_timeout: float = 30.0,
         auto_ack: bool = True,
+        reconnect_timeout: float = 60.0,
         channel: grpc.aio.Channel | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
@@ -390,7 +447,9 @@ class MeshClient:
         self.retry = retry or RetryPolicy()
         self.default_timeout = default_timeout
         self.auto_ack = auto_ack
+        self.reconnect_timeout = reconnect_timeout
         self.stats = ClientStats()
+        self._registered: dict[str, AgentInfo] = {}
         self._sleep = sleep
         self._own_channel = channel is None
         self._channel = channel or grpc.aio.insecure_channel(target, options=CLIENT_OPTIONS)
@@ -483,9 +542,12 @@ class MeshClient:
         metadata: dict[str, JSON] | None = None,
         headers: dict[str, str] | None = None,
         from_agent: str | None = None,
+        message_id: str = "",
     ) -> Message:
-        """A message from this client (``agent_id``) with a fresh id and timestamp."""
+        """A message from this client (``agent_id``) with a fresh id (unless one is given: a
+        re-sent id is accepted once) and timestamp."""
         return Message(
+            message_id=message_id or new_message_id(),
             from_agent=self.agent_id if from_agent is None else from_agent,
             to_agent=to_agent,
             content=content,
@@ -747,11 +809,22 @@ class MeshClient:
         return messages
 
     def subscribe(
-        self, agent_id: str | None = None, *, max_in_flight: int = 64, lease_seconds: float = 30.0
+        self,
+        agent_id: str | None = None,
+        *,
+        max_in_flight: int = 64,
+        lease_seconds: float = 30.0,
+        reconnect: bool = True,
     ) -> ClientSubscription:
         """Deliveries of the agent's messages as they arrive: ``async for r in sub`` then
-        ``await r.ack()``. Unacknowledged messages are redelivered."""
-        sub = ClientSubscription(self, agent_id or self.agent_id, max_in_flight, lease_seconds)
+        ``await r.ack()``. Unacknowledged messages are redelivered.
+
+        With ``reconnect`` (the default) a subscription that loses the broker subscribes again
+        with backoff (registering the agent again when this client registered it and the
+        broker forgot it), for up to ``reconnect_timeout`` seconds."""
+        sub = ClientSubscription(
+            self, agent_id or self.agent_id, max_in_flight, lease_seconds, reconnect=reconnect
+        )
         self._subscriptions.add(sub)
         return sub
 
@@ -817,10 +890,12 @@ class MeshClient:
         response = await self._with_retry(self._unary(self._stub.RegisterAgent, request))
         if not self.agent_id:
             self.agent_id = info.agent_id
+        self._registered[info.agent_id] = info
         return codec.agent_from_pb(response.agent)
 
     async def deregister(self, agent_id: str | None = None) -> None:
         request = broker_pb2.DeregisterAgentRequest(agent_id=agent_id or self.agent_id)
+        self._registered.pop(request.agent_id, None)
         await self._with_retry(self._unary(self._stub.DeregisterAgent, request))
 
     async def list_agents(self, agent_type: str = "") -> list[AgentInfo]:

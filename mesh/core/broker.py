@@ -181,6 +181,9 @@ class Broker:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
+        for info in await self.store.saved_agents():
+            if info.agent_id not in self.registry:
+                self.registry.register(info)
         if self._sweeper is None:
             self._sweeper = asyncio.create_task(self._sweep_forever(), name="broker-sweeper")
 
@@ -228,6 +231,8 @@ class Broker:
 
     async def register(self, info: AgentInfo) -> AgentInfo:
         registered = self.registry.register(info)
+        await self.store.save_agent(registered)
+        await self.store.sync()
         logger.info(
             "agent registered: %s",
             registered.agent_id,
@@ -244,6 +249,7 @@ class Broker:
 
     async def deregister(self, agent_id: str) -> None:
         self.registry.deregister(agent_id)
+        await self.store.forget_agent(agent_id)
         logger.info(
             "agent deregistered: %s",
             agent_id,

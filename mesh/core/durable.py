@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.core.errors import BrokerUnavailableError
-from mesh.core.model import DeadLetter, Message
+from mesh.core.model import AgentInfo, DeadLetter, Message
 from mesh.core.queue import InMemoryQueueStore, StoredEntry
 
 logger = logging.getLogger("mesh.store")
@@ -41,6 +41,10 @@ CREATE TABLE IF NOT EXISTS messages (
     attempts INTEGER NOT NULL DEFAULT 0,
     body TEXT NOT NULL,
     PRIMARY KEY (agent_id, message_id)
+);
+CREATE TABLE IF NOT EXISTS agents (
+    agent_id TEXT PRIMARY KEY,
+    body TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS dead_letters (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -95,6 +99,12 @@ class SqliteJournal:
 
     # -- reading back --------------------------------------------------------------------
 
+    def load_agents(self) -> list[AgentInfo]:
+        return [
+            _agent_from_dict(json.loads(body))
+            for (body,) in self._db.execute("SELECT body FROM agents ORDER BY agent_id")
+        ]
+
     def load(self) -> tuple[list[StoredEntry], list[tuple[str, DeadLetter]]]:
         """What the database holds: messages in acceptance order, and the dead letters."""
         entries = [
@@ -137,6 +147,12 @@ class SqliteJournal:
 
     def dead(self, agent_id: str, dead: DeadLetter) -> None:
         self._record(("dead", agent_id, dead))
+
+    def agent(self, info: AgentInfo) -> None:
+        self._record(("agent", info))
+
+    def agent_gone(self, agent_id: str) -> None:
+        self._record(("agent_gone", agent_id))
 
     def _record(self, op: Op) -> None:
         with self._lock:
@@ -228,6 +244,14 @@ class SqliteJournal:
                         "DELETE FROM messages WHERE agent_id = ? AND message_id = ?",
                         (op[1], op[2]),
                     )
+                elif kind == "agent":
+                    info: AgentInfo = op[1]
+                    db.execute(
+                        "INSERT OR REPLACE INTO agents VALUES (?, ?)",
+                        (info.agent_id, json.dumps(_agent_to_dict(info))),
+                    )
+                elif kind == "agent_gone":
+                    db.execute("DELETE FROM agents WHERE agent_id = ?", (op[1],))
                 elif kind == "dead":
                     dead: DeadLetter = op[2]
                     db.execute(
@@ -267,6 +291,27 @@ def _message(body: str) -> Message:
     return Message.from_dict(json.loads(body))
 
 
+def _agent_to_dict(info: AgentInfo) -> dict[str, Any]:
+    return {
+        "agent_id": info.agent_id,
+        "agent_types": list(info.agent_types),
+        "address": info.address,
+        "capabilities": list(info.capabilities),
+        "registered_at": info.registered_at.isoformat() if info.registered_at else None,
+    }
+
+
+def _agent_from_dict(data: dict[str, Any]) -> AgentInfo:
+    when = data.get("registered_at")
+    return AgentInfo(
+        agent_id=data["agent_id"],
+        agent_types=tuple(data.get("agent_types") or ()),
+        address=data.get("address") or "",
+        capabilities=tuple(data.get("capabilities") or ()),
+        registered_at=datetime.fromisoformat(when) if when else None,
+    )
+
+
 class SqliteQueueStore(InMemoryQueueStore):
     """The in-memory store with an SQLite journal: accepted messages survive a crash."""
 
@@ -283,6 +328,7 @@ class SqliteQueueStore(InMemoryQueueStore):
         for agent_id, letter in dead:
             self.restore_dead_letter(agent_id, letter)
         self.restored = len(entries)
+        self._agents = journal.load_agents()
         self.journal = journal
         self._journal = journal
         journal.start()
@@ -291,6 +337,9 @@ class SqliteQueueStore(InMemoryQueueStore):
 
     async def sync(self) -> None:
         await self.journal.sync()
+
+    async def saved_agents(self) -> list[AgentInfo]:
+        return list(self._agents)
 
     async def close(self) -> None:
         await asyncio.to_thread(self.journal.close)

@@ -25,7 +25,7 @@ from datetime import datetime, timedelta
 from typing import Protocol
 
 from mesh.core.errors import MessageQueueFullError
-from mesh.core.model import DeadLetter, Message, Priority, utc_now
+from mesh.core.model import AgentInfo, DeadLetter, Message, Priority, utc_now
 
 Clock = Callable[[], float]
 WallClock = Callable[[], datetime]
@@ -140,6 +140,16 @@ class QueueStore(Protocol):
         """Returns once every message put so far survives a crash of the process."""
         ...
 
+    async def save_agent(self, info: AgentInfo) -> None:
+        """Keeps a registration, so that a restarted broker still knows the agent."""
+        ...
+
+    async def forget_agent(self, agent_id: str) -> None: ...
+
+    async def saved_agents(self) -> list[AgentInfo]:
+        """The registrations kept (none for a store that does not outlive its process)."""
+        ...
+
     async def close(self) -> None:
         """Writes out what is pending and releases the store's resources."""
         ...
@@ -161,6 +171,12 @@ class Journal(Protocol):
     def removed(self, agent_id: str, message_id: str) -> None: ...
 
     def dead(self, agent_id: str, dead: DeadLetter) -> None: ...
+
+    def agent(self, info: AgentInfo) -> None:
+        """An agent registered (or registered again)."""
+        ...
+
+    def agent_gone(self, agent_id: str) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,6 +354,17 @@ class InMemoryQueueStore:
 
     async def close(self) -> None:
         return None
+
+    async def save_agent(self, info: AgentInfo) -> None:
+        if self._journal:
+            self._journal.agent(info)
+
+    async def forget_agent(self, agent_id: str) -> None:
+        if self._journal:
+            self._journal.agent_gone(agent_id)
+
+    async def saved_agents(self) -> list[AgentInfo]:
+        return []
 
     def _push(self, queue: _AgentQueue, entry: _Entry) -> None:
         entry.state = _State.QUEUED

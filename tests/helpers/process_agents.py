@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 from mesh import Agent, AgentContext, Message, on
@@ -36,3 +37,12 @@ class Seller(Agent):
                 "received": handoff.previous_result,
             },
         )
+
+
+class Stuck(Agent):
+    """Takes deliveries and never finishes them: its leases are held until it dies."""
+
+    agent_id = "StuckAgent"
+
+    async def handle(self, message: Message, ctx: AgentContext) -> None:
+        await asyncio.Event().wait()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,46 +12,10 @@ from pathlib import Path
 import pytest
 
 from mesh import MessageType, connect
+from tests.helpers.processes import Proc, start, stop
 
 pytestmark = pytest.mark.processes
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class Proc:
-    def __init__(self, process: asyncio.subprocess.Process, address: str) -> None:
-        self.process = process
-        self.address = address
-
-
-async def start(*args: str, ready: str) -> Proc:
-    """Starts `agentmesh ARGS` and waits for its ready line, which names its address."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "mesh.cli",
-        *args,
-        cwd=ROOT,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    assert process.stdout is not None
-    async with asyncio.timeout(30):
-        while True:
-            line = (await process.stdout.readline()).decode()
-            if not line:
-                raise RuntimeError(f"agentmesh {args[0]} exited before it was ready")
-            match = re.search(ready, line)
-            if match:
-                return Proc(process, match.group(1))
-
-
-async def stop(proc: Proc) -> int:
-    if proc.process.returncode is None:
-        proc.process.send_signal(signal.SIGTERM)
-    async with asyncio.timeout(15):
-        return await proc.process.wait()
 
 
 @pytest.fixture

@@ -1,0 +1,79 @@
+"""`agentmesh` commands run as OS processes by the tests, and a free port to give them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Proc:
+    """A running `agentmesh` process and the address its ready line named."""
+
+    def __init__(self, process: asyncio.subprocess.Process, address: str) -> None:
+        self.process = process
+        self.address = address
+        self.output: list[str] = []
+
+    def kill(self) -> None:
+        """SIGKILL: no clean-up of any kind, as in a crash."""
+        if self.process.returncode is None:
+            self.process.kill()
+
+
+async def start(*args: str, ready: str, env: dict[str, str] | None = None) -> Proc:
+    """Starts `agentmesh ARGS` and waits for its ready line, which names its address."""
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "mesh.cli",
+        *args,
+        cwd=ROOT,
+        env=environ,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    assert process.stdout is not None
+    seen: list[str] = []
+    async with asyncio.timeout(30):
+        while True:
+            line = (await process.stdout.readline()).decode()
+            if not line:
+                raise RuntimeError(
+                    f"agentmesh {args[0]} exited before it was ready:\n" + "".join(seen)
+                )
+            seen.append(line)
+            match = re.search(ready, line)
+            if match:
+                proc = Proc(process, match.group(1))
+                proc.output = seen
+                return proc
+
+
+async def stop(proc: Proc) -> int:
+    if proc.process.returncode is None:
+        proc.process.send_signal(signal.SIGTERM)
+    async with asyncio.timeout(15):
+        return await proc.process.wait()
+
+
+async def wait_killed(proc: Proc) -> None:
+    proc.kill()
+    async with asyncio.timeout(15):
+        await proc.process.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+BROKER_READY = r"listening on (\S+?)[,\s]"
