@@ -472,5 +472,6 @@ async def serve_broker(
         metrics_registry=broker.metrics.registry,
         metrics_port=config.metrics_port,
     )
+    server._on_drain.append(broker.drain)
     server._on_stop.append(broker.stop)
     return broker, server

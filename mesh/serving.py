@@ -3,8 +3,9 @@ graceful shutdown (NOT_SERVING first, then stop with a grace period), optional /
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,7 @@ class MeshServer:
     metrics_port: int | None = None
     _metrics_http: Any = field(default=None, repr=False)
     _on_stop: list[Callable[[], Any]] = field(default_factory=list, repr=False)
+    _on_drain: list[Callable[[float], Awaitable[Any]]] = field(default_factory=list, repr=False)
 
     @property
     def address(self) -> str:
@@ -57,8 +59,18 @@ class MeshServer:
             await self.health.set(name, status)
 
     async def stop(self, grace: float | None = 5.0) -> None:
-        """NOT_SERVING first, so balancers stop sending, then stop with a grace period."""
+        """NOT_SERVING first, so balancers stop sending; then the services drain (refusing new
+        work, finishing what is in flight) within the grace period; then the server stops,
+        cancelling what is left."""
         await self.health.enter_graceful_shutdown()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        for drain in self._on_drain:
+            await drain(grace or 0.0)
+        if grace is not None and self._on_drain:
+            # Drained: what remains open are idle streams (sessions, subscriptions), which
+            # would otherwise hold the server for the whole grace period.
+            grace = min(0.5, max(0.0, grace - (loop.time() - started)))
         await self.server.stop(grace)
         if self._metrics_http is not None:
             self._metrics_http.shutdown()

@@ -19,6 +19,7 @@ from mesh.config import BrokerConfig
 from mesh.core.durable import open_store
 from mesh.core.errors import (
     AgentNotFoundError,
+    BrokerUnavailableError,
     FieldViolation,
     HandoffError,
     LimitExceededError,
@@ -177,6 +178,7 @@ class Broker:
         self._by_subscription: dict[str, Subscription] = {}
         self._dirty: set[str] = set()
         self._sweeper: asyncio.Task[None] | None = None
+        self.draining = False
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -200,6 +202,45 @@ class Broker:
             if isinstance(future, asyncio.Future) and not future.done():
                 future.set_exception(SessionClosedError("the broker is shutting down"))
         await self.store.close()
+
+    def _refuse_new_work(self) -> None:
+        raise BrokerUnavailableError(
+            "the broker is shutting down: send to another replica or retry later",
+            reason="SHUTTING_DOWN",
+        )
+
+    async def drain(self, grace: float) -> int:
+        """Graceful shutdown, first half: refuses new work (UNAVAILABLE) but still takes
+        answers and acknowledgements, and waits up to ``grace`` seconds for subscribed agents
+        to empty their queues and for requests in flight to be answered.
+
+        Returns how many messages are still held when it ends (they stay in a durable store;
+        the in-memory store loses them, which is logged).
+        """
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while loop.time() < deadline and await self._busy():  # noqa: ASYNC110 - polls state
+            await asyncio.sleep(0.02)
+        held = await self.store.held()
+        if held:
+            logger.warning(
+                "shutting down with %d messages held (%s)",
+                held,
+                "kept by the durable store"
+                if self.store.durable
+                else "lost with the in-memory store: use a durable store to keep them",
+                extra={"event": {"category": "shutdown", "held": held}},
+            )
+        return held
+
+    async def _busy(self) -> bool:
+        if any(isinstance(p, asyncio.Future) and not p.done() for p in self._pending.values()):
+            return True
+        for agent_id, subs in self._subscriptions.items():
+            if subs and (any(sub.in_flight for sub in subs) or await self.store.depth(agent_id)):
+                return True
+        return False
 
     async def __aenter__(self) -> Broker:
         await self.start()
@@ -230,6 +271,8 @@ class Broker:
     # -- registry ----------------------------------------------------------------------------
 
     async def register(self, info: AgentInfo) -> AgentInfo:
+        if self.draining:
+            self._refuse_new_work()
         registered = self.registry.register(info)
         await self.store.save_agent(registered)
         await self.store.sync()
@@ -281,6 +324,8 @@ class Broker:
     async def _send(self, message: Message, size_bytes: int) -> SendOutcome:
         started = time.perf_counter()
         self._validate(message, size_bytes)
+        if self.draining and message.message_type not in _ANSWER_TYPES:
+            self._refuse_new_work()
         if message.to_agent == BROADCAST_TARGET:
             outcome = await self.broadcast(message)
             return SendOutcome(outcome.message, outcome.recipients)
@@ -379,6 +424,8 @@ class Broker:
         Every copy keeps the message id and differs only in ``to_agent``.
         """
         started = time.perf_counter()
+        if self.draining:
+            self._refuse_new_work()
         types = tuple(agent_types)
         message = message.evolve(message_type=MessageType.BROADCAST)
         if not message.to_agent:
@@ -548,6 +595,8 @@ class Broker:
         else:
             infos = self.registry.of_types(agent_types) if agent_types else self.registry.agents()
             targets = [a.agent_id for a in infos if a.agent_id != message.from_agent]
+        if self.draining:
+            self._refuse_new_work()
         key = self._reserve(message)
         gathering = _Gathering(targets)
         self._pending[key] = gathering

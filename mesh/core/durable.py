@@ -315,6 +315,8 @@ def _agent_from_dict(data: dict[str, Any]) -> AgentInfo:
 class SqliteQueueStore(InMemoryQueueStore):
     """The in-memory store with an SQLite journal: accepted messages survive a crash."""
 
+    durable = True
+
     def __init__(self, path: str | Path, **options: Any) -> None:
         flush_interval = options.pop("flush_interval", 0.05)
         max_dead_letters = options.get("max_dead_letters", 10_000)

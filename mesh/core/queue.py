@@ -91,6 +91,8 @@ class QueueStore(Protocol):
     """What the broker needs from a queue backend."""
 
     listener: StoreListener | None
+    durable: bool
+    """Whether what the store holds outlives the process."""
 
     async def put(self, message: Message, ttl_seconds: float) -> bool:
         """Enqueues a message for ``message.to_agent``.
@@ -231,6 +233,8 @@ class _AgentQueue:
 
 class InMemoryQueueStore:
     """The embedded queue store: bounded heaps in memory, O(log n) per operation."""
+
+    durable = False
 
     def __init__(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import shutil
 import subprocess
@@ -13,7 +14,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mesh import Agent, AgentClient, AgentContext, LocalMesh, Message, Tool, agent, on
+from mesh import Agent, AgentClient, AgentContext, LocalMesh, MeshError, Message, Tool, agent, on
+from mesh.client import NO_RETRY
+from mesh.config import BrokerConfig
 from mesh.core.model import MessageType
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -217,3 +220,54 @@ async def test_decorated_function_and_class_agents_are_equivalent(mesh: LocalMes
         assert info.agent_id == "Doubler"
     with pytest.raises(ValueError, match="needs an agent_id"):
         Agent()
+
+
+async def test_broker_shutdown_under_load_refuses_new_work_and_finishes_what_it_accepted() -> None:
+    handled: list[int] = []
+
+    @agent("Worker")
+    async def worker(message: Message, ctx: AgentContext) -> dict:
+        await asyncio.sleep(0.005)
+        if message.action == "work":
+            handled.append(int(message.parameters["n"]))  # type: ignore[arg-type]
+        return {"ok": True}
+
+    local = await LocalMesh(BrokerConfig(sweep_interval=0.05)).start()
+    assert local.server is not None
+    server = local.server
+    await local.add_agent(worker, max_in_flight=4)
+    client = local.client("sender", retry=NO_RETRY)
+    await client.register("sender")
+    accepted: list[int] = []
+    refusals: list[MeshError] = []
+    enough = asyncio.Event()
+
+    async def push(lane: int) -> None:
+        for n in itertools.count(lane * 1_000_000):
+            try:
+                await client.send("Worker", {"action": "work", "parameters": {"n": n}})
+            except MeshError as error:
+                refusals.append(error)
+                return
+            accepted.append(n)
+            if len(accepted) >= 100:
+                enough.set()
+
+    pushers = [asyncio.create_task(push(lane)) for lane in range(4)]
+    await enough.wait()
+    asking = asyncio.create_task(client.request("Worker", {"action": "answer"}, timeout=10))
+    await asyncio.sleep(0.01)
+    stopping = asyncio.create_task(server.stop(10))
+    async with asyncio.timeout(5):
+        while await health_of(server.address) != NOT_SERVING:  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
+    await asyncio.gather(*pushers)
+    # New work is refused with a status that tells a client to go elsewhere or come back...
+    assert {(e.code, e.reason) for e in refusals} == {("UNAVAILABLE", "SHUTTING_DOWN")}
+    # ...while the request in flight is answered, and every accepted message is handled.
+    answer = await asking
+    assert answer.content == {"action": "answer", "ok": True}
+    await stopping
+    assert sorted(handled) == sorted(accepted)
+    local.server = None
+    await local.stop()
