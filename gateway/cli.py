@@ -50,17 +50,22 @@ async def _up(args: argparse.Namespace) -> int:
 async def _gateway(args: argparse.Namespace) -> int:
     from gateway.patterns.orchestrator import Router
     from gateway.server import serve_gateway
-    from mesh.cli import _print, _until_signalled
+    from mesh.cli import _print, _until_signalled, security_config
 
     router = Router.from_file(Path(args.routes)) if args.routes else None
     gateway = await serve_gateway(
-        args.broker, host=args.host, port=args.port, router=router, metrics_port=args.metrics_port
+        args.broker,
+        host=args.host,
+        port=args.port,
+        router=router,
+        metrics_port=args.metrics_port,
+        security=security_config(args),
     )
     metrics = gateway.server.metrics_port
     where = f", metrics on http://{args.host}:{metrics}/metrics" if metrics else ""
     _print(
         f"agentmesh gateway listening on {gateway.address}{where}, broker {args.broker} "
-        "(insecure, plaintext)"
+        f"({gateway.server.security})"
     )
     await _until_signalled()
     await gateway.stop()
@@ -117,6 +122,8 @@ async def _demo(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub: Any, broker_default: str) -> None:
+    from mesh.cli import add_security_flags
+
     p = sub.add_parser("up", help="run broker, gateway and the sample agents on localhost")
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(_env("PORT", "50051")), help="broker port")
@@ -155,6 +162,7 @@ def add_commands(sub: Any, broker_default: str) -> None:
         default=_env("ROUTES", "") or None,
         help="routing table JSON (default: gateway/data/routes.json)",
     )
+    add_security_flags(p, server=True)
     p.set_defaults(run=_gateway)
 
     p = sub.add_parser("research", help="research a question with the hub-and-spoke agents")

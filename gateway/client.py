@@ -11,6 +11,8 @@ from google.protobuf import json_format
 from mesh._status import from_rpc_error
 from mesh.client import CLIENT_OPTIONS
 from mesh.codec import struct_to_dict
+from mesh.config import SecurityConfig
+from mesh.security import open_channel
 from mesh.tracing import inject
 from mesh.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -34,9 +36,13 @@ def event_dict(pb: gateway_pb2.PatternEvent) -> dict[str, Any]:
 class GatewayClient:
     """``async with GatewayClient(address) as gw: async for event in gw.route(...)``."""
 
-    def __init__(self, target: str, *, timeout: float = 60.0) -> None:
+    def __init__(
+        self, target: str, *, timeout: float = 60.0, security: SecurityConfig | None = None
+    ) -> None:
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(target, options=CLIENT_OPTIONS)
+        self._channel = open_channel(
+            target, security if security is not None else SecurityConfig.from_env(), CLIENT_OPTIONS
+        )
         self.stub = gateway_pb2_grpc.GatewayServiceStub(self._channel)
 
     async def __aenter__(self) -> GatewayClient:

@@ -27,6 +27,7 @@ from gateway.patterns.research import run_research
 from mesh._status import abort
 from mesh.client import MeshClient
 from mesh.codec import struct_to_dict
+from mesh.config import SecurityConfig
 from mesh.core.errors import MeshError
 from mesh.core.model import JSON
 from mesh.serving import MeshServer, start_server
@@ -337,12 +338,13 @@ async def serve_gateway(
     router: Router | None = None,
     registry: CollectorRegistry | None = None,
     metrics_port: int = -1,
+    security: SecurityConfig | None = None,
 ) -> GatewayServer:
     """Starts the gateway on host:port (0 picks one), talking to the broker at ``broker``.
 
     Pass the broker's registry to export pattern metrics beside the broker's on one /metrics.
     """
-    client = MeshClient(broker, agent_id="gateway")
+    client = MeshClient(broker, agent_id="gateway", security=security)
     metrics = PatternMetrics(registry)
     servicer = GatewayServicer(MeshDispatcher(client), router or Router.from_file(), metrics)
     server = await start_server(
@@ -352,5 +354,6 @@ async def serve_gateway(
         port=port,
         metrics_registry=metrics.registry if registry is None else None,
         metrics_port=metrics_port,
+        security=security,
     )
     return GatewayServer(server, client, metrics)

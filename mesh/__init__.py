@@ -7,7 +7,7 @@ The pieces most programs need::
 
 from mesh.agent import Agent, AgentContext, AgentServer, agent, on, serve
 from mesh.client import AgentClient, MeshClient, Received, RetryPolicy, connect
-from mesh.config import BrokerConfig, ServerConfig
+from mesh.config import BrokerConfig, SecurityConfig, ServerConfig
 from mesh.core import (
     BROADCAST_TARGET,
     AgentCard,
@@ -28,10 +28,12 @@ from mesh.core import (
     MessageType,
     MessageValidationError,
     MultiAgentCommunicationError,
+    PermissionDeniedError,
     Priority,
     RequestTimeoutError,
     RoutingError,
     Tool,
+    UnauthenticatedError,
 )
 from mesh.server import serve_broker
 from mesh.testing import LocalMesh
@@ -63,13 +65,16 @@ __all__ = [
     "MessageType",
     "MessageValidationError",
     "MultiAgentCommunicationError",
+    "PermissionDeniedError",
     "Priority",
     "Received",
     "RequestTimeoutError",
     "RetryPolicy",
     "RoutingError",
+    "SecurityConfig",
     "ServerConfig",
     "Tool",
+    "UnauthenticatedError",
     "agent",
     "connect",
     "on",

@@ -21,6 +21,7 @@ import grpc
 from mesh import codec
 from mesh._status import abort
 from mesh.client import NO_RETRY, ClientSubscription, MeshClient, Received, RetryPolicy
+from mesh.config import SecurityConfig
 from mesh.core.errors import BrokerUnavailableError, MeshError, SessionClosedError
 from mesh.core.model import (
     JSON,
@@ -492,10 +493,11 @@ async def serve(
     lease_seconds: float = 30.0,
     retry: RetryPolicy | None = None,
     advertise: str | None = None,
+    security: SecurityConfig | None = None,
 ) -> AgentServer:
     """Serves ``agent``: its own gRPC server on host:port (0 picks one), registered with the
     broker at ``broker`` and subscribed to its queue. Returns once it is ready."""
-    client = MeshClient(broker, agent_id=agent.agent_id, retry=retry)
+    client = MeshClient(broker, agent_id=agent.agent_id, retry=retry, security=security)
     runtime = AgentRuntime(agent, client, max_in_flight=max_in_flight, lease_seconds=lease_seconds)
     servicer = AgentServicer(runtime)
     server = await start_server(
@@ -503,6 +505,7 @@ async def serve(
         [AGENT_SERVICE],
         host=host,
         port=port,
+        security=security,
     )
     runtime.address = advertise or server.address
     try:

@@ -17,7 +17,7 @@ from typing import Any
 
 from mesh.agent import Agent, serve
 from mesh.client import connect
-from mesh.config import BrokerConfig, ServerConfig
+from mesh.config import BrokerConfig, SecurityConfig, ServerConfig
 from mesh.core.errors import MeshError
 from mesh.core.model import Message, MessageType, Priority
 from mesh.logs import configure_logging
@@ -70,6 +70,59 @@ def _add_broker_config_flags(parser: argparse.ArgumentParser) -> None:
         )
 
 
+def add_security_flags(parser: argparse.ArgumentParser, *, server: bool) -> None:
+    """TLS and credential flags; each defaults to its AGENTMESH_* variable."""
+    group = parser.add_argument_group("security (flags override AGENTMESH_* variables)")
+    if server:
+        group.add_argument("--tls-cert", help="server certificate, PEM (AGENTMESH_TLS_CERT)")
+        group.add_argument("--tls-key", help="its private key, PEM (AGENTMESH_TLS_KEY)")
+        group.add_argument(
+            "--credentials-file",
+            help="JSON of principals and tokens; calls then need a credential "
+            "(AGENTMESH_CREDENTIALS_FILE)",
+        )
+    group.add_argument(
+        "--tls-ca",
+        help="CA bundle: a server requires client certificates signed by it (mutual TLS); "
+        "a client verifies the server with it (AGENTMESH_TLS_CA)",
+    )
+    group.add_argument("--tls-client-cert", help="client certificate for mutual TLS")
+    group.add_argument("--tls-client-key", help="its private key")
+    group.add_argument("--tls-server-name", help="name to expect in the server's certificate")
+    group.add_argument(
+        "--token-file",
+        help="file holding the bearer token to send (or AGENTMESH_TOKEN; never on the "
+        "command line, where other users could read it)",
+    )
+
+
+def security_config(args: argparse.Namespace) -> SecurityConfig:
+    config = SecurityConfig.from_env()
+    changes = {
+        name: getattr(args, name)
+        for name in (
+            "tls_cert",
+            "tls_key",
+            "tls_ca",
+            "credentials_file",
+            "tls_client_cert",
+            "tls_client_key",
+            "tls_server_name",
+        )
+        if getattr(args, name, None)
+    }
+    token_file = getattr(args, "token_file", None)
+    if token_file:
+        try:
+            changes["token"] = Path(token_file).read_text().strip()
+        except OSError as error:
+            raise SystemExit(f"cannot read --token-file {token_file}: {error.strerror}") from None
+    try:
+        return config.evolve(**changes)
+    except ValueError as error:
+        raise SystemExit(f"security settings: {error}") from None
+
+
 def _broker_config(args: argparse.Namespace) -> BrokerConfig:
     config = BrokerConfig.from_env()
     changes = {
@@ -84,13 +137,19 @@ async def _run_broker(args: argparse.Namespace) -> int:
     from mesh.server import serve_broker
 
     server_config = ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port)
-    _, server = await serve_broker(server_config=server_config, broker_config=_broker_config(args))
+    broker_config = _broker_config(args)
+    _, server = await serve_broker(
+        server_config=server_config, broker_config=broker_config, security=security_config(args)
+    )
     metrics = (
         f", metrics on http://{args.host}:{server.metrics_port}/metrics"
         if server.metrics_port
         else ""
     )
-    _print(f"agentmesh broker listening on {server.address}{metrics} (insecure, plaintext)")
+    _print(
+        f"agentmesh broker listening on {server.address}{metrics} ({server.security}; "
+        f"store {broker_config.store})"
+    )
     await _until_signalled()
     _print("agentmesh broker shutting down")
     await server.stop(server_config.grace_seconds)
@@ -127,6 +186,7 @@ def load_agent(spec: str, agent_id: str | None = None) -> Agent:
 
 async def _run_agent(args: argparse.Namespace) -> int:
     agents = [a for spec in args.spec for a in load_agents(spec, args.id)]
+    security = security_config(args)
     served = []
     for i, agent in enumerate(agents):
         port = args.port + i if args.port else 0
@@ -138,9 +198,13 @@ async def _run_agent(args: argparse.Namespace) -> int:
             port=port,
             max_in_flight=args.max_in_flight,
             advertise=advertise,
+            security=security,
         )
         served.append(one)
-        _print(f"agentmesh agent {agent.agent_id} serving on {one.address}, broker {args.broker}")
+        _print(
+            f"agentmesh agent {agent.agent_id} serving on {one.address}, broker {args.broker} "
+            f"({one.server.security})"
+        )
     await _until_signalled()
     await asyncio.gather(*(one.stop() for one in served))
     return 0
@@ -180,7 +244,7 @@ def _content(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 async def _send(args: argparse.Namespace) -> int:
-    async with connect(args.broker, agent_id=args.sender) as client:
+    async with connect(args.broker, agent_id=args.sender, security=security_config(args)) as client:
         message = client.build(
             args.to,
             _content(args),
@@ -202,7 +266,7 @@ async def _send(args: argparse.Namespace) -> int:
 
 
 async def _receive(args: argparse.Namespace) -> int:
-    async with connect(args.broker, agent_id=args.agent) as client:
+    async with connect(args.broker, agent_id=args.agent, security=security_config(args)) as client:
         messages = await client.receive(args.agent, args.max)
     if args.json:
         _print(json.dumps([m.to_dict() for m in messages], indent=2))
@@ -215,7 +279,7 @@ async def _receive(args: argparse.Namespace) -> int:
 
 
 async def _agents(args: argparse.Namespace) -> int:
-    async with connect(args.broker) as client:
+    async with connect(args.broker, security=security_config(args)) as client:
         agents = await client.list_agents(args.type or "")
         stats = await client.queue_stats()
     if args.json:
@@ -256,7 +320,7 @@ async def _agents(args: argparse.Namespace) -> int:
 
 
 async def _stats(args: argparse.Namespace) -> int:
-    async with connect(args.broker) as client:
+    async with connect(args.broker, security=security_config(args)) as client:
         report = await client.queue_stats(args.agent or "")
         dead = await client.dead_letters(args.agent or "")
     header = ("AGENT", "DEPTH", "HIGH", "MEDIUM", "LOW", "IN FLIGHT", "DEAD")
@@ -291,6 +355,17 @@ async def _trace(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _certs(args: argparse.Namespace) -> int:
+    from mesh.certs import write_dev_certificates
+
+    files = await asyncio.to_thread(
+        write_dev_certificates, args.dir, hosts=args.host, clients=args.client, days=args.days
+    )
+    for role, path in files.items():
+        _print(f"{role:<24} {path}")
+    return 0
+
+
 # -- parser ------------------------------------------------------------------------------------
 
 
@@ -316,6 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="HTTP port of /metrics (-1 off, 0 any free port)",
     )
     _add_broker_config_flags(p)
+    add_security_flags(p, server=True)
     p.set_defaults(run=_run_broker)
 
     p = sub.add_parser("agent", help="run agents from module:attribute specs")
@@ -340,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="host others reach the agents at (e.g. the pod IP)",
     )
     p.add_argument("--max-in-flight", type=int, default=16)
+    add_security_flags(p, server=True)
     p.set_defaults(run=_run_agent)
 
     p = sub.add_parser("send", help="send a message (or a request with --request)")
@@ -357,6 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request", action="store_true", help="wait for the response")
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--json", action="store_true")
+    add_security_flags(p, server=False)
     p.set_defaults(run=_send)
 
     p = sub.add_parser("receive", help="take an agent's queued messages")
@@ -364,12 +442,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--agent", required=True)
     p.add_argument("--max", type=int, default=0)
     p.add_argument("--json", action="store_true")
+    add_security_flags(p, server=False)
     p.set_defaults(run=_receive)
 
     p = sub.add_parser("agents", help="list registered agents")
     p.add_argument("--broker", default=broker_default)
     p.add_argument("--type")
     p.add_argument("--json", action="store_true")
+    add_security_flags(p, server=False)
     p.set_defaults(run=_agents)
 
     p = sub.add_parser("trace", help="print a trace (by trace, workflow, group or run id)")
@@ -378,9 +458,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--png", help="also draw the trace as a waterfall PNG here")
     p.set_defaults(run=_trace)
 
+    p = sub.add_parser("certs", help="write development TLS certificates (CA, server, clients)")
+    p.add_argument("dir", help="folder to write the PEM files to")
+    p.add_argument("--host", action="append", default=[], help="extra server name or IP")
+    p.add_argument(
+        "--client", action="append", default=[], help="a client certificate for this name (CN)"
+    )
+    p.add_argument("--days", type=int, default=365)
+    p.set_defaults(run=_certs)
+
     p = sub.add_parser("stats", help="queue depths, counters and dead letters")
     p.add_argument("--broker", default=broker_default)
     p.add_argument("--agent")
+    add_security_flags(p, server=False)
     p.set_defaults(run=_stats)
 
     _add_gateway_commands(sub, broker_default)

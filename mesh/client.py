@@ -22,6 +22,7 @@ from opentelemetry.trace import SpanKind
 
 from mesh import codec
 from mesh._status import from_rpc_error
+from mesh.config import SecurityConfig
 from mesh.core.errors import (
     AgentError,
     AgentNotFoundError,
@@ -43,6 +44,7 @@ from mesh.core.model import (
     Priority,
     new_message_id,
 )
+from mesh.security import open_channel
 from mesh.serving import GRPC_OPTIONS
 from mesh.tracing import inject, tracer
 from mesh.v1 import (
@@ -439,6 +441,7 @@ class MeshClient:
         default_timeout: float = 30.0,
         auto_ack: bool = True,
         reconnect_timeout: float = 60.0,
+        security: SecurityConfig | None = None,
         channel: grpc.aio.Channel | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
@@ -452,7 +455,9 @@ class MeshClient:
         self._registered: dict[str, AgentInfo] = {}
         self._sleep = sleep
         self._own_channel = channel is None
-        self._channel = channel or grpc.aio.insecure_channel(target, options=CLIENT_OPTIONS)
+        # TLS and credentials from ``security``, else from AGENTMESH_TLS_CA, AGENTMESH_TOKEN...
+        self.security = security if security is not None else SecurityConfig.from_env()
+        self._channel = channel or open_channel(target, self.security, CLIENT_OPTIONS)
         self._stub = broker_pb2_grpc.BrokerServiceStub(self._channel)
         self._memory = memory_pb2_grpc.MemoryServiceStub(self._channel)
         self._tools = tools_pb2_grpc.ToolServiceStub(self._channel)
@@ -1055,10 +1060,18 @@ def connect(
 class AgentClient:
     """Calls an agent's own gRPC server directly (the Agent service)."""
 
-    def __init__(self, target: str, *, default_timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        default_timeout: float = 30.0,
+        security: SecurityConfig | None = None,
+    ) -> None:
         self.target = target
         self.default_timeout = default_timeout
-        self._channel = grpc.aio.insecure_channel(target, options=CLIENT_OPTIONS)
+        self._channel = open_channel(
+            target, security if security is not None else SecurityConfig.from_env(), CLIENT_OPTIONS
+        )
         self._stub = agent_pb2_grpc.AgentServiceStub(self._channel)
 
     async def __aenter__(self) -> AgentClient:

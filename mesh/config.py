@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Self
 
 ENV_PREFIX = "AGENTMESH_"
@@ -124,3 +124,62 @@ class ServerConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, prefix: str = ENV_PREFIX) -> Self:
         return cls(**_from_env(cls, os.environ if environ is None else environ, prefix))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SecurityConfig:
+    """TLS and credentials, for servers and for clients (AGENTMESH_TLS_CERT and friends).
+
+    A server uses TLS when it has ``tls_cert``/``tls_key``, and mutual TLS (client
+    certificates required and verified) when it also has ``tls_ca``; it requires a
+    credential on every call when it has a ``credentials_file`` or uses mutual TLS. With none
+    of these, it is the insecure embedded default and says so at start-up.
+    A client uses TLS when it has ``tls_ca`` (the CA that signed the server's certificate),
+    presents ``tls_client_cert``/``tls_client_key`` for mutual TLS, and sends ``token`` as a
+    bearer token on every call.
+    """
+
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    credentials_file: str = ""
+    tls_client_cert: str = ""
+    tls_client_key: str = ""
+    tls_server_name: str = ""
+    """Overrides the name checked in the server's certificate (when dialling by IP)."""
+    token: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together")
+        if bool(self.tls_client_cert) != bool(self.tls_client_key):
+            raise ValueError("tls_client_cert and tls_client_key go together")
+        if self.tls_client_cert and not self.tls_ca:
+            raise ValueError("a client certificate needs tls_ca to verify the server")
+
+    @property
+    def secured(self) -> bool:
+        """Whether a server with this configuration authenticates its callers."""
+        return bool(self.credentials_file or (self.tls_cert and self.tls_ca))
+
+    def describe(self) -> str:
+        """For start-up lines: what protects the server (never a secret)."""
+        if not self.tls_cert and not self.secured:
+            return "insecure: plaintext, no credentials (localhost development only)"
+        parts = []
+        if self.tls_cert:
+            parts.append("mutual TLS" if self.tls_ca else "TLS")
+        else:
+            parts.append("plaintext")
+        if self.credentials_file:
+            parts.append("credentials required")
+        elif self.secured:
+            parts.append("client certificates identify callers")
+        return ", ".join(parts)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, prefix: str = ENV_PREFIX) -> Self:
+        return cls(**_from_env(cls, os.environ if environ is None else environ, prefix))
+
+    def evolve(self, **changes: Any) -> Self:
+        return dataclasses.replace(self, **changes)

@@ -12,10 +12,11 @@ import grpc
 
 from mesh import codec
 from mesh._status import abort
-from mesh.config import BrokerConfig, ServerConfig
+from mesh.config import BrokerConfig, SecurityConfig, ServerConfig
 from mesh.core.broker import Broker, Subscription
 from mesh.core.errors import LimitExceededError, MeshError, MessageValidationError
 from mesh.core.tools import ToolHost
+from mesh.security import check_frame, current_principal
 from mesh.serving import MeshServer, start_server
 from mesh.v1 import broker_pb2, broker_pb2_grpc
 
@@ -294,6 +295,7 @@ class _Session:
         self.subscription: Subscription | None = None
         self.pump: asyncio.Task[None] | None = None
         self.tasks: set[asyncio.Task[None]] = set()
+        self.principal = current_principal.get()
 
     async def write(self, frame: broker_pb2.ConnectResponse) -> None:
         async with self.write_lock:
@@ -322,6 +324,8 @@ class _Session:
         kind = frame.WhichOneof("frame")
         seq = frame.seq
         try:
+            if not self.principal.admin:
+                check_frame(self.principal, frame)
             if kind == "send":
                 outcome = await self.broker.send(
                     codec.message_from_pb(frame.send), size_bytes=frame.send.ByteSize()
@@ -437,6 +441,7 @@ async def serve_broker(
     server_config: ServerConfig | None = None,
     broker_config: BrokerConfig | None = None,
     tool_host: ToolHost | None = None,
+    security: SecurityConfig | None = None,
 ) -> tuple[Broker, MeshServer]:
     """Starts a broker and its gRPC server (health, reflection, optional /metrics), with the
     shared memory pool and, when a tool host is given, the Tool service."""
@@ -471,6 +476,7 @@ async def serve_broker(
         port=config.port,
         metrics_registry=broker.metrics.registry,
         metrics_port=config.metrics_port,
+        security=security,
     )
     server._on_drain.append(broker.drain)
     server._on_stop.append(broker.stop)

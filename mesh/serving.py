@@ -14,6 +14,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
+from mesh.config import SecurityConfig
+from mesh.security import AuthInterceptor, authenticator_for, server_credentials
+
 logger = logging.getLogger("mesh.serving")
 
 MAX_GRPC_MESSAGE_BYTES = 8 * 1024 * 1024
@@ -31,6 +34,9 @@ GRPC_OPTIONS: list[tuple[str, Any]] = [
 ]
 
 
+_LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
 @dataclass
 class MeshServer:
     """A running gRPC server with its health service."""
@@ -41,6 +47,8 @@ class MeshServer:
     port: int
     service_names: Sequence[str]
     metrics_port: int | None = None
+    security: str = ""
+    """What protects the server, for start-up lines."""
     _metrics_http: Any = field(default=None, repr=False)
     _on_stop: list[Callable[[], Any]] = field(default_factory=list, repr=False)
     _on_drain: list[Callable[[float], Awaitable[Any]]] = field(default_factory=list, repr=False)
@@ -94,23 +102,40 @@ async def start_server(
     metrics_registry: CollectorRegistry | None = None,
     metrics_port: int = -1,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    security: SecurityConfig | None = None,
 ) -> MeshServer:
     """Starts a grpc.aio server with the given services, health and reflection.
 
     ``port`` 0 picks a free port; the chosen one is on the returned server. ``metrics_port``
     -1 serves no /metrics, 0 picks a free port.
     """
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=list(interceptors))
+    security = security or SecurityConfig()
+    chain = list(interceptors)
+    authenticator = authenticator_for(security)
+    if authenticator is not None:
+        chain.insert(0, AuthInterceptor(authenticator))
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=chain)
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
     reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    credentials = server_credentials(security)
+    if credentials is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        bound = server.add_secure_port(f"{host}:{port}", credentials)
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     await server.start()
     mesh_server = MeshServer(server, health_servicer, host, bound, list(service_names))
+    mesh_server.security = security.describe()
+    if not security.tls_cert and not security.secured and host not in _LOOPBACK:
+        logger.warning(
+            "%s listens on %s without TLS or credentials: anyone who reaches it may use it",
+            ", ".join(service_names) or "server",
+            mesh_server.address,
+        )
     await mesh_server.set_serving(True)
     if metrics_registry is not None and metrics_port >= 0:
         httpd, _ = start_http_server(metrics_port, addr=host, registry=metrics_registry)

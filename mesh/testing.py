@@ -12,7 +12,7 @@ from typing import Any
 
 from mesh.agent import Agent, AgentServer, serve
 from mesh.client import MeshClient, RetryPolicy
-from mesh.config import BrokerConfig, ServerConfig
+from mesh.config import BrokerConfig, SecurityConfig, ServerConfig
 from mesh.core.broker import Broker
 from mesh.core.tools import ToolHost
 from mesh.server import serve_broker
@@ -29,10 +29,13 @@ class LocalMesh:
         broker: Broker | None = None,
         metrics_port: int = -1,
         tool_host: ToolHost | None = None,
+        security: SecurityConfig | None = None,
     ) -> None:
         self.config = broker.config if broker is not None else (config or BrokerConfig())
         self.metrics_port = metrics_port
         self.tool_host = tool_host
+        self.security = security or SecurityConfig()
+        """The broker server's TLS and credentials (clients bring their own)."""
         self.broker: Broker | None = broker
         self.server: MeshServer | None = None
         self.agents: dict[str, AgentServer] = {}
@@ -50,11 +53,13 @@ class LocalMesh:
             server_config=ServerConfig(port=0, metrics_port=self.metrics_port),
             broker_config=self.config,
             tool_host=self.tool_host,
+            security=self.security,
         )
         return self
 
     async def add_agent(self, agent: Agent, **options: Any) -> AgentServer:
         """Serves an agent on its own gRPC server, registered and subscribed."""
+        options.setdefault("security", SecurityConfig())
         served = await serve(agent, self.address, **options)
         self.agents[agent.agent_id] = served
         return served
@@ -67,6 +72,7 @@ class LocalMesh:
         self, agent_id: str = "", *, retry: RetryPolicy | None = None, **options: Any
     ) -> MeshClient:
         """A client of this mesh's broker, closed with the mesh."""
+        options.setdefault("security", SecurityConfig())
         client = MeshClient(self.address, agent_id=agent_id, retry=retry, **options)
         self._clients.append(client)
         return client

@@ -18,9 +18,11 @@ from mesh.core.errors import (
     MessageTooLargeError,
     MessageValidationError,
     MultiAgentCommunicationError,
+    PermissionDeniedError,
     RequestTimeoutError,
     RoutingError,
     SessionClosedError,
+    UnauthenticatedError,
 )
 from mesh.core.model import (
     BROADCAST_TARGET,
@@ -60,6 +62,7 @@ __all__ = [
     "MessageType",
     "MessageValidationError",
     "MultiAgentCommunicationError",
+    "PermissionDeniedError",
     "Priority",
     "QueueStore",
     "RequestTimeoutError",
@@ -68,4 +71,5 @@ __all__ = [
     "SessionClosedError",
     "Subscription",
     "Tool",
+    "UnauthenticatedError",
 ]

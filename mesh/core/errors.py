@@ -140,6 +140,21 @@ class LimitExceededError(MultiAgentCommunicationError):
     reason = "LIMIT_EXCEEDED"
 
 
+class UnauthenticatedError(MultiAgentCommunicationError):
+    """No credential, or one the mesh does not know."""
+
+    code = "UNAUTHENTICATED"
+    reason = "UNAUTHENTICATED"
+
+
+class PermissionDeniedError(MultiAgentCommunicationError):
+    """A known caller asked for something its identity does not allow (e.g. to send as
+    another agent)."""
+
+    code = "PERMISSION_DENIED"
+    reason = "PERMISSION_DENIED"
+
+
 _BY_REASON: dict[str, type[MultiAgentCommunicationError]] = {
     cls.reason: cls
     for cls in (
@@ -155,6 +170,8 @@ _BY_REASON: dict[str, type[MultiAgentCommunicationError]] = {
         AgentError,
         SessionClosedError,
         LimitExceededError,
+        UnauthenticatedError,
+        PermissionDeniedError,
     )
 }
 
@@ -165,6 +182,8 @@ _BY_CODE: dict[str, type[MultiAgentCommunicationError]] = {
     "DEADLINE_EXCEEDED": RequestTimeoutError,
     "UNAVAILABLE": BrokerUnavailableError,
     "CANCELLED": SessionClosedError,
+    "UNAUTHENTICATED": UnauthenticatedError,
+    "PERMISSION_DENIED": PermissionDeniedError,
 }
 
 

@@ -1,0 +1,134 @@
+"""Who is calling, and what they may do: principals, credentials and the rules of the mesh.
+
+A principal is named by a bearer token or by the name in its client certificate. An agent's
+principal acts as its own agents only: it registers them, sends as them (``from_agent``) and
+receives from their queues. An admin principal (the gateway, an operator) may act as any
+agent. Tokens are kept as SHA-256 digests and compared in constant time; no credential is
+ever logged or put in an error message.
+
+The credentials file (JSON)::
+
+    {"principals": [
+        {"name": "payment", "token": "…", "agents": ["PaymentAgent"]},
+        {"name": "gateway", "token": "…", "admin": true},
+        {"name": "HotelAgent", "agents": ["HotelAgent"]}
+    ]}
+
+A principal without a token is known by its certificate only (the certificate's common name,
+or a DNS name in it, equals ``name``). With mutual TLS and no entry for a certificate's name,
+the name itself is the one agent it may act as.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mesh.core.errors import PermissionDeniedError, UnauthenticatedError
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """An authenticated caller."""
+
+    name: str
+    agents: frozenset[str] = field(default_factory=frozenset)
+    admin: bool = False
+
+    def may_act_as(self, agent_id: str) -> bool:
+        return self.admin or agent_id in self.agents
+
+    def require_agent(self, agent_id: str, what: str) -> None:
+        """Raises PermissionDeniedError unless this principal may act as ``agent_id``."""
+        if not self.may_act_as(agent_id):
+            shown = agent_id or "(no agent)"
+            raise PermissionDeniedError(f"{self.name} may not {what} as {shown}")
+
+
+ANONYMOUS = Principal("anonymous", admin=True)
+"""The caller when security is off: the embedded localhost default trusts everyone."""
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+class Authenticator:
+    """Maps credentials (bearer tokens, certificate names) to principals."""
+
+    def __init__(
+        self,
+        principals: Iterable[tuple[Principal, str | None]] = (),
+        *,
+        certificate_names: bool = False,
+    ) -> None:
+        """``principals``: each with its token, or None when known by certificate only.
+        ``certificate_names``: whether a verified client certificate identifies its holder
+        (mutual TLS)."""
+        self._by_token: list[tuple[bytes, Principal]] = []
+        self._by_name: dict[str, Principal] = {}
+        for principal, token in principals:
+            self._by_name[principal.name] = principal
+            if token:
+                self._by_token.append((_digest(token), principal))
+        self.certificate_names = certificate_names
+
+    @classmethod
+    def from_file(cls, path: str | Path, *, certificate_names: bool = False) -> Authenticator:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as error:
+            raise ValueError(f"cannot read the credentials file {path}: {error}") from None
+        return cls.from_mapping(data, certificate_names=certificate_names)
+
+    @classmethod
+    def from_mapping(
+        cls, data: Mapping[str, Any], *, certificate_names: bool = False
+    ) -> Authenticator:
+        entries = []
+        for index, item in enumerate(data.get("principals") or []):
+            name = str(item.get("name") or "")
+            if not name:
+                raise ValueError(f"principals[{index}] has no name")
+            agents = item.get("agents") or []
+            if not isinstance(agents, list) or not all(isinstance(a, str) for a in agents):
+                raise ValueError(f"principals[{index}].agents must be a list of agent ids")
+            token = item.get("token")
+            if token is not None and (not isinstance(token, str) or len(token) < 16):
+                raise ValueError(f"principals[{index}].token must be at least 16 characters")
+            entries.append(
+                (Principal(name, frozenset(agents), bool(item.get("admin", False))), token)
+            )
+        return cls(entries, certificate_names=certificate_names)
+
+    def authenticate(self, token: str | None, certificate_names: Iterable[str] = ()) -> Principal:
+        """The principal a call's credentials name; raises UnauthenticatedError otherwise.
+
+        A token, when present, decides (a wrong token is refused even with a good
+        certificate); otherwise the verified client certificate's names are looked up.
+        """
+        if token:
+            digest = _digest(token)
+            found: Principal | None = None
+            for expected, principal in self._by_token:
+                if hmac.compare_digest(expected, digest):
+                    found = principal
+            if found is None:
+                raise UnauthenticatedError("the token is not valid")
+            return found
+        if self.certificate_names:
+            for name in certificate_names:
+                known = self._by_name.get(name)
+                if known is not None:
+                    return known
+            for name in certificate_names:
+                return Principal(name, frozenset({name}))
+        raise UnauthenticatedError(
+            "credentials required: a bearer token in the authorization metadata"
+            + (" or a client certificate" if self.certificate_names else "")
+        )

@@ -1,0 +1,231 @@
+"""TLS, mutual TLS, credentials and per-agent identity, against real servers.
+
+Each refusal is checked for its status: UNAUTHENTICATED without a (valid) credential,
+PERMISSION_DENIED for a known caller acting as another agent, UNAVAILABLE when the TLS
+handshake fails. Health and reflection stay open, as balancers and tools expect.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.client import GatewayClient
+from gateway.server import serve_gateway
+from mesh import (
+    AgentContext,
+    LocalMesh,
+    Message,
+    PermissionDeniedError,
+    SecurityConfig,
+    UnauthenticatedError,
+    agent,
+)
+from mesh.certs import write_dev_certificates
+from mesh.client import NO_RETRY
+from mesh.core.errors import BrokerUnavailableError
+
+PAYMENT_TOKEN = "payment-token-0123456789"
+GATEWAY_TOKEN = "gateway-token-0123456789"
+HOTEL_TOKEN = "hotel-token-0123456789ab"
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return write_dev_certificates(
+        tmp_path_factory.mktemp("certs"), clients=["PaymentAgent", "gateway"]
+    )
+
+
+@pytest.fixture
+def credentials(tmp_path: Path) -> Path:
+    path = tmp_path / "credentials.json"
+    path.write_text(
+        json.dumps(
+            {
+                "principals": [
+                    {"name": "payment", "token": PAYMENT_TOKEN, "agents": ["PaymentAgent"]},
+                    {"name": "hotel", "token": HOTEL_TOKEN, "agents": ["HotelAgent"]},
+                    {"name": "gateway", "token": GATEWAY_TOKEN, "admin": True},
+                ]
+            }
+        )
+    )
+    return path
+
+
+@pytest.fixture
+async def token_mesh(credentials: Path) -> AsyncIterator[LocalMesh]:
+    async with LocalMesh(security=SecurityConfig(credentials_file=str(credentials))) as mesh:
+        yield mesh
+
+
+def as_(mesh: LocalMesh, agent_id: str, token: str = "", **security: str):  # type: ignore[no-untyped-def]
+    return mesh.client(agent_id, retry=NO_RETRY, security=SecurityConfig(token=token, **security))
+
+
+async def health(address: str, channel: grpc.aio.Channel | None = None) -> int:
+    channel = channel or grpc.aio.insecure_channel(address)
+    async with channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        return int(reply.status)
+
+
+# -- credentials ------------------------------------------------------------------------------
+
+
+async def test_calls_without_a_valid_credential_are_unauthenticated(
+    token_mesh: LocalMesh, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    nobody = as_(token_mesh, "PaymentAgent")
+    with pytest.raises(UnauthenticatedError, match="credentials required"):
+        await nobody.register("PaymentAgent")
+    with pytest.raises(UnauthenticatedError):
+        await nobody.list_agents()
+    with pytest.raises(UnauthenticatedError):
+        await nobody.send("PaymentAgent", {"action": "pay"})
+    wrong = as_(token_mesh, "PaymentAgent", token="not-the-token-at-all-123")
+    with pytest.raises(UnauthenticatedError, match="token is not valid"):
+        await wrong.register("PaymentAgent")
+    with pytest.raises(UnauthenticatedError):
+        await wrong.send("PaymentAgent", {"action": "pay"})
+    # Health stays open for balancers and probes.
+    assert await health(token_mesh.address) == health_pb2.HealthCheckResponse.SERVING
+    # Refusals are logged, credentials never.
+    logged = "\n".join(r.getMessage() + json.dumps(getattr(r, "event", {})) for r in caplog.records)
+    assert "refused" in logged
+    assert "not-the-token-at-all-123" not in logged and PAYMENT_TOKEN not in logged
+
+
+async def test_an_agent_acts_only_as_itself(token_mesh: LocalMesh) -> None:
+    admin = as_(token_mesh, "gateway", GATEWAY_TOKEN)
+    payment = as_(token_mesh, "PaymentAgent", PAYMENT_TOKEN)
+    hotel = as_(token_mesh, "HotelAgent", HOTEL_TOKEN)
+    await payment.register("PaymentAgent")
+    await hotel.register("HotelAgent")
+    with pytest.raises(PermissionDeniedError, match="payment may not register as HotelAgent"):
+        await payment.register("HotelAgent")
+
+    # Sending as itself works, on the session and by unary call.
+    await payment.send("HotelAgent", {"action": "book"})
+    await payment.send_batch([payment.build("HotelAgent", {"action": "book"})])
+    # A spoofed sender is refused, whichever way it travels.
+    spoofed = payment.build("HotelAgent", {"action": "book"}, from_agent="HotelAgent")
+    with pytest.raises(PermissionDeniedError, match="may not send as HotelAgent"):
+        await payment.send_message(spoofed)
+    with pytest.raises(PermissionDeniedError):  # the whole batch: none of it is accepted
+        await payment.send_batch([payment.build("HotelAgent", {"action": "book"}), spoofed])
+    with pytest.raises(PermissionDeniedError):
+        await payment.broadcast({"action": "hello"}, from_agent="HotelAgent")
+
+    # An agent receives only from its own queue.
+    with pytest.raises(PermissionDeniedError, match="may not receive as HotelAgent"):
+        await payment.receive("HotelAgent")
+    sub = payment.subscribe("HotelAgent", reconnect=False)
+    with pytest.raises(PermissionDeniedError):
+        await sub.start()
+    with pytest.raises(PermissionDeniedError):
+        await payment.dead_letters("HotelAgent")
+    received = await hotel.receive("HotelAgent")
+    # Nothing spoofed got in: two sends and one batch from PaymentAgent itself.
+    assert [m.from_agent for m in received] == ["PaymentAgent", "PaymentAgent"]
+
+    # The admin (the gateway) may act as anyone.
+    await admin.send("HotelAgent", {"action": "book"}, from_agent="PaymentAgent")
+    assert len(await admin.receive("HotelAgent")) == 1
+
+
+async def test_agents_serve_and_answer_with_their_own_credentials(token_mesh: LocalMesh) -> None:
+    @agent("PaymentAgent")
+    async def payment(message: Message, ctx: AgentContext) -> dict:
+        return {"status": "PAID"}
+
+    await token_mesh.add_agent(payment, security=SecurityConfig(token=PAYMENT_TOKEN))
+    admin = as_(token_mesh, "gateway", GATEWAY_TOKEN)
+    answer = await admin.request("PaymentAgent", {"action": "pay"}, timeout=5)
+    assert answer.content == {"action": "pay", "status": "PAID"}
+    hotel = as_(token_mesh, "HotelAgent", HOTEL_TOKEN)
+    await hotel.register("HotelAgent")
+    answer = await hotel.request("PaymentAgent", {"action": "pay"}, timeout=5)
+    assert answer.content == {"action": "pay", "status": "PAID"}
+
+
+async def test_gateway_calls_need_a_credential(token_mesh: LocalMesh, credentials: Path) -> None:
+    security = SecurityConfig(credentials_file=str(credentials), token=GATEWAY_TOKEN)
+    gateway = await serve_gateway(token_mesh.address, security=security)
+    try:
+        async with GatewayClient(gateway.address, security=SecurityConfig()) as anonymous:
+            with pytest.raises(UnauthenticatedError):
+                await anonymous.pattern_stats()
+        async with GatewayClient(
+            gateway.address, security=SecurityConfig(token=HOTEL_TOKEN)
+        ) as known:
+            assert isinstance(await known.pattern_stats(), dict)
+    finally:
+        await gateway.stop(0.5)
+
+
+# -- TLS ----------------------------------------------------------------------------------------
+
+
+async def test_tls_server_is_reached_only_over_verified_tls(
+    certs: dict[str, Path], tmp_path: Path
+) -> None:
+    server = SecurityConfig(tls_cert=str(certs["server"]), tls_key=str(certs["server_key"]))
+    async with LocalMesh(security=server) as mesh:
+        good = as_(mesh, "PaymentAgent", tls_ca=str(certs["ca"]))
+        await good.register("PaymentAgent")
+        assert [a.agent_id for a in await good.list_agents()] == ["PaymentAgent"]
+
+        plaintext = as_(mesh, "PaymentAgent")
+        with pytest.raises(BrokerUnavailableError):
+            await plaintext.list_agents()
+
+        other = write_dev_certificates(tmp_path / "other")
+        untrusting = as_(mesh, "PaymentAgent", tls_ca=str(other["ca"]))
+        with pytest.raises(BrokerUnavailableError):
+            await untrusting.list_agents()
+
+
+async def test_mutual_tls_identifies_agents_by_their_certificate(certs: dict[str, Path]) -> None:
+    server = SecurityConfig(
+        tls_cert=str(certs["server"]), tls_key=str(certs["server_key"]), tls_ca=str(certs["ca"])
+    )
+    async with LocalMesh(security=server) as mesh:
+        payment = as_(
+            mesh,
+            "PaymentAgent",
+            tls_ca=str(certs["ca"]),
+            tls_client_cert=str(certs["PaymentAgent"]),
+            tls_client_key=str(certs["PaymentAgent_key"]),
+        )
+        await payment.register("PaymentAgent")
+        await payment.send("PaymentAgent", {"action": "note"})
+        assert len(await payment.receive("PaymentAgent")) == 1
+        with pytest.raises(PermissionDeniedError, match="PaymentAgent may not register as Hotel"):
+            await payment.register("HotelAgent")
+        with pytest.raises(PermissionDeniedError, match="may not send as HotelAgent"):
+            await payment.send("PaymentAgent", {"action": "x"}, from_agent="HotelAgent")
+
+        # No client certificate: the handshake itself fails.
+        anonymous = as_(mesh, "PaymentAgent", tls_ca=str(certs["ca"]))
+        with pytest.raises(BrokerUnavailableError):
+            await anonymous.list_agents()
+
+
+def test_security_settings_are_checked_and_describe_themselves() -> None:
+    assert "insecure" in SecurityConfig().describe()
+    assert (
+        SecurityConfig(tls_cert="c", tls_key="k", tls_ca="ca").describe().startswith("mutual TLS")
+    )
+    with pytest.raises(ValueError, match="go together"):
+        SecurityConfig(tls_cert="c")
+    assert "token" not in repr(SecurityConfig(token="secret-secret-secret"))
