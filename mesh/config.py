@@ -47,6 +47,8 @@ class BrokerConfig:
     default_max_in_flight: int = 64
     max_in_flight_limit: int = 10_000
     max_message_bytes: int = 1024 * 1024
+    max_context_bytes: int = 256 * 1024
+    """Largest hand-off context (as UTF-8 JSON)."""
     max_headers: int = 64
     max_header_bytes: int = 8 * 1024
     max_id_length: int = 256
@@ -75,6 +77,7 @@ class BrokerConfig:
             "default_max_in_flight",
             "max_in_flight_limit",
             "max_message_bytes",
+            "max_context_bytes",
             "max_agents",
             "max_pending_requests",
             "max_dead_letters",

@@ -20,6 +20,21 @@ def new_id(prefix: str) -> str:
 
 invalid = MessageValidationError.for_field
 
+MAX_AGENTS = 50
+"""RT-011 orchestrator max_agents: the most agents one pattern run may involve."""
+MAX_PARALLEL = 16
+"""The most patterns one RunParallel call may run at once."""
+
+
+def check_group(field: str, agent_ids: list[str], what: str) -> None:
+    """A pattern's agents: at least one, at most MAX_AGENTS, none repeated."""
+    if not agent_ids:
+        raise invalid(field, f"{what} needs at least one agent")
+    if len(agent_ids) > MAX_AGENTS:
+        raise invalid(field, f"{what} takes at most {MAX_AGENTS} agents")
+    if len(set(agent_ids)) != len(agent_ids):
+        raise invalid(field, f"{field} must not repeat")
+
 
 def as_float(value: JSON, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):

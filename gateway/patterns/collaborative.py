@@ -10,7 +10,15 @@ from typing import Any
 
 from gateway.dispatch import Dispatcher
 from gateway.events import Emit, EventKind, Pattern, PatternEvent
-from gateway.patterns._common import GATEWAY_ID, Stopwatch, as_float, clean, invalid, new_id
+from gateway.patterns._common import (
+    GATEWAY_ID,
+    Stopwatch,
+    as_float,
+    check_group,
+    clean,
+    invalid,
+    new_id,
+)
 from gateway.tracing import now_ns, record_span, span_name, tracer
 from mesh.core.model import JSON, Message, MessageType
 
@@ -171,10 +179,7 @@ class FilteringSpec:
     from_agent: str = "user"
 
     def validate(self) -> None:
-        if not self.agent_ids:
-            raise invalid("agent_ids", "collaborative filtering needs at least one agent")
-        if len(set(self.agent_ids)) != len(self.agent_ids):
-            raise invalid("agent_ids", "agent_ids must not repeat")
+        check_group("agent_ids", self.agent_ids, "collaborative filtering")
         if not self.query:
             raise invalid("query", "query is required")
         validate_weights(self.weights)

@@ -14,7 +14,7 @@ from typing import Any
 
 from gateway.dispatch import Dispatcher
 from gateway.events import Emit, EventKind, Pattern, PatternEvent
-from gateway.patterns._common import GATEWAY_ID, Stopwatch, as_float, invalid, new_id
+from gateway.patterns._common import GATEWAY_ID, Stopwatch, as_float, check_group, invalid, new_id
 from mesh.core.errors import MeshError
 from mesh.core.model import JSON, Message, MessageType
 
@@ -165,10 +165,7 @@ class ConsensusSpec:
     def validate(self) -> None:
         if not self.problem:
             raise invalid("problem", "problem is required")
-        if not self.reviewer_ids:
-            raise invalid("reviewer_ids", "at least one reviewer is required")
-        if len(set(self.reviewer_ids)) != len(self.reviewer_ids):
-            raise invalid("reviewer_ids", "reviewer_ids must not repeat")
+        check_group("reviewer_ids", self.reviewer_ids, "consensus building")
         if not 0.5 < self.threshold <= 1.0:
             raise invalid(
                 "threshold", f"threshold must be above 0.5 and at most 1.0 ({THRESHOLDS_NOTE})"

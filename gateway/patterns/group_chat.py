@@ -11,7 +11,15 @@ from opentelemetry import trace
 
 from gateway.dispatch import Dispatcher
 from gateway.events import Emit, EventKind, Pattern, PatternEvent
-from gateway.patterns._common import GATEWAY_ID, Stopwatch, as_float, clean, invalid, new_id
+from gateway.patterns._common import (
+    GATEWAY_ID,
+    Stopwatch,
+    as_float,
+    check_group,
+    clean,
+    invalid,
+    new_id,
+)
 from gateway.tracing import span_name, tracer
 from mesh.core.model import JSON, Message, MessageType
 from mesh.tracing import inject
@@ -19,7 +27,6 @@ from mesh.tracing import inject
 STRATEGIES = ("consensus", "weighted_voting", "highest_confidence")
 DEFAULT_CONFIDENCE = 0.5
 MAX_ROUNDS = 10
-MAX_AGENTS = 50  # RT-011 orchestrator max_agents
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -150,12 +157,7 @@ class GroupChatSpec:
     from_agent: str = "user"
 
     def validate(self) -> None:
-        if not self.agent_ids:
-            raise invalid("agent_ids", "a group chat needs at least one agent")
-        if len(self.agent_ids) > MAX_AGENTS:
-            raise invalid("agent_ids", f"a group chat takes at most {MAX_AGENTS} agents")
-        if len(set(self.agent_ids)) != len(self.agent_ids):
-            raise invalid("agent_ids", "agent_ids must not repeat")
+        check_group("agent_ids", self.agent_ids, "a group chat")
         if not self.query:
             raise invalid("query", "query is required")
         if not 1 <= self.rounds <= MAX_ROUNDS:

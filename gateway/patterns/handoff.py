@@ -11,7 +11,7 @@ from typing import Any
 
 from gateway.dispatch import Dispatcher
 from gateway.events import Emit, EventKind, Pattern, PatternEvent
-from gateway.patterns._common import GATEWAY_ID, Stopwatch, invalid, new_id
+from gateway.patterns._common import GATEWAY_ID, MAX_AGENTS, Stopwatch, invalid, new_id
 from gateway.patterns.group_chat import GroupChatSpec, run_group_chat
 from gateway.tracing import tracer
 from mesh.core.errors import MeshError
@@ -56,6 +56,8 @@ class WorkflowSpec:
     def validate(self) -> None:
         if not self.steps:
             raise invalid("steps", "a workflow needs at least one step")
+        if len(self.steps) > MAX_AGENTS:
+            raise invalid("steps", f"a workflow takes at most {MAX_AGENTS} steps")
         if not self.task:
             raise invalid("task", "task is required")
         for i, step in enumerate(self.steps):

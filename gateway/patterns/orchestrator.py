@@ -13,7 +13,7 @@ from typing import Any
 
 from gateway.dispatch import Dispatcher
 from gateway.events import Emit, EventKind, Pattern, PatternEvent
-from gateway.patterns._common import Stopwatch, new_id
+from gateway.patterns._common import MAX_PARALLEL, Stopwatch, invalid, new_id
 from gateway.patterns.collaborative import FilteringSpec, run_filtering
 from gateway.patterns.group_chat import GroupChatSpec, run_group_chat
 from gateway.patterns.handoff import WorkflowSpec, run_workflow
@@ -129,6 +129,10 @@ async def run_parallel(
 ) -> dict[str, JSON]:
     """Runs patterns concurrently; the total is about the slowest, not the sum."""
     run_id = run_id or new_id("parallel")
+    if not specs:
+        raise invalid("patterns", "at least one pattern is required")
+    if len(specs) > MAX_PARALLEL:
+        raise invalid("patterns", f"at most {MAX_PARALLEL} patterns run in parallel")
     for _, spec in specs:
         spec.validate()
     clock = Stopwatch()

@@ -481,7 +481,7 @@ class Broker:
         size_bytes: int = 0,
     ) -> Message:
         """Sends a HANDOFF message carrying the payload; logged as a structured line."""
-        violations = handoff_violations(handoff)
+        violations = handoff_violations(handoff, max_context_bytes=self.config.max_context_bytes)
         if violations:
             self.metrics.invalid()
             raise HandoffError(

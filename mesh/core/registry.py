@@ -12,6 +12,9 @@ from mesh.core.errors import (
 )
 from mesh.core.model import BROADCAST_TARGET, AgentInfo, utc_now
 
+MAX_TYPES = 32
+MAX_CAPABILITIES = 128
+
 
 class AgentRegistry:
     """Registered agents by id; bounded by ``max_agents``."""
@@ -36,6 +39,24 @@ class AgentRegistry:
             )
         if any(not t for t in info.agent_types):
             violations.append(FieldViolation("agent.agent_types", "agent types must not be empty"))
+        for name, values, most in (
+            ("agent_types", info.agent_types, MAX_TYPES),
+            ("capabilities", info.capabilities, MAX_CAPABILITIES),
+        ):
+            if len(values) > most:
+                violations.append(FieldViolation(f"agent.{name}", f"at most {most} {name}"))
+            if any(len(v) > self.max_id_length for v in values):
+                violations.append(
+                    FieldViolation(
+                        f"agent.{name}", f"{name} must be at most {self.max_id_length} characters"
+                    )
+                )
+        if len(info.address) > self.max_id_length:
+            violations.append(
+                FieldViolation(
+                    "agent.address", f"address must be at most {self.max_id_length} characters"
+                )
+            )
         if violations:
             raise MessageValidationError.from_violations(violations)
         if info.agent_id not in self._agents and len(self._agents) >= self.max_agents:

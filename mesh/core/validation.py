@@ -37,7 +37,13 @@ def message_violations(message: Message, config: BrokerConfig) -> list[FieldViol
             if value is not None and not isinstance(value, dict):
                 violation(f"content.{key}", f"content.{key} must be an object")
         if message.message_type is MessageType.HANDOFF:
-            found.extend(handoff_violations(Handoff.from_message(message), "content.parameters."))
+            found.extend(
+                handoff_violations(
+                    Handoff.from_message(message),
+                    "content.parameters.",
+                    config.max_context_bytes,
+                )
+            )
 
     if message.ttl < 0:
         violation("ttl", "ttl must not be negative")
@@ -51,8 +57,18 @@ def message_violations(message: Message, config: BrokerConfig) -> list[FieldViol
     return found
 
 
-def handoff_violations(handoff: Handoff, prefix: str = "handoff.") -> list[FieldViolation]:
+def handoff_violations(
+    handoff: Handoff, prefix: str = "handoff.", max_context_bytes: int = 0
+) -> list[FieldViolation]:
     found = []
+    if max_context_bytes and handoff.context_size_kb * 1024 > max_context_bytes:
+        found.append(
+            FieldViolation(
+                prefix + "context",
+                f"the hand-off context is {handoff.context_size_kb:g} KB; "
+                f"the limit is {max_context_bytes / 1024:g} KB",
+            )
+        )
     if not handoff.task_description:
         found.append(
             FieldViolation(prefix + "task_description", "task_description is required for handoff")

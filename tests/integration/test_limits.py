@@ -1,0 +1,109 @@
+"""Every bounded resource refuses with a clear error, the right status, and keeps what it had."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from gateway.client import GatewayClient
+from gateway.server import serve_gateway
+from mesh import LocalMesh, MessageValidationError, SecurityConfig
+from mesh.client import NO_RETRY
+from mesh.config import BrokerConfig
+from mesh.core.errors import LimitExceededError, MessageTooLargeError
+
+
+@pytest.fixture
+async def small() -> AsyncIterator[LocalMesh]:
+    config = BrokerConfig(
+        max_agents=3, max_batch_size=3, max_context_bytes=1024, max_message_bytes=4096
+    )
+    async with LocalMesh(config) as mesh:
+        yield mesh
+
+
+async def held(mesh: LocalMesh) -> int:
+    assert mesh.broker is not None
+    return await mesh.broker.store.held()
+
+
+async def test_message_size(small: LocalMesh) -> None:
+    client = small.client("sender", retry=NO_RETRY)
+    await client.register("Sink")
+    with pytest.raises(MessageTooLargeError, match="the limit is 4096 bytes") as info:
+        await client.send("Sink", {"action": "big", "parameters": {"blob": "x" * 5000}})
+    assert info.value.code == "INVALID_ARGUMENT"
+    assert await held(small) == 0
+
+
+async def test_handoff_context_size(small: LocalMesh) -> None:
+    client = small.client("sender", retry=NO_RETRY)
+    await client.register("Seller")
+    with pytest.raises(MessageValidationError, match="the limit is 1 KB") as info:
+        await client.handoff("Seller", "approve", context={"notes": "y" * 2000})
+    assert info.value.code == "INVALID_ARGUMENT"
+    assert [v.field for v in info.value.field_violations] == ["content.parameters.context"]
+    # As a plain HANDOFF message it is refused the same way.
+    with pytest.raises(MessageValidationError, match="the limit is 1 KB"):
+        await client.send(
+            "Seller",
+            {
+                "action": "handoff",
+                "parameters": {"task_description": "approve", "context": {"n": "y" * 2000}},
+            },
+            message_type="HANDOFF",
+        )
+    await client.handoff("Seller", "approve", context={"notes": "short"})
+    assert await held(small) == 1
+
+
+async def test_headers(small: LocalMesh) -> None:
+    client = small.client("sender", retry=NO_RETRY)
+    await client.register("Sink")
+    with pytest.raises(MessageValidationError, match="at most 64 headers") as info:
+        await client.send("Sink", {"action": "a"}, headers={f"h{i}": "v" for i in range(65)})
+    assert info.value.field_violations[0].field == "headers"
+
+
+async def test_registered_agents_and_their_descriptions(small: LocalMesh) -> None:
+    client = small.client("admin", retry=NO_RETRY)
+    for name in ("A", "B", "C"):
+        await client.register(name)
+    with pytest.raises(LimitExceededError, match="limit of 3 agents") as info:
+        await client.register("D")
+    assert info.value.code == "RESOURCE_EXHAUSTED"
+    await client.register("A", agent_types=["again"])  # re-registering is not a new agent
+    with pytest.raises(MessageValidationError, match="at most 32 agent_types"):
+        await client.register("B", agent_types=[f"t{i}" for i in range(33)])
+    assert sorted(a.agent_id for a in await client.list_agents()) == ["A", "B", "C"]
+
+
+async def test_batch_size(small: LocalMesh) -> None:
+    client = small.client("sender", retry=NO_RETRY)
+    await client.register("Sink")
+    batch = [client.build("Sink", {"action": "a"}) for _ in range(4)]
+    with pytest.raises(MessageValidationError, match="at most 3 messages"):
+        await client.send_batch(batch)
+    assert await held(small) == 0
+    results = await client.send_batch(batch[:3])
+    assert [r.message_id for r in results] == [m.message_id for m in batch[:3]]  # type: ignore[union-attr]
+
+
+async def test_pattern_group_sizes(small: LocalMesh) -> None:
+    gateway = await serve_gateway(small.address, security=SecurityConfig())
+    try:
+        async with GatewayClient(gateway.address, security=SecurityConfig()) as gw:
+            many = [f"agent{i}" for i in range(51)]
+            cases = [
+                gw.group_chat(agent_ids=many, query="q"),
+                gw.collaborative_filtering(agent_ids=many, query="q"),
+                gw.consensus(problem="p", proposer_id="a", reviewer_ids=many),
+                gw.parallel([{"group_chat": {"agent_ids": ["a"], "query": "q"}}] * 17),
+            ]
+            for events in cases:
+                with pytest.raises(MessageValidationError, match=r"at most (50 agents|16)") as info:
+                    await gw.collect(events)
+                assert info.value.code == "INVALID_ARGUMENT"
+    finally:
+        await gateway.stop(0.5)
