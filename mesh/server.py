@@ -17,7 +17,7 @@ from mesh.core.broker import Broker, Subscription
 from mesh.core.errors import LimitExceededError, MeshError, MessageValidationError
 from mesh.core.tools import ToolHost
 from mesh.security import check_frame, current_principal
-from mesh.serving import MeshServer, start_server
+from mesh.serving import Malformed, MeshServer, start_server
 from mesh.v1 import broker_pb2, broker_pb2_grpc
 
 logger = logging.getLogger("mesh.server")
@@ -321,6 +321,9 @@ class _Session:
         await self.write(frame)
 
     async def _dispatch(self, frame: broker_pb2.ConnectRequest) -> None:
+        if isinstance(frame, Malformed):
+            await self._error(0, frame.to_error())
+            return
         kind = frame.WhichOneof("frame")
         seq = frame.seq
         try:

@@ -14,7 +14,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
+from mesh._status import abort
 from mesh.config import SecurityConfig
+from mesh.core.errors import MessageValidationError
 from mesh.security import AuthInterceptor, authenticator_for, server_credentials
 
 logger = logging.getLogger("mesh.serving")
@@ -35,6 +37,82 @@ GRPC_OPTIONS: list[tuple[str, Any]] = [
 
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+class Malformed:
+    """Bytes that did not decode as the request type: stands in for a request so that the
+    call is answered INVALID_ARGUMENT (by the method, or frame by frame on a stream) rather
+    than gRPC's INTERNAL "Exception deserializing request"."""
+
+    __slots__ = ("error", "type_name")
+
+    def __init__(self, type_name: str, error: Exception) -> None:
+        self.type_name = type_name
+        self.error = error
+
+    def to_error(self) -> MessageValidationError:
+        return MessageValidationError.for_field(
+            "request", f"the request is not a valid {self.type_name}: {self.error}"
+        )
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
+    owner = getattr(deserializer, "__self__", None)
+    type_name = getattr(getattr(owner, "DESCRIPTOR", None), "full_name", "request")
+
+    def decode(data: bytes) -> Any:
+        try:
+            return deserializer(data) if deserializer else data
+        except Exception as error:  # DecodeError and anything else from the parser
+            return Malformed(type_name, error)
+
+    return decode
+
+
+class ContractInterceptor(grpc.aio.ServerInterceptor):
+    """Answers undecodable requests with INVALID_ARGUMENT. Streams receive
+    :class:`Malformed` items and answer them one by one (the Connect session does)."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, Any] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        details: grpc.HandlerCallDetails,
+    ) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(("/grpc.health.", "/grpc.reflection.")):
+            return handler
+        if handler.request_streaming:
+            return handler._replace(request_deserializer=_lenient(handler.request_deserializer))
+        decode = _lenient(handler.request_deserializer)
+        if handler.unary_unary:
+            inner_uu = handler.unary_unary
+
+            async def unary_unary(request: Any, context: Any) -> Any:
+                if isinstance(request, Malformed):
+                    await _abort_invalid(context, request)
+                return await inner_uu(request, context)
+
+            return handler._replace(unary_unary=unary_unary, request_deserializer=decode)
+        inner_us = handler.unary_stream
+
+        async def unary_stream(request: Any, context: Any) -> Any:
+            if isinstance(request, Malformed):
+                await _abort_invalid(context, request)
+            result = inner_us(request, context)
+            if hasattr(result, "__aiter__"):
+                async for item in result:
+                    await context.write(item)
+                return None
+            return await result
+
+        return handler._replace(unary_stream=unary_stream, request_deserializer=decode)
+
+
+async def _abort_invalid(context: Any, malformed: Malformed) -> None:
+    await abort(context, malformed.to_error())
 
 
 @dataclass
@@ -110,10 +188,10 @@ async def start_server(
     -1 serves no /metrics, 0 picks a free port.
     """
     security = security or SecurityConfig()
-    chain = list(interceptors)
+    chain: list[grpc.aio.ServerInterceptor] = [ContractInterceptor(), *interceptors]
     authenticator = authenticator_for(security)
     if authenticator is not None:
-        chain.insert(0, AuthInterceptor(authenticator))
+        chain.insert(1, AuthInterceptor(authenticator))
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=chain)
     register(server)
     health_servicer = health.aio.HealthServicer()

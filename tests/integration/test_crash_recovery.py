@@ -197,8 +197,8 @@ async def test_agents_and_subscriptions_reconnect_by_themselves_after_a_broker_r
             await client.send("Listener", {"action": "note", "parameters": {"n": 2}})
             again = await asyncio.wait_for(anext(notes), 15)
             if again.message.message_id == got.message.message_id:
-                # Its ack was not on disk yet when the broker died: delivered once more.
-                assert again.attempt == 2
+                # Its ack was not on disk yet when the broker died: delivered once more, with
+                # the same id (its attempt count too may predate the crash).
                 await again.ack()
                 again = await asyncio.wait_for(anext(notes), 5)
             assert again.message.parameters == {"n": 2}
