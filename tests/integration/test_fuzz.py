@@ -310,4 +310,5 @@ def test_after_the_storm_servers_are_up_and_nothing_accepted_was_lost(servers: S
         ) as client:
             return [m.message_id for m in await client.receive("Canary")]
 
-    assert sorted(Servers.run(servers.loop, drain())) == sorted(servers.canaries)
+    # Broadcasts of the storm may have added to the queue; nothing accepted went missing.
+    assert set(servers.canaries) <= set(Servers.run(servers.loop, drain()))
