@@ -151,7 +151,7 @@ def _scalar(field: FieldDescriptor) -> st.SearchStrategy[Any]:
     if kind == FieldDescriptor.TYPE_ENUM:
         return st.integers(-3, 12)  # open enums: unknown numbers arrive too
     low, high = _INT_RANGES[kind]
-    return st.integers(-3, 100) | st.integers(low, high)
+    return st.integers(max(low, -3), 100) | st.integers(low, high)
 
 
 def message_of(descriptor: Descriptor, depth: int = 0) -> st.SearchStrategy[Any]:
