@@ -179,6 +179,7 @@ class Broker:
         self._dirty: set[str] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self.draining = False
+        self._queue_full_log: dict[str, tuple[float, int]] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -351,19 +352,7 @@ class Broker:
             accepted = await self.store.put(message, message.ttl or self.config.default_ttl)
         except MessageQueueFullError:
             self.metrics.dropped("queue_full")
-            logger.warning(
-                "queue full: %s refused a message from %s",
-                message.to_agent,
-                message.from_agent,
-                extra={
-                    "event": {
-                        "category": "queue_full",
-                        "message_id": message.message_id,
-                        "from_agent": message.from_agent,
-                        "to_agent": message.to_agent,
-                    }
-                },
-            )
+            self._log_queue_full(message)
             raise
         if not accepted:
             return  # a retried send of a message the queue already holds
@@ -372,6 +361,33 @@ class Broker:
         self._dirty.add(message.to_agent)
         for sub in self._subscriptions.get(message.to_agent, ()):
             sub.wake()
+
+    def _log_queue_full(self, message: Message) -> None:
+        """One warning per agent per second under overload, counting the refusals between."""
+        now = time.monotonic()
+        last, suppressed = self._queue_full_log.get(message.to_agent, (0.0, 0))
+        if now - last < 1.0:
+            self._queue_full_log[message.to_agent] = (last, suppressed + 1)
+            return
+        if len(self._queue_full_log) > self.config.max_agents:
+            self._queue_full_log.clear()
+        self._queue_full_log[message.to_agent] = (now, 0)
+        more = f" ({suppressed} more refused in the last second)" if suppressed else ""
+        logger.warning(
+            "queue full: %s refused a message from %s%s",
+            message.to_agent,
+            message.from_agent,
+            more,
+            extra={
+                "event": {
+                    "category": "queue_full",
+                    "message_id": message.message_id,
+                    "from_agent": message.from_agent,
+                    "to_agent": message.to_agent,
+                    "suppressed": suppressed,
+                }
+            },
+        )
 
     async def send_many(
         self, messages: Sequence[Message], sizes: Sequence[int] | None = None

@@ -20,6 +20,7 @@ class Proc:
         self.process = process
         self.address = address
         self.output: list[str] = []
+        self.reader: asyncio.Task[None] | None = None
 
     def kill(self) -> None:
         """SIGKILL: no clean-up of any kind, as in a crash."""
@@ -54,7 +55,15 @@ async def start(*args: str, ready: str, env: dict[str, str] | None = None) -> Pr
             if match:
                 proc = Proc(process, match.group(1))
                 proc.output = seen
+                # Keep reading, or a chatty process blocks once the pipe is full.
+                proc.reader = asyncio.create_task(_drain(process.stdout, seen))
                 return proc
+
+
+async def _drain(stream: asyncio.StreamReader, lines: list[str]) -> None:
+    while line := await stream.readline():
+        if len(lines) < 10_000:
+            lines.append(line.decode(errors="replace"))
 
 
 async def stop(proc: Proc) -> int:

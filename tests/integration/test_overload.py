@@ -1,0 +1,95 @@
+"""Overload: senders push ten times what the broker may hold, at once, from four clients.
+
+The broker refuses the excess with RESOURCE_EXHAUSTED and a retry delay, its memory stays
+bounded (peak RSS reported), and every message it accepted is delivered, exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from pathlib import Path
+
+import pytest
+
+from mesh import MessageQueueFullError, connect
+from mesh.client import NO_RETRY
+from tests.helpers.processes import BROKER_READY, start, stop
+
+pytestmark = pytest.mark.processes
+
+CAPACITY = 500
+PAYLOAD = "x" * 4096
+
+
+def rss_kib(pid: int) -> tuple[int, int]:
+    """(current, peak) resident set size of a process, in KiB."""
+    fields = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    return int(fields["VmRSS"].split()[0]), int(fields["VmHWM"].split()[0])
+
+
+async def test_ten_times_capacity_is_refused_with_retry_info_and_nothing_accepted_is_lost() -> None:
+    broker = await start(
+        "broker",
+        "--port",
+        "0",
+        "--max-messages-per-agent",
+        str(CAPACITY // 2),
+        "--max-total-messages",
+        str(CAPACITY),
+        ready=BROKER_READY,
+    )
+    try:
+        pid = broker.process.pid
+        async with connect(broker.address, retry=NO_RETRY) as admin:
+            await admin.register("SinkA")
+            await admin.register("SinkB")
+        _, peak_before = rss_kib(pid)
+
+        accepted: list[str] = []
+        refusals: list[MessageQueueFullError] = []
+        counter = itertools.count()
+
+        async def sender(n: int) -> None:
+            async with connect(broker.address, agent_id=f"sender{n}", retry=NO_RETRY) as client:
+                while (i := next(counter)) < 10 * CAPACITY:
+                    to = "SinkA" if i % 2 else "SinkB"
+                    try:
+                        sent = await client.send(
+                            to, {"action": "work", "parameters": {"i": i, "pad": PAYLOAD}}
+                        )
+                    except MessageQueueFullError as error:
+                        refusals.append(error)
+                        continue
+                    accepted.append(sent.message_id)
+
+        await asyncio.gather(*(sender(n) for n in range(4)))
+        current, peak = rss_kib(pid)
+
+        assert len(accepted) == CAPACITY
+        assert len(refusals) == 9 * CAPACITY
+        assert {e.code for e in refusals} == {"RESOURCE_EXHAUSTED"}
+        assert all(e.retry_after and e.retry_after > 0 for e in refusals)
+        assert "queue full" in refusals[0].message
+
+        # Bounded: what is held is CAPACITY messages of 4 KiB; what was refused (nine times
+        # as much) leaves no trace beyond transient buffers.
+        growth_mib = (peak - peak_before) / 1024
+        print(
+            f"\noverload: {len(accepted)} accepted, {len(refusals)} refused; broker RSS "
+            f"{current / 1024:.1f} MiB, peak {peak / 1024:.1f} MiB "
+            f"(+{growth_mib:.1f} MiB over the idle peak)"
+        )
+        refused_mib = 9 * CAPACITY * len(PAYLOAD) / 2**20
+        assert growth_mib < refused_mib
+
+        async with connect(broker.address, agent_id="admin", retry=NO_RETRY) as client:
+            delivered = [m.message_id for m in await client.receive("SinkA")]
+            delivered += [m.message_id for m in await client.receive("SinkB")]
+            assert sorted(delivered) == sorted(accepted)
+            # Room again: the next send is accepted.
+            await client.send("SinkA", {"action": "work"})
+    finally:
+        assert await stop(broker) == 0
