@@ -8,7 +8,7 @@ import pytest
 
 from gateway.client import GatewayClient
 from gateway.server import serve_gateway
-from mesh import LocalMesh, MessageValidationError, SecurityConfig
+from mesh import LocalMesh, MessageQueueFullError, MessageValidationError, Priority, SecurityConfig
 from mesh.client import NO_RETRY
 from mesh.config import BrokerConfig
 from mesh.core.errors import LimitExceededError, MessageTooLargeError
@@ -107,3 +107,31 @@ async def test_pattern_group_sizes(small: LocalMesh) -> None:
                 assert info.value.code == "INVALID_ARGUMENT"
     finally:
         await gateway.stop(0.5)
+
+
+async def test_a_flood_of_low_priority_does_not_starve_high() -> None:
+    async with LocalMesh(BrokerConfig(max_messages_per_agent=100)) as mesh:
+        flooder = mesh.client("flooder", retry=NO_RETRY)
+        urgent = mesh.client("urgent", retry=NO_RETRY)
+        await flooder.register("Worker")
+        low_accepted = 0
+        with pytest.raises(MessageQueueFullError, match="LOW priority"):
+            while True:
+                await flooder.send("Worker", {"action": "bulk"}, priority=Priority.LOW)
+                low_accepted += 1
+        assert low_accepted == 80  # the last 20 places are kept for HIGH and MEDIUM
+        # The queue is full for LOW, yet HIGH traffic is still accepted...
+        high = [
+            (await urgent.send("Worker", {"action": "now"}, priority=Priority.HIGH)).message_id
+            for _ in range(10)
+        ]
+        # ...and delivered ahead of the whole LOW backlog.
+        sub = flooder.subscribe("Worker", max_in_flight=10)
+        first = []
+        async for delivery in sub:
+            first.append(delivery.message.message_id)
+            await delivery.ack()
+            if len(first) == 10:
+                break
+        await sub.close()
+        assert first == high
