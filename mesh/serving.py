@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,12 +26,31 @@ MAX_GRPC_MESSAGE_BYTES = 8 * 1024 * 1024
 """gRPC's own frame limit, above the mesh's message limit so that oversize messages
 reach validation and get a clear error instead of a transport failure."""
 
+
+def _seconds_from_env(name: str, default: float) -> int:
+    raw = os.environ.get(name, "")
+    try:
+        seconds = float(raw) if raw else default
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
+    return max(100, int(seconds * 1000))
+
+
+KEEPALIVE_MS = _seconds_from_env("AGENTMESH_KEEPALIVE_SECONDS", 20.0)
+"""How often each side pings an idle connection; a peer that does not answer within
+AGENTMESH_KEEPALIVE_TIMEOUT_SECONDS is gone: its streams end, its leases go back to the
+queue (broker side), its client reconnects (agent side)."""
+KEEPALIVE_TIMEOUT_MS = _seconds_from_env("AGENTMESH_KEEPALIVE_TIMEOUT_SECONDS", 10.0)
+
 GRPC_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.min_ping_interval_without_data_ms", min(5_000, KEEPALIVE_MS)),
+    # Peers ping as often as the keepalive says; do not take that for abuse.
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", min(5_000, KEEPALIVE_MS)),
+    ("grpc.http2.max_ping_strikes", 0),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.so_reuseport", 0),
 ]

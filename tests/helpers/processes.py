@@ -28,10 +28,17 @@ class Proc:
             self.process.kill()
 
 
-async def start(*args: str, ready: str, env: dict[str, str] | None = None) -> Proc:
-    """Starts `agentmesh ARGS` and waits for its ready line, which names its address."""
+async def start(
+    *args: str,
+    ready: str,
+    env: dict[str, str] | None = None,
+    prefix: tuple[str, ...] = (),
+) -> Proc:
+    """Starts `agentmesh ARGS` (after ``prefix``, e.g. `ip netns exec NS`) and waits for its
+    ready line, which names its address."""
     environ = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     process = await asyncio.create_subprocess_exec(
+        *prefix,
         sys.executable,
         "-m",
         "mesh.cli",
