@@ -458,6 +458,67 @@ async def measure_tracing_cost(s: Settings) -> dict[str, Any]:
     }
 
 
+def store_urls(folder: str) -> dict[str, str]:
+    """The queue stores compared side by side: the embedded default and the durable one."""
+    return {"memory": "memory://", "sqlite": f"sqlite://{folder}/queues.db"}
+
+
+async def measure_stores(s: Settings) -> dict[str, Any]:
+    """The same sends against a broker on each queue store, one store at a time: what
+    durability costs. The durable store commits before it acknowledges, so its latency
+    includes a commit; concurrent and batched sends share commits."""
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="agentmesh-bench-store-")
+    out: dict[str, Any] = {}
+    n, w = max(200, s.operations // 2), s.warmup
+    for name, url in store_urls(folder).items():
+        broker = await spawn(
+            "-m",
+            "mesh.cli",
+            "broker",
+            "--port",
+            "0",
+            "--store",
+            url,
+            "--max-messages-per-agent",
+            "100000",
+            "--max-total-messages",
+            "100000",
+            ready=r"listening on (\S+?)[,\s]",
+        )
+        try:
+            async with connect(broker.address, agent_id="driver") as client:
+                await client.register("sink")
+
+                async def send() -> int:
+                    await client.send("sink", {"action": "sink", "parameters": {"i": 1}})
+                    return 1
+
+                out[f"store.{name}.send"] = stats(await timed(send, n, w))
+                await drain(client, "sink")
+                out[f"store.{name}.oneway_16"] = {
+                    "throughput": await rate(send, 16, s.throughput_seconds)
+                }
+                await drain(client, "sink")
+
+                async def batch_op() -> int:
+                    fresh = [
+                        Message(from_agent="driver", to_agent="sink", content={"action": "sink"})
+                        for _ in range(100)
+                    ]
+                    results = await client.send_batch(fresh)
+                    return sum(isinstance(r, Message) for r in results)
+
+                out[f"store.{name}.batch100"] = {
+                    "throughput": await rate(batch_op, 4, s.throughput_seconds)
+                }
+                await drain(client, "sink")
+        finally:
+            await stop_all([broker])
+    return out
+
+
 def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Median of each figure over the repetitions, with the spread (min, max) of the medians."""
     combined: dict[str, Any] = {}
@@ -661,6 +722,8 @@ async def main(argv: list[str]) -> int:
         await stop_all(mesh.procs)
     figures = combine(runs)
     figures["roundtrip_traced"] = await measure_tracing_cost(settings)
+    print("queue stores ...", flush=True)
+    figures.update(await measure_stores(settings))
     report = {
         "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine(),
