@@ -29,7 +29,7 @@ def test_every_overlay_renders_and_validates() -> None:
     result = check()
     assert result.returncode == 0, result.stdout + result.stderr
     assert "dev: 28 objects rendered and valid" in result.stdout
-    assert "prod: 28 objects rendered and valid" in result.stdout
+    assert "prod: 29 objects rendered and valid" in result.stdout
 
 
 def test_rendered_manifests_have_grpc_probes_and_locked_down_pods() -> None:
@@ -47,6 +47,10 @@ def test_rendered_manifests_have_grpc_probes_and_locked_down_pods() -> None:
     assert "kind: PodDisruptionBudget" in rendered
     assert rendered.count("kind: HorizontalPodAutoscaler") == 5
     assert rendered.count("kind: NetworkPolicy") == 6
+    # Production queues are durable: SQLite on a persistent volume mounted by the broker.
+    assert "value: sqlite:///var/lib/agentmesh/queues.db" in rendered
+    assert "claimName: agentmesh-broker-queues" in rendered
+    assert "mountPath: /var/lib/agentmesh" in rendered
 
 
 def test_a_broken_manifest_fails_the_check(tmp_path: Path) -> None:
