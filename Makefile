@@ -6,7 +6,7 @@ PY := $(BIN)/python
 PROTOS := $(wildcard proto/mesh/v1/*.proto)
 
 .DEFAULT_GOAL := help
-.PHONY: deploy-check help setup proto proto-check proto-baseline breaking lint test test-fast demo up bench clean
+.PHONY: deploy-check help redis-server setup proto proto-check proto-baseline breaking lint test test-fast demo up bench clean
 
 help:
 	@echo "make setup        virtualenv in $(VENV) with agentmesh and its dev tools"
@@ -29,7 +29,15 @@ $(NODE_DEPS): clients/node/package-lock.json
 	@if command -v npm >/dev/null; then npm ci --prefix clients/node --no-audit --no-fund --silent; \
 	else echo "npm not found: the Node.js client tests will be skipped"; fi
 
-setup: $(BIN)/agentmesh $(NODE_DEPS)
+# redis-server backs the Redis store's tests (replicas); installed from Debian when missing.
+redis-server:
+	@command -v redis-server >/dev/null || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			echo "installing redis-server (Debian package)"; \
+			apt-get update -qq >/dev/null && apt-get install -y -qq redis-server >/dev/null; \
+		else echo "redis-server not found: the Redis store tests will be skipped"; fi; }
+
+setup: $(BIN)/agentmesh $(NODE_DEPS) redis-server
 
 proto: setup
 	PATH="$(abspath $(BIN)):$$PATH" $(PY) -m grpc_tools.protoc -I proto \

@@ -63,8 +63,9 @@ class BrokerConfig:
     sweep_interval: float = 0.2
     default_request_timeout: float = 30.0
     store: str = "memory://"
-    """Where queues live: memory:// (the embedded default) or sqlite:///path/to/queues.db
-    (durable: accepted messages survive a crash and restart)."""
+    """Where queues live: memory:// (the embedded default), sqlite:///path/to/queues.db
+    (durable: accepted messages survive a crash and restart) or redis://host:6379/0 (shared
+    by several broker replicas)."""
 
     def __post_init__(self) -> None:
         positive = (
@@ -90,8 +91,10 @@ class BrokerConfig:
                 raise ValueError(f"{name} must be > 0")
         if not 0 < self.low_priority_share <= 1:
             raise ValueError("low_priority_share must be within (0, 1]")
-        if not self.store.startswith(("memory://", "sqlite://")):
-            raise ValueError("store must be memory:// or sqlite:///path/to/queues.db")
+        if not self.store.startswith(("memory://", "sqlite://", "redis://", "rediss://")):
+            raise ValueError(
+                "store must be memory://, sqlite:///path/to/queues.db or redis://host:port/db"
+            )
         if self.default_ttl > self.max_ttl:
             raise ValueError("default_ttl must not exceed max_ttl")
 

@@ -11,6 +11,7 @@ import contextlib
 import itertools
 import logging
 import math
+import secrets
 import time
 from collections.abc import AsyncGenerator, Iterable, Sequence
 from dataclasses import dataclass
@@ -108,7 +109,8 @@ class Subscription:
     ) -> None:
         self.broker = broker
         self.agent_id = agent_id
-        self.subscription_id = f"{agent_id}#{next(self._ids)}"
+        # Unique across replicas sharing a store: leases name their subscriber.
+        self.subscription_id = f"{agent_id}#{broker.instance}-{next(self._ids)}"
         self.max_in_flight = max_in_flight
         self.lease_seconds = lease_seconds
         self.in_flight: set[str] = set()
@@ -179,6 +181,7 @@ class Broker:
         self._dirty: set[str] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self.draining = False
+        self.instance = secrets.token_hex(4)
         self._queue_full_log: dict[str, tuple[float, int]] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -187,6 +190,8 @@ class Broker:
         for info in await self.store.saved_agents():
             if info.agent_id not in self.registry:
                 self.registry.register(info)
+        if self.store.shared:
+            await self.store.watch(self)
         if self._sweeper is None:
             self._sweeper = asyncio.create_task(self._sweep_forever(), name="broker-sweeper")
 
@@ -331,21 +336,44 @@ class Broker:
             outcome = await self.broadcast(message)
             return SendOutcome(outcome.message, outcome.recipients)
         if message.message_type in _ANSWER_TYPES and message.correlation_id:
-            waiter = self._pending.get((message.to_agent, message.correlation_id))
-            if isinstance(waiter, _Gathering):
-                taken = waiter.offer(message)
-            else:
-                taken = waiter is not None and not waiter.done()
-                if taken:
-                    waiter.set_result(message)  # type: ignore[union-attr]
+            taken = self._offer_answer(message)
+            if not taken and self.store.shared:
+                # The requester may wait on another replica: hand the answer over there.
+                key = (message.to_agent, message.correlation_id)
+                replica = await self.store.route_of(key)
+                if replica and replica != self.store.replica_id:
+                    taken = await self.store.forward_answer(replica, message)
             if taken:
                 self.metrics.sent(message.message_type.value, time.perf_counter() - started)
                 return SendOutcome(message, (message.to_agent,))
-        if message.to_agent not in self.registry:
+        if message.to_agent not in self.registry and not await self._known_elsewhere(
+            message.to_agent
+        ):
             raise AgentNotFoundError(f"agent {message.to_agent} is not registered")
         await self._enqueue(message)
         self.metrics.sent(message.message_type.value, time.perf_counter() - started)
         return SendOutcome(message, (message.to_agent,))
+
+    def _offer_answer(self, message: Message) -> bool:
+        """Gives an answer to the request or gather waiting for it here; False when none is."""
+        waiter = self._pending.get((message.to_agent, message.correlation_id))
+        if isinstance(waiter, _Gathering):
+            return waiter.offer(message)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(message)
+            return True
+        return False
+
+    async def _known_elsewhere(self, agent_id: str) -> bool:
+        """With replicas, an agent that registered through another one a moment ago."""
+        if not self.store.shared:
+            return False
+        info = await self.store.saved_agent(agent_id)
+        if info is None:
+            return False
+        with contextlib.suppress(MeshError):
+            self.registry.register(info)
+        return True
 
     async def _enqueue(self, message: Message) -> None:
         try:
@@ -543,6 +571,8 @@ class Broker:
         self._pending[key] = waiter
         started = time.perf_counter()
         try:
+            if self.store.shared:
+                await self.store.claim_route(key, timeout)
             await self.send(message)
             try:
                 async with asyncio.timeout(timeout):
@@ -560,6 +590,8 @@ class Broker:
         finally:
             if self._pending.get(key) is waiter:
                 del self._pending[key]
+                if self.store.shared:
+                    await self.store.drop_route(key)
 
     def _reserve(self, message: Message) -> tuple[str, str]:
         """The waiter key of a request; refuses a duplicate key or one over the limit."""
@@ -618,9 +650,11 @@ class Broker:
         self._pending[key] = gathering
         started = time.perf_counter()
         try:
+            if self.store.shared:
+                await self.store.claim_route(key, timeout)
             for agent_id in targets:
                 try:
-                    if agent_id not in self.registry:
+                    if agent_id not in self.registry and not await self._known_elsewhere(agent_id):
                         raise AgentNotFoundError(f"agent {agent_id} is not registered")
                     await self._enqueue(message.copy_to(agent_id))
                     self.metrics.sent(kind.value, 0.0)
@@ -647,6 +681,8 @@ class Broker:
         finally:
             if self._pending.get(key) is gathering:
                 del self._pending[key]
+                if self.store.shared:
+                    await self.store.drop_route(key)
 
     @property
     def pending_requests(self) -> int:
@@ -792,6 +828,24 @@ class Broker:
         self._dirty.add(message.to_agent)
         for sub in self._subscriptions.get(message.to_agent, ()):
             sub.wake()
+
+    def on_wake(self, agent_id: str) -> None:
+        """Another replica queued a message for this agent."""
+        for sub in self._subscriptions.get(agent_id, ()):
+            sub.wake()
+
+    def on_agent_changed(self, agent_id: str, info: AgentInfo | None) -> None:
+        """An agent registered or left through another replica."""
+        with contextlib.suppress(MeshError):
+            if info is None:
+                if agent_id in self.registry:
+                    self.registry.deregister(agent_id)
+            else:
+                self.registry.register(info)
+
+    def on_answer(self, message: Message) -> None:
+        """An answer another replica forwarded to a request waiting here."""
+        self._offer_answer(message)
 
     def on_released(self, released: Released) -> None:
         sub = self._by_subscription.get(released.subscriber)

@@ -28,7 +28,7 @@ from typing import Any
 
 from mesh.core.errors import BrokerUnavailableError
 from mesh.core.model import AgentInfo, DeadLetter, Message
-from mesh.core.queue import InMemoryQueueStore, StoredEntry
+from mesh.core.queue import InMemoryQueueStore, QueueStore, StoredEntry
 
 logger = logging.getLogger("mesh.store")
 
@@ -347,16 +347,26 @@ class SqliteQueueStore(InMemoryQueueStore):
         await asyncio.to_thread(self.journal.close)
 
 
-def open_store(url: str, **options: Any) -> InMemoryQueueStore:
-    """The queue store a URL names: ``memory://`` or ``sqlite:///path/to/queues.db``."""
-    factories: dict[str, Callable[[str], InMemoryQueueStore]] = {
+def _redis(url: str, options: dict[str, Any]) -> QueueStore:
+    from mesh.redis_store import RedisQueueStore  # the Redis client is needed only here
+
+    return RedisQueueStore(url, **options)
+
+
+def open_store(url: str, **options: Any) -> QueueStore:
+    """The queue store a URL names: ``memory://``, ``sqlite:///path/to/queues.db``, or
+    ``redis://host:6379/0`` (``rediss://`` for TLS), shared by broker replicas."""
+    factories: dict[str, Callable[[str], QueueStore]] = {
         "memory": lambda _: InMemoryQueueStore(**options),
         "sqlite": lambda rest: SqliteQueueStore(rest, **options),
+        "redis": lambda _: _redis(url, options),
+        "rediss": lambda _: _redis(url, options),
     }
     scheme, sep, rest = url.partition("://")
     if not sep or scheme not in factories:
         raise ValueError(
-            f"unknown queue store {url!r}: use memory:// or sqlite:///path/to/queues.db"
+            f"unknown queue store {url!r}: use memory://, sqlite:///path/to/queues.db "
+            "or redis://host:6379/0"
         )
     # sqlite:///var/lib/q.db is the absolute /var/lib/q.db; sqlite://q.db is relative.
     if scheme == "sqlite" and not rest:

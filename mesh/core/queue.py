@@ -93,6 +93,9 @@ class QueueStore(Protocol):
     listener: StoreListener | None
     durable: bool
     """Whether what the store holds outlives the process."""
+    shared: bool
+    """Whether several broker replicas share the store (and need the replica methods)."""
+    replica_id: str
 
     async def put(self, message: Message, ttl_seconds: float) -> bool:
         """Enqueues a message for ``message.to_agent``.
@@ -152,9 +155,42 @@ class QueueStore(Protocol):
         """The registrations kept (none for a store that does not outlive its process)."""
         ...
 
+    async def saved_agent(self, agent_id: str) -> AgentInfo | None: ...
+
+    # Replicas sharing the store (``shared``): who waits for which answer, and news of what
+    # happened through the other replicas. A store of one process does nothing here.
+
+    async def watch(self, listener: ReplicaListener) -> None:
+        """Starts telling ``listener`` what the other replicas do."""
+        ...
+
+    async def claim_route(self, key: tuple[str, str], ttl: float) -> None:
+        """Records that this replica waits for the answer (requester, correlation id)."""
+        ...
+
+    async def drop_route(self, key: tuple[str, str]) -> None: ...
+
+    async def route_of(self, key: tuple[str, str]) -> str | None:
+        """The replica waiting for that answer, if any."""
+        ...
+
+    async def forward_answer(self, replica: str, message: Message) -> bool:
+        """Hands an answer to the replica waiting for it; False when it is gone."""
+        ...
+
     async def close(self) -> None:
         """Writes out what is pending and releases the store's resources."""
         ...
+
+
+class ReplicaListener(StoreListener, Protocol):
+    """What a broker learns from the other replicas sharing its store."""
+
+    def on_wake(self, agent_id: str) -> None: ...
+
+    def on_agent_changed(self, agent_id: str, info: AgentInfo | None) -> None: ...
+
+    def on_answer(self, message: Message) -> None: ...
 
 
 class Journal(Protocol):
@@ -235,6 +271,8 @@ class InMemoryQueueStore:
     """The embedded queue store: bounded heaps in memory, O(log n) per operation."""
 
     durable = False
+    shared = False
+    replica_id = ""
 
     def __init__(
         self,
@@ -369,6 +407,24 @@ class InMemoryQueueStore:
 
     async def saved_agents(self) -> list[AgentInfo]:
         return []
+
+    async def saved_agent(self, agent_id: str) -> AgentInfo | None:
+        return None
+
+    async def watch(self, listener: ReplicaListener) -> None:
+        return None
+
+    async def claim_route(self, key: tuple[str, str], ttl: float) -> None:
+        return None
+
+    async def drop_route(self, key: tuple[str, str]) -> None:
+        return None
+
+    async def route_of(self, key: tuple[str, str]) -> str | None:
+        return None
+
+    async def forward_answer(self, replica: str, message: Message) -> bool:
+        return False
 
     def _push(self, queue: _AgentQueue, entry: _Entry) -> None:
         entry.state = _State.QUEUED

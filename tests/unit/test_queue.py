@@ -16,7 +16,7 @@ import pytest
 from mesh.core.durable import SqliteQueueStore, open_store
 from mesh.core.errors import MessageQueueFullError
 from mesh.core.model import DeadLetter, Message, Priority
-from mesh.core.queue import InMemoryQueueStore, Released
+from mesh.core.queue import InMemoryQueueStore, QueueStore, Released
 
 
 class FakeClock:
@@ -79,23 +79,33 @@ def recorder() -> Recorder:
 OPTIONS = {"max_messages_per_agent": 5, "max_total_messages": 8, "max_delivery_attempts": 3}
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+@pytest.fixture(params=["memory", "sqlite", "redis"])
 async def store(
     request: pytest.FixtureRequest, tmp_path: Path, clock: FakeClock, recorder: Recorder
-) -> AsyncIterator[InMemoryQueueStore]:
+) -> AsyncIterator[QueueStore]:
+    made: QueueStore
     if request.param == "memory":
         made = InMemoryQueueStore(**OPTIONS, clock=clock, listener=recorder)
-    else:
+    elif request.param == "sqlite":
         made = SqliteQueueStore(tmp_path / "q.db", **OPTIONS, clock=clock, listener=recorder)
+    else:
+        from mesh.redis_store import RedisQueueStore
+
+        url = request.getfixturevalue("redis_url")
+        # Redis keeps time by the wall clock: the fake clock drives a fake wall clock.
+        made = RedisQueueStore(
+            url, **OPTIONS, wall_clock=lambda: BASE + timedelta(seconds=clock.now)
+        )
+        made.listener = recorder
     yield made
     await made.close()
 
 
-async def ids(store: InMemoryQueueStore, agent: str = "PaymentAgent") -> list[str]:
+async def ids(store: QueueStore, agent: str = "PaymentAgent") -> list[str]:
     return [p.message.message_id for p in await store.pop(agent)]
 
 
-async def test_priority_then_timestamp_order(store: InMemoryQueueStore) -> None:
+async def test_priority_then_timestamp_order(store: QueueStore) -> None:
     # RF-009 scenario 5's table: LOW at :00, HIGH at :05, MEDIUM at :02.
     await store.put(msg("msg_001", priority=Priority.LOW, at=0), 3600)
     await store.put(msg("msg_002", priority=Priority.HIGH, at=5), 3600)
@@ -103,7 +113,7 @@ async def test_priority_then_timestamp_order(store: InMemoryQueueStore) -> None:
     assert await ids(store) == ["msg_002", "msg_003", "msg_001"]
 
 
-async def test_same_priority_is_oldest_first_and_then_arrival(store: InMemoryQueueStore) -> None:
+async def test_same_priority_is_oldest_first_and_then_arrival(store: QueueStore) -> None:
     await store.put(msg("late", at=9), 3600)
     await store.put(msg("early", at=1), 3600)
     await store.put(msg("tie-a", at=5), 3600)
@@ -111,7 +121,7 @@ async def test_same_priority_is_oldest_first_and_then_arrival(store: InMemoryQue
     assert await ids(store) == ["early", "tie-a", "tie-b", "late"]
 
 
-async def test_pop_removes_and_respects_max(store: InMemoryQueueStore) -> None:
+async def test_pop_removes_and_respects_max(store: QueueStore) -> None:
     for i in range(4):
         await store.put(msg(f"m{i}", at=i), 3600)
     assert [p.message.message_id for p in await store.pop("PaymentAgent", 3)] == ["m0", "m1", "m2"]
@@ -121,7 +131,7 @@ async def test_pop_removes_and_respects_max(store: InMemoryQueueStore) -> None:
 
 
 async def test_expired_message_is_never_popped_and_is_reported(
-    store: InMemoryQueueStore, clock: FakeClock, recorder: Recorder
+    store: QueueStore, clock: FakeClock, recorder: Recorder
 ) -> None:
     await store.put(msg("old"), 60)
     await store.put(msg("fresh", at=1), 3600)
@@ -131,7 +141,7 @@ async def test_expired_message_is_never_popped_and_is_reported(
 
 
 async def test_expired_message_is_never_leased(
-    store: InMemoryQueueStore, clock: FakeClock, recorder: Recorder
+    store: QueueStore, clock: FakeClock, recorder: Recorder
 ) -> None:
     await store.put(msg("old"), 60)
     clock.advance(61)
@@ -140,7 +150,7 @@ async def test_expired_message_is_never_leased(
 
 
 async def test_sweep_expires_without_a_reader(
-    store: InMemoryQueueStore, clock: FakeClock, recorder: Recorder
+    store: QueueStore, clock: FakeClock, recorder: Recorder
 ) -> None:
     await store.put(msg("old"), 60)
     clock.advance(60)
@@ -151,7 +161,7 @@ async def test_sweep_expires_without_a_reader(
     assert stats.depth == 0
 
 
-async def test_capacity_per_agent(store: InMemoryQueueStore) -> None:
+async def test_capacity_per_agent(store: QueueStore) -> None:
     for i in range(5):
         await store.put(msg(f"m{i}"), 3600)
     with pytest.raises(MessageQueueFullError, match="PaymentAgent queue full") as info:
@@ -163,7 +173,7 @@ async def test_capacity_per_agent(store: InMemoryQueueStore) -> None:
     assert await ids(store) == [f"m{i}" for i in range(5)]
 
 
-async def test_capacity_in_total(store: InMemoryQueueStore) -> None:
+async def test_capacity_in_total(store: QueueStore) -> None:
     for i in range(4):
         await store.put(msg(f"a{i}", to="A"), 3600)
         await store.put(msg(f"b{i}", to="B"), 3600)
@@ -173,7 +183,7 @@ async def test_capacity_in_total(store: InMemoryQueueStore) -> None:
 
 
 async def test_expired_messages_do_not_hold_capacity(
-    store: InMemoryQueueStore, clock: FakeClock, recorder: Recorder
+    store: QueueStore, clock: FakeClock, recorder: Recorder
 ) -> None:
     for i in range(5):
         await store.put(msg(f"m{i}"), 10)
@@ -183,13 +193,13 @@ async def test_expired_messages_do_not_hold_capacity(
     assert await ids(store) == ["new"]
 
 
-async def test_duplicate_message_id_is_accepted_once(store: InMemoryQueueStore) -> None:
+async def test_duplicate_message_id_is_accepted_once(store: QueueStore) -> None:
     assert await store.put(msg("same"), 3600)
     assert not await store.put(msg("same"), 3600)
     assert await ids(store) == ["same"]
 
 
-async def test_lease_ack_releases_capacity(store: InMemoryQueueStore, recorder: Recorder) -> None:
+async def test_lease_ack_releases_capacity(store: QueueStore, recorder: Recorder) -> None:
     await store.put(msg("m1"), 3600)
     lease = await store.lease("PaymentAgent", "sub-1", 30)
     assert lease is not None and lease.attempt == 1 and lease.subscriber == "sub-1"
@@ -203,7 +213,7 @@ async def test_lease_ack_releases_capacity(store: InMemoryQueueStore, recorder: 
 
 
 async def test_nack_redelivers_in_place_with_attempt_count(
-    store: InMemoryQueueStore, recorder: Recorder
+    store: QueueStore, recorder: Recorder
 ) -> None:
     await store.put(msg("first", at=0), 3600)
     await store.put(msg("second", at=1), 3600)
@@ -216,7 +226,7 @@ async def test_nack_redelivers_in_place_with_attempt_count(
     assert recorder.redelivered == [("first", 2)]
 
 
-async def test_lease_expiry_redelivers(store: InMemoryQueueStore, clock: FakeClock) -> None:
+async def test_lease_expiry_redelivers(store: QueueStore, clock: FakeClock) -> None:
     await store.put(msg("m1"), 3600)
     await store.lease("PaymentAgent", "s", 5)
     clock.advance(4)
@@ -228,9 +238,7 @@ async def test_lease_expiry_redelivers(store: InMemoryQueueStore, clock: FakeClo
     assert lease is not None and lease.attempt == 2
 
 
-async def test_dead_letter_after_max_attempts(
-    store: InMemoryQueueStore, recorder: Recorder
-) -> None:
+async def test_dead_letter_after_max_attempts(store: QueueStore, recorder: Recorder) -> None:
     await store.put(msg("poison"), 3600)
     for attempt in (1, 2):
         lease = await store.lease("PaymentAgent", "s", 30)
@@ -249,7 +257,7 @@ async def test_dead_letter_after_max_attempts(
     assert stats.dead_letters == 1
 
 
-async def test_departed_subscriber_returns_its_leases(store: InMemoryQueueStore) -> None:
+async def test_departed_subscriber_returns_its_leases(store: QueueStore) -> None:
     await store.put(msg("a", at=0), 3600)
     await store.put(msg("b", at=1), 3600)
     await store.lease("PaymentAgent", "gone", 30)
@@ -260,7 +268,7 @@ async def test_departed_subscriber_returns_its_leases(store: InMemoryQueueStore)
 
 
 async def test_expired_while_leased_is_not_redelivered(
-    store: InMemoryQueueStore, clock: FakeClock, recorder: Recorder
+    store: QueueStore, clock: FakeClock, recorder: Recorder
 ) -> None:
     await store.put(msg("m"), 10)
     await store.lease("PaymentAgent", "s", 30)
@@ -270,7 +278,7 @@ async def test_expired_while_leased_is_not_redelivered(
     assert await store.held() == 0
 
 
-async def test_low_priority_flood_leaves_room_for_high(store: InMemoryQueueStore) -> None:
+async def test_low_priority_flood_leaves_room_for_high(store: QueueStore) -> None:
     # 5 places: LOW may take 4 (80%); the last is kept for HIGH and MEDIUM.
     for i in range(4):
         await store.put(msg(f"low{i}", priority=Priority.LOW, at=i), 3600)

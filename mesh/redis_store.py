@@ -1,0 +1,657 @@
+"""The Redis queue store: queues shared by several broker replicas.
+
+Every queue operation is one Lua script over one agent's keys, so it is atomic, and the keys
+carry the agent id as a hash tag (``mesh:{PaymentAgent}:ready``) so that Redis Cluster can
+shard by agent. Per agent:
+
+- ``ready``: sorted set of queued messages, scored by priority then timestamp (microseconds
+  since 2020, exact in a double), members ``<arrival seq>:<id>`` so equal scores keep arrival
+  order;
+- ``leased``: sorted set of leased ids, scored by the end of their lease;
+- ``msg`` (id -> message JSON), ``meta`` (id -> expiry, attempts, acceptance, member, score,
+  subscriber), ``expiry`` (ids by TTL end), ``dead`` (capped list), ``seq``.
+
+Across agents: ``mesh:total`` (messages held, for the broker-wide limit), ``mesh:queues`` (the
+agents with queues, for sweeping), ``mesh:agents`` (registrations), ``mesh:route:...``
+(which replica waits for an answer). Pub/sub tells the replicas what happened elsewhere:
+``mesh:wake`` (a message was queued for an agent: wake its local subscribers now, no
+polling), ``mesh:registry`` (an agent registered or left), ``mesh:answer:<replica>`` (an answer
+for a request waiting on that replica).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from mesh.core.errors import BrokerUnavailableError, MessageQueueFullError
+from mesh.core.model import AgentInfo, DeadLetter, Message, Priority, utc_now
+from mesh.core.queue import Lease, Popped, QueueStats, Released
+
+logger = logging.getLogger("mesh.store.redis")
+
+BASE_US = 1_577_836_800_000_000  # 2020-01-01T00:00:00Z in microseconds
+RANK_SPAN = 10**15  # ~31 years of microseconds per priority band, exact in a double
+WAKE = "mesh:wake"
+REGISTRY = "mesh:registry"
+TOTAL = "mesh:total"
+QUEUES = "mesh:queues"
+AGENTS = "mesh:agents"
+
+_COMMON = """
+local ready, leased, msgs, meta, expiry, dead, seqkey =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local function drop(id)
+  redis.call('HDEL', msgs, id)
+  redis.call('HDEL', meta, id)
+  redis.call('ZREM', expiry, id)
+end
+-- Queued messages past their TTL leave; leased ones wait for their lease to end.
+local function expire_due(now, out)
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', expiry, '-inf', now)) do
+    local m = redis.call('HGET', meta, id)
+    if not m then
+      redis.call('ZREM', expiry, id)
+    else
+      local info = cjson.decode(m)
+      if info.s == '' then
+        redis.call('ZREM', ready, info.m)
+        table.insert(out, {'expired', id, '', redis.call('HGET', msgs, id)})
+        drop(id)
+      end
+    end
+  end
+end
+-- A lease ends without an ack: back in place, expired, or dead-lettered.
+local function give_back(id, now, max_attempts, why, at, max_dead, out)
+  local m = redis.call('HGET', meta, id)
+  redis.call('ZREM', leased, id)
+  if not m then return end
+  local info = cjson.decode(m)
+  local sub = info.s
+  local body = redis.call('HGET', msgs, id)
+  if info.e <= now then
+    table.insert(out, {'expired', id, sub, body})
+    drop(id)
+  elseif info.a >= max_attempts then
+    local reason = why .. ' after ' .. info.a .. ' delivery attempts'
+    redis.call('RPUSH', dead, cjson.encode({b = body, r = reason, a = info.a, t = at}))
+    redis.call('LTRIM', dead, -max_dead, -1)
+    table.insert(out, {'dead', id, sub, body, reason, info.a})
+    drop(id)
+  else
+    info.s = ''
+    redis.call('HSET', meta, id, cjson.encode(info))
+    redis.call('ZADD', ready, info.p, info.m)
+    table.insert(out, {'requeued', id, sub, body, '', info.a})
+  end
+end
+"""
+
+_PUT = (
+    _COMMON
+    + """
+local id, body, score, expires, now, limit = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]),
+  tonumber(ARGV[5]), tonumber(ARGV[6])
+if redis.call('HEXISTS', msgs, id) == 1 then return {0, {}} end
+local out = {}
+if redis.call('HLEN', msgs) >= limit then
+  expire_due(now, out)
+  if redis.call('HLEN', msgs) >= limit then return {-1, out, redis.call('HLEN', msgs)} end
+end
+local member = string.format('%020d', redis.call('INCR', seqkey)) .. ':' .. id
+redis.call('ZADD', ready, score, member)
+redis.call('HSET', msgs, id, body)
+redis.call('HSET', meta, id,
+  cjson.encode({e = expires, a = 0, c = now, m = member, p = score, s = ''}))
+redis.call('ZADD', expiry, expires, id)
+redis.call('PUBLISH', ARGV[7], ARGV[8])
+return {1, out}
+"""
+)
+
+_LEASE = (
+    _COMMON
+    + """
+local now, lease_end, subscriber = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local out = {}
+while true do
+  local first = redis.call('ZRANGE', ready, 0, 0)
+  if #first == 0 then return {0, out} end
+  local member = first[1]
+  local id = string.sub(member, 22)
+  redis.call('ZREM', ready, member)
+  local m = redis.call('HGET', meta, id)
+  if m then
+    local info = cjson.decode(m)
+    if info.e <= now then
+      table.insert(out, {'expired', id, '', redis.call('HGET', msgs, id)})
+      drop(id)
+    else
+      info.a = info.a + 1
+      info.s = subscriber
+      redis.call('HSET', meta, id, cjson.encode(info))
+      redis.call('ZADD', leased, lease_end, id)
+      return {1, out, redis.call('HGET', msgs, id), info.a, tostring(info.c)}
+    end
+  end
+end
+"""
+)
+
+_POP = (
+    _COMMON
+    + """
+local now, most = tonumber(ARGV[1]), tonumber(ARGV[2])
+local out, popped = {}, {}
+while most <= 0 or #popped < most do
+  local first = redis.call('ZRANGE', ready, 0, 0)
+  if #first == 0 then break end
+  local member = first[1]
+  local id = string.sub(member, 22)
+  redis.call('ZREM', ready, member)
+  local m = redis.call('HGET', meta, id)
+  if m then
+    local info = cjson.decode(m)
+    local body = redis.call('HGET', msgs, id)
+    if info.e <= now then
+      table.insert(out, {'expired', id, '', body})
+    else
+      table.insert(popped, {body, tostring(info.c)})
+    end
+    drop(id)
+  end
+end
+return {popped, out}
+"""
+)
+
+_ACK = (
+    _COMMON
+    + """
+local out = {}
+for i = 1, #ARGV do
+  local id = ARGV[i]
+  if redis.call('ZREM', leased, id) == 1 then
+    local info = cjson.decode(redis.call('HGET', meta, id))
+    table.insert(out, {id, info.s})
+    drop(id)
+  end
+end
+return out
+"""
+)
+
+_NACK = (
+    _COMMON
+    + """
+local now, max_attempts, at, max_dead = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3],
+  tonumber(ARGV[4])
+local out = {}
+for i = 5, #ARGV do
+  if redis.call('ZSCORE', leased, ARGV[i]) then
+    give_back(ARGV[i], now, max_attempts, 'nacked', at, max_dead, out)
+  end
+end
+return out
+"""
+)
+
+_RELEASE = (
+    _COMMON
+    + """
+local now, max_attempts, at, max_dead, subscriber = tonumber(ARGV[1]), tonumber(ARGV[2]),
+  ARGV[3], tonumber(ARGV[4]), ARGV[5]
+local out = {}
+for _, id in ipairs(redis.call('ZRANGE', leased, 0, -1)) do
+  local m = redis.call('HGET', meta, id)
+  if m and cjson.decode(m).s == subscriber then
+    give_back(id, now, max_attempts, 'subscriber left', at, max_dead, out)
+  end
+end
+return out
+"""
+)
+
+_SWEEP = (
+    _COMMON
+    + """
+local now, max_attempts, at, max_dead = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3],
+  tonumber(ARGV[4])
+local out = {}
+expire_due(now, out)
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', leased, '-inf', now)) do
+  give_back(id, now, max_attempts, 'lease expired', at, max_dead, out)
+end
+return out
+"""
+)
+
+_STATS = (
+    _COMMON
+    + """
+local out = {}
+expire_due(tonumber(ARGV[1]), out)
+local span = tonumber(ARGV[2])
+return {
+  redis.call('ZCOUNT', ready, 0, '(' .. span),
+  redis.call('ZCOUNT', ready, span, '(' .. (2 * span)),
+  redis.call('ZCOUNT', ready, 2 * span, '+inf'),
+  redis.call('ZCARD', leased),
+  redis.call('LLEN', dead),
+  out
+}
+"""
+)
+
+_RESERVE = """
+if tonumber(redis.call('GET', KEYS[1]) or '0') >= tonumber(ARGV[1]) then return 0 end
+redis.call('INCR', KEYS[1])
+return 1
+"""
+
+
+def _keys(agent_id: str) -> list[str]:
+    tag = "{" + agent_id + "}"
+    return [
+        f"mesh:{tag}:{part}" for part in ("ready", "leased", "msg", "meta", "expiry", "dead", "seq")
+    ]
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _message(body: Any) -> Message:
+    return Message.from_dict(json.loads(body))
+
+
+def _score(message: Message) -> str:
+    micros = int(message.timestamp.timestamp() * 1_000_000) - BASE_US
+    return str(message.priority.rank * RANK_SPAN + min(max(micros, 0), RANK_SPAN - 1))
+
+
+def _agent_json(info: AgentInfo) -> str:
+    return json.dumps(
+        {
+            "agent_id": info.agent_id,
+            "agent_types": list(info.agent_types),
+            "address": info.address,
+            "capabilities": list(info.capabilities),
+            "registered_at": info.registered_at.isoformat() if info.registered_at else None,
+        }
+    )
+
+
+def _agent(raw: Any) -> AgentInfo:
+    data = json.loads(raw)
+    when = data.get("registered_at")
+    return AgentInfo(
+        agent_id=data["agent_id"],
+        agent_types=tuple(data.get("agent_types") or ()),
+        address=data.get("address") or "",
+        capabilities=tuple(data.get("capabilities") or ()),
+        registered_at=datetime.fromisoformat(when) if when else None,
+    )
+
+
+class RedisQueueStore:
+    """Queues in Redis, shared by every broker replica that points at the same server."""
+
+    durable = True
+    shared = True
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        max_messages_per_agent: int = 1000,
+        max_total_messages: int = 10_000,
+        max_delivery_attempts: int = 4,
+        max_dead_letters: int = 10_000,
+        retry_after_seconds: float = 0.1,
+        low_priority_share: float = 0.8,
+        wall_clock: Callable[[], datetime] = utc_now,
+    ) -> None:
+        self.url = url
+        self._wall = wall_clock
+        self.max_messages_per_agent = max_messages_per_agent
+        self.max_total_messages = max_total_messages
+        self.max_delivery_attempts = max_delivery_attempts
+        self.max_dead_letters = max_dead_letters
+        self.retry_after_seconds = retry_after_seconds
+        self._limits = (max_messages_per_agent, max_total_messages)
+        self._low_limits = (
+            max(1, int(max_messages_per_agent * low_priority_share)),
+            max(1, int(max_total_messages * low_priority_share)),
+        )
+        self.replica_id = secrets.token_hex(6)
+        self.listener: Any = None
+        self._redis = aioredis.from_url(url, decode_responses=False)
+        self._scripts = {
+            name: self._redis.register_script(source)
+            for name, source in (
+                ("put", _PUT),
+                ("lease", _LEASE),
+                ("pop", _POP),
+                ("ack", _ACK),
+                ("nack", _NACK),
+                ("release", _RELEASE),
+                ("sweep", _SWEEP),
+                ("stats", _STATS),
+                ("reserve", _RESERVE),
+            )
+        }
+        self._watcher: asyncio.Task[None] | None = None
+        self._pubsub: Any = None
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    async def _run(self, name: str, keys: list[str], args: Iterable[Any]) -> Any:
+        try:
+            return await self._scripts[name](keys=keys, args=list(args))
+        except (RedisError, OSError) as error:
+            raise BrokerUnavailableError(
+                f"the Redis queue store is unavailable: {error}", reason="STORE_UNAVAILABLE"
+            ) from None
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return await getattr(self._redis, method)(*args)
+        except (RedisError, OSError) as error:
+            raise BrokerUnavailableError(
+                f"the Redis queue store is unavailable: {error}", reason="STORE_UNAVAILABLE"
+            ) from None
+
+    def _now_ms(self) -> int:
+        return int(self._wall().timestamp() * 1000)
+
+    def _report(self, agent_id: str, events: Iterable[Any]) -> int:
+        """Tells the listener what a script did; returns how many messages left the store."""
+        gone = 0
+        for event in events:
+            kind = _text(event[0])
+            message_id, subscriber, body = _text(event[1]), _text(event[2]), event[3]
+            if subscriber and self.listener:
+                self.listener.on_released(Released(message_id, agent_id, subscriber))
+            if kind == "expired":
+                gone += 1
+                if self.listener:
+                    self.listener.on_expired(_message(body))
+            elif kind == "dead":
+                gone += 1
+                if self.listener:
+                    self.listener.on_dead_letter(
+                        DeadLetter(
+                            message=_message(body),
+                            reason=_text(event[4]),
+                            attempts=int(event[5]),
+                            dead_lettered_at=self._wall(),
+                        )
+                    )
+            elif kind == "requeued" and self.listener:
+                self.listener.on_redelivery(_message(body), int(event[5]) + 1)
+        return gone
+
+    async def _forget(self, count: int) -> None:
+        if count:
+            await self._call("decrby", TOTAL, count)
+
+    # -- producing -------------------------------------------------------------------------
+
+    async def put(self, message: Message, ttl_seconds: float) -> bool:
+        agent_id = message.to_agent
+        low = message.priority is Priority.LOW
+        per_agent, total = self._low_limits if low else self._limits
+        if not await self._run("reserve", [TOTAL], [total]):
+            await self.sweep()  # expired messages must not hold capacity
+            if not await self._run("reserve", [TOTAL], [total]):
+                raise MessageQueueFullError(
+                    f"{agent_id} queue full: the brokers hold their limit of "
+                    f"{self.max_total_messages} messages" + (" for LOW priority" if low else ""),
+                    retry_after=self.retry_after_seconds,
+                )
+        now = self._now_ms()
+        result = await self._run(
+            "put",
+            _keys(agent_id),
+            [
+                message.message_id,
+                json.dumps(message.to_dict(), separators=(",", ":")),
+                _score(message),
+                now + int(ttl_seconds * 1000),
+                now,
+                per_agent,
+                WAKE,
+                agent_id,
+            ],
+        )
+        status = int(result[0])
+        gone = self._report(agent_id, result[1])
+        if status != 1:
+            await self._forget(gone + 1)
+        else:
+            await self._forget(gone)
+            await self._call("sadd", QUEUES, agent_id)
+        if status == -1:
+            held = int(result[2])
+            raise MessageQueueFullError(
+                f"{agent_id} queue full ({held} of {self.max_messages_per_agent} messages)"
+                + (" for LOW priority" if low else ""),
+                retry_after=self.retry_after_seconds,
+            )
+        return status == 1
+
+    # -- consuming -------------------------------------------------------------------------
+
+    async def pop(self, agent_id: str, max_messages: int = 0) -> list[Popped]:
+        now = self._now_ms()
+        popped, events = await self._run("pop", _keys(agent_id), [now, max_messages])
+        gone = self._report(agent_id, events) + len(popped)
+        await self._forget(gone)
+        return [
+            Popped(_message(body), max(0.0, (now - float(_text(accepted))) / 1000))
+            for body, accepted in popped
+        ]
+
+    async def lease(self, agent_id: str, subscriber: str, lease_seconds: float) -> Lease | None:
+        now = self._now_ms()
+        result = await self._run(
+            "lease", _keys(agent_id), [now, now + int(lease_seconds * 1000), subscriber]
+        )
+        await self._forget(self._report(agent_id, result[1]))
+        if int(result[0]) == 0:
+            return None
+        accepted = float(_text(result[4]))
+        return Lease(
+            message=_message(result[2]),
+            agent_id=agent_id,
+            subscriber=subscriber,
+            attempt=int(result[3]),
+            lease_expires_at=datetime.fromtimestamp((now / 1000) + lease_seconds, UTC),
+            queued_seconds=max(0.0, (now - accepted) / 1000),
+        )
+
+    async def ack(self, agent_id: str, message_ids: Iterable[str]) -> int:
+        ids = list(message_ids)
+        if not ids:
+            return 0
+        acked = await self._run("ack", _keys(agent_id), ids)
+        for message_id, subscriber in acked:
+            if self.listener and subscriber:
+                self.listener.on_released(Released(_text(message_id), agent_id, _text(subscriber)))
+        await self._forget(len(acked))
+        return len(acked)
+
+    def _return_args(self) -> list[Any]:
+        return [
+            self._now_ms(),
+            self.max_delivery_attempts,
+            self._wall().isoformat(),
+            self.max_dead_letters,
+        ]
+
+    async def nack(self, agent_id: str, message_ids: Iterable[str]) -> tuple[int, int]:
+        events = await self._run(
+            "nack", _keys(agent_id), [*self._return_args(), *list(message_ids)]
+        )
+        await self._forget(self._report(agent_id, events))
+        kinds = [_text(e[0]) for e in events]
+        return kinds.count("requeued"), kinds.count("dead")
+
+    async def release_subscriber(self, agent_id: str, subscriber: str) -> int:
+        events = await self._run("release", _keys(agent_id), [*self._return_args(), subscriber])
+        await self._forget(self._report(agent_id, events))
+        return len(events)
+
+    async def sweep(self) -> None:
+        for raw in await self._call("smembers", QUEUES):
+            agent_id = _text(raw)
+            events = await self._run("sweep", _keys(agent_id), self._return_args())
+            await self._forget(self._report(agent_id, events))
+
+    # -- reading ---------------------------------------------------------------------------
+
+    async def stats(self, agent_id: str | None = None) -> list[QueueStats]:
+        if agent_id is not None:
+            ids = [agent_id]
+        else:
+            ids = sorted(_text(a) for a in await self._call("smembers", QUEUES))
+        out = []
+        for aid in ids:
+            high, medium, low, leased, dead, events = await self._run(
+                "stats", _keys(aid), [self._now_ms(), RANK_SPAN]
+            )
+            await self._forget(self._report(aid, events))
+            out.append(QueueStats(aid, int(high), int(medium), int(low), int(leased), int(dead)))
+        return out
+
+    async def held(self) -> int:
+        return int(await self._call("get", TOTAL) or 0)
+
+    async def depth(self, agent_id: str) -> int:
+        return int(await self._call("zcard", _keys(agent_id)[0]))
+
+    async def dead_letters(self, agent_id: str | None = None) -> list[DeadLetter]:
+        if agent_id is not None:
+            ids = [agent_id]
+        else:
+            ids = sorted(_text(a) for a in await self._call("smembers", QUEUES))
+        out = []
+        for aid in ids:
+            for raw in await self._call("lrange", _keys(aid)[5], 0, -1):
+                data = json.loads(raw)
+                out.append(
+                    DeadLetter(
+                        message=_message(data["b"]),
+                        reason=data["r"],
+                        attempts=int(data["a"]),
+                        dead_lettered_at=datetime.fromisoformat(data["t"]),
+                    )
+                )
+        return out
+
+    async def sync(self) -> None:
+        return None  # every script has run in Redis before it returns
+
+    # -- registrations ---------------------------------------------------------------------
+
+    async def save_agent(self, info: AgentInfo) -> None:
+        await self._call("hset", AGENTS, info.agent_id, _agent_json(info))
+        await self._call("publish", REGISTRY, info.agent_id)
+
+    async def forget_agent(self, agent_id: str) -> None:
+        await self._call("hdel", AGENTS, agent_id)
+        await self._call("publish", REGISTRY, agent_id)
+
+    async def saved_agents(self) -> list[AgentInfo]:
+        return [_agent(raw) for raw in (await self._call("hgetall", AGENTS)).values()]
+
+    async def saved_agent(self, agent_id: str) -> AgentInfo | None:
+        raw = await self._call("hget", AGENTS, agent_id)
+        return _agent(raw) if raw else None
+
+    # -- replicas --------------------------------------------------------------------------
+
+    def _answers(self, replica: str) -> str:
+        return f"mesh:answer:{replica}"
+
+    async def claim_route(self, key: tuple[str, str], ttl: float) -> None:
+        """Records that this replica waits for the answer keyed (requester, correlation)."""
+        try:
+            await self._redis.set(
+                f"mesh:route:{key[0]}:{key[1]}", self.replica_id, px=int(ttl * 1000) + 1000
+            )
+        except (RedisError, OSError) as error:
+            raise BrokerUnavailableError(
+                f"the Redis queue store is unavailable: {error}", reason="STORE_UNAVAILABLE"
+            ) from None
+
+    async def drop_route(self, key: tuple[str, str]) -> None:
+        with contextlib.suppress(BrokerUnavailableError):
+            await self._call("delete", f"mesh:route:{key[0]}:{key[1]}")
+
+    async def route_of(self, key: tuple[str, str]) -> str | None:
+        raw = await self._call("get", f"mesh:route:{key[0]}:{key[1]}")
+        return _text(raw) if raw else None
+
+    async def forward_answer(self, replica: str, message: Message) -> bool:
+        """Sends an answer to the replica whose requester waits for it; False when that
+        replica is gone."""
+        body = json.dumps(message.to_dict(), separators=(",", ":"))
+        return bool(await self._call("publish", self._answers(replica), body))
+
+    async def watch(self, listener: Any) -> None:
+        """Follows the other replicas: wake-ups, registrations and answers for this one."""
+        self.listener = listener
+        self._pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+        await self._pubsub.subscribe(WAKE, REGISTRY, self._answers(self.replica_id))
+        self._watcher = asyncio.create_task(self._follow(listener), name="redis-watch")
+
+    async def _follow(self, listener: Any) -> None:
+        answers = self._answers(self.replica_id)
+        while True:
+            try:
+                async for event in self._pubsub.listen():
+                    if event.get("type") != "message":
+                        continue
+                    channel, data = _text(event["channel"]), event["data"]
+                    if channel == WAKE:
+                        listener.on_wake(_text(data))
+                    elif channel == REGISTRY:
+                        agent_id = _text(data)
+                        listener.on_agent_changed(agent_id, await self.saved_agent(agent_id))
+                    elif channel == answers:
+                        listener.on_answer(_message(data))
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a lost connection: subscribe again and go on
+                logger.exception("following the other replicas failed; retrying")
+                await asyncio.sleep(0.5)
+                with contextlib.suppress(Exception):
+                    await self._pubsub.subscribe(WAKE, REGISTRY, answers)
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+        if self._pubsub is not None:
+            with contextlib.suppress(Exception):
+                await self._pubsub.aclose()
+        await self._redis.aclose()
+
+    async def flush(self) -> None:
+        """Removes every mesh key (for tests and benchmarks that reuse one server)."""
+        keys = [k async for k in self._redis.scan_iter(match="mesh:*")]
+        if keys:
+            await self._redis.delete(*keys)

@@ -1,0 +1,160 @@
+"""Two broker processes sharing one Redis: one mesh, whichever replica a client talks to.
+
+Delivery, registration, broadcast, request/response and scatter-gather cross replicas, with
+no polling delay (a message queued through one replica wakes the subscriber on the other);
+a replica killed with SIGKILL under traffic loses nothing that was accepted: its clients
+fail over to the other one and its leases come back when they end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator
+
+import pytest
+
+from mesh import MeshError, connect
+from mesh.client import NO_RETRY
+from tests.helpers.processes import BROKER_READY, Proc, start, stop, wait_killed
+
+pytestmark = pytest.mark.processes
+
+
+async def start_replica(redis_url: str) -> Proc:
+    return await start(
+        "broker", "--port", "0", "--store", redis_url, "--lease-seconds", "2", ready=BROKER_READY
+    )
+
+
+@pytest.fixture
+async def replicas(redis_url: str) -> AsyncIterator[tuple[Proc, Proc]]:
+    a = await start_replica(redis_url)
+    b = await start_replica(redis_url)
+    try:
+        yield a, b
+    finally:
+        await stop(a)
+        await stop(b)
+
+
+async def test_one_mesh_across_two_replicas(replicas: tuple[Proc, Proc]) -> None:
+    a, b = replicas
+    agent = await start(
+        "agent",
+        "tests.helpers.process_agents:Payment",
+        "--broker",
+        a.address,
+        ready=r"serving on (\S+)",
+    )
+    try:
+        async with (
+            connect(a.address, agent_id="alice", retry=NO_RETRY) as via_a,
+            connect(b.address, agent_id="bob", retry=NO_RETRY) as via_b,
+        ):
+            # Registered through A, known through B.
+            assert "PaymentAgent" in [info.agent_id for info in await via_b.list_agents()]
+
+            # A request through B, answered by an agent subscribed through A.
+            answer = await via_b.request(
+                "PaymentAgent", {"action": "process_payment", "parameters": {"amount": 7}}
+            )
+            assert answer.content["status"] == "PAID"
+            assert answer.content["pid"] == agent.process.pid
+
+            # A subscriber on B gets what is sent through A, at once (no polling).
+            await via_b.register("Listener", agent_types=("audit",))
+            await via_a.register("Watcher", agent_types=("audit",))
+            on_b = via_b.subscribe("Listener")
+            on_a = via_a.subscribe("Watcher")
+            await on_b.start()
+            await on_a.start()
+            sent = await via_a.send("Listener", {"action": "note"})
+            got = await asyncio.wait_for(anext(aiter(on_b)), 2)
+            assert got.message.message_id == sent.message_id
+            await got.ack()
+
+            # Broadcast through A reaches the audit agents on both replicas.
+            outcome = await via_a.broadcast_to_types(["audit"], {"action": "hello"})
+            assert sorted(outcome.recipients) == ["Listener", "Watcher"]
+            for sub in (on_a, on_b):
+                got = await asyncio.wait_for(anext(aiter(sub)), 2)
+                assert got.message.action == "hello"
+                await got.ack()
+            await on_a.close()
+            await on_b.close()
+
+            # Scatter-gather through B: the agent on A answers.
+            answers = [
+                item
+                async for item in via_b.gather(
+                    {"action": "process_payment", "parameters": {"amount": 1}},
+                    agent_ids=["PaymentAgent"],
+                    timeout=5,
+                )
+            ]
+            assert [i.response.content["status"] for i in answers if i.response] == ["PAID"]
+
+            # One set of queues: what B holds is what A reports.
+            await via_b.send("Listener", {"action": "later"})
+            stats = (await via_a.queue_stats("Listener")).for_agent("Listener")
+            assert stats is not None and stats.medium == 1
+    finally:
+        await stop(agent)
+
+
+async def test_a_replica_killed_under_traffic_loses_nothing_accepted(
+    replicas: tuple[Proc, Proc],
+) -> None:
+    a, b = replicas
+    both = f"ipv4:{a.address},{b.address}"  # one address for the pair: A first, then B
+    acknowledged: set[str] = set()
+    received: set[str] = set()
+    counter = itertools.count()
+    enough = asyncio.Event()
+
+    async with connect(b.address, agent_id="admin", retry=NO_RETRY) as admin:
+        await admin.register("Sink")
+
+    async def sender(target: str, n: int) -> None:
+        async with connect(target, agent_id=f"sender{n}", retry=NO_RETRY) as client:
+            while (i := next(counter)) < 1500:
+                try:
+                    sent = await client.send("Sink", {"action": "record", "parameters": {"i": i}})
+                except MeshError:
+                    if target == a.address:
+                        return  # this replica is gone; the others carry on
+                    await asyncio.sleep(0.05)
+                    continue
+                acknowledged.add(sent.message_id)
+                if len(acknowledged) >= 300:
+                    enough.set()
+
+    async def consumer() -> None:
+        async with connect(both, agent_id="Sink") as client:
+            # What the dead replica had leased comes back when the lease ends.
+            sub = client.subscribe("Sink", max_in_flight=32, lease_seconds=2)
+            async for delivery in sub:
+                received.add(delivery.message.message_id)
+                await delivery.ack()
+
+    consuming = asyncio.create_task(consumer())
+    senders = [
+        asyncio.create_task(sender(target, n))
+        for n, target in enumerate([a.address, a.address, b.address, b.address])
+    ]
+    await asyncio.wait_for(enough.wait(), 30)
+    await wait_killed(a)
+    await asyncio.gather(*senders)
+    try:
+        async with asyncio.timeout(30):
+            while not acknowledged <= received:  # noqa: ASYNC110 - the consumer's progress
+                await asyncio.sleep(0.1)
+    finally:
+        consuming.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await consuming
+    missing = acknowledged - received
+    assert not missing, f"{len(missing)} acknowledged messages never delivered"
+    assert len(acknowledged) > 300
