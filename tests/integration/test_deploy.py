@@ -30,6 +30,7 @@ def test_every_overlay_renders_and_validates() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "dev: 28 objects rendered and valid" in result.stdout
     assert "prod: 29 objects rendered and valid" in result.stdout
+    assert "replicas: 33 objects rendered and valid" in result.stdout
 
 
 def test_rendered_manifests_have_grpc_probes_and_locked_down_pods() -> None:
@@ -51,6 +52,32 @@ def test_rendered_manifests_have_grpc_probes_and_locked_down_pods() -> None:
     assert "value: sqlite:///var/lib/agentmesh/queues.db" in rendered
     assert "claimName: agentmesh-broker-queues" in rendered
     assert "mountPath: /var/lib/agentmesh" in rendered
+
+
+def test_replicas_overlay_runs_several_brokers_on_redis() -> None:
+    import yaml
+
+    rendered = subprocess.run(
+        ["kubectl", "kustomize", str(ROOT / "deploy/overlays/replicas")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    objects = {(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(rendered)}
+    broker = objects[("Deployment", "agentmesh-broker")]["spec"]
+    assert broker["replicas"] == 3
+    assert broker["strategy"]["type"] == "RollingUpdate"
+    [env] = broker["template"]["spec"]["containers"][0]["env"]
+    assert env == {"name": "AGENTMESH_STORE", "value": "redis://agentmesh-redis:6379/0"}
+    assert ("StatefulSet", "agentmesh-redis") in objects
+    assert ("Service", "agentmesh-redis") in objects
+    assert ("PodDisruptionBudget", "agentmesh-broker") in objects
+    # Redis takes connections from the brokers only, and the brokers may reach it.
+    ingress = objects[("NetworkPolicy", "agentmesh-redis-ingress")]["spec"]["ingress"][0]
+    assert ingress["from"][0]["podSelector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "agentmesh-broker"
+    }
+    assert ("NetworkPolicy", "agentmesh-broker-egress-to-redis") in objects
 
 
 def test_a_broken_manifest_fails_the_check(tmp_path: Path) -> None:
