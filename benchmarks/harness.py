@@ -458,35 +458,134 @@ async def measure_tracing_cost(s: Settings) -> dict[str, Any]:
     }
 
 
-def store_urls(folder: str) -> dict[str, str]:
-    """The queue stores compared side by side: the embedded default and the durable one."""
-    return {"memory": "memory://", "sqlite": f"sqlite://{folder}/queues.db"}
+@contextlib.asynccontextmanager
+async def redis_server(folder: str) -> Any:
+    """A redis-server of our own on a free port (None when it is not installed)."""
+    import shutil
+    import socket
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        yield None
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    process = await asyncio.create_subprocess_exec(
+        binary,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--dir",
+        folder,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(100):
+            with contextlib.suppress(OSError):
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.close()
+                break
+            await asyncio.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        process.terminate()
+        await process.wait()
+
+
+def store_urls(folder: str, redis_url: str | None) -> dict[str, str]:
+    """The queue stores compared side by side."""
+    urls = {"memory": "memory://", "sqlite": f"sqlite://{folder}/queues.db"}
+    if redis_url:
+        urls["redis"] = redis_url
+    return urls
+
+
+async def spawn_broker(url: str) -> Proc:
+    return await spawn(
+        "-m",
+        "mesh.cli",
+        "broker",
+        "--port",
+        "0",
+        "--store",
+        url,
+        "--max-messages-per-agent",
+        "100000",
+        "--max-total-messages",
+        "100000",
+        ready=r"listening on (\S+?)[,\s]",
+    )
 
 
 async def measure_stores(s: Settings) -> dict[str, Any]:
     """The same sends against a broker on each queue store, one store at a time: what
-    durability costs. The durable store commits before it acknowledges, so its latency
-    includes a commit; concurrent and batched sends share commits."""
+    durability and sharing cost. The durable store commits before it acknowledges, so its
+    latency includes a commit (concurrent and batched sends share commits); the Redis store
+    runs a script in Redis per operation. Then one-way throughput with one broker replica
+    and with two on the same Redis."""
     import tempfile
 
     folder = tempfile.mkdtemp(prefix="agentmesh-bench-store-")
+    async with redis_server(folder) as redis_url:
+        out = await _measure_stores(s, store_urls(folder, redis_url))
+        if redis_url:
+            out.update(await _measure_replicas(s, redis_url))
+    return out
+
+
+async def _measure_replicas(s: Settings, redis_url: str) -> dict[str, Any]:
+    """Two clients with 16 sends in flight each: both through one replica, then one client
+    per replica (two broker processes on one Redis)."""
+    from mesh.redis_store import RedisQueueStore
+
+    out: dict[str, Any] = {}
+    brokers = [await spawn_broker(redis_url), await spawn_broker(redis_url)]
+    try:
+        for name, targets in (
+            ("replicas1", [brokers[0].address, brokers[0].address]),
+            ("replicas2", [brokers[0].address, brokers[1].address]),
+        ):
+            clients = [connect(t, agent_id=f"driver{i}") for i, t in enumerate(targets)]
+            try:
+                await clients[0].register("sink")
+                rates = await asyncio.gather(
+                    *(
+                        rate(
+                            lambda c=c: _send_one(c),
+                            16,
+                            s.throughput_seconds,
+                        )
+                        for c in clients
+                    )
+                )
+                out[f"store.redis.{name}.oneway_32"] = {"throughput": sum(rates)}
+                await drain(clients[0], "sink")
+            finally:
+                for c in clients:
+                    await c.close()
+    finally:
+        await stop_all(brokers)
+        store = RedisQueueStore(redis_url)
+        await store.flush()
+        await store.close()
+    return out
+
+
+async def _send_one(client: Any) -> int:
+    await client.send("sink", {"action": "sink", "parameters": {"i": 1}})
+    return 1
+
+
+async def _measure_stores(s: Settings, urls: dict[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     n, w = max(200, s.operations // 2), s.warmup
-    for name, url in store_urls(folder).items():
-        broker = await spawn(
-            "-m",
-            "mesh.cli",
-            "broker",
-            "--port",
-            "0",
-            "--store",
-            url,
-            "--max-messages-per-agent",
-            "100000",
-            "--max-total-messages",
-            "100000",
-            ready=r"listening on (\S+?)[,\s]",
-        )
+    for name, url in urls.items():
+        broker = await spawn_broker(url)
         try:
             async with connect(broker.address, agent_id="driver") as client:
                 await client.register("sink")

@@ -48,10 +48,10 @@ QUEUES = "mesh:queues"
 AGENTS = "mesh:agents"
 
 _COMMON = """
-local ready, leased, msgs, meta, expiry, dead, seqkey =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local ready, leased, msgs, meta, expiry, dead, seqkey, total, queues =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 local function drop(id)
-  redis.call('HDEL', msgs, id)
+  if redis.call('HDEL', msgs, id) == 1 then redis.call('DECR', total) end
   redis.call('HDEL', meta, id)
   redis.call('ZREM', expiry, id)
 end
@@ -100,14 +100,19 @@ end
 _PUT = (
     _COMMON
     + """
-local id, body, score, expires, now, limit = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]),
-  tonumber(ARGV[5]), tonumber(ARGV[6])
+local id, body, score, expires, now, limit, total_limit = ARGV[1], ARGV[2], ARGV[3],
+  tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[9])
 if redis.call('HEXISTS', msgs, id) == 1 then return {0, {}} end
 local out = {}
 if redis.call('HLEN', msgs) >= limit then
   expire_due(now, out)
   if redis.call('HLEN', msgs) >= limit then return {-1, out, redis.call('HLEN', msgs)} end
 end
+if tonumber(redis.call('GET', total) or '0') >= total_limit then
+  return {-2, out, tonumber(redis.call('GET', total) or '0')}
+end
+redis.call('INCR', total)
+redis.call('SADD', queues, ARGV[8])
 local member = string.format('%020d', redis.call('INCR', seqkey)) .. ':' .. id
 redis.call('ZADD', ready, score, member)
 redis.call('HSET', msgs, id, body)
@@ -253,17 +258,20 @@ return {
 """
 )
 
-_RESERVE = """
-if tonumber(redis.call('GET', KEYS[1]) or '0') >= tonumber(ARGV[1]) then return 0 end
-redis.call('INCR', KEYS[1])
-return 1
-"""
-
 
 def _keys(agent_id: str) -> list[str]:
+    """One agent's keys (one hash slot: the agent id is the hash tag), then the broker-wide
+    counter and the set of queues. The scripts touch both, which a single Redis (or a
+    primary with replicas, or Sentinel) allows; on Redis Cluster the two broker-wide keys
+    would have to become per-shard."""
     tag = "{" + agent_id + "}"
     return [
-        f"mesh:{tag}:{part}" for part in ("ready", "leased", "msg", "meta", "expiry", "dead", "seq")
+        *(
+            f"mesh:{tag}:{part}"
+            for part in ("ready", "leased", "msg", "meta", "expiry", "dead", "seq")
+        ),
+        TOTAL,
+        QUEUES,
     ]
 
 
@@ -348,7 +356,6 @@ class RedisQueueStore:
                 ("release", _RELEASE),
                 ("sweep", _SWEEP),
                 ("stats", _STATS),
-                ("reserve", _RESERVE),
             )
         }
         self._watcher: asyncio.Task[None] | None = None
@@ -402,51 +409,42 @@ class RedisQueueStore:
                 self.listener.on_redelivery(_message(body), int(event[5]) + 1)
         return gone
 
-    async def _forget(self, count: int) -> None:
-        if count:
-            await self._call("decrby", TOTAL, count)
-
     # -- producing -------------------------------------------------------------------------
 
     async def put(self, message: Message, ttl_seconds: float) -> bool:
         agent_id = message.to_agent
         low = message.priority is Priority.LOW
         per_agent, total = self._low_limits if low else self._limits
-        if not await self._run("reserve", [TOTAL], [total]):
-            await self.sweep()  # expired messages must not hold capacity
-            if not await self._run("reserve", [TOTAL], [total]):
-                raise MessageQueueFullError(
-                    f"{agent_id} queue full: the brokers hold their limit of "
-                    f"{self.max_total_messages} messages" + (" for LOW priority" if low else ""),
-                    retry_after=self.retry_after_seconds,
-                )
         now = self._now_ms()
-        result = await self._run(
-            "put",
-            _keys(agent_id),
-            [
-                message.message_id,
-                json.dumps(message.to_dict(), separators=(",", ":")),
-                _score(message),
-                now + int(ttl_seconds * 1000),
-                now,
-                per_agent,
-                WAKE,
-                agent_id,
-            ],
-        )
+        args = [
+            message.message_id,
+            json.dumps(message.to_dict(), separators=(",", ":")),
+            _score(message),
+            now + int(ttl_seconds * 1000),
+            now,
+            per_agent,
+            WAKE,
+            agent_id,
+            total,
+        ]
+        result = await self._run("put", _keys(agent_id), args)
+        self._report(agent_id, result[1])
+        if int(result[0]) == -2:
+            await self.sweep()  # expired messages elsewhere must not hold capacity
+            result = await self._run("put", _keys(agent_id), args)
+            self._report(agent_id, result[1])
         status = int(result[0])
-        gone = self._report(agent_id, result[1])
-        if status != 1:
-            await self._forget(gone + 1)
-        else:
-            await self._forget(gone)
-            await self._call("sadd", QUEUES, agent_id)
-        if status == -1:
-            held = int(result[2])
+        for_low = " for LOW priority" if low else ""
+        if status == -2:
             raise MessageQueueFullError(
-                f"{agent_id} queue full ({held} of {self.max_messages_per_agent} messages)"
-                + (" for LOW priority" if low else ""),
+                f"{agent_id} queue full: the brokers hold {int(result[2])} of their "
+                f"{self.max_total_messages} messages{for_low}",
+                retry_after=self.retry_after_seconds,
+            )
+        if status == -1:
+            raise MessageQueueFullError(
+                f"{agent_id} queue full ({int(result[2])} of {self.max_messages_per_agent} "
+                f"messages){for_low}",
                 retry_after=self.retry_after_seconds,
             )
         return status == 1
@@ -456,8 +454,7 @@ class RedisQueueStore:
     async def pop(self, agent_id: str, max_messages: int = 0) -> list[Popped]:
         now = self._now_ms()
         popped, events = await self._run("pop", _keys(agent_id), [now, max_messages])
-        gone = self._report(agent_id, events) + len(popped)
-        await self._forget(gone)
+        self._report(agent_id, events)
         return [
             Popped(_message(body), max(0.0, (now - float(_text(accepted))) / 1000))
             for body, accepted in popped
@@ -468,7 +465,7 @@ class RedisQueueStore:
         result = await self._run(
             "lease", _keys(agent_id), [now, now + int(lease_seconds * 1000), subscriber]
         )
-        await self._forget(self._report(agent_id, result[1]))
+        self._report(agent_id, result[1])
         if int(result[0]) == 0:
             return None
         accepted = float(_text(result[4]))
@@ -489,7 +486,6 @@ class RedisQueueStore:
         for message_id, subscriber in acked:
             if self.listener and subscriber:
                 self.listener.on_released(Released(_text(message_id), agent_id, _text(subscriber)))
-        await self._forget(len(acked))
         return len(acked)
 
     def _return_args(self) -> list[Any]:
@@ -504,20 +500,20 @@ class RedisQueueStore:
         events = await self._run(
             "nack", _keys(agent_id), [*self._return_args(), *list(message_ids)]
         )
-        await self._forget(self._report(agent_id, events))
+        self._report(agent_id, events)
         kinds = [_text(e[0]) for e in events]
         return kinds.count("requeued"), kinds.count("dead")
 
     async def release_subscriber(self, agent_id: str, subscriber: str) -> int:
         events = await self._run("release", _keys(agent_id), [*self._return_args(), subscriber])
-        await self._forget(self._report(agent_id, events))
+        self._report(agent_id, events)
         return len(events)
 
     async def sweep(self) -> None:
         for raw in await self._call("smembers", QUEUES):
             agent_id = _text(raw)
             events = await self._run("sweep", _keys(agent_id), self._return_args())
-            await self._forget(self._report(agent_id, events))
+            self._report(agent_id, events)
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -531,7 +527,7 @@ class RedisQueueStore:
             high, medium, low, leased, dead, events = await self._run(
                 "stats", _keys(aid), [self._now_ms(), RANK_SPAN]
             )
-            await self._forget(self._report(aid, events))
+            self._report(aid, events)
             out.append(QueueStats(aid, int(high), int(medium), int(low), int(leased), int(dead)))
         return out
 
