@@ -6,7 +6,7 @@ PY := $(BIN)/python
 PROTOS := $(wildcard proto/mesh/v1/*.proto)
 
 .DEFAULT_GOAL := help
-.PHONY: deploy-check help redis-server setup proto proto-check proto-baseline breaking lint test test-fast demo up bench clean
+.PHONY: dashboard deploy-check help system-packages setup proto proto-check proto-baseline breaking lint test test-fast demo up bench clean
 
 help:
 	@echo "make setup        virtualenv in $(VENV) with agentmesh and its dev tools"
@@ -16,6 +16,7 @@ help:
 	@echo "make lint         ruff, mypy, buf lint and buf format"
 	@echo "make bench        latency benchmarks (benchmarks/results/)"
 	@echo "make deploy-check render and validate the Kubernetes overlays in deploy/"
+	@echo "make dashboard    rebuild the dashboard bundle (gateway/dashboard/static/app.js)"
 
 $(BIN)/agentmesh: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,15 +30,32 @@ $(NODE_DEPS): clients/node/package-lock.json
 	@if command -v npm >/dev/null; then npm ci --prefix clients/node --no-audit --no-fund --silent; \
 	else echo "npm not found: the Node.js client tests will be skipped"; fi
 
-# redis-server backs the Redis store's tests (replicas); installed from Debian when missing.
-redis-server:
-	@command -v redis-server >/dev/null || { \
-		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-			echo "installing redis-server (Debian package)"; \
-			apt-get update -qq >/dev/null && apt-get install -y -qq redis-server >/dev/null; \
-		else echo "redis-server not found: the Redis store tests will be skipped"; fi; }
+DASHBOARD_DEPS := gateway/dashboard/web/node_modules/.package-lock.json
 
-setup: $(BIN)/agentmesh $(NODE_DEPS) redis-server
+$(DASHBOARD_DEPS): gateway/dashboard/web/package-lock.json
+	@if command -v npm >/dev/null; then \
+		npm ci --prefix gateway/dashboard/web --no-audit --no-fund --silent; \
+	else echo "npm not found: the dashboard bundle check will be skipped"; fi
+
+# Debian packages the tests use: redis-server (the Redis store, replicas), chromium and
+# chromium-driver (the dashboard in a headless browser). Installed when missing and root.
+system-packages:
+	@missing=""; \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	command -v chromedriver >/dev/null || missing="$$missing chromium-driver"; \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			echo "installing Debian packages:$$missing"; \
+			apt-get update -qq >/dev/null && apt-get install -y -qq $$missing >/dev/null; \
+		else echo "not installed:$$missing (the tests that need them will be skipped)"; fi; \
+	fi
+
+# Rebuilds the dashboard's bundle (gateway/dashboard/static/app.js) from its sources.
+dashboard: $(DASHBOARD_DEPS)
+	npm run build --prefix gateway/dashboard/web
+
+setup: $(BIN)/agentmesh $(NODE_DEPS) $(DASHBOARD_DEPS) system-packages
 
 proto: setup
 	PATH="$(abspath $(BIN)):$$PATH" $(PY) -m grpc_tools.protoc -I proto \
@@ -80,12 +98,13 @@ test-fast: setup
 # against its gateway over gRPC, then a clean shutdown.
 demo: setup
 	@tmp=$$(mktemp -d); \
-	$(BIN)/agentmesh up --port 0 --gateway-port 0 --metrics-port 0 --ready-file $$tmp/ready.json \
+	$(BIN)/agentmesh up --port 0 --gateway-port 0 --metrics-port 0 --dashboard-port 0 \
+		--ready-file $$tmp/ready.json \
 		> $$tmp/up.log 2>&1 & pid=$$!; \
 	for i in $$(seq 1 150); do [ -s $$tmp/ready.json ] && break; \
 		kill -0 $$pid 2>/dev/null || break; sleep 0.2; done; \
 	if [ ! -s $$tmp/ready.json ]; then cat $$tmp/up.log; kill $$pid 2>/dev/null; exit 1; fi; \
-	head -n 2 $$tmp/up.log; \
+	head -n 3 $$tmp/up.log; \
 	gateway=$$($(PY) -c "import json,sys; print(json.load(open(sys.argv[1]))['gateway'])" $$tmp/ready.json); \
 	$(BIN)/agentmesh demo --gateway $$gateway; rc=$$?; \
 	kill -TERM $$pid; wait $$pid; tail -n 1 $$tmp/up.log; rm -rf $$tmp; exit $$rc

@@ -26,6 +26,8 @@ async def _up(args: argparse.Namespace) -> int:
         gateway_port=args.gateway_port,
         metrics_port=args.metrics_port,
         data_dir=args.data_dir,
+        dashboard_port=args.dashboard_port,
+        trace_dir=args.trace_dir or "traces",
     )
     info = mesh.describe()
     _print(
@@ -34,6 +36,8 @@ async def _up(args: argparse.Namespace) -> int:
     )
     if info["metrics"]:
         _print(f"metrics: {info['metrics']}")
+    if info["dashboard"]:
+        _print(f"dashboard: {info['dashboard']}")
     for served in mesh.agents:
         _print(f"  agent {served.agent.agent_id:<26} {served.address}")
     if args.ready_file:
@@ -61,13 +65,29 @@ async def _gateway(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         security=security_config(args),
     )
+    dashboard = None
+    if args.dashboard_port >= 0:
+        from gateway.dashboard import serve_dashboard
+
+        dashboard = await serve_dashboard(
+            gateway,
+            host=args.host,
+            port=args.dashboard_port,
+            trace_dir=args.trace_dir,
+            allow_runs=not args.dashboard_read_only,
+            security=security_config(args),
+        )
     metrics = gateway.server.metrics_port
     where = f", metrics on http://{args.host}:{metrics}/metrics" if metrics else ""
     _print(
         f"agentmesh gateway listening on {gateway.address}{where}, broker {args.broker} "
         f"({gateway.server.security})"
     )
+    if dashboard is not None:
+        _print(f"dashboard: {dashboard.url}")
     await _until_signalled()
+    if dashboard is not None:
+        await dashboard.stop()
     await gateway.stop()
     return 0
 
@@ -129,6 +149,12 @@ def add_commands(sub: Any, broker_default: str) -> None:
     p.add_argument("--port", type=int, default=int(_env("PORT", "50051")), help="broker port")
     p.add_argument("--gateway-port", type=int, default=int(_env("GATEWAY_PORT", "50052")))
     p.add_argument(
+        "--dashboard-port",
+        type=int,
+        default=int(_env("DASHBOARD_PORT", "8080")),
+        help="HTTP port of the live dashboard (-1 off, 0 any free port)",
+    )
+    p.add_argument(
         "--metrics-port",
         type=int,
         default=int(_env("METRICS_PORT", "9464")),
@@ -161,6 +187,17 @@ def add_commands(sub: Any, broker_default: str) -> None:
         "--routes",
         default=_env("ROUTES", "") or None,
         help="routing table JSON (default: gateway/data/routes.json)",
+    )
+    p.add_argument(
+        "--dashboard-port",
+        type=int,
+        default=int(_env("DASHBOARD_PORT", "-1")),
+        help="HTTP port of the live dashboard (-1 off, 0 any free port)",
+    )
+    p.add_argument(
+        "--dashboard-read-only",
+        action="store_true",
+        help="the dashboard shows the mesh but cannot start patterns",
     )
     add_security_flags(p, server=True)
     p.set_defaults(run=_gateway)

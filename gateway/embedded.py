@@ -8,6 +8,7 @@ from pathlib import Path
 from agents import sample_agents
 from agents.research import RESEARCH_POLICY, research_agents, research_tools
 from agents.research.corpus import DocumentFolder
+from gateway.dashboard import DashboardServer, serve_dashboard
 from gateway.server import GatewayServer, serve_gateway
 from mesh.agent import AgentServer, serve
 from mesh.config import BrokerConfig, ServerConfig
@@ -21,6 +22,7 @@ class EmbeddedMesh:
     broker: MeshServer
     gateway: GatewayServer
     agents: list[AgentServer] = field(default_factory=list)
+    dashboard: DashboardServer | None = None
 
     def describe(self) -> dict[str, object]:
         return {
@@ -31,11 +33,14 @@ class EmbeddedMesh:
                 if self.broker.metrics_port
                 else None
             ),
+            "dashboard": self.dashboard.url if self.dashboard else None,
             "agents": {a.agent.agent_id: a.address for a in self.agents},
         }
 
     async def stop(self, grace: float = 2.0) -> None:
         """Agents first (they finish their work and deregister), then gateway, then broker."""
+        if self.dashboard is not None:
+            await self.dashboard.stop()
         for served in self.agents:
             await served.stop(grace)
         await self.gateway.stop(grace)
@@ -52,6 +57,8 @@ async def start_embedded(
     broker_config: BrokerConfig | None = None,
     docs_dir: str | Path | None = None,
     reports_dir: str | Path = "research-reports",
+    dashboard_port: int = -1,
+    trace_dir: str | Path | None = None,
 ) -> EmbeddedMesh:
     """Starts everything; each agent on its own gRPC server. Pattern metrics are exported
     beside the broker's on the broker's /metrics."""
@@ -69,6 +76,10 @@ async def start_embedded(
     try:
         for agent in [*sample_agents(data_dir), *research_agents()]:
             mesh.agents.append(await serve(agent, broker_server.address, host=host))
+        if dashboard_port >= 0:
+            mesh.dashboard = await serve_dashboard(
+                gateway, host=host, port=dashboard_port, trace_dir=trace_dir
+            )
     except BaseException:
         await mesh.stop(0)
         raise

@@ -47,6 +47,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.dispatcher = dispatcher
         self.router = router
         self.metrics = metrics
+        self.observers: list[Callable[[PatternEvent], None]] = []
+        """Told of every event of every run (the dashboard follows runs this way)."""
 
     # -- plumbing ----------------------------------------------------------------------------
 
@@ -58,6 +60,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 self.metrics.aggregation(float(data.get("aggregation_ms", 0.0)) / 1000, conflict)
             elif event.kind is EventKind.ROUTED:
                 self.metrics.routing_latency.observe(float(data["routing_latency_ms"]) / 1000)
+            for observer in self.observers:
+                observer(event)
             await emit(event)
 
         return observe
@@ -316,10 +320,17 @@ def run_id_of(spec: Spec) -> str:
 class GatewayServer:
     """A running gateway: its gRPC server and its broker client."""
 
-    def __init__(self, server: MeshServer, client: MeshClient, metrics: PatternMetrics) -> None:
+    def __init__(
+        self,
+        server: MeshServer,
+        client: MeshClient,
+        metrics: PatternMetrics,
+        servicer: GatewayServicer | None = None,
+    ) -> None:
         self.server = server
         self.client = client
         self.metrics = metrics
+        self.servicer = servicer
 
     @property
     def address(self) -> str:
@@ -356,4 +367,4 @@ async def serve_gateway(
         metrics_port=metrics_port,
         security=security,
     )
-    return GatewayServer(server, client, metrics)
+    return GatewayServer(server, client, metrics, servicer)

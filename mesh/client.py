@@ -136,7 +136,7 @@ class QueueStatsView:
 @dataclass(frozen=True, slots=True)
 class QueueStatsReport:
     agents: tuple[QueueStatsView, ...]
-    totals: dict[str, int]
+    totals: dict[str, float]
 
     def for_agent(self, agent_id: str) -> QueueStatsView | None:
         return next((a for a in self.agents if a.agent_id == agent_id), None)

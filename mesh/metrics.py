@@ -6,6 +6,7 @@ tests) and /metrics shows exactly one broker's figures.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,12 +33,36 @@ class Totals:
     request_timeouts: int = 0
 
 
+class RecentLatencies:
+    """The most recent latencies (a bounded window), for percentiles over time."""
+
+    def __init__(self, size: int = 2048) -> None:
+        self._window: deque[float] = deque(maxlen=size)
+
+    def add(self, seconds: float) -> None:
+        self._window.append(seconds)
+
+    def percentiles_ms(self) -> tuple[float, float, float]:
+        """(p50, p95, p99) in milliseconds; zeros before the first sample."""
+        if not self._window:
+            return (0.0, 0.0, 0.0)
+        ordered = sorted(self._window)
+        n = len(ordered)
+
+        def pct(p: float) -> float:
+            return ordered[min(n - 1, max(0, round(p / 100 * n + 0.5) - 1))] * 1000
+
+        return (pct(50), pct(95), pct(99))
+
+
 class BrokerMetrics:
     """The broker's counters, gauges and latency histograms (RT-011 required metrics)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self.totals = Totals()
+        self.recent_send = RecentLatencies()
+        self.recent_roundtrip = RecentLatencies()
         self._sent_by_type: dict[str, Any] = {}
         self._received_by_path: dict[str, Any] = {}
         r = self.registry
@@ -116,6 +141,7 @@ class BrokerMetrics:
             child = self._sent_by_type[message_type] = self.messages_sent.labels(message_type)
         child.inc()
         self.send_latency.observe(seconds)
+        self.recent_send.add(seconds)
 
     def delivered(self, path: str, count: int = 1) -> None:
         self.totals.delivered += count
@@ -160,3 +186,4 @@ class BrokerMetrics:
         self.requests.labels(outcome).inc()
         if seconds is not None:
             self.roundtrip_latency.observe(seconds)
+            self.recent_roundtrip.add(seconds)

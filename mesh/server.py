@@ -265,6 +265,15 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         t.redelivered_count = totals.redelivered
         t.handoff_count = totals.handoffs
         t.broadcast_count = totals.broadcasts
+        metrics = self.broker.metrics
+        t.send_latency_p50_ms, t.send_latency_p95_ms, t.send_latency_p99_ms = (
+            metrics.recent_send.percentiles_ms()
+        )
+        (
+            t.roundtrip_latency_p50_ms,
+            t.roundtrip_latency_p95_ms,
+            t.roundtrip_latency_p99_ms,
+        ) = metrics.recent_roundtrip.percentiles_ms()
         return response
 
     @translating

@@ -1004,6 +1004,12 @@ class BrokerTotals(_message.Message):
     REDELIVERED_COUNT_FIELD_NUMBER: _builtins.int
     HANDOFF_COUNT_FIELD_NUMBER: _builtins.int
     BROADCAST_COUNT_FIELD_NUMBER: _builtins.int
+    SEND_LATENCY_P50_MS_FIELD_NUMBER: _builtins.int
+    SEND_LATENCY_P95_MS_FIELD_NUMBER: _builtins.int
+    SEND_LATENCY_P99_MS_FIELD_NUMBER: _builtins.int
+    ROUNDTRIP_LATENCY_P50_MS_FIELD_NUMBER: _builtins.int
+    ROUNDTRIP_LATENCY_P95_MS_FIELD_NUMBER: _builtins.int
+    ROUNDTRIP_LATENCY_P99_MS_FIELD_NUMBER: _builtins.int
     held: _builtins.int
     """Messages held (waiting and in flight)."""
     max_messages_per_agent: _builtins.int
@@ -1028,6 +1034,18 @@ class BrokerTotals(_message.Message):
     """HANDOFF messages accepted."""
     broadcast_count: _builtins.int
     """Broadcasts accepted."""
+    send_latency_p50_ms: _builtins.float
+    """Send latency over the most recent sends (up to 2048), median, in milliseconds."""
+    send_latency_p95_ms: _builtins.float
+    """Send latency over the most recent sends, 95th percentile, in milliseconds."""
+    send_latency_p99_ms: _builtins.float
+    """Send latency over the most recent sends, 99th percentile, in milliseconds."""
+    roundtrip_latency_p50_ms: _builtins.float
+    """Request/response roundtrip over the most recent requests, median, in milliseconds."""
+    roundtrip_latency_p95_ms: _builtins.float
+    """Request/response roundtrip over the most recent requests, 95th percentile, in milliseconds."""
+    roundtrip_latency_p99_ms: _builtins.float
+    """Request/response roundtrip over the most recent requests, 99th percentile, in milliseconds."""
     def __init__(
         self,
         *,
@@ -1043,10 +1061,16 @@ class BrokerTotals(_message.Message):
         redelivered_count: _builtins.int = ...,
         handoff_count: _builtins.int = ...,
         broadcast_count: _builtins.int = ...,
+        send_latency_p50_ms: _builtins.float = ...,
+        send_latency_p95_ms: _builtins.float = ...,
+        send_latency_p99_ms: _builtins.float = ...,
+        roundtrip_latency_p50_ms: _builtins.float = ...,
+        roundtrip_latency_p95_ms: _builtins.float = ...,
+        roundtrip_latency_p99_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["broadcast_count", b"broadcast_count", "dead_lettered_count", b"dead_lettered_count", "delivered_count", b"delivered_count", "dropped_count", b"dropped_count", "expired_count", b"expired_count", "handoff_count", b"handoff_count", "held", b"held", "max_messages_per_agent", b"max_messages_per_agent", "max_total_messages", b"max_total_messages", "redelivered_count", b"redelivered_count", "sent_count", b"sent_count", "validation_errors", b"validation_errors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["broadcast_count", b"broadcast_count", "dead_lettered_count", b"dead_lettered_count", "delivered_count", b"delivered_count", "dropped_count", b"dropped_count", "expired_count", b"expired_count", "handoff_count", b"handoff_count", "held", b"held", "max_messages_per_agent", b"max_messages_per_agent", "max_total_messages", b"max_total_messages", "redelivered_count", b"redelivered_count", "roundtrip_latency_p50_ms", b"roundtrip_latency_p50_ms", "roundtrip_latency_p95_ms", b"roundtrip_latency_p95_ms", "roundtrip_latency_p99_ms", b"roundtrip_latency_p99_ms", "send_latency_p50_ms", b"send_latency_p50_ms", "send_latency_p95_ms", b"send_latency_p95_ms", "send_latency_p99_ms", b"send_latency_p99_ms", "sent_count", b"sent_count", "validation_errors", b"validation_errors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

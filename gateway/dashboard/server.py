@@ -1,0 +1,467 @@
+"""The live dashboard: an HTTP server beside the gateway (aiohttp), pushing to the page by
+server-sent events.
+
+It reads the mesh through the same gRPC the rest of the world uses (agents and queue depths
+from the broker, each agent's health from the agent itself), follows every pattern run through
+the gateway servicer's observers, reads traces from the span files, and starts patterns by
+calling the gateway like any client would. Read-only unless runs are allowed; with security
+on, starting a run needs a credential the gateway accepts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from aiohttp import web
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.client import GatewayClient
+from gateway.events import PatternEvent
+from gateway.server import GatewayServer
+from mesh.client import MeshClient
+from mesh.config import SecurityConfig
+from mesh.core.auth import Authenticator
+from mesh.core.errors import MeshError
+from mesh.security import authenticator_for
+
+logger = logging.getLogger("gateway.dashboard")
+
+STATIC = Path(__file__).parent / "static"
+SAMPLE_SECONDS = 1.0
+HISTORY = 300
+"""Samples kept for the charts: five minutes at one per second."""
+MAX_RUNS = 50
+MAX_EVENTS_PER_RUN = 500
+MAX_CLIENTS = 64
+CLIENT_QUEUE = 256
+RPCS = {
+    "group_chat": "RunGroupChat",
+    "handoff_workflow": "RunHandoffWorkflow",
+    "collaborative_filtering": "RunCollaborativeFiltering",
+    "consensus": "RunConsensus",
+    "research": "RunResearch",
+    "route": "Route",
+    "parallel": "RunParallel",
+}
+_END = {"RESULT", "FAILURE", "DECISION", "REPORT"}
+
+
+def event_json(event: PatternEvent) -> dict[str, Any]:
+    return {
+        "run_id": event.run_id,
+        "pattern": event.pattern.value,
+        "kind": event.kind.value,
+        "summary": event.summary,
+        "agent_id": event.agent_id,
+        "step": event.step,
+        "round": event.round,
+        "elapsed_ms": round(event.elapsed_ms, 3),
+        "timestamp": event.timestamp.isoformat(),
+        "data": event.data,
+    }
+
+
+@dataclass
+class RunRecord:
+    run_id: str
+    pattern: str
+    started: str
+    events: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=MAX_EVENTS_PER_RUN))
+    status: str = "RUNNING"
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "pattern": self.pattern,
+            "started": self.started,
+            "status": self.status,
+            "events": len(self.events),
+        }
+
+
+class Dashboard:
+    """State the page shows, kept current, and the clients to push it to."""
+
+    def __init__(
+        self,
+        client: MeshClient,
+        gateway: GatewayServer,
+        *,
+        trace_dir: str | Path | None = None,
+        allow_runs: bool = True,
+        security: SecurityConfig | None = None,
+    ) -> None:
+        self.client = client
+        self.gateway = gateway
+        self.trace_dir = Path(trace_dir) if trace_dir else None
+        self.security = security or SecurityConfig()
+        self.authenticator: Authenticator | None = authenticator_for(self.security)
+        self.allow_runs = allow_runs
+        self.runs: dict[str, RunRecord] = {}
+        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
+        self.snapshot: dict[str, Any] = {"agents": [], "totals": {}}
+        self._clients: set[asyncio.Queue[str]] = set()
+        self._last: tuple[float, dict[str, Any]] | None = None
+        self._sampler: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._health: dict[str, grpc.aio.Channel] = {}
+        if gateway.servicer is not None:
+            gateway.servicer.observers.append(self.on_event)
+
+    # -- following the mesh ----------------------------------------------------------------
+
+    def on_event(self, event: PatternEvent) -> None:
+        record = self.runs.get(event.run_id)
+        if record is None:
+            if len(self.runs) >= MAX_RUNS:
+                oldest = next(iter(self.runs))
+                del self.runs[oldest]
+            record = self.runs[event.run_id] = RunRecord(
+                event.run_id, event.pattern.value, event.timestamp.isoformat()
+            )
+        data = event_json(event)
+        record.events.append(data)
+        if event.kind.value in _END:
+            status = str(event.data.get("status") or "COMPLETED")
+            record.status = "FAILED" if event.kind.value == "FAILURE" else status
+        self.publish("event", {"run": record.summary(), "event": data})
+
+    def publish(self, kind: str, payload: Any) -> None:
+        frame = f"event: {kind}\ndata: {json.dumps(payload, default=str)}\n\n"
+        for queue in list(self._clients):
+            try:
+                queue.put_nowait(frame)
+            except asyncio.QueueFull:  # a client that does not read loses live updates
+                self._clients.discard(queue)
+
+    async def start(self) -> None:
+        self._sampler = asyncio.create_task(self._sample_forever(), name="dashboard-sampler")
+
+    async def stop(self) -> None:
+        for task in [self._sampler, *self._tasks]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        for channel in self._health.values():
+            await channel.close()
+
+    async def _sample_forever(self) -> None:
+        while True:
+            try:
+                await self.sample()
+            except MeshError as error:
+                logger.warning("dashboard sample failed: %s", error.message)
+            except Exception:
+                logger.exception("dashboard sample failed")
+            await asyncio.sleep(SAMPLE_SECONDS)
+
+    async def _health_of(self, address: str) -> str:
+        if not address:
+            return "UNKNOWN"
+        channel = self._health.get(address)
+        if channel is None:
+            channel = self._health[address] = grpc.aio.insecure_channel(address)
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=0.5
+            )
+        except grpc.RpcError:
+            return "UNREACHABLE"
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+    async def sample(self) -> dict[str, Any]:
+        agents = await self.client.list_agents()
+        stats = await self.client.queue_stats()
+        health = await asyncio.gather(*(self._health_of(a.address) for a in agents))
+        queues = {q.agent_id: q for q in stats.agents}
+        rows = []
+        for info, status in zip(agents, health, strict=True):
+            q = queues.get(info.agent_id)
+            rows.append(
+                {
+                    "agent_id": info.agent_id,
+                    "agent_types": list(info.agent_types),
+                    "address": info.address,
+                    "health": status,
+                    "high": q.high if q else 0,
+                    "medium": q.medium if q else 0,
+                    "low": q.low if q else 0,
+                    "in_flight": q.in_flight if q else 0,
+                    "dead_letters": q.dead_letters if q else 0,
+                }
+            )
+        now = time.time()
+        totals = dict(stats.totals)
+        point: dict[str, Any] = {
+            "t": now,
+            "send_p50_ms": totals.get("send_latency_p50_ms", 0.0),
+            "send_p95_ms": totals.get("send_latency_p95_ms", 0.0),
+            "send_p99_ms": totals.get("send_latency_p99_ms", 0.0),
+            "roundtrip_p50_ms": totals.get("roundtrip_latency_p50_ms", 0.0),
+            "roundtrip_p95_ms": totals.get("roundtrip_latency_p95_ms", 0.0),
+            "roundtrip_p99_ms": totals.get("roundtrip_latency_p99_ms", 0.0),
+            "sent_per_s": 0.0,
+            "delivered_per_s": 0.0,
+        }
+        if self._last is not None:
+            then, before = self._last
+            elapsed = max(now - then, 1e-6)
+            point["sent_per_s"] = (totals["sent_count"] - before["sent_count"]) / elapsed
+            point["delivered_per_s"] = (
+                totals["delivered_count"] - before["delivered_count"]
+            ) / elapsed
+        self._last = (now, totals)
+        self.history.append(point)
+        self.snapshot = {"agents": rows, "totals": totals, "point": point}
+        self.publish("snapshot", self.snapshot)
+        return self.snapshot
+
+    # -- what the page asks for ------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        return {
+            **self.snapshot,
+            "history": list(self.history),
+            "runs": [r.summary() for r in reversed(self.runs.values())],
+            "allow_runs": self.allow_runs,
+            "credential_required": self.authenticator is not None,
+            "patterns": sorted(RPCS),
+        }
+
+    def trace(self, wanted: str) -> dict[str, Any]:
+        from mesh.tracing import critical_path, find_trace, load_spans
+
+        with contextlib.suppress(Exception):
+            from opentelemetry import trace as otel_trace
+
+            provider: Any = otel_trace.get_tracer_provider()
+            if hasattr(provider, "force_flush"):
+                provider.force_flush(2000)
+        if self.trace_dir is None or not self.trace_dir.is_dir():
+            return {"spans": [], "critical_path": [], "note": "tracing is off"}
+        spans = find_trace(load_spans(self.trace_dir), wanted)
+        if not spans:
+            return {"spans": [], "critical_path": [], "note": f"no trace for {wanted}"}
+        first = min(s["start_ns"] for s in spans)
+        return {
+            "spans": [
+                {
+                    "span_id": s["span_id"],
+                    "parent_span_id": s["parent_span_id"],
+                    "name": s["name"],
+                    "service": s["service"],
+                    "offset_ms": round((s["start_ns"] - first) / 1e6, 3),
+                    "duration_ms": s["duration_ms"],
+                    "status": s["status"],
+                }
+                for s in spans
+            ],
+            "critical_path": critical_path(spans),
+            "total_ms": round((max(s["end_ns"] for s in spans) - first) / 1e6, 3),
+        }
+
+    def _authorize_run(self, request: web.Request) -> SecurityConfig:
+        """The credential to start a run with: none when security is off, else the caller's
+        bearer token, which the gateway itself checks (and this server checks first)."""
+        if not self.allow_runs:
+            raise web.HTTPForbidden(
+                text="this dashboard is read-only (it was started with --dashboard-read-only)"
+            )
+        if self.authenticator is None:
+            return SecurityConfig(
+                tls_ca=self.security.tls_ca,
+                tls_client_cert=self.security.tls_client_cert,
+                tls_client_key=self.security.tls_client_key,
+                tls_server_name=self.security.tls_server_name,
+            )
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise web.HTTPUnauthorized(text="starting a pattern needs the gateway credential")
+        try:
+            self.authenticator.authenticate(token.strip())
+        except MeshError as error:
+            raise web.HTTPUnauthorized(text=error.message) from None
+        return SecurityConfig(
+            tls_ca=self.security.tls_ca,
+            tls_client_cert=self.security.tls_client_cert,
+            tls_client_key=self.security.tls_client_key,
+            tls_server_name=self.security.tls_server_name,
+            token=token.strip(),
+        )
+
+    async def start_run(self, name: str, body: dict[str, Any], security: SecurityConfig) -> str:
+        """Starts a pattern through the gateway; returns its run id once its first event
+        arrives (validation errors come back before that, as MeshError)."""
+        rpc = RPCS.get(name)
+        if rpc is None:
+            raise web.HTTPNotFound(text=f"no pattern {name!r}; one of {', '.join(sorted(RPCS))}")
+        first: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+        async def run() -> None:
+            try:
+                async with GatewayClient(self.gateway.address, security=security) as gateway:
+                    events = gateway.run(rpc, body)
+                    async for event in events:
+                        if not first.done():
+                            first.set_result(str(event.get("run_id", "")))
+            except MeshError as error:
+                if not first.done():
+                    first.set_exception(error)
+                else:
+                    logger.warning("dashboard run %s failed: %s", name, error.message)
+
+        task = asyncio.create_task(run(), name=f"dashboard-run-{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return await asyncio.wait_for(first, 30)
+
+    async def stream(self) -> AsyncIterator[str]:
+        if len(self._clients) >= MAX_CLIENTS:
+            raise web.HTTPServiceUnavailable(text="too many dashboard clients")
+        queue: asyncio.Queue[str] = asyncio.Queue(CLIENT_QUEUE)
+        self._clients.add(queue)
+        try:
+            yield f"event: state\ndata: {json.dumps(self.state(), default=str)}\n\n"
+            while True:
+                try:
+                    frame = await asyncio.wait_for(queue.get(), 15)
+                except TimeoutError:
+                    frame = ": keep-alive\n\n"
+                yield frame
+        finally:
+            self._clients.discard(queue)
+
+
+# -- HTTP ------------------------------------------------------------------------------------
+
+
+def make_app(dashboard: Dashboard) -> web.Application:
+    app = web.Application(client_max_size=256 * 1024)
+    routes = web.RouteTableDef()
+
+    @routes.get("/")
+    async def index(request: web.Request) -> web.StreamResponse:
+        return web.FileResponse(STATIC / "index.html")
+
+    @routes.get("/api/state")
+    async def state(request: web.Request) -> web.Response:
+        return web.json_response(dashboard.state(), dumps=lambda v: json.dumps(v, default=str))
+
+    @routes.get("/api/runs/{run_id}")
+    async def run(request: web.Request) -> web.Response:
+        record = dashboard.runs.get(request.match_info["run_id"])
+        if record is None:
+            raise web.HTTPNotFound(text="no such run (the dashboard keeps the last 50)")
+        return web.json_response(
+            {**record.summary(), "events": list(record.events)},
+            dumps=lambda v: json.dumps(v, default=str),
+        )
+
+    @routes.get("/api/traces/{wanted}")
+    async def trace(request: web.Request) -> web.Response:
+        found = await asyncio.to_thread(dashboard.trace, request.match_info["wanted"])
+        return web.json_response(found)
+
+    @routes.get("/api/dead-letters")
+    async def dead_letters(request: web.Request) -> web.Response:
+        letters = await dashboard.client.dead_letters()
+        return web.json_response(
+            [
+                {
+                    "message_id": d.message.message_id,
+                    "from_agent": d.message.from_agent,
+                    "to_agent": d.message.to_agent,
+                    "action": d.message.action,
+                    "reason": d.reason,
+                    "attempts": d.attempts,
+                    "dead_lettered_at": d.dead_lettered_at.isoformat(),
+                }
+                for d in letters[-200:]
+            ]
+        )
+
+    @routes.post("/api/patterns/{name}")
+    async def start(request: web.Request) -> web.Response:
+        security = dashboard._authorize_run(request)
+        try:
+            body = await request.json()
+        except ValueError:
+            raise web.HTTPBadRequest(text="the body must be a JSON object") from None
+        if not isinstance(body, dict):
+            raise web.HTTPBadRequest(text="the body must be a JSON object")
+        try:
+            run_id = await dashboard.start_run(request.match_info["name"], body, security)
+        except MeshError as error:
+            status = 401 if error.code == "UNAUTHENTICATED" else 400
+            return web.json_response({"code": error.code, "message": error.message}, status=status)
+        except TimeoutError:
+            return web.json_response({"message": "the pattern did not start"}, status=504)
+        return web.json_response({"run_id": run_id}, status=202)
+
+    @routes.get("/api/events")
+    async def events(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+            }
+        )
+        await response.prepare(request)
+        with contextlib.suppress(ConnectionResetError, asyncio.CancelledError):
+            async for frame in dashboard.stream():
+                await response.write(frame.encode())
+        return response
+
+    routes.static("/static", STATIC)
+    app.add_routes(routes)
+    return app
+
+
+@dataclass
+class DashboardServer:
+    dashboard: Dashboard
+    runner: web.AppRunner
+    url: str
+
+    async def stop(self) -> None:
+        await self.dashboard.stop()
+        await self.runner.cleanup()
+
+
+async def serve_dashboard(
+    gateway: GatewayServer,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    trace_dir: str | Path | None = None,
+    allow_runs: bool = True,
+    security: SecurityConfig | None = None,
+) -> DashboardServer:
+    """Serves the dashboard of ``gateway`` on http://host:port/ (0 picks a free port)."""
+    dashboard = Dashboard(
+        gateway.client,
+        gateway,
+        trace_dir=trace_dir,
+        allow_runs=allow_runs,
+        security=security,
+    )
+    runner = web.AppRunner(make_app(dashboard), access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = int(runner.addresses[0][1])
+    await dashboard.start()
+    return DashboardServer(dashboard, runner, f"http://{host}:{bound}/")

@@ -1,0 +1,368 @@
+// The agentmesh dashboard: Preact + htm, live by server-sent events (/api/events).
+import { h, render } from "preact";
+import { useEffect, useMemo, useState } from "preact/hooks";
+import htm from "htm";
+
+const html = htm.bind(h);
+
+const EXAMPLES = {
+  group_chat: {
+    agent_ids: ["IndustryExpertAgent", "TechnicalAnalysisAgent", "FundamentalAnalysisAgent"],
+    query: "What stock should I buy?",
+    option_label: "stocks",
+  },
+  handoff_workflow: {
+    task: "Process refund for order #12345",
+    steps: [
+      { agent_id: "CustomerAgent" },
+      { agent_id: "SellerAgent" },
+      { agent_id: "PaymentAgent" },
+      { agent_id: "NotificationAgent" },
+    ],
+    context: { order_id: "12345" },
+    failure_agent: "NotificationAgent",
+  },
+  collaborative_filtering: {
+    agent_ids: ["PriceAgent", "QualityAgent", "LocationAgent", "ReviewsAgent"],
+    weights: { price: 0.2, quality: 0.4, location: 0.3, reviews: 0.1 },
+    query: "Hotel in Paris near Eiffel Tower",
+  },
+  consensus: { problem: "Should we migrate to microservices?", wait_for_all_votes: true },
+  research: { query: "What is the latest lithium-ion battery recycling rate?" },
+  route: { request_type: "stock_recommendation", query: "What stock should I buy?" },
+  parallel: {
+    patterns: [
+      { name: "stocks", route: { request_type: "stock_recommendation", query: "Best stock?" } },
+      { name: "hotels", route: { request_type: "hotel_recommendation", query: "Hotel in Paris" } },
+    ],
+  },
+};
+
+async function getJSON(url) {
+  const response = await fetch(url);
+  if (!response.ok) throw new Error(`${response.status} ${await response.text()}`);
+  return response.json();
+}
+
+function fmt(value, digits = 2) {
+  return typeof value === "number" ? value.toFixed(digits) : "–";
+}
+
+// -- charts -------------------------------------------------------------------------------
+
+function Chart({ title, points, series, unit }) {
+  const width = 460;
+  const height = 140;
+  const pad = 28;
+  const values = points.flatMap((p) => series.map((s) => p[s.key] || 0));
+  const top = Math.max(1e-9, ...values) * 1.1;
+  const path = (key) =>
+    points
+      .map((p, i) => {
+        const x = pad + (i / Math.max(1, points.length - 1)) * (width - pad - 6);
+        const y = height - pad / 2 - ((p[key] || 0) / top) * (height - pad);
+        return `${i ? "L" : "M"}${x.toFixed(1)},${y.toFixed(1)}`;
+      })
+      .join(" ");
+  const last = points[points.length - 1] || {};
+  return html`<figure class="chart" data-chart=${title}>
+    <figcaption>
+      ${title}
+      ${series.map(
+        (s) => html`<span class="legend" style=${`color:${s.color}`}
+          >${s.label} ${fmt(last[s.key])} ${unit}</span
+        >`,
+      )}
+    </figcaption>
+    <svg viewBox=${`0 0 ${width} ${height}`} role="img" aria-label=${title}>
+      <text x="2" y="12" class="axis">${fmt(top, 1)}</text>
+      <text x="2" y=${height - 4} class="axis">0</text>
+      ${series.map(
+        (s) => html`<path d=${path(s.key)} fill="none" stroke=${s.color} stroke-width="1.8" />`,
+      )}
+    </svg>
+  </figure>`;
+}
+
+// -- panels -------------------------------------------------------------------------------
+
+function Agents({ agents }) {
+  return html`<section>
+    <h2>Agents <small>${agents.length}</small></h2>
+    <table id="agents">
+      <thead>
+        <tr>
+          <th>agent</th><th>types</th><th>health</th><th>HIGH</th><th>MEDIUM</th><th>LOW</th>
+          <th>in flight</th><th>dead</th><th>address</th>
+        </tr>
+      </thead>
+      <tbody>
+        ${agents.map(
+          (a) => html`<tr data-agent=${a.agent_id}>
+            <td class="id">${a.agent_id}</td>
+            <td>${a.agent_types.join(", ")}</td>
+            <td class=${`health ${a.health}`}>${a.health}</td>
+            <td>${a.high}</td><td>${a.medium}</td><td>${a.low}</td>
+            <td>${a.in_flight}</td><td>${a.dead_letters}</td>
+            <td class="addr">${a.address}</td>
+          </tr>`,
+        )}
+      </tbody>
+    </table>
+  </section>`;
+}
+
+function Waterfall({ trace }) {
+  if (!trace) return null;
+  if (!trace.spans.length) return html`<p class="note">${trace.note || "no spans"}</p>`;
+  const critical = new Set(trace.critical_path);
+  const total = Math.max(trace.total_ms, 1e-6);
+  return html`<div class="waterfall" id="waterfall">
+    <p>${trace.spans.length} spans, ${fmt(trace.total_ms)} ms; critical path highlighted</p>
+    ${trace.spans.map(
+      (s) => html`<div class=${`span ${critical.has(s.span_id) ? "critical" : ""}`}
+        data-span=${s.span_id}>
+        <span class="label" title=${s.service}>${s.name}</span>
+        <span class="track">
+          <span
+            class="bar"
+            style=${`left:${(s.offset_ms / total) * 100}%;width:${Math.max(
+              0.4,
+              (s.duration_ms / total) * 100,
+            )}%`}
+          ></span>
+        </span>
+        <span class="ms">${fmt(s.duration_ms)} ms</span>
+      </div>`,
+    )}
+  </div>`;
+}
+
+function RunDetail({ run, events }) {
+  const [trace, setTrace] = useState(null);
+  useEffect(() => setTrace(null), [run.run_id]);
+  return html`<section id="run-detail" data-run=${run.run_id}>
+    <h2>
+      ${run.pattern} <code>${run.run_id}</code>
+      <span class=${`status ${run.status}`}>${run.status}</span>
+      <button
+        id="show-trace"
+        onClick=${async () => setTrace(await getJSON(`/api/traces/${run.run_id}`))}
+      >
+        Trace waterfall
+      </button>
+    </h2>
+    <ol class="events">
+      ${events.map(
+        (e) => html`<li class=${`event ${e.kind}`} data-kind=${e.kind}>
+          <span class="kind">${e.kind}</span>
+          ${e.agent_id && html`<span class="agent">${e.agent_id}</span>`}
+          <span class="summary">${e.summary}</span>
+          <span class="ms">${fmt(e.elapsed_ms, 1)} ms</span>
+        </li>`,
+      )}
+    </ol>
+    <${Waterfall} trace=${trace} />
+  </section>`;
+}
+
+function StartPattern({ state, onStarted }) {
+  const [pattern, setPattern] = useState("group_chat");
+  const [body, setBody] = useState(JSON.stringify(EXAMPLES.group_chat, null, 2));
+  const [token, setToken] = useState("");
+  const [error, setError] = useState("");
+  if (!state.allow_runs) return html`<section><p class="note">Read-only dashboard.</p></section>`;
+  const choose = (name) => {
+    setPattern(name);
+    setBody(JSON.stringify(EXAMPLES[name] || {}, null, 2));
+  };
+  const start = async (event) => {
+    event.preventDefault();
+    setError("");
+    let parsed;
+    try {
+      parsed = JSON.parse(body);
+    } catch (e) {
+      setError(`not JSON: ${e.message}`);
+      return;
+    }
+    const headers = { "Content-Type": "application/json" };
+    if (token) headers.Authorization = `Bearer ${token}`;
+    const response = await fetch(`/api/patterns/${pattern}`, {
+      method: "POST",
+      headers,
+      body: JSON.stringify(parsed),
+    });
+    const text = await response.text();
+    if (!response.ok) {
+      try {
+        setError(JSON.parse(text).message || text);
+      } catch {
+        setError(text);
+      }
+      return;
+    }
+    onStarted(JSON.parse(text).run_id);
+  };
+  return html`<section>
+    <h2>Start a pattern</h2>
+    <form id="start" onSubmit=${start}>
+      <select id="pattern" value=${pattern} onChange=${(e) => choose(e.target.value)}>
+        ${state.patterns.map((p) => html`<option value=${p}>${p}</option>`)}
+      </select>
+      ${state.credential_required &&
+      html`<input
+        id="token"
+        type="password"
+        placeholder="gateway credential"
+        value=${token}
+        onInput=${(e) => setToken(e.target.value)}
+      />`}
+      <textarea id="body" rows="8" value=${body} onInput=${(e) => setBody(e.target.value)} />
+      <button id="run" type="submit">Start</button>
+      ${error && html`<p class="error" id="start-error">${error}</p>`}
+    </form>
+  </section>`;
+}
+
+function DeadLetters() {
+  const [letters, setLetters] = useState(null);
+  const load = async () => setLetters(await getJSON("/api/dead-letters"));
+  useEffect(() => {
+    load();
+  }, []);
+  return html`<section>
+    <h2>Dead letters <button onClick=${load}>Refresh</button></h2>
+    ${letters &&
+    (letters.length
+      ? html`<table id="dead-letters">
+          <thead><tr><th>message</th><th>from</th><th>to</th><th>reason</th><th>at</th></tr></thead>
+          <tbody>
+            ${letters.map(
+              (d) => html`<tr>
+                <td><code>${d.message_id}</code></td><td>${d.from_agent}</td>
+                <td>${d.to_agent}</td><td>${d.reason}</td><td>${d.dead_lettered_at}</td>
+              </tr>`,
+            )}
+          </tbody>
+        </table>`
+      : html`<p class="note" id="dead-letters">none</p>`)}
+  </section>`;
+}
+
+// -- the page -----------------------------------------------------------------------------
+
+function App() {
+  const [state, setState] = useState(null);
+  const [history, setHistory] = useState([]);
+  const [runs, setRuns] = useState([]);
+  const [selected, setSelected] = useState(null);
+  const [events, setEvents] = useState({});
+  const [live, setLive] = useState(false);
+
+  useEffect(() => {
+    const source = new EventSource("/api/events");
+    source.addEventListener("open", () => setLive(true));
+    source.addEventListener("error", () => setLive(false));
+    source.addEventListener("state", (e) => {
+      const data = JSON.parse(e.data);
+      setState(data);
+      setHistory(data.history);
+      setRuns(data.runs);
+    });
+    source.addEventListener("snapshot", (e) => {
+      const data = JSON.parse(e.data);
+      setState((s) => ({ ...s, ...data }));
+      setHistory((h) => [...h.slice(-299), data.point]);
+    });
+    source.addEventListener("event", (e) => {
+      const { run, event } = JSON.parse(e.data);
+      setRuns((list) => [run, ...list.filter((r) => r.run_id !== run.run_id)].slice(0, 50));
+      setEvents((all) => ({ ...all, [run.run_id]: [...(all[run.run_id] || []), event] }));
+    });
+    return () => source.close();
+  }, []);
+
+  const select = async (runId) => {
+    setSelected(runId);
+    try {
+      const detail = await getJSON(`/api/runs/${runId}`);
+      // Both are the run's events in order; live ones may have arrived meanwhile.
+      setEvents((all) => {
+        const live = all[runId] || [];
+        return { ...all, [runId]: detail.events.length >= live.length ? detail.events : live };
+      });
+    } catch {
+      // not recorded yet: live events fill it in
+    }
+  };
+
+  const current = useMemo(() => runs.find((r) => r.run_id === selected), [runs, selected]);
+  if (!state) return html`<p class="note">connecting…</p>`;
+  const t = state.totals || {};
+  return html`<main>
+    <header>
+      <h1>agentmesh</h1>
+      <span id="live" class=${live ? "live" : "offline"}>${live ? "live" : "offline"}</span>
+      <span>held <b>${t.held}</b></span>
+      <span>sent <b>${t.sent_count}</b></span>
+      <span>delivered <b>${t.delivered_count}</b></span>
+      <span>expired <b>${t.expired_count}</b></span>
+      <span>dead <b>${t.dead_lettered_count}</b></span>
+    </header>
+    <div class="charts">
+      <${Chart}
+        title="Messages per second"
+        points=${history}
+        unit="/s"
+        series=${[
+          { key: "sent_per_s", label: "sent", color: "#2563eb" },
+          { key: "delivered_per_s", label: "delivered", color: "#16a34a" },
+        ]}
+      />
+      <${Chart}
+        title="Send latency"
+        points=${history}
+        unit="ms"
+        series=${[
+          { key: "send_p50_ms", label: "p50", color: "#2563eb" },
+          { key: "send_p95_ms", label: "p95", color: "#d97706" },
+          { key: "send_p99_ms", label: "p99", color: "#dc2626" },
+        ]}
+      />
+      <${Chart}
+        title="Request/response latency"
+        points=${history}
+        unit="ms"
+        series=${[
+          { key: "roundtrip_p50_ms", label: "p50", color: "#2563eb" },
+          { key: "roundtrip_p95_ms", label: "p95", color: "#d97706" },
+          { key: "roundtrip_p99_ms", label: "p99", color: "#dc2626" },
+        ]}
+      />
+    </div>
+    <${Agents} agents=${state.agents || []} />
+    <div class="columns">
+      <section>
+        <h2>Pattern runs</h2>
+        <ul id="runs">
+          ${runs.map(
+            (r) => html`<li
+              class=${`run ${r.run_id === selected ? "selected" : ""}`}
+              data-run=${r.run_id}
+              onClick=${() => select(r.run_id)}
+            >
+              <span class="pattern">${r.pattern}</span> <code>${r.run_id}</code>
+              <span class=${`status ${r.status}`}>${r.status}</span>
+            </li>`,
+          )}
+        </ul>
+      </section>
+      <${StartPattern} state=${state} onStarted=${select} />
+    </div>
+    ${current && html`<${RunDetail} run=${current} events=${events[current.run_id] || []} />`}
+    <${DeadLetters} />
+  </main>`;
+}
+
+render(html`<${App} />`, document.getElementById("app"));

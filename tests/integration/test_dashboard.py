@@ -1,0 +1,301 @@
+"""The live dashboard in headless Chromium (Selenium + Debian's chromium and chromedriver)
+against a real mesh started with `agentmesh up`: the agent list matches the registry, a group
+chat started from the page shows its contributions and aggregate, a trace waterfall renders
+with its critical path; a screenshot is kept as a test artifact."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from mesh import connect
+from mesh.client import NO_RETRY
+from tests.helpers.processes import Proc, start, stop
+
+pytestmark = pytest.mark.processes
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "tests" / "artifacts"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+
+
+@pytest.fixture(scope="module")
+def mesh_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    folder = tmp_path_factory.mktemp("up")
+    ready = folder / "ready.json"
+
+    async def up() -> Proc:
+        return await start(
+            "--trace-dir",
+            str(folder / "traces"),
+            "up",
+            "--port",
+            "0",
+            "--gateway-port",
+            "0",
+            "--metrics-port",
+            "-1",
+            "--dashboard-port",
+            "0",
+            "--reports-dir",
+            str(folder / "reports"),
+            "--ready-file",
+            str(ready),
+            ready=r"^(ready); Ctrl-C",
+        )
+
+    # The process's output is drained by a task: keep its loop running beside the tests.
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    proc = asyncio.run_coroutine_threadsafe(up(), loop).result(60)
+    try:
+        yield json.loads(ready.read_text())
+    finally:
+        asyncio.run_coroutine_threadsafe(stop(proc), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
+        pytest.skip("needs Debian's chromium and chromium-driver (make setup installs them)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        "--window-size=1300,1800",
+    ):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def wait_for(driver: object, condition: object, timeout: float = 20) -> object:
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, timeout, poll_frequency=0.1).until(condition)
+
+
+def test_the_agent_list_matches_the_registry(mesh_up: dict[str, str], browser: object) -> None:
+    from selenium.webdriver.common.by import By
+
+    async def registry() -> dict[str, tuple[str, ...]]:
+        async with connect(mesh_up["broker"], retry=NO_RETRY) as client:
+            return {a.agent_id: a.agent_types for a in await client.list_agents()}
+
+    expected = asyncio.run(registry())
+    driver = browser
+    driver.get(mesh_up["dashboard"])  # type: ignore[attr-defined]
+    wait_for(driver, lambda d: d.find_element(By.ID, "live").text == "live")
+    rows = wait_for(
+        driver,
+        lambda d: (
+            found
+            if len(found := d.find_elements(By.CSS_SELECTOR, "#agents tbody tr")) == len(expected)
+            else False
+        ),
+    )
+    shown = {
+        row.get_attribute("data-agent"): row.find_elements(By.TAG_NAME, "td")
+        for row in rows  # type: ignore[attr-defined]
+    }
+    assert sorted(shown) == sorted(expected)
+    for agent_id, cells in shown.items():
+        assert cells[1].text == ", ".join(expected[agent_id])
+        assert cells[2].text == "SERVING"  # each agent's own health service
+
+
+def test_a_group_chat_started_from_the_page_unfolds_live_and_has_a_waterfall(
+    mesh_up: dict[str, str], browser: object
+) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    driver = browser
+    driver.get(mesh_up["dashboard"])  # type: ignore[attr-defined]
+    wait_for(driver, lambda d: d.find_element(By.ID, "live").text == "live")
+    Select(driver.find_element(By.ID, "pattern")).select_by_value("group_chat")  # type: ignore[attr-defined]
+    body = driver.find_element(By.ID, "body")  # type: ignore[attr-defined]
+    request = json.loads(body.get_attribute("value"))
+    assert request["agent_ids"] == [
+        "IndustryExpertAgent",
+        "TechnicalAnalysisAgent",
+        "FundamentalAnalysisAgent",
+    ]
+    driver.find_element(By.ID, "run").click()  # type: ignore[attr-defined]
+
+    detail = wait_for(driver, lambda d: d.find_element(By.ID, "run-detail"))
+    run_id = detail.get_attribute("data-run")  # type: ignore[attr-defined]
+    assert run_id.startswith("group_")
+    wait_for(
+        driver,
+        lambda d: d.find_elements(By.CSS_SELECTOR, "#run-detail .event.RESULT"),
+    )
+    kinds = [
+        e.get_attribute("data-kind")
+        for e in driver.find_elements(By.CSS_SELECTOR, "#run-detail .event")  # type: ignore[attr-defined]
+    ]
+    assert kinds.count("CONTRIBUTION") == 3
+    assert "AGGREGATION" in kinds and kinds[-1] == "RESULT"
+    contributors = {
+        e.text
+        for e in driver.find_elements(By.CSS_SELECTOR, "#run-detail .event.CONTRIBUTION .agent")  # type: ignore[attr-defined]
+    }
+    assert contributors == set(request["agent_ids"])
+    status = driver.find_element(By.CSS_SELECTOR, f'#runs li[data-run="{run_id}"] .status')  # type: ignore[attr-defined]
+    assert status.text == "COMPLETED"
+
+    # The same run as the HTTP API reports it.
+    with urllib.request.urlopen(f"{mesh_up['dashboard']}api/runs/{run_id}", timeout=10) as reply:
+        recorded = json.load(reply)
+    assert [e["kind"] for e in recorded["events"]] == kinds
+
+    driver.find_element(By.ID, "show-trace").click()  # type: ignore[attr-defined]
+    spans = wait_for(
+        driver, lambda d: d.find_elements(By.CSS_SELECTOR, "#waterfall .span"), timeout=20
+    )
+    critical = driver.find_elements(By.CSS_SELECTOR, "#waterfall .span.critical")  # type: ignore[attr-defined]
+    names = [s.find_element(By.CLASS_NAME, "label").text for s in spans]  # type: ignore[attr-defined]
+    assert "gateway.group_chat" in names
+    assert any(name.endswith(".analyze") for name in names)  # the agents' own spans
+    assert critical and critical[0].find_element(By.CLASS_NAME, "label").text == (
+        "gateway.group_chat"
+    )
+
+    # The charts are drawn from live samples.
+    assert len(driver.find_elements(By.CSS_SELECTOR, ".chart svg path")) == 8  # type: ignore[attr-defined]
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "dashboard.png"
+    driver.save_screenshot(str(shot))  # type: ignore[attr-defined]
+    assert shot.stat().st_size > 10_000
+
+
+def test_bad_pattern_requests_get_clear_errors(mesh_up: dict[str, str]) -> None:
+    def post(name: str, body: bytes) -> tuple[int, str]:
+        request = urllib.request.Request(
+            f"{mesh_up['dashboard']}api/patterns/{name}",
+            data=body,
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=10) as reply:
+                return reply.status, reply.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read().decode()
+
+    status, text = post("group_chat", json.dumps({"query": "q"}).encode())
+    assert status == 400 and "at least one agent" in text
+    status, text = post("no_such_pattern", b"{}")
+    assert status == 404 and "group_chat" in text
+    status, text = post("group_chat", b"not json")
+    assert status == 400 and "JSON" in text
+
+
+def test_the_shipped_bundle_is_built_from_the_sources(tmp_path: Path) -> None:
+    import subprocess
+
+    web = ROOT / "gateway" / "dashboard" / "web"
+    esbuild = web / "node_modules" / ".bin" / "esbuild"
+    if not esbuild.exists():
+        pytest.skip("the dashboard's npm packages are not installed (needs npm; make setup)")
+    out = tmp_path / "app.js"
+    subprocess.run(
+        [
+            str(esbuild),
+            "src/main.js",
+            "--bundle",
+            "--minify",
+            "--format=esm",
+            "--target=es2020",
+            f"--outfile={out}",
+        ],
+        cwd=web,
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    shipped = ROOT / "gateway" / "dashboard" / "static" / "app.js"
+    assert out.read_bytes() == shipped.read_bytes(), "run `make dashboard` and commit"
+
+
+async def test_starting_patterns_needs_the_gateway_credential_when_security_is_on(
+    tmp_path: Path,
+) -> None:
+    import aiohttp
+
+    from gateway.dashboard import serve_dashboard
+    from gateway.server import serve_gateway
+    from mesh import AgentContext, LocalMesh, Message, SecurityConfig, agent
+
+    credentials = tmp_path / "credentials.json"
+    token = "gateway-token-0123456789"
+    credentials.write_text(
+        json.dumps({"principals": [{"name": "gateway", "token": token, "admin": True}]})
+    )
+    server_security = SecurityConfig(credentials_file=str(credentials))
+
+    @agent("Expert")
+    async def expert(message: Message, ctx: AgentContext) -> dict:
+        return {"recommendation": "AAPL", "confidence": 0.9}
+
+    async with LocalMesh(security=server_security) as mesh:
+        await mesh.add_agent(expert, security=SecurityConfig(token=token))
+        gateway = await serve_gateway(mesh.address, security=server_security.evolve(token=token))
+        board = await serve_dashboard(gateway, security=server_security)
+        read_only = await serve_dashboard(gateway, allow_runs=False)
+        body = {"agent_ids": ["Expert"], "query": "What stock should I buy?"}
+        try:
+            async with aiohttp.ClientSession() as http:
+                url = f"{board.url}api/patterns/group_chat"
+                async with http.post(url, json=body) as reply:
+                    assert reply.status == 401
+                    assert "credential" in await reply.text()
+                wrong = {"Authorization": "Bearer not-the-token-0123456789"}
+                async with http.post(url, json=body, headers=wrong) as reply:
+                    assert reply.status == 401
+                good = {"Authorization": f"Bearer {token}"}
+                async with http.post(url, json=body, headers=good) as reply:
+                    assert reply.status == 202
+                    run_id = (await reply.json())["run_id"]
+                async with http.post(
+                    f"{read_only.url}api/patterns/group_chat", json=body, headers=good
+                ) as reply:
+                    assert reply.status == 403
+                # Live updates: the stream opens with the whole state, the run included.
+                async with http.get(f"{board.url}api/events") as stream:
+                    assert stream.headers["Content-Type"] == "text/event-stream"
+                    assert (await stream.content.readline()).decode() == "event: state\n"
+                    state = json.loads((await stream.content.readline()).decode()[6:])
+                    assert run_id in [r["run_id"] for r in state["runs"]]
+                    assert state["credential_required"] is True
+        finally:
+            await board.stop()
+            await read_only.stop()
+            await gateway.stop(0.5)
