@@ -91,7 +91,9 @@ class BrokerConfig:
                 raise ValueError(f"{name} must be > 0")
         if not 0 < self.low_priority_share <= 1:
             raise ValueError("low_priority_share must be within (0, 1]")
-        if not self.store.startswith(("memory://", "sqlite://", "redis://", "rediss://")):
+        if not self.store.startswith(
+            ("memory://", "sqlite://", "redis://", "rediss://")
+        ) and not self.store.endswith((".db", ".sqlite", ".sqlite3")):
             raise ValueError(
                 "store must be memory://, sqlite:///path/to/queues.db or redis://host:port/db"
             )

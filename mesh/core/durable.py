@@ -362,6 +362,8 @@ def open_store(url: str, **options: Any) -> QueueStore:
         "redis": lambda _: _redis(url, options),
         "rediss": lambda _: _redis(url, options),
     }
+    if "://" not in url and url.endswith((".db", ".sqlite", ".sqlite3")):
+        url = f"sqlite://{url}"  # a bare file path names the durable store
     scheme, sep, rest = url.partition("://")
     if not sep or scheme not in factories:
         raise ValueError(

@@ -375,8 +375,11 @@ async def test_concurrent_senders_share_commits(tmp_path: Path) -> None:
     await reopened.close()
 
 
-def test_store_urls() -> None:
+async def test_store_urls(tmp_path: Path) -> None:
     assert type(open_store("memory://")) is InMemoryQueueStore
+    bare = open_store(str(tmp_path / "queues.db"))
+    assert type(bare) is SqliteQueueStore
+    await bare.close()
     with pytest.raises(ValueError, match="unknown queue store"):
         open_store("postgres://x")
     with pytest.raises(ValueError, match="needs a file path"):
