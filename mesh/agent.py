@@ -354,7 +354,8 @@ class AgentRuntime:
         answer = await self.run_handler(message)
         if answer is not None:
             try:
-                await self.client.send_message(answer)
+                # The requester waits for it, not this agent: one frame, no acceptance awaited.
+                await self.client.send_nowait(answer)
             except MeshError as error:
                 logger.warning(
                     "%s could not answer %s: %s",

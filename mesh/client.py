@@ -183,6 +183,9 @@ class _Session:
                         waiter.set_result(frame)
                 elif frame.HasField("delivery") and self.deliveries is not None:
                     await self.deliveries.put(codec.delivery_from_pb(frame.delivery))
+                elif frame.HasField("error"):
+                    error = codec.error_from_pb(frame.error)
+                    logger.warning("the broker refused a frame: %s: %s", error.code, error.message)
         except grpc.RpcError as error:
             failure = from_rpc_error(error)
             if failure.code == "CANCELLED" and self.closed:
@@ -590,6 +593,17 @@ class MeshClient:
         sent = await self._with_retry(attempt)
         self.stats.sent += 1
         return sent
+
+    async def send_nowait(self, message: Message) -> None:
+        """Sends without waiting for the broker's acceptance (one frame, no answer): for
+        answers, whose sender has nothing to do if they fail. A failure is logged."""
+        if not message.from_agent and self.agent_id:
+            message = message.evolve(from_agent=self.agent_id)
+        session = await self._open_session()
+        frame = broker_pb2.ConnectRequest()
+        codec.message_to_pb(with_trace(message), frame.send)
+        await session.write(frame)
+        self.stats.sent += 1
 
     async def send_parallel(
         self, messages: Sequence[Message], *, return_exceptions: bool = False

@@ -342,6 +342,8 @@ class _Session:
                 outcome = await self.broker.send(
                     codec.message_from_pb(frame.send), size_bytes=frame.send.ByteSize()
                 )
+                if not seq:
+                    return  # fire-and-forget: nobody waits for `accepted`
                 out = broker_pb2.ConnectResponse(seq=seq)
                 accepted = out.accepted
                 accepted.message_id = outcome.message.message_id

@@ -1242,7 +1242,9 @@ class ConnectRequest(_message.Message):
 
     @_builtins.property
     def send(self) -> _message_pb2.Message:
-        """Enqueue a message; answered with `accepted` or `error`."""
+        """Enqueue a message; answered with `accepted` or `error`. With seq 0 the send is
+        fire-and-forget: no `accepted` comes back, only an `error` (with seq 0) if it fails.
+        """
 
     @_builtins.property
     def request(self) -> Global___SessionRequest:
