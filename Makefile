@@ -55,7 +55,7 @@ system-packages:
 dashboard: $(DASHBOARD_DEPS)
 	npm run build --prefix gateway/dashboard/web
 
-setup: $(BIN)/agentmesh $(NODE_DEPS) $(DASHBOARD_DEPS) system-packages
+setup: $(BIN)/agentmesh $(NODE_DEPS) $(DASHBOARD_DEPS)
 
 proto: setup
 	PATH="$(abspath $(BIN)):$$PATH" $(PY) -m grpc_tools.protoc -I proto \
@@ -86,7 +86,7 @@ lint: setup breaking
 	$(BIN)/buf lint
 	$(BIN)/buf format --exit-code > /dev/null
 
-test: setup proto-check breaking
+test: setup system-packages proto-check breaking
 	$(BIN)/buf lint
 	$(BIN)/buf format --exit-code > /dev/null
 	$(BIN)/pytest -q
