@@ -28,9 +28,9 @@ def check(*overlays: Path) -> subprocess.CompletedProcess[str]:
 def test_every_overlay_renders_and_validates() -> None:
     result = check()
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "dev: 28 objects rendered and valid" in result.stdout
-    assert "prod: 29 objects rendered and valid" in result.stdout
-    assert "replicas: 33 objects rendered and valid" in result.stdout
+    assert "dev: 29 objects rendered and valid" in result.stdout
+    assert "prod: 30 objects rendered and valid" in result.stdout
+    assert "replicas: 34 objects rendered and valid" in result.stdout
 
 
 def test_rendered_manifests_have_grpc_probes_and_locked_down_pods() -> None:
@@ -47,7 +47,7 @@ def test_rendered_manifests_have_grpc_probes_and_locked_down_pods() -> None:
     assert rendered.count("readOnlyRootFilesystem: true") == 6
     assert "kind: PodDisruptionBudget" in rendered
     assert rendered.count("kind: HorizontalPodAutoscaler") == 5
-    assert rendered.count("kind: NetworkPolicy") == 6
+    assert rendered.count("kind: NetworkPolicy") == 7
     # Production queues are durable: SQLite on a persistent volume mounted by the broker.
     assert "value: sqlite:///var/lib/agentmesh/queues.db" in rendered
     assert "claimName: agentmesh-broker-queues" in rendered
