@@ -339,23 +339,32 @@ class AgentRuntime:
     async def _process(self, received: Received) -> None:
         message = received.message
         try:
-            await self.dispatch(message)
+            answer = await self.run_handler(message)
         except Exception:
             # Not answerable (not a REQUEST): let the broker redeliver, then dead-letter it.
             await received.nack()
             return
-        await received.ack()
+        if answer is not None:
+            try:
+                await received.answer(answer)
+            except MeshError as error:
+                logger.warning(
+                    "%s could not answer %s: %s",
+                    self.agent.agent_id,
+                    message.message_id,
+                    error.message,
+                )
+        await received.ack()  # nothing to do when the answer acknowledged it
 
     async def dispatch(self, message: Message) -> Message | None:
-        """Runs the handler for a delivered message and sends its answer through the broker.
+        """Runs the handler for a message and sends its answer through the broker.
 
         Raises when a message that expects no answer failed, so that it is redelivered.
         """
         answer = await self.run_handler(message)
         if answer is not None:
             try:
-                # The requester waits for it, not this agent: one frame, no acceptance awaited.
-                await self.client.send_nowait(answer)
+                await self.client.send_message(answer)
             except MeshError as error:
                 logger.warning(
                     "%s could not answer %s: %s",

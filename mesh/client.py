@@ -304,6 +304,21 @@ class Received:
             self.done = True
             await self._subscription._settle("nack", self.message.message_id)
 
+    async def answer(self, answer: Message) -> None:
+        """Sends the answer to this request on the subscription's own stream, fire-and-forget;
+        the broker takes it as the acknowledgement (when it answers this message's id), and
+        it arrives before the stream ends, so closing the subscription right after loses
+        nothing. Falls back to the client's session when the subscription's is gone."""
+        frame = broker_pb2.ConnectRequest()
+        codec.message_to_pb(with_trace(answer), frame.send)
+        session = self._subscription._session
+        if session is not None and not session.closed:
+            with contextlib.suppress(MeshError):
+                await session.write(frame)
+                self.done = answer.correlation_id == self.message.message_id
+                return
+        await self._subscription.client.send_nowait(answer)
+
     def __repr__(self) -> str:
         return f"Received({self.message.message_id}, attempt={self.attempt})"
 

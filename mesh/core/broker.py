@@ -336,6 +336,9 @@ class Broker:
             outcome = await self.broadcast(message)
             return SendOutcome(outcome.message, outcome.recipients)
         if message.message_type in _ANSWER_TYPES and message.correlation_id:
+            # An answer acknowledges the request it answers, when the answering agent holds
+            # it leased (its correlation id is the request's id): no separate ack frame.
+            await self.store.ack(message.from_agent, (message.correlation_id,))
             taken = self._offer_answer(message)
             if not taken and self.store.shared:
                 # The requester may wait on another replica: hand the answer over there.
