@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from mesh.config import BrokerConfig, ServerConfig
 from mesh.core.tools import ToolHost
 from mesh.server import serve_broker
 from mesh.serving import MeshServer
+
+logger = logging.getLogger("gateway.embedded")
 
 
 @dataclass
@@ -77,9 +80,15 @@ async def start_embedded(
         for agent in [*sample_agents(data_dir), *research_agents()]:
             mesh.agents.append(await serve(agent, broker_server.address, host=host))
         if dashboard_port >= 0:
-            mesh.dashboard = await serve_dashboard(
-                gateway, host=host, port=dashboard_port, trace_dir=trace_dir
-            )
+            try:
+                mesh.dashboard = await serve_dashboard(
+                    gateway, host=host, port=dashboard_port, trace_dir=trace_dir
+                )
+            except OSError as error:  # the default port is taken: any free one will do
+                logger.warning("dashboard port %d unavailable (%s)", dashboard_port, error)
+                mesh.dashboard = await serve_dashboard(
+                    gateway, host=host, port=0, trace_dir=trace_dir
+                )
     except BaseException:
         await mesh.stop(0)
         raise
