@@ -1,13 +1,16 @@
 """Benchmark agents: `python -m benchmarks.agents --broker ADDR --prefix echo --count N` serves
-N echo agents, each on its own gRPC server, in this one process."""
+N echo agents, each on its own gRPC server, in this one process. With `--consume-only` they
+are plain consumers instead (subscribe, acknowledge, never answer): the receiving end of
+one-way traffic, so that one-way figures carry no answers back."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 
-from mesh import Agent, AgentContext, Message, serve
+from mesh import Agent, AgentContext, Message, connect, serve
 from mesh.cli import _until_signalled
+from mesh.client import ClientSubscription
 
 
 class EchoAgent(Agent):
@@ -25,6 +28,30 @@ class EchoAgent(Agent):
         }
 
 
+async def consume(args: argparse.Namespace, types: list[str]) -> None:
+    clients = []
+    tasks = []
+
+    async def drain(sub: ClientSubscription) -> None:
+        async for received in sub:
+            await received.ack()
+
+    for i in range(args.start, args.start + args.count):
+        agent_id = f"{args.prefix}-{i}"
+        client = connect(args.broker, agent_id=agent_id)
+        await client.register(agent_id, agent_types=types)
+        sub = client.subscribe(agent_id, max_in_flight=args.max_in_flight)
+        await sub.start()
+        clients.append(client)
+        tasks.append(asyncio.create_task(drain(sub)))
+    print(f"agents ready: {len(clients)}", flush=True)
+    await _until_signalled()
+    for task in tasks:
+        task.cancel()
+    for client in clients:
+        await client.close()
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--broker", required=True)
@@ -33,8 +60,12 @@ async def main() -> None:
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--types", default="bench")
     parser.add_argument("--max-in-flight", type=int, default=128)
+    parser.add_argument("--consume-only", action="store_true")
     args = parser.parse_args()
     types = args.types.split(",")
+    if args.consume_only:
+        await consume(args, types)
+        return
     served = [
         await serve(
             EchoAgent(f"{args.prefix}-{i}", agent_types=types),

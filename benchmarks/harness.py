@@ -125,7 +125,7 @@ async def start_mesh() -> Mesh:
         )
         procs.append(broker)
         agent_sets = (
-            [("echo", 0, 1, "bench"), ("sink", 0, 1, "sink")]
+            [("echo", 0, 1, "bench"), ("sink", 0, 1, "sink:consume")]
             + [("b5", i, 1, "b5") for i in range(5)]
             + [("b100", i * 25, 25, "b100") for i in range(4)]
         )
@@ -142,7 +142,8 @@ async def start_mesh() -> Mesh:
                 "--count",
                 str(count),
                 "--types",
-                types,
+                types.removesuffix(":consume"),
+                *(["--consume-only"] if types.endswith(":consume") else []),
                 ready=r"agents ready",
             )
             for prefix, start, count, types in agent_sets
@@ -265,7 +266,7 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
         out["send"] = stats(
             await timed(
                 lambda: client.send(
-                    "echo-0", {"action": "sink", "parameters": PAYLOAD["parameters"]}
+                    "sink-0", {"action": "sink", "parameters": PAYLOAD["parameters"]}
                 ),
                 n,
                 w,
