@@ -39,3 +39,52 @@ async def test_node_client_and_agent_pass_their_tests(embedded: EmbeddedMesh) ->
     assert process.returncode == 0, text
     assert "a Node agent takes part in a group chat beside the Python agents" in text
     assert "CONTRIBUTION NodeExpertAgent: Buy AAPL (confidence 0.75)" in text
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
+async def test_node_client_speaks_tls_with_a_token_and_is_held_to_its_identity(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    from mesh import LocalMesh, SecurityConfig
+    from mesh.certs import write_dev_certificates
+
+    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").exists():
+        pytest.fail("clients/node dependencies are missing: run `make setup`")
+    certs = write_dev_certificates(tmp_path / "certs")
+    token = "node-payment-token-0123456789"
+    credentials = tmp_path / "credentials.json"
+    credentials.write_text(
+        json.dumps(
+            {"principals": [{"name": "node", "token": token, "agents": ["NodePaymentAgent"]}]}
+        )
+    )
+    security = SecurityConfig(
+        tls_cert=str(certs["server"]),
+        tls_key=str(certs["server_key"]),
+        credentials_file=str(credentials),
+    )
+    async with LocalMesh(security=security) as mesh:
+        env = {
+            **os.environ,
+            "AGENTMESH_SECURE_BROKER": mesh.address,
+            "AGENTMESH_TLS_CA": str(certs["ca"]),
+            "AGENTMESH_TOKEN": token,
+        }
+        process = await asyncio.create_subprocess_exec(
+            "node",
+            "--test",
+            "--test-reporter=spec",
+            "test/secure.test.js",
+            cwd=NODE_DIR,
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        async with asyncio.timeout(60):
+            out, _ = await process.communicate()
+    text = out.decode()
+    assert process.returncode == 0, text
+    assert "talks TLS with a bearer token" in text
+    assert "ℹ pass 3" in text and "ℹ skipped 0" in text, text

@@ -108,21 +108,51 @@ class MeshError extends Error {
   }
 }
 
-function unary(client, method, request, timeoutMs = 10000) {
+// -- TLS and credentials ----------------------------------------------------------------------
+
+/**
+ * Channel credentials and call metadata from options, else the same AGENTMESH_* variables the
+ * Python SDK reads: tlsCa (AGENTMESH_TLS_CA) turns TLS on, tlsClientCert/tlsClientKey
+ * (AGENTMESH_TLS_CLIENT_CERT/_KEY) add a client certificate for mutual TLS, token
+ * (AGENTMESH_TOKEN) is sent as `authorization: Bearer <token>` on every call.
+ */
+function security(options = {}) {
+  const env = process.env;
+  const fs = require('node:fs');
+  const tlsCa = options.tlsCa ?? env.AGENTMESH_TLS_CA;
+  const cert = options.tlsClientCert ?? env.AGENTMESH_TLS_CLIENT_CERT;
+  const key = options.tlsClientKey ?? env.AGENTMESH_TLS_CLIENT_KEY;
+  const token = options.token ?? env.AGENTMESH_TOKEN;
+  const credentials = tlsCa
+    ? grpc.credentials.createSsl(fs.readFileSync(tlsCa), key ? fs.readFileSync(key) : null,
+      cert ? fs.readFileSync(cert) : null)
+    : grpc.credentials.createInsecure();
+  const metadata = new grpc.Metadata();
+  if (token) metadata.set('authorization', `Bearer ${token}`);
+  const channelOptions = {};
+  const serverName = options.tlsServerName ?? env.AGENTMESH_TLS_SERVER_NAME;
+  if (serverName) channelOptions['grpc.ssl_target_name_override'] = serverName;
+  return { credentials, metadata, channelOptions };
+}
+
+function unary(client, method, request, timeoutMs = 10000, metadata = client.meshMetadata) {
   return new Promise((resolve, reject) => {
-    client[method](request, { deadline: Date.now() + timeoutMs }, (err, res) => {
-      if (err) reject(new MeshError(err));
-      else resolve(res);
-    });
+    client[method](request, metadata || new grpc.Metadata(),
+      { deadline: Date.now() + timeoutMs }, (err, res) => {
+        if (err) reject(new MeshError(err));
+        else resolve(res);
+      });
   });
 }
 
 // -- the broker client ------------------------------------------------------------------------
 
 class MeshClient {
-  constructor(address, { agentId = '' } = {}) {
+  constructor(address, { agentId = '', ...options } = {}) {
     this.agentId = agentId;
-    this.broker = new meshV1.BrokerService(address, grpc.credentials.createInsecure());
+    const { credentials, metadata, channelOptions } = security(options);
+    this.broker = new meshV1.BrokerService(address, credentials, channelOptions);
+    this.broker.meshMetadata = metadata;
   }
 
   close() { this.broker.close(); }
@@ -173,7 +203,8 @@ class MeshClient {
 
   /** Deliveries of the agent's messages: onDelivery(message, attempt) must resolve to ack. */
   subscribe(onDelivery, { agentId = this.agentId, maxInFlight = 16 } = {}) {
-    const call = this.broker.Subscribe({ agent_id: agentId, max_in_flight: maxInFlight });
+    const call = this.broker.Subscribe({ agent_id: agentId, max_in_flight: maxInFlight },
+      this.broker.meshMetadata);
     call.on('data', async (res) => {
       const message = readMessage(res.delivery.message);
       try {
@@ -204,8 +235,10 @@ function readEvent(pb) {
 }
 
 class GatewayClient {
-  constructor(address) {
-    this.gateway = new meshV1.GatewayService(address, grpc.credentials.createInsecure());
+  constructor(address, options = {}) {
+    const { credentials, metadata, channelOptions } = security(options);
+    this.gateway = new meshV1.GatewayService(address, credentials, channelOptions);
+    this.metadata = metadata;
   }
 
   close() { this.gateway.close(); }
@@ -213,7 +246,7 @@ class GatewayClient {
   /** Runs a group chat; calls onEvent for each streamed event; resolves with all events. */
   groupChat({ agentIds, query, rounds = 1, optionLabel = '', timeoutMs = 30000 }, onEvent) {
     const call = this.gateway.RunGroupChat(
-      { agent_ids: agentIds, query, rounds, option_label: optionLabel },
+      { agent_ids: agentIds, query, rounds, option_label: optionLabel }, this.metadata,
       { deadline: Date.now() + timeoutMs });
     return new Promise((resolve, reject) => {
       const events = [];
@@ -236,7 +269,7 @@ class GatewayClient {
  * or null.
  */
 async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [], handler,
-  host = '127.0.0.1', port = 0 }) {
+  host = '127.0.0.1', port = 0, ...options }) {
   const server = new grpc.Server();
   const answer = async (message) => {
     const content = await handler(message);
@@ -261,7 +294,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
       (err, p) => (err ? reject(err) : resolve(p)));
   });
   const address = `${host}:${boundPort}`;
-  const client = new MeshClient(broker, { agentId });
+  const client = new MeshClient(broker, { agentId, ...options });
   await client.register({ agentTypes, address, capabilities });
   const subscription = client.subscribe(async (message) => {
     const response = await answer(message);
@@ -280,5 +313,5 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
 
 module.exports = {
   MeshClient, GatewayClient, MeshError, serveAgent, buildMessage, readMessage, toStruct,
-  fromStruct, TYPES, PROTO_ROOT,
+  fromStruct, security, TYPES, PROTO_ROOT,
 };
