@@ -87,4 +87,4 @@ async def test_node_client_speaks_tls_with_a_token_and_is_held_to_its_identity(
     text = out.decode()
     assert process.returncode == 0, text
     assert "talks TLS with a bearer token" in text
-    assert "ℹ pass 3" in text and "ℹ skipped 0" in text, text
+    assert "pass 3\n" in text and "skipped 0\n" in text, text
