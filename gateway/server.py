@@ -49,6 +49,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.metrics = metrics
         self.observers: list[Callable[[PatternEvent], None]] = []
         """Told of every event of every run (the dashboard follows runs this way)."""
+        self.draining = False
+        self._active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def drain(self, grace: float) -> None:
+        """Graceful shutdown, first half: new runs are refused with UNAVAILABLE while the
+        runs in flight finish, for up to ``grace`` seconds."""
+        self.draining = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), grace)
 
     # -- plumbing ----------------------------------------------------------------------------
 
@@ -70,6 +81,28 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self, pattern: Pattern, run: Run, context: Any
     ) -> AsyncIterator[gateway_pb2.PatternEvent]:
         """Runs a pattern and yields its events as they happen, within the caller's deadline."""
+        if self.draining:
+            await abort(
+                context,
+                MeshError(
+                    "the gateway is shutting down: try another replica or retry later",
+                    code="UNAVAILABLE",
+                    reason="SHUTTING_DOWN",
+                ),
+            )
+        self._active += 1
+        self._idle.clear()
+        try:
+            async for event in self._run_events(pattern, run, context):
+                yield event
+        finally:
+            self._active -= 1
+            if not self._active:
+                self._idle.set()
+
+    async def _run_events(
+        self, pattern: Pattern, run: Run, context: Any
+    ) -> AsyncIterator[gateway_pb2.PatternEvent]:
         queue: asyncio.Queue[PatternEvent | None] = asyncio.Queue(EVENT_BUFFER)
         emit = self._observed(queue.put)
         outcome: dict[str, Any] = {}
@@ -367,4 +400,5 @@ async def serve_gateway(
         metrics_port=metrics_port,
         security=security,
     )
+    server._on_drain.append(servicer.drain)
     return GatewayServer(server, client, metrics, servicer)

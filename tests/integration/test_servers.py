@@ -271,3 +271,43 @@ async def test_broker_shutdown_under_load_refuses_new_work_and_finishes_what_it_
     assert sorted(handled) == sorted(accepted)
     local.server = None
     await local.stop()
+
+
+async def test_gateway_shutdown_lets_a_running_pattern_finish_and_refuses_new_ones(
+    mesh: LocalMesh,
+) -> None:
+    from gateway.client import GatewayClient
+    from gateway.server import serve_gateway
+    from mesh import SecurityConfig
+
+    release = asyncio.Event()
+
+    @agent("SlowExpert")
+    async def slow(message: Message, ctx: AgentContext) -> dict:
+        await release.wait()
+        return {"recommendation": "AAPL", "confidence": 0.9}
+
+    await mesh.add_agent(slow)
+    gateway = await serve_gateway(mesh.address, security=SecurityConfig())
+    async with GatewayClient(gateway.address, security=SecurityConfig()) as client:
+        events: list[dict] = []
+
+        async def chat() -> None:
+            async for event in client.group_chat(agent_ids=["SlowExpert"], query="q"):
+                events.append(event)
+
+        running = asyncio.create_task(chat())
+        while not events:  # noqa: ASYNC110 - waits for the first streamed event
+            await asyncio.sleep(0.01)
+        stopping = asyncio.create_task(gateway.stop(grace=10))
+        async with asyncio.timeout(5):
+            while await health_of(gateway.address) != NOT_SERVING:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+        with pytest.raises(MeshError) as refused:
+            await client.collect(client.group_chat(agent_ids=["SlowExpert"], query="again"))
+        assert refused.value.code == "UNAVAILABLE"
+        release.set()
+        await running
+        await stopping
+    assert events[-1]["kind"] == "RESULT"
+    assert events[-1]["data"]["status"] == "COMPLETED"
