@@ -46,6 +46,9 @@ REGISTRY = "mesh:registry"
 TOTAL = "mesh:total"
 QUEUES = "mesh:queues"
 AGENTS = "mesh:agents"
+REPLICAS = "mesh:replicas"
+REPLICA_TIMEOUT_MS = 3000
+"""A replica that has not swept (and so beaten) for this long is gone."""
 
 _COMMON = """
 local ready, leased, msgs, meta, expiry, dead, seqkey, total, queues =
@@ -236,6 +239,20 @@ local out = {}
 expire_due(now, out)
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', leased, '-inf', now)) do
   give_back(id, now, max_attempts, 'lease expired', at, max_dead, out)
+end
+-- Leases held through a replica that stopped beating come back now, not at their end.
+if #ARGV > 4 then
+  local gone = {}
+  for i = 5, #ARGV do gone[ARGV[i]] = true end
+  for _, id in ipairs(redis.call('ZRANGE', leased, 0, -1)) do
+    local m = redis.call('HGET', meta, id)
+    if m then
+      local replica = string.match(cjson.decode(m).s, '#([^-#]+)%-%d+$')
+      if replica and gone[replica] then
+        give_back(id, now, max_attempts, 'broker replica gone', at, max_dead, out)
+      end
+    end
+  end
 end
 return out
 """
@@ -510,10 +527,23 @@ class RedisQueueStore:
         return len(events)
 
     async def sweep(self) -> None:
+        gone = await self._beat()
         for raw in await self._call("smembers", QUEUES):
             agent_id = _text(raw)
-            events = await self._run("sweep", _keys(agent_id), self._return_args())
+            events = await self._run("sweep", _keys(agent_id), [*self._return_args(), *gone])
             self._report(agent_id, events)
+
+    async def _beat(self) -> list[str]:
+        """Records that this replica is alive; returns the replicas that stopped beating
+        (forgetting them, once their leases are handed back by this sweep)."""
+        now = self._now_ms()
+        await self._call("hset", REPLICAS, self.replica_id, now + REPLICA_TIMEOUT_MS)
+        beats = await self._call("hgetall", REPLICAS)
+        gone = [_text(r) for r, until in beats.items() if int(until) < now]
+        if gone:
+            logger.warning("broker replicas gone: %s; their leases return", ", ".join(gone))
+            await self._call("hdel", REPLICAS, *gone)
+        return gone
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -637,6 +667,8 @@ class RedisQueueStore:
                     await self._pubsub.subscribe(WAKE, REGISTRY, answers)
 
     async def close(self) -> None:
+        with contextlib.suppress(BrokerUnavailableError):
+            await self._call("hdel", REPLICAS, self.replica_id)
         if self._watcher is not None:
             self._watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -181,7 +181,9 @@ class Broker:
         self._dirty: set[str] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self.draining = False
-        self.instance = secrets.token_hex(4)
+        # Names this broker in subscription ids; replicas sharing a store use the store's
+        # replica id, so that a lease tells which replica's subscriber holds it.
+        self.instance = store.replica_id or secrets.token_hex(4)
         self._queue_full_log: dict[str, tuple[float, int]] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------

@@ -23,9 +23,7 @@ pytestmark = pytest.mark.processes
 
 
 async def start_replica(redis_url: str) -> Proc:
-    return await start(
-        "broker", "--port", "0", "--store", redis_url, "--lease-seconds", "2", ready=BROKER_READY
-    )
+    return await start("broker", "--port", "0", "--store", redis_url, ready=BROKER_READY)
 
 
 @pytest.fixture
@@ -133,8 +131,9 @@ async def test_a_replica_killed_under_traffic_loses_nothing_accepted(
 
     async def consumer() -> None:
         async with connect(both, agent_id="Sink") as client:
-            # What the dead replica had leased comes back when the lease ends.
-            sub = client.subscribe("Sink", max_in_flight=32, lease_seconds=2)
+            # Leases of 30 s: what the dead replica had leased comes back once the other
+            # replica sees it stopped beating (3 s), not when the leases end.
+            sub = client.subscribe("Sink", max_in_flight=32, lease_seconds=30)
             async for delivery in sub:
                 received.add(delivery.message.message_id)
                 await delivery.ack()
@@ -148,7 +147,7 @@ async def test_a_replica_killed_under_traffic_loses_nothing_accepted(
     await wait_killed(a)
     await asyncio.gather(*senders)
     try:
-        async with asyncio.timeout(30):
+        async with asyncio.timeout(15):
             while not acknowledged <= received:  # noqa: ASYNC110 - the consumer's progress
                 await asyncio.sleep(0.1)
     finally:
@@ -158,3 +157,7 @@ async def test_a_replica_killed_under_traffic_loses_nothing_accepted(
     missing = acknowledged - received
     assert not missing, f"{len(missing)} acknowledged messages never delivered"
     assert len(acknowledged) > 300
+    # The surviving replica notices that A stopped beating (and hands back what it leased).
+    async with asyncio.timeout(10):
+        while not any("broker replicas gone" in line for line in b.output):  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
