@@ -17,6 +17,7 @@ def _env(name: str, default: str) -> str:
 async def _up(args: argparse.Namespace) -> int:
     from gateway.embedded import start_embedded
     from mesh.cli import _print, _until_signalled
+    from mesh.config import BrokerConfig
 
     mesh = await start_embedded(
         docs_dir=args.docs,
@@ -28,6 +29,7 @@ async def _up(args: argparse.Namespace) -> int:
         data_dir=args.data_dir,
         dashboard_port=args.dashboard_port,
         trace_dir=args.trace_dir or "traces",
+        broker_config=BrokerConfig.from_env(),  # AGENTMESH_STORE and the other limits
     )
     info = mesh.describe()
     _print(
