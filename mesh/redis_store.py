@@ -377,6 +377,8 @@ class RedisQueueStore:
         }
         self._watcher: asyncio.Task[None] | None = None
         self._pubsub: Any = None
+        self._puts: list[tuple[list[str], list[Any], asyncio.Future[Any]]] = []
+        self._flushing: set[asyncio.Task[None]] = set()
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -444,7 +446,7 @@ class RedisQueueStore:
             agent_id,
             total,
         ]
-        result = await self._run("put", _keys(agent_id), args)
+        result = await self._put(_keys(agent_id), args)
         self._report(agent_id, result[1])
         if int(result[0]) == -2:
             await self.sweep()  # expired messages elsewhere must not hold capacity
@@ -465,6 +467,49 @@ class RedisQueueStore:
                 retry_after=self.retry_after_seconds,
             )
         return status == 1
+
+    async def _put(self, keys: list[str], args: list[Any]) -> Any:
+        """Runs the put script, pipelined with the other puts of this loop iteration: a
+        batch (or concurrent senders) costs one round trip to Redis, in submission order."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._puts.append((keys, args, future))
+        if len(self._puts) == 1:
+            asyncio.get_running_loop().call_soon(self._flush_puts)
+        return await future
+
+    def _flush_puts(self) -> None:
+        puts, self._puts = self._puts, []
+        task = asyncio.create_task(self._execute_puts(puts))
+        self._flushing.add(task)
+        task.add_done_callback(self._flushing.discard)
+
+    async def _execute_puts(self, puts: list[tuple[list[str], list[Any], Any]]) -> None:
+        try:
+            if len(puts) == 1:
+                keys, args, _ = puts[0]
+                results = [await self._scripts["put"](keys=keys, args=args)]
+            else:
+                pipe = self._redis.pipeline(transaction=False)
+                for keys, args, _ in puts:
+                    await self._scripts["put"](keys=keys, args=args, client=pipe)
+                results = await pipe.execute(raise_on_error=False)
+        except (RedisError, OSError) as error:
+            failure = BrokerUnavailableError(
+                f"the Redis queue store is unavailable: {error}", reason="STORE_UNAVAILABLE"
+            )
+            results = [failure] * len(puts)
+        for (_, _, future), result in zip(puts, results, strict=True):
+            if future.done():
+                continue
+            if isinstance(result, BaseException):
+                if not isinstance(result, BrokerUnavailableError):
+                    result = BrokerUnavailableError(
+                        f"the Redis queue store is unavailable: {result}",
+                        reason="STORE_UNAVAILABLE",
+                    )
+                future.set_exception(result)
+            else:
+                future.set_result(result)
 
     # -- consuming -------------------------------------------------------------------------
 

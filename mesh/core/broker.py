@@ -432,11 +432,24 @@ class Broker:
                 field_violations=(FieldViolation("messages", "batch too large"),),
             )
         results: list[SendOutcome | MeshError] = []
-        for index, message in enumerate(messages):
-            try:
-                results.append(await self._send(message, sizes[index] if sizes else 0))
-            except MeshError as error:
-                results.append(error)
+        if self.store.shared:
+            # A networked store pipelines what is submitted together (in order): one round
+            # trip for the batch instead of one per message.
+            gathered = await asyncio.gather(
+                *(self._send(m, sizes[i] if sizes else 0) for i, m in enumerate(messages)),
+                return_exceptions=True,
+            )
+            for item in gathered:
+                if isinstance(item, MeshError | SendOutcome):
+                    results.append(item)
+                else:
+                    raise item
+        else:
+            for index, message in enumerate(messages):
+                try:
+                    results.append(await self._send(message, sizes[index] if sizes else 0))
+                except MeshError as error:
+                    results.append(error)
         await self.store.sync()  # one commit for the batch
         return results
 
