@@ -712,6 +712,8 @@ class RedisQueueStore:
                     await self._pubsub.subscribe(WAKE, REGISTRY, answers)
 
     async def close(self) -> None:
+        if self._flushing:  # puts already sent to Redis get their answers
+            await asyncio.gather(*self._flushing, return_exceptions=True)
         with contextlib.suppress(BrokerUnavailableError):
             await self._call("hdel", REPLICAS, self.replica_id)
         if self._watcher is not None:
