@@ -11,6 +11,7 @@ import asyncio
 from mesh import Agent, AgentContext, Message, connect, serve
 from mesh.cli import _until_signalled
 from mesh.client import ClientSubscription
+from mesh.loop import run as run_loop
 
 
 class EchoAgent(Agent):
@@ -81,4 +82,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    run_loop(main())

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from mesh.cli import _until_signalled
+from mesh.loop import run as run_loop
 
 METHOD = "/bench.Echo/Stream"
 
@@ -111,4 +112,4 @@ class StreamClient:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    run_loop(main())

@@ -26,6 +26,7 @@ from gateway.client import GatewayClient
 from mesh import MessageType, connect
 from mesh.codec import message_to_pb
 from mesh.core.model import Message
+from mesh.loop import run as run_loop
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -855,4 +856,4 @@ async def main(argv: list[str]) -> int:
 
 
 def run() -> None:
-    sys.exit(asyncio.run(main(sys.argv[1:])))
+    sys.exit(run_loop(main(sys.argv[1:])))

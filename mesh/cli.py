@@ -21,6 +21,7 @@ from mesh.config import BrokerConfig, SecurityConfig, ServerConfig
 from mesh.core.errors import MeshError
 from mesh.core.model import Message, MessageType, Priority
 from mesh.logs import configure_logging
+from mesh.loop import run as run_loop
 
 DEFAULT_BROKER = "127.0.0.1:50051"
 TRACED = {
@@ -496,7 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         trace_dir = args.trace_dir or ("traces" if args.command == "up" else None)
         configure_tracing(TRACED[args.command], trace_dir)
     try:
-        return int(asyncio.run(args.run(args)) or 0)
+        return int(run_loop(args.run(args)) or 0)
     except MeshError as error:
         print(f"error: {error.code}: {error.message}", file=sys.stderr)
         return 1
