@@ -76,7 +76,7 @@ async def _gateway(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.dashboard_port,
             trace_dir=args.trace_dir,
-            allow_runs=not args.dashboard_read_only,
+            allow_runs=args.dashboard_runs,
             security=security_config(args),
         )
     metrics = gateway.server.metrics_port
@@ -197,9 +197,10 @@ def add_commands(sub: Any, broker_default: str) -> None:
         help="HTTP port of the live dashboard (-1 off, 0 any free port)",
     )
     p.add_argument(
-        "--dashboard-read-only",
+        "--dashboard-runs",
         action="store_true",
-        help="the dashboard shows the mesh but cannot start patterns",
+        help="let the dashboard start patterns (read-only otherwise; with security on, "
+        "starting needs the gateway credential)",
     )
     add_security_flags(p, server=True)
     p.set_defaults(run=_gateway)

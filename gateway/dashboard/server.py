@@ -276,7 +276,8 @@ class Dashboard:
         bearer token, which the gateway itself checks (and this server checks first)."""
         if not self.allow_runs:
             raise web.HTTPForbidden(
-                text="this dashboard is read-only (it was started with --dashboard-read-only)"
+                text="this dashboard is read-only (a gateway's dashboard starts patterns only "
+                "with --dashboard-runs)"
             )
         if self.authenticator is None:
             return SecurityConfig(

@@ -299,3 +299,35 @@ async def test_starting_patterns_needs_the_gateway_credential_when_security_is_o
             await board.stop()
             await read_only.stop()
             await gateway.stop(0.5)
+
+
+async def test_a_standalone_gateways_dashboard_is_read_only_by_default() -> None:
+    import aiohttp
+
+    from tests.helpers.processes import BROKER_READY
+
+    broker = await start("broker", "--port", "0", ready=BROKER_READY)
+    gateway = await start(
+        "gateway",
+        "--broker",
+        broker.address,
+        "--port",
+        "0",
+        "--dashboard-port",
+        "0",
+        ready=r"^dashboard: (\S+)",
+    )
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{gateway.address}api/state") as reply:
+                assert reply.status == 200
+                assert (await reply.json())["allow_runs"] is False
+            async with http.post(
+                f"{gateway.address}api/patterns/group_chat",
+                json={"agent_ids": ["A"], "query": "q"},
+            ) as reply:
+                assert reply.status == 403
+                assert "--dashboard-runs" in await reply.text()
+    finally:
+        await stop(gateway)
+        await stop(broker)
