@@ -35,7 +35,7 @@ from redis.exceptions import RedisError
 
 from mesh.core.errors import BrokerUnavailableError, MessageQueueFullError
 from mesh.core.model import AgentInfo, DeadLetter, Message, Priority, utc_now
-from mesh.core.queue import Lease, Popped, QueueStats, Released
+from mesh.core.queue import Lease, Popped, QueueStats, Released, capacity_limits
 
 logger = logging.getLogger("mesh.store.redis")
 
@@ -276,6 +276,12 @@ return {
 )
 
 
+def _unavailable(error: BaseException) -> BrokerUnavailableError:
+    return BrokerUnavailableError(
+        f"the Redis queue store is unavailable: {error}", reason="STORE_UNAVAILABLE"
+    )
+
+
 def _keys(agent_id: str) -> list[str]:
     """One agent's keys (one hash slot: the agent id is the hash tag), then the broker-wide
     counter and the set of queues. The scripts touch both, which a single Redis (or a
@@ -354,10 +360,8 @@ class RedisQueueStore:
         self.max_delivery_attempts = max_delivery_attempts
         self.max_dead_letters = max_dead_letters
         self.retry_after_seconds = retry_after_seconds
-        self._limits = (max_messages_per_agent, max_total_messages)
-        self._low_limits = (
-            max(1, int(max_messages_per_agent * low_priority_share)),
-            max(1, int(max_total_messages * low_priority_share)),
+        self._limits, self._low_limits = capacity_limits(
+            max_messages_per_agent, max_total_messages, low_priority_share
         )
         self.replica_id = secrets.token_hex(6)
         self.listener: Any = None
@@ -386,17 +390,13 @@ class RedisQueueStore:
         try:
             return await self._scripts[name](keys=keys, args=list(args))
         except (RedisError, OSError) as error:
-            raise BrokerUnavailableError(
-                f"the Redis queue store is unavailable: {error}", reason="STORE_UNAVAILABLE"
-            ) from None
+            raise _unavailable(error) from None
 
-    async def _call(self, method: str, *args: Any) -> Any:
+    async def _call(self, method: str, *args: Any, **options: Any) -> Any:
         try:
-            return await getattr(self._redis, method)(*args)
+            return await getattr(self._redis, method)(*args, **options)
         except (RedisError, OSError) as error:
-            raise BrokerUnavailableError(
-                f"the Redis queue store is unavailable: {error}", reason="STORE_UNAVAILABLE"
-            ) from None
+            raise _unavailable(error) from None
 
     def _now_ms(self) -> int:
         return int(self._wall().timestamp() * 1000)
@@ -494,19 +494,14 @@ class RedisQueueStore:
                     await self._scripts["put"](keys=keys, args=args, client=pipe)
                 results = await pipe.execute(raise_on_error=False)
         except (RedisError, OSError) as error:
-            failure = BrokerUnavailableError(
-                f"the Redis queue store is unavailable: {error}", reason="STORE_UNAVAILABLE"
-            )
+            failure = _unavailable(error)
             results = [failure] * len(puts)
         for (_, _, future), result in zip(puts, results, strict=True):
             if future.done():
                 continue
             if isinstance(result, BaseException):
                 if not isinstance(result, BrokerUnavailableError):
-                    result = BrokerUnavailableError(
-                        f"the Redis queue store is unavailable: {result}",
-                        reason="STORE_UNAVAILABLE",
-                    )
+                    result = _unavailable(result)
                 future.set_exception(result)
             else:
                 future.set_result(result)
@@ -658,14 +653,8 @@ class RedisQueueStore:
 
     async def claim_route(self, key: tuple[str, str], ttl: float) -> None:
         """Records that this replica waits for the answer keyed (requester, correlation)."""
-        try:
-            await self._redis.set(
-                f"mesh:route:{key[0]}:{key[1]}", self.replica_id, px=int(ttl * 1000) + 1000
-            )
-        except (RedisError, OSError) as error:
-            raise BrokerUnavailableError(
-                f"the Redis queue store is unavailable: {error}", reason="STORE_UNAVAILABLE"
-            ) from None
+        route = f"mesh:route:{key[0]}:{key[1]}"
+        await self._call("set", route, self.replica_id, px=int(ttl * 1000) + 1000)
 
     async def drop_route(self, key: tuple[str, str]) -> None:
         with contextlib.suppress(BrokerUnavailableError):

@@ -230,6 +230,16 @@ class StoredEntry:
     attempts: int
 
 
+def capacity_limits(
+    per_agent: int, total: int, low_priority_share: float
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(per agent, in total) for HIGH and MEDIUM, then for LOW. Priority isolation: LOW may
+    fill only a share of a queue and of the broker, so a flood of LOW traffic leaves room for
+    HIGH and MEDIUM (which go out first anyway)."""
+    low = (max(1, int(per_agent * low_priority_share)), max(1, int(total * low_priority_share)))
+    return (per_agent, total), low
+
+
 class _State(enum.Enum):
     QUEUED = 1
     LEASED = 2
@@ -292,12 +302,8 @@ class InMemoryQueueStore:
         self.max_total_messages = max_total_messages
         self.max_delivery_attempts = max_delivery_attempts
         self.retry_after_seconds = retry_after_seconds
-        self._limits = (max_messages_per_agent, max_total_messages)
-        # Priority isolation: LOW may fill only a share of a queue and of the broker, so a
-        # flood of LOW traffic leaves room for HIGH and MEDIUM (which go out first anyway).
-        self._low_limits = (
-            max(1, int(max_messages_per_agent * low_priority_share)),
-            max(1, int(max_total_messages * low_priority_share)),
+        self._limits, self._low_limits = capacity_limits(
+            max_messages_per_agent, max_total_messages, low_priority_share
         )
         self._clock = clock
         self._wall = wall_clock
