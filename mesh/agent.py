@@ -356,24 +356,6 @@ class AgentRuntime:
                 )
         await received.ack()  # nothing to do when the answer acknowledged it
 
-    async def dispatch(self, message: Message) -> Message | None:
-        """Runs the handler for a message and sends its answer through the broker.
-
-        Raises when a message that expects no answer failed, so that it is redelivered.
-        """
-        answer = await self.run_handler(message)
-        if answer is not None:
-            try:
-                await self.client.send_message(answer)
-            except MeshError as error:
-                logger.warning(
-                    "%s could not answer %s: %s",
-                    self.agent.agent_id,
-                    message.message_id,
-                    error.message,
-                )
-        return answer
-
     async def run_handler(self, message: Message) -> Message | None:
         """Calls the handler; returns the answer (RESPONSE or ERROR) that is due, if any."""
         ctx = AgentContext(self.agent, self.client, message)

@@ -311,30 +311,6 @@ def _score(message: Message) -> str:
     return str(message.priority.rank * RANK_SPAN + min(max(micros, 0), RANK_SPAN - 1))
 
 
-def _agent_json(info: AgentInfo) -> str:
-    return json.dumps(
-        {
-            "agent_id": info.agent_id,
-            "agent_types": list(info.agent_types),
-            "address": info.address,
-            "capabilities": list(info.capabilities),
-            "registered_at": info.registered_at.isoformat() if info.registered_at else None,
-        }
-    )
-
-
-def _agent(raw: Any) -> AgentInfo:
-    data = json.loads(raw)
-    when = data.get("registered_at")
-    return AgentInfo(
-        agent_id=data["agent_id"],
-        agent_types=tuple(data.get("agent_types") or ()),
-        address=data.get("address") or "",
-        capabilities=tuple(data.get("capabilities") or ()),
-        registered_at=datetime.fromisoformat(when) if when else None,
-    )
-
-
 class RedisQueueStore:
     """Queues in Redis, shared by every broker replica that points at the same server."""
 
@@ -632,7 +608,7 @@ class RedisQueueStore:
     # -- registrations ---------------------------------------------------------------------
 
     async def save_agent(self, info: AgentInfo) -> None:
-        await self._call("hset", AGENTS, info.agent_id, _agent_json(info))
+        await self._call("hset", AGENTS, info.agent_id, json.dumps(info.to_dict()))
         await self._call("publish", REGISTRY, info.agent_id)
 
     async def forget_agent(self, agent_id: str) -> None:
@@ -640,11 +616,14 @@ class RedisQueueStore:
         await self._call("publish", REGISTRY, agent_id)
 
     async def saved_agents(self) -> list[AgentInfo]:
-        return [_agent(raw) for raw in (await self._call("hgetall", AGENTS)).values()]
+        return [
+            AgentInfo.from_dict(json.loads(raw))
+            for raw in (await self._call("hgetall", AGENTS)).values()
+        ]
 
     async def saved_agent(self, agent_id: str) -> AgentInfo | None:
         raw = await self._call("hget", AGENTS, agent_id)
-        return _agent(raw) if raw else None
+        return AgentInfo.from_dict(json.loads(raw)) if raw else None
 
     # -- replicas --------------------------------------------------------------------------
 

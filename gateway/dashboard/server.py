@@ -280,12 +280,7 @@ class Dashboard:
                 "with --dashboard-runs)"
             )
         if self.authenticator is None:
-            return SecurityConfig(
-                tls_ca=self.security.tls_ca,
-                tls_client_cert=self.security.tls_client_cert,
-                tls_client_key=self.security.tls_client_key,
-                tls_server_name=self.security.tls_server_name,
-            )
+            return self._client_security()
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token:
@@ -294,12 +289,16 @@ class Dashboard:
             self.authenticator.authenticate(token.strip())
         except MeshError as error:
             raise web.HTTPUnauthorized(text=error.message) from None
+        return self._client_security(token.strip())
+
+    def _client_security(self, token: str = "") -> SecurityConfig:
+        """How this server calls its gateway: the same TLS, the caller's token (if any)."""
         return SecurityConfig(
             tls_ca=self.security.tls_ca,
             tls_client_cert=self.security.tls_client_cert,
             tls_client_key=self.security.tls_client_key,
             tls_server_name=self.security.tls_server_name,
-            token=token.strip(),
+            token=token,
         )
 
     async def start_run(self, name: str, body: dict[str, Any], security: SecurityConfig) -> str:

@@ -101,7 +101,7 @@ class SqliteJournal:
 
     def load_agents(self) -> list[AgentInfo]:
         return [
-            _agent_from_dict(json.loads(body))
+            AgentInfo.from_dict(json.loads(body))
             for (body,) in self._db.execute("SELECT body FROM agents ORDER BY agent_id")
         ]
 
@@ -248,7 +248,7 @@ class SqliteJournal:
                     info: AgentInfo = op[1]
                     db.execute(
                         "INSERT OR REPLACE INTO agents VALUES (?, ?)",
-                        (info.agent_id, json.dumps(_agent_to_dict(info))),
+                        (info.agent_id, json.dumps(info.to_dict())),
                     )
                 elif kind == "agent_gone":
                     db.execute("DELETE FROM agents WHERE agent_id = ?", (op[1],))
@@ -289,27 +289,6 @@ def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
 
 def _message(body: str) -> Message:
     return Message.from_dict(json.loads(body))
-
-
-def _agent_to_dict(info: AgentInfo) -> dict[str, Any]:
-    return {
-        "agent_id": info.agent_id,
-        "agent_types": list(info.agent_types),
-        "address": info.address,
-        "capabilities": list(info.capabilities),
-        "registered_at": info.registered_at.isoformat() if info.registered_at else None,
-    }
-
-
-def _agent_from_dict(data: dict[str, Any]) -> AgentInfo:
-    when = data.get("registered_at")
-    return AgentInfo(
-        agent_id=data["agent_id"],
-        agent_types=tuple(data.get("agent_types") or ()),
-        address=data.get("address") or "",
-        capabilities=tuple(data.get("capabilities") or ()),
-        registered_at=datetime.fromisoformat(when) if when else None,
-    )
 
 
 class SqliteQueueStore(InMemoryQueueStore):

@@ -217,6 +217,27 @@ class AgentInfo:
     capabilities: tuple[str, ...] = ()
     registered_at: datetime | None = None
 
+    def to_dict(self) -> dict[str, JSON]:
+        """The JSON form (the durable and Redis stores keep registrations this way)."""
+        return {
+            "agent_id": self.agent_id,
+            "agent_types": list(self.agent_types),
+            "address": self.address,
+            "capabilities": list(self.capabilities),
+            "registered_at": self.registered_at.isoformat() if self.registered_at else None,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, JSON]) -> AgentInfo:
+        when = data.get("registered_at")
+        return cls(
+            agent_id=str(data["agent_id"]),
+            agent_types=tuple(str(t) for t in data.get("agent_types") or ()),
+            address=str(data.get("address") or ""),
+            capabilities=tuple(str(c) for c in data.get("capabilities") or ()),
+            registered_at=datetime.fromisoformat(str(when)) if when else None,
+        )
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Tool:
