@@ -236,9 +236,11 @@ def _content(args: argparse.Namespace) -> dict[str, Any] | None:
     content: dict[str, Any] | None = _json_arg(args.content, "--content")
     if content is not None and not isinstance(content, dict):
         raise SystemExit("--content must be a JSON object")
-    if content is None and args.action:
-        content = {"action": args.action}
-        params = _json_arg(args.params, "--params")
+    params = _json_arg(args.params, "--params")
+    if params is not None and not isinstance(params, dict):
+        raise SystemExit("--params must be a JSON object")
+    if content is None and (args.action or params is not None):
+        content = {"action": args.action} if args.action else {}
         if params is not None:
             content["parameters"] = params
     return content
