@@ -114,7 +114,8 @@ async def test_early_termination_once_the_outcome_cannot_change() -> None:
     assert result["decision"]["decision"] == "ACCEPT"
     assert result["skipped"] == ["voter_2"]
     assert "decided after 2 of 3 votes" in result["decision"]["early_termination"]
-    assert [e["agent_id"] for e in events if e["kind"] == "VOTE"] == ["voter_0", "voter_1"]
+    # voter_0 and voter_1 answer at once, in either order; voter_2's vote never came.
+    assert sorted(e["agent_id"] for e in events if e["kind"] == "VOTE") == ["voter_0", "voter_1"]
 
 
 async def test_consensus_with_the_sample_agents_and_the_memory_pool(embedded: EmbeddedMesh) -> None:
