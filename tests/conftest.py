@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -15,6 +17,24 @@ import pytest
 from gateway.embedded import EmbeddedMesh, start_embedded
 from mesh.config import BrokerConfig
 from mesh.testing import LocalMesh
+
+_exit_status = 0
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    global _exit_status
+    _exit_status = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Leaves once the session is over and reported. After it, pytest's final garbage
+    collection frees the last grpc.aio objects, and grpc then joins its poller thread, which
+    now and then never returns (seen as a hang after "N passed"): nothing is left to do that
+    would be worth that risk."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_exit_status)
 
 
 @pytest.fixture
