@@ -1,8 +1,9 @@
 """The Redis queue store: queues shared by several broker replicas.
 
 Every queue operation is one Lua script over one agent's keys, so it is atomic, and the keys
-carry the agent id as a hash tag (``mesh:{PaymentAgent}:ready``) so that Redis Cluster can
-shard by agent. Per agent:
+carry the agent id as a hash tag (``mesh:{PaymentAgent}:ready``): each script touches one hash
+slot, so the store runs on a single Redis, a primary with replicas, Sentinel, or Redis Cluster
+sharding the agents over its nodes (found out on connecting). Per agent:
 
 - ``ready``: sorted set of queued messages, scored by priority then timestamp (microseconds
   since 2020, exact in a double), members ``<arrival seq>:<id>`` so equal scores keep arrival
@@ -11,27 +12,34 @@ shard by agent. Per agent:
 - ``msg`` (id -> message JSON), ``meta`` (id -> expiry, attempts, acceptance, member, score,
   subscriber), ``expiry`` (ids by TTL end), ``dead`` (capped list), ``seq``.
 
-Across agents: ``mesh:total`` (messages held, for the broker-wide limit), ``mesh:queues`` (the
-agents with queues, for sweeping), ``mesh:agents`` (registrations), ``mesh:route:...``
-(which replica waits for an answer). Pub/sub tells the replicas what happened elsewhere:
-``mesh:wake`` (a message was queued for an agent: wake its local subscribers now, no
-polling), ``mesh:registry`` (an agent registered or left), ``mesh:answer:<replica>`` (an answer
-for a request waiting on that replica).
+Across agents, each key on its own and never inside a script: ``mesh:total`` counts the
+messages held for the broker-wide limit (a put reserves its place there before its script
+runs and gives it back when refused; whatever a script removes is given back after it; the
+sweeping replica corrects the count should a crashed replica have left it off), ``mesh:queues``
+(the agents with queues, for sweeping), ``mesh:agents`` (registrations), ``mesh:route:...``
+(which replica waits for an answer), ``mesh:replicas`` (heartbeats). Pub/sub tells the
+replicas what happened elsewhere: ``mesh:wake`` (a message was queued for an agent: wake its
+local subscribers now, no polling), ``mesh:registry`` (an agent registered or left),
+``mesh:answer:<replica>`` (an answer for a request waiting on that replica).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import secrets
+import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError, RedisError
 
 from mesh.core.errors import BrokerUnavailableError, MessageQueueFullError
 from mesh.core.model import AgentInfo, DeadLetter, Message, Priority, utc_now
@@ -49,12 +57,15 @@ AGENTS = "mesh:agents"
 REPLICAS = "mesh:replicas"
 REPLICA_TIMEOUT_MS = 3000
 """A replica that has not swept (and so beaten) for this long is gone."""
+RECONCILE_EVERY = 1.0
+"""Seconds between two comparisons of ``mesh:total`` with what the queues hold."""
 
 _COMMON = """
-local ready, leased, msgs, meta, expiry, dead, seqkey, total, queues =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
+local ready, leased, msgs, meta, expiry, dead, seqkey =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local gone = 0 -- messages that left the store: their places in mesh:total are given back
 local function drop(id)
-  if redis.call('HDEL', msgs, id) == 1 then redis.call('DECR', total) end
+  if redis.call('HDEL', msgs, id) == 1 then gone = gone + 1 end
   redis.call('HDEL', meta, id)
   redis.call('ZREM', expiry, id)
 end
@@ -98,24 +109,24 @@ local function give_back(id, now, max_attempts, why, at, max_dead, out)
     table.insert(out, {'requeued', id, sub, body, '', info.a})
   end
 end
+local function main()
 """
 
-_PUT = (
-    _COMMON
-    + """
-local id, body, score, expires, now, limit, total_limit = ARGV[1], ARGV[2], ARGV[3],
-  tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[9])
+_END = """
+end
+local result = main()
+return {gone, result}
+"""
+
+_PUT = """
+local id, body, score, expires, now, limit = ARGV[1], ARGV[2], ARGV[3],
+  tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 if redis.call('HEXISTS', msgs, id) == 1 then return {0, {}} end
 local out = {}
 if redis.call('HLEN', msgs) >= limit then
   expire_due(now, out)
   if redis.call('HLEN', msgs) >= limit then return {-1, out, redis.call('HLEN', msgs)} end
 end
-if tonumber(redis.call('GET', total) or '0') >= total_limit then
-  return {-2, out, tonumber(redis.call('GET', total) or '0')}
-end
-redis.call('INCR', total)
-redis.call('SADD', queues, ARGV[8])
 local member = string.format('%020d', redis.call('INCR', seqkey)) .. ':' .. id
 redis.call('ZADD', ready, score, member)
 redis.call('HSET', msgs, id, body)
@@ -125,11 +136,8 @@ redis.call('ZADD', expiry, expires, id)
 redis.call('PUBLISH', ARGV[7], ARGV[8])
 return {1, out}
 """
-)
 
-_LEASE = (
-    _COMMON
-    + """
+_LEASE = """
 local now, lease_end, subscriber = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local out = {}
 while true do
@@ -154,11 +162,8 @@ while true do
   end
 end
 """
-)
 
-_POP = (
-    _COMMON
-    + """
+_POP = """
 local now, most = tonumber(ARGV[1]), tonumber(ARGV[2])
 local out, popped = {}, {}
 while most <= 0 or #popped < most do
@@ -181,11 +186,8 @@ while most <= 0 or #popped < most do
 end
 return {popped, out}
 """
-)
 
-_ACK = (
-    _COMMON
-    + """
+_ACK = """
 local out = {}
 for i = 1, #ARGV do
   local id = ARGV[i]
@@ -197,11 +199,8 @@ for i = 1, #ARGV do
 end
 return out
 """
-)
 
-_NACK = (
-    _COMMON
-    + """
+_NACK = """
 local now, max_attempts, at, max_dead = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3],
   tonumber(ARGV[4])
 local out = {}
@@ -212,11 +211,8 @@ for i = 5, #ARGV do
 end
 return out
 """
-)
 
-_RELEASE = (
-    _COMMON
-    + """
+_RELEASE = """
 local now, max_attempts, at, max_dead, subscriber = tonumber(ARGV[1]), tonumber(ARGV[2]),
   ARGV[3], tonumber(ARGV[4]), ARGV[5]
 local out = {}
@@ -228,11 +224,8 @@ for _, id in ipairs(redis.call('ZRANGE', leased, 0, -1)) do
 end
 return out
 """
-)
 
-_SWEEP = (
-    _COMMON
-    + """
+_SWEEP = """
 local now, max_attempts, at, max_dead = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3],
   tonumber(ARGV[4])
 local out = {}
@@ -242,13 +235,13 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', leased, '-inf', now)) do
 end
 -- Leases held through a replica that stopped beating come back now, not at their end.
 if #ARGV > 4 then
-  local gone = {}
-  for i = 5, #ARGV do gone[ARGV[i]] = true end
+  local gone_replicas = {}
+  for i = 5, #ARGV do gone_replicas[ARGV[i]] = true end
   for _, id in ipairs(redis.call('ZRANGE', leased, 0, -1)) do
     local m = redis.call('HGET', meta, id)
     if m then
       local replica = string.match(cjson.decode(m).s, '#([^-#]+)%-%d+$')
-      if replica and gone[replica] then
+      if replica and gone_replicas[replica] then
         give_back(id, now, max_attempts, 'broker replica gone', at, max_dead, out)
       end
     end
@@ -256,11 +249,8 @@ if #ARGV > 4 then
 end
 return out
 """
-)
 
-_STATS = (
-    _COMMON
-    + """
+_STATS = """
 local out = {}
 expire_due(tonumber(ARGV[1]), out)
 local span = tonumber(ARGV[2])
@@ -270,10 +260,26 @@ return {
   redis.call('ZCOUNT', ready, 2 * span, '+inf'),
   redis.call('ZCARD', leased),
   redis.call('LLEN', dead),
+  redis.call('HLEN', msgs),
   out
 }
 """
-)
+
+SCRIPTS = {
+    name: _COMMON + body + _END
+    for name, body in (
+        ("put", _PUT),
+        ("lease", _LEASE),
+        ("pop", _POP),
+        ("ack", _ACK),
+        ("nack", _NACK),
+        ("release", _RELEASE),
+        ("sweep", _SWEEP),
+        ("stats", _STATS),
+    )
+}
+"""Each script answers ``{gone, result}``: how many messages left the store, and its result."""
+SHAS = {name: hashlib.sha1(source.encode()).hexdigest() for name, source in SCRIPTS.items()}
 
 
 def _unavailable(error: BaseException) -> BrokerUnavailableError:
@@ -283,18 +289,10 @@ def _unavailable(error: BaseException) -> BrokerUnavailableError:
 
 
 def _keys(agent_id: str) -> list[str]:
-    """One agent's keys (one hash slot: the agent id is the hash tag), then the broker-wide
-    counter and the set of queues. The scripts touch both, which a single Redis (or a
-    primary with replicas, or Sentinel) allows; on Redis Cluster the two broker-wide keys
-    would have to become per-shard."""
+    """One agent's keys, all in one hash slot: the agent id is the hash tag."""
     tag = "{" + agent_id + "}"
     return [
-        *(
-            f"mesh:{tag}:{part}"
-            for part in ("ready", "leased", "msg", "meta", "expiry", "dead", "seq")
-        ),
-        TOTAL,
-        QUEUES,
+        f"mesh:{tag}:{part}" for part in ("ready", "leased", "msg", "meta", "expiry", "dead", "seq")
     ]
 
 
@@ -311,8 +309,39 @@ def _score(message: Message) -> str:
     return str(message.priority.rank * RANK_SPAN + min(max(micros, 0), RANK_SPAN - 1))
 
 
+async def connect(url: str) -> Any:
+    """A client for the Redis the URL names: a cluster client when that Redis is a node of a
+    Redis Cluster (asked with ``INFO cluster``), the plain client otherwise."""
+    plain = aioredis.from_url(url, decode_responses=False)
+    try:
+        info = await plain.info("cluster")
+    except BaseException:
+        await plain.aclose()
+        raise
+    if not int(info.get("cluster_enabled", 0)):
+        return plain
+    await plain.aclose()
+    scheme, _, rest = url.partition("://")
+    address, _, query = rest.partition("?")
+    address = address.split("/", 1)[0]  # a cluster has only database 0
+    cluster = RedisCluster.from_url(
+        f"{scheme}://{address}" + (f"?{query}" if query else ""), decode_responses=False
+    )
+    await cluster.initialize()
+    return cluster
+
+
+@dataclass(slots=True)
+class _Put:
+    agent_id: str
+    args: list[Any]
+    total_limit: int
+    future: asyncio.Future[Any]
+
+
 class RedisQueueStore:
-    """Queues in Redis, shared by every broker replica that points at the same server."""
+    """Queues in Redis, shared by every broker replica that points at the same server or
+    cluster."""
 
     durable = True
     shared = True
@@ -341,68 +370,184 @@ class RedisQueueStore:
         )
         self.replica_id = secrets.token_hex(6)
         self.listener: Any = None
-        self._redis = aioredis.from_url(url, decode_responses=False)
-        self._scripts = {
-            name: self._redis.register_script(source)
-            for name, source in (
-                ("put", _PUT),
-                ("lease", _LEASE),
-                ("pop", _POP),
-                ("ack", _ACK),
-                ("nack", _NACK),
-                ("release", _RELEASE),
-                ("sweep", _SWEEP),
-                ("stats", _STATS),
-            )
-        }
+        self.cluster = False
+        """Whether the Redis is a cluster (known once connected)."""
+        self._redis: Any = None
+        self._connecting = asyncio.Lock()
         self._watcher: asyncio.Task[None] | None = None
         self._pubsub: Any = None
-        self._puts: list[tuple[list[str], list[Any], asyncio.Future[Any]]] = []
-        self._flushing: set[asyncio.Task[None]] = set()
+        self._puts: list[_Put] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._queues_known: set[str] = set()
+        self._unreleased = 0
+        self._releasing: asyncio.Task[None] | None = None
+        self._drift: list[int] = []
+        self._sampled = -RECONCILE_EVERY
 
     # -- plumbing --------------------------------------------------------------------------
 
-    async def _run(self, name: str, keys: list[str], args: Iterable[Any]) -> Any:
+    async def _client(self) -> Any:
+        if self._redis is not None:
+            return self._redis
+        async with self._connecting:
+            if self._redis is None:
+                try:
+                    self._redis = await connect(self.url)
+                except (RedisError, OSError) as error:
+                    raise _unavailable(error) from None
+                self.cluster = isinstance(self._redis, RedisCluster)
+        return self._redis
+
+    async def _load_scripts(self, client: Any) -> None:
+        for source in SCRIPTS.values():
+            await client.script_load(source)  # on a cluster: on every primary
+
+    async def _run(self, name: str, agent_id: str, args: Iterable[Any]) -> Any:
+        """Runs one script over one agent's keys; reports what it removed; its result."""
+        keys = _keys(agent_id)
+        args = list(args)
+        client = await self._client()
         try:
-            return await self._scripts[name](keys=keys, args=list(args))
+            try:
+                gone, result = await client.evalsha(SHAS[name], len(keys), *keys, *args)
+            except NoScriptError:  # a restarted or new node: load the scripts, once
+                await self._load_scripts(client)
+                gone, result = await client.evalsha(SHAS[name], len(keys), *keys, *args)
+        except (RedisError, OSError) as error:
+            raise _unavailable(error) from None
+        self._release(int(gone))
+        return result
+
+    async def _run_many(self, name: str, calls: list[tuple[str, list[Any]]]) -> list[Any]:
+        """Runs a script for many agents in one pipeline (on a cluster, one per node, side by
+        side); each answer is a result, or the exception that script raised."""
+        client = await self._client()
+        answers: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        for attempt in range(2):
+            try:
+                pipe = client.pipeline(transaction=False)
+                for i in todo:
+                    keys = _keys(calls[i][0])
+                    # (the cluster pipeline refuses evalsha by name, not the command itself:
+                    # every key of a call is in one slot, so it goes to that slot's node)
+                    pipe.execute_command("EVALSHA", SHAS[name], len(keys), *keys, *calls[i][1])
+                results = await pipe.execute(raise_on_error=False)
+            except (RedisError, OSError) as error:
+                raise _unavailable(error) from None
+            missing = []
+            for i, result in zip(todo, results, strict=True):
+                if isinstance(result, NoScriptError) and attempt == 0:
+                    missing.append(i)
+                elif isinstance(result, BaseException):
+                    answers[i] = _unavailable(result)
+                else:
+                    gone, answers[i] = result
+                    self._release(int(gone))
+            if not missing:
+                break
+            await self._load_scripts(client)
+            todo = missing
+        return answers
+
+    async def _call(self, method: str, *args: Any, **options: Any) -> Any:
+        client = await self._client()
+        try:
+            return await getattr(client, method)(*args, **options)
         except (RedisError, OSError) as error:
             raise _unavailable(error) from None
 
-    async def _call(self, method: str, *args: Any, **options: Any) -> Any:
-        try:
-            return await getattr(self._redis, method)(*args, **options)
-        except (RedisError, OSError) as error:
-            raise _unavailable(error) from None
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _now_ms(self) -> int:
         return int(self._wall().timestamp() * 1000)
 
-    def _report(self, agent_id: str, events: Iterable[Any]) -> int:
-        """Tells the listener what a script did; returns how many messages left the store."""
-        gone = 0
+    def _report(self, agent_id: str, events: Iterable[Any]) -> None:
+        """Tells the listener what a script did."""
         for event in events:
             kind = _text(event[0])
             message_id, subscriber, body = _text(event[1]), _text(event[2]), event[3]
             if subscriber and self.listener:
                 self.listener.on_released(Released(message_id, agent_id, subscriber))
+            if not self.listener:
+                continue
             if kind == "expired":
-                gone += 1
-                if self.listener:
-                    self.listener.on_expired(_message(body))
+                self.listener.on_expired(_message(body))
             elif kind == "dead":
-                gone += 1
-                if self.listener:
-                    self.listener.on_dead_letter(
-                        DeadLetter(
-                            message=_message(body),
-                            reason=_text(event[4]),
-                            attempts=int(event[5]),
-                            dead_lettered_at=self._wall(),
-                        )
+                self.listener.on_dead_letter(
+                    DeadLetter(
+                        message=_message(body),
+                        reason=_text(event[4]),
+                        attempts=int(event[5]),
+                        dead_lettered_at=self._wall(),
                     )
-            elif kind == "requeued" and self.listener:
+                )
+            elif kind == "requeued":
                 self.listener.on_redelivery(_message(body), int(event[5]) + 1)
-        return gone
+
+    # -- the broker-wide count -------------------------------------------------------------
+
+    def _release(self, count: int) -> None:
+        """Gives back places in ``mesh:total`` (messages that left, reservations unused): one
+        DECRBY for everything released in this loop iteration, off the caller's path."""
+        if count <= 0:
+            return
+        self._unreleased += count
+        if self._releasing is None or self._releasing.done():
+            self._releasing = asyncio.get_running_loop().create_task(self._flush_releases())
+
+    async def _flush_releases(self) -> None:
+        await asyncio.sleep(0)
+        while self._unreleased:
+            count, self._unreleased = self._unreleased, 0
+            try:
+                await (await self._client()).decrby(TOTAL, count)
+            except (RedisError, OSError, BrokerUnavailableError) as error:
+                self._unreleased += count  # given back by the next sweep
+                logger.warning("could not give back %d places in %s: %s", count, TOTAL, error)
+                return
+
+    async def _settle(self) -> None:
+        """Waits until every place released so far has been given back."""
+        if self._releasing is not None and not self._releasing.done():
+            await asyncio.shield(self._releasing)
+        if self._unreleased:
+            await self._flush_releases()
+
+    async def _reconcile(self) -> None:
+        """Corrects ``mesh:total`` to the messages the queues really hold when the two have
+        differed by the same amount in three samples a second apart (a replica killed between
+        a script and giving back its places leaves the count too high). Differences that come
+        and go are puts and acks in flight, and are left alone."""
+        now = time.monotonic()
+        if now - self._sampled < RECONCILE_EVERY:
+            return
+        self._sampled = now
+        await self._settle()
+        agents = sorted(_text(a) for a in await self._call("smembers", QUEUES))
+        client = await self._client()
+        try:
+            pipe = client.pipeline(transaction=False)
+            pipe.get(TOTAL)
+            for agent_id in agents:
+                pipe.hlen(_keys(agent_id)[2])
+            counted, *held = await pipe.execute()
+        except (RedisError, OSError) as error:
+            raise _unavailable(error) from None
+        difference = int(counted or 0) - sum(int(h) for h in held)
+        self._drift = [*self._drift[-2:], difference]
+        if len(self._drift) == 3 and difference != 0 and len(set(self._drift)) == 1:
+            logger.warning(
+                "%s counted %d messages where the queues hold %d; corrected",
+                TOTAL,
+                int(counted or 0),
+                int(counted or 0) - difference,
+            )
+            await self._call("decrby", TOTAL, difference)
+            self._drift = []
 
     # -- producing -------------------------------------------------------------------------
 
@@ -420,14 +565,12 @@ class RedisQueueStore:
             per_agent,
             WAKE,
             agent_id,
-            total,
         ]
-        result = await self._put(_keys(agent_id), args)
-        self._report(agent_id, result[1])
+        result = await self._put(agent_id, args, total)
         if int(result[0]) == -2:
             await self.sweep()  # expired messages elsewhere must not hold capacity
-            result = await self._run("put", _keys(agent_id), args)
-            self._report(agent_id, result[1])
+            result = await self._put(agent_id, args, total)
+        self._report(agent_id, result[1])
         status = int(result[0])
         for_low = " for LOW priority" if low else ""
         if status == -2:
@@ -444,49 +587,75 @@ class RedisQueueStore:
             )
         return status == 1
 
-    async def _put(self, keys: list[str], args: list[Any]) -> Any:
-        """Runs the put script, pipelined with the other puts of this loop iteration: a
-        batch (or concurrent senders) costs one round trip to Redis, in submission order."""
+    async def _put(self, agent_id: str, args: list[Any], total_limit: int) -> Any:
+        """Runs the put script, together with the other puts of this loop iteration: a batch
+        (or concurrent senders) costs two round trips to Redis, whatever its size."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._puts.append((keys, args, future))
+        self._puts.append(_Put(agent_id, args, total_limit, future))
         if len(self._puts) == 1:
             asyncio.get_running_loop().call_soon(self._flush_puts)
         return await future
 
     def _flush_puts(self) -> None:
         puts, self._puts = self._puts, []
-        task = asyncio.create_task(self._execute_puts(puts))
-        self._flushing.add(task)
-        task.add_done_callback(self._flushing.discard)
+        self._spawn(self._execute_puts(puts))
 
-    async def _execute_puts(self, puts: list[tuple[list[str], list[Any], Any]]) -> None:
+    async def _execute_puts(self, puts: list[_Put]) -> None:
         try:
-            if len(puts) == 1:
-                keys, args, _ = puts[0]
-                results = [await self._scripts["put"](keys=keys, args=args)]
-            else:
-                pipe = self._redis.pipeline(transaction=False)
-                for keys, args, _ in puts:
-                    await self._scripts["put"](keys=keys, args=args, client=pipe)
-                results = await pipe.execute(raise_on_error=False)
-        except (RedisError, OSError) as error:
-            failure = _unavailable(error)
-            results = [failure] * len(puts)
-        for (_, _, future), result in zip(puts, results, strict=True):
-            if future.done():
+            await self._reserve_and_put(puts)
+        except BaseException as error:  # no sender is ever left waiting
+            for put in puts:
+                if not put.future.done():
+                    put.future.set_exception(
+                        error if isinstance(error, BrokerUnavailableError) else _unavailable(error)
+                    )
+            if not isinstance(error, Exception):
+                raise
+
+    async def _reserve_and_put(self, puts: list[_Put]) -> None:
+        """Reserves places in the broker-wide count for the whole group, then runs the put
+        scripts of those that fit in one pipeline, in submission order; places not used
+        (refused, duplicates) are given back."""
+        try:
+            reserved_to = int(await self._call("incrby", TOTAL, len(puts)))
+        except BrokerUnavailableError as error:
+            for put in puts:
+                if not put.future.done():
+                    put.future.set_exception(error)
+            return
+        held = reserved_to - len(puts)
+        admitted: list[_Put] = []
+        for put in puts:
+            if held < put.total_limit:
+                admitted.append(put)
+                held += 1
+            elif not put.future.done():
+                put.future.set_result([-2, [], held])
+        unused = len(puts) - len(admitted)
+        new_queues = {p.agent_id for p in admitted} - self._queues_known
+        try:
+            if new_queues:
+                await self._call("sadd", QUEUES, *new_queues)
+                self._queues_known |= new_queues
+            results = await self._run_many("put", [(p.agent_id, p.args) for p in admitted])
+        except BrokerUnavailableError as error:
+            results = [error] * len(admitted)
+        for put, result in zip(admitted, results, strict=True):
+            if isinstance(result, BaseException) or int(result[0]) != 1:
+                unused += 1  # refused, a duplicate, or not run: its place goes back
+            if put.future.done():
                 continue
             if isinstance(result, BaseException):
-                if not isinstance(result, BrokerUnavailableError):
-                    result = _unavailable(result)
-                future.set_exception(result)
+                put.future.set_exception(result)
             else:
-                future.set_result(result)
+                put.future.set_result(result)
+        self._release(unused)
 
     # -- consuming -------------------------------------------------------------------------
 
     async def pop(self, agent_id: str, max_messages: int = 0) -> list[Popped]:
         now = self._now_ms()
-        popped, events = await self._run("pop", _keys(agent_id), [now, max_messages])
+        popped, events = await self._run("pop", agent_id, [now, max_messages])
         self._report(agent_id, events)
         return [
             Popped(_message(body), max(0.0, (now - float(_text(accepted))) / 1000))
@@ -496,7 +665,7 @@ class RedisQueueStore:
     async def lease(self, agent_id: str, subscriber: str, lease_seconds: float) -> Lease | None:
         now = self._now_ms()
         result = await self._run(
-            "lease", _keys(agent_id), [now, now + int(lease_seconds * 1000), subscriber]
+            "lease", agent_id, [now, now + int(lease_seconds * 1000), subscriber]
         )
         self._report(agent_id, result[1])
         if int(result[0]) == 0:
@@ -515,7 +684,7 @@ class RedisQueueStore:
         ids = list(message_ids)
         if not ids:
             return 0
-        acked = await self._run("ack", _keys(agent_id), ids)
+        acked = await self._run("ack", agent_id, ids)
         for message_id, subscriber in acked:
             if self.listener and subscriber:
                 self.listener.on_released(Released(_text(message_id), agent_id, _text(subscriber)))
@@ -530,66 +699,84 @@ class RedisQueueStore:
         ]
 
     async def nack(self, agent_id: str, message_ids: Iterable[str]) -> tuple[int, int]:
-        events = await self._run(
-            "nack", _keys(agent_id), [*self._return_args(), *list(message_ids)]
-        )
+        events = await self._run("nack", agent_id, [*self._return_args(), *list(message_ids)])
         self._report(agent_id, events)
         kinds = [_text(e[0]) for e in events]
         return kinds.count("requeued"), kinds.count("dead")
 
     async def release_subscriber(self, agent_id: str, subscriber: str) -> int:
-        events = await self._run("release", _keys(agent_id), [*self._return_args(), subscriber])
+        events = await self._run("release", agent_id, [*self._return_args(), subscriber])
         self._report(agent_id, events)
         return len(events)
 
     async def sweep(self) -> None:
-        gone = await self._beat()
-        for raw in await self._call("smembers", QUEUES):
-            agent_id = _text(raw)
-            events = await self._run("sweep", _keys(agent_id), [*self._return_args(), *gone])
+        gone, leader = await self._beat()
+        self._queues_known.clear()  # each queue is named to mesh:queues again once a sweep
+        agents = [_text(a) for a in await self._call("smembers", QUEUES)]
+        args = [*self._return_args(), *gone]
+        results = await self._run_many("sweep", [(agent_id, args) for agent_id in agents])
+        for agent_id, events in zip(agents, results, strict=True):
+            if isinstance(events, BaseException):
+                raise events
             self._report(agent_id, events)
+        await self._settle()
+        if leader:
+            await self._reconcile()
 
-    async def _beat(self) -> list[str]:
+    async def _beat(self) -> tuple[list[str], bool]:
         """Records that this replica is alive; returns the replicas that stopped beating
-        (forgetting them, once their leases are handed back by this sweep)."""
+        (forgetting them, once their leases are handed back by this sweep) and whether this
+        replica is the one that keeps the broker-wide count right (the live one with the
+        lowest id)."""
         now = self._now_ms()
         await self._call("hset", REPLICAS, self.replica_id, now + REPLICA_TIMEOUT_MS)
-        beats = await self._call("hgetall", REPLICAS)
-        gone = [_text(r) for r, until in beats.items() if int(until) < now]
+        beats = {
+            _text(r): int(until) for r, until in (await self._call("hgetall", REPLICAS)).items()
+        }
+        gone = [replica for replica, until in beats.items() if until < now]
         if gone:
             logger.warning("broker replicas gone: %s; their leases return", ", ".join(gone))
             await self._call("hdel", REPLICAS, *gone)
-        return gone
+        live = [replica for replica in beats if replica not in gone]
+        return gone, min(live, default=self.replica_id) == self.replica_id
 
     # -- reading ---------------------------------------------------------------------------
 
-    async def stats(self, agent_id: str | None = None) -> list[QueueStats]:
+    async def _agents(self, agent_id: str | None) -> list[str]:
         if agent_id is not None:
-            ids = [agent_id]
-        else:
-            ids = sorted(_text(a) for a in await self._call("smembers", QUEUES))
+            return [agent_id]
+        return sorted(_text(a) for a in await self._call("smembers", QUEUES))
+
+    async def _stats(self, agent_id: str | None) -> list[tuple[str, list[Any]]]:
+        agents = await self._agents(agent_id)
+        args = [self._now_ms(), RANK_SPAN]
+        results = await self._run_many("stats", [(aid, args) for aid in agents])
         out = []
-        for aid in ids:
-            high, medium, low, leased, dead, events = await self._run(
-                "stats", _keys(aid), [self._now_ms(), RANK_SPAN]
-            )
-            self._report(aid, events)
-            out.append(QueueStats(aid, int(high), int(medium), int(low), int(leased), int(dead)))
+        for aid, result in zip(agents, results, strict=True):
+            if isinstance(result, BaseException):
+                raise result
+            self._report(aid, result[-1])
+            out.append((aid, result))
         return out
 
+    async def stats(self, agent_id: str | None = None) -> list[QueueStats]:
+        return [
+            QueueStats(aid, int(high), int(medium), int(low), int(leased), int(dead))
+            for aid, (high, medium, low, leased, dead, _held, _events) in await self._stats(
+                agent_id
+            )
+        ]
+
     async def held(self) -> int:
-        return int(await self._call("get", TOTAL) or 0)
+        """Messages held (queued or leased) for every agent, counted queue by queue."""
+        return sum(int(result[5]) for _, result in await self._stats(None))
 
     async def depth(self, agent_id: str) -> int:
         return int(await self._call("zcard", _keys(agent_id)[0]))
 
     async def dead_letters(self, agent_id: str | None = None) -> list[DeadLetter]:
-        if agent_id is not None:
-            ids = [agent_id]
-        else:
-            ids = sorted(_text(a) for a in await self._call("smembers", QUEUES))
         out = []
-        for aid in ids:
+        for aid in await self._agents(agent_id):
             for raw in await self._call("lrange", _keys(aid)[5], 0, -1):
                 data = json.loads(raw)
                 out.append(
@@ -652,9 +839,13 @@ class RedisQueueStore:
     async def watch(self, listener: Any) -> None:
         """Follows the other replicas: wake-ups, registrations and answers for this one."""
         self.listener = listener
-        self._pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
-        await self._pubsub.subscribe(WAKE, REGISTRY, self._answers(self.replica_id))
+        await self._subscribe()
         self._watcher = asyncio.create_task(self._follow(listener), name="redis-watch")
+
+    async def _subscribe(self) -> None:
+        # On a cluster every node hears every PUBLISH: one connection to one node will do.
+        self._pubsub = (await self._client()).pubsub(ignore_subscribe_messages=True)
+        await self._pubsub.subscribe(WAKE, REGISTRY, self._answers(self.replica_id))
 
     async def _follow(self, listener: Any) -> None:
         answers = self._answers(self.replica_id)
@@ -673,16 +864,21 @@ class RedisQueueStore:
                         listener.on_answer(_message(data))
             except asyncio.CancelledError:
                 raise
-            except Exception:  # a lost connection: subscribe again and go on
+            except Exception:  # a lost connection (or node): subscribe again and go on
                 logger.exception("following the other replicas failed; retrying")
                 await asyncio.sleep(0.5)
                 with contextlib.suppress(Exception):
-                    await self._pubsub.subscribe(WAKE, REGISTRY, answers)
+                    await self._pubsub.aclose()
+                with contextlib.suppress(Exception):
+                    await self._subscribe()
 
     async def close(self) -> None:
-        if self._flushing:  # puts already sent to Redis get their answers
-            await asyncio.gather(*self._flushing, return_exceptions=True)
+        if self._tasks:  # puts already sent to Redis get their answers
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._redis is None:
+            return
         with contextlib.suppress(BrokerUnavailableError):
+            await self._settle()
             await self._call("hdel", REPLICAS, self.replica_id)
         if self._watcher is not None:
             self._watcher.cancel()
@@ -695,6 +891,8 @@ class RedisQueueStore:
 
     async def flush(self) -> None:
         """Removes every mesh key (for tests and benchmarks that reuse one server)."""
-        keys = [k async for k in self._redis.scan_iter(match="mesh:*")]
+        client = await self._client()
+        keys = [k async for k in client.scan_iter(match="mesh:*")]
         if keys:
-            await self._redis.delete(*keys)
+            await client.delete(*keys)
+        self._queues_known.clear()

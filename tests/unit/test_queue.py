@@ -1,7 +1,7 @@
 """The queue stores: order, TTL, capacity, leases, redelivery, dead letters.
 
-Every test runs against every store (in memory, and journalled to SQLite); the durable
-store's own tests (what survives a reopen) are at the end.
+Every test runs against every store (in memory, journalled to SQLite, on a Redis server and on
+a three-node Redis Cluster); the durable and Redis stores' own tests are at the end.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def recorder() -> Recorder:
 OPTIONS = {"max_messages_per_agent": 5, "max_total_messages": 8, "max_delivery_attempts": 3}
 
 
-@pytest.fixture(params=["memory", "sqlite", "redis"])
+@pytest.fixture(params=["memory", "sqlite", "redis", "redis-cluster"])
 async def store(
     request: pytest.FixtureRequest, tmp_path: Path, clock: FakeClock, recorder: Recorder
 ) -> AsyncIterator[QueueStore]:
@@ -91,7 +91,9 @@ async def store(
     else:
         from mesh.redis_store import RedisQueueStore
 
-        url = request.getfixturevalue("redis_url")
+        url = request.getfixturevalue(
+            "redis_url" if request.param == "redis" else "redis_cluster_url"
+        )
         # Redis keeps time by the wall clock: the fake clock drives a fake wall clock.
         made = RedisQueueStore(
             url, **OPTIONS, wall_clock=lambda: BASE + timedelta(seconds=clock.now)
@@ -292,6 +294,69 @@ async def test_low_priority_flood_leaves_room_for_high(store: QueueStore) -> Non
 
 
 # -- the durable store ---------------------------------------------------------------------
+
+
+@pytest.fixture(params=["redis", "redis-cluster"])
+def redis_store_url(request: pytest.FixtureRequest) -> str:
+    return str(
+        request.getfixturevalue("redis_url" if request.param == "redis" else "redis_cluster_url")
+    )
+
+
+async def test_redis_cluster_shards_the_queues_by_agent(redis_cluster_url: str) -> None:
+    import redis.asyncio as aioredis
+
+    from mesh.redis_store import RedisQueueStore
+
+    store = RedisQueueStore(redis_cluster_url, max_messages_per_agent=100)
+    agents = [f"Agent{n}" for n in range(12)]
+    try:
+        for agent in agents:
+            for i in range(3):
+                await store.put(msg(f"{agent}-{i}", to=agent, at=i), 3600)
+        assert store.cluster
+        # Each agent's queue lives whole on one node, and the agents spread over the nodes.
+        owners: dict[str, set[str]] = {}
+        client = await store._client()
+        for node in client.get_primaries():
+            plain = aioredis.Redis(host=node.host, port=node.port)
+            for key in await plain.keys("mesh:{*}:msg"):
+                owners.setdefault(key.decode(), set()).add(node.name)
+            await plain.aclose()
+        assert sorted(owners) == sorted(f"mesh:{{{agent}}}:msg" for agent in agents)
+        assert all(len(nodes) == 1 for nodes in owners.values())
+        assert len(set().union(*owners.values())) >= 2
+        for agent in agents:
+            assert await ids(store, agent) == [f"{agent}-{i}" for i in range(3)]
+        assert await store.held() == 0
+    finally:
+        await store.close()
+
+
+async def test_redis_total_count_left_too_high_is_corrected(
+    redis_store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mesh.redis_store import TOTAL, RedisQueueStore, connect
+
+    store = RedisQueueStore(redis_store_url, **OPTIONS)
+    try:
+        for i in range(3):
+            await store.put(msg(f"m{i}"), 3600)
+        # A replica killed between removing messages and giving their places back.
+        raw = await connect(redis_store_url)
+        await raw.incrby(TOTAL, 5)
+        with pytest.raises(MessageQueueFullError, match="hold 8 of their 8"):
+            await store.put(msg("x", to="HotelAgent"), 3600)
+        monkeypatch.setattr("mesh.redis_store.RECONCILE_EVERY", 0.0)
+        for _ in range(3):  # the same difference three samples running: corrected
+            await store.sweep()
+        assert int(await raw.get(TOTAL)) == 3
+        await raw.aclose()
+        for i in range(5):
+            assert await store.put(msg(f"h{i}", to="HotelAgent"), 3600)
+        assert await store.held() == 8
+    finally:
+        await store.close()
 
 
 async def test_reopened_store_has_every_accepted_message_in_order_with_its_state(
