@@ -27,6 +27,7 @@ from mesh import MessageType, connect
 from mesh.codec import message_to_pb
 from mesh.core.model import Message
 from mesh.loop import run as run_loop
+from mesh.testing import LocalRedis
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -461,49 +462,30 @@ async def measure_tracing_cost(s: Settings) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def redis_server(folder: str) -> Any:
-    """A redis-server of our own on a free port (None when it is not installed)."""
-    import shutil
-    import socket
-
-    binary = shutil.which("redis-server")
-    if binary is None:
-        yield None
+async def local_redis(folder: str) -> Any:
+    """A redis-server and a three-node Redis Cluster of our own on free ports (None, None when
+    Redis is not installed)."""
+    if LocalRedis.available():
+        yield None, None
         return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    process = await asyncio.create_subprocess_exec(
-        binary,
-        "--port",
-        str(port),
-        "--bind",
-        "127.0.0.1",
-        "--save",
-        "",
-        "--dir",
-        folder,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
+    single = await asyncio.to_thread(LocalRedis.start, Path(folder) / "redis")
     try:
-        for _ in range(100):
-            with contextlib.suppress(OSError):
-                _, writer = await asyncio.open_connection("127.0.0.1", port)
-                writer.close()
-                break
-            await asyncio.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
+        cluster = await asyncio.to_thread(LocalRedis.start_cluster, Path(folder) / "cluster")
+        try:
+            yield single.url, cluster.url
+        finally:
+            await asyncio.to_thread(cluster.stop)
     finally:
-        process.terminate()
-        await process.wait()
+        await asyncio.to_thread(single.stop)
 
 
-def store_urls(folder: str, redis_url: str | None) -> dict[str, str]:
+def store_urls(folder: str, redis_url: str | None, cluster_url: str | None) -> dict[str, str]:
     """The queue stores compared side by side."""
     urls = {"memory": "memory://", "sqlite": f"sqlite://{folder}/queues.db"}
     if redis_url:
         urls["redis"] = redis_url
+    if cluster_url:
+        urls["redis_cluster"] = cluster_url
     return urls
 
 
@@ -528,13 +510,14 @@ async def measure_stores(s: Settings) -> dict[str, Any]:
     """The same sends against a broker on each queue store, one store at a time: what
     durability and sharing cost. The durable store commits before it acknowledges, so its
     latency includes a commit (concurrent and batched sends share commits); the Redis store
-    runs a script in Redis per operation. Then one-way throughput with one broker replica
-    and with two on the same Redis."""
+    runs a script in Redis per operation (on a single Redis, and on a three-node Redis
+    Cluster where each agent's queue lives on one node). Then one-way throughput with one
+    broker replica and with two on the same Redis."""
     import tempfile
 
     folder = tempfile.mkdtemp(prefix="agentmesh-bench-store-")
-    async with redis_server(folder) as redis_url:
-        out = await _measure_stores(s, store_urls(folder, redis_url))
+    async with local_redis(folder) as (redis_url, cluster_url):
+        out = await _measure_stores(s, store_urls(folder, redis_url, cluster_url))
         if redis_url:
             out.update(await _measure_replicas(s, redis_url))
     return out

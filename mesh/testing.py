@@ -4,10 +4,21 @@ async with LocalMesh() as mesh:
     await mesh.add_agent(MyAgent("PaymentAgent"))
     async with mesh.client("tester") as client:
         reply = await client.request("PaymentAgent", {"action": "pay"})
+
+For the Redis store: ``LocalRedis.start(folder)`` runs a redis-server on a free port, and
+``LocalRedis.start_cluster(folder)`` a three-node Redis Cluster (both need the Debian package
+redis-server); ``.urls`` names their nodes, ``.stop()`` ends them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from mesh.agent import Agent, AgentServer, serve
@@ -91,3 +102,119 @@ class LocalMesh:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class LocalRedis:
+    """redis-server processes of our own on 127.0.0.1: one server, or the nodes of a cluster."""
+
+    urls: list[str]
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return self.urls[0]
+
+    @staticmethod
+    def available() -> str | None:
+        """Why a local Redis cannot run here (None when it can)."""
+        for tool, package in (("redis-server", "redis-server"), ("redis-cli", "redis-tools")):
+            if shutil.which(tool) is None:
+                return f"{tool} is not installed (Debian package {package})"
+        return None
+
+    @classmethod
+    def start(cls, folder: Path) -> LocalRedis:
+        started = cls([])
+        try:
+            started._node(folder)
+        except BaseException:
+            started.stop()
+            raise
+        return started
+
+    @classmethod
+    def start_cluster(cls, folder: Path, nodes: int = 3) -> LocalRedis:
+        """A Redis Cluster of ``nodes`` primaries sharing the 16384 slots, made by
+        ``redis-cli --cluster create`` and ready (``cluster_state:ok`` on every node)."""
+        started = cls([])
+        try:
+            for n in range(nodes):
+                started._node(
+                    folder / str(n),
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                    "--cluster-port",  # the bus; port + 10000 by default, maybe out of range
+                    str(free_port()),
+                )
+            addresses = [url.removeprefix("redis://").removesuffix("/0") for url in started.urls]
+            create = ["redis-cli", "--cluster", "create", *addresses, "--cluster-replicas", "0"]
+            subprocess.run(
+                [*create, "--cluster-yes"],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                timeout=60,
+            )
+            deadline = time.monotonic() + 30
+            while not all(_cluster_ok(address) for address in addresses):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the Redis Cluster did not come up")
+                time.sleep(0.1)
+        except BaseException:
+            started.stop()
+            raise
+        return started
+
+    def _node(self, folder: Path, *options: str) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+        process = subprocess.Popen(
+            [*command, "--dir", str(folder), *options],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.processes.append(process)
+        deadline = time.monotonic() + 10
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+                break
+            if time.monotonic() > deadline or process.poll() is not None:
+                raise RuntimeError(f"redis-server did not start on port {port}")
+            time.sleep(0.05)
+        self.urls.append(f"redis://127.0.0.1:{port}/0")
+
+    def flush(self) -> None:
+        """Empties every node."""
+        for url in self.urls:
+            subprocess.run(
+                ["redis-cli", "-u", url, "flushall"], check=True, stdout=subprocess.DEVNULL
+            )
+
+    def stop(self) -> None:
+        for process in self.processes:
+            process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _cluster_ok(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    info = subprocess.run(
+        ["redis-cli", "-h", host, "-p", port, "cluster", "info"], capture_output=True, text=True
+    ).stdout
+    return "cluster_state:ok" in info

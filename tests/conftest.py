@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -16,7 +11,7 @@ import pytest
 
 from gateway.embedded import EmbeddedMesh, start_embedded
 from mesh.config import BrokerConfig
-from mesh.testing import LocalMesh
+from mesh.testing import LocalMesh, LocalRedis
 
 _exit_status = 0
 
@@ -53,108 +48,41 @@ async def embedded(tmp_path: Path) -> AsyncIterator[EmbeddedMesh]:
         await running.stop(1.0)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _start_redis(folder: Path, *options: str) -> tuple[subprocess.Popen[bytes], int]:
-    """A redis-server in ``folder`` on a free port, once it takes connections."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (Debian package redis-server; .ci/run adds it)")
-    folder.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir"]
-    process = subprocess.Popen(
-        [*command, str(folder), *options],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 10
-    while True:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-            return process, port
-        if time.monotonic() > deadline or process.poll() is not None:
-            process.kill()
-            raise RuntimeError("redis-server did not start")
-        time.sleep(0.05)
-
-
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real redis-server on a free port for the session; its URL."""
-    process, port = _start_redis(tmp_path_factory.mktemp("redis"))
+    if why := LocalRedis.available():
+        pytest.skip(f"{why}; .ci/run adds it")
+    redis = LocalRedis.start(tmp_path_factory.mktemp("redis"))
     try:
-        yield f"redis://127.0.0.1:{port}/0"
+        yield redis.url
     finally:
-        process.terminate()
-        process.wait(10)
+        redis.stop()
 
 
 @pytest.fixture(scope="session")
-def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+def local_redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedis]:
     """A real three-node Redis Cluster (16384 slots over three primaries, made by
-    ``redis-cli --cluster create``) for the session; its nodes' URLs."""
-    if shutil.which("redis-cli") is None:
-        pytest.skip("redis-cli is not installed (Debian package redis-tools; .ci/run adds it)")
-    folder = tmp_path_factory.mktemp("redis-cluster")
-    nodes: list[tuple[subprocess.Popen[bytes], int]] = []
+    ``redis-cli --cluster create``) for the session."""
+    if why := LocalRedis.available():
+        pytest.skip(f"{why}; .ci/run adds it")
+    cluster = LocalRedis.start_cluster(tmp_path_factory.mktemp("redis-cluster"))
     try:
-        for n in range(3):
-            nodes.append(
-                _start_redis(
-                    folder / str(n),
-                    "--cluster-port",  # the bus: by default port + 10000, maybe out of range
-                    str(_free_port()),
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    "nodes.conf",
-                    "--cluster-node-timeout",
-                    "2000",
-                    "--appendonly",
-                    "no",
-                )
-            )
-        subprocess.run(
-            ["redis-cli", "--cluster", "create"]
-            + [f"127.0.0.1:{port}" for _, port in nodes]
-            + ["--cluster-replicas", "0", "--cluster-yes"],
-            check=True,
-            stdout=subprocess.DEVNULL,
-            timeout=60,
-        )
-        deadline = time.monotonic() + 30
-        while not all(_cluster_ok(port) for _, port in nodes):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the Redis Cluster did not come up")
-            time.sleep(0.1)
-        yield [f"redis://127.0.0.1:{port}/0" for _, port in nodes]
+        yield cluster
     finally:
-        for process, _ in nodes:
-            process.terminate()
-        for process, _ in nodes:
-            process.wait(10)
+        cluster.stop()
 
 
-def _cluster_ok(port: int) -> bool:
-    info = subprocess.run(
-        ["redis-cli", "-p", str(port), "cluster", "info"], capture_output=True, text=True
-    ).stdout
-    return "cluster_state:ok" in info
+@pytest.fixture
+def redis_cluster(local_redis_cluster: LocalRedis) -> list[str]:
+    """The session's Redis Cluster, emptied before the test; its nodes' URLs."""
+    local_redis_cluster.flush()
+    return local_redis_cluster.urls
 
 
 @pytest.fixture
 def redis_cluster_url(redis_cluster: list[str]) -> str:
     """The session's Redis Cluster, emptied before the test; the URL of one of its nodes."""
-    import redis
-
-    for url in redis_cluster:
-        client = redis.Redis.from_url(url)
-        client.flushall()
-        client.close()
     return redis_cluster[0]
 
 

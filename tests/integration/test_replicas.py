@@ -35,7 +35,6 @@ async def replicas(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Proc, 
         url = request.getfixturevalue("redis_url")
         urls = [url, url]
     else:
-        request.getfixturevalue("redis_cluster_url")
         urls = request.getfixturevalue("redis_cluster")[:2]
     a = await start_replica(urls[0])
     b = await start_replica(urls[1])
