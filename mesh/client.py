@@ -183,6 +183,9 @@ class _Session:
                         waiter.set_result(frame)
                 elif frame.HasField("delivery") and self.deliveries is not None:
                     await self.deliveries.put(codec.delivery_from_pb(frame.delivery))
+                elif frame.HasField("deliveries") and self.deliveries is not None:
+                    for delivery in frame.deliveries.deliveries:
+                        await self.deliveries.put(codec.delivery_from_pb(delivery))
                 elif frame.HasField("error"):
                     error = codec.error_from_pb(frame.error)
                     logger.warning("the broker refused a frame: %s: %s", error.code, error.message)
@@ -295,14 +298,17 @@ class Received:
         self.done = False
 
     async def ack(self) -> None:
+        """Acknowledges the message. The ack goes out with the others of this moment in one
+        frame, without waiting for it; closing the subscription sends what is pending."""
         if not self.done:
             self.done = True
-            await self._subscription._settle("ack", self.message.message_id)
+            self._subscription._settle("ack", self.message.message_id)
 
     async def nack(self) -> None:
+        """Hands the message back for redelivery (sent like acks)."""
         if not self.done:
             self.done = True
-            await self._subscription._settle("nack", self.message.message_id)
+            self._subscription._settle("nack", self.message.message_id)
 
     async def answer(self, answer: Message) -> None:
         """Sends the answer to this request on the subscription's own stream, fire-and-forget;
@@ -343,6 +349,9 @@ class ClientSubscription:
         self.reconnects = 0
         self._session: _Session | None = None
         self._closed = False
+        self._settled: dict[str, list[str]] = {"ack": [], "nack": []}
+        self._settling: asyncio.Task[None] | None = None
+        self._settlers: set[asyncio.Task[None]] = set()
 
     async def start(self) -> ClientSubscription:
         session = _Session(self.client._stub)
@@ -352,6 +361,7 @@ class ClientSubscription:
         frame = broker_pb2.ConnectRequest()
         frame.subscribe.agent_id = self.agent_id
         frame.subscribe.max_in_flight = self.max_in_flight
+        frame.subscribe.max_batch = self.max_in_flight  # whatever is ready comes in one frame
         codec.seconds_to_duration(self.lease_seconds, frame.subscribe.lease)
         try:
             await session.call(frame, timeout=self.client.default_timeout)
@@ -430,19 +440,38 @@ class ClientSubscription:
             if loop.time() >= give_up:
                 raise failure
 
-    async def _settle(self, kind: str, message_id: str) -> None:
-        if self._session is None or self._session.closed:
-            return  # the broker returns the lease by itself when the session ends
-        frame = broker_pb2.ConnectRequest()
-        target = frame.ack if kind == "ack" else frame.nack
-        target.agent_id = self.agent_id
-        target.message_ids.append(message_id)
-        with contextlib.suppress(MeshError):
-            await self._session.write(frame)
+    def _settle(self, kind: str, message_id: str) -> None:
+        """Queues an ack or nack; one task writes all of those queued in the meantime as one
+        frame each (AckRequest and NackRequest carry many ids)."""
+        self._settled[kind].append(message_id)
+        if self._settling is None:
+            self._settling = asyncio.get_running_loop().create_task(self._write_settled())
+            self._settlers.add(self._settling)
+            self._settling.add_done_callback(self._settlers.discard)
+
+    async def _write_settled(self) -> None:
+        await asyncio.sleep(0)  # the acks of this moment join
+        session = self._session
+        settled, self._settled = self._settled, {"ack": [], "nack": []}
+        self._settling = None
+        if session is None or session.closed:
+            return  # the broker returns the leases by itself when the session ends
+        for kind, message_ids in settled.items():
+            if not message_ids:
+                continue
+            frame = broker_pb2.ConnectRequest()
+            target = frame.ack if kind == "ack" else frame.nack
+            target.agent_id = self.agent_id
+            target.message_ids.extend(message_ids)
+            with contextlib.suppress(MeshError):
+                await session.write(frame)
 
     async def close(self) -> None:
-        """Ends the subscription; unacknowledged messages go back to the queue."""
+        """Ends the subscription, after sending the acks and nacks still queued;
+        unacknowledged messages go back to the queue."""
         self._closed = True
+        if self._settlers:
+            await asyncio.gather(*list(self._settlers), return_exceptions=True)
         if self._session is not None:
             await self._session.close()
 

@@ -138,11 +138,12 @@ return {1, out}
 """
 
 _LEASE = """
-local now, lease_end, subscriber = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
-local out = {}
-while true do
+local now, lease_end, subscriber, most = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3],
+  tonumber(ARGV[4])
+local out, leases = {}, {}
+while #leases < most do
   local first = redis.call('ZRANGE', ready, 0, 0)
-  if #first == 0 then return {0, out} end
+  if #first == 0 then break end
   local member = first[1]
   local id = string.sub(member, 22)
   redis.call('ZREM', ready, member)
@@ -157,10 +158,11 @@ while true do
       info.s = subscriber
       redis.call('HSET', meta, id, cjson.encode(info))
       redis.call('ZADD', leased, lease_end, id)
-      return {1, out, redis.call('HGET', msgs, id), info.a, tostring(info.c)}
+      table.insert(leases, {redis.call('HGET', msgs, id), info.a, tostring(info.c)})
     end
   end
 end
+return {leases, out}
 """
 
 _POP = """
@@ -663,22 +665,29 @@ class RedisQueueStore:
         ]
 
     async def lease(self, agent_id: str, subscriber: str, lease_seconds: float) -> Lease | None:
+        leases = await self.lease_many(agent_id, subscriber, lease_seconds, 1)
+        return leases[0] if leases else None
+
+    async def lease_many(
+        self, agent_id: str, subscriber: str, lease_seconds: float, most: int
+    ) -> list[Lease]:
         now = self._now_ms()
-        result = await self._run(
-            "lease", agent_id, [now, now + int(lease_seconds * 1000), subscriber]
+        leases, events = await self._run(
+            "lease", agent_id, [now, now + int(lease_seconds * 1000), subscriber, most]
         )
-        self._report(agent_id, result[1])
-        if int(result[0]) == 0:
-            return None
-        accepted = float(_text(result[4]))
-        return Lease(
-            message=_message(result[2]),
-            agent_id=agent_id,
-            subscriber=subscriber,
-            attempt=int(result[3]),
-            lease_expires_at=datetime.fromtimestamp((now / 1000) + lease_seconds, UTC),
-            queued_seconds=max(0.0, (now - accepted) / 1000),
-        )
+        self._report(agent_id, events)
+        expires = datetime.fromtimestamp((now / 1000) + lease_seconds, UTC)
+        return [
+            Lease(
+                message=_message(body),
+                agent_id=agent_id,
+                subscriber=subscriber,
+                attempt=int(attempt),
+                lease_expires_at=expires,
+                queued_seconds=max(0.0, (now - float(_text(accepted))) / 1000),
+            )
+            for body, attempt, accepted in leases
+        ]
 
     async def ack(self, agent_id: str, message_ids: Iterable[str]) -> int:
         ids = list(message_ids)

@@ -14,7 +14,12 @@ from mesh import codec
 from mesh._status import abort
 from mesh.config import BrokerConfig, SecurityConfig, ServerConfig
 from mesh.core.broker import Broker, Subscription
-from mesh.core.errors import LimitExceededError, MeshError, MessageValidationError
+from mesh.core.errors import (
+    LimitExceededError,
+    MeshError,
+    MessageValidationError,
+    SessionClosedError,
+)
 from mesh.core.tools import ToolHost
 from mesh.security import check_frame, current_principal
 from mesh.serving import Malformed, MeshServer, start_server
@@ -24,6 +29,11 @@ logger = logging.getLogger("mesh.server")
 
 BROKER_SERVICE = broker_pb2.DESCRIPTOR.services_by_name["BrokerService"].full_name
 MAX_SESSION_REQUESTS = 10_000
+MAX_BATCH = 256
+"""Deliveries per `deliveries` frame at most, whatever a subscriber asks for."""
+BATCH_BYTES = 1024 * 1024
+"""A `deliveries` frame stops growing past this size (gRPC refuses frames over 4 MiB by
+default; one message may be up to max_message_bytes, 1 MiB by default)."""
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -430,12 +440,32 @@ class _Session:
         out = broker_pb2.ConnectResponse(seq=seq)
         out.accepted.SetInParent()
         await self.write(out)
-        self.pump = asyncio.create_task(self._pump(self.subscription), name="session-pump")
+        batch = min(max(request.max_batch, 1), MAX_BATCH)
+        self.pump = asyncio.create_task(self._pump(self.subscription, batch), name="session-pump")
 
-    async def _pump(self, sub: Subscription) -> None:
-        async for delivery in sub:
+    async def _pump(self, sub: Subscription, max_batch: int) -> None:
+        """Writes deliveries as they become ready: one per frame, or, when the subscriber
+        asked for batches, every ready one (up to max_batch and BATCH_BYTES) in one frame."""
+        while True:
+            try:
+                batch = await sub.next_batch(max_batch)
+            except SessionClosedError:
+                return
             frame = broker_pb2.ConnectResponse()
-            codec.delivery_to_pb(delivery, frame.delivery)
+            if len(batch) == 1:
+                codec.delivery_to_pb(batch[0], frame.delivery)
+                await self.write(frame)
+                continue
+            out, size = frame.deliveries.deliveries, 0
+            for delivery in batch:
+                added = codec.delivery_to_pb(delivery, out.add()).ByteSize()
+                if out and size and size + added > BATCH_BYTES:
+                    del out[-1]  # full: this one starts the next frame
+                    await self.write(frame)
+                    frame = broker_pb2.ConnectResponse()
+                    out, size = frame.deliveries.deliveries, 0
+                    codec.delivery_to_pb(delivery, out.add())
+                size += added
             await self.write(frame)
 
     async def _request(self, seq: int, request: broker_pb2.SessionRequest) -> None:

@@ -122,14 +122,20 @@ class Subscription:
 
     async def next(self) -> Delivery:
         """Waits for the next message and leases it to this subscription."""
+        return (await self.next_batch(1))[0]
+
+    async def next_batch(self, most: int) -> list[Delivery]:
+        """Waits until a message is ready, then leases it and up to ``most - 1`` more that
+        are ready too (within max_in_flight), in queue order; never waits for more."""
         while True:
             self._wake.clear()
             if self.closed:
                 raise SessionClosedError(f"subscription {self.subscription_id} is closed")
-            if len(self.in_flight) < self.max_in_flight:
-                delivery = await self.broker._lease(self)
-                if delivery is not None:
-                    return delivery
+            credit = self.max_in_flight - len(self.in_flight)
+            if credit > 0:
+                batch = await self.broker._lease_many(self, min(most, credit))
+                if batch:
+                    return batch
             await self._wake.wait()
 
     async def close(self) -> None:
@@ -771,15 +777,24 @@ class Broker:
         self._by_subscription[sub.subscription_id] = sub
         return sub
 
-    async def _lease(self, sub: Subscription) -> Delivery | None:
-        lease = await self.store.lease(sub.agent_id, sub.subscription_id, sub.lease_seconds)
-        if lease is None:
-            return None
-        sub.in_flight.add(lease.message.message_id)
+    async def _lease_many(self, sub: Subscription, most: int) -> list[Delivery]:
+        if most == 1:  # the common case, without the list the store would build
+            lease = await self.store.lease(sub.agent_id, sub.subscription_id, sub.lease_seconds)
+            leases = [] if lease is None else [lease]
+        else:
+            leases = await self.store.lease_many(
+                sub.agent_id, sub.subscription_id, sub.lease_seconds, most
+            )
+        if not leases:
+            return []
         self._dirty.add(sub.agent_id)
-        self.metrics.delivered("subscription")
-        message = self._observe_delivery(lease.message, lease.queued_seconds)
-        return Delivery(message, lease.attempt, lease.lease_expires_at)
+        deliveries = []
+        for lease in leases:
+            sub.in_flight.add(lease.message.message_id)
+            self.metrics.delivered("subscription")
+            message = self._observe_delivery(lease.message, lease.queued_seconds)
+            deliveries.append(Delivery(message, lease.attempt, lease.lease_expires_at))
+        return deliveries
 
     async def _unsubscribe(self, sub: Subscription) -> None:
         subs = self._subscriptions.get(sub.agent_id, [])

@@ -113,6 +113,12 @@ class QueueStore(Protocol):
         """Leases the next message to a subscriber, or returns None when none is waiting."""
         ...
 
+    async def lease_many(
+        self, agent_id: str, subscriber: str, lease_seconds: float, most: int
+    ) -> list[Lease]:
+        """Leases up to ``most`` waiting messages, in queue order, in one operation."""
+        ...
+
     async def ack(self, agent_id: str, message_ids: Iterable[str]) -> int:
         """Releases leased messages for good; returns how many were leased."""
         ...
@@ -491,6 +497,17 @@ class InMemoryQueueStore:
             lease_expires_at=self._wall() + timedelta(seconds=lease_seconds),
             queued_seconds=now - entry.accepted_at,
         )
+
+    async def lease_many(
+        self, agent_id: str, subscriber: str, lease_seconds: float, most: int
+    ) -> list[Lease]:
+        leases: list[Lease] = []
+        while len(leases) < most:
+            lease = await self.lease(agent_id, subscriber, lease_seconds)
+            if lease is None:
+                break
+            leases.append(lease)
+        return leases
 
     async def ack(self, agent_id: str, message_ids: Iterable[str]) -> int:
         queue = self._queues.get(agent_id)

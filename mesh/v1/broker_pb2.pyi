@@ -411,10 +411,16 @@ class SubscribeRequest(_message.Message):
     AGENT_ID_FIELD_NUMBER: _builtins.int
     MAX_IN_FLIGHT_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
+    MAX_BATCH_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     """The agent whose messages are delivered."""
     max_in_flight: _builtins.int
     """How many deliveries may be unacknowledged at once; 0 means the broker default (64)."""
+    max_batch: _builtins.int
+    """On a Connect session: how many messages that are ready at once the broker may put in
+    one `deliveries` frame (still within max_in_flight). 0 or 1: one `delivery` frame per
+    message, the only shape a client that leaves this unset ever sees.
+    """
     @_builtins.property
     def lease(self) -> _duration_pb2.Duration:
         """How long a delivery stays leased before it is redelivered; unset means the broker
@@ -427,10 +433,11 @@ class SubscribeRequest(_message.Message):
         agent_id: _builtins.str = ...,
         max_in_flight: _builtins.int = ...,
         lease: _duration_pb2.Duration | None = ...,
+        max_batch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "lease", b"lease", "max_in_flight", b"max_in_flight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "lease", b"lease", "max_batch", b"max_batch", "max_in_flight", b"max_in_flight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1331,6 +1338,7 @@ class ConnectResponse(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     RECEIVED_FIELD_NUMBER: _builtins.int
     GATHERED_FIELD_NUMBER: _builtins.int
+    DELIVERIES_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """The seq of the client frame this answers; 0 on deliveries."""
     @_builtins.property
@@ -1357,6 +1365,12 @@ class ConnectResponse(_message.Message):
     def gathered(self) -> Global___GatherResponse:
         """One agent's outcome of a `gather` frame."""
 
+    @_builtins.property
+    def deliveries(self) -> Global___Deliveries:
+        """Several messages for the subscribed agent, in delivery order (only when the
+        subscription asked for max_batch above 1).
+        """
+
     def __init__(
         self,
         *,
@@ -1367,13 +1381,38 @@ class ConnectResponse(_message.Message):
         error: Global___Error | None = ...,
         received: Global___ReceiveMessagesResponse | None = ...,
         gathered: Global___GatherResponse | None = ...,
+        deliveries: Global___Deliveries | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "delivery", b"delivery", "error", b"error", "frame", b"frame", "gathered", b"gathered", "received", b"received", "response", b"response"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "deliveries", b"deliveries", "delivery", b"delivery", "error", b"error", "frame", b"frame", "gathered", b"gathered", "received", b"received", "response", b"response"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "delivery", b"delivery", "error", b"error", "frame", b"frame", "gathered", b"gathered", "received", b"received", "response", b"response", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "deliveries", b"deliveries", "delivery", b"delivery", "error", b"error", "frame", b"frame", "gathered", b"gathered", "received", b"received", "response", b"response", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["accepted", "delivery", "response", "error", "received", "gathered"]  # noqa: Y015
+    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["accepted", "delivery", "response", "error", "received", "gathered", "deliveries"]  # noqa: Y015
     _WhichOneofArgType_frame: _TypeAlias = _typing.Literal["frame", b"frame"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_frame) -> _WhichOneofReturnType_frame | None: ...
 
 Global___ConnectResponse: _TypeAlias = ConnectResponse  # noqa: Y015
+
+@_typing.final
+class Deliveries(_message.Message):
+    """Deliveries are messages pushed to a subscriber together."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DELIVERIES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def deliveries(self) -> _containers.RepeatedCompositeFieldContainer[Global___Delivery]:
+        """The deliveries, in the order the queue gave them."""
+
+    def __init__(
+        self,
+        *,
+        deliveries: _abc.Iterable[Global___Delivery] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deliveries", b"deliveries"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Deliveries: _TypeAlias = Deliveries  # noqa: Y015

@@ -267,3 +267,102 @@ async def test_gather_streams_answers_and_names_the_silent(mesh: LocalMesh) -> N
         # Every copy was a BROADCAST with the same id, answered under that id.
         assert seen[0].response.correlation_id == seen[1].response.correlation_id
         assert mesh.broker is not None and mesh.broker.pending_requests == 0
+
+
+async def _connect_subscribed(
+    stub: broker_pb2_grpc.BrokerServiceStub, agent_id: str, **subscribe: int
+) -> grpc.aio.StreamStreamCall:
+    call = stub.Connect()
+    request = broker_pb2.ConnectRequest(seq=1)
+    request.subscribe.agent_id = agent_id
+    for name, value in subscribe.items():
+        setattr(request.subscribe, name, value)
+    await call.write(request)
+    accepted = await call.read()
+    assert accepted.seq == 1 and accepted.WhichOneof("frame") == "accepted"
+    return call
+
+
+async def test_a_session_that_asks_for_batches_gets_what_is_ready_in_one_frame(
+    mesh: LocalMesh,
+) -> None:
+    async with mesh.client("sender") as client, grpc.aio.insecure_channel(mesh.address) as channel:
+        await client.register("Worker")
+        sent = [await client.send("Worker", {"action": "work", "i": i}) for i in range(5)]
+        urgent = await client.send("Worker", {"action": "urgent"}, priority="HIGH")
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        # Five of the six fit the subscriber's max_in_flight: one frame, in queue order.
+        call = await _connect_subscribed(stub, "Worker", max_in_flight=5, max_batch=64)
+        frame = await call.read()
+        assert frame.WhichOneof("frame") == "deliveries"
+        got = [d.message.message_id for d in frame.deliveries.deliveries]
+        assert got == [urgent.message_id] + [m.message_id for m in sent[:4]]
+        assert all(d.delivery_attempt == 1 for d in frame.deliveries.deliveries)
+        # Acking one frees one place: the last message comes alone, as a plain delivery.
+        ack = broker_pb2.ConnectRequest()
+        ack.ack.agent_id = "Worker"
+        ack.ack.message_ids.append(urgent.message_id)
+        await call.write(ack)
+        frame = await call.read()
+        assert frame.WhichOneof("frame") == "delivery"
+        assert frame.delivery.message.message_id == sent[4].message_id
+        call.cancel()
+
+
+async def test_a_session_that_does_not_ask_for_batches_gets_one_delivery_per_frame(
+    mesh: LocalMesh,
+) -> None:
+    async with mesh.client("sender") as client, grpc.aio.insecure_channel(mesh.address) as channel:
+        await client.register("Worker")
+        sent = [await client.send("Worker", {"action": "work", "i": i}) for i in range(3)]
+        call = await _connect_subscribed(broker_pb2_grpc.BrokerServiceStub(channel), "Worker")
+        frames = [await call.read() for _ in range(3)]
+        assert [f.WhichOneof("frame") for f in frames] == ["delivery"] * 3
+        assert [f.delivery.message.message_id for f in frames] == [m.message_id for m in sent]
+        call.cancel()
+
+
+async def test_batches_are_split_before_they_grow_past_a_mebibyte(mesh: LocalMesh) -> None:
+    async with mesh.client("sender") as client, grpc.aio.insecure_channel(mesh.address) as channel:
+        await client.register("Worker")
+        blob = "x" * 300_000
+        sent = [await client.send("Worker", {"action": "work", "blob": blob}) for _ in range(7)]
+        call = await _connect_subscribed(
+            broker_pb2_grpc.BrokerServiceStub(channel), "Worker", max_in_flight=64, max_batch=64
+        )
+        got: list[str] = []
+        sizes = []
+        while len(got) < len(sent):
+            frame = await call.read()
+            sizes.append(frame.ByteSize())
+            batch = (
+                frame.deliveries.deliveries
+                if frame.WhichOneof("frame") == "deliveries"
+                else [frame.delivery]
+            )
+            got.extend(d.message.message_id for d in batch)
+        assert got == [m.message_id for m in sent]
+        assert len(sizes) >= 3 and all(size <= 1024 * 1024 + 1024 for size in sizes)
+        call.cancel()
+
+
+async def test_acks_sent_together_release_every_message_and_closing_sends_the_last_ones(
+    mesh: LocalMesh,
+) -> None:
+    async with mesh.client("sender") as client, mesh.client("Worker") as worker:
+        await client.register("Worker")
+        batch = await client.send_batch(
+            [client.build("Worker", {"action": "w"}) for _ in range(50)]
+        )
+        sub = worker.subscribe("Worker", max_in_flight=64)
+        received = []
+        async for delivery in sub:
+            received.append(delivery.message.message_id)
+            await delivery.ack()
+            if len(received) == 50:
+                break
+        await sub.close()  # the acks still queued go out before the session ends
+        assert received == [m.message_id for m in batch]
+        [queue] = (await client.queue_stats("Worker")).agents
+        assert (queue.depth, queue.in_flight) == (0, 0)
+        assert await client.receive("Worker") == []  # nothing came back for redelivery

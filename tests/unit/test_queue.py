@@ -259,6 +259,26 @@ async def test_dead_letter_after_max_attempts(store: QueueStore, recorder: Recor
     assert stats.dead_letters == 1
 
 
+async def test_lease_many_takes_what_is_ready_in_queue_order(
+    store: QueueStore, clock: FakeClock, recorder: Recorder
+) -> None:
+    await store.put(msg("low", priority=Priority.LOW, at=0), 3600)
+    await store.put(msg("old", at=1), 10)
+    await store.put(msg("m1", at=2), 3600)
+    await store.put(msg("high", priority=Priority.HIGH, at=3), 3600)
+    await store.put(msg("m2", at=4), 3600)
+    clock.advance(11)  # "old" expired: skipped and reported, never leased
+    leases = await store.lease_many("PaymentAgent", "sub-1", 30, 3)
+    assert [lease.message.message_id for lease in leases] == ["high", "m1", "m2"]
+    assert all(lease.attempt == 1 and lease.subscriber == "sub-1" for lease in leases)
+    assert [m.message_id for m in recorder.expired] == ["old"]
+    rest = await store.lease_many("PaymentAgent", "sub-1", 30, 10)
+    assert [lease.message.message_id for lease in rest] == ["low"]
+    assert await store.lease_many("PaymentAgent", "sub-1", 30, 10) == []
+    [stats] = await store.stats("PaymentAgent")
+    assert (stats.depth, stats.in_flight) == (0, 4)
+
+
 async def test_departed_subscriber_returns_its_leases(store: QueueStore) -> None:
     await store.put(msg("a", at=0), 3600)
     await store.put(msg("b", at=1), 3600)
