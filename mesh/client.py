@@ -46,6 +46,7 @@ from mesh.core.model import (
 )
 from mesh.security import open_channel
 from mesh.serving import GRPC_OPTIONS
+from mesh.streams import BATCH_HEADER, FrameWriter
 from mesh.tracing import inject, tracer
 from mesh.v1 import (
     agent_pb2,
@@ -151,15 +152,25 @@ def with_trace(message: Message) -> Message:
     return message if len(headers) == len(message.headers) else message.evolve(headers=headers)
 
 
+def _request_batch(frames: list[broker_pb2.ConnectRequest]) -> broker_pb2.ConnectRequest:
+    out = broker_pb2.ConnectRequest()
+    out.batch.frames.extend(frames)
+    return out
+
+
 class _Session:
     """One Connect stream: numbered frames out, answers matched back by seq."""
 
     def __init__(self, stub: broker_pb2_grpc.BrokerServiceStub) -> None:
-        self._call: Any = stub.Connect()  # type: ignore[call-arg]
+        # With the batch header the broker may answer with `batch` frames; frames this side
+        # has ready while a write is in flight go out together as one `batch` frame too.
+        self._call: Any = stub.Connect(metadata=((BATCH_HEADER, "1"),))  # type: ignore[call-arg]
+        self._writer: FrameWriter[broker_pb2.ConnectRequest] = FrameWriter(
+            self._call.write, _request_batch
+        )
         self._seq = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[broker_pb2.ConnectResponse]] = {}
         self._streams: dict[int, asyncio.Queue[Any]] = {}
-        self._write_lock = asyncio.Lock()
         self.deliveries: asyncio.Queue[Any] | None = None
         self.closed = False
         self.failure: MeshError | None = None
@@ -173,22 +184,11 @@ class _Session:
                 if frame is grpc.aio.EOF:
                     failure = BrokerUnavailableError("the broker ended the session")
                     break
-                if frame.seq:
-                    stream = self._streams.get(frame.seq)
-                    if stream is not None:
-                        stream.put_nowait(frame)
-                        continue
-                    waiter = self._waiting.pop(frame.seq, None)
-                    if waiter is not None and not waiter.done():
-                        waiter.set_result(frame)
-                elif frame.HasField("delivery") and self.deliveries is not None:
-                    await self.deliveries.put(codec.delivery_from_pb(frame.delivery))
-                elif frame.HasField("deliveries") and self.deliveries is not None:
-                    for delivery in frame.deliveries.deliveries:
-                        await self.deliveries.put(codec.delivery_from_pb(delivery))
-                elif frame.HasField("error"):
-                    error = codec.error_from_pb(frame.error)
-                    logger.warning("the broker refused a frame: %s: %s", error.code, error.message)
+                if frame.WhichOneof("frame") == "batch":
+                    for inner in frame.batch.frames:
+                        await self._take(inner)
+                else:
+                    await self._take(frame)
         except grpc.RpcError as error:
             failure = from_rpc_error(error)
             if failure.code == "CANCELLED" and self.closed:
@@ -197,6 +197,24 @@ class _Session:
             pass
         finally:
             self._fail(failure)
+
+    async def _take(self, frame: broker_pb2.ConnectResponse) -> None:
+        if frame.seq:
+            stream = self._streams.get(frame.seq)
+            if stream is not None:
+                stream.put_nowait(frame)
+                return
+            waiter = self._waiting.pop(frame.seq, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(frame)
+        elif frame.HasField("delivery") and self.deliveries is not None:
+            await self.deliveries.put(codec.delivery_from_pb(frame.delivery))
+        elif frame.HasField("deliveries") and self.deliveries is not None:
+            for delivery in frame.deliveries.deliveries:
+                await self.deliveries.put(codec.delivery_from_pb(delivery))
+        elif frame.HasField("error"):
+            error = codec.error_from_pb(frame.error)
+            logger.warning("the broker refused a frame: %s: %s", error.code, error.message)
 
     def _fail(self, failure: MeshError) -> None:
         self.closed = True
@@ -215,8 +233,7 @@ class _Session:
         if self.closed:
             raise self.failure or SessionClosedError("the session is closed")
         try:
-            async with self._write_lock:
-                await self._call.write(frame)
+            await self._writer.write(frame)
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
         except asyncio.InvalidStateError:
@@ -274,8 +291,7 @@ class _Session:
         up to ``grace`` seconds for the broker to end it, then cancels."""
         if not self.closed:
             with contextlib.suppress(Exception):
-                async with self._write_lock:
-                    await self._call.done_writing()
+                await self._writer.finish(self._call.done_writing)
             with contextlib.suppress(TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(asyncio.shield(self._reader), grace)
             self.closed = True

@@ -23,6 +23,7 @@ from mesh.core.errors import (
 from mesh.core.tools import ToolHost
 from mesh.security import check_frame, current_principal
 from mesh.serving import Malformed, MeshServer, start_server
+from mesh.streams import BATCH_HEADER, FrameWriter
 from mesh.v1 import broker_pb2, broker_pb2_grpc
 
 logger = logging.getLogger("mesh.server")
@@ -310,15 +311,18 @@ class _Session:
     def __init__(self, broker: Broker, context: Any) -> None:
         self.broker = broker
         self.context = context
-        self.write_lock = asyncio.Lock()
+        # Frames ready while a write is in flight go out together: as one `batch` frame to
+        # a client that opened the session with the header agentmesh-batch: 1.
+        self.writer: FrameWriter[broker_pb2.ConnectResponse] = FrameWriter(
+            context.write, _response_batch if _takes_batches(context) else None
+        )
         self.subscription: Subscription | None = None
         self.pump: asyncio.Task[None] | None = None
         self.tasks: set[asyncio.Task[None]] = set()
         self.principal = current_principal.get()
 
     async def write(self, frame: broker_pb2.ConnectResponse) -> None:
-        async with self.write_lock:
-            await self.context.write(frame)
+        await self.writer.write(frame)
 
     async def run(self, frames: AsyncIterator[broker_pb2.ConnectRequest]) -> None:
         try:
@@ -345,6 +349,13 @@ class _Session:
             return
         kind = frame.WhichOneof("frame")
         seq = frame.seq
+        if kind == "batch":
+            for inner in frame.batch.frames:
+                if inner.WhichOneof("frame") == "batch":
+                    await self._error(inner.seq, _invalid("batch", "a batch cannot hold a batch"))
+                else:
+                    await self._dispatch(inner)
+            return
         try:
             if not self.principal.admin:
                 check_frame(self.principal, frame)
@@ -478,6 +489,18 @@ class _Session:
         frame = broker_pb2.ConnectResponse(seq=seq)
         codec.message_to_pb(answer, frame.response)
         await self.write(frame)
+
+
+def _takes_batches(context: Any) -> bool:
+    return any(
+        key == BATCH_HEADER and value == "1" for key, value in context.invocation_metadata() or ()
+    )
+
+
+def _response_batch(frames: list[broker_pb2.ConnectResponse]) -> broker_pb2.ConnectResponse:
+    out = broker_pb2.ConnectResponse()
+    out.batch.frames.extend(frames)
+    return out
 
 
 async def serve_broker(

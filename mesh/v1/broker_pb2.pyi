@@ -1241,6 +1241,7 @@ class ConnectRequest(_message.Message):
     NACK_FIELD_NUMBER: _builtins.int
     RECEIVE_FIELD_NUMBER: _builtins.int
     GATHER_FIELD_NUMBER: _builtins.int
+    BATCH_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """Chosen by the client; the broker's answer to this frame carries the same seq."""
     @_builtins.property
@@ -1275,6 +1276,12 @@ class ConnectRequest(_message.Message):
         `accepted` when every agent answered or timed out.
         """
 
+    @_builtins.property
+    def batch(self) -> Global___ConnectRequestBatch:
+        """Several frames at once, handled in order exactly as if sent one by one (a batch
+        inside a batch is refused).
+        """
+
     def __init__(
         self,
         *,
@@ -1286,16 +1293,41 @@ class ConnectRequest(_message.Message):
         nack: Global___NackRequest | None = ...,
         receive: Global___ReceiveMessagesRequest | None = ...,
         gather: Global___GatherRequest | None = ...,
+        batch: Global___ConnectRequestBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "frame", b"frame", "gather", b"gather", "nack", b"nack", "receive", b"receive", "request", b"request", "send", b"send", "subscribe", b"subscribe"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "batch", b"batch", "frame", b"frame", "gather", b"gather", "nack", b"nack", "receive", b"receive", "request", b"request", "send", b"send", "subscribe", b"subscribe"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "frame", b"frame", "gather", b"gather", "nack", b"nack", "receive", b"receive", "request", b"request", "send", b"send", "seq", b"seq", "subscribe", b"subscribe"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "batch", b"batch", "frame", b"frame", "gather", b"gather", "nack", b"nack", "receive", b"receive", "request", b"request", "send", b"send", "seq", b"seq", "subscribe", b"subscribe"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["subscribe", "send", "request", "ack", "nack", "receive", "gather"]  # noqa: Y015
+    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["subscribe", "send", "request", "ack", "nack", "receive", "gather", "batch"]  # noqa: Y015
     _WhichOneofArgType_frame: _TypeAlias = _typing.Literal["frame", b"frame"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_frame) -> _WhichOneofReturnType_frame | None: ...
 
 Global___ConnectRequest: _TypeAlias = ConnectRequest  # noqa: Y015
+
+@_typing.final
+class ConnectRequestBatch(_message.Message):
+    """ConnectRequestBatch is client frames sent together."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FRAMES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def frames(self) -> _containers.RepeatedCompositeFieldContainer[Global___ConnectRequest]:
+        """The frames, in order."""
+
+    def __init__(
+        self,
+        *,
+        frames: _abc.Iterable[Global___ConnectRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["frames", b"frames"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConnectRequestBatch: _TypeAlias = ConnectRequestBatch  # noqa: Y015
 
 @_typing.final
 class Accepted(_message.Message):
@@ -1339,6 +1371,7 @@ class ConnectResponse(_message.Message):
     RECEIVED_FIELD_NUMBER: _builtins.int
     GATHERED_FIELD_NUMBER: _builtins.int
     DELIVERIES_FIELD_NUMBER: _builtins.int
+    BATCH_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """The seq of the client frame this answers; 0 on deliveries."""
     @_builtins.property
@@ -1371,6 +1404,12 @@ class ConnectResponse(_message.Message):
         subscription asked for max_batch above 1).
         """
 
+    @_builtins.property
+    def batch(self) -> Global___ConnectResponseBatch:
+        """Several frames at once, in order; only to sessions opened with the request header
+        `agentmesh-batch: 1`, when frames are ready faster than the stream takes them.
+        """
+
     def __init__(
         self,
         *,
@@ -1382,16 +1421,41 @@ class ConnectResponse(_message.Message):
         received: Global___ReceiveMessagesResponse | None = ...,
         gathered: Global___GatherResponse | None = ...,
         deliveries: Global___Deliveries | None = ...,
+        batch: Global___ConnectResponseBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "deliveries", b"deliveries", "delivery", b"delivery", "error", b"error", "frame", b"frame", "gathered", b"gathered", "received", b"received", "response", b"response"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "batch", b"batch", "deliveries", b"deliveries", "delivery", b"delivery", "error", b"error", "frame", b"frame", "gathered", b"gathered", "received", b"received", "response", b"response"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "deliveries", b"deliveries", "delivery", b"delivery", "error", b"error", "frame", b"frame", "gathered", b"gathered", "received", b"received", "response", b"response", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "batch", b"batch", "deliveries", b"deliveries", "delivery", b"delivery", "error", b"error", "frame", b"frame", "gathered", b"gathered", "received", b"received", "response", b"response", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["accepted", "delivery", "response", "error", "received", "gathered", "deliveries"]  # noqa: Y015
+    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["accepted", "delivery", "response", "error", "received", "gathered", "deliveries", "batch"]  # noqa: Y015
     _WhichOneofArgType_frame: _TypeAlias = _typing.Literal["frame", b"frame"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_frame) -> _WhichOneofReturnType_frame | None: ...
 
 Global___ConnectResponse: _TypeAlias = ConnectResponse  # noqa: Y015
+
+@_typing.final
+class ConnectResponseBatch(_message.Message):
+    """ConnectResponseBatch is broker frames sent together."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FRAMES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def frames(self) -> _containers.RepeatedCompositeFieldContainer[Global___ConnectResponse]:
+        """The frames, in order."""
+
+    def __init__(
+        self,
+        *,
+        frames: _abc.Iterable[Global___ConnectResponse] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["frames", b"frames"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConnectResponseBatch: _TypeAlias = ConnectResponseBatch  # noqa: Y015
 
 @_typing.final
 class Deliveries(_message.Message):

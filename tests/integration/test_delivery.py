@@ -366,3 +366,66 @@ async def test_acks_sent_together_release_every_message_and_closing_sends_the_la
         [queue] = (await client.queue_stats("Worker")).agents
         assert (queue.depth, queue.in_flight) == (0, 0)
         assert await client.receive("Worker") == []  # nothing came back for redelivery
+
+
+async def test_frames_sent_in_a_batch_are_handled_one_by_one_and_a_nested_batch_is_refused(
+    mesh: LocalMesh,
+) -> None:
+    async with mesh.client("sender") as client, grpc.aio.insecure_channel(mesh.address) as channel:
+        await client.register("Worker")
+        call = broker_pb2_grpc.BrokerServiceStub(channel).Connect()
+        frame = broker_pb2.ConnectRequest()
+        for seq in (1, 2):
+            inner = frame.batch.frames.add(seq=seq)
+            inner.send.from_agent = "sender"
+            inner.send.to_agent = "Worker"
+            inner.send.content.update({"action": "work", "n": seq})
+        frame.batch.frames.add(seq=3).batch.frames.add(seq=4)
+        await call.write(frame)
+        answers = [await call.read() for _ in range(3)]
+        assert [(a.seq, a.WhichOneof("frame")) for a in answers] == [
+            (1, "accepted"),
+            (2, "accepted"),
+            (3, "error"),
+        ]
+        assert answers[2].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert answers[2].error.message == "a batch cannot hold a batch"
+        queued = await client.receive("Worker")
+        assert [m.content["n"] for m in queued] == [1, 2]
+        call.cancel()
+
+
+async def test_a_session_that_takes_batches_gets_answers_together_under_load(
+    mesh: LocalMesh,
+) -> None:
+    @agent("EchoAgent")
+    async def echo(message: Message, ctx: AgentContext) -> dict:
+        return {"n": message.parameters["n"]}
+
+    await mesh.add_agent(echo, max_in_flight=64)
+    async with grpc.aio.insecure_channel(mesh.address) as channel:
+        call = broker_pb2_grpc.BrokerServiceStub(channel).Connect(
+            metadata=(("agentmesh-batch", "1"),)
+        )
+        frame = broker_pb2.ConnectRequest()
+        for seq in range(1, 101):
+            request = frame.batch.frames.add(seq=seq).request
+            request.message.from_agent = "caller"
+            request.message.to_agent = "EchoAgent"
+            request.message.message_id = f"req-{seq}"
+            request.message.message_type = message_pb2.MessageType.MESSAGE_TYPE_REQUEST
+            request.message.content.update({"action": "echo", "parameters": {"n": seq}})
+        await call.write(frame)
+        answered: dict[int, int] = {}
+        reads = 0
+        while len(answered) < 100:
+            got = await asyncio.wait_for(call.read(), 10)
+            reads += 1
+            frames = got.batch.frames if got.WhichOneof("frame") == "batch" else [got]
+            for one in frames:
+                assert one.WhichOneof("frame") == "response"
+                assert one.response.correlation_id == f"req-{one.seq}"
+                answered[one.seq] = int(one.response.content["n"])
+        assert answered == {seq: seq for seq in range(1, 101)}
+        assert reads < 100  # some answers shared a frame
+        call.cancel()

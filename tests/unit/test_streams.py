@@ -1,0 +1,126 @@
+"""FrameWriter: one write at a time; frames that queue up meanwhile go out together."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mesh.streams import FrameWriter
+
+
+class Stream:
+    """A stream whose writes finish when the test says so."""
+
+    def __init__(self) -> None:
+        self.written: list[object] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.fail: BaseException | None = None
+
+    async def write(self, frame: object) -> None:
+        await self.gate.wait()
+        if self.fail is not None:
+            raise self.fail
+        self.written.append(frame)
+
+
+def batch(frames: list[str]) -> tuple[str, ...]:
+    return tuple(frames)
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_a_lone_frame_is_written_at_once() -> None:
+    stream = Stream()
+    writer = FrameWriter(stream.write, batch)
+    await writer.write("a")
+    assert stream.written == ["a"]
+
+
+async def test_frames_given_during_a_write_go_out_together_in_order() -> None:
+    stream = Stream()
+    writer = FrameWriter(stream.write, batch)
+    stream.gate.clear()
+    first = asyncio.create_task(writer.write("a"))
+    await settle()
+    rest = [asyncio.create_task(writer.write(f)) for f in "bcd"]
+    await settle()
+    assert not any(t.done() for t in [first, *rest])
+    stream.gate.set()
+    await asyncio.gather(first, *rest)
+    assert stream.written == ["a", ("b", "c", "d")]
+
+
+async def test_without_a_batch_shape_frames_are_written_one_by_one() -> None:
+    stream = Stream()
+    writer: FrameWriter[str] = FrameWriter(stream.write)
+    stream.gate.clear()
+    tasks = [asyncio.create_task(writer.write(f)) for f in "abc"]
+    await settle()
+    stream.gate.set()
+    await asyncio.gather(*tasks)
+    assert stream.written == ["a", "b", "c"]
+
+
+async def test_batches_hold_at_most_most_frames() -> None:
+    stream = Stream()
+    writer = FrameWriter(stream.write, batch, most=2)
+    stream.gate.clear()
+    tasks = [asyncio.create_task(writer.write(f)) for f in "abcde"]
+    await settle()
+    stream.gate.set()
+    await asyncio.gather(*tasks)
+    assert stream.written == ["a", ("b", "c"), ("d", "e")]
+
+
+async def test_a_failed_write_fails_the_frames_waiting_behind_it() -> None:
+    stream = Stream()
+    writer = FrameWriter(stream.write, batch)
+    stream.gate.clear()
+    tasks = [asyncio.create_task(writer.write(f)) for f in "abc"]
+    await settle()
+    stream.fail = ConnectionResetError("the stream broke")
+    stream.gate.set()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert all(isinstance(r, ConnectionResetError) for r in results)
+    stream.fail = None
+    await writer.write("d")  # usable again
+    assert stream.written == ["d"]
+
+
+async def test_when_the_writing_task_is_cancelled_the_others_are_still_written() -> None:
+    stream = Stream()
+    writer = FrameWriter(stream.write, batch)
+    stream.gate.clear()
+    first = asyncio.create_task(writer.write("a"))
+    await settle()
+    rest = [asyncio.create_task(writer.write(f)) for f in "bc"]
+    await settle()
+    first.cancel()
+    stream.gate.set()
+    await asyncio.gather(*rest)
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert stream.written == [("b", "c")]
+
+
+async def test_finish_runs_after_every_frame_given_before_it() -> None:
+    stream = Stream()
+    writer = FrameWriter(stream.write, batch)
+    stream.gate.clear()
+    tasks = [asyncio.create_task(writer.write(f)) for f in "ab"]
+    await settle()
+
+    async def done() -> None:
+        stream.written.append("done")
+
+    finishing = asyncio.create_task(writer.finish(done))
+    await settle()
+    assert not finishing.done()
+    stream.gate.set()
+    await asyncio.gather(*tasks, finishing)
+    assert stream.written == ["a", "b", "done"]
