@@ -59,6 +59,9 @@ REPLICA_TIMEOUT_MS = 3000
 """A replica that has not swept (and so beaten) for this long is gone."""
 RECONCILE_EVERY = 1.0
 """Seconds between two comparisons of ``mesh:total`` with what the queues hold."""
+FAST_SHARE = 0.9
+"""Below this share of the broker-wide limit (by the count last seen), a put reserves its
+place in the same round trip as it runs; above it, it reserves first."""
 
 _COMMON = """
 local ready, leased, msgs, meta, expiry, dead, seqkey =
@@ -189,6 +192,22 @@ end
 return {popped, out}
 """
 
+_TAKE_BACK = """
+local out = {}
+for i = 1, #ARGV do
+  local m = redis.call('HGET', meta, ARGV[i])
+  if m then
+    local info = cjson.decode(m)
+    if info.s == '' then
+      redis.call('ZREM', ready, info.m)
+      drop(ARGV[i])
+      table.insert(out, ARGV[i])
+    end
+  end
+end
+return out
+"""
+
 _ACK = """
 local out = {}
 for i = 1, #ARGV do
@@ -273,6 +292,7 @@ SCRIPTS = {
         ("put", _PUT),
         ("lease", _LEASE),
         ("pop", _POP),
+        ("take_back", _TAKE_BACK),
         ("ack", _ACK),
         ("nack", _NACK),
         ("release", _RELEASE),
@@ -384,6 +404,7 @@ class RedisQueueStore:
         self._unreleased = 0
         self._releasing: asyncio.Task[None] | None = None
         self._drift: list[int] = []
+        self._seen_total = max_total_messages  # unknown: the first puts reserve first
         self._sampled = -RECONCILE_EVERY
 
     # -- plumbing --------------------------------------------------------------------------
@@ -420,15 +441,24 @@ class RedisQueueStore:
         self._release(int(gone))
         return result
 
-    async def _run_many(self, name: str, calls: list[tuple[str, list[Any]]]) -> list[Any]:
+    async def _run_many(
+        self,
+        name: str,
+        calls: list[tuple[str, list[Any]]],
+        before: list[tuple[Any, ...]] | None = None,
+    ) -> tuple[list[Any], list[Any]]:
         """Runs a script for many agents in one pipeline (on a cluster, one per node, side by
-        side); each answer is a result, or the exception that script raised."""
+        side), after the plain commands ``before``; returns their answers, and for each
+        script its result or the exception it raised."""
         client = await self._client()
         answers: list[Any] = [None] * len(calls)
         todo = list(range(len(calls)))
+        first: list[Any] = []
         for attempt in range(2):
             try:
                 pipe = client.pipeline(transaction=False)
+                for command in before if attempt == 0 and before else ():
+                    pipe.execute_command(*command)
                 for i in todo:
                     keys = _keys(calls[i][0])
                     # (the cluster pipeline refuses evalsha by name, not the command itself:
@@ -437,6 +467,11 @@ class RedisQueueStore:
                 results = await pipe.execute(raise_on_error=False)
             except (RedisError, OSError) as error:
                 raise _unavailable(error) from None
+            if attempt == 0 and before:
+                first, results = results[: len(before)], results[len(before) :]
+                for result in first:
+                    if isinstance(result, BaseException):
+                        raise _unavailable(result)
             missing = []
             for i, result in zip(todo, results, strict=True):
                 if isinstance(result, NoScriptError) and attempt == 0:
@@ -450,7 +485,7 @@ class RedisQueueStore:
                 break
             await self._load_scripts(client)
             todo = missing
-        return answers
+        return first, answers
 
     async def _call(self, method: str, *args: Any, **options: Any) -> Any:
         client = await self._client()
@@ -540,6 +575,7 @@ class RedisQueueStore:
         except (RedisError, OSError) as error:
             raise _unavailable(error) from None
         difference = int(counted or 0) - sum(int(h) for h in held)
+        self._seen_total = int(counted or 0)
         self._drift = [*self._drift[-2:], difference]
         if len(self._drift) == 3 and difference != 0 and len(set(self._drift)) == 1:
             logger.warning(
@@ -615,9 +651,28 @@ class RedisQueueStore:
                 raise
 
     async def _reserve_and_put(self, puts: list[_Put]) -> None:
-        """Reserves places in the broker-wide count for the whole group, then runs the put
-        scripts of those that fit in one pipeline, in submission order; places not used
-        (refused, duplicates) are given back."""
+        """Takes places in the broker-wide count for the group and runs the put scripts in
+        one pipeline, in submission order; places not used (refused, duplicates) are given
+        back. Far from the limit (by the count last seen) the reservation travels in the same
+        pipeline as the puts: one round trip. Near it, the places are reserved first and only
+        the puts that fit run, so the limit holds exactly however many replicas share it."""
+        calls = [(p.agent_id, p.args) for p in puts]
+        new_queues = sorted({p.agent_id for p in puts} - self._queues_known)
+        extra = [("SADD", QUEUES, *new_queues)] if new_queues else []
+        tightest = min(p.total_limit for p in puts)
+        if self._seen_total + len(puts) <= tightest * FAST_SHARE:
+            try:
+                (counted, *_), results = await self._run_many(
+                    "put", calls, [("INCRBY", TOTAL, len(puts)), *extra]
+                )
+            except BrokerUnavailableError as error:
+                self._settle_puts(puts, [error] * len(puts), 0)
+                return
+            self._seen_total = int(counted)
+            self._queues_known.update(new_queues)
+            taken = await self._take_back_over_limit(puts, results, int(counted))
+            self._settle_puts(puts, results, -taken)
+            return
         try:
             reserved_to = int(await self._call("incrby", TOTAL, len(puts)))
         except BrokerUnavailableError as error:
@@ -627,31 +682,78 @@ class RedisQueueStore:
             return
         held = reserved_to - len(puts)
         admitted: list[_Put] = []
+        refused: list[_Put] = []
         for put in puts:
             if held < put.total_limit:
                 admitted.append(put)
                 held += 1
-            elif not put.future.done():
+            else:
+                refused.append(put)
+        self._seen_total = held
+        self._release(len(refused))  # before their senders hear of it
+        for put in refused:
+            if not put.future.done():
                 put.future.set_result([-2, [], held])
-        unused = len(puts) - len(admitted)
-        new_queues = {p.agent_id for p in admitted} - self._queues_known
+        if not admitted:
+            return
         try:
-            if new_queues:
-                await self._call("sadd", QUEUES, *new_queues)
-                self._queues_known |= new_queues
-            results = await self._run_many("put", [(p.agent_id, p.args) for p in admitted])
+            _, results = await self._run_many(
+                "put", [(p.agent_id, p.args) for p in admitted], extra
+            )
+            self._queues_known.update(new_queues)
         except BrokerUnavailableError as error:
             results = [error] * len(admitted)
-        for put, result in zip(admitted, results, strict=True):
+        self._settle_puts(admitted, results, 0)
+
+    async def _take_back_over_limit(
+        self, puts: list[_Put], results: list[Any], counted: int
+    ) -> int:
+        """Other replicas filled the broker-wide count meanwhile and these puts went past
+        the limit: takes back those still queued (their senders are refused, as if they had
+        reserved first; one already delivered stays accepted). Returns how many."""
+        held = counted - len(puts)
+        over: dict[str, list[int]] = {}
+        for i, (put, result) in enumerate(zip(puts, results, strict=True)):
             if isinstance(result, BaseException) or int(result[0]) != 1:
-                unused += 1  # refused, a duplicate, or not run: its place goes back
+                continue
+            if held < put.total_limit:
+                held += 1
+            else:
+                over.setdefault(put.agent_id, []).append(i)
+        if not over:
+            return 0
+        agents = list(over)
+        try:
+            _, removed = await self._run_many(
+                "take_back", [(a, [puts[i].args[0] for i in over[a]]) for a in agents]
+            )
+        except BrokerUnavailableError:
+            return 0  # they stay accepted
+        taken = 0
+        for agent_id, ids in zip(agents, removed, strict=True):
+            if isinstance(ids, BaseException):
+                continue
+            gone = {_text(message_id) for message_id in ids}
+            for i in over[agent_id]:
+                if puts[i].args[0] in gone:
+                    results[i] = [-2, [], held]
+                    taken += 1
+        return taken
+
+    def _settle_puts(self, puts: list[_Put], results: list[Any], unused: int) -> None:
+        """Gives back the places of the puts that did not add a message (refused, duplicates,
+        not run), then answers each."""
+        for result in results:
+            if isinstance(result, BaseException) or int(result[0]) != 1:
+                unused += 1
+        self._release(unused)
+        for put, result in zip(puts, results, strict=True):
             if put.future.done():
                 continue
             if isinstance(result, BaseException):
                 put.future.set_exception(result)
             else:
                 put.future.set_result(result)
-        self._release(unused)
 
     # -- consuming -------------------------------------------------------------------------
 
@@ -723,7 +825,7 @@ class RedisQueueStore:
         self._queues_known.clear()  # each queue is named to mesh:queues again once a sweep
         agents = [_text(a) for a in await self._call("smembers", QUEUES)]
         args = [*self._return_args(), *gone]
-        results = await self._run_many("sweep", [(agent_id, args) for agent_id in agents])
+        _, results = await self._run_many("sweep", [(agent_id, args) for agent_id in agents])
         for agent_id, events in zip(agents, results, strict=True):
             if isinstance(events, BaseException):
                 raise events
@@ -759,7 +861,7 @@ class RedisQueueStore:
     async def _stats(self, agent_id: str | None) -> list[tuple[str, list[Any]]]:
         agents = await self._agents(agent_id)
         args = [self._now_ms(), RANK_SPAN]
-        results = await self._run_many("stats", [(aid, args) for aid in agents])
+        _, results = await self._run_many("stats", [(aid, args) for aid in agents])
         out = []
         for aid, result in zip(agents, results, strict=True):
             if isinstance(result, BaseException):

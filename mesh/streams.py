@@ -83,13 +83,19 @@ class FrameWriter(Generic[Frame]):
             while self._waiting:
                 waiting = self._waiting[: self.most]
                 del self._waiting[: self.most]
-                frames = [frame for frame, _ in waiting]
                 try:
-                    if self.combine is not None and len(frames) > 1:
-                        await self._write(self.combine(frames))
+                    if self.combine is not None and len(waiting) > 1:
+                        await self._write(self.combine([frame for frame, _ in waiting]))
+                        for _, future in waiting:
+                            if not future.done():
+                                future.set_result(None)
+                        waiting = []
                     else:
-                        for frame in frames:
-                            await self._write(frame)
+                        while waiting:
+                            await self._write(waiting[0][0])
+                            _, future = waiting.pop(0)
+                            if not future.done():
+                                future.set_result(None)
                 except asyncio.CancelledError:
                     self._waiting[:0] = waiting  # not known to be written: the next writer's
                     self._hand_over()
@@ -99,9 +105,6 @@ class FrameWriter(Generic[Frame]):
                         if not future.done():
                             future.set_exception(error)
                     raise
-                for _, future in waiting:
-                    if not future.done():
-                        future.set_result(None)
         except asyncio.CancelledError:
             raise
         except BaseException as error:  # the stream failed: what waits fails the same way

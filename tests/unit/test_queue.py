@@ -379,6 +379,32 @@ async def test_redis_total_count_left_too_high_is_corrected(
         await store.close()
 
 
+async def test_redis_total_limit_holds_across_replicas_with_a_stale_count(
+    redis_store_url: str,
+) -> None:
+    from mesh.redis_store import TOTAL, RedisQueueStore, connect
+
+    a = RedisQueueStore(redis_store_url, **OPTIONS)
+    b = RedisQueueStore(redis_store_url, **OPTIONS)
+    raw = await connect(redis_store_url)
+    try:
+        assert await a.put(msg("a0", to="A"), 3600)  # replica A last saw 1 message held
+        for i in range(7):  # replica B fills the broker-wide limit of 8 meanwhile
+            assert await b.put(msg(f"b{i}", to=f"B{i % 2}"), 3600)
+        # A's put goes out with its reservation in one round trip, finds the limit passed,
+        # takes its message back and refuses it: the limit holds.
+        with pytest.raises(MessageQueueFullError, match="of their 8 messages"):
+            await a.put(msg("a1", to="A"), 3600)
+        assert [p.message.message_id for p in await b.pop("A")] == ["a0"]
+        assert await a.held() == 7
+        await a.sweep()  # every place given back is on the count
+        assert int(await raw.get(TOTAL)) == 7
+    finally:
+        await raw.aclose()
+        await a.close()
+        await b.close()
+
+
 async def test_reopened_store_has_every_accepted_message_in_order_with_its_state(
     tmp_path: Path, clock: FakeClock
 ) -> None:
