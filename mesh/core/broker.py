@@ -788,10 +788,10 @@ class Broker:
         if not leases:
             return []
         self._dirty.add(sub.agent_id)
+        self.metrics.delivered("subscription", len(leases))
         deliveries = []
         for lease in leases:
             sub.in_flight.add(lease.message.message_id)
-            self.metrics.delivered("subscription")
             message = self._observe_delivery(lease.message, lease.queued_seconds)
             deliveries.append(Delivery(message, lease.attempt, lease.lease_expires_at))
         return deliveries
