@@ -470,7 +470,7 @@ class _Session:
             out, size = frame.deliveries.deliveries, 0
             for delivery in batch:
                 added = codec.delivery_to_pb(delivery, out.add()).ByteSize()
-                if out and size and size + added > BATCH_BYTES:
+                if size and size + added > BATCH_BYTES:
                     del out[-1]  # full: this one starts the next frame
                     await self.write(frame)
                     frame = broker_pb2.ConnectResponse()

@@ -778,13 +778,9 @@ class Broker:
         return sub
 
     async def _lease_many(self, sub: Subscription, most: int) -> list[Delivery]:
-        if most == 1:  # the common case, without the list the store would build
-            lease = await self.store.lease(sub.agent_id, sub.subscription_id, sub.lease_seconds)
-            leases = [] if lease is None else [lease]
-        else:
-            leases = await self.store.lease_many(
-                sub.agent_id, sub.subscription_id, sub.lease_seconds, most
-            )
+        leases = await self.store.lease_many(
+            sub.agent_id, sub.subscription_id, sub.lease_seconds, most
+        )
         if not leases:
             return []
         self._dirty.add(sub.agent_id)
