@@ -164,9 +164,10 @@ class _Session:
     def __init__(self, stub: broker_pb2_grpc.BrokerServiceStub) -> None:
         # With the batch header the broker may answer with `batch` frames; frames this side
         # has ready while a write is in flight go out together as one `batch` frame too.
-        self._call: Any = stub.Connect(metadata=((BATCH_HEADER, "1"),))  # type: ignore[call-arg]
+        call: Any = stub.Connect(metadata=((BATCH_HEADER, "1"),))  # type: ignore[call-arg]
+        self._call = call
         self._writer: FrameWriter[broker_pb2.ConnectRequest] = FrameWriter(
-            self._call.write, _request_batch
+            call.write, _request_batch
         )
         self._seq = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[broker_pb2.ConnectResponse]] = {}

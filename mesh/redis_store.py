@@ -112,6 +112,23 @@ local function give_back(id, now, max_attempts, why, at, max_dead, out)
     table.insert(out, {'requeued', id, sub, body, '', info.a})
   end
 end
+-- The first queued message still within its TTL (id, info), taking it off the ready set;
+-- the expired ones met on the way leave. nil when none is waiting.
+local function next_ready(now, out)
+  while true do
+    local first = redis.call('ZRANGE', ready, 0, 0)
+    if #first == 0 then return nil end
+    local id = string.sub(first[1], 22)
+    redis.call('ZREM', ready, first[1])
+    local m = redis.call('HGET', meta, id)
+    if m then
+      local info = cjson.decode(m)
+      if info.e > now then return id, info end
+      table.insert(out, {'expired', id, '', redis.call('HGET', msgs, id)})
+      drop(id)
+    end
+  end
+end
 local function main()
 """
 
@@ -145,25 +162,13 @@ local now, lease_end, subscriber, most = tonumber(ARGV[1]), tonumber(ARGV[2]), A
   tonumber(ARGV[4])
 local out, leases = {}, {}
 while #leases < most do
-  local first = redis.call('ZRANGE', ready, 0, 0)
-  if #first == 0 then break end
-  local member = first[1]
-  local id = string.sub(member, 22)
-  redis.call('ZREM', ready, member)
-  local m = redis.call('HGET', meta, id)
-  if m then
-    local info = cjson.decode(m)
-    if info.e <= now then
-      table.insert(out, {'expired', id, '', redis.call('HGET', msgs, id)})
-      drop(id)
-    else
-      info.a = info.a + 1
-      info.s = subscriber
-      redis.call('HSET', meta, id, cjson.encode(info))
-      redis.call('ZADD', leased, lease_end, id)
-      table.insert(leases, {redis.call('HGET', msgs, id), info.a, tostring(info.c)})
-    end
-  end
+  local id, info = next_ready(now, out)
+  if not id then break end
+  info.a = info.a + 1
+  info.s = subscriber
+  redis.call('HSET', meta, id, cjson.encode(info))
+  redis.call('ZADD', leased, lease_end, id)
+  table.insert(leases, {redis.call('HGET', msgs, id), info.a, tostring(info.c)})
 end
 return {leases, out}
 """
@@ -172,22 +177,10 @@ _POP = """
 local now, most = tonumber(ARGV[1]), tonumber(ARGV[2])
 local out, popped = {}, {}
 while most <= 0 or #popped < most do
-  local first = redis.call('ZRANGE', ready, 0, 0)
-  if #first == 0 then break end
-  local member = first[1]
-  local id = string.sub(member, 22)
-  redis.call('ZREM', ready, member)
-  local m = redis.call('HGET', meta, id)
-  if m then
-    local info = cjson.decode(m)
-    local body = redis.call('HGET', msgs, id)
-    if info.e <= now then
-      table.insert(out, {'expired', id, '', body})
-    else
-      table.insert(popped, {body, tostring(info.c)})
-    end
-    drop(id)
-  end
+  local id, info = next_ready(now, out)
+  if not id then break end
+  table.insert(popped, {redis.call('HGET', msgs, id), tostring(info.c)})
+  drop(id)
 end
 return {popped, out}
 """
@@ -554,7 +547,7 @@ class RedisQueueStore:
         if self._unreleased:
             await self._flush_releases()
 
-    async def _reconcile(self) -> None:
+    async def _reconcile(self, agents: list[str]) -> None:
         """Corrects ``mesh:total`` to the messages the queues really hold when the two have
         differed by the same amount in three samples a second apart (a replica killed between
         a script and giving back its places leaves the count too high). Differences that come
@@ -564,7 +557,6 @@ class RedisQueueStore:
             return
         self._sampled = now
         await self._settle()
-        agents = sorted(_text(a) for a in await self._call("smembers", QUEUES))
         client = await self._client()
         try:
             pipe = client.pipeline(transaction=False)
@@ -832,7 +824,7 @@ class RedisQueueStore:
             self._report(agent_id, events)
         await self._settle()
         if leader:
-            await self._reconcile()
+            await self._reconcile(agents)  # the queues this sweep went through
 
     async def _beat(self) -> tuple[list[str], bool]:
         """Records that this replica is alive; returns the replicas that stopped beating
