@@ -1,10 +1,18 @@
 """Writing frames to a gRPC stream from many tasks: one write at a time, the rest together.
 
 grpc.aio takes one write at a time on a stream, and each write costs about as much whatever
-its size. :class:`FrameWriter` writes a frame at once when the stream is idle; frames that
-arrive while a write is in flight wait, and the next write carries all of them, as one batch
-frame when the peer takes batches. So a lone frame pays no extra hop, and under load the cost
-per frame falls with the number of frames per write.
+its size (in CPU on both ends: the write, the read, the poller thread's wake-ups).
+:class:`FrameWriter` writes a frame when the stream is idle after yielding once to the event
+loop, so that the frames other tasks give at the same moment go in the same write; frames
+that arrive while a write is in flight wait, and the next write carries them. Several frames
+go as one batch frame when the peer takes batches (without a batch shape, frames are written
+at once, one by one). A lone frame pays one loop iteration; under load the cost per frame
+falls with the number of frames per write: at 64 requests in flight, a mesh roundtrip costs
+the three processes about half the CPU it did with a write per frame.
+
+A write carries at most ``most`` frames (32): a burst larger than that goes as several
+writes, so the receiving side starts on the first while the next is written and the
+processes of a mesh keep working side by side instead of in turn.
 """
 
 from __future__ import annotations
@@ -27,13 +35,13 @@ class FrameWriter(Generic[Frame]):
         write: Callable[[Frame], Awaitable[object]],
         combine: Callable[[list[Frame]], Frame] | None = None,
         *,
-        most: int = 256,
+        most: int = 32,
     ) -> None:
         self._write = write
         self.combine = combine
         """Makes one batch frame of several; None writes them one by one."""
         self.most = most
-        """Frames per batch at most."""
+        """Frames per write at most."""
         self._busy = False
         self._idle = asyncio.Event()
         self._idle.set()
@@ -49,6 +57,21 @@ class FrameWriter(Generic[Frame]):
             await future
             return
         self._set_busy(True)
+        if self.combine is not None:
+            # Let the other tasks that run at this moment give their frames, so that they go
+            # in this same write (the answers to one batch of deliveries, the requests of
+            # callers woken together by one batch of answers).
+            try:
+                await asyncio.sleep(0)
+            except asyncio.CancelledError:
+                self._hand_over()
+                raise
+            if self._waiting:
+                future = asyncio.get_running_loop().create_future()
+                self._waiting.insert(0, (frame, future))
+                await self._drain()
+                await future
+                return
         try:
             await self._write(frame)
         except asyncio.CancelledError:

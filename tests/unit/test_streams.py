@@ -41,6 +41,14 @@ async def test_a_lone_frame_is_written_at_once() -> None:
     assert stream.written == ["a"]
 
 
+async def test_frames_given_at_the_same_moment_go_out_as_one_write() -> None:
+    stream = Stream()
+    writer = FrameWriter(stream.write, batch)
+    await asyncio.gather(*(writer.write(f) for f in "abc"))
+    await writer.write("d")
+    assert stream.written == [("a", "b", "c"), "d"]
+
+
 async def test_frames_given_during_a_write_go_out_together_in_order() -> None:
     stream = Stream()
     writer = FrameWriter(stream.write, batch)
@@ -74,7 +82,7 @@ async def test_batches_hold_at_most_most_frames() -> None:
     await settle()
     stream.gate.set()
     await asyncio.gather(*tasks)
-    assert stream.written == ["a", ("b", "c"), ("d", "e")]
+    assert stream.written == [("a", "b"), ("c", "d"), "e"]
 
 
 async def test_a_failed_write_fails_the_frames_waiting_behind_it() -> None:
@@ -123,4 +131,4 @@ async def test_finish_runs_after_every_frame_given_before_it() -> None:
     assert not finishing.done()
     stream.gate.set()
     await asyncio.gather(*tasks, finishing)
-    assert stream.written == ["a", "b", "done"]
+    assert stream.written == [("a", "b"), "done"]
