@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -15,6 +16,7 @@ from mesh.core.model import (
     AgentInfo,
     DeadLetter,
     Delivery,
+    EncodedContent,
     Handoff,
     Message,
     MessageType,
@@ -99,10 +101,63 @@ def python_to_value(data: JSON, out: struct_pb2.Value) -> None:
         out.string_value = str(data)
 
 
-def dict_to_struct(data: dict[str, JSON], out: struct_pb2.Struct) -> None:
+def dict_to_struct(data: Mapping[str, JSON], out: struct_pb2.Struct) -> None:
+    if isinstance(data, WireContent):
+        out.MergeFromString(data.raw)  # as it came in: one parse, not one call per value
+        return
     out.SetInParent()
     for key, item in data.items():
         python_to_value(item, out.fields[str(key)])
+
+
+class WireContent(EncodedContent):
+    """Content as it came off the wire: the serialized Struct, with its top-level scalars
+    (``action`` and the like) read out. An object or list in it is decoded (all at once,
+    then kept) only when read; written out again, the bytes are parsed back in one call.
+    The bytes are a copy, so a message held in a queue keeps no frame alive."""
+
+    __slots__ = ("_decoded", "_nested", "_scalars", "raw")
+
+    def __init__(self, struct: struct_pb2.Struct) -> None:
+        self.raw = struct.SerializeToString()
+        self._scalars: dict[str, JSON] = {}
+        self._nested: dict[str, bool] = {}  # key -> is an object (else a list)
+        self._decoded: dict[str, JSON] | None = None
+        for key, value in struct.fields.items():
+            kind = value.WhichOneof("kind")
+            if kind == "struct_value":
+                self._nested[key] = True
+            elif kind == "list_value":
+                self._nested[key] = False
+            else:
+                self._scalars[key] = value_to_python(value)
+
+    def is_object(self, key: str) -> bool:
+        return self._nested.get(key, False)
+
+    def to_dict(self) -> dict[str, JSON]:
+        if self._decoded is None:
+            struct = struct_pb2.Struct()
+            struct.MergeFromString(self.raw)
+            self._decoded = struct_to_dict(struct)
+        return self._decoded
+
+    def __getitem__(self, key: str) -> JSON:
+        if key in self._scalars:
+            return self._scalars[key]
+        if key in self._nested:
+            return self.to_dict()[key]
+        raise KeyError(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._scalars or key in self._nested
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._scalars
+        yield from self._nested
+
+    def __len__(self) -> int:
+        return len(self._scalars) + len(self._nested)
 
 
 # -- time ----------------------------------------------------------------------------------
@@ -137,14 +192,22 @@ def seconds_to_duration(seconds: float, out: duration_pb2.Duration) -> None:
 # -- messages ------------------------------------------------------------------------------
 
 
-def message_from_pb(pb: message_pb2.Message) -> Message:
-    """Decodes an envelope; an empty message_id or timestamp is assigned here."""
+def message_from_pb(pb: message_pb2.Message, *, in_place: bool = False) -> Message:
+    """Decodes an envelope; an empty message_id or timestamp is assigned here. ``in_place``
+    keeps the content in its wire form (:class:`WireContent`): for the broker, which passes
+    contents on without reading them."""
+    if not pb.HasField("content"):
+        content: Mapping[str, JSON] | None = None
+    elif in_place:
+        content = WireContent(pb.content)
+    else:
+        content = struct_to_dict(pb.content)
     return Message(
         message_id=pb.message_id or new_message_id(),
         from_agent=pb.from_agent,
         to_agent=pb.to_agent,
         message_type=_TYPE_FROM_PB.get(pb.message_type, MessageType.REQUEST),
-        content=struct_to_dict(pb.content) if pb.HasField("content") else None,
+        content=content,
         timestamp=timestamp_to_datetime(pb.timestamp) if pb.HasField("timestamp") else utc_now(),
         metadata=struct_to_dict(pb.metadata),
         correlation_id=pb.correlation_id,
@@ -177,9 +240,9 @@ def message_to_pb(message: Message, out: message_pb2.Message | None = None) -> m
     return pb
 
 
-def gather_message_from_pb(pb: message_pb2.Message) -> Message:
+def gather_message_from_pb(pb: message_pb2.Message, *, in_place: bool = False) -> Message:
     """The message of a gather: an unset type means BROADCAST copies."""
-    message = message_from_pb(pb)
+    message = message_from_pb(pb, in_place=in_place)
     if pb.message_type == message_pb2.MESSAGE_TYPE_UNSPECIFIED:
         message = message.evolve(message_type=MessageType.BROADCAST)
     return message

@@ -101,7 +101,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         if not request.HasField("message"):
             raise _invalid("message", "message is required")
         outcome = await self.broker.send(
-            codec.message_from_pb(request.message), size_bytes=request.message.ByteSize()
+            codec.message_from_pb(request.message, in_place=True),
+            size_bytes=request.message.ByteSize(),
         )
         response = broker_pb2.SendMessageResponse(recipients=outcome.recipients)
         codec.message_to_pb(outcome.message, response.message)
@@ -111,7 +112,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     async def SendMessages(
         self, request: broker_pb2.SendMessagesRequest, context: Any
     ) -> broker_pb2.SendMessagesResponse:
-        messages = [codec.message_from_pb(pb) for pb in request.messages]
+        messages = [codec.message_from_pb(pb, in_place=True) for pb in request.messages]
         sizes = [pb.ByteSize() for pb in request.messages]
         results = await self.broker.send_many(messages, sizes)
         response = broker_pb2.SendMessagesResponse()
@@ -172,7 +173,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         if not request.HasField("message"):
             raise _invalid("message", "message is required")
         outcome = await self.broker.broadcast(
-            codec.message_from_pb(request.message), request.agent_types
+            codec.message_from_pb(request.message, in_place=True), request.agent_types
         )
         response = broker_pb2.BroadcastResponse(
             message_id=outcome.message.message_id, recipients=outcome.recipients
@@ -188,7 +189,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         if not request.HasField("message"):
             raise _invalid("message", "message is required")
         answer = await self.broker.request(
-            codec.message_from_pb(request.message), context.time_remaining()
+            codec.message_from_pb(request.message, in_place=True), context.time_remaining()
         )
         response = broker_pb2.SendRequestResponse()
         codec.message_to_pb(answer, response.response)
@@ -207,7 +208,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         remaining = context.time_remaining()
         if timeout is not None and remaining is not None:
             timeout = min(timeout, remaining)
-        message = codec.gather_message_from_pb(request.message)
+        message = codec.gather_message_from_pb(request.message, in_place=True)
         items = self.broker.gather(
             message,
             agent_ids=list(request.agent_ids),
@@ -361,7 +362,8 @@ class _Session:
                 check_frame(self.principal, frame)
             if kind == "send":
                 outcome = await self.broker.send(
-                    codec.message_from_pb(frame.send), size_bytes=frame.send.ByteSize()
+                    codec.message_from_pb(frame.send, in_place=True),
+                    size_bytes=frame.send.ByteSize(),
                 )
                 if not seq:
                     return  # fire-and-forget: nobody waits for `accepted`
@@ -407,7 +409,7 @@ class _Session:
         task.add_done_callback(self.tasks.discard)
 
     async def _gather(self, seq: int, request: broker_pb2.GatherRequest) -> None:
-        message = codec.gather_message_from_pb(request.message)
+        message = codec.gather_message_from_pb(request.message, in_place=True)
         timeout = codec.duration_seconds(request.timeout) if request.HasField("timeout") else None
         items = self.broker.gather(
             message,
@@ -482,7 +484,9 @@ class _Session:
     async def _request(self, seq: int, request: broker_pb2.SessionRequest) -> None:
         timeout = codec.duration_seconds(request.timeout) if request.HasField("timeout") else None
         try:
-            answer = await self.broker.request(codec.message_from_pb(request.message), timeout)
+            answer = await self.broker.request(
+                codec.message_from_pb(request.message, in_place=True), timeout
+            )
         except MeshError as error:
             await self._error(seq, error)
             return

@@ -8,6 +8,7 @@ variables name an endpoint. Without either, tracing costs next to nothing: the A
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -29,10 +30,16 @@ logger = logging.getLogger("mesh.tracing")
 TRACE_HEADERS = ("traceparent", "tracestate")
 
 
+_TRACER = trace.get_tracer("agentmesh")
+
+
 def tracer() -> trace.Tracer:
-    return trace.get_tracer("agentmesh")
+    """The mesh's tracer: a proxy that follows the provider set later (or stays a no-op), got
+    once instead of per message."""
+    return _TRACER
 
 
+@functools.lru_cache(maxsize=4096)
 def span_name(agent_id: str, operation: str) -> str:
     """ "TechnicalAnalyst" -> "technical_analyst.analyze" (a trailing "Agent" is dropped)."""
     base = agent_id[:-5] if agent_id.endswith("Agent") and len(agent_id) > 5 else agent_id

@@ -3,7 +3,7 @@ contributions are aggregated by unanimous consensus, weighted voting or highest 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,7 +53,7 @@ class Contribution:
         }
 
 
-def contribution_from(agent_id: str, content: dict[str, JSON], **extra: Any) -> Contribution:
+def contribution_from(agent_id: str, content: Mapping[str, JSON], **extra: Any) -> Contribution:
     """Reads an agent's answer: recommendation, confidence (default 0.5) and reasoning."""
     recommendation = content.get("recommendation", content.get("result", ""))
     return Contribution(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import enum
 import json
 import uuid
@@ -46,6 +47,35 @@ class Priority(enum.StrEnum):
 _PRIORITY_RANK = {Priority.HIGH: 0, Priority.MEDIUM: 1, Priority.LOW: 2}
 
 
+class EncodedContent(Mapping[str, JSON]):
+    """A message's content still in the form it arrived in, read as a mapping and decoded only
+    as far as it is read. The broker routes most messages reading no more than
+    ``content.action``; it keeps their contents this way and writes them out as they came in.
+    The codec supplies the concrete form (:class:`mesh.codec.WireContent`)."""
+
+    __slots__ = ()
+
+    @abc.abstractmethod
+    def is_object(self, key: str) -> bool:
+        """Whether content[key] is a JSON object (without decoding it)."""
+
+    @abc.abstractmethod
+    def to_dict(self) -> dict[str, JSON]:
+        """The content decoded in full, as plain JSON values."""
+
+    def __repr__(self) -> str:
+        return repr(self.to_dict())
+
+
+def plain_content(content: Mapping[str, JSON] | None) -> dict[str, JSON] | None:
+    """Content as a plain dict (for JSON), whatever form it is held in."""
+    if content is None or isinstance(content, dict):
+        return content
+    if isinstance(content, EncodedContent):
+        return content.to_dict()
+    return dict(content)
+
+
 def new_message_id() -> str:
     """A fresh message id (UUID 4)."""
     return str(uuid.uuid4())
@@ -61,12 +91,13 @@ class Message:
 
     ``content`` is a dict with ``action`` (required except on BROADCAST), ``parameters``,
     ``context`` and ``previous_result``; ``None`` means the content is missing, which the broker
-    refuses. ``ttl`` is in seconds; 0 means the broker's default.
+    refuses. (Inside the broker it may be an :class:`EncodedContent`, a mapping read in place.)
+    ``ttl`` is in seconds; 0 means the broker's default.
     """
 
     from_agent: str
     to_agent: str
-    content: dict[str, JSON] | None
+    content: Mapping[str, JSON] | None
     message_type: MessageType = MessageType.REQUEST
     message_id: str = field(default_factory=new_message_id)
     timestamp: datetime = field(default_factory=utc_now)
@@ -119,7 +150,7 @@ class Message:
             "from_agent": self.from_agent,
             "to_agent": self.to_agent,
             "message_type": self.message_type.value,
-            "content": self.content,
+            "content": plain_content(self.content),
             "timestamp": self.timestamp.isoformat(),
             "metadata": self.metadata,
             "correlation_id": self.correlation_id or None,

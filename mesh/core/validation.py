@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mesh.config import BrokerConfig
 from mesh.core.errors import FieldViolation, MessageTooLargeError, MessageValidationError
-from mesh.core.model import BROADCAST_TARGET, Handoff, Message, MessageType
+from mesh.core.model import BROADCAST_TARGET, EncodedContent, Handoff, Message, MessageType
 
 
 def message_violations(message: Message, config: BrokerConfig) -> list[FieldViolation]:
@@ -33,8 +33,12 @@ def message_violations(message: Message, config: BrokerConfig) -> list[FieldViol
         elif not isinstance(action, str):
             violation("content.action", "content.action must be a string")
         for key in ("parameters", "context"):
-            value = content.get(key)
-            if value is not None and not isinstance(value, dict):
+            if isinstance(content, EncodedContent):
+                wrong = key in content and not content.is_object(key) and content[key] is not None
+            else:
+                value = content.get(key)
+                wrong = value is not None and not isinstance(value, dict)
+            if wrong:
                 violation(f"content.{key}", f"content.{key} must be an object")
         if message.message_type is MessageType.HANDOFF:
             found.extend(

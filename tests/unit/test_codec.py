@@ -1,0 +1,81 @@
+"""Content kept in its wire form (the broker's way): reads, validation and re-encoding agree
+with the decoded dict."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mesh import codec
+from mesh.config import BrokerConfig
+from mesh.core.errors import MessageValidationError
+from mesh.core.model import Message, MessageType
+from mesh.core.validation import validate_message
+
+CONTENT = {
+    "action": "process_payment",
+    "parameters": {"amount": 450, "flight": "Flight A", "legs": [1, {"seat": None}]},
+    "tags": ["a", 2.5],
+    "note": None,
+    "urgent": True,
+}
+
+
+def arrived(content: dict[str, object] | None, **fields: object) -> Message:
+    """The message as the broker sees it after decoding the frame."""
+    sent = Message(from_agent="FlightAgent", to_agent="PaymentAgent", content=content, **fields)  # type: ignore[arg-type]
+    return codec.message_from_pb(codec.message_to_pb(sent), in_place=True)
+
+
+def test_wire_content_reads_like_the_dict_it_encodes() -> None:
+    message = arrived(CONTENT)
+    content = message.content
+    assert isinstance(content, codec.WireContent)
+    assert content == CONTENT
+    assert CONTENT == content  # noqa: SIM300 (the dict's side of the comparison)
+    assert message.action == "process_payment"
+    assert message.parameters == CONTENT["parameters"]
+    assert sorted(content) == sorted(CONTENT) and len(content) == len(CONTENT)
+    assert content["note"] is None and content.get("missing", 7) == 7
+    assert "urgent" in content and "missing" not in content
+    with pytest.raises(KeyError):
+        content["missing"]
+    assert json.loads(json.dumps(message.to_dict()))["content"] == CONTENT
+    assert Message.from_dict(message.to_dict()).content == CONTENT
+
+
+def test_wire_content_is_written_out_as_it_came_in() -> None:
+    first = codec.message_to_pb(
+        Message(from_agent="FlightAgent", to_agent="PaymentAgent", content=CONTENT)
+    )
+    message = codec.message_from_pb(first, in_place=True)
+    again = codec.message_to_pb(message)
+    assert again == first
+    assert codec.struct_to_dict(again.content) == CONTENT
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ({"parameters": {"amount": 1}}, "content.action is required"),
+        ({"action": 3}, "content.action must be a string"),
+        ({"action": "x", "parameters": [1, 2]}, "content.parameters must be an object"),
+        ({"action": "x", "parameters": "450"}, "content.parameters must be an object"),
+        ({"action": "x", "context": 1}, "content.context must be an object"),
+    ],
+)
+def test_wire_content_is_validated_like_a_dict(content: dict[str, object], problem: str) -> None:
+    config = BrokerConfig()
+    for message in (
+        Message(from_agent="FlightAgent", to_agent="PaymentAgent", content=content),  # type: ignore[arg-type]
+        arrived(content),
+    ):
+        with pytest.raises(MessageValidationError, match=problem):
+            validate_message(message, config)
+
+
+def test_null_parameters_and_broadcasts_without_action_pass_in_wire_form() -> None:
+    config = BrokerConfig()
+    validate_message(arrived({"action": "x", "parameters": None, "context": {}}), config)
+    validate_message(arrived({"alert": "maintenance"}, message_type=MessageType.BROADCAST), config)
