@@ -719,7 +719,10 @@ class MeshClient:
         answer arrives within ``timeout`` seconds.
         """
         options.setdefault("message_type", MessageType.REQUEST)
-        return await self.request_message(self.build(to_agent, content, **options), timeout=timeout)
+        message_id = options.pop("message_id", "") or new_message_id()
+        options.setdefault("correlation_id", message_id)
+        message = self.build(to_agent, content, message_id=message_id, **options)
+        return await self.request_message(message, timeout=timeout)
 
     async def request_message(
         self, message: Message, *, timeout: float | None = None, raise_on_error: bool = True
