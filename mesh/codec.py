@@ -103,7 +103,7 @@ def python_to_value(data: JSON, out: struct_pb2.Value) -> None:
 
 def dict_to_struct(data: Mapping[str, JSON], out: struct_pb2.Struct) -> None:
     if isinstance(data, WireContent):
-        out.MergeFromString(data.raw)  # as it came in: one parse, not one call per value
+        out.CopyFrom(data.struct)  # as it came in: one copy, not one call per value
         return
     out.SetInParent()
     for key, item in data.items():
@@ -111,53 +111,60 @@ def dict_to_struct(data: Mapping[str, JSON], out: struct_pb2.Struct) -> None:
 
 
 class WireContent(EncodedContent):
-    """Content as it came off the wire: the serialized Struct, with its top-level scalars
-    (``action`` and the like) read out. An object or list in it is decoded (all at once,
-    then kept) only when read; written out again, the bytes are parsed back in one call.
-    The bytes are a copy, so a message held in a queue keeps no frame alive."""
+    """Content as it came off the wire: a copy of its Struct (so that a queued message keeps
+    no frame alive), read key by key in place. A scalar read (``action``) decodes that value
+    alone; reading an object or list decodes the whole content once and keeps it; written
+    out again, the Struct is copied back in one call."""
 
-    __slots__ = ("_decoded", "_nested", "_scalars", "raw")
+    __slots__ = ("_decoded", "struct")
 
     def __init__(self, struct: struct_pb2.Struct) -> None:
-        self.raw = struct.SerializeToString()
-        self._scalars: dict[str, JSON] = {}
-        self._nested: dict[str, bool] = {}  # key -> is an object (else a list)
+        self.struct = struct_pb2.Struct()
+        self.struct.CopyFrom(struct)
         self._decoded: dict[str, JSON] | None = None
-        for key, value in struct.fields.items():
-            kind = value.WhichOneof("kind")
-            if kind == "struct_value":
-                self._nested[key] = True
-            elif kind == "list_value":
-                self._nested[key] = False
-            else:
-                self._scalars[key] = value_to_python(value)
 
     def is_object(self, key: str) -> bool:
-        return self._nested.get(key, False)
+        fields = self.struct.fields
+        return key in fields and fields[key].WhichOneof("kind") == "struct_value"
 
     def to_dict(self) -> dict[str, JSON]:
         if self._decoded is None:
-            struct = struct_pb2.Struct()
-            struct.MergeFromString(self.raw)
-            self._decoded = struct_to_dict(struct)
+            self._decoded = struct_to_dict(self.struct)
         return self._decoded
 
     def __getitem__(self, key: str) -> JSON:
-        if key in self._scalars:
-            return self._scalars[key]
-        if key in self._nested:
+        if self._decoded is not None:
+            return self._decoded[key]
+        fields = self.struct.fields
+        if key not in fields:
+            raise KeyError(key)
+        value = fields[key]
+        if value.WhichOneof("kind") in ("struct_value", "list_value"):
             return self.to_dict()[key]
-        raise KeyError(key)
+        return value_to_python(value)
+
+    def get(self, key: str, default: JSON = None) -> JSON:
+        if self._decoded is not None:
+            return self._decoded.get(key, default)
+        fields = self.struct.fields
+        if key not in fields:
+            return default
+        value = fields[key]
+        kind = value.WhichOneof("kind")
+        if kind == "string_value":
+            return value.string_value
+        if kind in ("struct_value", "list_value"):
+            return self.to_dict()[key]
+        return value_to_python(value)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._scalars or key in self._nested
+        return isinstance(key, str) and key in self.struct.fields
 
     def __iter__(self) -> Iterator[str]:
-        yield from self._scalars
-        yield from self._nested
+        return iter(self.struct.fields)
 
     def __len__(self) -> int:
-        return len(self._scalars) + len(self._nested)
+        return len(self.struct.fields)
 
 
 # -- time ----------------------------------------------------------------------------------

@@ -18,9 +18,17 @@ def message_violations(message: Message, config: BrokerConfig) -> list[FieldViol
         violation("from_agent", "from_agent is required")
     if not message.to_agent:
         violation("to_agent", "to_agent is required")
-    for name in ("message_id", "from_agent", "to_agent", "correlation_id", "reply_to"):
-        if len(getattr(message, name)) > config.max_id_length:
-            violation(name, f"{name} must be at most {config.max_id_length} characters")
+    limit = config.max_id_length
+    if (
+        len(message.message_id) > limit
+        or len(message.from_agent) > limit
+        or len(message.to_agent) > limit
+        or len(message.correlation_id) > limit
+        or len(message.reply_to) > limit
+    ):
+        for name in ("message_id", "from_agent", "to_agent", "correlation_id", "reply_to"):
+            if len(getattr(message, name)) > limit:
+                violation(name, f"{name} must be at most {limit} characters")
 
     content = message.content
     if content is None:
@@ -54,9 +62,10 @@ def message_violations(message: Message, config: BrokerConfig) -> list[FieldViol
     elif message.ttl > config.max_ttl:
         violation("ttl", f"ttl must be at most {config.max_ttl} seconds")
 
-    if len(message.headers) > config.max_headers:
+    headers = message.headers
+    if len(headers) > config.max_headers:
         violation("headers", f"at most {config.max_headers} headers are allowed")
-    elif sum(len(k) + len(v) for k, v in message.headers.items()) > config.max_header_bytes:
+    elif headers and sum(len(k) + len(v) for k, v in headers.items()) > config.max_header_bytes:
         violation("headers", f"headers must be at most {config.max_header_bytes} bytes")
     return found
 
