@@ -32,7 +32,7 @@ from mesh.core.model import (
     Tool,
 )
 from mesh.serving import MeshServer, start_server
-from mesh.tracing import extract, inject, span_name, tracer, without_trace
+from mesh.tracing import current_span, extract, inject, span_name, without_trace
 from mesh.v1 import agent_pb2, agent_pb2_grpc
 
 logger = logging.getLogger("mesh.agent")
@@ -363,17 +363,21 @@ class AgentRuntime:
             await self.agent.on_ack(message, ctx)
             return None
         operation = "analyze" if message.message_type is MessageType.BROADCAST else "handle"
-        attributes = {
-            "agent": self.agent.agent_id,
-            "action": message.action,
-            "message_type": message.message_type.value,
-            "message_id": message.message_id,
-            "priority": message.priority.value,
-        }
-        for key in ("workflow_id", "group_id", "run_id"):
-            if message.metadata.get(key):
-                attributes[key] = str(message.metadata[key])
-        with tracer().start_as_current_span(
+
+        def attributes() -> dict[str, Any]:
+            found: dict[str, Any] = {
+                "agent": self.agent.agent_id,
+                "action": message.action,
+                "message_type": message.message_type.value,
+                "message_id": message.message_id,
+                "priority": message.priority.value,
+            }
+            for key in ("workflow_id", "group_id", "run_id"):
+                if message.metadata.get(key):
+                    found[key] = str(message.metadata[key])
+            return found
+
+        with current_span(
             span_name(self.agent.agent_id, operation),
             context=extract(message.headers),
             attributes=attributes,

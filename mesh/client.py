@@ -47,7 +47,7 @@ from mesh.core.model import (
 from mesh.security import open_channel
 from mesh.serving import GRPC_OPTIONS
 from mesh.streams import BATCH_HEADER, FrameWriter
-from mesh.tracing import inject, tracer
+from mesh.tracing import current_span, inject
 from mesh.v1 import (
     agent_pb2,
     agent_pb2_grpc,
@@ -753,10 +753,10 @@ class MeshClient:
                 ) from None
             return codec.message_from_pb(answer.response)
 
-        with tracer().start_as_current_span(
+        with current_span(
             f"request {message.to_agent}",
             kind=SpanKind.CLIENT,
-            attributes={"agent": message.to_agent, "message_id": message.message_id},
+            attributes=lambda: {"agent": message.to_agent, "message_id": message.message_id},
         ):
             message = with_trace(message)
             response = await self._with_retry(attempt)

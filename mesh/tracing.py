@@ -8,13 +8,15 @@ variables name an endpoint. Without either, tracing costs next to nothing: the A
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import os
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,33 @@ def tracer() -> trace.Tracer:
     """The mesh's tracer: a proxy that follows the provider set later (or stays a no-op), got
     once instead of per message."""
     return _TRACER
+
+
+def recording() -> bool:
+    """Whether this process records spans (a tracer provider of the SDK is set)."""
+    provider = trace.get_tracer_provider()
+    return not isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+
+
+def current_span(
+    name: str,
+    *,
+    context: otel_context.Context | None = None,
+    kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+    attributes: Callable[[], dict[str, Any]] | None = None,
+) -> AbstractContextManager[trace.Span]:
+    """``tracer().start_as_current_span`` for the hot paths. When this process records no
+    spans and there is no trace context to carry on (``context``), it costs nothing: no span,
+    no attributes (built only when a span is), the current context left as it is, so what
+    is sent still carries whatever trace context is current."""
+    if not recording():
+        if context is None:
+            return contextlib.nullcontext(trace.INVALID_SPAN)
+        # A non-recording span that makes the message's trace context current.
+        return tracer().start_as_current_span(name, context=context, kind=kind)
+    return tracer().start_as_current_span(
+        name, context=context, kind=kind, attributes=attributes() if attributes else None
+    )
 
 
 @functools.lru_cache(maxsize=4096)
