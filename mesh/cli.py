@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import importlib
 import json
 import os
@@ -40,6 +41,10 @@ def _env(name: str, default: str) -> str:
 
 
 async def _until_signalled() -> None:
+    """Serves until SIGINT or SIGTERM. What the process built to get here lives as long as it
+    does: gc.freeze() takes it out of the collector's sight, so that a full collection no
+    longer walks it (tens of milliseconds, otherwise, in the middle of a request)."""
+    gc.freeze()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
