@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -32,6 +33,8 @@ BROKER_SERVICE = broker_pb2.DESCRIPTOR.services_by_name["BrokerService"].full_na
 MAX_SESSION_REQUESTS = 10_000
 MAX_BATCH = 256
 """Deliveries per `deliveries` frame at most, whatever a subscriber asks for."""
+MAX_POSTED = 256
+"""Frames of one gather queued for writing at most; the gather waits beyond that."""
 BATCH_BYTES = 1024 * 1024
 """A `deliveries` frame stops growing past this size (gRPC refuses frames over 4 MiB by
 default; one message may be up to max_message_bytes, 1 MiB by default)."""
@@ -417,6 +420,9 @@ class _Session:
             agent_types=list(request.agent_types),
             timeout=timeout,
         )
+        # Answers are posted, not awaited one by one: those that come while a write is in
+        # flight go in the next one. At most MAX_POSTED wait to be written.
+        posted: collections.deque[asyncio.Future[None]] = collections.deque()
         try:
             async for item in items:
                 frame = broker_pb2.ConnectResponse(seq=seq)
@@ -425,7 +431,9 @@ class _Session:
                     codec.message_to_pb(item.response, frame.gathered.response)
                 elif item.error is not None:
                     codec.error_to_pb(item.error, frame.gathered.error)
-                await self.write(frame)
+                posted.append(self.writer.post(frame))
+                if len(posted) > MAX_POSTED:
+                    await posted.popleft()
         except MeshError as error:
             await self._error(seq, error)
             return

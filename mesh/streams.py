@@ -83,6 +83,25 @@ class FrameWriter(Generic[Frame]):
             raise
         await self._drain()
 
+    def post(self, frame: Frame) -> asyncio.Future[None]:
+        """Queues a frame and returns at once; it is written in order with the others (in the
+        write in flight's wake, or by a task of the writer's own when the stream is idle). For
+        a task with many frames to give one after another (a gather's answers as they come),
+        which would otherwise wait for a write per frame. The future tells how the write went;
+        a failed stream also fails the next write, so nobody has to look."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        future.add_done_callback(_seen)
+        self._waiting.append((frame, future))
+        if not self._busy:
+            self._set_busy(True)
+            self._handover = loop.create_task(self._drain_soon())
+        return future
+
+    async def _drain_soon(self) -> None:
+        await asyncio.sleep(0)  # the frames posted at this moment go together
+        await self._drain()
+
     async def finish(self, done: Callable[[], Awaitable[object]]) -> None:
         """Runs ``done`` (a half-close) once every frame given so far is written."""
         while self._busy:
@@ -148,3 +167,8 @@ class FrameWriter(Generic[Frame]):
         for _, future in waiting:
             if not future.done():
                 future.set_exception(error)
+
+
+def _seen(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()  # retrieved: a failed write is not "never retrieved"

@@ -224,9 +224,12 @@ async def test_decorated_function_and_class_agents_are_equivalent(mesh: LocalMes
 
 async def test_broker_shutdown_under_load_refuses_new_work_and_finishes_what_it_accepted() -> None:
     handled: list[int] = []
+    asked = asyncio.Event()
 
     @agent("Worker")
     async def worker(message: Message, ctx: AgentContext) -> dict:
+        if message.action == "answer":
+            asked.set()
         await asyncio.sleep(0.005)
         if message.action == "work":
             handled.append(int(message.parameters["n"]))  # type: ignore[arg-type]
@@ -256,7 +259,8 @@ async def test_broker_shutdown_under_load_refuses_new_work_and_finishes_what_it_
     pushers = [asyncio.create_task(push(lane)) for lane in range(4)]
     await enough.wait()
     asking = asyncio.create_task(client.request("Worker", {"action": "answer"}, timeout=10))
-    await asyncio.sleep(0.01)
+    async with asyncio.timeout(5):
+        await asked.wait()  # the request is in flight: accepted, being handled, not answered
     stopping = asyncio.create_task(server.stop(10))
     async with asyncio.timeout(5):
         while await health_of(server.address) != NOT_SERVING:  # noqa: ASYNC110

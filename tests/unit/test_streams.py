@@ -132,3 +132,29 @@ async def test_finish_runs_after_every_frame_given_before_it() -> None:
     stream.gate.set()
     await asyncio.gather(*tasks, finishing)
     assert stream.written == [("a", "b"), "done"]
+
+
+async def test_posted_frames_are_written_in_order_without_waiting_a_write_each() -> None:
+    stream = Stream()
+    writer = FrameWriter(stream.write, batch)
+    stream.gate.clear()
+    posted = [writer.post(f) for f in "abc"]  # returns at once, nothing written yet
+    assert stream.written == [] and not any(f.done() for f in posted)
+    await settle()
+    later = [writer.post(f) for f in "de"]
+    last = asyncio.create_task(writer.write("f"))
+    stream.gate.set()
+    await asyncio.gather(*posted, *later, last)
+    assert stream.written == [("a", "b", "c"), ("d", "e", "f")]
+
+
+async def test_a_failed_post_fails_its_future_and_leaves_the_writer_usable() -> None:
+    stream = Stream()
+    writer = FrameWriter(stream.write, batch)
+    stream.fail = ConnectionResetError("the stream broke")
+    future = writer.post("a")
+    with pytest.raises(ConnectionResetError):
+        await future
+    stream.fail = None
+    await writer.write("b")
+    assert stream.written == ["b"]
