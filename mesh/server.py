@@ -34,7 +34,8 @@ MAX_SESSION_REQUESTS = 10_000
 MAX_BATCH = 256
 """Deliveries per `deliveries` frame at most, whatever a subscriber asks for."""
 MAX_POSTED = 256
-"""Frames of one gather queued for writing at most; the gather waits beyond that."""
+"""Answers waiting to be written on one session at most; beyond that, whoever posts one (the
+session's reader, a gather) waits for it to be written."""
 BATCH_BYTES = 1024 * 1024
 """A `deliveries` frame stops growing past this size (gRPC refuses frames over 4 MiB by
 default; one message may be up to max_message_bytes, 1 MiB by default)."""
@@ -324,9 +325,24 @@ class _Session:
         self.pump: asyncio.Task[None] | None = None
         self.tasks: set[asyncio.Task[None]] = set()
         self.principal = current_principal.get()
+        self.in_batch = False
+        """The reader is handling the frames of a batch frame."""
 
     async def write(self, frame: broker_pb2.ConnectResponse) -> None:
         await self.writer.write(frame)
+
+    async def _answer(self, frame: broker_pb2.ConnectResponse) -> None:
+        """Answers a frame. Within a batch frame, or while a write is in flight, the answer is
+        posted and the reader goes on, so that the answers of one batch (or of frames read
+        meanwhile) share one write; it waits only while MAX_POSTED answers are still to be
+        written (a client that pipelines more is read no faster than it reads its answers).
+        A lone frame's answer is written at once."""
+        if not (self.in_batch or self.writer.busy):
+            await self.write(frame)
+            return
+        posted = self.writer.post(frame)
+        if self.writer.backlog >= MAX_POSTED:
+            await posted
 
     async def run(self, frames: AsyncIterator[broker_pb2.ConnectRequest]) -> None:
         try:
@@ -335,6 +351,7 @@ class _Session:
             # The client finished sending: let requests in flight answer, then end the stream.
             if self.tasks:
                 await asyncio.gather(*list(self.tasks), return_exceptions=True)
+            await self.writer.flush()  # answers posted and not yet written
         finally:
             for task in [*self.tasks, self.pump]:
                 if task is not None:
@@ -345,7 +362,7 @@ class _Session:
     async def _error(self, seq: int, error: MeshError) -> None:
         frame = broker_pb2.ConnectResponse(seq=seq)
         codec.error_to_pb(error, frame.error)
-        await self.write(frame)
+        await self._answer(frame)
 
     async def _dispatch(self, frame: broker_pb2.ConnectRequest) -> None:
         if isinstance(frame, Malformed):
@@ -354,11 +371,17 @@ class _Session:
         kind = frame.WhichOneof("frame")
         seq = frame.seq
         if kind == "batch":
-            for inner in frame.batch.frames:
-                if inner.WhichOneof("frame") == "batch":
-                    await self._error(inner.seq, _invalid("batch", "a batch cannot hold a batch"))
-                else:
-                    await self._dispatch(inner)
+            self.in_batch = True
+            try:
+                for inner in frame.batch.frames:
+                    if inner.WhichOneof("frame") == "batch":
+                        await self._error(
+                            inner.seq, _invalid("batch", "a batch cannot hold a batch")
+                        )
+                    else:
+                        await self._dispatch(inner)
+            finally:
+                self.in_batch = False
             return
         try:
             if not self.principal.admin:
@@ -374,7 +397,7 @@ class _Session:
                 accepted = out.accepted
                 accepted.message_id = outcome.message.message_id
                 accepted.recipients.extend(outcome.recipients)
-                await self.write(out)
+                await self._answer(out)
             elif kind == "request":
                 self._spawn(self._request(seq, frame.request))
             elif kind == "ack":
@@ -395,7 +418,7 @@ class _Session:
                 out.received.SetInParent()
                 for message in messages:
                     codec.message_to_pb(message, out.received.messages.add())
-                await self.write(out)
+                await self._answer(out)
             else:
                 raise _invalid("frame", "the frame carries nothing")
         except MeshError as error:

@@ -98,6 +98,21 @@ class FrameWriter(Generic[Frame]):
             self._handover = loop.create_task(self._drain_soon())
         return future
 
+    @property
+    def busy(self) -> bool:
+        """A write is in flight (or about to be)."""
+        return self._busy
+
+    @property
+    def backlog(self) -> int:
+        """Frames given and not yet being written."""
+        return len(self._waiting)
+
+    async def flush(self) -> None:
+        """Returns once every frame given so far is written (or failed)."""
+        while self._busy:
+            await self._idle.wait()
+
     async def _drain_soon(self) -> None:
         await asyncio.sleep(0)  # the frames posted at this moment go together
         await self._drain()

@@ -429,3 +429,32 @@ async def test_a_session_that_takes_batches_gets_answers_together_under_load(
         assert answered == {seq: seq for seq in range(1, 101)}
         assert reads < 100  # some answers shared a frame
         call.cancel()
+
+
+async def test_the_answers_to_a_batch_of_sends_come_back_in_order_sharing_frames(
+    mesh: LocalMesh,
+) -> None:
+    async with mesh.client("sender") as client, grpc.aio.insecure_channel(mesh.address) as channel:
+        await client.register("Worker")
+        call = broker_pb2_grpc.BrokerServiceStub(channel).Connect(
+            metadata=(("agentmesh-batch", "1"),)
+        )
+        frame = broker_pb2.ConnectRequest()
+        for seq in range(1, 51):
+            send = frame.batch.frames.add(seq=seq).send
+            send.from_agent = "sender"
+            send.to_agent = "Worker" if seq != 25 else "Nobody"
+            send.content.update({"action": "work", "n": seq})
+        await call.write(frame)
+        answers: list[tuple[int, str]] = []
+        reads = 0
+        while len(answers) < 50:
+            got = await asyncio.wait_for(call.read(), 10)
+            reads += 1
+            frames = got.batch.frames if got.WhichOneof("frame") == "batch" else [got]
+            answers += [(one.seq, str(one.WhichOneof("frame"))) for one in frames]
+        assert answers == [(seq, "error" if seq == 25 else "accepted") for seq in range(1, 51)]
+        assert reads < 50  # answers shared frames
+        queued = await client.receive("Worker", max_messages=100)
+        assert [m.content["n"] for m in queued] == [n for n in range(1, 51) if n != 25]
+        call.cancel()
