@@ -233,8 +233,10 @@ class _Session:
     async def write(self, frame: broker_pb2.ConnectRequest) -> None:
         if self.closed:
             raise self.failure or SessionClosedError("the session is closed")
+        # One call outstanding and nothing else on the stream: no other frame is coming.
+        alone = len(self._waiting) <= 1 and not self._streams and self.deliveries is None
         try:
-            await self._writer.write(frame)
+            await self._writer.write(frame, alone=alone)
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
         except asyncio.InvalidStateError:

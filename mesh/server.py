@@ -329,7 +329,10 @@ class _Session:
         """The reader is handling the frames of a batch frame."""
 
     async def write(self, frame: broker_pb2.ConnectResponse) -> None:
-        await self.writer.write(frame)
+        # A session with no subscription and at most one request in flight has nothing
+        # else to write at this moment.
+        alone = self.subscription is None and len(self.tasks) <= 1
+        await self.writer.write(frame, alone=alone)
 
     async def _answer(self, frame: broker_pb2.ConnectResponse) -> None:
         """Answers a frame. Within a batch frame, or while a write is in flight, the answer is

@@ -3,8 +3,9 @@
 grpc.aio takes one write at a time on a stream, and each write costs about as much whatever
 its size (in CPU on both ends: the write, the read, the poller thread's wake-ups).
 :class:`FrameWriter` writes a frame when the stream is idle after yielding once to the event
-loop, so that the frames other tasks give at the same moment go in the same write; frames
-that arrive while a write is in flight wait, and the next write carries them. Several frames
+loop, so that the frames other tasks give at the same moment go in the same write (unless
+the caller knows the frame is alone: a session with one call outstanding); frames that
+arrive while a write is in flight wait, and the next write carries them. Several frames
 go as one batch frame when the peer takes batches (without a batch shape, frames are written
 at once, one by one). A lone frame pays one loop iteration; under load the cost per frame
 falls with the number of frames per write: at 64 requests in flight, a mesh roundtrip costs
@@ -48,16 +49,17 @@ class FrameWriter(Generic[Frame]):
         self._waiting: list[tuple[Frame, asyncio.Future[None]]] = []
         self._handover: asyncio.Task[None] | None = None
 
-    async def write(self, frame: Frame) -> None:
+    async def write(self, frame: Frame, *, alone: bool = False) -> None:
         """Returns once the frame is written (alone or in a batch); raises what the write
-        raised."""
+        raised. ``alone``: the caller knows of nothing else to be written on this stream at
+        this moment (one call outstanding), so the frame goes without waiting for company."""
         if self._busy:
             future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiting.append((frame, future))
             await future
             return
         self._set_busy(True)
-        if self.combine is not None:
+        if self.combine is not None and not alone:
             # Let the other tasks that run at this moment give their frames, so that they go
             # in this same write (the answers to one batch of deliveries, the requests of
             # callers woken together by one batch of answers).

@@ -49,6 +49,13 @@ async def test_frames_given_at_the_same_moment_go_out_as_one_write() -> None:
     assert stream.written == [("a", "b", "c"), "d"]
 
 
+async def test_a_frame_known_to_be_alone_goes_without_waiting_for_company() -> None:
+    stream = Stream()
+    writer = FrameWriter(stream.write, batch)
+    await asyncio.gather(writer.write("a", alone=True), writer.write("b", alone=True))
+    assert stream.written == ["a", "b"]
+
+
 async def test_frames_given_during_a_write_go_out_together_in_order() -> None:
     stream = Stream()
     writer = FrameWriter(stream.write, batch)
