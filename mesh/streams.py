@@ -7,9 +7,10 @@ loop, so that the frames other tasks give at the same moment go in the same writ
 the caller knows the frame is alone: a session with one call outstanding); frames that
 arrive while a write is in flight wait, and the next write carries them. Several frames
 go as one batch frame when the peer takes batches (without a batch shape, frames are written
-at once, one by one). A lone frame pays one loop iteration; under load the cost per frame
-falls with the number of frames per write: at 64 requests in flight, a mesh roundtrip costs
-the three processes about half the CPU it did with a write per frame.
+at once, one by one). A frame that may have company pays one loop iteration, a frame known
+to be alone none; under load the cost per frame falls with the number of frames per write:
+at 64 requests in flight, a mesh roundtrip costs the three processes about half the CPU it
+did with a write per frame.
 
 A write carries at most ``most`` frames (32): a burst larger than that goes as several
 writes, so the receiving side starts on the first while the next is written and the
@@ -121,8 +122,7 @@ class FrameWriter(Generic[Frame]):
 
     async def finish(self, done: Callable[[], Awaitable[object]]) -> None:
         """Runs ``done`` (a half-close) once every frame given so far is written."""
-        while self._busy:
-            await self._idle.wait()
+        await self.flush()
         self._set_busy(True)
         try:
             await done()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import grpc
 import pytest
@@ -416,16 +417,11 @@ async def test_a_session_that_takes_batches_gets_answers_together_under_load(
             request.message.message_type = message_pb2.MessageType.MESSAGE_TYPE_REQUEST
             request.message.content.update({"action": "echo", "parameters": {"n": seq}})
         await call.write(frame)
-        answered: dict[int, int] = {}
-        reads = 0
-        while len(answered) < 100:
-            got = await asyncio.wait_for(call.read(), 10)
-            reads += 1
-            frames = got.batch.frames if got.WhichOneof("frame") == "batch" else [got]
-            for one in frames:
-                assert one.WhichOneof("frame") == "response"
-                assert one.response.correlation_id == f"req-{one.seq}"
-                answered[one.seq] = int(one.response.content["n"])
+        frames, reads = await _read_answers(call, 100)
+        for one in frames:
+            assert one.WhichOneof("frame") == "response"
+            assert one.response.correlation_id == f"req-{one.seq}"
+        answered = {one.seq: int(one.response.content["n"]) for one in frames}
         assert answered == {seq: seq for seq in range(1, 101)}
         assert reads < 100  # some answers shared a frame
         call.cancel()
@@ -446,15 +442,22 @@ async def test_the_answers_to_a_batch_of_sends_come_back_in_order_sharing_frames
             send.to_agent = "Worker" if seq != 25 else "Nobody"
             send.content.update({"action": "work", "n": seq})
         await call.write(frame)
-        answers: list[tuple[int, str]] = []
-        reads = 0
-        while len(answers) < 50:
-            got = await asyncio.wait_for(call.read(), 10)
-            reads += 1
-            frames = got.batch.frames if got.WhichOneof("frame") == "batch" else [got]
-            answers += [(one.seq, str(one.WhichOneof("frame"))) for one in frames]
+        frames, reads = await _read_answers(call, 50)
+        answers = [(one.seq, one.WhichOneof("frame")) for one in frames]
         assert answers == [(seq, "error" if seq == 25 else "accepted") for seq in range(1, 51)]
         assert reads < 50  # answers shared frames
         queued = await client.receive("Worker", max_messages=100)
         assert [m.content["n"] for m in queued] == [n for n in range(1, 51) if n != 25]
         call.cancel()
+
+
+async def _read_answers(call: Any, count: int) -> tuple[list[broker_pb2.ConnectResponse], int]:
+    """The first ``count`` answer frames of a Connect stream, unpacking `batch` frames, and how
+    many frames they came in."""
+    answers: list[broker_pb2.ConnectResponse] = []
+    reads = 0
+    while len(answers) < count:
+        got = await asyncio.wait_for(call.read(), 10)
+        reads += 1
+        answers += got.batch.frames if got.WhichOneof("frame") == "batch" else [got]
+    return answers, reads
