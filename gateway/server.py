@@ -59,7 +59,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         runs in flight finish, for up to ``grace`` seconds."""
         self.draining = True
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), grace)
+            async with asyncio.timeout(grace):
+                await self._idle.wait()
 
     # -- plumbing ----------------------------------------------------------------------------
 

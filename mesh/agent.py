@@ -506,7 +506,8 @@ async def serve(
     runtime.address = advertise or server.address
     try:
         await runtime.start()
-        await asyncio.wait_for(runtime.subscribed.wait(), timeout=client.default_timeout)
+        async with asyncio.timeout(client.default_timeout):
+            await runtime.subscribed.wait()
     except BaseException:
         await server.stop(0)
         await client.close()

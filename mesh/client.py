@@ -44,6 +44,7 @@ from mesh.core.model import (
     Priority,
     new_message_id,
 )
+from mesh.core.tasks import cancel_and_wait
 from mesh.security import open_channel
 from mesh.serving import GRPC_OPTIONS
 from mesh.streams import BATCH_HEADER, FrameWriter
@@ -295,13 +296,10 @@ class _Session:
         if not self.closed:
             with contextlib.suppress(Exception):
                 await self._writer.finish(self._call.done_writing)
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(self._reader), grace)
+            await asyncio.wait({self._reader}, timeout=grace)
             self.closed = True
             self._call.cancel()
-        self._reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reader
+        await cancel_and_wait(self._reader)
 
 
 class Received:

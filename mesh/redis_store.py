@@ -44,6 +44,7 @@ from redis.exceptions import NoScriptError, RedisError
 from mesh.core.errors import BrokerUnavailableError, MessageQueueFullError
 from mesh.core.model import AgentInfo, DeadLetter, Message, Priority, utc_now
 from mesh.core.queue import Lease, Popped, QueueStats, Released, capacity_limits
+from mesh.core.tasks import cancel_and_wait
 
 logger = logging.getLogger("mesh.store.redis")
 
@@ -952,6 +953,7 @@ class RedisQueueStore:
 
     async def _follow(self, listener: Any) -> None:
         answers = self._answers(self.replica_id)
+        failures = 0  # in a row: the first is a warning, the rest of an outage is quiet
         while True:
             try:
                 async for event in self._pubsub.listen():
@@ -965,15 +967,26 @@ class RedisQueueStore:
                         listener.on_agent_changed(agent_id, await self.saved_agent(agent_id))
                     elif channel == answers:
                         listener.on_answer(_message(data))
+                # listen() ends at once on a connection subscribed to nothing (a subscribe
+                # that failed while Redis was away): not a reason to go round without a pause.
+                raise ConnectionError("the subscription ended")
             except asyncio.CancelledError:
                 raise
-            except Exception:  # a lost connection (or node): subscribe again and go on
-                logger.exception("following the other replicas failed; retrying")
+            except Exception as error:  # a lost connection (or node): subscribe again
+                failures += 1
+                logger.log(
+                    logging.WARNING if failures == 1 else logging.DEBUG,
+                    "following the other replicas failed (%s); retrying every 0.5 s",
+                    error,
+                )
                 await asyncio.sleep(0.5)
                 with contextlib.suppress(Exception):
                     await self._pubsub.aclose()
                 with contextlib.suppress(Exception):
                     await self._subscribe()
+                    logger.info("following the other replicas again")
+                    failures = 0
+                    listener.on_followed_again()
 
     async def close(self) -> None:
         if self._tasks:  # puts already sent to Redis get their answers
@@ -983,10 +996,8 @@ class RedisQueueStore:
         with contextlib.suppress(BrokerUnavailableError):
             await self._settle()
             await self._call("hdel", REPLICAS, self.replica_id)
-        if self._watcher is not None:
-            self._watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watcher
+        await cancel_and_wait(self._watcher)  # redis-py may swallow one cancellation
+        self._watcher = None
         if self._pubsub is not None:
             with contextlib.suppress(Exception):
                 await self._pubsub.aclose()

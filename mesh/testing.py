@@ -175,9 +175,9 @@ class LocalRedis:
             raise
         return started
 
-    def _node(self, folder: Path, *options: str) -> None:
+    def _node(self, folder: Path, *options: str, port: int = 0) -> subprocess.Popen[bytes]:
         folder.mkdir(parents=True, exist_ok=True)
-        port = free_port()
+        port = port or free_port()
         command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
         process = subprocess.Popen(
             [*command, "--dir", str(folder), *options],
@@ -192,7 +192,21 @@ class LocalRedis:
             if time.monotonic() > deadline or process.poll() is not None:
                 raise RuntimeError(f"redis-server did not start on port {port}")
             time.sleep(0.05)
-        self.urls.append(f"redis://127.0.0.1:{port}/0")
+        url = f"redis://127.0.0.1:{port}/0"
+        if url not in self.urls:
+            self.urls.append(url)
+        return process
+
+    def kill(self) -> None:
+        """SIGKILL every node, as in a crash (what they held is gone: nothing is saved)."""
+        for process in self.processes:
+            process.kill()
+            process.wait()
+        self.processes.clear()
+
+    def restart(self, folder: Path) -> None:
+        """Starts a killed single server again on its port (empty)."""
+        self._node(folder, port=int(self.url.rsplit(":", 1)[1].split("/")[0]))
 
     def flush(self) -> None:
         """Empties every node."""

@@ -325,7 +325,8 @@ class Dashboard:
         task = asyncio.create_task(run(), name=f"dashboard-run-{name}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return await asyncio.wait_for(first, 30)
+        async with asyncio.timeout(30):
+            return await first
 
     async def stream(self) -> AsyncIterator[str]:
         if len(self._clients) >= MAX_CLIENTS:
@@ -336,7 +337,8 @@ class Dashboard:
             yield f"event: state\ndata: {json.dumps(self.state(), default=str)}\n\n"
             while True:
                 try:
-                    frame = await asyncio.wait_for(queue.get(), 15)
+                    async with asyncio.timeout(15):
+                        frame = await queue.get()
                 except TimeoutError:
                     frame = ": keep-alive\n\n"
                 yield frame

@@ -43,6 +43,7 @@ from mesh.core.model import (
 )
 from mesh.core.queue import QueueStats, QueueStore, Released
 from mesh.core.registry import AgentRegistry
+from mesh.core.tasks import cancel_and_wait
 from mesh.core.validation import handoff_violations, validate_message
 from mesh.metrics import BrokerMetrics, Totals
 from mesh.tracing import extract, headers_for, tracer, without_trace
@@ -192,6 +193,7 @@ class Broker:
         self._dirty: set[str] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self.draining = False
+        self._stopping = False
         # Names this broker in subscription ids; replicas sharing a store use the store's
         # replica id, so that a lease tells which replica's subscriber holds it.
         self.instance = store.replica_id or secrets.token_hex(4)
@@ -209,11 +211,9 @@ class Broker:
             self._sweeper = asyncio.create_task(self._sweep_forever(), name="broker-sweeper")
 
     async def stop(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
-            self._sweeper = None
+        self._stopping = True  # the sweeper ends even if a store call swallows its cancellation
+        await cancel_and_wait(self._sweeper)
+        self._sweeper = None
         for subs in list(self._subscriptions.values()):
             for sub in list(subs):
                 await sub.close()
@@ -269,12 +269,22 @@ class Broker:
         await self.stop()
 
     async def _sweep_forever(self) -> None:
-        while True:
+        unavailable = False  # said once per outage of the store, not every pass
+        while not self._stopping:
             await asyncio.sleep(self.config.sweep_interval)
             try:
                 await self.sweep()
+            except BrokerUnavailableError as error:
+                if not unavailable:
+                    logger.warning("queue sweeps fail until the store is back: %s", error)
+                unavailable = True
+                continue
             except Exception:  # the sweeper must outlive any one bad pass
                 logger.exception("queue sweep failed")
+                continue
+            if unavailable:
+                logger.info("queue sweeps work again: the store is back")
+                unavailable = False
 
     async def sweep(self) -> None:
         """Expires messages, reclaims ended leases and refreshes the depth gauges."""
@@ -884,6 +894,11 @@ class Broker:
     def on_answer(self, message: Message) -> None:
         """An answer another replica forwarded to a request waiting here."""
         self._offer_answer(message)
+
+    def on_followed_again(self) -> None:
+        for subs in self._subscriptions.values():
+            for sub in subs:
+                sub.wake()
 
     def on_released(self, released: Released) -> None:
         sub = self._by_subscription.get(released.subscriber)

@@ -198,6 +198,11 @@ class ReplicaListener(StoreListener, Protocol):
 
     def on_answer(self, message: Message) -> None: ...
 
+    def on_followed_again(self) -> None:
+        """Following the other replicas was interrupted (a lost connection) and has resumed:
+        wake-ups sent meanwhile may be lost, so every subscription looks at its queue."""
+        ...
+
 
 class Journal(Protocol):
     """Records the store's changes so that a durable store can rebuild it after a crash.

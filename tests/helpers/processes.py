@@ -74,10 +74,20 @@ async def _drain(stream: asyncio.StreamReader, lines: list[str]) -> None:
 
 
 async def stop(proc: Proc) -> int:
+    """SIGTERM, and its exit code; a process still running 15 s later is killed (so that no
+    test leaves one behind) and the test fails with what it printed."""
     if proc.process.returncode is None:
         proc.process.send_signal(signal.SIGTERM)
-    async with asyncio.timeout(15):
-        return await proc.process.wait()
+    try:
+        async with asyncio.timeout(15):
+            return await proc.process.wait()
+    except TimeoutError:
+        proc.kill()
+        await proc.process.wait()
+        raise AssertionError(
+            f"pid {proc.process.pid} did not exit within 15 s of SIGTERM; it printed:\n"
+            + "".join(proc.output[-50:])
+        ) from None
 
 
 async def wait_killed(proc: Proc) -> None:

@@ -1,0 +1,84 @@
+"""Two brokers on a Redis that crashes and comes back: meanwhile they refuse sends with
+UNAVAILABLE and wait quietly (no busy loop around a failed subscription); afterwards they
+follow each other again without being restarted, and a message sent through one reaches a
+subscriber on the other."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from mesh import BrokerUnavailableError, connect
+from mesh.client import NO_RETRY
+from mesh.config import BrokerConfig
+from mesh.server import serve_broker
+from mesh.testing import LocalRedis
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[LocalRedis]:
+    """A redis-server of this test's own, since the test kills it."""
+    if why := LocalRedis.available():
+        pytest.skip(f"{why}; .ci/run adds it")
+    redis = LocalRedis.start(tmp_path / "redis")
+    try:
+        yield redis
+    finally:
+        redis.stop()
+
+
+async def test_two_brokers_ride_out_a_redis_crash(
+    own_redis: LocalRedis, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="mesh")
+    config = BrokerConfig(store=own_redis.url)
+    _, server_a = await serve_broker(broker_config=config)
+    _, server_b = await serve_broker(broker_config=config)
+    try:
+        async with (
+            connect(server_a.address, agent_id="alice", retry=NO_RETRY) as via_a,
+            connect(server_b.address, agent_id="bob", retry=NO_RETRY) as via_b,
+        ):
+            await via_b.register("Listener")
+            on_b = via_b.subscribe("Listener")
+            await on_b.start()
+            before = await via_a.send("Listener", {"action": "before"})
+            got = await asyncio.wait_for(anext(aiter(on_b)), 5)
+            assert got.message.message_id == before.message_id
+            await got.ack()
+
+            own_redis.kill()
+            with pytest.raises(BrokerUnavailableError):
+                await via_a.send("Listener", {"action": "during"})
+
+            # Both brokers keep trying to follow each other, at a walk.
+            cpu = time.process_time()
+            await asyncio.sleep(1.5)
+            assert time.process_time() - cpu < 0.75
+            said = [r.message for r in caplog.records]
+            assert sum("following the other replicas failed" in m for m in said) == 2
+            assert sum("queue sweeps fail until the store is back" in m for m in said) == 2
+
+            own_redis.restart(tmp_path / "redis")
+            after = None
+            async with asyncio.timeout(10):
+                while after is None:  # until the brokers' connections are back
+                    try:
+                        after = await via_a.send("Listener", {"action": "after"})
+                    except BrokerUnavailableError:
+                        await asyncio.sleep(0.1)
+                got = await anext(aiter(on_b))
+            assert got.message.message_id == after.message_id
+            assert got.message.content == {"action": "after"}
+            await got.ack()
+            await on_b.close()
+            said = [r.message for r in caplog.records]
+            assert "following the other replicas again" in said
+    finally:
+        await server_a.stop(0)
+        await server_b.stop(0)

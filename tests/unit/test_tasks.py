@@ -1,0 +1,125 @@
+"""Stopping background tasks whose cancellation can be swallowed (asyncio.wait_for on Python
+3.11 returns the inner result when it completes in the same loop iteration as the cancel;
+redis-py sends commands through it)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import pytest
+
+from mesh.config import BrokerConfig
+from mesh.core.broker import Broker
+from mesh.core.queue import InMemoryQueueStore
+from mesh.core.tasks import cancel_and_wait
+
+
+async def test_a_loop_whose_cancellation_a_wait_for_swallowed_is_still_stopped() -> None:
+    loop = asyncio.get_running_loop()
+    rounds: list[asyncio.Future[None]] = []
+
+    async def poll_forever() -> None:
+        while True:  # the shape of a sweeper: one call after another
+            rounds.append(loop.create_future())
+            await asyncio.wait_for(rounds[-1], 3600)
+
+    task = asyncio.create_task(poll_forever())
+    await asyncio.sleep(0)
+    # The call completes in the very iteration the task is cancelled.
+    rounds[-1].set_result(None)
+    await cancel_and_wait(task)
+    assert task.cancelled()
+
+
+async def test_a_task_that_swallows_a_cancellation_once_is_cancelled_again() -> None:
+    swallowed = asyncio.Event()
+
+    async def stubborn() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            swallowed.set()
+        await asyncio.sleep(3600)
+
+    task = asyncio.create_task(stubborn())
+    await asyncio.sleep(0)
+    await cancel_and_wait(task)
+    assert swallowed.is_set()
+    assert task.cancelled()
+
+
+async def test_the_outcome_of_a_task_that_already_ended_is_retrieved_not_raised() -> None:
+    async def fails() -> None:
+        raise ValueError("boom")
+
+    task = asyncio.create_task(fails())
+    await asyncio.wait({task})
+    await cancel_and_wait(task)  # no ValueError here
+    await cancel_and_wait(None)
+    assert isinstance(task.exception(), ValueError)
+
+
+async def test_a_task_that_will_not_stop_is_left_with_a_warning_after_the_patience(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    released = asyncio.Event()
+
+    async def ignores_cancellation() -> None:
+        while not released.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await released.wait()
+
+    stuck = asyncio.create_task(ignores_cancellation(), name="stuck")
+    await asyncio.sleep(0)
+    with caplog.at_level(logging.WARNING, logger="mesh.core.tasks"):
+        await cancel_and_wait(stuck, every=0.01, patience=0.1)
+    assert not stuck.done()
+    assert "task stuck did not stop when cancelled" in caplog.text
+    released.set()
+    await stuck
+
+
+async def test_a_caller_cancelled_while_it_waits_is_cancelled() -> None:
+    released = asyncio.Event()
+
+    async def slow_to_stop() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await released.wait()
+
+    task = asyncio.create_task(slow_to_stop())
+    await asyncio.sleep(0)
+    waiting = asyncio.create_task(cancel_and_wait(task, patience=3600))
+    await asyncio.sleep(0.05)
+    waiting.cancel()
+    await asyncio.wait({waiting})
+    assert waiting.cancelled()
+    released.set()
+    await asyncio.wait({task})
+    assert task.cancelled()
+
+
+class SwallowingStore(InMemoryQueueStore):
+    """A store whose sweep, like a redis-py call on Python 3.11, can return normally from a
+    cancellation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sweeping = asyncio.Event()
+
+    async def sweep(self) -> None:
+        self.sweeping.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(3600)
+
+
+async def test_a_broker_stops_even_when_its_store_swallows_the_sweepers_cancellation() -> None:
+    store = SwallowingStore()
+    broker = Broker(BrokerConfig(sweep_interval=0.01), store=store)
+    await broker.start()
+    await store.sweeping.wait()
+    await broker.stop()  # before, this waited forever
+    assert broker._sweeper is None
