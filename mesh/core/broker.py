@@ -100,6 +100,10 @@ class AgentQueueStats:
     subscribers: int
 
 
+STORE_RETRY_SECONDS = 0.5
+"""How soon a subscription tries its queue again while the store cannot be reached."""
+
+
 def _expire(waiter: asyncio.Future[Message]) -> None:
     if not waiter.done():
         waiter.set_exception(TimeoutError())
@@ -139,7 +143,15 @@ class Subscription:
                 raise SessionClosedError(f"subscription {self.subscription_id} is closed")
             credit = self.max_in_flight - len(self.in_flight)
             if credit > 0:
-                batch = await self.broker._lease_many(self, min(most, credit))
+                try:
+                    batch = await self.broker._lease_many(self, min(most, credit))
+                except BrokerUnavailableError:
+                    # The store is away (the sweeper says so): the subscription stays, and
+                    # looks again at the next wake-up or in a moment.
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(STORE_RETRY_SECONDS):
+                            await self._wake.wait()
+                    continue
                 if batch:
                     return batch
             await self._wake.wait()

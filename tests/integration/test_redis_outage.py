@@ -38,7 +38,7 @@ async def test_two_brokers_ride_out_a_redis_crash(
     caplog.set_level(logging.INFO, logger="mesh")
     config = BrokerConfig(store=own_redis.url)
     _, server_a = await serve_broker(broker_config=config)
-    _, server_b = await serve_broker(broker_config=config)
+    broker_b, server_b = await serve_broker(broker_config=config)
     try:
         async with (
             connect(server_a.address, agent_id="alice", retry=NO_RETRY) as via_a,
@@ -55,6 +55,9 @@ async def test_two_brokers_ride_out_a_redis_crash(
             own_redis.kill()
             with pytest.raises(BrokerUnavailableError):
                 await via_a.send("Listener", {"action": "during"})
+            # A wake-up while the store is away: the subscription finds it unreachable, and
+            # stays (it does not end, nor stop delivering once the store is back).
+            broker_b.on_wake("Listener")
 
             # Both brokers keep trying to follow each other, at a walk.
             cpu = time.process_time()

@@ -1,6 +1,7 @@
-"""Stopping background tasks whose cancellation can be swallowed (asyncio.wait_for on Python
-3.11 returns the inner result when it completes in the same loop iteration as the cancel;
-redis-py sends commands through it)."""
+"""Background tasks around a shared store: stopping those whose cancellation can be swallowed
+(asyncio.wait_for on Python 3.11 returns the inner result when it completes in the same loop
+iteration as the cancel; redis-py sends commands through it), and waking subscriptions when a
+replica follows the others again after losing them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from mesh.config import BrokerConfig
 from mesh.core.broker import Broker
+from mesh.core.model import AgentInfo, Message
 from mesh.core.queue import InMemoryQueueStore
 from mesh.core.tasks import cancel_and_wait
 
@@ -123,3 +125,23 @@ async def test_a_broker_stops_even_when_its_store_swallows_the_sweepers_cancella
     await store.sweeping.wait()
     await broker.stop()  # before, this waited forever
     assert broker._sweeper is None
+
+
+async def test_following_the_other_replicas_again_wakes_every_subscription() -> None:
+    """A wake-up lost while a replica's connection to the others was down: the message was
+    queued (by another replica) without this one hearing of it. Following again wakes every
+    subscription, which then finds it."""
+    store = InMemoryQueueStore()
+    async with Broker(BrokerConfig(), store=store) as broker:
+        await broker.register(AgentInfo(agent_id="Listener"))
+        sub = await broker.subscribe("Listener")
+        waiting = asyncio.create_task(sub.next())
+        await asyncio.sleep(0)
+        queued = Message(from_agent="Elsewhere", to_agent="Listener", content={"action": "x"})
+        await store.put(queued, 60)  # as another replica does: into the store, no wake here
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        broker.on_followed_again()
+        delivery = await asyncio.wait_for(waiting, 5)
+        assert delivery.message.message_id == queued.message_id
+        await sub.close()
