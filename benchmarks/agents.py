@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 
-from mesh import Agent, AgentContext, Message, connect, serve
+from mesh import Agent, AgentContext, Message, connect, serve, serve_all
 from mesh.cli import _until_signalled
 from mesh.client import ClientSubscription
 from mesh.loop import run as run_loop
@@ -67,18 +68,21 @@ async def main() -> None:
     if args.consume_only:
         await consume(args, types)
         return
-    served = [
-        await serve(
-            EchoAgent(f"{args.prefix}-{i}", agent_types=types),
-            args.broker,
-            max_in_flight=args.max_in_flight,
-        )
+    agents = [
+        EchoAgent(f"{args.prefix}-{i}", agent_types=types)
         for i in range(args.start, args.start + args.count)
     ]
-    print(f"agents ready: {len(served)}", flush=True)
+    if os.environ.get("BENCH_CLIENT_PER_AGENT"):  # the shape before agents shared a stream
+        served = [await serve(a, args.broker, max_in_flight=args.max_in_flight) for a in agents]
+        print(f"agents ready: {len(served)}", flush=True)
+        await _until_signalled()
+        for s in served:
+            await s.stop(1.0)
+        return
+    group = await serve_all(agents, args.broker, max_in_flight=args.max_in_flight)
+    print(f"agents ready: {len(group)}", flush=True)
     await _until_signalled()
-    for s in served:
-        await s.stop(1.0)
+    await group.stop(1.0)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ The pieces most programs need::
     from mesh import connect, Agent, agent, serve, Message, Priority
 """
 
-from mesh.agent import Agent, AgentContext, AgentServer, agent, on, serve
+from mesh.agent import Agent, AgentContext, AgentServer, ServedAgents, agent, on, serve, serve_all
 from mesh.client import AgentClient, MeshClient, Received, RetryPolicy, connect
 from mesh.config import BrokerConfig, SecurityConfig, ServerConfig
 from mesh.core import (
@@ -72,6 +72,7 @@ __all__ = [
     "RetryPolicy",
     "RoutingError",
     "SecurityConfig",
+    "ServedAgents",
     "ServerConfig",
     "Tool",
     "UnauthenticatedError",
@@ -79,5 +80,6 @@ __all__ = [
     "connect",
     "on",
     "serve",
+    "serve_all",
     "serve_broker",
 ]

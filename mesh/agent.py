@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -454,12 +454,20 @@ class AgentServer:
     """A served agent: its gRPC server, its broker client and its runtime."""
 
     def __init__(
-        self, agent: Agent, server: MeshServer, runtime: AgentRuntime, client: MeshClient
+        self,
+        agent: Agent,
+        server: MeshServer,
+        runtime: AgentRuntime,
+        client: MeshClient,
+        *,
+        owns_client: bool = True,
     ) -> None:
         self.agent = agent
         self.server = server
         self.runtime = runtime
         self.client = client
+        self.owns_client = owns_client
+        """False when the client was given to :func:`serve` (shared with other agents)."""
 
     @property
     def address(self) -> str:
@@ -470,7 +478,8 @@ class AgentServer:
         await self.server.set_serving(False)
         await self.runtime.stop(grace)
         await self.server.stop(grace)
-        await self.client.close()
+        if self.owns_client:
+            await self.client.close()
 
     async def __aenter__(self) -> AgentServer:
         return self
@@ -490,10 +499,17 @@ async def serve(
     retry: RetryPolicy | None = None,
     advertise: str | None = None,
     security: SecurityConfig | None = None,
+    client: MeshClient | None = None,
 ) -> AgentServer:
     """Serves ``agent``: its own gRPC server on host:port (0 picks one), registered with the
-    broker at ``broker`` and subscribed to its queue. Returns once it is ready."""
-    client = MeshClient(broker, agent_id=agent.agent_id, retry=retry, security=security)
+    broker at ``broker`` and subscribed to its queue. Returns once it is ready.
+
+    Agents of one process given one ``client`` (see :func:`serve_all`) share its stream to
+    the broker: what is ready for several of them at once (a broadcast) travels in one
+    frame. The caller closes a client it gave, after stopping the agents."""
+    owns_client = client is None
+    if client is None:
+        client = MeshClient(broker, agent_id=agent.agent_id, retry=retry, security=security)
     runtime = AgentRuntime(agent, client, max_in_flight=max_in_flight, lease_seconds=lease_seconds)
     servicer = AgentServicer(runtime)
     server = await start_server(
@@ -510,7 +526,10 @@ async def serve(
             await runtime.subscribed.wait()
     except BaseException:
         await server.stop(0)
-        await client.close()
+        with contextlib.suppress(Exception):
+            await runtime.stop(0)
+        if owns_client:
+            await client.close()
         raise
     logger.info(
         "agent %s serving on %s",
@@ -520,4 +539,65 @@ async def serve(
             "event": {"category": "agent", "agent_id": agent.agent_id, "address": server.address}
         },
     )
-    return AgentServer(agent, server, runtime, client)
+    return AgentServer(agent, server, runtime, client, owns_client=owns_client)
+
+
+class ServedAgents:
+    """Agents served together by :func:`serve_all`, on one client."""
+
+    def __init__(self, servers: list[AgentServer], client: MeshClient) -> None:
+        self.servers = servers
+        self.client = client
+
+    def __iter__(self) -> Iterator[AgentServer]:
+        return iter(self.servers)
+
+    def __len__(self) -> int:
+        return len(self.servers)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Stops every agent (side by side), then closes their client."""
+        try:
+            await asyncio.gather(*(server.stop(grace) for server in self.servers))
+        finally:
+            await self.client.close()
+
+    async def __aenter__(self) -> ServedAgents:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+async def serve_all(
+    agents: Sequence[Agent],
+    broker: str,
+    *,
+    retry: RetryPolicy | None = None,
+    security: SecurityConfig | None = None,
+    ports: Sequence[int] = (),
+    advertise: Sequence[str | None] = (),
+    **options: Any,
+) -> ServedAgents:
+    """Serves several agents in this process, each on its own gRPC server (``ports[i]``, 0
+    or missing picks one), sharing one client and so one stream to the broker. ``options``
+    are those of :func:`serve` (host, max_in_flight, lease_seconds)."""
+    client = MeshClient(broker, retry=retry, security=security)
+    servers: list[AgentServer] = []
+    try:
+        for i, agent in enumerate(agents):
+            servers.append(
+                await serve(
+                    agent,
+                    broker,
+                    port=ports[i] if i < len(ports) else 0,
+                    advertise=advertise[i] if i < len(advertise) else None,
+                    security=security,
+                    client=client,
+                    **options,
+                )
+            )
+    except BaseException:
+        await ServedAgents(servers, client).stop(0)
+        raise
+    return ServedAgents(servers, client)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mesh.agent import Agent, serve
+from mesh.agent import Agent, serve_all
 from mesh.client import connect
 from mesh.config import BrokerConfig, SecurityConfig, ServerConfig
 from mesh.core.errors import MeshError
@@ -193,26 +193,27 @@ def load_agent(spec: str, agent_id: str | None = None) -> Agent:
 async def _run_agent(args: argparse.Namespace) -> int:
     agents = [a for spec in args.spec for a in load_agents(spec, args.id)]
     security = security_config(args)
-    served = []
-    for i, agent in enumerate(agents):
-        port = args.port + i if args.port else 0
-        advertise = f"{args.advertise_host}:{port}" if args.advertise_host and port else None
-        one = await serve(
-            agent,
-            args.broker,
-            host=args.host,
-            port=port,
-            max_in_flight=args.max_in_flight,
-            advertise=advertise,
-            security=security,
-        )
-        served.append(one)
+    ports = [args.port + i if args.port else 0 for i in range(len(agents))]
+    # The agents of this process share one client, so one stream to the broker.
+    served = await serve_all(
+        agents,
+        args.broker,
+        host=args.host,
+        ports=ports,
+        advertise=[
+            f"{args.advertise_host}:{port}" if args.advertise_host and port else None
+            for port in ports
+        ],
+        max_in_flight=args.max_in_flight,
+        security=security,
+    )
+    for one in served:
         _print(
-            f"agentmesh agent {agent.agent_id} serving on {one.address}, broker {args.broker} "
-            f"({one.server.security})"
+            f"agentmesh agent {one.agent.agent_id} serving on {one.address}, "
+            f"broker {args.broker} ({one.server.security})"
         )
     await _until_signalled()
-    await asyncio.gather(*(one.stop() for one in served))
+    await served.stop()
     return 0
 
 

@@ -160,7 +160,8 @@ def _request_batch(frames: list[broker_pb2.ConnectRequest]) -> broker_pb2.Connec
 
 
 class _Session:
-    """One Connect stream: numbered frames out, answers matched back by seq."""
+    """One Connect stream: numbered frames out, answers matched back by seq, deliveries to
+    the queue of the subscribed agent their message is for."""
 
     def __init__(self, stub: broker_pb2_grpc.BrokerServiceStub) -> None:
         # With the batch header the broker may answer with `batch` frames; frames this side
@@ -173,7 +174,7 @@ class _Session:
         self._seq = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[broker_pb2.ConnectResponse]] = {}
         self._streams: dict[int, asyncio.Queue[Any]] = {}
-        self.deliveries: asyncio.Queue[Any] | None = None
+        self.deliveries: dict[str, asyncio.Queue[Any]] = {}
         self.closed = False
         self.failure: MeshError | None = None
         self._reader = asyncio.create_task(self._read(), name="mesh-session-reader")
@@ -209,14 +210,22 @@ class _Session:
             waiter = self._waiting.pop(frame.seq, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(frame)
-        elif frame.HasField("delivery") and self.deliveries is not None:
-            await self.deliveries.put(codec.delivery_from_pb(frame.delivery))
-        elif frame.HasField("deliveries") and self.deliveries is not None:
+        elif frame.HasField("delivery"):
+            await self._deliver(codec.delivery_from_pb(frame.delivery))
+        elif frame.HasField("deliveries"):
             for delivery in frame.deliveries.deliveries:
-                await self.deliveries.put(codec.delivery_from_pb(delivery))
+                await self._deliver(codec.delivery_from_pb(delivery))
         elif frame.HasField("error"):
             error = codec.error_from_pb(frame.error)
             logger.warning("the broker refused a frame: %s: %s", error.code, error.message)
+
+    async def _deliver(self, delivery: Delivery) -> None:
+        # The broker keeps at most max_in_flight unacknowledged per subscription, the size
+        # of its queue: this put does not wait. A delivery for a subscription ended meanwhile
+        # is dropped: the broker took its lease back when it ended.
+        queue = self.deliveries.get(delivery.message.to_agent)
+        if queue is not None:
+            await queue.put(delivery)
 
     def _fail(self, failure: MeshError) -> None:
         self.closed = True
@@ -227,15 +236,15 @@ class _Session:
         self._waiting.clear()
         for stream in self._streams.values():
             stream.put_nowait(failure)
-        if self.deliveries is not None:
+        for queue in self.deliveries.values():
             with contextlib.suppress(asyncio.QueueFull):
-                self.deliveries.put_nowait(_CLOSED)
+                queue.put_nowait(_CLOSED)
 
     async def write(self, frame: broker_pb2.ConnectRequest) -> None:
         if self.closed:
             raise self.failure or SessionClosedError("the session is closed")
         # One call outstanding and nothing else on the stream: no other frame is coming.
-        alone = len(self._waiting) <= 1 and not self._streams and self.deliveries is None
+        alone = len(self._waiting) <= 1 and not self._streams and not self.deliveries
         try:
             await self._writer.write(frame, alone=alone)
         except grpc.RpcError as error:
@@ -347,7 +356,10 @@ class Received:
 
 
 class ClientSubscription:
-    """An async iterator over an agent's deliveries, on its own Connect stream."""
+    """An async iterator over an agent's deliveries. The subscriptions of one client share
+    its Connect stream (one per agent; a second subscription of the same agent gets a stream
+    of its own), so that the broker writes what is ready for several of them at once in one
+    frame."""
 
     def __init__(
         self,
@@ -365,16 +377,23 @@ class ClientSubscription:
         self.reconnect = reconnect
         self.reconnects = 0
         self._session: _Session | None = None
+        self._queue: asyncio.Queue[Any] | None = None
+        self._own_session = False
+        """The session is this subscription's alone (closed with it), not the client's."""
         self._closed = False
         self._settled: dict[str, list[str]] = {"ack": [], "nack": []}
         self._settling: asyncio.Task[None] | None = None
         self._settlers: set[asyncio.Task[None]] = set()
 
     async def start(self) -> ClientSubscription:
-        session = _Session(self.client._stub)
+        session = await self.client._open_session()
+        own = self.agent_id in session.deliveries
+        if own:  # this client already subscribed this agent on its stream
+            session = _Session(self.client._stub)
         # Deliveries are bounded by max_in_flight at the broker; the extra slot is for the
         # end-of-session marker.
-        session.deliveries = asyncio.Queue(self.max_in_flight + 1)
+        queue: asyncio.Queue[Any] = asyncio.Queue(self.max_in_flight + 1)
+        session.deliveries[self.agent_id] = queue
         frame = broker_pb2.ConnectRequest()
         frame.subscribe.agent_id = self.agent_id
         frame.subscribe.max_in_flight = self.max_in_flight
@@ -383,9 +402,12 @@ class ClientSubscription:
         try:
             await session.call(frame, timeout=self.client.default_timeout)
         except BaseException:
-            await session.close()
+            if session.deliveries.get(self.agent_id) is queue:
+                del session.deliveries[self.agent_id]
+            if own:
+                await session.close()
             raise
-        self._session = session
+        self._session, self._queue, self._own_session = session, queue, own
         return self
 
     async def __aenter__(self) -> ClientSubscription:
@@ -403,11 +425,11 @@ class ClientSubscription:
         while True:
             if self._session is None:
                 await self.start()
-            assert self._session is not None and self._session.deliveries is not None
-            item = await self._session.deliveries.get()
+            assert self._session is not None and self._queue is not None
+            item = await self._queue.get()
             if item is not _CLOSED:
                 break
-            failure = self._session.failure
+            failure = None if self._closed else self._session.failure
             if self._closed or failure is None or isinstance(failure, SessionClosedError):
                 raise StopAsyncIteration
             if not (self.reconnect and failure.code == "UNAVAILABLE"):
@@ -484,13 +506,29 @@ class ClientSubscription:
                 await session.write(frame)
 
     async def close(self) -> None:
-        """Ends the subscription, after sending the acks and nacks still queued;
-        unacknowledged messages go back to the queue."""
+        """Ends the subscription, after sending the acks and nacks still queued (and what
+        was sent on its stream) and once the broker has put its unacknowledged messages back
+        in the queue."""
         self._closed = True
+        self.client._subscriptions.discard(self)
         if self._settlers:
             await asyncio.gather(*list(self._settlers), return_exceptions=True)
-        if self._session is not None:
-            await self._session.close()
+        session, queue = self._session, self._queue
+        if session is None or queue is None:
+            return
+        if self._own_session:
+            await session.close()
+            return
+        if session.deliveries.get(self.agent_id) is queue:
+            frame = broker_pb2.ConnectRequest()
+            frame.unsubscribe.agent_id = self.agent_id
+            with contextlib.suppress(MeshError, TimeoutError):
+                # (a session that ended took the subscription with it)
+                await session.call(frame, timeout=self.client.default_timeout)
+            if session.deliveries.get(self.agent_id) is queue:
+                del session.deliveries[self.agent_id]
+        with contextlib.suppress(asyncio.QueueFull):
+            queue.put_nowait(_CLOSED)  # an iteration waiting now ends
 
 
 class MeshClient:

@@ -21,6 +21,7 @@ from mesh.core.errors import (
     MessageValidationError,
     SessionClosedError,
 )
+from mesh.core.tasks import cancel_and_wait
 from mesh.core.tools import ToolHost
 from mesh.security import check_frame, current_principal
 from mesh.serving import Malformed, MeshServer, start_server
@@ -31,6 +32,7 @@ logger = logging.getLogger("mesh.server")
 
 BROKER_SERVICE = broker_pb2.DESCRIPTOR.services_by_name["BrokerService"].full_name
 MAX_SESSION_REQUESTS = 10_000
+MAX_SESSION_SUBSCRIPTIONS = 1_000
 MAX_BATCH = 256
 """Deliveries per `deliveries` frame at most, whatever a subscriber asks for."""
 MAX_POSTED = 256
@@ -321,8 +323,8 @@ class _Session:
         self.writer: FrameWriter[broker_pb2.ConnectResponse] = FrameWriter(
             context.write, _response_batch if _takes_batches(context) else None
         )
-        self.subscription: Subscription | None = None
-        self.pump: asyncio.Task[None] | None = None
+        # The session's subscriptions (one per agent) and the tasks writing their deliveries.
+        self.subscriptions: dict[str, tuple[Subscription, asyncio.Task[None]]] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.principal = current_principal.get()
         self.in_batch = False
@@ -331,7 +333,7 @@ class _Session:
     async def write(self, frame: broker_pb2.ConnectResponse) -> None:
         # A session with no subscription and at most one request in flight has nothing
         # else to write at this moment.
-        alone = self.subscription is None and len(self.tasks) <= 1
+        alone = not self.subscriptions and len(self.tasks) <= 1
         await self.writer.write(frame, alone=alone)
 
     async def _answer(self, frame: broker_pb2.ConnectResponse) -> None:
@@ -356,11 +358,11 @@ class _Session:
                 await asyncio.gather(*list(self.tasks), return_exceptions=True)
             await self.writer.flush()  # answers posted and not yet written
         finally:
-            for task in [*self.tasks, self.pump]:
-                if task is not None:
-                    task.cancel()
-            if self.subscription is not None:
-                await self.subscription.close()
+            for task in self.tasks:
+                task.cancel()
+            for sub, pump in self.subscriptions.values():
+                pump.cancel()
+                await sub.close()
 
     async def _error(self, seq: int, error: MeshError) -> None:
         frame = broker_pb2.ConnectResponse(seq=seq)
@@ -409,6 +411,8 @@ class _Session:
                 await self.broker.nack(self._agent(frame.nack.agent_id), frame.nack.message_ids)
             elif kind == "subscribe":
                 await self._subscribe(seq, frame.subscribe)
+            elif kind == "unsubscribe":
+                await self._unsubscribe(seq, frame.unsubscribe.agent_id)
             elif kind == "gather":
                 self._spawn(self._gather(seq, frame.gather))
             elif kind == "receive":
@@ -472,23 +476,45 @@ class _Session:
     def _agent(self, agent_id: str) -> str:
         if agent_id:
             return agent_id
-        if self.subscription is not None:
-            return self.subscription.agent_id
-        raise _invalid("agent_id", "agent_id is required")
+        if len(self.subscriptions) == 1:
+            return next(iter(self.subscriptions))
+        raise _invalid("agent_id", "agent_id is required (unless the session has one subscription)")
 
     async def _subscribe(self, seq: int, request: broker_pb2.SubscribeRequest) -> None:
-        if self.subscription is not None:
-            raise _invalid("subscribe", "the session is already subscribed")
-        self.subscription = await self.broker.subscribe(
+        if request.agent_id in self.subscriptions:
+            raise _invalid(
+                "subscribe.agent_id", f"the session is already subscribed to {request.agent_id}"
+            )
+        if len(self.subscriptions) >= MAX_SESSION_SUBSCRIPTIONS:
+            raise LimitExceededError(
+                f"a session carries at most {MAX_SESSION_SUBSCRIPTIONS} subscriptions"
+            )
+        sub = await self.broker.subscribe(
             request.agent_id,
             max_in_flight=request.max_in_flight,
             lease_seconds=codec.duration_seconds(request.lease),
         )
         out = broker_pb2.ConnectResponse(seq=seq)
         out.accepted.SetInParent()
-        await self.write(out)
+        try:
+            await self.write(out)  # `accepted` goes before the first delivery
+        except BaseException:
+            await sub.close()
+            raise
         batch = min(max(request.max_batch, 1), MAX_BATCH)
-        self.pump = asyncio.create_task(self._pump(self.subscription, batch), name="session-pump")
+        pump = asyncio.create_task(self._pump(sub, batch), name=f"session-pump-{sub.agent_id}")
+        self.subscriptions[sub.agent_id] = (sub, pump)
+
+    async def _unsubscribe(self, seq: int, agent_id: str) -> None:
+        found = self.subscriptions.pop(agent_id, None)
+        if found is None:
+            raise _invalid("unsubscribe.agent_id", f"the session is not subscribed to {agent_id!r}")
+        sub, pump = found
+        await cancel_and_wait(pump)
+        await sub.close()  # its unacknowledged deliveries go back to the queue
+        out = broker_pb2.ConnectResponse(seq=seq)
+        out.accepted.SetInParent()
+        await self._answer(out)
 
     async def _pump(self, sub: Subscription, max_batch: int) -> None:
         """Writes deliveries as they become ready: one per frame, or, when the subscriber

@@ -1228,6 +1228,28 @@ class SessionRequest(_message.Message):
 Global___SessionRequest: _TypeAlias = SessionRequest  # noqa: Y015
 
 @_typing.final
+class UnsubscribeRequest(_message.Message):
+    """UnsubscribeRequest ends one subscription of a session."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """The agent whose deliveries stop; its unacknowledged ones go back to its queue."""
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnsubscribeRequest: _TypeAlias = UnsubscribeRequest  # noqa: Y015
+
+@_typing.final
 class ConnectRequest(_message.Message):
     """ConnectRequest is one frame from client to broker on a session."""
 
@@ -1242,11 +1264,15 @@ class ConnectRequest(_message.Message):
     RECEIVE_FIELD_NUMBER: _builtins.int
     GATHER_FIELD_NUMBER: _builtins.int
     BATCH_FIELD_NUMBER: _builtins.int
+    UNSUBSCRIBE_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """Chosen by the client; the broker's answer to this frame carries the same seq."""
     @_builtins.property
     def subscribe(self) -> Global___SubscribeRequest:
-        """Start delivering this agent's messages on the session (at most once per session)."""
+        """Start delivering this agent's messages on the session; answered with `accepted`.
+        A session may carry the subscriptions of several agents (once each): every
+        delivery's message.to_agent names the agent it is for.
+        """
 
     @_builtins.property
     def send(self) -> _message_pb2.Message:
@@ -1282,6 +1308,12 @@ class ConnectRequest(_message.Message):
         inside a batch is refused).
         """
 
+    @_builtins.property
+    def unsubscribe(self) -> Global___UnsubscribeRequest:
+        """End one subscription of the session, the others going on; answered with `accepted`
+        once its unacknowledged deliveries are back in the queue.
+        """
+
     def __init__(
         self,
         *,
@@ -1294,12 +1326,13 @@ class ConnectRequest(_message.Message):
         receive: Global___ReceiveMessagesRequest | None = ...,
         gather: Global___GatherRequest | None = ...,
         batch: Global___ConnectRequestBatch | None = ...,
+        unsubscribe: Global___UnsubscribeRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "batch", b"batch", "frame", b"frame", "gather", b"gather", "nack", b"nack", "receive", b"receive", "request", b"request", "send", b"send", "subscribe", b"subscribe"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "batch", b"batch", "frame", b"frame", "gather", b"gather", "nack", b"nack", "receive", b"receive", "request", b"request", "send", b"send", "subscribe", b"subscribe", "unsubscribe", b"unsubscribe"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "batch", b"batch", "frame", b"frame", "gather", b"gather", "nack", b"nack", "receive", b"receive", "request", b"request", "send", b"send", "seq", b"seq", "subscribe", b"subscribe"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "batch", b"batch", "frame", b"frame", "gather", b"gather", "nack", b"nack", "receive", b"receive", "request", b"request", "send", b"send", "seq", b"seq", "subscribe", b"subscribe", "unsubscribe", b"unsubscribe"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["subscribe", "send", "request", "ack", "nack", "receive", "gather", "batch"]  # noqa: Y015
+    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["subscribe", "send", "request", "ack", "nack", "receive", "gather", "batch", "unsubscribe"]  # noqa: Y015
     _WhichOneofArgType_frame: _TypeAlias = _typing.Literal["frame", b"frame"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_frame) -> _WhichOneofReturnType_frame | None: ...
 
@@ -1380,7 +1413,7 @@ class ConnectResponse(_message.Message):
 
     @_builtins.property
     def delivery(self) -> Global___Delivery:
-        """A message for the subscribed agent."""
+        """A message for a subscribed agent (the one its message.to_agent names)."""
 
     @_builtins.property
     def response(self) -> _message_pb2.Message:
@@ -1400,7 +1433,7 @@ class ConnectResponse(_message.Message):
 
     @_builtins.property
     def deliveries(self) -> Global___Deliveries:
-        """Several messages for the subscribed agent, in delivery order (only when the
+        """Several messages for one subscribed agent, in delivery order (only when the
         subscription asked for max_batch above 1).
         """
 

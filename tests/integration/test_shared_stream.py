@@ -1,0 +1,181 @@
+"""Several agents' subscriptions on one Connect stream: the broker delivers each agent's
+messages (message.to_agent names it), refuses what is ambiguous, ends one subscription
+without the others; the SDK puts the subscriptions of one client, and the agents served
+together by serve_all, on one stream."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import pytest
+
+from mesh import Agent, AgentContext, Message, serve_all
+from mesh.testing import LocalMesh
+from mesh.v1 import broker_pb2, broker_pb2_grpc
+
+
+async def _read(call: Any) -> list[broker_pb2.ConnectResponse]:
+    """One read of the stream, `batch` frames unpacked."""
+    frame = await asyncio.wait_for(call.read(), 10)
+    return list(frame.batch.frames) if frame.WhichOneof("frame") == "batch" else [frame]
+
+
+async def _call(call: Any, request: broker_pb2.ConnectRequest) -> broker_pb2.ConnectResponse:
+    """Writes a frame and reads until its answer (deliveries read meanwhile are dropped:
+    tests using this have none pending)."""
+    await call.write(request)
+    while True:
+        for frame in await _read(call):
+            if frame.seq == request.seq:
+                return frame
+
+
+def _delivered(frames: list[broker_pb2.ConnectResponse]) -> list[tuple[str, str]]:
+    out = []
+    for frame in frames:
+        kind = frame.WhichOneof("frame")
+        if kind == "delivery":
+            out.append((frame.delivery.message.to_agent, frame.delivery.message.message_id))
+        elif kind == "deliveries":
+            out += [(d.message.to_agent, d.message.message_id) for d in frame.deliveries.deliveries]
+    return out
+
+
+def _subscribe(seq: int, agent_id: str) -> broker_pb2.ConnectRequest:
+    request = broker_pb2.ConnectRequest(seq=seq)
+    request.subscribe.agent_id = agent_id
+    request.subscribe.max_batch = 16
+    return request
+
+
+async def test_one_stream_carries_the_deliveries_of_several_agents(mesh: LocalMesh) -> None:
+    async with mesh.client("sender") as client, grpc.aio.insecure_channel(mesh.address) as channel:
+        for name in ("Billing", "Shipping"):
+            await client.register(name, agent_types=("store",))
+        call = broker_pb2_grpc.BrokerServiceStub(channel).Connect()
+        for seq, name in ((1, "Billing"), (2, "Shipping")):
+            answer = await _call(call, _subscribe(seq, name))
+            assert answer.WhichOneof("frame") == "accepted"
+
+        # Subscribing an agent twice on one stream is refused; the first one goes on.
+        twice = await _call(call, _subscribe(3, "Billing"))
+        assert twice.WhichOneof("frame") == "error"
+        assert twice.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+
+        to_billing = await client.send("Billing", {"action": "charge"})
+        to_shipping = await client.send("Shipping", {"action": "ship"})
+        broadcast = await client.broadcast({"action": "count"}, agent_types=["store"])
+        got: list[tuple[str, str]] = []
+        while len(got) < 4:
+            got += _delivered(await _read(call))
+        assert sorted(got) == sorted(
+            [
+                ("Billing", to_billing.message_id),
+                ("Shipping", to_shipping.message_id),
+                ("Billing", broadcast.message_id),
+                ("Shipping", broadcast.message_id),
+            ]
+        )
+
+        # An ack must name its agent when the stream carries two.
+        ack = broker_pb2.ConnectRequest(seq=4)
+        ack.ack.message_ids.append(to_billing.message_id)
+        refused = await _call(call, ack)
+        assert refused.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert "agent_id" in refused.error.message
+
+        ack = broker_pb2.ConnectRequest()
+        ack.ack.agent_id = "Billing"
+        ack.ack.message_ids.extend([to_billing.message_id, broadcast.message_id])
+        await call.write(ack)
+
+        # Ending Shipping's subscription puts its two unacknowledged messages back in its
+        # queue; Billing's goes on.
+        unsubscribe = broker_pb2.ConnectRequest(seq=5)
+        unsubscribe.unsubscribe.agent_id = "Shipping"
+        assert (await _call(call, unsubscribe)).WhichOneof("frame") == "accepted"
+        back = await client.receive("Shipping")
+        assert sorted(m.message_id for m in back) == sorted(
+            [to_shipping.message_id, broadcast.message_id]
+        )
+        later = await client.send("Billing", {"action": "refund"})
+        assert _delivered(await _read(call)) == [("Billing", later.message_id)]
+        report = await client.queue_stats()
+        billing = report.for_agent("Billing")
+        assert billing is not None and billing.depth == 0
+
+        # Ending a subscription the stream does not carry is refused.
+        again = broker_pb2.ConnectRequest(seq=6)
+        again.unsubscribe.agent_id = "Shipping"
+        assert (await _call(call, again)).WhichOneof("frame") == "error"
+        call.cancel()
+
+
+async def test_the_subscriptions_of_one_client_share_its_stream(mesh: LocalMesh) -> None:
+    async with mesh.client("sender") as sender, mesh.client() as client:
+        for name in ("A", "B"):
+            await client.register(name)
+        sub_a = await client.subscribe("A").start()
+        sub_b = await client.subscribe("B").start()
+        assert sub_a._session is sub_b._session is client._session
+
+        sent_a = await sender.send("A", {"action": "x"})
+        sent_b = await sender.send("B", {"action": "y"})
+        got_a = await asyncio.wait_for(anext(aiter(sub_a)), 5)
+        got_b = await asyncio.wait_for(anext(aiter(sub_b)), 5)
+        assert got_a.message.message_id == sent_a.message_id
+        assert got_b.message.message_id == sent_b.message_id
+        await got_a.ack()
+
+        # Closing B (its message unacknowledged) returns that message; A goes on.
+        await sub_b.close()
+        with pytest.raises(StopAsyncIteration):
+            await anext(aiter(sub_b))
+        assert [m.message_id for m in await sender.receive("B")] == [sent_b.message_id]
+        more = await sender.send("A", {"action": "z"})
+        got = await asyncio.wait_for(anext(aiter(sub_a)), 5)
+        assert got.message.message_id == more.message_id
+        await got.ack()
+
+        # A second subscription of the same agent from this client has a stream of its own,
+        # and the two share the agent's messages.
+        second = await client.subscribe("A").start()
+        assert second._session is not sub_a._session
+        first_ids = {(await sender.send("A", {"action": "n", "i": i})).message_id for i in range(6)}
+        await sub_a.close()
+        seen = set()
+        while len(seen) < 6:
+            received = await asyncio.wait_for(anext(aiter(second)), 5)
+            seen.add(received.message.message_id)
+            await received.ack()
+        assert seen == first_ids
+        await second.close()
+
+
+class Counter(Agent):
+    agent_types = ("counter",)
+
+    async def handle(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
+        return {"agent": self.agent_id}
+
+
+async def test_agents_served_together_share_one_client_and_all_answer(mesh: LocalMesh) -> None:
+    agents = [Counter(f"counter-{i}") for i in range(3)]
+    group = await serve_all(agents, mesh.address, max_in_flight=4)
+    try:
+        assert len(group) == 3
+        assert {server.client for server in group} == {group.client}
+        async with mesh.client("asker") as asker:
+            answered = []
+            async for item in asker.gather({"action": "count"}, agent_types=["counter"]):
+                assert item.response is not None
+                answered.append(item.response.content["agent"])
+            assert sorted(answered) == ["counter-0", "counter-1", "counter-2"]
+            answer = await asker.request("counter-1", {"action": "count"})
+            assert answer.content["agent"] == "counter-1"
+    finally:
+        await group.stop(1.0)
+    async with mesh.client("asker") as asker:
+        assert not [a for a in await asker.list_agents() if a.agent_id.startswith("counter-")]
