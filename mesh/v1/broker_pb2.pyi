@@ -510,7 +510,7 @@ class AckRequest(_message.Message):
     AGENT_ID_FIELD_NUMBER: _builtins.int
     MESSAGE_IDS_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
-    """The subscribed agent."""
+    """The subscribed agent (may be empty on a session with one subscription)."""
     @_builtins.property
     def message_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Ids of the delivered messages."""
@@ -560,7 +560,7 @@ class NackRequest(_message.Message):
     AGENT_ID_FIELD_NUMBER: _builtins.int
     MESSAGE_IDS_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
-    """The subscribed agent."""
+    """The subscribed agent (may be empty on a session with one subscription)."""
     @_builtins.property
     def message_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Ids of the delivered messages."""
