@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import enum
 import json
-import uuid
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -77,8 +77,13 @@ def plain_content(content: Mapping[str, JSON] | None) -> dict[str, JSON] | None:
 
 
 def new_message_id() -> str:
-    """A fresh message id (UUID 4)."""
-    return str(uuid.uuid4())
+    """A fresh message id: a random UUID (version 4) in its usual text form, made without
+    building a uuid.UUID (half the cost, and every message needs one)."""
+    raw = bytearray(os.urandom(16))
+    raw[6] = (raw[6] & 0x0F) | 0x40  # version 4
+    raw[8] = (raw[8] & 0x3F) | 0x80  # RFC 4122 variant
+    h = raw.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 def utc_now() -> datetime:

@@ -4,6 +4,7 @@ with the decoded dict."""
 from __future__ import annotations
 
 import json
+import uuid
 
 import pytest
 
@@ -79,3 +80,12 @@ def test_null_parameters_and_broadcasts_without_action_pass_in_wire_form() -> No
     config = BrokerConfig()
     validate_message(arrived({"action": "x", "parameters": None, "context": {}}), config)
     validate_message(arrived({"alert": "maintenance"}, message_type=MessageType.BROADCAST), config)
+
+
+def test_message_ids_are_distinct_random_uuids_in_text_form() -> None:
+    ids = [Message(from_agent="a", to_agent="b", content={}).message_id for _ in range(2000)]
+    assert len(set(ids)) == len(ids)
+    for text in ids:
+        parsed = uuid.UUID(text)
+        assert (parsed.version, parsed.variant) == (4, uuid.RFC_4122)
+        assert str(parsed) == text
