@@ -556,11 +556,17 @@ class ServedAgents:
         return len(self.servers)
 
     async def stop(self, grace: float = 5.0) -> None:
-        """Stops every agent (side by side), then closes their client."""
+        """Stops every agent (side by side), then closes their client; the first failure of
+        a stop, if any, is raised once all have ended."""
         try:
-            await asyncio.gather(*(server.stop(grace) for server in self.servers))
+            outcomes = await asyncio.gather(
+                *(server.stop(grace) for server in self.servers), return_exceptions=True
+            )
         finally:
             await self.client.close()
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
 
     async def __aenter__(self) -> ServedAgents:
         return self
