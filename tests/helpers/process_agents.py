@@ -46,3 +46,10 @@ class Stuck(Agent):
 
     async def handle(self, message: Message, ctx: AgentContext) -> None:
         await asyncio.Event().wait()
+
+
+def payment_desk() -> list[Agent]:
+    """Two payment agents served together by one process (one client, one stream)."""
+    second = Payment()
+    second.agent_id = "BackupPaymentAgent"
+    return [Payment(), second]

@@ -169,12 +169,13 @@ async def test_agents_and_subscriptions_reconnect_by_themselves_after_a_broker_r
     db = tmp_path / "queues.db"
     broker = await start_durable_broker(port, db)
     address = f"127.0.0.1:{port}"
+    # Two agents in one process, sharing one stream to the broker.
     agent = await start(
         "agent",
-        "tests.helpers.process_agents:Payment",
+        "tests.helpers.process_agents:payment_desk",
         "--broker",
         address,
-        ready=r"serving on (\S+)",
+        ready=r"BackupPaymentAgent serving on (\S+)",
     )
     try:
         async with connect(address, agent_id="Listener") as client:
@@ -216,6 +217,12 @@ async def test_agents_and_subscriptions_reconnect_by_themselves_after_a_broker_r
                     except MeshError:
                         await asyncio.sleep(0.1)
             assert second.content["pid"] == first.content["pid"] == agent.process.pid
+            backup = await client.request(
+                "BackupPaymentAgent",
+                {"action": "process_payment", "parameters": {"amount": 3}},
+                timeout=15,
+            )
+            assert backup.content["pid"] == agent.process.pid
             await sub.close()
     finally:
         await stop(agent)
