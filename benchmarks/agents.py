@@ -74,15 +74,14 @@ async def main() -> None:
     ]
     if os.environ.get("BENCH_CLIENT_PER_AGENT"):  # the shape before agents shared a stream
         served = [await serve(a, args.broker, max_in_flight=args.max_in_flight) for a in agents]
-        print(f"agents ready: {len(served)}", flush=True)
-        await _until_signalled()
-        for s in served:
-            await s.stop(1.0)
-        return
-    group = await serve_all(agents, args.broker, max_in_flight=args.max_in_flight)
-    print(f"agents ready: {len(group)}", flush=True)
+        stop = [s.stop(1.0) for s in served]
+    else:
+        group = await serve_all(agents, args.broker, max_in_flight=args.max_in_flight)
+        stop = [group.stop(1.0)]
+    print(f"agents ready: {len(agents)}", flush=True)
     await _until_signalled()
-    await group.stop(1.0)
+    for stopping in stop:
+        await stopping
 
 
 if __name__ == "__main__":

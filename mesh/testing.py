@@ -175,7 +175,7 @@ class LocalRedis:
             raise
         return started
 
-    def _node(self, folder: Path, *options: str, port: int = 0) -> subprocess.Popen[bytes]:
+    def _node(self, folder: Path, *options: str, port: int = 0) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         port = port or free_port()
         command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
@@ -195,7 +195,6 @@ class LocalRedis:
         url = f"redis://127.0.0.1:{port}/0"
         if url not in self.urls:
             self.urls.append(url)
-        return process
 
     def kill(self) -> None:
         """SIGKILL every node, as in a crash (what they held is gone: nothing is saved)."""
