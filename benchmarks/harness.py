@@ -59,6 +59,10 @@ class Proc:
     address: str = ""
     drain: asyncio.Task[None] | None = None
 
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
 
 async def spawn(*args: str, ready: str, env_extra: dict[str, str] | None = None) -> Proc:
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
@@ -108,7 +112,18 @@ class Mesh:
     gateway: Proc
     echo: Proc
     relay: Proc
+    agents: list[Proc] = field(default_factory=list)
     procs: list[Proc] = field(default_factory=list)
+
+    def meter(self) -> CpuMeter:
+        """The CPU of the mesh's processes (and the driver's)."""
+        return CpuMeter(
+            {
+                "broker": [self.broker.pid],
+                "agents": [a.pid for a in self.agents],
+                "gateway": [self.gateway.pid],
+            }
+        )
 
 
 async def start_mesh() -> Mesh:
@@ -151,7 +166,8 @@ async def start_mesh() -> Mesh:
             )
             for prefix, start, count, types in agent_sets
         ]
-        procs.extend(await asyncio.gather(*starts))
+        agents = await asyncio.gather(*starts)
+        procs.extend(agents)
         gateway = await spawn(
             "-m",
             "mesh.cli",
@@ -174,10 +190,58 @@ async def start_mesh() -> Mesh:
             ready=r"listening on (\S+)",
         )
         procs.extend([gateway, echo, relay])
-        return Mesh(broker, gateway, echo, relay, procs)
+        return Mesh(broker, gateway, echo, relay, list(agents), procs)
     except BaseException:
         await stop_all(procs)
         raise
+
+
+# -- CPU cost ---------------------------------------------------------------------------------
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+ROLES = ("driver", "relay", "echo", "broker", "agents", "gateway")
+"""The processes a CPU figure may name, in the order the report shows them."""
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU time of a process, all its threads, from /proc (None without it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state is field 0
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+class CpuMeter:
+    """The CPU time processes spend over a measurement, per operation and by role: what each
+    process of a path costs, a figure that noise on a shared machine moves far less than
+    latency. The driver is this process; the others are read from /proc (to 1/CLK_TCK s, so
+    a figure needs a few hundred operations to be exact to a few percent)."""
+
+    def __init__(self, roles: dict[str, list[int]]) -> None:
+        self.roles = roles
+
+    def read(self) -> dict[str, float] | None:
+        """CPU seconds so far by role; None where /proc cannot be read."""
+        out = {"driver": time.process_time()}
+        for role, pids in self.roles.items():
+            seconds = [process_cpu_seconds(pid) for pid in pids]
+            if any(s is None for s in seconds):
+                return None
+            out[role] = sum(s for s in seconds if s is not None)
+        return out
+
+    @staticmethod
+    def cost(
+        before: dict[str, float] | None, after: dict[str, float] | None, operations: float
+    ) -> dict[str, float] | None:
+        """Microseconds of CPU per operation by role, and their total."""
+        if before is None or after is None or operations <= 0:
+            return None
+        cost = {role: (after[role] - before[role]) / operations * 1e6 for role in after}
+        cost["total"] = sum(cost.values())
+        return {role: round(us, 1) for role, us in cost.items()}
 
 
 # -- measuring --------------------------------------------------------------------------------
@@ -216,6 +280,18 @@ async def timed(op: Callable[[], Awaitable[Any]], count: int, warmup: int) -> li
     return samples
 
 
+async def measured(
+    op: Callable[[], Awaitable[Any]], count: int, warmup: int, meter: CpuMeter
+) -> dict[str, Any]:
+    """The latency figures of ``count`` operations after ``warmup``, with their CPU cost."""
+    await timed(op, 0, warmup)
+    before = meter.read()
+    samples = await timed(op, count, 0)
+    figure: dict[str, Any] = stats(samples)
+    figure["cpu_us_per_op"] = CpuMeter.cost(before, meter.read(), count)
+    return figure
+
+
 async def rate(op: Callable[[], Awaitable[int]], in_flight: int, seconds: float) -> float:
     """Operations per second with ``in_flight`` workers running ``op`` for ``seconds``."""
     done = 0
@@ -231,12 +307,31 @@ async def rate(op: Callable[[], Awaitable[int]], in_flight: int, seconds: float)
     return done / seconds
 
 
+async def rate_with_cost(
+    op: Callable[[], Awaitable[int]], in_flight: int, seconds: float, meter: CpuMeter
+) -> dict[str, Any]:
+    """``throughput_<in_flight>`` and the CPU cost per operation at that load."""
+    before = meter.read()
+    throughput = await rate(op, in_flight, seconds)
+    return {
+        f"throughput_{in_flight}": throughput,
+        f"cpu_us_per_op_{in_flight}": CpuMeter.cost(before, meter.read(), throughput * seconds),
+    }
+
+
 async def delivered_rate(
-    op: Callable[[], Awaitable[int]], in_flight: int, seconds: float, client: Any, sink: str
-) -> dict[str, float]:
+    op: Callable[[], Awaitable[int]],
+    in_flight: int,
+    seconds: float,
+    client: Any,
+    sink: str,
+    meter: CpuMeter,
+) -> dict[str, Any]:
     """One-way throughput end to end: messages sent for ``seconds`` by ``in_flight`` workers,
     divided by the time until the sink's consumer has received and acknowledged every one
-    (``throughput``); ``accepted_throughput`` is the rate the broker accepted them at."""
+    (``throughput``); ``accepted_throughput`` is the rate the broker accepted them at, and
+    ``cpu_us_per_op`` what a message cost the processes, sender to consumer."""
+    before = meter.read()
     started = time.perf_counter()
     accepted = await rate(op, in_flight, seconds)
     async with asyncio.timeout(120):
@@ -246,7 +341,11 @@ async def delivered_rate(
                 break
             await asyncio.sleep(0.005)
     elapsed = time.perf_counter() - started
-    return {"throughput": accepted * seconds / elapsed, "accepted_throughput": accepted}
+    return {
+        "throughput": accepted * seconds / elapsed,
+        "accepted_throughput": accepted,
+        "cpu_us_per_op": CpuMeter.cost(before, meter.read(), accepted * seconds),
+    }
 
 
 async def drain(client: Any, agent_id: str) -> None:
@@ -270,31 +369,35 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
     sample_message = Message(from_agent="driver", to_agent="echo-0", content=PAYLOAD)
     payload = message_to_pb(sample_message).SerializeToString()
 
+    hop1_meter = CpuMeter({"echo": [mesh.echo.pid]})
+    relay_meter = CpuMeter({"relay": [mesh.relay.pid], "echo": [mesh.echo.pid]})
+    meter = mesh.meter()
     relay1 = StreamClient(mesh.echo.address)
     relay2 = StreamClient(mesh.relay.address)
     try:
-        out["baseline.hop1"] = stats(await timed(lambda: relay1.roundtrip(payload), n, w))
-        out["baseline.relay2"] = stats(await timed(lambda: relay2.roundtrip(payload), n, w))
+        out["baseline.hop1"] = await measured(lambda: relay1.roundtrip(payload), n, w, hop1_meter)
+        out["baseline.relay2"] = await measured(
+            lambda: relay2.roundtrip(payload), n, w, relay_meter
+        )
 
         async def relay_op() -> int:
             await relay2.roundtrip(payload)
             return 1
 
-        out["baseline.relay2"]["throughput_64"] = await rate(relay_op, 64, s.throughput_seconds)
+        out["baseline.relay2"].update(
+            await rate_with_cost(relay_op, 64, s.throughput_seconds, relay_meter)
+        )
     finally:
         await relay1.close()
         await relay2.close()
 
     async with connect(mesh.broker.address, agent_id="driver") as client:
         await client.register()
-        out["send"] = stats(
-            await timed(
-                lambda: client.send(
-                    "sink-0", {"action": "sink", "parameters": PAYLOAD["parameters"]}
-                ),
-                n,
-                w,
-            )
+        out["send"] = await measured(
+            lambda: client.send("sink-0", {"action": "sink", "parameters": PAYLOAD["parameters"]}),
+            n,
+            w,
+            meter,
         )
         await client.register("parked")
         for _ in range(10):
@@ -309,13 +412,13 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
             if i >= w:
                 receive_samples.append(time.perf_counter() - started)
         out["receive"] = stats(receive_samples)
-        out["roundtrip"] = stats(await timed(lambda: client.request("echo-0", PAYLOAD), n, w))
+        out["roundtrip"] = await measured(lambda: client.request("echo-0", PAYLOAD), n, w, meter)
 
         async def roundtrip_op() -> int:
             await client.request("echo-0", PAYLOAD)
             return 1
 
-        out["roundtrip"]["throughput_64"] = await rate(roundtrip_op, 64, s.throughput_seconds)
+        out["roundtrip"].update(await rate_with_cost(roundtrip_op, 64, s.throughput_seconds, meter))
 
         def handoff_message() -> Message:
             return Message(
@@ -334,7 +437,9 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
                 metadata={"workflow_id": "wf_bench", "step_number": 2},
             )
 
-        out["handoff"] = stats(await timed(lambda: client.request_message(handoff_message()), n, w))
+        out["handoff"] = await measured(
+            lambda: client.request_message(handoff_message()), n, w, meter
+        )
 
         async def gather(types: str, expected: int) -> None:
             got = 0
@@ -343,14 +448,15 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
             if got != expected:
                 raise RuntimeError(f"broadcast to {types} reached {got}/{expected}")
 
-        out["broadcast5"] = stats(await timed(lambda: gather("b5", 5), n // 4, w // 4))
-        out["broadcast100"] = stats(
-            await timed(lambda: gather("b100", 100), max(20, n // 40), max(5, w // 20))
+        out["broadcast5"] = await measured(lambda: gather("b5", 5), n // 4, w // 4, meter)
+        out["broadcast100"] = await measured(
+            lambda: gather("b100", 100), max(20, n // 40), max(5, w // 20), meter
         )
-        out["broadcast5_send"] = stats(
-            await timed(
-                lambda: client.broadcast({"action": "sink"}, agent_types=["b5"]), n // 4, w // 4
-            )
+        out["broadcast5_send"] = await measured(
+            lambda: client.broadcast({"action": "sink"}, agent_types=["b5"]),
+            n // 4,
+            w // 4,
+            meter,
         )
 
         for in_flight in (1, 16, 64):
@@ -360,7 +466,7 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
                 return 1
 
             out[f"oneway_{in_flight}"] = await delivered_rate(
-                one_way, in_flight, s.throughput_seconds, client, "sink-0"
+                one_way, in_flight, s.throughput_seconds, client, "sink-0", meter
             )
         batch = [
             Message(
@@ -380,7 +486,7 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
             return sum(isinstance(r, Message) for r in results)
 
         out["oneway_batch100"] = await delivered_rate(
-            batch_op, 4, s.throughput_seconds, client, "sink-0"
+            batch_op, 4, s.throughput_seconds, client, "sink-0", meter
         )
 
     async with GatewayClient(mesh.gateway.address) as gw:
@@ -398,8 +504,8 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
             if events[-1]["data"]["status"] != "COMPLETED":
                 raise RuntimeError("group chat did not complete")
 
-        out["routing"] = stats(await timed(first_event, n // 4, w // 4))
-        out["group_chat"] = stats(await timed(group_chat, n // 4, w // 4))
+        out["routing"] = await measured(first_event, n // 4, w // 4, meter)
+        out["group_chat"] = await measured(group_chat, n // 4, w // 4, meter)
     return out
 
 
@@ -632,10 +738,21 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
         combined[name] = {}
         for key in runs[0][name]:
             values = [run[name][key] for run in runs]
+            if key.startswith("cpu_us_per_op"):
+                combined[name][key] = median_cost(values)
+                continue
             combined[name][key] = statistics.median(values)
             if len(values) > 1 and key in ("p50_ms", "throughput", "throughput_64"):
                 combined[name][f"{key}_spread"] = [min(values), max(values)]
     return combined
+
+
+def median_cost(costs: list[dict[str, float] | None]) -> dict[str, float] | None:
+    """The median of each role's CPU cost over the repetitions (None if one was not read)."""
+    if any(c is None for c in costs):
+        return None
+    known = [c for c in costs if c is not None]
+    return {role: round(statistics.median(c[role] for c in known), 1) for role in known[0]}
 
 
 # -- targets and reports ------------------------------------------------------------------------
@@ -754,6 +871,7 @@ def to_markdown(report: dict[str, Any]) -> str:
             )
         else:
             lines.append(f"| {name} | | | | | | {v['throughput']:,.0f} |")
+    lines += cpu_table(f)
     lines += ["", "| target | value | limit | result |", "| --- | ---: | ---: | --- |"]
     for c in report["checks"]:
         lines.append(
@@ -761,6 +879,36 @@ def to_markdown(report: dict[str, Any]) -> str:
             f"{'PASS' if c['pass'] else 'FAIL'} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def cpu_table(figures: dict[str, Any]) -> list[str]:
+    """CPU per operation by process, beside the relay's: where a path's time goes."""
+    relay = figures.get("baseline.relay2", {})
+    rows = [
+        (f"{name}{suffix}", cost, (relay.get(key) or {}).get("total"))
+        for name, v in figures.items()
+        for key, suffix in (
+            ("cpu_us_per_op", ""),
+            ("cpu_us_per_op_64", " (64 in flight)"),
+        )
+        if (cost := v.get(key))
+    ]
+    if not rows:
+        return []
+    roles = [r for r in ROLES if any(r in cost for _, cost, _ in rows)]
+    lines = [
+        "",
+        "CPU per operation in µs, each process's threads summed (one-way figures: per message;"
+        " x relay: against the relay's roundtrip at the same load).",
+        "",
+        f"| figure | total | x relay | {' | '.join(roles)} |",
+        f"| --- | ---: | ---: | {' | '.join('---:' for _ in roles)} |",
+    ]
+    for name, cost, base in rows:
+        ratio = f"{cost['total'] / base:.2f}" if base else ""
+        cells = " | ".join(f"{cost[r]:,.1f}" if r in cost else "" for r in roles)
+        lines.append(f"| {name} | {cost['total']:,.1f} | {ratio} | {cells} |")
+    return lines
 
 
 def plot(report: dict[str, Any], path: Path) -> bool:
@@ -808,6 +956,14 @@ def compare(report: dict[str, Any], earlier: dict[str, Any]) -> list[str]:
                 f"{name}.{key}: {old[key]:.3f} -> {v[key]:.3f} "
                 f"({change:+.0%}, {'faster' if better else 'slower'})"
             )
+        cost, old_cost = v.get("cpu_us_per_op"), old.get("cpu_us_per_op")
+        if cost and old_cost and old_cost.get("total"):
+            change = (cost["total"] - old_cost["total"]) / old_cost["total"]
+            if abs(change) >= 0.05:
+                lines.append(
+                    f"{name}.cpu_us_per_op.total: {old_cost['total']:.1f} -> "
+                    f"{cost['total']:.1f} ({change:+.0%}, {'cheaper' if change < 0 else 'dearer'})"
+                )
     return lines or ["no figure moved by 5% or more"]
 
 

@@ -1,0 +1,130 @@
+"""The benchmark harness's accounting: CPU per operation read from real processes, medians over
+repetitions, and what the report and the comparison say."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from subprocess import PIPE
+
+import pytest
+
+from benchmarks.harness import (
+    CpuMeter,
+    combine,
+    compare,
+    cpu_table,
+    process_cpu_seconds,
+)
+
+BURN = """import time
+end = time.process_time() + {seconds}
+while time.process_time() < end:
+    pass
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+linux_only = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
+
+
+def burner(seconds: float) -> subprocess.Popen[bytes]:
+    """A process that spends ``seconds`` of CPU, says so, then sleeps until killed."""
+    child = subprocess.Popen([sys.executable, "-c", BURN.format(seconds=seconds)], stdout=PIPE)
+    assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+    return child
+
+
+@linux_only
+def test_a_process_cpu_time_is_read_from_proc() -> None:
+    child = burner(0.3)
+    try:
+        spent = process_cpu_seconds(child.pid)
+        assert spent is not None
+        assert 0.3 <= spent < 1.0  # the loop, and the interpreter's start-up
+        time.sleep(0.2)  # asleep now: no more CPU
+        assert process_cpu_seconds(child.pid) == pytest.approx(spent, abs=0.03)
+    finally:
+        child.kill()
+        child.wait()
+    assert process_cpu_seconds(child.pid) is None  # gone
+
+
+@linux_only
+def test_the_meter_divides_each_role_cpu_by_the_operations() -> None:
+    one, two = burner(0.0), burner(0.0)  # started, and asleep from now on
+    try:
+        meter = CpuMeter({"broker": [one.pid], "agents": [two.pid]})
+        before = meter.read()
+        end = time.process_time() + 0.2
+        while time.process_time() < end:  # the driver (this process) works
+            pass
+        cost = CpuMeter.cost(before, meter.read(), 100)
+    finally:
+        for child in (one, two):
+            child.kill()
+            child.wait()
+    assert cost is not None
+    assert set(cost) == {"driver", "broker", "agents", "total"}
+    assert cost["driver"] == pytest.approx(2000, rel=0.2)  # 0.2 s over 100 operations
+    assert cost["broker"] <= 200 and cost["agents"] <= 200  # asleep: at most a tick or two
+    assert cost["total"] == pytest.approx(cost["driver"] + cost["broker"] + cost["agents"], abs=0.5)
+
+
+def test_a_meter_that_cannot_read_gives_no_cost() -> None:
+    meter = CpuMeter({"broker": [2**22 + 12345]})  # no such process
+    assert meter.read() is None
+    assert CpuMeter.cost(None, {"driver": 1.0}, 10) is None
+    assert CpuMeter.cost({"driver": 0.0}, {"driver": 1.0}, 0) is None
+
+
+def run(p50: float, broker: float, *, read: bool = True) -> dict[str, dict[str, object]]:
+    cost = {"driver": 100.0, "broker": broker, "total": 100.0 + broker} if read else None
+    return {"roundtrip": {"p50_ms": p50, "cpu_us_per_op": cost}}
+
+
+def test_repetitions_combine_to_the_median_of_each_role() -> None:
+    combined = combine([run(1.0, 500.0), run(3.0, 700.0), run(2.0, 900.0)])
+    assert combined["roundtrip"]["p50_ms"] == 2.0
+    assert combined["roundtrip"]["p50_ms_spread"] == [1.0, 3.0]
+    assert combined["roundtrip"]["cpu_us_per_op"] == {
+        "driver": 100.0,
+        "broker": 700.0,
+        "total": 800.0,
+    }
+    unread = combine([run(1.0, 500.0), run(2.0, 600.0, read=False)])
+    assert unread["roundtrip"]["cpu_us_per_op"] is None
+
+
+def test_the_cpu_table_sets_each_figure_beside_the_relay_at_the_same_load() -> None:
+    figures = {
+        "baseline.relay2": {
+            "p50_ms": 0.5,
+            "cpu_us_per_op": {"driver": 200.0, "relay": 300.0, "echo": 100.0, "total": 600.0},
+            "cpu_us_per_op_64": {"driver": 150.0, "relay": 250.0, "echo": 100.0, "total": 500.0},
+        },
+        "roundtrip": {
+            "p50_ms": 1.2,
+            "cpu_us_per_op": {"driver": 400.0, "broker": 700.0, "agents": 100.0, "total": 1200.0},
+            "cpu_us_per_op_64": {"driver": 100.0, "broker": 100.0, "agents": 50.0, "total": 250.0},
+        },
+        "oneway_16": {"throughput": 5000.0, "cpu_us_per_op": None},
+    }
+    table = "\n".join(cpu_table(figures))
+    assert "| figure | total | x relay | driver | relay | echo | broker | agents |" in table
+    assert "| roundtrip | 1,200.0 | 2.00 | 400.0 |  |  | 700.0 | 100.0 |" in table
+    assert "| roundtrip (64 in flight) | 250.0 | 0.50 | 100.0 |  |  | 100.0 | 50.0 |" in table
+    assert "oneway_16" not in table  # no CPU figure: no row
+    assert cpu_table({"oneway_16": {"throughput": 5000.0}}) == []
+
+
+def test_the_comparison_names_what_got_cheaper_or_dearer() -> None:
+    earlier = {"figures": combine([run(2.0, 900.0)])}
+    now = {"figures": combine([run(1.0, 500.0)])}
+    lines = compare(now, earlier)
+    assert "roundtrip.p50_ms: 2.000 -> 1.000 (-50%, faster)" in lines
+    assert "roundtrip.cpu_us_per_op.total: 1000.0 -> 600.0 (-40%, cheaper)" in lines
+    same = compare(now, {"figures": combine([run(1.01, 510.0)])})
+    assert same == ["no figure moved by 5% or more"]
