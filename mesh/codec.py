@@ -78,7 +78,9 @@ def value_to_python(value: struct_pb2.Value) -> JSON:
 
 
 def struct_to_dict(struct: struct_pb2.Struct) -> dict[str, JSON]:
-    return {key: value_to_python(v) for key, v in struct.fields.items()}
+    # Keys, then lookups: both in C. (The map's items() is the Python mixin's, a generator.)
+    fields = struct.fields
+    return {key: value_to_python(fields[key]) for key in fields}
 
 
 def python_to_value(data: JSON, out: struct_pb2.Value) -> None:
@@ -216,13 +218,13 @@ def message_from_pb(pb: message_pb2.Message, *, in_place: bool = False) -> Messa
         message_type=_TYPE_FROM_PB.get(pb.message_type, MessageType.REQUEST),
         content=content,
         timestamp=timestamp_to_datetime(pb.timestamp) if pb.HasField("timestamp") else utc_now(),
-        metadata=struct_to_dict(pb.metadata),
+        metadata=struct_to_dict(pb.metadata) if pb.HasField("metadata") else {},
         correlation_id=pb.correlation_id,
         priority=_PRIORITY_FROM_PB.get(pb.priority, Priority.MEDIUM),
         ttl=pb.ttl,
         reply_to=pb.reply_to,
         ack_required=pb.ack_required,
-        headers=dict(pb.headers),
+        headers=dict(pb.headers) if pb.headers else {},
     )
 
 

@@ -41,9 +41,21 @@ def tracer() -> trace.Tracer:
     return _TRACER
 
 
+_UNSET = object()
+_PROVIDER_FROM_ENV = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ
+
+
 def recording() -> bool:
-    """Whether this process records spans (a tracer provider of the SDK is set)."""
-    provider = trace.get_tracer_provider()
+    """Whether this process records spans (a tracer provider of the SDK is set). Asked for
+    every message: the global provider is read directly, since OpenTelemetry's accessor looks
+    an environment variable up on each call while no provider is set. The accessor decides
+    when that variable named a provider to load at start-up, or where the global is not
+    found (another layout of the API)."""
+    provider = getattr(trace, "_TRACER_PROVIDER", _UNSET)
+    if provider is None and not _PROVIDER_FROM_ENV:
+        return False
+    if provider is None or provider is _UNSET:
+        provider = trace.get_tracer_provider()
     return not isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
 
 

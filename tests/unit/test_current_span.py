@@ -33,3 +33,41 @@ def test_without_a_recorder_the_trace_context_of_a_message_travels_on() -> None:
         sent = tracing.inject({})
     assert sent["traceparent"].split("-")[1] == PARENT.split("-")[1]  # the same trace
     assert tracing.inject({}) == {}  # and is current no longer
+
+
+RECORDING = """
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from mesh import tracing
+print(tracing.recording())
+if {set_provider}:
+    trace.set_tracer_provider(TracerProvider())
+    print(tracing.recording())
+"""
+
+
+@pytest.mark.parametrize(
+    ("env", "set_provider", "said"),
+    [
+        ({}, False, ["False"]),
+        ({}, True, ["False", "True"]),  # a provider set in code, after the first question
+        ({"OTEL_PYTHON_TRACER_PROVIDER": "sdk_tracer_provider"}, False, ["True"]),
+    ],
+)
+def test_recording_follows_the_global_provider(
+    env: dict[str, str], set_provider: bool, said: list[str]
+) -> None:
+    """In a fresh interpreter each: the answer changes when a provider is set, in code or by
+    OpenTelemetry's environment variable."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", RECORDING.format(set_provider=set_provider)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.split() == said
