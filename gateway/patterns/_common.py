@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from mesh.core.errors import MessageValidationError
 from mesh.core.model import JSON
@@ -34,6 +34,12 @@ def check_group(field: str, agent_ids: list[str], what: str) -> None:
         raise invalid(field, f"{what} takes at most {MAX_AGENTS} agents")
     if len(set(agent_ids)) != len(agent_ids):
         raise invalid(field, f"{field} must not repeat")
+
+
+def nobody_answered(missing: Mapping[str, str]) -> str:
+    """What a run's summary says when no agent answered: each agent and why."""
+    reasons = "; ".join(f"{agent_id}: {reason}" for agent_id, reason in sorted(missing.items()))
+    return f"no agent answered ({reasons})"
 
 
 def as_float(value: JSON, default: float) -> float:

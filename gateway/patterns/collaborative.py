@@ -18,6 +18,7 @@ from gateway.patterns._common import (
     clean,
     invalid,
     new_id,
+    nobody_answered,
 )
 from gateway.tracing import now_ns, record_span, span_name, tracer
 from mesh.core.model import JSON, Message, MessageType
@@ -293,7 +294,9 @@ async def run_filtering(spec: FilteringSpec, dispatcher: Dispatcher, emit: Emit)
         decision = decide(opinions, weights, spec.method, spec.seed)
     await event(
         EventKind.AGGREGATION,
-        f"{decision.get('recommendation')} (score {decision.get('score')})",
+        f"{decision.get('recommendation')} (score {decision.get('score')})"
+        if opinions
+        else "nothing to aggregate: no agent gave scores",
         data={**decision, "aggregation_ms": aggregation.ms},
     )
     status = "COMPLETED" if not missing else ("PARTIAL" if opinions else "FAILED")
@@ -310,5 +313,10 @@ async def run_filtering(spec: FilteringSpec, dispatcher: Dispatcher, emit: Emit)
         "weights": weights,
         "duration_ms": clock.ms,
     }
-    await event(EventKind.RESULT, f"recommendation: {decision.get('recommendation')}", data=result)
+    summary = (
+        f"recommendation: {decision.get('recommendation')}"
+        if opinions
+        else f"no recommendation: {nobody_answered(missing)}"
+    )
+    await event(EventKind.RESULT, summary, data=result)
     return result

@@ -323,7 +323,7 @@ async def run_consensus(spec: ConsensusSpec, dispatcher: Dispatcher, emit: Emit)
         agent_id=spec.facilitator_id,
         data=decision,
     )
-    status = "COMPLETED" if not missing else "PARTIAL"
+    status = "COMPLETED" if not missing else ("PARTIAL" if votes else "FAILED")
     result: dict[str, JSON] = {
         "run_id": run_id,
         "status": status,

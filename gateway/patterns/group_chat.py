@@ -19,6 +19,7 @@ from gateway.patterns._common import (
     clean,
     invalid,
     new_id,
+    nobody_answered,
 )
 from gateway.tracing import span_name, tracer
 from mesh.core.model import JSON, Message, MessageType
@@ -320,9 +321,10 @@ async def _run(
         "group_chat.aggregate", attributes={"group_id": group_id, "strategy": spec.strategy}
     ):
         result = aggregate(contributions, spec.strategy, spec.option_label)
+    outcome = str(result.get("recommendation")) if contributions else nobody_answered(missing)
     await event(
         EventKind.AGGREGATION,
-        str(result.get("recommendation")),
+        outcome if contributions else "nothing to aggregate: no agent answered",
         data={"strategy": spec.strategy, **result, "aggregation_ms": aggregation_clock.ms},
     )
     answered = sorted({c.agent_id for c in contributions})
@@ -348,7 +350,5 @@ async def _run(
         "critical_path": critical_path,
         "duration_ms": clock.ms,
     }
-    await event(
-        EventKind.RESULT, f"group chat {status.lower()}: {result.get('recommendation')}", data=final
-    )
+    await event(EventKind.RESULT, f"group chat {status.lower()}: {outcome}", data=final)
     return final

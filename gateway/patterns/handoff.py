@@ -250,7 +250,10 @@ async def run_workflow(spec: WorkflowSpec, dispatcher: Dispatcher, emit: Emit) -
         result.update(failure)
         await event(
             EventKind.FAILURE,
-            f"workflow failed at step {failure['failed_at_step']}: {failure['error_reason']}",
+            # Summaries count steps from 1, as the step events do; failed_at_step (RF-010
+            # scenario 10) is the step's index.
+            f"workflow failed at step {int(failure['failed_at_step']) + 1} "
+            f"{failure['agent_id']}: {failure['error_reason']}",
             agent_id=str(failure["agent_id"]),
             data=dict(failure),
         )

@@ -99,6 +99,28 @@ async def test_quorum_through_grpc() -> None:
     assert result["decision"] == "NO_QUORUM"
     assert result["rationale"].startswith("No quorum: 2 of 3 required votes")
     assert events[-1]["data"]["missing"] == ["voter_2"]
+    assert events[-1]["data"]["status"] == "PARTIAL"
+
+
+async def test_a_round_nobody_votes_in_fails() -> None:
+    async with LocalMesh() as local:
+        await local.add_agent(ProposerAgent())
+        await local.add_agent(FacilitatorAgent())
+        gateway = await serve_gateway(local.address)
+        try:
+            async with GatewayClient(gateway.address) as client:
+                events = await client.collect(
+                    client.consensus(problem="Migrate?", reviewer_ids=["Ghost1", "Ghost2"])
+                )
+        finally:
+            await gateway.stop(0.5)
+    missing = [e["summary"] for e in events if e["kind"] == "AGENT_MISSING"]
+    assert missing == [
+        "Ghost1 did not vote: agent Ghost1 is not registered",
+        "Ghost2 did not vote: agent Ghost2 is not registered",
+    ]
+    assert decision_of(events)["decision"] == "NO_QUORUM"
+    assert events[-1]["data"]["status"] == "FAILED"
 
 
 async def test_weighted_reviewers_through_grpc() -> None:

@@ -230,6 +230,19 @@ async def test_group_chat_agent_stopped_mid_pattern_finishes_with_the_others() -
     assert missing["agent_id"] == "SlowExpert"
 
 
+async def test_group_chat_where_no_agent_answers_fails_and_says_why(gw: GatewayClient) -> None:
+    events = await gw.collect(gw.group_chat(agent_ids=["GhostAgent"], query="Should I buy?"))
+    result = result_of(events)
+    assert result["status"] == "FAILED"
+    assert result["answered"] == []
+    assert result["missing"] == ["GhostAgent"]
+    [aggregation] = of_kind(events, "AGGREGATION")
+    assert aggregation["summary"] == "nothing to aggregate: no agent answered"
+    assert events[-1]["summary"] == (
+        "group chat failed: no agent answered (GhostAgent: agent GhostAgent is not registered)"
+    )
+
+
 # -- hand-off ---------------------------------------------------------------------------------
 
 
@@ -352,6 +365,8 @@ async def test_scenario_10_handoff_chain_interruption(gw: GatewayClient) -> None
     assert result["notification"]["email"] == "Refund failed - payment error"
     [failure] = of_kind(events, "FAILURE")
     assert failure["data"]["failed_at_step"] == 2
+    # The summary counts steps as the step events do (PaymentAgent is step 3).
+    assert failure["summary"] == "workflow failed at step 3 PaymentAgent: Payment failed"
     error_handoff = of_kind(events, "HANDOFF")[-1]["data"]
     assert (error_handoff["from_agent"], error_handoff["to_agent"]) == (
         "PaymentAgent",
@@ -483,6 +498,26 @@ def confidence_hotels(data: dict[str, Any]) -> None:
         },
         {"name": "Hotel C", "price": 500, "rating": 3.0, "distance_km": 2.5, "review_ratings": [3]},
     ]
+
+
+async def test_collaborative_filtering_where_no_agent_scores_fails_and_says_why(
+    gw: GatewayClient,
+) -> None:
+    events = await gw.collect(
+        gw.collaborative_filtering(
+            agent_ids=["GhostA", "GhostB"], weights={"GhostA": 0.5, "GhostB": 0.5}, query="hotel"
+        )
+    )
+    result = result_of(events)
+    assert result["status"] == "FAILED"
+    assert result["recommendation"] is None
+    assert result["missing"] == ["GhostA", "GhostB"]
+    [aggregation] = of_kind(events, "AGGREGATION")
+    assert aggregation["summary"] == "nothing to aggregate: no agent gave scores"
+    assert events[-1]["summary"] == (
+        "no recommendation: no agent answered (GhostA: agent GhostA is not registered; "
+        "GhostB: agent GhostB is not registered)"
+    )
 
 
 async def test_scenario_14_confidence_based_weighting(tmp_path: Path) -> None:
