@@ -430,8 +430,8 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     async def HandleMessage(
         self, request: agent_pb2.HandleMessageRequest, context: Any
     ) -> agent_pb2.HandleMessageResponse:
-        message = codec.message_from_pb(request.message)
         try:
+            message = codec.message_from_pb(request.message, strict=True)
             answer = await self.runtime.run_handler(message)
         except MeshError as error:
             await abort(context, error)

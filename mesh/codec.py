@@ -9,7 +9,7 @@ from typing import Any
 
 from google.protobuf import duration_pb2, struct_pb2, timestamp_pb2
 
-from mesh.core.errors import FieldViolation, MeshError, error_class_for
+from mesh.core.errors import FieldViolation, MeshError, MessageValidationError, error_class_for
 from mesh.core.model import (
     JSON,
     AgentCard,
@@ -201,31 +201,64 @@ def seconds_to_duration(seconds: float, out: duration_pb2.Duration) -> None:
 # -- messages ------------------------------------------------------------------------------
 
 
-def message_from_pb(pb: message_pb2.Message, *, in_place: bool = False) -> Message:
+def message_from_pb(
+    pb: message_pb2.Message, *, in_place: bool = False, strict: bool = False
+) -> Message:
     """Decodes an envelope; an empty message_id or timestamp is assigned here. ``in_place``
     keeps the content in its wire form (:class:`WireContent`): for the broker, which passes
-    contents on without reading them."""
+    contents on without reading them. ``strict``, for servers taking messages in, refuses a
+    message_type or priority number the contract does not define; a client reading what a
+    (newer) broker delivers takes it as unset instead."""
     if not pb.HasField("content"):
         content: Mapping[str, JSON] | None = None
     elif in_place:
         content = WireContent(pb.content)
     else:
         content = struct_to_dict(pb.content)
+    message_type = _TYPE_FROM_PB.get(pb.message_type)
+    priority = _PRIORITY_FROM_PB.get(pb.priority)
+    if message_type is None or priority is None:
+        message_type, priority = _known_enums(pb, strict)
     return Message(
         message_id=pb.message_id or new_message_id(),
         from_agent=pb.from_agent,
         to_agent=pb.to_agent,
-        message_type=_TYPE_FROM_PB.get(pb.message_type, MessageType.REQUEST),
+        message_type=message_type,
         content=content,
         timestamp=timestamp_to_datetime(pb.timestamp) if pb.HasField("timestamp") else utc_now(),
         metadata=struct_to_dict(pb.metadata) if pb.HasField("metadata") else {},
         correlation_id=pb.correlation_id,
-        priority=_PRIORITY_FROM_PB.get(pb.priority, Priority.MEDIUM),
+        priority=priority,
         ttl=pb.ttl,
         reply_to=pb.reply_to,
         ack_required=pb.ack_required,
         headers=dict(pb.headers) if pb.headers else {},
     )
+
+
+def _known_enums(pb: message_pb2.Message, strict: bool) -> tuple[MessageType, Priority]:
+    """The type and priority of an envelope where one is unset (REQUEST, MEDIUM) or a number
+    this contract does not define (``strict``: refused, so that a message is not taken for
+    something else)."""
+    violations = [
+        _undefined(field_name, number, known)
+        for field_name, number, known in (
+            ("message_type", pb.message_type, _TYPE_FROM_PB),
+            ("priority", pb.priority, _PRIORITY_FROM_PB),
+        )
+        if number and number not in known
+    ]
+    if violations and strict:
+        raise MessageValidationError.from_violations(violations)
+    return (
+        _TYPE_FROM_PB.get(pb.message_type, MessageType.REQUEST),
+        _PRIORITY_FROM_PB.get(pb.priority, Priority.MEDIUM),
+    )
+
+
+def _undefined(field_name: str, number: int, known: Mapping[int, Any]) -> FieldViolation:
+    names = ", ".join(f"{kind.value}={n}" for n, kind in known.items())
+    return FieldViolation(field_name, f"{field_name} {number} is not defined (known: {names})")
 
 
 def message_to_pb(message: Message, out: message_pb2.Message | None = None) -> message_pb2.Message:
@@ -249,16 +282,26 @@ def message_to_pb(message: Message, out: message_pb2.Message | None = None) -> m
     return pb
 
 
-def gather_message_from_pb(pb: message_pb2.Message, *, in_place: bool = False) -> Message:
+def gather_message_from_pb(
+    pb: message_pb2.Message, *, in_place: bool = False, strict: bool = False
+) -> Message:
     """The message of a gather: an unset type means BROADCAST copies."""
-    message = message_from_pb(pb, in_place=in_place)
+    message = message_from_pb(pb, in_place=in_place, strict=strict)
     if pb.message_type == message_pb2.MESSAGE_TYPE_UNSPECIFIED:
         message = message.evolve(message_type=MessageType.BROADCAST)
     return message
 
 
 def priority_from_pb(value: int) -> Priority:
-    return _PRIORITY_FROM_PB.get(value, Priority.MEDIUM)
+    """A priority taken in by a server: unset is MEDIUM, an undefined number is refused."""
+    priority = _PRIORITY_FROM_PB.get(value)
+    if priority is not None:
+        return priority
+    if value:
+        raise MessageValidationError.from_violations(
+            [_undefined("priority", value, _PRIORITY_FROM_PB)]
+        )
+    return Priority.MEDIUM
 
 
 def priority_to_pb(priority: Priority) -> int:

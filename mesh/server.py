@@ -21,12 +21,13 @@ from mesh.core.errors import (
     MessageValidationError,
     SessionClosedError,
 )
+from mesh.core.model import Message
 from mesh.core.tasks import cancel_and_wait
 from mesh.core.tools import ToolHost
 from mesh.security import check_frame, current_principal
 from mesh.serving import Malformed, MeshServer, start_server
 from mesh.streams import BATCH_HEADER, FrameWriter
-from mesh.v1 import broker_pb2, broker_pb2_grpc
+from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
 
 logger = logging.getLogger("mesh.server")
 
@@ -107,7 +108,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         if not request.HasField("message"):
             raise _invalid("message", "message is required")
         outcome = await self.broker.send(
-            codec.message_from_pb(request.message, in_place=True),
+            codec.message_from_pb(request.message, in_place=True, strict=True),
             size_bytes=request.message.ByteSize(),
         )
         response = broker_pb2.SendMessageResponse(recipients=outcome.recipients)
@@ -118,12 +119,13 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     async def SendMessages(
         self, request: broker_pb2.SendMessagesRequest, context: Any
     ) -> broker_pb2.SendMessagesResponse:
-        messages = [codec.message_from_pb(pb, in_place=True) for pb in request.messages]
+        messages = [_decoded(pb) for pb in request.messages]
         sizes = [pb.ByteSize() for pb in request.messages]
         results = await self.broker.send_many(messages, sizes)
         response = broker_pb2.SendMessagesResponse()
-        for message, result in zip(messages, results, strict=True):
-            item = response.results.add(message_id=message.message_id)
+        for pb, message, result in zip(request.messages, messages, results, strict=True):
+            message_id = message.message_id if isinstance(message, Message) else pb.message_id
+            item = response.results.add(message_id=message_id)
             if isinstance(result, MeshError):
                 codec.error_to_pb(result, item.error)
         return response
@@ -179,7 +181,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         if not request.HasField("message"):
             raise _invalid("message", "message is required")
         outcome = await self.broker.broadcast(
-            codec.message_from_pb(request.message, in_place=True), request.agent_types
+            codec.message_from_pb(request.message, in_place=True, strict=True), request.agent_types
         )
         response = broker_pb2.BroadcastResponse(
             message_id=outcome.message.message_id, recipients=outcome.recipients
@@ -195,7 +197,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         if not request.HasField("message"):
             raise _invalid("message", "message is required")
         answer = await self.broker.request(
-            codec.message_from_pb(request.message, in_place=True), context.time_remaining()
+            codec.message_from_pb(request.message, in_place=True, strict=True),
+            context.time_remaining(),
         )
         response = broker_pb2.SendRequestResponse()
         codec.message_to_pb(answer, response.response)
@@ -214,7 +217,10 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         remaining = context.time_remaining()
         if timeout is not None and remaining is not None:
             timeout = min(timeout, remaining)
-        message = codec.gather_message_from_pb(request.message, in_place=True)
+        try:
+            message = codec.gather_message_from_pb(request.message, in_place=True, strict=True)
+        except MeshError as error:
+            await abort(context, error)
         items = self.broker.gather(
             message,
             agent_ids=list(request.agent_ids),
@@ -393,7 +399,7 @@ class _Session:
                 check_frame(self.principal, frame)
             if kind == "send":
                 outcome = await self.broker.send(
-                    codec.message_from_pb(frame.send, in_place=True),
+                    codec.message_from_pb(frame.send, in_place=True, strict=True),
                     size_bytes=frame.send.ByteSize(),
                 )
                 if not seq:
@@ -442,7 +448,11 @@ class _Session:
         task.add_done_callback(self.tasks.discard)
 
     async def _gather(self, seq: int, request: broker_pb2.GatherRequest) -> None:
-        message = codec.gather_message_from_pb(request.message, in_place=True)
+        try:
+            message = codec.gather_message_from_pb(request.message, in_place=True, strict=True)
+        except MeshError as error:
+            await self._error(seq, error)
+            return
         timeout = codec.duration_seconds(request.timeout) if request.HasField("timeout") else None
         items = self.broker.gather(
             message,
@@ -545,7 +555,7 @@ class _Session:
         timeout = codec.duration_seconds(request.timeout) if request.HasField("timeout") else None
         try:
             answer = await self.broker.request(
-                codec.message_from_pb(request.message, in_place=True), timeout
+                codec.message_from_pb(request.message, in_place=True, strict=True), timeout
             )
         except MeshError as error:
             await self._error(seq, error)
@@ -553,6 +563,14 @@ class _Session:
         frame = broker_pb2.ConnectResponse(seq=seq)
         codec.message_to_pb(answer, frame.response)
         await self.write(frame)
+
+
+def _decoded(pb: message_pb2.Message) -> Message | MeshError:
+    """A message of a batch, or why it cannot be read (the others go on)."""
+    try:
+        return codec.message_from_pb(pb, in_place=True, strict=True)
+    except MeshError as error:
+        return error
 
 
 def _takes_batches(context: Any) -> bool:

@@ -456,9 +456,10 @@ class Broker:
         )
 
     async def send_many(
-        self, messages: Sequence[Message], sizes: Sequence[int] | None = None
+        self, messages: Sequence[Message | MeshError], sizes: Sequence[int] | None = None
     ) -> list[SendOutcome | MeshError]:
-        """Sends each message in order; one refusal does not stop the others."""
+        """Sends each message in order; one refusal does not stop the others. An item that is
+        already an error (a message refused while it was read) keeps its place in the results."""
         if len(messages) > self.config.max_batch_size:
             raise MessageValidationError(
                 f"a batch holds at most {self.config.max_batch_size} messages",
@@ -469,16 +470,25 @@ class Broker:
             # A networked store pipelines what is submitted together (in order): one round
             # trip for the batch instead of one per message.
             gathered = await asyncio.gather(
-                *(self._send(m, sizes[i] if sizes else 0) for i, m in enumerate(messages)),
+                *(
+                    self._send(m, sizes[i] if sizes else 0)
+                    for i, m in enumerate(messages)
+                    if isinstance(m, Message)
+                ),
                 return_exceptions=True,
             )
-            for item in gathered:
+            sent = iter(gathered)
+            for message in messages:
+                item = message if isinstance(message, MeshError) else next(sent)
                 if isinstance(item, MeshError | SendOutcome):
                     results.append(item)
                 else:
                     raise item
         else:
             for index, message in enumerate(messages):
+                if isinstance(message, MeshError):
+                    results.append(message)
+                    continue
                 try:
                     results.append(await self._send(message, sizes[index] if sizes else 0))
                 except MeshError as error:

@@ -43,7 +43,9 @@ class _MessageTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_MessageTy
     """Acknowledges receipt of a message sent with ack_required; correlation_id = its message_id."""
 
 class MessageType(_MessageType, metaclass=_MessageTypeEnumTypeWrapper):
-    """MessageType says what a message is for (RT-011 message format standard)."""
+    """MessageType says what a message is for (RT-011 message format standard). A number not
+    defined here is refused with INVALID_ARGUMENT (field message_type).
+    """
 
 MESSAGE_TYPE_UNSPECIFIED: MessageType.ValueType  # 0
 """Not set. The broker treats an unset type on SendMessage as REQUEST."""
@@ -77,7 +79,9 @@ class _PriorityEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Priority.Val
     """Delivered after HIGH and MEDIUM messages."""
 
 class Priority(_Priority, metaclass=_PriorityEnumTypeWrapper):
-    """Priority orders an agent's queue: HIGH before MEDIUM before LOW, then oldest first."""
+    """Priority orders an agent's queue: HIGH before MEDIUM before LOW, then oldest first. A
+    number not defined here is refused with INVALID_ARGUMENT (field priority).
+    """
 
 PRIORITY_UNSPECIFIED: Priority.ValueType  # 0
 """Not set: treated as MEDIUM."""

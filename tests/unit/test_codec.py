@@ -89,3 +89,22 @@ def test_message_ids_are_distinct_random_uuids_in_text_form() -> None:
         parsed = uuid.UUID(text)
         assert (parsed.version, parsed.variant) == (4, uuid.RFC_4122)
         assert str(parsed) == text
+
+
+def test_undefined_enum_numbers_are_refused_in_and_read_as_unset_out() -> None:
+    from mesh.core.model import Priority
+    from mesh.v1 import message_pb2
+
+    odd = message_pb2.Message(from_agent="a", to_agent="b", message_type=42, priority=7)
+    with pytest.raises(MessageValidationError) as info:
+        codec.message_from_pb(odd, strict=True)  # a server taking it in
+    assert [v.field for v in info.value.field_violations] == ["message_type", "priority"]
+    assert info.value.field_violations[1].description == (
+        "priority 7 is not defined (known: HIGH=1, MEDIUM=2, LOW=3)"
+    )
+    # A client reading what a newer broker delivered: taken as unset.
+    read = codec.message_from_pb(odd)
+    assert (read.message_type, read.priority) == (MessageType.REQUEST, Priority.MEDIUM)
+    with pytest.raises(MessageValidationError, match="priority 9 is not defined"):
+        codec.priority_from_pb(9)
+    assert codec.priority_from_pb(0) is Priority.MEDIUM

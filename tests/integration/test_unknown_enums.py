@@ -1,0 +1,135 @@
+"""Numbers the contract does not define for message_type or priority (a client built from a
+newer or a mistaken .proto) are refused with INVALID_ARGUMENT naming the field, on every path
+a message enters by; the other messages of a batch go on. Unset values keep their defaults."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_status import rpc_status
+
+from mesh.testing import LocalMesh
+from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
+
+
+def envelope(action: str, **fields: int) -> message_pb2.Message:
+    pb = message_pb2.Message(from_agent="sender", to_agent="Sink", **fields)
+    pb.content.update({"action": action})
+    return pb
+
+
+def bad_request_fields(error: grpc.aio.AioRpcError) -> list[str]:
+    from google.rpc import error_details_pb2
+
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    assert status is not None
+    fields = []
+    for detail in status.details:
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            fields += [v.field for v in bad.field_violations]
+    return fields
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [({"priority": 7}, ["priority"]), ({"message_type": 42}, ["message_type"])],
+)
+async def test_send_message_refuses_an_undefined_number(
+    mesh: LocalMesh, fields: dict[str, int], named: list[str]
+) -> None:
+    async with grpc.aio.insecure_channel(mesh.address) as channel:
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        await stub.RegisterAgent(
+            broker_pb2.RegisterAgentRequest(agent=message_pb2.AgentInfo(agent_id="Sink"))
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.SendMessage(broker_pb2.SendMessageRequest(message=envelope("x", **fields)))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "is not defined (known:" in (info.value.details() or "")
+        assert bad_request_fields(info.value) == named
+        # Unset, they are REQUEST and MEDIUM.
+        sent = await stub.SendMessage(broker_pb2.SendMessageRequest(message=envelope("ok")))
+        assert sent.message.message_type == message_pb2.MESSAGE_TYPE_REQUEST
+        assert sent.message.priority == message_pb2.PRIORITY_MEDIUM
+        received = await stub.ReceiveMessages(broker_pb2.ReceiveMessagesRequest(agent_id="Sink"))
+        assert [m.content["action"] for m in received.messages] == ["ok"]
+
+
+async def test_a_batch_refuses_only_its_undefined_message(mesh: LocalMesh) -> None:
+    async with grpc.aio.insecure_channel(mesh.address) as channel:
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        await stub.RegisterAgent(
+            broker_pb2.RegisterAgentRequest(agent=message_pb2.AgentInfo(agent_id="Sink"))
+        )
+        batch = broker_pb2.SendMessagesRequest(
+            messages=[
+                envelope("first", priority=message_pb2.PRIORITY_HIGH),
+                envelope("odd", priority=9),
+                envelope("last"),
+            ]
+        )
+        batch.messages[1].message_id = "odd-1"
+        answer = await stub.SendMessages(batch)
+        outcomes = [(r.message_id, r.error.code) for r in answer.results]
+        assert outcomes[1] == ("odd-1", grpc.StatusCode.INVALID_ARGUMENT.value[0])
+        assert outcomes[0][1] == outcomes[2][1] == 0
+        assert [v.field for v in answer.results[1].error.field_violations] == ["priority"]
+        received = await stub.ReceiveMessages(broker_pb2.ReceiveMessagesRequest(agent_id="Sink"))
+        assert [m.content["action"] for m in received.messages] == ["first", "last"]
+
+
+async def test_a_connect_frame_with_an_undefined_number_is_answered_and_the_stream_goes_on(
+    mesh: LocalMesh,
+) -> None:
+    async with grpc.aio.insecure_channel(mesh.address) as channel:
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        await stub.RegisterAgent(
+            broker_pb2.RegisterAgentRequest(agent=message_pb2.AgentInfo(agent_id="Sink"))
+        )
+        call = stub.Connect()
+        odd = broker_pb2.ConnectRequest(seq=1)
+        odd.send.CopyFrom(envelope("odd", message_type=99))
+        good = broker_pb2.ConnectRequest(seq=2)
+        good.send.CopyFrom(envelope("good"))
+        await call.write(odd)
+        await call.write(good)
+        answers = {}
+        while len(answers) < 2:
+            frame = await asyncio.wait_for(call.read(), 10)
+            for one in frame.batch.frames if frame.WhichOneof("frame") == "batch" else [frame]:
+                answers[one.seq] = one
+        assert answers[1].WhichOneof("frame") == "error"
+        assert answers[1].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert [v.field for v in answers[1].error.field_violations] == ["message_type"]
+        assert answers[2].WhichOneof("frame") == "accepted"
+        await call.done_writing()
+        received = await stub.ReceiveMessages(broker_pb2.ReceiveMessagesRequest(agent_id="Sink"))
+        assert [m.content["action"] for m in received.messages] == ["good"]
+
+
+async def test_a_gather_with_an_undefined_number_is_refused_on_both_paths(mesh: LocalMesh) -> None:
+    async with grpc.aio.insecure_channel(mesh.address) as channel:
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        await stub.RegisterAgent(
+            broker_pb2.RegisterAgentRequest(agent=message_pb2.AgentInfo(agent_id="Sink"))
+        )
+        request = broker_pb2.GatherRequest(message=envelope("poll", priority=7))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in stub.Gather(request):
+                pass
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert bad_request_fields(info.value) == ["priority"]
+        # On a session: that frame is answered with the error, the session goes on.
+        call = stub.Connect()
+        frame = broker_pb2.ConnectRequest(seq=5)
+        frame.gather.CopyFrom(request)
+        await call.write(frame)
+        answer = await asyncio.wait_for(call.read(), 10)
+        assert (answer.seq, answer.WhichOneof("frame")) == (5, "error")
+        assert answer.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        await call.done_writing()
+        assert await asyncio.wait_for(call.read(), 10) is grpc.aio.EOF
