@@ -101,14 +101,18 @@ demo: setup
 	@tmp=$$(mktemp -d); \
 	$(BIN)/agentmesh up --port 0 --gateway-port 0 --metrics-port 0 --dashboard-port 0 \
 		--ready-file $$tmp/ready.json \
-		> $$tmp/up.log 2>&1 & pid=$$!; \
+		> $$tmp/up.log 2> $$tmp/mesh.log & pid=$$!; \
 	for i in $$(seq 1 150); do [ -s $$tmp/ready.json ] && break; \
 		kill -0 $$pid 2>/dev/null || break; sleep 0.2; done; \
-	if [ ! -s $$tmp/ready.json ]; then cat $$tmp/up.log; kill $$pid 2>/dev/null; exit 1; fi; \
+	if [ ! -s $$tmp/ready.json ]; then cat $$tmp/up.log $$tmp/mesh.log; kill $$pid 2>/dev/null; exit 1; fi; \
 	head -n 3 $$tmp/up.log; \
 	gateway=$$($(PY) -c "import json,sys; print(json.load(open(sys.argv[1]))['gateway'])" $$tmp/ready.json); \
 	$(BIN)/agentmesh demo --gateway $$gateway; rc=$$?; \
-	kill -TERM $$pid; wait $$pid; tail -n 1 $$tmp/up.log; rm -rf $$tmp; exit $$rc
+	kill -TERM $$pid; wait $$pid; tail -n 1 $$tmp/up.log; \
+	echo "The mesh's log (JSON lines on stderr): $$(grep -c '"category":"handoff"' $$tmp/mesh.log) hand-offs," \
+		"$$(grep -c '"category":"gather"' $$tmp/mesh.log) gathers, $$(grep -c '"category":"broadcast"' $$tmp/mesh.log) broadcasts," \
+		"$$(grep -c '"level":"WARNING"' $$tmp/mesh.log) warnings."; \
+	rm -rf $$tmp; exit $$rc
 
 up: setup
 	$(BIN)/agentmesh up

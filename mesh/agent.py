@@ -531,14 +531,8 @@ async def serve(
         if owns_client:
             await client.close()
         raise
-    logger.info(
-        "agent %s serving on %s",
-        agent.agent_id,
-        server.address,
-        extra={
-            "event": {"category": "agent", "agent_id": agent.agent_id, "address": server.address}
-        },
-    )
+    # Not a structured event: the broker logs the registration (category "registry").
+    logger.info("agent %s serving on %s", agent.agent_id, server.address)
     return AgentServer(agent, server, runtime, client, owns_client=owns_client)
 
 

@@ -380,7 +380,15 @@ async def _certs(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentmesh", description=__doc__)
-    parser.add_argument("--log-level", default=_env("LOG_LEVEL", "WARNING"))
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+        default=_env("LOG_LEVEL", "WARNING").upper(),
+        help="WARNING (default) writes warnings, errors and the structured events (hand-offs,"
+        " broadcasts, registrations, retries, ...); ERROR leaves the events out (env"
+        " AGENTMESH_LOG_LEVEL)",
+    )
     parser.add_argument(
         "--trace-dir",
         default=_env("TRACE_DIR", "") or None,
@@ -498,7 +506,10 @@ def _add_gateway_commands(sub: Any, broker_default: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    configure_logging(args.log_level)
+    try:
+        configure_logging(args.log_level)
+    except ValueError as error:  # AGENTMESH_LOG_LEVEL names no level
+        parser.error(str(error))
     if args.command in TRACED:
         from mesh.tracing import configure_tracing
 

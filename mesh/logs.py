@@ -35,13 +35,37 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, default=str, separators=(",", ":"))
 
 
+class ShownRecords(logging.Filter):
+    """The records of ``level`` and above, and, while ``level`` is WARNING or lower, the
+    structured events (records with an ``event``: hand-offs, broadcasts, registrations,
+    retries, ...) from INFO up: the audit trail RF-009 asks for is written by default."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= self.level:
+            return True
+        return (
+            self.level <= logging.WARNING
+            and record.levelno >= logging.INFO
+            and isinstance(getattr(record, EVENT_ATTR, None), dict)
+        )
+
+
 def configure_logging(level: str = "INFO", *, json_lines: bool = True) -> None:
-    """Sends the mesh's logs to stderr, as JSON lines by default."""
+    """Sends the mesh's logs to stderr, as JSON lines by default: ``level`` and above, and
+    the structured events unless ``level`` is ERROR or CRITICAL."""
+    threshold = logging.getLevelName(level.upper())
+    if not isinstance(threshold, int):
+        raise ValueError(f"unknown log level {level!r}")
     handler = logging.StreamHandler(sys.stderr)
     if json_lines:
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(ShownRecords(threshold))
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level.upper())
+    root.setLevel(min(threshold, logging.INFO) if threshold <= logging.WARNING else threshold)

@@ -173,6 +173,37 @@ class Subscription:
             raise StopAsyncIteration from None
 
 
+def _log_fan_out(
+    message: Message,
+    agent_types: tuple[str, ...],
+    recipients: list[str],
+    failed: list[str],
+    seconds: float,
+    *,
+    gather: bool = False,
+) -> None:
+    """The structured event of a broadcast (selective when it names agent types), or of a
+    gather's fan-out: who got a copy, who could not."""
+    logger.info(
+        "%s from %s to %d agents",
+        "gather" if gather else "broadcast",
+        message.from_agent,
+        len(recipients),
+        extra={
+            "event": {
+                "category": "gather" if gather else "broadcast",
+                "message_id": message.message_id,
+                "message_type": message.message_type.value,
+                "from_agent": message.from_agent,
+                "agent_types": list(agent_types),
+                "recipients": recipients,
+                "failed": failed,
+                "latency_ms": round(seconds * 1000, 3),
+            }
+        },
+    )
+
+
 class Broker:
     """Routes messages between agents (RF-009)."""
 
@@ -553,22 +584,7 @@ class Broker:
         for _ in recipients:
             self.metrics.sent(MessageType.BROADCAST.value, elapsed / max(len(recipients), 1))
         self.metrics.broadcast(bool(types), elapsed)
-        logger.info(
-            "broadcast from %s to %d agents",
-            message.from_agent,
-            len(recipients),
-            extra={
-                "event": {
-                    "category": "broadcast",
-                    "message_id": message.message_id,
-                    "from_agent": message.from_agent,
-                    "agent_types": list(types),
-                    "recipients": recipients,
-                    "failed": [agent for agent, _ in failures],
-                    "latency_ms": round(elapsed * 1000, 3),
-                }
-            },
-        )
+        _log_fan_out(message, types, recipients, [agent for agent, _ in failures], elapsed)
         if targets and not recipients and failures:
             raise failures[0][1]
         return BroadcastOutcome(message, tuple(recipients), tuple(failures))
@@ -717,6 +733,7 @@ class Broker:
         try:
             if self.store.shared:
                 await self.store.claim_route(key, timeout)
+            refused: list[GatherItem] = []
             for agent_id in targets:
                 try:
                     if agent_id not in self.registry and not await self._known_elsewhere(agent_id):
@@ -725,8 +742,18 @@ class Broker:
                     self.metrics.sent(kind.value, 0.0)
                 except MeshError as error:
                     gathering.expected.discard(agent_id)
-                    yield GatherItem(agent_id, error=error)
+                    refused.append(GatherItem(agent_id, error=error))
             await self.store.sync()
+            _log_fan_out(
+                message,
+                tuple(agent_types),
+                [a for a in targets if a in gathering.expected],
+                [item.agent_id for item in refused],
+                time.perf_counter() - started,
+                gather=True,
+            )
+            for item in refused:
+                yield item
             deadline = asyncio.get_running_loop().time() + timeout
             while gathering.expected or not gathering.answers.empty():
                 try:

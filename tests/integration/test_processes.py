@@ -151,3 +151,52 @@ async def test_broker_takes_its_limits_from_the_environment() -> None:
                 await client.send("Small", {"action": "three"})
     finally:
         assert await stop(proc) == 0
+
+
+def events_in(output: list[str]) -> list[dict[str, object]]:
+    import json
+
+    return [json.loads(line) for line in output if line.startswith("{")]
+
+
+@pytest.mark.parametrize(("level", "written"), [((), True), (("--log-level", "ERROR"), False)])
+async def test_the_broker_logs_hand_offs_and_broadcasts_by_default(
+    level: tuple[str, ...], written: bool
+) -> None:
+    """RF-009 scenarios 16 and 17: a structured line per hand-off and per (selective)
+    broadcast, at the default log level; --log-level ERROR leaves them out."""
+    proc = await start(*level, "broker", "--port", "0", ready=r"listening on (\S+?)[,\s]")
+    try:
+        async with connect(proc.address, agent_id="CustomerAgent") as client:
+            await client.register("SellerAgent", agent_types=["booking"])
+            await client.register("PaymentAgent", agent_types=["payment"])
+            await client.handoff(
+                "SellerAgent",
+                "Approve refund",
+                context={"order_id": "12345"},
+                constraints={"refund_method": "original_payment"},
+                workflow_id="wf_refund_123",
+                step_number=2,
+            )
+            await client.broadcast_to_types(["booking"], {"alert": "Booking API maintenance"})
+    finally:
+        assert await stop(proc) == 0
+    events = events_in(proc.output)
+    handoffs = [e for e in events if e.get("category") == "handoff"]
+    broadcasts = [e for e in events if e.get("category") == "broadcast"]
+    if not written:
+        assert handoffs == broadcasts == []
+        return
+    [handoff] = handoffs
+    assert {k: handoff[k] for k in ("from_agent", "to_agent", "workflow_id", "step_number")} == {
+        "from_agent": "CustomerAgent",
+        "to_agent": "SellerAgent",
+        "workflow_id": "wf_refund_123",
+        "step_number": 2,
+    }
+    assert handoff["task_description"] == "Approve refund"
+    assert handoff["constraints"] == {"refund_method": "original_payment"}
+    assert handoff["context_size_kb"] > 0 and handoff["timestamp"]
+    [broadcast] = broadcasts
+    assert broadcast["agent_types"] == ["booking"]
+    assert broadcast["recipients"] == ["SellerAgent"]
