@@ -6,13 +6,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import itertools
 import json
 import os
 import platform
 import re
+import shutil
 import signal
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -53,6 +56,9 @@ class Settings:
 # -- processes --------------------------------------------------------------------------------
 
 
+_spawned = itertools.count(1)
+
+
 @dataclass
 class Proc:
     process: asyncio.subprocess.Process
@@ -64,22 +70,37 @@ class Proc:
         return self.process.pid
 
 
+_logs: list[Path] = []
+
+
+def logs_folder() -> Path:
+    """Where the processes' logs (stderr) go: files, not a pipe the driver would have to read
+    (its CPU is measured). One folder per run, removed when the run succeeds."""
+    if not _logs:
+        _logs.append(Path(tempfile.mkdtemp(prefix="agentmesh-bench-logs-")))
+    return _logs[0]
+
+
 async def spawn(*args: str, ready: str, env_extra: dict[str, str] | None = None) -> Proc:
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        *args,
-        cwd=ROOT,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
+    name = "-".join(a for a in args[:4] if not a.startswith("-")).replace("/", "_")
+    log = logs_folder() / f"{next(_spawned):02d}-{name}.log"
+    with log.open("wb") as stderr:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            *args,
+            cwd=ROOT,
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=stderr,
+        )
     assert process.stdout is not None
     async with asyncio.timeout(60):
         while True:
             line = (await process.stdout.readline()).decode()
             if not line:
-                raise RuntimeError(f"{' '.join(args)} exited before it was ready")
+                tail = log.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{' '.join(args)} exited before it was ready:\n{tail}")
             match = re.search(ready, line)
             if match:
                 address = match.group(1) if match.groups() else ""
@@ -514,8 +535,6 @@ async def measure_tracing_cost(s: Settings) -> dict[str, Any]:
     each, one set writing spans (JSON lines) and one not, measured in alternating blocks so
     that the machine's load falls on both alike. With tracing on every request is sampled,
     then 10% of them (head sampling, as production runs it)."""
-    import tempfile
-
     from opentelemetry.sdk.trace.sampling import (
         ALWAYS_OFF,
         ALWAYS_ON,
@@ -641,8 +660,6 @@ async def measure_stores(s: Settings) -> dict[str, Any]:
     runs a script in Redis per operation (on a single Redis, and on a three-node Redis
     Cluster where each agent's queue lives on one node). Then one-way throughput with one
     broker replica and with two on the same Redis."""
-    import tempfile
-
     folder = tempfile.mkdtemp(prefix="agentmesh-bench-store-")
     async with local_redis(folder) as (redis_url, cluster_url):
         out = await _measure_stores(s, store_urls(folder, redis_url, cluster_url))
@@ -967,13 +984,7 @@ def compare(report: dict[str, Any], earlier: dict[str, Any]) -> list[str]:
     return lines or ["no figure moved by 5% or more"]
 
 
-async def main(argv: list[str]) -> int:
-    settings = Settings.from_env()
-    compare_with = None
-    if "--compare" in argv:
-        compare_with = Path(argv[argv.index("--compare") + 1])
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
+async def measure_all(settings: Settings) -> dict[str, Any]:
     mesh = await start_mesh()
     try:
         runs = []
@@ -986,6 +997,24 @@ async def main(argv: list[str]) -> int:
     figures["roundtrip_traced"] = await measure_tracing_cost(settings)
     print("queue stores ...", flush=True)
     figures.update(await measure_stores(settings))
+    return figures
+
+
+async def main(argv: list[str]) -> int:
+    settings = Settings.from_env()
+    compare_with = None
+    if "--compare" in argv:
+        compare_with = Path(argv[argv.index("--compare") + 1])
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    try:
+        figures = await measure_all(settings)
+    except BaseException:
+        if _logs:
+            print(f"the processes' logs are in {_logs[0]}", file=sys.stderr)
+        raise
+    if _logs:
+        shutil.rmtree(_logs[0], ignore_errors=True)
     report = {
         "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine(),
