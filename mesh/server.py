@@ -108,7 +108,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         if not request.HasField("message"):
             raise _invalid("message", "message is required")
         outcome = await self.broker.send(
-            codec.message_from_pb(request.message, in_place=True, strict=True),
+            _inbound(self.broker, request.message),
             size_bytes=request.message.ByteSize(),
         )
         response = broker_pb2.SendMessageResponse(recipients=outcome.recipients)
@@ -119,7 +119,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     async def SendMessages(
         self, request: broker_pb2.SendMessagesRequest, context: Any
     ) -> broker_pb2.SendMessagesResponse:
-        messages = [_decoded(pb) for pb in request.messages]
+        messages = [_decoded(self.broker, pb) for pb in request.messages]
         sizes = [pb.ByteSize() for pb in request.messages]
         results = await self.broker.send_many(messages, sizes)
         response = broker_pb2.SendMessagesResponse()
@@ -181,7 +181,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         if not request.HasField("message"):
             raise _invalid("message", "message is required")
         outcome = await self.broker.broadcast(
-            codec.message_from_pb(request.message, in_place=True, strict=True), request.agent_types
+            _inbound(self.broker, request.message), request.agent_types
         )
         response = broker_pb2.BroadcastResponse(
             message_id=outcome.message.message_id, recipients=outcome.recipients
@@ -197,7 +197,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         if not request.HasField("message"):
             raise _invalid("message", "message is required")
         answer = await self.broker.request(
-            codec.message_from_pb(request.message, in_place=True, strict=True),
+            _inbound(self.broker, request.message),
             context.time_remaining(),
         )
         response = broker_pb2.SendRequestResponse()
@@ -218,7 +218,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         if timeout is not None and remaining is not None:
             timeout = min(timeout, remaining)
         try:
-            message = codec.gather_message_from_pb(request.message, in_place=True, strict=True)
+            message = _inbound(self.broker, request.message, gather=True)
         except MeshError as error:
             await abort(context, error)
         items = self.broker.gather(
@@ -399,7 +399,7 @@ class _Session:
                 check_frame(self.principal, frame)
             if kind == "send":
                 outcome = await self.broker.send(
-                    codec.message_from_pb(frame.send, in_place=True, strict=True),
+                    _inbound(self.broker, frame.send),
                     size_bytes=frame.send.ByteSize(),
                 )
                 if not seq:
@@ -449,7 +449,7 @@ class _Session:
 
     async def _gather(self, seq: int, request: broker_pb2.GatherRequest) -> None:
         try:
-            message = codec.gather_message_from_pb(request.message, in_place=True, strict=True)
+            message = _inbound(self.broker, request.message, gather=True)
         except MeshError as error:
             await self._error(seq, error)
             return
@@ -554,9 +554,7 @@ class _Session:
     async def _request(self, seq: int, request: broker_pb2.SessionRequest) -> None:
         timeout = codec.duration_seconds(request.timeout) if request.HasField("timeout") else None
         try:
-            answer = await self.broker.request(
-                codec.message_from_pb(request.message, in_place=True, strict=True), timeout
-            )
+            answer = await self.broker.request(_inbound(self.broker, request.message), timeout)
         except MeshError as error:
             await self._error(seq, error)
             return
@@ -565,10 +563,22 @@ class _Session:
         await self.write(frame)
 
 
-def _decoded(pb: message_pb2.Message) -> Message | MeshError:
+def _inbound(broker: Broker, pb: message_pb2.Message, *, gather: bool = False) -> Message:
+    """A message a client sends in, as the broker keeps it; one that names an undefined
+    type or priority is refused, and counted with the validation errors."""
+    try:
+        if gather:
+            return codec.gather_message_from_pb(pb, in_place=True, strict=True)
+        return codec.message_from_pb(pb, in_place=True, strict=True)
+    except MessageValidationError:
+        broker.metrics.invalid()
+        raise
+
+
+def _decoded(broker: Broker, pb: message_pb2.Message) -> Message | MeshError:
     """A message of a batch, or why it cannot be read (the others go on)."""
     try:
-        return codec.message_from_pb(pb, in_place=True, strict=True)
+        return _inbound(broker, pb)
     except MeshError as error:
         return error
 

@@ -80,6 +80,8 @@ async def test_a_batch_refuses_only_its_undefined_message(mesh: LocalMesh) -> No
         assert [v.field for v in answer.results[1].error.field_violations] == ["priority"]
         received = await stub.ReceiveMessages(broker_pb2.ReceiveMessagesRequest(agent_id="Sink"))
         assert [m.content["action"] for m in received.messages] == ["first", "last"]
+        assert mesh.broker is not None
+        assert mesh.broker.metrics.totals.validation_errors == 1  # counted with the others
 
 
 async def test_a_connect_frame_with_an_undefined_number_is_answered_and_the_stream_goes_on(
