@@ -11,7 +11,7 @@ from agents.research import RESEARCH_POLICY, research_agents, research_tools
 from agents.research.corpus import DocumentFolder
 from gateway.dashboard import DashboardServer, serve_dashboard
 from gateway.server import GatewayServer, serve_gateway
-from mesh.agent import AgentServer, serve
+from mesh.agent import AgentServer, ServedAgents, serve_all
 from mesh.config import BrokerConfig, ServerConfig
 from mesh.core.tools import ToolHost
 from mesh.server import serve_broker
@@ -26,6 +26,8 @@ class EmbeddedMesh:
     gateway: GatewayServer
     agents: list[AgentServer] = field(default_factory=list)
     dashboard: DashboardServer | None = None
+    served: ServedAgents | None = None
+    """The agents, served together: one client, one stream to the broker."""
 
     def describe(self) -> dict[str, object]:
         return {
@@ -44,8 +46,8 @@ class EmbeddedMesh:
         """Agents first (they finish their work and deregister), then gateway, then broker."""
         if self.dashboard is not None:
             await self.dashboard.stop()
-        for served in self.agents:
-            await served.stop(grace)
+        if self.served is not None:
+            await self.served.stop(grace)
         await self.gateway.stop(grace)
         await self.broker.stop(grace)
 
@@ -63,8 +65,9 @@ async def start_embedded(
     dashboard_port: int = -1,
     trace_dir: str | Path | None = None,
 ) -> EmbeddedMesh:
-    """Starts everything; each agent on its own gRPC server. Pattern metrics are exported
-    beside the broker's on the broker's /metrics."""
+    """Starts everything; each agent on its own gRPC server, all of them on one client (one
+    stream to the broker). Pattern metrics are exported beside the broker's on the broker's
+    /metrics."""
     docs = DocumentFolder(Path(docs_dir)) if docs_dir else DocumentFolder()
     tools = ToolHost(research_tools(docs=docs, output=Path(reports_dir)), RESEARCH_POLICY)
     broker, broker_server = await serve_broker(
@@ -77,8 +80,10 @@ async def start_embedded(
     )
     mesh = EmbeddedMesh(broker_server, gateway)
     try:
-        for agent in [*sample_agents(data_dir), *research_agents()]:
-            mesh.agents.append(await serve(agent, broker_server.address, host=host))
+        mesh.served = await serve_all(
+            [*sample_agents(data_dir), *research_agents()], broker_server.address, host=host
+        )
+        mesh.agents = list(mesh.served)
         if dashboard_port >= 0:
             try:
                 mesh.dashboard = await serve_dashboard(
