@@ -220,6 +220,73 @@ class MeshClient {
   }
 }
 
+// -- requests from plain objects --------------------------------------------------------------
+
+const camel = (name) => name.replace(/_([a-z])/g, (_, c) => c.toUpperCase());
+
+/** A google.protobuf.Duration from milliseconds, "2s" / "1.5s" / "500ms", or {seconds, nanos}. */
+function toDuration(v) {
+  if (typeof v === 'number') {
+    return { seconds: Math.floor(v / 1000), nanos: Math.round((v % 1000) * 1e6) };
+  }
+  if (typeof v === 'string') {
+    const m = /^(\d+(?:\.\d+)?)(ms|s)$/.exec(v.trim());
+    if (!m) throw new TypeError(`not a duration: ${JSON.stringify(v)} (use 2s, 1.5s or 500ms)`);
+    return toDuration(m[2] === 'ms' ? Number(m[1]) : Number(m[1]) * 1000);
+  }
+  return v;
+}
+
+function resolveType(name, scope) {
+  for (const candidate of [`${scope}.${name}`, `mesh.v1.${name}`, name]) {
+    if (definition[candidate]) return candidate;
+  }
+  throw new TypeError(`unknown message type ${name}`);
+}
+
+function convertField(typeName, value, scope) {
+  if (typeName === 'google.protobuf.Struct') return toStruct(value);
+  if (typeName === 'google.protobuf.Value') return toValue(value);
+  if (typeName === 'google.protobuf.Duration') return toDuration(value);
+  return toRequest(resolveType(typeName, scope), value);
+}
+
+/**
+ * A request of the given message type from a plain object whose keys are the proto field names
+ * in snake_case or camelCase: Struct fields take plain objects, durations take milliseconds or
+ * "2s", maps take objects. A key the message does not have is an error (a typo would otherwise
+ * be dropped without a word).
+ */
+function toRequest(typeName, obj) {
+  const { type } = definition[typeName];
+  const out = {};
+  const known = new Set();
+  for (const field of type.field) {
+    known.add(field.name).add(camel(field.name));
+    const value = obj[field.name] !== undefined ? obj[field.name] : obj[camel(field.name)];
+    if (value === undefined || value === null) continue;
+    if (field.type !== 'TYPE_MESSAGE') {
+      out[field.name] = value;
+      continue;
+    }
+    const entry = type.nestedType.find((n) => n.name === field.typeName && n.options?.mapEntry);
+    if (entry) {
+      const valueField = entry.field.find((f) => f.name === 'value');
+      out[field.name] = valueField.type !== 'TYPE_MESSAGE' ? value : Object.fromEntries(
+        Object.entries(value).map(([k, v]) => [k, convertField(valueField.typeName, v, typeName)]));
+    } else if (field.label === 'LABEL_REPEATED') {
+      out[field.name] = value.map((v) => convertField(field.typeName, v, typeName));
+    } else {
+      out[field.name] = convertField(field.typeName, value, typeName);
+    }
+  }
+  const unknown = Object.keys(obj).filter((k) => !known.has(k));
+  if (unknown.length) {
+    throw new TypeError(`${typeName} has no field ${unknown.join(', ')}`);
+  }
+  return out;
+}
+
 // -- the gateway client -----------------------------------------------------------------------
 
 function readEvent(pb) {
@@ -243,11 +310,19 @@ class GatewayClient {
 
   close() { this.gateway.close(); }
 
-  /** Runs a group chat; calls onEvent for each streamed event; resolves with all events. */
-  groupChat({ agentIds, query, rounds = 1, optionLabel = '', timeoutMs = 30000 }, onEvent) {
-    const call = this.gateway.RunGroupChat(
-      { agent_ids: agentIds, query, rounds, option_label: optionLabel }, this.metadata,
-      { deadline: Date.now() + timeoutMs });
+  /**
+   * Runs a pattern RPC (RunGroupChat, RunHandoffWorkflow, ...): the request is a plain object
+   * with the proto's field names (snake_case or camelCase), plus timeoutMs (default 60 s);
+   * calls onEvent for each streamed event and resolves with all of them, the RESULT last.
+   */
+  run(method, { timeoutMs = 60000, ...fields } = {}, onEvent = undefined) {
+    let request;
+    try {
+      request = toRequest(`mesh.v1.${method}Request`, fields);
+    } catch (err) {
+      return Promise.reject(err);
+    }
+    const call = this.gateway[method](request, this.metadata, { deadline: Date.now() + timeoutMs });
     return new Promise((resolve, reject) => {
       const events = [];
       call.on('data', (res) => {
@@ -258,6 +333,34 @@ class GatewayClient {
       call.on('error', (err) => reject(new MeshError(err)));
       call.on('end', () => resolve(events));
     });
+  }
+
+  /** Group chat: {agentIds, query, rounds, optionLabel, agentTimeout, ...}. */
+  groupChat(request, onEvent) { return this.run('RunGroupChat', request, onEvent); }
+
+  /** Hand-off workflow: {steps: [{agentId, routes, ...}], task, context, failureAgent, ...}. */
+  handoffWorkflow(request, onEvent) { return this.run('RunHandoffWorkflow', request, onEvent); }
+
+  /** Collaborative filtering: {agentIds, weights, query, method, ...}. */
+  collaborativeFiltering(request, onEvent) {
+    return this.run('RunCollaborativeFiltering', request, onEvent);
+  }
+
+  /** The orchestrator picks the pattern for a request type: {requestType, query, parameters}. */
+  route(request, onEvent) { return this.run('Route', request, onEvent); }
+
+  /** Several patterns at once: {patterns: [{name, route: {...}} | {name, groupChat: {...}}]}. */
+  parallel(request, onEvent) { return this.run('RunParallel', request, onEvent); }
+
+  /** Consensus building: {problem, reviewerIds, threshold, quorum, waitForAllVotes, ...}. */
+  consensus(request, onEvent) { return this.run('RunConsensus', request, onEvent); }
+
+  /** The research coordinator: {query, documents, maxIterations, reportName, ...}. */
+  research(request, onEvent) { return this.run('RunResearch', request, onEvent); }
+
+  /** Runs, completion and consensus rates by pattern. */
+  patternStats({ timeoutMs = 10000 } = {}) {
+    return unary(this.gateway, 'GetPatternStats', {}, timeoutMs, this.metadata);
   }
 }
 
@@ -313,5 +416,5 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
 
 module.exports = {
   MeshClient, GatewayClient, MeshError, serveAgent, buildMessage, readMessage, toStruct,
-  fromStruct, security, TYPES, PROTO_ROOT,
+  fromStruct, toRequest, toDuration, security, TYPES, PROTO_ROOT,
 };

@@ -75,3 +75,50 @@ test('a Node agent takes part in a group chat beside the Python agents', async (
     await agent.stop();
   }
 });
+
+test('runs every gateway pattern from plain objects', async () => {
+  const gateway = new GatewayClient(GATEWAY);
+  try {
+    const refund = await gateway.handoffWorkflow({
+      steps: ['CustomerAgent', 'SellerAgent', 'PaymentAgent', 'NotificationAgent']
+        .map((agentId) => ({ agentId })),
+      task: 'Process refund for order #12347',
+      failureAgent: 'NotificationAgent',
+      stepTimeout: '5s',
+    });
+    const failed = refund[refund.length - 1].data;
+    assert.equal(failed.status, 'FAILED');
+    assert.equal(failed.failed_at_step, 2);
+    assert.equal(failed.error_reason, 'Payment failed');
+
+    const hotels = await gateway.collaborativeFiltering({
+      agentIds: ['PriceAgent', 'QualityAgent', 'LocationAgent', 'ReviewsAgent'],
+      weights: { price: 0.2, quality: 0.4, location: 0.3, reviews: 0.1 },
+      query: 'Hotel in Paris near Eiffel Tower',
+    });
+    const scored = hotels[hotels.length - 1].data;
+    assert.equal(scored.status, 'COMPLETED');
+    assert.equal(scored.opinions.length, 4);
+    assert.ok(scored.recommendation);
+
+    const routed = await gateway.route({ requestType: 'stock_recommendation', query: 'Buy?' });
+    assert.equal(routed[0].kind, 'ROUTED');
+    assert.equal(routed[routed.length - 1].kind, 'RESULT');
+
+    const both = await gateway.parallel({ patterns: [
+      { name: 'hotel', route: { requestType: 'hotel_recommendation' } },
+      { name: 'flight', route: { requestType: 'flight_recommendation' } },
+    ] });
+    assert.equal(both[both.length - 1].data.status, 'COMPLETED');
+
+    const stats = await gateway.patternStats();
+    assert.ok(stats.patterns.length >= 3);
+
+    await assert.rejects(gateway.groupChat({ agentIdz: ['PriceAgent'], query: 'q' }),
+      (err) => err instanceof TypeError && err.message.includes('no field agentIdz'));
+    await assert.rejects(gateway.groupChat({ agentIds: [], query: 'q' }),
+      (err) => err.codeName === 'INVALID_ARGUMENT');
+  } finally {
+    gateway.close();
+  }
+});
