@@ -132,6 +132,24 @@ async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
     code, out = await cli("send", "--to", "Nobody", "--action", "x")
     assert code == 1 and "NOT_FOUND: agent Nobody is not registered" in out
 
+    # --request prints the answer; an ERROR answer makes the exit code 1.
+    from mesh import AgentContext, Message, agent, serve
+
+    @agent("Quoter")
+    async def quoter(message: Message, ctx: AgentContext) -> dict[str, object]:
+        if message.action == "fail":
+            raise RuntimeError("no quote today")
+        return {"quote": 42}
+
+    served = await serve(quoter, broker_proc.address)
+    try:
+        code, out = await cli("send", "--to", "Quoter", "--action", "quote", "--request")
+        assert code == 0 and "RESPONSE" in out and '"quote":42' in out, out
+        code, out = await cli("send", "--to", "Quoter", "--action", "fail", "--request")
+        assert code == 1 and "ERROR" in out and "no quote today" in out, out
+    finally:
+        await served.stop(1.0)
+
 
 async def test_broker_takes_its_limits_from_the_environment() -> None:
     os.environ["AGENTMESH_MAX_MESSAGES_PER_AGENT"] = "2"
