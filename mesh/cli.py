@@ -268,8 +268,6 @@ async def _send(args: argparse.Namespace) -> int:
             _print(
                 json.dumps(response.to_dict(), indent=2) if args.json else _message_line(response)
             )
-            if response.message_type is MessageType.ERROR:
-                return 1  # the agent answered with an error: a script should see it failed
         else:
             sent = await client.send_message(message)
             _print(json.dumps(sent.to_dict(), indent=2) if args.json else f"sent {sent.message_id}")

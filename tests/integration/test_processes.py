@@ -132,7 +132,7 @@ async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
     code, out = await cli("send", "--to", "Nobody", "--action", "x")
     assert code == 1 and "NOT_FOUND: agent Nobody is not registered" in out
 
-    # --request prints the answer; an ERROR answer makes the exit code 1.
+    # --request prints the answer; an agent that fails makes the exit code 1.
     from mesh import AgentContext, Message, agent, serve
 
     @agent("Quoter")
@@ -146,7 +146,7 @@ async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
         code, out = await cli("send", "--to", "Quoter", "--action", "quote", "--request")
         assert code == 0 and "RESPONSE" in out and '"quote":42' in out, out
         code, out = await cli("send", "--to", "Quoter", "--action", "fail", "--request")
-        assert code == 1 and "ERROR" in out and "no quote today" in out, out
+        assert code == 1 and "error: ABORTED: no quote today" in out, out
     finally:
         await served.stop(1.0)
 
