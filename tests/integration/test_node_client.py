@@ -90,3 +90,58 @@ async def test_node_client_speaks_tls_with_a_token_and_is_held_to_its_identity(
     assert process.returncode == 0, text
     assert "talks TLS with a bearer token" in text
     assert "pass 3\n" in text and "skipped 0\n" in text, text
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
+async def test_a_node_agent_is_back_in_service_after_a_broker_restart() -> None:
+    from mesh import connect
+    from mesh.client import NO_RETRY
+    from mesh.core.errors import MeshError
+    from tests.helpers.processes import BROKER_READY, free_port, start, stop, wait_killed
+
+    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").exists():
+        pytest.fail("clients/node dependencies are missing: run `make setup`")
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    broker = await start("broker", "--port", str(port), ready=BROKER_READY)
+    node = await asyncio.create_subprocess_exec(
+        "node",
+        "examples/echo-agent.js",
+        "NodeEchoAgent",
+        cwd=NODE_DIR,
+        env={**os.environ, "AGENTMESH_BROKER": address},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    assert node.stdout is not None
+    try:
+        async with asyncio.timeout(30):
+            line = (await node.stdout.readline()).decode()
+        assert "NodeEchoAgent serving on 127.0.0.1:" in line, line
+        async with connect(address, agent_id="Caller", retry=NO_RETRY) as client:
+            first = await client.request("NodeEchoAgent", {"action": "echo", "n": 1}, timeout=5)
+            assert first.content["echo"] == {"action": "echo", "n": 1}
+
+            # The broker dies and comes back on its port, remembering nothing (memory store):
+            # the Node agent registers and subscribes again by itself.
+            await wait_killed(broker)
+            broker = await start("broker", "--port", str(port), ready=BROKER_READY)
+            async with asyncio.timeout(20):
+                while True:
+                    try:
+                        again = await client.request(
+                            "NodeEchoAgent", {"action": "echo", "n": 2}, timeout=1
+                        )
+                        break
+                    except MeshError:  # not registered again yet, or the channel reconnecting
+                        await asyncio.sleep(0.2)
+            assert again.content["echo"] == {"action": "echo", "n": 2}
+            assert again.content["pid"] == node.pid  # the same process, never restarted
+        node.terminate()
+        async with asyncio.timeout(15):
+            assert await node.wait() == 0
+    finally:
+        if node.returncode is None:
+            node.kill()
+            await node.wait()
+        await stop(broker)

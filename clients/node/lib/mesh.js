@@ -399,14 +399,48 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
   const address = `${host}:${boundPort}`;
   const client = new MeshClient(broker, { agentId, ...options });
   await client.register({ agentTypes, address, capabilities });
-  const subscription = client.subscribe(async (message) => {
+  const onDelivery = async (message) => {
     const response = await answer(message);
     if (response) await unary(client.broker, 'SendMessage', { message: response });
-  });
+  };
+  // The subscription lives as long as the agent: when its stream ends or fails (the broker
+  // restarted, the network went away), the agent registers again (a restarted broker may
+  // have forgotten it) and subscribes again, waiting a little longer after each failure.
+  let stopped = false;
+  let subscription = null;
+  let wake = null;
+  const delays = [100, 500, 1000, 2000, 5000];
+  const keepSubscribed = async () => {
+    let attempt = 0;
+    while (!stopped) {
+      try {
+        if (attempt) await client.register({ agentTypes, address, capabilities });
+        subscription = client.subscribe(onDelivery);
+        await new Promise((resolve) => {
+          subscription.on('error', resolve);
+          subscription.on('end', resolve);
+          subscription.on('data', () => { attempt = 0; });
+          wake = resolve;
+        });
+      } catch (err) {
+        // not registered: the broker is away; try again below
+      }
+      if (stopped) return;
+      await new Promise((resolve) => {
+        wake = resolve;
+        setTimeout(resolve, delays[Math.min(attempt, delays.length - 1)]);
+      });
+      attempt += 1;
+    }
+  };
+  const running = keepSubscribed();
   return {
     address,
     async stop() {
-      subscription.cancel();
+      stopped = true;
+      if (subscription) subscription.cancel();
+      if (wake) wake();
+      await running;
       await client.deregister().catch(() => {});
       client.close();
       await new Promise((resolve) => server.tryShutdown(resolve));
