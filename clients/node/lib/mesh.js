@@ -201,6 +201,81 @@ class MeshClient {
     return { messageId: res.message_id, recipients: res.recipients };
   }
 
+  /**
+   * An agent's deliveries on one Connect stream, the broker's fast path: whatever is ready
+   * comes in one frame (up to maxBatch), and answers and acks go back as frames on the same
+   * stream. handle(message, attempt) resolves to the answer (a message built with
+   * buildMessage, sent and taking the place of the ack when it answers this message) or to
+   * null (acknowledged); when it throws, the message is handed back for redelivery. The
+   * returned stream emits 'subscribed' once the broker took the subscription, and 'error' /
+   * 'end' when the session is over.
+   */
+  session(handle, { agentId = this.agentId, maxInFlight = 16, maxBatch = 16 } = {}) {
+    const metadata = (this.broker.meshMetadata || new grpc.Metadata()).clone();
+    metadata.set('agentmesh-batch', '1');
+    const call = this.broker.Connect(metadata);
+    const write = (frame) => {
+      if (!call.writableEnded && !call.destroyed) call.write(frame);
+    };
+    const inFlight = new Set();
+    let closing = false;
+    const settle = (delivery) => {
+      const message = readMessage(delivery.message);
+      if (closing) { // handed back at once: another instance, or this one later, takes it
+        write({ nack: { agent_id: agentId, message_ids: [message.messageId] } });
+        return;
+      }
+      const done = (async () => {
+        try {
+          const answer = await handle(message, delivery.delivery_attempt);
+          if (answer) write({ send: answer });
+          if (!answer || answer.correlation_id !== message.messageId) {
+            write({ ack: { agent_id: agentId, message_ids: [message.messageId] } });
+          }
+        } catch (err) {
+          write({ nack: { agent_id: agentId, message_ids: [message.messageId] } });
+        }
+      })();
+      inFlight.add(done);
+      done.finally(() => inFlight.delete(done));
+    };
+    /**
+     * Ends the session gracefully: the messages being handled are answered (for up to
+     * graceMs), later deliveries are handed back, then the stream is half-closed so that the
+     * broker takes every answer in and puts what is unacknowledged back in the queue.
+     */
+    call.close = async (graceMs = 5000) => {
+      closing = true;
+      const waited = (promise) => Promise.race([
+        promise, new Promise((resolve) => { setTimeout(resolve, graceMs).unref(); })]);
+      await waited(Promise.allSettled([...inFlight]));
+      const over = new Promise((resolve) => { call.on('status', resolve); call.on('error', resolve); });
+      if (!call.writableEnded) call.end();
+      await waited(over);
+      call.cancel();
+    };
+    const take = (frame) => {
+      switch (frame.frame) {
+        case 'batch': frame.batch.frames.forEach(take); break;
+        case 'delivery': settle(frame.delivery); break;
+        case 'deliveries': frame.deliveries.deliveries.forEach(settle); break;
+        case 'accepted': if (Number(frame.seq) === 1) call.emit('subscribed'); break;
+        case 'error':
+          if (Number(frame.seq) === 1) {
+            call.emit('error', new MeshError({ code: frame.error.code, details: frame.error.message }));
+            call.cancel();
+          }
+          break;
+        default: break;
+      }
+    };
+    call.on('data', take);
+    call.on('error', () => {}); // listeners of the caller's decide; none must not crash
+    write({ seq: 1, subscribe: { agent_id: agentId, max_in_flight: maxInFlight,
+      max_batch: maxBatch } });
+    return call;
+  }
+
   /** Deliveries of the agent's messages: onDelivery(message, attempt) must resolve to ack. */
   subscribe(onDelivery, { agentId = this.agentId, maxInFlight = 16 } = {}) {
     const call = this.broker.Subscribe({ agent_id: agentId, max_in_flight: maxInFlight },
@@ -375,11 +450,25 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
   host = '127.0.0.1', port = 0, ...options }) {
   const server = new grpc.Server();
   const answer = async (message) => {
-    const content = await handler(message);
-    if (content === null || content === undefined) return null;
+    const to = message.replyTo || message.from;
+    const correlationId = message.correlationId || message.messageId;
+    let content;
+    try {
+      content = await handler(message);
+    } catch (err) {
+      // A REQUEST always gets an answer: the error, as the Python agents send it. Anything
+      // else is handed back (redelivered, then dead-lettered).
+      if (message.type !== 'REQUEST') throw err;
+      return buildMessage({ from: agentId, to, type: 'ERROR', correlationId,
+        content: { action: 'error', error: String(err && err.message ? err.message : err),
+          reason: (err && err.name) || 'Error' } });
+    }
+    if (content === null || content === undefined) {
+      if (message.type !== 'REQUEST') return null;
+      content = {};
+    }
     const reply = { action: (message.content && message.content.action) || 'response', ...content };
-    return buildMessage({ from: agentId, to: message.replyTo || message.from, type: 'RESPONSE',
-      content: reply, correlationId: message.correlationId || message.messageId });
+    return buildMessage({ from: agentId, to, type: 'RESPONSE', content: reply, correlationId });
   };
   server.addService(meshV1.AgentService.service, {
     HandleMessage: (call, callback) => {
@@ -399,10 +488,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
   const address = `${host}:${boundPort}`;
   const client = new MeshClient(broker, { agentId, ...options });
   await client.register({ agentTypes, address, capabilities });
-  const onDelivery = async (message) => {
-    const response = await answer(message);
-    if (response) await unary(client.broker, 'SendMessage', { message: response });
-  };
+  const onDelivery = (message) => answer(message);
   // The subscription lives as long as the agent: when its stream ends or fails (the broker
   // restarted, the network went away), the agent registers again (a restarted broker may
   // have forgotten it) and subscribes again, waiting a little longer after each failure.
@@ -415,11 +501,11 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     while (!stopped) {
       try {
         if (attempt) await client.register({ agentTypes, address, capabilities });
-        subscription = client.subscribe(onDelivery);
+        subscription = client.session(onDelivery);
         await new Promise((resolve) => {
           subscription.on('error', resolve);
           subscription.on('end', resolve);
-          subscription.on('data', () => { attempt = 0; });
+          subscription.on('subscribed', () => { attempt = 0; });
           wake = resolve;
         });
       } catch (err) {
@@ -436,9 +522,9 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
   const running = keepSubscribed();
   return {
     address,
-    async stop() {
+    async stop(graceMs = 5000) {
       stopped = true;
-      if (subscription) subscription.cancel();
+      if (subscription) await subscription.close(graceMs);
       if (wake) wake();
       await running;
       await client.deregister().catch(() => {});

@@ -122,3 +122,36 @@ test('runs every gateway pattern from plain objects', async () => {
     gateway.close();
   }
 });
+
+test('a Node agent answers a request it fails with an ERROR, and finishes its work on stop',
+  async () => {
+    let started;
+    const entered = new Promise((resolve) => { started = resolve; });
+    const agent = await serveAgent({
+      broker: BROKER, agentId: 'NodeCardAgent',
+      handler: async (message) => {
+        if (message.content.action === 'charge') throw new Error('card declined');
+        started();
+        await new Promise((resolve) => { setTimeout(resolve, 300); });
+        return { settled: true };
+      },
+    });
+    const client = new MeshClient(BROKER, { agentId: 'NodeShop' });
+    try {
+      const failed = await client.request('NodeCardAgent', { action: 'charge' });
+      assert.equal(failed.type, 'ERROR');
+      assert.equal(failed.content.error, 'card declined');
+      assert.equal(failed.from, 'NodeCardAgent');
+
+      const slow = client.request('NodeCardAgent', { action: 'settle' });
+      await entered;
+      await agent.stop(); // while the handler runs: it finishes and its answer goes out
+      const settled = await slow;
+      assert.equal(settled.type, 'RESPONSE');
+      assert.deepEqual(settled.content, { action: 'settle', settled: true });
+      const left = await client.listAgents();
+      assert.ok(!left.some((a) => a.agent_id === 'NodeCardAgent'));
+    } finally {
+      client.close();
+    }
+  });
