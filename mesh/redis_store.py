@@ -55,6 +55,8 @@ REGISTRY = "mesh:registry"
 TOTAL = "mesh:total"
 QUEUES = "mesh:queues"
 AGENTS = "mesh:agents"
+SUBSCRIBE_CHECK_SECONDS = 2.0
+"""How long a new subscription of the replica watcher has to answer its PING."""
 REPLICAS = "mesh:replicas"
 REPLICA_TIMEOUT_MS = 3000
 """A replica that has not swept (and so beaten) for this long is gone."""
@@ -325,6 +327,16 @@ def _score(message: Message) -> str:
     return str(message.priority.rank * RANK_SPAN + min(max(micros, 0), RANK_SPAN - 1))
 
 
+def _with_address(url: str, host: str, port: int) -> str:
+    """The URL of one node of a cluster: ``url`` (scheme, credentials, options) with its host
+    and port replaced, database 0."""
+    scheme, _, rest = url.partition("://")
+    address, _, query = rest.partition("?")
+    credentials = address.rpartition("@")[0]
+    at = f"{credentials}@" if credentials else ""
+    return f"{scheme}://{at}{host}:{port}/0" + (f"?{query}" if query else "")
+
+
 async def connect(url: str) -> Any:
     """A client for the Redis the URL names: a cluster client when that Redis is a node of a
     Redis Cluster (asked with ``INFO cluster``), the plain client otherwise."""
@@ -392,6 +404,12 @@ class RedisQueueStore:
         self._connecting = asyncio.Lock()
         self._watcher: asyncio.Task[None] | None = None
         self._pubsub: Any = None
+        self._pubsub_client: Any = None
+        """On a cluster, the watcher's own connection to one node (see _subscribe)."""
+        self._pubsub_turn = 0
+        """Which node of a cluster the next subscription goes to (they take turns)."""
+        self._early: list[dict[str, Any]] = []
+        """Messages read while a new subscription was being checked, not yet handled."""
         self._puts: list[_Put] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._queues_known: set[str] = set()
@@ -947,26 +965,46 @@ class RedisQueueStore:
         self._watcher = asyncio.create_task(self._follow(listener), name="redis-watch")
 
     async def _subscribe(self) -> None:
-        # On a cluster every node hears every PUBLISH: one connection to one node will do.
-        self._pubsub = (await self._client()).pubsub(ignore_subscribe_messages=True)
+        client = await self._client()
+        if isinstance(client, RedisCluster):
+            # Every node of a cluster hears every PUBLISH: any one will do, on a connection
+            # of the watcher's own (the cluster client drops its nodes' connections each time
+            # it refreshes its map of the slots, as it does over and over during a failover).
+            # After a failure the next node is tried: a primary that died stays in the list
+            # until the cluster has failed over.
+            nodes = client.get_nodes()
+            node = nodes[self._pubsub_turn % len(nodes)]
+            self._pubsub_turn += 1
+            if self._pubsub_client is not None:
+                with contextlib.suppress(Exception):
+                    await self._pubsub_client.aclose()
+            self._pubsub_client = aioredis.from_url(
+                _with_address(self.url, node.host, int(node.port)), decode_responses=False
+            )
+            self._pubsub = self._pubsub_client.pubsub(ignore_subscribe_messages=True)
+        else:
+            self._pubsub = client.pubsub(ignore_subscribe_messages=True)
         await self._pubsub.subscribe(WAKE, REGISTRY, self._answers(self.replica_id))
+        # A SUBSCRIBE can go out on a connection that is already dead: an answered PING
+        # says the subscription is really there.
+        await self._pubsub.ping()
+        async with asyncio.timeout(SUBSCRIBE_CHECK_SECONDS):
+            while True:
+                event = await self._pubsub.get_message(timeout=SUBSCRIBE_CHECK_SECONDS)
+                if event is None:
+                    continue
+                if event.get("type") == "pong":
+                    return
+                self._early.append(event)
 
     async def _follow(self, listener: Any) -> None:
-        answers = self._answers(self.replica_id)
         failures = 0  # in a row: the first is a warning, the rest of an outage is quiet
         while True:
             try:
+                while self._early:
+                    await self._handle(self._early.pop(0), listener)
                 async for event in self._pubsub.listen():
-                    if event.get("type") != "message":
-                        continue
-                    channel, data = _text(event["channel"]), event["data"]
-                    if channel == WAKE:
-                        listener.on_wake(_text(data))
-                    elif channel == REGISTRY:
-                        agent_id = _text(data)
-                        listener.on_agent_changed(agent_id, await self.saved_agent(agent_id))
-                    elif channel == answers:
-                        listener.on_answer(_message(data))
+                    await self._handle(event, listener)
                 # listen() ends at once on a connection subscribed to nothing (a subscribe
                 # that failed while Redis was away): not a reason to go round without a pause.
                 raise ConnectionError("the subscription ended")
@@ -988,6 +1026,18 @@ class RedisQueueStore:
                     failures = 0
                     listener.on_followed_again()
 
+    async def _handle(self, event: dict[str, Any], listener: Any) -> None:
+        if event.get("type") != "message":
+            return
+        channel, data = _text(event["channel"]), event["data"]
+        if channel == WAKE:
+            listener.on_wake(_text(data))
+        elif channel == REGISTRY:
+            agent_id = _text(data)
+            listener.on_agent_changed(agent_id, await self.saved_agent(agent_id))
+        elif channel == self._answers(self.replica_id):
+            listener.on_answer(_message(data))
+
     async def close(self) -> None:
         if self._tasks:  # puts already sent to Redis get their answers
             await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -1001,6 +1051,9 @@ class RedisQueueStore:
         if self._pubsub is not None:
             with contextlib.suppress(Exception):
                 await self._pubsub.aclose()
+        if self._pubsub_client is not None:
+            with contextlib.suppress(Exception):
+                await self._pubsub_client.aclose()
         await self._redis.aclose()
 
     async def flush(self) -> None:

@@ -140,12 +140,13 @@ class LocalRedis:
         return started
 
     @classmethod
-    def start_cluster(cls, folder: Path, nodes: int = 3) -> LocalRedis:
-        """A Redis Cluster of ``nodes`` primaries sharing the 16384 slots, made by
-        ``redis-cli --cluster create`` and ready (``cluster_state:ok`` on every node)."""
+    def start_cluster(cls, folder: Path, nodes: int = 3, replicas: int = 0) -> LocalRedis:
+        """A Redis Cluster of ``nodes`` primaries sharing the 16384 slots, each with
+        ``replicas`` replicas, made by ``redis-cli --cluster create`` and ready
+        (``cluster_state:ok`` on every node, every replica in sync with its primary)."""
         started = cls([])
         try:
-            for n in range(nodes):
+            for n in range(nodes * (1 + replicas)):
                 started._node(
                     folder / str(n),
                     "--cluster-enabled",
@@ -158,7 +159,10 @@ class LocalRedis:
                     str(free_port()),
                 )
             addresses = [url.removeprefix("redis://").removesuffix("/0") for url in started.urls]
-            create = ["redis-cli", "--cluster", "create", *addresses, "--cluster-replicas", "0"]
+            create = [
+                *("redis-cli", "--cluster", "create", *addresses),
+                *("--cluster-replicas", str(replicas)),
+            ]
             subprocess.run(
                 [*create, "--cluster-yes"],
                 check=True,
@@ -169,6 +173,10 @@ class LocalRedis:
             while not all(_cluster_ok(address) for address in addresses):
                 if time.monotonic() > deadline:
                     raise RuntimeError("the Redis Cluster did not come up")
+                time.sleep(0.1)
+            while replicas and not all(_replica_synced(a) for a in started.replicas()):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the Redis Cluster's replicas did not sync")
                 time.sleep(0.1)
         except BaseException:
             started.stop()
@@ -195,6 +203,33 @@ class LocalRedis:
         url = f"redis://127.0.0.1:{port}/0"
         if url not in self.urls:
             self.urls.append(url)
+
+    def primaries(self) -> list[str]:
+        """The addresses (host:port) of the cluster's primaries, as the cluster sees them."""
+        return [a for a, role in self._roles() if role == "master"]
+
+    def replicas(self) -> list[str]:
+        return [a for a, role in self._roles() if role == "slave"]
+
+    def _roles(self) -> list[tuple[str, str]]:
+        roles = []
+        for index, url in enumerate(self.urls):
+            if index < len(self.processes) and self.processes[index].poll() is not None:
+                continue  # killed
+            address = url.removeprefix("redis://").removesuffix("/0")
+            host, _, port = address.rpartition(":")
+            out = subprocess.run(
+                ["redis-cli", "-h", host, "-p", port, "role"], capture_output=True, text=True
+            ).stdout.split()
+            if out:
+                roles.append((address, out[0]))
+        return roles
+
+    def kill_node(self, address: str) -> None:
+        """SIGKILLs the node at host:port, as in a crash."""
+        index = self.urls.index(f"redis://{address}/0")
+        self.processes[index].kill()
+        self.processes[index].wait()
 
     def kill(self) -> None:
         """SIGKILL every node, as in a crash (what they held is gone: nothing is saved)."""
@@ -223,6 +258,16 @@ class LocalRedis:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def _replica_synced(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    info = subprocess.run(
+        ["redis-cli", "-h", host, "-p", port, "info", "replication"],
+        capture_output=True,
+        text=True,
+    ).stdout
+    return "master_link_status:up" in info
 
 
 def _cluster_ok(address: str) -> bool:
