@@ -418,6 +418,8 @@ class RedisQueueStore:
         self._drift: list[int] = []
         self._seen_total = max_total_messages  # unknown: the first puts reserve first
         self._sampled = -RECONCILE_EVERY
+        self._beating_since: int | None = None
+        """Since when this replica's beats have reached the store without a break (ms)."""
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -851,11 +853,21 @@ class RedisQueueStore:
         replica is the one that keeps the broker-wide count right (the live one with the
         lowest id)."""
         now = self._now_ms()
-        await self._call("hset", REPLICAS, self.replica_id, now + REPLICA_TIMEOUT_MS)
+        try:
+            await self._call("hset", REPLICAS, self.replica_id, now + REPLICA_TIMEOUT_MS)
+        except BrokerUnavailableError:
+            self._beating_since = None
+            raise
+        if self._beating_since is None:
+            self._beating_since = now
         beats = {
             _text(r): int(until) for r, until in (await self._call("hgetall", REPLICAS)).items()
         }
-        gone = [replica for replica, until in beats.items() if until < now]
+        # While this replica could not reach the store the others could not either, most
+        # likely: their last beats are as old as the outage. They are judged once they have
+        # had the time to beat again (and so, on start-up, once this replica has beaten a while).
+        settled = now - self._beating_since >= REPLICA_TIMEOUT_MS
+        gone = [replica for replica, until in beats.items() if until < now] if settled else []
         if gone:
             logger.warning("broker replicas gone: %s; their leases return", ", ".join(gone))
             await self._call("hdel", REPLICAS, *gone)
