@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc
@@ -51,12 +51,15 @@ class GatewayClient:
     async def __aexit__(self, *exc: object) -> None:
         await self._channel.close()
 
-    async def _stream(self, call: Any) -> AsyncIterator[dict[str, Any]]:
+    async def _stream(self, call: Any) -> AsyncGenerator[dict[str, Any], None]:
         try:
             async for response in call:
                 yield event_dict(response.event)
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
+        finally:
+            # Closed before the end (the caller stopped reading): the gateway stops the run.
+            call.cancel()
 
     def run(self, rpc: str, request: dict[str, Any] | Any) -> AsyncIterator[dict[str, Any]]:
         """Calls a pattern RPC by name ("RunGroupChat", "Route", ...) with a dict or message."""

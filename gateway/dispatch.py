@@ -3,7 +3,8 @@ over gRPC through the SDK."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+import contextlib
+from collections.abc import AsyncGenerator, Sequence
 from typing import Protocol
 
 from mesh.client import MeshClient
@@ -16,9 +17,10 @@ class Dispatcher(Protocol):
 
     def gather(
         self, message: Message, agent_ids: Sequence[str], timeout: float
-    ) -> AsyncIterator[GatherItem]:
+    ) -> AsyncGenerator[GatherItem, None]:
         """Sends copies of ``message`` to the agents; yields answers as they arrive, then the
-        agents that did not answer in time."""
+        agents that did not answer in time. Close it (``contextlib.aclosing``) when done with
+        it early: the broker stops waiting for the others then, not at the deadline."""
         ...
 
     async def ask(self, message: Message, timeout: float) -> Message:
@@ -38,7 +40,7 @@ class BrokerDispatcher:
 
     def gather(
         self, message: Message, agent_ids: Sequence[str], timeout: float
-    ) -> AsyncIterator[GatherItem]:
+    ) -> AsyncGenerator[GatherItem, None]:
         return self.broker.gather(message, agent_ids=agent_ids, timeout=timeout)
 
     async def ask(self, message: Message, timeout: float) -> Message:
@@ -56,9 +58,12 @@ class MeshDispatcher:
 
     async def gather(
         self, message: Message, agent_ids: Sequence[str], timeout: float
-    ) -> AsyncIterator[GatherItem]:
-        async for item in self.client.gather(message, agent_ids=agent_ids, timeout=timeout):
-            yield GatherItem(item.agent_id, item.response, item.error)
+    ) -> AsyncGenerator[GatherItem, None]:
+        # Closed with this one: the client then tells the broker to give the gather up.
+        items = self.client.gather(message, agent_ids=agent_ids, timeout=timeout)
+        async with contextlib.aclosing(items):
+            async for item in items:
+                yield GatherItem(item.agent_id, item.response, item.error)
 
     async def ask(self, message: Message, timeout: float) -> Message:
         # The raw answer, ERROR included: patterns decide what an agent's error means.

@@ -13,7 +13,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -269,6 +269,9 @@ class _Session:
             else:
                 async with asyncio.timeout(timeout):
                     answer = await waiter
+        except (TimeoutError, asyncio.CancelledError):
+            self._give_up(seq)
+            raise
         finally:
             self._waiting.pop(seq, None)
         if answer.HasField("error"):
@@ -277,27 +280,42 @@ class _Session:
 
     async def stream(
         self, frame: broker_pb2.ConnectRequest, timeout: float
-    ) -> AsyncIterator[broker_pb2.ConnectResponse]:
+    ) -> AsyncGenerator[broker_pb2.ConnectResponse, None]:
         """Frames answering one request frame, until `accepted` or `error` ends them."""
         seq = next(self._seq)
         frame.seq = seq
         # Bounded by the frames the broker sends for one request (one per agent asked, + 1).
         answers: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[seq] = answers
+        ended = False
         try:
             await self.write(frame)
             async with asyncio.timeout(timeout):
                 while True:
                     answer = await answers.get()
                     if isinstance(answer, MeshError):
+                        ended = True
                         raise answer
                     if answer.HasField("error"):
+                        ended = True
                         raise codec.error_from_pb(answer.error)
                     if answer.HasField("accepted"):
+                        ended = True
                         return
                     yield answer
         finally:
             self._streams.pop(seq, None)
+            if not ended:  # the caller stopped reading (or waiting) first
+                self._give_up(seq)
+
+    def _give_up(self, seq: int) -> None:
+        """Tells the broker the request or gather ``seq`` is no longer awaited, so that it
+        frees what it holds for it now rather than at its deadline. Not waited for."""
+        if self.closed:
+            return
+        frame = broker_pb2.ConnectRequest()
+        frame.cancel.seq = seq
+        self._writer.post(frame)
 
     async def close(self, grace: float = 1.0) -> None:
         """Half-closes the stream so that frames already written (acks) are processed, waits
@@ -814,7 +832,7 @@ class MeshClient:
         agent_types: Iterable[str] = (),
         timeout: float | None = None,
         **options: Any,
-    ) -> AsyncIterator[GatherResult]:
+    ) -> AsyncGenerator[GatherResult, None]:
         """Asks several agents at once; yields each agent's answer (or error) as it arrives.
 
         The copies are BROADCAST messages sharing one id (REQUEST or HANDOFF when a prepared
@@ -834,12 +852,16 @@ class MeshClient:
         codec.message_to_pb(with_trace(message), request.message)
         codec.seconds_to_duration(timeout, request.timeout)
         session = await self._open_session()
-        async for answer in session.stream(frame, timeout + 5.0):
-            item = answer.gathered
-            if item.HasField("response"):
-                yield GatherResult(item.agent_id, codec.message_from_pb(item.response), None)
-            else:
-                yield GatherResult(item.agent_id, None, codec.error_from_pb(item.error))
+        # Closed with this generator, however early: the broker is told to give the gather
+        # up, instead of holding it until its deadline.
+        answers = session.stream(frame, timeout + 5.0)
+        async with contextlib.aclosing(answers):
+            async for answer in answers:
+                item = answer.gathered
+                if item.HasField("response"):
+                    yield GatherResult(item.agent_id, codec.message_from_pb(item.response), None)
+                else:
+                    yield GatherResult(item.agent_id, None, codec.error_from_pb(item.error))
 
     async def broadcast(
         self,

@@ -332,6 +332,8 @@ class _Session:
         # The session's subscriptions (one per agent) and the tasks writing their deliveries.
         self.subscriptions: dict[str, tuple[Subscription, asyncio.Task[None]]] = {}
         self.tasks: set[asyncio.Task[None]] = set()
+        self.by_seq: dict[int, asyncio.Task[None]] = {}
+        """The requests and gathers in flight, by the seq of their frame (to cancel them)."""
         self.principal = current_principal.get()
         self.in_batch = False
         """The reader is handling the frames of a batch frame."""
@@ -410,7 +412,7 @@ class _Session:
                 accepted.recipients.extend(outcome.recipients)
                 await self._answer(out)
             elif kind == "request":
-                self._spawn(self._request(seq, frame.request))
+                self._spawn(seq, self._request(seq, frame.request))
             elif kind == "ack":
                 await self.broker.ack(self._agent(frame.ack.agent_id), frame.ack.message_ids)
             elif kind == "nack":
@@ -420,7 +422,11 @@ class _Session:
             elif kind == "unsubscribe":
                 await self._unsubscribe(seq, frame.unsubscribe.agent_id)
             elif kind == "gather":
-                self._spawn(self._gather(seq, frame.gather))
+                self._spawn(seq, self._gather(seq, frame.gather))
+            elif kind == "cancel":
+                task = self.by_seq.get(frame.cancel.seq)
+                if task is not None:
+                    task.cancel()  # its finally blocks free what the broker held for it
             elif kind == "receive":
                 if not frame.receive.agent_id:
                     raise _invalid("agent_id", "agent_id is required")
@@ -437,7 +443,7 @@ class _Session:
         except MeshError as error:
             await self._error(seq, error)
 
-    def _spawn(self, work: Any) -> None:
+    def _spawn(self, seq: int, work: Any) -> None:
         if len(self.tasks) >= MAX_SESSION_REQUESTS:
             work.close()
             raise LimitExceededError(
@@ -446,6 +452,13 @@ class _Session:
         task = asyncio.create_task(work)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+        if seq:
+            self.by_seq[seq] = task
+            task.add_done_callback(lambda _: self._forget(seq, task))
+
+    def _forget(self, seq: int, task: asyncio.Task[None]) -> None:
+        if self.by_seq.get(seq) is task:
+            del self.by_seq[seq]
 
     async def _gather(self, seq: int, request: broker_pb2.GatherRequest) -> None:
         try:

@@ -3,6 +3,7 @@ their scores are combined by weight, or their picks by confidence, with a fixed 
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -248,36 +249,39 @@ async def run_filtering(spec: FilteringSpec, dispatcher: Dispatcher, emit: Emit)
     durations: dict[str, float] = {}
     missing: dict[str, str] = {}
     sent_ns = now_ns()
-    async for item in dispatcher.gather(message, spec.agent_ids, spec.agent_timeout):
-        record_span(
-            span_name(item.agent_id, "score"),
-            sent_ns,
-            now_ns(),
-            None,
-            agent=item.agent_id,
-            run_id=run_id,
-            answered=item.response is not None,
-        )
-        answer = item.response
-        if answer is None or answer.message_type is MessageType.ERROR:
-            reason = item.error.message if item.error is not None else "agent error"
-            missing[item.agent_id] = reason
-            await event(
-                EventKind.AGENT_MISSING,
-                f"{item.agent_id} gave no scores: {reason}",
-                agent_id=item.agent_id,
-                data={"agent_id": item.agent_id, "reason": reason},
+    items = dispatcher.gather(message, spec.agent_ids, spec.agent_timeout)
+    async with contextlib.aclosing(items):  # left early: the gather is given up
+        async for item in items:
+            record_span(
+                span_name(item.agent_id, "score"),
+                sent_ns,
+                now_ns(),
+                None,
+                agent=item.agent_id,
+                run_id=run_id,
+                answered=item.response is not None,
             )
-            continue
-        durations[item.agent_id] = clock.ms
-        opinion = opinion_from(item.agent_id, keys[item.agent_id], answer.content or {})
-        opinions.append(opinion)
-        await event(
-            EventKind.SCORES,
-            f"{item.agent_id} scored {len(opinion.scores)} options; picks {opinion.recommendation}",
-            agent_id=item.agent_id,
-            data={**opinion.to_dict(), "latency_ms": durations[item.agent_id]},
-        )
+            answer = item.response
+            if answer is None or answer.message_type is MessageType.ERROR:
+                reason = item.error.message if item.error is not None else "agent error"
+                missing[item.agent_id] = reason
+                await event(
+                    EventKind.AGENT_MISSING,
+                    f"{item.agent_id} gave no scores: {reason}",
+                    agent_id=item.agent_id,
+                    data={"agent_id": item.agent_id, "reason": reason},
+                )
+                continue
+            durations[item.agent_id] = clock.ms
+            opinion = opinion_from(item.agent_id, keys[item.agent_id], answer.content or {})
+            opinions.append(opinion)
+            await event(
+                EventKind.SCORES,
+                f"{item.agent_id} scored {len(opinion.scores)} options; "
+                f"picks {opinion.recommendation}",
+                agent_id=item.agent_id,
+                data={**opinion.to_dict(), "latency_ms": durations[item.agent_id]},
+            )
     order = {agent_id: i for i, agent_id in enumerate(spec.agent_ids)}
     opinions.sort(key=lambda op: order[op.agent_id])  # the request's order, not arrival order
     aggregation = Stopwatch()

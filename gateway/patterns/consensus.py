@@ -285,7 +285,7 @@ async def run_consensus(spec: ConsensusSpec, dispatcher: Dispatcher, emit: Emit)
                 if early is not None:
                     break
     finally:
-        await items.aclose()  # type: ignore[attr-defined]
+        await items.aclose()
     skipped = list(pending) if early else []
 
     try:

@@ -3,6 +3,7 @@ contributions are aggregated by unanimous consensus, weighted voting or highest 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -274,44 +275,50 @@ async def _run(
         )
         sent_at = clock.ms
         this_round: list[Contribution] = []
-        async for item in dispatcher.gather(message, spec.agent_ids, spec.agent_timeout):
-            answer = item.response
-            if answer is None or answer.message_type is MessageType.ERROR:
-                reason = (
-                    item.error.message
-                    if item.error is not None
-                    else str((answer.content or {}).get("error", "error"))
-                    if answer
-                    else ""
+        items = dispatcher.gather(message, spec.agent_ids, spec.agent_timeout)
+        async with contextlib.aclosing(items):  # left early: the gather is given up
+            async for item in items:
+                answer = item.response
+                if answer is None or answer.message_type is MessageType.ERROR:
+                    reason = (
+                        item.error.message
+                        if item.error is not None
+                        else str((answer.content or {}).get("error", "error"))
+                        if answer
+                        else ""
+                    )
+                    missing[item.agent_id] = reason
+                    await event(
+                        EventKind.AGENT_MISSING,
+                        f"{item.agent_id} gave no answer: {reason}",
+                        agent_id=item.agent_id,
+                        round=round_number,
+                        data={"agent_id": item.agent_id, "reason": reason},
+                    )
+                    continue
+                contribution = contribution_from(
+                    item.agent_id,
+                    answer.content or {},
+                    round=round_number,
+                    timestamp=answer.timestamp.isoformat(),
+                    latency_ms=round(clock.ms - sent_at, 3),
                 )
-                missing[item.agent_id] = reason
+                this_round.append(contribution)
+                history.append(
+                    {
+                        "from_agent": item.agent_id,
+                        "message_type": "RESPONSE",
+                        **contribution.to_dict(),
+                    }
+                )
                 await event(
-                    EventKind.AGENT_MISSING,
-                    f"{item.agent_id} gave no answer: {reason}",
+                    EventKind.CONTRIBUTION,
+                    f"{item.agent_id}: {contribution.recommendation} "
+                    f"(confidence {contribution.confidence:g})",
                     agent_id=item.agent_id,
                     round=round_number,
-                    data={"agent_id": item.agent_id, "reason": reason},
+                    data=contribution.to_dict(),
                 )
-                continue
-            contribution = contribution_from(
-                item.agent_id,
-                answer.content or {},
-                round=round_number,
-                timestamp=answer.timestamp.isoformat(),
-                latency_ms=round(clock.ms - sent_at, 3),
-            )
-            this_round.append(contribution)
-            history.append(
-                {"from_agent": item.agent_id, "message_type": "RESPONSE", **contribution.to_dict()}
-            )
-            await event(
-                EventKind.CONTRIBUTION,
-                f"{item.agent_id}: {contribution.recommendation} "
-                f"(confidence {contribution.confidence:g})",
-                agent_id=item.agent_id,
-                round=round_number,
-                data=contribution.to_dict(),
-            )
         # Aggregation reads contributions in the group's order, not in arrival order.
         order = {agent_id: i for i, agent_id in enumerate(spec.agent_ids)}
         this_round.sort(key=lambda c: order.get(c.agent_id, len(order)))

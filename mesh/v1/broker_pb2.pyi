@@ -1250,6 +1250,31 @@ class UnsubscribeRequest(_message.Message):
 Global___UnsubscribeRequest: _TypeAlias = UnsubscribeRequest  # noqa: Y015
 
 @_typing.final
+class CancelRequest(_message.Message):
+    """CancelRequest gives up a request or a gather of the session before its end: the broker
+    stops waiting for its answers and frees what it held for it (the messages already sent
+    to agents are not taken back). Nothing more is sent for that seq.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    """The seq of the `request` or `gather` frame to give up."""
+    def __init__(
+        self,
+        *,
+        seq: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["seq", b"seq"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelRequest: _TypeAlias = CancelRequest  # noqa: Y015
+
+@_typing.final
 class ConnectRequest(_message.Message):
     """ConnectRequest is one frame from client to broker on a session."""
 
@@ -1265,6 +1290,7 @@ class ConnectRequest(_message.Message):
     GATHER_FIELD_NUMBER: _builtins.int
     BATCH_FIELD_NUMBER: _builtins.int
     UNSUBSCRIBE_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """Chosen by the client; the broker's answer to this frame carries the same seq."""
     @_builtins.property
@@ -1314,6 +1340,12 @@ class ConnectRequest(_message.Message):
         once its unacknowledged deliveries are back in the queue.
         """
 
+    @_builtins.property
+    def cancel(self) -> Global___CancelRequest:
+        """Give up a request or gather this session sent (the caller stopped waiting); not
+        answered.
+        """
+
     def __init__(
         self,
         *,
@@ -1327,12 +1359,13 @@ class ConnectRequest(_message.Message):
         gather: Global___GatherRequest | None = ...,
         batch: Global___ConnectRequestBatch | None = ...,
         unsubscribe: Global___UnsubscribeRequest | None = ...,
+        cancel: Global___CancelRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "batch", b"batch", "frame", b"frame", "gather", b"gather", "nack", b"nack", "receive", b"receive", "request", b"request", "send", b"send", "subscribe", b"subscribe", "unsubscribe", b"unsubscribe"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "batch", b"batch", "cancel", b"cancel", "frame", b"frame", "gather", b"gather", "nack", b"nack", "receive", b"receive", "request", b"request", "send", b"send", "subscribe", b"subscribe", "unsubscribe", b"unsubscribe"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "batch", b"batch", "frame", b"frame", "gather", b"gather", "nack", b"nack", "receive", b"receive", "request", b"request", "send", b"send", "seq", b"seq", "subscribe", b"subscribe", "unsubscribe", b"unsubscribe"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "batch", b"batch", "cancel", b"cancel", "frame", b"frame", "gather", b"gather", "nack", b"nack", "receive", b"receive", "request", b"request", "send", b"send", "seq", b"seq", "subscribe", b"subscribe", "unsubscribe", b"unsubscribe"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["subscribe", "send", "request", "ack", "nack", "receive", "gather", "batch", "unsubscribe"]  # noqa: Y015
+    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["subscribe", "send", "request", "ack", "nack", "receive", "gather", "batch", "unsubscribe", "cancel"]  # noqa: Y015
     _WhichOneofArgType_frame: _TypeAlias = _typing.Literal["frame", b"frame"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_frame) -> _WhichOneofReturnType_frame | None: ...
 

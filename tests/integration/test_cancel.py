@@ -1,0 +1,124 @@
+"""Giving up: a caller that stops waiting for a request or a gather (a cancelled task, a
+gateway client that stops reading a pattern's events) makes the broker stop waiting too, at
+once rather than at the deadline, over the SDK, the gateway and the raw Connect protocol."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from gateway.client import GatewayClient
+from gateway.server import serve_gateway
+from mesh import AgentContext, Message, agent
+from mesh.testing import LocalMesh
+from mesh.v1 import broker_pb2, broker_pb2_grpc
+
+
+@pytest.fixture
+async def slow_mesh() -> AsyncIterator[tuple[LocalMesh, asyncio.Event]]:
+    """A mesh with an agent that answers only once released, and one that answers at once."""
+    release = asyncio.Event()
+
+    @agent("Slow", agent_types=["panel"])
+    async def slow(message: Message, ctx: AgentContext) -> dict[str, Any]:
+        await release.wait()
+        return {"recommendation": "Hold", "confidence": 0.5}
+
+    @agent("Fast", agent_types=["panel"])
+    async def fast(message: Message, ctx: AgentContext) -> dict[str, Any]:
+        return {"recommendation": "Buy", "confidence": 0.9}
+
+    async with LocalMesh() as mesh:
+        await mesh.add_agent(slow)
+        await mesh.add_agent(fast)
+        try:
+            yield mesh, release
+        finally:
+            release.set()
+
+
+async def settled(mesh: LocalMesh) -> int:
+    """The broker's pending requests, once what a give-up set off has run."""
+    assert mesh.broker is not None
+    async with asyncio.timeout(2):
+        while mesh.broker.pending_requests:  # noqa: ASYNC110 (a broker figure, no event)
+            await asyncio.sleep(0.02)
+    return mesh.broker.pending_requests
+
+
+async def test_a_cancelled_request_is_given_up_at_the_broker(
+    slow_mesh: tuple[LocalMesh, asyncio.Event],
+) -> None:
+    mesh, _ = slow_mesh
+    assert mesh.broker is not None
+    async with mesh.client("caller") as client:
+        asking = asyncio.create_task(client.request("Slow", {"action": "quote"}, timeout=30))
+        async with asyncio.timeout(5):
+            while not mesh.broker.pending_requests:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+        asking.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asking
+        assert await settled(mesh) == 0  # not 30 s from now
+        # The session goes on.
+        answer = await client.request("Fast", {"action": "quote"}, timeout=5)
+        assert answer.content["recommendation"] == "Buy"
+
+
+async def test_a_gather_left_early_is_given_up_at_the_broker(
+    slow_mesh: tuple[LocalMesh, asyncio.Event],
+) -> None:
+    mesh, _ = slow_mesh
+    async with mesh.client("caller") as client:
+        items = client.gather({"query": "q"}, agent_types=["panel"], timeout=30)
+        first = await anext(items)
+        assert first.agent_id == "Fast"
+        await items.aclose()  # not waiting for Slow
+        assert await settled(mesh) == 0
+
+
+async def test_a_pattern_whose_client_stops_reading_stops_at_the_broker(
+    slow_mesh: tuple[LocalMesh, asyncio.Event],
+) -> None:
+    mesh, release = slow_mesh
+    gateway = await serve_gateway(mesh.address)
+    try:
+        async with GatewayClient(gateway.address) as client:
+            events = client.group_chat(agent_ids=["Fast", "Slow"], query="q", agent_timeout="30s")
+            async for event in events:
+                if event["kind"] == "CONTRIBUTION":
+                    break
+            await events.aclose()  # type: ignore[attr-defined]
+            assert await settled(mesh) == 0
+            release.set()
+            done = await client.collect(client.group_chat(agent_ids=["Fast", "Slow"], query="q"))
+            assert done[-1]["data"]["status"] == "COMPLETED"
+    finally:
+        await gateway.stop(0.5)
+
+
+async def test_a_cancel_frame_gives_up_a_gather_of_the_session(
+    slow_mesh: tuple[LocalMesh, asyncio.Event],
+) -> None:
+    mesh, _ = slow_mesh
+    async with grpc.aio.insecure_channel(mesh.address) as channel:
+        call = broker_pb2_grpc.BrokerServiceStub(channel).Connect()
+        gather = broker_pb2.ConnectRequest(seq=7)
+        gather.gather.agent_types.append("panel")
+        gather.gather.message.from_agent = "raw"
+        gather.gather.message.content.update({"query": "q"})
+        gather.gather.timeout.seconds = 30
+        await call.write(gather)
+        frame = await asyncio.wait_for(call.read(), 5)
+        assert (frame.seq, frame.gathered.agent_id) == (7, "Fast")
+        cancel = broker_pb2.ConnectRequest()
+        cancel.cancel.seq = 7
+        await call.write(cancel)
+        assert await settled(mesh) == 0
+        # Nothing more comes for seq 7 (no `accepted`): the stream just ends when closed.
+        await call.done_writing()
+        assert await asyncio.wait_for(call.read(), 5) is grpc.aio.EOF
