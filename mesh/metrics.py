@@ -31,6 +31,7 @@ class Totals:
     broadcasts: int = 0
     requests: int = 0
     request_timeouts: int = 0
+    late_answers: int = 0
 
 
 class RecentLatencies:
@@ -101,6 +102,11 @@ class BrokerMetrics:
         )
         self.requests = Counter(
             "agentmesh_requests", "Request/response calls by outcome.", ["outcome"], registry=r
+        )
+        self.late_answers = Counter(
+            "agentmesh_late_answers",
+            "Answers that came after their request or gather was given up (dropped).",
+            registry=r,
         )
         self.queue_depth = Gauge(
             "agentmesh_queue_depth", "Messages waiting per agent.", ["agent"], registry=r
@@ -178,6 +184,10 @@ class BrokerMetrics:
         self.totals.broadcasts += 1
         self.broadcasts.labels("true" if selective else "false").inc()
         self.broadcast_latency.observe(seconds)
+
+    def late_answer(self) -> None:
+        self.totals.late_answers += 1
+        self.late_answers.inc()
 
     def request(self, outcome: str, seconds: float | None = None) -> None:
         self.totals.requests += 1

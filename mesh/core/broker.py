@@ -7,6 +7,7 @@ servicer translates calls into these methods and errors into statuses.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -99,6 +100,9 @@ class AgentQueueStats:
     queue: QueueStats
     subscribers: int
 
+
+GIVEN_UP_SECONDS = 300.0
+"""How long answers to a request or gather that ended unanswered count as late, not lost."""
 
 STORE_RETRY_SECONDS = 0.5
 """How soon a subscription tries its queue again while the store cannot be reached."""
@@ -231,6 +235,9 @@ class Broker:
         self.store = store
         store.listener = self
         self._pending: dict[tuple[str, str], asyncio.Future[Message] | _Gathering] = {}
+        self._given_up: collections.OrderedDict[tuple[str, str], float] = collections.OrderedDict()
+        """Requests and gathers that ended before every answer came (deadline passed, the
+        caller gave up), most recent last: their late answers are expected, not errors."""
         self._subscriptions: dict[str, list[Subscription]] = {}
         self._by_subscription: dict[str, Subscription] = {}
         self._dirty: set[str] = set()
@@ -415,6 +422,8 @@ class Broker:
             if taken:
                 self.metrics.sent(message.message_type.value, time.perf_counter() - started)
                 return SendOutcome(message, (message.to_agent,))
+            if self._late(message):
+                return SendOutcome(message, ())
         if message.to_agent not in self.registry and not await self._known_elsewhere(
             message.to_agent
         ):
@@ -671,6 +680,9 @@ class Broker:
         finally:
             if self._pending.get(key) is waiter:
                 del self._pending[key]
+                answered = waiter.done() and not waiter.cancelled() and not waiter.exception()
+                if not answered:  # the deadline passed, or the caller gave up
+                    self._give_up(key)
                 if self.store.shared:
                     await self.store.drop_route(key)
 
@@ -773,8 +785,46 @@ class Broker:
         finally:
             if self._pending.get(key) is gathering:
                 del self._pending[key]
+                if gathering.expected:
+                    self._give_up(key)
                 if self.store.shared:
                     await self.store.drop_route(key)
+
+    def _give_up(self, key: tuple[str, str]) -> None:
+        """Remembers (for a while, boundedly) a request or gather that ended unanswered."""
+        self._given_up[key] = time.monotonic() + GIVEN_UP_SECONDS
+        self._given_up.move_to_end(key)
+        while len(self._given_up) > self.config.max_pending_requests:
+            self._given_up.popitem(last=False)
+
+    def _late(self, message: Message) -> bool:
+        """An answer to a request or gather that was given up, to a requester that is not
+        an agent with a queue (a gateway, a client): taken in and dropped, counted and
+        logged, rather than refused (the answering agent did nothing wrong). An answer to a
+        registered requester is queued for it as ever."""
+        key = (message.to_agent, message.correlation_id)
+        until = self._given_up.get(key)
+        if until is None or message.to_agent in self.registry:
+            return False
+        if until < time.monotonic():
+            del self._given_up[key]
+            return False
+        self.metrics.late_answer()
+        logger.info(
+            "late answer from %s to %s dropped: the request was given up",
+            message.from_agent,
+            message.to_agent,
+            extra={
+                "event": {
+                    "category": "late_answer",
+                    "message_id": message.message_id,
+                    "correlation_id": message.correlation_id,
+                    "from_agent": message.from_agent,
+                    "to_agent": message.to_agent,
+                }
+            },
+        )
+        return True
 
     @property
     def pending_requests(self) -> int:

@@ -122,3 +122,29 @@ async def test_a_cancel_frame_gives_up_a_gather_of_the_session(
         # Nothing more comes for seq 7 (no `accepted`): the stream just ends when closed.
         await call.done_writing()
         assert await asyncio.wait_for(call.read(), 5) is grpc.aio.EOF
+
+
+async def test_answers_after_a_give_up_are_taken_in_quietly(
+    slow_mesh: tuple[LocalMesh, asyncio.Event], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The agent answers a request its caller gave up (here, its deadline passed): the broker
+    counts the late answer and drops it; the agent is not told it did something wrong."""
+    import logging
+
+    from mesh import RequestTimeoutError
+
+    caplog.set_level(logging.INFO)
+    mesh, release = slow_mesh
+    assert mesh.broker is not None
+    async with mesh.client("caller") as client:
+        with pytest.raises(RequestTimeoutError):
+            await client.request("Slow", {"action": "quote"}, timeout=0.2)
+        release.set()
+        async with asyncio.timeout(5):
+            while not mesh.broker.metrics.totals.late_answers:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+    assert mesh.broker.metrics.totals.late_answers == 1
+    [late] = [r for r in caplog.records if "late answer" in r.getMessage()]
+    assert late.event["category"] == "late_answer"  # type: ignore[attr-defined]
+    assert late.event["from_agent"] == "Slow"  # type: ignore[attr-defined]
+    assert not [r for r in caplog.records if "refused a frame" in r.getMessage()]
