@@ -43,7 +43,15 @@ from redis.exceptions import NoScriptError, RedisError
 
 from mesh.core.errors import BrokerUnavailableError, MessageQueueFullError
 from mesh.core.model import AgentInfo, DeadLetter, Message, Priority, utc_now
-from mesh.core.queue import Lease, Popped, QueueStats, Released, capacity_limits
+from mesh.core.queue import (
+    GIVEN_UP_ROUTE,
+    GIVEN_UP_SECONDS,
+    Lease,
+    Popped,
+    QueueStats,
+    Released,
+    capacity_limits,
+)
 from mesh.core.tasks import cancel_and_wait
 
 logger = logging.getLogger("mesh.store.redis")
@@ -956,9 +964,13 @@ class RedisQueueStore:
         route = f"mesh:route:{key[0]}:{key[1]}"
         await self._call("set", route, self.replica_id, px=int(ttl * 1000) + 1000)
 
-    async def drop_route(self, key: tuple[str, str]) -> None:
+    async def drop_route(self, key: tuple[str, str], *, given_up: bool = False) -> None:
+        route = f"mesh:route:{key[0]}:{key[1]}"
         with contextlib.suppress(BrokerUnavailableError):
-            await self._call("delete", f"mesh:route:{key[0]}:{key[1]}")
+            if given_up:
+                await self._call("set", route, GIVEN_UP_ROUTE, px=int(GIVEN_UP_SECONDS * 1000))
+            else:
+                await self._call("delete", route)
 
     async def route_of(self, key: tuple[str, str]) -> str | None:
         raw = await self._call("get", f"mesh:route:{key[0]}:{key[1]}")

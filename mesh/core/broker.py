@@ -42,7 +42,7 @@ from mesh.core.model import (
     MessageType,
     Priority,
 )
-from mesh.core.queue import QueueStats, QueueStore, Released
+from mesh.core.queue import GIVEN_UP_ROUTE, GIVEN_UP_SECONDS, QueueStats, QueueStore, Released
 from mesh.core.registry import AgentRegistry
 from mesh.core.tasks import cancel_and_wait
 from mesh.core.validation import handoff_violations, validate_message
@@ -100,9 +100,6 @@ class AgentQueueStats:
     queue: QueueStats
     subscribers: int
 
-
-GIVEN_UP_SECONDS = 300.0
-"""How long answers to a request or gather that ended unanswered count as late, not lost."""
 
 STORE_RETRY_SECONDS = 0.5
 """How soon a subscription tries its queue again while the store cannot be reached."""
@@ -413,16 +410,18 @@ class Broker:
             # it leased (its correlation id is the request's id): no separate ack frame.
             await self.store.ack(message.from_agent, (message.correlation_id,))
             taken = self._offer_answer(message)
+            given_up = False
             if not taken and self.store.shared:
                 # The requester may wait on another replica: hand the answer over there.
                 key = (message.to_agent, message.correlation_id)
                 replica = await self.store.route_of(key)
-                if replica and replica != self.store.replica_id:
+                given_up = replica == GIVEN_UP_ROUTE
+                if replica and not given_up and replica != self.store.replica_id:
                     taken = await self.store.forward_answer(replica, message)
             if taken:
                 self.metrics.sent(message.message_type.value, time.perf_counter() - started)
                 return SendOutcome(message, (message.to_agent,))
-            if self._late(message):
+            if self._late(message, given_up=given_up):
                 return SendOutcome(message, ())
         if message.to_agent not in self.registry and not await self._known_elsewhere(
             message.to_agent
@@ -684,7 +683,7 @@ class Broker:
                 if not answered:  # the deadline passed, or the caller gave up
                     self._give_up(key)
                 if self.store.shared:
-                    await self.store.drop_route(key)
+                    await self.store.drop_route(key, given_up=not answered)
 
     def _reserve(self, message: Message) -> tuple[str, str]:
         """The waiter key of a request; refuses a duplicate key or one over the limit."""
@@ -788,7 +787,7 @@ class Broker:
                 if gathering.expected:
                     self._give_up(key)
                 if self.store.shared:
-                    await self.store.drop_route(key)
+                    await self.store.drop_route(key, given_up=bool(gathering.expected))
 
     def _give_up(self, key: tuple[str, str]) -> None:
         """Remembers (for a while, boundedly) a request or gather that ended unanswered."""
@@ -797,17 +796,20 @@ class Broker:
         while len(self._given_up) > self.config.max_pending_requests:
             self._given_up.popitem(last=False)
 
-    def _late(self, message: Message) -> bool:
-        """An answer to a request or gather that was given up, to a requester that is not
-        an agent with a queue (a gateway, a client): taken in and dropped, counted and
-        logged, rather than refused (the answering agent did nothing wrong). An answer to a
-        registered requester is queued for it as ever."""
+    def _late(self, message: Message, *, given_up: bool = False) -> bool:
+        """An answer to a request or gather that was given up (here, or on the replica the
+        route names: ``given_up``), to a requester that is not an agent with a queue (a
+        gateway, a client): taken in and dropped, counted and logged, rather than refused
+        (the answering agent did nothing wrong). An answer to a registered requester is
+        queued for it as ever."""
+        if message.to_agent in self.registry:
+            return False
         key = (message.to_agent, message.correlation_id)
         until = self._given_up.get(key)
-        if until is None or message.to_agent in self.registry:
-            return False
-        if until < time.monotonic():
+        if until is not None and until < time.monotonic():
             del self._given_up[key]
+            until = None
+        if until is None and not given_up:
             return False
         self.metrics.late_answer()
         logger.info(

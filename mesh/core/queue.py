@@ -87,6 +87,13 @@ class StoreListener(Protocol):
     def on_released(self, released: Released) -> None: ...
 
 
+GIVEN_UP_ROUTE = "given-up"
+"""What a route says once its request ended unanswered (see ``QueueStore.drop_route``)."""
+
+GIVEN_UP_SECONDS = 300.0
+"""How long answers to a request or gather that ended unanswered count as late, not lost."""
+
+
 class QueueStore(Protocol):
     """What the broker needs from a queue backend."""
 
@@ -174,7 +181,10 @@ class QueueStore(Protocol):
         """Records that this replica waits for the answer (requester, correlation id)."""
         ...
 
-    async def drop_route(self, key: tuple[str, str]) -> None: ...
+    async def drop_route(self, key: tuple[str, str], *, given_up: bool = False) -> None:
+        """Forgets a route; ``given_up``: the request ended unanswered, and its route says
+        so (:data:`GIVEN_UP_ROUTE`) for a while, so that every replica knows a late answer."""
+        ...
 
     async def route_of(self, key: tuple[str, str]) -> str | None:
         """The replica waiting for that answer, if any."""
@@ -434,7 +444,7 @@ class InMemoryQueueStore:
     async def claim_route(self, key: tuple[str, str], ttl: float) -> None:
         return None
 
-    async def drop_route(self, key: tuple[str, str]) -> None:
+    async def drop_route(self, key: tuple[str, str], *, given_up: bool = False) -> None:
         return None
 
     async def route_of(self, key: tuple[str, str]) -> str | None:

@@ -5,6 +5,7 @@ once rather than at the deadline, over the SDK, the gateway and the raw Connect 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,7 +14,10 @@ import pytest
 
 from gateway.client import GatewayClient
 from gateway.server import serve_gateway
-from mesh import AgentContext, Message, agent
+from mesh import AgentContext, Message, RequestTimeoutError, agent, connect, serve
+from mesh.client import NO_RETRY
+from mesh.config import BrokerConfig
+from mesh.server import serve_broker
 from mesh.testing import LocalMesh
 from mesh.v1 import broker_pb2, broker_pb2_grpc
 
@@ -129,10 +133,6 @@ async def test_answers_after_a_give_up_are_taken_in_quietly(
 ) -> None:
     """The agent answers a request its caller gave up (here, its deadline passed): the broker
     counts the late answer and drops it; the agent is not told it did something wrong."""
-    import logging
-
-    from mesh import RequestTimeoutError
-
     caplog.set_level(logging.INFO)
     mesh, release = slow_mesh
     assert mesh.broker is not None
@@ -147,4 +147,37 @@ async def test_answers_after_a_give_up_are_taken_in_quietly(
     [late] = [r for r in caplog.records if "late answer" in r.getMessage()]
     assert late.event["category"] == "late_answer"  # type: ignore[attr-defined]
     assert late.event["from_agent"] == "Slow"  # type: ignore[attr-defined]
+    assert not [r for r in caplog.records if "refused a frame" in r.getMessage()]
+
+
+async def test_a_late_answer_is_known_on_every_replica(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The request waited on broker A and was given up there; the agent, subscribed through
+    broker B, answers late: B knows it from the request's route in Redis."""
+    caplog.set_level(logging.INFO)
+    release = asyncio.Event()
+
+    @agent("Slow")
+    async def slow(message: Message, ctx: AgentContext) -> dict[str, Any]:
+        await release.wait()
+        return {"quote": 1}
+
+    config = BrokerConfig(store=redis_url)
+    broker_a, server_a = await serve_broker(broker_config=config)
+    broker_b, server_b = await serve_broker(broker_config=config)
+    served = await serve(slow, server_b.address)
+    try:
+        async with connect(server_a.address, agent_id="caller", retry=NO_RETRY) as client:
+            with pytest.raises(RequestTimeoutError):
+                await client.request("Slow", {"action": "quote"}, timeout=0.5)
+            release.set()
+            async with asyncio.timeout(5):
+                while not broker_b.metrics.totals.late_answers:  # noqa: ASYNC110
+                    await asyncio.sleep(0.02)
+    finally:
+        await served.stop(1.0)
+        await server_a.stop(0.5)
+        await server_b.stop(0.5)
+    assert broker_a.metrics.totals.late_answers == 0
     assert not [r for r in caplog.records if "refused a frame" in r.getMessage()]
