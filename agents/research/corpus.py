@@ -145,7 +145,8 @@ class ReportFolder:
         path = self.folder / name
         await asyncio.to_thread(self.folder.mkdir, parents=True, exist_ok=True)
         await asyncio.to_thread(path.write_text, content, encoding="utf-8")
-        return {"path": str(path), "bytes": len(content.encode())}
+        # The full path: whoever reads it (a CLI in another folder, a dashboard) finds the file.
+        return {"path": str(path.resolve()), "bytes": len(content.encode())}
 
 
 def research_tools(

@@ -115,6 +115,10 @@ async def test_provenance_is_preserved_end_to_end(research: Research) -> None:
             page = docs.documents[finding["document_id"]]["pages"][finding["page"] - 1]
             assert finding["claim"] in page
     report = result["report"]
+    # The files are named by their full path, wherever the caller runs.
+    assert result["report"]["files"] == [
+        str((research.out / name).resolve()) for name in ("batteries.md", "batteries.json")
+    ]
     body = (research.out / "batteries.md").read_text()
     assert body == report["body"]
     assert (
