@@ -53,6 +53,15 @@ async def abort(context: grpc.aio.ServicerContext, error: MeshError) -> NoReturn
     raise AssertionError("unreachable")  # abort_with_status always raises
 
 
+def has_rich_status(error: grpc.RpcError) -> bool:
+    """Whether a failed call carries a ``google.rpc.Status`` (as every error the mesh's
+    servers send does), rather than a bare status of gRPC's own."""
+    try:
+        return rpc_status.from_call(error) is not None
+    except Exception:
+        return False
+
+
 def from_rpc_error(error: grpc.RpcError) -> MeshError:
     """The mesh error a failed call stands for, read from its rich status when present."""
     code: grpc.StatusCode = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN

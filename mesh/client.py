@@ -21,7 +21,7 @@ import grpc
 from opentelemetry.trace import SpanKind
 
 from mesh import codec
-from mesh._status import from_rpc_error
+from mesh._status import from_rpc_error, has_rich_status
 from mesh.config import SecurityConfig
 from mesh.core.errors import (
     AgentError,
@@ -196,6 +196,11 @@ class _Session:
             failure = from_rpc_error(error)
             if failure.code == "CANCELLED" and self.closed:
                 failure = SessionClosedError("the session was closed")
+            elif failure.code in ("INTERNAL", "UNKNOWN") and not has_rich_status(error):
+                # Not an error of the broker's (those carry a google.rpc.Status): the stream
+                # broke under it, as gRPC sometimes reports a connection lost mid-frame. Like
+                # UNAVAILABLE, worth a new session.
+                failure = BrokerUnavailableError(f"the session broke: {failure.message}")
         except asyncio.CancelledError:
             pass
         finally:

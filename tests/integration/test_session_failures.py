@@ -1,0 +1,71 @@
+"""How the SDK reads the end of its Connect stream: a status gRPC gives a stream that broke
+under the broker (INTERNAL or UNKNOWN without the broker's error details, as a connection lost
+mid-frame sometimes ends) is a broker to reconnect to, like UNAVAILABLE; an error the broker
+itself sent keeps its code."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from grpc_status import rpc_status
+
+from mesh import BrokerUnavailableError, connect
+from mesh._status import to_rpc_status
+from mesh.client import NO_RETRY
+from mesh.core.errors import MeshError
+
+CONNECT = "/mesh.v1.BrokerService/Connect"
+
+
+async def ending_with(abort: object) -> AsyncIterator[str]:
+    """A server whose Connect streams all end at once as ``abort`` says; its address."""
+
+    async def connect_handler(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+        if isinstance(abort, MeshError):
+            await context.abort_with_status(rpc_status.to_status(to_rpc_status(abort)))
+        else:
+            await context.abort(grpc.StatusCode.INTERNAL, str(abort))
+        yield b""  # never reached: an async generator, as grpc.aio wants
+
+    handler: Any = grpc.stream_stream_rpc_method_handler(connect_handler)
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("mesh.v1.BrokerService", {"Connect": handler})]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)
+
+
+async def session_failure(address: str) -> MeshError:
+    async with connect(address, agent_id="probe", retry=NO_RETRY) as client:
+        session = await client._open_session()
+        async with asyncio.timeout(5):
+            while not session.closed:  # noqa: ASYNC110 (the reader task sets it)
+                await asyncio.sleep(0.01)
+        assert session.failure is not None
+        return session.failure
+
+
+async def test_a_stream_broken_under_the_broker_is_worth_a_new_session() -> None:
+    async for address in ending_with("Internal error from Core"):
+        failure = await session_failure(address)
+        assert isinstance(failure, BrokerUnavailableError)
+        assert failure.code == "UNAVAILABLE"
+        assert "Internal error from Core" in failure.message
+
+
+@pytest.mark.parametrize("code", ["INTERNAL", "PERMISSION_DENIED"])
+async def test_an_error_the_broker_sent_keeps_its_code(code: str) -> None:
+    sent = MeshError("no such thing here", code=code, reason="SOMETHING_SPECIFIC")
+    async for address in ending_with(sent):
+        failure = await session_failure(address)
+        assert not isinstance(failure, BrokerUnavailableError)
+        assert (failure.code, failure.reason) == (code, "SOMETHING_SPECIFIC")
