@@ -42,18 +42,22 @@ def tracer() -> trace.Tracer:
 
 
 _UNSET = object()
-_PROVIDER_FROM_ENV = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ
+_provider_from_env: list[bool] = []
+"""Whether OTEL_PYTHON_TRACER_PROVIDER names a provider to load, read on the first question."""
 
 
 def recording() -> bool:
     """Whether this process records spans (a tracer provider of the SDK is set). Asked for
     every message: the global provider is read directly, since OpenTelemetry's accessor looks
-    an environment variable up on each call while no provider is set. The accessor decides
-    when that variable named a provider to load at start-up, or where the global is not
-    found (another layout of the API)."""
+    an environment variable up on each call while no provider is set (here it is looked up
+    once). The accessor decides when that variable names a provider to load, or where the
+    global is not found (another layout of the API)."""
     provider = getattr(trace, "_TRACER_PROVIDER", _UNSET)
-    if provider is None and not _PROVIDER_FROM_ENV:
-        return False
+    if provider is None:
+        if not _provider_from_env:
+            _provider_from_env.append("OTEL_PYTHON_TRACER_PROVIDER" in os.environ)
+        if not _provider_from_env[0]:
+            return False
     if provider is None or provider is _UNSET:
         provider = trace.get_tracer_provider()
     return not isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
