@@ -17,7 +17,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -301,15 +301,61 @@ async def timed(op: Callable[[], Awaitable[Any]], count: int, warmup: int) -> li
     return samples
 
 
+PROFILES = RESULTS / "profiles"
+_profiled: set[str] = set()
+
+
+@contextlib.asynccontextmanager
+async def profiled(name: str, meter: CpuMeter) -> AsyncIterator[None]:
+    """With ``BENCH_PROFILE=ROLE`` (broker, agents, gateway, driver, relay, echo): py-spy
+    samples that process (the first of a role that has several) while the figure ``name`` is
+    measured, once per run, into benchmarks/results/profiles/NAME.ROLE.svg (a flame graph)."""
+    role = os.environ.get("BENCH_PROFILE", "")
+    pids = [os.getpid()] if role == "driver" else meter.roles.get(role, [])
+    beside = Path(sys.executable).parent / "py-spy"  # installed in the same environment
+    spy = str(beside) if beside.exists() else shutil.which("py-spy")
+    if not role or not pids or name in _profiled or spy is None:
+        if role and spy is None and not _profiled:
+            _profiled.add(name)
+            print("BENCH_PROFILE: py-spy is not installed (pip install py-spy)", file=sys.stderr)
+        yield
+        return
+    _profiled.add(name)
+    PROFILES.mkdir(parents=True, exist_ok=True)
+    output = PROFILES / f"{name}.{role}.svg"
+    process = await asyncio.create_subprocess_exec(
+        spy,
+        *("record", "--pid", str(pids[0]), "--rate", "500", "--format", "flamegraph"),
+        *("--output", str(output), "--nonblocking", "--duration", "600"),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    await asyncio.sleep(1.0)  # attached and sampling
+    try:
+        yield
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGINT)  # py-spy writes the graph on SIGINT
+        _, err = await process.communicate()
+        if not output.exists():
+            print(f"BENCH_PROFILE: py-spy wrote nothing: {err.decode()[-300:]}", file=sys.stderr)
+
+
 async def measured(
-    op: Callable[[], Awaitable[Any]], count: int, warmup: int, meter: CpuMeter
+    name: str,
+    op: Callable[[], Awaitable[Any]],
+    count: int,
+    warmup: int,
+    meter: CpuMeter,
 ) -> dict[str, Any]:
-    """The latency figures of ``count`` operations after ``warmup``, with their CPU cost."""
+    """The latency figures of ``count`` operations after ``warmup``, with their CPU cost
+    (and a profile of one process when ``BENCH_PROFILE`` asks for one)."""
     await timed(op, 0, warmup)
-    before = meter.read()
-    samples = await timed(op, count, 0)
-    figure: dict[str, Any] = stats(samples)
-    figure["cpu_us_per_op"] = CpuMeter.cost(before, meter.read(), count)
+    async with profiled(name, meter):
+        before = meter.read()
+        samples = await timed(op, count, 0)
+        figure: dict[str, Any] = stats(samples)
+        figure["cpu_us_per_op"] = CpuMeter.cost(before, meter.read(), count)
     return figure
 
 
@@ -396,9 +442,11 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
     relay1 = StreamClient(mesh.echo.address)
     relay2 = StreamClient(mesh.relay.address)
     try:
-        out["baseline.hop1"] = await measured(lambda: relay1.roundtrip(payload), n, w, hop1_meter)
+        out["baseline.hop1"] = await measured(
+            "baseline.hop1", lambda: relay1.roundtrip(payload), n, w, hop1_meter
+        )
         out["baseline.relay2"] = await measured(
-            lambda: relay2.roundtrip(payload), n, w, relay_meter
+            "baseline.relay2", lambda: relay2.roundtrip(payload), n, w, relay_meter
         )
 
         async def relay_op() -> int:
@@ -415,6 +463,7 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
     async with connect(mesh.broker.address, agent_id="driver") as client:
         await client.register()
         out["send"] = await measured(
+            "send",
             lambda: client.send("sink-0", {"action": "sink", "parameters": PAYLOAD["parameters"]}),
             n,
             w,
@@ -433,7 +482,9 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
             if i >= w:
                 receive_samples.append(time.perf_counter() - started)
         out["receive"] = stats(receive_samples)
-        out["roundtrip"] = await measured(lambda: client.request("echo-0", PAYLOAD), n, w, meter)
+        out["roundtrip"] = await measured(
+            "roundtrip", lambda: client.request("echo-0", PAYLOAD), n, w, meter
+        )
 
         async def roundtrip_op() -> int:
             await client.request("echo-0", PAYLOAD)
@@ -459,7 +510,7 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
             )
 
         out["handoff"] = await measured(
-            lambda: client.request_message(handoff_message()), n, w, meter
+            "handoff", lambda: client.request_message(handoff_message()), n, w, meter
         )
 
         async def gather(types: str, expected: int) -> None:
@@ -469,11 +520,14 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
             if got != expected:
                 raise RuntimeError(f"broadcast to {types} reached {got}/{expected}")
 
-        out["broadcast5"] = await measured(lambda: gather("b5", 5), n // 4, w // 4, meter)
+        out["broadcast5"] = await measured(
+            "broadcast5", lambda: gather("b5", 5), n // 4, w // 4, meter
+        )
         out["broadcast100"] = await measured(
-            lambda: gather("b100", 100), max(20, n // 40), max(5, w // 20), meter
+            "broadcast100", lambda: gather("b100", 100), max(20, n // 40), max(5, w // 20), meter
         )
         out["broadcast5_send"] = await measured(
+            "broadcast5_send",
             lambda: client.broadcast({"action": "sink"}, agent_types=["b5"]),
             n // 4,
             w // 4,
@@ -525,8 +579,8 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
             if events[-1]["data"]["status"] != "COMPLETED":
                 raise RuntimeError("group chat did not complete")
 
-        out["routing"] = await measured(first_event, n // 4, w // 4, meter)
-        out["group_chat"] = await measured(group_chat, n // 4, w // 4, meter)
+        out["routing"] = await measured("routing", first_event, n // 4, w // 4, meter)
+        out["group_chat"] = await measured("group_chat", group_chat, n // 4, w // 4, meter)
     return out
 
 
