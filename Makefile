@@ -122,7 +122,8 @@ deploy-check: setup
 	KUBERNETES_VALIDATE=$(BIN)/kubernetes-validate deploy/check.sh
 
 bench: setup
-	@$(PY) -c "import matplotlib" 2>/dev/null || $(BIN)/pip install --quiet -e ".[dev,bench]"
+	@($(PY) -c "import matplotlib" 2>/dev/null && test -x $(BIN)/py-spy) || \
+		$(BIN)/pip install --quiet -e ".[dev,bench]"
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
 clean:
