@@ -451,12 +451,12 @@ class _Session:
             )
         task = asyncio.create_task(work)
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
         if seq:
             self.by_seq[seq] = task
-            task.add_done_callback(lambda _: self._forget(seq, task))
+        task.add_done_callback(lambda _: self._forget(seq, task))
 
     def _forget(self, seq: int, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
         if self.by_seq.get(seq) is task:
             del self.by_seq[seq]
 
@@ -584,7 +584,7 @@ def _inbound(broker: Broker, pb: message_pb2.Message, *, gather: bool = False) -
             return codec.gather_message_from_pb(pb, in_place=True, strict=True)
         return codec.message_from_pb(pb, in_place=True, strict=True)
     except MessageValidationError:
-        broker.metrics.invalid()
+        broker.refused_unreadable()
         raise
 
 

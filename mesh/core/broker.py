@@ -380,6 +380,11 @@ class Broker:
 
     # -- sending -----------------------------------------------------------------------------
 
+    def refused_unreadable(self) -> None:
+        """Counts a message refused before it became one (the transport could not read it:
+        an undefined enum number), with the validation errors."""
+        self.metrics.invalid()
+
     def _validate(self, message: Message, size_bytes: int) -> None:
         try:
             validate_message(message, self.config, size_bytes)
