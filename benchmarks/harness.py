@@ -27,7 +27,7 @@ import grpc
 
 from benchmarks.baseline import StreamClient
 from gateway.client import GatewayClient
-from mesh import MessageType, connect
+from mesh import MessageType, Priority, connect
 from mesh.codec import message_to_pb
 from mesh.core.model import Message
 from mesh.loop import run as run_loop
@@ -543,19 +543,20 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
             out[f"oneway_{in_flight}"] = await delivered_rate(
                 one_way, in_flight, s.throughput_seconds, client, "sink-0", meter
             )
-        batch = [
-            Message(
-                from_agent="driver",
-                to_agent="sink-0",
-                content={"action": "sink", "parameters": {"i": i}},
-            )
-            for i in range(100)
-        ]
+        # Batches as a client sends them: new messages each time, the three priorities
+        # mixed and a TTL set, into a queue with a capacity (the broker's flags above).
+        priorities = (Priority.HIGH, Priority.MEDIUM, Priority.LOW)
 
         async def batch_op() -> int:
             fresh = [
-                m.evolve(message_id=Message(from_agent="", to_agent="", content={}).message_id)
-                for m in batch
+                Message(
+                    from_agent="driver",
+                    to_agent="sink-0",
+                    content={"action": "sink", "parameters": {"i": i}},
+                    priority=priorities[i % 3],
+                    ttl=60,
+                )
+                for i in range(100)
             ]
             results = await client.send_batch(fresh)
             return sum(isinstance(r, Message) for r in results)
