@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
 from mesh._status import abort
@@ -191,6 +191,31 @@ class MeshServer:
         await self.server.wait_for_termination()
 
 
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+"""Server reflection as current clients ask for it first (grpcurl, buf curl, Postman). Its
+messages are those of v1alpha field for field, so grpcio-reflection's servicer (which knows
+only v1alpha) answers both."""
+
+
+def _enable_reflection(names: Sequence[str], server: grpc.aio.Server) -> None:
+    servicer = reflection.aio.ReflectionServicer(names)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                REFLECTION_V1,
+                {
+                    "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+                        servicer.ServerReflectionInfo,
+                        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+                        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+                    )
+                },
+            ),
+        )
+    )
+
+
 async def start_server(
     register: Callable[[grpc.aio.Server], None],
     service_names: Sequence[str],
@@ -217,7 +242,7 @@ async def start_server(
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
-    reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
+    _enable_reflection([*names, reflection.SERVICE_NAME], server)
     credentials = server_credentials(security)
     if credentials is None:
         bound = server.add_insecure_port(f"{host}:{port}")

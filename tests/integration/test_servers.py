@@ -118,6 +118,26 @@ async def test_buf_curl_lists_and_calls_every_service_through_reflection(mesh: L
     ]
 
 
+@pytest.mark.parametrize("protocol", ["grpc-v1", "grpc-v1alpha"])
+async def test_reflection_answers_both_protocol_versions(mesh: LocalMesh, protocol: str) -> None:
+    """Current tools ask for grpc.reflection.v1 first (some only for it); older ones for
+    v1alpha. Either way the services are listed and a method is called by its schema."""
+    served = await mesh.add_agent(Weather())
+
+    def curl(*args: str) -> list[str]:
+        grpc_flags = ("--protocol", "grpc", "--http2-prior-knowledge")
+        return ["curl", *grpc_flags, "--reflect-protocol", protocol, *args]
+
+    listed = await abuf(*curl("--list-services", f"http://{mesh.address}"))
+    assert listed.returncode == 0, listed.stderr
+    assert {"mesh.v1.BrokerService", "mesh.v1.MemoryService", "grpc.health.v1.Health"} <= set(
+        listed.stdout.split()
+    )
+    card = await abuf(*curl(f"http://{served.address}/mesh.v1.AgentService/DescribeAgent"))
+    assert card.returncode == 0, card.stderr
+    assert json.loads(card.stdout)["card"]["agentId"] == "WeatherAgent"
+
+
 async def health_of(address: str, service: str = "") -> int:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
