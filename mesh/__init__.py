@@ -34,6 +34,7 @@ from mesh.core import (
     RoutingError,
     Tool,
     UnauthenticatedError,
+    UnhandledActionError,
 )
 from mesh.server import serve_broker
 from mesh.testing import LocalMesh
@@ -76,6 +77,7 @@ __all__ = [
     "ServerConfig",
     "Tool",
     "UnauthenticatedError",
+    "UnhandledActionError",
     "agent",
     "connect",
     "on",

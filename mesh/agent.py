@@ -22,7 +22,12 @@ from mesh import codec
 from mesh._status import abort
 from mesh.client import NO_RETRY, ClientSubscription, MeshClient, Received, RetryPolicy
 from mesh.config import SecurityConfig
-from mesh.core.errors import BrokerUnavailableError, MeshError, SessionClosedError
+from mesh.core.errors import (
+    BrokerUnavailableError,
+    MeshError,
+    SessionClosedError,
+    UnhandledActionError,
+)
 from mesh.core.model import (
     JSON,
     AgentCard,
@@ -164,7 +169,7 @@ class Agent:
         """Handles one message; the default dispatches on content.action."""
         handler = self._actions.get(message.action)
         if handler is None:
-            raise LookupError(f"{self.agent_id} does not handle action {message.action!r}")
+            raise UnhandledActionError(f"{self.agent_id} does not handle action {message.action!r}")
         return await handler(message, ctx)
 
     async def on_ack(self, message: Message, ctx: AgentContext) -> None:
@@ -340,6 +345,22 @@ class AgentRuntime:
         message = received.message
         try:
             answer = await self.run_handler(message)
+        except UnhandledActionError as error:
+            # Not answerable (not a REQUEST), and no attempt would go otherwise. A broadcast
+            # is for whoever cares for it; anything else was meant for this agent.
+            if message.message_type is MessageType.BROADCAST:
+                logger.debug("%s: broadcast %s left aside", error.message, message.message_id)
+                await received.ack()
+                return
+            logger.warning(
+                "%s: %s %s from %s goes to the dead-letter queue",
+                error.message,
+                message.message_type.value,
+                message.message_id,
+                message.from_agent,
+            )
+            await received.reject(error.message)
+            return
         except Exception:
             # Not answerable (not a REQUEST): let the broker redeliver, then dead-letter it.
             await received.nack()
@@ -389,10 +410,22 @@ class AgentRuntime:
             except Exception as error:
                 self.failed += 1
                 span.set_attribute("error", str(error))
-                logger.exception(
-                    "%s failed on %s (%s)", self.agent.agent_id, message.action, message.message_id
-                )
-                if message.message_type is MessageType.REQUEST:
+                asked = message.message_type is MessageType.REQUEST
+                if not isinstance(error, UnhandledActionError):
+                    logger.exception(
+                        "%s failed on %s (%s)",
+                        self.agent.agent_id,
+                        message.action,
+                        message.message_id,
+                    )
+                elif asked:  # (anything else is the caller's to log: it decides what follows)
+                    logger.warning(
+                        "%s: answered REQUEST %s from %s with an ERROR",
+                        error,
+                        message.message_id,
+                        message.from_agent,
+                    )
+                if asked:
                     return error_to(message, self.agent.agent_id, error)
                 raise
             self.handled += 1

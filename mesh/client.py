@@ -359,6 +359,13 @@ class Received:
             self.done = True
             self._subscription._settle("nack", self.message.message_id)
 
+    async def reject(self, reason: str) -> None:
+        """Sends the message to the dead-letter queue at once, with ``reason``, for a message
+        this agent can never process (redelivering it would fail the same way)."""
+        if not self.done:
+            self.done = True
+            self._subscription._settle("nack", self.message.message_id, reason)
+
     async def answer(self, answer: Message) -> None:
         """Sends the answer to this request on the subscription's own stream, fire-and-forget;
         the broker takes it as the acknowledgement (when it answers this message's id), and
@@ -404,7 +411,8 @@ class ClientSubscription:
         self._own_session = False
         """The session is this subscription's alone (closed with it), not the client's."""
         self._closed = False
-        self._settled: dict[str, list[str]] = {"ack": [], "nack": []}
+        self._settled: dict[tuple[str, str], list[str]] = {}
+        """Acks and nacks to send, by kind and dead-letter reason."""
         self._settling: asyncio.Task[None] | None = None
         self._settlers: set[asyncio.Task[None]] = set()
 
@@ -502,10 +510,10 @@ class ClientSubscription:
             if loop.time() >= give_up:
                 raise failure
 
-    def _settle(self, kind: str, message_id: str) -> None:
+    def _settle(self, kind: str, message_id: str, dead_letter_reason: str = "") -> None:
         """Queues an ack or nack; one task writes all of those queued in the meantime as one
         frame each (AckRequest and NackRequest carry many ids)."""
-        self._settled[kind].append(message_id)
+        self._settled.setdefault((kind, dead_letter_reason), []).append(message_id)
         if self._settling is None:
             self._settling = asyncio.get_running_loop().create_task(self._write_settled())
             self._settlers.add(self._settling)
@@ -514,17 +522,19 @@ class ClientSubscription:
     async def _write_settled(self) -> None:
         await asyncio.sleep(0)  # the acks of this moment join
         session = self._session
-        settled, self._settled = self._settled, {"ack": [], "nack": []}
+        settled, self._settled = self._settled, {}
         self._settling = None
         if session is None or session.closed:
             return  # the broker returns the leases by itself when the session ends
-        for kind, message_ids in settled.items():
-            if not message_ids:
-                continue
+        for (kind, reason), message_ids in settled.items():
             frame = broker_pb2.ConnectRequest()
-            target = frame.ack if kind == "ack" else frame.nack
-            target.agent_id = self.agent_id
-            target.message_ids.extend(message_ids)
+            if kind == "ack":
+                frame.ack.agent_id = self.agent_id
+                frame.ack.message_ids.extend(message_ids)
+            else:
+                frame.nack.agent_id = self.agent_id
+                frame.nack.message_ids.extend(message_ids)
+                frame.nack.dead_letter_reason = reason
             with contextlib.suppress(MeshError):
                 await session.write(frame)
 
@@ -1009,10 +1019,18 @@ class MeshClient:
         return int(response.acknowledged)
 
     async def nack(
-        self, message_ids: Iterable[str], agent_id: str | None = None
+        self,
+        message_ids: Iterable[str],
+        agent_id: str | None = None,
+        *,
+        dead_letter_reason: str = "",
     ) -> tuple[int, int]:
+        """Hands deliveries back for redelivery; with ``dead_letter_reason`` they go to the
+        dead-letter queue at once. Returns (requeued, dead-lettered)."""
         request = broker_pb2.NackRequest(
-            agent_id=agent_id or self.agent_id, message_ids=list(message_ids)
+            agent_id=agent_id or self.agent_id,
+            message_ids=list(message_ids),
+            dead_letter_reason=dead_letter_reason,
         )
         response = await self._with_retry(self._unary(self._stub.Nack, request))
         return int(response.requeued), int(response.dead_lettered)

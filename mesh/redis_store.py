@@ -100,7 +100,7 @@ local function expire_due(now, out)
   end
 end
 -- A lease ends without an ack: back in place, expired, or dead-lettered.
-local function give_back(id, now, max_attempts, why, at, max_dead, out)
+local function give_back(id, now, max_attempts, why, at, max_dead, out, final)
   local m = redis.call('HGET', meta, id)
   redis.call('ZREM', leased, id)
   if not m then return end
@@ -110,8 +110,11 @@ local function give_back(id, now, max_attempts, why, at, max_dead, out)
   if info.e <= now then
     table.insert(out, {'expired', id, sub, body})
     drop(id)
-  elseif info.a >= max_attempts then
-    local reason = why .. ' after ' .. info.a .. ' delivery attempts'
+  elseif (final and final ~= '') or info.a >= max_attempts then
+    local reason = final
+    if not reason or reason == '' then
+      reason = why .. ' after ' .. info.a .. ' delivery attempts'
+    end
     redis.call('RPUSH', dead, cjson.encode({b = body, r = reason, a = info.a, t = at}))
     redis.call('LTRIM', dead, -max_dead, -1)
     table.insert(out, {'dead', id, sub, body, reason, info.a})
@@ -228,10 +231,11 @@ return out
 _NACK = """
 local now, max_attempts, at, max_dead = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3],
   tonumber(ARGV[4])
+local final = ARGV[5]
 local out = {}
-for i = 5, #ARGV do
+for i = 6, #ARGV do
   if redis.call('ZSCORE', leased, ARGV[i]) then
-    give_back(ARGV[i], now, max_attempts, 'nacked', at, max_dead, out)
+    give_back(ARGV[i], now, max_attempts, 'nacked', at, max_dead, out, final)
   end
 end
 return out
@@ -830,8 +834,12 @@ class RedisQueueStore:
             self.max_dead_letters,
         ]
 
-    async def nack(self, agent_id: str, message_ids: Iterable[str]) -> tuple[int, int]:
-        events = await self._run("nack", agent_id, [*self._return_args(), *list(message_ids)])
+    async def nack(
+        self, agent_id: str, message_ids: Iterable[str], *, dead_letter_reason: str = ""
+    ) -> tuple[int, int]:
+        events = await self._run(
+            "nack", agent_id, [*self._return_args(), dead_letter_reason, *list(message_ids)]
+        )
         self._report(agent_id, events)
         kinds = [_text(e[0]) for e in events]
         return kinds.count("requeued"), kinds.count("dead")

@@ -171,7 +171,11 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
 
     @translating
     async def Nack(self, request: broker_pb2.NackRequest, context: Any) -> broker_pb2.NackResponse:
-        requeued, dead = await self.broker.nack(request.agent_id, request.message_ids)
+        requeued, dead = await self.broker.nack(
+            request.agent_id,
+            request.message_ids,
+            dead_letter_reason=request.dead_letter_reason,
+        )
         return broker_pb2.NackResponse(requeued=requeued, dead_lettered=dead)
 
     @translating
@@ -416,7 +420,11 @@ class _Session:
             elif kind == "ack":
                 await self.broker.ack(self._agent(frame.ack.agent_id), frame.ack.message_ids)
             elif kind == "nack":
-                await self.broker.nack(self._agent(frame.nack.agent_id), frame.nack.message_ids)
+                await self.broker.nack(
+                    self._agent(frame.nack.agent_id),
+                    frame.nack.message_ids,
+                    dead_letter_reason=frame.nack.dead_letter_reason,
+                )
             elif kind == "subscribe":
                 await self._subscribe(seq, frame.subscribe)
             elif kind == "unsubscribe":

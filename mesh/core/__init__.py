@@ -23,6 +23,7 @@ from mesh.core.errors import (
     RoutingError,
     SessionClosedError,
     UnauthenticatedError,
+    UnhandledActionError,
 )
 from mesh.core.model import (
     BROADCAST_TARGET,
@@ -72,4 +73,5 @@ __all__ = [
     "Subscription",
     "Tool",
     "UnauthenticatedError",
+    "UnhandledActionError",
 ]

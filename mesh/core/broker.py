@@ -103,6 +103,8 @@ class AgentQueueStats:
 
 STORE_RETRY_SECONDS = 0.5
 """How soon a subscription tries its queue again while the store cannot be reached."""
+MAX_DEAD_LETTER_REASON = 1024
+"""Characters at most in the reason an agent gives for dead-lettering a delivery."""
 
 
 def _expire(waiter: asyncio.Future[Message]) -> None:
@@ -936,8 +938,17 @@ class Broker:
     async def ack(self, agent_id: str, message_ids: Iterable[str]) -> int:
         return await self.store.ack(agent_id, message_ids)
 
-    async def nack(self, agent_id: str, message_ids: Iterable[str]) -> tuple[int, int]:
-        return await self.store.nack(agent_id, message_ids)
+    async def nack(
+        self, agent_id: str, message_ids: Iterable[str], *, dead_letter_reason: str = ""
+    ) -> tuple[int, int]:
+        """Hands deliveries back for another attempt; with ``dead_letter_reason`` (a message
+        its agent can never process) they are dead-lettered at once with that reason."""
+        if len(dead_letter_reason) > MAX_DEAD_LETTER_REASON:
+            raise MessageValidationError.for_field(
+                "dead_letter_reason",
+                f"dead_letter_reason must be at most {MAX_DEAD_LETTER_REASON} characters",
+            )
+        return await self.store.nack(agent_id, message_ids, dead_letter_reason=dead_letter_reason)
 
     # -- store listener ----------------------------------------------------------------------
 

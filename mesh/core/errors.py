@@ -126,6 +126,15 @@ class AgentError(MultiAgentCommunicationError):
     reason = "AGENT_ERROR"
 
 
+class UnhandledActionError(MultiAgentCommunicationError, LookupError):
+    """An agent has no handler for a message's action: trying again would fail the same way
+    (a REQUEST is answered with an ERROR of this reason; any other message is
+    dead-lettered at once, or, a broadcast, left aside)."""
+
+    code = "UNIMPLEMENTED"
+    reason = "UNHANDLED_ACTION"
+
+
 class SessionClosedError(MultiAgentCommunicationError):
     """The session or subscription was closed."""
 
@@ -168,6 +177,7 @@ _BY_REASON: dict[str, type[MultiAgentCommunicationError]] = {
         RequestTimeoutError,
         BrokerUnavailableError,
         AgentError,
+        UnhandledActionError,
         SessionClosedError,
         LimitExceededError,
         UnauthenticatedError,

@@ -130,8 +130,12 @@ class QueueStore(Protocol):
         """Releases leased messages for good; returns how many were leased."""
         ...
 
-    async def nack(self, agent_id: str, message_ids: Iterable[str]) -> tuple[int, int]:
-        """Returns leased messages for redelivery; returns (requeued, dead-lettered)."""
+    async def nack(
+        self, agent_id: str, message_ids: Iterable[str], *, dead_letter_reason: str = ""
+    ) -> tuple[int, int]:
+        """Returns leased messages for redelivery, or, with ``dead_letter_reason``, sends them
+        to the dead-letter queue at once with that reason; returns (requeued,
+        dead-lettered)."""
         ...
 
     async def release_subscriber(self, agent_id: str, subscriber: str) -> int:
@@ -538,7 +542,9 @@ class InMemoryQueueStore:
             count += 1
         return count
 
-    async def nack(self, agent_id: str, message_ids: Iterable[str]) -> tuple[int, int]:
+    async def nack(
+        self, agent_id: str, message_ids: Iterable[str], *, dead_letter_reason: str = ""
+    ) -> tuple[int, int]:
         queue = self._queues.get(agent_id)
         if queue is None:
             return (0, 0)
@@ -548,7 +554,7 @@ class InMemoryQueueStore:
             entry = queue.leased.pop(message_id, None)
             if entry is None:
                 continue
-            outcome = self._return(queue, entry, now, "nacked")
+            outcome = self._return(queue, entry, now, "nacked", final=dead_letter_reason)
             if outcome == "requeued":
                 requeued += 1
             elif outcome == "dead":
@@ -566,17 +572,20 @@ class InMemoryQueueStore:
             self._return(queue, entry, now, "subscriber left")
         return len(mine)
 
-    def _return(self, queue: _AgentQueue, entry: _Entry, now: float, why: str) -> str:
-        """Puts a leased entry back in its place: "requeued", "expired" or "dead"."""
+    def _return(
+        self, queue: _AgentQueue, entry: _Entry, now: float, why: str, *, final: str = ""
+    ) -> str:
+        """Puts a leased entry back in its place: "requeued", "expired" or "dead" (at once
+        with the reason ``final``, when given)."""
         self._released(entry)
         if entry.expires_at <= now:
             self._drop_expired(queue, entry)
             return "expired"
-        if entry.attempts >= self.max_delivery_attempts:
+        if final or entry.attempts >= self.max_delivery_attempts:
             self._forget(queue, entry)
             dead = DeadLetter(
                 message=entry.message,
-                reason=f"{why} after {entry.attempts} delivery attempts",
+                reason=final or f"{why} after {entry.attempts} delivery attempts",
                 attempts=entry.attempts,
                 dead_lettered_at=self._wall(),
             )

@@ -559,8 +559,15 @@ class NackRequest(_message.Message):
 
     AGENT_ID_FIELD_NUMBER: _builtins.int
     MESSAGE_IDS_FIELD_NUMBER: _builtins.int
+    DEAD_LETTER_REASON_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     """The subscribed agent (may be empty on a session with one subscription)."""
+    dead_letter_reason: _builtins.str
+    """When set, the messages are not redelivered: they go to the dead-letter queue at once
+    with this reason (at most 1024 characters), for messages the agent can never process
+    (no handler for their action, content it cannot read). Empty: back in the queue for
+    another attempt, dead-lettered only once their attempts are used up.
+    """
     @_builtins.property
     def message_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Ids of the delivered messages."""
@@ -570,10 +577,11 @@ class NackRequest(_message.Message):
         *,
         agent_id: _builtins.str = ...,
         message_ids: _abc.Iterable[_builtins.str] | None = ...,
+        dead_letter_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "message_ids", b"message_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "dead_letter_reason", b"dead_letter_reason", "message_ids", b"message_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -12,6 +12,7 @@ from google.protobuf import duration_pb2
 from mesh import (
     Agent,
     AgentContext,
+    AgentError,
     BrokerConfig,
     LocalMesh,
     Message,
@@ -19,6 +20,7 @@ from mesh import (
     MessageType,
     RequestTimeoutError,
     agent,
+    on,
 )
 from mesh.core.errors import AgentNotFoundError
 from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
@@ -461,3 +463,85 @@ async def _read_answers(call: Any, count: int) -> tuple[list[broker_pb2.ConnectR
         reads += 1
         answers += got.batch.frames if got.WhichOneof("frame") == "batch" else [got]
     return answers, reads
+
+
+class Payments(Agent):
+    """Handles payments, and nothing else."""
+
+    agent_id = "PaymentAgent"
+
+    @on("process_payment")
+    async def pay(self, message: Message, ctx: AgentContext) -> dict:
+        return {"status": "PAID"}
+
+
+async def test_a_message_no_handler_takes_is_not_tried_again(
+    mesh: LocalMesh, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hand-off (or any one-way message) for an action the agent has no handler for goes
+    to the dead-letter queue at its first delivery, with the reason; a request for one is
+    answered with an ERROR of reason UNHANDLED_ACTION; a broadcast it does not handle is
+    left aside. Each is logged once, without a traceback."""
+    await mesh.add_agent(Payments())
+    async with mesh.client("SellerAgent") as client:
+        handoff = await client.handoff("PaymentAgent", "Refund $50", workflow_id="wf_1")
+        with pytest.raises(AgentError, match="does not handle action 'refund'") as info:
+            await client.request("PaymentAgent", {"action": "refund"}, timeout=5)
+        assert info.value.reason == "UNHANDLED_ACTION"
+        await client.broadcast({"alert": "System maintenance in 10 minutes"})
+        paid = await client.request("PaymentAgent", {"action": "process_payment"}, timeout=5)
+        assert paid.content["status"] == "PAID"  # and it goes on serving
+
+        async with asyncio.timeout(5):
+            while not await client.dead_letters("PaymentAgent"):  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+            while (await client.queue_stats("PaymentAgent")).totals["held"]:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+        [dead] = await client.dead_letters("PaymentAgent")
+        assert dead.message.message_id == handoff.message_id
+        assert dead.reason == "PaymentAgent does not handle action 'execute_handoff'"
+        assert dead.attempts == 1
+        stats = await client.queue_stats("PaymentAgent")
+        assert stats.totals["redelivered_count"] == 0
+    assert not [r for r in caplog.records if r.exc_info]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "mesh.agent"]
+    assert any("execute_handoff" in w and "dead-letter queue" in w for w in warnings)
+    assert any("'refund'" in w and "answered REQUEST" in w for w in warnings)
+    assert not any("maintenance" in w or "BROADCAST" in w for w in warnings)
+
+
+async def test_nack_with_a_reason_dead_letters_through_every_way_in(mesh: LocalMesh) -> None:
+    async with mesh.client("sender") as client:
+        await client.register("Worker")
+        first = await client.send("Worker", {"action": "work", "i": 1})
+        second = await client.send("Worker", {"action": "work", "i": 2})
+        async with client.subscribe("Worker") as sub:
+            async for received in sub:
+                await received.reject("cannot read the attachment")  # on the session
+                break
+        async with (
+            grpc.aio.insecure_channel(mesh.address) as channel,
+            client.subscribe("Worker") as again,
+        ):
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)
+            leased = await anext(again)  # (the first subscription may have held it too)
+            assert leased.message.message_id == second.message_id
+            too_long = broker_pb2.NackRequest(
+                agent_id="Worker", message_ids=[second.message_id], dead_letter_reason="x" * 1025
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Nack(too_long)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "at most 1024 characters" in (info.value.details() or "")
+            assert (await client.queue_stats("Worker")).agents[0].in_flight == 1  # still held
+            reply = await stub.Nack(
+                broker_pb2.NackRequest(
+                    agent_id="Worker", message_ids=[second.message_id], dead_letter_reason="no"
+                )
+            )
+            assert (reply.requeued, reply.dead_lettered) == (0, 1)
+        dead = await client.dead_letters("Worker")
+        assert [(d.message.message_id, d.reason, d.attempts) for d in dead] == [
+            (first.message_id, "cannot read the attachment", 1),
+            (second.message_id, "no", leased.attempt),
+        ]

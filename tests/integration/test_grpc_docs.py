@@ -87,6 +87,9 @@ async def test_every_documented_call_works(embedded: EmbeddedMesh) -> None:
         )
     ]
     assert route_events[-1]["event"]["data"]["error_reason"] == "Payment failed"
+    [dead] = json.loads(by_rpc["mesh.v1.BrokerService/ListDeadLetters"])["deadLetters"]
+    assert dead["reason"] == "PaymentDesk does not handle action refund"
+    assert dead["deliveryAttempts"] == 2
     assert '"decision": "ACCEPT"' in by_rpc["mesh.v1.GatewayService/RunConsensus"]
     assert "EVENT_KIND_REPORT" in by_rpc["mesh.v1.GatewayService/RunResearch"]
     assert '"tool": "web_search"' not in by_rpc["mesh.v1.ToolService/ListTools"]

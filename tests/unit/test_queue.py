@@ -259,6 +259,30 @@ async def test_dead_letter_after_max_attempts(store: QueueStore, recorder: Recor
     assert stats.dead_letters == 1
 
 
+async def test_nack_with_a_reason_dead_letters_at_once(
+    store: QueueStore, clock: FakeClock, recorder: Recorder
+) -> None:
+    await store.put(msg("unreadable", at=0), 3600)
+    await store.put(msg("next", at=1), 3600)
+    await store.put(msg("late", at=2), 10)
+    leases = await store.lease_many("PaymentAgent", "s", 30, 3)
+    assert [lease.attempt for lease in leases] == [1, 1, 1]
+    reason = "PaymentAgent does not handle action 'execute_handoff'"
+    assert await store.nack("PaymentAgent", ["unreadable"], dead_letter_reason=reason) == (0, 1)
+    assert await store.nack("PaymentAgent", ["unreadable"], dead_letter_reason=reason) == (0, 0)
+    [dead] = await store.dead_letters("PaymentAgent")
+    assert (dead.message.message_id, dead.reason, dead.attempts) == ("unreadable", reason, 1)
+    assert recorder.dead == [dead]
+    # Past its TTL it expires rather than joining the dead letters; a plain nack still requeues.
+    clock.advance(11)
+    assert await store.nack("PaymentAgent", ["late"], dead_letter_reason=reason) == (0, 0)
+    assert [m.message_id for m in recorder.expired] == ["late"]
+    assert await store.nack("PaymentAgent", ["next"]) == (1, 0)
+    lease = await store.lease("PaymentAgent", "s", 30)
+    assert lease is not None and (lease.message.message_id, lease.attempt) == ("next", 2)
+    assert len(await store.dead_letters("PaymentAgent")) == 1
+
+
 async def test_lease_many_takes_what_is_ready_in_queue_order(
     store: QueueStore, clock: FakeClock, recorder: Recorder
 ) -> None:

@@ -78,6 +78,11 @@ function buildMessage(m) {
   };
 }
 
+/** A google.protobuf.Timestamp in ISO 8601, or null. */
+function isoTime(ts) {
+  return ts ? new Date(Number(ts.seconds) * 1000 + ts.nanos / 1e6).toISOString() : null;
+}
+
 /** A plain object from a mesh.v1.Message. */
 function readMessage(pb) {
   return {
@@ -86,9 +91,7 @@ function readMessage(pb) {
     to: pb.to_agent,
     type: String(pb.message_type).replace('MESSAGE_TYPE_', ''),
     content: pb.content ? fromStruct(pb.content) : null,
-    timestamp: pb.timestamp
-      ? new Date(Number(pb.timestamp.seconds) * 1000 + pb.timestamp.nanos / 1e6).toISOString()
-      : null,
+    timestamp: isoTime(pb.timestamp),
     metadata: fromStruct(pb.metadata),
     correlationId: pb.correlation_id,
     priority: String(pb.priority).replace('PRIORITY_', ''),
@@ -105,6 +108,18 @@ class MeshError extends Error {
     super(grpcError.details || grpcError.message);
     this.code = grpcError.code;
     this.codeName = Object.keys(grpc.status).find((k) => grpc.status[k] === grpcError.code);
+  }
+}
+
+/**
+ * Thrown by a handler for a message it can never process (no handler for its action, content
+ * it cannot read): the message goes to the dead-letter queue at once with this reason instead
+ * of being redelivered. (A REQUEST is still answered with an ERROR.)
+ */
+class Reject extends Error {
+  constructor(reason) {
+    super(reason);
+    this.name = 'Reject';
   }
 }
 
@@ -194,6 +209,13 @@ class MeshClient {
     return readMessage(res.response);
   }
 
+  /** The dead-letter queue (oldest first): {message, reason, attempts, deadLetteredAt}. */
+  async deadLetters(agentId = '') {
+    const res = await unary(this.broker, 'ListDeadLetters', { agent_id: agentId });
+    return res.dead_letters.map((d) => ({ message: readMessage(d.message), reason: d.reason,
+      attempts: d.delivery_attempts, deadLetteredAt: isoTime(d.dead_lettered_at) }));
+  }
+
   async broadcast(content, { agentTypes = [], ...options } = {}) {
     const message = buildMessage({ from: this.agentId, to: 'broadcast', type: 'BROADCAST',
       content, ...options });
@@ -206,7 +228,8 @@ class MeshClient {
    * comes in one frame (up to maxBatch), and answers and acks go back as frames on the same
    * stream. handle(message, attempt) resolves to the answer (a message built with
    * buildMessage, sent and taking the place of the ack when it answers this message) or to
-   * null (acknowledged); when it throws, the message is handed back for redelivery. The
+   * null (acknowledged); when it throws, the message is handed back for redelivery (a
+   * Reject sends it to the dead-letter queue at once, with the Reject's message). The
    * returned stream emits 'subscribed' once the broker took the subscription, and 'error' /
    * 'end' when the session is over.
    */
@@ -233,7 +256,9 @@ class MeshClient {
             write({ ack: { agent_id: agentId, message_ids: [message.messageId] } });
           }
         } catch (err) {
-          write({ nack: { agent_id: agentId, message_ids: [message.messageId] } });
+          const nack = { agent_id: agentId, message_ids: [message.messageId] };
+          if (err instanceof Reject) nack.dead_letter_reason = err.message;
+          write({ nack });
         }
       })();
       inFlight.add(done);
@@ -535,6 +560,6 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
 }
 
 module.exports = {
-  MeshClient, GatewayClient, MeshError, serveAgent, buildMessage, readMessage, toStruct,
+  MeshClient, GatewayClient, MeshError, Reject, serveAgent, buildMessage, readMessage, toStruct,
   fromStruct, toRequest, toDuration, security, TYPES, PROTO_ROOT,
 };

@@ -4,7 +4,7 @@
 
 const test = require('node:test');
 const assert = require('node:assert/strict');
-const { MeshClient, GatewayClient, serveAgent } = require('../lib/mesh');
+const { MeshClient, GatewayClient, Reject, serveAgent } = require('../lib/mesh');
 
 const BROKER = process.env.AGENTMESH_BROKER;
 const GATEWAY = process.env.AGENTMESH_GATEWAY;
@@ -152,6 +152,42 @@ test('a Node agent answers a request it fails with an ERROR, and finishes its wo
       const left = await client.listAgents();
       assert.ok(!left.some((a) => a.agent_id === 'NodeCardAgent'));
     } finally {
+      client.close();
+    }
+  });
+
+test('a handler that throws Reject sends the message to the dead-letter queue at once',
+  async () => {
+    const seen = [];
+    const agent = await serveAgent({
+      broker: BROKER, agentId: 'NodeInvoiceAgent',
+      handler: async (message) => {
+        seen.push(message.messageId);
+        if (message.content.action !== 'invoice') {
+          throw new Reject(`NodeInvoiceAgent does not handle ${message.content.action}`);
+        }
+        return { invoiced: true };
+      },
+    });
+    const client = new MeshClient(BROKER, { agentId: 'NodeShop' });
+    try {
+      const sent = await client.send('NodeInvoiceAgent',
+        { action: 'ship', parameters: { task_description: 'Ship order 7' } }, { type: 'HANDOFF' });
+      let dead = [];
+      for (let i = 0; i < 100 && dead.length === 0; i += 1) {
+        dead = await client.deadLetters('NodeInvoiceAgent');
+        if (dead.length === 0) await new Promise((resolve) => { setTimeout(resolve, 20); });
+      }
+      assert.equal(dead.length, 1);
+      assert.equal(dead[0].message.messageId, sent.messageId);
+      assert.equal(dead[0].reason, 'NodeInvoiceAgent does not handle ship');
+      assert.equal(dead[0].attempts, 1);
+      assert.ok(Date.parse(dead[0].deadLetteredAt) > 0);
+      assert.deepEqual(seen, [sent.messageId]); // delivered once, not tried again
+      const answered = await client.request('NodeInvoiceAgent', { action: 'invoice' });
+      assert.deepEqual(answered.content, { action: 'invoice', invoiced: true });
+    } finally {
+      await agent.stop();
       client.close();
     }
   });
