@@ -34,6 +34,7 @@ from mesh.core.errors import (
 from mesh.core.memory import Insight, MemoryStats
 from mesh.core.model import (
     JSON,
+    MAX_DEAD_LETTER_REASON,
     AgentCard,
     AgentInfo,
     DeadLetter,
@@ -360,10 +361,12 @@ class Received:
             self._subscription._settle("nack", self.message.message_id)
 
     async def reject(self, reason: str) -> None:
-        """Sends the message to the dead-letter queue at once, with ``reason``, for a message
-        this agent can never process (redelivering it would fail the same way)."""
+        """Sends the message to the dead-letter queue at once, with ``reason`` (cut to the
+        1024 characters the broker takes), for a message this agent can never process
+        (redelivering it would fail the same way)."""
         if not self.done:
             self.done = True
+            reason = reason[:MAX_DEAD_LETTER_REASON] or "rejected"
             self._subscription._settle("nack", self.message.message_id, reason)
 
     async def answer(self, answer: Message) -> None:

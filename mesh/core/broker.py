@@ -34,6 +34,7 @@ from mesh.core.errors import (
 from mesh.core.memory import SharedMemoryPool
 from mesh.core.model import (
     BROADCAST_TARGET,
+    MAX_DEAD_LETTER_REASON,
     AgentInfo,
     DeadLetter,
     Delivery,
@@ -103,8 +104,6 @@ class AgentQueueStats:
 
 STORE_RETRY_SECONDS = 0.5
 """How soon a subscription tries its queue again while the store cannot be reached."""
-MAX_DEAD_LETTER_REASON = 1024
-"""Characters at most in the reason an agent gives for dead-lettering a delivery."""
 
 
 def _expire(waiter: asyncio.Future[Message]) -> None:

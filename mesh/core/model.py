@@ -16,6 +16,8 @@ JSON = Any
 
 BROADCAST_TARGET = "broadcast"
 """The to_agent that sends a copy of a message to every other registered agent."""
+MAX_DEAD_LETTER_REASON = 1024
+"""Characters at most in the reason an agent gives for dead-lettering a delivery."""
 
 HANDOFF_ACTION = "execute_handoff"
 
