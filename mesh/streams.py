@@ -49,6 +49,8 @@ class FrameWriter(Generic[Frame]):
         self._idle.set()
         self._waiting: list[tuple[Frame, asyncio.Future[None]]] = []
         self._handover: asyncio.Task[None] | None = None
+        self._op: asyncio.Future[object] | None = None
+        """The write last started (it may outlive a cancelled caller)."""
 
     async def write(self, frame: Frame, *, alone: bool = False) -> None:
         """Returns once the frame is written (alone or in a batch); raises what the write
@@ -76,7 +78,7 @@ class FrameWriter(Generic[Frame]):
                 await future
                 return
         try:
-            await self._write(frame)
+            await self._send(frame)
         except asyncio.CancelledError:
             self._hand_over()
             raise
@@ -144,14 +146,14 @@ class FrameWriter(Generic[Frame]):
                 del self._waiting[: self.most]
                 try:
                     if self.combine is not None and len(waiting) > 1:
-                        await self._write(self.combine([frame for frame, _ in waiting]))
+                        await self._send(self.combine([frame for frame, _ in waiting]))
                         for _, future in waiting:
                             if not future.done():
                                 future.set_result(None)
                         waiting = []
                     else:
                         while waiting:
-                            await self._write(waiting[0][0])
+                            await self._send(waiting[0][0])
                             _, future = waiting.pop(0)
                             if not future.done():
                                 future.set_result(None)
@@ -172,12 +174,25 @@ class FrameWriter(Generic[Frame]):
             return
         self._set_busy(False)
 
+    async def _send(self, frame: Frame) -> None:
+        """One write, as a task of its own: grpc.aio goes on with a write whose caller was
+        cancelled (it cannot take it back) and refuses another meanwhile, so the writer keeps
+        hold of it to wait for its end before the next one (:meth:`_hand_over`)."""
+        self._op = asyncio.ensure_future(self._write(frame))
+        await asyncio.shield(self._op)
+
     def _hand_over(self) -> None:
-        """The writing task was cancelled: a task of our own writes what still waits."""
-        if self._waiting:
-            self._handover = asyncio.get_running_loop().create_task(self._drain())
-        else:
-            self._set_busy(False)
+        """The writing task was cancelled: a task of our own waits for the write it had
+        started, if any, then writes what still waits (or marks the stream idle)."""
+        self._handover = asyncio.get_running_loop().create_task(self._after_cancel())
+
+    async def _after_cancel(self) -> None:
+        op = self._op
+        if op is not None:
+            await asyncio.wait({op})
+            if not op.cancelled():
+                op.exception()  # retrieved: a failed stream fails the next write too
+        await self._drain()
 
     def _fail_waiting(self, error: BaseException) -> None:
         waiting, self._waiting = self._waiting, []

@@ -179,3 +179,35 @@ async def test_agents_served_together_share_one_client_and_all_answer(mesh: Loca
         await group.stop(1.0)
     async with mesh.client("asker") as asker:
         assert not [a for a in await asker.list_agents() if a.agent_id.startswith("counter-")]
+
+
+async def test_unsubscribe_while_a_delivery_is_being_written_is_answered(mesh: LocalMesh) -> None:
+    """The subscriber reads nothing for a while, so the broker's write of a large deliveries
+    frame waits on flow control; an `unsubscribe` then stops the subscription in the middle of
+    that write. grpc.aio takes one write at a time and cannot take one back: the `accepted`
+    must wait for that write to end, not start beside it (which failed the stream with
+    TOO_MANY_OPERATIONS and left the client waiting for ever, without a status)."""
+    async with mesh.client("sender") as client, grpc.aio.insecure_channel(mesh.address) as channel:
+        await client.register("Archive")
+        bulky = {"action": "store", "blob": "x" * 250_000}
+        sent = [await client.send("Archive", bulky) for _ in range(60)]
+        call = broker_pb2_grpc.BrokerServiceStub(channel).Connect()
+        subscribe = _subscribe(1, "Archive")
+        subscribe.subscribe.max_in_flight = 60
+        subscribe.subscribe.max_batch = 60
+        assert (await _call(call, subscribe)).WhichOneof("frame") == "accepted"
+        await asyncio.sleep(0.3)  # deliveries are written and wait for the reader
+        unsubscribe = broker_pb2.ConnectRequest(seq=2)
+        unsubscribe.unsubscribe.agent_id = "Archive"
+        await call.write(unsubscribe)
+        await asyncio.sleep(0.3)
+        seen: list[broker_pb2.ConnectResponse] = []
+        while not any(frame.seq == 2 for frame in seen):
+            seen += await _read(call)
+        assert [f.WhichOneof("frame") for f in seen if f.seq == 2] == ["accepted"]
+        assert len(_delivered(seen)) <= 60
+        await call.done_writing()
+        assert await asyncio.wait_for(call.code(), 10) == grpc.StatusCode.OK
+        # Whatever the stream did not finish delivering is back in the queue, nothing lost.
+        stats = (await client.queue_stats("Archive")).agents[0]
+        assert (stats.depth, stats.in_flight) == (len(sent), 0)

@@ -10,16 +10,24 @@ from mesh.streams import FrameWriter
 
 
 class Stream:
-    """A stream whose writes finish when the test says so."""
+    """A stream whose writes finish when the test says so and, like grpc.aio's, takes one
+    write at a time (another one meanwhile is refused)."""
 
     def __init__(self) -> None:
         self.written: list[object] = []
         self.gate = asyncio.Event()
         self.gate.set()
         self.fail: BaseException | None = None
+        self.writing = False
 
     async def write(self, frame: object) -> None:
-        await self.gate.wait()
+        if self.writing:
+            raise RuntimeError("too many operations: a write is in flight")
+        self.writing = True
+        try:
+            await self.gate.wait()
+        finally:
+            self.writing = False
         if self.fail is not None:
             raise self.fail
         self.written.append(frame)
@@ -116,11 +124,34 @@ async def test_when_the_writing_task_is_cancelled_the_others_are_still_written()
     rest = [asyncio.create_task(writer.write(f)) for f in "bc"]
     await settle()
     first.cancel()
+    await settle()
     stream.gate.set()
     await asyncio.gather(*rest)
     with pytest.raises(asyncio.CancelledError):
         await first
-    assert stream.written == [("b", "c")]
+    # A write once started cannot be taken back (grpc.aio's go on without their caller):
+    # the next one waits for it to end instead of being refused beside it.
+    assert stream.written == ["a", ("b", "c")]
+
+
+async def test_a_cancelled_write_is_not_overlapped_by_the_next_frame() -> None:
+    """An unsubscribe stops the task writing a subscription's deliveries in the middle of
+    its write; the `accepted` that follows must wait for that write to end."""
+    stream = Stream()
+    writer = FrameWriter(stream.write, batch)
+    stream.gate.clear()
+    pump = asyncio.create_task(writer.write("deliveries"))
+    await settle()
+    pump.cancel()
+    await settle()
+    answer = asyncio.create_task(writer.write("accepted", alone=True))
+    await settle()
+    assert not answer.done()  # waits for the write in flight
+    stream.gate.set()
+    await answer
+    assert stream.written == ["deliveries", "accepted"]
+    await writer.flush()
+    assert not writer.busy
 
 
 async def test_finish_runs_after_every_frame_given_before_it() -> None:
