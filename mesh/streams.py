@@ -15,6 +15,10 @@ did with a write per frame.
 A write carries at most ``most`` frames (32): a burst larger than that goes as several
 writes, so the receiving side starts on the first while the next is written and the
 processes of a mesh keep working side by side instead of in turn.
+
+A write once started is not taken back: grpc.aio goes on with it when the task awaiting it
+is cancelled (a subscription ended mid-delivery, a request given up) and refuses another
+write meanwhile, so each write runs as a task of its own and the next waits for it.
 """
 
 from __future__ import annotations
