@@ -280,6 +280,8 @@ class _Session:
             raise
         finally:
             self._waiting.pop(seq, None)
+            if waiter.done() and not waiter.cancelled():
+                waiter.exception()  # (the session failed while the frame was being written)
         if answer.HasField("error"):
             raise codec.error_from_pb(answer.error)
         return answer

@@ -105,7 +105,8 @@ class BrokerMetrics:
         )
         self.late_answers = Counter(
             "agentmesh_late_answers",
-            "Answers that came after their request or gather was given up (dropped).",
+            "Answers that came after their request or gather had ended (given up, past its"
+            " deadline, or answered already): dropped.",
             registry=r,
         )
         self.queue_depth = Gauge(

@@ -233,9 +233,10 @@ class Broker:
         self.store = store
         store.listener = self
         self._pending: dict[tuple[str, str], asyncio.Future[Message] | _Gathering] = {}
-        self._given_up: collections.OrderedDict[tuple[str, str], float] = collections.OrderedDict()
-        """Requests and gathers that ended before every answer came (deadline passed, the
-        caller gave up), most recent last: their late answers are expected, not errors."""
+        self._ended_at: collections.OrderedDict[tuple[str, str], float] = collections.OrderedDict()
+        """Requests and gathers that ended (answered, past their deadline, given up) and until
+        when they are remembered, most recent last: an answer to one now (late, or a second
+        one after a redelivery) is expected, not an error."""
         self._subscriptions: dict[str, list[Subscription]] = {}
         self._by_subscription: dict[str, Subscription] = {}
         self._dirty: set[str] = set()
@@ -416,8 +417,10 @@ class Broker:
             # it leased (its correlation id is the request's id): no separate ack frame.
             await self.store.ack(message.from_agent, (message.correlation_id,))
             taken = self._offer_answer(message)
-            given_up = False
-            if not taken and self.store.shared:
+            # Not taken though its request is still here: its deadline passed a moment ago
+            # (the waiter is done, not yet gone), or the gather has this agent's answer.
+            given_up = not taken and (message.to_agent, message.correlation_id) in self._pending
+            if not taken and not given_up and self.store.shared:
                 # The requester may wait on another replica: hand the answer over there.
                 key = (message.to_agent, message.correlation_id)
                 replica = await self.store.route_of(key)
@@ -686,8 +689,7 @@ class Broker:
             if self._pending.get(key) is waiter:
                 del self._pending[key]
                 answered = waiter.done() and not waiter.cancelled() and not waiter.exception()
-                if not answered:  # the deadline passed, or the caller gave up
-                    self._give_up(key)
+                self._ended(key)  # a second answer (after a redelivery), or one too late
                 if self.store.shared:
                     await self.store.drop_route(key, given_up=not answered)
 
@@ -790,36 +792,37 @@ class Broker:
         finally:
             if self._pending.get(key) is gathering:
                 del self._pending[key]
-                if gathering.expected:
-                    self._give_up(key)
+                self._ended(key)
                 if self.store.shared:
                     await self.store.drop_route(key, given_up=bool(gathering.expected))
 
-    def _give_up(self, key: tuple[str, str]) -> None:
-        """Remembers (for a while, boundedly) a request or gather that ended unanswered."""
-        self._given_up[key] = time.monotonic() + GIVEN_UP_SECONDS
-        self._given_up.move_to_end(key)
-        while len(self._given_up) > self.config.max_pending_requests:
-            self._given_up.popitem(last=False)
+    def _ended(self, key: tuple[str, str]) -> None:
+        """Remembers (for a while, the latest ones first) a request or gather that ended,
+        answered or not: an answer to it now is late, or a second one."""
+        self._ended_at[key] = time.monotonic() + GIVEN_UP_SECONDS
+        self._ended_at.move_to_end(key)
+        while len(self._ended_at) > self.config.max_pending_requests:
+            self._ended_at.popitem(last=False)
 
     def _late(self, message: Message, *, given_up: bool = False) -> bool:
-        """An answer to a request or gather that was given up (here, or on the replica the
-        route names: ``given_up``), to a requester that is not an agent with a queue (a
-        gateway, a client): taken in and dropped, counted and logged, rather than refused
-        (the answering agent did nothing wrong). An answer to a registered requester is
-        queued for it as ever."""
+        """An answer to a request or gather that ended (here, or on the replica the route
+        names: ``given_up``) — given up, past its deadline, or answered already by this agent
+        (a redelivered request answered twice) — to a requester that is not an agent with a
+        queue (a gateway, a client): taken in and dropped, counted and logged, rather than
+        refused (the answering agent did nothing wrong). An answer to a registered requester
+        is queued for it as ever."""
         if message.to_agent in self.registry:
             return False
         key = (message.to_agent, message.correlation_id)
-        until = self._given_up.get(key)
+        until = self._ended_at.get(key)
         if until is not None and until < time.monotonic():
-            del self._given_up[key]
+            del self._ended_at[key]
             until = None
         if until is None and not given_up:
             return False
         self.metrics.late_answer()
         logger.info(
-            "late answer from %s to %s dropped: the request was given up",
+            "late answer from %s to %s dropped: its request had ended",
             message.from_agent,
             message.to_agent,
             extra={

@@ -14,9 +14,10 @@ import pytest
 
 from gateway.client import GatewayClient
 from gateway.server import serve_gateway
-from mesh import AgentContext, Message, RequestTimeoutError, agent, connect, serve
+from mesh import AgentContext, Message, MessageType, RequestTimeoutError, agent, connect, serve
 from mesh.client import NO_RETRY
 from mesh.config import BrokerConfig
+from mesh.core.model import new_message_id
 from mesh.server import serve_broker
 from mesh.testing import LocalMesh
 from mesh.v1 import broker_pb2, broker_pb2_grpc
@@ -181,3 +182,35 @@ async def test_a_late_answer_is_known_on_every_replica(
         await server_b.stop(0.5)
     assert broker_a.metrics.totals.late_answers == 0
     assert not [r for r in caplog.records if "refused a frame" in r.getMessage()]
+
+
+async def test_a_second_answer_to_an_ended_gather_is_taken_in_quietly(
+    mesh: LocalMesh, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An agent answers twice (as one does when its request is redelivered after a lease
+    lapsed although it had been handled): the gatherer gets the first answer, and the second
+    is counted as late rather than refused with NOT_FOUND (the gatherer is not an agent)."""
+    caplog.set_level(logging.INFO)
+    assert mesh.broker is not None
+    async with mesh.client("caller") as caller, mesh.client("Twice") as twice:
+        await twice.register("Twice")
+        async with twice.subscribe("Twice") as inbox:
+            answers = asyncio.create_task(
+                caller.gather({"action": "quote"}, agent_ids=["Twice"], timeout=5).__anext__()
+            )
+            delivery = await anext(inbox)
+            answer = Message(
+                from_agent="Twice",
+                to_agent=delivery.message.reply_target,
+                message_type=MessageType.RESPONSE,
+                content={"action": "quote", "price": 7},
+                correlation_id=delivery.message.message_id,
+            )
+            await twice.send_message(answer)
+            first = await answers
+            assert first.response is not None and first.response.content["price"] == 7
+            await settled(mesh)
+            again = await twice.send_message(answer.evolve(message_id=new_message_id()))
+        assert again.message_type is MessageType.RESPONSE  # accepted, not NOT_FOUND
+    assert mesh.broker.metrics.totals.late_answers == 1
+    assert [r for r in caplog.records if "late answer" in r.getMessage()]
