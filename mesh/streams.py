@@ -148,6 +148,7 @@ class FrameWriter(Generic[Frame]):
             while self._waiting:
                 waiting = self._waiting[: self.most]
                 del self._waiting[: self.most]
+                carried = waiting
                 try:
                     if self.combine is not None and len(waiting) > 1:
                         await self._send(self.combine([frame for frame, _ in waiting]))
@@ -157,13 +158,16 @@ class FrameWriter(Generic[Frame]):
                         waiting = []
                     else:
                         while waiting:
+                            carried = waiting[:1]
                             await self._send(waiting[0][0])
                             _, future = waiting.pop(0)
                             if not future.done():
                                 future.set_result(None)
                 except asyncio.CancelledError:
-                    self._waiting[:0] = waiting  # not known to be written: the next writer's
-                    self._hand_over()
+                    # The write in flight goes on: its frames are settled by how it ends
+                    # (never written twice); those not yet given to a write wait their turn.
+                    self._waiting[:0] = waiting[len(carried) :]
+                    self._hand_over(carried)
                     raise
                 except BaseException as error:
                     for _, future in waiting:
@@ -185,15 +189,29 @@ class FrameWriter(Generic[Frame]):
         self._op = asyncio.ensure_future(self._write(frame))
         await asyncio.shield(self._op)
 
-    def _hand_over(self) -> None:
+    def _hand_over(self, carried: list[tuple[Frame, asyncio.Future[None]]] | None = None) -> None:
         """The writing task was cancelled: a task of our own waits for the write it had
-        started, if any, then writes what still waits (or marks the stream idle)."""
-        self._handover = asyncio.get_running_loop().create_task(self._after_cancel())
+        started, if any (settling the frames that write ``carried`` for others by its
+        outcome), then writes what still waits (or marks the stream idle)."""
+        loop = asyncio.get_running_loop()
+        self._handover = loop.create_task(self._after_cancel(self._op, carried or []))
 
-    async def _after_cancel(self) -> None:
-        op = self._op
+    async def _after_cancel(
+        self,
+        op: asyncio.Future[object] | None,
+        carried: list[tuple[Frame, asyncio.Future[None]]],
+    ) -> None:
         if op is not None:
             await asyncio.wait({op})
+            for _, future in carried:
+                if future.done():
+                    continue
+                if op.cancelled():
+                    future.cancel()
+                elif op.exception() is not None:
+                    future.set_exception(op.exception())  # type: ignore[arg-type]
+                else:
+                    future.set_result(None)
             if not op.cancelled():
                 op.exception()  # retrieved: a failed stream fails the next write too
         await self._drain()

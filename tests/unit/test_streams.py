@@ -19,6 +19,8 @@ class Stream:
         self.gate.set()
         self.fail: BaseException | None = None
         self.writing = False
+        self.hold_after: int | None = None
+        """Close the gate again once this many frames are written."""
 
     async def write(self, frame: object) -> None:
         if self.writing:
@@ -31,6 +33,8 @@ class Stream:
         if self.fail is not None:
             raise self.fail
         self.written.append(frame)
+        if self.hold_after is not None and len(self.written) >= self.hold_after:
+            self.gate.clear()
 
 
 def batch(frames: list[str]) -> tuple[str, ...]:
@@ -196,3 +200,30 @@ async def test_a_failed_post_fails_its_future_and_leaves_the_writer_usable() -> 
     stream.fail = None
     await writer.write("b")
     assert stream.written == ["b"]
+
+
+async def test_frames_carried_by_a_cancelled_writer_are_written_once() -> None:
+    """The task writing other tasks' frames (as one batch) is cancelled in the middle of
+    that write: the write goes on, its frames count as written when it ends (they are not
+    written again by whoever writes next), and their tasks learn it."""
+    stream = Stream()
+    writer = FrameWriter(stream.write, batch)
+    stream.gate.clear()
+    stream.hold_after = 1  # "a" goes through, then the batch of the others waits
+    first = asyncio.create_task(writer.write("a"))
+    await settle()
+    others = [asyncio.create_task(writer.write(f)) for f in "bc"]
+    await settle()
+    stream.gate.set()  # "a" is written; the first task goes on to write ("b", "c")
+    await settle()
+    assert stream.written == ["a"] and stream.writing
+    first.cancel()
+    await settle()
+    late = asyncio.create_task(writer.write("d", alone=True))
+    await settle()
+    stream.hold_after = None
+    stream.gate.set()
+    await asyncio.gather(*others, late)
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert stream.written == ["a", ("b", "c"), "d"]
