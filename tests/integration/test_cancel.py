@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,6 +14,7 @@ import grpc
 import pytest
 
 from gateway.client import GatewayClient
+from gateway.embedded import EmbeddedMesh
 from gateway.server import serve_gateway
 from mesh import AgentContext, Message, MessageType, RequestTimeoutError, agent, connect, serve
 from mesh.client import NO_RETRY
@@ -214,3 +216,34 @@ async def test_a_second_answer_to_an_ended_gather_is_taken_in_quietly(
         assert again.message_type is MessageType.RESPONSE  # accepted, not NOT_FOUND
     assert mesh.broker.metrics.totals.late_answers == 1
     assert [r for r in caplog.records if "late answer" in r.getMessage()]
+
+
+async def test_patterns_left_early_leave_the_others_whole(embedded: EmbeddedMesh) -> None:
+    """Many patterns at once through the gateway, a good part of them left after a few
+    events: each one left gives its gathers up, which cancels tasks in the middle of writes
+    on the gateway's one stream to the broker. The others must not notice: no frame written
+    twice (a duplicate gather was refused as 'already waiting'), none lost."""
+    rng = random.Random(7)
+    kinds = ("stock_recommendation", "refund_request", "hotel_recommendation")
+    finished: list[str] = []
+
+    async with GatewayClient(embedded.gateway.address) as client:
+
+        async def run(leave_after: int | None) -> None:
+            events = client.route(rng.choice(kinds))
+            seen = 0
+            try:
+                async for event in events:
+                    seen += 1
+                    if leave_after is not None and seen >= leave_after:
+                        return
+                    if event["kind"] == "RESULT":
+                        finished.append(event["summary"])
+            finally:
+                await events.aclose()  # type: ignore[attr-defined]
+
+        for _ in range(10):
+            plan = [rng.choice([1, 2, 3, None]) for _ in range(12)]
+            await asyncio.gather(*(run(leave_after) for leave_after in plan))
+            assert len(finished) == sum(1 for p in plan if p is None)
+            finished.clear()
