@@ -235,7 +235,7 @@ class _Session:
 
     def _fail(self, failure: MeshError) -> None:
         self.closed = True
-        self.failure = failure
+        self.failure = self.failure or failure  # the first reason the session ended
         for waiter in self._waiting.values():
             if not waiter.done():
                 waiter.set_exception(failure)
@@ -324,6 +324,13 @@ class _Session:
         frame = broker_pb2.ConnectRequest()
         frame.cancel.seq = seq
         self._writer.post(frame)
+
+    def abandon(self) -> None:
+        """Gives the stream up at once (the broker stopped answering on it): what waits on it
+        fails, and the client's next call opens a new one."""
+        if not self.closed:
+            self._fail(BrokerUnavailableError("the session stopped answering"))
+            self._call.cancel()
 
     async def close(self, grace: float = 1.0) -> None:
         """Half-closes the stream so that frames already written (acks) are processed, waits
@@ -437,11 +444,19 @@ class ClientSubscription:
         codec.seconds_to_duration(self.lease_seconds, frame.subscribe.lease)
         try:
             await session.call(frame, timeout=self.client.default_timeout)
-        except BaseException:
+        except BaseException as error:
             if session.deliveries.get(self.agent_id) is queue:
                 del session.deliveries[self.agent_id]
             if own:
                 await session.close()
+            if isinstance(error, TimeoutError):
+                # A stream the broker does not answer on is of no more use: the next call
+                # opens another, and this subscription is one to try again (it reconnects).
+                session.abandon()
+                raise BrokerUnavailableError(
+                    f"the broker did not answer the subscription of {self.agent_id} within "
+                    f"{self.client.default_timeout:g} s"
+                ) from None
             raise
         self._session, self._queue, self._own_session = session, queue, own
         return self
@@ -560,9 +575,12 @@ class ClientSubscription:
         if session.deliveries.get(self.agent_id) is queue:
             frame = broker_pb2.ConnectRequest()
             frame.unsubscribe.agent_id = self.agent_id
-            with contextlib.suppress(MeshError, TimeoutError):
-                # (a session that ended took the subscription with it)
+            try:
                 await session.call(frame, timeout=self.client.default_timeout)
+            except MeshError:
+                pass  # (a session that ended took the subscription with it)
+            except TimeoutError:
+                session.abandon()  # not answering: the broker returns the leases when it ends
             if session.deliveries.get(self.agent_id) is queue:
                 del session.deliveries[self.agent_id]
         with contextlib.suppress(asyncio.QueueFull):

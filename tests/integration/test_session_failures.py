@@ -69,3 +69,40 @@ async def test_an_error_the_broker_sent_keeps_its_code(code: str) -> None:
         failure = await session_failure(address)
         assert not isinstance(failure, BrokerUnavailableError)
         assert (failure.code, failure.reason) == (code, "SOMETHING_SPECIFIC")
+
+
+async def test_a_stream_the_broker_stops_answering_on_is_given_up() -> None:
+    """A Connect stream that takes frames and answers none (a broker that lost track of it):
+    a subscription does not wait on it for ever but fails as UNAVAILABLE (so it reconnects),
+    and the client's next call opens a new stream."""
+    opened = 0
+
+    async def silent(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+        nonlocal opened
+        opened += 1
+        async for _ in requests:
+            pass
+        yield b""  # never reached while the client keeps the stream open
+
+    handler: Any = grpc.stream_stream_rpc_method_handler(silent)
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("mesh.v1.BrokerService", {"Connect": handler})]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with connect(
+            f"127.0.0.1:{port}", agent_id="probe", retry=NO_RETRY, default_timeout=0.3
+        ) as client:
+            first = await client._open_session()
+            with pytest.raises(BrokerUnavailableError, match="did not answer the subscription"):
+                await client.subscribe("Worker", reconnect=False).start()
+            assert first.closed and isinstance(first.failure, BrokerUnavailableError)
+            second = await client._open_session()
+            assert second is not first and not second.closed
+            async with asyncio.timeout(5):
+                while opened < 2:  # noqa: ASYNC110 (the server counts the streams)
+                    await asyncio.sleep(0.01)
+    finally:
+        await server.stop(0)
