@@ -415,6 +415,9 @@ class RedisQueueStore:
         self._redis: Any = None
         self._connecting = asyncio.Lock()
         self._watcher: asyncio.Task[None] | None = None
+        self._heart: asyncio.Task[None] | None = None
+        """Beats for this replica on its own, so that a sweep slowed by a failing node does
+        not make it look dead to the others."""
         self._pubsub: Any = None
         self._pubsub_client: Any = None
         """On a cluster, the watcher's own connection to one node (see _subscribe)."""
@@ -432,6 +435,8 @@ class RedisQueueStore:
         self._sampled = -RECONCILE_EVERY
         self._beating_since: int | None = None
         """Since when this replica's beats have reached the store without a break (ms)."""
+        self._last_beat = 0
+        """When this replica last beat (ms)."""
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -863,26 +868,36 @@ class RedisQueueStore:
         if leader:
             await self._reconcile(agents)  # the queues this sweep went through
 
-    async def _beat(self) -> tuple[list[str], bool]:
-        """Records that this replica is alive; returns the replicas that stopped beating
-        (forgetting them, once their leases are handed back by this sweep) and whether this
-        replica is the one that keeps the broker-wide count right (the live one with the
-        lowest id)."""
+    async def _beat_once(self) -> int:
+        """Says this replica lives (until a while from now); returns the time it beat."""
         now = self._now_ms()
         try:
             await self._call("hset", REPLICAS, self.replica_id, now + REPLICA_TIMEOUT_MS)
         except BrokerUnavailableError:
             self._beating_since = None
             raise
-        if self._beating_since is None:
+        stalled = now - self._last_beat > REPLICA_TIMEOUT_MS // 2
+        if self._beating_since is None or stalled:
+            # Beating again after a gap (the store away, or this process held up): the
+            # others were most likely held up alike, and get the time to beat again.
             self._beating_since = now
+        self._last_beat = now
+        return now
+
+    async def _beat(self) -> tuple[list[str], bool]:
+        """Records that this replica is alive; returns the replicas that stopped beating
+        (forgetting them, once their leases are handed back by this sweep) and whether this
+        replica is the one that keeps the broker-wide count right (the live one with the
+        lowest id)."""
+        now = await self._beat_once()
         beats = {
             _text(r): int(until) for r, until in (await self._call("hgetall", REPLICAS)).items()
         }
         # While this replica could not reach the store the others could not either, most
         # likely: their last beats are as old as the outage. They are judged once they have
         # had the time to beat again (and so, on start-up, once this replica has beaten a while).
-        settled = now - self._beating_since >= REPLICA_TIMEOUT_MS
+        since = self._beating_since  # (None again if the heartbeat failed meanwhile)
+        settled = since is not None and now - since >= REPLICA_TIMEOUT_MS
         gone = [replica for replica, until in beats.items() if until < now] if settled else []
         if gone:
             logger.warning("broker replicas gone: %s; their leases return", ", ".join(gone))
@@ -995,6 +1010,13 @@ class RedisQueueStore:
         self.listener = listener
         await self._subscribe()
         self._watcher = asyncio.create_task(self._follow(listener), name="redis-watch")
+        self._heart = asyncio.create_task(self._beat_forever(), name="redis-heartbeat")
+
+    async def _beat_forever(self) -> None:
+        while True:
+            with contextlib.suppress(BrokerUnavailableError):
+                await self._beat_once()
+            await asyncio.sleep(REPLICA_TIMEOUT_MS / 3000)
 
     async def _subscribe(self) -> None:
         client = await self._client()
@@ -1075,6 +1097,8 @@ class RedisQueueStore:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._redis is None:
             return
+        await cancel_and_wait(self._heart)
+        self._heart = None
         with contextlib.suppress(BrokerUnavailableError):
             await self._settle()
             await self._call("hdel", REPLICAS, self.replica_id)
