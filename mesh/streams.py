@@ -203,17 +203,17 @@ class FrameWriter(Generic[Frame]):
     ) -> None:
         if op is not None:
             await asyncio.wait({op})
+            # (retrieved here: a failed stream fails the next write too)
+            error = asyncio.CancelledError() if op.cancelled() else op.exception()
             for _, future in carried:
                 if future.done():
-                    continue
-                if op.cancelled():
-                    future.cancel()
-                elif op.exception() is not None:
-                    future.set_exception(op.exception())  # type: ignore[arg-type]
-                else:
+                    pass
+                elif error is None:
                     future.set_result(None)
-            if not op.cancelled():
-                op.exception()  # retrieved: a failed stream fails the next write too
+                elif isinstance(error, asyncio.CancelledError):
+                    future.cancel()
+                else:
+                    future.set_exception(error)
         await self._drain()
 
     def _fail_waiting(self, error: BaseException) -> None:

@@ -6,6 +6,7 @@ itself sent keeps its code."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,6 +32,14 @@ async def ending_with(abort: object) -> AsyncIterator[str]:
             await context.abort(grpc.StatusCode.INTERNAL, str(abort))
         yield b""  # never reached: an async generator, as grpc.aio wants
 
+    async with serving_connect(connect_handler) as address:
+        yield address
+
+
+@contextlib.asynccontextmanager
+async def serving_connect(connect_handler: Any) -> AsyncIterator[str]:
+    """A gRPC server whose BrokerService has only Connect, served by ``connect_handler``;
+    its address."""
     handler: Any = grpc.stream_stream_rpc_method_handler(connect_handler)
     server = grpc.aio.server()
     server.add_generic_rpc_handlers(
@@ -84,25 +93,16 @@ async def test_a_stream_the_broker_stops_answering_on_is_given_up() -> None:
             pass
         yield b""  # never reached while the client keeps the stream open
 
-    handler: Any = grpc.stream_stream_rpc_method_handler(silent)
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers(
-        [grpc.method_handlers_generic_handler("mesh.v1.BrokerService", {"Connect": handler})]
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with connect(
-            f"127.0.0.1:{port}", agent_id="probe", retry=NO_RETRY, default_timeout=0.3
-        ) as client:
-            first = await client._open_session()
-            with pytest.raises(BrokerUnavailableError, match="did not answer the subscription"):
-                await client.subscribe("Worker", reconnect=False).start()
-            assert first.closed and isinstance(first.failure, BrokerUnavailableError)
-            second = await client._open_session()
-            assert second is not first and not second.closed
-            async with asyncio.timeout(5):
-                while opened < 2:  # noqa: ASYNC110 (the server counts the streams)
-                    await asyncio.sleep(0.01)
-    finally:
-        await server.stop(0)
+    async with (
+        serving_connect(silent) as address,
+        connect(address, agent_id="probe", retry=NO_RETRY, default_timeout=0.3) as client,
+    ):
+        first = await client._open_session()
+        with pytest.raises(BrokerUnavailableError, match="did not answer the subscription"):
+            await client.subscribe("Worker", reconnect=False).start()
+        assert first.closed and isinstance(first.failure, BrokerUnavailableError)
+        second = await client._open_session()
+        assert second is not first and not second.closed
+        async with asyncio.timeout(5):
+            while opened < 2:  # noqa: ASYNC110 (the server counts the streams)
+                await asyncio.sleep(0.01)
