@@ -236,6 +236,7 @@ class _Session:
     def _fail(self, failure: MeshError) -> None:
         self.closed = True
         self.failure = self.failure or failure  # the first reason the session ended
+        self._writer.close(self.failure)
         for waiter in self._waiting.values():
             if not waiter.done():
                 waiter.set_exception(failure)
@@ -249,10 +250,8 @@ class _Session:
     async def write(self, frame: broker_pb2.ConnectRequest) -> None:
         if self.closed:
             raise self.failure or SessionClosedError("the session is closed")
-        # One call outstanding and nothing else on the stream: no other frame is coming.
-        alone = len(self._waiting) <= 1 and not self._streams and not self.deliveries
         try:
-            await self._writer.write(frame, alone=alone)
+            await self._writer.write(frame)
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
         except asyncio.InvalidStateError:

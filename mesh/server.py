@@ -321,9 +321,9 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
 
 class _Session:
     """One Connect stream. Frames are read and dispatched in the handler's own task; answers
-    and deliveries are written directly, one at a time (grpc.aio allows one write in flight),
-    so a frame costs no extra task hop. Backpressure is the write itself: a slow client slows
-    the reading of its own frames and, through max_in_flight, its deliveries."""
+    and deliveries are handed to the stream's writer (grpc.aio allows one write in flight),
+    which writes those of one moment together. Backpressure is the write itself: a slow
+    client slows the reading of its own frames and, through max_in_flight, its deliveries."""
 
     def __init__(self, broker: Broker, context: Any) -> None:
         self.broker = broker
@@ -339,24 +339,15 @@ class _Session:
         self.by_seq: dict[int, asyncio.Task[None]] = {}
         """The requests and gathers in flight, by the seq of their frame (to cancel them)."""
         self.principal = current_principal.get()
-        self.in_batch = False
-        """The reader is handling the frames of a batch frame."""
 
     async def write(self, frame: broker_pb2.ConnectResponse) -> None:
-        # A session with no subscription and at most one request in flight has nothing
-        # else to write at this moment.
-        alone = not self.subscriptions and len(self.tasks) <= 1
-        await self.writer.write(frame, alone=alone)
+        await self.writer.write(frame)
 
     async def _answer(self, frame: broker_pb2.ConnectResponse) -> None:
-        """Answers a frame. Within a batch frame, or while a write is in flight, the answer is
-        posted and the reader goes on, so that the answers of one batch (or of frames read
-        meanwhile) share one write; it waits only while MAX_POSTED answers are still to be
-        written (a client that pipelines more is read no faster than it reads its answers).
-        A lone frame's answer is written at once."""
-        if not (self.in_batch or self.writer.busy):
-            await self.write(frame)
-            return
+        """Answers a frame: the answer is posted and the reader goes on, so that the answers
+        of one batch frame (or of frames read meanwhile) share one write; it waits only while
+        MAX_POSTED answers are still to be written (a client that pipelines more is read no
+        faster than it reads its answers)."""
         posted = self.writer.post(frame)
         if self.writer.backlog >= MAX_POSTED:
             await posted
@@ -375,6 +366,7 @@ class _Session:
             for sub, pump in self.subscriptions.values():
                 pump.cancel()
                 await sub.close()
+            self.writer.close()
 
     async def _error(self, seq: int, error: MeshError) -> None:
         frame = broker_pb2.ConnectResponse(seq=seq)
@@ -388,17 +380,11 @@ class _Session:
         kind = frame.WhichOneof("frame")
         seq = frame.seq
         if kind == "batch":
-            self.in_batch = True
-            try:
-                for inner in frame.batch.frames:
-                    if inner.WhichOneof("frame") == "batch":
-                        await self._error(
-                            inner.seq, _invalid("batch", "a batch cannot hold a batch")
-                        )
-                    else:
-                        await self._dispatch(inner)
-            finally:
-                self.in_batch = False
+            for inner in frame.batch.frames:
+                if inner.WhichOneof("frame") == "batch":
+                    await self._error(inner.seq, _invalid("batch", "a batch cannot hold a batch"))
+                else:
+                    await self._dispatch(inner)
             return
         try:
             if not self.principal.admin:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 
 from mesh.streams import FrameWriter
+
+Make = Callable[..., FrameWriter[Any]]
 
 
 class Stream:
@@ -46,31 +50,57 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
-async def test_a_lone_frame_is_written_at_once() -> None:
+@pytest.fixture
+async def make() -> AsyncIterator[Make]:
+    """Writers closed at the end of the test, as a stream's owner closes its writer."""
+    made: list[FrameWriter[Any]] = []
+
+    def make(*args: Any, **kwargs: Any) -> FrameWriter[Any]:
+        made.append(FrameWriter(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for writer in made:
+        writer.close()
+
+
+async def test_a_lone_frame_is_written_at_once(make: Make) -> None:
     stream = Stream()
-    writer = FrameWriter(stream.write, batch)
+    writer = make(stream.write, batch)
     await writer.write("a")
     assert stream.written == ["a"]
 
 
-async def test_frames_given_at_the_same_moment_go_out_as_one_write() -> None:
+async def test_frames_given_at_the_same_moment_go_out_as_one_write(make: Make) -> None:
     stream = Stream()
-    writer = FrameWriter(stream.write, batch)
+    writer = make(stream.write, batch)
     await asyncio.gather(*(writer.write(f) for f in "abc"))
     await writer.write("d")
     assert stream.written == [("a", "b", "c"), "d"]
 
 
-async def test_a_frame_known_to_be_alone_goes_without_waiting_for_company() -> None:
+async def test_a_frame_whose_caller_gave_up_before_its_write_is_not_written(
+    make: Make,
+) -> None:
     stream = Stream()
-    writer = FrameWriter(stream.write, batch)
-    await asyncio.gather(writer.write("a", alone=True), writer.write("b", alone=True))
-    assert stream.written == ["a", "b"]
+    writer = make(stream.write, batch)
+    stream.gate.clear()
+    first = asyncio.create_task(writer.write("a"))
+    await settle()
+    given_up = asyncio.create_task(writer.write("b"))
+    kept = asyncio.create_task(writer.write("c"))
+    await settle()
+    given_up.cancel()
+    await settle()
+    stream.gate.set()
+    await asyncio.gather(first, kept)
+    assert given_up.cancelled()
+    assert stream.written == ["a", "c"]
 
 
-async def test_frames_given_during_a_write_go_out_together_in_order() -> None:
+async def test_frames_given_during_a_write_go_out_together_in_order(make: Make) -> None:
     stream = Stream()
-    writer = FrameWriter(stream.write, batch)
+    writer = make(stream.write, batch)
     stream.gate.clear()
     first = asyncio.create_task(writer.write("a"))
     await settle()
@@ -82,9 +112,9 @@ async def test_frames_given_during_a_write_go_out_together_in_order() -> None:
     assert stream.written == ["a", ("b", "c", "d")]
 
 
-async def test_without_a_batch_shape_frames_are_written_one_by_one() -> None:
+async def test_without_a_batch_shape_frames_are_written_one_by_one(make: Make) -> None:
     stream = Stream()
-    writer: FrameWriter[str] = FrameWriter(stream.write)
+    writer = make(stream.write)
     stream.gate.clear()
     tasks = [asyncio.create_task(writer.write(f)) for f in "abc"]
     await settle()
@@ -93,9 +123,9 @@ async def test_without_a_batch_shape_frames_are_written_one_by_one() -> None:
     assert stream.written == ["a", "b", "c"]
 
 
-async def test_batches_hold_at_most_most_frames() -> None:
+async def test_batches_hold_at_most_most_frames(make: Make) -> None:
     stream = Stream()
-    writer = FrameWriter(stream.write, batch, most=2)
+    writer = make(stream.write, batch, most=2)
     stream.gate.clear()
     tasks = [asyncio.create_task(writer.write(f)) for f in "abcde"]
     await settle()
@@ -104,9 +134,9 @@ async def test_batches_hold_at_most_most_frames() -> None:
     assert stream.written == [("a", "b"), ("c", "d"), "e"]
 
 
-async def test_a_failed_write_fails_the_frames_waiting_behind_it() -> None:
+async def test_a_failed_write_fails_the_frames_waiting_behind_it(make: Make) -> None:
     stream = Stream()
-    writer = FrameWriter(stream.write, batch)
+    writer = make(stream.write, batch)
     stream.gate.clear()
     tasks = [asyncio.create_task(writer.write(f)) for f in "abc"]
     await settle()
@@ -119,9 +149,9 @@ async def test_a_failed_write_fails_the_frames_waiting_behind_it() -> None:
     assert stream.written == ["d"]
 
 
-async def test_when_the_writing_task_is_cancelled_the_others_are_still_written() -> None:
+async def test_when_the_writing_task_is_cancelled_the_others_are_still_written(make: Make) -> None:
     stream = Stream()
-    writer = FrameWriter(stream.write, batch)
+    writer = make(stream.write, batch)
     stream.gate.clear()
     first = asyncio.create_task(writer.write("a"))
     await settle()
@@ -138,17 +168,17 @@ async def test_when_the_writing_task_is_cancelled_the_others_are_still_written()
     assert stream.written == ["a", ("b", "c")]
 
 
-async def test_a_cancelled_write_is_not_overlapped_by_the_next_frame() -> None:
+async def test_a_cancelled_write_is_not_overlapped_by_the_next_frame(make: Make) -> None:
     """An unsubscribe stops the task writing a subscription's deliveries in the middle of
     its write; the `accepted` that follows must wait for that write to end."""
     stream = Stream()
-    writer = FrameWriter(stream.write, batch)
+    writer = make(stream.write, batch)
     stream.gate.clear()
     pump = asyncio.create_task(writer.write("deliveries"))
     await settle()
     pump.cancel()
     await settle()
-    answer = asyncio.create_task(writer.write("accepted", alone=True))
+    answer = asyncio.create_task(writer.write("accepted"))
     await settle()
     assert not answer.done()  # waits for the write in flight
     stream.gate.set()
@@ -158,9 +188,9 @@ async def test_a_cancelled_write_is_not_overlapped_by_the_next_frame() -> None:
     assert not writer.busy
 
 
-async def test_finish_runs_after_every_frame_given_before_it() -> None:
+async def test_finish_runs_after_every_frame_given_before_it(make: Make) -> None:
     stream = Stream()
-    writer = FrameWriter(stream.write, batch)
+    writer = make(stream.write, batch)
     stream.gate.clear()
     tasks = [asyncio.create_task(writer.write(f)) for f in "ab"]
     await settle()
@@ -176,9 +206,9 @@ async def test_finish_runs_after_every_frame_given_before_it() -> None:
     assert stream.written == [("a", "b"), "done"]
 
 
-async def test_posted_frames_are_written_in_order_without_waiting_a_write_each() -> None:
+async def test_posted_frames_are_written_in_order_without_waiting_a_write_each(make: Make) -> None:
     stream = Stream()
-    writer = FrameWriter(stream.write, batch)
+    writer = make(stream.write, batch)
     stream.gate.clear()
     posted = [writer.post(f) for f in "abc"]  # returns at once, nothing written yet
     assert stream.written == [] and not any(f.done() for f in posted)
@@ -190,9 +220,9 @@ async def test_posted_frames_are_written_in_order_without_waiting_a_write_each()
     assert stream.written == [("a", "b", "c"), ("d", "e", "f")]
 
 
-async def test_a_failed_post_fails_its_future_and_leaves_the_writer_usable() -> None:
+async def test_a_failed_post_fails_its_future_and_leaves_the_writer_usable(make: Make) -> None:
     stream = Stream()
-    writer = FrameWriter(stream.write, batch)
+    writer = make(stream.write, batch)
     stream.fail = ConnectionResetError("the stream broke")
     future = writer.post("a")
     with pytest.raises(ConnectionResetError):
@@ -202,28 +232,70 @@ async def test_a_failed_post_fails_its_future_and_leaves_the_writer_usable() -> 
     assert stream.written == ["b"]
 
 
-async def test_frames_carried_by_a_cancelled_writer_are_written_once() -> None:
-    """The task writing other tasks' frames (as one batch) is cancelled in the middle of
-    that write: the write goes on, its frames count as written when it ends (they are not
-    written again by whoever writes next), and their tasks learn it."""
+async def test_frames_in_a_write_in_flight_count_as_written_when_their_caller_gives_up(
+    make: Make,
+) -> None:
+    """A caller whose frame is in the write in flight is cancelled: the write goes on, the
+    frame is not written again by the next write, and the others of that write learn it
+    went through."""
     stream = Stream()
-    writer = FrameWriter(stream.write, batch)
+    writer = make(stream.write, batch)
     stream.gate.clear()
     stream.hold_after = 1  # "a" goes through, then the batch of the others waits
     first = asyncio.create_task(writer.write("a"))
     await settle()
     others = [asyncio.create_task(writer.write(f)) for f in "bc"]
     await settle()
-    stream.gate.set()  # "a" is written; the first task goes on to write ("b", "c")
+    stream.gate.set()  # "a" is written; the writer goes on to write ("b", "c")
     await settle()
     assert stream.written == ["a"] and stream.writing
-    first.cancel()
+    others[0].cancel()
     await settle()
-    late = asyncio.create_task(writer.write("d", alone=True))
+    late = asyncio.create_task(writer.write("d"))
     await settle()
+    assert not late.done()  # waits for the write in flight
     stream.hold_after = None
     stream.gate.set()
-    await asyncio.gather(*others, late)
-    with pytest.raises(asyncio.CancelledError):
-        await first
+    await asyncio.gather(first, others[1], late)
+    assert others[0].cancelled()
     assert stream.written == ["a", ("b", "c"), "d"]
+
+
+async def test_a_closed_writer_fails_what_waits_and_what_comes(
+    make: Make,
+) -> None:
+    stream = Stream()
+    writer = make(stream.write, batch)
+    stream.gate.clear()
+    first = asyncio.create_task(writer.write("a"))
+    await settle()
+    waiting = asyncio.create_task(writer.write("b"))
+    await settle()
+    writer.close(ConnectionAbortedError("the session ended"))
+    with pytest.raises(ConnectionAbortedError):
+        await waiting
+    with pytest.raises(ConnectionAbortedError):
+        await writer.write("c")
+    with pytest.raises(ConnectionAbortedError):
+        await writer.post("d")
+    assert first.cancelled()  # its write was in flight: its fate is not known
+    assert not writer.busy
+    await writer.flush()  # returns: nothing more will be written
+
+
+async def test_the_writer_task_waits_while_idle_and_wakes_for_the_next_frame(
+    make: Make,
+) -> None:
+    stream = Stream()
+    writer = make(stream.write, batch)
+    await writer.write("a")
+    await settle()
+    assert not writer.busy
+    tasks = {t for t in asyncio.all_tasks() if t.get_name() == "frame-writer"}
+    assert len(tasks) == 1  # one task per stream, kept for the next frame
+    await writer.write("b")
+    assert {t for t in asyncio.all_tasks() if t.get_name() == "frame-writer"} == tasks
+    writer.close()
+    await settle()
+    assert all(t.done() for t in tasks)
+    assert stream.written == ["a", "b"]
