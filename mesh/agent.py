@@ -315,11 +315,13 @@ class AgentRuntime:
                 self.subscribed.set()
                 attempt = 0
                 async for received in sub:
-                    if self._stopping:
-                        break
+                    # (taken as the agent stops: handled with the work in flight, within
+                    # the grace; what is still buffered goes back unseen as it closes)
                     task = asyncio.create_task(self._process(received))
                     self._in_flight.add(task)
                     task.add_done_callback(self._in_flight.discard)
+                    if self._stopping:
+                        break
                 if self._stopping:
                     return
             except (BrokerUnavailableError, SessionClosedError) as error:

@@ -388,7 +388,9 @@ class Received:
         if session is not None and not session.closed:
             with contextlib.suppress(MeshError):
                 await session.write(frame)
-                self.done = answer.correlation_id == self.message.message_id
+                if answer.correlation_id == self.message.message_id:
+                    self.done = True
+                    self._subscription._taken.pop(self.message.message_id, None)
                 return
         await self._subscription.client.send_nowait(answer)
 
@@ -426,6 +428,10 @@ class ClientSubscription:
         """Acks and nacks to send, by kind and dead-letter reason."""
         self._settling: asyncio.Task[None] | None = None
         self._settlers: set[asyncio.Task[None]] = set()
+        self._taken: dict[str, None] = {}
+        """The deliveries handed on to the application and not settled yet: when the
+        subscription closes, only these count a delivery attempt at the broker (those still
+        buffered here, or on their way, go back as if never delivered)."""
 
     async def start(self) -> ClientSubscription:
         session = await self.client._open_session()
@@ -486,6 +492,12 @@ class ClientSubscription:
                 raise failure
             await self._resubscribe(failure)
         received = Received(self, item)
+        taken = self._taken
+        taken[received.message.message_id] = None
+        if len(taken) > 2 * self.max_in_flight + 16:
+            # Beyond what the broker leases at once: the oldest are long settled by lease
+            # expiry (their application never acked them), not held.
+            del taken[next(iter(taken))]
         if received.message.ack_required and received.attempt == 1:
             self.client._ack_in_background(received.message)
         return received
@@ -533,6 +545,7 @@ class ClientSubscription:
         """Queues an ack or nack; one task writes all of those queued in the meantime as one
         frame each (AckRequest and NackRequest carry many ids)."""
         self._settled.setdefault((kind, dead_letter_reason), []).append(message_id)
+        self._taken.pop(message_id, None)
         if self._settling is None:
             self._settling = asyncio.get_running_loop().create_task(self._write_settled())
             self._settlers.add(self._settling)
@@ -568,12 +581,13 @@ class ClientSubscription:
         session, queue = self._session, self._queue
         if session is None or queue is None:
             return
-        if self._own_session:
-            await session.close()
-            return
         if session.deliveries.get(self.agent_id) is queue:
             frame = broker_pb2.ConnectRequest()
             frame.unsubscribe.agent_id = self.agent_id
+            # What the application had and did not settle counts a delivery attempt; what
+            # is still buffered here, or on its way, goes back as if never delivered.
+            frame.unsubscribe.release_unseen = True
+            frame.unsubscribe.seen_message_ids.extend(self._taken)
             try:
                 await session.call(frame, timeout=self.client.default_timeout)
             except MeshError:
@@ -584,6 +598,8 @@ class ClientSubscription:
                 del session.deliveries[self.agent_id]
         with contextlib.suppress(asyncio.QueueFull):
             queue.put_nowait(_CLOSED)  # an iteration waiting now ends
+        if self._own_session:
+            await session.close()
 
 
 class MeshClient:

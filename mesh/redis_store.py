@@ -32,7 +32,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -100,11 +100,13 @@ local function expire_due(now, out)
   end
 end
 -- A lease ends without an ack: back in place, expired, or dead-lettered.
-local function give_back(id, now, max_attempts, why, at, max_dead, out, final)
+-- unseen: the delivery never reached the application, and does not count as an attempt.
+local function give_back(id, now, max_attempts, why, at, max_dead, out, final, unseen)
   local m = redis.call('HGET', meta, id)
   redis.call('ZREM', leased, id)
   if not m then return end
   local info = cjson.decode(m)
+  if unseen then info.a = math.max(info.a - 1, 0) end
   local sub = info.s
   local body = redis.call('HGET', msgs, id)
   if info.e <= now then
@@ -244,11 +246,15 @@ return out
 _RELEASE = """
 local now, max_attempts, at, max_dead, subscriber = tonumber(ARGV[1]), tonumber(ARGV[2]),
   ARGV[3], tonumber(ARGV[4]), ARGV[5]
+local release_unseen = ARGV[6] == '1'
+local seen = {}
+for i = 7, #ARGV do seen[ARGV[i]] = true end
 local out = {}
 for _, id in ipairs(redis.call('ZRANGE', leased, 0, -1)) do
   local m = redis.call('HGET', meta, id)
   if m and cjson.decode(m).s == subscriber then
-    give_back(id, now, max_attempts, 'subscriber left', at, max_dead, out)
+    local unseen = release_unseen and not seen[id]
+    give_back(id, now, max_attempts, 'subscriber left', at, max_dead, out, nil, unseen)
   end
 end
 return out
@@ -849,8 +855,13 @@ class RedisQueueStore:
         kinds = [_text(e[0]) for e in events]
         return kinds.count("requeued"), kinds.count("dead")
 
-    async def release_subscriber(self, agent_id: str, subscriber: str) -> int:
-        events = await self._run("release", agent_id, [*self._return_args(), subscriber])
+    async def release_subscriber(
+        self, agent_id: str, subscriber: str, *, seen: Collection[str] | None = None
+    ) -> int:
+        unseen = [] if seen is None else ["1", *seen]
+        events = await self._run(
+            "release", agent_id, [*self._return_args(), subscriber, *unseen]
+        )
         self._report(agent_id, events)
         return len(events)
 

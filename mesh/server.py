@@ -414,7 +414,7 @@ class _Session:
             elif kind == "subscribe":
                 await self._subscribe(seq, frame.subscribe)
             elif kind == "unsubscribe":
-                await self._unsubscribe(seq, frame.unsubscribe.agent_id)
+                await self._unsubscribe(seq, frame.unsubscribe)
             elif kind == "gather":
                 self._spawn(seq, self._gather(seq, frame.gather))
             elif kind == "cancel":
@@ -522,13 +522,16 @@ class _Session:
         pump = asyncio.create_task(self._pump(sub, batch), name=f"session-pump-{sub.agent_id}")
         self.subscriptions[sub.agent_id] = (sub, pump)
 
-    async def _unsubscribe(self, seq: int, agent_id: str) -> None:
+    async def _unsubscribe(self, seq: int, request: broker_pb2.UnsubscribeRequest) -> None:
+        agent_id = request.agent_id
         found = self.subscriptions.pop(agent_id, None)
         if found is None:
             raise _invalid("unsubscribe.agent_id", f"the session is not subscribed to {agent_id!r}")
         sub, pump = found
         await cancel_and_wait(pump)
-        await sub.close()  # its unacknowledged deliveries go back to the queue
+        # Its unacknowledged deliveries go back to the queue (those the client never handed
+        # on uncounted, when it says which it did).
+        await sub.close(seen=set(request.seen_message_ids) if request.release_unseen else None)
         out = broker_pb2.ConnectResponse(seq=seq)
         out.accepted.SetInParent()
         await self._answer(out)

@@ -14,7 +14,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import AsyncGenerator, Iterable, Sequence
+from collections.abc import AsyncGenerator, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from mesh.config import BrokerConfig
@@ -158,12 +158,14 @@ class Subscription:
                     return batch
             await self._wake.wait()
 
-    async def close(self) -> None:
-        """Ends the subscription; its unacknowledged messages go back to the queue."""
+    async def close(self, *, seen: Collection[str] | None = None) -> None:
+        """Ends the subscription; its unacknowledged messages go back to the queue. With
+        ``seen`` (the deliveries the subscriber's application had and did not settle), only
+        those count their delivery attempt; the others go back as if never delivered."""
         if not self.closed:
             self.closed = True
             self._wake.set()
-            await self.broker._unsubscribe(self)
+            await self.broker._unsubscribe(self, seen)
 
     def __aiter__(self) -> Subscription:
         return self
@@ -921,20 +923,24 @@ class Broker:
             deliveries.append(Delivery(message, lease.attempt, lease.lease_expires_at))
         return deliveries
 
-    async def _unsubscribe(self, sub: Subscription) -> None:
+    async def _unsubscribe(self, sub: Subscription, seen: Collection[str] | None) -> None:
         subs = self._subscriptions.get(sub.agent_id, [])
         if sub in subs:
             subs.remove(sub)
         if not subs:
             self._subscriptions.pop(sub.agent_id, None)
         self._by_subscription.pop(sub.subscription_id, None)
-        returned = await self.store.release_subscriber(sub.agent_id, sub.subscription_id)
+        returned = await self.store.release_subscriber(
+            sub.agent_id, sub.subscription_id, seen=seen
+        )
         sub.in_flight.clear()
         if returned:
+            unseen = "" if seen is None else " (an attempt counted for those its application had)"
             logger.info(
-                "subscription %s closed; %d unacknowledged messages returned to the queue",
+                "subscription %s closed; %d unacknowledged messages returned to the queue%s",
                 sub.subscription_id,
                 returned,
+                unseen,
             )
 
     async def ack(self, agent_id: str, message_ids: Iterable[str]) -> int:

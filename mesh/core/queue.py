@@ -19,7 +19,7 @@ import heapq
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Protocol
@@ -138,8 +138,12 @@ class QueueStore(Protocol):
         dead-lettered)."""
         ...
 
-    async def release_subscriber(self, agent_id: str, subscriber: str) -> int:
-        """Returns every message leased to a departed subscriber; returns how many."""
+    async def release_subscriber(
+        self, agent_id: str, subscriber: str, *, seen: Collection[str] | None = None
+    ) -> int:
+        """Returns every message leased to a departed subscriber; returns how many. With
+        ``seen``, only those listed count their delivery attempt (the subscriber's
+        application had them); the others go back as if never delivered."""
         ...
 
     async def sweep(self) -> None:
@@ -561,23 +565,37 @@ class InMemoryQueueStore:
                 dead += 1
         return (requeued, dead)
 
-    async def release_subscriber(self, agent_id: str, subscriber: str) -> int:
+    async def release_subscriber(
+        self, agent_id: str, subscriber: str, *, seen: Collection[str] | None = None
+    ) -> int:
         queue = self._queues.get(agent_id)
         if queue is None:
             return 0
         now = self._clock()
         mine = [e for e in queue.leased.values() if e.subscriber == subscriber]
         for entry in mine:
-            del queue.leased[entry.message.message_id]
-            self._return(queue, entry, now, "subscriber left")
+            message_id = entry.message.message_id
+            del queue.leased[message_id]
+            unseen = seen is not None and message_id not in seen
+            self._return(queue, entry, now, "subscriber left", unseen=unseen)
         return len(mine)
 
     def _return(
-        self, queue: _AgentQueue, entry: _Entry, now: float, why: str, *, final: str = ""
+        self,
+        queue: _AgentQueue,
+        entry: _Entry,
+        now: float,
+        why: str,
+        *,
+        final: str = "",
+        unseen: bool = False,
     ) -> str:
         """Puts a leased entry back in its place: "requeued", "expired" or "dead" (at once
-        with the reason ``final``, when given)."""
+        with the reason ``final``, when given). ``unseen``: its delivery never reached the
+        application, and does not count as an attempt."""
         self._released(entry)
+        if unseen:
+            entry.attempts = max(entry.attempts - 1, 0)
         if entry.expires_at <= now:
             self._drop_expired(queue, entry)
             return "expired"

@@ -1242,16 +1242,32 @@ class UnsubscribeRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     AGENT_ID_FIELD_NUMBER: _builtins.int
+    RELEASE_UNSEEN_FIELD_NUMBER: _builtins.int
+    SEEN_MESSAGE_IDS_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     """The agent whose deliveries stop; its unacknowledged ones go back to its queue."""
+    release_unseen: _builtins.bool
+    """When set, a delivery goes back counting a delivery attempt only if it is listed in
+    seen_message_ids: the subscriber handed it on to its application, which did not settle
+    it. The others (buffered by the client, or on their way to it when the subscription
+    ended) go back as they were, as if never delivered, so that a consumer that often ends
+    its subscriptions does not use up the attempts of messages it never looked at. Unset:
+    every unacknowledged delivery counts an attempt.
+    """
+    @_builtins.property
+    def seen_message_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """With release_unseen: the deliveries the application has and has not settled."""
+
     def __init__(
         self,
         *,
         agent_id: _builtins.str = ...,
+        release_unseen: _builtins.bool = ...,
+        seen_message_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "release_unseen", b"release_unseen", "seen_message_ids", b"seen_message_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

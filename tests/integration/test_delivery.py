@@ -138,6 +138,27 @@ async def test_closed_subscription_returns_unacked_messages_to_the_next_instance
         assert again == [(m.message_id, 2) for m in sent]
 
 
+async def test_a_consumer_taking_one_message_per_subscription_uses_no_attempt_of_the_rest(
+    mesh: LocalMesh,
+) -> None:
+    """A subscription is sent up to max_in_flight deliveries at once; those its application
+    never took go back uncounted when it closes, so none runs out of attempts unseen."""
+    async with mesh.client("sender") as client:
+        await client.register("Worker")
+        for i in range(6):
+            await client.send("Worker", {"action": "work", "i": i})
+        taken = []
+        for _ in range(6):
+            async with asyncio.timeout(5), client.subscribe("Worker", max_in_flight=64) as sub:
+                async for received in sub:
+                    taken.append((received.message.content["i"], received.attempt))
+                    await received.ack()
+                    break
+        assert taken == [(i, 1) for i in range(6)]
+        assert await client.dead_letters("Worker") == []
+        assert (await client.queue_stats("Worker")).agents[0].depth == 0
+
+
 async def test_max_in_flight_bounds_unacked_deliveries(mesh: LocalMesh) -> None:
     async with mesh.client("sender") as client:
         await client.register("Worker")

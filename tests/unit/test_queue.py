@@ -313,6 +313,34 @@ async def test_departed_subscriber_returns_its_leases(store: QueueStore) -> None
     assert lease is not None and (lease.message.message_id, lease.attempt) == ("a", 2)
 
 
+async def test_a_subscriber_leaving_counts_attempts_only_for_what_it_had_seen(
+    store: QueueStore, clock: FakeClock, recorder: Recorder
+) -> None:
+    for i, mid in enumerate("abcd"):
+        await store.put(msg(mid, at=i), 3600)
+    leases = await store.lease_many("PaymentAgent", "gone", 30, 4)
+    assert [lease.attempt for lease in leases] == [1, 1, 1, 1]
+    # "a" was handed to the application; "b", "c", "d" were still buffered by its client.
+    assert await store.release_subscriber("PaymentAgent", "gone", seen={"a", "elsewhere"}) == 4
+    leases = await store.lease_many("PaymentAgent", "next", 30, 4)
+    assert [(lease.message.message_id, lease.attempt) for lease in leases] == [
+        ("a", 2),
+        ("b", 1),
+        ("c", 1),
+        ("d", 1),
+    ]
+    # A subscriber that comes and goes, never looking at "d", never uses its attempts up.
+    for _ in range(5):
+        await store.release_subscriber("PaymentAgent", "next", seen=set())
+        leases = await store.lease_many("PaymentAgent", "next", 30, 4)
+        assert {lease.message.message_id: lease.attempt for lease in leases}["d"] == 1
+    assert await store.dead_letters("PaymentAgent") == [] and recorder.dead == []
+    # Without the list, every delivery counts (a client that does not say).
+    await store.release_subscriber("PaymentAgent", "next")
+    leases = await store.lease_many("PaymentAgent", "next", 30, 4)
+    assert {lease.message.message_id: lease.attempt for lease in leases}["d"] == 2
+
+
 async def test_expired_while_leased_is_not_redelivered(
     store: QueueStore, clock: FakeClock, recorder: Recorder
 ) -> None:

@@ -240,14 +240,12 @@ class MeshClient {
     const write = (frame) => {
       if (!call.writableEnded && !call.destroyed) call.write(frame);
     };
-    const inFlight = new Set();
+    const inFlight = new Map(); // handling -> the message id
     let closing = false;
     const settle = (delivery) => {
       const message = readMessage(delivery.message);
-      if (closing) { // handed back at once: another instance, or this one later, takes it
-        write({ nack: { agent_id: agentId, message_ids: [message.messageId] } });
-        return;
-      }
+      // Come while closing: left alone; the unsubscribe hands it back as never delivered.
+      if (closing) return;
       const done = (async () => {
         try {
           const answer = await handle(message, delivery.delivery_attempt);
@@ -261,19 +259,22 @@ class MeshClient {
           write({ nack });
         }
       })();
-      inFlight.add(done);
+      inFlight.set(done, message.messageId);
       done.finally(() => inFlight.delete(done));
     };
     /**
      * Ends the session gracefully: the messages being handled are answered (for up to
-     * graceMs), later deliveries are handed back, then the stream is half-closed so that the
-     * broker takes every answer in and puts what is unacknowledged back in the queue.
+     * graceMs), then the subscription ends: what is still being handled goes back to the
+     * queue counting a delivery attempt, what came meanwhile goes back as never delivered.
+     * The stream is half-closed so that the broker takes every answer in first.
      */
     call.close = async (graceMs = 5000) => {
       closing = true;
       const waited = (promise) => Promise.race([
         promise, new Promise((resolve) => { setTimeout(resolve, graceMs).unref(); })]);
-      await waited(Promise.allSettled([...inFlight]));
+      await waited(Promise.allSettled([...inFlight.keys()]));
+      write({ seq: 2, unsubscribe: { agent_id: agentId, release_unseen: true,
+        seen_message_ids: [...inFlight.values()] } });
       const over = new Promise((resolve) => { call.on('status', resolve); call.on('error', resolve); });
       if (!call.writableEnded) call.end();
       await waited(over);

@@ -191,3 +191,44 @@ test('a handler that throws Reject sends the message to the dead-letter queue at
       client.close();
     }
   });
+
+test('what a session is sent while it closes goes back to the queue as never delivered',
+  async () => {
+    const client = new MeshClient(BROKER, { agentId: 'NodeShop' });
+    try {
+      await client.register({ agentId: 'NodeQueueAgent' });
+      for (let i = 0; i < 3; i += 1) {
+        await client.send('NodeQueueAgent', { action: 'work', parameters: { i } });
+      }
+      let release;
+      const holding = new Promise((resolve) => { release = resolve; });
+      let entered;
+      const first = new Promise((resolve) => { entered = resolve; });
+      const handled = [];
+      const session = client.session(async (message, attempt) => {
+        handled.push([message.content.parameters.i, attempt]);
+        entered();
+        await holding;
+        return null;
+      }, { agentId: 'NodeQueueAgent', maxInFlight: 1 });
+      await first;
+      const closing = session.close();
+      release(); // its ack frees the slot: the next delivery comes while the session closes
+      await closing;
+      const rest = [];
+      let done;
+      const all = new Promise((resolve) => { done = resolve; });
+      const again = client.session(async (message, attempt) => {
+        rest.push([message.content.parameters.i, attempt]);
+        if (rest.length === 2) done();
+        return null;
+      }, { agentId: 'NodeQueueAgent', maxInFlight: 1 });
+      await all;
+      await again.close();
+      assert.deepEqual(handled, [[0, 1]]);
+      assert.deepEqual(rest, [[1, 1], [2, 1]]); // each at its first attempt
+    } finally {
+      await client.deregister('NodeQueueAgent').catch(() => {});
+      client.close();
+    }
+  });
