@@ -776,12 +776,16 @@ class Broker:
             for item in refused:
                 yield item
             deadline = asyncio.get_running_loop().time() + timeout
-            while gathering.expected or not gathering.answers.empty():
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        answer = await gathering.answers.get()
-                except TimeoutError:
-                    break
+            answers = gathering.answers
+            while gathering.expected or not answers.empty():
+                if answers.empty():  # (a deadline to arm only when there is a wait)
+                    try:
+                        async with asyncio.timeout_at(deadline):
+                            answer = await answers.get()
+                    except TimeoutError:
+                        break
+                else:
+                    answer = answers.get_nowait()
                 yield GatherItem(answer.from_agent, response=answer)
             for agent_id in sorted(gathering.expected):
                 yield GatherItem(
@@ -809,12 +813,11 @@ class Broker:
     def _late(self, message: Message, *, given_up: bool = False) -> bool:
         """An answer to a request or gather that ended (here, or on the replica the route
         names: ``given_up``) — given up, past its deadline, or answered already by this agent
-        (a redelivered request answered twice) — to a requester that is not an agent with a
-        queue (a gateway, a client): taken in and dropped, counted and logged, rather than
-        refused (the answering agent did nothing wrong). An answer to a registered requester
-        is queued for it as ever."""
-        if message.to_agent in self.registry:
-            return False
+        (a redelivered request answered twice): taken in and dropped, counted and logged,
+        rather than refused (the answering agent did nothing wrong) or queued to a requester
+        that is an agent (nobody waits for it there: its handler would take it for a message
+        of its own). Answers to messages that were sent, not asked (a reply_to flow), are
+        none of these: they are queued as ever."""
         key = (message.to_agent, message.correlation_id)
         until = self._ended_at.get(key)
         if until is not None and until < time.monotonic():

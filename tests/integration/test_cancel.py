@@ -153,6 +153,25 @@ async def test_answers_after_a_give_up_are_taken_in_quietly(
     assert not [r for r in caplog.records if "refused a frame" in r.getMessage()]
 
 
+async def test_a_late_answer_to_an_agent_is_not_queued_to_it(
+    slow_mesh: tuple[LocalMesh, asyncio.Event],
+) -> None:
+    """The requester is an agent with a queue of its own: an answer that comes after its
+    request ended is dropped as late, not queued to it as if it were a message for it."""
+    mesh, release = slow_mesh
+    assert mesh.broker is not None
+    async with mesh.client("Desk") as desk:
+        await desk.register("Desk")
+        with pytest.raises(RequestTimeoutError):
+            await desk.request("Slow", {"action": "quote"}, timeout=0.2)
+        release.set()
+        async with asyncio.timeout(5):
+            while not mesh.broker.metrics.totals.late_answers:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+        [queue] = (await desk.queue_stats("Desk")).agents
+        assert (queue.depth, queue.in_flight) == (0, 0)
+
+
 async def test_a_late_answer_is_known_on_every_replica(
     redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
