@@ -859,9 +859,7 @@ class RedisQueueStore:
         self, agent_id: str, subscriber: str, *, seen: Collection[str] | None = None
     ) -> int:
         unseen = [] if seen is None else ["1", *seen]
-        events = await self._run(
-            "release", agent_id, [*self._return_args(), subscriber, *unseen]
-        )
+        events = await self._run("release", agent_id, [*self._return_args(), subscriber, *unseen])
         self._report(agent_id, events)
         return len(events)
 

@@ -339,20 +339,32 @@ class _Session:
         self.by_seq: dict[int, asyncio.Task[None]] = {}
         """The requests and gathers in flight, by the seq of their frame (to cancel them)."""
         self.principal = current_principal.get()
+        self.in_batch = False
+        """The reader is handling the frames of a batch frame."""
+        self.reader: asyncio.Task[Any] | None = None
+        """The task reading the stream (the handler's own)."""
 
     async def write(self, frame: broker_pb2.ConnectResponse) -> None:
         await self.writer.write(frame)
 
     async def _answer(self, frame: broker_pb2.ConnectResponse) -> None:
-        """Answers a frame: the answer is posted and the reader goes on, so that the answers
-        of one batch frame (or of frames read meanwhile) share one write; it waits only while
-        MAX_POSTED answers are still to be written (a client that pipelines more is read no
-        faster than it reads its answers)."""
+        """Answers a frame. A lone frame's answer is written by the reader itself when the
+        stream is idle (no hand-over to the writer's task: the `accepted` of a send goes
+        before the delivery it set off); within a batch frame, or while a write is in
+        flight, the answer is posted and the reader goes on, so that the answers of one batch
+        (or of frames read meanwhile) share one write; it waits only while MAX_POSTED answers
+        are still to be written (a client that pipelines more is read no faster than it
+        reads its answers)."""
+        if not (self.in_batch or self.writer.busy) and asyncio.current_task() is self.reader:
+            # (the reader is cancelled only as the stream ends: it may write in person)
+            await self.writer.write_now(frame)
+            return
         posted = self.writer.post(frame)
         if self.writer.backlog >= MAX_POSTED:
             await posted
 
     async def run(self, frames: AsyncIterator[broker_pb2.ConnectRequest]) -> None:
+        self.reader = asyncio.current_task()
         try:
             async for frame in frames:
                 await self._dispatch(frame)
@@ -380,11 +392,17 @@ class _Session:
         kind = frame.WhichOneof("frame")
         seq = frame.seq
         if kind == "batch":
-            for inner in frame.batch.frames:
-                if inner.WhichOneof("frame") == "batch":
-                    await self._error(inner.seq, _invalid("batch", "a batch cannot hold a batch"))
-                else:
-                    await self._dispatch(inner)
+            self.in_batch = True
+            try:
+                for inner in frame.batch.frames:
+                    if inner.WhichOneof("frame") == "batch":
+                        await self._error(
+                            inner.seq, _invalid("batch", "a batch cannot hold a batch")
+                        )
+                    else:
+                        await self._dispatch(inner)
+            finally:
+                self.in_batch = False
             return
         try:
             if not self.principal.admin:

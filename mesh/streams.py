@@ -78,6 +78,41 @@ class FrameWriter(Generic[Frame]):
         raised. Cancelled before its write began, the frame is not written."""
         await self._give(frame)
 
+    async def write_now(self, frame: Frame) -> None:
+        """Writes the frame from the calling task when the stream is idle (no hand-over, no
+        wait for company), else as :meth:`write` does. Only for a task whose cancellation
+        ends the stream (the task reading it): a write in flight when the caller is cancelled
+        goes on without it, and the stream must then take no other write — the writer is
+        closed."""
+        if not self._idle.is_set() or self._closed is not None:
+            await self._give(frame)
+            return
+        self._idle.clear()
+        try:
+            await self._write(frame)
+        except asyncio.CancelledError:
+            self.close()
+            raise
+        except BaseException as error:
+            self._fail_queued(error)
+            self._resume()
+            raise
+        self._resume()
+
+    def _resume(self) -> None:
+        """After a write of the caller's own: the frames given meanwhile go to the writer's
+        task, or the stream is idle again."""
+        if self._closed is not None:
+            return
+        if not self._queue:
+            self._idle.set()
+            return
+        wake, self._wake = self._wake, None
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+        elif self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="frame-writer")
+
     def post(self, frame: Frame) -> asyncio.Future[None]:
         """Queues a frame and returns at once; it is written in order with the others. The
         future tells how the write went; nobody has to look (a failed stream fails the next
@@ -159,9 +194,14 @@ class FrameWriter(Generic[Frame]):
                     assert self.combine is not None
                     await self._write(self.combine([frame for frame, _ in carried]))
             except asyncio.CancelledError:
-                # close(): the write in flight goes on; its frames' fate is not known here.
+                # close(): the write in flight goes on; whether it gets through is not known
+                # here, and the stream is over: its frames fail as the stream did.
                 for _, future in carried:
-                    future.cancel()
+                    if not future.done():
+                        if self._closed is None:
+                            future.cancel()
+                        else:
+                            future.set_exception(self._closed)
                 raise
             except BaseException as error:  # the stream failed: what waits fails the same way
                 for _, future in carried:
@@ -189,7 +229,12 @@ class FrameWriter(Generic[Frame]):
         try:
             await item.done()
         except asyncio.CancelledError:
-            future.cancel()
+            # close() during the half-close: the stream ended, which is what it was for.
+            if not future.done():
+                if self._closed is None:
+                    future.cancel()
+                else:
+                    future.set_result(None)
             raise
         except BaseException as error:
             if not future.done():

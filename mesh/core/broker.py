@@ -933,9 +933,7 @@ class Broker:
         if not subs:
             self._subscriptions.pop(sub.agent_id, None)
         self._by_subscription.pop(sub.subscription_id, None)
-        returned = await self.store.release_subscriber(
-            sub.agent_id, sub.subscription_id, seen=seen
-        )
+        returned = await self.store.release_subscriber(sub.agent_id, sub.subscription_id, seen=seen)
         sub.in_flight.clear()
         if returned:
             unseen = "" if seen is None else " (an attempt counted for those its application had)"

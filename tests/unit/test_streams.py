@@ -278,7 +278,8 @@ async def test_a_closed_writer_fails_what_waits_and_what_comes(
         await writer.write("c")
     with pytest.raises(ConnectionAbortedError):
         await writer.post("d")
-    assert first.cancelled()  # its write was in flight: its fate is not known
+    with pytest.raises(ConnectionAbortedError):  # in flight: it fails as the stream did
+        await first
     assert not writer.busy
     await writer.flush()  # returns: nothing more will be written
 
@@ -299,3 +300,65 @@ async def test_the_writer_task_waits_while_idle_and_wakes_for_the_next_frame(
     await settle()
     assert all(t.done() for t in tasks)
     assert stream.written == ["a", "b"]
+
+
+async def test_the_reader_writes_a_lone_frame_itself_and_what_comes_meanwhile_follows(
+    make: Make,
+) -> None:
+    stream = Stream()
+    writer = make(stream.write, batch)
+    stream.gate.clear()
+    own = asyncio.create_task(writer.write_now("accepted"))
+    await settle()
+    assert writer.busy and stream.writing
+    assert not [t for t in asyncio.all_tasks() if t.get_name() == "frame-writer"]
+    later = [asyncio.create_task(writer.write(f)) for f in "ab"]
+    await settle()
+    assert not any(t.done() for t in later)  # not written beside the one in flight
+    stream.gate.set()
+    await asyncio.gather(own, *later)
+    assert stream.written == ["accepted", ("a", "b")]
+    await writer.flush()
+    assert not writer.busy
+    busy_then = asyncio.create_task(writer.write("c"))
+    await asyncio.sleep(0)
+    await writer.write_now("d")  # the stream is busy: it waits its turn like any frame
+    await busy_then
+    assert stream.written[2:] in (["c", "d"], [("c", "d")])
+
+
+async def test_a_reader_cancelled_in_its_own_write_closes_the_writer(make: Make) -> None:
+    """The reader is cancelled only as the stream ends; its write goes on in grpc.aio, and
+    nothing may be written beside it: what waits fails, and so does what comes after."""
+    stream = Stream()
+    writer = make(stream.write, batch)
+    stream.gate.clear()
+    own = asyncio.create_task(writer.write_now("accepted"))
+    await settle()
+    waiting = asyncio.create_task(writer.write("delivery"))
+    await settle()
+    own.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await own
+    with pytest.raises(asyncio.InvalidStateError):
+        await waiting
+    with pytest.raises(asyncio.InvalidStateError):
+        await writer.write("more")
+    assert not writer.busy
+
+
+async def test_a_half_close_under_way_when_the_stream_ends_is_done(make: Make) -> None:
+    """The client half-closes; the broker ends the stream before the half-close completes,
+    and the session closes its writer: the half-close is over, not cancelled."""
+    stream = Stream()
+    writer = make(stream.write, batch)
+    started = asyncio.Event()
+
+    async def done() -> None:
+        started.set()
+        await asyncio.Event().wait()  # completes only with the stream
+
+    finishing = asyncio.create_task(writer.finish(done))
+    await started.wait()
+    writer.close(ConnectionAbortedError("the broker ended the session"))
+    await finishing  # returns, does not raise CancelledError into the closer
