@@ -15,6 +15,10 @@ A write carries at most ``most`` frames (32): a burst larger than that goes as s
 writes, so the receiving side starts on the first while the next is written and the
 processes of a mesh keep working side by side instead of in turn.
 
+The task reading a stream may write a lone frame itself when the stream is idle
+(:meth:`FrameWriter.write_now`: no hand-over, so the answer to a send goes out before the
+delivery it set off): that task is cancelled only as the stream ends.
+
 Why a task of the writer's own: a write once started is not taken back. grpc.aio goes on
 with it when the task awaiting it is cancelled (a subscription ended mid-delivery, a request
 given up) and refuses another write meanwhile (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS, which ends
@@ -104,9 +108,13 @@ class FrameWriter(Generic[Frame]):
         task, or the stream is idle again."""
         if self._closed is not None:
             return
-        if not self._queue:
+        if self._queue:
+            self._kick()
+        else:
             self._idle.set()
-            return
+
+    def _kick(self) -> None:
+        """Sets the writer's task to the frames queued: wakes it, or starts it."""
         wake, self._wake = self._wake, None
         if wake is not None and not wake.done():
             wake.set_result(None)
@@ -155,19 +163,14 @@ class FrameWriter(Generic[Frame]):
         self._idle.set()
 
     def _give(self, item: Frame | _Finish) -> asyncio.Future[None]:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if self._closed is not None:
             future.set_exception(self._closed)
             return future
         self._queue.append((item, future))
-        if self._idle.is_set():
+        if self._idle.is_set():  # (while busy, the write in flight is followed by these)
             self._idle.clear()
-            wake, self._wake = self._wake, None
-            if wake is not None and not wake.done():
-                wake.set_result(None)
-            elif self._task is None or self._task.done():
-                self._task = loop.create_task(self._run(), name="frame-writer")
+            self._kick()
         return future
 
     async def _run(self) -> None:

@@ -19,6 +19,7 @@ from gateway.server import serve_gateway
 from mesh import AgentContext, Message, MessageType, RequestTimeoutError, agent, connect, serve
 from mesh.client import NO_RETRY
 from mesh.config import BrokerConfig
+from mesh.core.broker import Broker
 from mesh.core.model import new_message_id
 from mesh.server import serve_broker
 from mesh.testing import LocalMesh
@@ -55,6 +56,13 @@ async def settled(mesh: LocalMesh) -> int:
         while mesh.broker.pending_requests:  # noqa: ASYNC110 (a broker figure, no event)
             await asyncio.sleep(0.02)
     return mesh.broker.pending_requests
+
+
+async def late_answer_counted(broker: Broker) -> None:
+    """Returns once the broker has counted a late answer."""
+    async with asyncio.timeout(5):
+        while not broker.metrics.totals.late_answers:  # noqa: ASYNC110 (a broker figure)
+            await asyncio.sleep(0.02)
 
 
 async def test_a_cancelled_request_is_given_up_at_the_broker(
@@ -143,9 +151,7 @@ async def test_answers_after_a_give_up_are_taken_in_quietly(
         with pytest.raises(RequestTimeoutError):
             await client.request("Slow", {"action": "quote"}, timeout=0.2)
         release.set()
-        async with asyncio.timeout(5):
-            while not mesh.broker.metrics.totals.late_answers:  # noqa: ASYNC110
-                await asyncio.sleep(0.02)
+        await late_answer_counted(mesh.broker)
     assert mesh.broker.metrics.totals.late_answers == 1
     [late] = [r for r in caplog.records if "late answer" in r.getMessage()]
     assert late.event["category"] == "late_answer"  # type: ignore[attr-defined]
@@ -165,9 +171,7 @@ async def test_a_late_answer_to_an_agent_is_not_queued_to_it(
         with pytest.raises(RequestTimeoutError):
             await desk.request("Slow", {"action": "quote"}, timeout=0.2)
         release.set()
-        async with asyncio.timeout(5):
-            while not mesh.broker.metrics.totals.late_answers:  # noqa: ASYNC110
-                await asyncio.sleep(0.02)
+        await late_answer_counted(mesh.broker)
         [queue] = (await desk.queue_stats("Desk")).agents
         assert (queue.depth, queue.in_flight) == (0, 0)
 
@@ -194,9 +198,7 @@ async def test_a_late_answer_is_known_on_every_replica(
             with pytest.raises(RequestTimeoutError):
                 await client.request("Slow", {"action": "quote"}, timeout=0.5)
             release.set()
-            async with asyncio.timeout(5):
-                while not broker_b.metrics.totals.late_answers:  # noqa: ASYNC110
-                    await asyncio.sleep(0.02)
+            await late_answer_counted(broker_b)
     finally:
         await served.stop(1.0)
         await server_a.stop(0.5)
