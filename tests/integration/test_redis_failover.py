@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mesh import BrokerUnavailableError, connect
+from mesh import BrokerUnavailableError, Message, connect
 from mesh.client import NO_RETRY
 from mesh.config import BrokerConfig
 from mesh.server import serve_broker
@@ -62,7 +62,15 @@ async def test_a_primary_crash_fails_over_and_loses_nothing_accepted(
             await asyncio.to_thread(cluster.kill_node, watched)
 
             # Sends are refused with UNAVAILABLE while a primary is missing, then accepted
-            # again once its replica has taken over: for every queue.
+            # again once its replica has taken over: for every queue. A refusal can be
+            # ambiguous (the write reached Redis, its answer did not): like the SDK's own
+            # retries, the loop sends the same message again, which the store takes once.
+            after = {
+                agent_id: Message(
+                    from_agent="alice", to_agent=agent_id, content={"action": "after"}
+                )
+                for agent_id in AGENTS
+            }
             refused = 0
             pending = set(AGENTS)
             started = time.monotonic()
@@ -70,7 +78,7 @@ async def test_a_primary_crash_fails_over_and_loses_nothing_accepted(
                 assert time.monotonic() - started < 30, f"still refused: {sorted(pending)}"
                 for agent_id in sorted(pending):
                     try:
-                        await via_a.send(agent_id, {"action": "after"})
+                        await via_a.send_message(after[agent_id])
                         pending.discard(agent_id)
                     except BrokerUnavailableError:
                         refused += 1
