@@ -64,6 +64,16 @@ async def make() -> AsyncIterator[Make]:
         writer.close()
 
 
+async def in_flight(make: Make, frame: str) -> tuple[Stream, FrameWriter[Any], asyncio.Task[None]]:
+    """A writer over a stream that holds its first write, ``frame``, in flight."""
+    stream = Stream()
+    writer = make(stream.write, batch)
+    stream.gate.clear()
+    first = asyncio.create_task(writer.write(frame))
+    await settle()
+    return stream, writer, first
+
+
 async def test_a_lone_frame_is_written_at_once(make: Make) -> None:
     stream = Stream()
     writer = make(stream.write, batch)
@@ -82,11 +92,7 @@ async def test_frames_given_at_the_same_moment_go_out_as_one_write(make: Make) -
 async def test_a_frame_whose_caller_gave_up_before_its_write_is_not_written(
     make: Make,
 ) -> None:
-    stream = Stream()
-    writer = make(stream.write, batch)
-    stream.gate.clear()
-    first = asyncio.create_task(writer.write("a"))
-    await settle()
+    stream, writer, first = await in_flight(make, "a")
     given_up = asyncio.create_task(writer.write("b"))
     kept = asyncio.create_task(writer.write("c"))
     await settle()
@@ -99,11 +105,7 @@ async def test_a_frame_whose_caller_gave_up_before_its_write_is_not_written(
 
 
 async def test_frames_given_during_a_write_go_out_together_in_order(make: Make) -> None:
-    stream = Stream()
-    writer = make(stream.write, batch)
-    stream.gate.clear()
-    first = asyncio.create_task(writer.write("a"))
-    await settle()
+    stream, writer, first = await in_flight(make, "a")
     rest = [asyncio.create_task(writer.write(f)) for f in "bcd"]
     await settle()
     assert not any(t.done() for t in [first, *rest])
@@ -150,11 +152,7 @@ async def test_a_failed_write_fails_the_frames_waiting_behind_it(make: Make) -> 
 
 
 async def test_when_the_writing_task_is_cancelled_the_others_are_still_written(make: Make) -> None:
-    stream = Stream()
-    writer = make(stream.write, batch)
-    stream.gate.clear()
-    first = asyncio.create_task(writer.write("a"))
-    await settle()
+    stream, writer, first = await in_flight(make, "a")
     rest = [asyncio.create_task(writer.write(f)) for f in "bc"]
     await settle()
     first.cancel()
@@ -264,11 +262,7 @@ async def test_frames_in_a_write_in_flight_count_as_written_when_their_caller_gi
 async def test_a_closed_writer_fails_what_waits_and_what_comes(
     make: Make,
 ) -> None:
-    stream = Stream()
-    writer = make(stream.write, batch)
-    stream.gate.clear()
-    first = asyncio.create_task(writer.write("a"))
-    await settle()
+    _, writer, first = await in_flight(make, "a")
     waiting = asyncio.create_task(writer.write("b"))
     await settle()
     writer.close(ConnectionAbortedError("the session ended"))
