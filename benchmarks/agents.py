@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import time
 
 from mesh import Agent, AgentContext, Message, connect, serve, serve_all
 from mesh.cli import _until_signalled
@@ -16,13 +17,15 @@ from mesh.loop import run as run_loop
 
 
 class EchoAgent(Agent):
-    """Answers every REQUEST, HANDOFF and BROADCAST at once with what it was sent; messages
-    whose action is "sink" are only consumed."""
+    """Answers every REQUEST, HANDOFF and BROADCAST at once with what it was sent and the
+    wall-clock time its handler got it (``received_at``, for a broadcast's delivery latency);
+    messages whose action is "sink" are only consumed."""
 
     async def handle(self, message: Message, ctx: AgentContext) -> dict[str, object] | None:
         if message.action == "sink":
             return None
         return {
+            "received_at": time.time(),
             "echo": (message.content or {}).get("parameters"),
             "recommendation": "Buy AAPL",
             "confidence": 0.8,

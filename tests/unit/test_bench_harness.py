@@ -3,6 +3,7 @@ repetitions, and what the report and the comparison say."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from benchmarks.harness import (
     compare,
     cpu_table,
     process_cpu_seconds,
+    timed,
 )
 
 BURN = """import time
@@ -128,3 +130,17 @@ def test_the_comparison_names_what_got_cheaper_or_dearer() -> None:
     assert "roundtrip.cpu_us_per_op.total: 1000.0 -> 600.0 (-40%, cheaper)" in lines
     same = compare(now, {"figures": combine([run(1.01, 510.0)])})
     assert same == ["no figure moved by 5% or more"]
+
+
+async def test_an_operation_may_report_the_latency_it_measured_itself() -> None:
+    calls = 0
+
+    async def op() -> float:
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(0)
+        return 0.25  # e.g. until the last agent had a broadcast, from the agents' stamps
+
+    assert await timed(op, 3, 2, own_latency=True) == [0.25, 0.25, 0.25]
+    assert calls == 5  # the warm-up is run, not sampled
+    assert all(0 <= s < 0.25 for s in await timed(op, 2, 0))  # otherwise: its duration
