@@ -107,15 +107,29 @@ class GatewayClient:
         return [event async for event in events]
 
     async def pattern_stats(self) -> dict[str, dict[str, Any]]:
+        """Each pattern's figures by name: runs, completion, consensus rate, accuracy, ..."""
         try:
             reply = await self.stub.GetPatternStats(
                 gateway_pb2.GetPatternStatsRequest(), timeout=self.timeout
             )
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
-        return {
-            gateway_pb2.Pattern.Name(p.pattern).removeprefix("PATTERN_"): {
-                f.name: getattr(p, f.name) for f in p.DESCRIPTOR.fields if f.name != "pattern"
-            }
-            for p in reply.patterns
-        }
+        return {_pattern_name(p.pattern): _stats_dict(p) for p in reply.patterns}
+
+    async def feedback(self, run_id: str, satisfied: bool) -> dict[str, Any]:
+        """Tells the gateway whether a finished run's outcome satisfied the user; returns the
+        pattern's figures with it counted (``accuracy``: satisfied / rated)."""
+        request = gateway_pb2.RecordFeedbackRequest(run_id=run_id, satisfied=satisfied)
+        try:
+            reply = await self.stub.RecordFeedback(request, timeout=self.timeout)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        return {"pattern": _pattern_name(reply.pattern), **_stats_dict(reply.stats)}
+
+
+def _pattern_name(value: gateway_pb2.Pattern.ValueType) -> str:
+    return gateway_pb2.Pattern.Name(value).removeprefix("PATTERN_")
+
+
+def _stats_dict(pb: gateway_pb2.PatternStats) -> dict[str, Any]:
+    return {f.name: getattr(pb, f.name) for f in pb.DESCRIPTOR.fields if f.name != "pattern"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from google.protobuf import json_format
 
 from gateway.events import EventKind, Pattern, PatternEvent
+from gateway.metrics import PatternTally
 from gateway.patterns.collaborative import FilteringSpec
 from gateway.patterns.consensus import ConsensusSpec
 from gateway.patterns.group_chat import GroupChatSpec
@@ -122,3 +123,20 @@ def event_to_pb(event: PatternEvent, out: gateway_pb2.PatternEvent) -> gateway_p
 def preset_request(preset: dict[str, JSON], message_type: type) -> object:
     """A preset from the routing table, read as the request message of its pattern."""
     return json_format.ParseDict(preset, message_type(), ignore_unknown_fields=False)
+
+
+def stats_to_pb(
+    pattern: Pattern, tally: PatternTally, out: gateway_pb2.PatternStats
+) -> gateway_pb2.PatternStats:
+    out.pattern = PATTERN_TO_PB[pattern]
+    out.runs = tally.runs
+    out.completed = tally.completed
+    out.partial = tally.partial
+    out.failed = tally.failed
+    out.duration_avg_seconds = tally.duration_avg_seconds
+    out.completion_rate = tally.completion_rate
+    out.consensus_rate = tally.consensus_rate
+    out.rated = tally.rated
+    out.satisfied = tally.satisfied
+    out.accuracy = tally.accuracy
+    return out

@@ -206,14 +206,15 @@ async def run_demo(gateway: str, out: Printer = print) -> int:
     out("")
     out(
         f"   {'pattern':<26} {'runs':>5} {'completed':>9} {'avg ms':>8} {'completion':>10} "
-        f"{'consensus':>9}"
+        f"{'consensus':>9} {'accuracy':>8}"
     )
     for name, s in stats.items():
         if s["runs"]:
             avg_ms = s["duration_avg_seconds"] * 1000
+            accuracy = f"{s['accuracy']:8.2f}" if s["rated"] else f"{'-':>8}"  # nobody rated
             out(
                 f"   {name:<26} {s['runs']:>5} {s['completed']:>9} {avg_ms:8.1f} "
-                f"{s['completion_rate']:10.2f} {s['consensus_rate']:9.2f}"
+                f"{s['completion_rate']:10.2f} {s['consensus_rate']:9.2f} {accuracy}"
             )
     failed = [row for row in summary if row["status"] not in ("COMPLETED", "FAILED")]
     return 1 if failed else 0

@@ -1,5 +1,5 @@
 """Pattern metrics (RF-010 scenario 20, RT-011): durations, consensus and completion rates,
-routing and aggregation latency, conflict resolutions."""
+the users' satisfaction (accuracy), routing and aggregation latency, conflict resolutions."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gateway.events import Pattern
+from gateway.feedback import Rating
 from mesh.core.model import JSON
 
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60)
@@ -22,6 +23,8 @@ class PatternTally:
     failed: int = 0
     total_seconds: float = 0.0
     unanimous: int = 0
+    rated: int = 0
+    satisfied: int = 0
 
     @property
     def duration_avg_seconds(self) -> float:
@@ -34,6 +37,11 @@ class PatternTally:
     @property
     def consensus_rate(self) -> float:
         return self.unanimous / self.runs if self.runs else 0.0
+
+    @property
+    def accuracy(self) -> float:
+        """The share of rated runs whose outcome satisfied the user (RF-010 scenario 20)."""
+        return self.satisfied / self.rated if self.rated else 0.0
 
 
 class PatternMetrics:
@@ -59,6 +67,18 @@ class PatternMetrics:
         self.completion_rate = Gauge(
             "agentmesh_pattern_completion_rate",
             "Share of runs that completed, per pattern.",
+            ["pattern"],
+            registry=r,
+        )
+        self.feedback_count = Counter(
+            "agentmesh_pattern_feedback",
+            "Users' ratings of finished runs, per pattern (a rating replaced counts again).",
+            ["pattern", "satisfied"],
+            registry=r,
+        )
+        self.accuracy = Gauge(
+            "agentmesh_pattern_accuracy",
+            "Share of rated runs whose outcome satisfied the user, per pattern.",
             ["pattern"],
             registry=r,
         )
@@ -104,6 +124,18 @@ class PatternMetrics:
             if result.get("unanimous"):
                 tally.unanimous += 1
             self.consensus_rate.set(tally.consensus_rate)
+
+    def feedback(self, rating: Rating, satisfied: bool) -> PatternTally:
+        """Counts a user's rating of a run (replacing that run's earlier one)."""
+        tally = self.tallies[rating.pattern]
+        if rating.previous is None:
+            tally.rated += 1
+        elif rating.previous:
+            tally.satisfied -= 1
+        tally.satisfied += satisfied
+        self.feedback_count.labels(rating.pattern.value, str(satisfied).lower()).inc()
+        self.accuracy.labels(rating.pattern.value).set(tally.accuracy)
+        return tally
 
     def aggregation(self, seconds: float, conflict: bool) -> None:
         self.aggregation_latency.observe(seconds)

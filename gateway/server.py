@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from gateway import codec
 from gateway.dispatch import Dispatcher, MeshDispatcher
 from gateway.events import Emit, EventKind, Pattern, PatternEvent
+from gateway.feedback import RunLedger
 from gateway.metrics import PatternMetrics
 from gateway.patterns._common import invalid, new_id
 from gateway.patterns.consensus import run_consensus
@@ -49,6 +50,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.metrics = metrics
         self.observers: list[Callable[[PatternEvent], None]] = []
         """Told of every event of every run (the dashboard follows runs this way)."""
+        self.ledger = RunLedger()
+        """The recent runs, which users may rate (RecordFeedback)."""
         self.draining = False
         self._active = 0
         self._idle = asyncio.Event()
@@ -72,6 +75,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 self.metrics.aggregation(float(data.get("aggregation_ms", 0.0)) / 1000, conflict)
             elif event.kind is EventKind.ROUTED:
                 self.metrics.routing_latency.observe(float(data["routing_latency_ms"]) / 1000)
+            self.ledger.observe(event)
             for observer in self.observers:
                 observer(event)
             await emit(event)
@@ -330,16 +334,34 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     ) -> gateway_pb2.GetPatternStatsResponse:
         response = gateway_pb2.GetPatternStatsResponse()
         for pattern, tally in self.metrics.tallies.items():
-            response.patterns.add(
-                pattern=codec.PATTERN_TO_PB[pattern],
-                runs=tally.runs,
-                completed=tally.completed,
-                partial=tally.partial,
-                failed=tally.failed,
-                duration_avg_seconds=tally.duration_avg_seconds,
-                completion_rate=tally.completion_rate,
-                consensus_rate=tally.consensus_rate,
-            )
+            codec.stats_to_pb(pattern, tally, response.patterns.add())
+        return response
+
+    async def RecordFeedback(
+        self, request: gateway_pb2.RecordFeedbackRequest, context: Any
+    ) -> gateway_pb2.RecordFeedbackResponse:
+        try:
+            rating = self.ledger.rate(request.run_id, request.satisfied)
+        except MeshError as error:
+            await abort(context, error)
+        tally = self.metrics.feedback(rating, request.satisfied)
+        logger.info(
+            "feedback on %s run %s: %s",
+            rating.pattern.value,
+            request.run_id,
+            "satisfied" if request.satisfied else "not satisfied",
+            extra={
+                "event": {
+                    "category": "feedback",
+                    "pattern": rating.pattern.value,
+                    "run_id": request.run_id,
+                    "satisfied": request.satisfied,
+                    "replaced": rating.previous is not None,
+                }
+            },
+        )
+        response = gateway_pb2.RecordFeedbackResponse(pattern=codec.PATTERN_TO_PB[rating.pattern])
+        codec.stats_to_pb(rating.pattern, tally, response.stats)
         return response
 
 

@@ -980,6 +980,9 @@ class PatternStats(_message.Message):
     DURATION_AVG_SECONDS_FIELD_NUMBER: _builtins.int
     COMPLETION_RATE_FIELD_NUMBER: _builtins.int
     CONSENSUS_RATE_FIELD_NUMBER: _builtins.int
+    RATED_FIELD_NUMBER: _builtins.int
+    SATISFIED_FIELD_NUMBER: _builtins.int
+    ACCURACY_FIELD_NUMBER: _builtins.int
     pattern: Global___Pattern.ValueType
     """The pattern."""
     runs: _builtins.int
@@ -996,6 +999,12 @@ class PatternStats(_message.Message):
     """completed / runs."""
     consensus_rate: _builtins.float
     """Group chats only: unanimous / runs."""
+    rated: _builtins.int
+    """Runs the users rated (RecordFeedback)."""
+    satisfied: _builtins.int
+    """Rated runs whose outcome satisfied the user."""
+    accuracy: _builtins.float
+    """satisfied / rated (0 while none is rated)."""
     def __init__(
         self,
         *,
@@ -1007,10 +1016,13 @@ class PatternStats(_message.Message):
         duration_avg_seconds: _builtins.float = ...,
         completion_rate: _builtins.float = ...,
         consensus_rate: _builtins.float = ...,
+        rated: _builtins.int = ...,
+        satisfied: _builtins.int = ...,
+        accuracy: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed", b"completed", "completion_rate", b"completion_rate", "consensus_rate", b"consensus_rate", "duration_avg_seconds", b"duration_avg_seconds", "failed", b"failed", "partial", b"partial", "pattern", b"pattern", "runs", b"runs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accuracy", b"accuracy", "completed", b"completed", "completion_rate", b"completion_rate", "consensus_rate", b"consensus_rate", "duration_avg_seconds", b"duration_avg_seconds", "failed", b"failed", "partial", b"partial", "pattern", b"pattern", "rated", b"rated", "runs", b"runs", "satisfied", b"satisfied"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1039,3 +1051,57 @@ class GetPatternStatsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetPatternStatsResponse: _TypeAlias = GetPatternStatsResponse  # noqa: Y015
+
+@_typing.final
+class RecordFeedbackRequest(_message.Message):
+    """RecordFeedbackRequest is a user's verdict on one run's outcome."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    SATISFIED_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    """The run: the run_id of its events (a group chat's group id, a workflow id, ...)."""
+    satisfied: _builtins.bool
+    """Whether the outcome satisfied the user."""
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        satisfied: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["run_id", b"run_id", "satisfied", b"satisfied"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordFeedbackRequest: _TypeAlias = RecordFeedbackRequest  # noqa: Y015
+
+@_typing.final
+class RecordFeedbackResponse(_message.Message):
+    """RecordFeedbackResponse says what the feedback counted for."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATTERN_FIELD_NUMBER: _builtins.int
+    STATS_FIELD_NUMBER: _builtins.int
+    pattern: Global___Pattern.ValueType
+    """The pattern of the run."""
+    @_builtins.property
+    def stats(self) -> Global___PatternStats:
+        """The pattern's figures with this feedback counted."""
+
+    def __init__(
+        self,
+        *,
+        pattern: Global___Pattern.ValueType = ...,
+        stats: Global___PatternStats | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pattern", b"pattern", "stats", b"stats"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordFeedbackResponse: _TypeAlias = RecordFeedbackResponse  # noqa: Y015

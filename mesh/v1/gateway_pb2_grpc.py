@@ -77,6 +77,11 @@ class GatewayServiceStub:
                 request_serializer=mesh_dot_v1_dot_gateway__pb2.GetPatternStatsRequest.SerializeToString,
                 response_deserializer=mesh_dot_v1_dot_gateway__pb2.GetPatternStatsResponse.FromString,
                 _registered_method=True)
+        self.RecordFeedback = channel.unary_unary(
+                '/mesh.v1.GatewayService/RecordFeedback',
+                request_serializer=mesh_dot_v1_dot_gateway__pb2.RecordFeedbackRequest.SerializeToString,
+                response_deserializer=mesh_dot_v1_dot_gateway__pb2.RecordFeedbackResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServiceServicer:
@@ -140,7 +145,19 @@ class GatewayServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetPatternStats(self, request, context):
-        """Runs, durations, completion and consensus rates per pattern since start.
+        """Runs, durations, completion and consensus rates, and the users' satisfaction
+        (accuracy), per pattern since start.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RecordFeedback(self, request, context):
+        """Records whether the user was satisfied with the outcome of a finished run (its
+        recommendation or decision): the pattern's accuracy is the share of rated runs that
+        satisfied. Rating a run again replaces its rating. NOT_FOUND for a run the gateway does
+        not know (or no longer remembers: it keeps the last 10,000), FAILED_PRECONDITION for a
+        run still going or one that failed (nothing to rate).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -188,6 +205,11 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.GetPatternStats,
                     request_deserializer=mesh_dot_v1_dot_gateway__pb2.GetPatternStatsRequest.FromString,
                     response_serializer=mesh_dot_v1_dot_gateway__pb2.GetPatternStatsResponse.SerializeToString,
+            ),
+            'RecordFeedback': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordFeedback,
+                    request_deserializer=mesh_dot_v1_dot_gateway__pb2.RecordFeedbackRequest.FromString,
+                    response_serializer=mesh_dot_v1_dot_gateway__pb2.RecordFeedbackResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -409,6 +431,33 @@ class GatewayService:
             '/mesh.v1.GatewayService/GetPatternStats',
             mesh_dot_v1_dot_gateway__pb2.GetPatternStatsRequest.SerializeToString,
             mesh_dot_v1_dot_gateway__pb2.GetPatternStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordFeedback(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mesh.v1.GatewayService/RecordFeedback',
+            mesh_dot_v1_dot_gateway__pb2.RecordFeedbackRequest.SerializeToString,
+            mesh_dot_v1_dot_gateway__pb2.RecordFeedbackResponse.FromString,
             options,
             channel_credentials,
             insecure,

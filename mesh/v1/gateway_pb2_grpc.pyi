@@ -61,7 +61,16 @@ class GatewayServiceStub:
     provenance and conflict resolution, refines on gaps, and writes a report.
     """
     GetPatternStats: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.GetPatternStatsRequest, _gateway_pb2.GetPatternStatsResponse]
-    """Runs, durations, completion and consensus rates per pattern since start."""
+    """Runs, durations, completion and consensus rates, and the users' satisfaction
+    (accuracy), per pattern since start.
+    """
+    RecordFeedback: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.RecordFeedbackRequest, _gateway_pb2.RecordFeedbackResponse]
+    """Records whether the user was satisfied with the outcome of a finished run (its
+    recommendation or decision): the pattern's accuracy is the share of rated runs that
+    satisfied. Rating a run again replaces its rating. NOT_FOUND for a run the gateway does
+    not know (or no longer remembers: it keeps the last 10,000), FAILED_PRECONDITION for a
+    run still going or one that failed (nothing to rate).
+    """
 
 @_typing.type_check_only
 class GatewayServiceAsyncStub(GatewayServiceStub):
@@ -96,7 +105,16 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     provenance and conflict resolution, refines on gaps, and writes a report.
     """
     GetPatternStats: _aio.UnaryUnaryMultiCallable[_gateway_pb2.GetPatternStatsRequest, _gateway_pb2.GetPatternStatsResponse]  # type: ignore[assignment]
-    """Runs, durations, completion and consensus rates per pattern since start."""
+    """Runs, durations, completion and consensus rates, and the users' satisfaction
+    (accuracy), per pattern since start.
+    """
+    RecordFeedback: _aio.UnaryUnaryMultiCallable[_gateway_pb2.RecordFeedbackRequest, _gateway_pb2.RecordFeedbackResponse]  # type: ignore[assignment]
+    """Records whether the user was satisfied with the outcome of a finished run (its
+    recommendation or decision): the pattern's accuracy is the share of rated runs that
+    satisfied. Rating a run again replaces its rating. NOT_FOUND for a run the gateway does
+    not know (or no longer remembers: it keeps the last 10,000), FAILED_PRECONDITION for a
+    run still going or one that failed (nothing to rate).
+    """
 
 class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
     """GatewayService runs the multi-agent patterns (RF-010) over the mesh and streams their
@@ -176,6 +194,21 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _gateway_pb2.GetPatternStatsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.GetPatternStatsResponse, _abc.Awaitable[_gateway_pb2.GetPatternStatsResponse]]:
-        """Runs, durations, completion and consensus rates per pattern since start."""
+        """Runs, durations, completion and consensus rates, and the users' satisfaction
+        (accuracy), per pattern since start.
+        """
+
+    @_abc_1.abstractmethod
+    def RecordFeedback(
+        self,
+        request: _gateway_pb2.RecordFeedbackRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.RecordFeedbackResponse, _abc.Awaitable[_gateway_pb2.RecordFeedbackResponse]]:
+        """Records whether the user was satisfied with the outcome of a finished run (its
+        recommendation or decision): the pattern's accuracy is the share of rated runs that
+        satisfied. Rating a run again replaces its rating. NOT_FOUND for a run the gateway does
+        not know (or no longer remembers: it keeps the last 10,000), FAILED_PRECONDITION for a
+        run still going or one that failed (nothing to rate).
+        """
 
 def add_GatewayServiceServicer_to_server(servicer: GatewayServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -93,6 +93,12 @@ async def test_every_documented_call_works(embedded: EmbeddedMesh) -> None:
     [dead] = json.loads(by_rpc["mesh.v1.BrokerService/ListDeadLetters"])["deadLetters"]
     assert dead["reason"] == "PaymentDesk does not handle action refund"
     assert dead["deliveryAttempts"] == 2
+    feedback = json.loads(by_rpc["mesh.v1.GatewayService/RecordFeedback"])
+    assert feedback["pattern"] == "PATTERN_GROUP_CHAT"
+    assert feedback["stats"]["rated"] == "1" and feedback["stats"]["accuracy"] == 1
+    stats = json.loads(by_rpc["mesh.v1.GatewayService/GetPatternStats"])["patterns"]
+    [group_chats] = [p for p in stats if p["pattern"] == "PATTERN_GROUP_CHAT"]
+    assert group_chats["satisfied"] == "1"
     assert '"decision": "ACCEPT"' in by_rpc["mesh.v1.GatewayService/RunConsensus"]
     assert "EVENT_KIND_REPORT" in by_rpc["mesh.v1.GatewayService/RunResearch"]
     assert '"tool": "web_search"' not in by_rpc["mesh.v1.ToolService/ListTools"]

@@ -728,16 +728,35 @@ async def test_scenario_20_pattern_performance_metrics(embedded: EmbeddedMesh) -
     async with GatewayClient(embedded.gateway.address) as client:
         for _ in range(2):
             await client.collect(client.route("stock_recommendation"))
-        for order in ("12345", "12346", "12347"):
-            await client.collect(client.route("refund_request", order_id=order))
-        await client.collect(client.route("hotel_recommendation"))
+        refunds = [
+            (await client.collect(client.route("refund_request", order_id=order)))[-1]
+            for order in ("12345", "12346", "12347")
+        ]
+        hotels = [
+            (await client.collect(client.route("hotel_recommendation")))[-1] for _ in range(3)
+        ]
+        # Users say which recommendations satisfied them (accuracy = user satisfaction).
+        for hotel, satisfied in zip(hotels, (True, True, False), strict=True):
+            rated = await client.feedback(hotel["run_id"], satisfied)
+        assert rated["pattern"] == "COLLABORATIVE_FILTERING"
+        assert (rated["rated"], rated["satisfied"]) == (3, 2)
+        assert rated["accuracy"] == pytest.approx(2 / 3)
+        [failed_refund] = [r for r in refunds if r["data"]["status"] == "FAILED"]
+        with pytest.raises(MeshError) as refused:
+            await client.feedback(failed_refund["run_id"], True)
+        assert (refused.value.code, refused.value.reason) == ("FAILED_PRECONDITION", "RUN_FAILED")
+        with pytest.raises(MeshError) as refused:
+            await client.feedback("cf_never_ran", True)
+        assert refused.value.code == "NOT_FOUND"
         stats = await client.pattern_stats()
     assert stats["GROUP_CHAT"]["runs"] == 2
     assert stats["GROUP_CHAT"]["consensus_rate"] == 1.0
     assert stats["HAND_OFF"]["runs"] == 3
     assert stats["HAND_OFF"]["failed"] == 1
     assert stats["HAND_OFF"]["completion_rate"] == pytest.approx(2 / 3)
-    assert stats["COLLABORATIVE_FILTERING"]["completed"] == 1
+    assert stats["COLLABORATIVE_FILTERING"]["completed"] == 3
+    assert stats["COLLABORATIVE_FILTERING"]["accuracy"] == pytest.approx(2 / 3)
+    assert stats["HAND_OFF"]["rated"] == 0 and stats["HAND_OFF"]["accuracy"] == 0.0
     assert stats["HAND_OFF"]["duration_avg_seconds"] > 0
     port = embedded.broker.metrics_port
     url = f"http://127.0.0.1:{port}/metrics"
@@ -751,6 +770,10 @@ async def test_scenario_20_pattern_performance_metrics(embedded: EmbeddedMesh) -
     assert samples['agentmesh_pattern_runs_total{pattern="HAND_OFF",status="FAILED"}'] == 1
     assert samples['agentmesh_pattern_completion_rate{pattern="HAND_OFF"}'] == pytest.approx(2 / 3)
     assert samples["agentmesh_group_chat_consensus_rate"] == 1.0
-    assert samples["agentmesh_routing_latency_seconds_count"] == 6
+    assert samples["agentmesh_routing_latency_seconds_count"] == 8
+    accuracy = samples['agentmesh_pattern_accuracy{pattern="COLLABORATIVE_FILTERING"}']
+    assert accuracy == pytest.approx(2 / 3)
+    feedback = 'agentmesh_pattern_feedback_total{pattern="COLLABORATIVE_FILTERING",satisfied="%s"}'
+    assert samples[feedback % "true"] == 2 and samples[feedback % "false"] == 1
     # The broker's own metrics are on the same page.
     assert samples["agentmesh_handoffs_total"] >= 10

@@ -459,9 +459,18 @@ class GatewayClient {
   /** The research coordinator: {query, documents, maxIterations, reportName, ...}. */
   research(request, onEvent) { return this.run('RunResearch', request, onEvent); }
 
-  /** Runs, completion and consensus rates by pattern. */
+  /** Runs, completion and consensus rates, and accuracy, by pattern. */
   patternStats({ timeoutMs = 10000 } = {}) {
     return unary(this.gateway, 'GetPatternStats', {}, timeoutMs, this.metadata);
+  }
+
+  /**
+   * Whether a finished run's outcome (by the runId of its events) satisfied the user; resolves
+   * with {pattern, stats}, the pattern's figures with this rating counted.
+   */
+  recordFeedback(runId, satisfied, { timeoutMs = 10000 } = {}) {
+    return unary(this.gateway, 'RecordFeedback', { run_id: runId, satisfied: Boolean(satisfied) },
+      timeoutMs, this.metadata);
   }
 }
 

@@ -114,6 +114,14 @@ test('runs every gateway pattern from plain objects', async () => {
     const stats = await gateway.patternStats();
     assert.ok(stats.patterns.length >= 3);
 
+    // The user liked the hotel: the pattern's accuracy counts it.
+    const rated = await gateway.recordFeedback(hotels[hotels.length - 1].runId, true);
+    assert.equal(rated.pattern, 'PATTERN_COLLABORATIVE_FILTERING');
+    assert.equal(rated.stats.rated, 1);
+    assert.equal(rated.stats.accuracy, 1);
+    await assert.rejects(gateway.recordFeedback('no-such-run', true),
+      (err) => err.codeName === 'NOT_FOUND');
+
     await assert.rejects(gateway.groupChat({ agentIdz: ['PriceAgent'], query: 'q' }),
       (err) => err instanceof TypeError && err.message.includes('no field agentIdz'));
     await assert.rejects(gateway.groupChat({ agentIds: [], query: 'q' }),
