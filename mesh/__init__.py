@@ -35,6 +35,7 @@ from mesh.core import (
     Tool,
     UnauthenticatedError,
     UnhandledActionError,
+    negotiation,
 )
 from mesh.server import serve_broker
 from mesh.testing import LocalMesh
@@ -80,6 +81,7 @@ __all__ = [
     "UnhandledActionError",
     "agent",
     "connect",
+    "negotiation",
     "on",
     "serve",
     "serve_all",

@@ -22,6 +22,7 @@ from mesh import codec
 from mesh._status import abort
 from mesh.client import NO_RETRY, ClientSubscription, MeshClient, Received, RetryPolicy
 from mesh.config import SecurityConfig
+from mesh.core import negotiation
 from mesh.core.errors import (
     BrokerUnavailableError,
     MeshError,
@@ -107,6 +108,12 @@ class AgentContext:
             from_agent=self.agent_id,
             **options,
         )
+
+    async def negotiate(
+        self, peers: Sequence[str], proposal: dict[str, JSON], **options: Any
+    ) -> negotiation.Outcome:
+        """Negotiates with peers as this agent (see :meth:`MeshClient.negotiate`)."""
+        return await self.client.negotiate(peers, proposal, from_agent=self.agent_id, **options)
 
 
 class Agent:

@@ -23,6 +23,7 @@ from opentelemetry.trace import SpanKind
 from mesh import codec
 from mesh._status import from_rpc_error, has_rich_status
 from mesh.config import SecurityConfig
+from mesh.core import negotiation
 from mesh.core.errors import (
     AgentError,
     AgentNotFoundError,
@@ -915,6 +916,96 @@ class MeshClient:
                     yield GatherResult(item.agent_id, codec.message_from_pb(item.response), None)
                 else:
                     yield GatherResult(item.agent_id, None, codec.error_from_pb(item.error))
+
+    async def negotiate(
+        self,
+        peers: Sequence[str],
+        proposal: dict[str, JSON],
+        *,
+        topic: str = "",
+        rounds: int = negotiation.MAX_ROUNDS,
+        timeout: float = negotiation.MAX_SECONDS,
+        revise: negotiation.Revise = negotiation.adopt_counters,
+        from_agent: str = "",
+    ) -> negotiation.Outcome:
+        """Negotiates terms with peers directly (RT-011 peer-to-peer coordination).
+
+        Each round asks every peer at once (a REQUEST with content.action "negotiate" and
+        parameters negotiation_id, topic, round, proposal); each answers accept, reject or
+        counter (``negotiation.accept()``, ``.reject(why)``, ``.counter(terms)``; ``from mesh
+        import negotiation``). All accept: AGREED. A rejection (or an ERROR answer): REJECTED
+        at once. Counters: ``revise`` makes the next round's terms from them (by default the
+        counters' terms are taken over the proposal's), for at most ``rounds`` rounds (3),
+        then NO_AGREEMENT. A peer that has not answered when ``timeout`` (5 s, for the whole
+        negotiation) is up: TIMED_OUT. At most 10 peers. A peer that is not registered raises
+        AgentNotFoundError.
+        """
+        proposer = from_agent or self.agent_id
+        peers = list(peers)
+        negotiation.check(peers, rounds, timeout, proposer)
+        negotiation_id = new_message_id()
+        deadline = time.monotonic() + timeout
+        history: list[negotiation.Round] = []
+        status: negotiation.Status | None = None
+        terms = dict(proposal)
+        for number in range(1, rounds + 1):
+            content = negotiation.proposal_content(negotiation_id, number, terms, topic)
+            message = self.build(
+                "broadcast",
+                content,
+                message_type=MessageType.REQUEST,
+                from_agent=proposer,
+                metadata={"negotiation_id": negotiation_id, "round": number},
+            )
+            replies: dict[str, negotiation.Reply] = {}
+            missing = []
+            remaining = max(deadline - time.monotonic(), 0.001)
+            async for result in self.gather(message, agent_ids=peers, timeout=remaining):
+                if result.response is not None:
+                    answer = result.response
+                    if answer.message_type is MessageType.ERROR:
+                        why = (answer.content or {}).get("error") or "the peer failed"
+                        reply = negotiation.Reply(
+                            result.agent_id, negotiation.Decision.REJECT, reason=str(why)
+                        )
+                    else:
+                        reply = negotiation.read_reply(result.agent_id, answer.content)
+                    replies[result.agent_id] = reply
+                elif isinstance(result.error, RequestTimeoutError):
+                    missing.append(result.agent_id)
+                elif isinstance(result.error, AgentNotFoundError):
+                    raise result.error
+                else:
+                    reason = result.error.message if result.error else "no answer"
+                    replies[result.agent_id] = negotiation.Reply(
+                        result.agent_id, negotiation.Decision.REJECT, reason=reason
+                    )
+            ordered = tuple(replies[p] for p in peers if p in replies)
+            history.append(negotiation.Round(number, terms, ordered, tuple(missing)))
+            status, terms = negotiation.conclude(number, rounds, terms, ordered, missing, revise)
+            if status is not None:
+                break
+        assert status is not None  # the last round always concludes
+        logger.info(
+            "negotiation %s by %s with %s: %s after %d round(s)",
+            negotiation_id,
+            proposer,
+            ", ".join(peers),
+            status.value,
+            len(history),
+            extra={
+                "event": {
+                    "category": "negotiation",
+                    "negotiation_id": negotiation_id,
+                    "from_agent": proposer,
+                    "peers": peers,
+                    "topic": topic,
+                    "rounds": len(history),
+                    "status": status.value,
+                }
+            },
+        )
+        return negotiation.Outcome(status, terms, tuple(history), negotiation_id)
 
     async def broadcast(
         self,
