@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from gateway.events import EventKind, Pattern, PatternEvent
 from gateway.patterns._common import invalid
-from mesh.core.errors import MeshError
+from mesh.core.errors import MeshError, NotFoundError
 
 RUNS_REMEMBERED = 10_000
 """How many runs (the most recent) may still be rated."""
@@ -58,10 +58,9 @@ class RunLedger:
             raise invalid("run_id", "run_id is required")
         run = self._runs.get(run_id)
         if run is None:
-            raise MeshError(
+            raise NotFoundError(
                 f"run {run_id} is not known here (the gateway remembers its last "
                 f"{self.capacity} runs)",
-                code="NOT_FOUND",
                 reason="RUN_NOT_FOUND",
             )
         if not run.status:

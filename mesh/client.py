@@ -28,7 +28,9 @@ from mesh.core.errors import (
     AgentError,
     AgentNotFoundError,
     BrokerUnavailableError,
+    LockNotHeldError,
     MeshError,
+    NotFoundError,
     RequestTimeoutError,
     SessionClosedError,
 )
@@ -46,6 +48,7 @@ from mesh.core.model import (
     Priority,
     new_message_id,
 )
+from mesh.core.state import StateEntry, StateLock
 from mesh.core.tasks import cancel_and_wait
 from mesh.security import open_channel
 from mesh.serving import GRPC_OPTIONS
@@ -1308,6 +1311,101 @@ class MeshClient:
         )
         response = await self._with_retry(self._unary(self._memory.ReadInsights, request))
         return [insight_from_pb(pb) for pb in response.insights]
+
+    # -- shared state ----------------------------------------------------------------------
+
+    async def get_state(self, key: str) -> StateEntry | None:
+        """The shared state's entry ``key`` at its latest version (None when there is none)."""
+        from mesh.memory_server import entry_from_pb
+
+        request = memory_pb2.GetStateRequest(key=key)
+        try:
+            response = await self._with_retry(self._unary(self._memory.GetState, request))
+        except NotFoundError:
+            return None
+        return entry_from_pb(response.entry)
+
+    async def put_state(
+        self,
+        key: str,
+        value: JSON,
+        *,
+        expected_version: int | None = None,
+        lock: StateLock | None = None,
+        agent_id: str | None = None,
+    ) -> StateEntry:
+        """Writes a new version of ``key``. With ``expected_version`` (0: "there is none
+        yet") it is a compare-and-set, refused with StateConflictError (VERSION_CONFLICT) when
+        another write came first; an entry locked by another agent refuses it too
+        (STATE_LOCKED) unless this write carries that ``lock``."""
+        from mesh.memory_server import entry_from_pb
+
+        request = memory_pb2.PutStateRequest(
+            key=key, agent_id=agent_id or self.agent_id, lock_token=lock.token if lock else ""
+        )
+        codec.python_to_value(value, request.value)
+        if expected_version is not None:
+            request.expected_version = expected_version
+        response = await self._with_retry(self._unary(self._memory.PutState, request))
+        return entry_from_pb(response.entry)
+
+    async def delete_state(
+        self,
+        key: str,
+        *,
+        expected_version: int | None = None,
+        lock: StateLock | None = None,
+        agent_id: str | None = None,
+    ) -> StateEntry:
+        """Removes ``key`` (under the rules of :meth:`put_state`); returns its last version."""
+        from mesh.memory_server import entry_from_pb
+
+        request = memory_pb2.DeleteStateRequest(
+            key=key, agent_id=agent_id or self.agent_id, lock_token=lock.token if lock else ""
+        )
+        if expected_version is not None:
+            request.expected_version = expected_version
+        response = await self._with_retry(self._unary(self._memory.DeleteState, request))
+        return entry_from_pb(response.entry)
+
+    async def lock_state(
+        self,
+        key: str,
+        *,
+        wait: float | None = None,
+        lease: float | None = None,
+        agent_id: str | None = None,
+    ) -> StateLock:
+        """Locks ``key`` for this agent, waiting at most ``wait`` seconds (1 s, RT-011's
+        lock_timeout, is the default and the most); StateConflictError (LOCK_TIMEOUT) if
+        another agent still holds it, or 5 agents hold locks. The lock lapses after ``lease``
+        seconds (10 by default) unless released or asked for again."""
+        holder = agent_id or self.agent_id
+        request = memory_pb2.LockStateRequest(key=key, agent_id=holder)
+        if wait is not None:
+            codec.seconds_to_duration(wait, request.wait)
+        if lease is not None:
+            codec.seconds_to_duration(lease, request.lease)
+        response = await self._with_retry(self._unary(self._memory.LockState, request))
+        expires_at = codec.timestamp_to_datetime(response.expires_at)
+        return StateLock(key, holder, response.lock_token, expires_at)
+
+    async def unlock_state(self, lock: StateLock) -> None:
+        request = memory_pb2.UnlockStateRequest(key=lock.key, lock_token=lock.token)
+        await self._with_retry(self._unary(self._memory.UnlockState, request))
+
+    @contextlib.asynccontextmanager
+    async def locked(
+        self, key: str, *, wait: float | None = None, lease: float | None = None
+    ) -> AsyncIterator[StateLock]:
+        """``async with client.locked("budget") as lock:`` read, decide, ``put_state(...,
+        lock=lock)``; the lock is released on the way out (if its lease has not run out)."""
+        lock = await self.lock_state(key, wait=wait, lease=lease)
+        try:
+            yield lock
+        finally:
+            with contextlib.suppress(LockNotHeldError):
+                await self.unlock_state(lock)
 
     async def memory_stats(self) -> MemoryStats:
         response = await self._with_retry(

@@ -1,4 +1,5 @@
-"""The Memory gRPC service: a thin translation onto the shared memory pool."""
+"""The Memory gRPC service: a thin translation onto the shared memory pool and the shared
+state."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from typing import Any
 
 from mesh import codec
 from mesh.core.memory import Insight, SharedMemoryPool
+from mesh.core.state import SharedState, StateEntry
 from mesh.server import translating
 from mesh.v1 import memory_pb2, memory_pb2_grpc
 
@@ -40,9 +42,33 @@ def insight_to_pb(insight: Insight, out: memory_pb2.Insight) -> memory_pb2.Insig
     return out
 
 
+def entry_to_pb(entry: StateEntry, out: memory_pb2.StateEntry) -> memory_pb2.StateEntry:
+    out.key = entry.key
+    codec.python_to_value(entry.value, out.value)
+    out.version = entry.version
+    out.updated_by = entry.updated_by
+    codec.datetime_to_timestamp(entry.updated_at, out.updated_at)
+    return out
+
+
+def entry_from_pb(pb: memory_pb2.StateEntry) -> StateEntry:
+    return StateEntry(
+        key=pb.key,
+        value=codec.value_to_python(pb.value),
+        version=pb.version,
+        updated_by=pb.updated_by,
+        updated_at=codec.timestamp_to_datetime(pb.updated_at),
+    )
+
+
+def _seconds(pb: Any, name: str) -> float | None:
+    return codec.duration_seconds(getattr(pb, name)) if pb.HasField(name) else None
+
+
 class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
-    def __init__(self, pool: SharedMemoryPool) -> None:
+    def __init__(self, pool: SharedMemoryPool, state: SharedState | None = None) -> None:
         self.pool = pool
+        self.state = state or SharedState()
 
     @translating
     async def WriteInsight(
@@ -80,3 +106,67 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
             segment_distribution=stats.segment_distribution,
             capacity=stats.capacity,
         )
+
+    # -- shared state --------------------------------------------------------------------------
+
+    @translating
+    async def GetState(
+        self, request: memory_pb2.GetStateRequest, context: Any
+    ) -> memory_pb2.GetStateResponse:
+        response = memory_pb2.GetStateResponse()
+        entry_to_pb(self.state.get(request.key), response.entry)
+        return response
+
+    @translating
+    async def PutState(
+        self, request: memory_pb2.PutStateRequest, context: Any
+    ) -> memory_pb2.PutStateResponse:
+        entry = self.state.put(
+            request.key,
+            codec.value_to_python(request.value) if request.HasField("value") else None,
+            request.agent_id,
+            expected_version=request.expected_version
+            if request.HasField("expected_version")
+            else None,
+            lock_token=request.lock_token,
+        )
+        response = memory_pb2.PutStateResponse()
+        entry_to_pb(entry, response.entry)
+        return response
+
+    @translating
+    async def DeleteState(
+        self, request: memory_pb2.DeleteStateRequest, context: Any
+    ) -> memory_pb2.DeleteStateResponse:
+        entry = self.state.delete(
+            request.key,
+            request.agent_id,
+            expected_version=request.expected_version
+            if request.HasField("expected_version")
+            else None,
+            lock_token=request.lock_token,
+        )
+        response = memory_pb2.DeleteStateResponse()
+        entry_to_pb(entry, response.entry)
+        return response
+
+    @translating
+    async def LockState(
+        self, request: memory_pb2.LockStateRequest, context: Any
+    ) -> memory_pb2.LockStateResponse:
+        lock = await self.state.lock(
+            request.key,
+            request.agent_id,
+            wait=_seconds(request, "wait"),
+            lease=_seconds(request, "lease"),
+        )
+        response = memory_pb2.LockStateResponse(lock_token=lock.token)
+        codec.datetime_to_timestamp(lock.expires_at, response.expires_at)
+        return response
+
+    @translating
+    async def UnlockState(
+        self, request: memory_pb2.UnlockStateRequest, context: Any
+    ) -> memory_pb2.UnlockStateResponse:
+        await self.state.unlock(request.key, request.lock_token)
+        return memory_pb2.UnlockStateResponse()

@@ -53,12 +53,15 @@ ACTING: dict[type, Acting] = {
     broker_pb2.HandoffRequest: lambda r: [(r.from_agent, "hand off")],
     broker_pb2.ListDeadLettersRequest: lambda r: [(r.agent_id, "read the dead letters")],
     memory_pb2.WriteInsightRequest: lambda r: [(r.insight.agent_id, "write insights")],
+    memory_pb2.PutStateRequest: lambda r: [(r.agent_id, "write shared state")],
+    memory_pb2.DeleteStateRequest: lambda r: [(r.agent_id, "write shared state")],
+    memory_pb2.LockStateRequest: lambda r: [(r.agent_id, "lock shared state")],
     tools_pb2.InvokeToolRequest: lambda r: [(r.agent_id, "call tools")],
     tools_pb2.ListToolsRequest: lambda r: [(r.agent_id, "list tools")],
 }
 """For each request type, the agents it acts as and what it does as them. Requests not
-listed (listing agents, queue statistics, reading insights, gateway calls) need only an
-authenticated caller."""
+listed (listing agents, queue statistics, reading insights and shared state, releasing a
+lock by its token, gateway calls) need only an authenticated caller."""
 
 
 def check(principal: Principal, request: Any) -> None:

@@ -631,7 +631,7 @@ async def serve_broker(
     security: SecurityConfig | None = None,
 ) -> tuple[Broker, MeshServer]:
     """Starts a broker and its gRPC server (health, reflection, optional /metrics), with the
-    shared memory pool and, when a tool host is given, the Tool service."""
+    shared memory pool and shared state and, when a tool host is given, the Tool service."""
     from mesh.memory_server import MEMORY_SERVICE, MemoryServicer
     from mesh.v1 import memory_pb2_grpc
 
@@ -639,7 +639,7 @@ async def serve_broker(
     broker = broker or Broker(broker_config)
     await broker.start()
     servicer = BrokerServicer(broker)
-    memory = MemoryServicer(broker.memory)
+    memory = MemoryServicer(broker.memory, broker.state)
 
     services = [BROKER_SERVICE, MEMORY_SERVICE]
     if tool_host is not None:

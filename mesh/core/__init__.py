@@ -13,15 +13,18 @@ from mesh.core.errors import (
     FieldViolation,
     HandoffError,
     LimitExceededError,
+    LockNotHeldError,
     MeshError,
     MessageQueueFullError,
     MessageTooLargeError,
     MessageValidationError,
     MultiAgentCommunicationError,
+    NotFoundError,
     PermissionDeniedError,
     RequestTimeoutError,
     RoutingError,
     SessionClosedError,
+    StateConflictError,
     UnauthenticatedError,
     UnhandledActionError,
 )
@@ -38,6 +41,7 @@ from mesh.core.model import (
     Tool,
 )
 from mesh.core.queue import InMemoryQueueStore, QueueStore
+from mesh.core.state import StateEntry, StateLock
 
 __all__ = [
     "BROADCAST_TARGET",
@@ -56,6 +60,7 @@ __all__ = [
     "HandoffError",
     "InMemoryQueueStore",
     "LimitExceededError",
+    "LockNotHeldError",
     "MeshError",
     "Message",
     "MessageQueueFullError",
@@ -63,6 +68,7 @@ __all__ = [
     "MessageType",
     "MessageValidationError",
     "MultiAgentCommunicationError",
+    "NotFoundError",
     "PermissionDeniedError",
     "Priority",
     "QueueStore",
@@ -70,6 +76,9 @@ __all__ = [
     "RoutingError",
     "SendOutcome",
     "SessionClosedError",
+    "StateConflictError",
+    "StateEntry",
+    "StateLock",
     "Subscription",
     "Tool",
     "UnauthenticatedError",

@@ -45,6 +45,7 @@ from mesh.core.model import (
 )
 from mesh.core.queue import GIVEN_UP_ROUTE, GIVEN_UP_SECONDS, QueueStats, QueueStore, Released
 from mesh.core.registry import AgentRegistry
+from mesh.core.state import SharedState
 from mesh.core.tasks import cancel_and_wait
 from mesh.core.validation import handoff_violations, validate_message
 from mesh.metrics import BrokerMetrics, Totals
@@ -222,6 +223,7 @@ class Broker:
         self.metrics = metrics or BrokerMetrics()
         self.registry = AgentRegistry(self.config.max_agents, self.config.max_id_length)
         self.memory = SharedMemoryPool()
+        self.state = SharedState()
         if store is None:
             store = open_store(
                 self.config.store,

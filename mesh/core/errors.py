@@ -164,6 +164,29 @@ class PermissionDeniedError(MultiAgentCommunicationError):
     reason = "PERMISSION_DENIED"
 
 
+class NotFoundError(MultiAgentCommunicationError):
+    """What was named does not exist (a shared state entry, a pattern run)."""
+
+    code = "NOT_FOUND"
+    reason = "NOT_FOUND"
+
+
+class StateConflictError(MultiAgentCommunicationError):
+    """A shared-state write lost a race: the entry is locked by another agent
+    (reason STATE_LOCKED), or is not at the version expected (VERSION_CONFLICT); or a lock
+    was not granted in time (LOCK_TIMEOUT)."""
+
+    code = "ABORTED"
+    reason = "STATE_CONFLICT"
+
+
+class LockNotHeldError(MultiAgentCommunicationError):
+    """A lock token that holds no lock on the entry now (released, expired, never given)."""
+
+    code = "FAILED_PRECONDITION"
+    reason = "LOCK_NOT_HELD"
+
+
 _BY_REASON: dict[str, type[MultiAgentCommunicationError]] = {
     cls.reason: cls
     for cls in (
@@ -182,8 +205,19 @@ _BY_REASON: dict[str, type[MultiAgentCommunicationError]] = {
         LimitExceededError,
         UnauthenticatedError,
         PermissionDeniedError,
+        NotFoundError,
+        StateConflictError,
+        LockNotHeldError,
     )
 }
+# Reasons that say more than their class's own.
+_BY_REASON.update(
+    STATE_NOT_FOUND=NotFoundError,
+    RUN_NOT_FOUND=NotFoundError,
+    STATE_LOCKED=StateConflictError,
+    VERSION_CONFLICT=StateConflictError,
+    LOCK_TIMEOUT=StateConflictError,
+)
 
 _BY_CODE: dict[str, type[MultiAgentCommunicationError]] = {
     "INVALID_ARGUMENT": MessageValidationError,
@@ -194,6 +228,7 @@ _BY_CODE: dict[str, type[MultiAgentCommunicationError]] = {
     "CANCELLED": SessionClosedError,
     "UNAUTHENTICATED": UnauthenticatedError,
     "PERMISSION_DENIED": PermissionDeniedError,
+    "ABORTED": StateConflictError,
 }
 
 

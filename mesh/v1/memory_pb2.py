@@ -22,11 +22,12 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14mesh/v1/memory.proto\x12\x07mesh.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xe6\x01\n\x07Insight\x12\x12\n\ninsight_id\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\'\n\x07\x63ontent\x18\x03 \x01(\x0b\x32\x16.google.protobuf.Value\x12\x0c\n\x04tags\x18\x04 \x03(\t\x12\x12\n\nimportance\x18\x05 \x01(\x01\x12\x0f\n\x07segment\x18\x06 \x01(\t\x12)\n\x08metadata\x18\x07 \x01(\x0b\x32\x17.google.protobuf.Struct\x12.\n\ncreated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"8\n\x13WriteInsightRequest\x12!\n\x07insight\x18\x01 \x01(\x0b\x32\x10.mesh.v1.Insight\"9\n\x14WriteInsightResponse\x12!\n\x07insight\x18\x01 \x01(\x0b\x32\x10.mesh.v1.Insight\"m\n\x13ReadInsightsRequest\x12\x0c\n\x04tags\x18\x01 \x03(\t\x12\x0f\n\x07segment\x18\x02 \x01(\t\x12\x16\n\x0emin_importance\x18\x03 \x01(\x01\x12\r\n\x05limit\x18\x04 \x01(\x05\x12\x10\n\x08\x61gent_id\x18\x05 \x01(\t\":\n\x14ReadInsightsResponse\x12\"\n\x08insights\x18\x01 \x03(\x0b\x32\x10.mesh.v1.Insight\"\x17\n\x15GetMemoryStatsRequest\"\xf7\x02\n\x16GetMemoryStatsResponse\x12\x16\n\x0etotal_insights\x18\x01 \x01(\x05\x12\x17\n\x0f\x61gents_involved\x18\x02 \x01(\x05\x12N\n\x10tag_distribution\x18\x03 \x03(\x0b\x32\x34.mesh.v1.GetMemoryStatsResponse.TagDistributionEntry\x12V\n\x14segment_distribution\x18\x04 \x03(\x0b\x32\x38.mesh.v1.GetMemoryStatsResponse.SegmentDistributionEntry\x12\x10\n\x08\x63\x61pacity\x18\x05 \x01(\x05\x1a\x36\n\x14TagDistributionEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\x1a:\n\x18SegmentDistributionEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\x32\xfc\x01\n\rMemoryService\x12K\n\x0cWriteInsight\x12\x1c.mesh.v1.WriteInsightRequest\x1a\x1d.mesh.v1.WriteInsightResponse\x12K\n\x0cReadInsights\x12\x1c.mesh.v1.ReadInsightsRequest\x1a\x1d.mesh.v1.ReadInsightsResponse\x12Q\n\x0eGetMemoryStats\x12\x1e.mesh.v1.GetMemoryStatsRequest\x1a\x1f.mesh.v1.GetMemoryStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14mesh/v1/memory.proto\x12\x07mesh.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xe6\x01\n\x07Insight\x12\x12\n\ninsight_id\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\'\n\x07\x63ontent\x18\x03 \x01(\x0b\x32\x16.google.protobuf.Value\x12\x0c\n\x04tags\x18\x04 \x03(\t\x12\x12\n\nimportance\x18\x05 \x01(\x01\x12\x0f\n\x07segment\x18\x06 \x01(\t\x12)\n\x08metadata\x18\x07 \x01(\x0b\x32\x17.google.protobuf.Struct\x12.\n\ncreated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"8\n\x13WriteInsightRequest\x12!\n\x07insight\x18\x01 \x01(\x0b\x32\x10.mesh.v1.Insight\"9\n\x14WriteInsightResponse\x12!\n\x07insight\x18\x01 \x01(\x0b\x32\x10.mesh.v1.Insight\"m\n\x13ReadInsightsRequest\x12\x0c\n\x04tags\x18\x01 \x03(\t\x12\x0f\n\x07segment\x18\x02 \x01(\t\x12\x16\n\x0emin_importance\x18\x03 \x01(\x01\x12\r\n\x05limit\x18\x04 \x01(\x05\x12\x10\n\x08\x61gent_id\x18\x05 \x01(\t\":\n\x14ReadInsightsResponse\x12\"\n\x08insights\x18\x01 \x03(\x0b\x32\x10.mesh.v1.Insight\"\x17\n\x15GetMemoryStatsRequest\"\xf7\x02\n\x16GetMemoryStatsResponse\x12\x16\n\x0etotal_insights\x18\x01 \x01(\x05\x12\x17\n\x0f\x61gents_involved\x18\x02 \x01(\x05\x12N\n\x10tag_distribution\x18\x03 \x03(\x0b\x32\x34.mesh.v1.GetMemoryStatsResponse.TagDistributionEntry\x12V\n\x14segment_distribution\x18\x04 \x03(\x0b\x32\x38.mesh.v1.GetMemoryStatsResponse.SegmentDistributionEntry\x12\x10\n\x08\x63\x61pacity\x18\x05 \x01(\x05\x1a\x36\n\x14TagDistributionEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\x1a:\n\x18SegmentDistributionEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\x95\x01\n\nStateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0b\x32\x16.google.protobuf.Value\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x12\n\nupdated_by\x18\x04 \x01(\t\x12.\n\nupdated_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x1e\n\x0fGetStateRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"6\n\x10GetStateResponse\x12\"\n\x05\x65ntry\x18\x01 \x01(\x0b\x32\x13.mesh.v1.StateEntry\"\x9f\x01\n\x0fPutStateRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0b\x32\x16.google.protobuf.Value\x12\x10\n\x08\x61gent_id\x18\x03 \x01(\t\x12\x1d\n\x10\x65xpected_version\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nlock_token\x18\x05 \x01(\tB\x13\n\x11_expected_version\"6\n\x10PutStateResponse\x12\"\n\x05\x65ntry\x18\x01 \x01(\x0b\x32\x13.mesh.v1.StateEntry\"{\n\x12\x44\x65leteStateRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x1d\n\x10\x65xpected_version\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nlock_token\x18\x04 \x01(\tB\x13\n\x11_expected_version\"9\n\x13\x44\x65leteStateResponse\x12\"\n\x05\x65ntry\x18\x01 \x01(\x0b\x32\x13.mesh.v1.StateEntry\"\x84\x01\n\x10LockStateRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\'\n\x04wait\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x05lease\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"W\n\x11LockStateResponse\x12\x12\n\nlock_token\x18\x01 \x01(\t\x12.\n\nexpires_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"5\n\x12UnlockStateRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x12\n\nlock_token\x18\x02 \x01(\t\"\x15\n\x13UnlockStateResponse2\xd6\x04\n\rMemoryService\x12K\n\x0cWriteInsight\x12\x1c.mesh.v1.WriteInsightRequest\x1a\x1d.mesh.v1.WriteInsightResponse\x12K\n\x0cReadInsights\x12\x1c.mesh.v1.ReadInsightsRequest\x1a\x1d.mesh.v1.ReadInsightsResponse\x12Q\n\x0eGetMemoryStats\x12\x1e.mesh.v1.GetMemoryStatsRequest\x1a\x1f.mesh.v1.GetMemoryStatsResponse\x12?\n\x08GetState\x12\x18.mesh.v1.GetStateRequest\x1a\x19.mesh.v1.GetStateResponse\x12?\n\x08PutState\x12\x18.mesh.v1.PutStateRequest\x1a\x19.mesh.v1.PutStateResponse\x12H\n\x0b\x44\x65leteState\x12\x1b.mesh.v1.DeleteStateRequest\x1a\x1c.mesh.v1.DeleteStateResponse\x12\x42\n\tLockState\x12\x19.mesh.v1.LockStateRequest\x1a\x1a.mesh.v1.LockStateResponse\x12H\n\x0bUnlockState\x12\x1b.mesh.v1.UnlockStateRequest\x1a\x1c.mesh.v1.UnlockStateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,24 +38,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETMEMORYSTATSRESPONSE_TAGDISTRIBUTIONENTRY']._serialized_options = b'8\001'
   _globals['_GETMEMORYSTATSRESPONSE_SEGMENTDISTRIBUTIONENTRY']._loaded_options = None
   _globals['_GETMEMORYSTATSRESPONSE_SEGMENTDISTRIBUTIONENTRY']._serialized_options = b'8\001'
-  _globals['_INSIGHT']._serialized_start=97
-  _globals['_INSIGHT']._serialized_end=327
-  _globals['_WRITEINSIGHTREQUEST']._serialized_start=329
-  _globals['_WRITEINSIGHTREQUEST']._serialized_end=385
-  _globals['_WRITEINSIGHTRESPONSE']._serialized_start=387
-  _globals['_WRITEINSIGHTRESPONSE']._serialized_end=444
-  _globals['_READINSIGHTSREQUEST']._serialized_start=446
-  _globals['_READINSIGHTSREQUEST']._serialized_end=555
-  _globals['_READINSIGHTSRESPONSE']._serialized_start=557
-  _globals['_READINSIGHTSRESPONSE']._serialized_end=615
-  _globals['_GETMEMORYSTATSREQUEST']._serialized_start=617
-  _globals['_GETMEMORYSTATSREQUEST']._serialized_end=640
-  _globals['_GETMEMORYSTATSRESPONSE']._serialized_start=643
-  _globals['_GETMEMORYSTATSRESPONSE']._serialized_end=1018
-  _globals['_GETMEMORYSTATSRESPONSE_TAGDISTRIBUTIONENTRY']._serialized_start=904
-  _globals['_GETMEMORYSTATSRESPONSE_TAGDISTRIBUTIONENTRY']._serialized_end=958
-  _globals['_GETMEMORYSTATSRESPONSE_SEGMENTDISTRIBUTIONENTRY']._serialized_start=960
-  _globals['_GETMEMORYSTATSRESPONSE_SEGMENTDISTRIBUTIONENTRY']._serialized_end=1018
-  _globals['_MEMORYSERVICE']._serialized_start=1021
-  _globals['_MEMORYSERVICE']._serialized_end=1273
+  _globals['_INSIGHT']._serialized_start=129
+  _globals['_INSIGHT']._serialized_end=359
+  _globals['_WRITEINSIGHTREQUEST']._serialized_start=361
+  _globals['_WRITEINSIGHTREQUEST']._serialized_end=417
+  _globals['_WRITEINSIGHTRESPONSE']._serialized_start=419
+  _globals['_WRITEINSIGHTRESPONSE']._serialized_end=476
+  _globals['_READINSIGHTSREQUEST']._serialized_start=478
+  _globals['_READINSIGHTSREQUEST']._serialized_end=587
+  _globals['_READINSIGHTSRESPONSE']._serialized_start=589
+  _globals['_READINSIGHTSRESPONSE']._serialized_end=647
+  _globals['_GETMEMORYSTATSREQUEST']._serialized_start=649
+  _globals['_GETMEMORYSTATSREQUEST']._serialized_end=672
+  _globals['_GETMEMORYSTATSRESPONSE']._serialized_start=675
+  _globals['_GETMEMORYSTATSRESPONSE']._serialized_end=1050
+  _globals['_GETMEMORYSTATSRESPONSE_TAGDISTRIBUTIONENTRY']._serialized_start=936
+  _globals['_GETMEMORYSTATSRESPONSE_TAGDISTRIBUTIONENTRY']._serialized_end=990
+  _globals['_GETMEMORYSTATSRESPONSE_SEGMENTDISTRIBUTIONENTRY']._serialized_start=992
+  _globals['_GETMEMORYSTATSRESPONSE_SEGMENTDISTRIBUTIONENTRY']._serialized_end=1050
+  _globals['_STATEENTRY']._serialized_start=1053
+  _globals['_STATEENTRY']._serialized_end=1202
+  _globals['_GETSTATEREQUEST']._serialized_start=1204
+  _globals['_GETSTATEREQUEST']._serialized_end=1234
+  _globals['_GETSTATERESPONSE']._serialized_start=1236
+  _globals['_GETSTATERESPONSE']._serialized_end=1290
+  _globals['_PUTSTATEREQUEST']._serialized_start=1293
+  _globals['_PUTSTATEREQUEST']._serialized_end=1452
+  _globals['_PUTSTATERESPONSE']._serialized_start=1454
+  _globals['_PUTSTATERESPONSE']._serialized_end=1508
+  _globals['_DELETESTATEREQUEST']._serialized_start=1510
+  _globals['_DELETESTATEREQUEST']._serialized_end=1633
+  _globals['_DELETESTATERESPONSE']._serialized_start=1635
+  _globals['_DELETESTATERESPONSE']._serialized_end=1692
+  _globals['_LOCKSTATEREQUEST']._serialized_start=1695
+  _globals['_LOCKSTATEREQUEST']._serialized_end=1827
+  _globals['_LOCKSTATERESPONSE']._serialized_start=1829
+  _globals['_LOCKSTATERESPONSE']._serialized_end=1916
+  _globals['_UNLOCKSTATEREQUEST']._serialized_start=1918
+  _globals['_UNLOCKSTATEREQUEST']._serialized_end=1971
+  _globals['_UNLOCKSTATERESPONSE']._serialized_start=1973
+  _globals['_UNLOCKSTATERESPONSE']._serialized_end=1994
+  _globals['_MEMORYSERVICE']._serialized_start=1997
+  _globals['_MEMORYSERVICE']._serialized_end=2595
 # @@protoc_insertion_point(module_scope)

@@ -5,6 +5,7 @@ isort:skip_file
 
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
+from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
 from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
@@ -288,3 +289,328 @@ class GetMemoryStatsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetMemoryStatsResponse: _TypeAlias = GetMemoryStatsResponse  # noqa: Y015
+
+@_typing.final
+class StateEntry(_message.Message):
+    """StateEntry is one entry of the shared state."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    UPDATED_BY_FIELD_NUMBER: _builtins.int
+    UPDATED_AT_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """Its name, e.g. "budget/q3"."""
+    version: _builtins.int
+    """1 for the first write, one more for each write after it."""
+    updated_by: _builtins.str
+    """The agent that wrote this version."""
+    @_builtins.property
+    def value(self) -> _struct_pb2.Value:
+        """Its value, any JSON value."""
+
+    @_builtins.property
+    def updated_at(self) -> _timestamp_pb2.Timestamp:
+        """When this version was written."""
+
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        value: _struct_pb2.Value | None = ...,
+        version: _builtins.int = ...,
+        updated_by: _builtins.str = ...,
+        updated_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["updated_at", b"updated_at", "value", b"value"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "updated_at", b"updated_at", "updated_by", b"updated_by", "value", b"value", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StateEntry: _TypeAlias = StateEntry  # noqa: Y015
+
+@_typing.final
+class GetStateRequest(_message.Message):
+    """GetStateRequest names an entry."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """The entry's key."""
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetStateRequest: _TypeAlias = GetStateRequest  # noqa: Y015
+
+@_typing.final
+class GetStateResponse(_message.Message):
+    """GetStateResponse carries the entry."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRY_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def entry(self) -> Global___StateEntry:
+        """The entry at its latest version."""
+
+    def __init__(
+        self,
+        *,
+        entry: Global___StateEntry | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetStateResponse: _TypeAlias = GetStateResponse  # noqa: Y015
+
+@_typing.final
+class PutStateRequest(_message.Message):
+    """PutStateRequest writes an entry."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    EXPECTED_VERSION_FIELD_NUMBER: _builtins.int
+    LOCK_TOKEN_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """The entry's key (at most 256 characters)."""
+    agent_id: _builtins.str
+    """The writing agent. Required."""
+    expected_version: _builtins.int
+    """When set, the write happens only if the entry is at this version (0: only if there is
+    none yet): compare-and-set, the strongly consistent path. Unset: the last write wins.
+    """
+    lock_token: _builtins.str
+    """The token of the writer's lock on this entry, when it holds one."""
+    @_builtins.property
+    def value(self) -> _struct_pb2.Value:
+        """The new value (at most 64 KiB of JSON). Required."""
+
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        value: _struct_pb2.Value | None = ...,
+        agent_id: _builtins.str = ...,
+        expected_version: _builtins.int | None = ...,
+        lock_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_expected_version", b"_expected_version", "expected_version", b"expected_version", "value", b"value"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expected_version", b"_expected_version", "agent_id", b"agent_id", "expected_version", b"expected_version", "key", b"key", "lock_token", b"lock_token", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__expected_version: _TypeAlias = _typing.Literal["expected_version"]  # noqa: Y015
+    _WhichOneofArgType__expected_version: _TypeAlias = _typing.Literal["_expected_version", b"_expected_version"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__expected_version) -> _WhichOneofReturnType__expected_version | None: ...
+
+Global___PutStateRequest: _TypeAlias = PutStateRequest  # noqa: Y015
+
+@_typing.final
+class PutStateResponse(_message.Message):
+    """PutStateResponse returns the new version."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRY_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def entry(self) -> Global___StateEntry:
+        """The entry as written."""
+
+    def __init__(
+        self,
+        *,
+        entry: Global___StateEntry | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutStateResponse: _TypeAlias = PutStateResponse  # noqa: Y015
+
+@_typing.final
+class DeleteStateRequest(_message.Message):
+    """DeleteStateRequest removes an entry."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    EXPECTED_VERSION_FIELD_NUMBER: _builtins.int
+    LOCK_TOKEN_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """The entry's key."""
+    agent_id: _builtins.str
+    """The deleting agent. Required."""
+    expected_version: _builtins.int
+    """As for PutStateRequest."""
+    lock_token: _builtins.str
+    """As for PutStateRequest."""
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        agent_id: _builtins.str = ...,
+        expected_version: _builtins.int | None = ...,
+        lock_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_expected_version", b"_expected_version", "expected_version", b"expected_version"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expected_version", b"_expected_version", "agent_id", b"agent_id", "expected_version", b"expected_version", "key", b"key", "lock_token", b"lock_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__expected_version: _TypeAlias = _typing.Literal["expected_version"]  # noqa: Y015
+    _WhichOneofArgType__expected_version: _TypeAlias = _typing.Literal["_expected_version", b"_expected_version"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__expected_version) -> _WhichOneofReturnType__expected_version | None: ...
+
+Global___DeleteStateRequest: _TypeAlias = DeleteStateRequest  # noqa: Y015
+
+@_typing.final
+class DeleteStateResponse(_message.Message):
+    """DeleteStateResponse returns what was removed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRY_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def entry(self) -> Global___StateEntry:
+        """The entry's last version."""
+
+    def __init__(
+        self,
+        *,
+        entry: Global___StateEntry | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteStateResponse: _TypeAlias = DeleteStateResponse  # noqa: Y015
+
+@_typing.final
+class LockStateRequest(_message.Message):
+    """LockStateRequest asks for an entry's lock (the entry need not exist yet)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    WAIT_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """The entry's key."""
+    agent_id: _builtins.str
+    """The agent that will hold the lock. Required."""
+    @_builtins.property
+    def wait(self) -> _duration_pb2.Duration:
+        """How long to wait for it; unset means 1 s, the most allowed."""
+
+    @_builtins.property
+    def lease(self) -> _duration_pb2.Duration:
+        """How long the lock lasts unless released or renewed; unset means 10 s, at most 60 s."""
+
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        agent_id: _builtins.str = ...,
+        wait: _duration_pb2.Duration | None = ...,
+        lease: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "wait", b"wait"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "key", b"key", "lease", b"lease", "wait", b"wait"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LockStateRequest: _TypeAlias = LockStateRequest  # noqa: Y015
+
+@_typing.final
+class LockStateResponse(_message.Message):
+    """LockStateResponse is a granted lock."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOCK_TOKEN_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    lock_token: _builtins.str
+    """Pass it to PutState, DeleteState and UnlockState."""
+    @_builtins.property
+    def expires_at(self) -> _timestamp_pb2.Timestamp:
+        """When the lock lapses unless renewed."""
+
+    def __init__(
+        self,
+        *,
+        lock_token: _builtins.str = ...,
+        expires_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "lock_token", b"lock_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LockStateResponse: _TypeAlias = LockStateResponse  # noqa: Y015
+
+@_typing.final
+class UnlockStateRequest(_message.Message):
+    """UnlockStateRequest releases a lock."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    LOCK_TOKEN_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """The entry's key."""
+    lock_token: _builtins.str
+    """The lock's token."""
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        lock_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "lock_token", b"lock_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnlockStateRequest: _TypeAlias = UnlockStateRequest  # noqa: Y015
+
+@_typing.final
+class UnlockStateResponse(_message.Message):
+    """UnlockStateResponse confirms the release."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnlockStateResponse: _TypeAlias = UnlockStateResponse  # noqa: Y015

@@ -51,6 +51,31 @@ class MemoryServiceStub:
                 request_serializer=mesh_dot_v1_dot_memory__pb2.GetMemoryStatsRequest.SerializeToString,
                 response_deserializer=mesh_dot_v1_dot_memory__pb2.GetMemoryStatsResponse.FromString,
                 _registered_method=True)
+        self.GetState = channel.unary_unary(
+                '/mesh.v1.MemoryService/GetState',
+                request_serializer=mesh_dot_v1_dot_memory__pb2.GetStateRequest.SerializeToString,
+                response_deserializer=mesh_dot_v1_dot_memory__pb2.GetStateResponse.FromString,
+                _registered_method=True)
+        self.PutState = channel.unary_unary(
+                '/mesh.v1.MemoryService/PutState',
+                request_serializer=mesh_dot_v1_dot_memory__pb2.PutStateRequest.SerializeToString,
+                response_deserializer=mesh_dot_v1_dot_memory__pb2.PutStateResponse.FromString,
+                _registered_method=True)
+        self.DeleteState = channel.unary_unary(
+                '/mesh.v1.MemoryService/DeleteState',
+                request_serializer=mesh_dot_v1_dot_memory__pb2.DeleteStateRequest.SerializeToString,
+                response_deserializer=mesh_dot_v1_dot_memory__pb2.DeleteStateResponse.FromString,
+                _registered_method=True)
+        self.LockState = channel.unary_unary(
+                '/mesh.v1.MemoryService/LockState',
+                request_serializer=mesh_dot_v1_dot_memory__pb2.LockStateRequest.SerializeToString,
+                response_deserializer=mesh_dot_v1_dot_memory__pb2.LockStateResponse.FromString,
+                _registered_method=True)
+        self.UnlockState = channel.unary_unary(
+                '/mesh.v1.MemoryService/UnlockState',
+                request_serializer=mesh_dot_v1_dot_memory__pb2.UnlockStateRequest.SerializeToString,
+                response_deserializer=mesh_dot_v1_dot_memory__pb2.UnlockStateResponse.FromString,
+                _registered_method=True)
 
 
 class MemoryServiceServicer:
@@ -80,6 +105,46 @@ class MemoryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetState(self, request, context):
+        """Shared state (RT-011 shared_state coordination): named, versioned entries. Reads one
+        entry; NOT_FOUND when there is none of that key.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutState(self, request, context):
+        """Writes an entry (a new version of it). ABORTED when the entry is locked by another
+        writer (reason STATE_LOCKED) or is not at expected_version (VERSION_CONFLICT);
+        FAILED_PRECONDITION when lock_token holds no lock on it (LOCK_NOT_HELD).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteState(self, request, context):
+        """Removes an entry, under the same rules as a write.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LockState(self, request, context):
+        """Locks an entry for one agent, waiting at most 1 s (RT-011 lock_timeout) while another
+        holds it, or while 5 agents (max_concurrent_writers) hold locks; ABORTED (LOCK_TIMEOUT)
+        if it could not. Asked again by its holder, the lock is renewed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnlockState(self, request, context):
+        """Releases a lock before its lease runs out.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemoryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -97,6 +162,31 @@ def add_MemoryServiceServicer_to_server(servicer, server):
                     servicer.GetMemoryStats,
                     request_deserializer=mesh_dot_v1_dot_memory__pb2.GetMemoryStatsRequest.FromString,
                     response_serializer=mesh_dot_v1_dot_memory__pb2.GetMemoryStatsResponse.SerializeToString,
+            ),
+            'GetState': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetState,
+                    request_deserializer=mesh_dot_v1_dot_memory__pb2.GetStateRequest.FromString,
+                    response_serializer=mesh_dot_v1_dot_memory__pb2.GetStateResponse.SerializeToString,
+            ),
+            'PutState': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutState,
+                    request_deserializer=mesh_dot_v1_dot_memory__pb2.PutStateRequest.FromString,
+                    response_serializer=mesh_dot_v1_dot_memory__pb2.PutStateResponse.SerializeToString,
+            ),
+            'DeleteState': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteState,
+                    request_deserializer=mesh_dot_v1_dot_memory__pb2.DeleteStateRequest.FromString,
+                    response_serializer=mesh_dot_v1_dot_memory__pb2.DeleteStateResponse.SerializeToString,
+            ),
+            'LockState': grpc.unary_unary_rpc_method_handler(
+                    servicer.LockState,
+                    request_deserializer=mesh_dot_v1_dot_memory__pb2.LockStateRequest.FromString,
+                    response_serializer=mesh_dot_v1_dot_memory__pb2.LockStateResponse.SerializeToString,
+            ),
+            'UnlockState': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnlockState,
+                    request_deserializer=mesh_dot_v1_dot_memory__pb2.UnlockStateRequest.FromString,
+                    response_serializer=mesh_dot_v1_dot_memory__pb2.UnlockStateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +272,141 @@ class MemoryService:
             '/mesh.v1.MemoryService/GetMemoryStats',
             mesh_dot_v1_dot_memory__pb2.GetMemoryStatsRequest.SerializeToString,
             mesh_dot_v1_dot_memory__pb2.GetMemoryStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mesh.v1.MemoryService/GetState',
+            mesh_dot_v1_dot_memory__pb2.GetStateRequest.SerializeToString,
+            mesh_dot_v1_dot_memory__pb2.GetStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mesh.v1.MemoryService/PutState',
+            mesh_dot_v1_dot_memory__pb2.PutStateRequest.SerializeToString,
+            mesh_dot_v1_dot_memory__pb2.PutStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mesh.v1.MemoryService/DeleteState',
+            mesh_dot_v1_dot_memory__pb2.DeleteStateRequest.SerializeToString,
+            mesh_dot_v1_dot_memory__pb2.DeleteStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LockState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mesh.v1.MemoryService/LockState',
+            mesh_dot_v1_dot_memory__pb2.LockStateRequest.SerializeToString,
+            mesh_dot_v1_dot_memory__pb2.LockStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnlockState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mesh.v1.MemoryService/UnlockState',
+            mesh_dot_v1_dot_memory__pb2.UnlockStateRequest.SerializeToString,
+            mesh_dot_v1_dot_memory__pb2.UnlockStateResponse.FromString,
             options,
             channel_credentials,
             insecure,

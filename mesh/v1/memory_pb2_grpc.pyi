@@ -43,6 +43,24 @@ class MemoryServiceStub:
     """
     GetMemoryStats: _grpc.UnaryUnaryMultiCallable[_memory_pb2.GetMemoryStatsRequest, _memory_pb2.GetMemoryStatsResponse]
     """Totals, agents involved, tag and segment distributions."""
+    GetState: _grpc.UnaryUnaryMultiCallable[_memory_pb2.GetStateRequest, _memory_pb2.GetStateResponse]
+    """Shared state (RT-011 shared_state coordination): named, versioned entries. Reads one
+    entry; NOT_FOUND when there is none of that key.
+    """
+    PutState: _grpc.UnaryUnaryMultiCallable[_memory_pb2.PutStateRequest, _memory_pb2.PutStateResponse]
+    """Writes an entry (a new version of it). ABORTED when the entry is locked by another
+    writer (reason STATE_LOCKED) or is not at expected_version (VERSION_CONFLICT);
+    FAILED_PRECONDITION when lock_token holds no lock on it (LOCK_NOT_HELD).
+    """
+    DeleteState: _grpc.UnaryUnaryMultiCallable[_memory_pb2.DeleteStateRequest, _memory_pb2.DeleteStateResponse]
+    """Removes an entry, under the same rules as a write."""
+    LockState: _grpc.UnaryUnaryMultiCallable[_memory_pb2.LockStateRequest, _memory_pb2.LockStateResponse]
+    """Locks an entry for one agent, waiting at most 1 s (RT-011 lock_timeout) while another
+    holds it, or while 5 agents (max_concurrent_writers) hold locks; ABORTED (LOCK_TIMEOUT)
+    if it could not. Asked again by its holder, the lock is renewed.
+    """
+    UnlockState: _grpc.UnaryUnaryMultiCallable[_memory_pb2.UnlockStateRequest, _memory_pb2.UnlockStateResponse]
+    """Releases a lock before its lease runs out."""
 
 @_typing.type_check_only
 class MemoryServiceAsyncStub(MemoryServiceStub):
@@ -59,6 +77,24 @@ class MemoryServiceAsyncStub(MemoryServiceStub):
     """
     GetMemoryStats: _aio.UnaryUnaryMultiCallable[_memory_pb2.GetMemoryStatsRequest, _memory_pb2.GetMemoryStatsResponse]  # type: ignore[assignment]
     """Totals, agents involved, tag and segment distributions."""
+    GetState: _aio.UnaryUnaryMultiCallable[_memory_pb2.GetStateRequest, _memory_pb2.GetStateResponse]  # type: ignore[assignment]
+    """Shared state (RT-011 shared_state coordination): named, versioned entries. Reads one
+    entry; NOT_FOUND when there is none of that key.
+    """
+    PutState: _aio.UnaryUnaryMultiCallable[_memory_pb2.PutStateRequest, _memory_pb2.PutStateResponse]  # type: ignore[assignment]
+    """Writes an entry (a new version of it). ABORTED when the entry is locked by another
+    writer (reason STATE_LOCKED) or is not at expected_version (VERSION_CONFLICT);
+    FAILED_PRECONDITION when lock_token holds no lock on it (LOCK_NOT_HELD).
+    """
+    DeleteState: _aio.UnaryUnaryMultiCallable[_memory_pb2.DeleteStateRequest, _memory_pb2.DeleteStateResponse]  # type: ignore[assignment]
+    """Removes an entry, under the same rules as a write."""
+    LockState: _aio.UnaryUnaryMultiCallable[_memory_pb2.LockStateRequest, _memory_pb2.LockStateResponse]  # type: ignore[assignment]
+    """Locks an entry for one agent, waiting at most 1 s (RT-011 lock_timeout) while another
+    holds it, or while 5 agents (max_concurrent_writers) hold locks; ABORTED (LOCK_TIMEOUT)
+    if it could not. Asked again by its holder, the lock is renewed.
+    """
+    UnlockState: _aio.UnaryUnaryMultiCallable[_memory_pb2.UnlockStateRequest, _memory_pb2.UnlockStateResponse]  # type: ignore[assignment]
+    """Releases a lock before its lease runs out."""
 
 class MemoryServiceServicer(metaclass=_abc_1.ABCMeta):
     """MemoryService is the shared memory pool served by the mesh: agents write insights and read
@@ -90,5 +126,53 @@ class MemoryServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_memory_pb2.GetMemoryStatsResponse, _abc.Awaitable[_memory_pb2.GetMemoryStatsResponse]]:
         """Totals, agents involved, tag and segment distributions."""
+
+    @_abc_1.abstractmethod
+    def GetState(
+        self,
+        request: _memory_pb2.GetStateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_memory_pb2.GetStateResponse, _abc.Awaitable[_memory_pb2.GetStateResponse]]:
+        """Shared state (RT-011 shared_state coordination): named, versioned entries. Reads one
+        entry; NOT_FOUND when there is none of that key.
+        """
+
+    @_abc_1.abstractmethod
+    def PutState(
+        self,
+        request: _memory_pb2.PutStateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_memory_pb2.PutStateResponse, _abc.Awaitable[_memory_pb2.PutStateResponse]]:
+        """Writes an entry (a new version of it). ABORTED when the entry is locked by another
+        writer (reason STATE_LOCKED) or is not at expected_version (VERSION_CONFLICT);
+        FAILED_PRECONDITION when lock_token holds no lock on it (LOCK_NOT_HELD).
+        """
+
+    @_abc_1.abstractmethod
+    def DeleteState(
+        self,
+        request: _memory_pb2.DeleteStateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_memory_pb2.DeleteStateResponse, _abc.Awaitable[_memory_pb2.DeleteStateResponse]]:
+        """Removes an entry, under the same rules as a write."""
+
+    @_abc_1.abstractmethod
+    def LockState(
+        self,
+        request: _memory_pb2.LockStateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_memory_pb2.LockStateResponse, _abc.Awaitable[_memory_pb2.LockStateResponse]]:
+        """Locks an entry for one agent, waiting at most 1 s (RT-011 lock_timeout) while another
+        holds it, or while 5 agents (max_concurrent_writers) hold locks; ABORTED (LOCK_TIMEOUT)
+        if it could not. Asked again by its holder, the lock is renewed.
+        """
+
+    @_abc_1.abstractmethod
+    def UnlockState(
+        self,
+        request: _memory_pb2.UnlockStateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_memory_pb2.UnlockStateResponse, _abc.Awaitable[_memory_pb2.UnlockStateResponse]]:
+        """Releases a lock before its lease runs out."""
 
 def add_MemoryServiceServicer_to_server(servicer: MemoryServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -93,6 +93,9 @@ async def test_every_documented_call_works(embedded: EmbeddedMesh) -> None:
     [dead] = json.loads(by_rpc["mesh.v1.BrokerService/ListDeadLetters"])["deadLetters"]
     assert dead["reason"] == "PaymentDesk does not handle action refund"
     assert dead["deliveryAttempts"] == 2
+    deleted = json.loads(by_rpc["mesh.v1.MemoryService/DeleteState"])["entry"]
+    assert deleted["value"] == {"left": 80} and deleted["version"] == "2"
+    assert deleted["updatedBy"] == "buyer"  # written under the buyer's lock
     feedback = json.loads(by_rpc["mesh.v1.GatewayService/RecordFeedback"])
     assert feedback["pattern"] == "PATTERN_GROUP_CHAT"
     assert feedback["stats"]["rated"] == "1" and feedback["stats"]["accuracy"] == 1

@@ -1,0 +1,279 @@
+"""Shared state (RT-011 coordination, "shared_state"): named, versioned entries that agents
+read and write, with locks for the writes that must not interleave.
+
+- Every write makes a new version of its entry (1 for the first). A write may name the version
+  it expects (compare-and-set, 0 for "absent"): the strong path. Without it, the last writer
+  wins: the eventual path.
+- A writer may lock an entry first; it then writes with its lock's token, and nobody else
+  writes (or deletes) the entry until the lock is released or its lease runs out. Acquiring
+  waits at most ``lock_timeout`` (RT-011: 1 s), and at most ``max_writers`` agents (RT-011: 5)
+  hold locks at once: a sixth waits for one of them to finish.
+- Bounded: at most ``capacity`` entries, each value at most ``max_value_bytes`` of JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import secrets
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from mesh.core.errors import (
+    FieldViolation,
+    LimitExceededError,
+    LockNotHeldError,
+    MessageValidationError,
+    NotFoundError,
+    StateConflictError,
+)
+from mesh.core.model import JSON, utc_now
+
+LOCK_TIMEOUT = 1.0
+"""RT-011 shared_state lock_timeout: the longest wait for a lock, in seconds."""
+MAX_WRITERS = 5
+"""RT-011 shared_state max_concurrent_writers: agents holding locks at once."""
+DEFAULT_LEASE = 10.0
+MAX_LEASE = 60.0
+MAX_KEY_LENGTH = 256
+
+
+@dataclass(frozen=True, slots=True)
+class StateEntry:
+    key: str
+    value: JSON
+    version: int
+    updated_by: str
+    updated_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class StateLock:
+    key: str
+    holder: str
+    token: str
+    expires_at: datetime
+
+
+@dataclass(slots=True)
+class _Held:
+    holder: str
+    token: str
+    expires: float  # monotonic
+    expires_at: datetime
+
+
+class SharedState:
+    def __init__(
+        self,
+        *,
+        lock_timeout: float = LOCK_TIMEOUT,
+        max_writers: int = MAX_WRITERS,
+        capacity: int = 10_000,
+        max_value_bytes: int = 64 * 1024,
+    ) -> None:
+        self.lock_timeout = lock_timeout
+        self.max_writers = max_writers
+        self.capacity = capacity
+        self.max_value_bytes = max_value_bytes
+        self._entries: dict[str, StateEntry] = {}
+        self._locks: dict[str, _Held] = {}
+        self._waiting: dict[str, collections.deque[object]] = {}
+        """Per key, the lock requests waiting, in their order of arrival."""
+        self._changed = asyncio.Condition()
+        """Notified whenever a lock is released: waiters look again."""
+
+    # -- reading and writing -----------------------------------------------------------------
+
+    def get(self, key: str) -> StateEntry:
+        _check_key(key)
+        entry = self._entries.get(key)
+        if entry is None:
+            raise NotFoundError(f"no shared state named {key!r}", reason="STATE_NOT_FOUND")
+        return entry
+
+    def put(
+        self,
+        key: str,
+        value: JSON,
+        agent_id: str,
+        *,
+        expected_version: int | None = None,
+        lock_token: str = "",
+    ) -> StateEntry:
+        _check_key(key)
+        problems = []
+        if not agent_id:
+            problems.append(FieldViolation("agent_id", "agent_id is required"))
+        if value is None:
+            problems.append(FieldViolation("value", "value is required"))
+        elif len(json.dumps(value, default=str).encode()) > self.max_value_bytes:
+            problems.append(
+                FieldViolation("value", f"value must be at most {self.max_value_bytes} bytes")
+            )
+        if expected_version is not None and expected_version < 0:
+            problems.append(FieldViolation("expected_version", "must not be negative"))
+        if problems:
+            raise MessageValidationError.from_violations(problems)
+        current = self._may_write(key, agent_id, expected_version, lock_token)
+        if current is None and len(self._entries) >= self.capacity:
+            raise LimitExceededError(f"the shared state holds its limit of {self.capacity} entries")
+        entry = StateEntry(key, value, (current.version if current else 0) + 1, agent_id, utc_now())
+        self._entries[key] = entry
+        return entry
+
+    def delete(
+        self,
+        key: str,
+        agent_id: str,
+        *,
+        expected_version: int | None = None,
+        lock_token: str = "",
+    ) -> StateEntry:
+        _check_key(key)
+        if not agent_id:
+            raise MessageValidationError.for_field("agent_id", "agent_id is required")
+        current = self._may_write(key, agent_id, expected_version, lock_token)
+        if current is None:
+            raise NotFoundError(f"no shared state named {key!r}", reason="STATE_NOT_FOUND")
+        del self._entries[key]
+        return current
+
+    def _may_write(
+        self, key: str, agent_id: str, expected_version: int | None, lock_token: str
+    ) -> StateEntry | None:
+        held = self._lock_of(key)
+        if lock_token:
+            if held is None or held.token != lock_token:
+                raise LockNotHeldError(
+                    f"the lock token does not hold {key!r} (released, expired, or never given)"
+                )
+        elif held is not None:
+            raise StateConflictError(
+                f"{key!r} is locked by {held.holder} until {held.expires_at.isoformat()}",
+                reason="STATE_LOCKED",
+            )
+        current = self._entries.get(key)
+        if expected_version is not None:
+            found = current.version if current else 0
+            if found != expected_version:
+                raise StateConflictError(
+                    f"{key!r} is at version {found}, not {expected_version}",
+                    reason="VERSION_CONFLICT",
+                )
+        return current
+
+    # -- locks ---------------------------------------------------------------------------------
+
+    def _lock_of(self, key: str) -> _Held | None:
+        held = self._locks.get(key)
+        if held is not None and held.expires <= time.monotonic():
+            del self._locks[key]  # its lease ran out
+            return None
+        return held
+
+    def _writers(self) -> set[str]:
+        now = time.monotonic()
+        for key in [k for k, h in self._locks.items() if h.expires <= now]:
+            del self._locks[key]
+        return {h.holder for h in self._locks.values()}
+
+    def locks(self) -> list[StateLock]:
+        """The locks held now."""
+        self._writers()
+        return [StateLock(k, h.holder, h.token, h.expires_at) for k, h in self._locks.items()]
+
+    async def lock(
+        self, key: str, agent_id: str, *, wait: float | None = None, lease: float | None = None
+    ) -> StateLock:
+        """Locks an entry (present or not) for ``agent_id``; the holder asking again gets its
+        lock back with the lease renewed. Waits at most ``wait`` seconds (``lock_timeout``
+        unless less is asked; 0 tries once), then raises StateConflictError (reason
+        LOCK_TIMEOUT)."""
+        _check_key(key)
+        wait = self.lock_timeout if wait is None else wait
+        lease = DEFAULT_LEASE if lease is None else lease
+        problems = []
+        if not agent_id:
+            problems.append(FieldViolation("agent_id", "agent_id is required"))
+        if not 0 <= wait <= self.lock_timeout:
+            problems.append(
+                FieldViolation("wait", f"wait must be within 0 and {self.lock_timeout:g} s")
+            )
+        if not 0 < lease <= MAX_LEASE:
+            problems.append(
+                FieldViolation("lease", f"lease must be above 0 and at most {MAX_LEASE:g} s")
+            )
+        if problems:
+            raise MessageValidationError.from_violations(problems)
+        deadline = time.monotonic() + wait
+        ticket = object()
+        queue = self._waiting.setdefault(key, collections.deque())
+        queue.append(ticket)  # first come, first served: a newcomer does not barge ahead
+        async with self._changed:
+            try:
+                while True:
+                    held = self._lock_of(key)
+                    writers = self._writers()
+                    if held is not None and held.holder == agent_id:
+                        return self._grant(key, agent_id, lease, held.token)
+                    if (
+                        held is None
+                        and queue[0] is ticket
+                        and (agent_id in writers or len(writers) < self.max_writers)
+                    ):
+                        return self._grant(key, agent_id, lease, secrets.token_urlsafe(18))
+                    now = time.monotonic()
+                    if now >= deadline:
+                        if held is not None:
+                            why = f"held by {held.holder}"
+                        elif queue[0] is not ticket:
+                            why = "other agents were waiting for it first"
+                        else:
+                            why = f"{self.max_writers} agents hold locks already"
+                        raise StateConflictError(
+                            f"could not lock {key!r} within {wait:g} s: {why}",
+                            reason="LOCK_TIMEOUT",
+                        )
+                    # Look again when a lock is released, or when the first lease runs out.
+                    expiries = [h.expires for h in self._locks.values()]
+                    until = min([deadline, *expiries]) - now
+                    try:
+                        async with asyncio.timeout(max(until, 0.001)):
+                            await self._changed.wait()
+                    except TimeoutError:
+                        pass
+            finally:
+                was_first = queue[0] is ticket
+                queue.remove(ticket)
+                if not queue:
+                    del self._waiting[key]
+                elif was_first:
+                    self._changed.notify_all()  # the next in line may take it now
+
+    def _grant(self, key: str, agent_id: str, lease: float, token: str) -> StateLock:
+        expires_at = datetime.fromtimestamp(time.time() + lease, tz=UTC)
+        self._locks[key] = _Held(agent_id, token, time.monotonic() + lease, expires_at)
+        return StateLock(key, agent_id, token, expires_at)
+
+    async def unlock(self, key: str, token: str) -> None:
+        _check_key(key)
+        held = self._lock_of(key)
+        if held is None or held.token != token:
+            raise LockNotHeldError(
+                f"the lock token does not hold {key!r} (released, expired, or never given)"
+            )
+        del self._locks[key]
+        async with self._changed:
+            self._changed.notify_all()
+
+
+def _check_key(key: str) -> None:
+    if not key:
+        raise MessageValidationError.for_field("key", "key is required")
+    if len(key) > MAX_KEY_LENGTH:
+        raise MessageValidationError.for_field(
+            "key", f"key must be at most {MAX_KEY_LENGTH} characters"
+        )

@@ -1,0 +1,140 @@
+"""RT-011 shared-state coordination through the broker's MemoryService: agents on their own
+clients read, lock and write versioned entries; the gRPC statuses a plain client sees."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from mesh import (
+    LocalMesh,
+    LockNotHeldError,
+    PermissionDeniedError,
+    SecurityConfig,
+    StateConflictError,
+)
+from mesh.client import NO_RETRY
+from mesh.v1 import memory_pb2, memory_pb2_grpc
+
+
+@pytest.fixture
+async def mesh() -> AsyncIterator[LocalMesh]:
+    async with LocalMesh() as local:
+        yield local
+
+
+async def test_writers_that_lock_never_lose_an_update(mesh: LocalMesh) -> None:
+    """Five agents, each on its own connection, add 1 to a counter 20 times with read, then
+    write under the lock: 100 increments, 100 versions, none lost."""
+    writers = [mesh.client(f"Writer{i}") for i in range(5)]
+    await writers[0].put_state("counter", {"n": 0})
+
+    async def add_ones(client: object) -> None:
+        for _ in range(20):
+            async with client.locked("counter") as lock:  # type: ignore[attr-defined]
+                entry = await client.get_state("counter")  # type: ignore[attr-defined]
+                await client.put_state("counter", {"n": entry.value["n"] + 1}, lock=lock)  # type: ignore[attr-defined]
+
+    await asyncio.gather(*(add_ones(w) for w in writers))
+    final = await writers[0].get_state("counter")
+    assert final is not None
+    assert final.value == {"n": 100} and final.version == 101
+
+
+async def test_compare_and_set_writers_retry_and_never_lose_an_update(mesh: LocalMesh) -> None:
+    writers = [mesh.client(f"Writer{i}") for i in range(4)]
+
+    async def add_ones(client: object) -> None:
+        for _ in range(10):
+            while True:
+                entry = await client.get_state("tally")  # type: ignore[attr-defined]
+                n, version = (entry.value, entry.version) if entry else (0, 0)
+                try:
+                    await client.put_state("tally", n + 1, expected_version=version)  # type: ignore[attr-defined]
+                    break
+                except StateConflictError as lost:
+                    assert lost.reason == "VERSION_CONFLICT"  # another came first: again
+
+    await asyncio.gather(*(add_ones(w) for w in writers))
+    final = await writers[0].get_state("tally")
+    assert final is not None and final.value == 40 and final.version == 40
+
+
+async def test_a_plain_grpc_client_sees_the_statuses(mesh: LocalMesh) -> None:
+    async with grpc.aio.insecure_channel(mesh.address) as channel:
+        stub = memory_pb2_grpc.MemoryServiceStub(channel)
+
+        async def code_of(call: object) -> grpc.StatusCode:
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await call  # type: ignore[misc]
+            return failed.value.code()
+
+        assert (
+            await code_of(stub.GetState(memory_pb2.GetStateRequest(key="missing")))
+            == grpc.StatusCode.NOT_FOUND
+        )
+        put = memory_pb2.PutStateRequest(key="plan", agent_id="A")
+        put.value.string_value = "draft"
+        written = await stub.PutState(put)
+        assert written.entry.version == 1 and written.entry.updated_by == "A"
+        lock = await stub.LockState(memory_pb2.LockStateRequest(key="plan", agent_id="A"))
+        assert lock.lock_token and lock.HasField("expires_at")
+        other = memory_pb2.PutStateRequest(key="plan", agent_id="B")
+        other.value.string_value = "mine"
+        assert await code_of(stub.PutState(other)) == grpc.StatusCode.ABORTED
+        waited = memory_pb2.LockStateRequest(key="plan", agent_id="B")
+        waited.wait.FromMilliseconds(100)
+        assert await code_of(stub.LockState(waited)) == grpc.StatusCode.ABORTED
+        too_long = memory_pb2.LockStateRequest(key="plan", agent_id="B")
+        too_long.wait.FromSeconds(5)  # more than RT-011's 1 s
+        assert await code_of(stub.LockState(too_long)) == grpc.StatusCode.INVALID_ARGUMENT
+        stale = memory_pb2.PutStateRequest(key="plan", agent_id="A", expected_version=7)
+        stale.value.string_value = "x"
+        stale.lock_token = lock.lock_token
+        assert await code_of(stub.PutState(stale)) == grpc.StatusCode.ABORTED
+        bad_token = memory_pb2.UnlockStateRequest(key="plan", lock_token="nope")
+        assert await code_of(stub.UnlockState(bad_token)) == grpc.StatusCode.FAILED_PRECONDITION
+        await stub.UnlockState(
+            memory_pb2.UnlockStateRequest(key="plan", lock_token=lock.lock_token)
+        )
+        assert (await stub.PutState(other)).entry.version == 2
+        gone = await stub.DeleteState(memory_pb2.DeleteStateRequest(key="plan", agent_id="B"))
+        assert gone.entry.value.string_value == "mine"
+
+
+async def test_the_sdk_raises_typed_errors_and_releases_its_lock(mesh: LocalMesh) -> None:
+    a, b = mesh.client("A", retry=NO_RETRY), mesh.client("B", retry=NO_RETRY)
+    assert await a.get_state("nothing") is None
+    async with a.locked("doc", lease=5) as lock:
+        with pytest.raises(StateConflictError) as locked:
+            await b.put_state("doc", "b")
+        assert locked.value.reason == "STATE_LOCKED"
+        with pytest.raises(StateConflictError) as waited:
+            await b.lock_state("doc", wait=0.1)
+        assert waited.value.reason == "LOCK_TIMEOUT"
+        await a.put_state("doc", "a", lock=lock)
+    with pytest.raises(LockNotHeldError):
+        await a.put_state("doc", "again", lock=lock)  # released on leaving the block
+    assert (await b.put_state("doc", "b")).version == 2
+
+
+async def test_an_agent_writes_and_locks_only_as_itself(tmp_path: Path) -> None:
+    credentials = tmp_path / "credentials.json"
+    token = "planner-token-0123456789"
+    credentials.write_text(
+        json.dumps({"principals": [{"name": "p", "token": token, "agents": ["Planner"]}]})
+    )
+    async with LocalMesh(security=SecurityConfig(credentials_file=str(credentials))) as local:
+        planner = local.client("Planner", retry=NO_RETRY, security=SecurityConfig(token=token))
+        await planner.put_state("budget", 100)
+        with pytest.raises(PermissionDeniedError):
+            await planner.put_state("budget", 0, agent_id="Buyer")
+        with pytest.raises(PermissionDeniedError):
+            await planner.lock_state("budget", agent_id="Buyer")
+        entry = await planner.get_state("budget")
+        assert entry is not None and entry.value == 100

@@ -1,0 +1,162 @@
+"""The shared state's rules without a server: versions, compare-and-set, locks with their
+1 s wait, leases and the limit of 5 writers at once (RT-011 shared_state)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mesh.core.errors import (
+    LimitExceededError,
+    LockNotHeldError,
+    MessageValidationError,
+    NotFoundError,
+    StateConflictError,
+)
+from mesh.core.state import SharedState
+
+
+async def test_every_write_makes_a_new_version_and_the_last_write_wins() -> None:
+    state = SharedState()
+    with pytest.raises(NotFoundError):
+        state.get("budget")
+    first = state.put("budget", {"left": 100}, "Planner")
+    second = state.put("budget", {"left": 80}, "Buyer")
+    assert (first.version, second.version) == (1, 2)
+    current = state.get("budget")
+    assert current.value == {"left": 80} and current.updated_by == "Buyer"
+    gone = state.delete("budget", "Planner")
+    assert gone.version == 2
+    with pytest.raises(NotFoundError):
+        state.get("budget")
+    assert state.put("budget", 1, "Planner").version == 1  # a new entry starts again
+
+
+async def test_a_write_that_names_a_version_is_refused_when_another_came_first() -> None:
+    state = SharedState()
+    state.put("plan", "a", "A", expected_version=0)  # only if there is none yet
+    with pytest.raises(StateConflictError) as lost:
+        state.put("plan", "b", "B", expected_version=0)
+    assert lost.value.reason == "VERSION_CONFLICT" and lost.value.code == "ABORTED"
+    assert state.put("plan", "b", "B", expected_version=1).version == 2
+    with pytest.raises(StateConflictError):
+        state.delete("plan", "A", expected_version=1)
+    assert state.get("plan").value == "b"
+
+
+async def test_a_locked_entry_is_written_only_with_its_lock() -> None:
+    state = SharedState()
+    state.put("budget", 100, "Planner")
+    lock = await state.lock("budget", "Buyer")
+    with pytest.raises(StateConflictError) as refused:
+        state.put("budget", 0, "Planner")
+    assert refused.value.reason == "STATE_LOCKED" and "Buyer" in refused.value.message
+    with pytest.raises(StateConflictError):
+        state.delete("budget", "Planner")
+    assert state.put("budget", 70, "Buyer", lock_token=lock.token).version == 2
+    with pytest.raises(LockNotHeldError):
+        state.put("budget", 60, "Buyer", lock_token="not-the-token")
+    await state.unlock("budget", lock.token)
+    with pytest.raises(LockNotHeldError):  # released: the token holds nothing any more
+        state.put("budget", 60, "Buyer", lock_token=lock.token)
+    with pytest.raises(LockNotHeldError):
+        await state.unlock("budget", lock.token)
+    assert state.put("budget", 50, "Planner").version == 3
+
+
+async def test_a_second_writer_waits_for_the_lock_at_most_its_wait() -> None:
+    state = SharedState()
+    held = await state.lock("budget", "A")
+
+    async def release_soon() -> None:
+        await asyncio.sleep(0.1)
+        await state.unlock("budget", held.token)
+
+    releasing = asyncio.create_task(release_soon())
+    got = await state.lock("budget", "B", wait=1.0)  # waits for A's release
+    await releasing
+    assert got.holder == "B" and got.token != held.token
+    with pytest.raises(StateConflictError) as late:
+        await state.lock("budget", "C", wait=0.1)
+    assert late.value.reason == "LOCK_TIMEOUT" and "held by B" in late.value.message
+    with pytest.raises(StateConflictError):
+        await state.lock("budget", "C", wait=0)  # 0: one try, no wait
+
+
+async def test_a_lock_lapses_when_its_lease_runs_out_and_its_holder_may_renew_it() -> None:
+    state = SharedState()
+    short = await state.lock("budget", "A", lease=0.1)
+    again = await state.lock("budget", "A", lease=0.1)
+    assert again.token == short.token and again.expires_at >= short.expires_at
+    taken = await state.lock("budget", "B", wait=1.0)  # A's lease runs out meanwhile
+    assert taken.holder == "B"
+    with pytest.raises(LockNotHeldError):
+        state.put("budget", 1, "A", lock_token=short.token)
+
+
+async def test_at_most_five_agents_hold_locks_at_once() -> None:
+    state = SharedState()
+    locks = [await state.lock(f"key-{i}", f"Writer{i}") for i in range(5)]
+    # A writer already holding a lock may take another: it is still one writer.
+    await state.lock("key-extra", "Writer0")
+    with pytest.raises(StateConflictError) as full:
+        await state.lock("key-5", "Writer5", wait=0.1)
+    assert full.value.reason == "LOCK_TIMEOUT" and "5 agents hold locks" in full.value.message
+
+    async def finish_one() -> None:
+        await asyncio.sleep(0.1)
+        await state.unlock("key-1", locks[1].token)
+
+    finishing = asyncio.create_task(finish_one())
+    assert (await state.lock("key-5", "Writer5", wait=1.0)).holder == "Writer5"
+    await finishing
+    assert sorted({lock.holder for lock in state.locks()}) == [
+        "Writer0",
+        "Writer2",
+        "Writer3",
+        "Writer4",
+        "Writer5",
+    ]
+
+
+async def test_bad_requests_and_limits_are_refused() -> None:
+    state = SharedState(capacity=2, max_value_bytes=100)
+    for call in (
+        lambda: state.put("", 1, "A"),
+        lambda: state.put("k", None, "A"),
+        lambda: state.put("k", 1, ""),
+        lambda: state.put("k", "x" * 200, "A"),
+        lambda: state.put("k" * 300, 1, "A"),
+        lambda: state.put("k", 1, "A", expected_version=-1),
+    ):
+        with pytest.raises(MessageValidationError):
+            call()
+    for wait, lease in ((1.5, None), (-1, None), (None, 0), (None, 61)):
+        with pytest.raises(MessageValidationError):
+            await state.lock("k", "A", wait=wait, lease=lease)
+    state.put("a", 1, "A")
+    state.put("b", 1, "A")
+    with pytest.raises(LimitExceededError):
+        state.put("c", 1, "A")
+    assert state.put("a", 2, "A").version == 2  # a new version of a held entry still fits
+
+
+async def test_waiting_writers_get_the_lock_in_their_order_of_arrival() -> None:
+    state = SharedState()
+    first = await state.lock("budget", "A")
+    order: list[str] = []
+
+    async def take(agent_id: str) -> None:
+        lock = await state.lock("budget", agent_id, wait=1.0)
+        order.append(agent_id)
+        await asyncio.sleep(0.01)
+        await state.unlock("budget", lock.token)
+
+    waiting = [asyncio.create_task(take(a)) for a in ("B", "C", "D")]
+    await asyncio.sleep(0.05)  # B, C and D wait, in that order
+    await state.unlock("budget", first.token)
+    # E asks at once, while the lock is free and B has not run yet: still behind them.
+    await take("E")
+    await asyncio.gather(*waiting)
+    assert order == ["B", "C", "D", "E"]
