@@ -40,6 +40,7 @@ def group_chat_spec(pb: gateway_pb2.RunGroupChatRequest) -> GroupChatSpec:
         agent_timeout=_seconds(pb, "agent_timeout", 10.0),
         group_id=pb.group_id,
         context=struct_to_dict(pb.context),
+        levels=dict(pb.hierarchy),
     )
 
 

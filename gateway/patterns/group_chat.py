@@ -3,6 +3,7 @@ contributions are aggregated by unanimous consensus, weighted voting or highest 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,8 +27,18 @@ from gateway.tracing import span_name, tracer
 from mesh.core.model import JSON, Message, MessageType
 from mesh.tracing import inject
 
-STRATEGIES = ("consensus", "weighted_voting", "highest_confidence")
+STRATEGIES = (
+    "consensus",
+    "weighted_voting",
+    "highest_confidence",
+    "majority",
+    "unanimous",
+    "hierarchy",
+)
 DEFAULT_CONFIDENCE = 0.5
+DEFAULT_LEVEL = 2
+"""RT-011 conflict resolution by hierarchy: orchestrator 0, specialized agents 1, general
+agents 2 (an agent given no level)."""
 MAX_ROUNDS = 10
 
 
@@ -71,12 +82,17 @@ def aggregate(
     contributions: Sequence[Contribution],
     strategy: str = "consensus",
     option_label: str = "options",
+    levels: Mapping[str, int] | None = None,
 ) -> dict[str, JSON]:
-    """Aggregates contributions (RF-010 scenarios 4 and 5).
+    """Aggregates contributions (RF-010 scenarios 4 and 5; RT-011 conflict resolution).
 
     consensus: unanimous -> the shared recommendation with confidence HIGH; otherwise
     weighted voting. weighted_voting: each option scores the sum of its confidences.
-    highest_confidence: the single most confident contribution.
+    highest_confidence: the single most confident contribution. majority: the option with
+    the most votes (ties: the higher summed confidence). unanimous: a decision only when
+    every agent recommends the same. hierarchy: only the contributions of the highest level
+    present count (``levels``: 0 highest, DEFAULT_LEVEL for agents not listed), aggregated
+    as by consensus.
     """
     if not contributions:
         return {
@@ -99,7 +115,21 @@ def aggregate(
             "unanimous": len({c.recommendation for c in contributions}) == 1,
         }
     options = {c.recommendation for c in contributions}
-    if strategy == "consensus" and len(options) == 1:
+    if strategy == "majority":
+        return majority_vote(contributions, option_label)
+    if strategy == "unanimous" and len(options) > 1:
+        return {
+            "recommendation": None,
+            "decided": False,
+            "confidence": "NONE",
+            "votes": dict(collections.Counter(c.recommendation for c in contributions)),
+            "reasoning": [c.reasoning for c in contributions],
+            "note": f"No unanimous decision: {len(options)} different {option_label} recommended",
+            "unanimous": False,
+        }
+    if strategy == "hierarchy":
+        return hierarchy_vote(contributions, option_label, levels or {})
+    if strategy in ("consensus", "unanimous") and len(options) == 1:
         [choice] = options
         return {
             "consensus": choice,
@@ -110,6 +140,60 @@ def aggregate(
             "unanimous": True,
         }
     return weighted_vote(contributions, option_label)
+
+
+def majority_vote(contributions: Sequence[Contribution], option_label: str) -> dict[str, JSON]:
+    """The option most agents recommend; a tie goes to the higher summed confidence, then
+    alphabetical order."""
+    counts = collections.Counter(c.recommendation for c in contributions)
+    confidence: dict[str, float] = {}
+    for c in contributions:
+        confidence[c.recommendation] = confidence.get(c.recommendation, 0.0) + c.confidence
+    winner = sorted(counts, key=lambda o: (-counts[o], -confidence[o], o))[0]
+    unanimous = len(counts) == 1
+    tied = sum(1 for o in counts if counts[o] == counts[winner]) > 1
+    return {
+        "recommendation": f"{winner} (majority: {counts[winner]} of {len(contributions)} votes)",
+        "winner": winner,
+        "votes": dict(counts),
+        "majority": counts[winner] * 2 > len(contributions),
+        "tie": tied,
+        "confidence": clean(counts[winner] / len(contributions)),
+        "reasoning": [c.reasoning for c in contributions if c.recommendation == winner],
+        "note": (
+            f"Disagreement detected: {len(counts)} different {option_label} recommended"
+            if not unanimous
+            else "Majority vote over a unanimous group"
+        ),
+        "unanimous": unanimous,
+    }
+
+
+def hierarchy_vote(
+    contributions: Sequence[Contribution], option_label: str, levels: Mapping[str, int]
+) -> dict[str, JSON]:
+    """Higher-level agents override lower ones: the contributions of the highest level
+    present decide, by consensus (weighted voting when they disagree)."""
+    level_of = {c.agent_id: levels.get(c.agent_id, DEFAULT_LEVEL) for c in contributions}
+    top = min(level_of.values())
+    deciding = [c for c in contributions if level_of[c.agent_id] == top]
+    result = aggregate(deciding, "consensus", option_label)
+    overruled = sorted(
+        {c.agent_id for c in contributions if level_of[c.agent_id] != top}
+        & {c.agent_id for c in contributions if c.recommendation not in _chosen(result)}
+    )
+    result.update(
+        level=top,
+        decided_by=[c.agent_id for c in deciding],
+        overruled=overruled,  # lower-level agents that recommended otherwise
+        unanimous=len({c.recommendation for c in contributions}) == 1,
+    )
+    return result
+
+
+def _chosen(result: Mapping[str, JSON]) -> set[str]:
+    winner = result.get("winner", result.get("consensus"))
+    return {winner} if isinstance(winner, str) else set()
 
 
 def weighted_vote(contributions: Sequence[Contribution], option_label: str) -> dict[str, JSON]:
@@ -157,9 +241,16 @@ class GroupChatSpec:
     group_id: str = ""
     context: dict[str, JSON] = field(default_factory=dict)
     from_agent: str = "user"
+    levels: dict[str, int] = field(default_factory=dict)
+    """Hierarchy levels by agent id, for the "hierarchy" strategy (0 highest)."""
 
     def validate(self) -> None:
         check_group("agent_ids", self.agent_ids, "a group chat")
+        strangers = sorted(set(self.levels) - set(self.agent_ids))
+        if strangers:
+            raise invalid("hierarchy", f"levels for agents not in the group: {strangers}")
+        if any(level < 0 for level in self.levels.values()):
+            raise invalid("hierarchy", "levels must not be negative (0 is the highest)")
         if not self.query:
             raise invalid("query", "query is required")
         if not 1 <= self.rounds <= MAX_ROUNDS:
@@ -327,8 +418,12 @@ async def _run(
     with tracer().start_as_current_span(
         "group_chat.aggregate", attributes={"group_id": group_id, "strategy": spec.strategy}
     ):
-        result = aggregate(contributions, spec.strategy, spec.option_label)
-    outcome = str(result.get("recommendation")) if contributions else nobody_answered(missing)
+        result = aggregate(contributions, spec.strategy, spec.option_label, spec.levels)
+    outcome = (
+        str(result.get("recommendation") or result.get("note"))
+        if contributions
+        else nobody_answered(missing)
+    )
     await event(
         EventKind.AGGREGATION,
         outcome if contributions else "nothing to aggregate: no agent answered",

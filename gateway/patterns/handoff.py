@@ -377,7 +377,7 @@ async def _group_step(
         aggregate.get("consensus")
         or aggregate.get("winner")
         or aggregate.get("recommendation")
-        or ""
+        or ("NO_DECISION" if aggregate.get("decided") is False else "")  # "unanimous", split
     )
     logger.info(
         "pattern switch GROUP_CHAT -> HAND_OFF at step %d: %s",

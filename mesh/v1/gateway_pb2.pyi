@@ -246,6 +246,26 @@ class RunGroupChatRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class HierarchyEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     AGENT_IDS_FIELD_NUMBER: _builtins.int
     QUERY_FIELD_NUMBER: _builtins.int
     ROUNDS_FIELD_NUMBER: _builtins.int
@@ -254,12 +274,18 @@ class RunGroupChatRequest(_message.Message):
     AGENT_TIMEOUT_FIELD_NUMBER: _builtins.int
     GROUP_ID_FIELD_NUMBER: _builtins.int
     CONTEXT_FIELD_NUMBER: _builtins.int
+    HIERARCHY_FIELD_NUMBER: _builtins.int
     query: _builtins.str
     """The user's query, broadcast to the group as content {"query": ...}."""
     rounds: _builtins.int
     """Rounds of contributions (1 to 10; 0 means 1). From round 2 on, agents see the history."""
     strategy: _builtins.str
-    """"consensus" (default), "weighted_voting" or "highest_confidence"."""
+    """How contributions are aggregated (RT-011 conflict resolution): "consensus" (default:
+    unanimous, else weighted voting), "weighted_voting" (each option scores its summed
+    confidence), "highest_confidence", "majority" (most votes), "unanimous" (a decision only
+    when all agree) or "hierarchy" (the agents of the highest level present decide; see
+    hierarchy).
+    """
     option_label: _builtins.str
     """Plural noun for the options in notes, e.g. "stocks"; default "options"."""
     group_id: _builtins.str
@@ -276,6 +302,12 @@ class RunGroupChatRequest(_message.Message):
     def context(self) -> _struct_pb2.Struct:
         """Context shared with every agent."""
 
+    @_builtins.property
+    def hierarchy(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Hierarchy levels by agent id, for the "hierarchy" strategy: 0 is the highest (an
+        orchestrator), 1 specialized agents, 2 general agents (the level of an agent not listed).
+        """
+
     def __init__(
         self,
         *,
@@ -287,10 +319,11 @@ class RunGroupChatRequest(_message.Message):
         agent_timeout: _duration_pb2.Duration | None = ...,
         group_id: _builtins.str = ...,
         context: _struct_pb2.Struct | None = ...,
+        hierarchy: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["agent_timeout", b"agent_timeout", "context", b"context"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_ids", b"agent_ids", "agent_timeout", b"agent_timeout", "context", b"context", "group_id", b"group_id", "option_label", b"option_label", "query", b"query", "rounds", b"rounds", "strategy", b"strategy"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_ids", b"agent_ids", "agent_timeout", b"agent_timeout", "context", b"context", "group_id", b"group_id", "hierarchy", b"hierarchy", "option_label", b"option_label", "query", b"query", "rounds", b"rounds", "strategy", b"strategy"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -777,3 +777,35 @@ async def test_scenario_20_pattern_performance_metrics(embedded: EmbeddedMesh) -
     assert samples[feedback % "true"] == 2 and samples[feedback % "false"] == 1
     # The broker's own metrics are on the same page.
     assert samples["agentmesh_handoffs_total"] >= 10
+
+
+async def test_group_chat_conflict_strategies_through_the_gateway() -> None:
+    """RT-011 conflict resolution, chosen per run: majority, unanimous, and hierarchy (the
+    request's levels: the higher-level agent overrides the others)."""
+    recorder = Recorder()
+    async with LocalMesh() as local:
+        await local.add_agent(recorder.expert("Junior1", "Buy AAPL", 0.6))
+        await local.add_agent(recorder.expert("Junior2", "Buy AAPL", 0.5))
+        await local.add_agent(recorder.expert("Lead", "Buy MSFT", 0.95))
+        gateway = await serve_gateway(local.address)
+        try:
+            async with GatewayClient(gateway.address) as client:
+                group = ["Junior1", "Junior2", "Lead"]
+
+                async def aggregate_by(strategy: str, **extra: Any) -> dict[str, Any]:
+                    events = await client.collect(
+                        client.group_chat(agent_ids=group, query="q", strategy=strategy, **extra)
+                    )
+                    return dict(result_of(events)["aggregate"])
+
+                majority = await aggregate_by("majority")
+                assert majority["recommendation"] == "Buy AAPL (majority: 2 of 3 votes)"
+                unanimous = await aggregate_by("unanimous")
+                assert unanimous["decided"] is False and unanimous["recommendation"] is None
+                ranked = await aggregate_by("hierarchy", hierarchy={"Lead": 0, "Junior1": 2})
+                assert ranked["consensus"] == "Buy MSFT" and ranked["decided_by"] == ["Lead"]
+                assert ranked["overruled"] == ["Junior1", "Junior2"]
+                with pytest.raises(MessageValidationError):
+                    await aggregate_by("hierarchy", hierarchy={"Stranger": 0})
+        finally:
+            await gateway.stop(0.5)

@@ -1,0 +1,70 @@
+"""How a group chat settles its agents' disagreement (RT-011 conflict resolution: voting by
+majority, weighted or unanimous, and agent hierarchy), without a mesh."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.patterns.group_chat import Contribution, GroupChatSpec, aggregate
+from mesh.core.errors import MessageValidationError
+
+
+def said(agent_id: str, recommendation: str, confidence: float) -> Contribution:
+    return Contribution(
+        agent_id=agent_id, recommendation=recommendation, confidence=confidence, reasoning=agent_id
+    )
+
+
+SPLIT = [
+    said("A", "Buy AAPL", 0.6),
+    said("B", "Buy AAPL", 0.5),
+    said("C", "Buy MSFT", 0.95),
+]
+
+
+def test_majority_goes_with_the_most_votes_not_the_most_confidence() -> None:
+    result = aggregate(SPLIT, "majority", "stocks")
+    assert result["winner"] == "Buy AAPL"
+    assert result["recommendation"] == "Buy AAPL (majority: 2 of 3 votes)"
+    assert result["votes"] == {"Buy AAPL": 2, "Buy MSFT": 1}
+    assert result["majority"] is True and result["tie"] is False
+    assert result["note"] == "Disagreement detected: 2 different stocks recommended"
+    # Weighted voting, on the same answers, follows the confidence instead.
+    assert aggregate(SPLIT, "weighted_voting")["winner"] == "Buy AAPL"  # 1.1 against 0.95
+    assert aggregate(SPLIT[1:], "weighted_voting")["winner"] == "Buy MSFT"
+
+
+def test_a_majority_tie_goes_to_the_higher_summed_confidence() -> None:
+    result = aggregate([said("A", "X", 0.4), said("B", "Y", 0.9)], "majority")
+    assert result["winner"] == "Y" and result["tie"] is True and result["majority"] is False
+
+
+def test_unanimous_decides_only_when_every_agent_agrees() -> None:
+    split = aggregate(SPLIT, "unanimous", "stocks")
+    assert split["recommendation"] is None and split["decided"] is False
+    assert split["note"] == "No unanimous decision: 2 different stocks recommended"
+    agreed = aggregate(SPLIT[:2], "unanimous")
+    assert agreed["recommendation"] == "Buy AAPL (unanimous expert consensus)"
+    assert agreed["unanimous"] is True
+
+
+def test_higher_level_agents_override_lower_ones() -> None:
+    levels = {"C": 0}  # C speaks for the orchestrator; A and B are general agents (level 2)
+    result = aggregate(SPLIT, "hierarchy", "stocks", levels)
+    assert result["consensus"] == "Buy MSFT"
+    assert result["level"] == 0 and result["decided_by"] == ["C"]
+    assert result["overruled"] == ["A", "B"]
+    assert result["unanimous"] is False
+    # Two agents at the top level who disagree: weighted voting between them alone.
+    both = aggregate(SPLIT, "hierarchy", "stocks", {"A": 1, "C": 1})
+    assert both["winner"] == "Buy MSFT" and both["decided_by"] == ["A", "C"]
+    assert both["overruled"] == ["B"]
+    # Nobody given a level: everyone is at level 2, as by consensus.
+    assert aggregate(SPLIT, "hierarchy")["winner"] == "Buy AAPL"
+
+
+def test_levels_must_name_members_and_not_be_negative() -> None:
+    for levels in ({"Stranger": 0}, {"A": -1}):
+        spec = GroupChatSpec(agent_ids=["A", "B"], query="q", strategy="hierarchy", levels=levels)
+        with pytest.raises(MessageValidationError):
+            spec.validate()
