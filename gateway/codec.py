@@ -52,6 +52,7 @@ def workflow_spec(pb: gateway_pb2.RunHandoffWorkflowRequest) -> WorkflowSpec:
                 task_description=s.task_description,
                 routes=dict(s.routes),
                 group_chat=group_chat_spec(s.group_chat) if s.HasField("group_chat") else None,
+                parallel=list(s.parallel_agent_ids),
             )
             for s in pb.steps
         ],

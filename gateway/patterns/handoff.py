@@ -5,6 +5,7 @@ mid-workflow and resumes with the group's decision."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,11 +34,15 @@ class WorkflowStep:
     routes: dict[str, str] = field(default_factory=dict)
     """Result status -> next agent (or "END"), when the agent does not choose itself."""
     group_chat: GroupChatSpec | None = None
+    parallel: list[str] = field(default_factory=list)
+    """A parallel-merge step's agents: each gets the hand-off at once (RT-011 "A || B -> C")."""
 
     @property
     def name(self) -> str:
         if self.group_chat is not None:
             return self.agent_id or "group_chat"
+        if self.parallel:
+            return self.agent_id or "|".join(self.parallel)
         return self.agent_id
 
 
@@ -61,8 +66,21 @@ class WorkflowSpec:
         if not self.task:
             raise invalid("task", "task is required")
         for i, step in enumerate(self.steps):
-            if step.group_chat is None and not step.agent_id:
-                raise invalid(f"steps[{i}].agent_id", "each step needs an agent_id or a group_chat")
+            if step.group_chat is None and not step.parallel and not step.agent_id:
+                raise invalid(
+                    f"steps[{i}].agent_id",
+                    "each step needs an agent_id, a group_chat or parallel_agent_ids",
+                )
+            if step.parallel:
+                if step.group_chat is not None:
+                    raise invalid(
+                        f"steps[{i}].parallel_agent_ids", "a step is a group chat or parallel"
+                    )
+                if len(step.parallel) > MAX_AGENTS or len(set(step.parallel)) != len(step.parallel):
+                    raise invalid(
+                        f"steps[{i}].parallel_agent_ids",
+                        f"at most {MAX_AGENTS} agents, none repeated",
+                    )
             if step.group_chat is not None:
                 if not step.group_chat.query:
                     step.group_chat.query = step.task_description or self.task
@@ -140,7 +158,10 @@ async def run_workflow(spec: WorkflowSpec, dispatcher: Dispatcher, emit: Emit) -
                 {
                     "step": i + 1,
                     "agent_id": s.name,
-                    "pattern": "GROUP_CHAT" if s.group_chat else "HAND_OFF",
+                    "pattern": "GROUP_CHAT"
+                    if s.group_chat
+                    else ("PARALLEL_MERGE" if s.parallel else "HAND_OFF"),
+                    **({"agents": list(s.parallel)} if s.parallel else {}),
                 }
                 for i, s in enumerate(spec.steps)
             ],
@@ -179,6 +200,19 @@ async def run_workflow(spec: WorkflowSpec, dispatcher: Dispatcher, emit: Emit) -
         }
         if step.group_chat is not None:
             outcome = await _group_step(spec, step, step_number, context, dispatcher, emit, event)
+        elif step.parallel:
+            outcome = await _parallel_step(
+                spec,
+                workflow_id,
+                step,
+                step_number,
+                step_task,
+                context,
+                previous_agent,
+                previous_result,
+                dispatcher,
+                event,
+            )
         else:
             outcome = await _agent_step(
                 spec,
@@ -217,7 +251,12 @@ async def run_workflow(spec: WorkflowSpec, dispatcher: Dispatcher, emit: Emit) -
             }
             break
         previous_results.append(outcome.data)
-        accumulated.update(outcome.data)
+        if step.parallel:  # each agent's result, in the step's order
+            for part in outcome.data.values():
+                if isinstance(part, dict):
+                    accumulated.update(part)
+        else:
+            accumulated.update(outcome.data)
         previous_agent, previous_result = step.name, outcome.data
         task = outcome.next_task or spec.task
         chosen = outcome.next_agent or step.routes.get(outcome.status, "")
@@ -329,6 +368,58 @@ async def _agent_step(
         outcome = read_outcome(answer)
         span.set_attribute("status", outcome.status)
         return outcome
+
+
+async def _parallel_step(
+    spec: WorkflowSpec,
+    workflow_id: str,
+    step: WorkflowStep,
+    step_number: int,
+    task: str,
+    context: dict[str, JSON],
+    previous_agent: str,
+    previous_result: JSON,
+    dispatcher: Dispatcher,
+    event: Any,
+) -> StepOutcome:
+    """Hands the task to every agent of the step at once and merges their outcomes: the
+    data by agent, the status theirs when they agree (else DONE), FAILED if any failed."""
+    branches = [
+        WorkflowStep(agent_id=agent_id, task_description=step.task_description)
+        for agent_id in step.parallel
+    ]
+    outcomes = await asyncio.gather(
+        *(
+            _agent_step(
+                spec,
+                workflow_id,
+                branch,
+                step_number,
+                task,
+                context,
+                previous_agent,
+                previous_result,
+                dispatcher,
+                event,
+            )
+            for branch in branches
+        )
+    )
+    by_agent = dict(zip(step.parallel, outcomes, strict=True))
+    failed = {a: o for a, o in by_agent.items() if o.status in FAILED_STATUSES}
+    if failed:
+        return StepOutcome(
+            "FAILED",
+            {a: o.data for a, o in by_agent.items()},
+            error="; ".join(f"{a}: {o.error or o.status}" for a, o in failed.items()),
+        )
+    statuses = {o.status for o in outcomes}
+    chosen = {o.next_agent for o in outcomes}
+    return StepOutcome(
+        statuses.pop() if len(statuses) == 1 else "DONE",
+        {a: o.data for a, o in by_agent.items()},
+        next_agent=chosen.pop() if len(chosen) == 1 else "",  # only when they all agree
+    )
 
 
 async def _group_step(

@@ -383,8 +383,11 @@ class WorkflowStep(_message.Message):
     TASK_DESCRIPTION_FIELD_NUMBER: _builtins.int
     ROUTES_FIELD_NUMBER: _builtins.int
     GROUP_CHAT_FIELD_NUMBER: _builtins.int
+    PARALLEL_AGENT_IDS_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
-    """The agent that performs the step (required unless group_chat is set)."""
+    """The agent that performs the step (required unless group_chat or parallel_agent_ids is
+    set).
+    """
     task_description: _builtins.str
     """What the agent should do; default the workflow's task."""
     @_builtins.property
@@ -397,6 +400,14 @@ class WorkflowStep(_message.Message):
         becomes the step's status.
         """
 
+    @_builtins.property
+    def parallel_agent_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """When set, a parallel-merge step (RT-011 hand-off type "(A || B || C) -> D"): each of
+        these agents gets the hand-off at once; the next step receives their results merged, as
+        previous_result {agent_id: result}, and each result in accumulated_context. agent_id
+        then only names the step (default: the agents joined by "|").
+        """
+
     def __init__(
         self,
         *,
@@ -404,10 +415,11 @@ class WorkflowStep(_message.Message):
         task_description: _builtins.str = ...,
         routes: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         group_chat: Global___RunGroupChatRequest | None = ...,
+        parallel_agent_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["group_chat", b"group_chat"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "group_chat", b"group_chat", "routes", b"routes", "task_description", b"task_description"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "group_chat", b"group_chat", "parallel_agent_ids", b"parallel_agent_ids", "routes", b"routes", "task_description", b"task_description"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

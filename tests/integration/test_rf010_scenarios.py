@@ -809,3 +809,86 @@ async def test_group_chat_conflict_strategies_through_the_gateway() -> None:
                     await aggregate_by("hierarchy", hierarchy={"Stranger": 0})
         finally:
             await gateway.stop(0.5)
+
+
+async def test_a_parallel_merge_step_hands_off_to_several_agents_and_merges_their_results() -> None:
+    """RT-011 hand-off type parallel_merge: (Flights || Hotels || Cars) -> Booker."""
+    seen: list[Message] = []
+
+    def finder(agent_id: str, found: dict[str, Any]) -> Agent:
+        async def handler(message: Message, ctx: AgentContext) -> dict[str, Any]:
+            seen.append(message)
+            if found.get("fail"):
+                raise RuntimeError(f"{agent_id} is down")
+            return found
+
+        return agent(agent_id)(handler)
+
+    booked: list[Message] = []
+
+    @agent("Booker")
+    async def booker(message: Message, ctx: AgentContext) -> dict[str, Any]:
+        booked.append(message)
+        return {"booked": True}
+
+    async with LocalMesh() as local:
+        for agent_id, found in (
+            ("Flights", {"flight": "AF123"}),
+            ("Hotels", {"hotel": "Ritz"}),
+            ("Cars", {"car": "Mini"}),
+            ("BrokenCars", {"fail": True}),
+        ):
+            await local.add_agent(finder(agent_id, found))
+        await local.add_agent(booker)
+        gateway = await serve_gateway(local.address)
+        try:
+            async with GatewayClient(gateway.address) as client:
+                events = await client.collect(
+                    client.handoff_workflow(
+                        steps=[
+                            {"parallel_agent_ids": ["Flights", "Hotels", "Cars"]},
+                            {"agent_id": "Booker"},
+                        ],
+                        task="Book a trip to Paris",
+                    )
+                )
+                result = result_of(events)
+                assert result["status"] == "COMPLETED"
+                assert result["path"] == ["Flights|Hotels|Cars", "Booker"]
+                [created] = of_kind(events, "WORKFLOW_CREATED")
+                assert created["data"]["steps"][0]["pattern"] == "PARALLEL_MERGE"
+                handoffs = of_kind(events, "HANDOFF")
+                assert sorted(h["data"]["to_agent"] for h in handoffs[:3]) == [
+                    "Cars",
+                    "Flights",
+                    "Hotels",
+                ]
+                assert {h["data"]["step_number"] for h in handoffs[:3]} == {1}
+                assert {m.message_type for m in seen} == {MessageType.HANDOFF}
+                [message] = booked
+                assert message.handoff is not None
+                assert message.handoff.previous_result == {
+                    "Flights": {"flight": "AF123"},
+                    "Hotels": {"hotel": "Ritz"},
+                    "Cars": {"car": "Mini"},
+                }
+                accumulated = message.handoff.context["accumulated_context"]
+                assert accumulated == {"flight": "AF123", "hotel": "Ritz", "car": "Mini"}
+
+                failing = result_of(
+                    await client.collect(
+                        client.handoff_workflow(
+                            steps=[
+                                {"parallel_agent_ids": ["Flights", "BrokenCars"]},
+                                {"agent_id": "Booker"},
+                            ],
+                            task="Book a trip to Rome",
+                            step_timeout="1s",  # a failing hand-off is not answered
+                        )
+                    )
+                )
+                assert failing["status"] == "FAILED" and failing["failed_at_step"] == 0
+                assert "BrokenCars" in failing["error_reason"]
+                assert len(booked) == 1  # the failed step handed nothing on
+        finally:
+            await gateway.stop(0.5)
