@@ -9,7 +9,7 @@ const protoLoader = require('@grpc/proto-loader');
 
 const PROTO_ROOT = path.resolve(__dirname, '..', '..', '..', 'proto');
 const definition = protoLoader.loadSync(
-  ['mesh/v1/broker.proto', 'mesh/v1/agent.proto', 'mesh/v1/gateway.proto'],
+  ['mesh/v1/broker.proto', 'mesh/v1/agent.proto', 'mesh/v1/gateway.proto', 'mesh/v1/memory.proto'],
   { includeDirs: [PROTO_ROOT], keepCase: true, longs: Number, enums: String, defaults: true,
     oneofs: true },
 );
@@ -81,6 +81,12 @@ function buildMessage(m) {
 /** A google.protobuf.Timestamp in ISO 8601, or null. */
 function isoTime(ts) {
   return ts ? new Date(Number(ts.seconds) * 1000 + ts.nanos / 1e6).toISOString() : null;
+}
+
+/** A plain object from a mesh.v1.StateEntry. */
+function readEntry(pb) {
+  return { key: pb.key, value: fromValue(pb.value), version: Number(pb.version),
+    updatedBy: pb.updated_by, updatedAt: isoTime(pb.updated_at) };
 }
 
 /** A plain object from a mesh.v1.Message. */
@@ -168,6 +174,10 @@ class MeshClient {
     const { credentials, metadata, channelOptions } = security(options);
     this.broker = new meshV1.BrokerService(address, credentials, channelOptions);
     this.broker.meshMetadata = metadata;
+    // The shared state is served beside the broker, on the same channel.
+    this.memory = new meshV1.MemoryService(address, credentials,
+      { ...channelOptions, channelOverride: this.broker.getChannel() });
+    this.memory.meshMetadata = metadata;
   }
 
   close() { this.broker.close(); }
@@ -214,6 +224,54 @@ class MeshClient {
     const res = await unary(this.broker, 'ListDeadLetters', { agent_id: agentId });
     return res.dead_letters.map((d) => ({ message: readMessage(d.message), reason: d.reason,
       attempts: d.delivery_attempts, deadLetteredAt: isoTime(d.dead_lettered_at) }));
+  }
+
+  // -- shared state (RT-011 shared_state) --------------------------------------------------
+
+  /** The entry {key, value, version, updatedBy, updatedAt}, or null when there is none. */
+  async getState(key) {
+    try {
+      return readEntry((await unary(this.memory, 'GetState', { key })).entry);
+    } catch (err) {
+      if (err.codeName === 'NOT_FOUND') return null;
+      throw err;
+    }
+  }
+
+  /**
+   * Writes a new version of key. expectedVersion (0: "none yet") makes it a compare-and-set
+   * (ABORTED, reason VERSION_CONFLICT, when another write came first); lock is the writer's
+   * lock from lockState when it holds one.
+   */
+  async putState(key, value, { expectedVersion, lock, agentId = this.agentId } = {}) {
+    const request = { key, value: toValue(value), agent_id: agentId,
+      lock_token: lock ? lock.token : '' };
+    if (expectedVersion !== undefined) request.expected_version = expectedVersion;
+    return readEntry((await unary(this.memory, 'PutState', request)).entry);
+  }
+
+  /** Removes key (under the rules of putState); resolves with its last version. */
+  async deleteState(key, { expectedVersion, lock, agentId = this.agentId } = {}) {
+    const request = { key, agent_id: agentId, lock_token: lock ? lock.token : '' };
+    if (expectedVersion !== undefined) request.expected_version = expectedVersion;
+    return readEntry((await unary(this.memory, 'DeleteState', request)).entry);
+  }
+
+  /**
+   * Locks key for this agent, waiting at most waitMs (1000, the most); rejects with ABORTED
+   * (reason LOCK_TIMEOUT) when another agent still holds it. Resolves with {key, token,
+   * expiresAt}; the lock lapses after leaseMs (10 s by default) unless released.
+   */
+  async lockState(key, { waitMs, leaseMs, agentId = this.agentId } = {}) {
+    const request = { key, agent_id: agentId };
+    if (waitMs !== undefined) request.wait = toDuration(waitMs);
+    if (leaseMs !== undefined) request.lease = toDuration(leaseMs);
+    const res = await unary(this.memory, 'LockState', request);
+    return { key, token: res.lock_token, expiresAt: isoTime(res.expires_at) };
+  }
+
+  async unlockState(lock) {
+    await unary(this.memory, 'UnlockState', { key: lock.key, lock_token: lock.token });
   }
 
   async broadcast(content, { agentTypes = [], ...options } = {}) {

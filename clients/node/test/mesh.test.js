@@ -240,3 +240,32 @@ test('what a session is sent while it closes goes back to the queue as never del
       client.close();
     }
   });
+
+test('shared state: versions, compare-and-set and locks, beside the Python agents', async () => {
+  const a = new MeshClient(BROKER, { agentId: 'NodeWriterA' });
+  const b = new MeshClient(BROKER, { agentId: 'NodeWriterB' });
+  try {
+    assert.equal(await a.getState('node/budget'), null);
+    const first = await a.putState('node/budget', { left: 100 }, { expectedVersion: 0 });
+    assert.equal(first.version, 1);
+    assert.equal(first.updatedBy, 'NodeWriterA');
+    await assert.rejects(b.putState('node/budget', { left: 1 }, { expectedVersion: 0 }),
+      (err) => err.codeName === 'ABORTED');
+    const lock = await a.lockState('node/budget', { leaseMs: 5000 });
+    await assert.rejects(b.putState('node/budget', { left: 0 }),
+      (err) => err.codeName === 'ABORTED' && err.message.includes('locked by NodeWriterA'));
+    await assert.rejects(b.lockState('node/budget', { waitMs: 100 }),
+      (err) => err.codeName === 'ABORTED');
+    const second = await a.putState('node/budget', { left: 80 }, { lock });
+    assert.equal(second.version, 2);
+    await a.unlockState(lock);
+    await assert.rejects(a.unlockState(lock), (err) => err.codeName === 'FAILED_PRECONDITION');
+    assert.deepEqual((await b.getState('node/budget')).value, { left: 80 });
+    const gone = await b.deleteState('node/budget', { expectedVersion: 2 });
+    assert.equal(gone.version, 2);
+    assert.equal(await a.getState('node/budget'), null);
+  } finally {
+    a.close();
+    b.close();
+  }
+});
