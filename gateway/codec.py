@@ -41,6 +41,7 @@ def group_chat_spec(pb: gateway_pb2.RunGroupChatRequest) -> GroupChatSpec:
         group_id=pb.group_id,
         context=struct_to_dict(pb.context),
         levels=dict(pb.hierarchy),
+        expertise=dict(pb.expertise),
     )
 
 

@@ -198,6 +198,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     # -- RPCs --------------------------------------------------------------------------------
 
+    def _informed(self, spec: Any) -> Any:
+        """Gives the group chats of a spec their members' historical accuracy (from users'
+        feedback), which the "expertise_weighted" strategy weighs."""
+        if isinstance(spec, GroupChatSpec):
+            groups = [spec]
+        elif isinstance(spec, WorkflowSpec):
+            groups = [s.group_chat for s in spec.steps if s.group_chat is not None]
+        else:
+            groups = []
+        for group in groups:
+            group.accuracy = {
+                agent_id: accuracy
+                for agent_id in group.agent_ids
+                if (accuracy := self.ledger.accuracy(agent_id)) is not None
+            }
+        return spec
+
     async def _serve(
         self, spec: Any, pattern: Pattern, run: Any, wrap: Any, context: Any
     ) -> AsyncIterator[Any]:
@@ -206,6 +223,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             spec.validate()
         except MeshError as error:
             await abort(context, error)
+        self._informed(spec)
         async for event in self._events(
             pattern, lambda emit: run(spec, self.dispatcher, emit), context
         ):
@@ -259,6 +277,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         except MeshError as error:
             await abort(context, error)
 
+        self._informed(spec)
+
         async def run(emit: Emit) -> dict[str, JSON]:
             await routed(route, started, emit, run_id=run_id_of(spec))
             return await run_spec(spec, self.dispatcher, emit)
@@ -287,7 +307,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 else:
                     raise invalid(f"patterns[{i}]", "each pattern needs a spec")
                 spec.validate()
-                specs.append((name, spec))
+                specs.append((name, self._informed(spec)))
         except MeshError as error:
             await abort(context, error)
 

@@ -34,7 +34,13 @@ STRATEGIES = (
     "majority",
     "unanimous",
     "hierarchy",
+    "expertise_weighted",
 )
+EXPERTISE_WEIGHT, CONFIDENCE_WEIGHT, ACCURACY_WEIGHT = 0.5, 0.3, 0.2
+"""RT-011 conflict resolution: a recommendation's weight is 0.5 x the agent's expertise in the
+domain + 0.3 x its confidence + 0.2 x its historical accuracy."""
+NEUTRAL = 0.5
+"""The expertise of an agent not rated for the domain, the accuracy of one with no record."""
 DEFAULT_CONFIDENCE = 0.5
 DEFAULT_LEVEL = 2
 """RT-011 conflict resolution by hierarchy: orchestrator 0, specialized agents 1, general
@@ -83,6 +89,8 @@ def aggregate(
     strategy: str = "consensus",
     option_label: str = "options",
     levels: Mapping[str, int] | None = None,
+    expertise: Mapping[str, float] | None = None,
+    accuracy: Mapping[str, float] | None = None,
 ) -> dict[str, JSON]:
     """Aggregates contributions (RF-010 scenarios 4 and 5; RT-011 conflict resolution).
 
@@ -92,7 +100,9 @@ def aggregate(
     the most votes (ties: the higher summed confidence). unanimous: a decision only when
     every agent recommends the same. hierarchy: only the contributions of the highest level
     present count (``levels``: 0 highest, DEFAULT_LEVEL for agents not listed), aggregated
-    as by consensus.
+    as by consensus. expertise_weighted: each option scores the summed weights of its
+    recommendations, 0.5 x expertise + 0.3 x confidence + 0.2 x historical accuracy (NEUTRAL
+    for an agent missing from ``expertise`` or ``accuracy``).
     """
     if not contributions:
         return {
@@ -129,6 +139,8 @@ def aggregate(
         }
     if strategy == "hierarchy":
         return hierarchy_vote(contributions, option_label, levels or {})
+    if strategy == "expertise_weighted":
+        return expertise_vote(contributions, option_label, expertise or {}, accuracy or {})
     if strategy in ("consensus", "unanimous") and len(options) == 1:
         [choice] = options
         return {
@@ -191,6 +203,52 @@ def hierarchy_vote(
     return result
 
 
+def expertise_vote(
+    contributions: Sequence[Contribution],
+    option_label: str,
+    expertise: Mapping[str, float],
+    accuracy: Mapping[str, float],
+) -> dict[str, JSON]:
+    """RT-011's conflict resolver: recommendations weighted by the agent's expertise,
+    confidence and track record."""
+    weights = {
+        c.agent_id: clean(
+            EXPERTISE_WEIGHT * expertise.get(c.agent_id, NEUTRAL)
+            + CONFIDENCE_WEIGHT * c.confidence
+            + ACCURACY_WEIGHT * accuracy.get(c.agent_id, NEUTRAL)
+        )
+        for c in contributions
+    }
+    scores: dict[str, float] = {}
+    best_single: dict[str, float] = {}
+    for c in contributions:
+        scores[c.recommendation] = scores.get(c.recommendation, 0.0) + weights[c.agent_id]
+        best_single[c.recommendation] = max(
+            best_single.get(c.recommendation, 0.0), weights[c.agent_id]
+        )
+    winner = sorted(scores, key=lambda o: (-scores[o], -best_single[o], o))[0]
+    total = sum(scores.values())
+    unanimous = len(scores) == 1
+    return {
+        "recommendation": f"{winner} (expertise-weighted vote)",
+        "winner": winner,
+        "score": clean(scores[winner]),
+        "scores": {o: clean(v) for o, v in scores.items()},
+        "weights": dict(weights),
+        "historical_accuracy": {
+            c.agent_id: accuracy[c.agent_id] for c in contributions if c.agent_id in accuracy
+        },
+        "confidence": clean(scores[winner] / total) if total else 0.0,
+        "reasoning": [c.reasoning for c in contributions if c.recommendation == winner],
+        "note": (
+            f"Disagreement detected: {len(scores)} different {option_label} recommended"
+            if not unanimous
+            else "Expertise-weighted vote over a unanimous group"
+        ),
+        "unanimous": unanimous,
+    }
+
+
 def _chosen(result: Mapping[str, JSON]) -> set[str]:
     winner = result.get("winner", result.get("consensus"))
     return {winner} if isinstance(winner, str) else set()
@@ -243,6 +301,10 @@ class GroupChatSpec:
     from_agent: str = "user"
     levels: dict[str, int] = field(default_factory=dict)
     """Hierarchy levels by agent id, for the "hierarchy" strategy (0 highest)."""
+    expertise: dict[str, float] = field(default_factory=dict)
+    """Expertise in the query's domain by agent id (0 to 1), for "expertise_weighted"."""
+    accuracy: dict[str, float] = field(default_factory=dict)
+    """The agents' historical accuracy (0 to 1), from users' feedback: the gateway fills it."""
 
     def validate(self) -> None:
         check_group("agent_ids", self.agent_ids, "a group chat")
@@ -251,6 +313,11 @@ class GroupChatSpec:
             raise invalid("hierarchy", f"levels for agents not in the group: {strangers}")
         if any(level < 0 for level in self.levels.values()):
             raise invalid("hierarchy", "levels must not be negative (0 is the highest)")
+        strangers = sorted(set(self.expertise) - set(self.agent_ids))
+        if strangers:
+            raise invalid("expertise", f"expertise for agents not in the group: {strangers}")
+        if any(not 0.0 <= e <= 1.0 for e in self.expertise.values()):
+            raise invalid("expertise", "expertise must be within 0 and 1")
         if not self.query:
             raise invalid("query", "query is required")
         if not 1 <= self.rounds <= MAX_ROUNDS:
@@ -418,7 +485,14 @@ async def _run(
     with tracer().start_as_current_span(
         "group_chat.aggregate", attributes={"group_id": group_id, "strategy": spec.strategy}
     ):
-        result = aggregate(contributions, spec.strategy, spec.option_label, spec.levels)
+        result = aggregate(
+            contributions,
+            spec.strategy,
+            spec.option_label,
+            spec.levels,
+            spec.expertise,
+            spec.accuracy,
+        )
     outcome = (
         str(result.get("recommendation") or result.get("note"))
         if contributions

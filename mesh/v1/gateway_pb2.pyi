@@ -266,6 +266,26 @@ class RunGroupChatRequest(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class ExpertiseEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     AGENT_IDS_FIELD_NUMBER: _builtins.int
     QUERY_FIELD_NUMBER: _builtins.int
     ROUNDS_FIELD_NUMBER: _builtins.int
@@ -275,6 +295,7 @@ class RunGroupChatRequest(_message.Message):
     GROUP_ID_FIELD_NUMBER: _builtins.int
     CONTEXT_FIELD_NUMBER: _builtins.int
     HIERARCHY_FIELD_NUMBER: _builtins.int
+    EXPERTISE_FIELD_NUMBER: _builtins.int
     query: _builtins.str
     """The user's query, broadcast to the group as content {"query": ...}."""
     rounds: _builtins.int
@@ -283,8 +304,8 @@ class RunGroupChatRequest(_message.Message):
     """How contributions are aggregated (RT-011 conflict resolution): "consensus" (default:
     unanimous, else weighted voting), "weighted_voting" (each option scores its summed
     confidence), "highest_confidence", "majority" (most votes), "unanimous" (a decision only
-    when all agree) or "hierarchy" (the agents of the highest level present decide; see
-    hierarchy).
+    when all agree), "hierarchy" (the agents of the highest level present decide; see
+    hierarchy) or "expertise_weighted" (see expertise).
     """
     option_label: _builtins.str
     """Plural noun for the options in notes, e.g. "stocks"; default "options"."""
@@ -308,6 +329,14 @@ class RunGroupChatRequest(_message.Message):
         orchestrator), 1 specialized agents, 2 general agents (the level of an agent not listed).
         """
 
+    @_builtins.property
+    def expertise(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Expertise in the query's domain by agent id (0 to 1; 0.5 for an agent not listed), for
+        the "expertise_weighted" strategy: each recommendation weighs 0.5 x expertise + 0.3 x
+        confidence + 0.2 x the agent's historical accuracy (from RecordFeedback on the group
+        chats it took part in; 0.5 while it has none).
+        """
+
     def __init__(
         self,
         *,
@@ -320,10 +349,11 @@ class RunGroupChatRequest(_message.Message):
         group_id: _builtins.str = ...,
         context: _struct_pb2.Struct | None = ...,
         hierarchy: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        expertise: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["agent_timeout", b"agent_timeout", "context", b"context"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_ids", b"agent_ids", "agent_timeout", b"agent_timeout", "context", b"context", "group_id", b"group_id", "hierarchy", b"hierarchy", "option_label", b"option_label", "query", b"query", "rounds", b"rounds", "strategy", b"strategy"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_ids", b"agent_ids", "agent_timeout", b"agent_timeout", "context", b"context", "expertise", b"expertise", "group_id", b"group_id", "hierarchy", b"hierarchy", "option_label", b"option_label", "query", b"query", "rounds", b"rounds", "strategy", b"strategy"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -892,3 +892,38 @@ async def test_a_parallel_merge_step_hands_off_to_several_agents_and_merges_thei
                 assert len(booked) == 1  # the failed step handed nothing on
         finally:
             await gateway.stop(0.5)
+
+
+async def test_users_feedback_becomes_the_agents_track_record_in_conflict_resolution() -> None:
+    """RT-011 conflict resolution weighs expertise (0.5), confidence (0.3) and historical
+    accuracy (0.2); the accuracy comes from users rating the group chats the agents were in."""
+    recorder = Recorder()
+    async with LocalMesh() as local:
+        await local.add_agent(recorder.expert("Junior1", "Buy AAPL", 0.6))
+        await local.add_agent(recorder.expert("Junior2", "Buy AAPL", 0.5))
+        await local.add_agent(recorder.expert("Lead", "Buy MSFT", 0.95))
+        gateway = await serve_gateway(local.address)
+        try:
+            async with GatewayClient(gateway.address) as client:
+                group = ["Junior1", "Junior2", "Lead"]
+
+                async def chat(strategy: str) -> dict[str, Any]:
+                    events = await client.collect(
+                        client.group_chat(
+                            agent_ids=group, query="q", strategy=strategy, expertise={"Lead": 0.9}
+                        )
+                    )
+                    return result_of(events)
+
+                before = (await chat("expertise_weighted"))["aggregate"]
+                assert before["weights"] == {"Junior1": 0.53, "Junior2": 0.5, "Lead": 0.835}
+                assert before["winner"] == "Buy AAPL"
+                # The group went with AAPL; the user was not satisfied: the juniors were wrong.
+                rated = await chat("weighted_voting")
+                await client.feedback(rated["group_id"], False)
+                after = (await chat("expertise_weighted"))["aggregate"]
+                assert after["historical_accuracy"] == {"Junior1": 0.0, "Junior2": 0.0, "Lead": 1.0}
+                assert after["weights"] == {"Junior1": 0.43, "Junior2": 0.4, "Lead": 0.935}
+                assert after["winner"] == "Buy MSFT"
+        finally:
+            await gateway.stop(0.5)

@@ -84,3 +84,44 @@ def test_the_ledger_forgets_the_oldest_runs_beyond_its_capacity() -> None:
     assert refused(ledger, "group-1").code == "NOT_FOUND"
     for i in (2, 3, 4):
         assert ledger.rate(f"group-{i}", True).previous is None
+
+
+def group_result(run_id: str, winner: str, said: dict[str, str]) -> PatternEvent:
+    contributions = [{"agent_id": a, "recommendation": r} for a, r in said.items()]
+    return PatternEvent(
+        run_id=run_id,
+        pattern=Pattern.GROUP_CHAT,
+        kind=EventKind.RESULT,
+        summary="",
+        data={
+            "status": "COMPLETED",
+            "aggregate": {"winner": winner},
+            "contributions": contributions,  # type: ignore[dict-item]
+        },
+    )
+
+
+def test_a_rated_group_chat_rates_its_members_too() -> None:
+    ledger = RunLedger()
+    said = {"A": "Buy AAPL", "B": "Buy AAPL", "C": "Buy MSFT"}
+    ledger.observe(group_result("group-1", "Buy AAPL", said))
+    ledger.observe(group_result("group-2", "Buy AAPL", said))
+    assert ledger.accuracy("A") is None  # nothing rated yet
+    ledger.rate("group-1", False)  # the user did not like AAPL: C was right
+    assert (ledger.accuracy("A"), ledger.accuracy("C")) == (0.0, 1.0)
+    ledger.rate("group-2", True)  # this time AAPL was right
+    assert (ledger.accuracy("A"), ledger.accuracy("C")) == (0.5, 0.5)
+    ledger.rate("group-2", False)  # changed their mind: the rating is replaced, not added
+    assert (ledger.accuracy("A"), ledger.accuracy("B"), ledger.accuracy("C")) == (0.0, 0.0, 1.0)
+    # A group chat that decided nothing rates nobody.
+    ledger.observe(
+        PatternEvent(
+            run_id="group-3",
+            pattern=Pattern.GROUP_CHAT,
+            kind=EventKind.RESULT,
+            summary="",
+            data={"status": "COMPLETED", "aggregate": {"decided": False}},
+        )
+    )
+    ledger.rate("group-3", True)
+    assert ledger.accuracy("C") == 1.0

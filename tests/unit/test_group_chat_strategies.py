@@ -68,3 +68,33 @@ def test_levels_must_name_members_and_not_be_negative() -> None:
         spec = GroupChatSpec(agent_ids=["A", "B"], query="q", strategy="hierarchy", levels=levels)
         with pytest.raises(MessageValidationError):
             spec.validate()
+
+
+def test_expertise_confidence_and_track_record_weigh_each_recommendation() -> None:
+    contributions = [
+        said("A", "Buy AAPL", 0.8),
+        said("B", "Buy MSFT", 0.9),
+        said("C", "Buy MSFT", 0.6),
+    ]
+    result = aggregate(
+        contributions,
+        "expertise_weighted",
+        "stocks",
+        expertise={"A": 0.9, "B": 0.2, "C": 0.3},
+        accuracy={"C": 1.0},  # A and B have no record yet: 0.5
+    )
+    # 0.5 x expertise + 0.3 x confidence + 0.2 x accuracy
+    assert result["weights"] == {"A": 0.79, "B": 0.47, "C": 0.53}
+    assert result["scores"] == {"Buy AAPL": 0.79, "Buy MSFT": 1.0}
+    assert result["recommendation"] == "Buy MSFT (expertise-weighted vote)"
+    assert result["historical_accuracy"] == {"C": 1.0}
+    # Without expertise or a record, everyone is neutral: confidence decides.
+    neutral = aggregate(contributions[:2], "expertise_weighted")
+    assert neutral["winner"] == "Buy MSFT" and neutral["weights"] == {"A": 0.59, "B": 0.62}
+
+
+def test_expertise_must_be_a_share_for_members() -> None:
+    for expertise in ({"Stranger": 0.5}, {"A": 1.5}):
+        spec = GroupChatSpec(agent_ids=["A"], query="q", expertise=expertise)
+        with pytest.raises(MessageValidationError):
+            spec.validate()
