@@ -138,9 +138,18 @@ class NotificationAgent(RefundAgent):
         context = handoff.context
         accumulated = context.get("accumulated_context") or {}
         to = order["customer"] if order else "unknown"
+        # After a parallel step of checks, the previous result holds each check's verdict.
+        checks = handoff.previous_result if isinstance(handoff.previous_result, dict) else {}
+        refused_by = sorted(
+            agent_id
+            for agent_id, verdict in checks.items()
+            if isinstance(verdict, dict) and verdict.get("recommendation") == "REJECTED"
+        )
         if context.get("error"):
             failed = str(context.get("failed_agent", "")).removesuffix("Agent").lower() or "system"
             text = f"Refund failed - {failed} error"
+        elif refused_by:
+            text = f"Refund rejected: order {order_id} did not pass {', '.join(refused_by)}"
         elif accumulated.get("eligible") is False:
             text = f"Refund rejected: order {order_id} is outside the refund window"
         elif accumulated.get("approved") is False:
@@ -156,7 +165,8 @@ class NotificationAgent(RefundAgent):
 
 
 class ApprovalAgent(RefundAgent):
-    """A member of the approval group chat (scenario 17): votes APPROVED or REJECTED."""
+    """A member of the approval group chat (scenario 17), or a check of a workflow's
+    parallel step: votes APPROVED or REJECTED."""
 
     agent_types = ("refund_approval",)
 
@@ -169,11 +179,15 @@ class ApprovalAgent(RefundAgent):
                 "reasoning": f"order {order_id or '?'} not found",
             }
         approve, confidence, reasoning = self.judge(order, policy)
-        return {
-            "recommendation": "APPROVED" if approve else "REJECTED",
+        verdict = "APPROVED" if approve else "REJECTED"
+        answer: dict[str, Any] = {
+            "recommendation": verdict,
             "confidence": confidence,
             "reasoning": reasoning,
         }
+        if message.handoff is not None:  # a check step of a workflow: the verdict is its status
+            answer["status"] = verdict
+        return answer
 
     def judge(self, order: dict[str, Any], policy: dict[str, Any]) -> tuple[bool, float, str]:
         raise NotImplementedError

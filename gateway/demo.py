@@ -45,6 +45,23 @@ SCENARIOS: list[tuple[str, str, dict[str, Any]]] = [
         },
     ),
     (
+        "Hand-off workflow: three checks at once, merged into payment (RT-011 parallel merge)",
+        "RunHandoffWorkflow",
+        {
+            "task": "Process refund for order #12345",
+            "context": {"order_id": "12345"},
+            "steps": [
+                {"agent_id": "CustomerAgent"},
+                {
+                    "parallel_agent_ids": ["PolicyAgent", "FraudCheckAgent", "FinanceAgent"],
+                    "routes": {"MIXED": "NotificationAgent", "REJECTED": "NotificationAgent"},
+                },
+                {"agent_id": "PaymentAgent"},
+                {"agent_id": "NotificationAgent"},
+            ],
+        },
+    ),
+    (
         "Pattern switch: hand-off pauses for a group chat (RF-010 17)",
         "Route",
         {

@@ -383,7 +383,7 @@ async def _parallel_step(
     event: Any,
 ) -> StepOutcome:
     """Hands the task to every agent of the step at once and merges their outcomes: the
-    data by agent, the status theirs when they agree (else DONE), FAILED if any failed."""
+    data by agent, the status theirs when they agree (else MIXED), FAILED if any failed."""
     branches = [
         WorkflowStep(agent_id=agent_id, task_description=step.task_description)
         for agent_id in step.parallel
@@ -416,7 +416,7 @@ async def _parallel_step(
     statuses = {o.status for o in outcomes}
     chosen = {o.next_agent for o in outcomes}
     return StepOutcome(
-        statuses.pop() if len(statuses) == 1 else "DONE",
+        statuses.pop() if len(statuses) == 1 else "MIXED",
         {a: o.data for a, o in by_agent.items()},
         next_agent=chosen.pop() if len(chosen) == 1 else "",  # only when they all agree
     )

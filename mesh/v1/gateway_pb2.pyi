@@ -434,8 +434,9 @@ class WorkflowStep(_message.Message):
     def parallel_agent_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """When set, a parallel-merge step (RT-011 hand-off type "(A || B || C) -> D"): each of
         these agents gets the hand-off at once; the next step receives their results merged, as
-        previous_result {agent_id: result}, and each result in accumulated_context. agent_id
-        then only names the step (default: the agents joined by "|").
+        previous_result {agent_id: result}, and each result in accumulated_context. The step's
+        status is the agents' when they all agree, MIXED when not, FAILED when one failed (for
+        routes). agent_id then only names the step (default: the agents joined by "|").
         """
 
     def __init__(

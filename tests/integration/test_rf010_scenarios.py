@@ -927,3 +927,38 @@ async def test_users_feedback_becomes_the_agents_track_record_in_conflict_resolu
                 assert after["winner"] == "Buy MSFT"
         finally:
             await gateway.stop(0.5)
+
+
+async def test_the_sample_refund_checks_run_in_parallel_and_merge(embedded: EmbeddedMesh) -> None:
+    """The demo's parallel-merge refund: three checks at once; all pass -> payment; one
+    refuses (MIXED) -> straight to the customer's email, naming the check."""
+    steps = [
+        {"agent_id": "CustomerAgent"},
+        {
+            "parallel_agent_ids": ["PolicyAgent", "FraudCheckAgent", "FinanceAgent"],
+            "routes": {"MIXED": "NotificationAgent", "REJECTED": "NotificationAgent"},
+        },
+        {"agent_id": "PaymentAgent"},
+        {"agent_id": "NotificationAgent"},
+    ]
+    emails = {}
+    async with GatewayClient(embedded.gateway.address) as client:
+        for order in ("12345", "12346"):
+            events = await client.collect(
+                client.handoff_workflow(
+                    steps=steps,
+                    task=f"Process refund for order #{order}",
+                    context={"order_id": order},
+                )
+            )
+            result = result_of(events)
+            emails[order] = (result["path"], result["final_result"]["email"])
+    checks = "PolicyAgent|FraudCheckAgent|FinanceAgent"
+    assert emails["12345"] == (
+        ["CustomerAgent", checks, "PaymentAgent", "NotificationAgent"],
+        "Refund approved: $50 to original_payment for order 12345",
+    )
+    assert emails["12346"] == (
+        ["CustomerAgent", checks, "NotificationAgent"],
+        "Refund rejected: order 12346 did not pass PolicyAgent",
+    )
