@@ -45,7 +45,7 @@ SCENARIOS: list[tuple[str, str, dict[str, Any]]] = [
         },
     ),
     (
-        "Hand-off workflow: three checks at once, merged into payment (RT-011 parallel merge)",
+        "Hand-off workflow: three checks in parallel, merged (RT-011)",
         "RunHandoffWorkflow",
         {
             "task": "Process refund for order #12345",
