@@ -19,7 +19,7 @@ from typing import Any
 from mesh.agent import Agent, serve_all
 from mesh.client import connect
 from mesh.config import BrokerConfig, SecurityConfig, ServerConfig
-from mesh.core.errors import MeshError
+from mesh.core.errors import MeshError, MessageValidationError
 from mesh.core.model import Message, MessageType, Priority
 from mesh.logs import configure_logging
 from mesh.loop import run as run_loop
@@ -343,6 +343,48 @@ async def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _state(args: argparse.Namespace) -> int:
+    """Reads, writes or deletes one entry of the shared state."""
+    async with connect(args.broker, agent_id=args.agent, security=security_config(args)) as client:
+        if args.delete:
+            entry = await client.delete_state(args.key, expected_version=args.expect_version)
+            _print(f"deleted {entry.key} at version {entry.version}")
+            return 0
+        if args.value is not None:
+            try:
+                value = json.loads(args.value)
+            except json.JSONDecodeError as error:
+                raise MessageValidationError.for_field(
+                    "value", f"value is not JSON: {error}"
+                ) from None
+            entry = await client.put_state(args.key, value, expected_version=args.expect_version)
+        else:
+            found = await client.get_state(args.key)
+            if found is None:
+                print(f"no shared state named {args.key!r}", file=sys.stderr)
+                return 1
+            entry = found
+    if args.json:
+        _print(
+            json.dumps(
+                {
+                    "key": entry.key,
+                    "value": entry.value,
+                    "version": entry.version,
+                    "updated_by": entry.updated_by,
+                    "updated_at": entry.updated_at.isoformat(),
+                },
+                indent=2,
+            )
+        )
+    else:
+        _print(
+            f"{entry.key}  version {entry.version}  by {entry.updated_by}  at "
+            f"{entry.updated_at.isoformat()}  {json.dumps(entry.value, separators=(',', ':'))}"
+        )
+    return 0
+
+
 async def _trace(args: argparse.Namespace) -> int:
     from mesh.tracing import find_trace, load_spans, render_tree, render_waterfall
 
@@ -468,6 +510,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     add_security_flags(p, server=False)
     p.set_defaults(run=_agents)
+
+    p = sub.add_parser("state", help="read, write (VALUE as JSON) or delete a shared state entry")
+    p.add_argument("key")
+    p.add_argument("value", nargs="?", help="the new value, as JSON; omitted: read the entry")
+    p.add_argument("--agent", default="cli", help="the writing agent (default cli)")
+    p.add_argument(
+        "--expect-version",
+        type=int,
+        help="write or delete only if the entry is at this version (0: only if absent)",
+    )
+    p.add_argument("--delete", action="store_true")
+    p.add_argument("--broker", default=broker_default)
+    p.add_argument("--json", action="store_true")
+    add_security_flags(p, server=False)
+    p.set_defaults(run=_state)
 
     p = sub.add_parser("trace", help="print a trace (by trace, workflow, group or run id)")
     p.add_argument("id", help="a trace id (or its start), or a workflow/group/run id")

@@ -228,7 +228,6 @@ _BY_CODE: dict[str, type[MultiAgentCommunicationError]] = {
     "CANCELLED": SessionClosedError,
     "UNAUTHENTICATED": UnauthenticatedError,
     "PERMISSION_DENIED": PermissionDeniedError,
-    "ABORTED": StateConflictError,
 }
 
 

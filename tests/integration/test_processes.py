@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import sys
@@ -131,6 +132,22 @@ async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
     assert "INVALID_ARGUMENT: content is required" in out
     code, out = await cli("send", "--to", "Nobody", "--action", "x")
     assert code == 1 and "NOT_FOUND: agent Nobody is not registered" in out
+
+    # The shared state: write (compare-and-set), read, refuse a stale write, delete.
+    code, out = await cli("state", "budget", '{"left": 100}', "--expect-version", "0")
+    assert code == 0 and re.search(r"^budget  version 1  by cli  at \S+  \{\"left\":100\}$", out), (
+        out
+    )
+    code, out = await cli("state", "budget", "--json")
+    assert code == 0 and json.loads(out)["value"] == {"left": 100}
+    code, out = await cli("state", "budget", '{"left": 0}', "--expect-version", "0")
+    assert code == 1 and "ABORTED: 'budget' is at version 1, not 0" in out, out
+    code, out = await cli("state", "budget", "{left: 0}")
+    assert code == 1 and "INVALID_ARGUMENT: value is not JSON" in out, out
+    code, out = await cli("state", "budget", "--delete")
+    assert code == 0 and out.strip() == "deleted budget at version 1"
+    code, out = await cli("state", "budget")
+    assert code == 1 and "no shared state named 'budget'" in out
 
     # --request prints the answer; an agent that fails makes the exit code 1.
     from mesh import AgentContext, Message, agent, serve
