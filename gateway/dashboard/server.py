@@ -328,6 +328,11 @@ class Dashboard:
         async with asyncio.timeout(30):
             return await first
 
+    async def rate_run(self, run_id: str, satisfied: bool, security: SecurityConfig) -> Any:
+        """Tells the gateway whether a run's outcome satisfied the user (RecordFeedback)."""
+        async with GatewayClient(self.gateway.address, security=security) as gateway:
+            return await gateway.feedback(run_id, satisfied)
+
     async def stream(self) -> AsyncIterator[str]:
         if len(self._clients) >= MAX_CLIENTS:
             raise web.HTTPServiceUnavailable(text="too many dashboard clients")
@@ -347,6 +352,10 @@ class Dashboard:
 
 
 # -- HTTP ------------------------------------------------------------------------------------
+
+
+FEEDBACK_STATUS = {"NOT_FOUND": 404, "FAILED_PRECONDITION": 409, "UNAUTHENTICATED": 401}
+"""How the gateway's refusals of a rating read over HTTP."""
 
 
 def make_app(dashboard: Dashboard) -> web.Application:
@@ -411,6 +420,23 @@ def make_app(dashboard: Dashboard) -> web.Application:
         except TimeoutError:
             return web.json_response({"message": "the pattern did not start"}, status=504)
         return web.json_response({"run_id": run_id}, status=202)
+
+    @routes.post("/api/runs/{run_id}/feedback")
+    async def feedback(request: web.Request) -> web.Response:
+        security = dashboard._authorize_run(request)
+        try:
+            body = await request.json()
+        except ValueError:
+            raise web.HTTPBadRequest(text="the body must be a JSON object") from None
+        if not isinstance(body, dict) or not isinstance(body.get("satisfied"), bool):
+            raise web.HTTPBadRequest(text='the body must be {"satisfied": true or false}')
+        run_id = request.match_info["run_id"]
+        try:
+            stats = await dashboard.rate_run(run_id, body["satisfied"], security)
+        except MeshError as error:
+            status = FEEDBACK_STATUS.get(error.code, 400)
+            return web.json_response({"code": error.code, "message": error.message}, status=status)
+        return web.json_response({"run_id": run_id, **stats})
 
     @routes.get("/api/events")
     async def events(request: web.Request) -> web.StreamResponse:

@@ -171,6 +171,11 @@ def test_a_group_chat_started_from_the_page_unfolds_live_and_has_a_waterfall(
     status = driver.find_element(By.CSS_SELECTOR, f'#runs li[data-run="{run_id}"] .status')  # type: ignore[attr-defined]
     assert status.text == "COMPLETED"
 
+    # The user says the outcome satisfied them: the pattern's accuracy counts it.
+    driver.find_element(By.ID, "satisfied").click()  # type: ignore[attr-defined]
+    accuracy = wait_for(driver, lambda d: d.find_element(By.ID, "accuracy"))
+    assert " ".join(accuracy.text.split()) == "GROUP_CHAT accuracy 100% (1 of 1 rated runs)"
+
     # The same run as the HTTP API reports it.
     with urllib.request.urlopen(f"{mesh_up['dashboard']}api/runs/{run_id}", timeout=10) as reply:
         recorded = json.load(reply)
@@ -215,6 +220,28 @@ def test_bad_pattern_requests_get_clear_errors(mesh_up: dict[str, str]) -> None:
     status, text = post("no_such_pattern", b"{}")
     assert status == 404 and "group_chat" in text
     status, text = post("group_chat", b"not json")
+    assert status == 400 and "JSON" in text
+
+
+def test_rating_a_run_gets_clear_errors(mesh_up: dict[str, str]) -> None:
+    def post(run_id: str, body: bytes) -> tuple[int, str]:
+        request = urllib.request.Request(
+            f"{mesh_up['dashboard']}api/runs/{run_id}/feedback",
+            data=body,
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=10) as reply:
+                return reply.status, reply.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read().decode()
+
+    status, text = post("group_never_ran", json.dumps({"satisfied": True}).encode())
+    assert status == 404 and json.loads(text)["code"] == "NOT_FOUND"
+    status, text = post("group_never_ran", json.dumps({"satisfied": "yes"}).encode())
+    assert status == 400 and "satisfied" in text
+    status, text = post("group_never_ran", b"not json")
     assert status == 400 and "JSON" in text
 
 

@@ -138,7 +138,52 @@ function Waterfall({ trace }) {
   </div>`;
 }
 
-function RunDetail({ run, events }) {
+function accuracyLine(pattern, stats) {
+  const share = fmt(stats.accuracy * 100, 0);
+  return `${pattern} accuracy ${share}% (${stats.satisfied} of ${stats.rated} rated runs)`;
+}
+
+function Feedback({ run, state }) {
+  const [token, setToken] = useState("");
+  const [answer, setAnswer] = useState(null);
+  useEffect(() => setAnswer(null), [run.run_id]);
+  if (!state.allow_runs || !["COMPLETED", "PARTIAL"].includes(run.status)) return null;
+  const rate = async (satisfied) => {
+    const headers = { "Content-Type": "application/json" };
+    if (token) headers.Authorization = `Bearer ${token}`;
+    const response = await fetch(`/api/runs/${run.run_id}/feedback`, {
+      method: "POST",
+      headers,
+      body: JSON.stringify({ satisfied }),
+    });
+    const text = await response.text();
+    try {
+      const body = JSON.parse(text);
+      setAnswer(response.ok ? { ok: true, ...body } : { ok: false, message: body.message || text });
+    } catch {
+      setAnswer({ ok: false, message: text });
+    }
+  };
+  return html`<p id="feedback">
+    Did this outcome satisfy you?
+    ${state.credential_required &&
+    html`<input
+      id="feedback-token"
+      type="password"
+      placeholder="gateway credential"
+      value=${token}
+      onInput=${(e) => setToken(e.target.value)}
+    />`}
+    <button id="satisfied" onClick=${() => rate(true)}>Yes</button>
+    <button id="not-satisfied" onClick=${() => rate(false)}>No</button>
+    ${answer &&
+    (answer.ok
+      ? html`<span id="accuracy">${accuracyLine(run.pattern, answer)}</span>`
+      : html`<span class="error" id="feedback-error">${answer.message}</span>`)}
+  </p>`;
+}
+
+function RunDetail({ run, events, state }) {
   const [trace, setTrace] = useState(null);
   useEffect(() => setTrace(null), [run.run_id]);
   return html`<section id="run-detail" data-run=${run.run_id}>
@@ -162,6 +207,7 @@ function RunDetail({ run, events }) {
         </li>`,
       )}
     </ol>
+    <${Feedback} run=${run} state=${state} />
     <${Waterfall} trace=${trace} />
   </section>`;
 }
@@ -360,7 +406,8 @@ function App() {
       </section>
       <${StartPattern} state=${state} onStarted=${select} />
     </div>
-    ${current && html`<${RunDetail} run=${current} events=${events[current.run_id] || []} />`}
+    ${current &&
+    html`<${RunDetail} run=${current} events=${events[current.run_id] || []} state=${state} />`}
     <${DeadLetters} />
   </main>`;
 }
