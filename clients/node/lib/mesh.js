@@ -83,6 +83,25 @@ function isoTime(ts) {
   return ts ? new Date(Number(ts.seconds) * 1000 + ts.nanos / 1e6).toISOString() : null;
 }
 
+/** The default negotiation policy: the counters' terms are taken over, peer by peer. */
+function adoptCounters(terms, counters) {
+  return counters.reduce((next, c) => ({ ...next, ...(c.proposal || {}) }), { ...terms });
+}
+
+/** A peer's answer to a proposal; anything unreadable is a rejection that says why. */
+function readReply(peer, content) {
+  const c = content || {};
+  const decision = String(c.decision || '').toLowerCase();
+  const reason = typeof c.reason === 'string' ? c.reason : '';
+  if (!['accept', 'reject', 'counter'].includes(decision)) {
+    return { peer, decision: 'reject', reason: `unreadable decision ${JSON.stringify(c.decision)}` };
+  }
+  if (decision === 'counter' && (typeof c.proposal !== 'object' || c.proposal === null)) {
+    return { peer, decision: 'reject', reason: 'a counter without a proposal object' };
+  }
+  return { peer, decision, proposal: decision === 'counter' ? c.proposal : null, reason };
+}
+
 /** A plain object from a mesh.v1.StateEntry. */
 function readEntry(pb) {
   return { key: pb.key, value: fromValue(pb.value), version: Number(pb.version),
@@ -224,6 +243,92 @@ class MeshClient {
     const res = await unary(this.broker, 'ListDeadLetters', { agent_id: agentId });
     return res.dead_letters.map((d) => ({ message: readMessage(d.message), reason: d.reason,
       attempts: d.delivery_attempts, deadLetteredAt: isoTime(d.dead_lettered_at) }));
+  }
+
+  /**
+   * Asks several agents at once (the Gather RPC): resolves with each agent's outcome,
+   * {agentId, response, error}, in the order they came (agents that did not answer in time
+   * last, with error.reason DEADLINE_EXCEEDED or TIMEOUT).
+   */
+  gather(content, { agentIds = [], agentTypes = [], timeoutMs = 5000, type = 'BROADCAST',
+    ...options } = {}) {
+    const message = buildMessage({ from: this.agentId, to: 'broadcast', type, content,
+      ...options });
+    const call = this.broker.Gather(
+      { message, agent_ids: agentIds, agent_types: agentTypes, timeout: toDuration(timeoutMs) },
+      this.broker.meshMetadata || new grpc.Metadata(),
+      { deadline: Date.now() + timeoutMs + 5000 },
+    );
+    return new Promise((resolve, reject) => {
+      const outcomes = [];
+      call.on('data', (r) => outcomes.push({
+        agentId: r.agent_id,
+        response: r.response ? readMessage(r.response) : null,
+        error: r.error ? { code: r.error.code, reason: r.error.reason, message: r.error.message }
+          : null,
+      }));
+      call.on('error', (err) => reject(new MeshError(err)));
+      call.on('end', () => resolve(outcomes));
+    });
+  }
+
+  /**
+   * Peer-to-peer negotiation (RT-011), as the Python SDK's negotiate: each round asks every
+   * peer at once (a REQUEST with action "negotiate" and parameters negotiation_id, topic,
+   * round, proposal); peers answer {decision: "accept" | "reject" | "counter", proposal,
+   * reason}. Resolves with {status: AGREED | REJECTED | NO_AGREEMENT | TIMED_OUT, proposal,
+   * rounds, negotiationId}. At most 3 rounds, 5 s and 10 peers; revise(terms, counters)
+   * makes the next round's terms (by default the counters' terms are taken over).
+   */
+  async negotiate(peers, proposal, { topic = '', rounds = 3, timeoutMs = 5000,
+    revise = adoptCounters } = {}) {
+    const problems = [];
+    if (!peers.length || peers.length > 10 || new Set(peers).size !== peers.length
+      || peers.includes(this.agentId)) {
+      problems.push('peers: 1 to 10 distinct agents other than the proposer');
+    }
+    if (!(rounds >= 1 && rounds <= 3)) problems.push('rounds: within 1 and 3');
+    if (!(timeoutMs > 0 && timeoutMs <= 5000)) problems.push('timeoutMs: above 0, at most 5000');
+    if (problems.length) {
+      throw new MeshError({ code: grpc.status.INVALID_ARGUMENT, details: problems.join('; ') });
+    }
+    const negotiationId = crypto.randomUUID();
+    const deadline = Date.now() + timeoutMs;
+    const history = [];
+    let terms = { ...proposal };
+    for (let round = 1; round <= rounds; round += 1) {
+      const outcomes = await this.gather(
+        { action: 'negotiate',
+          parameters: { negotiation_id: negotiationId, topic, round, proposal: terms } },
+        { agentIds: peers, timeoutMs: Math.max(deadline - Date.now(), 1), type: 'REQUEST',
+          metadata: { negotiation_id: negotiationId, round } },
+      );
+      const replies = new Map();
+      const missing = [];
+      for (const { agentId, response, error } of outcomes) {
+        if (response) {
+          replies.set(agentId, response.type === 'ERROR'
+            ? { peer: agentId, decision: 'reject', reason: String(response.content.error || '') }
+            : readReply(agentId, response.content));
+        } else if (error.code === grpc.status.DEADLINE_EXCEEDED) {
+          missing.push(agentId);
+        } else if (error.code === grpc.status.NOT_FOUND) {
+          throw new MeshError({ code: error.code, details: error.message });
+        } else {
+          replies.set(agentId, { peer: agentId, decision: 'reject', reason: error.message });
+        }
+      }
+      const ordered = peers.filter((p) => replies.has(p)).map((p) => replies.get(p));
+      history.push({ round, proposal: terms, replies: ordered, missing });
+      let status = null;
+      if (missing.length) status = 'TIMED_OUT';
+      else if (ordered.some((r) => r.decision === 'reject')) status = 'REJECTED';
+      else if (!ordered.some((r) => r.decision === 'counter')) status = 'AGREED';
+      else if (round === rounds) status = 'NO_AGREEMENT';
+      if (status) return { status, proposal: terms, rounds: history, negotiationId };
+      terms = revise(terms, ordered.filter((r) => r.decision === 'counter'));
+    }
+    throw new Error('unreachable');
   }
 
   // -- shared state (RT-011 shared_state) --------------------------------------------------

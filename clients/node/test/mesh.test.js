@@ -269,3 +269,28 @@ test('shared state: versions, compare-and-set and locks, beside the Python agent
     b.close();
   }
 });
+
+test('a Node agent negotiates with a peer directly (RT-011 peer-to-peer)', async () => {
+  const seller = await serveAgent({
+    broker: BROKER,
+    agentId: 'NodeSeller',
+    handler: async (message) => {
+      const { price } = message.content.parameters.proposal;
+      return price >= 90 ? { decision: 'accept' } : { decision: 'counter', proposal: { price: 90 } };
+    },
+  });
+  const buyer = new MeshClient(BROKER, { agentId: 'NodeBuyer' });
+  try {
+    const outcome = await buyer.negotiate(['NodeSeller'], { price: 60, item: 'lamp' });
+    assert.equal(outcome.status, 'AGREED');
+    assert.deepEqual(outcome.proposal, { price: 90, item: 'lamp' });
+    assert.deepEqual(outcome.rounds.map((r) => r.replies[0].decision), ['counter', 'accept']);
+    await assert.rejects(buyer.negotiate(['NodeSeller'], { price: 1 }, { rounds: 4 }),
+      (err) => err.codeName === 'INVALID_ARGUMENT');
+    await assert.rejects(buyer.negotiate(['NobodyHere'], { price: 1 }),
+      (err) => err.codeName === 'NOT_FOUND');
+  } finally {
+    buyer.close();
+    await seller.stop();
+  }
+});
