@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from mesh import codec
-from mesh.core.memory import Insight, SharedMemoryPool
-from mesh.core.state import SharedState, StateEntry
+from mesh.core.memory import Insight, MemoryPool
+from mesh.core.state import SharedState, StateEntry, StateStore
 from mesh.server import translating
 from mesh.v1 import memory_pb2, memory_pb2_grpc
 
@@ -66,7 +66,7 @@ def _seconds(pb: Any, name: str) -> float | None:
 
 
 class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
-    def __init__(self, pool: SharedMemoryPool, state: SharedState | None = None) -> None:
+    def __init__(self, pool: MemoryPool, state: StateStore | None = None) -> None:
         self.pool = pool
         self.state = state or SharedState()
 
@@ -74,7 +74,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
     async def WriteInsight(
         self, request: memory_pb2.WriteInsightRequest, context: Any
     ) -> memory_pb2.WriteInsightResponse:
-        stored = self.pool.write(insight_from_pb(request.insight))
+        stored = await self.pool.write(insight_from_pb(request.insight))
         response = memory_pb2.WriteInsightResponse()
         insight_to_pb(stored, response.insight)
         return response
@@ -84,7 +84,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         self, request: memory_pb2.ReadInsightsRequest, context: Any
     ) -> memory_pb2.ReadInsightsResponse:
         response = memory_pb2.ReadInsightsResponse()
-        for insight in self.pool.read(
+        for insight in await self.pool.read(
             tags=request.tags,
             segment=request.segment,
             min_importance=request.min_importance,
@@ -98,7 +98,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
     async def GetMemoryStats(
         self, request: memory_pb2.GetMemoryStatsRequest, context: Any
     ) -> memory_pb2.GetMemoryStatsResponse:
-        stats = self.pool.stats()
+        stats = await self.pool.stats()
         return memory_pb2.GetMemoryStatsResponse(
             total_insights=stats.total_insights,
             agents_involved=stats.agents_involved,
@@ -114,14 +114,14 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         self, request: memory_pb2.GetStateRequest, context: Any
     ) -> memory_pb2.GetStateResponse:
         response = memory_pb2.GetStateResponse()
-        entry_to_pb(self.state.get(request.key), response.entry)
+        entry_to_pb(await self.state.get(request.key), response.entry)
         return response
 
     @translating
     async def PutState(
         self, request: memory_pb2.PutStateRequest, context: Any
     ) -> memory_pb2.PutStateResponse:
-        entry = self.state.put(
+        entry = await self.state.put(
             request.key,
             codec.value_to_python(request.value) if request.HasField("value") else None,
             request.agent_id,
@@ -138,7 +138,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
     async def DeleteState(
         self, request: memory_pb2.DeleteStateRequest, context: Any
     ) -> memory_pb2.DeleteStateResponse:
-        entry = self.state.delete(
+        entry = await self.state.delete(
             request.key,
             request.agent_id,
             expected_version=request.expected_version

@@ -444,6 +444,13 @@ class RedisQueueStore:
         self._last_beat = 0
         """When this replica last beat (ms)."""
 
+    def shared_memory(self) -> tuple[Any, Any]:
+        """The shared memory pool and shared state, in this Redis: every replica sees the
+        same insights, entries and locks."""
+        from mesh.redis_shared import RedisMemoryPool, RedisSharedState
+
+        return RedisMemoryPool(self), RedisSharedState(self)
+
     # -- plumbing --------------------------------------------------------------------------
 
     async def _client(self) -> Any:

@@ -31,7 +31,7 @@ from mesh.core.errors import (
     RequestTimeoutError,
     SessionClosedError,
 )
-from mesh.core.memory import SharedMemoryPool
+from mesh.core.memory import MemoryPool, SharedMemoryPool
 from mesh.core.model import (
     BROADCAST_TARGET,
     MAX_DEAD_LETTER_REASON,
@@ -45,7 +45,7 @@ from mesh.core.model import (
 )
 from mesh.core.queue import GIVEN_UP_ROUTE, GIVEN_UP_SECONDS, QueueStats, QueueStore, Released
 from mesh.core.registry import AgentRegistry
-from mesh.core.state import SharedState
+from mesh.core.state import SharedState, StateStore
 from mesh.core.tasks import cancel_and_wait
 from mesh.core.validation import handoff_violations, validate_message
 from mesh.metrics import BrokerMetrics, Totals
@@ -222,8 +222,8 @@ class Broker:
         self.config = config or BrokerConfig()
         self.metrics = metrics or BrokerMetrics()
         self.registry = AgentRegistry(self.config.max_agents, self.config.max_id_length)
-        self.memory = SharedMemoryPool()
-        self.state = SharedState()
+        self.memory: MemoryPool = SharedMemoryPool()
+        self.state: StateStore = SharedState()
         if store is None:
             store = open_store(
                 self.config.store,
@@ -236,6 +236,9 @@ class Broker:
             )
         self.store = store
         store.listener = self
+        shared = getattr(store, "shared_memory", None)
+        if shared is not None:  # a store that replicas share keeps these for all of them
+            self.memory, self.state = shared()
         self._pending: dict[tuple[str, str], asyncio.Future[Message] | _Gathering] = {}
         self._ended_at: collections.OrderedDict[tuple[str, str], float] = collections.OrderedDict()
         """Requests and gathers that ended (answered, past their deadline, given up) and until

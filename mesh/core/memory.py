@@ -8,6 +8,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Protocol
 
 from mesh.core.errors import FieldViolation, LimitExceededError, MessageValidationError
 from mesh.core.model import JSON, utc_now
@@ -36,6 +37,38 @@ class MemoryStats:
     capacity: int
 
 
+def as_stored(insight: Insight, seq: int) -> Insight:
+    """An insight as a pool keeps it: its id from ``seq``, its time, its tags once each."""
+    return Insight(
+        agent_id=insight.agent_id,
+        content=insight.content,
+        tags=tuple(dict.fromkeys(insight.tags)),
+        importance=insight.importance,
+        segment=insight.segment or "default",
+        metadata=dict(insight.metadata),
+        insight_id=f"insight_{seq}",
+        created_at=utc_now(),
+    )
+
+
+class MemoryPool(Protocol):
+    """What the Memory service needs of a pool: this module's, or one in Redis."""
+
+    async def write(self, insight: Insight) -> Insight: ...
+
+    async def read(
+        self,
+        *,
+        tags: Iterable[str] = (),
+        segment: str = "",
+        min_importance: float = 0.0,
+        limit: int = 0,
+        agent_id: str = "",
+    ) -> list[Insight]: ...
+
+    async def stats(self) -> MemoryStats: ...
+
+
 class SharedMemoryPool:
     """Bounded: writes over ``capacity`` are refused (RESOURCE_EXHAUSTED), and each insight's
     content is limited to ``max_content_bytes`` of JSON."""
@@ -49,7 +82,8 @@ class SharedMemoryPool:
         self._insights: list[Insight] = []
         self._ids = itertools.count(1)
 
-    def _check(self, insight: Insight) -> None:
+    def check(self, insight: Insight) -> None:
+        """An insight's validation (a store in Redis shares it)."""
         problems = []
         if not insight.agent_id:
             problems.append(FieldViolation("insight.agent_id", "agent_id is required"))
@@ -72,26 +106,17 @@ class SharedMemoryPool:
         if problems:
             raise MessageValidationError.from_violations(problems)
 
-    def write(self, insight: Insight) -> Insight:
-        self._check(insight)
+    async def write(self, insight: Insight) -> Insight:
+        self.check(insight)
         if len(self._insights) >= self.capacity:
             raise LimitExceededError(
                 f"the shared memory pool holds its limit of {self.capacity} insights"
             )
-        stored = Insight(
-            agent_id=insight.agent_id,
-            content=insight.content,
-            tags=tuple(dict.fromkeys(insight.tags)),
-            importance=insight.importance,
-            segment=insight.segment or "default",
-            metadata=dict(insight.metadata),
-            insight_id=f"insight_{next(self._ids)}",
-            created_at=utc_now(),
-        )
+        stored = as_stored(insight, next(self._ids))
         self._insights.append(stored)
         return stored
 
-    def read(
+    async def read(
         self,
         *,
         tags: Iterable[str] = (),
@@ -114,7 +139,7 @@ class SharedMemoryPool:
         found.sort(key=lambda i: (-i.importance, -order[id(i)]))
         return found[: limit if limit > 0 else DEFAULT_READ_LIMIT]
 
-    def stats(self) -> MemoryStats:
+    async def stats(self) -> MemoryStats:
         tags: Counter[str] = Counter()
         for insight in self._insights:
             tags.update(insight.tags)

@@ -20,6 +20,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Protocol
 
 from mesh.core.errors import (
     FieldViolation,
@@ -65,6 +66,37 @@ class _Held:
     expires_at: datetime
 
 
+class StateStore(Protocol):
+    """What the Memory service needs of a shared state: this module's, or one in Redis."""
+
+    async def get(self, key: str) -> StateEntry: ...
+
+    async def put(
+        self,
+        key: str,
+        value: JSON,
+        agent_id: str,
+        *,
+        expected_version: int | None = None,
+        lock_token: str = "",
+    ) -> StateEntry: ...
+
+    async def delete(
+        self,
+        key: str,
+        agent_id: str,
+        *,
+        expected_version: int | None = None,
+        lock_token: str = "",
+    ) -> StateEntry: ...
+
+    async def lock(
+        self, key: str, agent_id: str, *, wait: float | None = None, lease: float | None = None
+    ) -> StateLock: ...
+
+    async def unlock(self, key: str, token: str) -> None: ...
+
+
 class SharedState:
     def __init__(
         self,
@@ -87,14 +119,14 @@ class SharedState:
 
     # -- reading and writing -----------------------------------------------------------------
 
-    def get(self, key: str) -> StateEntry:
-        _check_key(key)
+    async def get(self, key: str) -> StateEntry:
+        check_key(key)
         entry = self._entries.get(key)
         if entry is None:
             raise NotFoundError(f"no shared state named {key!r}", reason="STATE_NOT_FOUND")
         return entry
 
-    def put(
+    async def put(
         self,
         key: str,
         value: JSON,
@@ -103,20 +135,7 @@ class SharedState:
         expected_version: int | None = None,
         lock_token: str = "",
     ) -> StateEntry:
-        _check_key(key)
-        problems = []
-        if not agent_id:
-            problems.append(FieldViolation("agent_id", "agent_id is required"))
-        if value is None:
-            problems.append(FieldViolation("value", "value is required"))
-        elif len(json.dumps(value, default=str).encode()) > self.max_value_bytes:
-            problems.append(
-                FieldViolation("value", f"value must be at most {self.max_value_bytes} bytes")
-            )
-        if expected_version is not None and expected_version < 0:
-            problems.append(FieldViolation("expected_version", "must not be negative"))
-        if problems:
-            raise MessageValidationError.from_violations(problems)
+        check_write(key, value, agent_id, expected_version, self.max_value_bytes)
         current = self._may_write(key, agent_id, expected_version, lock_token)
         if current is None and len(self._entries) >= self.capacity:
             raise LimitExceededError(f"the shared state holds its limit of {self.capacity} entries")
@@ -124,7 +143,7 @@ class SharedState:
         self._entries[key] = entry
         return entry
 
-    def delete(
+    async def delete(
         self,
         key: str,
         agent_id: str,
@@ -132,7 +151,7 @@ class SharedState:
         expected_version: int | None = None,
         lock_token: str = "",
     ) -> StateEntry:
-        _check_key(key)
+        check_key(key)
         if not agent_id:
             raise MessageValidationError.for_field("agent_id", "agent_id is required")
         current = self._may_write(key, agent_id, expected_version, lock_token)
@@ -192,22 +211,7 @@ class SharedState:
         lock back with the lease renewed. Waits at most ``wait`` seconds (``lock_timeout``
         unless less is asked; 0 tries once), then raises StateConflictError (reason
         LOCK_TIMEOUT)."""
-        _check_key(key)
-        wait = self.lock_timeout if wait is None else wait
-        lease = DEFAULT_LEASE if lease is None else lease
-        problems = []
-        if not agent_id:
-            problems.append(FieldViolation("agent_id", "agent_id is required"))
-        if not 0 <= wait <= self.lock_timeout:
-            problems.append(
-                FieldViolation("wait", f"wait must be within 0 and {self.lock_timeout:g} s")
-            )
-        if not 0 < lease <= MAX_LEASE:
-            problems.append(
-                FieldViolation("lease", f"lease must be above 0 and at most {MAX_LEASE:g} s")
-            )
-        if problems:
-            raise MessageValidationError.from_violations(problems)
+        wait, lease = lock_terms(key, agent_id, wait, lease, self.lock_timeout)
         deadline = time.monotonic() + wait
         ticket = object()
         queue = self._waiting.setdefault(key, collections.deque())
@@ -259,7 +263,7 @@ class SharedState:
         return StateLock(key, agent_id, token, expires_at)
 
     async def unlock(self, key: str, token: str) -> None:
-        _check_key(key)
+        check_key(key)
         held = self._lock_of(key)
         if held is None or held.token != token:
             raise LockNotHeldError(
@@ -270,10 +274,57 @@ class SharedState:
             self._changed.notify_all()
 
 
-def _check_key(key: str) -> None:
+def check_key(key: str) -> None:
+    """A key's validation (a store in Redis shares it)."""
     if not key:
         raise MessageValidationError.for_field("key", "key is required")
     if len(key) > MAX_KEY_LENGTH:
         raise MessageValidationError.for_field(
             "key", f"key must be at most {MAX_KEY_LENGTH} characters"
         )
+
+
+def check_write(
+    key: str, value: JSON, agent_id: str, expected_version: int | None, max_value_bytes: int
+) -> str:
+    """A write's validation; returns the value as JSON (what a store in Redis keeps)."""
+    check_key(key)
+    problems = []
+    encoded = ""
+    if not agent_id:
+        problems.append(FieldViolation("agent_id", "agent_id is required"))
+    if value is None:
+        problems.append(FieldViolation("value", "value is required"))
+    else:
+        encoded = json.dumps(value, default=str, separators=(",", ":"))
+        if len(encoded.encode()) > max_value_bytes:
+            problems.append(
+                FieldViolation("value", f"value must be at most {max_value_bytes} bytes")
+            )
+    if expected_version is not None and expected_version < 0:
+        problems.append(FieldViolation("expected_version", "must not be negative"))
+    if problems:
+        raise MessageValidationError.from_violations(problems)
+    return encoded
+
+
+def lock_terms(
+    key: str, agent_id: str, wait: float | None, lease: float | None, lock_timeout: float
+) -> tuple[float, float]:
+    """A lock request's validation: its wait (``lock_timeout`` unless less is asked) and lease
+    (DEFAULT_LEASE unless set), in seconds."""
+    check_key(key)
+    wait = lock_timeout if wait is None else wait
+    lease = DEFAULT_LEASE if lease is None else lease
+    problems = []
+    if not agent_id:
+        problems.append(FieldViolation("agent_id", "agent_id is required"))
+    if not 0 <= wait <= lock_timeout:
+        problems.append(FieldViolation("wait", f"wait must be within 0 and {lock_timeout:g} s"))
+    if not 0 < lease <= MAX_LEASE:
+        problems.append(
+            FieldViolation("lease", f"lease must be above 0 and at most {MAX_LEASE:g} s")
+        )
+    if problems:
+        raise MessageValidationError.from_violations(problems)
+    return wait, lease

@@ -20,49 +20,49 @@ from mesh.core.state import SharedState
 async def test_every_write_makes_a_new_version_and_the_last_write_wins() -> None:
     state = SharedState()
     with pytest.raises(NotFoundError):
-        state.get("budget")
-    first = state.put("budget", {"left": 100}, "Planner")
-    second = state.put("budget", {"left": 80}, "Buyer")
+        await state.get("budget")
+    first = await state.put("budget", {"left": 100}, "Planner")
+    second = await state.put("budget", {"left": 80}, "Buyer")
     assert (first.version, second.version) == (1, 2)
-    current = state.get("budget")
+    current = await state.get("budget")
     assert current.value == {"left": 80} and current.updated_by == "Buyer"
-    gone = state.delete("budget", "Planner")
+    gone = await state.delete("budget", "Planner")
     assert gone.version == 2
     with pytest.raises(NotFoundError):
-        state.get("budget")
-    assert state.put("budget", 1, "Planner").version == 1  # a new entry starts again
+        await state.get("budget")
+    assert (await state.put("budget", 1, "Planner")).version == 1  # a new entry starts again
 
 
 async def test_a_write_that_names_a_version_is_refused_when_another_came_first() -> None:
     state = SharedState()
-    state.put("plan", "a", "A", expected_version=0)  # only if there is none yet
+    await state.put("plan", "a", "A", expected_version=0)  # only if there is none yet
     with pytest.raises(StateConflictError) as lost:
-        state.put("plan", "b", "B", expected_version=0)
+        await state.put("plan", "b", "B", expected_version=0)
     assert lost.value.reason == "VERSION_CONFLICT" and lost.value.code == "ABORTED"
-    assert state.put("plan", "b", "B", expected_version=1).version == 2
+    assert (await state.put("plan", "b", "B", expected_version=1)).version == 2
     with pytest.raises(StateConflictError):
-        state.delete("plan", "A", expected_version=1)
-    assert state.get("plan").value == "b"
+        await state.delete("plan", "A", expected_version=1)
+    assert (await state.get("plan")).value == "b"
 
 
 async def test_a_locked_entry_is_written_only_with_its_lock() -> None:
     state = SharedState()
-    state.put("budget", 100, "Planner")
+    await state.put("budget", 100, "Planner")
     lock = await state.lock("budget", "Buyer")
     with pytest.raises(StateConflictError) as refused:
-        state.put("budget", 0, "Planner")
+        await state.put("budget", 0, "Planner")
     assert refused.value.reason == "STATE_LOCKED" and "Buyer" in refused.value.message
     with pytest.raises(StateConflictError):
-        state.delete("budget", "Planner")
-    assert state.put("budget", 70, "Buyer", lock_token=lock.token).version == 2
+        await state.delete("budget", "Planner")
+    assert (await state.put("budget", 70, "Buyer", lock_token=lock.token)).version == 2
     with pytest.raises(LockNotHeldError):
-        state.put("budget", 60, "Buyer", lock_token="not-the-token")
+        await state.put("budget", 60, "Buyer", lock_token="not-the-token")
     await state.unlock("budget", lock.token)
     with pytest.raises(LockNotHeldError):  # released: the token holds nothing any more
-        state.put("budget", 60, "Buyer", lock_token=lock.token)
+        await state.put("budget", 60, "Buyer", lock_token=lock.token)
     with pytest.raises(LockNotHeldError):
         await state.unlock("budget", lock.token)
-    assert state.put("budget", 50, "Planner").version == 3
+    assert (await state.put("budget", 50, "Planner")).version == 3
 
 
 async def test_a_second_writer_waits_for_the_lock_at_most_its_wait() -> None:
@@ -92,7 +92,7 @@ async def test_a_lock_lapses_when_its_lease_runs_out_and_its_holder_may_renew_it
     taken = await state.lock("budget", "B", wait=1.0)  # A's lease runs out meanwhile
     assert taken.holder == "B"
     with pytest.raises(LockNotHeldError):
-        state.put("budget", 1, "A", lock_token=short.token)
+        await state.put("budget", 1, "A", lock_token=short.token)
 
 
 async def test_at_most_five_agents_hold_locks_at_once() -> None:
@@ -131,15 +131,15 @@ async def test_bad_requests_and_limits_are_refused() -> None:
         lambda: state.put("k", 1, "A", expected_version=-1),
     ):
         with pytest.raises(MessageValidationError):
-            call()
+            await call()
     for wait, lease in ((1.5, None), (-1, None), (None, 0), (None, 61)):
         with pytest.raises(MessageValidationError):
             await state.lock("k", "A", wait=wait, lease=lease)
-    state.put("a", 1, "A")
-    state.put("b", 1, "A")
+    await state.put("a", 1, "A")
+    await state.put("b", 1, "A")
     with pytest.raises(LimitExceededError):
-        state.put("c", 1, "A")
-    assert state.put("a", 2, "A").version == 2  # a new version of a held entry still fits
+        await state.put("c", 1, "A")
+    assert (await state.put("a", 2, "A")).version == 2  # a new version of a held entry still fits
 
 
 async def test_waiting_writers_get_the_lock_in_their_order_of_arrival() -> None:

@@ -1,0 +1,425 @@
+"""The shared memory pool and the shared state in Redis, for broker replicas: every replica on
+the same Redis (or Redis Cluster) reads and writes the same insights and the same entries and
+locks. Their rules are those of the in-memory classes (mesh.core.memory, mesh.core.state);
+each operation is one Lua script, and every key carries one hash tag, so that on a cluster all
+of them live on one node and a script may touch any of them.
+
+Values are kept as the JSON the client sent and are never re-encoded by a script (Lua's cjson
+would round numbers); scripts decode only the small records they decide on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import time
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from mesh.core.errors import (
+    BrokerUnavailableError,
+    LimitExceededError,
+    LockNotHeldError,
+    MessageValidationError,
+    NotFoundError,
+    StateConflictError,
+)
+from mesh.core.memory import (
+    DEFAULT_READ_LIMIT,
+    Insight,
+    MemoryStats,
+    SharedMemoryPool,
+    as_stored,
+)
+from mesh.core.model import JSON
+from mesh.core.state import (
+    LOCK_TIMEOUT,
+    MAX_WRITERS,
+    StateEntry,
+    StateLock,
+    check_key,
+    check_write,
+    lock_terms,
+)
+
+if TYPE_CHECKING:
+    from mesh.redis_store import RedisQueueStore
+
+PREFIX = "mesh:{shared}:"
+INSIGHTS = PREFIX + "insights"
+"""Hash: insight id -> the insight as JSON (with its seq, for "newest first")."""
+INSIGHT_SEQ = PREFIX + "insight-seq"
+TAG_COUNTS = PREFIX + "tag-counts"
+SEGMENT_COUNTS = PREFIX + "segment-counts"
+WRITER_COUNTS = PREFIX + "writer-counts"
+STATE_VALUES = PREFIX + "state-values"
+"""Hash: key -> the entry's value, as the writer's JSON."""
+STATE_META = PREFIX + "state-meta"
+"""Hash: key -> {"version", "updated_by", "updated_at"}."""
+LOCKS = PREFIX + "locks"
+"""Hash: key -> {"holder", "token", "expires"} (expires in ms since the epoch)."""
+POLL_SECONDS = 0.01
+"""How often a waiting lock request looks again."""
+
+_WRITE_INSIGHT = """
+if redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+local record = cjson.decode(ARGV[3])
+redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
+for _, tag in ipairs(record.tags) do
+  redis.call('SADD', 'mesh:{shared}:tag:' .. tag, ARGV[2])
+  redis.call('HINCRBY', KEYS[2], tag, 1)
+end
+redis.call('SADD', 'mesh:{shared}:segment:' .. record.segment, ARGV[2])
+redis.call('HINCRBY', KEYS[3], record.segment, 1)
+redis.call('HINCRBY', KEYS[4], record.agent_id, 1)
+return 1
+"""
+
+_READ_INSIGHTS = """
+local sets = {}
+for i = 5, #ARGV do sets[#sets + 1] = 'mesh:{shared}:tag:' .. ARGV[i] end
+if ARGV[4] ~= '' then sets[#sets + 1] = 'mesh:{shared}:segment:' .. ARGV[4] end
+local ids
+if #sets > 0 then
+  ids = redis.call('SINTER', unpack(sets))
+else
+  ids = redis.call('HKEYS', KEYS[1])
+end
+local found = {}
+for _, id in ipairs(ids) do
+  local raw = redis.call('HGET', KEYS[1], id)
+  if raw then
+    local it = cjson.decode(raw)
+    if it.importance >= tonumber(ARGV[1]) and (ARGV[2] == '' or it.agent_id == ARGV[2]) then
+      found[#found + 1] = {it.importance, it.seq, raw}
+    end
+  end
+end
+table.sort(found, function(a, b)
+  if a[1] ~= b[1] then return a[1] > b[1] end
+  return a[2] > b[2]
+end)
+local out = {}
+for i = 1, math.min(#found, tonumber(ARGV[3])) do out[i] = found[i][3] end
+return out
+"""
+
+# KEYS: values, meta, locks. ARGV: key, now (ms), agent, token, expected version ('' for
+# none), capacity, value JSON, updated_at, 'put' or 'delete'.
+_WRITE_STATE = """
+local key, now, token = ARGV[1], tonumber(ARGV[2]), ARGV[4]
+local lock = redis.call('HGET', KEYS[3], key)
+local held = nil
+if lock then
+  held = cjson.decode(lock)
+  if held.expires <= now then redis.call('HDEL', KEYS[3], key); held = nil end
+end
+if token ~= '' then
+  if not held or held.token ~= token then return {'LOCK_NOT_HELD'} end
+elseif held then
+  return {'STATE_LOCKED', held.holder, tostring(held.expires)}
+end
+local meta = redis.call('HGET', KEYS[2], key)
+local version = 0
+if meta then version = cjson.decode(meta).version end
+if ARGV[5] ~= '' and tonumber(ARGV[5]) ~= version then
+  return {'VERSION_CONFLICT', tostring(version)}
+end
+if ARGV[9] == 'delete' then
+  if not meta then return {'STATE_NOT_FOUND'} end
+  local old = redis.call('HGET', KEYS[1], key)
+  redis.call('HDEL', KEYS[1], key)
+  redis.call('HDEL', KEYS[2], key)
+  return {'OK', meta, old}
+end
+if not meta and redis.call('HLEN', KEYS[2]) >= tonumber(ARGV[6]) then return {'FULL'} end
+local fresh = cjson.encode({version = version + 1, updated_by = ARGV[3], updated_at = ARGV[8]})
+redis.call('HSET', KEYS[1], key, ARGV[7])
+redis.call('HSET', KEYS[2], key, fresh)
+return {'OK', fresh, ARGV[7]}
+"""
+
+# KEYS: locks, the key's waiting line. ARGV: key, agent, ticket ("<deadline ms>:<random>"),
+# now (ms), lease (ms), max writers, a new token, arrival (the ticket's place in line).
+_LOCK = """
+local key, agent, ticket, now = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local all = redis.call('HGETALL', KEYS[1])
+local writers, count, held = {}, 0, nil
+for i = 1, #all, 2 do
+  local l = cjson.decode(all[i + 1])
+  if l.expires <= now then
+    redis.call('HDEL', KEYS[1], all[i])
+  else
+    if not writers[l.holder] then writers[l.holder] = true; count = count + 1 end
+    if all[i] == key then held = l end
+  end
+end
+if held and held.holder == agent then
+  held.expires = now + tonumber(ARGV[5])
+  redis.call('HSET', KEYS[1], key, cjson.encode(held))
+  redis.call('ZREM', KEYS[2], ticket)
+  return {'GRANTED', held.token, tostring(held.expires)}
+end
+redis.call('ZADD', KEYS[2], 'NX', ARGV[8], ticket)
+redis.call('PEXPIRE', KEYS[2], 60000)
+while true do
+  local head = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
+  if not head or head == ticket then break end
+  local deadline = tonumber(string.match(head, '^(%d+):'))
+  if deadline and deadline < now then redis.call('ZREM', KEYS[2], head) else break end
+end
+local head = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
+if not held and head == ticket and (writers[agent] or count < tonumber(ARGV[6])) then
+  local l = {holder = agent, token = ARGV[7], expires = now + tonumber(ARGV[5])}
+  redis.call('HSET', KEYS[1], key, cjson.encode(l))
+  redis.call('ZREM', KEYS[2], ticket)
+  return {'GRANTED', l.token, tostring(l.expires)}
+end
+if held then return {'WAIT', 'held by ' .. held.holder} end
+if head ~= ticket then return {'WAIT', 'other agents were waiting for it first'} end
+return {'WAIT', ARGV[6] .. ' agents hold locks already'}
+"""
+
+_UNLOCK = """
+local lock = redis.call('HGET', KEYS[1], ARGV[1])
+if not lock then return 0 end
+local held = cjson.decode(lock)
+if held.token ~= ARGV[2] or held.expires <= tonumber(ARGV[3]) then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+return 1
+"""
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _at(ms: int) -> datetime:
+    return datetime.fromtimestamp(ms / 1000, tz=UTC)
+
+
+class RedisMemoryPool:
+    """The shared memory pool of mesh.core.memory, kept in Redis."""
+
+    def __init__(self, store: RedisQueueStore, *, capacity: int = 10_000) -> None:
+        self.store = store
+        self.rules = SharedMemoryPool(capacity=capacity)  # the validation and the limits
+        self.capacity = capacity
+
+    async def write(self, insight: Insight) -> Insight:
+        self.rules.check(insight)
+        seq = int(await self.store._call("incr", INSIGHT_SEQ))
+        stored = as_stored(insight, seq)
+        record = {
+            "seq": seq,
+            "insight_id": stored.insight_id,
+            "agent_id": stored.agent_id,
+            "content": stored.content,
+            "tags": list(stored.tags),
+            "importance": stored.importance,
+            "segment": stored.segment,
+            "metadata": stored.metadata,
+            "created_at": stored.created_at.isoformat() if stored.created_at else "",
+        }
+        keys = [INSIGHTS, TAG_COUNTS, SEGMENT_COUNTS, WRITER_COUNTS]
+        written = await self.store._call(
+            "eval", _WRITE_INSIGHT, len(keys), *keys, self.capacity, stored.insight_id,
+            json.dumps(record, default=str),
+        )  # fmt: skip
+        if not int(written):
+            raise LimitExceededError(
+                f"the shared memory pool holds its limit of {self.capacity} insights"
+            )
+        return stored
+
+    async def read(
+        self,
+        *,
+        tags: Iterable[str] = (),
+        segment: str = "",
+        min_importance: float = 0.0,
+        limit: int = 0,
+        agent_id: str = "",
+    ) -> list[Insight]:
+        found = await self.store._call(
+            "eval", _READ_INSIGHTS, 1, INSIGHTS, repr(float(min_importance)), agent_id,
+            limit if limit > 0 else DEFAULT_READ_LIMIT, segment, *dict.fromkeys(tags),
+        )  # fmt: skip
+        return [_insight(json.loads(_text(raw))) for raw in found]
+
+    async def stats(self) -> MemoryStats:
+        total = int(await self.store._call("hlen", INSIGHTS))
+        writers = int(await self.store._call("hlen", WRITER_COUNTS))
+        tags = await self.store._call("hgetall", TAG_COUNTS)
+        segments = await self.store._call("hgetall", SEGMENT_COUNTS)
+        return MemoryStats(
+            total_insights=total,
+            agents_involved=writers,
+            tag_distribution={_text(k): int(v) for k, v in tags.items()},
+            segment_distribution={_text(k): int(v) for k, v in segments.items()},
+            capacity=self.capacity,
+        )
+
+
+def _insight(record: dict[str, Any]) -> Insight:
+    created = record.get("created_at")
+    return Insight(
+        agent_id=record["agent_id"],
+        content=record["content"],
+        tags=tuple(record["tags"]),
+        importance=float(record["importance"]),
+        segment=record["segment"],
+        metadata=record.get("metadata") or {},
+        insight_id=record["insight_id"],
+        created_at=datetime.fromisoformat(created) if created else None,
+    )
+
+
+class RedisSharedState:
+    """The shared state of mesh.core.state, kept in Redis: the same versions, compare-and-set,
+    locks waited for in order of arrival (at most ``lock_timeout``), and at most
+    ``max_writers`` agents holding locks at once, across every replica."""
+
+    def __init__(
+        self,
+        store: RedisQueueStore,
+        *,
+        lock_timeout: float = LOCK_TIMEOUT,
+        max_writers: int = MAX_WRITERS,
+        capacity: int = 10_000,
+        max_value_bytes: int = 64 * 1024,
+    ) -> None:
+        self.store = store
+        self.lock_timeout = lock_timeout
+        self.max_writers = max_writers
+        self.capacity = capacity
+        self.max_value_bytes = max_value_bytes
+
+    async def get(self, key: str) -> StateEntry:
+        check_key(key)
+        meta, value = await self.store._call(
+            "eval", "return {redis.call('HGET', KEYS[1], ARGV[1]), "
+            "redis.call('HGET', KEYS[2], ARGV[1])}", 2, STATE_META, STATE_VALUES, key,
+        )  # fmt: skip
+        if meta is None:
+            raise NotFoundError(f"no shared state named {key!r}", reason="STATE_NOT_FOUND")
+        return _entry(key, meta, value)
+
+    async def put(
+        self,
+        key: str,
+        value: JSON,
+        agent_id: str,
+        *,
+        expected_version: int | None = None,
+        lock_token: str = "",
+    ) -> StateEntry:
+        encoded = check_write(key, value, agent_id, expected_version, self.max_value_bytes)
+        return await self._write("put", key, agent_id, expected_version, lock_token, encoded)
+
+    async def delete(
+        self,
+        key: str,
+        agent_id: str,
+        *,
+        expected_version: int | None = None,
+        lock_token: str = "",
+    ) -> StateEntry:
+        check_key(key)
+        if not agent_id:
+            raise MessageValidationError.for_field("agent_id", "agent_id is required")
+        return await self._write("delete", key, agent_id, expected_version, lock_token, "")
+
+    async def _write(
+        self,
+        what: str,
+        key: str,
+        agent_id: str,
+        expected_version: int | None,
+        lock_token: str,
+        encoded: str,
+    ) -> StateEntry:
+        keys = [STATE_VALUES, STATE_META, LOCKS]
+        answer = await self.store._call(
+            "eval", _WRITE_STATE, len(keys), *keys, key, _now_ms(), agent_id, lock_token,
+            "" if expected_version is None else expected_version, self.capacity, encoded,
+            datetime.now(UTC).isoformat(), what,
+        )  # fmt: skip
+        outcome = _text(answer[0])
+        if outcome == "OK":
+            return _entry(key, answer[1], answer[2])
+        if outcome == "LOCK_NOT_HELD":
+            raise LockNotHeldError(
+                f"the lock token does not hold {key!r} (released, expired, or never given)"
+            )
+        if outcome == "STATE_LOCKED":
+            until = _at(int(_text(answer[2]))).isoformat()
+            raise StateConflictError(
+                f"{key!r} is locked by {_text(answer[1])} until {until}", reason="STATE_LOCKED"
+            )
+        if outcome == "VERSION_CONFLICT":
+            raise StateConflictError(
+                f"{key!r} is at version {_text(answer[1])}, not {expected_version}",
+                reason="VERSION_CONFLICT",
+            )
+        if outcome == "STATE_NOT_FOUND":
+            raise NotFoundError(f"no shared state named {key!r}", reason="STATE_NOT_FOUND")
+        raise LimitExceededError(f"the shared state holds its limit of {self.capacity} entries")
+
+    async def lock(
+        self, key: str, agent_id: str, *, wait: float | None = None, lease: float | None = None
+    ) -> StateLock:
+        wait, lease = lock_terms(key, agent_id, wait, lease, self.lock_timeout)
+        deadline = time.monotonic() + wait
+        line = f"{PREFIX}waiting:{key}"
+        ticket = f"{_now_ms() + int(wait * 1000) + 1000}:{secrets.token_hex(8)}"
+        arrival = time.time_ns() // 1000
+        token = secrets.token_urlsafe(18)
+        try:
+            while True:
+                answer = await self.store._call(
+                    "eval", _LOCK, 2, LOCKS, line, key, agent_id, ticket, _now_ms(),
+                    int(lease * 1000), self.max_writers, token, arrival,
+                )  # fmt: skip
+                if _text(answer[0]) == "GRANTED":
+                    expires = _at(int(_text(answer[2])))
+                    return StateLock(key, agent_id, _text(answer[1]), expires)
+                if time.monotonic() >= deadline:
+                    raise StateConflictError(
+                        f"could not lock {key!r} within {wait:g} s: {_text(answer[1])}",
+                        reason="LOCK_TIMEOUT",
+                    )
+                await asyncio.sleep(POLL_SECONDS)
+        finally:
+            # Out of the line, granted or not (a ticket left behind would lapse by itself).
+            await asyncio.shield(self._leave(line, ticket))
+
+    async def _leave(self, line: str, ticket: str) -> None:
+        with contextlib.suppress(BrokerUnavailableError):  # (it lapses at its deadline anyway)
+            await self.store._call("zrem", line, ticket)
+
+    async def unlock(self, key: str, token: str) -> None:
+        check_key(key)
+        released = await self.store._call("eval", _UNLOCK, 1, LOCKS, key, token, _now_ms())
+        if not int(released):
+            raise LockNotHeldError(
+                f"the lock token does not hold {key!r} (released, expired, or never given)"
+            )
+
+
+def _entry(key: str, meta: Any, value: Any) -> StateEntry:
+    fields = json.loads(_text(meta))
+    return StateEntry(
+        key=key,
+        value=json.loads(_text(value)) if value is not None else None,
+        version=int(fields["version"]),
+        updated_by=str(fields["updated_by"]),
+        updated_at=datetime.fromisoformat(str(fields["updated_at"])),
+    )

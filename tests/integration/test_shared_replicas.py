@@ -1,0 +1,158 @@
+"""The shared memory pool and the shared state across two broker processes on one Redis (or
+one Redis Cluster): an insight written through one replica is read through the other; entries,
+versions and locks are the same whichever replica a client talks to."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from mesh import LockNotHeldError, StateConflictError, connect
+from mesh.client import NO_RETRY, MeshClient
+from tests.helpers.processes import BROKER_READY, Proc, start, stop
+
+pytestmark = pytest.mark.processes
+
+
+@pytest.fixture(params=["redis", "redis-cluster"])
+async def replicas(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Proc, Proc]]:
+    if request.param == "redis":
+        url = request.getfixturevalue("redis_url")
+        urls = [url, url]
+    else:
+        urls = request.getfixturevalue("redis_cluster")[:2]
+    a = await start("broker", "--port", "0", "--store", urls[0], ready=BROKER_READY)
+    b = await start("broker", "--port", "0", "--store", urls[1], ready=BROKER_READY)
+    try:
+        yield a, b
+    finally:
+        await stop(a)
+        await stop(b)
+
+
+async def test_insights_written_through_one_replica_are_read_through_the_other(
+    replicas: tuple[Proc, Proc],
+) -> None:
+    a, b = replicas
+    async with (
+        connect(a.address, agent_id="proposer", retry=NO_RETRY) as via_a,
+        connect(b.address, agent_id="reviewer_1", retry=NO_RETRY) as via_b,
+    ):
+        proposal = await via_a.write_insight(
+            {"proposal": "Adopt an API gateway", "cost": 12345.678901234567},
+            tags=["proposal", "pending", "proposal_p1"],
+            importance=0.9,
+            segment="proposals",
+        )
+        await via_b.write_insight(
+            {"vote": "approve"}, tags=["vote", "proposal_p1"], importance=0.5, segment="votes"
+        )
+        await via_b.write_insight(
+            {"vote": "modify"}, tags=["vote", "proposal_p1"], importance=0.7, segment="votes"
+        )
+        [found] = await via_b.read_insights(tags=["proposal", "proposal_p1"])
+        assert found.insight_id == proposal.insight_id
+        assert found.content == {"proposal": "Adopt an API gateway", "cost": 12345.678901234567}
+        assert found.agent_id == "proposer" and found.segment == "proposals"
+        votes = await via_a.read_insights(tags=["vote"], segment="votes")
+        assert [v.content for v in votes] == [{"vote": "modify"}, {"vote": "approve"}]
+        assert [v.content for v in await via_a.read_insights(min_importance=0.6)] == [
+            proposal.content,
+            {"vote": "modify"},
+        ]
+        assert await via_a.read_insights(tags=["vote"], agent_id="proposer") == []
+        stats = await via_a.memory_stats()
+        assert stats.total_insights == 3 and stats.agents_involved == 2
+        assert stats.tag_distribution["proposal_p1"] == 3
+        assert stats.segment_distribution == {"proposals": 1, "votes": 2}
+
+
+async def test_entries_versions_and_locks_are_one_across_replicas(
+    replicas: tuple[Proc, Proc],
+) -> None:
+    a, b = replicas
+    async with (
+        connect(a.address, agent_id="Planner", retry=NO_RETRY) as via_a,
+        connect(b.address, agent_id="Buyer", retry=NO_RETRY) as via_b,
+    ):
+        first = await via_a.put_state("budget", {"left": 100}, expected_version=0)
+        assert first.version == 1
+        seen = await via_b.get_state("budget")
+        assert seen is not None and seen.value == {"left": 100} and seen.updated_by == "Planner"
+        with pytest.raises(StateConflictError) as lost:
+            await via_b.put_state("budget", {"left": 1}, expected_version=0)
+        assert lost.value.reason == "VERSION_CONFLICT"
+
+        lock = await via_a.lock_state("budget", lease=5)
+        with pytest.raises(StateConflictError) as locked:
+            await via_b.put_state("budget", {"left": 0})
+        assert locked.value.reason == "STATE_LOCKED" and "Planner" in locked.value.message
+        with pytest.raises(StateConflictError) as waited:
+            await via_b.lock_state("budget", wait=0.1)
+        assert waited.value.reason == "LOCK_TIMEOUT"
+
+        async def release_soon() -> None:
+            await asyncio.sleep(0.2)
+            await via_a.put_state("budget", {"left": 80}, lock=lock)
+            await via_a.unlock_state(lock)
+
+        releasing = asyncio.create_task(release_soon())
+        theirs = await via_b.lock_state("budget", wait=1.0)  # waits across replicas
+        await releasing
+        with pytest.raises(LockNotHeldError):
+            await via_a.put_state("budget", {"left": 70}, lock=lock)
+        written = await via_b.put_state("budget", {"left": 60}, lock=theirs)
+        assert (written.version, written.updated_by) == (3, "Buyer")
+        await via_b.unlock_state(theirs)
+        gone = await via_a.delete_state("budget", expected_version=3)
+        assert gone.value == {"left": 60}
+        assert await via_b.get_state("budget") is None
+
+
+async def test_locked_increments_through_both_replicas_lose_nothing(
+    replicas: tuple[Proc, Proc],
+) -> None:
+    a, b = replicas
+    clients = [
+        MeshClient(address, agent_id=f"Counter{i}", retry=NO_RETRY)
+        for i, address in enumerate((a.address, b.address, a.address, b.address))
+    ]
+    try:
+        await clients[0].put_state("counter", 0)
+
+        async def add_ones(client: MeshClient) -> None:
+            for _ in range(10):
+                async with client.locked("counter") as lock:
+                    entry = await client.get_state("counter")
+                    assert entry is not None
+                    await client.put_state("counter", entry.value + 1, lock=lock)  # type: ignore[operator]
+
+        await asyncio.gather(*(add_ones(c) for c in clients))
+        final = await clients[1].get_state("counter")
+        assert final is not None and final.value == 40 and final.version == 41
+    finally:
+        for client in clients:
+            await client.close()
+
+
+async def test_at_most_five_writers_hold_locks_across_replicas(
+    replicas: tuple[Proc, Proc],
+) -> None:
+    a, b = replicas
+    clients = [
+        MeshClient((a.address, b.address)[i % 2], agent_id=f"Writer{i}", retry=NO_RETRY)
+        for i in range(6)
+    ]
+    try:
+        held = [await c.lock_state(f"key-{i}") for i, c in enumerate(clients[:5])]
+        with pytest.raises(StateConflictError) as full:
+            await clients[5].lock_state("key-5", wait=0.2)
+        assert full.value.reason == "LOCK_TIMEOUT"
+        assert "5 agents hold locks" in full.value.message
+        await clients[2].unlock_state(held[2])
+        assert (await clients[5].lock_state("key-5", wait=1.0)).holder == "Writer5"
+    finally:
+        for client in clients:
+            await client.close()
