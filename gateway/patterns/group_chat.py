@@ -219,34 +219,16 @@ def expertise_vote(
         )
         for c in contributions
     }
-    scores: dict[str, float] = {}
-    best_single: dict[str, float] = {}
-    for c in contributions:
-        scores[c.recommendation] = scores.get(c.recommendation, 0.0) + weights[c.agent_id]
-        best_single[c.recommendation] = max(
-            best_single.get(c.recommendation, 0.0), weights[c.agent_id]
-        )
-    winner = sorted(scores, key=lambda o: (-scores[o], -best_single[o], o))[0]
-    total = sum(scores.values())
-    unanimous = len(scores) == 1
-    return {
-        "recommendation": f"{winner} (expertise-weighted vote)",
-        "winner": winner,
-        "score": clean(scores[winner]),
-        "scores": {o: clean(v) for o, v in scores.items()},
-        "weights": dict(weights),
-        "historical_accuracy": {
-            c.agent_id: accuracy[c.agent_id] for c in contributions if c.agent_id in accuracy
-        },
-        "confidence": clean(scores[winner] / total) if total else 0.0,
-        "reasoning": [c.reasoning for c in contributions if c.recommendation == winner],
-        "note": (
-            f"Disagreement detected: {len(scores)} different {option_label} recommended"
-            if not unanimous
-            else "Expertise-weighted vote over a unanimous group"
-        ),
-        "unanimous": unanimous,
+    result = _vote(
+        contributions, [weights[c.agent_id] for c in contributions], option_label,
+        "Expertise-weighted vote",
+    )  # fmt: skip
+    result["recommendation"] = f"{result['winner']} (expertise-weighted vote)"
+    result["weights"] = dict(weights)
+    result["historical_accuracy"] = {
+        c.agent_id: accuracy[c.agent_id] for c in contributions if c.agent_id in accuracy
     }
+    return result
 
 
 def _chosen(result: Mapping[str, JSON]) -> set[str]:
@@ -255,33 +237,48 @@ def _chosen(result: Mapping[str, JSON]) -> set[str]:
 
 
 def weighted_vote(contributions: Sequence[Contribution], option_label: str) -> dict[str, JSON]:
+    """Each option scores the summed confidence of the agents that recommend it."""
+    confidences = [c.confidence for c in contributions]
+    result = _vote(contributions, confidences, option_label, "Weighted voting")
+    votes = result["votes"]
+    assert isinstance(votes, dict)
+    single = all(n == 1 for n in votes.values())
+    how = "highest confidence" if single else "highest weighted vote"
+    result["recommendation"] = f"{result['winner']} ({how})"
+    return result
+
+
+def _vote(
+    contributions: Sequence[Contribution],
+    weights: Sequence[float],
+    option_label: str,
+    kind: str,
+) -> dict[str, JSON]:
+    """Each option scores the summed weights of its recommendations; the highest wins, a tie
+    going to the heaviest single recommendation, then alphabetical order."""
     scores: dict[str, float] = {}
     counts: dict[str, int] = {}
     best_single: dict[str, float] = {}
-    for c in contributions:
-        scores[c.recommendation] = scores.get(c.recommendation, 0.0) + c.confidence
+    for c, weight in zip(contributions, weights, strict=True):
+        scores[c.recommendation] = scores.get(c.recommendation, 0.0) + weight
         counts[c.recommendation] = counts.get(c.recommendation, 0) + 1
-        best_single[c.recommendation] = max(best_single.get(c.recommendation, 0.0), c.confidence)
-    # Highest score; ties go to the more confident single vote, then alphabetical order.
+        best_single[c.recommendation] = max(best_single.get(c.recommendation, 0.0), weight)
     winner = sorted(scores, key=lambda o: (-scores[o], -best_single[o], o))[0]
-    single_votes = all(n == 1 for n in counts.values())
-    how = "highest confidence" if single_votes else "highest weighted vote"
     total = sum(scores.values())
     unanimous = len(scores) == 1
-    note = (
-        f"Disagreement detected: {len(scores)} different {option_label} recommended"
-        if not unanimous
-        else "Weighted voting over a unanimous group"
-    )
     return {
-        "recommendation": f"{winner} ({how})",
+        "recommendation": winner,
         "winner": winner,
         "score": clean(scores[winner]),
-        "scores": {o: clean(s) for o, s in scores.items()},
+        "scores": {o: clean(v) for o, v in scores.items()},
         "votes": counts,
         "confidence": clean(scores[winner] / total) if total else 0.0,
         "reasoning": [c.reasoning for c in contributions if c.recommendation == winner],
-        "note": note,
+        "note": (
+            f"Disagreement detected: {len(scores)} different {option_label} recommended"
+            if not unanimous
+            else f"{kind} over a unanimous group"
+        ),
         "unanimous": unanimous,
     }
 
