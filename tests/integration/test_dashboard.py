@@ -201,47 +201,35 @@ def test_a_group_chat_started_from_the_page_unfolds_live_and_has_a_waterfall(
     assert shot.stat().st_size > 10_000
 
 
-def test_bad_pattern_requests_get_clear_errors(mesh_up: dict[str, str]) -> None:
-    def post(name: str, body: bytes) -> tuple[int, str]:
-        request = urllib.request.Request(
-            f"{mesh_up['dashboard']}api/patterns/{name}",
-            data=body,
-            headers={"Content-Type": "application/json"},
-            method="POST",
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=10) as reply:
-                return reply.status, reply.read().decode()
-        except urllib.error.HTTPError as error:
-            return error.code, error.read().decode()
+def post(url: str, body: bytes) -> tuple[int, str]:
+    """POSTs a body as JSON; the status and the text of the answer, errors included."""
+    request = urllib.request.Request(
+        url, data=body, headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
 
-    status, text = post("group_chat", json.dumps({"query": "q"}).encode())
+
+def test_bad_pattern_requests_get_clear_errors(mesh_up: dict[str, str]) -> None:
+    patterns = f"{mesh_up['dashboard']}api/patterns/"
+    status, text = post(patterns + "group_chat", json.dumps({"query": "q"}).encode())
     assert status == 400 and "at least one agent" in text
-    status, text = post("no_such_pattern", b"{}")
+    status, text = post(patterns + "no_such_pattern", b"{}")
     assert status == 404 and "group_chat" in text
-    status, text = post("group_chat", b"not json")
+    status, text = post(patterns + "group_chat", b"not json")
     assert status == 400 and "JSON" in text
 
 
 def test_rating_a_run_gets_clear_errors(mesh_up: dict[str, str]) -> None:
-    def post(run_id: str, body: bytes) -> tuple[int, str]:
-        request = urllib.request.Request(
-            f"{mesh_up['dashboard']}api/runs/{run_id}/feedback",
-            data=body,
-            headers={"Content-Type": "application/json"},
-            method="POST",
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=10) as reply:
-                return reply.status, reply.read().decode()
-        except urllib.error.HTTPError as error:
-            return error.code, error.read().decode()
-
-    status, text = post("group_never_ran", json.dumps({"satisfied": True}).encode())
+    feedback = f"{mesh_up['dashboard']}api/runs/group_never_ran/feedback"
+    status, text = post(feedback, json.dumps({"satisfied": True}).encode())
     assert status == 404 and json.loads(text)["code"] == "NOT_FOUND"
-    status, text = post("group_never_ran", json.dumps({"satisfied": "yes"}).encode())
+    status, text = post(feedback, json.dumps({"satisfied": "yes"}).encode())
     assert status == 400 and "satisfied" in text
-    status, text = post("group_never_ran", b"not json")
+    status, text = post(feedback, b"not json")
     assert status == 400 and "JSON" in text
 
 
