@@ -13,14 +13,18 @@ weighs (the group chat strategy "expertise_weighted").
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from gateway.events import EventKind, Pattern, PatternEvent
 from gateway.patterns._common import invalid
+from gateway.patterns.group_chat import GroupChatSpec
+from gateway.patterns.handoff import WorkflowSpec
 from mesh.core.errors import MeshError, NotFoundError
 from mesh.core.model import JSON
 
+logger = logging.getLogger("gateway.feedback")
 RUNS_REMEMBERED = 10_000
 """How many runs (the most recent) may still be rated."""
 
@@ -81,6 +85,22 @@ class RunLedger:
             if run.pattern is Pattern.GROUP_CHAT:
                 run.backed = _backing(event.data)
 
+    def inform(self, spec: object) -> None:
+        """Gives the group chats of a pattern spec (one, or a workflow's group-chat steps)
+        their members' historical accuracy."""
+        if isinstance(spec, GroupChatSpec):
+            groups = [spec]
+        elif isinstance(spec, WorkflowSpec):
+            groups = [s.group_chat for s in spec.steps if s.group_chat is not None]
+        else:
+            groups = []
+        for group in groups:
+            group.accuracy = {
+                agent_id: accuracy
+                for agent_id in group.agent_ids
+                if (accuracy := self.accuracy(agent_id)) is not None
+            }
+
     def accuracy(self, agent_id: str) -> float | None:
         """The share of an agent's rated group chats in which it was right (None: none)."""
         record = self._agents.get(agent_id)
@@ -110,6 +130,21 @@ class RunLedger:
                 reason="RUN_FAILED",
             )
         previous, run.satisfied = run.satisfied, satisfied
+        logger.info(
+            "feedback on %s run %s: %s",
+            run.pattern.value,
+            run_id,
+            "satisfied" if satisfied else "not satisfied",
+            extra={
+                "event": {
+                    "category": "feedback",
+                    "pattern": run.pattern.value,
+                    "run_id": run_id,
+                    "satisfied": satisfied,
+                    "replaced": previous is not None,
+                }
+            },
+        )
         for agent_id, backed in run.backed.items():
             record = self._agents.get(agent_id)
             if record is None:

@@ -199,20 +199,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     # -- RPCs --------------------------------------------------------------------------------
 
     def _informed(self, spec: Any) -> Any:
-        """Gives the group chats of a spec their members' historical accuracy (from users'
-        feedback), which the "expertise_weighted" strategy weighs."""
-        if isinstance(spec, GroupChatSpec):
-            groups = [spec]
-        elif isinstance(spec, WorkflowSpec):
-            groups = [s.group_chat for s in spec.steps if s.group_chat is not None]
-        else:
-            groups = []
-        for group in groups:
-            group.accuracy = {
-                agent_id: accuracy
-                for agent_id in group.agent_ids
-                if (accuracy := self.ledger.accuracy(agent_id)) is not None
-            }
+        """The spec with its group chats' members' track records (for expertise_weighted)."""
+        self.ledger.inform(spec)
         return spec
 
     async def _serve(
@@ -365,21 +353,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         except MeshError as error:
             await abort(context, error)
         tally = self.metrics.feedback(rating, request.satisfied)
-        logger.info(
-            "feedback on %s run %s: %s",
-            rating.pattern.value,
-            request.run_id,
-            "satisfied" if request.satisfied else "not satisfied",
-            extra={
-                "event": {
-                    "category": "feedback",
-                    "pattern": rating.pattern.value,
-                    "run_id": request.run_id,
-                    "satisfied": request.satisfied,
-                    "replaced": rating.previous is not None,
-                }
-            },
-        )
         response = gateway_pb2.RecordFeedbackResponse(pattern=codec.PATTERN_TO_PB[rating.pattern])
         codec.stats_to_pb(rating.pattern, tally, response.stats)
         return response

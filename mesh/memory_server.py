@@ -7,7 +7,7 @@ from typing import Any
 
 from mesh import codec
 from mesh.core.memory import Insight, MemoryPool
-from mesh.core.state import SharedState, StateEntry, StateStore
+from mesh.core.state import StateEntry, StateStore
 from mesh.server import translating
 from mesh.v1 import memory_pb2, memory_pb2_grpc
 
@@ -65,10 +65,14 @@ def _seconds(pb: Any, name: str) -> float | None:
     return codec.duration_seconds(getattr(pb, name)) if pb.HasField(name) else None
 
 
+def _expected_version(pb: Any) -> int | None:
+    return int(pb.expected_version) if pb.HasField("expected_version") else None
+
+
 class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
-    def __init__(self, pool: MemoryPool, state: StateStore | None = None) -> None:
+    def __init__(self, pool: MemoryPool, state: StateStore) -> None:
         self.pool = pool
-        self.state = state or SharedState()
+        self.state = state
 
     @translating
     async def WriteInsight(
@@ -125,9 +129,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
             request.key,
             codec.value_to_python(request.value) if request.HasField("value") else None,
             request.agent_id,
-            expected_version=request.expected_version
-            if request.HasField("expected_version")
-            else None,
+            expected_version=_expected_version(request),
             lock_token=request.lock_token,
         )
         response = memory_pb2.PutStateResponse()
@@ -141,9 +143,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         entry = await self.state.delete(
             request.key,
             request.agent_id,
-            expected_version=request.expected_version
-            if request.HasField("expected_version")
-            else None,
+            expected_version=_expected_version(request),
             lock_token=request.lock_token,
         )
         response = memory_pb2.DeleteStateResponse()

@@ -22,9 +22,6 @@ from typing import TYPE_CHECKING, Any
 from mesh.core.errors import (
     BrokerUnavailableError,
     LimitExceededError,
-    LockNotHeldError,
-    MessageValidationError,
-    NotFoundError,
     StateConflictError,
 )
 from mesh.core.memory import (
@@ -40,9 +37,15 @@ from mesh.core.state import (
     MAX_WRITERS,
     StateEntry,
     StateLock,
+    check_delete,
     check_key,
     check_write,
+    full,
+    lock_not_held,
     lock_terms,
+    locked,
+    not_found,
+    version_conflict,
 )
 
 if TYPE_CHECKING:
@@ -309,7 +312,7 @@ class RedisSharedState:
             "redis.call('HGET', KEYS[2], ARGV[1])}", 2, STATE_META, STATE_VALUES, key,
         )  # fmt: skip
         if meta is None:
-            raise NotFoundError(f"no shared state named {key!r}", reason="STATE_NOT_FOUND")
+            raise not_found(key)
         return _entry(key, meta, value)
 
     async def put(
@@ -332,9 +335,7 @@ class RedisSharedState:
         expected_version: int | None = None,
         lock_token: str = "",
     ) -> StateEntry:
-        check_key(key)
-        if not agent_id:
-            raise MessageValidationError.for_field("agent_id", "agent_id is required")
+        check_delete(key, agent_id)
         return await self._write("delete", key, agent_id, expected_version, lock_token, "")
 
     async def _write(
@@ -356,22 +357,14 @@ class RedisSharedState:
         if outcome == "OK":
             return _entry(key, answer[1], answer[2])
         if outcome == "LOCK_NOT_HELD":
-            raise LockNotHeldError(
-                f"the lock token does not hold {key!r} (released, expired, or never given)"
-            )
+            raise lock_not_held(key)
         if outcome == "STATE_LOCKED":
-            until = _at(int(_text(answer[2]))).isoformat()
-            raise StateConflictError(
-                f"{key!r} is locked by {_text(answer[1])} until {until}", reason="STATE_LOCKED"
-            )
+            raise locked(key, _text(answer[1]), _at(int(_text(answer[2]))))
         if outcome == "VERSION_CONFLICT":
-            raise StateConflictError(
-                f"{key!r} is at version {_text(answer[1])}, not {expected_version}",
-                reason="VERSION_CONFLICT",
-            )
+            raise version_conflict(key, int(_text(answer[1])), expected_version)
         if outcome == "STATE_NOT_FOUND":
-            raise NotFoundError(f"no shared state named {key!r}", reason="STATE_NOT_FOUND")
-        raise LimitExceededError(f"the shared state holds its limit of {self.capacity} entries")
+            raise not_found(key)
+        raise full(self.capacity)
 
     async def lock(
         self, key: str, agent_id: str, *, wait: float | None = None, lease: float | None = None
@@ -409,9 +402,7 @@ class RedisSharedState:
         check_key(key)
         released = await self.store._call("eval", _UNLOCK, 1, LOCKS, key, token, _now_ms())
         if not int(released):
-            raise LockNotHeldError(
-                f"the lock token does not hold {key!r} (released, expired, or never given)"
-            )
+            raise lock_not_held(key)
 
 
 def _entry(key: str, meta: Any, value: Any) -> StateEntry:

@@ -123,7 +123,7 @@ class SharedState:
         check_key(key)
         entry = self._entries.get(key)
         if entry is None:
-            raise NotFoundError(f"no shared state named {key!r}", reason="STATE_NOT_FOUND")
+            raise not_found(key)
         return entry
 
     async def put(
@@ -138,7 +138,7 @@ class SharedState:
         check_write(key, value, agent_id, expected_version, self.max_value_bytes)
         current = self._may_write(key, agent_id, expected_version, lock_token)
         if current is None and len(self._entries) >= self.capacity:
-            raise LimitExceededError(f"the shared state holds its limit of {self.capacity} entries")
+            raise full(self.capacity)
         entry = StateEntry(key, value, (current.version if current else 0) + 1, agent_id, utc_now())
         self._entries[key] = entry
         return entry
@@ -151,12 +151,10 @@ class SharedState:
         expected_version: int | None = None,
         lock_token: str = "",
     ) -> StateEntry:
-        check_key(key)
-        if not agent_id:
-            raise MessageValidationError.for_field("agent_id", "agent_id is required")
+        check_delete(key, agent_id)
         current = self._may_write(key, agent_id, expected_version, lock_token)
         if current is None:
-            raise NotFoundError(f"no shared state named {key!r}", reason="STATE_NOT_FOUND")
+            raise not_found(key)
         del self._entries[key]
         return current
 
@@ -166,22 +164,14 @@ class SharedState:
         held = self._lock_of(key)
         if lock_token:
             if held is None or held.token != lock_token:
-                raise LockNotHeldError(
-                    f"the lock token does not hold {key!r} (released, expired, or never given)"
-                )
+                raise lock_not_held(key)
         elif held is not None:
-            raise StateConflictError(
-                f"{key!r} is locked by {held.holder} until {held.expires_at.isoformat()}",
-                reason="STATE_LOCKED",
-            )
+            raise locked(key, held.holder, held.expires_at)
         current = self._entries.get(key)
         if expected_version is not None:
             found = current.version if current else 0
             if found != expected_version:
-                raise StateConflictError(
-                    f"{key!r} is at version {found}, not {expected_version}",
-                    reason="VERSION_CONFLICT",
-                )
+                raise version_conflict(key, found, expected_version)
         return current
 
     # -- locks ---------------------------------------------------------------------------------
@@ -266,9 +256,7 @@ class SharedState:
         check_key(key)
         held = self._lock_of(key)
         if held is None or held.token != token:
-            raise LockNotHeldError(
-                f"the lock token does not hold {key!r} (released, expired, or never given)"
-            )
+            raise lock_not_held(key)
         del self._locks[key]
         async with self._changed:
             self._changed.notify_all()
@@ -328,3 +316,38 @@ def lock_terms(
     if problems:
         raise MessageValidationError.from_violations(problems)
     return wait, lease
+
+
+def check_delete(key: str, agent_id: str) -> None:
+    check_key(key)
+    if not agent_id:
+        raise MessageValidationError.for_field("agent_id", "agent_id is required")
+
+
+# -- the refusals, worded once for every store ---------------------------------------------------
+
+
+def not_found(key: str) -> NotFoundError:
+    return NotFoundError(f"no shared state named {key!r}", reason="STATE_NOT_FOUND")
+
+
+def full(capacity: int) -> LimitExceededError:
+    return LimitExceededError(f"the shared state holds its limit of {capacity} entries")
+
+
+def lock_not_held(key: str) -> LockNotHeldError:
+    return LockNotHeldError(
+        f"the lock token does not hold {key!r} (released, expired, or never given)"
+    )
+
+
+def locked(key: str, holder: str, until: datetime) -> StateConflictError:
+    return StateConflictError(
+        f"{key!r} is locked by {holder} until {until.isoformat()}", reason="STATE_LOCKED"
+    )
+
+
+def version_conflict(key: str, found: int, expected: int | None) -> StateConflictError:
+    return StateConflictError(
+        f"{key!r} is at version {found}, not {expected}", reason="VERSION_CONFLICT"
+    )
