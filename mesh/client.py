@@ -70,6 +70,10 @@ T = TypeVar("T")
 
 _CLOSED = object()
 _RECONNECT_DELAYS = (0.1, 0.25, 0.5, 1.0, 2.0)
+ACK_LINGER = 0.002
+"""Seconds an ack or nack waits for others to share its frame while the broker's window for
+its subscription is less than half used (a trickle of messages, each acked on its own, costs
+both ends a frame per message without it); with more outstanding it goes at once."""
 
 # Reconnect quickly after a broker restart: the retry policy, not the channel, sets the pace.
 CLIENT_OPTIONS = [
@@ -106,6 +110,9 @@ class ClientStats:
     sent: int = 0
     retries: dict[str, int] = field(default_factory=dict)
     acks_sent: int = 0
+    """ACK messages sent to the senders of messages with ack_required."""
+    settle_frames: int = 0
+    """Ack and nack frames written to the broker (each carries every id settled meanwhile)."""
 
     @property
     def total_retries(self) -> int:
@@ -416,12 +423,15 @@ class ClientSubscription:
         lease_seconds: float,
         *,
         reconnect: bool = True,
+        ack_linger: float = ACK_LINGER,
     ) -> None:
         self.client = client
         self.agent_id = agent_id
         self.max_in_flight = max_in_flight
         self.lease_seconds = lease_seconds
         self.reconnect = reconnect
+        self.ack_linger = ack_linger
+        """Seconds settlements wait for company while few deliveries are outstanding."""
         self.reconnects = 0
         self._session: _Session | None = None
         self._queue: asyncio.Queue[Any] | None = None
@@ -432,6 +442,10 @@ class ClientSubscription:
         """Acks and nacks to send, by kind and dead-letter reason."""
         self._settling: asyncio.Task[None] | None = None
         self._settlers: set[asyncio.Task[None]] = set()
+        self._unsent = 0
+        """Ids settled and not yet written."""
+        self._lingering: asyncio.Future[None] | None = None
+        """What the settling task awaits while it lingers; set to write at once."""
         self._taken: dict[str, None] = {}
         """The deliveries handed on to the application and not settled yet: when the
         subscription closes, only these count a delivery attempt at the broker (those still
@@ -547,19 +561,45 @@ class ClientSubscription:
 
     def _settle(self, kind: str, message_id: str, dead_letter_reason: str = "") -> None:
         """Queues an ack or nack; one task writes all of those queued in the meantime as one
-        frame each (AckRequest and NackRequest carry many ids)."""
+        frame each (AckRequest and NackRequest carry many ids). While less than half of the
+        broker's window for this subscription is outstanding here (buffered, with the
+        application or settled and unsent), the task lingers ``ack_linger`` seconds for more
+        to join; past half, or as the subscription closes, it writes at once, so that the
+        broker never waits on a lingering ack to deliver more."""
         self._settled.setdefault((kind, dead_letter_reason), []).append(message_id)
+        self._unsent += 1
         self._taken.pop(message_id, None)
         if self._settling is None:
             self._settling = asyncio.get_running_loop().create_task(self._write_settled())
             self._settlers.add(self._settling)
             self._settling.add_done_callback(self._settlers.discard)
+        elif self._lingering is not None and self._pressed():
+            self._stop_lingering()
+
+    def _pressed(self) -> bool:
+        """Half the broker's window or more is outstanding on this side."""
+        buffered = self._queue.qsize() if self._queue is not None else 0
+        return 2 * (self._unsent + len(self._taken) + buffered) >= self.max_in_flight
+
+    def _stop_lingering(self) -> None:
+        lingering, self._lingering = self._lingering, None
+        if lingering is not None and not lingering.done():
+            lingering.set_result(None)
 
     async def _write_settled(self) -> None:
-        await asyncio.sleep(0)  # the acks of this moment join
+        if self.ack_linger > 0 and not self._closed and not self._pressed():
+            loop = asyncio.get_running_loop()
+            self._lingering = lingering = loop.create_future()
+            timer = loop.call_later(self.ack_linger, self._stop_lingering)
+            try:
+                await lingering
+            finally:
+                timer.cancel()
+        else:
+            await asyncio.sleep(0)  # the acks of this moment join
         session = self._session
         settled, self._settled = self._settled, {}
-        self._settling = None
+        self._settling, self._unsent = None, 0
         if session is None or session.closed:
             return  # the broker returns the leases by itself when the session ends
         for (kind, reason), message_ids in settled.items():
@@ -571,6 +611,7 @@ class ClientSubscription:
                 frame.nack.agent_id = self.agent_id
                 frame.nack.message_ids.extend(message_ids)
                 frame.nack.dead_letter_reason = reason
+            self.client.stats.settle_frames += 1
             with contextlib.suppress(MeshError):
                 await session.write(frame)
 
@@ -580,6 +621,7 @@ class ClientSubscription:
         in the queue."""
         self._closed = True
         self.client._subscriptions.discard(self)
+        self._stop_lingering()  # what is settled goes now
         if self._settlers:
             await asyncio.gather(*list(self._settlers), return_exceptions=True)
         session, queue = self._session, self._queue
@@ -618,6 +660,7 @@ class MeshClient:
         default_timeout: float = 30.0,
         auto_ack: bool = True,
         reconnect_timeout: float = 60.0,
+        ack_linger: float = ACK_LINGER,
         security: SecurityConfig | None = None,
         channel: grpc.aio.Channel | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
@@ -628,6 +671,8 @@ class MeshClient:
         self.default_timeout = default_timeout
         self.auto_ack = auto_ack
         self.reconnect_timeout = reconnect_timeout
+        self.ack_linger = ack_linger
+        """The subscriptions' default :attr:`ClientSubscription.ack_linger` (0: none)."""
         self.stats = ClientStats()
         self._registered: dict[str, AgentInfo] = {}
         self._sleep = sleep
@@ -1105,15 +1150,23 @@ class MeshClient:
         max_in_flight: int = 64,
         lease_seconds: float = 30.0,
         reconnect: bool = True,
+        ack_linger: float | None = None,
     ) -> ClientSubscription:
         """Deliveries of the agent's messages as they arrive: ``async for r in sub`` then
-        ``await r.ack()``. Unacknowledged messages are redelivered.
+        ``await r.ack()``. Unacknowledged messages are redelivered. Acks and nacks go out
+        together: while less than half of ``max_in_flight`` is outstanding they wait up to
+        ``ack_linger`` seconds (the client's, 2 ms by default) for company.
 
         With ``reconnect`` (the default) a subscription that loses the broker subscribes again
         with backoff (registering the agent again when this client registered it and the
         broker forgot it), for up to ``reconnect_timeout`` seconds."""
         sub = ClientSubscription(
-            self, agent_id or self.agent_id, max_in_flight, lease_seconds, reconnect=reconnect
+            self,
+            agent_id or self.agent_id,
+            max_in_flight,
+            lease_seconds,
+            reconnect=reconnect,
+            ack_linger=self.ack_linger if ack_linger is None else ack_linger,
         )
         self._subscriptions.add(sub)
         return sub

@@ -392,6 +392,47 @@ async def test_acks_sent_together_release_every_message_and_closing_sends_the_la
         assert await client.receive("Worker") == []  # nothing came back for redelivery
 
 
+async def test_acks_of_a_trickle_wait_for_company_and_closing_sends_them_at_once(
+    mesh: LocalMesh,
+) -> None:
+    async with mesh.client("sender") as client, mesh.client("Worker", ack_linger=30) as worker:
+        await client.register("Worker")
+        sub = worker.subscribe("Worker", max_in_flight=64)
+        acked = []
+        for i in range(5):  # one at a time: each is acked before the next is sent
+            await client.send("Worker", {"action": "w", "i": i})
+            delivery = await sub.__anext__()
+            await delivery.ack()
+            acked.append(delivery.message.content["i"])
+        assert acked == [0, 1, 2, 3, 4]
+        [queue] = (await client.queue_stats("Worker")).agents
+        assert (queue.depth, queue.in_flight) == (0, 5)  # the acks linger together
+        assert worker.stats.settle_frames == 0
+        async with asyncio.timeout(5):
+            await sub.close()  # no lingering: the five go in one frame before it ends
+        assert worker.stats.settle_frames == 1
+        [queue] = (await client.queue_stats("Worker")).agents
+        assert (queue.depth, queue.in_flight) == (0, 0)
+        assert await client.receive("Worker") == []  # nothing came back for redelivery
+
+
+async def test_acks_go_at_once_when_half_the_window_is_outstanding(mesh: LocalMesh) -> None:
+    async with mesh.client("sender") as client, mesh.client("Worker", ack_linger=30) as worker:
+        await client.register("Worker")
+        await client.send_batch([client.build("Worker", {"action": "w", "i": i}) for i in range(6)])
+        got = []
+        async with asyncio.timeout(10):  # a lingering ack would hold the window for 30 s
+            async with worker.subscribe("Worker", max_in_flight=2) as sub:
+                async for delivery in sub:
+                    got.append(delivery.message.content["i"])
+                    await delivery.ack()
+                    if len(got) == 6:
+                        break
+        assert got == [0, 1, 2, 3, 4, 5]
+        [queue] = (await client.queue_stats("Worker")).agents
+        assert (queue.depth, queue.in_flight) == (0, 0)
+
+
 async def test_frames_sent_in_a_batch_are_handled_one_by_one_and_a_nested_batch_is_refused(
     mesh: LocalMesh,
 ) -> None:
