@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -71,9 +72,10 @@ T = TypeVar("T")
 _CLOSED = object()
 _RECONNECT_DELAYS = (0.1, 0.25, 0.5, 1.0, 2.0)
 ACK_LINGER = 0.002
-"""Seconds an ack or nack waits for others to share its frame while the broker's window for
-its subscription is less than half used (a trickle of messages, each acked on its own, costs
-both ends a frame per message without it); with more outstanding it goes at once."""
+"""Seconds an ack or nack waits for others to share its frame, when the one before it came less
+than half that ago (a steady trickle of messages, each acked on its own, costs both ends a
+frame per message without it) and the broker's window for its subscription is less than half
+used; otherwise it goes at once."""
 
 # Reconnect quickly after a broker restart: the retry policy, not the channel, sets the pace.
 CLIENT_OPTIONS = [
@@ -446,6 +448,8 @@ class ClientSubscription:
         """Ids settled and not yet written."""
         self._lingering: asyncio.Future[None] | None = None
         """What the settling task awaits while it lingers; set to write at once."""
+        self._last_settle_at = -math.inf
+        """When (loop time) the application last acked or nacked."""
         self._taken: dict[str, None] = {}
         """The deliveries handed on to the application and not settled yet: when the
         subscription closes, only these count a delivery attempt at the broker (those still
@@ -561,16 +565,22 @@ class ClientSubscription:
 
     def _settle(self, kind: str, message_id: str, dead_letter_reason: str = "") -> None:
         """Queues an ack or nack; one task writes all of those queued in the meantime as one
-        frame each (AckRequest and NackRequest carry many ids). While less than half of the
-        broker's window for this subscription is outstanding here (buffered, with the
-        application or settled and unsent), the task lingers ``ack_linger`` seconds for more
-        to join; past half, or as the subscription closes, it writes at once, so that the
-        broker never waits on a lingering ack to deliver more."""
+        frame each (AckRequest and NackRequest carry many ids). In a steady flow (the one
+        before came less than half ``ack_linger`` ago) the task lingers that long for more,
+        while less than half of the broker's window for this subscription is outstanding here
+        (buffered, with the application, or settled and unsent); past half, or as the
+        subscription closes, it writes at once, so that the broker never waits on a lingering
+        ack to deliver more. One that comes after a pause goes at once: lingering would cost a
+        wake-up of its own and join nothing."""
         self._settled.setdefault((kind, dead_letter_reason), []).append(message_id)
         self._unsent += 1
         self._taken.pop(message_id, None)
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        steady = now - self._last_settle_at < self.ack_linger / 2
+        self._last_settle_at = now
         if self._settling is None:
-            self._settling = asyncio.get_running_loop().create_task(self._write_settled())
+            self._settling = loop.create_task(self._write_settled(steady))
             self._settlers.add(self._settling)
             self._settling.add_done_callback(self._settlers.discard)
         elif self._lingering is not None and self._pressed():
@@ -586,8 +596,8 @@ class ClientSubscription:
         if lingering is not None and not lingering.done():
             lingering.set_result(None)
 
-    async def _write_settled(self) -> None:
-        if self.ack_linger > 0 and not self._closed and not self._pressed():
+    async def _write_settled(self, steady: bool) -> None:
+        if steady and not self._closed and not self._pressed():
             loop = asyncio.get_running_loop()
             self._lingering = lingering = loop.create_future()
             timer = loop.call_later(self.ack_linger, self._stop_lingering)
