@@ -389,7 +389,7 @@ class MeshClient {
   /**
    * An agent's deliveries on one Connect stream, the broker's fast path: whatever is ready
    * comes in one frame (up to maxBatch), and answers and acks go back as frames on the same
-   * stream. handle(message, attempt) resolves to the answer (a message built with
+   * stream (the acks of a moment in one frame). handle(message, attempt) resolves to the answer (a message built with
    * buildMessage, sent and taking the place of the ack when it answers this message) or to
    * null (acknowledged); when it throws, the message is handed back for redelivery (a
    * Reject sends it to the dead-letter queue at once, with the Reject's message). The
@@ -405,6 +405,16 @@ class MeshClient {
     };
     const inFlight = new Map(); // handling -> the message id
     let closing = false;
+    // The acks of a moment (a batch of deliveries handled together) go as one frame.
+    let acks = [];
+    const flushAcks = () => {
+      if (acks.length === 0) return;
+      write({ ack: { agent_id: agentId, message_ids: acks } });
+      acks = [];
+    };
+    const ack = (messageId) => {
+      if (acks.push(messageId) === 1) setImmediate(flushAcks);
+    };
     const settle = (delivery) => {
       const message = readMessage(delivery.message);
       // Come while closing: left alone; the unsubscribe hands it back as never delivered.
@@ -413,9 +423,7 @@ class MeshClient {
         try {
           const answer = await handle(message, delivery.delivery_attempt);
           if (answer) write({ send: answer });
-          if (!answer || answer.correlation_id !== message.messageId) {
-            write({ ack: { agent_id: agentId, message_ids: [message.messageId] } });
-          }
+          if (!answer || answer.correlation_id !== message.messageId) ack(message.messageId);
         } catch (err) {
           const nack = { agent_id: agentId, message_ids: [message.messageId] };
           if (err instanceof Reject) nack.dead_letter_reason = err.message;
@@ -436,6 +444,7 @@ class MeshClient {
       const waited = (promise) => Promise.race([
         promise, new Promise((resolve) => { setTimeout(resolve, graceMs).unref(); })]);
       await waited(Promise.allSettled([...inFlight.keys()]));
+      flushAcks();
       write({ seq: 2, unsubscribe: { agent_id: agentId, release_unseen: true,
         seen_message_ids: [...inFlight.values()] } });
       const over = new Promise((resolve) => { call.on('status', resolve); call.on('error', resolve); });

@@ -241,6 +241,39 @@ test('what a session is sent while it closes goes back to the queue as never del
     }
   });
 
+test('a session acks the deliveries of one frame in one frame, and none is redelivered',
+  async () => {
+    const client = new MeshClient(BROKER, { agentId: 'NodeBatchShop' });
+    try {
+      await client.register({ agentId: 'NodeBatchAgent' });
+      for (let i = 0; i < 10; i += 1) {
+        await client.send('NodeBatchAgent', { action: 'work', parameters: { i } });
+      }
+      const handled = [];
+      let done;
+      const all = new Promise((resolve) => { done = resolve; });
+      const session = client.session(async (message) => {
+        handled.push(message.content.parameters.i);
+        if (handled.length === 10) done();
+        return null;
+      }, { agentId: 'NodeBatchAgent', maxInFlight: 16, maxBatch: 16 });
+      const acked = [];
+      const write = session.write.bind(session);
+      session.write = (frame) => {
+        if (frame.ack) acked.push(frame.ack.message_ids.length);
+        return write(frame);
+      };
+      await all;
+      await session.close();
+      assert.deepEqual(handled, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]);
+      assert.deepEqual(acked, [10]); // the ten came in one frame: their acks went in one
+      assert.deepEqual(await client.receive('NodeBatchAgent'), []); // nothing came back
+    } finally {
+      await client.deregister('NodeBatchAgent').catch(() => {});
+      client.close();
+    }
+  });
+
 test('shared state: versions, compare-and-set and locks, beside the Python agents', async () => {
   const a = new MeshClient(BROKER, { agentId: 'NodeWriterA' });
   const b = new MeshClient(BROKER, { agentId: 'NodeWriterB' });
