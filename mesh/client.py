@@ -433,7 +433,8 @@ class ClientSubscription:
         self.lease_seconds = lease_seconds
         self.reconnect = reconnect
         self.ack_linger = ack_linger
-        """Seconds settlements wait for company while few deliveries are outstanding."""
+        """Seconds an ack or nack of a steady flow waits for company while few deliveries
+        are outstanding (see :meth:`_settle`); 0: none waits."""
         self.reconnects = 0
         self._session: _Session | None = None
         self._queue: asyncio.Queue[Any] | None = None
@@ -621,9 +622,9 @@ class ClientSubscription:
                 frame.nack.agent_id = self.agent_id
                 frame.nack.message_ids.extend(message_ids)
                 frame.nack.dead_letter_reason = reason
-            self.client.stats.settle_frames += 1
             with contextlib.suppress(MeshError):
                 await session.write(frame)
+                self.client.stats.settle_frames += 1
 
     async def close(self) -> None:
         """Ends the subscription, after sending the acks and nacks still queued (and what
@@ -1164,8 +1165,9 @@ class MeshClient:
     ) -> ClientSubscription:
         """Deliveries of the agent's messages as they arrive: ``async for r in sub`` then
         ``await r.ack()``. Unacknowledged messages are redelivered. Acks and nacks go out
-        together: while less than half of ``max_in_flight`` is outstanding they wait up to
-        ``ack_linger`` seconds (the client's, 2 ms by default) for company.
+        together: in a steady flow, and while less than half of ``max_in_flight`` is
+        outstanding, they wait up to ``ack_linger`` seconds (the client's, 2 ms by default)
+        for company.
 
         With ``reconnect`` (the default) a subscription that loses the broker subscribes again
         with backoff (registering the agent again when this client registered it and the
