@@ -21,7 +21,7 @@ from mesh.client import connect
 from mesh.config import BrokerConfig, SecurityConfig, ServerConfig
 from mesh.core.errors import MeshError, MessageValidationError
 from mesh.core.model import Message, MessageType, Priority
-from mesh.logs import configure_logging
+from mesh.logs import configure_logging, stop_logging
 from mesh.loop import run as run_loop
 
 DEFAULT_BROKER = "127.0.0.1:50051"
@@ -575,6 +575,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(run_loop(args.run(args)) or 0)
     except MeshError as error:
+        stop_logging()  # what was logged before it comes first
         print(f"error: {error.code}: {error.message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -583,6 +584,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from mesh.tracing import shutdown_tracing
 
         shutdown_tracing()
+        stop_logging()
 
 
 if __name__ == "__main__":

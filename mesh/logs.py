@@ -1,9 +1,16 @@
-"""Structured JSON logs: one object per line, with the event fields a record carries."""
+"""Structured JSON logs: one object per line, with the event fields a record carries.
+
+A process's records are written by a thread of their own (:class:`WrittenAside`): the event
+loop hands a record over and goes on, so it never waits on stderr (a pipe whose reader is slow
+would stall every stream of the process) nor spends its turn on formatting."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
+import logging.handlers
+import queue
 import sys
 from datetime import UTC, datetime
 from typing import Any
@@ -11,6 +18,10 @@ from typing import Any
 from opentelemetry import trace
 
 EVENT_ATTR = "event"
+SPAN_ATTR = "span_ids"
+"""Where a record handed to the writer thread keeps the (trace id, span id) it was logged in."""
+QUEUE_SIZE = 10_000
+"""Records waiting for the writer thread at most; more are dropped, and counted in a line."""
 
 
 class JsonFormatter(logging.Formatter):
@@ -23,10 +34,10 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        span = trace.get_current_span().get_span_context()
-        if span.is_valid:
-            line["trace_id"] = f"{span.trace_id:032x}"
-            line["span_id"] = f"{span.span_id:016x}"
+        ids = getattr(record, SPAN_ATTR, None) or _span_ids()
+        if ids:
+            line["trace_id"] = f"{ids[0]:032x}"
+            line["span_id"] = f"{ids[1]:016x}"
         event = getattr(record, EVENT_ATTR, None)
         if isinstance(event, dict):
             line.update(event)
@@ -54,18 +65,88 @@ class ShownRecords(logging.Filter):
         )
 
 
+def _span_ids() -> tuple[int, int] | None:
+    span = trace.get_current_span().get_span_context()
+    return (span.trace_id, span.span_id) if span.is_valid else None
+
+
+class WrittenAside(logging.handlers.QueueHandler):
+    """Hands records over to the writer thread (a :class:`logging.handlers.QueueListener`)
+    with what only the logging thread knows: the message with its arguments filled in, and
+    the current span's ids. When the writer is :data:`QUEUE_SIZE` records behind, records are
+    dropped rather than waited for; the next one that fits is preceded by a warning that
+    says how many."""
+
+    def __init__(self, records: queue.Queue[logging.LogRecord]) -> None:
+        super().__init__(records)
+        self.dropped = 0
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        record.msg, record.args = record.getMessage(), None
+        setattr(record, SPAN_ATTR, _span_ids())
+        return record
+
+    def enqueue(self, record: logging.LogRecord) -> None:
+        try:
+            if self.dropped:
+                self.queue.put_nowait(self._dropped_record(record))
+                self.dropped = 0
+            self.queue.put_nowait(record)
+        except queue.Full:
+            self.dropped += 1
+
+    def _dropped_record(self, record: logging.LogRecord) -> logging.LogRecord:
+        return logging.LogRecord(
+            record.name,
+            logging.WARNING,
+            record.pathname,
+            record.lineno,
+            f"{self.dropped} log records dropped: the log writer fell behind",
+            None,
+            None,
+        )
+
+
+_listener: logging.handlers.QueueListener | None = None
+
+
 def configure_logging(level: str = "INFO", *, json_lines: bool = True) -> None:
     """Sends the mesh's logs to stderr, as JSON lines by default: ``level`` and above, and
-    the structured events unless ``level`` is ERROR or CRITICAL."""
+    the structured events unless ``level`` is ERROR or CRITICAL. A thread of their own writes
+    them (:func:`stop_logging`, also run at exit, writes those still waiting)."""
+    global _listener
     threshold = logging.getLevelName(level.upper())
     if not isinstance(threshold, int):
         raise ValueError(f"unknown log level {level!r}")
-    handler = logging.StreamHandler(sys.stderr)
+    stop_logging()
+    writer = logging.StreamHandler(sys.stderr)
     if json_lines:
-        handler.setFormatter(JsonFormatter())
+        writer.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    handler.addFilter(ShownRecords(threshold))
+        writer.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    shown = ShownRecords(threshold)
+    writer.addFilter(shown)
+    records: queue.Queue[logging.LogRecord] = queue.Queue(QUEUE_SIZE)
+    handler = WrittenAside(records)
+    handler.addFilter(shown)  # (in the logging thread: nothing else is queued)
+    _listener = logging.handlers.QueueListener(records, writer)
+    _listener.start()
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(min(threshold, logging.INFO) if threshold <= logging.WARNING else threshold)
+
+
+def stop_logging() -> None:
+    """Writes the records still waiting and stops the writer thread; records logged after
+    are written at once, by the thread that logs them."""
+    global _listener
+    listener, _listener = _listener, None
+    if listener is None:
+        return
+    listener.stop()
+    root = logging.getLogger()
+    root.handlers[:] = [h for h in root.handlers if not isinstance(h, WrittenAside)]
+    root.handlers.extend(listener.handlers)
+
+
+atexit.register(stop_logging)

@@ -1,0 +1,72 @@
+"""The processes' JSON log lines: written by a thread of their own, with the logging thread's
+span, none lost at stop, dropped and counted when the writer falls behind."""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+from collections.abc import Iterator
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext
+
+from mesh.logs import WrittenAside, configure_logging, stop_logging
+
+log = logging.getLogger("mesh.test")
+
+
+@pytest.fixture
+def root_restored() -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        yield
+    finally:
+        stop_logging()
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
+def lines(err: str) -> list[dict[str, object]]:
+    return [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+
+
+def test_events_are_written_by_the_writer_thread_with_the_span_they_were_logged_in(
+    root_restored: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    configure_logging("WARNING")
+    span = NonRecordingSpan(SpanContext(trace_id=0xABC, span_id=0xDEF, is_remote=False))
+    with trace.use_span(span):
+        log.info("handoff %s -> %s", "A", "B", extra={"event": {"category": "handoff"}})
+    log.info("not an event: below the level")
+    log.warning("after the span")
+    stop_logging()  # writes what is still waiting
+    first, second = lines(capsys.readouterr().err)
+    assert first["message"] == "handoff A -> B" and first["category"] == "handoff"
+    assert (first["trace_id"], first["span_id"]) == (f"{0xABC:032x}", f"{0xDEF:016x}")
+    assert second["message"] == "after the span" and "trace_id" not in second
+
+
+def test_after_stop_records_are_written_at_once(
+    root_restored: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    configure_logging("INFO")
+    stop_logging()
+    log.info("written by the caller", extra={"event": {"category": "registry"}})
+    [line] = lines(capsys.readouterr().err)
+    assert line["message"] == "written by the caller" and line["category"] == "registry"
+
+
+def test_a_writer_that_falls_behind_loses_records_and_says_how_many() -> None:
+    records: queue.Queue[logging.LogRecord] = queue.Queue(2)
+    handler = WrittenAside(records)
+    for i in range(5):
+        handler.handle(logging.LogRecord("mesh.test", logging.INFO, "", 0, "record %d", (i,), None))
+    assert [records.get_nowait().getMessage() for _ in range(2)] == ["record 0", "record 1"]
+    handler.handle(logging.LogRecord("mesh.test", logging.INFO, "", 0, "record 5", None, None))
+    dropped, kept = records.get_nowait(), records.get_nowait()
+    assert dropped.levelno == logging.WARNING
+    assert dropped.getMessage() == "3 log records dropped: the log writer fell behind"
+    assert kept.getMessage() == "record 5" and records.empty()
