@@ -129,14 +129,20 @@ def security_config(args: argparse.Namespace) -> SecurityConfig:
         raise SystemExit(f"security settings: {error}") from None
 
 
+class UsageError(Exception):
+    """A flag or AGENTMESH_* variable with a value the command cannot take."""
+
+
 def _broker_config(args: argparse.Namespace) -> BrokerConfig:
-    config = BrokerConfig.from_env()
     changes = {
         f.name: getattr(args, f.name)
         for f in dataclasses.fields(BrokerConfig)
         if getattr(args, f.name, None) is not None
     }
-    return config.evolve(**changes)
+    try:
+        return BrokerConfig.from_env().evolve(**changes)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
 
 
 async def _run_broker(args: argparse.Namespace) -> int:
@@ -578,6 +584,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         stop_logging()  # what was logged before it comes first
         print(f"error: {error.code}: {error.message}", file=sys.stderr)
         return 1
+    except UsageError as error:
+        parser.error(str(error))
     except KeyboardInterrupt:
         return 130
     finally:

@@ -33,6 +33,10 @@ def _from_env(cls: type[Any], environ: Mapping[str, str], prefix: str) -> dict[s
     return values
 
 
+QUEUE_TYPES = ("priority_queue", "fifo")
+DELIVERY_GUARANTEES = ("at_least_once", "at_most_once")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BrokerConfig:
     """Limits and defaults of the broker (RT-011 message queue configuration)."""
@@ -66,6 +70,14 @@ class BrokerConfig:
     """Where queues live: memory:// (the embedded default), sqlite:///path/to/queues.db
     (durable: accepted messages survive a crash and restart) or redis://host:6379/0 (shared
     by several broker replicas)."""
+    queue_type: str = "priority_queue"
+    """RT-011 queue type: priority_queue (HIGH, then MEDIUM, then LOW; within a priority by
+    timestamp, then arrival) or fifo (arrival order; priorities still count for capacity). A
+    topic is what a broadcast to agent types is."""
+    delivery_guarantee: str = "at_least_once"
+    """RT-011 delivery guarantee: at_least_once (a delivery not acknowledged is delivered
+    again, max_delivery_attempts in all, then dead-lettered) or at_most_once (never delivered
+    twice: one not acknowledged goes to the dead-letter queue)."""
 
     def __post_init__(self) -> None:
         positive = (
@@ -99,6 +111,22 @@ class BrokerConfig:
             )
         if self.default_ttl > self.max_ttl:
             raise ValueError("default_ttl must not exceed max_ttl")
+        if self.queue_type not in QUEUE_TYPES:
+            hint = " (for a topic, broadcast to agent types)" if self.queue_type == "topic" else ""
+            raise ValueError(f"queue_type must be {' or '.join(QUEUE_TYPES)}{hint}")
+        if self.delivery_guarantee not in DELIVERY_GUARANTEES:
+            hint = (
+                " (exactly once is at_least_once with idempotent handlers: a re-sent message id"
+                " is accepted once, and a redelivery says its attempt)"
+                if self.delivery_guarantee == "exactly_once"
+                else ""
+            )
+            raise ValueError(f"delivery_guarantee must be {' or '.join(DELIVERY_GUARANTEES)}{hint}")
+
+    @property
+    def delivery_attempts(self) -> int:
+        """Deliveries of a message at most: one when at_most_once."""
+        return 1 if self.delivery_guarantee == "at_most_once" else self.max_delivery_attempts
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, prefix: str = ENV_PREFIX) -> Self:

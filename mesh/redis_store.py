@@ -7,7 +7,7 @@ sharding the agents over its nodes (found out on connecting). Per agent:
 
 - ``ready``: sorted set of queued messages, scored by priority then timestamp (microseconds
   since 2020, exact in a double), members ``<arrival seq>:<id>`` so equal scores keep arrival
-  order;
+  order (a fifo store scores every message 0: arrival order alone);
 - ``leased``: sorted set of leased ids, scored by the end of their lease;
 - ``msg`` (id -> message JSON), ``meta`` (id -> expiry, attempts, acceptance, member, score,
   subscriber), ``expiry`` (ids by TTL end), ``dead`` (capped list), ``seq``.
@@ -402,9 +402,12 @@ class RedisQueueStore:
         max_dead_letters: int = 10_000,
         retry_after_seconds: float = 0.1,
         low_priority_share: float = 0.8,
+        fifo: bool = False,
         wall_clock: Callable[[], datetime] = utc_now,
     ) -> None:
         self.url = url
+        self.fifo = fifo
+        """Queues in arrival order (every score 0: members sort by their arrival number)."""
         self._wall = wall_clock
         self.max_messages_per_agent = max_messages_per_agent
         self.max_total_messages = max_total_messages
@@ -640,7 +643,7 @@ class RedisQueueStore:
         args = [
             message.message_id,
             json.dumps(message.to_dict(), separators=(",", ":")),
-            _score(message),
+            "0" if self.fifo else _score(message),
             now + int(ttl_seconds * 1000),
             now,
             per_agent,

@@ -229,10 +229,11 @@ class Broker:
                 self.config.store,
                 max_messages_per_agent=self.config.max_messages_per_agent,
                 max_total_messages=self.config.max_total_messages,
-                max_delivery_attempts=self.config.max_delivery_attempts,
+                max_delivery_attempts=self.config.delivery_attempts,
                 max_dead_letters=self.config.max_dead_letters,
                 retry_after_seconds=self.config.retry_after_seconds,
                 low_priority_share=self.config.low_priority_share,
+                fifo=self.config.queue_type == "fifo",
             )
         self.store = store
         store.listener = self

@@ -322,12 +322,15 @@ class InMemoryQueueStore:
         max_dead_letters: int = 10_000,
         retry_after_seconds: float = 0.1,
         low_priority_share: float = 0.8,
+        fifo: bool = False,
         clock: Clock = time.monotonic,
         wall_clock: WallClock = utc_now,
         listener: StoreListener | None = None,
         journal: Journal | None = None,
     ) -> None:
         self.max_messages_per_agent = max_messages_per_agent
+        self.fifo = fifo
+        """Queues in arrival order, whatever the priorities (RT-011 queue type fifo)."""
         self.max_total_messages = max_total_messages
         self.max_delivery_attempts = max_delivery_attempts
         self.retry_after_seconds = retry_after_seconds
@@ -464,7 +467,10 @@ class InMemoryQueueStore:
     def _push(self, queue: _AgentQueue, entry: _Entry) -> None:
         entry.state = _State.QUEUED
         entry.subscriber = ""
-        heapq.heappush(queue.heap, (entry.rank, entry.sort_time, entry.seq, entry))
+        if self.fifo:
+            heapq.heappush(queue.heap, (0, 0.0, entry.seq, entry))
+        else:
+            heapq.heappush(queue.heap, (entry.rank, entry.sort_time, entry.seq, entry))
         queue.waiting[entry.rank] += 1
 
     # -- consuming ---------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from mesh import (
     Message,
     MessageTooLargeError,
     MessageType,
+    Priority,
     RequestTimeoutError,
     agent,
     on,
@@ -113,6 +114,71 @@ async def test_nack_redelivers_with_attempt_count(mesh: LocalMesh) -> None:
                     break
         assert seen == [1, 2]
         assert (await client.queue_stats("Worker")).agents[0].in_flight == 0
+
+
+async def test_at_most_once_never_delivers_a_message_twice() -> None:
+    config = BrokerConfig(sweep_interval=0.02, delivery_guarantee="at_most_once")
+    async with LocalMesh(config) as local, local.client("sender") as client:
+        await client.register("Worker")
+        nacked = await client.send("Worker", {"action": "work", "n": 1})
+        lapsed = await client.send("Worker", {"action": "work", "n": 2})
+        kept = await client.send("Worker", {"action": "work", "n": 3})
+        seen = []
+        async with client.subscribe("Worker", lease_seconds=0.1) as sub:
+            async for received in sub:
+                seen.append((received.message.content["n"], received.attempt))
+                if received.message.message_id == nacked.message_id:
+                    await received.nack()  # not handed back: there is no second delivery
+                elif received.message.message_id == kept.message_id:
+                    await received.ack()
+                    break  # (the second one is never acked: its lease lapses)
+        async with asyncio.timeout(5):
+            while len(await client.dead_letters("Worker")) < 2:  # noqa: ASYNC110 - broker state
+                await asyncio.sleep(0.02)
+        assert seen == [(1, 1), (2, 1), (3, 1)]
+        dead = {d.message.message_id: d for d in await client.dead_letters("Worker")}
+        assert set(dead) == {nacked.message_id, lapsed.message_id}
+        assert all(d.attempts == 1 for d in dead.values())
+        assert await client.receive("Worker") == []
+        assert (await client.queue_stats("Worker")).totals["redelivered_count"] == 0
+
+
+async def test_a_fifo_broker_delivers_in_arrival_order_whatever_the_priority() -> None:
+    async with LocalMesh(BrokerConfig(queue_type="fifo")) as local, local.client("s") as client:
+        await client.register("Worker")
+        for n, priority in enumerate((Priority.LOW, Priority.HIGH, Priority.MEDIUM, Priority.HIGH)):
+            await client.send("Worker", {"action": "work", "n": n}, priority=priority)
+        assert [m.content["n"] for m in await client.receive("Worker")] == [0, 1, 2, 3]
+        [queue] = (await client.queue_stats("Worker")).agents
+        assert queue.depth == 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        (
+            "queue_type",
+            "topic",
+            "queue_type must be priority_queue or fifo (for a topic, broadcast to agent types)",
+        ),
+        ("queue_type", "lifo", "queue_type must be priority_queue or fifo"),
+        (
+            "delivery_guarantee",
+            "exactly_once",
+            "delivery_guarantee must be at_least_once or "
+            "at_most_once (exactly once is at_least_once with idempotent handlers: a re-sent "
+            "message id is accepted once, and a redelivery says its attempt)",
+        ),
+    ],
+)
+def test_queue_types_and_guarantees_the_broker_does_not_offer_are_refused(
+    field: str, value: str, error: str
+) -> None:
+    with pytest.raises(ValueError) as refused:
+        BrokerConfig(**{field: value})
+    assert str(refused.value) == error
+    assert BrokerConfig(delivery_guarantee="at_most_once").delivery_attempts == 1
+    assert BrokerConfig(max_delivery_attempts=6).delivery_attempts == 6
 
 
 async def test_closed_subscription_returns_unacked_messages_to_the_next_instance(

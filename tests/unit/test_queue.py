@@ -79,15 +79,23 @@ def recorder() -> Recorder:
 OPTIONS = {"max_messages_per_agent": 5, "max_total_messages": 8, "max_delivery_attempts": 3}
 
 
-@pytest.fixture(params=["memory", "sqlite", "redis", "redis-cluster"])
-async def store(
-    request: pytest.FixtureRequest, tmp_path: Path, clock: FakeClock, recorder: Recorder
-) -> AsyncIterator[QueueStore]:
+STORES = ["memory", "sqlite", "redis", "redis-cluster"]
+
+
+def open_kind(
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    clock: FakeClock,
+    recorder: Recorder,
+    **options: object,
+) -> QueueStore:
+    """A store of the kind the test is parametrized with (``request.param``)."""
+    options = {**OPTIONS, **options}
     made: QueueStore
     if request.param == "memory":
-        made = InMemoryQueueStore(**OPTIONS, clock=clock, listener=recorder)
+        made = InMemoryQueueStore(**options, clock=clock, listener=recorder)
     elif request.param == "sqlite":
-        made = SqliteQueueStore(tmp_path / "q.db", **OPTIONS, clock=clock, listener=recorder)
+        made = SqliteQueueStore(tmp_path / "q.db", **options, clock=clock, listener=recorder)
     else:
         from mesh.redis_store import RedisQueueStore
 
@@ -96,9 +104,28 @@ async def store(
         )
         # Redis keeps time by the wall clock: the fake clock drives a fake wall clock.
         made = RedisQueueStore(
-            url, **OPTIONS, wall_clock=lambda: BASE + timedelta(seconds=clock.now)
+            url,
+            **options,
+            wall_clock=lambda: BASE + timedelta(seconds=clock.now),
         )
         made.listener = recorder
+    return made
+
+
+@pytest.fixture(params=STORES)
+async def store(
+    request: pytest.FixtureRequest, tmp_path: Path, clock: FakeClock, recorder: Recorder
+) -> AsyncIterator[QueueStore]:
+    made = open_kind(request, tmp_path, clock, recorder)
+    yield made
+    await made.close()
+
+
+@pytest.fixture(params=STORES)
+async def fifo_store(
+    request: pytest.FixtureRequest, tmp_path: Path, clock: FakeClock, recorder: Recorder
+) -> AsyncIterator[QueueStore]:
+    made = open_kind(request, tmp_path, clock, recorder, fifo=True)
     yield made
     await made.close()
 
@@ -121,6 +148,19 @@ async def test_same_priority_is_oldest_first_and_then_arrival(store: QueueStore)
     await store.put(msg("tie-a", at=5), 3600)
     await store.put(msg("tie-b", at=5), 3600)
     assert await ids(store) == ["early", "tie-a", "tie-b", "late"]
+
+
+async def test_a_fifo_queue_keeps_arrival_order_whatever_the_priority_and_timestamp(
+    fifo_store: QueueStore,
+) -> None:
+    # RT-011 queue type "fifo": the table of RF-009 scenario 5 comes out as it went in.
+    await fifo_store.put(msg("msg_001", priority=Priority.LOW, at=0), 3600)
+    await fifo_store.put(msg("msg_002", priority=Priority.HIGH, at=5), 3600)
+    await fifo_store.put(msg("msg_003", priority=Priority.MEDIUM, at=2), 3600)
+    lease = await fifo_store.lease("PaymentAgent", "sub-1", 30)
+    assert lease is not None and lease.message.message_id == "msg_001"
+    await fifo_store.nack("PaymentAgent", ["msg_001"])  # back in its place: first again
+    assert await ids(fifo_store) == ["msg_001", "msg_002", "msg_003"]
 
 
 async def test_pop_removes_and_respects_max(store: QueueStore) -> None:
