@@ -34,7 +34,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        ids = getattr(record, SPAN_ATTR, None) or _span_ids()
+        # Handed over by another thread: the ids it captured (or none), not this thread's.
+        ids = record.__dict__[SPAN_ATTR] if SPAN_ATTR in record.__dict__ else _span_ids()
         if ids:
             line["trace_id"] = f"{ids[0]:032x}"
             line["span_id"] = f"{ids[1]:016x}"
@@ -131,6 +132,8 @@ def configure_logging(level: str = "INFO", *, json_lines: bool = True) -> None:
     handler.addFilter(shown)  # (in the logging thread: nothing else is queued)
     _listener = logging.handlers.QueueListener(records, writer)
     _listener.start()
+    atexit.unregister(stop_logging)  # (once, however often logging is configured)
+    atexit.register(stop_logging)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(min(threshold, logging.INFO) if threshold <= logging.WARNING else threshold)
@@ -147,6 +150,3 @@ def stop_logging() -> None:
     root = logging.getLogger()
     root.handlers[:] = [h for h in root.handlers if not isinstance(h, WrittenAside)]
     root.handlers.extend(listener.handlers)
-
-
-atexit.register(stop_logging)
