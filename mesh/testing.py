@@ -105,9 +105,21 @@ class LocalMesh:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports free at this moment, all different (held together while they are picked)."""
+    held: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            held.append(sock)
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in held]
+    finally:
+        for sock in held:
+            sock.close()
 
 
 @dataclass
@@ -155,8 +167,7 @@ class LocalRedis:
                     "nodes.conf",
                     "--cluster-node-timeout",
                     "2000",
-                    "--cluster-port",  # the bus; port + 10000 by default, maybe out of range
-                    str(free_port()),
+                    bus=True,
                 )
             addresses = [url.removeprefix("redis://").removesuffix("/0") for url in started.urls]
             create = [
@@ -183,26 +194,40 @@ class LocalRedis:
             raise
         return started
 
-    def _node(self, folder: Path, *options: str, port: int = 0) -> None:
+    def _node(self, folder: Path, *options: str, port: int = 0, bus: bool = False) -> None:
+        """Starts a redis-server on ``port`` (free ports when 0; ``bus``: a cluster node, with
+        a bus port of its own, since port + 10000 may be out of range). A free port can be
+        taken by another process before the server binds it: then it starts again on others."""
         folder.mkdir(parents=True, exist_ok=True)
-        port = port or free_port()
-        command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-        process = subprocess.Popen(
-            [*command, "--dir", str(folder), *options],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        for _ in range(1 if port else 3):
+            ports = [port] if port else free_ports(2 if bus else 1)
+            extra = ["--cluster-port", str(ports[1])] if bus else []
+            command = ["redis-server", "--port", str(ports[0]), "--bind", "127.0.0.1"]
+            process = subprocess.Popen(
+                [*command, "--save", "", "--dir", str(folder), *options, *extra],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            if self._serving(process, ports[0]):
+                break
+            process.kill()
+            process.wait()
+        else:
+            raise RuntimeError(f"redis-server did not start (last on port {ports[0]})")
         self.processes.append(process)
+        url = f"redis://127.0.0.1:{ports[0]}/0"
+        if url not in self.urls:
+            self.urls.append(url)
+
+    @staticmethod
+    def _serving(process: subprocess.Popen[bytes], port: int) -> bool:
         deadline = time.monotonic() + 10
         while True:
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-                break
+                return True
             if time.monotonic() > deadline or process.poll() is not None:
-                raise RuntimeError(f"redis-server did not start on port {port}")
+                return False
             time.sleep(0.05)
-        url = f"redis://127.0.0.1:{port}/0"
-        if url not in self.urls:
-            self.urls.append(url)
 
     def primaries(self) -> list[str]:
         """The addresses (host:port) of the cluster's primaries, as the cluster sees them."""
