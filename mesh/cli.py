@@ -281,12 +281,15 @@ async def _send(args: argparse.Namespace) -> int:
 
 
 async def _receive(args: argparse.Namespace) -> int:
-    async with connect(args.broker, agent_id=args.agent, security=security_config(args)) as client:
-        messages = await client.receive(args.agent, args.max)
+    agent_id = args.agent or args.agent_id
+    if not agent_id or (args.agent and args.agent_id and args.agent != args.agent_id):
+        raise UsageError("receive: name one agent (AGENT or --agent AGENT)")
+    async with connect(args.broker, agent_id=agent_id, security=security_config(args)) as client:
+        messages = await client.receive(agent_id, args.max)
     if args.json:
         _print(json.dumps([m.to_dict() for m in messages], indent=2))
     elif not messages:
-        _print(f"no messages for {args.agent}")
+        _print(f"no messages for {agent_id}")
     else:
         for m in messages:
             _print(_message_line(m))
@@ -503,8 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_send)
 
     p = sub.add_parser("receive", help="take an agent's queued messages")
+    p.add_argument("agent_id", nargs="?", metavar="AGENT")
     p.add_argument("--broker", default=broker_default)
-    p.add_argument("--agent", required=True)
+    p.add_argument("--agent", help="the agent (or as AGENT)")
     p.add_argument("--max", type=int, default=0)
     p.add_argument("--json", action="store_true")
     add_security_flags(p, server=False)

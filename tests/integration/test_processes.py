@@ -127,6 +127,10 @@ async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
     assert code == 0
     assert "HIGH   REQUEST   cli -> PaymentAgent" in out
     assert '"parameters":{"amount":450}' in out
+    code, out = await cli("receive", "PaymentAgent")  # the agent named as in `state KEY`
+    assert code == 0 and out.strip() == "no messages for PaymentAgent"
+    code, out = await cli("receive")
+    assert code == 2 and "receive: name one agent (AGENT or --agent AGENT)" in out
     code, out = await cli("send", "--to", "PaymentAgent")
     assert code == 1
     assert "INVALID_ARGUMENT: content is required" in out
