@@ -389,14 +389,17 @@ class MeshClient {
   /**
    * An agent's deliveries on one Connect stream, the broker's fast path: whatever is ready
    * comes in one frame (up to maxBatch), and answers and acks go back as frames on the same
-   * stream (the acks of a moment in one frame). handle(message, attempt) resolves to the answer (a message built with
+   * stream (the acks of a moment in one frame; in a steady flow an ack lingers up to
+   * ackLingerMs, 2 by default, for company while less than half of maxInFlight is
+   * outstanding). handle(message, attempt) resolves to the answer (a message built with
    * buildMessage, sent and taking the place of the ack when it answers this message) or to
    * null (acknowledged); when it throws, the message is handed back for redelivery (a
    * Reject sends it to the dead-letter queue at once, with the Reject's message). The
    * returned stream emits 'subscribed' once the broker took the subscription, and 'error' /
    * 'end' when the session is over.
    */
-  session(handle, { agentId = this.agentId, maxInFlight = 16, maxBatch = 16 } = {}) {
+  session(handle, { agentId = this.agentId, maxInFlight = 16, maxBatch = 16,
+    ackLingerMs = 2 } = {}) {
     const metadata = (this.broker.meshMetadata || new grpc.Metadata()).clone();
     metadata.set('agentmesh-batch', '1');
     const call = this.broker.Connect(metadata);
@@ -405,15 +408,31 @@ class MeshClient {
     };
     const inFlight = new Map(); // handling -> the message id
     let closing = false;
-    // The acks of a moment (a batch of deliveries handled together) go as one frame.
+    // Acks go together: those of a moment (a batch of deliveries handled together) in one
+    // frame. In a steady flow (the ack before came less than half ackLingerMs ago), and while
+    // less than half the window is outstanding, an ack waits up to ackLingerMs for company;
+    // after a pause, or past half the window, it goes at once.
     let acks = [];
+    let lingering = null;
+    let lastAck = -Infinity;
     const flushAcks = () => {
+      if (lingering) clearTimeout(lingering);
+      lingering = null;
       if (acks.length === 0) return;
       write({ ack: { agent_id: agentId, message_ids: acks } });
       acks = [];
     };
+    const pressed = () => 2 * (acks.length + inFlight.size) >= maxInFlight;
     const ack = (messageId) => {
-      if (acks.push(messageId) === 1) setImmediate(flushAcks);
+      const now = performance.now();
+      const steady = now - lastAck < ackLingerMs / 2;
+      lastAck = now;
+      if (acks.push(messageId) === 1) {
+        if (steady && !closing && !pressed()) lingering = setTimeout(flushAcks, ackLingerMs);
+        else setImmediate(flushAcks);
+      } else if (lingering && pressed()) {
+        flushAcks();
+      }
     };
     const settle = (delivery) => {
       const message = readMessage(delivery.message);

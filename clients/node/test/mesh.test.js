@@ -274,6 +274,66 @@ test('a session acks the deliveries of one frame in one frame, and none is redel
     }
   });
 
+test('a steady trickle of acks shares a frame, and closing sends it at once', async () => {
+  const client = new MeshClient(BROKER, { agentId: 'NodeTrickleShop' });
+  try {
+    await client.register({ agentId: 'NodeTrickleAgent' });
+    let handled;
+    const session = client.session(async (message) => {
+      handled(message.content.parameters.i);
+      return null;
+    }, { agentId: 'NodeTrickleAgent', maxInFlight: 64, ackLingerMs: 30000 });
+    await new Promise((resolve) => { session.once('subscribed', resolve); });
+    const acked = [];
+    const write = session.write.bind(session);
+    session.write = (frame) => {
+      if (frame.ack) acked.push(frame.ack.message_ids.length);
+      return write(frame);
+    };
+    const seen = [];
+    for (let i = 0; i < 5; i += 1) { // one at a time: each handled before the next is sent
+      const done = new Promise((resolve) => { handled = resolve; });
+      await client.send('NodeTrickleAgent', { action: 'work', parameters: { i } });
+      seen.push(await done);
+      await new Promise((resolve) => { setImmediate(resolve); });
+    }
+    assert.deepEqual(seen, [0, 1, 2, 3, 4]);
+    assert.deepEqual(acked, [1]); // the first went at once; the next four linger together
+    await session.close();
+    assert.deepEqual(acked, [1, 4]);
+    assert.deepEqual(await client.receive('NodeTrickleAgent'), []); // nothing came back
+  } finally {
+    await client.deregister('NodeTrickleAgent').catch(() => {});
+    client.close();
+  }
+});
+
+test('acks go at once when half the window is outstanding', async () => {
+  const client = new MeshClient(BROKER, { agentId: 'NodeWindowShop' });
+  try {
+    await client.register({ agentId: 'NodeWindowAgent' });
+    for (let i = 0; i < 6; i += 1) {
+      await client.send('NodeWindowAgent', { action: 'work', parameters: { i } });
+    }
+    const handled = [];
+    let done;
+    const all = new Promise((resolve) => { done = resolve; });
+    const session = client.session(async (message) => {
+      handled.push(message.content.parameters.i);
+      if (handled.length === 6) done();
+      return null;
+    }, { agentId: 'NodeWindowAgent', maxInFlight: 2, maxBatch: 2, ackLingerMs: 30000 });
+    const timeout = setTimeout(() => done(), 10000); // a lingering ack would hold it for 30 s
+    await all;
+    clearTimeout(timeout);
+    await session.close();
+    assert.deepEqual(handled, [0, 1, 2, 3, 4, 5]);
+  } finally {
+    await client.deregister('NodeWindowAgent').catch(() => {});
+    client.close();
+  }
+});
+
 test('shared state: versions, compare-and-set and locks, beside the Python agents', async () => {
   const a = new MeshClient(BROKER, { agentId: 'NodeWriterA' });
   const b = new MeshClient(BROKER, { agentId: 'NodeWriterB' });
