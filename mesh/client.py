@@ -592,6 +592,11 @@ class ClientSubscription:
         buffered = self._queue.qsize() if self._queue is not None else 0
         return 2 * (self._unsent + len(self._taken) + buffered) >= self.max_in_flight
 
+    def _settle_now(self) -> list[asyncio.Task[None]]:
+        """Ends the lingering of what is settled; the tasks that write it."""
+        self._stop_lingering()
+        return list(self._settlers)
+
     def _stop_lingering(self) -> None:
         lingering, self._lingering = self._lingering, None
         if lingering is not None and not lingering.done():
@@ -762,9 +767,17 @@ class MeshClient:
         self, method: Callable[..., Any], request: Any, timeout: float | None = None
     ) -> Callable[[], Awaitable[Any]]:
         async def call() -> Any:
+            await self._settle_lingering()
             return await method(request, timeout=timeout or self.default_timeout)
 
         return call
+
+    async def _settle_lingering(self) -> None:
+        """Writes the acks and nacks this client's subscriptions hold back for company before
+        its next call, so that what it asks next (queue stats, a receive) sees them."""
+        settling = [task for sub in self._subscriptions for task in sub._settle_now()]
+        if settling:
+            await asyncio.gather(*settling, return_exceptions=True)
 
     def build(
         self,

@@ -483,6 +483,21 @@ async def test_acks_of_a_steady_trickle_wait_for_company_and_closing_sends_them_
         assert await client.receive("Worker") == []  # nothing came back for redelivery
 
 
+async def test_a_clients_next_call_writes_the_acks_it_holds_back_first(mesh: LocalMesh) -> None:
+    async with mesh.client("sender") as client, mesh.client("Worker", ack_linger=30) as worker:
+        await client.register("Worker")
+        async with worker.subscribe("Worker", max_in_flight=64) as sub:
+            for i in range(3):
+                await client.send("Worker", {"action": "w", "i": i})
+                await (await sub.__anext__()).ack()
+            assert worker.stats.settle_frames == 1  # the first; the other two linger
+            await worker.queue_stats("Worker")  # what the worker asks next sees its acks
+            assert worker.stats.settle_frames == 2
+            async with asyncio.timeout(5):
+                while (await client.queue_stats("Worker")).agents[0].in_flight:  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)  # (their frame and the call are two streams)
+
+
 async def test_acks_go_at_once_when_half_the_window_is_outstanding(mesh: LocalMesh) -> None:
     async with mesh.client("sender") as client, mesh.client("Worker", ack_linger=30) as worker:
         await client.register("Worker")
