@@ -445,8 +445,6 @@ class ClientSubscription:
         """Acks and nacks to send, by kind and dead-letter reason."""
         self._settling: asyncio.Task[None] | None = None
         self._settlers: set[asyncio.Task[None]] = set()
-        self._unsent = 0
-        """Ids settled and not yet written."""
         self._lingering: asyncio.Future[None] | None = None
         """What the settling task awaits while it lingers; set to write at once."""
         self._last_settle_at = -math.inf
@@ -574,7 +572,6 @@ class ClientSubscription:
         ack to deliver more. One that comes after a pause goes at once: lingering would cost a
         wake-up of its own and join nothing."""
         self._settled.setdefault((kind, dead_letter_reason), []).append(message_id)
-        self._unsent += 1
         self._taken.pop(message_id, None)
         loop = asyncio.get_running_loop()
         now = loop.time()
@@ -590,7 +587,8 @@ class ClientSubscription:
     def _pressed(self) -> bool:
         """Half the broker's window or more is outstanding on this side."""
         buffered = self._queue.qsize() if self._queue is not None else 0
-        return 2 * (self._unsent + len(self._taken) + buffered) >= self.max_in_flight
+        unsent = sum(len(ids) for ids in self._settled.values())
+        return 2 * (unsent + len(self._taken) + buffered) >= self.max_in_flight
 
     def _settle_now(self) -> list[asyncio.Task[None]]:
         """Ends the lingering of what is settled; the tasks that write it."""
@@ -615,7 +613,7 @@ class ClientSubscription:
             await asyncio.sleep(0)  # the acks of this moment join
         session = self._session
         settled, self._settled = self._settled, {}
-        self._settling, self._unsent = None, 0
+        self._settling = None
         if session is None or session.closed:
             return  # the broker returns the leases by itself when the session ends
         for (kind, reason), message_ids in settled.items():

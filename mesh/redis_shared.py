@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 from mesh.core.errors import (
     BrokerUnavailableError,
-    LimitExceededError,
     StateConflictError,
 )
 from mesh.core.memory import (
@@ -30,6 +29,7 @@ from mesh.core.memory import (
     MemoryStats,
     SharedMemoryPool,
     as_stored,
+    pool_full,
 )
 from mesh.core.model import JSON
 from mesh.core.state import (
@@ -237,9 +237,7 @@ class RedisMemoryPool:
             json.dumps(record, default=str),
         )  # fmt: skip
         if not int(written):
-            raise LimitExceededError(
-                f"the shared memory pool holds its limit of {self.capacity} insights"
-            )
+            raise pool_full(self.capacity)
         return stored
 
     async def read(

@@ -37,6 +37,11 @@ class MemoryStats:
     capacity: int
 
 
+def pool_full(capacity: int) -> LimitExceededError:
+    """The refusal of a write to a pool that holds its limit (the same from every pool)."""
+    return LimitExceededError(f"the shared memory pool holds its limit of {capacity} insights")
+
+
 def as_stored(insight: Insight, seq: int) -> Insight:
     """An insight as a pool keeps it: its id from ``seq``, its time, its tags once each."""
     return Insight(
@@ -109,9 +114,7 @@ class SharedMemoryPool:
     async def write(self, insight: Insight) -> Insight:
         self.check(insight)
         if len(self._insights) >= self.capacity:
-            raise LimitExceededError(
-                f"the shared memory pool holds its limit of {self.capacity} insights"
-            )
+            raise pool_full(self.capacity)
         stored = as_stored(insight, next(self._ids))
         self._insights.append(stored)
         return stored
