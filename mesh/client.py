@@ -1087,9 +1087,17 @@ class MeshClient:
         """A copy to every other registered agent, or only to agents of ``agent_types``."""
         options["message_type"] = MessageType.BROADCAST
         message = with_trace(self.build("broadcast", content, **options))
-        request = broker_pb2.BroadcastRequest(agent_types=list(agent_types))
-        codec.message_to_pb(message, request.message)
-        response = await self._with_retry(self._unary(self._stub.Broadcast, request))
+        types = list(agent_types)
+
+        async def attempt() -> broker_pb2.BroadcastResponse:
+            session = await self._open_session()  # the session's stream: no call per broadcast
+            frame = broker_pb2.ConnectRequest()
+            frame.broadcast.agent_types.extend(types)
+            codec.message_to_pb(message, frame.broadcast.message)
+            answer = await session.call(frame, timeout=self.default_timeout)
+            return answer.broadcasted
+
+        response = await self._with_retry(attempt)
         return BroadcastResult(
             response.message_id,
             tuple(response.recipients),

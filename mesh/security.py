@@ -83,6 +83,8 @@ def check_frame(principal: Principal, frame: broker_pb2.ConnectRequest) -> None:
         principal.require_agent(frame.request.message.from_agent, "send")
     elif kind == "gather":
         principal.require_agent(frame.gather.message.from_agent, "gather")
+    elif kind == "broadcast":
+        principal.require_agent(frame.broadcast.message.from_agent, "broadcast")
     elif kind == "subscribe":
         principal.require_agent(frame.subscribe.agent_id, "receive")
     elif kind == "receive":

@@ -184,14 +184,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     ) -> broker_pb2.BroadcastResponse:
         if not request.HasField("message"):
             raise _invalid("message", "message is required")
-        outcome = await self.broker.broadcast(
-            _inbound(self.broker, request.message), request.agent_types
-        )
-        response = broker_pb2.BroadcastResponse(
-            message_id=outcome.message.message_id, recipients=outcome.recipients
-        )
-        for agent_id, error in outcome.failures:
-            codec.error_to_pb(error, response.failures.add(agent_id=agent_id).error)
+        response = broker_pb2.BroadcastResponse()
+        await _broadcast(self.broker, request, response)
         return response
 
     @translating
@@ -421,6 +415,13 @@ class _Session:
                 await self._answer(out)
             elif kind == "request":
                 self._spawn(seq, self._request(seq, frame.request))
+            elif kind == "broadcast":
+                if not frame.broadcast.HasField("message"):
+                    raise _invalid("broadcast.message", "message is required")
+                out = broker_pb2.ConnectResponse(seq=seq)
+                await _broadcast(self.broker, frame.broadcast, out.broadcasted)
+                if seq:
+                    await self._answer(out)
             elif kind == "ack":
                 await self.broker.ack(self._agent(frame.ack.agent_id), frame.ack.message_ids)
             elif kind == "nack":
@@ -601,6 +602,17 @@ def _inbound(broker: Broker, pb: message_pb2.Message, *, gather: bool = False) -
     except MessageValidationError:
         broker.refused_unreadable()
         raise
+
+
+async def _broadcast(
+    broker: Broker, request: broker_pb2.BroadcastRequest, out: broker_pb2.BroadcastResponse
+) -> None:
+    """Runs a broadcast (a `Broadcast` call or a session's `broadcast` frame) into ``out``."""
+    outcome = await broker.broadcast(_inbound(broker, request.message), request.agent_types)
+    out.message_id = outcome.message.message_id
+    out.recipients.extend(outcome.recipients)
+    for agent_id, error in outcome.failures:
+        codec.error_to_pb(error, out.failures.add(agent_id=agent_id).error)
 
 
 def _decoded(broker: Broker, pb: message_pb2.Message) -> Message | MeshError:

@@ -1315,6 +1315,7 @@ class ConnectRequest(_message.Message):
     BATCH_FIELD_NUMBER: _builtins.int
     UNSUBSCRIBE_FIELD_NUMBER: _builtins.int
     CANCEL_FIELD_NUMBER: _builtins.int
+    BROADCAST_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """Chosen by the client; the broker's answer to this frame carries the same seq."""
     @_builtins.property
@@ -1370,6 +1371,13 @@ class ConnectRequest(_message.Message):
         answered.
         """
 
+    @_builtins.property
+    def broadcast(self) -> Global___BroadcastRequest:
+        """Copy a message to every other registered agent, or to the agents of the given types;
+        answered with `broadcasted` (with seq 0: not answered, a failure comes back as a seq-0
+        `error`).
+        """
+
     def __init__(
         self,
         *,
@@ -1384,12 +1392,13 @@ class ConnectRequest(_message.Message):
         batch: Global___ConnectRequestBatch | None = ...,
         unsubscribe: Global___UnsubscribeRequest | None = ...,
         cancel: Global___CancelRequest | None = ...,
+        broadcast: Global___BroadcastRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "batch", b"batch", "cancel", b"cancel", "frame", b"frame", "gather", b"gather", "nack", b"nack", "receive", b"receive", "request", b"request", "send", b"send", "subscribe", b"subscribe", "unsubscribe", b"unsubscribe"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "batch", b"batch", "broadcast", b"broadcast", "cancel", b"cancel", "frame", b"frame", "gather", b"gather", "nack", b"nack", "receive", b"receive", "request", b"request", "send", b"send", "subscribe", b"subscribe", "unsubscribe", b"unsubscribe"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "batch", b"batch", "cancel", b"cancel", "frame", b"frame", "gather", b"gather", "nack", b"nack", "receive", b"receive", "request", b"request", "send", b"send", "seq", b"seq", "subscribe", b"subscribe", "unsubscribe", b"unsubscribe"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "batch", b"batch", "broadcast", b"broadcast", "cancel", b"cancel", "frame", b"frame", "gather", b"gather", "nack", b"nack", "receive", b"receive", "request", b"request", "send", b"send", "seq", b"seq", "subscribe", b"subscribe", "unsubscribe", b"unsubscribe"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["subscribe", "send", "request", "ack", "nack", "receive", "gather", "batch", "unsubscribe", "cancel"]  # noqa: Y015
+    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["subscribe", "send", "request", "ack", "nack", "receive", "gather", "batch", "unsubscribe", "cancel", "broadcast"]  # noqa: Y015
     _WhichOneofArgType_frame: _TypeAlias = _typing.Literal["frame", b"frame"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_frame) -> _WhichOneofReturnType_frame | None: ...
 
@@ -1462,6 +1471,7 @@ class ConnectResponse(_message.Message):
     GATHERED_FIELD_NUMBER: _builtins.int
     DELIVERIES_FIELD_NUMBER: _builtins.int
     BATCH_FIELD_NUMBER: _builtins.int
+    BROADCASTED_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """The seq of the client frame this answers; 0 on deliveries."""
     @_builtins.property
@@ -1500,6 +1510,10 @@ class ConnectResponse(_message.Message):
         `agentmesh-batch: 1`, when frames are ready faster than the stream takes them.
         """
 
+    @_builtins.property
+    def broadcasted(self) -> Global___BroadcastResponse:
+        """The outcome of a `broadcast` frame: who got a copy, and who could not."""
+
     def __init__(
         self,
         *,
@@ -1512,12 +1526,13 @@ class ConnectResponse(_message.Message):
         gathered: Global___GatherResponse | None = ...,
         deliveries: Global___Deliveries | None = ...,
         batch: Global___ConnectResponseBatch | None = ...,
+        broadcasted: Global___BroadcastResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "batch", b"batch", "deliveries", b"deliveries", "delivery", b"delivery", "error", b"error", "frame", b"frame", "gathered", b"gathered", "received", b"received", "response", b"response"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "batch", b"batch", "broadcasted", b"broadcasted", "deliveries", b"deliveries", "delivery", b"delivery", "error", b"error", "frame", b"frame", "gathered", b"gathered", "received", b"received", "response", b"response"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "batch", b"batch", "deliveries", b"deliveries", "delivery", b"delivery", "error", b"error", "frame", b"frame", "gathered", b"gathered", "received", b"received", "response", b"response", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "batch", b"batch", "broadcasted", b"broadcasted", "deliveries", b"deliveries", "delivery", b"delivery", "error", b"error", "frame", b"frame", "gathered", b"gathered", "received", b"received", "response", b"response", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["accepted", "delivery", "response", "error", "received", "gathered", "deliveries", "batch"]  # noqa: Y015
+    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["accepted", "delivery", "response", "error", "received", "gathered", "deliveries", "batch", "broadcasted"]  # noqa: Y015
     _WhichOneofArgType_frame: _TypeAlias = _typing.Literal["frame", b"frame"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_frame) -> _WhichOneofReturnType_frame | None: ...
 

@@ -90,6 +90,9 @@ async def test_every_documented_call_works(embedded: EmbeddedMesh) -> None:
     # Left unseen by the session that settled refund-1, refund-2 comes at its first attempt.
     [(_, again)] = [(c, o) for c, o in ran if '"message_ids": ["refund-2"]' in c]
     assert '"messageId": "refund-2"' in again and '"deliveryAttempt": 1' in again
+    [(_, session)] = [(c, o) for c, o in ran if '"broadcast": {' in c]
+    assert '"seq": "3"' in session and '"broadcasted": {' in session
+    assert '"recipients": [\n' in session and '"PaymentAgent"' in session
     [dead] = json.loads(by_rpc["mesh.v1.BrokerService/ListDeadLetters"])["deadLetters"]
     assert dead["reason"] == "PaymentDesk does not handle action refund"
     assert dead["deliveryAttempts"] == 2

@@ -12,6 +12,8 @@ import grpc
 import pytest
 
 from mesh import Agent, AgentContext, Message, serve_all
+from mesh.config import BrokerConfig
+from mesh.core.errors import MessageQueueFullError
 from mesh.testing import LocalMesh
 from mesh.v1 import broker_pb2, broker_pb2_grpc
 
@@ -211,3 +213,59 @@ async def test_unsubscribe_while_a_delivery_is_being_written_is_answered(mesh: L
         # Whatever the stream did not finish delivering is back in the queue, nothing lost.
         stats = (await client.queue_stats("Archive")).agents[0]
         assert (stats.depth, stats.in_flight) == (len(sent), 0)
+
+
+async def test_a_broadcast_travels_on_the_stream_and_says_who_could_not_take_it() -> None:
+    """A `broadcast` frame is answered with `broadcasted`: the copies' id, who got one, and
+    who could not (a full queue), as the unary Broadcast answers; with seq 0 it is not
+    answered at all; without a message it is refused by seq. The SDK broadcasts this way."""
+    async with (
+        LocalMesh(BrokerConfig(max_messages_per_agent=2, sweep_interval=0.05)) as mesh,
+        mesh.client("sender") as client,
+        grpc.aio.insecure_channel(mesh.address) as channel,
+    ):
+        for name, kind in (("Billing", "store"), ("Shipping", "store"), ("Audit", "audit")):
+            await client.register(name, agent_types=(kind,))
+        for _ in range(2):
+            await client.send("Billing", {"action": "charge"})  # Billing's queue is full
+        call = broker_pb2_grpc.BrokerServiceStub(channel).Connect()
+
+        to_stores = broker_pb2.ConnectRequest(seq=1)
+        to_stores.broadcast.agent_types.append("store")
+        to_stores.broadcast.message.from_agent = "sender"
+        to_stores.broadcast.message.content.update({"action": "stocktake"})
+        answer = await _call(call, to_stores)
+        assert answer.WhichOneof("frame") == "broadcasted"
+        outcome = answer.broadcasted
+        assert list(outcome.recipients) == ["Shipping"]
+        assert [f.agent_id for f in outcome.failures] == ["Billing"]
+        assert outcome.failures[0].error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        assert "Billing queue full" in outcome.failures[0].error.message
+
+        to_all = broker_pb2.ConnectRequest(seq=0)  # fire-and-forget
+        to_all.broadcast.message.from_agent = "sender"
+        to_all.broadcast.message.content.update({"alert": "closing early"})
+        empty = broker_pb2.ConnectRequest(seq=2)
+        empty.broadcast.agent_types.append("store")
+        await call.write(to_all)
+        await call.write(empty)
+        # Frames are handled in order: had the seq-0 broadcast been answered, that answer
+        # would come first.
+        [refusal] = await _read(call)
+        assert (refusal.seq, refusal.WhichOneof("frame")) == (2, "error")
+        assert refusal.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        await call.done_writing()
+
+        shipping = await client.receive("Shipping")
+        assert [m.content for m in shipping] == [
+            {"action": "stocktake"},
+            {"alert": "closing early"},
+        ]
+        assert shipping[0].message_id == outcome.message_id
+        assert [m.content for m in await client.receive("Audit")] == [{"alert": "closing early"}]
+
+        # The SDK's broadcast reports the same, with the typed error.
+        result = await client.broadcast({"action": "stocktake"}, agent_types=["store"])
+        assert result.recipients == ("Shipping",)
+        [(agent_id, error)] = result.failures
+        assert agent_id == "Billing" and isinstance(error, MessageQueueFullError)
