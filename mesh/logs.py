@@ -2,16 +2,20 @@
 
 A process's records are written by a thread of their own (:class:`WrittenAside`): the event
 loop hands a record over and goes on, so it never waits on stderr (a pipe whose reader is slow
-would stall every stream of the process) nor spends its turn on formatting."""
+would stall every stream of the process) nor spends its turn on formatting. The thread wakes
+once for the records of a moment (:data:`LINGER_SECONDS`), not once per record: each wake-up
+of a second thread costs the process a hand-over of the interpreter lock."""
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import logging.handlers
 import queue
 import sys
+import threading
 from datetime import UTC, datetime
 from typing import Any
 
@@ -22,6 +26,8 @@ SPAN_ATTR = "span_ids"
 """Where a record handed to the writer thread keeps the (trace id, span id) it was logged in."""
 QUEUE_SIZE = 10_000
 """Records waiting for the writer thread at most; more are dropped, and counted in a line."""
+LINGER_SECONDS = 0.05
+"""How long the writer thread, woken by a record, waits for others to write them together."""
 
 
 class JsonFormatter(logging.Formatter):
@@ -72,15 +78,19 @@ def _span_ids() -> tuple[int, int] | None:
 
 
 class WrittenAside(logging.handlers.QueueHandler):
-    """Hands records over to the writer thread (a :class:`logging.handlers.QueueListener`)
-    with what only the logging thread knows: the message with its arguments filled in, and
-    the current span's ids. When the writer is :data:`QUEUE_SIZE` records behind, records are
+    """Hands records over to the writer thread (a :class:`LogWriter`) with what only the
+    logging thread knows: the message with its arguments filled in, and the current span's
+    ids. When the writer is :data:`QUEUE_SIZE` records behind, records are
     dropped rather than waited for; the next one that fits is preceded by a warning that
     says how many."""
 
-    def __init__(self, records: queue.Queue[logging.LogRecord]) -> None:
+    def __init__(
+        self, records: queue.Queue[logging.LogRecord], wake: threading.Event | None = None
+    ) -> None:
         super().__init__(records)
         self.dropped = 0
+        self.wake = wake
+        """Set when a record is queued (the writer thread waits on it)."""
 
     def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
         record.msg, record.args = record.getMessage(), None
@@ -95,6 +105,8 @@ class WrittenAside(logging.handlers.QueueHandler):
             self.queue.put_nowait(record)
         except queue.Full:
             self.dropped += 1
+        if self.wake is not None and not self.wake.is_set():
+            self.wake.set()
 
     def _dropped_record(self, record: logging.LogRecord) -> logging.LogRecord:
         return logging.LogRecord(
@@ -108,14 +120,66 @@ class WrittenAside(logging.handlers.QueueHandler):
         )
 
 
-_listener: logging.handlers.QueueListener | None = None
+class LogWriter(threading.Thread):
+    """Writes the queued records through ``handler`` (its filters and format), those of a
+    moment in one write: woken by the first, it waits :data:`LINGER_SECONDS` for company."""
+
+    def __init__(
+        self,
+        records: queue.Queue[logging.LogRecord],
+        wake: threading.Event,
+        handler: logging.StreamHandler[Any],
+    ) -> None:
+        super().__init__(name="log-writer", daemon=True)
+        self.records = records
+        self.wake = wake
+        self.handler = handler
+        self._stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self._stopping.is_set():
+            self.wake.wait()
+            self._stopping.wait(LINGER_SECONDS)  # (cut short by stop)
+            self.wake.clear()  # before the drain: a record queued after it wakes us again
+            self._drain()
+        self._drain()
+
+    def _drain(self) -> None:
+        lines = []
+        while True:
+            try:
+                record = self.records.get_nowait()
+            except queue.Empty:
+                break
+            if not self.handler.filter(record):
+                continue
+            try:
+                lines.append(self.handler.format(record) + self.handler.terminator)
+            except Exception:
+                self.handler.handleError(record)
+        if lines:
+            with self.handler.lock or contextlib.nullcontext():
+                try:
+                    self.handler.stream.write("".join(lines))
+                    self.handler.flush()
+                except Exception:  # (a closed stderr at exit: nothing to write to)
+                    pass
+
+    def stop(self) -> None:
+        """Writes every record queued so far, then ends the thread."""
+        self._stopping.set()
+        self.wake.set()
+        self.join()
+
+
+_writer: LogWriter | None = None
 
 
 def configure_logging(level: str = "INFO", *, json_lines: bool = True) -> None:
     """Sends the mesh's logs to stderr, as JSON lines by default: ``level`` and above, and
     the structured events unless ``level`` is ERROR or CRITICAL. A thread of their own writes
     them (:func:`stop_logging`, also run at exit, writes those still waiting)."""
-    global _listener
+    global _writer
     threshold = logging.getLevelName(level.upper())
     if not isinstance(threshold, int):
         raise ValueError(f"unknown log level {level!r}")
@@ -128,10 +192,11 @@ def configure_logging(level: str = "INFO", *, json_lines: bool = True) -> None:
     shown = ShownRecords(threshold)
     writer.addFilter(shown)
     records: queue.Queue[logging.LogRecord] = queue.Queue(QUEUE_SIZE)
-    handler = WrittenAside(records)
+    wake = threading.Event()
+    handler = WrittenAside(records, wake)
     handler.addFilter(shown)  # (in the logging thread: nothing else is queued)
-    _listener = logging.handlers.QueueListener(records, writer)
-    _listener.start()
+    _writer = LogWriter(records, wake, writer)
+    _writer.start()
     atexit.unregister(stop_logging)  # (once, however often logging is configured)
     atexit.register(stop_logging)
     root = logging.getLogger()
@@ -142,11 +207,11 @@ def configure_logging(level: str = "INFO", *, json_lines: bool = True) -> None:
 def stop_logging() -> None:
     """Writes the records still waiting and stops the writer thread; records logged after
     are written at once, by the thread that logs them."""
-    global _listener
-    listener, _listener = _listener, None
-    if listener is None:
+    global _writer
+    writer, _writer = _writer, None
+    if writer is None:
         return
-    listener.stop()
+    writer.stop()
     root = logging.getLogger()
     root.handlers[:] = [h for h in root.handlers if not isinstance(h, WrittenAside)]
-    root.handlers.extend(listener.handlers)
+    root.handlers.append(writer.handler)

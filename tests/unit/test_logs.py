@@ -3,16 +3,19 @@ span, none lost at stop, dropped and counted when the writer falls behind."""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import queue
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext
 
-from mesh.logs import WrittenAside, configure_logging, stop_logging
+from mesh.logs import JsonFormatter, LogWriter, WrittenAside, configure_logging, stop_logging
 
 log = logging.getLogger("mesh.test")
 
@@ -70,3 +73,43 @@ def test_a_writer_that_falls_behind_loses_records_and_says_how_many() -> None:
     assert dropped.levelno == logging.WARNING
     assert dropped.getMessage() == "3 log records dropped: the log writer fell behind"
     assert kept.getMessage() == "record 5" and records.empty()
+
+
+class CountingStream(io.StringIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    def write(self, text: str) -> int:
+        self.writes += 1
+        return super().write(text)
+
+
+def test_the_records_of_a_moment_are_written_together_and_none_waits_for_stop() -> None:
+    stream = CountingStream()
+    target = logging.StreamHandler(stream)
+    target.setFormatter(JsonFormatter())
+    records: queue.Queue[logging.LogRecord] = queue.Queue(100)
+    wake = threading.Event()
+    handler = WrittenAside(records, wake)
+    for i in range(50):  # queued before the writer runs: one moment's records, for sure
+        handler.handle(logging.LogRecord("mesh.test", logging.INFO, "", 0, "burst %d", (i,), None))
+    writer = LogWriter(records, wake, target)
+    writer.start()
+    try:
+        deadline = time.monotonic() + 10
+        while stream.getvalue().count("\n") < 50 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [json.loads(line)["message"] for line in stream.getvalue().splitlines()] == [
+            f"burst {i}" for i in range(50)
+        ]
+        assert stream.writes == 1  # one write for the burst, not one per record
+        handler.handle(logging.LogRecord("mesh.test", logging.INFO, "", 0, "later", None, None))
+        while '"later"' not in stream.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stream.getvalue().splitlines()[-1].endswith('"message":"later"}')  # not at stop
+        assert stream.writes == 2
+        handler.handle(logging.LogRecord("mesh.test", logging.INFO, "", 0, "last", None, None))
+    finally:
+        writer.stop()  # writes what is still waiting
+    assert stream.getvalue().splitlines()[-1].endswith('"message":"last"}')
