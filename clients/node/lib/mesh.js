@@ -379,11 +379,21 @@ class MeshClient {
     await unary(this.memory, 'UnlockState', { key: lock.key, lock_token: lock.token });
   }
 
+  /**
+   * A copy to every other registered agent, or only to those of agentTypes: resolves with
+   * {messageId, recipients, failures}.
+   */
   async broadcast(content, { agentTypes = [], ...options } = {}) {
     const message = buildMessage({ from: this.agentId, to: 'broadcast', type: 'BROADCAST',
       content, ...options });
     const res = await unary(this.broker, 'Broadcast', { message, agent_types: agentTypes });
-    return { messageId: res.message_id, recipients: res.recipients };
+    return {
+      messageId: res.message_id,
+      recipients: res.recipients,
+      // Agents that could not take a copy (a full queue), each with the broker's error.
+      failures: res.failures.map((f) => ({ agentId: f.agent_id,
+        error: new MeshError({ code: f.error.code, details: f.error.message }) })),
+    };
   }
 
   /**

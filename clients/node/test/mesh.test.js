@@ -32,6 +32,43 @@ test('sends and receives messages in priority order', async () => {
   }
 });
 
+test('broadcasts to the agents of a type, and says whose queue could not take a copy',
+  async () => {
+    const client = new MeshClient(BROKER, { agentId: 'NodeWarehouse' });
+    const shops = ['NodeShopA', 'NodeShopB'];
+    try {
+      for (const agentId of shops) await client.register({ agentId, agentTypes: ['node_shop'] });
+      const sent = await client.broadcast({ action: 'restock', parameters: { sku: 'A-1' } },
+        { agentTypes: ['node_shop'] });
+      assert.deepEqual([...sent.recipients].sort(), shops);
+      assert.deepEqual(sent.failures, []);
+      for (const agentId of shops) {
+        const [copy] = await client.receive(agentId);
+        assert.equal(copy.messageId, sent.messageId);
+        assert.equal(copy.type, 'BROADCAST');
+        assert.equal(copy.to, agentId);
+        assert.deepEqual(copy.content, { action: 'restock', parameters: { sku: 'A-1' } });
+      }
+      // NodeShopB's queue full (1000 messages): its copy is refused, NodeShopA's goes in.
+      for (let i = 0; i < 10; i += 1) {
+        await Promise.all(Array.from({ length: 100 },
+          () => client.send('NodeShopB', { action: 'fill' }, { priority: 'HIGH' })));
+      }
+      const partial = await client.broadcast({ action: 'restock' }, { agentTypes: ['node_shop'] });
+      assert.deepEqual(partial.recipients, ['NodeShopA']);
+      assert.equal(partial.failures.length, 1);
+      assert.equal(partial.failures[0].agentId, 'NodeShopB');
+      assert.equal(partial.failures[0].error.codeName, 'RESOURCE_EXHAUSTED');
+      assert.match(partial.failures[0].error.message, /NodeShopB queue full/);
+    } finally {
+      for (const agentId of shops) {
+        await client.receive(agentId).catch(() => {});
+        await client.deregister(agentId).catch(() => {});
+      }
+      client.close();
+    }
+  });
+
 test('requests a Python agent and gets the correlated response', async () => {
   const client = new MeshClient(BROKER, { agentId: 'NodeCaller' });
   try {
