@@ -64,8 +64,12 @@ STATE_META = PREFIX + "state-meta"
 """Hash: key -> {"version", "updated_by", "updated_at"}."""
 LOCKS = PREFIX + "locks"
 """Hash: key -> {"holder", "token", "expires"} (expires in ms since the epoch)."""
-POLL_SECONDS = 0.01
-"""How often a waiting lock request looks again."""
+UNLOCKED = PREFIX + "unlocked"
+"""Channel: a lock was released (its key); lock requests waiting on any replica look again."""
+RECHECK_SECONDS = 0.1
+"""How long a waiting lock request waits for a release before it looks again anyway (a lock
+whose lease lapsed is released by nobody; a release may be missed while a replica
+resubscribes)."""
 
 _WRITE_INSIGHT = """
 if redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
@@ -192,6 +196,7 @@ if not lock then return 0 end
 local held = cjson.decode(lock)
 if held.token ~= ARGV[2] or held.expires <= tonumber(ARGV[3]) then return 0 end
 redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('PUBLISH', ARGV[4], ARGV[1])
 return 1
 """
 
@@ -302,6 +307,14 @@ class RedisSharedState:
         self.max_writers = max_writers
         self.capacity = capacity
         self.max_value_bytes = max_value_bytes
+        self._waiting: set[asyncio.Future[None]] = set()
+        """Lock requests of this replica waiting for a release."""
+        store.follow(UNLOCKED, self._released)
+
+    def _released(self, _key: bytes) -> None:
+        for waiter in self._waiting:
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def get(self, key: str) -> StateEntry:
         check_key(key)
@@ -373,21 +386,32 @@ class RedisSharedState:
         ticket = f"{_now_ms() + int(wait * 1000) + 1000}:{secrets.token_hex(8)}"
         arrival = time.time_ns() // 1000
         token = secrets.token_urlsafe(18)
+        loop = asyncio.get_running_loop()
         try:
             while True:
-                answer = await self.store._call(
-                    "eval", _LOCK, 2, LOCKS, line, key, agent_id, ticket, _now_ms(),
-                    int(lease * 1000), self.max_writers, token, arrival,
-                )  # fmt: skip
-                if _text(answer[0]) == "GRANTED":
-                    expires = _at(int(_text(answer[2])))
-                    return StateLock(key, agent_id, _text(answer[1]), expires)
-                if time.monotonic() >= deadline:
-                    raise StateConflictError(
-                        f"could not lock {key!r} within {wait:g} s: {_text(answer[1])}",
-                        reason="LOCK_TIMEOUT",
-                    )
-                await asyncio.sleep(POLL_SECONDS)
+                # Waiting for a release from before the attempt: one published while it runs
+                # sends it round again at once.
+                released: asyncio.Future[None] = loop.create_future()
+                self._waiting.add(released)
+                try:
+                    answer = await self.store._call(
+                        "eval", _LOCK, 2, LOCKS, line, key, agent_id, ticket, _now_ms(),
+                        int(lease * 1000), self.max_writers, token, arrival,
+                    )  # fmt: skip
+                    if _text(answer[0]) == "GRANTED":
+                        expires = _at(int(_text(answer[2])))
+                        return StateLock(key, agent_id, _text(answer[1]), expires)
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise StateConflictError(
+                            f"could not lock {key!r} within {wait:g} s: {_text(answer[1])}",
+                            reason="LOCK_TIMEOUT",
+                        )
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(min(left, RECHECK_SECONDS)):
+                            await released
+                finally:
+                    self._waiting.discard(released)
         finally:
             # Out of the line, granted or not (a ticket left behind would lapse by itself).
             await asyncio.shield(self._leave(line, ticket))
@@ -398,7 +422,9 @@ class RedisSharedState:
 
     async def unlock(self, key: str, token: str) -> None:
         check_key(key)
-        released = await self.store._call("eval", _UNLOCK, 1, LOCKS, key, token, _now_ms())
+        released = await self.store._call(
+            "eval", _UNLOCK, 1, LOCKS, key, token, _now_ms(), UNLOCKED
+        )
         if not int(released):
             raise lock_not_held(key)
 

@@ -446,6 +446,13 @@ class RedisQueueStore:
         """Since when this replica's beats have reached the store without a break (ms)."""
         self._last_beat = 0
         """When this replica last beat (ms)."""
+        self._followed: dict[str, Callable[[bytes], None]] = {}
+        """Channels of other parts of the mesh kept in this Redis, and their handlers."""
+
+    def follow(self, channel: str, handler: Callable[[bytes], None]) -> None:
+        """Calls ``handler`` with what is published on ``channel`` once this replica watches
+        the others (:meth:`watch`; a channel followed later is heard after a resubscription)."""
+        self._followed[channel] = handler
 
     def shared_memory(self) -> tuple[Any, Any]:
         """The shared memory pool and shared state, in this Redis: every replica sees the
@@ -1057,7 +1064,9 @@ class RedisQueueStore:
             self._pubsub = self._pubsub_client.pubsub(ignore_subscribe_messages=True)
         else:
             self._pubsub = client.pubsub(ignore_subscribe_messages=True)
-        await self._pubsub.subscribe(WAKE, REGISTRY, self._answers(self.replica_id))
+        await self._pubsub.subscribe(
+            WAKE, REGISTRY, self._answers(self.replica_id), *self._followed
+        )
         # A SUBSCRIBE can go out on a connection that is already dead: an answered PING
         # says the subscription is really there.
         await self._pubsub.ping()
@@ -1110,6 +1119,8 @@ class RedisQueueStore:
             listener.on_agent_changed(agent_id, await self.saved_agent(agent_id))
         elif channel == self._answers(self.replica_id):
             listener.on_answer(_message(data))
+        elif (handler := self._followed.get(channel)) is not None:
+            handler(data)
 
     async def close(self) -> None:
         if self._tasks:  # puts already sent to Redis get their answers

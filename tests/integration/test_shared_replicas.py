@@ -9,8 +9,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from mesh import LockNotHeldError, StateConflictError, connect
+from mesh import LockNotHeldError, StateConflictError, connect, redis_shared
 from mesh.client import NO_RETRY, MeshClient
+from mesh.config import BrokerConfig
+from mesh.core.broker import Broker
+from mesh.redis_store import RedisQueueStore
 from tests.helpers.processes import BROKER_READY, Proc, start, stop
 
 pytestmark = pytest.mark.processes
@@ -156,3 +159,36 @@ async def test_at_most_five_writers_hold_locks_across_replicas(
     finally:
         for client in clients:
             await client.close()
+
+
+@pytest.fixture(params=["redis", "redis-cluster"])
+def one_redis(request: pytest.FixtureRequest) -> str:
+    return str(
+        request.getfixturevalue("redis_url" if request.param == "redis" else "redis_cluster_url")
+    )
+
+
+async def test_a_release_through_one_replica_wakes_the_lock_request_waiting_on_another(
+    one_redis: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A waiting lock request is woken by the release (published by the unlock script), not
+    by looking again: with the look-again interval made 30 s (and a lock timeout of 60 s, so
+    that the wait's own end cannot be what ends it), it still gets the lock at once."""
+    monkeypatch.setattr(redis_shared, "RECHECK_SECONDS", 30.0)
+    a = Broker(BrokerConfig(), store=RedisQueueStore(one_redis))
+    b = Broker(BrokerConfig(), store=RedisQueueStore(one_redis))
+    patient = redis_shared.RedisSharedState(b.store, lock_timeout=60)  # type: ignore[arg-type]
+    await a.start()
+    await b.start()  # follows the other replicas, releases included
+    try:
+        held = await a.state.lock("budget", "Planner", lease=10)
+        waiting = asyncio.create_task(patient.lock("budget", "Buyer", wait=60))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()  # held by the Planner: the Buyer waits
+        await a.state.unlock("budget", held.token)
+        theirs = await asyncio.wait_for(waiting, 10)  # far less than a look again's 30 s
+        assert theirs.holder == "Buyer"
+        await patient.unlock("budget", theirs.token)
+    finally:
+        await a.stop()
+        await b.stop()
