@@ -182,8 +182,6 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     async def Broadcast(
         self, request: broker_pb2.BroadcastRequest, context: Any
     ) -> broker_pb2.BroadcastResponse:
-        if not request.HasField("message"):
-            raise _invalid("message", "message is required")
         response = broker_pb2.BroadcastResponse()
         await _broadcast(self.broker, request, response)
         return response
@@ -416,10 +414,8 @@ class _Session:
             elif kind == "request":
                 self._spawn(seq, self._request(seq, frame.request))
             elif kind == "broadcast":
-                if not frame.broadcast.HasField("message"):
-                    raise _invalid("broadcast.message", "message is required")
                 out = broker_pb2.ConnectResponse(seq=seq)
-                await _broadcast(self.broker, frame.broadcast, out.broadcasted)
+                await _broadcast(self.broker, frame.broadcast, out.broadcasted, "broadcast.")
                 if seq:
                     await self._answer(out)
             elif kind == "ack":
@@ -605,9 +601,15 @@ def _inbound(broker: Broker, pb: message_pb2.Message, *, gather: bool = False) -
 
 
 async def _broadcast(
-    broker: Broker, request: broker_pb2.BroadcastRequest, out: broker_pb2.BroadcastResponse
+    broker: Broker,
+    request: broker_pb2.BroadcastRequest,
+    out: broker_pb2.BroadcastResponse,
+    where: str = "",
 ) -> None:
-    """Runs a broadcast (a `Broadcast` call or a session's `broadcast` frame) into ``out``."""
+    """Runs a broadcast (a `Broadcast` call, or a session's `broadcast` frame: its fields are
+    named ``where`` + field in a refusal) into ``out``."""
+    if not request.HasField("message"):
+        raise _invalid(f"{where}message", "message is required")
     outcome = await broker.broadcast(_inbound(broker, request.message), request.agent_types)
     out.message_id = outcome.message.message_id
     out.recipients.extend(outcome.recipients)
