@@ -2,7 +2,11 @@
 
 `python -m benchmarks.baseline echo` serves an echo stream; `... relay --upstream ADDR` serves a
 stream that forwards every frame to the echo server and relays the answer back: the shape of a
-brokered round trip (client -> relay -> echo -> relay -> client).
+brokered round trip (client -> relay -> echo -> relay -> client). `... echo --stamp` answers
+each frame with the wall-clock time it got it instead (8 bytes), and `... fanout --upstream A
+--upstream B ...` forwards every frame to each of its upstreams and answers with their answers
+together, in upstream order: the shape of a broadcast to agents in several processes, and of
+the gather that collects their answers.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import struct
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,6 +34,52 @@ def _identity(data: bytes) -> bytes:
 async def _echo(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
     async for frame in requests:
         yield frame
+
+
+async def _stamp(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+    async for _ in requests:
+        yield struct.pack("<d", time.time())
+
+
+def stamps(answer: bytes) -> list[float]:
+    """The wall-clock times in a fan-out's answer (one per upstream)."""
+    return [t for (t,) in struct.iter_unpack("<d", answer)]
+
+
+def _fanout(upstreams: list[str]) -> Any:
+    channels = [grpc.aio.insecure_channel(address) for address in upstreams]
+
+    async def fanout(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+        calls = [
+            channel.stream_stream(
+                METHOD, request_serializer=_identity, response_deserializer=_identity
+            )()
+            for channel in channels
+        ]
+        answers: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def forward() -> None:
+            async for frame in requests:  # to every upstream at once
+                await asyncio.gather(*(call.write(frame) for call in calls))
+            for call in calls:
+                await call.done_writing()
+
+        async def collect() -> None:
+            while True:
+                got = [await call.read() for call in calls]
+                if any(frame is grpc.aio.EOF for frame in got):
+                    return
+                answers.put_nowait(b"".join(f for f in got if isinstance(f, bytes)))
+
+        tasks = [asyncio.create_task(forward()), asyncio.create_task(collect())]
+        try:
+            while True:
+                yield await answers.get()
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    return fanout
 
 
 def _relay(upstream: str) -> Any:
@@ -53,12 +105,8 @@ def _relay(upstream: str) -> Any:
     return relay
 
 
-async def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("role", choices=["echo", "relay"])
-    parser.add_argument("--upstream")
-    args = parser.parse_args()
-    handler = _echo if args.role == "echo" else _relay(args.upstream)
+async def start(handler: Any, host: str = "127.0.0.1") -> tuple[grpc.aio.Server, str]:
+    """A server of the bench.Echo stream with ``handler``, on a free port; and its address."""
     server = grpc.aio.server()
     server.add_generic_rpc_handlers(
         [
@@ -72,9 +120,27 @@ async def main() -> None:
             )
         ]
     )
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"{host}:0")
     await server.start()
-    print(f"baseline {args.role} listening on 127.0.0.1:{port}", flush=True)
+    return server, f"{host}:{port}"
+
+
+def handler_for(role: str, upstreams: list[str], *, stamp: bool = False) -> Any:
+    if role == "echo":
+        return _stamp if stamp else _echo
+    if role == "relay":
+        return _relay(upstreams[0])
+    return _fanout(upstreams)
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("role", choices=["echo", "relay", "fanout"])
+    parser.add_argument("--upstream", action="append", default=[])
+    parser.add_argument("--stamp", action="store_true", help="echo: answer with the time")
+    args = parser.parse_args()
+    server, address = await start(handler_for(args.role, args.upstream, stamp=args.stamp))
+    print(f"baseline {args.role} listening on {address}", flush=True)
     await _until_signalled()
     await server.stop(0.5)
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 
-from benchmarks.baseline import StreamClient
+from benchmarks.baseline import StreamClient, stamps
 from gateway.client import GatewayClient
 from mesh import MessageType, Priority, connect
 from mesh.codec import message_to_pb
@@ -133,6 +133,9 @@ class Mesh:
     gateway: Proc
     echo: Proc
     relay: Proc
+    fanout: Proc
+    """Raw gRPC: forwards each frame to the five stampers (the broadcast's physical limit)."""
+    stampers: list[Proc] = field(default_factory=list)
     agents: list[Proc] = field(default_factory=list)
     procs: list[Proc] = field(default_factory=list)
 
@@ -211,7 +214,22 @@ async def start_mesh() -> Mesh:
             ready=r"listening on (\S+)",
         )
         procs.extend([gateway, echo, relay])
-        return Mesh(broker, gateway, echo, relay, list(agents), procs)
+        stampers = await asyncio.gather(
+            *(
+                spawn("-m", "benchmarks.baseline", "echo", "--stamp", ready=r"listening on (\S+)")
+                for _ in range(5)
+            )
+        )
+        procs.extend(stampers)
+        fanout = await spawn(
+            "-m",
+            "benchmarks.baseline",
+            "fanout",
+            *(arg for stamper in stampers for arg in ("--upstream", stamper.address)),
+            ready=r"listening on (\S+)",
+        )
+        procs.append(fanout)
+        return Mesh(broker, gateway, echo, relay, fanout, list(stampers), list(agents), procs)
     except BaseException:
         await stop_all(procs)
         raise
@@ -447,6 +465,7 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
     meter = mesh.meter()
     relay1 = StreamClient(mesh.echo.address)
     relay2 = StreamClient(mesh.relay.address)
+    fanout = StreamClient(mesh.fanout.address)
     try:
         out["baseline.hop1"] = await measured(
             "baseline.hop1", lambda: relay1.roundtrip(payload), n, w, hop1_meter
@@ -462,9 +481,28 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
         out["baseline.relay2"].update(
             await rate_with_cost(relay_op, 64, s.throughput_seconds, relay_meter)
         )
+        # The physical limit of broadcast5: one frame to five processes through a raw relay,
+        # until the last has it (each answers with the time it got it) and until every answer
+        # is back (the shape of the gather around broadcast5).
+        fanned: list[float] = []
+
+        async def fanout_op() -> float:
+            sent_at, started = time.time(), time.perf_counter()
+            answer = await fanout.roundtrip(payload)
+            fanned.append(time.perf_counter() - started)
+            return max(stamps(answer)) - sent_at
+
+        fanout_meter = CpuMeter(
+            {"relay": [mesh.fanout.pid], "echo": [p.pid for p in mesh.stampers]}
+        )
+        out["baseline.fanout5"] = await measured(
+            "baseline.fanout5", fanout_op, n // 4, w // 4, fanout_meter, own_latency=True
+        )
+        out["baseline.fanout5_gather"] = stats(fanned[-(n // 4) :])
     finally:
         await relay1.close()
         await relay2.close()
+        await fanout.close()
 
     async with connect(mesh.broker.address, agent_id="driver") as client:
         await client.register()
@@ -984,6 +1022,14 @@ def to_markdown(report: dict[str, Any]) -> str:
             f"| {c['what']} (`{c['figure']}`) | {c['value']:.3f} | {c['target']} | "
             f"{'PASS' if c['pass'] else 'FAIL'} |"
         )
+    if (limit := f.get("baseline.fanout5")) and (b5 := f.get("broadcast5")):
+        lines += [
+            "",
+            f"The physical limit of a broadcast to 5 processes on this machine: raw grpc.aio, "
+            f"one frame relayed to five processes, is with the last of them at p50 "
+            f"{limit['p50_ms']:.3f} ms (`baseline.fanout5`); broadcast5 takes "
+            f"{b5['p50_ms'] / limit['p50_ms']:.2f}x that.",
+        ]
     return "\n".join(lines) + "\n"
 
 
