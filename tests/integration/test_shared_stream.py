@@ -254,6 +254,13 @@ async def test_a_broadcast_travels_on_the_stream_and_says_who_could_not_take_it(
         [refusal] = await _read(call)
         assert (refusal.seq, refusal.WhichOneof("frame")) == (2, "error")
         assert refusal.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        # A message the broker refuses is refused by seq, and the session goes on.
+        no_content = broker_pb2.ConnectRequest(seq=3)
+        no_content.broadcast.message.from_agent = "sender"
+        refused = await _call(call, no_content)
+        assert refused.WhichOneof("frame") == "error"
+        assert refused.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert refused.error.message == "content is required"
         await call.done_writing()
 
         shipping = await client.receive("Shipping")
