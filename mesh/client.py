@@ -955,13 +955,16 @@ class MeshClient:
         agent_ids: Iterable[str] = (),
         agent_types: Iterable[str] = (),
         timeout: float | None = None,
+        all_or_none: bool = False,
         **options: Any,
     ) -> AsyncGenerator[GatherResult, None]:
         """Asks several agents at once; yields each agent's answer (or error) as it arrives.
 
         The copies are BROADCAST messages sharing one id (REQUEST or HANDOFF when a prepared
         message of that type is given); agents that do not answer within ``timeout`` seconds
-        come last, with RequestTimeoutError.
+        come last, with RequestTimeoutError. An agent of ``agent_ids`` that is not registered
+        comes with AgentNotFoundError; with ``all_or_none`` it raises that, and nobody is
+        asked.
         """
         timeout = self.default_timeout if timeout is None else timeout
         if isinstance(content, Message):
@@ -973,6 +976,7 @@ class MeshClient:
         request = frame.gather
         request.agent_ids.extend(agent_ids)
         request.agent_types.extend(agent_types)
+        request.all_or_none = all_or_none
         codec.message_to_pb(with_trace(message), request.message)
         codec.seconds_to_duration(timeout, request.timeout)
         session = await self._open_session()
@@ -1008,7 +1012,7 @@ class MeshClient:
         counters' terms are taken over the proposal's), for at most ``rounds`` rounds (3),
         then NO_AGREEMENT. A peer that has not answered when ``timeout`` (5 s, for the whole
         negotiation) is up: TIMED_OUT. At most 10 peers. A peer that is not registered raises
-        AgentNotFoundError.
+        AgentNotFoundError before any peer is asked.
         """
         proposer = from_agent or self.agent_id
         peers = list(peers)
@@ -1030,7 +1034,9 @@ class MeshClient:
             replies: dict[str, negotiation.Reply] = {}
             missing = []
             remaining = max(deadline - time.monotonic(), 0.001)
-            async for result in self.gather(message, agent_ids=peers, timeout=remaining):
+            # All or none: a peer that is not registered ends it before anyone is asked.
+            gathered = self.gather(message, agent_ids=peers, timeout=remaining, all_or_none=True)
+            async for result in gathered:
                 if result.response is not None:
                     answer = result.response
                     if answer.message_type is MessageType.ERROR:

@@ -222,6 +222,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
             agent_ids=list(request.agent_ids),
             agent_types=list(request.agent_types),
             timeout=timeout,
+            all_or_none=request.all_or_none,
         )
         try:
             async for item in items:
@@ -481,6 +482,7 @@ class _Session:
             agent_ids=list(request.agent_ids),
             agent_types=list(request.agent_types),
             timeout=timeout,
+            all_or_none=request.all_or_none,
         )
         # Answers are posted, not awaited one by one: those that come while a write is in
         # flight go in the next one. At most MAX_POSTED wait to be written.

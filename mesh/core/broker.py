@@ -726,12 +726,14 @@ class Broker:
         agent_ids: Sequence[str] = (),
         agent_types: Sequence[str] = (),
         timeout: float | None = None,
+        all_or_none: bool = False,
     ) -> AsyncGenerator[GatherItem, None]:
         """Asks several agents at once and yields each one's answer as it arrives.
 
         Every copy shares the message id; agents that cannot be asked, or do not answer
         within ``timeout`` seconds, are yielded with an error. Scatter-gather for patterns
-        such as group chat and collaborative filtering.
+        such as group chat and collaborative filtering. With ``all_or_none``, an agent of
+        ``agent_ids`` that is not registered raises AgentNotFoundError before anyone is asked.
         """
         timeout = self.config.default_request_timeout if timeout is None else timeout
         correlation_id = message.correlation_id or message.message_id
@@ -748,6 +750,18 @@ class Broker:
         self._validate(message, 0)
         if agent_ids:
             targets = list(dict.fromkeys(agent_ids))
+            if all_or_none:
+                unknown = [
+                    a
+                    for a in targets
+                    if a not in self.registry and not await self._known_elsewhere(a)
+                ]
+                if unknown:
+                    raise AgentNotFoundError(
+                        f"agent {', '.join(unknown)} is not registered"
+                        if len(unknown) == 1
+                        else f"agents {', '.join(unknown)} are not registered"
+                    )
         else:
             infos = self.registry.of_types(agent_types) if agent_types else self.registry.agents()
             targets = [a.agent_id for a in infos if a.agent_id != message.from_agent]

@@ -763,6 +763,12 @@ class GatherRequest(_message.Message):
     AGENT_IDS_FIELD_NUMBER: _builtins.int
     AGENT_TYPES_FIELD_NUMBER: _builtins.int
     TIMEOUT_FIELD_NUMBER: _builtins.int
+    ALL_OR_NONE_FIELD_NUMBER: _builtins.int
+    all_or_none: _builtins.bool
+    """When set, an agent of agent_ids that is not registered refuses the whole gather with
+    NOT_FOUND before any copy is sent (a negotiation asks nobody when it cannot go on);
+    otherwise that agent's outcome is the error and the others are asked.
+    """
     @_builtins.property
     def message(self) -> _message_pb2.Message:
         """The message; to_agent is set per recipient. Its type is kept when it is REQUEST or
@@ -790,10 +796,11 @@ class GatherRequest(_message.Message):
         agent_ids: _abc.Iterable[_builtins.str] | None = ...,
         agent_types: _abc.Iterable[_builtins.str] | None = ...,
         timeout: _duration_pb2.Duration | None = ...,
+        all_or_none: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_ids", b"agent_ids", "agent_types", b"agent_types", "message", b"message", "timeout", b"timeout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_ids", b"agent_ids", "agent_types", b"agent_types", "all_or_none", b"all_or_none", "message", b"message", "timeout", b"timeout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -183,11 +183,15 @@ async def test_limits_are_refused_before_anything_is_sent(
             await buyer.negotiate(peers, {"price": 1}, **options)
         assert [v.field for v in caught.value.field_violations] == [field]
     assert seller.seen == []
-    with pytest.raises(AgentNotFoundError):
+    # A peer that is not registered: refused before any peer is asked.
+    with pytest.raises(AgentNotFoundError, match="Nobody is not registered"):
         await buyer.negotiate(["Seller0", "Nobody"], {"price": 50})
     # A negotiation that ran is logged as one structured event.
     caplog.set_level(logging.INFO, logger="mesh.client")
     await buyer.negotiate(["Seller0"], {"price": 50}, topic="desk")
+    # (a proposal of the refused negotiation would have reached Seller0 first, in order)
+    [proposal] = seller.seen
+    assert proposal.parameters["topic"] == "desk"
     events = [getattr(r, "event", {}) for r in caplog.records]
     [event] = [json.loads(json.dumps(e)) for e in events if e.get("category") == "negotiation"]
     assert event["peers"] == ["Seller0"] and event["status"] == "AGREED" and event["rounds"] == 1

@@ -251,11 +251,12 @@ class MeshClient {
    * last, with error.reason DEADLINE_EXCEEDED or TIMEOUT).
    */
   gather(content, { agentIds = [], agentTypes = [], timeoutMs = 5000, type = 'BROADCAST',
-    ...options } = {}) {
+    allOrNone = false, ...options } = {}) {
     const message = buildMessage({ from: this.agentId, to: 'broadcast', type, content,
       ...options });
     const call = this.broker.Gather(
-      { message, agent_ids: agentIds, agent_types: agentTypes, timeout: toDuration(timeoutMs) },
+      { message, agent_ids: agentIds, agent_types: agentTypes, timeout: toDuration(timeoutMs),
+        all_or_none: allOrNone },
       this.broker.meshMetadata || new grpc.Metadata(),
       { deadline: Date.now() + timeoutMs + 5000 },
     );
@@ -301,6 +302,7 @@ class MeshClient {
         { action: 'negotiate',
           parameters: { negotiation_id: negotiationId, topic, round, proposal: terms } },
         { agentIds: peers, timeoutMs: Math.max(deadline - Date.now(), 1), type: 'REQUEST',
+          allOrNone: true, // a peer that is not registered: nobody is asked
           metadata: { negotiation_id: negotiationId, round } },
       );
       const replies = new Map();

@@ -401,10 +401,12 @@ test('shared state: versions, compare-and-set and locks, beside the Python agent
 });
 
 test('a Node agent negotiates with a peer directly (RT-011 peer-to-peer)', async () => {
+  const proposals = [];
   const seller = await serveAgent({
     broker: BROKER,
     agentId: 'NodeSeller',
     handler: async (message) => {
+      proposals.push(message.content.parameters.proposal);
       const { price } = message.content.parameters.proposal;
       return price >= 90 ? { decision: 'accept' } : { decision: 'counter', proposal: { price: 90 } };
     },
@@ -419,6 +421,12 @@ test('a Node agent negotiates with a peer directly (RT-011 peer-to-peer)', async
       (err) => err.codeName === 'INVALID_ARGUMENT');
     await assert.rejects(buyer.negotiate(['NobodyHere'], { price: 1 }),
       (err) => err.codeName === 'NOT_FOUND');
+    // One peer not registered: the negotiation ends before the other is asked anything.
+    await assert.rejects(buyer.negotiate(['NodeSeller', 'NobodyHere'], { price: 2 }),
+      (err) => err.codeName === 'NOT_FOUND' && /NobodyHere is not registered/.test(err.message));
+    const after = await buyer.negotiate(['NodeSeller'], { price: 95 });
+    assert.equal(after.status, 'AGREED');
+    assert.deepEqual(proposals.map((p) => p.price), [60, 90, 95]); // never the 2
   } finally {
     buyer.close();
     await seller.stop();
