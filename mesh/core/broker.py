@@ -758,7 +758,7 @@ class Broker:
                 ]
                 if unknown:
                     raise AgentNotFoundError(
-                        f"agent {', '.join(unknown)} is not registered"
+                        f"agent {unknown[0]} is not registered"
                         if len(unknown) == 1
                         else f"agents {', '.join(unknown)} are not registered"
                     )
