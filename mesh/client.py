@@ -772,7 +772,7 @@ class MeshClient:
 
     async def _settle_lingering(self) -> None:
         """Writes the acks and nacks this client's subscriptions hold back for company before
-        its next call, so that what it asks next (queue stats, a receive) sees them."""
+        it asks the broker something (a unary call, a receive), so that the answer sees them."""
         settling = [task for sub in self._subscriptions for task in sub._settle_now()]
         if settling:
             await asyncio.gather(*settling, return_exceptions=True)
@@ -1164,6 +1164,7 @@ class MeshClient:
         """
 
         async def attempt() -> broker_pb2.ReceiveMessagesResponse:
+            await self._settle_lingering()  # (as a unary call does: it asks, so it writes first)
             session = await self._open_session()
             frame = broker_pb2.ConnectRequest()
             frame.receive.agent_id = agent_id or self.agent_id

@@ -496,6 +496,13 @@ async def test_a_clients_next_call_writes_the_acks_it_holds_back_first(mesh: Loc
             async with asyncio.timeout(5):
                 while (await client.queue_stats("Worker")).agents[0].in_flight:  # noqa: ASYNC110
                     await asyncio.sleep(0.01)  # (their frame and the call are two streams)
+            # A receive (it travels on the session, not as a call of its own) does the same.
+            for i in range(3, 5):
+                await client.send("Worker", {"action": "w", "i": i})
+                await (await sub.__anext__()).ack()
+            assert worker.stats.settle_frames == 2  # both linger (a steady flow)
+            assert await worker.receive("Worker") == []
+            assert worker.stats.settle_frames == 3
 
 
 async def test_acks_go_at_once_when_half_the_window_is_outstanding(mesh: LocalMesh) -> None:
