@@ -278,28 +278,49 @@ test('what a session is sent while it closes goes back to the queue as never del
     }
   });
 
+/** Sends `count` work messages ({action: 'work', parameters: {i}}) to agentId, in order. */
+async function sendWork(client, agentId, count) {
+  for (let i = 0; i < count; i += 1) {
+    await client.send(agentId, { action: 'work', parameters: { i } });
+  }
+}
+
+/**
+ * A session of agentId that handles work messages: `handled` lists their i's as they come,
+ * and `all` resolves once `count` were handled.
+ */
+function handleWork(client, agentId, count, options) {
+  const handled = [];
+  let done;
+  const all = new Promise((resolve) => { done = resolve; });
+  const session = client.session(async (message) => {
+    handled.push(message.content.parameters.i);
+    if (handled.length === count) done();
+    return null;
+  }, { agentId, ...options });
+  return { session, handled, all };
+}
+
+/** The ack frames the session writes from now on, as the number of ids in each. */
+function ackFrames(session) {
+  const acked = [];
+  const write = session.write.bind(session);
+  session.write = (frame) => {
+    if (frame.ack) acked.push(frame.ack.message_ids.length);
+    return write(frame);
+  };
+  return acked;
+}
+
 test('a session acks the deliveries of one frame in one frame, and none is redelivered',
   async () => {
     const client = new MeshClient(BROKER, { agentId: 'NodeBatchShop' });
     try {
       await client.register({ agentId: 'NodeBatchAgent' });
-      for (let i = 0; i < 10; i += 1) {
-        await client.send('NodeBatchAgent', { action: 'work', parameters: { i } });
-      }
-      const handled = [];
-      let done;
-      const all = new Promise((resolve) => { done = resolve; });
-      const session = client.session(async (message) => {
-        handled.push(message.content.parameters.i);
-        if (handled.length === 10) done();
-        return null;
-      }, { agentId: 'NodeBatchAgent', maxInFlight: 16, maxBatch: 16 });
-      const acked = [];
-      const write = session.write.bind(session);
-      session.write = (frame) => {
-        if (frame.ack) acked.push(frame.ack.message_ids.length);
-        return write(frame);
-      };
+      await sendWork(client, 'NodeBatchAgent', 10);
+      const { session, handled, all } = handleWork(client, 'NodeBatchAgent', 10,
+        { maxInFlight: 16, maxBatch: 16 });
+      const acked = ackFrames(session);
       await all;
       await session.close();
       assert.deepEqual(handled, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]);
@@ -321,12 +342,7 @@ test('a steady trickle of acks shares a frame, and closing sends it at once', as
       return null;
     }, { agentId: 'NodeTrickleAgent', maxInFlight: 64, ackLingerMs: 30000 });
     await new Promise((resolve) => { session.once('subscribed', resolve); });
-    const acked = [];
-    const write = session.write.bind(session);
-    session.write = (frame) => {
-      if (frame.ack) acked.push(frame.ack.message_ids.length);
-      return write(frame);
-    };
+    const acked = ackFrames(session);
     const seen = [];
     for (let i = 0; i < 5; i += 1) { // one at a time: each handled before the next is sent
       const done = new Promise((resolve) => { handled = resolve; });
@@ -349,20 +365,11 @@ test('acks go at once when half the window is outstanding', async () => {
   const client = new MeshClient(BROKER, { agentId: 'NodeWindowShop' });
   try {
     await client.register({ agentId: 'NodeWindowAgent' });
-    for (let i = 0; i < 6; i += 1) {
-      await client.send('NodeWindowAgent', { action: 'work', parameters: { i } });
-    }
-    const handled = [];
-    let done;
-    const all = new Promise((resolve) => { done = resolve; });
-    const session = client.session(async (message) => {
-      handled.push(message.content.parameters.i);
-      if (handled.length === 6) done();
-      return null;
-    }, { agentId: 'NodeWindowAgent', maxInFlight: 2, maxBatch: 2, ackLingerMs: 30000 });
-    const timeout = setTimeout(() => done(), 10000); // a lingering ack would hold it for 30 s
-    await all;
-    clearTimeout(timeout);
+    await sendWork(client, 'NodeWindowAgent', 6);
+    const { session, handled, all } = handleWork(client, 'NodeWindowAgent', 6,
+      { maxInFlight: 2, maxBatch: 2, ackLingerMs: 30000 });
+    // A lingering ack would hold the window for 30 s: give up waiting after 10.
+    await Promise.race([all, new Promise((resolve) => { setTimeout(resolve, 10000).unref(); })]);
     await session.close();
     assert.deepEqual(handled, [0, 1, 2, 3, 4, 5]);
   } finally {
