@@ -204,6 +204,7 @@ class SqliteJournal:
                 except Exception as exc:  # reported to every waiter, and to later syncs
                     logger.exception("the queue store failed to commit %d changes", len(ops))
                     error = self._failure = exc
+            del ops  # what was written is not kept until the next batch
             with self._lock:
                 self._writing = False
             for future in waiters:

@@ -7,6 +7,7 @@ a three-node Redis Cluster); the durable and Redis stores' own tests are at the 
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -403,6 +404,46 @@ async def test_low_priority_flood_leaves_room_for_high(store: QueueStore) -> Non
         await store.put(msg("more", priority=Priority.HIGH), 3600)
     lease = await store.lease("PaymentAgent", "s", 30)
     assert lease is not None and lease.message.message_id == "urgent"
+
+
+def messages_alive() -> int:
+    gc.collect()
+    return sum(isinstance(o, Message) for o in gc.get_objects())
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+async def test_what_was_acked_or_expired_is_not_kept(
+    kind: str, tmp_path: Path, clock: FakeClock
+) -> None:
+    """A store in this process keeps what it holds, not what it held: 5,000 messages acked
+    with an hour of TTL left, and 5,000 that expired in a queue nobody reads, leave at most a
+    bounded remainder alive (the expiry and lease heaps used to keep every acked message
+    until its TTL ended: 36 million at 10,000 a second)."""
+    options = {"max_messages_per_agent": 10, "max_total_messages": 100, "clock": clock}
+    store: QueueStore = (
+        InMemoryQueueStore(**options)
+        if kind == "memory"
+        else SqliteQueueStore(tmp_path / "q.db", **options)
+    )
+    before = messages_alive()
+    for i in range(5000):
+        await store.put(msg(f"acked{i}"), 3600)
+        lease = await store.lease("PaymentAgent", "s", 30)
+        assert lease is not None
+        assert await store.ack("PaymentAgent", [lease.message.message_id]) == 1
+    del lease
+    await store.sync()  # the durable store's journal holds its changes until they are written
+    assert messages_alive() - before < 1100
+    for i in range(5000):
+        await store.put(msg(f"unread{i}", to="AuditAgent"), 1)
+        clock.advance(2)
+        if i % 100 == 0:
+            await store.sweep()
+    await store.sweep()
+    await store.sync()  # the durable store's journal holds its changes until they are written
+    assert await store.held() == 0
+    assert messages_alive() - before < 1100
+    await store.close()
 
 
 # -- the durable store ---------------------------------------------------------------------
