@@ -22,14 +22,14 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from mesh.core.errors import MessageQueueFullError
 from mesh.core.model import AgentInfo, DeadLetter, Message, Priority, utc_now
 
 Clock = Callable[[], float]
 WallClock = Callable[[], datetime]
-_T = TypeVar("_T")
+_T = TypeVar("_T", bound=tuple[Any, ...])
 
 
 @dataclass(frozen=True, slots=True)
