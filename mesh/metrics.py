@@ -12,13 +12,22 @@ exposition is the same (``_total``, ``_bucket``/``_sum``/``_count``).
 
 from __future__ import annotations
 
+import asyncio
 import bisect
+import concurrent.futures
+import logging
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Gauge
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.utils import floatToGoString
 
 LATENCY_BUCKETS = (
@@ -153,6 +162,58 @@ class LoopMetrics:
             yield metric.collect()
 
 
+logger = logging.getLogger("mesh.metrics")
+
+REFRESH_TIMEOUT = 2.0
+"""Seconds a scrape waits for the queue gauges to be read; past it, it shows the last read."""
+
+
+class QueueGauges:
+    """``agentmesh_queue_depth`` (per agent) and ``agentmesh_messages_held``, as the broker
+    last read them from its store. A scrape from another thread (the /metrics server) first
+    asks the broker's loop to read them again (:attr:`refresh`), so what it shows is what the
+    queues hold at that moment; the broker also reads them after changes, between scrapes."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.depths: dict[str, int] = {}
+        self.held = 0
+        self.refresh: Callable[[], Coroutine[Any, Any, None]] | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        registry.register(self)
+
+    def collect(self) -> Iterator[Metric]:
+        self._refresh()
+        depth = GaugeMetricFamily(
+            "agentmesh_queue_depth", "Messages waiting per agent.", labels=["agent"]
+        )
+        for agent_id, waiting in sorted(self.depths.items()):
+            depth.add_metric([agent_id], waiting)
+        yield depth
+        yield GaugeMetricFamily(
+            "agentmesh_messages_held",
+            "Messages held by the broker (waiting and in flight).",
+            value=self.held,
+        )
+
+    def _refresh(self) -> None:
+        loop, refresh = self.loop, self.refresh
+        if loop is None or refresh is None or loop.is_closed() or not loop.is_running():
+            return
+        try:
+            if asyncio.get_running_loop() is loop:
+                return  # collected on the loop itself: it cannot wait for itself
+        except RuntimeError:
+            pass
+        future = asyncio.run_coroutine_threadsafe(refresh(), loop)
+        try:
+            future.result(REFRESH_TIMEOUT)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            logger.warning("the queue gauges were not read within %.0f s", REFRESH_TIMEOUT)
+        except Exception as error:  # the scrape shows the last values
+            logger.warning("the queue gauges could not be read: %s", error)
+
+
 class BrokerMetrics:
     """The broker's counters, gauges and latency histograms (RT-011 required metrics)."""
 
@@ -201,14 +262,7 @@ class BrokerMetrics:
             "Answers that came after their request or gather had ended (given up, past its"
             " deadline, or answered already): dropped.",
         )
-        self.queue_depth = Gauge(
-            "agentmesh_queue_depth", "Messages waiting per agent.", ["agent"], registry=r
-        )
-        self.messages_held = Gauge(
-            "agentmesh_messages_held",
-            "Messages held by the broker (waiting and in flight).",
-            registry=r,
-        )
+        self.queues = QueueGauges(r)
 
         def histogram(name: str, doc: str) -> LoopHistogram:
             return loop.histogram(name, doc, LATENCY_BUCKETS)

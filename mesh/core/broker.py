@@ -264,11 +264,16 @@ class Broker:
                 self.registry.register(info)
         if self.store.shared:
             await self.store.watch(self)
+        # Every queue the store kept, and every agent, has a depth from the first scrape on.
+        self._dirty.update(self.registry.ids(), (q.agent_id for q in await self.store.stats()))
+        gauges = self.metrics.queues
+        gauges.loop, gauges.refresh = asyncio.get_running_loop(), self._refresh_gauges
         if self._sweeper is None:
             self._sweeper = asyncio.create_task(self._sweep_forever(), name="broker-sweeper")
 
     async def stop(self) -> None:
         self._stopping = True  # the sweeper ends even if a store call swallows its cancellation
+        self.metrics.queues.refresh = None
         await cancel_and_wait(self._sweeper)
         self._sweeper = None
         for subs in list(self._subscriptions.values()):
@@ -349,10 +354,18 @@ class Broker:
         await self._refresh_gauges()
 
     async def _refresh_gauges(self) -> None:
+        """Reads the depth of every queue that changed since the last read (and the total
+        held) into the gauges. Every registered agent has a depth, 0 when its queue is
+        empty; an agent that left is dropped once its queue is empty."""
+        gauges = self.metrics.queues
         dirty, self._dirty = self._dirty, set()
         for agent_id in dirty:
-            self.metrics.queue_depth.labels(agent_id).set(await self.store.depth(agent_id))
-        self.metrics.messages_held.set(await self.store.held())
+            depth = await self.store.depth(agent_id)
+            if depth or agent_id in self.registry:
+                gauges.depths[agent_id] = depth
+            else:
+                gauges.depths.pop(agent_id, None)
+        gauges.held = await self.store.held()
 
     # -- registry ----------------------------------------------------------------------------
 
@@ -360,6 +373,7 @@ class Broker:
         if self.draining:
             self._refuse_new_work()
         registered = self.registry.register(info)
+        self._dirty.add(registered.agent_id)
         await self.store.save_agent(registered)
         await self.store.sync()
         logger.info(
@@ -378,6 +392,7 @@ class Broker:
 
     async def deregister(self, agent_id: str) -> None:
         self.registry.deregister(agent_id)
+        self._dirty.add(agent_id)
         await self.store.forget_agent(agent_id)
         logger.info(
             "agent deregistered: %s",
@@ -1030,6 +1045,7 @@ class Broker:
 
     def on_agent_changed(self, agent_id: str, info: AgentInfo | None) -> None:
         """An agent registered or left through another replica."""
+        self._dirty.add(agent_id)
         with contextlib.suppress(MeshError):
             if info is None:
                 if agent_id in self.registry:

@@ -93,6 +93,10 @@ class AgentRegistry:
     def __len__(self) -> int:
         return len(self._agents)
 
+    def ids(self) -> list[str]:
+        """The registered agents' ids, in registration order."""
+        return list(self._agents)
+
     def agents(self, agent_type: str = "") -> list[AgentInfo]:
         agents = sorted(self._agents.values(), key=lambda a: a.agent_id)
         if agent_type:

@@ -605,8 +605,10 @@ async def test_scenario_19_handoff_with_constraints(
     assert record.event["constraints"] == constraints
 
 
-def scrape(port: int) -> dict[str, float]:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+async def scrape(port: int) -> dict[str, float]:
+    """/metrics read as a scraper does, from another thread (the loop goes on meanwhile)."""
+    url = f"http://127.0.0.1:{port}/metrics"
+    body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
     samples = {}
     for line in body.splitlines():
         if line and not line.startswith("#"):
@@ -638,7 +640,7 @@ async def test_scenario_20_communication_metrics() -> None:
         assert report.totals["handoff_count"] == 150
         assert report.totals["dropped_count"] == 0
         assert local.server is not None and local.server.metrics_port
-        samples = scrape(local.server.metrics_port)
+        samples = await scrape(local.server.metrics_port)
     assert samples['agentmesh_messages_sent_total{message_type="REQUEST"}'] == 1000
     assert samples['agentmesh_messages_sent_total{message_type="HANDOFF"}'] == 150
     assert samples['agentmesh_messages_received_total{path="receive"}'] == 1150
@@ -648,3 +650,37 @@ async def test_scenario_20_communication_metrics() -> None:
     assert samples["agentmesh_receive_latency_seconds_count"] == 2
     assert samples.get('agentmesh_messages_dropped_total{reason="queue_full"}', 0) == 0
     assert samples["agentmesh_messages_expired_total"] == 0
+
+
+async def test_queue_depth_is_what_the_queues_hold_when_scraped() -> None:
+    """RT-011's queue depth, per agent: scraped at once after the sends it counts them (it
+    used to lag by a sweep); an empty queue of a registered agent shows 0, and an agent that
+    left shows nothing once its queue is empty."""
+    async with LocalMesh(metrics_port=0) as local:
+        assert local.server is not None
+        port = local.server.metrics_port
+        async with local.client("FlightAgent") as flight:
+            await register(flight, "PaymentAgent", "SellerAgent", "TempAgent")
+            for priority in (Priority.LOW, Priority.HIGH, Priority.MEDIUM):
+                await flight.send("PaymentAgent", {"action": "pay"}, priority=priority)
+            await flight.send("TempAgent", {"action": "note"})
+            await flight.deregister("TempAgent")
+            samples = await scrape(port)
+            depths = {
+                name: value
+                for name, value in samples.items()
+                if name.startswith("agentmesh_queue_depth{")
+            }
+            assert depths == {
+                'agentmesh_queue_depth{agent="PaymentAgent"}': 3,
+                'agentmesh_queue_depth{agent="SellerAgent"}': 0,
+                'agentmesh_queue_depth{agent="TempAgent"}': 1,  # still holds a message
+            }
+            assert samples["agentmesh_messages_held"] == 4
+
+            assert len(await flight.receive("PaymentAgent")) == 3
+            assert len(await flight.receive("TempAgent")) == 1
+            samples = await scrape(port)
+        assert samples['agentmesh_queue_depth{agent="PaymentAgent"}'] == 0
+        assert 'agentmesh_queue_depth{agent="TempAgent"}' not in samples
+        assert samples["agentmesh_messages_held"] == 0
