@@ -252,6 +252,32 @@ def process_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
+def process_memory_mb(pid: int) -> tuple[float, float] | None:
+    """(resident now, peak resident) of a process in MiB, from /proc (None without it)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    found = dict(line.split(":", 1) for line in status.splitlines() if line.startswith("Vm"))
+    if "VmRSS" not in found or "VmHWM" not in found:
+        return None
+    return int(found["VmRSS"].split()[0]) / 1024, int(found["VmHWM"].split()[0]) / 1024
+
+
+def memory_by_role(roles: dict[str, list[int]]) -> dict[str, float] | None:
+    """Each role's resident memory in MiB (its largest process), and the broker's peak: read
+    after each repetition, memory that grows from one to the next is held by what passed."""
+    out: dict[str, float] = {}
+    for role, pids in roles.items():
+        read = [process_memory_mb(pid) for pid in pids]
+        if not read or any(r is None for r in read):
+            return None
+        out[f"{role}_mb"] = round(max(r[0] for r in read if r is not None), 1)
+        if role == "broker":
+            out["broker_peak_mb"] = round(max(r[1] for r in read if r is not None), 1)
+    return out
+
+
 class CpuMeter:
     """The CPU time processes spend over a measurement, per operation and by role: what each
     process of a path costs, a figure that noise on a shared machine moves far less than
@@ -1013,9 +1039,10 @@ def to_markdown(report: dict[str, Any]) -> str:
                 f"{v['max_ms']:.3f} | {v['p50_ms'] / base['p50_ms']:.2f} | "
                 f"{f'{thr:,.0f} (64 in flight)' if thr else ''} |"
             )
-        else:
+        elif "throughput" in v:
             lines.append(f"| {name} | | | | | | {v['throughput']:,.0f} |")
     lines += cpu_table(f)
+    lines += memory_lines(f.get("memory"))
     lines += ["", "| target | value | limit | result |", "| --- | ---: | ---: | --- |"]
     for c in report["checks"]:
         lines.append(
@@ -1031,6 +1058,26 @@ def to_markdown(report: dict[str, Any]) -> str:
             f"{b5['p50_ms'] / limit['p50_ms']:.2f}x that.",
         ]
     return "\n".join(lines) + "\n"
+
+
+def memory_lines(memory: dict[str, Any] | None) -> list[str]:
+    """Resident memory after each repetition: what stays flat holds only what it holds now."""
+    if not memory:
+        return []
+    after = memory["after_each_repetition"]
+    roles = [key.removesuffix("_mb") for key in after[0] if key.endswith("_mb")]
+    lines = [
+        "",
+        "Resident memory in MiB after each repetition (agents: the largest of their processes;"
+        " broker_peak: the most the broker held so far).",
+        "",
+        f"| after | {' | '.join(roles)} |",
+        f"| --- | {' | '.join('---:' for _ in roles)} |",
+    ]
+    for i, read in enumerate(after, 1):
+        cells = " | ".join(f"{read[f'{role}_mb']:,.1f}" for role in roles)
+        lines.append(f"| repetition {i} | {cells} |")
+    return lines
 
 
 def cpu_table(figures: dict[str, Any]) -> list[str]:
@@ -1122,13 +1169,16 @@ def compare(report: dict[str, Any], earlier: dict[str, Any]) -> list[str]:
 async def measure_all(settings: Settings) -> dict[str, Any]:
     mesh = await start_mesh()
     try:
-        runs = []
+        runs, memory = [], []
         for i in range(settings.repetitions):
             print(f"repetition {i + 1}/{settings.repetitions} ...", flush=True)
             runs.append(await run_once(mesh, settings))
+            memory.append(memory_by_role(mesh.meter().roles))
     finally:
         await stop_all(mesh.procs)
     figures = combine(runs)
+    if all(memory):
+        figures["memory"] = {"after_each_repetition": memory}
     figures["roundtrip_traced"] = await measure_tracing_cost(settings)
     print("queue stores ...", flush=True)
     figures.update(await measure_stores(settings))

@@ -17,7 +17,10 @@ from benchmarks.harness import (
     combine,
     compare,
     cpu_table,
+    memory_by_role,
+    memory_lines,
     process_cpu_seconds,
+    process_memory_mb,
     timed,
 )
 
@@ -52,6 +55,52 @@ def test_a_process_cpu_time_is_read_from_proc() -> None:
         child.kill()
         child.wait()
     assert process_cpu_seconds(child.pid) is None  # gone
+
+
+HOLD = """import time
+held = bytearray({mb} * 1024 * 1024)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@linux_only
+def test_memory_is_read_from_proc_by_role() -> None:
+    """A process holding 80 MiB reads as at least that; a role shows its largest process."""
+    small, large = (
+        subprocess.Popen([sys.executable, "-c", HOLD.format(mb=mb)], stdout=PIPE) for mb in (0, 80)
+    )
+    try:
+        for child in (small, large):
+            assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+        read = process_memory_mb(large.pid)
+        assert read is not None
+        resident, peak = read
+        assert 80 <= resident <= peak < 200
+        by_role = memory_by_role({"broker": [small.pid], "agents": [small.pid, large.pid]})
+        assert by_role is not None
+        assert by_role["agents_mb"] == round(resident, 1)
+        assert by_role["broker_mb"] < 80 and by_role["broker_peak_mb"] < 80
+    finally:
+        for child in (small, large):
+            child.kill()
+            child.wait()
+    assert process_memory_mb(large.pid) is None
+    assert memory_by_role({"broker": [large.pid]}) is None
+
+
+def test_the_report_shows_memory_after_each_repetition() -> None:
+    after = [
+        {"broker_mb": 60.0, "broker_peak_mb": 70.0, "agents_mb": 50.0},
+        {"broker_mb": 61.5, "broker_peak_mb": 72.0, "agents_mb": 50.2},
+    ]
+    lines = memory_lines({"after_each_repetition": after})
+    assert "| after | broker | broker_peak | agents |" in lines
+    assert lines[-2:] == [
+        "| repetition 1 | 60.0 | 70.0 | 50.0 |",
+        "| repetition 2 | 61.5 | 72.0 | 50.2 |",
+    ]
+    assert memory_lines(None) == []
 
 
 @linux_only
