@@ -464,6 +464,11 @@ class InMemoryQueueStore:
             self._journal.agent(info)
 
     async def forget_agent(self, agent_id: str) -> None:
+        # An agent that left with nothing held and no dead letters leaves no queue behind
+        # (agents that come and go under new ids would otherwise pile up empty queues).
+        queue = self._queues.get(agent_id)
+        if queue is not None and not queue.held and not queue.dead:
+            del self._queues[agent_id]
         if self._journal:
             self._journal.agent_gone(agent_id)
 

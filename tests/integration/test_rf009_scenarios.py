@@ -684,3 +684,27 @@ async def test_queue_depth_is_what_the_queues_hold_when_scraped() -> None:
         assert samples['agentmesh_queue_depth{agent="PaymentAgent"}'] == 0
         assert 'agentmesh_queue_depth{agent="TempAgent"}' not in samples
         assert samples["agentmesh_messages_held"] == 0
+
+
+async def test_agents_that_left_with_nothing_waiting_leave_no_queue_behind() -> None:
+    """Agents that come and go under new ids (one per worker process, say) must not pile
+    up in the queue statistics: one that leaves with an empty queue is gone from them; one
+    that leaves messages waiting stays listed with them until they are taken."""
+    async with LocalMesh() as local, local.client("FlightAgent") as flight:
+        await register(flight, "PaymentAgent")
+        for i in range(50):
+            worker = f"worker-{i}"
+            await register(flight, worker)
+            await flight.send(worker, {"action": "work"})
+            assert len(await flight.receive(worker)) == 1
+            await flight.deregister(worker)
+        await register(flight, "TempAgent")
+        await flight.send("TempAgent", {"action": "note"})
+        await flight.deregister("TempAgent")
+        stats = await flight.queue_stats()
+        assert [(q.agent_id, q.depth) for q in stats.agents] == [
+            ("PaymentAgent", 0),
+            ("TempAgent", 1),
+        ]
+        [kept] = await flight.receive("TempAgent")
+        assert kept.content == {"action": "note"}
