@@ -16,11 +16,13 @@ Across agents, each key on its own and never inside a script: ``mesh:total`` cou
 messages held for the broker-wide limit (a put reserves its place there before its script
 runs and gives it back when refused; whatever a script removes is given back after it; the
 sweeping replica corrects the count should a crashed replica have left it off), ``mesh:queues``
-(the agents with queues, for sweeping), ``mesh:agents`` (registrations), ``mesh:route:...``
-(which replica waits for an answer), ``mesh:replicas`` (heartbeats). Pub/sub tells the
-replicas what happened elsewhere: ``mesh:wake`` (a message was queued for an agent: wake its
-local subscribers now, no polling), ``mesh:registry`` (an agent registered or left),
-``mesh:answer:<replica>`` (an answer for a request waiting on that replica).
+(the agents with queues, for sweeping; an agent that leaves with an empty queue is taken out,
+and named again by the put that finds its ``seq`` gone), ``mesh:agents`` (registrations),
+``mesh:route:...`` (which replica waits for an answer), ``mesh:replicas`` (heartbeats).
+Pub/sub tells the replicas what happened elsewhere: ``mesh:wake`` (a message was queued for
+an agent: wake its local subscribers now, no polling), ``mesh:registry`` (an agent
+registered or left), ``mesh:answer:<replica>`` (an answer for a request waiting on that
+replica).
 """
 
 from __future__ import annotations
@@ -163,14 +165,25 @@ if redis.call('HLEN', msgs) >= limit then
   expire_due(now, out)
   if redis.call('HLEN', msgs) >= limit then return {-1, out, redis.call('HLEN', msgs)} end
 end
-local member = string.format('%020d', redis.call('INCR', seqkey)) .. ':' .. id
+local seq = redis.call('INCR', seqkey)
+local member = string.format('%020d', seq) .. ':' .. id
 redis.call('ZADD', ready, score, member)
 redis.call('HSET', msgs, id, body)
 redis.call('HSET', meta, id,
   cjson.encode({e = expires, a = 0, c = now, m = member, p = score, s = ''}))
 redis.call('ZADD', expiry, expires, id)
 redis.call('PUBLISH', ARGV[7], ARGV[8])
-return {1, out}
+-- the third answer: the queue's first message (ever, or since it was forgotten)
+return {1, out, seq == 1 and 1 or 0}
+"""
+
+_FORGET = """
+if redis.call('ZCARD', ready) + redis.call('ZCARD', leased) + redis.call('HLEN', msgs)
+    + redis.call('LLEN', dead) > 0 then
+  return 0
+end
+redis.call('DEL', seqkey, meta, expiry)
+return 1
 """
 
 _LEASE = """
@@ -312,6 +325,7 @@ SCRIPTS = {
         ("release", _RELEASE),
         ("sweep", _SWEEP),
         ("stats", _STATS),
+        ("forget", _FORGET),
     )
 }
 """Each script answers ``{gone, result}``: how many messages left the store, and its result."""
@@ -724,6 +738,7 @@ class RedisQueueStore:
             self._seen_total = int(counted)
             self._queues_known.update(new_queues)
             taken = await self._take_back_over_limit(puts, results, int(counted))
+            await self._name_first_queues(puts, results, new_queues)
             self._settle_puts(puts, results, -taken)
             return
         try:
@@ -756,7 +771,28 @@ class RedisQueueStore:
             self._queues_known.update(new_queues)
         except BrokerUnavailableError as error:
             results = [error] * len(admitted)
+        await self._name_first_queues(admitted, results, new_queues)
         self._settle_puts(admitted, results, 0)
+
+    async def _name_first_queues(
+        self, puts: list[_Put], results: list[Any], named: list[str]
+    ) -> None:
+        """Names in mesh:queues, before their senders hear of it, the queues that got their
+        first message since they were forgotten (another replica may have taken the queue
+        out of mesh:queues while this one still knew it), unless the pipeline named them."""
+        first = {
+            put.agent_id
+            for put, result in zip(puts, results, strict=True)
+            if not isinstance(result, BaseException) and int(result[0]) == 1 and int(result[2])
+        } - set(named)
+        if not first:
+            return
+        try:
+            await self._call("sadd", QUEUES, *sorted(first))
+        except BrokerUnavailableError as error:  # (the messages are in; the next put names)
+            logger.warning("could not name new queues %s: %s", sorted(first), error.message)
+            return
+        self._queues_known.update(first)
 
     async def _take_back_over_limit(
         self, puts: list[_Put], results: list[Any], counted: int
@@ -992,6 +1028,16 @@ class RedisQueueStore:
     async def forget_agent(self, agent_id: str) -> None:
         await self._call("hdel", AGENTS, agent_id)
         await self._call("publish", REGISTRY, agent_id)
+        # An agent that left with nothing held and no dead letters leaves no queue behind:
+        # every sweep of every replica goes through each queue named in mesh:queues, and
+        # agents that come and go under new ids would otherwise be swept for ever. Named out
+        # first, then found empty (its counter deleted), else named again: a put meanwhile
+        # either comes before the look (and the queue is named again) or finds the counter
+        # gone and has its replica name the queue after it (see _name_first_queues).
+        self._queues_known.discard(agent_id)
+        await self._call("srem", QUEUES, agent_id)
+        if not await self._run("forget", agent_id, []):
+            await self._call("sadd", QUEUES, agent_id)
 
     async def saved_agents(self) -> list[AgentInfo]:
         return [

@@ -406,6 +406,25 @@ async def test_low_priority_flood_leaves_room_for_high(store: QueueStore) -> Non
     assert lease is not None and lease.message.message_id == "urgent"
 
 
+async def test_an_agent_that_left_with_an_empty_queue_is_no_longer_listed(
+    store: QueueStore, clock: FakeClock, recorder: Recorder
+) -> None:
+    """Agents that come and go under new ids do not pile up in the store: one forgotten with
+    an empty queue is no longer listed (nor swept); one with a message waiting stays. A
+    message for it later lists it again, and sweeps go through it again."""
+    await store.put(msg("a", to="Worker"), 60)
+    assert await ids(store, "Worker") == ["a"]
+    await store.put(msg("b", to="Keeper"), 60)
+    await store.forget_agent("Worker")
+    await store.forget_agent("Keeper")
+    assert [s.agent_id for s in await store.stats()] == ["Keeper"]
+    await store.put(msg("c", to="Worker"), 1)
+    assert [s.agent_id for s in await store.stats()] == ["Keeper", "Worker"]
+    clock.advance(2)
+    await store.sweep()
+    assert [m.message_id for m in recorder.expired] == ["c"]
+
+
 def messages_alive() -> int:
     gc.collect()
     return sum(isinstance(o, Message) for o in gc.get_objects())
@@ -484,6 +503,28 @@ async def test_redis_cluster_shards_the_queues_by_agent(redis_cluster_url: str) 
         assert await store.held() == 0
     finally:
         await store.close()
+
+
+async def test_redis_a_queue_forgotten_through_one_replica_is_named_again_by_another(
+    redis_store_url: str,
+) -> None:
+    """Replica B forgets an agent whose queue replica A already knows: A's next message to
+    it must name the queue again (A would not, by what it knew), or no sweep would go
+    through it."""
+    from mesh.redis_store import RedisQueueStore
+
+    a = RedisQueueStore(redis_store_url, **OPTIONS)
+    b = RedisQueueStore(redis_store_url, **OPTIONS)
+    try:
+        await a.put(msg("first", to="Worker"), 3600)
+        assert await ids(a, "Worker") == ["first"]
+        await b.forget_agent("Worker")
+        assert await b.stats() == []
+        await a.put(msg("again", to="Worker"), 3600)
+        assert [(s.agent_id, s.depth) for s in await b.stats()] == [("Worker", 1)]
+    finally:
+        await a.close()
+        await b.close()
 
 
 async def test_redis_total_count_left_too_high_is_corrected(
