@@ -205,10 +205,6 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _now_ms() -> int:
-    return int(time.time() * 1000)
-
-
 def _at(ms: int) -> datetime:
     return datetime.fromtimestamp(ms / 1000, tz=UTC)
 
@@ -311,6 +307,11 @@ class RedisSharedState:
         """Lock requests of this replica waiting for a release."""
         store.follow(UNLOCKED, self._released)
 
+    def _now_ms(self) -> int:
+        """Milliseconds since the epoch by the clock the replicas agree on (lock leases are
+        set by one replica and judged by another)."""
+        return int(self.store.now() * 1000)
+
     def _released(self, _key: bytes) -> None:
         for waiter in self._waiting:
             if not waiter.done():
@@ -360,9 +361,9 @@ class RedisSharedState:
     ) -> StateEntry:
         keys = [STATE_VALUES, STATE_META, LOCKS]
         answer = await self.store._call(
-            "eval", _WRITE_STATE, len(keys), *keys, key, _now_ms(), agent_id, lock_token,
+            "eval", _WRITE_STATE, len(keys), *keys, key, self._now_ms(), agent_id, lock_token,
             "" if expected_version is None else expected_version, self.capacity, encoded,
-            datetime.now(UTC).isoformat(), what,
+            datetime.fromtimestamp(self.store.now(), UTC).isoformat(), what,
         )  # fmt: skip
         outcome = _text(answer[0])
         if outcome == "OK":
@@ -383,8 +384,8 @@ class RedisSharedState:
         wait, lease = lock_terms(key, agent_id, wait, lease, self.lock_timeout)
         deadline = time.monotonic() + wait
         line = f"{PREFIX}waiting:{key}"
-        ticket = f"{_now_ms() + int(wait * 1000) + 1000}:{secrets.token_hex(8)}"
-        arrival = time.time_ns() // 1000
+        ticket = f"{self._now_ms() + int(wait * 1000) + 1000}:{secrets.token_hex(8)}"
+        arrival = int(self.store.now() * 1_000_000)
         token = secrets.token_urlsafe(18)
         loop = asyncio.get_running_loop()
         try:
@@ -395,7 +396,7 @@ class RedisSharedState:
                 self._waiting.add(released)
                 try:
                     answer = await self.store._call(
-                        "eval", _LOCK, 2, LOCKS, line, key, agent_id, ticket, _now_ms(),
+                        "eval", _LOCK, 2, LOCKS, line, key, agent_id, ticket, self._now_ms(),
                         int(lease * 1000), self.max_writers, token, arrival,
                     )  # fmt: skip
                     if _text(answer[0]) == "GRANTED":
@@ -423,7 +424,7 @@ class RedisSharedState:
     async def unlock(self, key: str, token: str) -> None:
         check_key(key)
         released = await self.store._call(
-            "eval", _UNLOCK, 1, LOCKS, key, token, _now_ms(), UNLOCKED
+            "eval", _UNLOCK, 1, LOCKS, key, token, self._now_ms(), UNLOCKED
         )
         if not int(released):
             raise lock_not_held(key)

@@ -44,7 +44,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError
 
 from mesh.core.errors import BrokerUnavailableError, MessageQueueFullError
-from mesh.core.model import AgentInfo, DeadLetter, Message, Priority, utc_now
+from mesh.core.model import AgentInfo, DeadLetter, Message, Priority
 from mesh.core.queue import (
     GIVEN_UP_ROUTE,
     GIVEN_UP_SECONDS,
@@ -72,6 +72,8 @@ REPLICA_TIMEOUT_MS = 3000
 """A replica that has not swept (and so beaten) for this long is gone."""
 RECONCILE_EVERY = 1.0
 """Seconds between two comparisons of ``mesh:total`` with what the queues hold."""
+CLOCK_RTT_SECONDS = 0.25
+"""A TIME call that took longer than this says too little about the server's clock."""
 FAST_SHARE = 0.9
 """Below this share of the broker-wide limit (by the count last seen), a put reserves its
 place in the same round trip as it runs; above it, it reserves first."""
@@ -417,12 +419,17 @@ class RedisQueueStore:
         retry_after_seconds: float = 0.1,
         low_priority_share: float = 0.8,
         fifo: bool = False,
-        wall_clock: Callable[[], datetime] = utc_now,
+        wall_clock: Callable[[], datetime] | None = None,
+        local_clock: Callable[[], float] = time.time,
     ) -> None:
         self.url = url
         self.fifo = fifo
         """Queues in arrival order (every score 0: members sort by their arrival number)."""
-        self._wall = wall_clock
+        self._given_clock = wall_clock
+        """A clock that replaces the Redis server's (tests drive time with it)."""
+        self._local_clock = local_clock
+        self._offset = 0.0
+        """The Redis server's clock minus this host's, in seconds (see :meth:`_sync_clock`)."""
         self.max_messages_per_agent = max_messages_per_agent
         self.max_total_messages = max_total_messages
         self.max_delivery_attempts = max_delivery_attempts
@@ -483,10 +490,12 @@ class RedisQueueStore:
         async with self._connecting:
             if self._redis is None:
                 try:
-                    self._redis = await connect(self.url)
+                    client = await connect(self.url)
                 except (RedisError, OSError) as error:
                     raise _unavailable(error) from None
-                self.cluster = isinstance(self._redis, RedisCluster)
+                await self._sync_clock(client)
+                self._redis = client
+                self.cluster = isinstance(client, RedisCluster)
         return self._redis
 
     async def _load_scripts(self, client: Any) -> None:
@@ -567,8 +576,36 @@ class RedisQueueStore:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def now(self) -> float:
+        """The time every replica agrees on, in seconds since the epoch: the Redis server's
+        clock, as this host's clock corrected by their difference (measured on connecting
+        and at every heartbeat). Lease ends, TTLs, heartbeats and lock leases are all set by
+        one replica and judged by another: by each host's own clock, a host running 5 s
+        behind would hand its leases back to the others as soon as it took them, and look
+        dead to them."""
+        if self._given_clock is not None:
+            return self._given_clock().timestamp()
+        return self._local_clock() + self._offset
+
+    def _wall(self) -> datetime:
+        return datetime.fromtimestamp(self.now(), UTC)
+
     def _now_ms(self) -> int:
-        return int(self._wall().timestamp() * 1000)
+        return int(self.now() * 1000)
+
+    async def _sync_clock(self, client: Any) -> None:
+        """Measures the Redis server's clock against this host's (halfway through a TIME
+        call; kept unless the call took over CLOCK_RTT_SECONDS, which would blur it)."""
+        if self._given_clock is not None:
+            return
+        try:
+            before = self._local_clock()
+            seconds, micros = await client.time()
+            after = self._local_clock()
+        except (RedisError, OSError) as error:
+            raise _unavailable(error) from None
+        if after - before <= CLOCK_RTT_SECONDS:
+            self._offset = seconds + micros / 1e6 - (before + after) / 2
 
     def _report(self, agent_id: str, events: Iterable[Any]) -> None:
         """Tells the listener what a script did."""
@@ -932,8 +969,9 @@ class RedisQueueStore:
 
     async def _beat_once(self) -> int:
         """Says this replica lives (until a while from now); returns the time it beat."""
-        now = self._now_ms()
         try:
+            await self._sync_clock(await self._client())  # (a host's clock may be stepped)
+            now = self._now_ms()
             await self._call("hset", REPLICAS, self.replica_id, now + REPLICA_TIMEOUT_MS)
         except BrokerUnavailableError:
             self._beating_since = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -525,6 +526,34 @@ async def test_redis_a_queue_forgotten_through_one_replica_is_named_again_by_ano
     finally:
         await a.close()
         await b.close()
+
+
+async def test_redis_replicas_keep_time_by_the_server_not_by_their_hosts(
+    redis_store_url: str,
+) -> None:
+    """A replica on a host whose clock runs 30 s behind: what it sets (a lease end, a TTL
+    end), judged by another replica's sweep, lasts its full time. By that host's own clock
+    the lease would have ended 25 s before it began, and the message expired at once."""
+    from mesh.redis_store import RedisQueueStore
+
+    behind = RedisQueueStore(redis_store_url, **OPTIONS, local_clock=lambda: time.time() - 30)
+    other = RedisQueueStore(redis_store_url, **OPTIONS)
+    recorder = Recorder()
+    other.listener = recorder
+    try:
+        await behind.put(msg("leased"), 3600)
+        lease = await behind.lease("PaymentAgent", "s", 5)
+        assert lease is not None
+        assert lease.lease_expires_at.timestamp() == pytest.approx(time.time() + 5, abs=1)
+        await behind.put(msg("waiting", to="AuditAgent"), 10)
+        await other.sweep()
+        assert recorder.redelivered == [] and recorder.expired == []
+        [payment] = await other.stats("PaymentAgent")
+        assert payment.in_flight == 1
+        assert await ids(other, "AuditAgent") == ["waiting"]
+    finally:
+        await behind.close()
+        await other.close()
 
 
 async def test_redis_total_count_left_too_high_is_corrected(
