@@ -30,6 +30,11 @@ from prometheus_client.core import (
 )
 from prometheus_client.utils import floatToGoString
 
+logger = logging.getLogger("mesh.metrics")
+
+REFRESH_TIMEOUT = 2.0
+"""Seconds a scrape waits for the queue gauges to be read; past it, it shows the last read."""
+
 LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0,
     2.5, 5.0, 10.0,
@@ -160,12 +165,6 @@ class LoopMetrics:
     def collect(self) -> Iterator[Metric]:
         for metric in list(self._metrics):
             yield metric.collect()
-
-
-logger = logging.getLogger("mesh.metrics")
-
-REFRESH_TIMEOUT = 2.0
-"""Seconds a scrape waits for the queue gauges to be read; past it, it shows the last read."""
 
 
 class QueueGauges:

@@ -594,16 +594,25 @@ class RedisQueueStore:
         return int(self.now() * 1000)
 
     async def _sync_clock(self, client: Any) -> None:
-        """Measures the Redis server's clock against this host's (halfway through a TIME
-        call; kept unless the call took over CLOCK_RTT_SECONDS, which would blur it)."""
+        """Measures the Redis server's clock against this host's, halfway through a TIME
+        call. On a cluster, the clock of the node that keeps the heartbeats (every replica
+        asks the same one, which has just answered this replica's beat: TIME sent to any
+        node could meet one that just died, and hold up the beats behind it). Best effort:
+        when the call fails or takes over CLOCK_RTT_SECONDS (which would blur it), the
+        difference measured before stays."""
         if self._given_clock is not None:
             return
+        where = (
+            {"target_nodes": client.get_node_from_key(REPLICAS)}
+            if isinstance(client, RedisCluster)
+            else {}
+        )
         try:
             before = self._local_clock()
-            seconds, micros = await client.time()
+            seconds, micros = await client.time(**where)
             after = self._local_clock()
-        except (RedisError, OSError) as error:
-            raise _unavailable(error) from None
+        except (RedisError, OSError):
+            return
         if after - before <= CLOCK_RTT_SECONDS:
             self._offset = seconds + micros / 1e6 - (before + after) / 2
 
@@ -969,13 +978,13 @@ class RedisQueueStore:
 
     async def _beat_once(self) -> int:
         """Says this replica lives (until a while from now); returns the time it beat."""
+        now = self._now_ms()
         try:
-            await self._sync_clock(await self._client())  # (a host's clock may be stepped)
-            now = self._now_ms()
             await self._call("hset", REPLICAS, self.replica_id, now + REPLICA_TIMEOUT_MS)
         except BrokerUnavailableError:
             self._beating_since = None
             raise
+        await self._sync_clock(await self._client())  # (for the next: a clock may be stepped)
         stalled = now - self._last_beat > REPLICA_TIMEOUT_MS // 2
         if self._beating_since is None or stalled:
             # Beating again after a gap (the store away, or this process held up): the
