@@ -131,21 +131,54 @@ def extract(headers: Mapping[str, str]) -> otel_context.Context | None:
     return _W3C.extract(headers)
 
 
-class JsonlSpanExporter(SpanExporter):
-    """Writes each finished span as one JSON object per line (from the exporter's thread)."""
+TRACE_FILE_BYTES = 32 * 1024 * 1024
+"""Bytes at most in one span file before the next is started."""
+TRACE_FILES_KEPT = 4
+"""Span files kept per process (the current one and the last full ones): a mesh left running
+under load would otherwise fill its disk with spans, and every reader of the folder reads
+them all."""
 
-    def __init__(self, path: Path) -> None:
+
+class JsonlSpanExporter(SpanExporter):
+    """Writes each finished span as one JSON object per line (from the exporter's thread),
+    to ``spans-<service>-<pid>.jsonl``; past ``max_bytes`` that file becomes ``...-<pid>.1.jsonl``
+    (the one before ``.2``, and so on) and a new one starts, ``keep`` files in all."""
+
+    def __init__(
+        self, path: Path, *, max_bytes: int = TRACE_FILE_BYTES, keep: int = TRACE_FILES_KEPT
+    ) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        self.max_bytes = max_bytes
+        self.keep = max(1, keep)
         self._lock = threading.Lock()
         self._file = path.open("a", encoding="utf-8")
+        self._written = self._file.tell()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         with self._lock:
             for span in spans:
-                self._file.write(json.dumps(span_record(span), default=str) + "\n")
+                if self._written >= self.max_bytes:
+                    self._rotate()
+                line = json.dumps(span_record(span), default=str) + "\n"
+                self._file.write(line)
+                self._written += len(line)
             self._file.flush()
         return SpanExportResult.SUCCESS
+
+    def _older(self, n: int) -> Path:
+        return self.path.with_suffix(f".{n}{self.path.suffix}")
+
+    def _rotate(self) -> None:
+        self._file.close()
+        self._older(self.keep - 1).unlink(missing_ok=True)
+        for n in range(self.keep - 2, 0, -1):
+            if self._older(n).exists():
+                self._older(n).rename(self._older(n + 1))
+        if self.keep > 1:
+            self.path.rename(self._older(1))
+        self._file = self.path.open("w", encoding="utf-8")
+        self._written = 0
 
     def shutdown(self) -> None:
         with self._lock:

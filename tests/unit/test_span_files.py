@@ -1,0 +1,41 @@
+"""Span files: what --trace-dir writes, and how much of it a long run keeps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+from mesh.tracing import JsonlSpanExporter, load_spans
+
+
+def write_spans(exporter: JsonlSpanExporter, count: int) -> None:
+    provider = TracerProvider(resource=Resource.create({"service.name": "broker"}))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    for i in range(count):
+        with tracer.start_as_current_span(f"span-{i}"):
+            pass
+    provider.shutdown()
+
+
+def test_a_long_run_keeps_the_latest_spans_in_a_bounded_number_of_files(tmp_path: Path) -> None:
+    exporter = JsonlSpanExporter(tmp_path / "spans-broker-7.jsonl", max_bytes=4000, keep=3)
+    write_spans(exporter, 300)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["spans-broker-7.1.jsonl", "spans-broker-7.2.jsonl", "spans-broker-7.jsonl"]
+    longest_line = max(len(line) for p in tmp_path.iterdir() for line in p.open())
+    assert all(p.stat().st_size < 4000 + longest_line for p in tmp_path.iterdir())
+    names = [s["name"] for s in sorted(load_spans(tmp_path), key=lambda s: s["start_ns"])]
+    # The oldest went with the oldest file; what is kept is the latest, in order, unbroken.
+    assert 0 < len(names) < 300
+    assert names == [f"span-{i}" for i in range(300 - len(names), 300)]
+
+
+def test_a_process_started_again_appends_to_its_file(tmp_path: Path) -> None:
+    path = tmp_path / "spans-broker-7.jsonl"
+    write_spans(JsonlSpanExporter(path), 2)
+    write_spans(JsonlSpanExporter(path), 1)
+    assert [s["name"] for s in load_spans(tmp_path)] == ["span-0", "span-1", "span-0"]
