@@ -493,7 +493,9 @@ class RedisQueueStore:
                     client = await connect(self.url)
                 except (RedisError, OSError) as error:
                     raise _unavailable(error) from None
-                await self._sync_clock(client)
+                for _ in range(3):  # (a busy moment can slow one call down)
+                    if await self._sync_clock(client):
+                        break
                 self._redis = client
                 self.cluster = isinstance(client, RedisCluster)
         return self._redis
@@ -593,15 +595,15 @@ class RedisQueueStore:
     def _now_ms(self) -> int:
         return int(self.now() * 1000)
 
-    async def _sync_clock(self, client: Any) -> None:
+    async def _sync_clock(self, client: Any) -> bool:
         """Measures the Redis server's clock against this host's, halfway through a TIME
         call. On a cluster, the clock of the node that keeps the heartbeats (every replica
         asks the same one, which has just answered this replica's beat: TIME sent to any
         node could meet one that just died, and hold up the beats behind it). Best effort:
         when the call fails or takes over CLOCK_RTT_SECONDS (which would blur it), the
-        difference measured before stays."""
+        difference measured before stays. Returns whether it measured."""
         if self._given_clock is not None:
-            return
+            return True
         where = (
             {"target_nodes": client.get_node_from_key(REPLICAS)}
             if isinstance(client, RedisCluster)
@@ -612,9 +614,11 @@ class RedisQueueStore:
             seconds, micros = await client.time(**where)
             after = self._local_clock()
         except (RedisError, OSError):
-            return
-        if after - before <= CLOCK_RTT_SECONDS:
-            self._offset = seconds + micros / 1e6 - (before + after) / 2
+            return False
+        if after - before > CLOCK_RTT_SECONDS:
+            return False
+        self._offset = seconds + micros / 1e6 - (before + after) / 2
+        return True
 
     def _report(self, agent_id: str, events: Iterable[Any]) -> None:
         """Tells the listener what a script did."""
