@@ -170,8 +170,8 @@ class LoopMetrics:
 class QueueGauges:
     """``agentmesh_queue_depth`` (per agent) and ``agentmesh_messages_held``, as the broker
     last read them from its store. A scrape from another thread (the /metrics server) first
-    asks the broker's loop to read them again (:attr:`refresh`), so what it shows is what the
-    queues hold at that moment; the broker also reads them after changes, between scrapes."""
+    asks the broker's loop to read them (:attr:`refresh`), so what it shows is what the
+    queues hold at that moment; nothing is read between scrapes."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.depths: dict[str, int] = {}

@@ -247,7 +247,6 @@ class Broker:
         one after a redelivery) is expected, not an error."""
         self._subscriptions: dict[str, list[Subscription]] = {}
         self._by_subscription: dict[str, Subscription] = {}
-        self._dirty: set[str] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self.draining = False
         self._stopping = False
@@ -264,10 +263,8 @@ class Broker:
                 self.registry.register(info)
         if self.store.shared:
             await self.store.watch(self)
-        # Every queue the store kept, and every agent, has a depth from the first scrape on.
-        self._dirty.update(self.registry.ids(), (q.agent_id for q in await self.store.stats()))
-        gauges = self.metrics.queues
-        gauges.loop, gauges.refresh = asyncio.get_running_loop(), self._refresh_gauges
+        gauges = self.metrics.queues  # read from the queues when /metrics is scraped
+        gauges.loop, gauges.refresh = asyncio.get_running_loop(), self._read_gauges
         if self._sweeper is None:
             self._sweeper = asyncio.create_task(self._sweep_forever(), name="broker-sweeper")
 
@@ -349,23 +346,22 @@ class Broker:
                 unavailable = False
 
     async def sweep(self) -> None:
-        """Expires messages, reclaims ended leases and refreshes the depth gauges."""
+        """Expires messages and reclaims ended leases."""
         await self.store.sweep()
-        await self._refresh_gauges()
 
-    async def _refresh_gauges(self) -> None:
-        """Reads the depth of every queue that changed since the last read (and the total
-        held) into the gauges. Every registered agent has a depth, 0 when its queue is
-        empty; an agent that left is dropped once its queue is empty."""
+    async def _read_gauges(self) -> None:
+        """Reads every queue's depth, and the messages held, into the gauges (as /metrics is
+        scraped: in one pass over the store, queues changed through other replicas
+        included). Every registered agent has a depth, 0 when nothing waits for it; an
+        agent that left has one while messages still wait for it."""
+        depths = dict.fromkeys(self.registry.ids(), 0)
+        held = 0
+        for queue in await self.store.stats():
+            held += queue.depth + queue.in_flight
+            if queue.depth or queue.agent_id in depths:
+                depths[queue.agent_id] = queue.depth
         gauges = self.metrics.queues
-        dirty, self._dirty = self._dirty, set()
-        for agent_id in dirty:
-            depth = await self.store.depth(agent_id)
-            if depth or agent_id in self.registry:
-                gauges.depths[agent_id] = depth
-            else:
-                gauges.depths.pop(agent_id, None)
-        gauges.held = await self.store.held()
+        gauges.depths, gauges.held = depths, held
 
     # -- registry ----------------------------------------------------------------------------
 
@@ -373,7 +369,6 @@ class Broker:
         if self.draining:
             self._refuse_new_work()
         registered = self.registry.register(info)
-        self._dirty.add(registered.agent_id)
         await self.store.save_agent(registered)
         await self.store.sync()
         logger.info(
@@ -392,7 +387,6 @@ class Broker:
 
     async def deregister(self, agent_id: str) -> None:
         self.registry.deregister(agent_id)
-        self._dirty.add(agent_id)
         await self.store.forget_agent(agent_id)
         logger.info(
             "agent deregistered: %s",
@@ -495,7 +489,6 @@ class Broker:
             return  # a retried send of a message the queue already holds
         if message.message_type is MessageType.HANDOFF:
             self._log_handoff(message)
-        self._dirty.add(message.to_agent)
         for sub in self._subscriptions.get(message.to_agent, ()):
             sub.wake()
 
@@ -888,7 +881,6 @@ class Broker:
         started = time.perf_counter()
         popped = await self.store.pop(agent_id, max_messages)
         if popped:
-            self._dirty.add(agent_id)
             self.metrics.delivered("receive", len(popped))
         messages = [self._observe_delivery(item.message, item.queued_seconds) for item in popped]
         self.metrics.receive_latency.observe(time.perf_counter() - started)
@@ -952,7 +944,6 @@ class Broker:
         )
         if not leases:
             return []
-        self._dirty.add(sub.agent_id)
         self.metrics.delivered("subscription", len(leases))
         deliveries = []
         for lease in leases:
@@ -998,7 +989,6 @@ class Broker:
 
     def on_expired(self, message: Message) -> None:
         self.metrics.expired()
-        self._dirty.add(message.to_agent)
         logger.warning(
             "message %s to %s expired (ttl %s s)",
             message.message_id,
@@ -1034,7 +1024,6 @@ class Broker:
 
     def on_redelivery(self, message: Message, attempt: int) -> None:
         self.metrics.redelivery()
-        self._dirty.add(message.to_agent)
         for sub in self._subscriptions.get(message.to_agent, ()):
             sub.wake()
 
@@ -1045,7 +1034,6 @@ class Broker:
 
     def on_agent_changed(self, agent_id: str, info: AgentInfo | None) -> None:
         """An agent registered or left through another replica."""
-        self._dirty.add(agent_id)
         with contextlib.suppress(MeshError):
             if info is None:
                 if agent_id in self.registry:

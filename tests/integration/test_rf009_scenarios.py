@@ -24,6 +24,7 @@ from mesh import (
     MessageValidationError,
     Priority,
     agent,
+    connect,
     on,
 )
 from mesh.client import NO_RETRY, MeshClient
@@ -684,6 +685,33 @@ async def test_queue_depth_is_what_the_queues_hold_when_scraped() -> None:
         assert samples['agentmesh_queue_depth{agent="PaymentAgent"}'] == 0
         assert 'agentmesh_queue_depth{agent="TempAgent"}' not in samples
         assert samples["agentmesh_messages_held"] == 0
+
+
+async def test_queue_depth_through_one_replica_counts_what_came_through_another(
+    redis_url: str,
+) -> None:
+    """Broker replicas on one Redis: /metrics of either shows what the shared queues hold,
+    whichever replica the messages came through."""
+    config = BrokerConfig(store=redis_url)
+    _, via_a = await serve_broker(server_config=ServerConfig(port=0), broker_config=config)
+    _, via_b = await serve_broker(
+        server_config=ServerConfig(port=0, metrics_port=0), broker_config=config
+    )
+    try:
+        async with connect(via_a.address, agent_id="FlightAgent", retry=NO_RETRY) as flight:
+            await flight.register("PaymentAgent")
+            depth = 'agentmesh_queue_depth{agent="PaymentAgent"}'
+            async with asyncio.timeout(5):  # B hears of the registration, and shows it empty
+                while (await scrape(via_b.metrics_port)).get(depth) != 0:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+            for _ in range(2):
+                await flight.send("PaymentAgent", {"action": "pay"})
+            samples = await scrape(via_b.metrics_port)
+        assert samples[depth] == 2
+        assert samples["agentmesh_messages_held"] == 2
+    finally:
+        await via_a.stop(0.5)
+        await via_b.stop(0.5)
 
 
 async def test_agents_that_left_with_nothing_waiting_leave_no_queue_behind() -> None:
