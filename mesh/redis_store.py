@@ -581,10 +581,10 @@ class RedisQueueStore:
     def now(self) -> float:
         """The time every replica agrees on, in seconds since the epoch: the Redis server's
         clock, as this host's clock corrected by their difference (measured on connecting
-        and at every heartbeat). Lease ends, TTLs, heartbeats and lock leases are all set by
-        one replica and judged by another: by each host's own clock, a host running 5 s
-        behind would hand its leases back to the others as soon as it took them, and look
-        dead to them."""
+        and after each heartbeat of its own, once a second). Lease ends, TTLs, heartbeats
+        and lock leases are all set by one replica and judged by another: by each host's
+        own clock, a host running 5 s behind would hand its leases back to the others as
+        soon as it took them, and look dead to them."""
         if self._given_clock is not None:
             return self._given_clock().timestamp()
         return self._local_clock() + self._offset
@@ -988,7 +988,6 @@ class RedisQueueStore:
         except BrokerUnavailableError:
             self._beating_since = None
             raise
-        await self._sync_clock(await self._client())  # (for the next: a clock may be stepped)
         stalled = now - self._last_beat > REPLICA_TIMEOUT_MS // 2
         if self._beating_since is None or stalled:
             # Beating again after a gap (the store away, or this process held up): the
@@ -1139,6 +1138,9 @@ class RedisQueueStore:
         while True:
             with contextlib.suppress(BrokerUnavailableError):
                 await self._beat_once()
+                # Measured again once a beat has gone through (a host's clock may be
+                # stepped), here and not in the sweeps' beats, five times as frequent.
+                await self._sync_clock(await self._client())
             await asyncio.sleep(REPLICA_TIMEOUT_MS / 3000)
 
     async def _subscribe(self) -> None:
