@@ -16,9 +16,13 @@ Across agents, each key on its own and never inside a script: ``mesh:total`` cou
 messages held for the broker-wide limit (a put reserves its place there before its script
 runs and gives it back when refused; whatever a script removes is given back after it; the
 sweeping replica corrects the count should a crashed replica have left it off), ``mesh:queues``
-(the agents with queues, for sweeping; an agent that leaves with an empty queue is taken out,
-and named again by the put that finds its ``seq`` gone), ``mesh:agents`` (registrations),
-``mesh:route:...`` (which replica waits for an answer), ``mesh:replicas`` (heartbeats).
+(the agents with queues; an agent that leaves with an empty queue is taken out, and named
+again by the put that finds its ``seq`` gone), ``mesh:busy`` (the queues that may hold
+messages, which sweeps go through: a sweep that finds a queue empty deletes its ``seq`` and
+takes it out, and the put that finds ``seq`` gone names it again before its sender hears
+back; every ``FULL_SWEEP_SECONDS`` a sweep goes through every queue), ``mesh:agents``
+(registrations), ``mesh:route:...`` (which replica waits for an answer), ``mesh:replicas``
+(heartbeats).
 Pub/sub tells the replicas what happened elsewhere: ``mesh:wake`` (a message was queued for
 an agent: wake its local subscribers now, no polling), ``mesh:registry`` (an agent
 registered or left), ``mesh:answer:<replica>`` (an answer for a request waiting on that
@@ -64,6 +68,11 @@ WAKE = "mesh:wake"
 REGISTRY = "mesh:registry"
 TOTAL = "mesh:total"
 QUEUES = "mesh:queues"
+BUSY = "mesh:busy"
+FULL_SWEEP_SECONDS = 10.0
+"""Seconds between two sweeps through every queue of mesh:queues (the others go through
+mesh:busy alone): what a lost write to mesh:busy (a failover) could leave unswept is swept
+then."""
 AGENTS = "mesh:agents"
 SUBSCRIBE_CHECK_SECONDS = 2.0
 """How long a new subscription of the replica watcher has to answer its PING."""
@@ -297,7 +306,13 @@ if #ARGV > 4 then
     end
   end
 end
-return out
+-- Nothing held: the queue needs no sweeping until its next put, which finds seq gone (its
+-- first message again) and has its replica name the queue in mesh:busy.
+if redis.call('HLEN', msgs) + redis.call('ZCARD', ready) + redis.call('ZCARD', leased) == 0 then
+  redis.call('DEL', seqkey, expiry)
+  return {out, 1}
+end
+return {out, 0}
 """
 
 _STATS = """
@@ -458,11 +473,13 @@ class RedisQueueStore:
         self._puts: list[_Put] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._queues_known: set[str] = set()
+        self._sampled = -RECONCILE_EVERY
+        self._swept_all_at = -FULL_SWEEP_SECONDS
+        """When (monotonic) a sweep last went through every queue."""
         self._unreleased = 0
         self._releasing: asyncio.Task[None] | None = None
         self._drift: list[int] = []
         self._seen_total = max_total_messages  # unknown: the first puts reserve first
-        self._sampled = -RECONCILE_EVERY
         self._beating_since: int | None = None
         """Since when this replica's beats have reached the store without a break (ms)."""
         self._last_beat = 0
@@ -673,10 +690,11 @@ class RedisQueueStore:
             await self._flush_releases()
 
     async def _reconcile(self, agents: list[str]) -> None:
-        """Corrects ``mesh:total`` to the messages the queues really hold when the two have
-        differed by the same amount in three samples a second apart (a replica killed between
-        a script and giving back its places leaves the count too high). Differences that come
-        and go are puts and acks in flight, and are left alone."""
+        """Corrects ``mesh:total`` to the messages the queues really hold (``agents``: those
+        a sweep went through, every queue that holds messages) when the two have differed by
+        the same amount in three samples a second apart (a replica killed between a script
+        and giving back its places leaves the count too high). Differences that come and go
+        are puts and acks in flight, and are left alone."""
         now = time.monotonic()
         if now - self._sampled < RECONCILE_EVERY:
             return
@@ -827,20 +845,26 @@ class RedisQueueStore:
     async def _name_first_queues(
         self, puts: list[_Put], results: list[Any], named: list[str]
     ) -> None:
-        """Names in mesh:queues, before their senders hear of it, the queues that got their
-        first message since they were forgotten (another replica may have taken the queue
-        out of mesh:queues while this one still knew it), unless the pipeline named them."""
+        """Names in mesh:busy, and in mesh:queues unless the pipeline named them there, the
+        queues that got their first message since a sweep found them empty or they were
+        forgotten (seq gone: another replica may have taken the queue out while this one
+        still knew it), before their senders hear of it."""
         first = {
             put.agent_id
             for put, result in zip(puts, results, strict=True)
             if not isinstance(result, BaseException) and int(result[0]) == 1 and int(result[2])
-        } - set(named)
+        }
         if not first:
             return
         try:
-            await self._call("sadd", QUEUES, *sorted(first))
-        except BrokerUnavailableError as error:  # (the messages are in; the next put names)
-            logger.warning("could not name new queues %s: %s", sorted(first), error.message)
+            pipe = (await self._client()).pipeline(transaction=False)
+            pipe.sadd(BUSY, *sorted(first))
+            if unnamed := sorted(first - set(named)):
+                pipe.sadd(QUEUES, *unnamed)
+            await pipe.execute()
+        except (RedisError, OSError, BrokerUnavailableError) as error:
+            # (the messages are in: a sweep through every queue names them)
+            logger.warning("could not name new queues %s: %s", sorted(first), error)
             return
         self._queues_known.update(first)
 
@@ -967,18 +991,52 @@ class RedisQueueStore:
         return len(events)
 
     async def sweep(self) -> None:
+        """Expires, reclaims and dead-letters what is due in the queues that may hold
+        messages (mesh:busy), and every FULL_SWEEP_SECONDS (or when a replica is gone) in
+        every queue: an idle queue costs a sweep nothing, however many agents are registered."""
         gone, leader = await self._beat()
         self._queues_known.clear()  # each queue is named to mesh:queues again once a sweep
-        agents = [_text(a) for a in await self._call("smembers", QUEUES)]
+        started = time.monotonic()
+        full = bool(gone) or started - self._swept_all_at >= FULL_SWEEP_SECONDS
+        agents = [_text(a) for a in await self._call("smembers", QUEUES if full else BUSY)]
         args = [*self._return_args(), *gone]
         _, results = await self._run_many("sweep", [(agent_id, args) for agent_id in agents])
-        for agent_id, events in zip(agents, results, strict=True):
-            if isinstance(events, BaseException):
-                raise events
+        idle: list[str] = []
+        held: list[str] = []
+        for agent_id, result in zip(agents, results, strict=True):
+            if isinstance(result, BaseException):
+                raise result
+            events, went_idle = result
             self._report(agent_id, events)
+            (idle if int(went_idle) else held).append(agent_id)
+        await self._mark_idle(idle, held if full else [])
+        if full:
+            self._swept_all_at = started
         await self._settle()
         if leader:
-            await self._reconcile(agents)  # the queues this sweep went through
+            await self._reconcile(agents)
+
+    async def _mark_idle(self, idle: list[str], held: list[str]) -> None:
+        """Takes the queues a sweep found empty (their seq deleted) out of mesh:busy, and
+        names those found holding messages. A put to an idle queue meanwhile either came
+        before the look at its seq afterwards (the queue is named again here) or finds seq
+        gone after it, and its replica names the queue (see _name_first_queues)."""
+        if held:
+            await self._call("sadd", BUSY, *held)
+        if not idle:
+            return
+        await self._call("srem", BUSY, *idle)
+        client = await self._client()
+        try:
+            pipe = client.pipeline(transaction=False)
+            for agent_id in idle:
+                pipe.exists(_keys(agent_id)[6])
+            counters = await pipe.execute()
+        except (RedisError, OSError) as error:
+            raise _unavailable(error) from None
+        again = [agent_id for agent_id, n in zip(idle, counters, strict=True) if int(n)]
+        if again:
+            await self._call("sadd", BUSY, *again)
 
     async def _beat_once(self) -> int:
         """Says this replica lives (until a while from now); returns the time it beat."""

@@ -528,6 +528,138 @@ async def test_redis_a_queue_forgotten_through_one_replica_is_named_again_by_ano
         await b.close()
 
 
+async def test_redis_sweeps_go_through_the_queues_that_hold_messages_only(
+    redis_url: str, clock: FakeClock
+) -> None:
+    """200 agents whose queues were used and are empty again: after the sweep that finds
+    them so, a sweep runs no script for them (on the old design, one per queue five times a
+    second on every replica); a queue that gets a message again is swept again, and what
+    falls due in it is expired."""
+    import redis.asyncio as aioredis
+
+    from mesh.redis_store import BUSY, RedisQueueStore
+
+    store = RedisQueueStore(
+        redis_url, max_messages_per_agent=10, wall_clock=lambda: BASE + timedelta(seconds=clock())
+    )
+    recorder = Recorder()
+    store.listener = recorder
+    raw = aioredis.Redis.from_url(redis_url)
+
+    async def scripts_run() -> int:
+        stats = await raw.info("commandstats")
+        return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+    try:
+        agents = [f"agent-{i}" for i in range(200)]
+        for agent_id in agents:
+            await store.put(msg(f"m-{agent_id}", to=agent_id), 3600)
+        for agent_id in agents:
+            assert len(await store.pop(agent_id)) == 1
+        await store.sweep()  # finds every queue empty
+        assert await raw.smembers(BUSY) == set()
+        before = await scripts_run()
+        await store.sweep()
+        assert await scripts_run() == before
+        assert [s.agent_id for s in await store.stats()] == sorted(agents)  # still known
+
+        await store.put(msg("late", to="agent-7"), 10)
+        assert await raw.smembers(BUSY) == {b"agent-7"}
+        clock.advance(11)
+        before = await scripts_run()
+        await store.sweep()
+        assert await scripts_run() == before + 1
+        assert [m.message_id for m in recorder.expired] == ["late"]
+    finally:
+        await raw.aclose()
+        await store.close()
+
+
+async def test_redis_a_queue_one_replica_found_idle_is_swept_again_after_anothers_put(
+    redis_store_url: str, clock: FakeClock
+) -> None:
+    """Replica A's sweep finds a queue empty and takes it out of the swept queues; replica
+    B, which already knew the queue, then puts a message in it with a TTL of 10 s. A's next
+    sweep must go through it again and expire the message once its TTL is over."""
+    from mesh.redis_store import RedisQueueStore
+
+    def replica() -> RedisQueueStore:
+        return RedisQueueStore(
+            redis_store_url, **OPTIONS, wall_clock=lambda: BASE + timedelta(seconds=clock())
+        )
+
+    a, b = replica(), replica()
+    recorder = Recorder()
+    a.listener = recorder
+    try:
+        assert await b.put(msg("first", to="Worker"), 3600)
+        assert await ids(b, "Worker") == ["first"]
+        await a.sweep()
+        assert await b.put(msg("late", to="Worker"), 10)
+        clock.advance(11)
+        await a.sweep()
+        assert [m.message_id for m in recorder.expired] == ["late"]
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_redis_a_put_while_a_sweep_takes_its_queue_out_keeps_the_queue_swept(
+    redis_store_url: str,
+) -> None:
+    """The race of taking an idle queue out: the sweep's script has found it empty (and
+    deleted its counter) when another replica's put comes in, before the sweep takes the
+    queue out of mesh:busy. The sweep must see the put and name the queue again."""
+    from mesh.redis_store import BUSY, RedisQueueStore, connect
+
+    a = RedisQueueStore(redis_store_url, **OPTIONS)
+    b = RedisQueueStore(redis_store_url, **OPTIONS)
+    raw = await connect(redis_store_url)
+    try:
+        assert await b.put(msg("first", to="Worker"), 3600)
+        assert await ids(b, "Worker") == ["first"]
+        _, [(_, idle)] = await a._run_many("sweep", [("Worker", a._return_args())])
+        assert int(idle) == 1
+        assert await b.put(msg("between", to="Worker"), 3600)  # names it in mesh:busy
+        await a._mark_idle(["Worker"], [])  # takes it out, then looks again: named again
+        assert await raw.smembers(BUSY) == {b"Worker"}
+    finally:
+        await raw.aclose()
+        await a.close()
+        await b.close()
+
+
+async def test_redis_a_sweep_through_every_queue_finds_one_left_out(
+    redis_store_url: str, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A queue holding a message but missing from mesh:busy (its naming lost in a failover)
+    is swept by the next sweep through every queue, and named again."""
+    from mesh.redis_store import BUSY, RedisQueueStore, connect
+
+    store = RedisQueueStore(
+        redis_store_url, **OPTIONS, wall_clock=lambda: BASE + timedelta(seconds=clock())
+    )
+    recorder = Recorder()
+    store.listener = recorder
+    raw = await connect(redis_store_url)
+    try:
+        await store.sweep()
+        assert await store.put(msg("kept", to="Worker"), 3600)
+        assert await store.put(msg("due", to="Worker"), 10)
+        await raw.srem(BUSY, "Worker")
+        clock.advance(11)
+        await store.sweep()  # through mesh:busy: the queue is not there
+        assert recorder.expired == []
+        monkeypatch.setattr("mesh.redis_store.FULL_SWEEP_SECONDS", 0.0)
+        await store.sweep()
+        assert [m.message_id for m in recorder.expired] == ["due"]
+        assert await raw.smembers(BUSY) == {b"Worker"}
+        assert await ids(store, "Worker") == ["kept"]
+    finally:
+        await raw.aclose()
+        await store.close()
+
+
 async def test_redis_replicas_keep_time_by_the_server_not_by_their_hosts(
     redis_store_url: str,
 ) -> None:
