@@ -9,6 +9,7 @@ from typing import Any
 
 from agents._data import read
 from agents.reasoning import Reasoner, reasoner_from_env
+from gateway.patterns._common import as_float
 from gateway.patterns.consensus import decide, vote_from
 from mesh import Agent, AgentContext, Message
 
@@ -62,8 +63,14 @@ class ProposerAgent(Agent):
             segment="proposals",
             metadata={"proposal_id": proposal_id, "problem": problem},
             agent_id=self.agent_id,
+            ttl=insight_ttl(message),
         )
         return {"proposal_id": proposal_id, **content}
+
+
+def insight_ttl(message: Message) -> float:
+    """How long the pool is to keep what this agent writes for the run (0: until deleted)."""
+    return as_float((message.content or {}).get("insight_ttl"), 0.0)
 
 
 class ReviewerAgent(Agent):
@@ -117,6 +124,7 @@ class ReviewerAgent(Agent):
             segment="votes",
             metadata={"proposal_id": proposal_id, "reviewer_id": self.agent_id},
             agent_id=self.agent_id,
+            ttl=insight_ttl(message),
         )
         return vote.to_dict()
 
@@ -153,6 +161,7 @@ class FacilitatorAgent(Agent):
             segment="decisions",
             metadata={"proposal_id": proposal_id},
             agent_id=self.agent_id,
+            ttl=insight_ttl(message),
         )
         stats = await ctx.client.memory_stats()
         return {

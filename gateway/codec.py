@@ -7,7 +7,7 @@ from google.protobuf import json_format
 from gateway.events import EventKind, Pattern, PatternEvent
 from gateway.metrics import PatternTally
 from gateway.patterns.collaborative import FilteringSpec
-from gateway.patterns.consensus import ConsensusSpec
+from gateway.patterns.consensus import DEFAULT_INSIGHT_TTL, ConsensusSpec
 from gateway.patterns.group_chat import GroupChatSpec
 from gateway.patterns.handoff import DEFAULT_MAX_HOPS, WorkflowSpec, WorkflowStep
 from gateway.patterns.research import ResearchSpec
@@ -87,6 +87,7 @@ def consensus_spec(pb: gateway_pb2.RunConsensusRequest) -> ConsensusSpec:
         weights=dict(pb.reviewer_weights),
         early_termination=not pb.wait_for_all_votes,
         agent_timeout=_seconds(pb, "agent_timeout", 10.0),
+        insight_ttl=_seconds(pb, "insight_ttl", DEFAULT_INSIGHT_TTL),
     )
     if pb.reviewer_ids:
         spec.reviewer_ids = list(pb.reviewer_ids)

@@ -1362,8 +1362,10 @@ class MeshClient:
         segment: str = "default",
         metadata: dict[str, JSON] | None = None,
         agent_id: str | None = None,
+        ttl: float = 0.0,
     ) -> Insight:
-        """Writes an insight to the mesh's shared memory pool."""
+        """Writes an insight to the mesh's shared memory pool; with ``ttl``, the pool keeps it
+        that many seconds (else until it is deleted)."""
         from mesh.memory_server import insight_from_pb, insight_to_pb
 
         request = memory_pb2.WriteInsightRequest()
@@ -1375,11 +1377,28 @@ class MeshClient:
                 importance=importance,
                 segment=segment,
                 metadata=dict(metadata or {}),
+                ttl=ttl,
             ),
             request.insight,
         )
         response = await self._with_retry(self._unary(self._memory.WriteInsight, request))
         return insight_from_pb(response.insight)
+
+    async def delete_insights(
+        self,
+        *,
+        insight_ids: Iterable[str] = (),
+        tags: Iterable[str] = (),
+        segment: str = "",
+        agent_id: str = "",
+    ) -> int:
+        """Removes the insights that match every filter given (at least one is required);
+        returns how many left the pool."""
+        request = memory_pb2.DeleteInsightsRequest(
+            insight_ids=list(insight_ids), tags=list(tags), segment=segment, agent_id=agent_id
+        )
+        response = await self._with_retry(self._unary(self._memory.DeleteInsights, request))
+        return int(response.deleted)
 
     async def read_insights(
         self,

@@ -26,6 +26,10 @@ def insight_from_pb(pb: memory_pb2.Insight) -> Insight:
         created_at=codec.timestamp_to_datetime(pb.created_at)
         if pb.HasField("created_at")
         else None,
+        ttl=codec.duration_seconds(pb.ttl) if pb.HasField("ttl") else 0.0,
+        expires_at=codec.timestamp_to_datetime(pb.expires_at)
+        if pb.HasField("expires_at")
+        else None,
     )
 
 
@@ -39,6 +43,10 @@ def insight_to_pb(insight: Insight, out: memory_pb2.Insight) -> memory_pb2.Insig
     codec.dict_to_struct(insight.metadata, out.metadata)
     if insight.created_at is not None:
         codec.datetime_to_timestamp(insight.created_at, out.created_at)
+    if insight.ttl:
+        codec.seconds_to_duration(insight.ttl, out.ttl)
+    if insight.expires_at is not None:
+        codec.datetime_to_timestamp(insight.expires_at, out.expires_at)
     return out
 
 
@@ -110,6 +118,18 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
             segment_distribution=stats.segment_distribution,
             capacity=stats.capacity,
         )
+
+    @translating
+    async def DeleteInsights(
+        self, request: memory_pb2.DeleteInsightsRequest, context: Any
+    ) -> memory_pb2.DeleteInsightsResponse:
+        deleted = await self.pool.delete(
+            insight_ids=request.insight_ids,
+            tags=request.tags,
+            segment=request.segment,
+            agent_id=request.agent_id,
+        )
+        return memory_pb2.DeleteInsightsResponse(deleted=deleted)
 
     # -- shared state --------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from mesh.core.memory import (
     MemoryStats,
     SharedMemoryPool,
     as_stored,
+    nothing_named,
     pool_full,
 )
 from mesh.core.model import JSON
@@ -55,6 +56,8 @@ PREFIX = "mesh:{shared}:"
 INSIGHTS = PREFIX + "insights"
 """Hash: insight id -> the insight as JSON (with its seq, for "newest first")."""
 INSIGHT_SEQ = PREFIX + "insight-seq"
+INSIGHT_EXPIRY = PREFIX + "insight-expiry"
+"""Sorted set: the ids of insights with a ttl, by when they leave (ms since the epoch)."""
 TAG_COUNTS = PREFIX + "tag-counts"
 SEGMENT_COUNTS = PREFIX + "segment-counts"
 WRITER_COUNTS = PREFIX + "writer-counts"
@@ -71,24 +74,63 @@ RECHECK_SECONDS = 0.1
 whose lease lapsed is released by nobody; a release may be missed while a replica
 resubscribes)."""
 
-_WRITE_INSIGHT = """
-if redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
-local record = cjson.decode(ARGV[3])
-redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
-for _, tag in ipairs(record.tags) do
-  redis.call('SADD', 'mesh:{shared}:tag:' .. tag, ARGV[2])
-  redis.call('HINCRBY', KEYS[2], tag, 1)
+# Every insight script: KEYS = insights, tag counts, segment counts, writer counts, expiry;
+# insights whose ttl ended leave first (ARGV now, in ms).
+_INSIGHTS_COMMON = """
+local function remove_insight(id)
+  local raw = redis.call('HGET', KEYS[1], id)
+  redis.call('ZREM', KEYS[5], id)
+  if not raw then return 0 end
+  local it = cjson.decode(raw)
+  redis.call('HDEL', KEYS[1], id)
+  for _, tag in ipairs(it.tags) do
+    redis.call('SREM', 'mesh:{shared}:tag:' .. tag, id)
+    if redis.call('HINCRBY', KEYS[2], tag, -1) <= 0 then redis.call('HDEL', KEYS[2], tag) end
+  end
+  redis.call('SREM', 'mesh:{shared}:segment:' .. it.segment, id)
+  if redis.call('HINCRBY', KEYS[3], it.segment, -1) <= 0 then
+    redis.call('HDEL', KEYS[3], it.segment)
+  end
+  if redis.call('HINCRBY', KEYS[4], it.agent_id, -1) <= 0 then
+    redis.call('HDEL', KEYS[4], it.agent_id)
+  end
+  return 1
 end
-redis.call('SADD', 'mesh:{shared}:segment:' .. record.segment, ARGV[2])
-redis.call('HINCRBY', KEYS[3], record.segment, 1)
-redis.call('HINCRBY', KEYS[4], record.agent_id, 1)
-return 1
+local function purge(now)
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', now)) do
+    remove_insight(id)
+  end
+end
 """
 
-_READ_INSIGHTS = """
+# ARGV: now, capacity, id, record JSON, expiry ('' for none).
+_WRITE_INSIGHT = (
+    _INSIGHTS_COMMON
+    + """
+purge(tonumber(ARGV[1]))
+if redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
+local record = cjson.decode(ARGV[4])
+redis.call('HSET', KEYS[1], ARGV[3], ARGV[4])
+for _, tag in ipairs(record.tags) do
+  redis.call('SADD', 'mesh:{shared}:tag:' .. tag, ARGV[3])
+  redis.call('HINCRBY', KEYS[2], tag, 1)
+end
+redis.call('SADD', 'mesh:{shared}:segment:' .. record.segment, ARGV[3])
+redis.call('HINCRBY', KEYS[3], record.segment, 1)
+redis.call('HINCRBY', KEYS[4], record.agent_id, 1)
+if ARGV[5] ~= '' then redis.call('ZADD', KEYS[5], ARGV[5], ARGV[3]) end
+return 1
+"""
+)
+
+# ARGV: now, min importance, agent ('' for any), limit, segment ('' for any), tags...
+_READ_INSIGHTS = (
+    _INSIGHTS_COMMON
+    + """
+purge(tonumber(ARGV[1]))
 local sets = {}
-for i = 5, #ARGV do sets[#sets + 1] = 'mesh:{shared}:tag:' .. ARGV[i] end
-if ARGV[4] ~= '' then sets[#sets + 1] = 'mesh:{shared}:segment:' .. ARGV[4] end
+for i = 6, #ARGV do sets[#sets + 1] = 'mesh:{shared}:tag:' .. ARGV[i] end
+if ARGV[5] ~= '' then sets[#sets + 1] = 'mesh:{shared}:segment:' .. ARGV[5] end
 local ids
 if #sets > 0 then
   ids = redis.call('SINTER', unpack(sets))
@@ -100,7 +142,7 @@ for _, id in ipairs(ids) do
   local raw = redis.call('HGET', KEYS[1], id)
   if raw then
     local it = cjson.decode(raw)
-    if it.importance >= tonumber(ARGV[1]) and (ARGV[2] == '' or it.agent_id == ARGV[2]) then
+    if it.importance >= tonumber(ARGV[2]) and (ARGV[3] == '' or it.agent_id == ARGV[3]) then
       found[#found + 1] = {it.importance, it.seq, raw}
     end
   end
@@ -110,9 +152,59 @@ table.sort(found, function(a, b)
   return a[2] > b[2]
 end)
 local out = {}
-for i = 1, math.min(#found, tonumber(ARGV[3])) do out[i] = found[i][3] end
+for i = 1, math.min(#found, tonumber(ARGV[4])) do out[i] = found[i][3] end
 return out
 """
+)
+
+# ARGV: now, segment ('' for any), agent ('' for any), number of ids n, n ids, tags...
+_DELETE_INSIGHTS = (
+    _INSIGHTS_COMMON
+    + """
+purge(tonumber(ARGV[1]))
+local n = tonumber(ARGV[4])
+local wanted = {}
+for i = 5 + n, #ARGV do wanted[#wanted + 1] = ARGV[i] end
+local ids = {}
+if n > 0 then
+  for i = 5, 4 + n do ids[#ids + 1] = ARGV[i] end
+else
+  local sets = {}
+  for _, tag in ipairs(wanted) do sets[#sets + 1] = 'mesh:{shared}:tag:' .. tag end
+  if ARGV[2] ~= '' then sets[#sets + 1] = 'mesh:{shared}:segment:' .. ARGV[2] end
+  if #sets > 0 then
+    ids = redis.call('SINTER', unpack(sets))
+  else
+    ids = redis.call('HKEYS', KEYS[1])
+  end
+end
+local deleted = 0
+for _, id in ipairs(ids) do
+  local raw = redis.call('HGET', KEYS[1], id)
+  if raw then
+    local it = cjson.decode(raw)
+    local has = {}
+    for _, tag in ipairs(it.tags) do has[tag] = true end
+    local match = (ARGV[2] == '' or it.segment == ARGV[2])
+      and (ARGV[3] == '' or it.agent_id == ARGV[3])
+    for _, tag in ipairs(wanted) do match = match and has[tag] == true end
+    if match then deleted = deleted + remove_insight(id) end
+  end
+end
+return deleted
+"""
+)
+
+# ARGV: now.
+_INSIGHT_STATS = (
+    _INSIGHTS_COMMON
+    + """
+purge(tonumber(ARGV[1]))
+return {redis.call('HLEN', KEYS[1]), redis.call('HLEN', KEYS[4]),
+  redis.call('HGETALL', KEYS[2]), redis.call('HGETALL', KEYS[3])}
+"""
+)
+_INSIGHT_KEYS = [INSIGHTS, TAG_COUNTS, SEGMENT_COUNTS, WRITER_COUNTS, INSIGHT_EXPIRY]
 
 # KEYS: values, meta, locks. ARGV: key, now (ms), agent, token, expected version ('' for
 # none), capacity, value JSON, updated_at, 'put' or 'delete'.
@@ -217,10 +309,18 @@ class RedisMemoryPool:
         self.rules = SharedMemoryPool(capacity=capacity)  # the validation and the limits
         self.capacity = capacity
 
+    def _now_ms(self) -> int:
+        return int(self.store.now() * 1000)
+
+    async def _eval(self, script: str, *args: Any) -> Any:
+        return await self.store._call("eval", script, len(_INSIGHT_KEYS), *_INSIGHT_KEYS, *args)
+
     async def write(self, insight: Insight) -> Insight:
         self.rules.check(insight)
         seq = int(await self.store._call("incr", INSIGHT_SEQ))
-        stored = as_stored(insight, seq)
+        now = self._now_ms()
+        stored = as_stored(insight, seq, _at(now))
+        expires = stored.expires_at
         record = {
             "seq": seq,
             "insight_id": stored.insight_id,
@@ -231,11 +331,13 @@ class RedisMemoryPool:
             "segment": stored.segment,
             "metadata": stored.metadata,
             "created_at": stored.created_at.isoformat() if stored.created_at else "",
+            "ttl": stored.ttl,
+            "expires_at": expires.isoformat() if expires else "",
         }
-        keys = [INSIGHTS, TAG_COUNTS, SEGMENT_COUNTS, WRITER_COUNTS]
-        written = await self.store._call(
-            "eval", _WRITE_INSIGHT, len(keys), *keys, self.capacity, stored.insight_id,
+        written = await self._eval(
+            _WRITE_INSIGHT, now, self.capacity, stored.insight_id,
             json.dumps(record, default=str),
+            int(expires.timestamp() * 1000) if expires else "",
         )  # fmt: skip
         if not int(written):
             raise pool_full(self.capacity)
@@ -250,28 +352,44 @@ class RedisMemoryPool:
         limit: int = 0,
         agent_id: str = "",
     ) -> list[Insight]:
-        found = await self.store._call(
-            "eval", _READ_INSIGHTS, 1, INSIGHTS, repr(float(min_importance)), agent_id,
+        found = await self._eval(
+            _READ_INSIGHTS, self._now_ms(), repr(float(min_importance)), agent_id,
             limit if limit > 0 else DEFAULT_READ_LIMIT, segment, *dict.fromkeys(tags),
         )  # fmt: skip
         return [_insight(json.loads(_text(raw))) for raw in found]
 
+    async def delete(
+        self,
+        *,
+        insight_ids: Iterable[str] = (),
+        tags: Iterable[str] = (),
+        segment: str = "",
+        agent_id: str = "",
+    ) -> int:
+        ids, wanted = list(dict.fromkeys(insight_ids)), list(dict.fromkeys(tags))
+        if not (ids or wanted or segment or agent_id):
+            raise nothing_named()
+        deleted = await self._eval(
+            _DELETE_INSIGHTS, self._now_ms(), segment, agent_id, len(ids), *ids, *wanted
+        )
+        return int(deleted)
+
     async def stats(self) -> MemoryStats:
-        total = int(await self.store._call("hlen", INSIGHTS))
-        writers = int(await self.store._call("hlen", WRITER_COUNTS))
-        tags = await self.store._call("hgetall", TAG_COUNTS)
-        segments = await self.store._call("hgetall", SEGMENT_COUNTS)
+        total, writers, tags, segments = await self._eval(_INSIGHT_STATS, self._now_ms())
         return MemoryStats(
-            total_insights=total,
-            agents_involved=writers,
-            tag_distribution={_text(k): int(v) for k, v in tags.items()},
-            segment_distribution={_text(k): int(v) for k, v in segments.items()},
+            total_insights=int(total),
+            agents_involved=int(writers),
+            tag_distribution={_text(k): int(v) for k, v in zip(tags[::2], tags[1::2], strict=True)},
+            segment_distribution={
+                _text(k): int(v) for k, v in zip(segments[::2], segments[1::2], strict=True)
+            },
             capacity=self.capacity,
         )
 
 
 def _insight(record: dict[str, Any]) -> Insight:
     created = record.get("created_at")
+    expires = record.get("expires_at")
     return Insight(
         agent_id=record["agent_id"],
         content=record["content"],
@@ -281,6 +399,8 @@ def _insight(record: dict[str, Any]) -> Insight:
         metadata=record.get("metadata") or {},
         insight_id=record["insight_id"],
         created_at=datetime.fromisoformat(created) if created else None,
+        ttl=float(record.get("ttl") or 0.0),
+        expires_at=datetime.fromisoformat(expires) if expires else None,
     )
 
 

@@ -147,6 +147,11 @@ def settled(
     return None
 
 
+DEFAULT_INSIGHT_TTL = 86_400.0
+"""A day: what every run writes to the shared memory pool leaves it then, so that a mesh
+that runs consensus rounds for months does not fill the pool (which then refuses writes)."""
+
+
 @dataclass(slots=True, kw_only=True)
 class ConsensusSpec:
     problem: str
@@ -160,6 +165,9 @@ class ConsensusSpec:
     weights: dict[str, float] = field(default_factory=dict)
     early_termination: bool = True
     agent_timeout: float = 10.0
+    insight_ttl: float = DEFAULT_INSIGHT_TTL
+    """Seconds the shared memory pool keeps the run's proposal, votes and decision (0: until
+    they are deleted)."""
     run_id: str = ""
 
     def validate(self) -> None:
@@ -176,6 +184,8 @@ class ConsensusSpec:
             raise invalid("reviewer_weights", "reviewer weights must be positive")
         if self.agent_timeout <= 0:
             raise invalid("agent_timeout", "agent_timeout must be positive")
+        if self.insight_ttl < 0:
+            raise invalid("insight_ttl", "insight_ttl must not be negative")
 
 
 async def run_consensus(spec: ConsensusSpec, dispatcher: Dispatcher, emit: Emit) -> dict[str, JSON]:
@@ -202,7 +212,10 @@ async def run_consensus(spec: ConsensusSpec, dispatcher: Dispatcher, emit: Emit)
 
     try:
         answer = await dispatcher.ask(
-            ask(spec.proposer_id, {"action": "propose", "problem": spec.problem}),
+            ask(
+                spec.proposer_id,
+                {"action": "propose", "problem": spec.problem, "insight_ttl": spec.insight_ttl},
+            ),
             spec.agent_timeout,
         )
     except MeshError as error:
@@ -231,7 +244,12 @@ async def run_consensus(spec: ConsensusSpec, dispatcher: Dispatcher, emit: Emit)
         from_agent=GATEWAY_ID,
         to_agent="reviewers",
         message_type=MessageType.REQUEST,
-        content={"action": "review", "proposal_id": proposal_id, "problem": spec.problem},
+        content={
+            "action": "review",
+            "proposal_id": proposal_id,
+            "problem": spec.problem,
+            "insight_ttl": spec.insight_ttl,
+        },
         reply_to=GATEWAY_ID,
         metadata={"run_id": run_id},
     )
@@ -299,6 +317,7 @@ async def run_consensus(spec: ConsensusSpec, dispatcher: Dispatcher, emit: Emit)
                     "threshold": spec.threshold,
                     "quorum": spec.quorum,
                     "weights": dict(spec.weights),
+                    "insight_ttl": spec.insight_ttl,
                 },
             ),
             spec.agent_timeout,

@@ -823,6 +823,7 @@ class RunConsensusRequest(_message.Message):
     REVIEWER_WEIGHTS_FIELD_NUMBER: _builtins.int
     WAIT_FOR_ALL_VOTES_FIELD_NUMBER: _builtins.int
     AGENT_TIMEOUT_FIELD_NUMBER: _builtins.int
+    INSIGHT_TTL_FIELD_NUMBER: _builtins.int
     problem: _builtins.str
     """The problem to decide on."""
     proposer_id: _builtins.str
@@ -849,6 +850,12 @@ class RunConsensusRequest(_message.Message):
     def agent_timeout(self) -> _duration_pb2.Duration:
         """How long each agent may take; default 10 s."""
 
+    @_builtins.property
+    def insight_ttl(self) -> _duration_pb2.Duration:
+        """How long the shared memory pool keeps the run's proposal, votes and decision; default
+        24 h (a pool written to by every run would otherwise fill up and refuse writes).
+        """
+
     def __init__(
         self,
         *,
@@ -861,10 +868,11 @@ class RunConsensusRequest(_message.Message):
         reviewer_weights: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         wait_for_all_votes: _builtins.bool = ...,
         agent_timeout: _duration_pb2.Duration | None = ...,
+        insight_ttl: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["agent_timeout", b"agent_timeout"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent_timeout", b"agent_timeout", "insight_ttl", b"insight_ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_timeout", b"agent_timeout", "facilitator_id", b"facilitator_id", "problem", b"problem", "proposer_id", b"proposer_id", "quorum", b"quorum", "reviewer_ids", b"reviewer_ids", "reviewer_weights", b"reviewer_weights", "threshold", b"threshold", "wait_for_all_votes", b"wait_for_all_votes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_timeout", b"agent_timeout", "facilitator_id", b"facilitator_id", "insight_ttl", b"insight_ttl", "problem", b"problem", "proposer_id", b"proposer_id", "quorum", b"quorum", "reviewer_ids", b"reviewer_ids", "reviewer_weights", b"reviewer_weights", "threshold", b"threshold", "wait_for_all_votes", b"wait_for_all_votes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -35,6 +35,8 @@ class Insight(_message.Message):
     SEGMENT_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
+    TTL_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
     insight_id: _builtins.str
     """Assigned by the pool."""
     agent_id: _builtins.str
@@ -59,6 +61,14 @@ class Insight(_message.Message):
     def created_at(self) -> _timestamp_pb2.Timestamp:
         """When it was written (assigned by the pool)."""
 
+    @_builtins.property
+    def ttl(self) -> _duration_pb2.Duration:
+        """How long the pool keeps it; unset (or 0): until it is deleted."""
+
+    @_builtins.property
+    def expires_at(self) -> _timestamp_pb2.Timestamp:
+        """When it leaves the pool (assigned by the pool from ttl); unset when it has no ttl."""
+
     def __init__(
         self,
         *,
@@ -70,10 +80,12 @@ class Insight(_message.Message):
         segment: _builtins.str = ...,
         metadata: _struct_pb2.Struct | None = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
+        ttl: _duration_pb2.Duration | None = ...,
+        expires_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "created_at", b"created_at", "metadata", b"metadata"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "created_at", b"created_at", "expires_at", b"expires_at", "metadata", b"metadata", "ttl", b"ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "content", b"content", "created_at", b"created_at", "importance", b"importance", "insight_id", b"insight_id", "metadata", b"metadata", "segment", b"segment", "tags", b"tags"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "content", b"content", "created_at", b"created_at", "expires_at", b"expires_at", "importance", b"importance", "insight_id", b"insight_id", "metadata", b"metadata", "segment", b"segment", "tags", b"tags", "ttl", b"ttl"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -289,6 +301,66 @@ class GetMemoryStatsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetMemoryStatsResponse: _TypeAlias = GetMemoryStatsResponse  # noqa: Y015
+
+@_typing.final
+class DeleteInsightsRequest(_message.Message):
+    """DeleteInsightsRequest names the insights to remove: those matching every filter given."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSIGHT_IDS_FIELD_NUMBER: _builtins.int
+    TAGS_FIELD_NUMBER: _builtins.int
+    SEGMENT_FIELD_NUMBER: _builtins.int
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    segment: _builtins.str
+    """Insights of this segment."""
+    agent_id: _builtins.str
+    """Insights written by this agent (with security on, an agent deletes only its own)."""
+    @_builtins.property
+    def insight_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """These insights (by id)."""
+
+    @_builtins.property
+    def tags(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Insights carrying all of these tags."""
+
+    def __init__(
+        self,
+        *,
+        insight_ids: _abc.Iterable[_builtins.str] | None = ...,
+        tags: _abc.Iterable[_builtins.str] | None = ...,
+        segment: _builtins.str = ...,
+        agent_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "insight_ids", b"insight_ids", "segment", b"segment", "tags", b"tags"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteInsightsRequest: _TypeAlias = DeleteInsightsRequest  # noqa: Y015
+
+@_typing.final
+class DeleteInsightsResponse(_message.Message):
+    """DeleteInsightsResponse says how many insights left the pool."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DELETED_FIELD_NUMBER: _builtins.int
+    deleted: _builtins.int
+    """Insights removed."""
+    def __init__(
+        self,
+        *,
+        deleted: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted", b"deleted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteInsightsResponse: _TypeAlias = DeleteInsightsResponse  # noqa: Y015
 
 @_typing.final
 class StateEntry(_message.Message):

@@ -51,6 +51,11 @@ class MemoryServiceStub:
                 request_serializer=mesh_dot_v1_dot_memory__pb2.GetMemoryStatsRequest.SerializeToString,
                 response_deserializer=mesh_dot_v1_dot_memory__pb2.GetMemoryStatsResponse.FromString,
                 _registered_method=True)
+        self.DeleteInsights = channel.unary_unary(
+                '/mesh.v1.MemoryService/DeleteInsights',
+                request_serializer=mesh_dot_v1_dot_memory__pb2.DeleteInsightsRequest.SerializeToString,
+                response_deserializer=mesh_dot_v1_dot_memory__pb2.DeleteInsightsResponse.FromString,
+                _registered_method=True)
         self.GetState = channel.unary_unary(
                 '/mesh.v1.MemoryService/GetState',
                 request_serializer=mesh_dot_v1_dot_memory__pb2.GetStateRequest.SerializeToString,
@@ -100,6 +105,14 @@ class MemoryServiceServicer:
 
     def GetMemoryStats(self, request, context):
         """Totals, agents involved, tag and segment distributions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteInsights(self, request, context):
+        """Removes the insights that match every filter given (ids, tags, segment, writer); at
+        least one is required. Returns how many left the pool.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -162,6 +175,11 @@ def add_MemoryServiceServicer_to_server(servicer, server):
                     servicer.GetMemoryStats,
                     request_deserializer=mesh_dot_v1_dot_memory__pb2.GetMemoryStatsRequest.FromString,
                     response_serializer=mesh_dot_v1_dot_memory__pb2.GetMemoryStatsResponse.SerializeToString,
+            ),
+            'DeleteInsights': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteInsights,
+                    request_deserializer=mesh_dot_v1_dot_memory__pb2.DeleteInsightsRequest.FromString,
+                    response_serializer=mesh_dot_v1_dot_memory__pb2.DeleteInsightsResponse.SerializeToString,
             ),
             'GetState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetState,
@@ -272,6 +290,33 @@ class MemoryService:
             '/mesh.v1.MemoryService/GetMemoryStats',
             mesh_dot_v1_dot_memory__pb2.GetMemoryStatsRequest.SerializeToString,
             mesh_dot_v1_dot_memory__pb2.GetMemoryStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteInsights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mesh.v1.MemoryService/DeleteInsights',
+            mesh_dot_v1_dot_memory__pb2.DeleteInsightsRequest.SerializeToString,
+            mesh_dot_v1_dot_memory__pb2.DeleteInsightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

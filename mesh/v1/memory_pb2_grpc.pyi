@@ -43,6 +43,10 @@ class MemoryServiceStub:
     """
     GetMemoryStats: _grpc.UnaryUnaryMultiCallable[_memory_pb2.GetMemoryStatsRequest, _memory_pb2.GetMemoryStatsResponse]
     """Totals, agents involved, tag and segment distributions."""
+    DeleteInsights: _grpc.UnaryUnaryMultiCallable[_memory_pb2.DeleteInsightsRequest, _memory_pb2.DeleteInsightsResponse]
+    """Removes the insights that match every filter given (ids, tags, segment, writer); at
+    least one is required. Returns how many left the pool.
+    """
     GetState: _grpc.UnaryUnaryMultiCallable[_memory_pb2.GetStateRequest, _memory_pb2.GetStateResponse]
     """Shared state (RT-011 shared_state coordination): named, versioned entries. Reads one
     entry; NOT_FOUND when there is none of that key.
@@ -77,6 +81,10 @@ class MemoryServiceAsyncStub(MemoryServiceStub):
     """
     GetMemoryStats: _aio.UnaryUnaryMultiCallable[_memory_pb2.GetMemoryStatsRequest, _memory_pb2.GetMemoryStatsResponse]  # type: ignore[assignment]
     """Totals, agents involved, tag and segment distributions."""
+    DeleteInsights: _aio.UnaryUnaryMultiCallable[_memory_pb2.DeleteInsightsRequest, _memory_pb2.DeleteInsightsResponse]  # type: ignore[assignment]
+    """Removes the insights that match every filter given (ids, tags, segment, writer); at
+    least one is required. Returns how many left the pool.
+    """
     GetState: _aio.UnaryUnaryMultiCallable[_memory_pb2.GetStateRequest, _memory_pb2.GetStateResponse]  # type: ignore[assignment]
     """Shared state (RT-011 shared_state coordination): named, versioned entries. Reads one
     entry; NOT_FOUND when there is none of that key.
@@ -126,6 +134,16 @@ class MemoryServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_memory_pb2.GetMemoryStatsResponse, _abc.Awaitable[_memory_pb2.GetMemoryStatsResponse]]:
         """Totals, agents involved, tag and segment distributions."""
+
+    @_abc_1.abstractmethod
+    def DeleteInsights(
+        self,
+        request: _memory_pb2.DeleteInsightsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_memory_pb2.DeleteInsightsResponse, _abc.Awaitable[_memory_pb2.DeleteInsightsResponse]]:
+        """Removes the insights that match every filter given (ids, tags, segment, writer); at
+        least one is required. Returns how many left the pool.
+        """
 
     @_abc_1.abstractmethod
     def GetState(

@@ -7,6 +7,7 @@ import asyncio
 import json
 import threading
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
@@ -17,7 +18,7 @@ from agents.reasoning import ChatCompletionsReasoner, RuleReasoner
 from gateway.client import GatewayClient
 from gateway.embedded import EmbeddedMesh
 from gateway.server import serve_gateway
-from mesh import LocalMesh
+from mesh import LocalMesh, connect
 from mesh.core.errors import MeshError
 
 
@@ -165,6 +166,26 @@ async def test_consensus_with_the_sample_agents_and_the_memory_pool(embedded: Em
     assert stats["segment_distribution"] == {"proposals": 1, "votes": 3, "decisions": 1}
     assert stats["tag_distribution"]["vote"] == 3
     assert stats["agents_involved"] == 5
+    # What a run writes to the pool leaves it after a day by default (insight_ttl), so that
+    # rounds run for months do not fill it.
+    proposal_id = events[0]["data"]["proposal_id"]
+    async with connect(embedded.broker.address, agent_id="auditor") as reader:
+        written = await reader.read_insights(tags=[proposal_id])
+        assert sorted(i.segment for i in written) == ["decisions", "proposals"] + ["votes"] * 3
+        for insight in written:
+            assert insight.ttl == 86_400
+            assert insight.created_at is not None
+            assert insight.expires_at == insight.created_at + timedelta(days=1)
+        async with GatewayClient(embedded.gateway.address) as client:
+            events = await client.collect(
+                client.consensus(problem="Should we migrate?", insight_ttl="0.5s")
+            )
+        brief = events[0]["data"]["proposal_id"]
+        assert {i.ttl for i in await reader.read_insights(tags=[brief])} == {0.5}
+        async with asyncio.timeout(10):
+            while await reader.read_insights(tags=[brief]):  # noqa: ASYNC110
+                await asyncio.sleep(0.1)
+        assert len(await reader.read_insights(tags=[proposal_id])) == 5
 
 
 class ChatServer(BaseHTTPRequestHandler):

@@ -142,6 +142,16 @@ async def test_an_agent_acts_only_as_itself(token_mesh: LocalMesh) -> None:
     await admin.send("HotelAgent", {"action": "book"}, from_agent="PaymentAgent")
     assert len(await admin.receive("HotelAgent")) == 1
 
+    # An agent deletes its own insights from the shared memory pool, no one else's.
+    await hotel.write_insight("booked", tags=["stay"], agent_id="HotelAgent")
+    await payment.write_insight("paid", tags=["stay"], agent_id="PaymentAgent")
+    with pytest.raises(PermissionDeniedError, match="may not delete insights as HotelAgent"):
+        await payment.delete_insights(tags=["stay"], agent_id="HotelAgent")
+    with pytest.raises(PermissionDeniedError, match=r"may not delete insights as \(no agent\)"):
+        await payment.delete_insights(tags=["stay"])
+    assert await payment.delete_insights(tags=["stay"], agent_id="PaymentAgent") == 1
+    assert [i.content for i in await hotel.read_insights(tags=["stay"])] == ["booked"]
+
 
 async def test_agents_serve_and_answer_with_their_own_credentials(token_mesh: LocalMesh) -> None:
     @agent("PaymentAgent")

@@ -1,0 +1,85 @@
+"""The shared memory pool through gRPC, on the broker's own pool and on Redis (a single server
+and a cluster): insights kept for their ttl, deleted by id, tags, segment or writer, and the
+statistics following both."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from datetime import timedelta
+
+import pytest
+
+from mesh import MeshError, connect
+from mesh.client import NO_RETRY
+from mesh.testing import LocalMesh
+from tests.helpers.processes import BROKER_READY, start, stop
+
+
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
+async def broker(request: pytest.FixtureRequest) -> AsyncIterator[str]:
+    if request.param == "memory":
+        async with LocalMesh() as mesh:
+            yield mesh.address
+        return
+    url = request.getfixturevalue("redis_url" if request.param == "redis" else "redis_cluster_url")
+    process = await start("broker", "--port", "0", "--store", url, ready=BROKER_READY)
+    try:
+        yield process.address
+    finally:
+        await stop(process)
+
+
+async def test_an_insight_with_a_ttl_is_read_until_it_ends(broker: str) -> None:
+    async with connect(broker, agent_id="reviewer_1", retry=NO_RETRY) as client:
+        short = await client.write_insight(
+            {"vote": "approve"}, tags=["vote", "p1"], segment="votes", ttl=0.5
+        )
+        kept = await client.write_insight({"vote": "modify"}, tags=["vote", "p1"], segment="votes")
+        assert short.created_at is not None
+        assert short.expires_at == short.created_at + timedelta(seconds=0.5)
+        assert kept.expires_at is None
+        [read] = [i for i in await client.read_insights(tags=["p1"]) if i.ttl]
+        assert (read.insight_id, read.ttl, read.expires_at) == (
+            short.insight_id,
+            0.5,
+            short.expires_at,
+        )
+
+        async with asyncio.timeout(10):
+            while len(await client.read_insights(tags=["p1"])) == 2:  # noqa: ASYNC110
+                await asyncio.sleep(0.1)
+        assert [i.insight_id for i in await client.read_insights(tags=["p1"])] == [kept.insight_id]
+        stats = await client.memory_stats()
+        assert stats.total_insights == 1
+        assert stats.tag_distribution == {"vote": 1, "p1": 1}
+        assert stats.segment_distribution == {"votes": 1}
+
+
+async def test_insights_are_deleted_by_what_they_are(broker: str) -> None:
+    async with (
+        connect(broker, agent_id="reviewer_1", retry=NO_RETRY) as one,
+        connect(broker, agent_id="reviewer_2", retry=NO_RETRY) as two,
+    ):
+        first = await one.write_insight("approve", tags=["vote", "p1"], segment="votes")
+        await two.write_insight("reject", tags=["vote", "p1"], segment="votes")
+        await one.write_insight("modify", tags=["vote", "p2"], segment="votes")
+        await one.write_insight("the plan", tags=["proposal", "p2"], segment="proposals")
+
+        assert await one.delete_insights(insight_ids=[first.insight_id, "insight_0"]) == 1
+        assert await one.delete_insights(tags=["p1"], agent_id="reviewer_1") == 0
+        assert await one.delete_insights(tags=["vote", "p2"], segment="votes") == 1
+        assert await two.delete_insights(agent_id="reviewer_2") == 1
+        with pytest.raises(MeshError, match="name the insights to delete") as info:
+            await one.delete_insights()
+        assert info.value.code == "INVALID_ARGUMENT"
+
+        [left] = await one.read_insights()
+        assert (left.content, left.segment) == ("the plan", "proposals")
+        stats = await one.memory_stats()
+        assert (stats.total_insights, stats.agents_involved) == (1, 1)
+        assert stats.tag_distribution == {"proposal": 1, "p2": 1}
+        assert stats.segment_distribution == {"proposals": 1}
+        # Its tags are free again: written anew, the pool counts them from zero.
+        await two.write_insight("approve", tags=["vote", "p1"], segment="votes")
+        assert (await one.memory_stats()).tag_distribution["p1"] == 1

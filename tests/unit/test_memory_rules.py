@@ -1,0 +1,110 @@
+"""The shared memory pool's rules: insights kept for their ttl, deleted by what they are, and
+a pool that holds its limit taking writes again once insights leave."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from mesh.core.errors import LimitExceededError, MessageValidationError
+from mesh.core.memory import Insight, SharedMemoryPool
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def vote(reviewer: str, proposal: str, *, ttl: float = 0.0) -> Insight:
+    return Insight(
+        agent_id=reviewer,
+        content={"vote": "approve"},
+        tags=("vote", reviewer, proposal),
+        importance=0.8,
+        segment="votes",
+        ttl=ttl,
+    )
+
+
+async def test_an_insight_with_a_ttl_leaves_the_pool_when_it_ends() -> None:
+    clock = Clock()
+    pool = SharedMemoryPool(clock=clock)
+    short = await pool.write(vote("reviewer_1", "p1", ttl=60))
+    await pool.write(vote("reviewer_2", "p1"))
+    written_at = datetime.fromtimestamp(clock.now, UTC)
+    assert short.created_at == written_at
+    assert short.expires_at == written_at + timedelta(seconds=60)
+
+    clock.now += 59.9
+    assert len(await pool.read(tags=["p1"])) == 2
+    clock.now += 0.2
+    [kept] = await pool.read(tags=["p1"])
+    assert kept.agent_id == "reviewer_2" and kept.expires_at is None
+    stats = await pool.stats()
+    assert stats.total_insights == 1 and stats.agents_involved == 1
+    assert "reviewer_1" not in stats.tag_distribution
+    assert stats.tag_distribution["p1"] == 1
+
+
+async def test_a_full_pool_refuses_writes_until_insights_leave() -> None:
+    clock = Clock()
+    pool = SharedMemoryPool(capacity=3, clock=clock)
+    await pool.write(vote("reviewer_1", "p1", ttl=10))
+    await pool.write(vote("reviewer_2", "p1"))
+    await pool.write(vote("reviewer_3", "p2"))
+    with pytest.raises(LimitExceededError, match="limit of 3 insights") as info:
+        await pool.write(vote("reviewer_4", "p2"))
+    assert info.value.code == "RESOURCE_EXHAUSTED"
+
+    clock.now += 10  # the first one's ttl ends
+    await pool.write(vote("reviewer_4", "p2"))
+    with pytest.raises(LimitExceededError):
+        await pool.write(vote("reviewer_5", "p3"))
+    assert await pool.delete(tags=["vote", "p1"]) == 1  # reviewer_2's
+    await pool.write(vote("reviewer_5", "p3"))
+    assert sorted(i.agent_id for i in await pool.read(tags=["vote"])) == [
+        "reviewer_3",
+        "reviewer_4",
+        "reviewer_5",
+    ]
+
+
+async def test_deletes_take_the_insights_matching_every_filter_given() -> None:
+    pool = SharedMemoryPool()
+    first = await pool.write(vote("reviewer_1", "p1"))
+    await pool.write(vote("reviewer_2", "p1"))
+    await pool.write(vote("reviewer_1", "p2"))
+    await pool.write(
+        Insight(agent_id="proposer", content="x", tags=("proposal", "p1"), segment="proposals")
+    )
+    assert await pool.delete(insight_ids=[first.insight_id, "insight_999"]) == 1
+    assert await pool.delete(insight_ids=[first.insight_id]) == 0
+    assert await pool.delete(tags=["p1"], segment="votes") == 1  # reviewer_2's vote on p1
+    assert await pool.delete(agent_id="reviewer_1", tags=["p1"]) == 0
+    assert await pool.delete(segment="proposals") == 1
+    assert [(i.agent_id, i.tags[-1]) for i in await pool.read()] == [("reviewer_1", "p2")]
+    with pytest.raises(MessageValidationError, match="name the insights to delete"):
+        await pool.delete()
+    assert (await pool.stats()).total_insights == 1
+
+
+async def test_a_negative_ttl_is_refused() -> None:
+    pool = SharedMemoryPool()
+    with pytest.raises(MessageValidationError, match="ttl must not be negative"):
+        await pool.write(vote("reviewer_1", "p1", ttl=-1))
+    assert (await pool.stats()).total_insights == 0
+
+
+async def test_what_was_deleted_is_not_kept_for_its_ttl() -> None:
+    """Insights written with a day's ttl and deleted at once, 5,000 times over: the pool
+    keeps no trace of them (their expiry entries are dropped, not held for a day)."""
+    pool = SharedMemoryPool(capacity=10)
+    for i in range(5_000):
+        written = await pool.write(vote("reviewer_1", f"p{i}", ttl=86_400))
+        assert await pool.delete(insight_ids=[written.insight_id]) == 1
+    assert (await pool.stats()).total_insights == 0
+    assert len(pool._expiry) <= 1_024 + 1
