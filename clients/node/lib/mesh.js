@@ -102,6 +102,15 @@ function readReply(peer, content) {
   return { peer, decision, proposal: decision === 'counter' ? c.proposal : null, reason };
 }
 
+/** A plain object from a mesh.v1.Insight. */
+function readInsight(pb) {
+  return { insightId: pb.insight_id, agentId: pb.agent_id, content: fromValue(pb.content),
+    tags: pb.tags, importance: pb.importance, segment: pb.segment,
+    metadata: fromStruct(pb.metadata), createdAt: isoTime(pb.created_at),
+    ttlMs: pb.ttl ? Number(pb.ttl.seconds) * 1000 + pb.ttl.nanos / 1e6 : 0,
+    expiresAt: isoTime(pb.expires_at) };
+}
+
 /** A plain object from a mesh.v1.StateEntry. */
 function readEntry(pb) {
   return { key: pb.key, value: fromValue(pb.value), version: Number(pb.version),
@@ -331,6 +340,43 @@ class MeshClient {
       terms = revise(terms, ordered.filter((r) => r.decision === 'counter'));
     }
     throw new Error('unreachable');
+  }
+
+  // -- the shared memory pool -------------------------------------------------------------
+
+  /**
+   * Writes an insight (content: any JSON value); with ttlMs the pool keeps it that long,
+   * else until it is deleted. Resolves with it as stored: {insightId, createdAt, expiresAt, ...}.
+   */
+  async writeInsight(content, { tags = [], importance = 0.5, segment = 'default', metadata = {},
+    agentId = this.agentId, ttlMs = 0 } = {}) {
+    const insight = { agent_id: agentId, content: toValue(content), tags, importance, segment,
+      metadata: toStruct(metadata) };
+    if (ttlMs) insight.ttl = toDuration(ttlMs);
+    return readInsight((await unary(this.memory, 'WriteInsight', { insight })).insight);
+  }
+
+  /** Insights with all of tags (and of segment, agentId), most important first, then newest. */
+  async readInsights({ tags = [], segment = '', minImportance = 0, limit = 0,
+    agentId = '' } = {}) {
+    const res = await unary(this.memory, 'ReadInsights', { tags, segment,
+      min_importance: minImportance, limit, agent_id: agentId });
+    return res.insights.map(readInsight);
+  }
+
+  /** Removes the insights matching every filter given (at least one); resolves with how many. */
+  async deleteInsights({ insightIds = [], tags = [], segment = '', agentId = '' } = {}) {
+    const res = await unary(this.memory, 'DeleteInsights', { insight_ids: insightIds, tags,
+      segment, agent_id: agentId });
+    return res.deleted;
+  }
+
+  /** {totalInsights, agentsInvolved, tagDistribution, segmentDistribution, capacity}. */
+  async memoryStats() {
+    const res = await unary(this.memory, 'GetMemoryStats', {});
+    return { totalInsights: res.total_insights, agentsInvolved: res.agents_involved,
+      tagDistribution: res.tag_distribution, segmentDistribution: res.segment_distribution,
+      capacity: res.capacity };
   }
 
   // -- shared state (RT-011 shared_state) --------------------------------------------------

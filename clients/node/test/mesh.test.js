@@ -407,6 +407,37 @@ test('shared state: versions, compare-and-set and locks, beside the Python agent
   }
 });
 
+test('the shared memory pool: insights written, read, kept for their ttl and deleted',
+  async () => {
+    const reviewer = new MeshClient(BROKER, { agentId: 'NodeReviewer' });
+    try {
+      const vote = await reviewer.writeInsight({ vote: 'approve', confidence: 0.9 },
+        { tags: ['vote', 'node_p1'], importance: 0.8, segment: 'votes', ttlMs: 300 });
+      assert.equal(vote.agentId, 'NodeReviewer');
+      assert.equal(vote.ttlMs, 300);
+      assert.equal(Date.parse(vote.expiresAt) - Date.parse(vote.createdAt), 300);
+      const kept = await reviewer.writeInsight('modify', { tags: ['vote', 'node_p1'],
+        importance: 0.5, segment: 'votes', metadata: { proposal_id: 'node_p1' } });
+      assert.equal(kept.expiresAt, null);
+      const read = await reviewer.readInsights({ tags: ['node_p1'], segment: 'votes' });
+      assert.deepEqual(read.map((i) => i.content),
+        [{ vote: 'approve', confidence: 0.9 }, 'modify']);
+      assert.deepEqual(read[1].metadata, { proposal_id: 'node_p1' });
+      const stats = await reviewer.memoryStats();
+      assert.equal(stats.tagDistribution.node_p1, 2);
+      await new Promise((resolve) => { setTimeout(resolve, 600); });
+      assert.deepEqual((await reviewer.readInsights({ tags: ['node_p1'] })).map((i) => i.insightId),
+        [kept.insightId]);
+      await assert.rejects(reviewer.deleteInsights(),
+        (err) => err.codeName === 'INVALID_ARGUMENT');
+      assert.equal(await reviewer.deleteInsights({ tags: ['node_p1'], agentId: 'NodeReviewer' }), 1);
+      assert.deepEqual(await reviewer.readInsights({ tags: ['node_p1'] }), []);
+      assert.equal((await reviewer.memoryStats()).tagDistribution.node_p1, undefined);
+    } finally {
+      reviewer.close();
+    }
+  });
+
 test('a Node agent negotiates with a peer directly (RT-011 peer-to-peer)', async () => {
   const proposals = [];
   const seller = await serveAgent({
