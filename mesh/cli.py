@@ -394,6 +394,66 @@ async def _state(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _insights(args: argparse.Namespace) -> int:
+    """Lists the shared memory pool's insights matching the filters, its statistics, or
+    deletes the matching ones."""
+    async with connect(args.broker, agent_id="cli", security=security_config(args)) as client:
+        if args.delete:
+            deleted = await client.delete_insights(
+                insight_ids=args.id, tags=args.tag, segment=args.segment, agent_id=args.agent
+            )
+            _print(f"deleted {deleted} insights")
+            return 0
+        if args.stats:
+            stats = await client.memory_stats()
+            _print(
+                json.dumps(
+                    {
+                        "total_insights": stats.total_insights,
+                        "capacity": stats.capacity,
+                        "agents_involved": stats.agents_involved,
+                        "segment_distribution": stats.segment_distribution,
+                        "tag_distribution": stats.tag_distribution,
+                    },
+                    indent=2,
+                )
+            )
+            return 0
+        found = await client.read_insights(
+            tags=args.tag, segment=args.segment, agent_id=args.agent, limit=args.limit
+        )
+    if args.id:
+        found = [i for i in found if i.insight_id in set(args.id)]
+    if args.json:
+        _print(
+            json.dumps(
+                [
+                    {
+                        "insight_id": i.insight_id,
+                        "agent_id": i.agent_id,
+                        "segment": i.segment,
+                        "tags": list(i.tags),
+                        "importance": i.importance,
+                        "content": i.content,
+                        "created_at": i.created_at.isoformat() if i.created_at else None,
+                        "expires_at": i.expires_at.isoformat() if i.expires_at else None,
+                    }
+                    for i in found
+                ],
+                indent=2,
+            )
+        )
+        return 0
+    for i in found:
+        until = f"  until {i.expires_at.isoformat()}" if i.expires_at else ""
+        _print(
+            f"{i.insight_id}  {i.segment}  by {i.agent_id}  [{','.join(i.tags)}]  "
+            f"{i.importance:g}{until}  {json.dumps(i.content, separators=(',', ':'))}"
+        )
+    _print(f"{len(found)} insights")
+    return 0
+
+
 async def _trace(args: argparse.Namespace) -> int:
     from mesh.tracing import find_trace, load_spans, render_tree, render_waterfall
 
@@ -535,6 +595,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     add_security_flags(p, server=False)
     p.set_defaults(run=_state)
+
+    p = sub.add_parser(
+        "insights", help="list, count (--stats) or delete (--delete) shared memory insights"
+    )
+    p.add_argument("--tag", action="append", default=[], help="carrying this tag (repeatable)")
+    p.add_argument("--segment", default="", help="of this segment")
+    p.add_argument("--agent", default="", help="written by this agent")
+    p.add_argument("--id", action="append", default=[], help="this insight (repeatable)")
+    p.add_argument("--limit", type=int, default=0, help="at most this many (default 100)")
+    p.add_argument("--delete", action="store_true", help="delete the insights matching")
+    p.add_argument("--stats", action="store_true", help="the pool's statistics")
+    p.add_argument("--broker", default=broker_default)
+    p.add_argument("--json", action="store_true")
+    add_security_flags(p, server=False)
+    p.set_defaults(run=_insights)
 
     p = sub.add_parser("trace", help="print a trace (by trace, workflow, group or run id)")
     p.add_argument("id", help="a trace id (or its start), or a workflow/group/run id")

@@ -153,6 +153,26 @@ async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
     code, out = await cli("state", "budget")
     assert code == 1 and "no shared state named 'budget'" in out
 
+    # The shared memory pool: list by tag, count, delete (a delete must name what it takes).
+    async with connect(broker_proc.address, agent_id="reviewer_1") as client:
+        await client.write_insight("approve", tags=["vote", "p1"], segment="votes", ttl=3600)
+        await client.write_insight("modify", tags=["vote", "p2"], segment="votes")
+    code, out = await cli("insights", "--tag", "vote", "--tag", "p1")
+    assert code == 0, out
+    [line, summary] = out.strip().splitlines()
+    assert re.fullmatch(
+        r'insight_\d+  votes  by reviewer_1  \[vote,p1\]  0\.5  until \S+  "approve"', line
+    ), line
+    assert summary == "1 insights"
+    code, out = await cli("insights", "--stats")
+    assert code == 0 and json.loads(out)["segment_distribution"] == {"votes": 2}
+    code, out = await cli("insights", "--delete")
+    assert code == 1 and "INVALID_ARGUMENT: name the insights to delete" in out, out
+    code, out = await cli("insights", "--delete", "--segment", "votes", "--tag", "p2")
+    assert code == 0 and out.strip() == "deleted 1 insights"
+    code, out = await cli("insights", "--json")
+    assert [i["content"] for i in json.loads(out)] == ["approve"]
+
     # --request prints the answer; an agent that fails makes the exit code 1.
     from mesh import AgentContext, Message, agent, serve
 
