@@ -108,7 +108,9 @@ class MemoryPool(Protocol):
 
 class SharedMemoryPool:
     """Bounded: writes over ``capacity`` are refused (RESOURCE_EXHAUSTED), and each insight's
-    content is limited to ``max_content_bytes`` of JSON."""
+    content is limited to ``max_content_bytes`` of JSON. Indexed by tag and segment, with
+    its statistics kept as insights come and go: a read goes through the insights of its
+    rarest tag (or segment), not the whole pool, and the statistics cost no pass at all."""
 
     def __init__(
         self,
@@ -125,9 +127,35 @@ class SharedMemoryPool:
         """Seconds since the epoch (tests drive time with it); the wall clock by default."""
         self._insights: dict[str, Insight] = {}
         """By id, in the order written."""
+        self._order: dict[str, int] = {}
+        """Each insight's place in the order written (newest: highest)."""
+        self._by_tag: dict[str, dict[str, Insight]] = {}
+        self._by_segment: dict[str, dict[str, Insight]] = {}
+        self._writers: Counter[str] = Counter()
         self._expiry: list[tuple[float, str]] = []
         """(when it leaves, id) of the insights with a ttl; a deleted one stays until then."""
         self._ids = itertools.count(1)
+
+    def _add(self, insight: Insight, seq: int) -> None:
+        key = insight.insight_id
+        self._insights[key] = insight
+        self._order[key] = seq
+        for tag in insight.tags:
+            self._by_tag.setdefault(tag, {})[key] = insight
+        self._by_segment.setdefault(insight.segment, {})[key] = insight
+        self._writers[insight.agent_id] += 1
+
+    def _remove(self, key: str) -> None:
+        insight = self._insights.pop(key, None)
+        if insight is None:
+            return
+        del self._order[key]
+        for tag in insight.tags:
+            _discard(self._by_tag, tag, key)
+        _discard(self._by_segment, insight.segment, key)
+        self._writers[insight.agent_id] -= 1
+        if not self._writers[insight.agent_id]:
+            del self._writers[insight.agent_id]
 
     def _now(self) -> datetime:
         return datetime.fromtimestamp(self._clock(), UTC) if self._clock else utc_now()
@@ -136,7 +164,7 @@ class SharedMemoryPool:
         """Removes the insights whose ttl has ended."""
         moment = now.timestamp()
         while self._expiry and self._expiry[0][0] <= moment:
-            self._insights.pop(heapq.heappop(self._expiry)[1], None)
+            self._remove(heapq.heappop(self._expiry)[1])
 
     def check(self, insight: Insight) -> None:
         """An insight's validation (a store in Redis shares it)."""
@@ -170,8 +198,9 @@ class SharedMemoryPool:
         self._purge(now)
         if len(self._insights) >= self.capacity:
             raise pool_full(self.capacity)
-        stored = as_stored(insight, next(self._ids), now)
-        self._insights[stored.insight_id] = stored
+        seq = next(self._ids)
+        stored = as_stored(insight, seq, now)
+        self._add(stored, seq)
         if stored.expires_at is not None:
             if len(self._expiry) > 2 * len(self._insights) + 1024:  # deleted ones pile up
                 self._expiry = [e for e in self._expiry if e[1] in self._insights]
@@ -191,9 +220,10 @@ class SharedMemoryPool:
         self._purge(self._now())
         found = self._matching(tags=tags, segment=segment, agent_id=agent_id)
         found = [i for i in found if i.importance >= min_importance]
-        # Most important first, then newest first (the pool keeps them in time order).
-        order = {id(i): n for n, i in enumerate(found)}
-        found.sort(key=lambda i: (-i.importance, -order[id(i)]))
+        # Most important first, then newest first (newest first, then a stable sort).
+        order = self._order
+        found.sort(key=lambda i: order[i.insight_id], reverse=True)
+        found.sort(key=lambda i: -i.importance)
         return found[: limit if limit > 0 else DEFAULT_READ_LIMIT]
 
     def _matching(
@@ -204,13 +234,22 @@ class SharedMemoryPool:
         segment: str = "",
         agent_id: str = "",
     ) -> list[Insight]:
-        ids = set(insight_ids)
+        """The insights matching every filter given: looked for among the named ids, else
+        among those of the rarest tag or segment named, else in the whole pool."""
+        ids = list(insight_ids)
         wanted = set(tags)
+        candidates: Iterable[Insight]
+        if ids:
+            candidates = [self._insights[i] for i in dict.fromkeys(ids) if i in self._insights]
+        else:
+            indexes = [self._by_tag.get(tag, {}) for tag in wanted]
+            if segment:
+                indexes.append(self._by_segment.get(segment, {}))
+            candidates = min(indexes, key=len).values() if indexes else self._insights.values()
         return [
             i
-            for i in self._insights.values()
-            if (not ids or i.insight_id in ids)
-            and wanted.issubset(i.tags)
+            for i in candidates
+            if wanted.issubset(i.tags)
             and (not segment or i.segment == segment)
             and (not agent_id or i.agent_id == agent_id)
         ]
@@ -232,19 +271,23 @@ class SharedMemoryPool:
             insight_ids=insight_ids, tags=tags, segment=segment, agent_id=agent_id
         )
         for insight in found:
-            del self._insights[insight.insight_id]
+            self._remove(insight.insight_id)
         return len(found)
 
     async def stats(self) -> MemoryStats:
         self._purge(self._now())
-        insights = self._insights.values()
-        tags: Counter[str] = Counter()
-        for insight in insights:
-            tags.update(insight.tags)
         return MemoryStats(
-            total_insights=len(insights),
-            agents_involved=len({i.agent_id for i in insights}),
-            tag_distribution=dict(tags),
-            segment_distribution=dict(Counter(i.segment for i in insights)),
+            total_insights=len(self._insights),
+            agents_involved=len(self._writers),
+            tag_distribution={tag: len(held) for tag, held in self._by_tag.items()},
+            segment_distribution={seg: len(held) for seg, held in self._by_segment.items()},
             capacity=self.capacity,
         )
+
+
+def _discard(index: dict[str, dict[str, Insight]], name: str, key: str) -> None:
+    held = index.get(name)
+    if held is not None:
+        held.pop(key, None)
+        if not held:
+            del index[name]

@@ -3,6 +3,8 @@ a pool that holds its limit taking writes again once insights leave."""
 
 from __future__ import annotations
 
+import random
+from collections import Counter
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -108,3 +110,61 @@ async def test_what_was_deleted_is_not_kept_for_its_ttl() -> None:
         assert await pool.delete(insight_ids=[written.insight_id]) == 1
     assert (await pool.stats()).total_insights == 0
     assert len(pool._expiry) <= 1_024 + 1
+
+
+async def test_reads_and_statistics_agree_with_the_pool_through_writes_deletes_and_expiry() -> None:
+    """2,000 random writes, deletes and passing time against a plain list of what the pool
+    should hold: every read (by tags, segment, writer, importance) and the statistics agree."""
+    rng = random.Random(7)
+    clock = Clock()
+    pool = SharedMemoryPool(clock=clock)
+    held: list[Insight] = []  # what the pool should hold, oldest first
+    tags = [f"t{n}" for n in range(6)]
+
+    def alive() -> list[Insight]:
+        return [i for i in held if i.expires_at is None or i.expires_at.timestamp() > clock.now]
+
+    for _ in range(2_000):
+        roll = rng.random()
+        if roll < 0.6:
+            held.append(
+                await pool.write(
+                    Insight(
+                        agent_id=rng.choice(["a", "b", "c"]),
+                        content=rng.random(),
+                        tags=tuple(rng.sample(tags, rng.randint(0, 3))),
+                        importance=rng.choice([0.2, 0.5, 0.9]),
+                        segment=rng.choice(["votes", "proposals"]),
+                        ttl=rng.choice([0.0, 5.0, 50.0]),
+                    )
+                )
+            )
+        elif roll < 0.7:
+            tag = rng.choice(tags)
+            gone = [i for i in alive() if tag in i.tags and i.segment == "votes"]
+            assert await pool.delete(tags=[tag], segment="votes") == len(gone)
+            held = [i for i in held if i not in gone]
+        else:
+            clock.now += rng.random() * 3
+        wanted = rng.sample(tags, rng.randint(0, 2))
+        segment = rng.choice(["", "votes"])
+        writer = rng.choice(["", "a"])
+        expected = [
+            i
+            for i in reversed(alive())
+            if set(wanted) <= set(i.tags)
+            and (not segment or i.segment == segment)
+            and (not writer or i.agent_id == writer)
+            and i.importance >= 0.5
+        ]
+        expected.sort(key=lambda i: -i.importance)
+        read = await pool.read(
+            tags=wanted, segment=segment, agent_id=writer, min_importance=0.5, limit=1000
+        )
+        assert [i.insight_id for i in read] == [i.insight_id for i in expected]
+    stats = await pool.stats()
+    now = alive()
+    assert stats.total_insights == len(now)
+    assert stats.agents_involved == len({i.agent_id for i in now})
+    assert stats.tag_distribution == dict(Counter(t for i in now for t in i.tags))
+    assert stats.segment_distribution == dict(Counter(i.segment for i in now))
