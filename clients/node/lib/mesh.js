@@ -59,8 +59,21 @@ function nowTimestamp() {
   return { seconds: Math.floor(ms / 1000), nanos: (ms % 1000) * 1e6 };
 }
 
-/** A mesh.v1.Message from a plain object: {from, to, type, content, priority, ...}. */
+const MESSAGE_TYPES = ['REQUEST', 'RESPONSE', 'BROADCAST', 'HANDOFF', 'ERROR', 'ACK'];
+const PRIORITIES = ['HIGH', 'MEDIUM', 'LOW'];
+
+/**
+ * A mesh.v1.Message from a plain object: {from, to, type, content, priority, ...}. A type or
+ * priority the contract does not have is a TypeError (it would travel as unset).
+ */
 function buildMessage(m) {
+  if (m.type !== undefined && !MESSAGE_TYPES.includes(m.type)) {
+    throw new TypeError(`type ${JSON.stringify(m.type)} is not one of ${MESSAGE_TYPES.join(', ')}`);
+  }
+  if (m.priority !== undefined && !PRIORITIES.includes(m.priority)) {
+    throw new TypeError(
+      `priority ${JSON.stringify(m.priority)} is not one of ${PRIORITIES.join(', ')}`);
+  }
   return {
     message_id: m.messageId || crypto.randomUUID(),
     from_agent: m.from,
@@ -208,7 +221,64 @@ class MeshClient {
     this.memory.meshMetadata = metadata;
   }
 
-  close() { this.broker.close(); }
+  close() {
+    if (this._session) this._session.call.cancel();
+    this.broker.close();
+  }
+
+  /**
+   * The client's Connect session, opened on first use: sends and requests travel on it as
+   * frames (a message on an open stream costs far less than a unary call), each answered by
+   * the frame of the same seq. A session that fails fails what waits on it, and the next call
+   * opens another.
+   */
+  _connect() {
+    if (this._session && !this._session.closed) return this._session;
+    const call = this.broker.Connect(this.broker.meshMetadata || new grpc.Metadata());
+    const session = { call, pending: new Map(), seq: 0, closed: false };
+    const fail = (err) => {
+      if (session.closed) return;
+      session.closed = true;
+      for (const waiting of session.pending.values()) waiting.reject(err);
+      session.pending.clear();
+      if (this._session === session) this._session = null;
+    };
+    call.on('data', (frame) => {
+      const waiting = session.pending.get(Number(frame.seq));
+      if (!waiting) return;
+      session.pending.delete(Number(frame.seq));
+      if (frame.frame === 'error') {
+        waiting.reject(new MeshError({ code: frame.error.code, details: frame.error.message }));
+      } else {
+        waiting.resolve(frame);
+      }
+    });
+    call.on('error', (err) => fail(new MeshError(err)));
+    call.on('end', () => fail(new MeshError({ code: grpc.status.UNAVAILABLE,
+      details: 'the broker ended the session' })));
+    this._session = session;
+    return session;
+  }
+
+  /** Writes a frame on the session; resolves with its answer (rejects with an error frame). */
+  _ask(frame, timeoutMs, { cancellable = false } = {}) {
+    const session = this._connect();
+    session.seq += 1;
+    const seq = session.seq;
+    return new Promise((resolve, reject) => {
+      const timer = setTimeout(() => {
+        if (!session.pending.delete(seq)) return;
+        if (cancellable && !session.closed) session.call.write({ cancel: { seq } });
+        reject(new MeshError({ code: grpc.status.DEADLINE_EXCEEDED,
+          details: `the broker did not answer within ${timeoutMs} ms` }));
+      }, timeoutMs);
+      session.pending.set(seq, {
+        resolve: (answer) => { clearTimeout(timer); resolve(answer); },
+        reject: (err) => { clearTimeout(timer); reject(err); },
+      });
+      session.call.write({ seq, ...frame });
+    });
+  }
 
   async register({ agentId = this.agentId, agentTypes = [], address = '', capabilities = [] } = {}) {
     const res = await unary(this.broker, 'RegisterAgent', {
@@ -226,11 +296,12 @@ class MeshClient {
     return res.agents;
   }
 
-  /** Sends a message; returns it as accepted (with its id and recipients). */
+  /** Sends a message (on the session); returns it as accepted (with its id and recipients). */
   async send(to, content, options = {}) {
     const message = buildMessage({ from: this.agentId, to, content, ...options });
-    const res = await unary(this.broker, 'SendMessage', { message });
-    return { ...readMessage(res.message), recipients: res.recipients };
+    const { accepted } = await this._ask({ send: message }, 10000);
+    return { ...readMessage(message), messageId: accepted.message_id,
+      recipients: accepted.recipients };
   }
 
   /** Removes and returns the agent's queued messages (HIGH first, then oldest first). */
@@ -240,11 +311,18 @@ class MeshClient {
     return res.messages.map(readMessage);
   }
 
-  /** Sends a REQUEST and waits for the correlated RESPONSE. */
+  /**
+   * Sends a REQUEST (on the session) and waits for the correlated RESPONSE, at most timeoutMs
+   * (then DEADLINE_EXCEEDED, and the broker forgets the request).
+   */
   async request(to, content, { timeoutMs = 10000, ...options } = {}) {
     const message = buildMessage({ from: this.agentId, to, content, ...options });
-    const res = await unary(this.broker, 'SendRequest', { message }, timeoutMs);
-    return readMessage(res.response);
+    // The broker answers DEADLINE_EXCEEDED at timeoutMs; the client gives up a moment later.
+    const { response } = await this._ask(
+      { request: { message, timeout: toDuration(timeoutMs) } }, timeoutMs + 1000,
+      { cancellable: true },
+    );
+    return readMessage(response);
   }
 
   /** The dead-letter queue (oldest first): {message, reason, attempts, deadLetteredAt}. */

@@ -83,6 +83,48 @@ test('requests a Python agent and gets the correlated response', async () => {
   }
 });
 
+test('requests in flight together on one session each get their own answer', async () => {
+  const client = new MeshClient(BROKER, { agentId: 'NodeBusyCaller' });
+  const agent = await serveAgent({ broker: BROKER, agentId: 'NodeDoubler',
+    handler: async (message) => ({ doubled: message.content.parameters.n * 2 }) });
+  try {
+    const answers = await Promise.all(Array.from({ length: 100 },
+      (_, n) => client.request('NodeDoubler', { action: 'double', parameters: { n } })));
+    assert.deepEqual(answers.map((a) => a.content.doubled),
+      Array.from({ length: 100 }, (_, n) => 2 * n));
+    const sent = await Promise.all(Array.from({ length: 20 },
+      () => client.send('NodeDoubler', { action: 'double', parameters: { n: 1 } },
+        { priority: 'HIGH' })));
+    assert.equal(new Set(sent.map((m) => m.messageId)).size, 20);
+    assert.ok(sent.every((m) => m.recipients[0] === 'NodeDoubler' && m.priority === 'HIGH'));
+    await assert.rejects(client.send('NodeDoubler', { action: 'x' }, { type: 'NOTIFICATION' }),
+      (err) => err instanceof TypeError && err.message.startsWith('type "NOTIFICATION"'));
+    await assert.rejects(client.send('NodeDoubler', { action: 'x' }, { priority: 'URGENT' }),
+      TypeError);
+  } finally {
+    await agent.stop();
+    client.close();
+  }
+});
+
+test('a request nobody answers ends with DEADLINE_EXCEEDED, and the session goes on', async () => {
+  const client = new MeshClient(BROKER, { agentId: 'NodeImpatient' });
+  try {
+    await client.register({ agentId: 'NodeSilent' });
+    const started = Date.now();
+    await assert.rejects(client.request('NodeSilent', { action: 'wait' }, { timeoutMs: 300 }),
+      (err) => err.codeName === 'DEADLINE_EXCEEDED');
+    assert.ok(Date.now() - started < 1300);
+    const [waiting] = await client.receive('NodeSilent');  // the request stays queued for it
+    assert.equal(waiting.content.action, 'wait');
+    const answer = await client.request('IndustryExpertAgent', { action: 'analyze', query: 'q' });
+    assert.equal(answer.content.recommendation, 'Buy AAPL');
+  } finally {
+    await client.deregister('NodeSilent').catch(() => {});
+    client.close();
+  }
+});
+
 test('a Node agent takes part in a group chat beside the Python agents', async () => {
   const agent = await serveAgent({
     broker: BROKER, agentId: 'NodeExpertAgent', agentTypes: ['stock_expert'],
