@@ -506,13 +506,14 @@ class MeshClient {
   }
 
   /**
-   * A copy to every other registered agent, or only to those of agentTypes: resolves with
-   * {messageId, recipients, failures}.
+   * A copy to every other registered agent, or only to those of agentTypes (on the session):
+   * resolves with {messageId, recipients, failures}.
    */
   async broadcast(content, { agentTypes = [], ...options } = {}) {
     const message = buildMessage({ from: this.agentId, to: 'broadcast', type: 'BROADCAST',
       content, ...options });
-    const res = await unary(this.broker, 'Broadcast', { message, agent_types: agentTypes });
+    const { broadcasted: res } = await this._ask(
+      { broadcast: { message, agent_types: agentTypes } }, 10000);
     return {
       messageId: res.message_id,
       recipients: res.recipients,
