@@ -11,7 +11,7 @@ from agents._data import read
 from agents.reasoning import Reasoner, reasoner_from_env
 from gateway.patterns._common import as_float
 from gateway.patterns.consensus import decide, vote_from
-from mesh import Agent, AgentContext, Message
+from mesh import Agent, AgentContext, Message, on
 
 
 class ProposerAgent(Agent):
@@ -42,7 +42,8 @@ class ProposerAgent(Agent):
             "traits": chosen["traits"],
         }
 
-    async def handle(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
+    @on("propose")
+    async def propose(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
         problem = str((message.content or {}).get("problem") or "")
         if not problem:
             raise ValueError("a proposal needs a problem")
@@ -104,7 +105,8 @@ class ReviewerAgent(Agent):
             "feedback": f"{profile['focus']} review: nothing in it addresses my concerns",
         }
 
-    async def handle(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
+    @on("review")
+    async def review(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
         proposal_id = str((message.content or {}).get("proposal_id") or "")
         found = await ctx.client.read_insights(tags=["proposal", proposal_id], limit=1)
         if not found:
@@ -136,7 +138,8 @@ class FacilitatorAgent(Agent):
     agent_types = ("consensus", "facilitator")
     capabilities = ("facilitate",)
 
-    async def handle(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
+    @on("facilitate")
+    async def facilitate(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
         content = message.content or {}
         proposal_id = str(content.get("proposal_id") or "")
         counted = set(content.get("reviewers") or [])

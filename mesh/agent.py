@@ -224,10 +224,24 @@ def agent(
     return wrap
 
 
+def asked_broadcast(message: Message) -> bool:
+    """A broadcast whose sender waits for answers: a gather's copy (every one carries a
+    correlation_id) or one naming where answers go (reply_to). A plain broadcast, an alert
+    to every agent, is told, not asked."""
+    return message.message_type is MessageType.BROADCAST and bool(
+        message.correlation_id or message.reply_to
+    )
+
+
 def answer_to(message: Message, agent_id: str, reply: Reply) -> Message | None:
-    """The RESPONSE a handler's return value makes, or None when no answer is due."""
+    """The RESPONSE a handler's return value makes, or None when no answer is due: a REQUEST
+    is always answered, other messages when the handler returns something, except a
+    broadcast that nobody asked: an alert sent to every agent does not bring every agent's
+    answer back."""
     expects = message.message_type is MessageType.REQUEST
     if reply is None and not expects:
+        return None
+    if message.message_type is MessageType.BROADCAST and not asked_broadcast(message):
         return None
     target = message.reply_target
     correlation_id = message.correlation_id or message.message_id
@@ -419,7 +433,8 @@ class AgentRuntime:
             except Exception as error:
                 self.failed += 1
                 span.set_attribute("error", str(error))
-                asked = message.message_type is MessageType.REQUEST
+                # A gather waits for every agent it asked: an ERROR tells it at once.
+                asked = message.message_type is MessageType.REQUEST or asked_broadcast(message)
                 if not isinstance(error, UnhandledActionError):
                     logger.exception(
                         "%s failed on %s (%s)",
@@ -427,7 +442,8 @@ class AgentRuntime:
                         message.action,
                         message.message_id,
                     )
-                elif asked:  # (anything else is the caller's to log: it decides what follows)
+                elif message.message_type is MessageType.REQUEST:
+                    # (anything else is the caller's to log: it decides what follows)
                     logger.warning(
                         "%s: answered REQUEST %s from %s with an ERROR",
                         error,

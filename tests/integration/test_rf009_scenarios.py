@@ -139,6 +139,64 @@ async def test_scenario_03_broadcast_to_all_agents(
     assert logged and sorted(logged[-1].event["recipients"]) == sorted(names)
 
 
+async def test_scenario_03_a_broadcast_alert_to_running_agents_is_taken_not_answered(
+    mesh: LocalMesh, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The alert reaches every running agent once: a catch-all agent's handler returns
+    something, yet nobody answers a broadcast that was not asked (the sender's queue stays
+    empty), an agent with no handler for it leaves it aside, and nothing is redelivered,
+    dead-lettered or refused. A gather to the same agents is answered by each."""
+    caplog.set_level(logging.WARNING)
+    seen: list[str] = []
+
+    @agent("FlightAgent", agent_types=["travel"])
+    async def flight(message: Message, ctx: AgentContext) -> dict[str, object]:
+        seen.append(f"flight:{message.message_type.value}")
+        return {"noted": True}
+
+    class Payment(Agent):
+        agent_id = "PaymentAgent"
+        agent_types = ("travel",)
+
+        @on("process_payment")
+        async def pay(self, message: Message, ctx: AgentContext) -> dict[str, object]:
+            return {"status": "PAID"}
+
+    await mesh.add_agent(flight)
+    await mesh.add_agent(Payment())
+    async with mesh.client("Orchestrator") as orchestrator:
+        await orchestrator.register("Orchestrator")
+        result = await orchestrator.broadcast({"alert": "System maintenance in 10 minutes"})
+        assert sorted(result.recipients) == ["FlightAgent", "PaymentAgent"]
+        async with asyncio.timeout(5):
+            while seen != ["flight:BROADCAST"]:  # noqa: ASYNC110 - the agent's progress
+                await asyncio.sleep(0.02)
+            while (await orchestrator.queue_stats()).totals["delivered_count"] < 2:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)  # (an answer, were one sent, would be queued by now)
+        assert await orchestrator.receive("Orchestrator") == []
+        totals = (await orchestrator.queue_stats()).totals
+        assert (totals["held"], totals["redelivered_count"], totals["dead_lettered_count"]) == (
+            0,
+            0,
+            0,
+        )
+        # Asked, every agent answers at once: PaymentAgent, which has no handler for it,
+        # with an ERROR (the gather does not wait its timeout for it).
+        answers = {
+            item.agent_id: (item.response.message_type, item.response.content.get("reason"))
+            async for item in orchestrator.gather(
+                {"query": "status?"}, agent_types=["travel"], timeout=30
+            )
+            if item.response is not None
+        }
+        assert answers == {
+            "FlightAgent": (MessageType.RESPONSE, None),
+            "PaymentAgent": (MessageType.ERROR, "UNHANDLED_ACTION"),
+        }
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
 async def test_scenario_04_request_response_correlation(mesh: LocalMesh) -> None:
     class Payment(Agent):
         agent_id = "PaymentAgent"

@@ -815,13 +815,18 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
   const answer = async (message) => {
     const to = message.replyTo || message.from;
     const correlationId = message.correlationId || message.messageId;
+    // A broadcast is asked when its sender waits for answers: a gather's copy (every one
+    // carries a correlation id) or one naming replyTo; a plain broadcast is told.
+    const asked = message.type === 'REQUEST'
+      || (message.type === 'BROADCAST' && Boolean(message.correlationId || message.replyTo));
     let content;
     try {
       content = await handler(message);
     } catch (err) {
-      // A REQUEST always gets an answer: the error, as the Python agents send it. Anything
-      // else is handed back (redelivered, then dead-lettered).
-      if (message.type !== 'REQUEST') throw err;
+      // What is asked always gets an answer: the error, as the Python agents send it (a
+      // gather does not wait its timeout). Anything else is handed back (redelivered, then
+      // dead-lettered).
+      if (!asked) throw err;
       return buildMessage({ from: agentId, to, type: 'ERROR', correlationId,
         content: { action: 'error', error: String(err && err.message ? err.message : err),
           reason: (err && err.name) || 'Error' } });
@@ -830,6 +835,9 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
       if (message.type !== 'REQUEST') return null;
       content = {};
     }
+    // A broadcast nobody asked is not answered: an alert to every agent does not bring every
+    // agent's answer back.
+    if (message.type === 'BROADCAST' && !asked) return null;
     const reply = { action: (message.content && message.content.action) || 'response', ...content };
     return buildMessage({ from: agentId, to, type: 'RESPONSE', content: reply, correlationId });
   };

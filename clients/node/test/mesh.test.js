@@ -125,6 +125,32 @@ test('a request nobody answers ends with DEADLINE_EXCEEDED, and the session goes
   }
 });
 
+test('a Node agent takes a plain broadcast without answering it, and answers a gather',
+  async () => {
+    const client = new MeshClient(BROKER, { agentId: 'NodeAnnouncer' });
+    const seen = [];
+    const agent = await serveAgent({ broker: BROKER, agentId: 'NodeListener',
+      agentTypes: ['node_listener'],
+      handler: async (message) => { seen.push(message.type); return { noted: true }; } });
+    try {
+      await client.register({ agentId: 'NodeAnnouncer' });
+      const sent = await client.broadcast({ alert: 'maintenance at noon' },
+        { agentTypes: ['node_listener'] });
+      assert.deepEqual(sent.recipients, ['NodeListener']);
+      while (seen.length === 0) await new Promise((resolve) => { setTimeout(resolve, 20); });
+      await new Promise((resolve) => { setTimeout(resolve, 200); });
+      assert.deepEqual(await client.receive('NodeAnnouncer'), []);
+      const outcomes = await client.gather({ query: 'status?' }, { agentTypes: ['node_listener'] });
+      assert.deepEqual(outcomes.map((o) => [o.agentId, o.response && o.response.content.noted]),
+        [['NodeListener', true]]);
+      assert.deepEqual(seen, ['BROADCAST', 'BROADCAST']);
+    } finally {
+      await agent.stop();
+      await client.deregister('NodeAnnouncer').catch(() => {});
+      client.close();
+    }
+  });
+
 test('a Node agent takes part in a group chat beside the Python agents', async () => {
   const agent = await serveAgent({
     broker: BROKER, agentId: 'NodeExpertAgent', agentTypes: ['stock_expert'],
