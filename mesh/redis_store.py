@@ -17,10 +17,11 @@ messages held for the broker-wide limit (a put reserves its place there before i
 runs and gives it back when refused; whatever a script removes is given back after it; the
 sweeping replica corrects the count should a crashed replica have left it off), ``mesh:queues``
 (the agents with queues; an agent that leaves with an empty queue is taken out, and named
-again by the put that finds its ``seq`` gone), ``mesh:busy`` (the queues that may hold
-messages, which sweeps go through: a sweep that finds a queue empty deletes its ``seq`` and
-takes it out, and the put that finds ``seq`` gone names it again before its sender hears
-back; every ``FULL_SWEEP_SECONDS`` a sweep goes through every queue), ``mesh:agents``
+again by the put that finds its ``seq`` gone), ``mesh:{mesh:replicas}:busy`` ("mesh:busy":
+the queues that may hold messages, which sweeps go through, kept beside the heartbeats; a
+sweep that finds a queue empty deletes its ``seq`` and takes it out, and the put that finds
+``seq`` gone names it again before its sender hears back; every ``FULL_SWEEP_SECONDS`` a
+sweep goes through every queue), ``mesh:agents``
 (registrations), ``mesh:route:...`` (which replica waits for an answer), ``mesh:replicas``
 (heartbeats).
 Pub/sub tells the replicas what happened elsewhere: ``mesh:wake`` (a message was queued for
@@ -68,7 +69,12 @@ WAKE = "mesh:wake"
 REGISTRY = "mesh:registry"
 TOTAL = "mesh:total"
 QUEUES = "mesh:queues"
-BUSY = "mesh:busy"
+BUSY = "mesh:{mesh:replicas}:busy"
+"""The queues that may hold messages (``mesh:busy`` in the text), in the hash slot of
+mesh:replicas: on a cluster, a sweep reads it from the node the heartbeats go to. A command
+that meets a dead node makes the cluster client rediscover the cluster before its next
+command, the heartbeats' included: read from another node five times a second, it held the
+heartbeats up through a failover until the replica looked dead to the others."""
 FULL_SWEEP_SECONDS = 10.0
 """Seconds between two sweeps through every queue of mesh:queues (the others go through
 mesh:busy alone): what a lost write to mesh:busy (a failover) could leave unswept is swept
