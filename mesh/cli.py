@@ -20,7 +20,7 @@ from mesh.agent import Agent, serve_all
 from mesh.client import connect
 from mesh.config import BrokerConfig, SecurityConfig, ServerConfig
 from mesh.core.errors import MeshError, MessageValidationError
-from mesh.core.model import Message, MessageType, Priority
+from mesh.core.model import BROADCAST_TARGET, Message, MessageType, Priority
 from mesh.logs import configure_logging, stop_logging
 from mesh.loop import run as run_loop
 
@@ -259,6 +259,8 @@ def _content(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 async def _send(args: argparse.Namespace) -> int:
+    if args.agent_types and args.to != BROADCAST_TARGET:
+        raise UsageError("send: --types is for a broadcast (--to broadcast)")
     async with connect(args.broker, agent_id=args.sender, security=security_config(args)) as client:
         message = client.build(
             args.to,
@@ -269,7 +271,23 @@ async def _send(args: argparse.Namespace) -> int:
             correlation_id=args.correlation_id or "",
             ack_required=args.ack_required,
         )
-        if args.request:
+        if args.to == BROADCAST_TARGET:
+            if args.request:
+                raise UsageError("send: a broadcast is not a request (drop --request)")
+            result = await client.broadcast(
+                dict(message.content or {}),
+                agent_types=args.agent_types,
+                priority=message.priority,
+                ttl=message.ttl,
+                correlation_id=message.correlation_id,
+            )
+            failed = [f"{agent_id} ({error.message})" for agent_id, error in result.failures]
+            _print(
+                f"broadcast {result.message_id} to {len(result.recipients)} agents: "
+                + (", ".join(result.recipients) or "none")
+                + (f"; refused by {', '.join(failed)}" if failed else "")
+            )
+        elif args.request:
             response = await client.request_message(message, timeout=args.timeout)
             _print(
                 json.dumps(response.to_dict(), indent=2) if args.json else _message_line(response)
@@ -547,10 +565,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_security_flags(p, server=True)
     p.set_defaults(run=_run_agent)
 
-    p = sub.add_parser("send", help="send a message (or a request with --request)")
+    p = sub.add_parser(
+        "send", help="send a message (a request with --request, a broadcast with --to broadcast)"
+    )
     p.add_argument("--broker", default=broker_default)
     p.add_argument("--from", dest="sender", default="cli")
-    p.add_argument("--to", required=True)
+    p.add_argument("--to", required=True, help='an agent id, or "broadcast" for every agent')
+    p.add_argument(
+        "--types",
+        dest="agent_types",
+        action="append",
+        default=[],
+        help="broadcast to the agents of this type only (repeatable)",
+    )
     p.add_argument("--action")
     p.add_argument("--params", help="JSON object for content.parameters")
     p.add_argument("--content", help="the whole content as a JSON object")

@@ -153,6 +153,26 @@ async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
     code, out = await cli("state", "budget")
     assert code == 1 and "no shared state named 'budget'" in out
 
+    # A broadcast (RF-009 scenario 3) names who got it; --types narrows it (scenario 17).
+    async with connect(broker_proc.address) as client:
+        await client.register("HotelAgent", agent_types=["hotel"])
+    code, out = await cli(
+        "send", "--to", "broadcast", "--content", '{"alert": "System maintenance in 10 minutes"}'
+    )
+    assert code == 0 and re.fullmatch(
+        r"broadcast \S+ to 2 agents: (HotelAgent, PaymentAgent|PaymentAgent, HotelAgent)",
+        out.strip(),
+    ), out
+    code, out = await cli("send", "--to", "broadcast", "--types", "payment", "--action", "x")
+    assert code == 0 and out.strip().endswith("to 1 agents: PaymentAgent"), out
+    code, out = await cli("send", "--to", "PaymentAgent", "--types", "payment", "--action", "x")
+    assert code == 2 and "--types is for a broadcast" in out, out
+    async with connect(broker_proc.address) as client:
+        [alert, _] = await client.receive("PaymentAgent")
+        assert alert.message_type is MessageType.BROADCAST
+        assert alert.content == {"alert": "System maintenance in 10 minutes"}
+        await client.deregister("HotelAgent")
+
     # The shared memory pool: list by tag, count, delete (a delete must name what it takes).
     async with connect(broker_proc.address, agent_id="reviewer_1") as client:
         await client.write_insight("approve", tags=["vote", "p1"], segment="votes", ttl=3600)
