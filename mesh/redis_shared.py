@@ -29,7 +29,7 @@ from mesh.core.memory import (
     MemoryStats,
     SharedMemoryPool,
     as_stored,
-    nothing_named,
+    check_insight_delete,
     pool_full,
 )
 from mesh.core.model import JSON
@@ -367,8 +367,7 @@ class RedisMemoryPool:
         agent_id: str = "",
     ) -> int:
         ids, wanted = list(dict.fromkeys(insight_ids)), list(dict.fromkeys(tags))
-        if not (ids or wanted or segment or agent_id):
-            raise nothing_named()
+        check_insight_delete(ids, wanted, segment, agent_id)
         deleted = await self._eval(
             _DELETE_INSIGHTS, self._now_ms(), segment, agent_id, len(ids), *ids, *wanted
         )

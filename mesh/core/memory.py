@@ -67,16 +67,19 @@ def as_stored(insight: Insight, seq: int, now: datetime | None = None) -> Insigh
     )
 
 
-def nothing_named() -> MessageValidationError:
-    """The refusal of a delete that names no insight (it would empty the pool)."""
-    return MessageValidationError.from_violations(
-        [
-            FieldViolation(
-                "insight_ids",
-                "name the insights to delete: insight_ids, tags, segment or agent_id",
-            )
-        ]
-    )
+def check_insight_delete(
+    insight_ids: list[str], tags: list[str], segment: str, agent_id: str
+) -> None:
+    """Refuses a delete that names no insight (it would empty the pool); every pool asks."""
+    if not (insight_ids or tags or segment or agent_id):
+        raise MessageValidationError.from_violations(
+            [
+                FieldViolation(
+                    "insight_ids",
+                    "name the insights to delete: insight_ids, tags, segment or agent_id",
+                )
+            ]
+        )
 
 
 class MemoryPool(Protocol):
@@ -264,8 +267,7 @@ class SharedMemoryPool:
     ) -> int:
         """Removes the insights matching every filter given (at least one); how many."""
         insight_ids, tags = list(insight_ids), list(tags)
-        if not (insight_ids or tags or segment or agent_id):
-            raise nothing_named()
+        check_insight_delete(insight_ids, tags, segment, agent_id)
         self._purge(self._now())
         found = self._matching(
             insight_ids=insight_ids, tags=tags, segment=segment, agent_id=agent_id
