@@ -7,6 +7,7 @@ import heapq
 import itertools
 import json
 import math
+import operator
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from mesh.core.errors import FieldViolation, LimitExceededError, MessageValidati
 from mesh.core.model import JSON, utc_now
 
 DEFAULT_READ_LIMIT = 100
+_IMPORTANCE = operator.attrgetter("importance")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -130,8 +132,6 @@ class SharedMemoryPool:
         """Seconds since the epoch (tests drive time with it); the wall clock by default."""
         self._insights: dict[str, Insight] = {}
         """By id, in the order written."""
-        self._order: dict[str, int] = {}
-        """Each insight's place in the order written (newest: highest)."""
         self._by_tag: dict[str, dict[str, Insight]] = {}
         self._by_segment: dict[str, dict[str, Insight]] = {}
         self._writers: Counter[str] = Counter()
@@ -139,10 +139,9 @@ class SharedMemoryPool:
         """(when it leaves, id) of the insights with a ttl; a deleted one stays until then."""
         self._ids = itertools.count(1)
 
-    def _add(self, insight: Insight, seq: int) -> None:
+    def _add(self, insight: Insight) -> None:
         key = insight.insight_id
         self._insights[key] = insight
-        self._order[key] = seq
         for tag in insight.tags:
             self._by_tag.setdefault(tag, {})[key] = insight
         self._by_segment.setdefault(insight.segment, {})[key] = insight
@@ -152,7 +151,6 @@ class SharedMemoryPool:
         insight = self._insights.pop(key, None)
         if insight is None:
             return
-        del self._order[key]
         for tag in insight.tags:
             _discard(self._by_tag, tag, key)
         _discard(self._by_segment, insight.segment, key)
@@ -201,9 +199,8 @@ class SharedMemoryPool:
         self._purge(now)
         if len(self._insights) >= self.capacity:
             raise pool_full(self.capacity)
-        seq = next(self._ids)
-        stored = as_stored(insight, seq, now)
-        self._add(stored, seq)
+        stored = as_stored(insight, next(self._ids), now)
+        self._add(stored)
         if stored.expires_at is not None:
             if len(self._expiry) > 2 * len(self._insights) + 1024:  # deleted ones pile up
                 self._expiry = [e for e in self._expiry if e[1] in self._insights]
@@ -221,13 +218,13 @@ class SharedMemoryPool:
         agent_id: str = "",
     ) -> list[Insight]:
         self._purge(self._now())
-        found = self._matching(tags=tags, segment=segment, agent_id=agent_id)
-        found = [i for i in found if i.importance >= min_importance]
-        # Most important first, then newest first (newest first, then a stable sort).
-        order = self._order
-        found.sort(key=lambda i: order[i.insight_id], reverse=True)
-        found.sort(key=lambda i: -i.importance)
-        return found[: limit if limit > 0 else DEFAULT_READ_LIMIT]
+        found: Iterable[Insight] = self._matching(tags=tags, segment=segment, agent_id=agent_id)
+        if min_importance > 0:
+            found = [i for i in found if i.importance >= min_importance]
+        # Most important first, then newest first: the matches come newest first, and
+        # nlargest keeps the order of equal keys (it is sorted(..., reverse=True)[:n]) while
+        # it sorts only as many as it returns.
+        return heapq.nlargest(limit if limit > 0 else DEFAULT_READ_LIMIT, found, key=_IMPORTANCE)
 
     def _matching(
         self,
@@ -237,25 +234,31 @@ class SharedMemoryPool:
         segment: str = "",
         agent_id: str = "",
     ) -> list[Insight]:
-        """The insights matching every filter given: looked for among the named ids, else
-        among those of the rarest tag or segment named, else in the whole pool."""
+        """The insights matching every filter given: looked for among the named ids (in the
+        order named), else among those of the rarest tag or segment named, newest first (the
+        other filters are looked up in their indexes), else in the whole pool, newest first."""
         ids = list(insight_ids)
-        wanted = set(tags)
+        indexes = [self._by_tag.get(tag, {}) for tag in dict.fromkeys(tags)]
+        if segment:
+            indexes.append(self._by_segment.get(segment, {}))
         candidates: Iterable[Insight]
         if ids:
             candidates = [self._insights[i] for i in dict.fromkeys(ids) if i in self._insights]
+        elif indexes:
+            rarest = min(range(len(indexes)), key=lambda k: len(indexes[k]))
+            candidates = reversed(indexes.pop(rarest).values())
         else:
-            indexes = [self._by_tag.get(tag, {}) for tag in wanted]
-            if segment:
-                indexes.append(self._by_segment.get(segment, {}))
-            candidates = min(indexes, key=len).values() if indexes else self._insights.values()
-        return [
-            i
-            for i in candidates
-            if wanted.issubset(i.tags)
-            and (not segment or i.segment == segment)
-            and (not agent_id or i.agent_id == agent_id)
-        ]
+            candidates = reversed(self._insights.values())
+        if not (indexes or agent_id):
+            return list(candidates)
+        found = []
+        for insight in candidates:
+            if agent_id and insight.agent_id != agent_id:
+                continue
+            key = insight.insight_id
+            if not indexes or all(key in index for index in indexes):
+                found.append(insight)
+        return found
 
     async def delete(
         self,

@@ -114,7 +114,8 @@ async def test_what_was_deleted_is_not_kept_for_its_ttl() -> None:
 
 async def test_reads_and_statistics_agree_with_the_pool_through_writes_deletes_and_expiry() -> None:
     """2,000 random writes, deletes and passing time against a plain list of what the pool
-    should hold: every read (by tags, segment, writer, importance) and the statistics agree."""
+    should hold: every read (by tags, segment, writer, importance, limit) and the statistics
+    agree."""
     rng = random.Random(7)
     clock = Clock()
     pool = SharedMemoryPool(clock=clock)
@@ -149,19 +150,20 @@ async def test_reads_and_statistics_agree_with_the_pool_through_writes_deletes_a
         wanted = rng.sample(tags, rng.randint(0, 2))
         segment = rng.choice(["", "votes"])
         writer = rng.choice(["", "a"])
+        floor, limit = rng.choice([0.0, 0.5]), rng.choice([3, 1000])
         expected = [
             i
             for i in reversed(alive())
             if set(wanted) <= set(i.tags)
             and (not segment or i.segment == segment)
             and (not writer or i.agent_id == writer)
-            and i.importance >= 0.5
+            and i.importance >= floor
         ]
-        expected.sort(key=lambda i: -i.importance)
+        expected.sort(key=lambda i: -i.importance)  # most important, then newest, first
         read = await pool.read(
-            tags=wanted, segment=segment, agent_id=writer, min_importance=0.5, limit=1000
+            tags=wanted, segment=segment, agent_id=writer, min_importance=floor, limit=limit
         )
-        assert [i.insight_id for i in read] == [i.insight_id for i in expected]
+        assert [i.insight_id for i in read] == [i.insight_id for i in expected[:limit]]
     stats = await pool.stats()
     now = alive()
     assert stats.total_insights == len(now)
