@@ -6,7 +6,12 @@ brokered round trip (client -> relay -> echo -> relay -> client). `... echo --st
 each frame with the wall-clock time it got it instead (8 bytes), and `... fanout --upstream A
 --upstream B ...` forwards every frame to each of its upstreams and answers with their answers
 together, in upstream order: the shape of a broadcast to agents in several processes, and of
-the gather that collects their answers.
+the gather that collects their answers. `... relay --contract --upstream ADDR` and `... echo
+--contract` are the relay and echo speaking the mesh's Connect frames: the relay parses each
+request frame and writes the echo a delivery, the echo answers with a RESPONSE message, the relay
+parses that and writes the response frame. They do what any broker and agent on this contract
+must do for a roundtrip, and nothing of the mesh's own (queues, leases, validation, correlation):
+the least a roundtrip through a broker speaking this contract costs on this machine.
 """
 
 from __future__ import annotations
@@ -17,12 +22,13 @@ import contextlib
 import struct
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
 from mesh.cli import _until_signalled
 from mesh.loop import run as run_loop
+from mesh.v1 import broker_pb2, message_pb2
 
 METHOD = "/bench.Echo/Stream"
 
@@ -39,6 +45,18 @@ async def _echo(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[b
 async def _stamp(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
     async for _ in requests:
         yield struct.pack("<d", time.time())
+
+
+async def _contract_echo(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+    async for data in requests:  # a delivery; answered as an agent answers a request
+        delivery = broker_pb2.ConnectResponse.FromString(data).delivery
+        frame = broker_pb2.ConnectRequest()
+        answer = frame.send
+        answer.CopyFrom(delivery.message)
+        answer.message_type = message_pb2.MESSAGE_TYPE_RESPONSE
+        answer.correlation_id = delivery.message.message_id
+        answer.from_agent, answer.to_agent = delivery.message.to_agent, delivery.message.from_agent
+        yield frame.SerializeToString()
 
 
 def stamps(answer: bytes) -> list[float]:
@@ -80,6 +98,39 @@ def _fanout(upstreams: list[str]) -> Any:
                 task.cancel()
 
     return fanout
+
+
+def _contract_relay(upstream: str) -> Any:
+    channel = grpc.aio.insecure_channel(upstream)
+
+    async def relay(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+        call = channel.stream_stream(
+            METHOD, request_serializer=_identity, response_deserializer=_identity
+        )()
+        seqs: asyncio.Queue[int] = asyncio.Queue()  # answered in order, as the echo answers
+
+        async def forward() -> None:
+            async for data in requests:  # a request frame: to the echo as a delivery
+                request = broker_pb2.ConnectRequest.FromString(data)
+                seqs.put_nowait(request.seq)
+                frame = broker_pb2.ConnectResponse()
+                frame.delivery.message.CopyFrom(request.request.message)
+                frame.delivery.delivery_attempt = 1
+                frame.delivery.lease_expires_at.GetCurrentTime()
+                await call.write(frame.SerializeToString())
+            await call.done_writing()
+
+        task = asyncio.create_task(forward())
+        try:
+            while (data := await call.read()) is not grpc.aio.EOF:
+                answer = broker_pb2.ConnectRequest.FromString(cast(bytes, data)).send
+                frame = broker_pb2.ConnectResponse(seq=seqs.get_nowait())
+                frame.response.CopyFrom(answer)
+                yield frame.SerializeToString()
+        finally:
+            task.cancel()
+
+    return relay
 
 
 def _relay(upstream: str) -> Any:
@@ -125,11 +176,13 @@ async def start(handler: Any, host: str = "127.0.0.1") -> tuple[grpc.aio.Server,
     return server, f"{host}:{port}"
 
 
-def handler_for(role: str, upstreams: list[str], *, stamp: bool = False) -> Any:
+def handler_for(
+    role: str, upstreams: list[str], *, stamp: bool = False, contract: bool = False
+) -> Any:
     if role == "echo":
-        return _stamp if stamp else _echo
+        return _contract_echo if contract else _stamp if stamp else _echo
     if role == "relay":
-        return _relay(upstreams[0])
+        return _contract_relay(upstreams[0]) if contract else _relay(upstreams[0])
     return _fanout(upstreams)
 
 
@@ -138,8 +191,13 @@ async def main() -> None:
     parser.add_argument("role", choices=["echo", "relay", "fanout"])
     parser.add_argument("--upstream", action="append", default=[])
     parser.add_argument("--stamp", action="store_true", help="echo: answer with the time")
+    parser.add_argument(
+        "--contract", action="store_true", help="relay, echo: speak the mesh's Connect frames"
+    )
     args = parser.parse_args()
-    server, address = await start(handler_for(args.role, args.upstream, stamp=args.stamp))
+    server, address = await start(
+        handler_for(args.role, args.upstream, stamp=args.stamp, contract=args.contract)
+    )
     print(f"baseline {args.role} listening on {address}", flush=True)
     await _until_signalled()
     await server.stop(0.5)

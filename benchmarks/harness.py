@@ -32,6 +32,7 @@ from mesh.codec import message_to_pb
 from mesh.core.model import Message
 from mesh.loop import run as run_loop
 from mesh.testing import LocalRedis
+from mesh.v1.broker_pb2 import ConnectRequest, ConnectResponse
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -135,6 +136,9 @@ class Mesh:
     relay: Proc
     fanout: Proc
     """Raw gRPC: forwards each frame to the five stampers (the broadcast's physical limit)."""
+    contract_echo: Proc
+    contract_relay: Proc
+    """Raw gRPC speaking the mesh's Connect frames (the least a broker on the contract costs)."""
     stampers: list[Proc] = field(default_factory=list)
     agents: list[Proc] = field(default_factory=list)
     procs: list[Proc] = field(default_factory=list)
@@ -214,6 +218,20 @@ async def start_mesh() -> Mesh:
             ready=r"listening on (\S+)",
         )
         procs.extend([gateway, echo, relay])
+        contract_echo = await spawn(
+            "-m", "benchmarks.baseline", "echo", "--contract", ready=r"listening on (\S+)"
+        )
+        procs.append(contract_echo)
+        contract_relay = await spawn(
+            "-m",
+            "benchmarks.baseline",
+            "relay",
+            "--contract",
+            "--upstream",
+            contract_echo.address,
+            ready=r"listening on (\S+)",
+        )
+        procs.append(contract_relay)
         stampers = await asyncio.gather(
             *(
                 spawn("-m", "benchmarks.baseline", "echo", "--stamp", ready=r"listening on (\S+)")
@@ -229,7 +247,18 @@ async def start_mesh() -> Mesh:
             ready=r"listening on (\S+)",
         )
         procs.append(fanout)
-        return Mesh(broker, gateway, echo, relay, fanout, list(stampers), list(agents), procs)
+        return Mesh(
+            broker,
+            gateway,
+            echo,
+            relay,
+            fanout,
+            contract_echo,
+            contract_relay,
+            list(stampers),
+            list(agents),
+            procs,
+        )
     except BaseException:
         await stop_all(procs)
         raise
@@ -491,6 +520,7 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
     meter = mesh.meter()
     relay1 = StreamClient(mesh.echo.address)
     relay2 = StreamClient(mesh.relay.address)
+    contract2 = StreamClient(mesh.contract_relay.address)
     fanout = StreamClient(mesh.fanout.address)
     try:
         out["baseline.hop1"] = await measured(
@@ -506,6 +536,21 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
 
         out["baseline.relay2"].update(
             await rate_with_cost(relay_op, 64, s.throughput_seconds, relay_meter)
+        )
+        # The same two hops speaking the mesh's Connect frames: what the contract itself costs.
+        request = ConnectRequest(seq=1)
+        message_to_pb(sample_message, request.request.message)
+        request_frame = request.SerializeToString()
+
+        async def contract_op() -> None:
+            ConnectResponse.FromString(await contract2.roundtrip(request_frame))
+
+        out["baseline.contract2"] = await measured(
+            "baseline.contract2",
+            contract_op,
+            n,
+            w,
+            CpuMeter({"relay": [mesh.contract_relay.pid], "echo": [mesh.contract_echo.pid]}),
         )
         # The physical limit of broadcast5: one frame to five processes through a raw relay,
         # until the last has it (each answers with the time it got it) and until every answer
@@ -528,6 +573,7 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
     finally:
         await relay1.close()
         await relay2.close()
+        await contract2.close()
         await fanout.close()
 
     async with connect(mesh.broker.address, agent_id="driver") as client:
@@ -1056,6 +1102,15 @@ def to_markdown(report: dict[str, Any]) -> str:
             f"one frame relayed to five processes, is with the last of them at p50 "
             f"{limit['p50_ms']:.3f} ms (`baseline.fanout5`); broadcast5 takes "
             f"{b5['p50_ms'] / limit['p50_ms']:.2f}x that.",
+        ]
+    if (floor := f.get("baseline.contract2")) and (rt := f.get("roundtrip")):
+        lines += [
+            "",
+            f"The least a roundtrip through a broker on the mesh's contract costs on this "
+            f"machine: the two-hop relay speaking its Connect frames (parsing and building each, "
+            f"nothing more) is at p50 {floor['p50_ms']:.3f} ms (`baseline.contract2`, "
+            f"{floor['p50_ms'] / base['p50_ms']:.2f}x the relay); roundtrip takes "
+            f"{rt['p50_ms'] / floor['p50_ms']:.2f}x that.",
         ]
     return "\n".join(lines) + "\n"
 

@@ -22,6 +22,7 @@ from benchmarks.harness import (
     process_cpu_seconds,
     process_memory_mb,
     timed,
+    to_markdown,
 )
 
 BURN = """import time
@@ -193,3 +194,25 @@ async def test_an_operation_may_report_the_latency_it_measured_itself() -> None:
     assert await timed(op, 3, 2, own_latency=True) == [0.25, 0.25, 0.25]
     assert calls == 5  # the warm-up is run, not sampled
     assert all(0 <= s < 0.25 for s in await timed(op, 2, 0))  # otherwise: its duration
+
+
+def test_the_report_sets_the_roundtrip_beside_the_least_the_contract_costs() -> None:
+    report = {
+        "timestamp": "2026-11-23T00:00:00+00:00",
+        "machine": {"platform": "Linux", "cpus": 2, "python": "3.11", "grpcio": "1"},
+        "settings": {"repetitions": 1, "operations": 10, "warmup": 1},
+        "figures": {
+            name: {"p50_ms": p50, "p95_ms": p50, "p99_ms": p50, "max_ms": p50}
+            for name, p50 in (
+                ("baseline.relay2", 0.5),
+                ("baseline.contract2", 0.6),
+                ("roundtrip", 1.5),
+            )
+        },
+        "checks": [],
+    }
+    text = to_markdown(report)
+    assert "is at p50 0.600 ms (`baseline.contract2`, 1.20x the relay)" in text
+    assert "roundtrip takes 2.50x that." in text
+    del report["figures"]["baseline.contract2"]  # an earlier result has no such figure
+    assert "baseline.contract2" not in to_markdown(report)
