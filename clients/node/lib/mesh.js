@@ -130,22 +130,45 @@ function readEntry(pb) {
     updatedBy: pb.updated_by, updatedAt: isoTime(pb.updated_at) };
 }
 
-/** A plain object from a mesh.v1.Message. */
+/**
+ * The hand-off a HANDOFF message carries (RT-011): what the next agent should do, the context
+ * gathered so far, the previous agent's result, the constraints, and the workflow's step.
+ */
+function readHandoff(content, metadata) {
+  const params = content && typeof content.parameters === 'object' && content.parameters !== null
+    ? content.parameters : {};
+  const object = (v) => (typeof v === 'object' && v !== null && !Array.isArray(v) ? v : {});
+  const step = metadata.step_number ?? metadata.handoff_step;
+  return {
+    taskDescription: String(params.task_description || ''),
+    context: object(params.context),
+    previousResult: params.previous_result === undefined ? null : params.previous_result,
+    constraints: object(params.constraints),
+    workflowId: String(metadata.workflow_id || ''),
+    stepNumber: typeof step === 'number' ? step : 0,
+  };
+}
+
+/** A plain object from a mesh.v1.Message (a HANDOFF's payload read out as `handoff`). */
 function readMessage(pb) {
+  const type = String(pb.message_type).replace('MESSAGE_TYPE_', '');
+  const content = pb.content ? fromStruct(pb.content) : null;
+  const metadata = fromStruct(pb.metadata);
   return {
     messageId: pb.message_id,
     from: pb.from_agent,
     to: pb.to_agent,
-    type: String(pb.message_type).replace('MESSAGE_TYPE_', ''),
-    content: pb.content ? fromStruct(pb.content) : null,
+    type,
+    content,
     timestamp: isoTime(pb.timestamp),
-    metadata: fromStruct(pb.metadata),
+    metadata,
     correlationId: pb.correlation_id,
     priority: String(pb.priority).replace('PRIORITY_', ''),
     ttl: pb.ttl,
     replyTo: pb.reply_to,
     ackRequired: pb.ack_required,
     headers: pb.headers || {},
+    handoff: type === 'HANDOFF' ? readHandoff(content, metadata) : null,
   };
 }
 
@@ -302,6 +325,39 @@ class MeshClient {
     const { accepted } = await this._ask({ send: message }, 10000);
     return { ...readMessage(message), messageId: accepted.message_id,
       recipients: accepted.recipients };
+  }
+
+  /**
+   * Hands a task to another agent with everything gathered so far (RT-011 hand-off): a
+   * HANDOFF message whose content carries the task, the context (handed over complete), the
+   * previous result and the constraints, and whose metadata names the workflow and step.
+   * The next agent reads them as message.handoff. Resolves with the message as enqueued; a
+   * hand-off without a task, or with a context over the broker's limit, is refused with
+   * INVALID_ARGUMENT.
+   */
+  async handoff(to, taskDescription, { context = {}, previousResult = null, constraints = {},
+    workflowId = '', stepNumber = 1, priority = 'MEDIUM', ttl = 0, headers = {},
+    from = this.agentId } = {}) {
+    if (!PRIORITIES.includes(priority)) {
+      throw new TypeError(
+        `priority ${JSON.stringify(priority)} is not one of ${PRIORITIES.join(', ')}`);
+    }
+    const res = await unary(this.broker, 'Handoff', {
+      from_agent: from,
+      to_agent: to,
+      handoff: {
+        task_description: taskDescription,
+        context: toStruct(context),
+        previous_result: toValue(previousResult),
+        constraints: toStruct(constraints),
+        workflow_id: workflowId,
+        step_number: stepNumber,
+      },
+      priority: `PRIORITY_${priority}`,
+      ttl,
+      headers,
+    });
+    return readMessage(res.message);
   }
 
   /** Removes and returns the agent's queued messages (HIGH first, then oldest first). */

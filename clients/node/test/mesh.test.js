@@ -181,6 +181,80 @@ test('a Node agent takes part in a group chat beside the Python agents', async (
   }
 });
 
+test('hands a task to another agent with its context, read back as message.handoff',
+  async () => {
+    const client = new MeshClient(BROKER, { agentId: 'NodeSellerAgent' });
+    try {
+      await client.register({ agentId: 'NodeRefundDesk' });
+      const sent = await client.handoff('NodeRefundDesk', 'Process refund for order #12345', {
+        context: { order_id: '12345', items: ['lamp'], amount: 99.5 },
+        previousResult: { status: 'APPROVED' },
+        constraints: { max_amount: 100 },
+        workflowId: 'wf_node_1',
+        stepNumber: 2,
+        priority: 'HIGH',
+      });
+      assert.equal(sent.type, 'HANDOFF');
+      assert.equal(sent.from, 'NodeSellerAgent');
+      assert.equal(sent.priority, 'HIGH');
+      const [got] = await client.receive('NodeRefundDesk');
+      assert.equal(got.messageId, sent.messageId);
+      assert.equal(got.content.action, 'execute_handoff');
+      assert.deepEqual(got.handoff, {
+        taskDescription: 'Process refund for order #12345',
+        context: { order_id: '12345', items: ['lamp'], amount: 99.5 },
+        previousResult: { status: 'APPROVED' },
+        constraints: { max_amount: 100 },
+        workflowId: 'wf_node_1',
+        stepNumber: 2,
+      });
+      await assert.rejects(client.handoff('NodeRefundDesk', ''),
+        (err) => err.codeName === 'INVALID_ARGUMENT' && /task_description/.test(err.message));
+      await assert.rejects(client.handoff('Nobody', 'Refund'),
+        (err) => err.codeName === 'NOT_FOUND');
+      await assert.rejects(client.handoff('NodeRefundDesk', 'Refund', { priority: 'URGENT' }),
+        (err) => err instanceof TypeError);
+      assert.deepEqual(await client.receive('NodeRefundDesk'), []); // nothing refused went in
+    } finally {
+      await client.deregister('NodeRefundDesk').catch(() => {});
+      client.close();
+    }
+  });
+
+test('a Node agent takes its step in a hand-off workflow after a Python agent', async () => {
+  const seen = [];
+  const agent = await serveAgent({
+    broker: BROKER,
+    agentId: 'NodeRefundAgent',
+    handler: async (message) => {
+      seen.push(message);
+      return { status: 'REFUNDED', refund_id: 'r-12345' };
+    },
+  });
+  const gateway = new GatewayClient(GATEWAY);
+  try {
+    const events = await gateway.handoffWorkflow({
+      steps: [{ agentId: 'CustomerAgent' }, { agentId: 'NodeRefundAgent' }],
+      task: 'Process refund for order #12345',
+      stepTimeout: '5s',
+    });
+    const result = events[events.length - 1].data;
+    assert.equal(result.status, 'COMPLETED');
+    assert.equal(result.final_status, 'REFUNDED');
+    assert.equal(seen.length, 1);
+    const [handed] = seen;
+    assert.equal(handed.type, 'HANDOFF');
+    assert.equal(handed.from, 'CustomerAgent');
+    assert.equal(handed.handoff.taskDescription, 'Approve refund for order 12345');
+    assert.equal(handed.handoff.stepNumber, 2);
+    assert.equal(handed.handoff.workflowId, events[0].runId);
+    assert.equal(handed.handoff.previousResult.order_id, '12345');
+  } finally {
+    gateway.close();
+    await agent.stop();
+  }
+});
+
 test('runs every gateway pattern from plain objects', async () => {
   const gateway = new GatewayClient(GATEWAY);
   try {
