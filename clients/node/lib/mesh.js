@@ -178,7 +178,20 @@ class MeshError extends Error {
     super(grpcError.details || grpcError.message);
     this.code = grpcError.code;
     this.codeName = Object.keys(grpc.status).find((k) => grpc.status[k] === grpcError.code);
+    // The mesh's machine-readable reason (e.g. QUEUE_FULL), when the broker's answer says it.
+    this.reason = grpcError.reason || '';
   }
+}
+
+/** A MeshError from a mesh.v1.Error carried in an answer (a batch's result, a gather's). */
+function errorFrom(pb) {
+  return new MeshError({ code: pb.code, details: pb.message, reason: pb.reason });
+}
+
+/** An object's keys in camelCase (the proto's snake_case field names). */
+function camelKeys(obj) {
+  return Object.fromEntries(Object.entries(obj || {})
+    .map(([k, v]) => [k.replace(/_([a-z0-9])/g, (_, c) => c.toUpperCase()), v]));
 }
 
 /**
@@ -271,7 +284,7 @@ class MeshClient {
       if (!waiting) return;
       session.pending.delete(Number(frame.seq));
       if (frame.frame === 'error') {
-        waiting.reject(new MeshError({ code: frame.error.code, details: frame.error.message }));
+        waiting.reject(errorFrom(frame.error));
       } else {
         waiting.resolve(frame);
       }
@@ -379,6 +392,30 @@ class MeshClient {
       { cancellable: true },
     );
     return readMessage(response);
+  }
+
+  /**
+   * Sends several messages in one call (the SendMessages RPC). Each is enqueued in order and
+   * refused on its own (the others go in): resolves with one result per message, in order,
+   * {messageId} when accepted, {messageId, error} (a MeshError with its reason) when refused.
+   * Each message is a plain object as for send: {to, content, priority, ttl, type, ...}.
+   */
+  async sendBatch(messages, { timeoutMs = 10000 } = {}) {
+    const built = messages.map((m) => buildMessage({ from: this.agentId, ...m }));
+    const res = await unary(this.broker, 'SendMessages', { messages: built }, timeoutMs);
+    return res.results.map((r) => (r.error
+      ? { messageId: r.message_id, error: errorFrom(r.error) }
+      : { messageId: r.message_id }));
+  }
+
+  /**
+   * Queue depths and counters (GetQueueStats), of one agent's queue or of all: {agents:
+   * [{agentId, depth, high, medium, low, inFlight, deadLetters, subscribers}], totals: the
+   * broker-wide counters of BrokerTotals, camelCased: held, sentCount, droppedCount, ...}.
+   */
+  async queueStats(agentId = '') {
+    const res = await unary(this.broker, 'GetQueueStats', { agent_id: agentId });
+    return { agents: res.agents.map(camelKeys), totals: camelKeys(res.totals) };
   }
 
   /** The dead-letter queue (oldest first): {message, reason, attempts, deadLetteredAt}. */
@@ -575,7 +612,7 @@ class MeshClient {
       recipients: res.recipients,
       // Agents that could not take a copy (a full queue), each with the broker's error.
       failures: res.failures.map((f) => ({ agentId: f.agent_id,
-        error: new MeshError({ code: f.error.code, details: f.error.message }) })),
+        error: errorFrom(f.error) })),
     };
   }
 
@@ -672,7 +709,7 @@ class MeshClient {
         case 'accepted': if (Number(frame.seq) === 1) call.emit('subscribed'); break;
         case 'error':
           if (Number(frame.seq) === 1) {
-            call.emit('error', new MeshError({ code: frame.error.code, details: frame.error.message }));
+            call.emit('error', errorFrom(frame.error));
             call.cancel();
           }
           break;

@@ -32,6 +32,39 @@ test('sends and receives messages in priority order', async () => {
   }
 });
 
+test('sends a batch in one call: each message goes in or is refused on its own', async () => {
+  const client = new MeshClient(BROKER, { agentId: 'NodeBatcher' });
+  try {
+    await client.register({ agentId: 'NodeBatchDesk' });
+    const before = (await client.queueStats()).totals;
+    const results = await client.sendBatch([
+      { to: 'NodeBatchDesk', content: { action: 'late' }, priority: 'LOW' },
+      { to: 'NodeBatchDesk' }, // no content
+      { to: 'Nobody', content: { action: 'x' } },
+      { to: 'NodeBatchDesk', content: { action: 'urgent' }, priority: 'HIGH', ttl: 60 },
+    ]);
+    assert.equal(results.length, 4);
+    assert.equal(results[0].error, undefined);
+    assert.equal(results[1].error.codeName, 'INVALID_ARGUMENT');
+    assert.equal(results[1].error.reason, 'VALIDATION_FAILED');
+    assert.equal(results[2].error.codeName, 'NOT_FOUND');
+    assert.equal(results[3].error, undefined);
+    const [desk] = (await client.queueStats('NodeBatchDesk')).agents;
+    assert.deepEqual(desk, { agentId: 'NodeBatchDesk', depth: 2, high: 1, medium: 0, low: 1,
+      inFlight: 0, deadLetters: 0, subscribers: 0 });
+    const after = (await client.queueStats()).totals;
+    assert.equal(after.maxMessagesPerAgent, 1000);
+    assert.ok(after.sentCount >= before.sentCount + 2);
+    assert.ok(after.validationErrors >= before.validationErrors + 1);
+    const got = await client.receive('NodeBatchDesk');
+    assert.deepEqual(got.map((m) => m.messageId), [results[3].messageId, results[0].messageId]);
+    assert.deepEqual(got.map((m) => m.content.action), ['urgent', 'late']);
+  } finally {
+    await client.deregister('NodeBatchDesk').catch(() => {});
+    client.close();
+  }
+});
+
 test('broadcasts to the agents of a type, and says whose queue could not take a copy',
   async () => {
     const client = new MeshClient(BROKER, { agentId: 'NodeWarehouse' });
