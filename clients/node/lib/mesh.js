@@ -6,10 +6,12 @@ const path = require('node:path');
 const crypto = require('node:crypto');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
+const protobuf = require('protobufjs');
 
 const PROTO_ROOT = path.resolve(__dirname, '..', '..', '..', 'proto');
 const definition = protoLoader.loadSync(
-  ['mesh/v1/broker.proto', 'mesh/v1/agent.proto', 'mesh/v1/gateway.proto', 'mesh/v1/memory.proto'],
+  ['mesh/v1/broker.proto', 'mesh/v1/agent.proto', 'mesh/v1/gateway.proto', 'mesh/v1/memory.proto',
+    'mesh/v1/tools.proto'],
   { includeDirs: [PROTO_ROOT], keepCase: true, longs: Number, enums: String, defaults: true,
     oneofs: true },
 );
@@ -172,20 +174,78 @@ function readMessage(pb) {
   };
 }
 
-/** Errors carry the gRPC status code and the mesh's reason (google.rpc.ErrorInfo). */
+// The rich status every mesh server sends with an error (the grpc-status-details-bin
+// trailer): google.rpc.Status with ErrorInfo, BadRequest and RetryInfo details.
+const RPC = protobuf.Root.fromJSON({ nested: { google: { nested: {
+  protobuf: { nested: {
+    Any: { fields: { type_url: { type: 'string', id: 1 }, value: { type: 'bytes', id: 2 } } },
+    Duration: { fields: { seconds: { type: 'int64', id: 1 }, nanos: { type: 'int32', id: 2 } } },
+  } },
+  rpc: { nested: {
+    Status: { fields: { code: { type: 'int32', id: 1 }, message: { type: 'string', id: 2 },
+      details: { rule: 'repeated', type: 'google.protobuf.Any', id: 3 } } },
+    ErrorInfo: { fields: { reason: { type: 'string', id: 1 }, domain: { type: 'string', id: 2 } } },
+    BadRequest: { nested: { FieldViolation: { fields: { field: { type: 'string', id: 1 },
+      description: { type: 'string', id: 2 } } } },
+    fields: { field_violations: { rule: 'repeated', type: 'FieldViolation', id: 1 } } },
+    RetryInfo: { fields: { retry_delay: { type: 'google.protobuf.Duration', id: 1 } } },
+  } },
+} } } });
+const DETAIL_TYPES = Object.fromEntries(['ErrorInfo', 'BadRequest', 'RetryInfo']
+  .map((name) => [`type.googleapis.com/google.rpc.${name}`, RPC.lookupType(`google.rpc.${name}`)]));
+
+/** What a failed call's google.rpc.Status says: {reason, fieldViolations, retryAfterMs}. */
+function richStatus(metadata) {
+  const found = { reason: '', fieldViolations: [], retryAfterMs: null };
+  const [raw] = (metadata && typeof metadata.get === 'function')
+    ? metadata.get('grpc-status-details-bin') : [];
+  if (!raw) return found;
+  try {
+    for (const detail of RPC.lookupType('google.rpc.Status').decode(raw).details) {
+      const type = DETAIL_TYPES[detail.type_url];
+      if (!type) continue;
+      const value = type.decode(detail.value);
+      if (detail.type_url.endsWith('ErrorInfo')) found.reason = value.reason;
+      if (detail.type_url.endsWith('BadRequest')) {
+        found.fieldViolations = value.field_violations.map((v) => ({ field: v.field,
+          description: v.description }));
+      }
+      if (detail.type_url.endsWith('RetryInfo') && value.retry_delay) {
+        found.retryAfterMs = Number(value.retry_delay.seconds || 0) * 1000
+          + (value.retry_delay.nanos || 0) / 1e6;
+      }
+    }
+  } catch (err) {
+    // an unreadable trailer: the code and message still stand
+  }
+  return found;
+}
+
+/**
+ * Errors carry the gRPC status code and what the mesh says of them: its machine-readable
+ * reason (e.g. QUEUE_FULL, TOOL_NOT_ALLOWED), the fields that failed validation, and how long
+ * to wait before trying again (backpressure), from the call's rich status or from the error
+ * an answer carries.
+ */
 class MeshError extends Error {
   constructor(grpcError) {
     super(grpcError.details || grpcError.message);
     this.code = grpcError.code;
     this.codeName = Object.keys(grpc.status).find((k) => grpc.status[k] === grpcError.code);
-    // The mesh's machine-readable reason (e.g. QUEUE_FULL), when the broker's answer says it.
-    this.reason = grpcError.reason || '';
+    const rich = richStatus(grpcError.metadata);
+    this.reason = grpcError.reason || rich.reason;
+    this.fieldViolations = grpcError.fieldViolations || rich.fieldViolations;
+    this.retryAfterMs = grpcError.retryAfterMs ?? rich.retryAfterMs;
   }
 }
 
 /** A MeshError from a mesh.v1.Error carried in an answer (a batch's result, a gather's). */
 function errorFrom(pb) {
-  return new MeshError({ code: pb.code, details: pb.message, reason: pb.reason });
+  const delay = pb.retry_delay;
+  return new MeshError({ code: pb.code, details: pb.message, reason: pb.reason,
+    fieldViolations: (pb.field_violations || []).map((v) => ({ field: v.field,
+      description: v.description })),
+    retryAfterMs: delay ? Number(delay.seconds) * 1000 + delay.nanos / 1e6 : null });
 }
 
 /** An object's keys in camelCase (the proto's snake_case field names). */
@@ -255,6 +315,10 @@ class MeshClient {
     this.memory = new meshV1.MemoryService(address, credentials,
       { ...channelOptions, channelOverride: this.broker.getChannel() });
     this.memory.meshMetadata = metadata;
+    // Tools too (under each agent's allow-list).
+    this.tools = new meshV1.ToolService(address, credentials,
+      { ...channelOptions, channelOverride: this.broker.getChannel() });
+    this.tools.meshMetadata = metadata;
   }
 
   close() {
@@ -416,6 +480,23 @@ class MeshClient {
   async queueStats(agentId = '') {
     const res = await unary(this.broker, 'GetQueueStats', { agent_id: agentId });
     return { agents: res.agents.map(camelKeys), totals: camelKeys(res.totals) };
+  }
+
+  /**
+   * Runs a tool through the mesh as this agent (the mesh enforces the agent's allow-list):
+   * resolves with the tool's result. Refusals are MeshErrors with their reason:
+   * TOOL_NOT_ALLOWED, UNKNOWN_TOOL, TOOL_TIMEOUT (worth retrying), TOOL_FAILED (not).
+   */
+  async callTool(tool, args = {}, { timeoutMs = 10000, agentId = this.agentId } = {}) {
+    const res = await unary(this.tools, 'InvokeTool', { agent_id: agentId, tool,
+      arguments: toStruct(args), timeout: toDuration(timeoutMs) }, timeoutMs + 5000);
+    return fromValue(res.result);
+  }
+
+  /** The tools an agent may use ([{name, description}]); every tool with agentId ''. */
+  async listTools(agentId = this.agentId) {
+    const res = await unary(this.tools, 'ListTools', { agent_id: agentId });
+    return res.tools.map((t) => ({ name: t.name, description: t.description }));
   }
 
   /** The dead-letter queue (oldest first): {message, reason, attempts, deadLetteredAt}. */

@@ -23,7 +23,8 @@ test('sends and receives messages in priority order', async () => {
     assert.equal(got[1].type, 'REQUEST');
     assert.deepEqual(got[1].content, { action: 'process_payment', parameters: { amount: 450 } });
     await assert.rejects(client.send('NodePaymentAgent', undefined),
-      (err) => err.codeName === 'INVALID_ARGUMENT' && err.message === 'content is required');
+      (err) => err.codeName === 'INVALID_ARGUMENT' && err.message === 'content is required'
+        && err.reason === 'VALIDATION_FAILED' && err.fieldViolations[0].field === 'content');
     await assert.rejects(client.send('Nobody', { action: 'x' }),
       (err) => err.codeName === 'NOT_FOUND');
   } finally {
@@ -87,6 +88,16 @@ test('broadcasts to the agents of a type, and says whose queue could not take a 
         await Promise.all(Array.from({ length: 100 },
           () => client.send('NodeShopB', { action: 'fill' }, { priority: 'HIGH' })));
       }
+      // A full queue says so, and when to try again: on the session and in a batch.
+      await assert.rejects(client.send('NodeShopB', { action: 'more' }), (err) => {
+        assert.equal(err.codeName, 'RESOURCE_EXHAUSTED');
+        assert.equal(err.reason, 'QUEUE_FULL');
+        assert.ok(err.retryAfterMs > 0, String(err.retryAfterMs));
+        return true;
+      });
+      const [refused] = await client.sendBatch([{ to: 'NodeShopB', content: { action: 'more' } }]);
+      assert.equal(refused.error.reason, 'QUEUE_FULL');
+      assert.ok(refused.error.retryAfterMs > 0);
       const partial = await client.broadcast({ action: 'restock' }, { agentTypes: ['node_shop'] });
       assert.deepEqual(partial.recipients, ['NodeShopA']);
       assert.equal(partial.failures.length, 1);
@@ -241,10 +252,19 @@ test('hands a task to another agent with its context, read back as message.hando
         workflowId: 'wf_node_1',
         stepNumber: 2,
       });
-      await assert.rejects(client.handoff('NodeRefundDesk', ''),
-        (err) => err.codeName === 'INVALID_ARGUMENT' && /task_description/.test(err.message));
+      await assert.rejects(client.handoff('NodeRefundDesk', ''), (err) => {
+        assert.equal(err.codeName, 'INVALID_ARGUMENT');
+        assert.equal(err.reason, 'HANDOFF_FAILED'); // from the call's google.rpc.Status
+        assert.match(err.message, /task_description/);
+        return true;
+      });
+      await assert.rejects(client.receive(''), (err) => {
+        assert.equal(err.reason, 'VALIDATION_FAILED');
+        assert.deepEqual(err.fieldViolations.map((v) => v.field), ['agent_id']);
+        return true;
+      });
       await assert.rejects(client.handoff('Nobody', 'Refund'),
-        (err) => err.codeName === 'NOT_FOUND');
+        (err) => err.codeName === 'NOT_FOUND' && err.reason === 'AGENT_NOT_FOUND');
       await assert.rejects(client.handoff('NodeRefundDesk', 'Refund', { priority: 'URGENT' }),
         (err) => err instanceof TypeError);
       assert.deepEqual(await client.receive('NodeRefundDesk'), []); // nothing refused went in
@@ -285,6 +305,23 @@ test('a Node agent takes its step in a hand-off workflow after a Python agent', 
   } finally {
     gateway.close();
     await agent.stop();
+  }
+});
+
+test('tools run under each agent\'s allow-list', async () => {
+  const client = new MeshClient(BROKER, { agentId: 'web-search-agent' });
+  try {
+    const names = (await client.listTools()).map((t) => t.name);
+    assert.deepEqual([...names].sort(), ['web_fetch', 'web_search']);
+    const hits = await client.callTool('web_search', { query: 'battery recycling', limit: 3 });
+    assert.ok(Array.isArray(hits) && hits.length > 0 && hits.length <= 3, JSON.stringify(hits));
+    await assert.rejects(client.callTool('web_search', { query: 'x' },
+      { agentId: 'synthesis-agent' }),
+    (err) => err.codeName === 'PERMISSION_DENIED' && err.reason === 'TOOL_NOT_ALLOWED');
+    await assert.rejects(client.callTool('teleport', {}),
+      (err) => err.reason === 'UNKNOWN_TOOL' || err.reason === 'TOOL_NOT_ALLOWED');
+  } finally {
+    client.close();
   }
 });
 
