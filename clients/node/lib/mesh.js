@@ -305,9 +305,25 @@ function unary(client, method, request, timeoutMs = 10000, metadata = client.mes
 
 // -- the broker client ------------------------------------------------------------------------
 
+/** RT-011 retry_backoff_ms: the waits before the retries of a call refused for a moment. */
+const RETRY_DELAYS_MS = [100, 500, 2000];
+/** What is worth trying again: a full queue (backpressure) and a broker out of reach. */
+const RETRY_ON = ['RESOURCE_EXHAUSTED', 'UNAVAILABLE'];
+
 class MeshClient {
-  constructor(address, { agentId = '', ...options } = {}) {
+  /**
+   * A client of the broker at address, as agentId. A call refused with RESOURCE_EXHAUSTED or
+   * UNAVAILABLE is tried again after each of retryDelaysMs (RT-011: 100, 500 and 2000 ms;
+   * [] for none), the same message each time (the broker takes a message id once); retries
+   * are counted in stats.retries by code, and onRetry({attempt, code, delayMs, error}) hears
+   * of each.
+   */
+  constructor(address, { agentId = '', retryDelaysMs = RETRY_DELAYS_MS, onRetry = undefined,
+    ...options } = {}) {
     this.agentId = agentId;
+    this.retryDelaysMs = retryDelaysMs;
+    this.onRetry = onRetry;
+    this.stats = { retries: {} };
     const { credentials, metadata, channelOptions } = security(options);
     this.broker = new meshV1.BrokerService(address, credentials, channelOptions);
     this.broker.meshMetadata = metadata;
@@ -324,6 +340,22 @@ class MeshClient {
   close() {
     if (this._session) this._session.call.cancel();
     this.broker.close();
+  }
+
+  /** Runs operation, trying again after each of retryDelaysMs while it fails for a moment. */
+  async _withRetry(operation) {
+    for (let attempt = 0; ; attempt += 1) {
+      try {
+        return await operation();
+      } catch (err) {
+        const delayMs = this.retryDelaysMs[attempt];
+        if (!(err instanceof MeshError) || !RETRY_ON.includes(err.codeName)
+          || delayMs === undefined) throw err;
+        this.stats.retries[err.codeName] = (this.stats.retries[err.codeName] || 0) + 1;
+        if (this.onRetry) this.onRetry({ attempt: attempt + 1, code: err.codeName, delayMs, error: err });
+        await new Promise((resolve) => { setTimeout(resolve, delayMs); });
+      }
+    }
   }
 
   /**
@@ -381,14 +413,14 @@ class MeshClient {
   }
 
   async register({ agentId = this.agentId, agentTypes = [], address = '', capabilities = [] } = {}) {
-    const res = await unary(this.broker, 'RegisterAgent', {
+    const res = await this._withRetry(() => unary(this.broker, 'RegisterAgent', {
       agent: { agent_id: agentId, agent_types: agentTypes, address, capabilities },
-    });
+    }));
     return res.agent;
   }
 
   async deregister(agentId = this.agentId) {
-    await unary(this.broker, 'DeregisterAgent', { agent_id: agentId });
+    await this._withRetry(() => unary(this.broker, 'DeregisterAgent', { agent_id: agentId }));
   }
 
   async listAgents(agentType = '') {
@@ -399,7 +431,7 @@ class MeshClient {
   /** Sends a message (on the session); returns it as accepted (with its id and recipients). */
   async send(to, content, options = {}) {
     const message = buildMessage({ from: this.agentId, to, content, ...options });
-    const { accepted } = await this._ask({ send: message }, 10000);
+    const { accepted } = await this._withRetry(() => this._ask({ send: message }, 10000));
     return { ...readMessage(message), messageId: accepted.message_id,
       recipients: accepted.recipients };
   }
@@ -419,7 +451,7 @@ class MeshClient {
       throw new TypeError(
         `priority ${JSON.stringify(priority)} is not one of ${PRIORITIES.join(', ')}`);
     }
-    const res = await unary(this.broker, 'Handoff', {
+    const res = await this._withRetry(() => unary(this.broker, 'Handoff', {
       from_agent: from,
       to_agent: to,
       handoff: {
@@ -433,7 +465,7 @@ class MeshClient {
       priority: `PRIORITY_${priority}`,
       ttl,
       headers,
-    });
+    }));
     return readMessage(res.message);
   }
 
@@ -450,11 +482,18 @@ class MeshClient {
    */
   async request(to, content, { timeoutMs = 10000, ...options } = {}) {
     const message = buildMessage({ from: this.agentId, to, content, ...options });
-    // The broker answers DEADLINE_EXCEEDED at timeoutMs; the client gives up a moment later.
-    const { response } = await this._ask(
-      { request: { message, timeout: toDuration(timeoutMs) } }, timeoutMs + 1000,
-      { cancellable: true },
-    );
+    const deadline = Date.now() + timeoutMs;
+    // Tried again while refused for a moment, within the one timeout. The broker answers
+    // DEADLINE_EXCEEDED at the deadline; the client gives up a moment later.
+    const { response } = await this._withRetry(() => {
+      const remaining = deadline - Date.now();
+      if (remaining <= 0) {
+        throw new MeshError({ code: grpc.status.DEADLINE_EXCEEDED,
+          details: `no response from ${to} within ${timeoutMs} ms` });
+      }
+      return this._ask({ request: { message, timeout: toDuration(remaining) } }, remaining + 1000,
+        { cancellable: true });
+    });
     return readMessage(response);
   }
 
@@ -466,7 +505,8 @@ class MeshClient {
    */
   async sendBatch(messages, { timeoutMs = 10000 } = {}) {
     const built = messages.map((m) => buildMessage({ from: this.agentId, ...m }));
-    const res = await unary(this.broker, 'SendMessages', { messages: built }, timeoutMs);
+    const res = await this._withRetry(
+      () => unary(this.broker, 'SendMessages', { messages: built }, timeoutMs));
     return res.results.map((r) => (r.error
       ? { messageId: r.message_id, error: errorFrom(r.error) }
       : { messageId: r.message_id }));

@@ -66,6 +66,41 @@ test('sends a batch in one call: each message goes in or is refused on its own',
   }
 });
 
+test('a send refused by a full queue is tried again (RT-011 backoff) and goes in once',
+  async () => {
+    const client = new MeshClient(BROKER, { agentId: 'NodeFiller' });
+    const retried = [];
+    const patient = new MeshClient(BROKER, { agentId: 'NodeRetrier',
+      onRetry: (retry) => retried.push(retry) });
+    const brief = new MeshClient(BROKER, { agentId: 'NodeRetrier', retryDelaysMs: [10, 10] });
+    try {
+      await client.register({ agentId: 'NodeBusyDesk' });
+      const fill = await client.sendBatch(Array.from({ length: 1000 },
+        (_, i) => ({ to: 'NodeBusyDesk', content: { action: 'fill', parameters: { i } } })));
+      assert.ok(fill.every((r) => !r.error));
+      // Two quick retries, both refused: the error comes back, the retries counted.
+      await assert.rejects(brief.send('NodeBusyDesk', { action: 'late' }),
+        (err) => err.reason === 'QUEUE_FULL');
+      assert.deepEqual(brief.stats.retries, { RESOURCE_EXHAUSTED: 2 });
+      // RT-011's schedule (100, 500, 2000 ms): room made meanwhile lets it in.
+      const pending = patient.send('NodeBusyDesk', { action: 'late' });
+      await new Promise((resolve) => { setTimeout(resolve, 150); });
+      assert.equal((await client.receive('NodeBusyDesk', 10)).length, 10);
+      const sent = await pending;
+      assert.ok(retried.length >= 1);
+      assert.deepEqual(retried.map((r) => r.delayMs), [100, 500].slice(0, retried.length));
+      assert.ok(retried.every((r) => r.code === 'RESOURCE_EXHAUSTED'));
+      assert.equal(patient.stats.retries.RESOURCE_EXHAUSTED, retried.length);
+      const rest = await client.receive('NodeBusyDesk');
+      assert.equal(rest.length, 991);
+      assert.deepEqual(rest.filter((m) => m.messageId === sent.messageId).length, 1);
+    } finally {
+      await client.receive('NodeBusyDesk').catch(() => {});
+      await client.deregister('NodeBusyDesk').catch(() => {});
+      for (const c of [client, patient, brief]) c.close();
+    }
+  });
+
 test('broadcasts to the agents of a type, and says whose queue could not take a copy',
   async () => {
     const client = new MeshClient(BROKER, { agentId: 'NodeWarehouse' });
@@ -89,12 +124,13 @@ test('broadcasts to the agents of a type, and says whose queue could not take a 
           () => client.send('NodeShopB', { action: 'fill' }, { priority: 'HIGH' })));
       }
       // A full queue says so, and when to try again: on the session and in a batch.
-      await assert.rejects(client.send('NodeShopB', { action: 'more' }), (err) => {
+      const impatient = new MeshClient(BROKER, { agentId: 'NodeWarehouse', retryDelaysMs: [] });
+      await assert.rejects(impatient.send('NodeShopB', { action: 'more' }), (err) => {
         assert.equal(err.codeName, 'RESOURCE_EXHAUSTED');
         assert.equal(err.reason, 'QUEUE_FULL');
         assert.ok(err.retryAfterMs > 0, String(err.retryAfterMs));
         return true;
-      });
+      }).finally(() => impatient.close());
       const [refused] = await client.sendBatch([{ to: 'NodeShopB', content: { action: 'more' } }]);
       assert.equal(refused.error.reason, 'QUEUE_FULL');
       assert.ok(refused.error.retryAfterMs > 0);
