@@ -740,7 +740,8 @@ class MeshClient {
   /**
    * An agent's deliveries on one Connect stream, the broker's fast path: whatever is ready
    * comes in one frame (up to maxBatch), and answers and acks go back as frames on the same
-   * stream (the acks of a moment in one frame; in a steady flow an ack lingers up to
+   * stream (a message sent with ackRequired is acknowledged to its sender with an ACK message
+   * as it arrives, on its first delivery) (the acks of a moment in one frame; in a steady flow an ack lingers up to
    * ackLingerMs, 2 by default, for company while less than half of maxInFlight is
    * outstanding). handle(message, attempt) resolves to the answer (a message built with
    * buildMessage, sent and taking the place of the ack when it answers this message) or to
@@ -789,6 +790,12 @@ class MeshClient {
       const message = readMessage(delivery.message);
       // Come while closing: left alone; the unsubscribe hands it back as never delivered.
       if (closing) return;
+      if (message.ackRequired && delivery.delivery_attempt === 1) {
+        // RF-009 acknowledgement of receipt: an ACK to the sender at once, before handling.
+        write({ send: buildMessage({ from: message.to || agentId, to: message.from, type: 'ACK',
+          content: { action: 'ack', acknowledged_message_id: message.messageId },
+          correlationId: message.messageId, priority: 'HIGH' }) });
+      }
       const done = (async () => {
         try {
           const answer = await handle(message, delivery.delivery_attempt);

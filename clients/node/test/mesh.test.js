@@ -101,6 +101,41 @@ test('a send refused by a full queue is tried again (RT-011 backoff) and goes in
     }
   });
 
+test('a Node agent acknowledges receipt when asked, before it answers (RF-009 ACK)',
+  async () => {
+    const agent = await serveAgent({
+      broker: BROKER,
+      agentId: 'NodeFlightDesk',
+      handler: async () => {
+        await new Promise((resolve) => { setTimeout(resolve, 300); });
+        return { booked: true };
+      },
+    });
+    const client = new MeshClient(BROKER, { agentId: 'NodeOrchestrator' });
+    try {
+      await client.register();
+      const sent = await client.send('NodeFlightDesk', { action: 'book_flight' },
+        { ackRequired: true });
+      const got = [];
+      for (let i = 0; i < 200 && got.length < 2; i += 1) {
+        got.push(...await client.receive());
+        await new Promise((resolve) => { setTimeout(resolve, 20); });
+      }
+      assert.deepEqual(got.map((m) => m.type), ['ACK', 'RESPONSE']);
+      const [ack, response] = got;
+      assert.equal(ack.correlationId, sent.messageId);
+      assert.equal(ack.from, 'NodeFlightDesk');
+      assert.equal(ack.to, 'NodeOrchestrator');
+      assert.equal(ack.content.acknowledged_message_id, sent.messageId);
+      assert.equal(response.correlationId, sent.messageId);
+      assert.equal(response.content.booked, true);
+    } finally {
+      await agent.stop();
+      await client.deregister().catch(() => {});
+      client.close();
+    }
+  });
+
 test('broadcasts to the agents of a type, and says whose queue could not take a copy',
   async () => {
     const client = new MeshClient(BROKER, { agentId: 'NodeWarehouse' });
