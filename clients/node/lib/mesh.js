@@ -1030,6 +1030,41 @@ class GatewayClient {
  * deliveries from a subscription. handler(message) returns the response content (an object)
  * or null.
  */
+/**
+ * A client of one agent's own gRPC server (mesh.v1.AgentService), for calls that skip the
+ * broker: the agent's card, and a message handled directly (RT-011 peer-to-peer). The
+ * address is the one the agent registered (listAgents).
+ */
+class AgentClient {
+  constructor(address, { agentId = '', ...options } = {}) {
+    this.agentId = agentId;
+    const { credentials, metadata, channelOptions } = security(options);
+    this.agent = new meshV1.AgentService(address, credentials, channelOptions);
+    this.agent.meshMetadata = metadata;
+  }
+
+  close() { this.agent.close(); }
+
+  /** The agent's card: {agentId, agentTypes, capabilities, tools, description, actions}. */
+  async describe({ timeoutMs = 10000 } = {}) {
+    const { card } = await unary(this.agent, 'DescribeAgent', {}, timeoutMs);
+    return { agentId: card.agent_id, agentTypes: card.agent_types,
+      capabilities: card.capabilities,
+      tools: card.tools.map((t) => ({ name: t.name, description: t.description })),
+      description: card.description, actions: card.actions };
+  }
+
+  /**
+   * Has the agent handle a message now, without the broker's queue: resolves with its answer
+   * (a RESPONSE or ERROR message) or null when it had nothing to say.
+   */
+  async handle(to, content, { timeoutMs = 10000, ...options } = {}) {
+    const message = buildMessage({ from: this.agentId, to, content, ...options });
+    const res = await unary(this.agent, 'HandleMessage', { message }, timeoutMs);
+    return res.response ? readMessage(res.response) : null;
+  }
+}
+
 async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [], handler,
   host = '127.0.0.1', port = 0, ...options }) {
   const server = new grpc.Server();
@@ -1127,6 +1162,6 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
 }
 
 module.exports = {
-  MeshClient, GatewayClient, MeshError, Reject, serveAgent, buildMessage, readMessage, toStruct,
+  MeshClient, GatewayClient, AgentClient, MeshError, Reject, serveAgent, buildMessage, readMessage, toStruct,
   fromStruct, toRequest, toDuration, security, TYPES, PROTO_ROOT,
 };

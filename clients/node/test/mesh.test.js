@@ -4,7 +4,7 @@
 
 const test = require('node:test');
 const assert = require('node:assert/strict');
-const { MeshClient, GatewayClient, Reject, serveAgent } = require('../lib/mesh');
+const { MeshClient, GatewayClient, AgentClient, Reject, serveAgent } = require('../lib/mesh');
 
 const BROKER = process.env.AGENTMESH_BROKER;
 const GATEWAY = process.env.AGENTMESH_GATEWAY;
@@ -133,6 +133,40 @@ test('a Node agent acknowledges receipt when asked, before it answers (RF-009 AC
       await agent.stop();
       await client.deregister().catch(() => {});
       client.close();
+    }
+  });
+
+test('calls an agent directly on its own server, Node or Python (RT-011 peer-to-peer)',
+  async () => {
+    const agent = await serveAgent({ broker: BROKER, agentId: 'NodePeerAgent',
+      agentTypes: ['peer'], capabilities: ['quote'],
+      handler: async (message) => ({ quote: 42, asked: message.content.action }) });
+    const client = new MeshClient(BROKER, { agentId: 'NodeCaller' });
+    const direct = new AgentClient(agent.address, { agentId: 'NodeCaller' });
+    let python = null;
+    try {
+      const card = await direct.describe();
+      assert.equal(card.agentId, 'NodePeerAgent');
+      assert.deepEqual(card.agentTypes, ['peer']);
+      assert.deepEqual(card.capabilities, ['quote']);
+      const answer = await direct.handle('NodePeerAgent', { action: 'get_quote' });
+      assert.equal(answer.type, 'RESPONSE');
+      assert.deepEqual(answer.content, { action: 'get_quote', quote: 42, asked: 'get_quote' });
+      const [price] = (await client.listAgents()).filter((a) => a.agent_id === 'PriceAgent');
+      python = new AgentClient(price.address, { agentId: 'NodeCaller' });
+      assert.equal((await python.describe()).agentId, 'PriceAgent');
+      const scored = await python.handle('PriceAgent',
+        { action: 'score', query: 'Hotel in Paris near Eiffel Tower' });
+      assert.equal(scored.type, 'RESPONSE');
+      assert.equal(scored.from, 'PriceAgent');
+      assert.equal(scored.content.dimension, 'price');
+      assert.equal(scored.content.city, 'Paris');
+      assert.equal(typeof scored.content.confidence, 'number');
+    } finally {
+      if (python) python.close();
+      direct.close();
+      client.close();
+      await agent.stop();
     }
   });
 
