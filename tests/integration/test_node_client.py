@@ -7,6 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
+import grpc
 import pytest
 
 from gateway.embedded import EmbeddedMesh
@@ -43,6 +44,7 @@ async def test_node_client_and_agent_pass_their_tests(embedded: EmbeddedMesh) ->
     assert "a Node agent takes its step in a hand-off workflow after a Python agent" in text
     assert "sends a batch in one call: each message goes in or is refused on its own" in text
     assert "tools run under each agent's allow-list" in text
+    assert "a Node agent says NOT_SERVING as it stops, and finishes what it was handling" in text
     assert "calls an agent directly on its own server, Node or Python (RT-011 peer-to-peer)" in text
     assert "a Node agent acknowledges receipt when asked, before it answers (RF-009 ACK)" in text
     assert "a send refused by a full queue is tried again (RT-011 backoff) and goes in once" in text
@@ -145,6 +147,76 @@ async def test_a_node_agent_is_back_in_service_after_a_broker_restart() -> None:
                         await asyncio.sleep(0.2)
             assert again.content["echo"] == {"action": "echo", "n": 2}
             assert again.content["pid"] == node.pid  # the same process, never restarted
+        node.terminate()
+        async with asyncio.timeout(15):
+            assert await node.wait() == 0
+    finally:
+        if node.returncode is None:
+            node.kill()
+            await node.wait()
+        await stop(broker)
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
+async def test_a_node_agent_serves_health_and_reflection_for_plain_grpc_tools() -> None:
+    """As every server of the mesh: buf curl finds a Node agent's methods by reflection and
+    calls them; grpc.health.v1 says SERVING."""
+    import sys
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tests.helpers.processes import BROKER_READY, free_port, start, stop
+
+    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").exists():
+        pytest.fail("clients/node dependencies are missing: run `make setup`")
+    buf = str(Path(sys.executable).parent / "buf")
+    port = free_port()
+    broker = await start("broker", "--port", str(port), ready=BROKER_READY)
+    node = await asyncio.create_subprocess_exec(
+        "node",
+        "examples/echo-agent.js",
+        "NodeToolsAgent",
+        cwd=NODE_DIR,
+        env={**os.environ, "AGENTMESH_BROKER": f"127.0.0.1:{port}"},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    assert node.stdout is not None
+    try:
+        async with asyncio.timeout(30):
+            line = (await node.stdout.readline()).decode()
+        assert "NodeToolsAgent serving on 127.0.0.1:" in line, line
+        address = line.rsplit(" ", 1)[-1].strip()
+
+        async def buf_curl(*args: str) -> str:
+            process = await asyncio.create_subprocess_exec(
+                buf, "curl", "--protocol", "grpc", "--http2-prior-knowledge", *args,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            )  # fmt: skip
+            async with asyncio.timeout(60):
+                out, _ = await process.communicate()
+            assert process.returncode == 0, out.decode()
+            return out.decode()
+
+        methods = (await buf_curl("--list-methods", f"http://{address}")).split()
+        assert methods == [
+            "mesh.v1.AgentService/DescribeAgent",
+            "mesh.v1.AgentService/HandleMessage",
+        ]
+        card = await buf_curl(f"http://{address}/mesh.v1.AgentService/DescribeAgent")
+        assert '"agentId": "NodeToolsAgent"' in card, card
+        answer = await buf_curl(
+            "-d",
+            '{"message": {"from_agent": "cli", "to_agent": "NodeToolsAgent",'
+            ' "content": {"action": "ping"}}}',
+            f"http://{address}/mesh.v1.AgentService/HandleMessage",
+        )
+        assert '"servedBy": "NodeToolsAgent"' in answer, answer
+        async with grpc.aio.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            for service in ("", "mesh.v1.AgentService"):
+                reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
         node.terminate()
         async with asyncio.timeout(15):
             assert await node.wait() == 0

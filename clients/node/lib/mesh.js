@@ -7,6 +7,9 @@ const crypto = require('node:crypto');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
 const protobuf = require('protobufjs');
+const { HealthImplementation } = require('grpc-health-check');
+const { ReflectionService } = require('@grpc/reflection');
+const { FileDescriptorProto } = require('protobufjs/ext/descriptor');
 
 const PROTO_ROOT = path.resolve(__dirname, '..', '..', '..', 'proto');
 const definition = protoLoader.loadSync(
@@ -1065,6 +1068,87 @@ class AgentClient {
   }
 }
 
+/**
+ * The contract's files as server reflection gives them out. proto-loader merges the files of a
+ * package into one (mesh_v1.proto, google_protobuf.proto), lists no imports and leaves type
+ * names relative; a client that builds its schema from reflection (buf curl, grpcurl) needs
+ * them as protoc writes them: each file naming the files it refers to, and every type name
+ * fully qualified (.mesh.v1.Message, .google.protobuf.Struct).
+ */
+function reflectable(pkg) {
+  const files = new Map();
+  for (const { fileDescriptorProtos } of Object.values(pkg)) {
+    for (const bin of fileDescriptorProtos || []) {
+      const file = FileDescriptorProto.decode(bin);
+      if (!files.has(file.name)) files.set(file.name, file);
+    }
+  }
+  // Map entries named as protoc names them (field headers: HeadersEntry), which clients check.
+  const entryName = (field) => `${field.split('_').filter(Boolean)
+    .map((w) => w[0].toUpperCase() + w.slice(1)).join('')}Entry`;
+  const nameEntries = (message) => {
+    const nested = new Map((message.nestedType || []).map((n) => [n.name, n]));
+    for (const field of message.field || []) {
+      const entry = nested.get(field.typeName);
+      if (entry && entry.options && entry.options.mapEntry) {
+        entry.name = entryName(field.name);
+        field.typeName = entry.name;
+      }
+    }
+    (message.nestedType || []).forEach(nameEntries);
+  };
+  for (const file of files.values()) (file.messageType || []).forEach(nameEntries);
+  // Every message and enum by its full name, and the file that declares it.
+  const declared = new Map();
+  const declare = (scope, message, file) => {
+    const name = `${scope}.${message.name}`;
+    declared.set(name, file);
+    (message.nestedType || []).forEach((nested) => declare(name, nested, file));
+    (message.enumType || []).forEach((e) => declared.set(`${name}.${e.name}`, file));
+  };
+  for (const file of files.values()) {
+    (file.messageType || []).forEach((m) => declare(file.package, m, file));
+    (file.enumType || []).forEach((e) => declared.set(`${file.package}.${e.name}`, file));
+  }
+  // A name as protobuf resolves it: from the innermost scope outwards.
+  const resolve = (name, scope) => {
+    if (name.startsWith('.')) return name;
+    for (let at = scope; ; at = at.slice(0, Math.max(at.lastIndexOf('.'), 0))) {
+      const candidate = at ? `${at}.${name}` : name;
+      if (declared.has(candidate)) return `.${candidate}`;
+      if (!at) return name;
+    }
+  };
+  const encoded = [];
+  for (const file of files.values()) {
+    const dependency = new Set(file.dependency || []);
+    const refer = (name, scope) => {
+      const full = resolve(name, scope);
+      const owner = declared.get(full.slice(1));
+      if (owner && owner !== file) dependency.add(owner.name);
+      return full;
+    };
+    const visit = (message, scope) => {
+      const name = `${scope}.${message.name}`;
+      for (const field of message.field || []) {
+        if (field.typeName) field.typeName = refer(field.typeName, name);
+      }
+      (message.nestedType || []).forEach((nested) => visit(nested, name));
+    };
+    (file.messageType || []).forEach((m) => visit(m, file.package));
+    for (const service of file.service || []) {
+      for (const method of service.method || []) {
+        method.inputType = refer(method.inputType, file.package);
+        method.outputType = refer(method.outputType, file.package);
+      }
+    }
+    file.dependency = [...dependency];
+    encoded.push(FileDescriptorProto.encode(file).finish());
+  }
+  return { contract: { fileDescriptorProtos: encoded } };
+}
+const REFLECTED = reflectable(definition);
+
 async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [], handler,
   host = '127.0.0.1', port = 0, ...options }) {
   const server = new grpc.Server();
@@ -1108,6 +1192,11 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
         description: 'A Node.js agent', actions: [] },
     }),
   });
+  // As every server of the mesh: grpc.health.v1 (SERVING until it stops) and server
+  // reflection, so that plain gRPC tools (buf curl, grpcurl, probes) find their way.
+  const health = new HealthImplementation({ '': 'SERVING', 'mesh.v1.AgentService': 'SERVING' });
+  health.addToServer(server);
+  new ReflectionService(REFLECTED, { services: ['mesh.v1.AgentService'] }).addToServer(server);
   const boundPort = await new Promise((resolve, reject) => {
     server.bindAsync(`${host}:${port}`, grpc.ServerCredentials.createInsecure(),
       (err, p) => (err ? reject(err) : resolve(p)));
@@ -1151,10 +1240,14 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     address,
     async stop(graceMs = 5000) {
       stopped = true;
+      // Out of service first: probes and callers look elsewhere while it finishes its work.
+      health.setStatus('', 'NOT_SERVING');
+      health.setStatus('mesh.v1.AgentService', 'NOT_SERVING');
       if (subscription) await subscription.close(graceMs);
       if (wake) wake();
       await running;
-      await client.deregister().catch(() => {});
+      // Once, without retries: a broker that is away forgets it by itself.
+      await unary(client.broker, 'DeregisterAgent', { agent_id: agentId }, 2000).catch(() => {});
       client.close();
       await new Promise((resolve) => server.tryShutdown(resolve));
     },

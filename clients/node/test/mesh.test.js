@@ -170,6 +170,39 @@ test('calls an agent directly on its own server, Node or Python (RT-011 peer-to-
     }
   });
 
+test('a Node agent says NOT_SERVING as it stops, and finishes what it was handling',
+  async () => {
+    const grpc = require('@grpc/grpc-js');
+    const health = require('grpc-health-check');
+    let release;
+    const released = new Promise((resolve) => { release = resolve; });
+    let started;
+    const handling = new Promise((resolve) => { started = resolve; });
+    const agent = await serveAgent({ broker: BROKER, agentId: 'NodeStoppingAgent',
+      handler: async () => { started(); await released; return { finished: true }; } });
+    const Health = grpc.makeGenericClientConstructor(health.service, 'Health');
+    const probe = new Health(agent.address, grpc.credentials.createInsecure());
+    const check = () => new Promise((resolve, reject) => {
+      probe.Check({ service: 'mesh.v1.AgentService' },
+        (err, res) => (err ? reject(err) : resolve(res.status)));
+    });
+    const client = new MeshClient(BROKER, { agentId: 'NodeStopCaller' });
+    try {
+      assert.equal(await check(), 'SERVING');
+      const answer = client.request('NodeStoppingAgent', { action: 'work' }, { timeoutMs: 10000 });
+      await handling;
+      const stopping = agent.stop(10000);
+      assert.equal(await check(), 'NOT_SERVING');
+      release();
+      assert.equal((await answer).content.finished, true);
+      await stopping;
+    } finally {
+      release();
+      probe.close();
+      client.close();
+    }
+  });
+
 test('broadcasts to the agents of a type, and says whose queue could not take a copy',
   async () => {
     const client = new MeshClient(BROKER, { agentId: 'NodeWarehouse' });
