@@ -1150,7 +1150,7 @@ function reflectable(pkg) {
 const REFLECTED = reflectable(definition);
 
 async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [], handler,
-  host = '127.0.0.1', port = 0, ...options }) {
+  description = 'A Node.js agent', actions = [], host = '127.0.0.1', port = 0, ...options }) {
   const server = new grpc.Server();
   const answer = async (message) => {
     const to = message.replyTo || message.from;
@@ -1189,7 +1189,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     },
     DescribeAgent: (call, callback) => callback(null, {
       card: { agent_id: agentId, agent_types: agentTypes, capabilities, tools: [],
-        description: 'A Node.js agent', actions: [] },
+        description, actions },
     }),
   });
   // As every server of the mesh: grpc.health.v1 (SERVING until it stops) and server

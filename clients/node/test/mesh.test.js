@@ -139,7 +139,8 @@ test('a Node agent acknowledges receipt when asked, before it answers (RF-009 AC
 test('calls an agent directly on its own server, Node or Python (RT-011 peer-to-peer)',
   async () => {
     const agent = await serveAgent({ broker: BROKER, agentId: 'NodePeerAgent',
-      agentTypes: ['peer'], capabilities: ['quote'],
+      agentTypes: ['peer'], capabilities: ['quote'], description: 'Quotes prices',
+      actions: ['get_quote'],
       handler: async (message) => ({ quote: 42, asked: message.content.action }) });
     const client = new MeshClient(BROKER, { agentId: 'NodeCaller' });
     const direct = new AgentClient(agent.address, { agentId: 'NodeCaller' });
@@ -149,6 +150,8 @@ test('calls an agent directly on its own server, Node or Python (RT-011 peer-to-
       assert.equal(card.agentId, 'NodePeerAgent');
       assert.deepEqual(card.agentTypes, ['peer']);
       assert.deepEqual(card.capabilities, ['quote']);
+      assert.equal(card.description, 'Quotes prices');
+      assert.deepEqual(card.actions, ['get_quote']);
       const answer = await direct.handle('NodePeerAgent', { action: 'get_quote' });
       assert.equal(answer.type, 'RESPONSE');
       assert.deepEqual(answer.content, { action: 'get_quote', quote: 42, asked: 'get_quote' });
