@@ -355,7 +355,9 @@ class MeshClient {
         if (!(err instanceof MeshError) || !RETRY_ON.includes(err.codeName)
           || delayMs === undefined) throw err;
         this.stats.retries[err.codeName] = (this.stats.retries[err.codeName] || 0) + 1;
-        if (this.onRetry) this.onRetry({ attempt: attempt + 1, code: err.codeName, delayMs, error: err });
+        if (this.onRetry) {
+          this.onRetry({ attempt: attempt + 1, code: err.codeName, delayMs, error: err });
+        }
         await new Promise((resolve) => { setTimeout(resolve, delayMs); });
       }
     }
@@ -743,15 +745,15 @@ class MeshClient {
   /**
    * An agent's deliveries on one Connect stream, the broker's fast path: whatever is ready
    * comes in one frame (up to maxBatch), and answers and acks go back as frames on the same
-   * stream (a message sent with ackRequired is acknowledged to its sender with an ACK message
-   * as it arrives, on its first delivery) (the acks of a moment in one frame; in a steady flow an ack lingers up to
+   * stream (the acks of a moment in one frame; in a steady flow an ack lingers up to
    * ackLingerMs, 2 by default, for company while less than half of maxInFlight is
    * outstanding). handle(message, attempt) resolves to the answer (a message built with
    * buildMessage, sent and taking the place of the ack when it answers this message) or to
    * null (acknowledged); when it throws, the message is handed back for redelivery (a
-   * Reject sends it to the dead-letter queue at once, with the Reject's message). The
-   * returned stream emits 'subscribed' once the broker took the subscription, and 'error' /
-   * 'end' when the session is over.
+   * Reject sends it to the dead-letter queue at once, with the Reject's message). A message
+   * sent with ackRequired is acknowledged to its sender with an ACK message as it arrives,
+   * on its first delivery. The returned stream emits 'subscribed' once the broker took the
+   * subscription, and 'error' / 'end' when the session is over.
    */
   session(handle, { agentId = this.agentId, maxInFlight = 16, maxBatch = 16,
     ackLingerMs = 2 } = {}) {
@@ -1255,6 +1257,6 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
 }
 
 module.exports = {
-  MeshClient, GatewayClient, AgentClient, MeshError, Reject, serveAgent, buildMessage, readMessage, toStruct,
-  fromStruct, toRequest, toDuration, security, TYPES, PROTO_ROOT,
+  MeshClient, GatewayClient, AgentClient, MeshError, Reject, serveAgent, buildMessage, readMessage,
+  toStruct, fromStruct, toRequest, toDuration, security, TYPES, PROTO_ROOT,
 };
