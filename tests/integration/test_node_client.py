@@ -15,6 +15,40 @@ from gateway.embedded import EmbeddedMesh
 NODE_DIR = Path(__file__).resolve().parents[2] / "clients" / "node"
 
 
+async def start_echo_agent(agent_id: str, broker: str) -> tuple[asyncio.subprocess.Process, str]:
+    """clients/node/examples/echo-agent.js serving agent_id against broker, in a process of
+    its own; the process and the address of the agent's server once it serves."""
+    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").exists():
+        pytest.fail("clients/node dependencies are missing: run `make setup`")
+    node = await asyncio.create_subprocess_exec(
+        "node",
+        "examples/echo-agent.js",
+        agent_id,
+        cwd=NODE_DIR,
+        env={**os.environ, "AGENTMESH_BROKER": broker},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    assert node.stdout is not None
+    try:
+        async with asyncio.timeout(30):
+            line = (await node.stdout.readline()).decode()
+        assert f"{agent_id} serving on 127.0.0.1:" in line, line
+    except BaseException:
+        node.kill()
+        await node.wait()
+        raise
+    return node, line.rsplit(" ", 1)[-1].strip()
+
+
+async def stop_echo_agent(node: asyncio.subprocess.Process) -> None:
+    """Stops it as a service manager would (SIGTERM): it must end cleanly, with status 0."""
+    if node.returncode is None:
+        node.terminate()
+        async with asyncio.timeout(15):
+            assert await node.wait() == 0
+
+
 @pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
 async def test_node_client_and_agent_pass_their_tests(embedded: EmbeddedMesh) -> None:
     if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").exists():
@@ -109,25 +143,12 @@ async def test_a_node_agent_is_back_in_service_after_a_broker_restart() -> None:
     from mesh.core.errors import MeshError
     from tests.helpers.processes import BROKER_READY, free_port, start, stop, wait_killed
 
-    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").exists():
-        pytest.fail("clients/node dependencies are missing: run `make setup`")
     port = free_port()
     address = f"127.0.0.1:{port}"
     broker = await start("broker", "--port", str(port), ready=BROKER_READY)
-    node = await asyncio.create_subprocess_exec(
-        "node",
-        "examples/echo-agent.js",
-        "NodeEchoAgent",
-        cwd=NODE_DIR,
-        env={**os.environ, "AGENTMESH_BROKER": address},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    assert node.stdout is not None
+    node = None
     try:
-        async with asyncio.timeout(30):
-            line = (await node.stdout.readline()).decode()
-        assert "NodeEchoAgent serving on 127.0.0.1:" in line, line
+        node, _ = await start_echo_agent("NodeEchoAgent", address)
         async with connect(address, agent_id="Caller", retry=NO_RETRY) as client:
             first = await client.request("NodeEchoAgent", {"action": "echo", "n": 1}, timeout=5)
             assert first.content["echo"] == {"action": "echo", "n": 1}
@@ -147,11 +168,9 @@ async def test_a_node_agent_is_back_in_service_after_a_broker_restart() -> None:
                         await asyncio.sleep(0.2)
             assert again.content["echo"] == {"action": "echo", "n": 2}
             assert again.content["pid"] == node.pid  # the same process, never restarted
-        node.terminate()
-        async with asyncio.timeout(15):
-            assert await node.wait() == 0
+        await stop_echo_agent(node)
     finally:
-        if node.returncode is None:
+        if node is not None and node.returncode is None:
             node.kill()
             await node.wait()
         await stop(broker)
@@ -167,26 +186,12 @@ async def test_a_node_agent_serves_health_and_reflection_for_plain_grpc_tools() 
 
     from tests.helpers.processes import BROKER_READY, free_port, start, stop
 
-    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").exists():
-        pytest.fail("clients/node dependencies are missing: run `make setup`")
     buf = str(Path(sys.executable).parent / "buf")
     port = free_port()
     broker = await start("broker", "--port", str(port), ready=BROKER_READY)
-    node = await asyncio.create_subprocess_exec(
-        "node",
-        "examples/echo-agent.js",
-        "NodeToolsAgent",
-        cwd=NODE_DIR,
-        env={**os.environ, "AGENTMESH_BROKER": f"127.0.0.1:{port}"},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    assert node.stdout is not None
+    node = None
     try:
-        async with asyncio.timeout(30):
-            line = (await node.stdout.readline()).decode()
-        assert "NodeToolsAgent serving on 127.0.0.1:" in line, line
-        address = line.rsplit(" ", 1)[-1].strip()
+        node, address = await start_echo_agent("NodeToolsAgent", f"127.0.0.1:{port}")
 
         async def buf_curl(*args: str) -> str:
             process = await asyncio.create_subprocess_exec(
@@ -217,11 +222,9 @@ async def test_a_node_agent_serves_health_and_reflection_for_plain_grpc_tools() 
             for service in ("", "mesh.v1.AgentService"):
                 reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
-        node.terminate()
-        async with asyncio.timeout(15):
-            assert await node.wait() == 0
+        await stop_echo_agent(node)
     finally:
-        if node.returncode is None:
+        if node is not None and node.returncode is None:
             node.kill()
             await node.wait()
         await stop(broker)
