@@ -753,7 +753,8 @@ class MeshClient {
    * Reject sends it to the dead-letter queue at once, with the Reject's message). A message
    * sent with ackRequired is acknowledged to its sender with an ACK message as it arrives,
    * on its first delivery. The returned stream emits 'subscribed' once the broker took the
-   * subscription, and 'error' / 'end' when the session is over.
+   * subscription, 'refused' (a MeshError) when the broker refuses an answer or ACK it was
+   * sent, and 'error' / 'end' when the session is over.
    */
   session(handle, { agentId = this.agentId, maxInFlight = 16, maxBatch = 16,
     ackLingerMs = 2 } = {}) {
@@ -844,6 +845,10 @@ class MeshClient {
           if (Number(frame.seq) === 1) {
             call.emit('error', errorFrom(frame.error));
             call.cancel();
+          } else {
+            // A frame sent without waiting (an answer, an ACK of receipt) that the broker
+            // refused, e.g. to a sender no longer registered: said, not lost in silence.
+            call.emit('refused', errorFrom(frame.error));
           }
           break;
         default: break;
@@ -1028,13 +1033,8 @@ class GatewayClient {
   }
 }
 
-// -- a Node.js agent --------------------------------------------------------------------------
+// -- an agent's own server --------------------------------------------------------------------
 
-/**
- * Serves an agent: its own gRPC server (Agent service), registered with the broker, taking its
- * deliveries from a subscription. handler(message) returns the response content (an object)
- * or null.
- */
 /**
  * A client of one agent's own gRPC server (mesh.v1.AgentService), for calls that skip the
  * broker: the agent's card, and a message handled directly (RT-011 peer-to-peer). The
@@ -1069,6 +1069,8 @@ class AgentClient {
     return res.response ? readMessage(res.response) : null;
   }
 }
+
+// -- a Node.js agent --------------------------------------------------------------------------
 
 /**
  * The contract's files as server reflection gives them out. proto-loader merges the files of a
@@ -1151,8 +1153,17 @@ function reflectable(pkg) {
 }
 const REFLECTED = reflectable(definition);
 
+/**
+ * Serves an agent: its own gRPC server (Agent service, with grpc.health.v1 and reflection),
+ * registered with the broker, taking its deliveries from a subscription. handler(message)
+ * returns the response content (an object) or null. onRefused(err) hears of an answer or
+ * ACK the broker refused (a warning on the console by default).
+ */
 async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [], handler,
-  description = 'A Node.js agent', actions = [], host = '127.0.0.1', port = 0, ...options }) {
+  description = 'A Node.js agent', actions = [], host = '127.0.0.1', port = 0,
+  onRefused = (err) => console.warn(
+    `${agentId}: the broker refused a frame: ${err.codeName}: ${err.message}`),
+  ...options }) {
   const server = new grpc.Server();
   const answer = async (message) => {
     const to = message.replyTo || message.from;
@@ -1220,6 +1231,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
       try {
         if (attempt) await client.register({ agentTypes, address, capabilities });
         subscription = client.session(onDelivery);
+        subscription.on('refused', onRefused);
         await new Promise((resolve) => {
           subscription.on('error', resolve);
           subscription.on('end', resolve);

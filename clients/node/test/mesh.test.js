@@ -206,6 +206,27 @@ test('a Node agent says NOT_SERVING as it stops, and finishes what it was handli
     }
   });
 
+test('a Node agent hears when the broker refuses its answer, instead of losing it silently',
+  async () => {
+    const refused = [];
+    const agent = await serveAgent({ broker: BROKER, agentId: 'NodeLonelyAgent',
+      handler: async () => ({ done: true }), onRefused: (err) => refused.push(err) });
+    const ghost = new MeshClient(BROKER, { agentId: 'NodeGhostCaller' }); // never registered
+    try {
+      await ghost.send('NodeLonelyAgent', { action: 'work' }, { ackRequired: true });
+      for (let i = 0; i < 100 && refused.length < 2; i += 1) {
+        await new Promise((resolve) => { setTimeout(resolve, 20); });
+      }
+      // Its ACK of receipt and its RESPONSE, both to a sender that is not registered.
+      assert.equal(refused.length, 2);
+      assert.ok(refused.every((err) => err.codeName === 'NOT_FOUND'
+        && err.reason === 'AGENT_NOT_FOUND' && /NodeGhostCaller/.test(err.message)));
+    } finally {
+      ghost.close();
+      await agent.stop();
+    }
+  });
+
 test('broadcasts to the agents of a type, and says whose queue could not take a copy',
   async () => {
     const client = new MeshClient(BROKER, { agentId: 'NodeWarehouse' });
