@@ -78,6 +78,7 @@ async def test_node_client_and_agent_pass_their_tests(embedded: EmbeddedMesh) ->
     assert "a Node agent takes its step in a hand-off workflow after a Python agent" in text
     assert "sends a batch in one call: each message goes in or is refused on its own" in text
     assert "tools run under each agent's allow-list" in text
+    assert "a plain subscription acknowledges receipt when asked, too" in text
     assert "a Node agent hears when the broker refuses its answer, instead of losing it" in text
     assert "a Node agent says NOT_SERVING as it stops, and finishes what it was handling" in text
     assert "calls an agent directly on its own server, Node or Python (RT-011 peer-to-peer)" in text

@@ -861,12 +861,23 @@ class MeshClient {
     return call;
   }
 
-  /** Deliveries of the agent's messages: onDelivery(message, attempt) must resolve to ack. */
+  /**
+   * Deliveries of the agent's messages on the plain Subscribe stream (one per frame, acks as
+   * unary calls; session() is the fast path): onDelivery(message, attempt) must resolve to
+   * ack. A message sent with ackRequired is acknowledged to its sender with an ACK message as
+   * it arrives, on its first delivery.
+   */
   subscribe(onDelivery, { agentId = this.agentId, maxInFlight = 16 } = {}) {
     const call = this.broker.Subscribe({ agent_id: agentId, max_in_flight: maxInFlight },
       this.broker.meshMetadata);
     call.on('data', async (res) => {
       const message = readMessage(res.delivery.message);
+      if (message.ackRequired && res.delivery.delivery_attempt === 1) {
+        this._ask({ send: buildMessage({ from: message.to || agentId, to: message.from,
+          type: 'ACK', content: { action: 'ack', acknowledged_message_id: message.messageId },
+          correlationId: message.messageId, priority: 'HIGH' }) }, 10000)
+          .catch((err) => call.emit('refused', err));
+      }
       try {
         await onDelivery(message, res.delivery.delivery_attempt);
         await unary(this.broker, 'Ack', { agent_id: agentId, message_ids: [message.messageId] });

@@ -227,6 +227,35 @@ test('a Node agent hears when the broker refuses its answer, instead of losing i
     }
   });
 
+test('a plain subscription acknowledges receipt when asked, too', async () => {
+  const client = new MeshClient(BROKER, { agentId: 'NodePlainOrchestrator' });
+  const desk = new MeshClient(BROKER, { agentId: 'NodePlainDesk' });
+  let stream = null;
+  try {
+    await client.register();
+    await desk.register();
+    const handled = [];
+    stream = desk.subscribe(async (message) => { handled.push(message.messageId); });
+    const sent = await client.send('NodePlainDesk', { action: 'book' }, { ackRequired: true });
+    let acks = [];
+    for (let i = 0; i < 100 && acks.length === 0; i += 1) {
+      await new Promise((resolve) => { setTimeout(resolve, 20); });
+      acks = await client.receive();
+    }
+    assert.equal(acks.length, 1);
+    assert.equal(acks[0].type, 'ACK');
+    assert.equal(acks[0].correlationId, sent.messageId);
+    assert.equal(acks[0].from, 'NodePlainDesk');
+    assert.deepEqual(handled, [sent.messageId]);
+  } finally {
+    if (stream) stream.cancel();
+    await desk.deregister().catch(() => {});
+    await client.deregister().catch(() => {});
+    desk.close();
+    client.close();
+  }
+});
+
 test('broadcasts to the agents of a type, and says whose queue could not take a copy',
   async () => {
     const client = new MeshClient(BROKER, { agentId: 'NodeWarehouse' });
