@@ -96,6 +96,17 @@ function buildMessage(m) {
   };
 }
 
+/**
+ * RF-009 acknowledgement of receipt: the ACK message due to the sender of a delivery that
+ * asked for one (ackRequired), on its first delivery only; else null.
+ */
+function receiptOf(message, attempt, agentId) {
+  if (!message.ackRequired || attempt !== 1) return null;
+  return buildMessage({ from: message.to || agentId, to: message.from, type: 'ACK',
+    content: { action: 'ack', acknowledged_message_id: message.messageId },
+    correlationId: message.messageId, priority: 'HIGH' });
+}
+
 /** A google.protobuf.Timestamp in ISO 8601, or null. */
 function isoTime(ts) {
   return ts ? new Date(Number(ts.seconds) * 1000 + ts.nanos / 1e6).toISOString() : null;
@@ -796,12 +807,8 @@ class MeshClient {
       const message = readMessage(delivery.message);
       // Come while closing: left alone; the unsubscribe hands it back as never delivered.
       if (closing) return;
-      if (message.ackRequired && delivery.delivery_attempt === 1) {
-        // RF-009 acknowledgement of receipt: an ACK to the sender at once, before handling.
-        write({ send: buildMessage({ from: message.to || agentId, to: message.from, type: 'ACK',
-          content: { action: 'ack', acknowledged_message_id: message.messageId },
-          correlationId: message.messageId, priority: 'HIGH' }) });
-      }
+      const receipt = receiptOf(message, delivery.delivery_attempt, agentId);
+      if (receipt) write({ send: receipt });
       const done = (async () => {
         try {
           const answer = await handle(message, delivery.delivery_attempt);
@@ -872,12 +879,8 @@ class MeshClient {
       this.broker.meshMetadata);
     call.on('data', async (res) => {
       const message = readMessage(res.delivery.message);
-      if (message.ackRequired && res.delivery.delivery_attempt === 1) {
-        this._ask({ send: buildMessage({ from: message.to || agentId, to: message.from,
-          type: 'ACK', content: { action: 'ack', acknowledged_message_id: message.messageId },
-          correlationId: message.messageId, priority: 'HIGH' }) }, 10000)
-          .catch((err) => call.emit('refused', err));
-      }
+      const receipt = receiptOf(message, res.delivery.delivery_attempt, agentId);
+      if (receipt) this._ask({ send: receipt }, 10000).catch((err) => call.emit('refused', err));
       try {
         await onDelivery(message, res.delivery.delivery_attempt);
         await unary(this.broker, 'Ack', { agent_id: agentId, message_ids: [message.messageId] });
