@@ -13,7 +13,7 @@ help:
 	@echo "make demo         set-up, then run the mesh on localhost and its demo, then shut down"
 	@echo "make test         set-up, check generated code, run the whole test suite"
 	@echo "make proto        regenerate mesh/v1 from proto/"
-	@echo "make lint         ruff, mypy, buf lint and buf format"
+	@echo "make lint         ruff, mypy, buf lint and buf format, tsc on the Node client's types"
 	@echo "make bench        latency benchmarks (benchmarks/results/)"
 	@echo "make deploy-check render and validate the Kubernetes overlays in deploy/"
 	@echo "make dashboard    rebuild the dashboard bundle (gateway/dashboard/static/app.js)"
@@ -86,6 +86,8 @@ lint: setup breaking
 	$(BIN)/mypy mesh agents gateway
 	$(BIN)/buf lint
 	$(BIN)/buf format --exit-code > /dev/null
+	@if [ -x clients/node/node_modules/.bin/tsc ]; then \
+		npm run --silent typecheck --prefix clients/node && echo "clients/node: declarations check"; fi
 
 test: setup system-packages proto-check breaking
 	$(BIN)/buf lint

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 from pathlib import Path
@@ -27,6 +28,9 @@ NODE_TESTS = (
     "a Node agent acknowledges receipt when asked, before it answers (RF-009 ACK)",
     "a send refused by a full queue is tried again (RT-011 backoff) and goes in once",
     "broadcasts to the agents of a type, and says whose queue could not take",
+    "the declarations name every export of lib/mesh.js, and nothing else",
+    "each declared class has the public methods of its implementation",
+    "a message as read off the wire has the fields its declaration gives it",
 )
 """Tests of clients/node/test/ whose names the run must show."""
 
@@ -95,11 +99,51 @@ async def test_node_client_and_agent_pass_their_tests(embedded: EmbeddedMesh) ->
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
+async def test_a_typescript_program_compiles_against_the_declarations_and_runs(
+    embedded: EmbeddedMesh, tmp_path: Path
+) -> None:
+    """clients/node/test/types/tour.ts, strict: tsc compiles it (and refuses each misuse it
+    marks), and compiled, installed as a user's program would be, it runs against the mesh."""
+    if not (NODE_DIR / "node_modules" / "typescript").exists():
+        pytest.fail("clients/node dependencies are missing: run `make setup`")
+    build = tmp_path / "tour"
+    tsc = await asyncio.create_subprocess_exec(
+        str(NODE_DIR / "node_modules" / ".bin" / "tsc"),
+        "-p", "test/types", "--noEmit", "false", "--outDir", str(build),
+        cwd=NODE_DIR, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    async with asyncio.timeout(120):
+        out, _ = await tsc.communicate()
+    assert tsc.returncode == 0, out.decode()
+    # The package as a dependency of the program: node_modules/agentmesh-client.
+    (build / "node_modules").mkdir()
+    (build / "node_modules" / "agentmesh-client").symlink_to(NODE_DIR)
+    env = {
+        **os.environ,
+        "AGENTMESH_BROKER": embedded.broker.address,
+        "AGENTMESH_GATEWAY": embedded.gateway.address,
+    }
+    tour = await asyncio.create_subprocess_exec(
+        "node", "tour.js", cwd=build, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    async with asyncio.timeout(60):
+        out, err = await tour.communicate()
+    assert tour.returncode == 0, err.decode()
+    assert json.loads(out) == {
+        "received": ["now", "later"],
+        "sum": 6,
+        "unknownAgent": "NOT_FOUND",
+        "batchViolation": "content",
+        "state": {"left": 2},
+        "filtering": "COMPLETED",
+    }
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
 async def test_node_client_speaks_tls_with_a_token_and_is_held_to_its_identity(
     tmp_path: Path,
 ) -> None:
-    import json
-
     from mesh import LocalMesh, SecurityConfig
     from mesh.certs import write_dev_certificates
 

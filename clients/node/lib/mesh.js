@@ -140,6 +140,12 @@ function readInsight(pb) {
     expiresAt: isoTime(pb.expires_at) };
 }
 
+/** A plain object from a mesh.v1.AgentInfo. */
+function readAgent(pb) {
+  return { agentId: pb.agent_id, agentTypes: pb.agent_types, address: pb.address,
+    capabilities: pb.capabilities, registeredAt: isoTime(pb.registered_at) };
+}
+
 /** A plain object from a mesh.v1.StateEntry. */
 function readEntry(pb) {
   return { key: pb.key, value: fromValue(pb.value), version: Number(pb.version),
@@ -432,7 +438,7 @@ class MeshClient {
     const res = await this._withRetry(() => unary(this.broker, 'RegisterAgent', {
       agent: { agent_id: agentId, agent_types: agentTypes, address, capabilities },
     }));
-    return res.agent;
+    return readAgent(res.agent);
   }
 
   async deregister(agentId = this.agentId) {
@@ -441,7 +447,7 @@ class MeshClient {
 
   async listAgents(agentType = '') {
     const res = await unary(this.broker, 'ListAgents', { agent_type: agentType });
-    return res.agents;
+    return res.agents.map(readAgent);
   }
 
   /** Sends a message (on the session); returns it as accepted (with its id and recipients). */
@@ -963,16 +969,26 @@ function toRequest(typeName, obj) {
 
 // -- the gateway client -----------------------------------------------------------------------
 
+const patternName = (pattern) => String(pattern).replace('PATTERN_', '');
+
 function readEvent(pb) {
   return {
     runId: pb.run_id,
-    pattern: String(pb.pattern).replace('PATTERN_', ''),
+    pattern: patternName(pb.pattern),
     kind: String(pb.kind).replace('EVENT_KIND_', ''),
+    timestamp: isoTime(pb.timestamp),
     elapsedMs: pb.elapsed_ms,
     agentId: pb.agent_id,
+    step: pb.step,
+    round: pb.round,
     summary: pb.summary,
     data: fromStruct(pb.data),
   };
+}
+
+/** A plain object from a mesh.v1.PatternStats. */
+function readPatternStats(pb) {
+  return { ...camelKeys(pb), pattern: patternName(pb.pattern) };
 }
 
 class GatewayClient {
@@ -1032,18 +1048,23 @@ class GatewayClient {
   /** The research coordinator: {query, documents, maxIterations, reportName, ...}. */
   research(request, onEvent) { return this.run('RunResearch', request, onEvent); }
 
-  /** Runs, completion and consensus rates, and accuracy, by pattern. */
-  patternStats({ timeoutMs = 10000 } = {}) {
-    return unary(this.gateway, 'GetPatternStats', {}, timeoutMs, this.metadata);
+  /**
+   * Each pattern's figures since the gateway started: [{pattern, runs, completed, partial,
+   * failed, durationAvgSeconds, completionRate, consensusRate, rated, satisfied, accuracy}].
+   */
+  async patternStats({ timeoutMs = 10000 } = {}) {
+    const res = await unary(this.gateway, 'GetPatternStats', {}, timeoutMs, this.metadata);
+    return res.patterns.map(readPatternStats);
   }
 
   /**
    * Whether a finished run's outcome (by the runId of its events) satisfied the user; resolves
    * with {pattern, stats}, the pattern's figures with this rating counted.
    */
-  recordFeedback(runId, satisfied, { timeoutMs = 10000 } = {}) {
-    return unary(this.gateway, 'RecordFeedback', { run_id: runId, satisfied: Boolean(satisfied) },
-      timeoutMs, this.metadata);
+  async recordFeedback(runId, satisfied, { timeoutMs = 10000 } = {}) {
+    const res = await unary(this.gateway, 'RecordFeedback',
+      { run_id: runId, satisfied: Boolean(satisfied) }, timeoutMs, this.metadata);
+    return { pattern: patternName(res.pattern), stats: readPatternStats(res.stats) };
   }
 }
 

@@ -155,7 +155,7 @@ test('calls an agent directly on its own server, Node or Python (RT-011 peer-to-
       const answer = await direct.handle('NodePeerAgent', { action: 'get_quote' });
       assert.equal(answer.type, 'RESPONSE');
       assert.deepEqual(answer.content, { action: 'get_quote', quote: 42, asked: 'get_quote' });
-      const [price] = (await client.listAgents()).filter((a) => a.agent_id === 'PriceAgent');
+      const [price] = (await client.listAgents()).filter((a) => a.agentId === 'PriceAgent');
       python = new AgentClient(price.address, { agentId: 'NodeCaller' });
       assert.equal((await python.describe()).agentId, 'PriceAgent');
       const scored = await python.handle('PriceAgent',
@@ -552,11 +552,14 @@ test('runs every gateway pattern from plain objects', async () => {
     assert.equal(both[both.length - 1].data.status, 'COMPLETED');
 
     const stats = await gateway.patternStats();
-    assert.ok(stats.patterns.length >= 3);
+    assert.ok(stats.length >= 3);
+    const filtering = stats.find((s) => s.pattern === 'COLLABORATIVE_FILTERING');
+    assert.ok(filtering.runs >= 1 && filtering.completionRate > 0);
 
     // The user liked the hotel: the pattern's accuracy counts it.
     const rated = await gateway.recordFeedback(hotels[hotels.length - 1].runId, true);
-    assert.equal(rated.pattern, 'PATTERN_COLLABORATIVE_FILTERING');
+    assert.equal(rated.pattern, 'COLLABORATIVE_FILTERING');
+    assert.equal(rated.stats.pattern, 'COLLABORATIVE_FILTERING');
     assert.equal(rated.stats.rated, 1);
     assert.equal(rated.stats.accuracy, 1);
     await assert.rejects(gateway.recordFeedback('no-such-run', true),

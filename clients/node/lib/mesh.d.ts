@@ -1,0 +1,782 @@
+// Type declarations of the Node.js client and agent (lib/mesh.js), for TypeScript users and
+// editors. Field names are those the client reads and writes (camelCase); the wire names are
+// the proto's (proto/mesh/v1/*.proto). test/types/ holds a strict TypeScript program that uses
+// all of it, and test/declarations.test.js keeps these names level with what lib/mesh.js exports.
+
+/// <reference types="node" />
+import type { EventEmitter } from 'node:events';
+import type * as grpc from '@grpc/grpc-js';
+
+// -- values -------------------------------------------------------------------------------------
+
+/** Any JSON value (what a google.protobuf.Value holds). */
+export type JsonValue = null | boolean | number | string | JsonValue[] | JsonObject;
+/** A JSON object (what a google.protobuf.Struct holds). */
+export interface JsonObject {
+  [key: string]: JsonValue;
+}
+
+/** The message types of the envelope (RT-011). */
+export type MessageType = 'REQUEST' | 'RESPONSE' | 'BROADCAST' | 'HANDOFF' | 'ERROR' | 'ACK';
+/** Delivery order: HIGH, then MEDIUM, then LOW; oldest first within one. */
+export type Priority = 'HIGH' | 'MEDIUM' | 'LOW';
+/** A gRPC status code by name (grpc.status), e.g. 'RESOURCE_EXHAUSTED'. */
+export type StatusName = keyof typeof grpc.status;
+/** Milliseconds, a string such as '2s', '1.5s' or '500ms', or a google.protobuf.Duration. */
+export type Duration = number | string | { seconds: number; nanos?: number };
+
+// -- messages -----------------------------------------------------------------------------------
+
+/** What a HANDOFF message carries (RT-011 hand-off protocol), read out of its content. */
+export interface Handoff {
+  taskDescription: string;
+  /** Everything gathered so far, handed over complete. */
+  context: JsonObject;
+  previousResult: JsonValue;
+  constraints: JsonObject;
+  workflowId: string;
+  stepNumber: number;
+}
+
+/** A message as the client reads it (readMessage). */
+export interface Message {
+  messageId: string;
+  from: string;
+  to: string;
+  type: MessageType;
+  /** null when the message carries none. */
+  content: JsonObject | null;
+  /** ISO 8601. */
+  timestamp: string | null;
+  metadata: JsonObject;
+  correlationId: string;
+  priority: Priority;
+  /** Seconds; 0 is the broker's default. */
+  ttl: number;
+  replyTo: string;
+  ackRequired: boolean;
+  headers: Record<string, string>;
+  /** A HANDOFF's payload; null for every other type. */
+  handoff: Handoff | null;
+}
+
+/** The options of a message besides its recipient and content. */
+export interface MessageOptions {
+  /** A fresh UUID by default. The broker takes a message id once. */
+  messageId?: string;
+  /** REQUEST by default. */
+  type?: MessageType;
+  /** MEDIUM by default. */
+  priority?: Priority;
+  /** Seconds; 0 takes the broker's default. */
+  ttl?: number;
+  metadata?: JsonObject;
+  correlationId?: string;
+  replyTo?: string;
+  /** The recipient acknowledges receipt with an ACK message (RF-009). */
+  ackRequired?: boolean;
+  headers?: Record<string, string>;
+}
+
+/** A message to build (buildMessage). */
+export interface MessageFields extends MessageOptions {
+  from?: string;
+  to?: string;
+  content?: JsonObject;
+}
+
+/** A message in the proto's form (mesh.v1.Message), as buildMessage makes it. */
+export interface WireMessage {
+  message_id: string;
+  from_agent: string | undefined;
+  to_agent: string | undefined;
+  message_type: string;
+  content: object | undefined;
+  timestamp: { seconds: number; nanos: number };
+  metadata: object;
+  correlation_id: string;
+  priority: string;
+  ttl: number;
+  reply_to: string;
+  ack_required: boolean;
+  headers: Record<string, string>;
+}
+
+/** A message as the broker accepted it: with its id and the agents it was queued for. */
+export interface SentMessage extends Message {
+  recipients: string[];
+}
+
+// -- errors -------------------------------------------------------------------------------------
+
+export interface FieldViolation {
+  field: string;
+  description: string;
+}
+
+/** What MeshError is built from: a grpc-js ServiceError, or an error an answer carried. */
+export interface MeshErrorSource {
+  code: number;
+  details?: string;
+  message?: string;
+  metadata?: grpc.Metadata;
+  reason?: string;
+  fieldViolations?: FieldViolation[];
+  retryAfterMs?: number | null;
+}
+
+/**
+ * Every refusal: the gRPC status code and what the mesh's rich status says of it.
+ */
+export class MeshError extends Error {
+  constructor(source: MeshErrorSource);
+  /** The gRPC status code. */
+  code: number;
+  /** The code's name, e.g. 'NOT_FOUND'. */
+  codeName: StatusName | undefined;
+  /** The machine-readable reason: QUEUE_FULL, VALIDATION_FAILED, TOOL_NOT_ALLOWED, ... */
+  reason: string;
+  /** The fields that failed validation. */
+  fieldViolations: FieldViolation[];
+  /** Under backpressure, how long to wait before trying again. */
+  retryAfterMs: number | null;
+}
+
+/**
+ * Thrown by a handler for a message it can never process: the message goes to the
+ * dead-letter queue at once, with this reason, instead of being redelivered.
+ */
+export class Reject extends Error {
+  constructor(reason: string);
+}
+
+// -- security -----------------------------------------------------------------------------------
+
+/** TLS and token options; each falls back on its AGENTMESH_* environment variable. */
+export interface SecurityOptions {
+  /** AGENTMESH_TLS_CA: a CA bundle's path; turns TLS on. */
+  tlsCa?: string;
+  /** AGENTMESH_TLS_CLIENT_CERT: the client certificate's path, for mutual TLS. */
+  tlsClientCert?: string;
+  /** AGENTMESH_TLS_CLIENT_KEY: its key's path. */
+  tlsClientKey?: string;
+  /** AGENTMESH_TOKEN: sent as `authorization: Bearer <token>` on every call. */
+  token?: string;
+  /** AGENTMESH_TLS_SERVER_NAME: the name the server's certificate is checked against. */
+  tlsServerName?: string;
+}
+
+export interface Security {
+  credentials: grpc.ChannelCredentials;
+  metadata: grpc.Metadata;
+  channelOptions: grpc.ChannelOptions;
+}
+
+// -- the broker client --------------------------------------------------------------------------
+
+/** One retry of a call refused for a moment (onRetry). */
+export interface RetryEvent {
+  /** 1 for the first retry. */
+  attempt: number;
+  code: StatusName;
+  delayMs: number;
+  error: MeshError;
+}
+
+export interface MeshClientOptions extends SecurityOptions {
+  /** The agent this client speaks as. */
+  agentId?: string;
+  /** The waits before each retry (RT-011: [100, 500, 2000]); [] for none. */
+  retryDelaysMs?: number[];
+  onRetry?: (retry: RetryEvent) => void;
+}
+
+export interface AgentInfo {
+  agentId: string;
+  agentTypes: string[];
+  /** The agent's own server, for direct calls (AgentClient); '' when it has none. */
+  address: string;
+  capabilities: string[];
+  /** ISO 8601. */
+  registeredAt: string | null;
+}
+
+export interface Registration {
+  agentId?: string;
+  agentTypes?: string[];
+  address?: string;
+  capabilities?: string[];
+}
+
+export interface HandoffOptions {
+  context?: JsonObject;
+  previousResult?: JsonValue;
+  constraints?: JsonObject;
+  workflowId?: string;
+  /** 1 by default. */
+  stepNumber?: number;
+  priority?: Priority;
+  ttl?: number;
+  headers?: Record<string, string>;
+  /** The handing agent; the client's agentId by default. */
+  from?: string;
+}
+
+export interface RequestOptions extends MessageOptions {
+  /** How long to wait for the correlated RESPONSE, retries included (10,000 by default). */
+  timeoutMs?: number;
+}
+
+/** A message of a batch: as for send, with its recipient. */
+export interface BatchMessage extends MessageOptions {
+  to: string;
+  content?: JsonObject;
+}
+
+/** One message of a batch: accepted (no error) or refused on its own. */
+export interface BatchResult {
+  messageId: string;
+  error?: MeshError;
+}
+
+export interface AgentQueueStats {
+  agentId: string;
+  depth: number;
+  high: number;
+  medium: number;
+  low: number;
+  inFlight: number;
+  deadLetters: number;
+  subscribers: number;
+}
+
+/** The broker-wide counters (mesh.v1.BrokerTotals). */
+export interface BrokerTotals {
+  held: number;
+  maxMessagesPerAgent: number;
+  maxTotalMessages: number;
+  sentCount: number;
+  deliveredCount: number;
+  expiredCount: number;
+  droppedCount: number;
+  validationErrors: number;
+  deadLetteredCount: number;
+  redeliveredCount: number;
+  handoffCount: number;
+  broadcastCount: number;
+  sendLatencyP50Ms: number;
+  sendLatencyP95Ms: number;
+  sendLatencyP99Ms: number;
+  roundtripLatencyP50Ms: number;
+  roundtripLatencyP95Ms: number;
+  roundtripLatencyP99Ms: number;
+}
+
+export interface QueueStats {
+  agents: AgentQueueStats[];
+  totals: BrokerTotals;
+}
+
+export interface DeadLetter {
+  message: Message;
+  reason: string;
+  attempts: number;
+  /** ISO 8601. */
+  deadLetteredAt: string | null;
+}
+
+export interface Tool {
+  name: string;
+  description: string;
+}
+
+export interface GatherOptions extends MessageOptions {
+  /** The agents asked; with agentTypes, the agents of those types too; neither: every agent. */
+  agentIds?: string[];
+  agentTypes?: string[];
+  /** 5,000 by default. */
+  timeoutMs?: number;
+  /** Nobody is asked when one of agentIds is not registered. */
+  allOrNone?: boolean;
+}
+
+/** One agent's outcome of a gather: its answer, or why there is none. */
+export interface GatherOutcome {
+  agentId: string;
+  response: Message | null;
+  error: { code: number; reason: string; message: string } | null;
+}
+
+export type Decision = 'accept' | 'reject' | 'counter';
+
+/** A peer's answer in a round of a negotiation. */
+export interface NegotiationReply {
+  peer: string;
+  decision: Decision;
+  proposal?: JsonObject | null;
+  reason: string;
+}
+
+export interface NegotiationRound {
+  round: number;
+  proposal: JsonObject;
+  replies: NegotiationReply[];
+  /** Peers that did not answer in time. */
+  missing: string[];
+}
+
+export interface NegotiationOptions {
+  topic?: string;
+  /** 1 to 3 (3 by default). */
+  rounds?: number;
+  /** At most 5,000 (the default). */
+  timeoutMs?: number;
+  /** The next round's terms from this round's and the counters (default: the counters win). */
+  revise?: (terms: JsonObject, counters: NegotiationReply[]) => JsonObject;
+}
+
+export interface Negotiation {
+  status: 'AGREED' | 'REJECTED' | 'NO_AGREEMENT' | 'TIMED_OUT';
+  proposal: JsonObject;
+  rounds: NegotiationRound[];
+  negotiationId: string;
+}
+
+/** An insight of the shared memory pool. */
+export interface Insight {
+  insightId: string;
+  agentId: string;
+  content: JsonValue;
+  tags: string[];
+  importance: number;
+  segment: string;
+  metadata: JsonObject;
+  /** ISO 8601. */
+  createdAt: string | null;
+  /** 0 when it is kept until deleted. */
+  ttlMs: number;
+  expiresAt: string | null;
+}
+
+export interface InsightOptions {
+  tags?: string[];
+  /** 0 to 1 (0.5 by default). */
+  importance?: number;
+  segment?: string;
+  metadata?: JsonObject;
+  agentId?: string;
+  /** Kept this long; 0 (the default) until deleted. */
+  ttlMs?: number;
+}
+
+export interface InsightQuery {
+  tags?: string[];
+  segment?: string;
+  minImportance?: number;
+  limit?: number;
+  agentId?: string;
+}
+
+export interface InsightFilter {
+  insightIds?: string[];
+  tags?: string[];
+  segment?: string;
+  agentId?: string;
+}
+
+export interface MemoryStats {
+  totalInsights: number;
+  /** How many agents wrote the insights held. */
+  agentsInvolved: number;
+  tagDistribution: Record<string, number>;
+  segmentDistribution: Record<string, number>;
+  capacity: number;
+}
+
+/** A versioned entry of the shared state. */
+export interface StateEntry {
+  key: string;
+  value: JsonValue;
+  version: number;
+  updatedBy: string;
+  /** ISO 8601. */
+  updatedAt: string | null;
+}
+
+export interface StateLock {
+  key: string;
+  token: string;
+  /** ISO 8601. */
+  expiresAt: string | null;
+}
+
+export interface StateWriteOptions {
+  /** A compare-and-set: ABORTED (VERSION_CONFLICT) when another write came first; 0: none yet. */
+  expectedVersion?: number;
+  /** The writer's lock, when it holds one. */
+  lock?: StateLock;
+  agentId?: string;
+}
+
+export interface BroadcastOptions extends MessageOptions {
+  /** Only agents of these types; every other registered agent when empty. */
+  agentTypes?: string[];
+}
+
+export interface BroadcastResult {
+  messageId: string;
+  recipients: string[];
+  /** Agents that could not take a copy (a full queue). */
+  failures: { agentId: string; error: MeshError }[];
+}
+
+/**
+ * What a session's handler resolves to: the answer (a message built with buildMessage; it
+ * takes the place of the ack when it answers the delivery) or null (acknowledged).
+ */
+export type SessionHandler = (message: Message, attempt: number)
+=> Promise<WireMessage | null | undefined> | WireMessage | null | undefined;
+
+export interface SessionOptions {
+  agentId?: string;
+  /** Deliveries outstanding at most (16). */
+  maxInFlight?: number;
+  /** Deliveries in one frame at most (16). */
+  maxBatch?: number;
+  /** How long an ack waits for company in a steady flow (2). */
+  ackLingerMs?: number;
+}
+
+/** An agent's deliveries on a Connect stream (session()). */
+export interface AgentSession extends EventEmitter {
+  /**
+   * Ends the session gracefully: what is being handled is answered for up to graceMs (5,000),
+   * then the subscription ends and what came meanwhile goes back as never delivered.
+   */
+  close(graceMs?: number): Promise<void>;
+  /** Ends it at once; the broker hands back what was not acknowledged. */
+  cancel(): void;
+  /** The broker took the subscription. */
+  on(event: 'subscribed', listener: () => void): this;
+  /** The broker refused an answer or an ACK of receipt it was sent. */
+  on(event: 'refused', listener: (error: MeshError) => void): this;
+  on(event: 'error', listener: (error: Error) => void): this;
+  on(event: 'end', listener: () => void): this;
+  on(event: string | symbol, listener: (...args: any[]) => void): this;
+  once(event: 'subscribed', listener: () => void): this;
+  once(event: 'refused', listener: (error: MeshError) => void): this;
+  once(event: 'error', listener: (error: Error) => void): this;
+  once(event: 'end', listener: () => void): this;
+  once(event: string | symbol, listener: (...args: any[]) => void): this;
+}
+
+/** An agent's deliveries on the plain Subscribe stream (subscribe()). */
+export interface Subscription extends EventEmitter {
+  cancel(): void;
+  /** The broker refused the ACK of receipt of a delivery. */
+  on(event: 'refused', listener: (error: MeshError) => void): this;
+  on(event: 'error', listener: (error: Error) => void): this;
+  on(event: 'end', listener: () => void): this;
+  on(event: string | symbol, listener: (...args: any[]) => void): this;
+}
+
+/** A client of the broker, speaking as one agent. */
+export class MeshClient {
+  constructor(address: string, options?: MeshClientOptions);
+  agentId: string;
+  retryDelaysMs: number[];
+  onRetry: ((retry: RetryEvent) => void) | undefined;
+  /** Retries by the code that caused them. */
+  readonly stats: { retries: Partial<Record<StatusName, number>> };
+
+  close(): void;
+  register(registration?: Registration): Promise<AgentInfo>;
+  deregister(agentId?: string): Promise<void>;
+  listAgents(agentType?: string): Promise<AgentInfo[]>;
+
+  /** Sends a message; resolves with it as accepted. */
+  send(to: string, content: JsonObject | undefined, options?: MessageOptions & { from?: string }):
+  Promise<SentMessage>;
+  /** Hands a task to another agent with everything gathered so far. */
+  handoff(to: string, taskDescription: string, options?: HandoffOptions): Promise<Message>;
+  /** Removes and returns the agent's queued messages (HIGH first, then oldest first). */
+  receive(agentId?: string, maxMessages?: number): Promise<Message[]>;
+  /** Sends a REQUEST and waits for the correlated RESPONSE (or ERROR). */
+  request(to: string, content: JsonObject | undefined,
+    options?: RequestOptions & { from?: string }): Promise<Message>;
+  sendBatch(messages: BatchMessage[], options?: { timeoutMs?: number }): Promise<BatchResult[]>;
+  queueStats(agentId?: string): Promise<QueueStats>;
+
+  /** Runs a tool as this agent, under its allow-list; resolves with the tool's result. */
+  callTool(tool: string, args?: JsonObject, options?: { timeoutMs?: number; agentId?: string }):
+  Promise<JsonValue>;
+  listTools(agentId?: string): Promise<Tool[]>;
+  deadLetters(agentId?: string): Promise<DeadLetter[]>;
+
+  gather(content: JsonObject, options?: GatherOptions): Promise<GatherOutcome[]>;
+  negotiate(peers: string[], proposal: JsonObject, options?: NegotiationOptions):
+  Promise<Negotiation>;
+
+  writeInsight(content: JsonValue, options?: InsightOptions): Promise<Insight>;
+  readInsights(query?: InsightQuery): Promise<Insight[]>;
+  /** Resolves with how many were removed. */
+  deleteInsights(filter: InsightFilter): Promise<number>;
+  memoryStats(): Promise<MemoryStats>;
+
+  /** null when there is no such key. */
+  getState(key: string): Promise<StateEntry | null>;
+  putState(key: string, value: JsonValue, options?: StateWriteOptions): Promise<StateEntry>;
+  deleteState(key: string, options?: StateWriteOptions): Promise<StateEntry>;
+  lockState(key: string, options?: { waitMs?: number; leaseMs?: number; agentId?: string }):
+  Promise<StateLock>;
+  unlockState(lock: StateLock): Promise<void>;
+
+  broadcast(content: JsonObject, options?: BroadcastOptions): Promise<BroadcastResult>;
+  session(handle: SessionHandler, options?: SessionOptions): AgentSession;
+  subscribe(onDelivery: (message: Message, attempt: number) => Promise<unknown> | unknown,
+    options?: { agentId?: string; maxInFlight?: number }): Subscription;
+}
+
+// -- the gateway client -------------------------------------------------------------------------
+
+export type PatternName = 'UNSPECIFIED' | 'GROUP_CHAT' | 'HAND_OFF' | 'COLLABORATIVE_FILTERING'
+| 'PARALLEL' | 'CONSENSUS' | 'RESEARCH';
+
+export type EventKind = 'UNSPECIFIED' | 'GROUP_CREATED' | 'BROADCAST_SENT' | 'CONTRIBUTION'
+| 'AGENT_MISSING' | 'WORKFLOW_CREATED' | 'HANDOFF' | 'STEP_RESULT' | 'PATTERN_SWITCH' | 'SCORES'
+| 'AGGREGATION' | 'ROUTED' | 'RESULT' | 'FAILURE' | 'PROPOSAL' | 'VOTE' | 'DECISION' | 'PLAN'
+| 'FINDINGS' | 'CONFLICT' | 'ESCALATION' | 'ITERATION' | 'REPORT';
+
+/** One event of a pattern's run, as the gateway streams it; the RESULT comes last. */
+export interface PatternEvent {
+  runId: string;
+  pattern: PatternName;
+  kind: EventKind;
+  /** ISO 8601. */
+  timestamp: string | null;
+  elapsedMs: number;
+  agentId: string;
+  step: number;
+  round: number;
+  summary: string;
+  data: JsonObject;
+}
+
+export interface GroupChatRequest {
+  agentIds: string[];
+  query: string;
+  rounds?: number;
+  strategy?: string;
+  optionLabel?: string;
+  agentTimeout?: Duration;
+  groupId?: string;
+  context?: JsonObject;
+  hierarchy?: Record<string, number>;
+  expertise?: Record<string, number>;
+}
+
+export interface WorkflowStep {
+  agentId?: string;
+  taskDescription?: string;
+  /** An outcome of the step's result -> the agent of the next step. */
+  routes?: Record<string, string>;
+  groupChat?: GroupChatRequest;
+  parallelAgentIds?: string[];
+}
+
+export interface HandoffWorkflowRequest {
+  steps: WorkflowStep[];
+  task: string;
+  context?: JsonObject;
+  constraints?: JsonObject;
+  failureAgent?: string;
+  maxHops?: number;
+  stepTimeout?: Duration;
+  workflowId?: string;
+}
+
+export interface CollaborativeFilteringRequest {
+  agentIds: string[];
+  weights?: Record<string, number>;
+  query: string;
+  method?: string;
+  seed?: number;
+  agentTimeout?: Duration;
+  parameters?: JsonObject;
+}
+
+export interface RouteRequest {
+  requestType: string;
+  query?: string;
+  parameters?: JsonObject;
+}
+
+/** One pattern of a parallel run: exactly one of groupChat, handOff, collaborativeFiltering, route. */
+export type PatternSpec = { name: string } & (
+  | { groupChat: GroupChatRequest }
+  | { handOff: HandoffWorkflowRequest }
+  | { collaborativeFiltering: CollaborativeFilteringRequest }
+  | { route: RouteRequest });
+
+export interface ParallelRequest {
+  patterns: PatternSpec[];
+}
+
+export interface ConsensusRequest {
+  problem: string;
+  reviewerIds?: string[];
+  proposerId?: string;
+  facilitatorId?: string;
+  threshold?: number;
+  quorum?: number;
+  reviewerWeights?: Record<string, number>;
+  waitForAllVotes?: boolean;
+  agentTimeout?: Duration;
+  insightTtl?: Duration;
+}
+
+export interface ResearchRequest {
+  query: string;
+  documents?: boolean;
+  maxIterations?: number;
+  subagentTimeout?: Duration;
+  toolTimeout?: Duration;
+  dependencies?: Record<string, { dependsOn: string[] }>;
+  failOnCycle?: boolean;
+  constraints?: JsonObject;
+  reportName?: string;
+}
+
+/** The streaming RPCs of mesh.v1.GatewayService and the request each takes. */
+export interface GatewayRequests {
+  RunGroupChat: GroupChatRequest;
+  RunHandoffWorkflow: HandoffWorkflowRequest;
+  RunCollaborativeFiltering: CollaborativeFilteringRequest;
+  Route: RouteRequest;
+  RunParallel: ParallelRequest;
+  RunConsensus: ConsensusRequest;
+  RunResearch: ResearchRequest;
+}
+
+/** A pattern's request, plus how long the whole run may take (60,000 ms by default). */
+export type RunRequest<R> = R & { timeoutMs?: number };
+export type OnEvent = (event: PatternEvent) => void;
+
+/** One pattern's figures since the gateway started. */
+export interface PatternStats {
+  pattern: PatternName;
+  runs: number;
+  completed: number;
+  partial: number;
+  failed: number;
+  durationAvgSeconds: number;
+  completionRate: number;
+  consensusRate: number;
+  rated: number;
+  satisfied: number;
+  accuracy: number;
+}
+
+/** A client of the gateway: every multi-agent pattern as a stream of events. */
+export class GatewayClient {
+  constructor(address: string, options?: SecurityOptions);
+  close(): void;
+  /** Runs a pattern RPC; resolves with every event streamed, the RESULT last. */
+  run<M extends keyof GatewayRequests>(method: M, request: RunRequest<GatewayRequests[M]>,
+    onEvent?: OnEvent): Promise<PatternEvent[]>;
+  groupChat(request: RunRequest<GroupChatRequest>, onEvent?: OnEvent): Promise<PatternEvent[]>;
+  handoffWorkflow(request: RunRequest<HandoffWorkflowRequest>, onEvent?: OnEvent):
+  Promise<PatternEvent[]>;
+  collaborativeFiltering(request: RunRequest<CollaborativeFilteringRequest>, onEvent?: OnEvent):
+  Promise<PatternEvent[]>;
+  route(request: RunRequest<RouteRequest>, onEvent?: OnEvent): Promise<PatternEvent[]>;
+  parallel(request: RunRequest<ParallelRequest>, onEvent?: OnEvent): Promise<PatternEvent[]>;
+  consensus(request: RunRequest<ConsensusRequest>, onEvent?: OnEvent): Promise<PatternEvent[]>;
+  research(request: RunRequest<ResearchRequest>, onEvent?: OnEvent): Promise<PatternEvent[]>;
+  patternStats(options?: { timeoutMs?: number }): Promise<PatternStats[]>;
+  /** Whether a finished run (by its events' runId) satisfied the user. */
+  recordFeedback(runId: string, satisfied: boolean, options?: { timeoutMs?: number }):
+  Promise<{ pattern: PatternName; stats: PatternStats }>;
+}
+
+// -- an agent's own server ----------------------------------------------------------------------
+
+export interface AgentCard {
+  agentId: string;
+  agentTypes: string[];
+  capabilities: string[];
+  tools: Tool[];
+  description: string;
+  actions: string[];
+}
+
+/** A client of one agent's own server (RT-011 peer-to-peer), at the address it registered. */
+export class AgentClient {
+  constructor(address: string, options?: SecurityOptions & { agentId?: string });
+  agentId: string;
+  close(): void;
+  describe(options?: { timeoutMs?: number }): Promise<AgentCard>;
+  /** The agent's answer (RESPONSE or ERROR), or null when it had nothing to say. */
+  handle(to: string, content: JsonObject | undefined, options?: RequestOptions):
+  Promise<Message | null>;
+}
+
+// -- a Node.js agent ----------------------------------------------------------------------------
+
+export interface AgentOptions extends SecurityOptions {
+  /** The broker's address. */
+  broker: string;
+  agentId: string;
+  agentTypes?: string[];
+  capabilities?: string[];
+  /**
+   * The response's content (its action is the request's unless it names one), or null/undefined
+   * for none; a throw answers a request with an ERROR and hands anything else back (a Reject:
+   * to the dead-letter queue).
+   */
+  handler: (message: Message) => Promise<JsonObject | null | undefined> | JsonObject | null
+  | undefined;
+  description?: string;
+  actions?: string[];
+  host?: string;
+  /** 0 (the default): any free port. */
+  port?: number;
+  /** An answer or ACK the broker refused (a warning on the console by default). */
+  onRefused?: (error: MeshError) => void;
+  retryDelaysMs?: number[];
+  onRetry?: (retry: RetryEvent) => void;
+}
+
+export interface ServedAgent {
+  /** host:port of its own server. */
+  address: string;
+  /** NOT_SERVING, then what it is handling is answered within graceMs (5,000), then gone. */
+  stop(graceMs?: number): Promise<void>;
+}
+
+/** Serves an agent: its own gRPC server, registered with the broker, taking deliveries. */
+export function serveAgent(options: AgentOptions): Promise<ServedAgent>;
+
+// -- helpers ------------------------------------------------------------------------------------
+
+/** A mesh.v1.Message from its fields; a type or priority the contract lacks is a TypeError. */
+export function buildMessage(fields: MessageFields): WireMessage;
+/** A message as the client reads it, from a mesh.v1.Message. */
+export function readMessage(pb: object): Message;
+/** A google.protobuf.Struct from a JSON object. */
+export function toStruct(obj: JsonObject | null | undefined): { fields: Record<string, object> };
+/** A JSON object from a google.protobuf.Struct. */
+export function fromStruct(struct: { fields?: Record<string, object> } | null | undefined):
+JsonObject;
+/**
+ * A request of the named type (e.g. 'mesh.v1.RunGroupChatRequest') from a plain object of its
+ * fields (snake_case or camelCase); a field it lacks is a TypeError.
+ */
+export function toRequest(typeName: string, obj: Record<string, unknown>): Record<string, unknown>;
+export function toDuration(value: Duration): { seconds: number; nanos: number };
+/** Channel credentials, call metadata and channel options from options and AGENTMESH_*. */
+export function security(options?: SecurityOptions): Security;
+/** The message types, in the contract's order. */
+export const TYPES: MessageType[];
+/** The directory of the .proto files the client loads. */
+export const PROTO_ROOT: string;

@@ -1,0 +1,73 @@
+'use strict';
+// lib/mesh.d.ts against lib/mesh.js: what the declarations name is what the module gives, so
+// that neither drifts from the other unseen. Read with the TypeScript compiler's own parser.
+
+const test = require('node:test');
+const assert = require('node:assert/strict');
+const fs = require('node:fs');
+const path = require('node:path');
+const protoLoader = require('@grpc/proto-loader');
+const ts = require('typescript');
+const mesh = require('../lib/mesh');
+
+const DECLARATIONS = path.join(__dirname, '..', 'lib', 'mesh.d.ts');
+
+/** The exported values of the declarations (classes with their methods), and interfaces. */
+function declared() {
+  const source = ts.createSourceFile(DECLARATIONS, fs.readFileSync(DECLARATIONS, 'utf8'),
+    ts.ScriptTarget.Latest, true);
+  const classes = new Map();
+  const functions = new Set();
+  const constants = new Set();
+  const interfaces = new Map();
+  const exported = (node) => (node.modifiers || [])
+    .some((m) => m.kind === ts.SyntaxKind.ExportKeyword);
+  for (const statement of source.statements) {
+    if (!exported(statement)) continue;
+    if (ts.isClassDeclaration(statement)) {
+      const methods = statement.members.filter(ts.isMethodDeclaration).map((m) => m.name.text);
+      classes.set(statement.name.text, [...new Set(methods)].sort());
+    } else if (ts.isFunctionDeclaration(statement)) {
+      functions.add(statement.name.text);
+    } else if (ts.isVariableStatement(statement)) {
+      for (const d of statement.declarationList.declarations) constants.add(d.name.text);
+    } else if (ts.isInterfaceDeclaration(statement)) {
+      interfaces.set(statement.name.text, statement.members
+        .filter(ts.isPropertySignature).map((p) => p.name.text).sort());
+    }
+  }
+  return { classes, functions, constants, interfaces };
+}
+
+test('the declarations name every export of lib/mesh.js, and nothing else', () => {
+  const { classes, functions, constants } = declared();
+  const names = [...classes.keys(), ...functions, ...constants].sort();
+  assert.deepEqual(names, Object.keys(mesh).sort());
+  for (const name of [...classes.keys(), ...functions]) {
+    assert.equal(typeof mesh[name], 'function', name);
+  }
+  for (const name of constants) assert.notEqual(typeof mesh[name], 'function', name);
+});
+
+test('each declared class has the public methods of its implementation', () => {
+  const { classes } = declared();
+  for (const [name, methods] of classes) {
+    const implemented = Object.getOwnPropertyNames(mesh[name].prototype)
+      .filter((m) => m !== 'constructor' && !m.startsWith('_')).sort();
+    assert.deepEqual(methods, implemented, name);
+  }
+});
+
+test('a message as read off the wire has the fields its declaration gives it', () => {
+  const { interfaces } = declared();
+  // Through the wire: serialized as SendMessage's request and read back as the client reads.
+  const definition = protoLoader.loadSync('mesh/v1/broker.proto', { includeDirs: [mesh.PROTO_ROOT],
+    keepCase: true, longs: Number, enums: String, defaults: true, oneofs: true });
+  const { requestSerialize, requestDeserialize } = definition['mesh.v1.BrokerService'].SendMessage;
+  const wire = mesh.buildMessage({ from: 'A', to: 'B', content: { n: 1 } });
+  const read = mesh.readMessage(requestDeserialize(requestSerialize({ message: wire })).message);
+  assert.deepEqual(Object.keys(read).sort(), interfaces.get('Message'));
+  assert.equal(read.type, 'REQUEST');
+  assert.equal(read.priority, 'MEDIUM');
+  assert.deepEqual(read.content, { n: 1 });
+});
