@@ -3,6 +3,7 @@ grpc.aio baseline, reported as Markdown, JSON and a PNG plot."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import gc
@@ -48,8 +49,8 @@ class Settings:
     throughput_seconds: float
 
     @classmethod
-    def from_env(cls) -> Settings:
-        if os.environ.get("BENCH_QUICK"):
+    def from_env(cls, quick: bool = False) -> Settings:
+        if quick or os.environ.get("BENCH_QUICK"):
             return cls(True, 1, 200, 30, 0.5)
         return cls(False, 3, 2000, 200, 3.0)
 
@@ -1062,6 +1063,22 @@ def machine() -> dict[str, Any]:
     }
 
 
+def with_ratios(figures: dict[str, Any]) -> dict[str, Any]:
+    """Each latency figure with its ratios to the two-hop relay measured in the same run
+    (x_relay2_p50, x_relay2_p95), and each throughput at 64 in flight with the relay's."""
+    base = figures["baseline.relay2"]
+    out = {}
+    for name, v in figures.items():
+        v = dict(v)
+        if "p50_ms" in v:
+            v["x_relay2_p50"] = v["p50_ms"] / base["p50_ms"]
+            v["x_relay2_p95"] = v["p95_ms"] / base["p95_ms"]
+        if "throughput_64" in v and base.get("throughput_64"):
+            v["x_relay2_throughput_64"] = v["throughput_64"] / base["throughput_64"]
+        out[name] = v
+    return out
+
+
 def to_markdown(report: dict[str, Any]) -> str:
     f = report["figures"]
     base = f["baseline.relay2"]
@@ -1240,12 +1257,53 @@ async def measure_all(settings: Settings) -> tuple[dict[str, Any], dict[str, Any
     return figures, ({"after_each_repetition": memory} if all(memory) else None)
 
 
-async def main(argv: list[str]) -> int:
-    settings = Settings.from_env()
-    compare_with = None
-    if "--compare" in argv:
-        compare_with = Path(argv[argv.index("--compare") + 1])
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The run's options; a mistake in them ends it at once, before minutes of measuring."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="Starts a mesh in separate processes on 127.0.0.1 and measures its latency "
+        "and throughput beside a raw grpc.aio baseline; writes latest.json, latest.md and "
+        "latest.png.",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="one short repetition, under a minute (as BENCH_QUICK=1)",
+    )
+    parser.add_argument(
+        "--compare",
+        type=Path,
+        metavar="FILE",
+        help="an earlier result (a latest.json) to compare with; by default the one the run "
+        "replaces",
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=RESULTS,
+        metavar="DIR",
+        help=f"where the results are written (default: {RESULTS.relative_to(ROOT)})",
+    )
+    args = parser.parse_args(argv)
+    if args.compare is not None:
+        try:
+            earlier = json.loads(args.compare.read_text())
+        except (OSError, ValueError) as error:
+            parser.error(f"--compare: cannot read {args.compare}: {error}")
+        if not isinstance(earlier, dict) or not isinstance(earlier.get("figures"), dict):
+            parser.error(f"--compare: {args.compare} is not a benchmark result (no figures)")
+        args.earlier = earlier
+        args.earlier_name = str(args.compare)
+    else:
+        previous = args.output / "latest.json"
+        args.earlier = json.loads(previous.read_text()) if previous.exists() else None
+        args.earlier_name = "the previous result"
+    return args
+
+
+async def main(args: argparse.Namespace) -> int:
+    settings = Settings.from_env(quick=args.quick)
+    output: Path = args.output
     started = time.perf_counter()
     try:
         figures, memory = await measure_all(settings)
@@ -1259,32 +1317,28 @@ async def main(argv: list[str]) -> int:
         "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine(),
         "settings": settings.__dict__,
-        "figures": figures,
+        "figures": with_ratios(figures),
         "memory": memory,
         "checks": evaluate(figures),
         "duration_s": round(time.perf_counter() - started, 1),
     }
-    previous = RESULTS / "latest.json"
-    earlier = (
-        json.loads(previous.read_text())
-        if compare_with is None and previous.exists()
-        else (json.loads(compare_with.read_text()) if compare_with else None)
-    )
-    (RESULTS / "latest.json").write_text(json.dumps(report, indent=2) + "\n")
+    (output / "latest.json").write_text(json.dumps(report, indent=2) + "\n")
     markdown = to_markdown(report)
-    (RESULTS / "latest.md").write_text(markdown)
-    plotted = plot(report, RESULTS / "latest.png")
+    (output / "latest.md").write_text(markdown)
+    plotted = plot(report, output / "latest.png")
     print(markdown)
-    if earlier:
-        print("Compared with the previous result:")
-        for line in compare(report, earlier):
+    if args.earlier:
+        print(f"Compared with {args.earlier_name}:")
+        for line in compare(report, args.earlier):
             print(f"  {line}")
     print(
-        f"wrote {RESULTS / 'latest.json'}, latest.md{', latest.png' if plotted else ''} "
+        f"wrote {output / 'latest.json'}, latest.md{', latest.png' if plotted else ''} "
         f"in {report['duration_s']} s"
     )
     return 0
 
 
 def run() -> None:
-    sys.exit(run_loop(main(sys.argv[1:])))
+    args = parse_args(sys.argv[1:])
+    args.output.mkdir(parents=True, exist_ok=True)
+    sys.exit(run_loop(main(args)))

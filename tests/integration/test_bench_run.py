@@ -1,0 +1,109 @@
+"""`python -m benchmarks` as `make bench` runs it: a quick run of the whole harness (a mesh in
+separate processes, the raw gRPC baselines) writes every figure, and compares with an earlier
+result."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMITTED = ROOT / "benchmarks" / "results" / "latest.json"
+
+pytestmark = pytest.mark.processes
+
+LATENCIES = (
+    "baseline.hop1",
+    "baseline.relay2",
+    "baseline.contract2",
+    "baseline.fanout5",
+    "send",
+    "receive",
+    "roundtrip",
+    "handoff",
+    "broadcast5",
+    "broadcast100",
+    "routing",
+    "group_chat",
+)
+THROUGHPUTS = ("oneway_1", "oneway_16", "oneway_64", "oneway_batch100")
+
+
+def bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_a_quick_run_writes_every_figure_and_compares_with_an_earlier_result(
+    tmp_path: Path,
+) -> None:
+    earlier = json.loads(COMMITTED.read_text())
+    earlier["figures"]["roundtrip"]["p50_ms"] = 1000.0  # a slow past, to be compared with
+    earlier_file = tmp_path / "earlier.json"
+    earlier_file.write_text(json.dumps(earlier))
+    committed = COMMITTED.read_bytes()
+    out = tmp_path / "results"
+
+    run = bench("--quick", "--output", str(out), "--compare", str(earlier_file))
+
+    assert run.returncode == 0, run.stderr[-4000:]
+    report = json.loads((out / "latest.json").read_text())
+    figures = report["figures"]
+    for name in LATENCIES:
+        f = figures[name]
+        assert 0 < f["p50_ms"] <= f["p95_ms"] <= f["p99_ms"] <= f["max_ms"], name
+        relay = figures["baseline.relay2"]
+        assert f["x_relay2_p50"] == pytest.approx(f["p50_ms"] / relay["p50_ms"]), name
+        assert f["x_relay2_p95"] == pytest.approx(f["p95_ms"] / relay["p95_ms"]), name
+    for name in THROUGHPUTS:
+        assert figures[name]["throughput"] > 0, name
+    assert figures["roundtrip"]["throughput_64"] > 0
+    assert figures["roundtrip"]["x_relay2_throughput_64"] == pytest.approx(
+        figures["roundtrip"]["throughput_64"] / figures["baseline.relay2"]["throughput_64"]
+    )
+    assert report["settings"]["quick"] is True
+    assert report["machine"]["cpus"] >= 1 and report["machine"]["python"]
+    checks = {c["figure"]: c for c in report["checks"]}
+    for figure in ("send.p95_ms", "roundtrip.p95_ms", "handoff.p95_ms", "broadcast5.p50_ms"):
+        assert isinstance(checks[figure]["pass"], bool), figure
+        assert checks[figure]["value"] == pytest.approx(
+            figures[figure.split(".")[0]][figure.split(".")[1]]
+        )
+    table = (out / "latest.md").read_text()
+    assert "| figure | p50 ms | p95 ms | p99 ms | max ms | x relay p50 | throughput/s |" in table
+    assert "| roundtrip |" in table and "| baseline.relay2 |" in table
+    assert f"Compared with {earlier_file}:" in run.stdout
+    assert "roundtrip.p50_ms: 1000.000 -> " in run.stdout and "faster)" in run.stdout
+    png = out / "latest.png"
+    if png.exists():  # the plot needs matplotlib (the bench extra)
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert COMMITTED.read_bytes() == committed  # written to --output only
+
+
+def test_a_mistake_in_the_options_ends_the_run_before_it_measures(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    for args, said in (
+        (["--compare", str(tmp_path / "missing.json")], "--compare: cannot read"),
+        (["--compare", str(ROOT / "README.md")], "--compare: cannot read"),
+        (["--compare", str(ROOT / "pyproject.toml")], "--compare: cannot read"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ):
+        run = bench("--output", str(out), *args)
+        assert run.returncode == 2, run
+        assert said in run.stderr, run.stderr
+    not_a_result = tmp_path / "other.json"
+    not_a_result.write_text('{"a": 1}')
+    run = bench("--output", str(out), "--compare", str(not_a_result))
+    assert run.returncode == 2 and "is not a benchmark result" in run.stderr
+    assert not out.exists()  # nothing measured, nothing written
+    helped = bench("--help")
+    assert helped.returncode == 0 and "--quick" in helped.stdout and "--compare" in helped.stdout
