@@ -3,13 +3,16 @@ the users' satisfaction (accuracy), routing and aggregation latency, conflict re
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import Metric
 
 from gateway.events import Pattern
 from gateway.feedback import Rating
 from mesh.core.model import JSON
+from mesh.metrics import RecentLatencies, rt011_count, rt011_gauge
 
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60)
 FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2)
@@ -105,6 +108,12 @@ class PatternMetrics:
             buckets=FAST_BUCKETS,
             registry=r,
         )
+        # RT-011's required metrics of the orchestration, under their own names.
+        self.recent_routing = RecentLatencies()
+        self.recent_aggregation = RecentLatencies()
+        self.conflicts_resolved = 0
+        self.conflict_seconds = 0.0
+        r.register(self)
 
     def observe(self, pattern: Pattern, result: dict[str, JSON], seconds: float) -> None:
         status = str(result.get("status", "FAILED"))
@@ -137,8 +146,40 @@ class PatternMetrics:
         self.accuracy.labels(rating.pattern.value).set(tally.accuracy)
         return tally
 
+    def routed(self, seconds: float) -> None:
+        self.routing_latency.observe(seconds)
+        self.recent_routing.add(seconds)
+
     def aggregation(self, seconds: float, conflict: bool) -> None:
         self.aggregation_latency.observe(seconds)
+        self.recent_aggregation.add(seconds)
         if conflict:
             self.conflicts.inc()
             self.conflict_latency.observe(seconds)
+            self.conflicts_resolved += 1
+            self.conflict_seconds += seconds
+
+    def collect(self) -> Iterator[Metric]:
+        """RT-011's required metrics of the orchestration under their own names, in
+        milliseconds (percentiles over the most recent 2,048)."""
+        yield rt011_gauge(
+            "orchestration_routing_latency_p95",
+            "RT-011 multi_agent.orchestration.routing_latency_p95: milliseconds.",
+            self.recent_routing.percentiles_ms()[1],
+        )
+        yield rt011_gauge(
+            "orchestration_aggregation_latency_p95",
+            "RT-011 multi_agent.orchestration.aggregation_latency_p95: milliseconds.",
+            self.recent_aggregation.percentiles_ms()[1],
+        )
+        yield rt011_count(
+            "conflict_resolution_count",
+            "RT-011 multi_agent.conflict.resolution_count, since the gateway started.",
+            self.conflicts_resolved,
+        )
+        average = self.conflict_seconds / self.conflicts_resolved if self.conflicts_resolved else 0
+        yield rt011_gauge(
+            "conflict_resolution_latency_avg",
+            "RT-011 multi_agent.conflict.resolution_latency_avg: milliseconds.",
+            average * 1000,
+        )

@@ -74,7 +74,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 conflict = bool(data.get("tie")) or data.get("unanimous") is False
                 self.metrics.aggregation(float(data.get("aggregation_ms", 0.0)) / 1000, conflict)
             elif event.kind is EventKind.ROUTED:
-                self.metrics.routing_latency.observe(float(data["routing_latency_ms"]) / 1000)
+                self.metrics.routed(float(data["routing_latency_ms"]) / 1000)
             self.ledger.observe(event)
             for observer in self.observers:
                 observer(event)

@@ -27,6 +27,7 @@ from prometheus_client.core import (
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
+    UnknownMetricFamily,
 )
 from prometheus_client.utils import floatToGoString
 
@@ -67,10 +68,11 @@ class RecentLatencies:
         self._window.append(seconds)
 
     def percentiles_ms(self) -> tuple[float, float, float]:
-        """(p50, p95, p99) in milliseconds; zeros before the first sample."""
-        if not self._window:
+        """(p50, p95, p99) in milliseconds; zeros before the first sample. Safe to call from
+        another thread than the one adding (a scrape): the window is copied in one step."""
+        ordered = sorted(tuple(self._window))
+        if not ordered:
             return (0.0, 0.0, 0.0)
-        ordered = sorted(self._window)
         n = len(ordered)
 
         def pct(p: float) -> float:
@@ -167,6 +169,20 @@ class LoopMetrics:
             yield metric.collect()
 
 
+RT011 = "multi_agent_"
+"""The prefix of RT-011's required metrics as Prometheus names them (multi_agent.message.
+send_latency_p50 is multi_agent_message_send_latency_p50)."""
+
+
+def rt011_gauge(name: str, doc: str, value: float) -> Metric:
+    return GaugeMetricFamily(f"{RT011}{name}", doc, value=value)
+
+
+def rt011_count(name: str, doc: str, value: float) -> Metric:
+    """A count under RT-011's own name: untyped, since a counter's name must end in _total."""
+    return UnknownMetricFamily(f"{RT011}{name}", doc, value=value)
+
+
 class QueueGauges:
     """``agentmesh_queue_depth`` (per agent) and ``agentmesh_messages_held``, as the broker
     last read them from its store. A scrape from another thread (the /metrics server) first
@@ -185,9 +201,16 @@ class QueueGauges:
         depth = GaugeMetricFamily(
             "agentmesh_queue_depth", "Messages waiting per agent.", labels=["agent"]
         )
+        required = GaugeMetricFamily(
+            f"{RT011}message_queue_depth",
+            "RT-011 multi_agent.message.queue_depth: messages waiting per agent.",
+            labels=["agent"],
+        )
         for agent_id, waiting in sorted(self.depths.items()):
             depth.add_metric([agent_id], waiting)
+            required.add_metric([agent_id], waiting)
         yield depth
+        yield required
         yield GaugeMetricFamily(
             "agentmesh_messages_held",
             "Messages held by the broker (waiting and in flight).",
@@ -220,7 +243,10 @@ class BrokerMetrics:
         self.registry = registry or CollectorRegistry()
         self.totals = Totals()
         self.recent_send = RecentLatencies()
+        self.recent_receive = RecentLatencies()
         self.recent_roundtrip = RecentLatencies()
+        self.recent_handoff = RecentLatencies()
+        self.recent_broadcast = RecentLatencies()
         self._sent_by_type: dict[str, LoopCounter.Child] = {}
         self._received_by_path: dict[str, LoopCounter.Child] = {}
         r = self.registry
@@ -285,6 +311,7 @@ class BrokerMetrics:
         self.queue_wait = histogram(
             "agentmesh_queue_wait_seconds", "Time messages waited in a queue before delivery."
         )
+        r.register(_RequiredFigures(self))
 
     def sent(self, message_type: str, seconds: float) -> None:
         self.totals.sent += 1
@@ -294,6 +321,20 @@ class BrokerMetrics:
         child.inc()
         self.send_latency.observe(seconds)
         self.recent_send.add(seconds)
+
+    def receive_served(self, seconds: float) -> None:
+        self.receive_latency.observe(seconds)
+        self.recent_receive.add(seconds)
+
+    def handoff_delivered(self, queued_seconds: float) -> None:
+        self.handoff_latency.observe(queued_seconds)
+        self.recent_handoff.add(queued_seconds)
+
+    @property
+    def drop_rate(self) -> float:
+        """Messages refused for capacity (or lost to a failed fan-out) per message offered."""
+        offered = self.totals.sent + self.totals.dropped
+        return self.totals.dropped / offered if offered else 0.0
 
     def delivered(self, path: str, count: int = 1) -> None:
         self.totals.delivered += count
@@ -330,6 +371,7 @@ class BrokerMetrics:
         self.totals.broadcasts += 1
         self.broadcasts.labels("true" if selective else "false").inc()
         self.broadcast_latency.observe(seconds)
+        self.recent_broadcast.add(seconds)
 
     def late_answer(self) -> None:
         self.totals.late_answers += 1
@@ -343,3 +385,47 @@ class BrokerMetrics:
         if seconds is not None:
             self.roundtrip_latency.observe(seconds)
             self.recent_roundtrip.add(seconds)
+
+
+class _RequiredFigures:
+    """RT-011's required metrics of the broker under their own names, in milliseconds as
+    RT-011 states its targets, percentiles over the most recent 2,048 of each; and RF-009
+    scenario 20's counts and drop rate. (The histograms above hold the same latencies for
+    histogram_quantile; queue depth is yielded with the queue gauges, read at scrape time.)"""
+
+    def __init__(self, metrics: BrokerMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._metrics
+        windows = (
+            ("message_send_latency", m.recent_send, ("p50", "p95", "p99")),
+            ("message_receive_latency", m.recent_receive, ("p50", "p95")),
+            ("message_roundtrip_latency", m.recent_roundtrip, ("p50", "p95")),
+            ("handoff_latency", m.recent_handoff, ("p50", "p95")),
+            ("broadcast_latency", m.recent_broadcast, ("p50",)),
+        )
+        for name, window, wanted in windows:
+            values = dict(zip(("p50", "p95", "p99"), window.percentiles_ms(), strict=True))
+            for pct in wanted:
+                dotted = f"multi_agent.{name.replace('_', '.', 1)}_{pct}"
+                yield rt011_gauge(
+                    f"{name}_{pct}",
+                    f"RT-011 {dotted}: milliseconds, over the most recent 2048.",
+                    values[pct],
+                )
+        t = m.totals
+        for name, doc, value in (
+            ("message_dropped_count", "multi_agent.message.dropped_count", t.dropped),
+            ("message_expired_count", "multi_agent.message.expired_count", t.expired),
+            ("message_validation_errors", "RF-009 message.validation_errors", t.validation_errors),
+            ("messages_sent_count", "RF-009 messages_sent_count", t.sent),
+            ("messages_received_count", "RF-009 messages_received_count", t.delivered),
+            ("handoffs_count", "RF-009 handoffs_count", t.handoffs),
+        ):
+            yield rt011_count(name, f"{doc}, since the broker started.", value)
+        yield rt011_gauge(
+            "message_drop_rate",
+            "RF-009 message_drop_rate: messages dropped per message offered (0 to 1).",
+            m.drop_rate,
+        )

@@ -295,6 +295,18 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
             t.roundtrip_latency_p95_ms,
             t.roundtrip_latency_p99_ms,
         ) = metrics.recent_roundtrip.percentiles_ms()
+        t.receive_latency_p50_ms, t.receive_latency_p95_ms, t.receive_latency_p99_ms = (
+            metrics.recent_receive.percentiles_ms()
+        )
+        t.handoff_latency_p50_ms, t.handoff_latency_p95_ms, t.handoff_latency_p99_ms = (
+            metrics.recent_handoff.percentiles_ms()
+        )
+        (
+            t.broadcast_latency_p50_ms,
+            t.broadcast_latency_p95_ms,
+            t.broadcast_latency_p99_ms,
+        ) = metrics.recent_broadcast.percentiles_ms()
+        t.drop_rate = metrics.drop_rate
         return response
 
     @translating

@@ -883,7 +883,7 @@ class Broker:
         if popped:
             self.metrics.delivered("receive", len(popped))
         messages = [self._observe_delivery(item.message, item.queued_seconds) for item in popped]
-        self.metrics.receive_latency.observe(time.perf_counter() - started)
+        self.metrics.receive_served(time.perf_counter() - started)
         return messages
 
     def _observe_delivery(self, message: Message, queued_seconds: float) -> Message:
@@ -891,7 +891,7 @@ class Broker:
         is delivered as that span's child so the receiver's work hangs below it."""
         self.metrics.queue_wait.observe(queued_seconds)
         if message.message_type is MessageType.HANDOFF:
-            self.metrics.handoff_latency.observe(queued_seconds)
+            self.metrics.handoff_delivered(queued_seconds)
         parent = extract(message.headers)
         if parent is None:
             return message

@@ -1032,6 +1032,16 @@ class BrokerTotals(_message.Message):
     ROUNDTRIP_LATENCY_P50_MS_FIELD_NUMBER: _builtins.int
     ROUNDTRIP_LATENCY_P95_MS_FIELD_NUMBER: _builtins.int
     ROUNDTRIP_LATENCY_P99_MS_FIELD_NUMBER: _builtins.int
+    RECEIVE_LATENCY_P50_MS_FIELD_NUMBER: _builtins.int
+    RECEIVE_LATENCY_P95_MS_FIELD_NUMBER: _builtins.int
+    RECEIVE_LATENCY_P99_MS_FIELD_NUMBER: _builtins.int
+    HANDOFF_LATENCY_P50_MS_FIELD_NUMBER: _builtins.int
+    HANDOFF_LATENCY_P95_MS_FIELD_NUMBER: _builtins.int
+    HANDOFF_LATENCY_P99_MS_FIELD_NUMBER: _builtins.int
+    BROADCAST_LATENCY_P50_MS_FIELD_NUMBER: _builtins.int
+    BROADCAST_LATENCY_P95_MS_FIELD_NUMBER: _builtins.int
+    BROADCAST_LATENCY_P99_MS_FIELD_NUMBER: _builtins.int
+    DROP_RATE_FIELD_NUMBER: _builtins.int
     held: _builtins.int
     """Messages held (waiting and in flight)."""
     max_messages_per_agent: _builtins.int
@@ -1068,6 +1078,30 @@ class BrokerTotals(_message.Message):
     """Request/response roundtrip over the most recent requests, 95th percentile, in milliseconds."""
     roundtrip_latency_p99_ms: _builtins.float
     """Request/response roundtrip over the most recent requests, 99th percentile, in milliseconds."""
+    receive_latency_p50_ms: _builtins.float
+    """Time to serve a receive, over the most recent receives, median, in milliseconds."""
+    receive_latency_p95_ms: _builtins.float
+    """Time to serve a receive, 95th percentile, in milliseconds."""
+    receive_latency_p99_ms: _builtins.float
+    """Time to serve a receive, 99th percentile, in milliseconds."""
+    handoff_latency_p50_ms: _builtins.float
+    """Hand-off acceptance to delivery to the next agent, over the most recent hand-offs,
+    median, in milliseconds.
+    """
+    handoff_latency_p95_ms: _builtins.float
+    """Hand-off acceptance to delivery, 95th percentile, in milliseconds."""
+    handoff_latency_p99_ms: _builtins.float
+    """Hand-off acceptance to delivery, 99th percentile, in milliseconds."""
+    broadcast_latency_p50_ms: _builtins.float
+    """Time to fan a broadcast out to every queue, over the most recent broadcasts, median, in
+    milliseconds.
+    """
+    broadcast_latency_p95_ms: _builtins.float
+    """Time to fan a broadcast out, 95th percentile, in milliseconds."""
+    broadcast_latency_p99_ms: _builtins.float
+    """Time to fan a broadcast out, 99th percentile, in milliseconds."""
+    drop_rate: _builtins.float
+    """Messages dropped per message offered (dropped / (sent + dropped)), 0 to 1."""
     def __init__(
         self,
         *,
@@ -1089,10 +1123,20 @@ class BrokerTotals(_message.Message):
         roundtrip_latency_p50_ms: _builtins.float = ...,
         roundtrip_latency_p95_ms: _builtins.float = ...,
         roundtrip_latency_p99_ms: _builtins.float = ...,
+        receive_latency_p50_ms: _builtins.float = ...,
+        receive_latency_p95_ms: _builtins.float = ...,
+        receive_latency_p99_ms: _builtins.float = ...,
+        handoff_latency_p50_ms: _builtins.float = ...,
+        handoff_latency_p95_ms: _builtins.float = ...,
+        handoff_latency_p99_ms: _builtins.float = ...,
+        broadcast_latency_p50_ms: _builtins.float = ...,
+        broadcast_latency_p95_ms: _builtins.float = ...,
+        broadcast_latency_p99_ms: _builtins.float = ...,
+        drop_rate: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["broadcast_count", b"broadcast_count", "dead_lettered_count", b"dead_lettered_count", "delivered_count", b"delivered_count", "dropped_count", b"dropped_count", "expired_count", b"expired_count", "handoff_count", b"handoff_count", "held", b"held", "max_messages_per_agent", b"max_messages_per_agent", "max_total_messages", b"max_total_messages", "redelivered_count", b"redelivered_count", "roundtrip_latency_p50_ms", b"roundtrip_latency_p50_ms", "roundtrip_latency_p95_ms", b"roundtrip_latency_p95_ms", "roundtrip_latency_p99_ms", b"roundtrip_latency_p99_ms", "send_latency_p50_ms", b"send_latency_p50_ms", "send_latency_p95_ms", b"send_latency_p95_ms", "send_latency_p99_ms", b"send_latency_p99_ms", "sent_count", b"sent_count", "validation_errors", b"validation_errors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["broadcast_count", b"broadcast_count", "broadcast_latency_p50_ms", b"broadcast_latency_p50_ms", "broadcast_latency_p95_ms", b"broadcast_latency_p95_ms", "broadcast_latency_p99_ms", b"broadcast_latency_p99_ms", "dead_lettered_count", b"dead_lettered_count", "delivered_count", b"delivered_count", "drop_rate", b"drop_rate", "dropped_count", b"dropped_count", "expired_count", b"expired_count", "handoff_count", b"handoff_count", "handoff_latency_p50_ms", b"handoff_latency_p50_ms", "handoff_latency_p95_ms", b"handoff_latency_p95_ms", "handoff_latency_p99_ms", b"handoff_latency_p99_ms", "held", b"held", "max_messages_per_agent", b"max_messages_per_agent", "max_total_messages", b"max_total_messages", "receive_latency_p50_ms", b"receive_latency_p50_ms", "receive_latency_p95_ms", b"receive_latency_p95_ms", "receive_latency_p99_ms", b"receive_latency_p99_ms", "redelivered_count", b"redelivered_count", "roundtrip_latency_p50_ms", b"roundtrip_latency_p50_ms", "roundtrip_latency_p95_ms", b"roundtrip_latency_p95_ms", "roundtrip_latency_p99_ms", b"roundtrip_latency_p99_ms", "send_latency_p50_ms", b"send_latency_p50_ms", "send_latency_p95_ms", b"send_latency_p95_ms", "send_latency_p99_ms", b"send_latency_p99_ms", "sent_count", b"sent_count", "validation_errors", b"validation_errors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -486,6 +486,8 @@ async def test_scenario_12_message_queue_full() -> None:
             stats = await flight.queue_stats("PaymentAgent")
             assert stats.agents[0].depth == 991
             assert stats.totals["dropped_count"] == 1 + 4 + 2  # every refusal counted
+            # RT-011's drop rate: dropped per message offered (accepted or dropped).
+            assert stats.totals["drop_rate"] == pytest.approx(7 / (1001 + 7))
             messages = await flight.receive("PaymentAgent")
             assert messages[-1].message_id == sent.message_id
 
@@ -698,8 +700,35 @@ async def test_scenario_20_communication_metrics() -> None:
         assert report.totals["delivered_count"] == 1150
         assert report.totals["handoff_count"] == 150
         assert report.totals["dropped_count"] == 0
+        assert report.totals["drop_rate"] == 0
+        for figure in ("send", "receive", "handoff"):  # RT-011 targets: < 10, 10, 200 ms
+            p50, p95 = (report.totals[f"{figure}_latency_p{p}_ms"] for p in (50, 95))
+            assert 0 < p50 <= p95 <= report.totals[f"{figure}_latency_p99_ms"], figure
         assert local.server is not None and local.server.metrics_port
         samples = await scrape(local.server.metrics_port)
+    # RT-011's required metrics and RF-009's, under their own names (milliseconds).
+    assert samples["multi_agent_messages_sent_count"] == 1150
+    assert samples["multi_agent_messages_received_count"] == 1150
+    assert samples["multi_agent_handoffs_count"] == 150
+    assert samples["multi_agent_message_dropped_count"] == 0
+    assert samples["multi_agent_message_expired_count"] == 0
+    assert samples["multi_agent_message_drop_rate"] == 0
+    assert samples['multi_agent_message_queue_depth{agent="PaymentAgent"}'] == 0
+    for name in (
+        "message_send_latency_p50",
+        "message_send_latency_p95",
+        "message_send_latency_p99",
+        "message_receive_latency_p50",
+        "message_receive_latency_p95",
+        "handoff_latency_p50",
+        "handoff_latency_p95",
+    ):
+        assert samples[f"multi_agent_{name}"] > 0, name
+    assert samples["multi_agent_message_send_latency_p95"] == pytest.approx(
+        report.totals["send_latency_p95_ms"], rel=0.5
+    )
+    assert samples["multi_agent_message_roundtrip_latency_p95"] == 0  # no request yet
+    assert samples["multi_agent_broadcast_latency_p50"] == 0  # no broadcast yet
     assert samples['agentmesh_messages_sent_total{message_type="REQUEST"}'] == 1000
     assert samples['agentmesh_messages_sent_total{message_type="HANDOFF"}'] == 150
     assert samples['agentmesh_messages_received_total{path="receive"}'] == 1150

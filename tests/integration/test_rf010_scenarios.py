@@ -775,6 +775,15 @@ async def test_scenario_20_pattern_performance_metrics(embedded: EmbeddedMesh) -
     assert accuracy == pytest.approx(2 / 3)
     feedback = 'agentmesh_pattern_feedback_total{pattern="COLLABORATIVE_FILTERING",satisfied="%s"}'
     assert samples[feedback % "true"] == 2 and samples[feedback % "false"] == 1
+    # RT-011's orchestration metrics under their own names, in milliseconds.
+    assert samples["multi_agent_orchestration_routing_latency_p95"] > 0
+    assert samples["multi_agent_orchestration_aggregation_latency_p95"] > 0
+    resolved = samples["multi_agent_conflict_resolution_count"]
+    assert resolved == samples["agentmesh_conflict_resolutions_total"]
+    conflict_ms = samples["agentmesh_conflict_resolution_latency_seconds_sum"] * 1000
+    assert samples["multi_agent_conflict_resolution_latency_avg"] == pytest.approx(
+        conflict_ms / resolved if resolved else 0
+    )
     # The broker's own metrics are on the same page.
     assert samples["agentmesh_handoffs_total"] >= 10
 

@@ -270,6 +270,17 @@ export interface BrokerTotals {
   roundtripLatencyP50Ms: number;
   roundtripLatencyP95Ms: number;
   roundtripLatencyP99Ms: number;
+  receiveLatencyP50Ms: number;
+  receiveLatencyP95Ms: number;
+  receiveLatencyP99Ms: number;
+  handoffLatencyP50Ms: number;
+  handoffLatencyP95Ms: number;
+  handoffLatencyP99Ms: number;
+  broadcastLatencyP50Ms: number;
+  broadcastLatencyP95Ms: number;
+  broadcastLatencyP99Ms: number;
+  /** Messages dropped per message offered, 0 to 1. */
+  dropRate: number;
 }
 
 export interface QueueStats {
