@@ -157,6 +157,39 @@ class QueueStatsReport:
     def for_agent(self, agent_id: str) -> QueueStatsView | None:
         return next((a for a in self.agents if a.agent_id == agent_id), None)
 
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The broker's figures under the names RT-011 and RF-009 give them: latencies in
+        milliseconds over the most recent operations (``multi_agent.message.send_latency_p95``,
+        ...), counts since the broker started, the drop rate from 0 to 1 and the messages
+        held as ``multi_agent.message.queue_depth``."""
+        t = self.totals
+        figures = {name: t[field] for name, field in _RT011_FIGURES.items()}
+        figures["multi_agent.message.queue_depth"] = t["held"]
+        return figures
+
+
+# RT-011's required metrics and RF-009 scenario 20's figures, by the BrokerTotals field
+# that holds each.
+_RT011_FIGURES = {
+    "multi_agent.message.send_latency_p50": "send_latency_p50_ms",
+    "multi_agent.message.send_latency_p95": "send_latency_p95_ms",
+    "multi_agent.message.send_latency_p99": "send_latency_p99_ms",
+    "multi_agent.message.receive_latency_p50": "receive_latency_p50_ms",
+    "multi_agent.message.receive_latency_p95": "receive_latency_p95_ms",
+    "multi_agent.message.roundtrip_latency_p50": "roundtrip_latency_p50_ms",
+    "multi_agent.message.roundtrip_latency_p95": "roundtrip_latency_p95_ms",
+    "multi_agent.handoff.latency_p50": "handoff_latency_p50_ms",
+    "multi_agent.handoff.latency_p95": "handoff_latency_p95_ms",
+    "multi_agent.broadcast.latency_p50": "broadcast_latency_p50_ms",
+    "multi_agent.message.dropped_count": "dropped_count",
+    "multi_agent.message.expired_count": "expired_count",
+    "messages_sent_count": "sent_count",
+    "messages_received_count": "delivered_count",
+    "handoffs_count": "handoff_count",
+    "message_drop_rate": "drop_rate",
+}
+
 
 def with_trace(message: Message) -> Message:
     """The message carrying the current trace context in its headers, when there is one and

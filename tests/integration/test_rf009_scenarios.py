@@ -729,6 +729,14 @@ async def test_scenario_20_communication_metrics() -> None:
     )
     assert samples["multi_agent_message_roundtrip_latency_p95"] == 0  # no request yet
     assert samples["multi_agent_broadcast_latency_p50"] == 0  # no broadcast yet
+    # The SDK gives the same figures by RT-011's dotted names (nothing ran in between).
+    rt011 = report.metrics
+    assert rt011["messages_sent_count"] == 1150 and rt011["handoffs_count"] == 150
+    assert rt011["multi_agent.message.expired_count"] == 0
+    assert rt011.pop("multi_agent.message.queue_depth") == 0  # exported per agent
+    for dotted, value in rt011.items():
+        exported = "multi_agent_" + dotted.removeprefix("multi_agent.").replace(".", "_")
+        assert samples[exported] == pytest.approx(value), dotted
     assert samples['agentmesh_messages_sent_total{message_type="REQUEST"}'] == 1000
     assert samples['agentmesh_messages_sent_total{message_type="HANDOFF"}'] == 150
     assert samples['agentmesh_messages_received_total{path="receive"}'] == 1150
