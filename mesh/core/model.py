@@ -115,6 +115,10 @@ class Message:
     reply_to: str = ""
     ack_required: bool = False
     headers: dict[str, str] = field(default_factory=dict)
+    encoded: object = field(default=None, init=False, repr=False, compare=False)
+    """The message in the form it arrived in, when the codec kept it (the broker does): passed
+    on unchanged, it is written out in one copy. A changed copy (:meth:`evolve`,
+    :meth:`copy_to`) has none and is encoded field by field."""
 
     @property
     def action(self) -> str:

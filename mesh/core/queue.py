@@ -537,7 +537,17 @@ class InMemoryQueueStore:
         queue = self._queues.get(agent_id)
         if queue is None:
             return None
-        now = self._clock()
+        expires = self._wall() + timedelta(seconds=lease_seconds)
+        return self._lease(queue, subscriber, lease_seconds, self._clock(), expires)
+
+    def _lease(
+        self,
+        queue: _AgentQueue,
+        subscriber: str,
+        lease_seconds: float,
+        now: float,
+        lease_expires_at: datetime,
+    ) -> Lease | None:
         entry = self._next_queued(queue, now)
         if entry is None:
             return None
@@ -553,19 +563,25 @@ class InMemoryQueueStore:
             self._journal.attempted(self._stored(entry))
         return Lease(
             message=entry.message,
-            agent_id=agent_id,
+            agent_id=entry.agent_id,
             subscriber=subscriber,
             attempt=entry.attempts,
-            lease_expires_at=self._wall() + timedelta(seconds=lease_seconds),
+            lease_expires_at=lease_expires_at,
             queued_seconds=now - entry.accepted_at,
         )
 
     async def lease_many(
         self, agent_id: str, subscriber: str, lease_seconds: float, most: int
     ) -> list[Lease]:
+        """Up to ``most`` leases, taken in one moment: they share one lease deadline."""
         leases: list[Lease] = []
+        queue = self._queues.get(agent_id)
+        if queue is None:
+            return leases
+        now = self._clock()
+        expires = self._wall() + timedelta(seconds=lease_seconds)
         while len(leases) < most:
-            lease = await self.lease(agent_id, subscriber, lease_seconds)
+            lease = self._lease(queue, subscriber, lease_seconds, now, expires)
             if lease is None:
                 break
             leases.append(lease)

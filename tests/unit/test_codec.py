@@ -11,7 +11,7 @@ import pytest
 from mesh import codec
 from mesh.config import BrokerConfig
 from mesh.core.errors import MessageValidationError
-from mesh.core.model import Message, MessageType
+from mesh.core.model import Message, MessageType, Priority
 from mesh.core.validation import validate_message
 
 CONTENT = {
@@ -92,7 +92,6 @@ def test_message_ids_are_distinct_random_uuids_in_text_form() -> None:
 
 
 def test_undefined_enum_numbers_are_refused_in_and_read_as_unset_out() -> None:
-    from mesh.core.model import Priority
     from mesh.v1 import message_pb2
 
     odd = message_pb2.Message(from_agent="a", to_agent="b", message_type=42, priority=7)
@@ -108,3 +107,35 @@ def test_undefined_enum_numbers_are_refused_in_and_read_as_unset_out() -> None:
     with pytest.raises(MessageValidationError, match="priority 9 is not defined"):
         codec.priority_from_pb(9)
     assert codec.priority_from_pb(0) is Priority.MEDIUM
+
+
+def test_a_message_taken_in_is_written_out_as_one_copy_that_says_what_it_says() -> None:
+    from mesh.v1 import message_pb2
+
+    # What a client of another language may send: no id, no time, type and priority unset.
+    bare = message_pb2.Message(from_agent="a", to_agent="b", ttl=30)
+    codec.dict_to_struct({"action": "go"}, bare.content)
+    bare.headers["x-tenant"] = "t1"
+    taken = codec.message_from_pb(bare, in_place=True, strict=True)
+    bare.to_agent = "changed after it was read"  # the frame is not the message
+    written = codec.message_to_pb(taken)
+    assert written.message_id == taken.message_id and uuid.UUID(written.message_id)
+    assert codec.timestamp_to_datetime(written.timestamp) == taken.timestamp
+    assert written.message_type == message_pb2.MESSAGE_TYPE_REQUEST
+    assert written.priority == message_pb2.PRIORITY_MEDIUM
+    assert (written.to_agent, written.ttl, dict(written.headers)) == ("b", 30, {"x-tenant": "t1"})
+    # Field by field, the message encodes to the same envelope.
+    decoded = Message(**{**_fields(taken), "content": {"action": "go"}})  # type: ignore[arg-type]
+    assert written == codec.message_to_pb(decoded)
+    # A changed copy carries its change, not the form the original came in.
+    moved = taken.copy_to("c", priority=Priority.HIGH)
+    assert moved.encoded is None and taken.encoded is not None
+    out = codec.message_to_pb(moved)
+    assert (out.to_agent, out.priority, out.message_id) == ("c", 1, taken.message_id)
+    assert moved == codec.message_from_pb(out)  # `encoded` takes no part in equality
+
+
+def _fields(message: Message) -> dict[str, object]:
+    import dataclasses
+
+    return {f.name: getattr(message, f.name) for f in dataclasses.fields(message) if f.init}
