@@ -37,6 +37,7 @@ from mesh.core.errors import (
 )
 from mesh.core.memory import Insight, MemoryStats
 from mesh.core.model import (
+    BROADCAST_TARGET,
     JSON,
     MAX_DEAD_LETTER_REASON,
     AgentCard,
@@ -1118,14 +1119,27 @@ class MeshClient:
 
     async def broadcast(
         self,
-        content: dict[str, JSON],
+        content: dict[str, JSON] | Message,
         *,
         agent_types: Iterable[str] = (),
         **options: Any,
     ) -> BroadcastResult:
-        """A copy to every other registered agent, or only to agents of ``agent_types``."""
-        options["message_type"] = MessageType.BROADCAST
-        message = with_trace(self.build("broadcast", content, **options))
+        """A copy to every other registered agent, or only to agents of ``agent_types``.
+
+        ``content`` is the message's content, or a prepared :class:`Message` (RF-009's
+        ``broadcast(message)``: sent as a BROADCAST whatever its to_agent and type)."""
+        if isinstance(content, Message):
+            if options:
+                raise TypeError(f"a prepared message takes no options: {', '.join(options)}")
+            message = content.evolve(
+                to_agent=BROADCAST_TARGET,
+                message_type=MessageType.BROADCAST,
+                from_agent=content.from_agent or self.agent_id,
+            )
+        else:
+            options["message_type"] = MessageType.BROADCAST
+            message = self.build(BROADCAST_TARGET, content, **options)
+        message = with_trace(message)
         types = list(agent_types)
 
         async def attempt() -> broker_pb2.BroadcastResponse:
@@ -1212,6 +1226,12 @@ class MeshClient:
             if wanted:
                 await asyncio.gather(*(self._send_ack(m) for m in wanted))
         return messages
+
+    async def receive_messages(
+        self, agent_id: str | None = None, max_messages: int = 0
+    ) -> list[Message]:
+        """:meth:`receive` under RF-009's name."""
+        return await self.receive(agent_id, max_messages)
 
     def subscribe(
         self,

@@ -139,6 +139,36 @@ async def test_scenario_03_broadcast_to_all_agents(
     assert logged and sorted(logged[-1].event["recipients"]) == sorted(names)
 
 
+async def test_scenario_03_in_rf009s_own_calls_a_prepared_message_is_broadcast(
+    mesh: LocalMesh,
+) -> None:
+    """RF-009's layer spells it ``broadcast(message)`` and ``receive_messages(agent_id)``:
+    a prepared message goes to every other agent as a BROADCAST with its id and priority."""
+    names = ["FlightAgent", "HotelAgent"]
+    async with mesh.client("Orchestrator") as orchestrator:
+        await register(orchestrator, "Orchestrator", *names)
+        alert = Message(
+            message_id="msg_alert",
+            from_agent="Orchestrator",
+            to_agent="",
+            content={"alert": "System maintenance in 10 minutes"},
+            priority=Priority.HIGH,
+        )
+        result = await orchestrator.broadcast(alert)
+        assert (result.message_id, sorted(result.recipients)) == ("msg_alert", names)
+        for name in names:
+            [copy] = await orchestrator.receive_messages(name)
+            assert (copy.message_id, copy.to_agent, copy.message_type, copy.priority) == (
+                "msg_alert",
+                name,
+                MessageType.BROADCAST,
+                Priority.HIGH,
+            )
+        assert await orchestrator.receive_messages("Orchestrator") == []
+        with pytest.raises(TypeError, match="takes no options: ttl"):
+            await orchestrator.broadcast(alert, ttl=5)
+
+
 async def test_scenario_03_a_broadcast_alert_to_running_agents_is_taken_not_answered(
     mesh: LocalMesh, caplog: pytest.LogCaptureFixture
 ) -> None:
