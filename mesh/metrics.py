@@ -311,6 +311,10 @@ class BrokerMetrics:
         self.queue_wait = histogram(
             "agentmesh_queue_wait_seconds", "Time messages waited in a queue before delivery."
         )
+        self.gather_latency = histogram(
+            "agentmesh_gather_latency_seconds",
+            "Gather (scatter-gather): asked to the last answer, or to the deadline.",
+        )
         r.register(_RequiredFigures(self))
 
     def sent(self, message_type: str, seconds: float) -> None:
@@ -385,6 +389,12 @@ class BrokerMetrics:
         if seconds is not None:
             self.roundtrip_latency.observe(seconds)
             self.recent_roundtrip.add(seconds)
+
+    def gathered(self, seconds: float) -> None:
+        """A gather that ended: its time (to the last answer, or to its deadline) is its own
+        figure, not a request/response roundtrip."""
+        self.requests.labels("gather").inc()
+        self.gather_latency.observe(seconds)
 
 
 class _RequiredFigures:

@@ -822,7 +822,7 @@ class Broker:
                         f"no response from {agent_id} within {timeout:.3g} s"
                     ),
                 )
-            self.metrics.request("gather", time.perf_counter() - started)
+            self.metrics.gathered(time.perf_counter() - started)
         finally:
             if self._pending.get(key) is gathering:
                 del self._pending[key]

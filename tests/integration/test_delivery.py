@@ -357,6 +357,14 @@ async def test_gather_streams_answers_and_names_the_silent(mesh: LocalMesh) -> N
         # Every copy was a BROADCAST with the same id, answered under that id.
         assert seen[0].response.correlation_id == seen[1].response.correlation_id
         assert mesh.broker is not None and mesh.broker.pending_requests == 0
+        # A gather's time (here its 0.5 s deadline) is its own figure, not a roundtrip's.
+        totals = (await user.queue_stats()).totals
+        assert totals["roundtrip_latency_p99_ms"] == 0
+        registry = mesh.broker.metrics.registry
+        assert registry.get_sample_value("agentmesh_gather_latency_seconds_count") == 1
+        assert registry.get_sample_value("agentmesh_gather_latency_seconds_sum") >= 0.5
+        assert registry.get_sample_value("agentmesh_roundtrip_latency_seconds_count") == 0
+        assert registry.get_sample_value("agentmesh_requests_total", {"outcome": "gather"}) == 1
 
 
 async def _connect_subscribed(
