@@ -834,8 +834,8 @@ class MeshClient:
             from_agent=self.agent_id if from_agent is None else from_agent,
             to_agent=to_agent,
             content=content,
-            message_type=message_type,
-            priority=priority,
+            message_type=MessageType(message_type),  # (a name, "REQUEST", is taken too)
+            priority=Priority(priority),
             ttl=ttl,
             correlation_id=correlation_id,
             reply_to=reply_to,
@@ -852,8 +852,17 @@ class MeshClient:
         """Sends a message to ``to_agent`` (or "broadcast"); returns it as accepted."""
         return await self.send_message(self.build(to_agent, content, **options))
 
-    async def send_message(self, message: Message) -> Message:
-        """Sends a prepared message, retrying on backpressure and unavailability."""
+    async def send_message(self, message: Message | None = None, **fields: Any) -> Message:
+        """Sends a prepared message, retrying on backpressure and unavailability. Without one,
+        the message is built from ``fields`` as RF-009 writes it: ``send_message(to_agent=...,
+        message_type="REQUEST", content={...})`` (and any option of :meth:`build`)."""
+        if message is None:
+            to_agent = fields.pop("to_agent", "")
+            if not to_agent:
+                raise TypeError("send_message needs a message, or to_agent= and its fields")
+            message = self.build(to_agent, fields.pop("content", None), **fields)
+        elif fields:
+            raise TypeError(f"a prepared message takes no fields: {', '.join(fields)}")
         if not message.from_agent and self.agent_id:
             message = message.evolve(from_agent=self.agent_id)
         message = with_trace(message)
@@ -903,6 +912,12 @@ class MeshClient:
             },
         )
         return list(results)
+
+    async def send_messages_parallel(
+        self, messages: Sequence[Message], *, return_exceptions: bool = False
+    ) -> list[Any]:
+        """:meth:`send_parallel` under RF-009's name."""
+        return await self.send_parallel(messages, return_exceptions=return_exceptions)
 
     async def send_batch(self, messages: Sequence[Message]) -> list[Message | MeshError]:
         """Sends messages in one SendMessages call; each gets its own result."""

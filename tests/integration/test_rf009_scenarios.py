@@ -89,6 +89,31 @@ async def test_scenario_01_send_message_between_agents(mesh: LocalMesh) -> None:
         assert ISO_8601.match(got.to_dict()["timestamp"])
 
 
+async def test_scenario_01_in_rf009s_own_words(mesh: LocalMesh) -> None:
+    """``FlightAgent.send_message(to_agent=..., message_type="REQUEST", content={...})``."""
+    async with mesh.client("FlightAgent") as flight:
+        await register(flight, "PaymentAgent", "FlightAgent")
+        content = {"action": "process_payment", "parameters": {"flight": "Flight A"}}
+        sent = await flight.send_message(
+            to_agent="PaymentAgent", message_type="REQUEST", content=content, priority="HIGH"
+        )
+        assert (sent.message_type, sent.priority) == (MessageType.REQUEST, Priority.HIGH)
+        [got] = await flight.receive_messages("PaymentAgent")
+        assert (got.message_id, got.from_agent, got.content) == (
+            sent.message_id,
+            "FlightAgent",
+            content,
+        )
+        assert got.message_type is MessageType.REQUEST and got.priority is Priority.HIGH
+        with pytest.raises(TypeError, match="needs a message, or to_agent="):
+            await flight.send_message(content=content)
+        with pytest.raises(TypeError, match="takes no fields: ttl"):
+            await flight.send_message(sent, ttl=5)
+        with pytest.raises(ValueError, match="'URGENT' is not a valid Priority"):
+            await flight.send_message(to_agent="PaymentAgent", content=content, priority="URGENT")
+        assert await flight.receive_messages("PaymentAgent") == []  # nothing else went
+
+
 async def test_scenario_02_receive_messages(mesh: LocalMesh) -> None:
     async with mesh.client() as client:
         await register(client, "PaymentAgent")
@@ -167,6 +192,12 @@ async def test_scenario_03_in_rf009s_own_calls_a_prepared_message_is_broadcast(
         assert await orchestrator.receive_messages("Orchestrator") == []
         with pytest.raises(TypeError, match="takes no options: ttl"):
             await orchestrator.broadcast(alert, ttl=5)
+        # Scenario 3's words: broadcast(message_type="BROADCAST", content={...}).
+        again = await orchestrator.broadcast(message_type="BROADCAST", content={"alert": "again"})
+        assert sorted(again.recipients) == names
+        for name in names:
+            [copy] = await orchestrator.receive_messages(name)
+            assert (copy.message_type, copy.content) == (MessageType.BROADCAST, {"alert": "again"})
 
 
 async def test_scenario_03_a_broadcast_alert_to_running_agents_is_taken_not_answered(
@@ -553,7 +584,7 @@ async def test_scenario_14_parallel_messages(
             orchestrator.build(name, {"action": "book"}, message_type=MessageType.BROADCAST)
             for name in collectors
         ]
-        sent = await orchestrator.send_parallel(messages)
+        sent = await orchestrator.send_messages_parallel(messages)  # RF-009's name for it
     assert [m.message_id for m in sent] == [m.message_id for m in messages]
     for name, collector in collectors.items():
         [got] = await collector.wait()
