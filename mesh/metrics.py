@@ -390,6 +390,18 @@ class BrokerMetrics:
             self.roundtrip_latency.observe(seconds)
             self.recent_roundtrip.add(seconds)
 
+    @property
+    def recent(self) -> dict[str, RecentLatencies]:
+        """The windows of the most recent latencies, by figure: send, receive, roundtrip,
+        handoff and broadcast."""
+        return {
+            "send": self.recent_send,
+            "receive": self.recent_receive,
+            "roundtrip": self.recent_roundtrip,
+            "handoff": self.recent_handoff,
+            "broadcast": self.recent_broadcast,
+        }
+
     def gathered(self, seconds: float) -> None:
         """A gather that ended: its time (to the last answer, or to its deadline) is its own
         figure, not a request/response roundtrip."""

@@ -287,25 +287,9 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         t.handoff_count = totals.handoffs
         t.broadcast_count = totals.broadcasts
         metrics = self.broker.metrics
-        t.send_latency_p50_ms, t.send_latency_p95_ms, t.send_latency_p99_ms = (
-            metrics.recent_send.percentiles_ms()
-        )
-        (
-            t.roundtrip_latency_p50_ms,
-            t.roundtrip_latency_p95_ms,
-            t.roundtrip_latency_p99_ms,
-        ) = metrics.recent_roundtrip.percentiles_ms()
-        t.receive_latency_p50_ms, t.receive_latency_p95_ms, t.receive_latency_p99_ms = (
-            metrics.recent_receive.percentiles_ms()
-        )
-        t.handoff_latency_p50_ms, t.handoff_latency_p95_ms, t.handoff_latency_p99_ms = (
-            metrics.recent_handoff.percentiles_ms()
-        )
-        (
-            t.broadcast_latency_p50_ms,
-            t.broadcast_latency_p95_ms,
-            t.broadcast_latency_p99_ms,
-        ) = metrics.recent_broadcast.percentiles_ms()
+        for figure, window in metrics.recent.items():  # send_latency_p50_ms, ...
+            for pct, value in zip((50, 95, 99), window.percentiles_ms(), strict=True):
+                setattr(t, f"{figure}_latency_p{pct}_ms", value)
         t.drop_rate = metrics.drop_rate
         return response
 
