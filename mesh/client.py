@@ -52,6 +52,7 @@ from mesh.core.model import (
 )
 from mesh.core.state import StateEntry, StateLock
 from mesh.core.tasks import cancel_and_wait
+from mesh.metrics import RT011_FIGURES
 from mesh.security import open_channel
 from mesh.serving import GRPC_OPTIONS
 from mesh.streams import BATCH_HEADER, FrameWriter
@@ -165,31 +166,9 @@ class QueueStatsReport:
         ...), counts since the broker started, the drop rate from 0 to 1 and the messages
         held as ``multi_agent.message.queue_depth``."""
         t = self.totals
-        figures = {name: t[field] for name, field in _RT011_FIGURES.items()}
+        figures = {name: t[field] for name, field in RT011_FIGURES.items()}
         figures["multi_agent.message.queue_depth"] = t["held"]
         return figures
-
-
-# RT-011's required metrics and RF-009 scenario 20's figures, by the BrokerTotals field
-# that holds each.
-_RT011_FIGURES = {
-    "multi_agent.message.send_latency_p50": "send_latency_p50_ms",
-    "multi_agent.message.send_latency_p95": "send_latency_p95_ms",
-    "multi_agent.message.send_latency_p99": "send_latency_p99_ms",
-    "multi_agent.message.receive_latency_p50": "receive_latency_p50_ms",
-    "multi_agent.message.receive_latency_p95": "receive_latency_p95_ms",
-    "multi_agent.message.roundtrip_latency_p50": "roundtrip_latency_p50_ms",
-    "multi_agent.message.roundtrip_latency_p95": "roundtrip_latency_p95_ms",
-    "multi_agent.handoff.latency_p50": "handoff_latency_p50_ms",
-    "multi_agent.handoff.latency_p95": "handoff_latency_p95_ms",
-    "multi_agent.broadcast.latency_p50": "broadcast_latency_p50_ms",
-    "multi_agent.message.dropped_count": "dropped_count",
-    "multi_agent.message.expired_count": "expired_count",
-    "messages_sent_count": "sent_count",
-    "messages_received_count": "delivered_count",
-    "handoffs_count": "handoff_count",
-    "message_drop_rate": "drop_rate",
-}
 
 
 def with_trace(message: Message) -> Message:

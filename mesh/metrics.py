@@ -183,6 +183,30 @@ def rt011_count(name: str, doc: str, value: float) -> Metric:
     return UnknownMetricFamily(f"{RT011}{name}", doc, value=value)
 
 
+RT011_FIGURES = {
+    "multi_agent.message.send_latency_p50": "send_latency_p50_ms",
+    "multi_agent.message.send_latency_p95": "send_latency_p95_ms",
+    "multi_agent.message.send_latency_p99": "send_latency_p99_ms",
+    "multi_agent.message.receive_latency_p50": "receive_latency_p50_ms",
+    "multi_agent.message.receive_latency_p95": "receive_latency_p95_ms",
+    "multi_agent.message.roundtrip_latency_p50": "roundtrip_latency_p50_ms",
+    "multi_agent.message.roundtrip_latency_p95": "roundtrip_latency_p95_ms",
+    "multi_agent.handoff.latency_p50": "handoff_latency_p50_ms",
+    "multi_agent.handoff.latency_p95": "handoff_latency_p95_ms",
+    "multi_agent.broadcast.latency_p50": "broadcast_latency_p50_ms",
+    "multi_agent.message.dropped_count": "dropped_count",
+    "multi_agent.message.expired_count": "expired_count",
+    "message_validation_errors": "validation_errors",
+    "messages_sent_count": "sent_count",
+    "messages_received_count": "delivered_count",
+    "handoffs_count": "handoff_count",
+    "message_drop_rate": "drop_rate",
+}
+"""The broker's RT-011 required metrics and RF-009 scenario 20's figures, by name, and the
+field of mesh.v1.BrokerTotals (and of :meth:`BrokerMetrics.figures`) that holds each. (Queue
+depth, also required, is per agent: the queue gauges.)"""
+
+
 class QueueGauges:
     """``agentmesh_queue_depth`` (per agent) and ``agentmesh_messages_held``, as the broker
     last read them from its store. A scrape from another thread (the /metrics server) first
@@ -390,17 +414,33 @@ class BrokerMetrics:
             self.roundtrip_latency.observe(seconds)
             self.recent_roundtrip.add(seconds)
 
-    @property
-    def recent(self) -> dict[str, RecentLatencies]:
-        """The windows of the most recent latencies, by figure: send, receive, roundtrip,
-        handoff and broadcast."""
-        return {
-            "send": self.recent_send,
-            "receive": self.recent_receive,
-            "roundtrip": self.recent_roundtrip,
-            "handoff": self.recent_handoff,
-            "broadcast": self.recent_broadcast,
+    def figures(self) -> dict[str, float]:
+        """Every figure of mesh.v1.BrokerTotals these metrics hold, by its field: the counts
+        since the broker started, the latency percentiles in milliseconds over the most
+        recent operations (send_latency_p50_ms, ...), and the drop rate."""
+        t = self.totals
+        out: dict[str, float] = {
+            "sent_count": t.sent,
+            "delivered_count": t.delivered,
+            "expired_count": t.expired,
+            "dropped_count": t.dropped,
+            "validation_errors": t.validation_errors,
+            "dead_lettered_count": t.dead_lettered,
+            "redelivered_count": t.redelivered,
+            "handoff_count": t.handoffs,
+            "broadcast_count": t.broadcasts,
         }
+        for figure, window in (
+            ("send", self.recent_send),
+            ("receive", self.recent_receive),
+            ("roundtrip", self.recent_roundtrip),
+            ("handoff", self.recent_handoff),
+            ("broadcast", self.recent_broadcast),
+        ):
+            for pct, value in zip((50, 95, 99), window.percentiles_ms(), strict=True):
+                out[f"{figure}_latency_p{pct}_ms"] = value
+        out["drop_rate"] = self.drop_rate
+        return out
 
     def gathered(self, seconds: float) -> None:
         """A gather that ended: its time (to the last answer, or to its deadline) is its own
@@ -410,44 +450,22 @@ class BrokerMetrics:
 
 
 class _RequiredFigures:
-    """RT-011's required metrics of the broker under their own names, in milliseconds as
-    RT-011 states its targets, percentiles over the most recent 2,048 of each; and RF-009
-    scenario 20's counts and drop rate. (The histograms above hold the same latencies for
+    """RT-011's required metrics of the broker and RF-009 scenario 20's figures under their
+    own names (:data:`RT011_FIGURES`): latencies in milliseconds as RT-011 states its targets,
+    over the most recent 2,048 of each. (The histograms above hold the same latencies for
     histogram_quantile; queue depth is yielded with the queue gauges, read at scrape time.)"""
 
     def __init__(self, metrics: BrokerMetrics) -> None:
         self._metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
-        m = self._metrics
-        windows = (
-            ("message_send_latency", m.recent_send, ("p50", "p95", "p99")),
-            ("message_receive_latency", m.recent_receive, ("p50", "p95")),
-            ("message_roundtrip_latency", m.recent_roundtrip, ("p50", "p95")),
-            ("handoff_latency", m.recent_handoff, ("p50", "p95")),
-            ("broadcast_latency", m.recent_broadcast, ("p50",)),
-        )
-        for name, window, wanted in windows:
-            values = dict(zip(("p50", "p95", "p99"), window.percentiles_ms(), strict=True))
-            for pct in wanted:
-                dotted = f"multi_agent.{name.replace('_', '.', 1)}_{pct}"
-                yield rt011_gauge(
-                    f"{name}_{pct}",
-                    f"RT-011 {dotted}: milliseconds, over the most recent 2048.",
-                    values[pct],
-                )
-        t = m.totals
-        for name, doc, value in (
-            ("message_dropped_count", "multi_agent.message.dropped_count", t.dropped),
-            ("message_expired_count", "multi_agent.message.expired_count", t.expired),
-            ("message_validation_errors", "RF-009 message.validation_errors", t.validation_errors),
-            ("messages_sent_count", "RF-009 messages_sent_count", t.sent),
-            ("messages_received_count", "RF-009 messages_received_count", t.delivered),
-            ("handoffs_count", "RF-009 handoffs_count", t.handoffs),
-        ):
-            yield rt011_count(name, f"{doc}, since the broker started.", value)
-        yield rt011_gauge(
-            "message_drop_rate",
-            "RF-009 message_drop_rate: messages dropped per message offered (0 to 1).",
-            m.drop_rate,
-        )
+        figures = self._metrics.figures()
+        for name, field in RT011_FIGURES.items():
+            value = figures[field]
+            exported = name.removeprefix("multi_agent.").replace(".", "_")  # RT011 + this
+            if field.endswith("_ms"):
+                yield rt011_gauge(exported, f"{name}: milliseconds, most recent 2,048.", value)
+            elif field == "drop_rate":
+                yield rt011_gauge(exported, f"{name}: dropped per message offered.", value)
+            else:
+                yield rt011_count(exported, f"{name}, since the broker started.", value)

@@ -259,7 +259,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     async def GetQueueStats(
         self, request: broker_pb2.GetQueueStatsRequest, context: Any
     ) -> broker_pb2.GetQueueStatsResponse:
-        agents, totals = await self.broker.queue_stats(request.agent_id)
+        agents, _ = await self.broker.queue_stats(request.agent_id)
         response = broker_pb2.GetQueueStatsResponse()
         for item in agents:
             q = item.queue
@@ -277,20 +277,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         t.held = await self.broker.held()
         t.max_messages_per_agent = self.broker.config.max_messages_per_agent
         t.max_total_messages = self.broker.config.max_total_messages
-        t.sent_count = totals.sent
-        t.delivered_count = totals.delivered
-        t.expired_count = totals.expired
-        t.dropped_count = totals.dropped
-        t.validation_errors = totals.validation_errors
-        t.dead_lettered_count = totals.dead_lettered
-        t.redelivered_count = totals.redelivered
-        t.handoff_count = totals.handoffs
-        t.broadcast_count = totals.broadcasts
-        metrics = self.broker.metrics
-        for figure, window in metrics.recent.items():  # send_latency_p50_ms, ...
-            for pct, value in zip((50, 95, 99), window.percentiles_ms(), strict=True):
-                setattr(t, f"{figure}_latency_p{pct}_ms", value)
-        t.drop_rate = metrics.drop_rate
+        for field, value in self.broker.metrics.figures().items():
+            setattr(t, field, value)  # the counts, latency percentiles and drop rate
         return response
 
     @translating
