@@ -61,17 +61,17 @@ _MAX_SAFE_INT = 2**53
 def value_to_python(value: struct_pb2.Value) -> JSON:
     """A protobuf Value as plain Python; whole numbers come back as int, as JSON would."""
     kind = value.WhichOneof("kind")
+    if kind == "string_value":  # (the kinds most often met first)
+        return value.string_value
+    if kind == "number_value":
+        number = value.number_value
+        if number.is_integer() and -_MAX_SAFE_INT < number < _MAX_SAFE_INT:
+            return int(number)
+        return number  # (also what is not finite: is_integer() is False for those)
     if kind == "struct_value":
         return struct_to_dict(value.struct_value)
     if kind == "list_value":
         return [value_to_python(v) for v in value.list_value.values]
-    if kind == "number_value":
-        number = value.number_value
-        if math.isfinite(number) and number.is_integer() and abs(number) < _MAX_SAFE_INT:
-            return int(number)
-        return number
-    if kind == "string_value":
-        return value.string_value
     if kind == "bool_value":
         return value.bool_value
     return None
@@ -84,7 +84,18 @@ def struct_to_dict(struct: struct_pb2.Struct) -> dict[str, JSON]:
 
 
 def python_to_value(data: JSON, out: struct_pb2.Value) -> None:
-    if data is None:
+    # The exact types JSON decodes to are told apart by identity (one test each, bool apart
+    # from int); subclasses and other sequences take the general path.
+    kind = type(data)
+    if kind is str:
+        out.string_value = data  # type: ignore[assignment]
+    elif kind is float or kind is int:
+        out.number_value = data  # type: ignore[assignment]
+    elif kind is bool:
+        out.bool_value = data  # type: ignore[assignment]
+    elif kind is dict:
+        dict_to_struct(data, out.struct_value)  # type: ignore[arg-type]
+    elif data is None:
         out.null_value = struct_pb2.NULL_VALUE
     elif isinstance(data, bool):
         out.bool_value = data
@@ -108,8 +119,16 @@ def dict_to_struct(data: Mapping[str, JSON], out: struct_pb2.Struct) -> None:
         out.CopyFrom(data.struct)  # as it came in: one copy, not one call per value
         return
     out.SetInParent()
+    fields = out.fields
     for key, item in data.items():
-        python_to_value(item, out.fields[str(key)])
+        name = key if type(key) is str else str(key)
+        kind = type(item)  # strings and numbers, the most met, set here without a call
+        if kind is str:
+            fields[name].string_value = item  # type: ignore[assignment]
+        elif kind is float or kind is int:
+            fields[name].number_value = item  # type: ignore[assignment]
+        else:
+            python_to_value(item, fields[name])
 
 
 class WireContent(EncodedContent):

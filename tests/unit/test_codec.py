@@ -3,10 +3,14 @@ with the decoded dict."""
 
 from __future__ import annotations
 
+import enum
 import json
 import uuid
 
 import pytest
+from google.protobuf import struct_pb2
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mesh import codec
 from mesh.config import BrokerConfig
@@ -139,3 +143,69 @@ def _fields(message: Message) -> dict[str, object]:
     import dataclasses
 
     return {f.name: getattr(message, f.name) for f in dataclasses.fields(message) if f.init}
+
+
+# JSON as a client hands it in: what it decodes to comes back (whole numbers as int).
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**53) + 1, max_value=2**53 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8)
+)
+_json = st.recursive(
+    _scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+def _as_decoded(value: object) -> object:
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _as_decoded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_as_decoded(v) for v in value]
+    return value
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=6), _json, max_size=5))
+def test_json_content_comes_back_as_it_was_sent(content: dict[str, object]) -> None:
+    struct = struct_pb2.Struct()
+    codec.dict_to_struct(content, struct)
+    decoded = codec.struct_to_dict(struct_pb2.Struct.FromString(struct.SerializeToString()))
+    expected = _as_decoded(content)
+    assert decoded == expected
+    assert all(type(decoded[key]) is type(expected[key]) for key in expected)
+
+
+class _Level(enum.IntEnum):
+    HIGH = 3
+
+
+def test_content_of_other_python_types_is_encoded_by_what_it_is() -> None:
+    struct = struct_pb2.Struct()
+    codec.dict_to_struct(
+        {
+            "flag": True,  # a bool stays a bool, not the number 1
+            "level": _Level.HIGH,  # an int subclass is a number
+            "pair": (1, "b"),  # a tuple is a list
+            7: "seven",  # a key that is not a string is written as one
+            "empty": {},
+            "other": uuid.UUID(int=1),  # anything else as its text
+        },
+        struct,
+    )
+    assert codec.struct_to_dict(struct) == {
+        "flag": True,
+        "level": 3,
+        "pair": [1, "b"],
+        "7": "seven",
+        "empty": {},
+        "other": "00000000-0000-0000-0000-000000000001",
+    }
+    assert struct.fields["empty"].WhichOneof("kind") == "struct_value"
