@@ -88,18 +88,16 @@ def python_to_value(data: JSON, out: struct_pb2.Value) -> None:
     # from int); subclasses and other sequences take the general path.
     kind = type(data)
     if kind is str:
-        out.string_value = data  # type: ignore[assignment]
+        out.string_value = data
     elif kind is float or kind is int:
-        out.number_value = data  # type: ignore[assignment]
+        out.number_value = data
     elif kind is bool:
-        out.bool_value = data  # type: ignore[assignment]
+        out.bool_value = data
     elif kind is dict:
-        dict_to_struct(data, out.struct_value)  # type: ignore[arg-type]
+        dict_to_struct(data, out.struct_value)
     elif data is None:
         out.null_value = struct_pb2.NULL_VALUE
-    elif isinstance(data, bool):
-        out.bool_value = data
-    elif isinstance(data, int | float):
+    elif isinstance(data, int | float):  # (bool has no subclasses: it was told above)
         out.number_value = float(data)
     elif isinstance(data, str):
         out.string_value = data
@@ -124,9 +122,9 @@ def dict_to_struct(data: Mapping[str, JSON], out: struct_pb2.Struct) -> None:
         name = key if type(key) is str else str(key)
         kind = type(item)  # strings and numbers, the most met, set here without a call
         if kind is str:
-            fields[name].string_value = item  # type: ignore[assignment]
+            fields[name].string_value = item
         elif kind is float or kind is int:
-            fields[name].number_value = item  # type: ignore[assignment]
+            fields[name].number_value = item
         else:
             python_to_value(item, fields[name])
 
