@@ -83,7 +83,7 @@ proto-baseline: setup
 
 lint: setup breaking
 	$(BIN)/ruff check .
-	$(BIN)/mypy mesh agents gateway
+	$(BIN)/mypy mesh agents gateway benchmarks
 	$(BIN)/buf lint
 	$(BIN)/buf format --exit-code > /dev/null
 	@if [ -x clients/node/node_modules/.bin/tsc ]; then \

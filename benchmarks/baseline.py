@@ -12,6 +12,12 @@ request frame and writes the echo a delivery, the echo answers with a RESPONSE m
 parses that and writes the response frame. They do what any broker and agent on this contract
 must do for a roundtrip, and nothing of the mesh's own (queues, leases, validation, correlation):
 the least a roundtrip through a broker speaking this contract costs on this machine.
+
+`... agent --broker ADDR --agent-id ID` is an agent of the real broker written in raw grpc.aio
+on the contract alone (no SDK): it registers, subscribes on a Connect stream and answers every
+delivery on that stream with a RESPONSE built from the request in place. With the raw driver
+(:class:`ContractClient`) at the other end, a roundtrip through the broker measures the broker
+and nothing of the SDKs': where the time of a mesh roundtrip goes, the broker or its clients.
 """
 
 from __future__ import annotations
@@ -57,6 +63,86 @@ async def _contract_echo(requests: AsyncIterator[bytes], context: Any) -> AsyncI
         answer.correlation_id = delivery.message.message_id
         answer.from_agent, answer.to_agent = delivery.message.to_agent, delivery.message.from_agent
         yield frame.SerializeToString()
+
+
+async def serve_raw_agent(broker: str, agent_id: str, ready: Any) -> None:
+    """The raw agent: answers each delivery on the stream it came on until the stream ends."""
+    async with grpc.aio.insecure_channel(broker) as channel:
+        register = broker_pb2.RegisterAgentRequest()
+        register.agent.agent_id = agent_id
+        await channel.unary_unary(
+            "/mesh.v1.BrokerService/RegisterAgent",
+            request_serializer=broker_pb2.RegisterAgentRequest.SerializeToString,
+            response_deserializer=broker_pb2.RegisterAgentResponse.FromString,
+        )(register)
+        call = channel.stream_stream(
+            "/mesh.v1.BrokerService/Connect",
+            request_serializer=broker_pb2.ConnectRequest.SerializeToString,
+            response_deserializer=broker_pb2.ConnectResponse.FromString,
+        )()
+        subscribe = broker_pb2.ConnectRequest(seq=1)
+        subscribe.subscribe.agent_id = agent_id
+        subscribe.subscribe.max_in_flight = 128
+        await call.write(subscribe)
+        first = cast(broker_pb2.ConnectResponse, await call.read())
+        if first.WhichOneof("frame") != "accepted":
+            raise RuntimeError(f"the broker refused the subscription of {agent_id}")
+        ready()
+        while (frame := await call.read()) is not grpc.aio.EOF:
+            request = cast(broker_pb2.ConnectResponse, frame).delivery.message
+            out = broker_pb2.ConnectRequest()  # seq 0: fire-and-forget; it acks the delivery
+            answer = out.send
+            answer.CopyFrom(request)
+            answer.ClearField("message_id")  # the broker assigns one
+            answer.message_type = message_pb2.MESSAGE_TYPE_RESPONSE
+            answer.correlation_id = request.correlation_id or request.message_id
+            answer.from_agent, answer.to_agent = agent_id, request.reply_to or request.from_agent
+            await call.write(out)
+
+
+class ContractClient:
+    """The raw driver of the real broker: `request` frames on one Connect stream, answers
+    matched by seq, nothing else."""
+
+    def __init__(self, target: str) -> None:
+        self.channel = grpc.aio.insecure_channel(target)
+        self.call = self.channel.stream_stream(
+            "/mesh.v1.BrokerService/Connect",
+            request_serializer=broker_pb2.ConnectRequest.SerializeToString,
+            response_deserializer=broker_pb2.ConnectResponse.FromString,
+        )()
+        self.seq = 0
+        self.waiting: dict[int, asyncio.Future[broker_pb2.ConnectResponse]] = {}
+        self.reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
+            while (frame := await self.call.read()) is not grpc.aio.EOF:
+                answer = cast(broker_pb2.ConnectResponse, frame)
+                waiter = self.waiting.pop(answer.seq, None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(answer)
+
+    async def request(self, message: message_pb2.Message) -> message_pb2.Message:
+        self.seq += 1
+        waiter: asyncio.Future[broker_pb2.ConnectResponse] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self.waiting[self.seq] = waiter
+        frame = broker_pb2.ConnectRequest(seq=self.seq)
+        frame.request.message.CopyFrom(message)
+        await self.call.write(frame)
+        answer = await waiter
+        if not answer.HasField("response"):
+            raise RuntimeError(f"the broker did not answer with a response: {answer}")
+        return answer.response
+
+    async def close(self) -> None:
+        self.call.cancel()
+        self.reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.reader
+        await self.channel.close()
 
 
 def stamps(answer: bytes) -> list[float]:
@@ -149,7 +235,7 @@ def _relay(upstream: str) -> Any:
         task = asyncio.create_task(forward())
         try:
             while (frame := await call.read()) is not grpc.aio.EOF:
-                yield frame
+                yield cast(bytes, frame)
         finally:
             task.cancel()
 
@@ -188,13 +274,31 @@ def handler_for(
 
 async def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("role", choices=["echo", "relay", "fanout"])
+    parser.add_argument("role", choices=["echo", "relay", "fanout", "agent"])
     parser.add_argument("--upstream", action="append", default=[])
+    parser.add_argument("--broker", help="agent: the broker to serve")
+    parser.add_argument("--agent-id", default="raw-0", help="agent: its id")
     parser.add_argument("--stamp", action="store_true", help="echo: answer with the time")
     parser.add_argument(
         "--contract", action="store_true", help="relay, echo: speak the mesh's Connect frames"
     )
     args = parser.parse_args()
+    if args.role == "agent":
+        if not args.broker:
+            parser.error("agent needs --broker")
+        serving = asyncio.create_task(
+            serve_raw_agent(
+                args.broker,
+                args.agent_id,
+                lambda: print(f"baseline agent {args.agent_id} ready", flush=True),
+            )
+        )
+        signalled = asyncio.create_task(_until_signalled())
+        await asyncio.wait({serving, signalled}, return_when=asyncio.FIRST_COMPLETED)
+        if serving.done():
+            serving.result()  # (raises what ended it)
+        serving.cancel()
+        return
     server, address = await start(
         handler_for(args.role, args.upstream, stamp=args.stamp, contract=args.contract)
     )
@@ -218,7 +322,7 @@ class StreamClient:
     async def _read(self) -> None:
         with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
             while (frame := await self.call.read()) is not grpc.aio.EOF:
-                self.waiting.get_nowait().set_result(frame)
+                self.waiting.get_nowait().set_result(cast(bytes, frame))
 
     async def roundtrip(self, payload: bytes) -> bytes:
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()

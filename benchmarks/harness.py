@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import gc
 import itertools
 import json
@@ -26,7 +27,7 @@ from typing import Any
 
 import grpc
 
-from benchmarks.baseline import StreamClient, stamps
+from benchmarks.baseline import ContractClient, StreamClient, stamps
 from gateway.client import GatewayClient
 from mesh import MessageType, Priority, connect
 from mesh.codec import message_to_pb
@@ -143,6 +144,8 @@ class Mesh:
     stampers: list[Proc] = field(default_factory=list)
     agents: list[Proc] = field(default_factory=list)
     procs: list[Proc] = field(default_factory=list)
+    raw_agent: Proc | None = None
+    """An agent of the broker in raw grpc.aio (no SDK): the broker's share of a roundtrip."""
 
     def meter(self) -> CpuMeter:
         """The CPU of the mesh's processes (and the driver's)."""
@@ -197,6 +200,17 @@ async def start_mesh() -> Mesh:
         ]
         agents = await asyncio.gather(*starts)
         procs.extend(agents)
+        raw_agent = await spawn(
+            "-m",
+            "benchmarks.baseline",
+            "agent",
+            "--broker",
+            broker.address,
+            "--agent-id",
+            "raw-0",
+            ready=r"baseline agent \S+ ready",
+        )
+        procs.append(raw_agent)
         gateway = await spawn(
             "-m",
             "mesh.cli",
@@ -259,6 +273,7 @@ async def start_mesh() -> Mesh:
             list(stampers),
             list(agents),
             procs,
+            raw_agent,
         )
     except BaseException:
         await stop_all(procs)
@@ -609,6 +624,26 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
 
         out["roundtrip"].update(await rate_with_cost(roundtrip_op, 64, s.throughput_seconds, meter))
 
+        # The same roundtrip through the same broker between ends in raw grpc.aio on the
+        # contract (no SDK at either end): the broker's share of the figure above.
+        if mesh.raw_agent is not None:
+            raw_request = message_to_pb(
+                Message(from_agent="raw-driver", to_agent="raw-0", content=PAYLOAD)
+            )
+            raw_request.ClearField("message_id")  # each one gets its own from the broker
+            raw_request.ClearField("timestamp")
+            raw_client = ContractClient(mesh.broker.address)
+            try:
+                out["roundtrip_raw_ends"] = await measured(
+                    "roundtrip_raw_ends",
+                    lambda: raw_client.request(raw_request),
+                    n,
+                    w,
+                    CpuMeter({"broker": [mesh.broker.pid], "agents": [mesh.raw_agent.pid]}),
+                )
+            finally:
+                await raw_client.close()
+
         def handoff_message() -> Message:
             return Message(
                 from_agent="driver",
@@ -639,7 +674,7 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
         async def broadcast_to(types: str, expected: int) -> float:
             sent_at, started = time.time(), time.perf_counter()
             stamps = [
-                float(item.response.content["received_at"])
+                float(item.response.content["received_at"])  # type: ignore[index]
                 async for item in client.gather({"query": "q"}, agent_types=[types], timeout=5)
                 if item.response is not None
             ]
@@ -776,7 +811,7 @@ async def measure_tracing_cost(s: Settings) -> dict[str, Any]:
             connect(brokers["traced"], agent_id="driver") as traced,
         ):
             for client, agent in ((plain, "plain-0"), (traced, "traced-0")):
-                await timed(lambda c=client, a=agent: c.request(a, PAYLOAD), 0, s.warmup)
+                await timed(functools.partial(client.request, agent, PAYLOAD), 0, s.warmup)
             for _ in range(max(1, s.operations // block)):
                 for key, client, agent, sampler in (
                     ("off", plain, "plain-0", ALWAYS_OFF),
@@ -785,7 +820,7 @@ async def measure_tracing_cost(s: Settings) -> dict[str, Any]:
                 ):
                     provider.sampler = sampler
                     samples[key] += await timed(
-                        lambda c=client, a=agent: c.request(a, PAYLOAD), block, 0
+                        functools.partial(client.request, agent, PAYLOAD), block, 0
                     )
         provider.sampler = ALWAYS_OFF
         provider.force_flush()
@@ -879,7 +914,7 @@ async def _measure_replicas(s: Settings, redis_url: str) -> dict[str, Any]:
                 rates = await asyncio.gather(
                     *(
                         rate(
-                            lambda c=c: _send_one(c),
+                            functools.partial(_send_one, c),
                             16,
                             s.throughput_seconds,
                         )
@@ -1128,6 +1163,15 @@ def to_markdown(report: dict[str, Any]) -> str:
             f"nothing more) is at p50 {floor['p50_ms']:.3f} ms (`baseline.contract2`, "
             f"{floor['p50_ms'] / base['p50_ms']:.2f}x the relay); roundtrip takes "
             f"{rt['p50_ms'] / floor['p50_ms']:.2f}x that.",
+        ]
+    if (raw := f.get("roundtrip_raw_ends")) and (rt := f.get("roundtrip")):
+        lines += [
+            "",
+            f"The broker's share of a roundtrip: between a driver and an agent in raw grpc.aio "
+            f"on the contract (no SDK at either end), through the same broker, a roundtrip is "
+            f"at p50 {raw['p50_ms']:.3f} ms (`roundtrip_raw_ends`, "
+            f"{raw['p50_ms'] / base['p50_ms']:.2f}x the relay); the SDK's driver and agent add "
+            f"{rt['p50_ms'] - raw['p50_ms']:.3f} ms to that (`roundtrip`).",
         ]
     return "\n".join(lines) + "\n"
 

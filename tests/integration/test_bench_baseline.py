@@ -1,14 +1,25 @@
 """The benchmark's physical-limit servers (raw grpc.aio, no mesh): the echo and the two-hop
 relay give back what they were sent; the fan-out sends each frame to every upstream and
-answers with each one's wall-clock time of receipt, in upstream order."""
+answers with each one's wall-clock time of receipt, in upstream order; the raw agent and driver
+do a roundtrip through the real broker."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 
 import grpc
 
-from benchmarks.baseline import StreamClient, handler_for, stamps, start
+from benchmarks.baseline import (
+    ContractClient,
+    StreamClient,
+    handler_for,
+    serve_raw_agent,
+    stamps,
+    start,
+)
+from mesh.testing import LocalMesh
 from mesh.v1 import broker_pb2, message_pb2
 
 
@@ -73,3 +84,32 @@ async def test_the_contract_relay_answers_each_request_frame_as_a_broker_would()
         await client.close()
         await relay.stop(0)
         await echo.stop(0)
+
+
+async def test_the_raw_agent_and_driver_do_a_roundtrip_through_the_real_broker(
+    mesh: LocalMesh,
+) -> None:
+    """The ends of `roundtrip_raw_ends`: an agent and a driver in raw grpc.aio on the contract
+    alone. Each request comes back as the RESPONSE correlated to it, and the answer settles the
+    delivery (nothing is left for redelivery)."""
+    ready = asyncio.Event()
+    agent = asyncio.create_task(serve_raw_agent(mesh.address, "raw-0", ready.set))
+    await asyncio.wait_for(ready.wait(), 10)
+    driver = ContractClient(mesh.address)
+    try:
+        for n in range(3):
+            request = message_pb2.Message(from_agent="raw-driver", to_agent="raw-0")
+            request.content.update({"action": "ping", "n": n})
+            response = await asyncio.wait_for(driver.request(request), 10)
+            assert response.message_type == message_pb2.MESSAGE_TYPE_RESPONSE
+            assert (response.from_agent, response.to_agent) == ("raw-0", "raw-driver")
+            assert response.correlation_id  # the id the broker gave the request
+            assert dict(response.content) == {"action": "ping", "n": n}
+        view = (await mesh.client().queue_stats("raw-0")).for_agent("raw-0")
+        assert view is not None
+        assert (view.depth, view.in_flight, view.dead_letters, view.subscribers) == (0, 0, 0, 1)
+    finally:
+        await driver.close()
+        agent.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await agent

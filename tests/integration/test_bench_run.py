@@ -24,6 +24,7 @@ LATENCIES = (
     "send",
     "receive",
     "roundtrip",
+    "roundtrip_raw_ends",
     "handoff",
     "broadcast5",
     "broadcast100",
@@ -81,6 +82,7 @@ def test_a_quick_run_writes_every_figure_and_compares_with_an_earlier_result(
     table = (out / "latest.md").read_text()
     assert "| figure | p50 ms | p95 ms | p99 ms | max ms | x relay p50 | throughput/s |" in table
     assert "| roundtrip |" in table and "| baseline.relay2 |" in table
+    assert "The broker's share of a roundtrip:" in table
     assert f"Compared with {earlier_file}:" in run.stdout
     assert "roundtrip.p50_ms: 1000.000 -> " in run.stdout and "faster)" in run.stdout
     png = out / "latest.png"
