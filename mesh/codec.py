@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from google.protobuf import duration_pb2, struct_pb2, timestamp_pb2
 
@@ -16,6 +16,7 @@ from mesh.core.model import (
     AgentInfo,
     DeadLetter,
     Delivery,
+    EncodedBefore,
     EncodedContent,
     Handoff,
     Message,
@@ -308,8 +309,22 @@ def _undefined(field_name: str, number: int, known: Mapping[int, Any]) -> FieldV
 def message_to_pb(message: Message, out: message_pb2.Message | None = None) -> message_pb2.Message:
     pb = message_pb2.Message() if out is None else out
     encoded = message.encoded
-    if isinstance(encoded, message_pb2.Message):  # unchanged since it came in: one copy
+    if encoded.__class__ is message_pb2.Message:  # unchanged since it came in: one copy
         pb.CopyFrom(encoded)
+        return pb
+    if encoded.__class__ is EncodedBefore:
+        # A copy of a message that came in, changed in its scalar fields only (a request's
+        # type and correlation, a broadcast copy's to_agent...): one copy, and those fields.
+        pb.CopyFrom(cast(message_pb2.Message, encoded.encoded))
+        pb.message_id = message.message_id
+        pb.from_agent = message.from_agent
+        pb.to_agent = message.to_agent
+        pb.message_type = _TYPE_TO_PB[message.message_type]
+        pb.correlation_id = message.correlation_id
+        pb.priority = _PRIORITY_TO_PB[message.priority]
+        pb.ttl = message.ttl
+        pb.reply_to = message.reply_to
+        pb.ack_required = message.ack_required
         return pb
     pb.message_id = message.message_id
     pb.from_agent = message.from_agent

@@ -7,7 +7,7 @@ import enum
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -117,8 +117,10 @@ class Message:
     headers: dict[str, str] = field(default_factory=dict)
     encoded: object = field(default=None, init=False, repr=False, compare=False)
     """The message in the form it arrived in, when the codec kept it (the broker does): passed
-    on unchanged, it is written out in one copy. A changed copy (:meth:`evolve`,
-    :meth:`copy_to`) has none and is encoded field by field."""
+    on unchanged, it is written out in one copy. A copy (:meth:`evolve`, :meth:`copy_to`)
+    that changes only the envelope's scalar fields (:data:`RESTAMPED`) keeps it, as
+    :class:`EncodedBefore`: one copy, those fields written over it; one that changes anything
+    else has none and is encoded field by field."""
 
     @property
     def action(self) -> str:
@@ -148,11 +150,26 @@ class Message:
 
     def copy_to(self, to_agent: str, **changes: Any) -> Message:
         """The same message addressed to another agent (broadcast copies keep the id)."""
-        return replace(self, to_agent=to_agent, **changes)
+        changes["to_agent"] = to_agent
+        return self.evolve(**changes)
 
     def evolve(self, **changes: Any) -> Message:
-        """A copy with some fields changed."""
-        return replace(self, **changes)
+        """A copy with some fields changed (a field the message does not have is a
+        TypeError). On the broker's path for every request and every broadcast copy: built
+        slot by slot, not through dataclasses.replace and __init__ (half the time)."""
+        if not changes.keys() <= _INIT_FIELDS:
+            return replace(self, **changes)  # (which says what is wrong)
+        copy = _new_message(Message)
+        for name in _INIT_FIELD_ORDER:
+            _set_field(copy, name, changes[name] if name in changes else getattr(self, name))
+        encoded = self.encoded
+        if encoded is not None:
+            if not changes.keys() <= RESTAMPED:
+                encoded = None
+            elif encoded.__class__ is not EncodedBefore:
+                encoded = EncodedBefore(encoded)
+        _set_field(copy, "encoded", encoded)
+        return copy
 
     def to_dict(self) -> dict[str, JSON]:
         """The JSON form of RT-011, with the timestamp in ISO 8601."""
@@ -191,6 +208,36 @@ class Message:
             ack_required=bool(data.get("ack_required", False)),
             headers={str(k): str(v) for k, v in dict(data.get("headers") or {}).items()},
         )
+
+
+RESTAMPED = frozenset(
+    {
+        "message_id",
+        "from_agent",
+        "to_agent",
+        "message_type",
+        "correlation_id",
+        "priority",
+        "ttl",
+        "reply_to",
+        "ack_required",
+    }
+)
+"""The envelope's scalar fields: a copy that changes only these keeps the encoded form of the
+message it was made from (as :class:`EncodedBefore`), and the codec writes them from the
+message over it."""
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedBefore:
+    """:attr:`Message.encoded` of a copy: the encoded form of the message it was made from,
+    right in every field but the :data:`RESTAMPED` ones."""
+
+    encoded: object
+_INIT_FIELD_ORDER = tuple(f.name for f in fields(Message) if f.init)
+_INIT_FIELDS = frozenset(_INIT_FIELD_ORDER)
+_new_message = object.__new__
+_set_field = object.__setattr__
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
