@@ -1114,6 +1114,25 @@ def with_ratios(figures: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def by_name(figures: dict[str, Any]) -> dict[str, Any]:
+    """Every number of every figure under its plain dotted name, as the checks name them
+    (``roundtrip.p95_ms``, ``baseline.relay2.p95_ms``, ``roundtrip.cpu_us_per_op.broker``,
+    ``oneway_batch100.throughput``): the report holds them at its top level, beside the same
+    numbers grouped by figure under ``figures``."""
+    out: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                walk(f"{prefix}.{key}", inner)
+        else:
+            out[prefix] = value
+
+    for name, figure in figures.items():
+        walk(name, figure)
+    return out
+
+
 def to_markdown(report: dict[str, Any]) -> str:
     f = report["figures"]
     base = f["baseline.relay2"]
@@ -1357,7 +1376,7 @@ async def main(args: argparse.Namespace) -> int:
         raise
     if _logs:
         shutil.rmtree(_logs[0], ignore_errors=True)
-    report = {
+    report: dict[str, Any] = {
         "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine(),
         "settings": settings.__dict__,
@@ -1366,6 +1385,7 @@ async def main(args: argparse.Namespace) -> int:
         "checks": evaluate(figures),
         "duration_s": round(time.perf_counter() - started, 1),
     }
+    report.update(by_name(report["figures"]))
     (output / "latest.json").write_text(json.dumps(report, indent=2) + "\n")
     markdown = to_markdown(report)
     (output / "latest.md").write_text(markdown)

@@ -67,6 +67,14 @@ def test_a_quick_run_writes_every_figure_and_compares_with_an_earlier_result(
         assert f["x_relay2_p95"] == pytest.approx(f["p95_ms"] / relay["p95_ms"]), name
     for name in THROUGHPUTS:
         assert figures[name]["throughput"] > 0, name
+    # Each number also under its plain dotted name, at the top level.
+    assert report["roundtrip.p95_ms"] == figures["roundtrip"]["p95_ms"]
+    assert report["baseline.relay2.p95_ms"] == figures["baseline.relay2"]["p95_ms"]
+    assert report["roundtrip.x_relay2_p50"] == figures["roundtrip"]["x_relay2_p50"]
+    assert report["oneway_batch100.throughput"] == figures["oneway_batch100"]["throughput"]
+    assert (
+        report["roundtrip.cpu_us_per_op.broker"] == figures["roundtrip"]["cpu_us_per_op"]["broker"]
+    )
     assert figures["roundtrip"]["throughput_64"] > 0
     assert figures["roundtrip"]["x_relay2_throughput_64"] == pytest.approx(
         figures["roundtrip"]["throughput_64"] / figures["baseline.relay2"]["throughput_64"]
