@@ -75,6 +75,10 @@ def test_a_quick_run_writes_every_figure_and_compares_with_an_earlier_result(
     assert (
         report["roundtrip.cpu_us_per_op.broker"] == figures["roundtrip"]["cpu_us_per_op"]["broker"]
     )
+    hot = report["hotpath"]  # the Python of each path, without gRPC
+    assert hot["broker_roundtrip_us"] > hot["raw_loop_us"] > 0
+    assert hot["agent_message_us"] > hot["raw_loop_us"] and hot["client_request_us"] > 0
+    assert report["hotpath.broker_roundtrip_us"] == hot["broker_roundtrip_us"]
     assert figures["roundtrip"]["throughput_64"] > 0
     assert figures["roundtrip"]["x_relay2_throughput_64"] == pytest.approx(
         figures["roundtrip"]["throughput_64"] / figures["baseline.relay2"]["throughput_64"]
@@ -91,6 +95,7 @@ def test_a_quick_run_writes_every_figure_and_compares_with_an_earlier_result(
     assert "| figure | p50 ms | p95 ms | p99 ms | max ms | x relay p50 | throughput/s |" in table
     assert "| roundtrip |" in table and "| baseline.relay2 |" in table
     assert "The broker's share of a roundtrip:" in table
+    assert "The mesh's own Python per operation, without gRPC" in table
     assert f"Compared with {earlier_file}:" in run.stdout
     assert "roundtrip.p50_ms: 1000.000 -> " in run.stdout and "faster)" in run.stdout
     png = out / "latest.png"

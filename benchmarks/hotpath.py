@@ -1,0 +1,300 @@
+"""The Python each hot path costs, without gRPC: `python -m benchmarks.hotpath`.
+
+The mesh's code on a roundtrip runs between gRPC reads and writes; on this machine its share is
+what separates a mesh roundtrip from the raw relay (the kernel and gRPC's own work are the same
+on both). Here each path runs in one process against in-memory streams that stand where the
+gRPC calls are (a write completes at the loop's next turn, as grpc.aio's do), so what is timed
+is the mesh's Python alone, steady from run to run where the multi-process figures are not:
+
+- ``broker_roundtrip``: a request frame into the broker's servicer (its real sessions, broker
+  and queues), the delivery out, the answer frame in, the response out;
+- ``agent_message``: the SDK's agent (its session, subscription and runtime, with the echo
+  agent of the benchmarks) from a delivery frame to the answer it writes;
+- ``client_request``: the SDK's ``request()`` from the call to the decoded answer;
+- ``raw_loop``: a bare read-then-write loop on the same in-memory stream, the floor.
+
+Microseconds per operation, the median of three runs. On the real mesh each costs about 2.5x
+this (its processes share two cores and find their caches cold); the ratios between them hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from benchmarks.agents import EchoAgent
+from mesh import Message, MessageType, connect
+from mesh.agent import AgentRuntime
+from mesh.codec import message_to_pb
+from mesh.config import BrokerConfig
+from mesh.core.broker import Broker
+from mesh.core.model import AgentInfo
+from mesh.loop import run as run_loop
+from mesh.server import BrokerServicer
+from mesh.streams import BATCH_HEADER
+from mesh.v1 import broker_pb2, message_pb2
+
+PAYLOAD: dict[str, Any] = {
+    "action": "process_payment",
+    "parameters": {"flight": "Flight A", "amount": 450},
+}
+ANSWER: dict[str, Any] = {
+    "received_at": 1.7e9,
+    "echo": PAYLOAD["parameters"],
+    "recommendation": "Buy AAPL",
+    "confidence": 0.8,
+    "reasoning": "echo-0",
+    "action": "process_payment",
+}
+
+
+def _frames(frame: Any) -> list[Any]:
+    return list(frame.batch.frames) if frame.WhichOneof("frame") == "batch" else [frame]
+
+
+class MemoryStream:
+    """Where a gRPC stream would be: ``read()`` takes what was put in, ``write()`` hands the
+    frame to ``on_write`` at the loop's next turn."""
+
+    def __init__(self, on_write: Callable[[MemoryStream, Any], None]) -> None:
+        self.inbox: asyncio.Queue[Any] = asyncio.Queue()
+        self.on_write = on_write
+
+    async def read(self) -> Any:
+        return await self.inbox.get()
+
+    async def write(self, frame: Any) -> None:
+        await asyncio.sleep(0)
+        self.on_write(self, frame)
+
+    async def frames(self) -> AsyncIterator[Any]:
+        while (frame := await self.inbox.get()) is not grpc.aio.EOF:
+            yield frame
+
+    # What the SDK's session and the broker's servicer ask of a call or context besides.
+    def cancel(self) -> bool:
+        return True
+
+    async def done_writing(self) -> None:
+        self.inbox.put_nowait(grpc.aio.EOF)  # the other side ends the stream in turn
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((BATCH_HEADER, "1"),)
+
+
+class MemoryStub:
+    """The broker's stub for an SDK client: Connect opens a MemoryStream."""
+
+    def __init__(self, on_write: Callable[[MemoryStream, Any], None]) -> None:
+        self.on_write = on_write
+        self.streams: list[MemoryStream] = []
+
+    def Connect(self, metadata: Any = None) -> MemoryStream:
+        stream = MemoryStream(self.on_write)
+        self.streams.append(stream)
+        return stream
+
+
+async def per_op(op: Callable[[], Awaitable[None]], count: int, warmup: int) -> float:
+    for _ in range(warmup):
+        await op()
+    started = time.perf_counter()
+    for _ in range(count):
+        await op()
+    return (time.perf_counter() - started) / count * 1e6
+
+
+async def broker_roundtrip(count: int) -> float:
+    broker = Broker(BrokerConfig(max_messages_per_agent=count + 1000))
+    await broker.register(AgentInfo(agent_id="echo-0", agent_types=("bench",)))
+    servicer = BrokerServicer(broker)
+    answered = asyncio.Event()
+
+    def agent_read(stream: MemoryStream, frame: Any) -> None:
+        for inner in _frames(frame):  # each delivery answered as a raw agent would
+            if inner.WhichOneof("frame") != "delivery":
+                continue
+            request = inner.delivery.message
+            out = broker_pb2.ConnectRequest()
+            answer = out.send
+            answer.from_agent, answer.to_agent = "echo-0", request.from_agent
+            answer.message_type = message_pb2.MESSAGE_TYPE_RESPONSE
+            answer.correlation_id = request.correlation_id or request.message_id
+            answer.content.CopyFrom(answer_content)
+            stream.inbox.put_nowait(out)
+
+    def driver_read(stream: MemoryStream, frame: Any) -> None:
+        if any(inner.WhichOneof("frame") == "response" for inner in _frames(frame)):
+            answered.set()
+
+    answer_content = message_to_pb(Message(from_agent="a", to_agent="b", content=ANSWER)).content
+    agent, driver = MemoryStream(agent_read), MemoryStream(driver_read)
+    sessions = [
+        asyncio.create_task(servicer.Connect(agent.frames(), agent)),
+        asyncio.create_task(servicer.Connect(driver.frames(), driver)),
+    ]
+    subscribe = broker_pb2.ConnectRequest(seq=1)
+    subscribe.subscribe.agent_id = "echo-0"
+    subscribe.subscribe.max_in_flight = 128
+    subscribe.subscribe.max_batch = 128
+    agent.inbox.put_nowait(subscribe)
+    request = broker_pb2.ConnectRequest()
+    message_to_pb(
+        Message(from_agent="driver", to_agent="echo-0", content=PAYLOAD), request.request.message
+    )
+    request.request.message.ClearField("message_id")
+    request.request.message.ClearField("timestamp")
+    seq = 1
+
+    async def one() -> None:
+        nonlocal seq
+        seq += 1
+        frame = broker_pb2.ConnectRequest()
+        frame.CopyFrom(request)
+        frame.seq = seq
+        answered.clear()
+        driver.inbox.put_nowait(frame)
+        await answered.wait()
+
+    try:
+        return await per_op(one, count, count // 10)
+    finally:
+        for session in sessions:
+            session.cancel()
+        await asyncio.gather(*sessions, return_exceptions=True)
+
+
+async def agent_message(count: int) -> float:
+    answered = asyncio.Event()
+
+    def broker_read(stream: MemoryStream, frame: Any) -> None:
+        for inner in _frames(frame):
+            kind = inner.WhichOneof("frame")
+            if kind in ("subscribe", "unsubscribe"):
+                accepted = broker_pb2.ConnectResponse(seq=inner.seq)
+                accepted.accepted.SetInParent()
+                stream.inbox.put_nowait(accepted)
+            elif kind == "send":
+                answered.set()
+
+    client = connect("127.0.0.1:1", agent_id="echo-0")  # (no connection is ever made)
+    stub = MemoryStub(broker_read)
+    client._stub = stub  # type: ignore[assignment]
+    runtime = AgentRuntime(EchoAgent("echo-0", agent_types=["bench"]), client, max_in_flight=128)
+    consumer = asyncio.create_task(runtime._consume())
+    await runtime.subscribed.wait()
+    stream = stub.streams[0]
+    sent = Message(from_agent="driver", to_agent="echo-0", content=PAYLOAD)
+    delivery = broker_pb2.ConnectResponse()
+    message_to_pb(sent.evolve(correlation_id=sent.message_id), delivery.delivery.message)
+    delivery.delivery.delivery_attempt = 1
+    delivery.delivery.lease_expires_at.GetCurrentTime()
+
+    async def one() -> None:
+        frame = broker_pb2.ConnectResponse()
+        frame.CopyFrom(delivery)
+        answered.clear()
+        stream.inbox.put_nowait(frame)
+        await answered.wait()
+
+    try:
+        return await per_op(one, count, count // 10)
+    finally:
+        consumer.cancel()
+        await asyncio.gather(consumer, return_exceptions=True)
+        await client.close()
+
+
+async def client_request(count: int) -> float:
+    answer = message_to_pb(
+        Message(
+            from_agent="echo-0",
+            to_agent="driver",
+            message_type=MessageType.RESPONSE,
+            content=ANSWER,
+        )
+    )
+
+    def broker_read(stream: MemoryStream, frame: Any) -> None:
+        for inner in _frames(frame):
+            if inner.WhichOneof("frame") == "request":
+                out = broker_pb2.ConnectResponse(seq=inner.seq)
+                out.response.CopyFrom(answer)
+                out.response.correlation_id = inner.request.message.message_id
+                stream.inbox.put_nowait(out)
+
+    client = connect("127.0.0.1:1", agent_id="driver")
+    client._stub = MemoryStub(broker_read)  # type: ignore[assignment]
+
+    async def one() -> None:
+        await client.request("echo-0", PAYLOAD)
+
+    try:
+        return await per_op(one, count, count // 10)
+    finally:
+        await client.close()
+
+
+async def raw_loop(count: int) -> float:
+    done = asyncio.Event()
+    stream = MemoryStream(lambda _stream, _frame: done.set())
+
+    async def echo() -> None:
+        while True:
+            await stream.write(await stream.read())
+
+    task = asyncio.create_task(echo())
+
+    async def one() -> None:
+        done.clear()
+        stream.inbox.put_nowait(b"")
+        await done.wait()
+
+    try:
+        return await per_op(one, count, count // 10)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+PATHS: dict[str, Callable[[int], Awaitable[float]]] = {
+    "broker_roundtrip": broker_roundtrip,
+    "agent_message": agent_message,
+    "client_request": client_request,
+    "raw_loop": raw_loop,
+}
+
+
+async def measure(count: int, repetitions: int = 3) -> dict[str, float]:
+    """Microseconds of Python per operation of each path, the median of ``repetitions``."""
+    runs: dict[str, list[float]] = {name: [] for name in PATHS}
+    for _ in range(repetitions):
+        for name, path in PATHS.items():
+            runs[name].append(await path(count))
+    return {f"{name}_us": round(statistics.median(values), 2) for name, values in runs.items()}
+
+
+async def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.hotpath", description=__doc__)
+    parser.add_argument("--count", type=int, default=20_000, help="operations per run")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    args = parser.parse_args(argv)
+    figures = await measure(args.count)
+    if args.json:
+        print(json.dumps(figures))
+    else:
+        for name, value in figures.items():
+            print(f"{name:24s} {value:8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_loop(main(sys.argv[1:])))
