@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, get_current_span
 
 from mesh import codec
 from mesh._status import from_rpc_error, has_rich_status
@@ -174,10 +174,14 @@ class QueueStatsReport:
 def with_trace(message: Message) -> Message:
     """The message carrying the current trace context in its headers, when there is one and
     it carries none yet."""
-    if "traceparent" in message.headers:
-        return message
-    headers = inject(message.headers)
-    return message if len(headers) == len(message.headers) else message.evolve(headers=headers)
+    if "traceparent" in message.headers or not get_current_span().get_span_context().is_valid:
+        return message  # (carries one already, or there is none to carry)
+    return message.evolve(headers=inject(message.headers))
+
+
+def _time_out(waiter: asyncio.Future[Any]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
 
 
 def _request_batch(frames: list[broker_pb2.ConnectRequest]) -> broker_pb2.ConnectRequest:
@@ -293,17 +297,20 @@ class _Session:
             asyncio.get_running_loop().create_future()
         )
         self._waiting[seq] = waiter
+        timer: asyncio.TimerHandle | None = None
         try:
             await self.write(frame)
-            if timeout is None:
-                answer = await waiter
-            else:
-                async with asyncio.timeout(timeout):
-                    answer = await waiter
+            if timeout is not None:
+                # A timer on the waiter itself: cheaper than asyncio.timeout's
+                # cancel-and-uncancel, on the path of every call.
+                timer = asyncio.get_running_loop().call_later(timeout, _time_out, waiter)
+            answer = await waiter
         except (TimeoutError, asyncio.CancelledError):
             self._give_up(seq)
             raise
         finally:
+            if timer is not None:
+                timer.cancel()
             self._waiting.pop(seq, None)
             if waiter.done() and not waiter.cancelled():
                 waiter.exception()  # (the session failed while the frame was being written)

@@ -83,18 +83,27 @@ class GatherItem:
 
 
 class _Gathering:
-    """Answers expected from several agents to one correlation id."""
+    """Answers expected from several agents to one correlation id, until its deadline."""
 
     def __init__(self, expected: Iterable[str]) -> None:
         self.expected = set(expected)
-        self.answers: asyncio.Queue[Message] = asyncio.Queue(len(self.expected) or 1)
+        # One answer per agent, then None when the deadline passes (see time_out).
+        self.answers: asyncio.Queue[Message | None] = asyncio.Queue(len(self.expected) + 1)
+        self.timed_out = False
 
     def offer(self, message: Message) -> bool:
-        if message.from_agent not in self.expected:
+        if self.timed_out or message.from_agent not in self.expected:
             return False
         self.expected.discard(message.from_agent)
         self.answers.put_nowait(message)
         return True
+
+    def time_out(self) -> None:
+        """The deadline: no answer is taken from now on (those left in ``expected`` did not
+        answer in time), and the reader, past the answers that came before, finds None."""
+        if not self.timed_out:
+            self.timed_out = True
+            self.answers.put_nowait(None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -803,18 +812,17 @@ class Broker:
             )
             for item in refused:
                 yield item
-            deadline = asyncio.get_running_loop().time() + timeout
+            # One timer for the whole gather, not a timeout around every wait for an answer.
+            timer = asyncio.get_running_loop().call_later(timeout, gathering.time_out)
             answers = gathering.answers
-            while gathering.expected or not answers.empty():
-                if answers.empty():  # (a deadline to arm only when there is a wait)
-                    try:
-                        async with asyncio.timeout_at(deadline):
-                            answer = await answers.get()
-                    except TimeoutError:
-                        break
-                else:
-                    answer = answers.get_nowait()
-                yield GatherItem(answer.from_agent, response=answer)
+            try:
+                while gathering.expected or not answers.empty():
+                    answer = await answers.get()
+                    if answer is None:
+                        break  # the deadline passed
+                    yield GatherItem(answer.from_agent, response=answer)
+            finally:
+                timer.cancel()
             for agent_id in sorted(gathering.expected):
                 yield GatherItem(
                     agent_id,
