@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -626,7 +627,10 @@ class Broker:
         for _ in recipients:
             self.metrics.sent(MessageType.BROADCAST.value, elapsed / max(len(recipients), 1))
         self.metrics.broadcast(bool(types), elapsed)
-        _log_fan_out(message, types, recipients, [agent for agent, _ in failures], elapsed)
+        # (logged once the woken subscriptions have had their turn, as for a gather)
+        asyncio.get_running_loop().call_soon(
+            _log_fan_out, message, types, recipients, [agent for agent, _ in failures], elapsed
+        )
         if targets and not recipients and failures:
             raise failures[0][1]
         return BroadcastOutcome(message, tuple(recipients), tuple(failures))
@@ -802,13 +806,18 @@ class Broker:
                     gathering.expected.discard(agent_id)
                     refused.append(GatherItem(agent_id, error=error))
             await self.store.sync()
-            _log_fan_out(
-                message,
-                tuple(agent_types),
-                [a for a in targets if a in gathering.expected],
-                [item.agent_id for item in refused],
-                time.perf_counter() - started,
-                gather=True,
+            # Logged once the copies are on their way: the subscriptions woken by them run
+            # first, so that no agent waits for this line to be written.
+            asyncio.get_running_loop().call_soon(
+                functools.partial(
+                    _log_fan_out,
+                    message,
+                    tuple(agent_types),
+                    [a for a in targets if a in gathering.expected],
+                    [item.agent_id for item in refused],
+                    time.perf_counter() - started,
+                    gather=True,
+                )
             )
             for item in refused:
                 yield item
