@@ -100,7 +100,22 @@ async def serve_raw_agent(broker: str, agent_id: str, ready: Any) -> None:
             await call.write(out)
 
 
-class ContractClient:
+class _Pipelined:
+    """A client of one long-lived stream with a task reading its answers."""
+
+    channel: grpc.aio.Channel
+    call: Any
+    reader: asyncio.Task[None]
+
+    async def close(self) -> None:
+        self.call.cancel()
+        self.reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.reader
+        await self.channel.close()
+
+
+class ContractClient(_Pipelined):
     """The raw driver of the real broker: `request` frames on one Connect stream, answers
     matched by seq, nothing else."""
 
@@ -136,13 +151,6 @@ class ContractClient:
         if not answer.HasField("response"):
             raise RuntimeError(f"the broker did not answer with a response: {answer}")
         return answer.response
-
-    async def close(self) -> None:
-        self.call.cancel()
-        self.reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.reader
-        await self.channel.close()
 
 
 def stamps(answer: bytes) -> list[float]:
@@ -307,7 +315,7 @@ async def main() -> None:
     await server.stop(0.5)
 
 
-class StreamClient:
+class StreamClient(_Pipelined):
     """A pipelined client of the echo/relay stream: FIFO answers, many in flight."""
 
     def __init__(self, target: str) -> None:
@@ -330,13 +338,6 @@ class StreamClient:
             self.waiting.put_nowait(future)
             await self.call.write(payload)
         return await future
-
-    async def close(self) -> None:
-        self.call.cancel()
-        self.reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.reader
-        await self.channel.close()
 
 
 if __name__ == "__main__":

@@ -234,6 +234,8 @@ class EncodedBefore:
     right in every field but the :data:`RESTAMPED` ones."""
 
     encoded: object
+
+
 _INIT_FIELD_ORDER = tuple(f.name for f in fields(Message) if f.init)
 _INIT_FIELDS = frozenset(_INIT_FIELD_ORDER)
 _new_message = object.__new__
