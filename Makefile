@@ -21,7 +21,7 @@ help:
 $(BIN)/agentmesh: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -e ".[dev,bench]"
 	@touch $@
 
 NODE_DEPS := clients/node/node_modules/.package-lock.json

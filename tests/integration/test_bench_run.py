@@ -98,9 +98,8 @@ def test_a_quick_run_writes_every_figure_and_compares_with_an_earlier_result(
     assert "The mesh's own Python per operation, without gRPC" in table
     assert f"Compared with {earlier_file}:" in run.stdout
     assert "roundtrip.p50_ms: 1000.000 -> " in run.stdout and "faster)" in run.stdout
-    png = out / "latest.png"
-    if png.exists():  # the plot needs matplotlib (the bench extra)
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    png = out / "latest.png"  # (make setup installs matplotlib, the bench extra)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert COMMITTED.read_bytes() == committed  # written to --output only
 
 
