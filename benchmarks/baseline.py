@@ -65,11 +65,16 @@ async def _contract_echo(requests: AsyncIterator[bytes], context: Any) -> AsyncI
         yield frame.SerializeToString()
 
 
-async def serve_raw_agent(broker: str, agent_id: str, ready: Any) -> None:
-    """The raw agent: answers each delivery on the stream it came on until the stream ends."""
+async def serve_raw_agent(
+    broker: str, agent_id: str, ready: Any, agent_types: tuple[str, ...] = ()
+) -> None:
+    """The raw agent: answers each delivery on the stream it came on until the stream ends,
+    with the request's content and ``received_at``, the wall-clock time it read the delivery
+    (for a broadcast's latency, as the SDK's echo agent answers)."""
     async with grpc.aio.insecure_channel(broker) as channel:
         register = broker_pb2.RegisterAgentRequest()
         register.agent.agent_id = agent_id
+        register.agent.agent_types.extend(agent_types)
         await channel.unary_unary(
             "/mesh.v1.BrokerService/RegisterAgent",
             request_serializer=broker_pb2.RegisterAgentRequest.SerializeToString,
@@ -89,10 +94,15 @@ async def serve_raw_agent(broker: str, agent_id: str, ready: Any) -> None:
             raise RuntimeError(f"the broker refused the subscription of {agent_id}")
         ready()
         while (frame := await call.read()) is not grpc.aio.EOF:
+            received_at = time.time()
             request = cast(broker_pb2.ConnectResponse, frame).delivery.message
             out = broker_pb2.ConnectRequest()  # seq 0: fire-and-forget; it acks the delivery
             answer = out.send
             answer.CopyFrom(request)
+            fields = answer.content.fields
+            fields["received_at"].number_value = received_at
+            if "action" not in fields:  # (a broadcast may have none; an answer must)
+                fields["action"].string_value = "response"
             answer.ClearField("message_id")  # the broker assigns one
             answer.message_type = message_pb2.MESSAGE_TYPE_RESPONSE
             answer.correlation_id = request.correlation_id or request.message_id
@@ -128,15 +138,45 @@ class ContractClient(_Pipelined):
         )()
         self.seq = 0
         self.waiting: dict[int, asyncio.Future[broker_pb2.ConnectResponse]] = {}
+        self.gathering: dict[int, asyncio.Queue[broker_pb2.ConnectResponse]] = {}
         self.reader = asyncio.create_task(self._read())
 
     async def _read(self) -> None:
         with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
             while (frame := await self.call.read()) is not grpc.aio.EOF:
                 answer = cast(broker_pb2.ConnectResponse, frame)
+                gathered = self.gathering.get(answer.seq)
+                if gathered is not None:
+                    gathered.put_nowait(answer)
+                    continue
                 waiter = self.waiting.pop(answer.seq, None)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(answer)
+
+    async def gather(
+        self, message: message_pb2.Message, agent_types: list[str], timeout: float = 5.0
+    ) -> list[message_pb2.Message]:
+        """Asks every agent of ``agent_types`` (a `gather` frame); their answers, once all are
+        in (the broker's `accepted` ends them)."""
+        self.seq += 1
+        seq = self.seq
+        frames: asyncio.Queue[broker_pb2.ConnectResponse] = asyncio.Queue()
+        self.gathering[seq] = frames
+        frame = broker_pb2.ConnectRequest(seq=seq)
+        frame.gather.message.CopyFrom(message)
+        frame.gather.agent_types.extend(agent_types)
+        frame.gather.timeout.FromSeconds(int(timeout))
+        answers = []
+        try:
+            await self.call.write(frame)
+            while (got := await frames.get()).WhichOneof("frame") == "gathered":
+                if got.gathered.HasField("response"):
+                    answers.append(got.gathered.response)
+            if got.WhichOneof("frame") != "accepted":
+                raise RuntimeError(f"the broker ended the gather with {got}")
+        finally:
+            del self.gathering[seq]
+        return answers
 
     async def request(self, message: message_pb2.Message) -> message_pb2.Message:
         self.seq += 1
@@ -286,6 +326,7 @@ async def main() -> None:
     parser.add_argument("--upstream", action="append", default=[])
     parser.add_argument("--broker", help="agent: the broker to serve")
     parser.add_argument("--agent-id", default="raw-0", help="agent: its id")
+    parser.add_argument("--types", default="", help="agent: its agent types, comma-separated")
     parser.add_argument("--stamp", action="store_true", help="echo: answer with the time")
     parser.add_argument(
         "--contract", action="store_true", help="relay, echo: speak the mesh's Connect frames"
@@ -299,6 +340,7 @@ async def main() -> None:
                 args.broker,
                 args.agent_id,
                 lambda: print(f"baseline agent {args.agent_id} ready", flush=True),
+                tuple(t for t in args.types.split(",") if t),
             )
         )
         signalled = asyncio.create_task(_until_signalled())

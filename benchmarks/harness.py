@@ -146,6 +146,8 @@ class Mesh:
     procs: list[Proc] = field(default_factory=list)
     raw_agent: Proc | None = None
     """An agent of the broker in raw grpc.aio (no SDK): the broker's share of a roundtrip."""
+    raw_b5: list[Proc] = field(default_factory=list)
+    """Five raw agents in five processes: the broker's share of broadcast5."""
 
     def meter(self) -> CpuMeter:
         """The CPU of the mesh's processes (and the driver's)."""
@@ -211,6 +213,17 @@ async def start_mesh() -> Mesh:
             ready=r"baseline agent \S+ ready",
         )
         procs.append(raw_agent)
+        raw_b5 = await asyncio.gather(
+            *(
+                spawn(
+                    *("-m", "benchmarks.baseline", "agent", "--broker", broker.address),
+                    *("--agent-id", f"rawb5-{i}", "--types", "rawb5"),
+                    ready=r"baseline agent \S+ ready",
+                )
+                for i in range(5)
+            )
+        )
+        procs.extend(raw_b5)
         gateway = await spawn(
             "-m",
             "mesh.cli",
@@ -274,6 +287,7 @@ async def start_mesh() -> Mesh:
             list(agents),
             procs,
             raw_agent,
+            list(raw_b5),
         )
     except BaseException:
         await stop_all(procs)
@@ -697,6 +711,35 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
             )
             out[f"{name}_gather"] = stats(gathered[-count:])
             gathered.clear()
+        # The same broadcast between ends in raw grpc.aio (a driver and five agents in five
+        # processes on the contract alone): the broker's share of broadcast5.
+        if mesh.raw_b5:
+            raw_gather = message_to_pb(
+                Message(from_agent="raw-driver", to_agent="broadcast", content={"query": "q"})
+            )
+            raw_gather.ClearField("message_id")
+            raw_gather.ClearField("timestamp")
+            raw_gather.ClearField("message_type")  # (unset in a gather: BROADCAST copies)
+            raw_client = ContractClient(mesh.broker.address)
+
+            async def raw_broadcast() -> float:
+                sent_at = time.time()
+                answers = await raw_client.gather(raw_gather, ["rawb5"])
+                if len(answers) != 5:
+                    raise RuntimeError(f"a raw broadcast reached {len(answers)}/5")
+                return max(a.content.fields["received_at"].number_value for a in answers) - sent_at
+
+            try:
+                out["broadcast5_raw_ends"] = await measured(
+                    "broadcast5_raw_ends",
+                    raw_broadcast,
+                    n // 4,
+                    w // 4,
+                    CpuMeter({"broker": [mesh.broker.pid], "agents": [p.pid for p in mesh.raw_b5]}),
+                    own_latency=True,
+                )
+            finally:
+                await raw_client.close()
         out["broadcast5_send"] = await measured(
             "broadcast5_send",
             lambda: client.broadcast({"action": "sink"}, agent_types=["b5"]),
@@ -1174,6 +1217,12 @@ def to_markdown(report: dict[str, Any]) -> str:
             f"{limit['p50_ms']:.3f} ms (`baseline.fanout5`); broadcast5 takes "
             f"{b5['p50_ms'] / limit['p50_ms']:.2f}x that.",
         ]
+        if raw_b5 := f.get("broadcast5_raw_ends"):
+            lines[-1] += (
+                f" Through the same broker to five agents in raw grpc.aio (no SDK), the last "
+                f"has it at p50 {raw_b5['p50_ms']:.3f} ms (`broadcast5_raw_ends`): the broker's "
+                f"share; the SDK's agents add {b5['p50_ms'] - raw_b5['p50_ms']:.3f} ms."
+            )
     if (floor := f.get("baseline.contract2")) and (rt := f.get("roundtrip")):
         lines += [
             "",

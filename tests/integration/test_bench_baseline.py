@@ -104,7 +104,9 @@ async def test_the_raw_agent_and_driver_do_a_roundtrip_through_the_real_broker(
             assert response.message_type == message_pb2.MESSAGE_TYPE_RESPONSE
             assert (response.from_agent, response.to_agent) == ("raw-0", "raw-driver")
             assert response.correlation_id  # the id the broker gave the request
-            assert dict(response.content) == {"action": "ping", "n": n}
+            content = dict(response.content)
+            assert content.pop("received_at") > 0  # when the agent read it
+            assert content == {"action": "ping", "n": n}
         view = (await mesh.client().queue_stats("raw-0")).for_agent("raw-0")
         assert view is not None
         assert (view.depth, view.in_flight, view.dead_letters, view.subscribers) == (0, 0, 0, 1)
@@ -113,3 +115,41 @@ async def test_the_raw_agent_and_driver_do_a_roundtrip_through_the_real_broker(
         agent.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await agent
+
+
+async def test_raw_agents_of_a_type_answer_a_raw_gather_with_the_time_they_had_it(
+    mesh: LocalMesh,
+) -> None:
+    """The ends of `broadcast5_raw_ends`: a gather to the agents of a type reaches every raw
+    agent of it, and each answers with the wall-clock time it read its copy."""
+    ready = asyncio.Event()
+    count = 0
+
+    def one_ready() -> None:
+        nonlocal count
+        count += 1
+        if count == 3:
+            ready.set()
+
+    agents = [
+        asyncio.create_task(serve_raw_agent(mesh.address, f"rawb-{i}", one_ready, ("rawb",)))
+        for i in range(3)
+    ]
+    await asyncio.wait_for(ready.wait(), 10)
+    driver = ContractClient(mesh.address)
+    try:
+        asked = message_pb2.Message(from_agent="raw-driver")
+        asked.content.update({"query": "q"})
+        before = time.time()
+        answers = await asyncio.wait_for(driver.gather(asked, ["rawb"]), 10)
+        after = time.time()
+        assert sorted(a.from_agent for a in answers) == ["rawb-0", "rawb-1", "rawb-2"]
+        for answer in answers:
+            assert answer.message_type == message_pb2.MESSAGE_TYPE_RESPONSE
+            assert before <= answer.content.fields["received_at"].number_value <= after
+            assert answer.content.fields["query"].string_value == "q"
+    finally:
+        await driver.close()
+        for agent in agents:
+            agent.cancel()
+        await asyncio.gather(*agents, return_exceptions=True)

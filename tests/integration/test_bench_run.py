@@ -27,6 +27,7 @@ LATENCIES = (
     "roundtrip_raw_ends",
     "handoff",
     "broadcast5",
+    "broadcast5_raw_ends",
     "broadcast100",
     "routing",
     "group_chat",
