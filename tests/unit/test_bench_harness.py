@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from subprocess import PIPE
 
 import pytest
@@ -17,6 +18,7 @@ from benchmarks.harness import (
     combine,
     compare,
     cpu_table,
+    measured_in_turns,
     memory_by_role,
     memory_lines,
     process_cpu_seconds,
@@ -194,6 +196,36 @@ async def test_an_operation_may_report_the_latency_it_measured_itself() -> None:
     assert await timed(op, 3, 2, own_latency=True) == [0.25, 0.25, 0.25]
     assert calls == 5  # the warm-up is run, not sampled
     assert all(0 <= s < 0.25 for s in await timed(op, 2, 0))  # otherwise: its duration
+
+
+async def test_operations_measured_side_by_side_take_turns_in_blocks() -> None:
+    order: list[str] = []
+
+    def op(name: str, seconds: float) -> Callable[[], Awaitable[None]]:
+        async def run() -> None:
+            order.append(name)
+            await asyncio.sleep(seconds)
+
+        return run
+
+    meter = CpuMeter({})  # the driver alone: this process
+    figures = await measured_in_turns(
+        {"relay": (op("relay", 0.001), meter), "mesh": (op("mesh", 0.003), meter)},
+        5,
+        2,
+        block=2,
+    )
+    # Warm-up for each, then 2, 2 and the last 1 of each in turn.
+    assert order == ["relay"] * 2 + ["mesh"] * 2 + ["relay", "relay", "mesh", "mesh"] * 2 + [
+        "relay",
+        "mesh",
+    ]
+    assert figures["relay"]["n"] == figures["mesh"]["n"] == 5
+    assert 1 <= figures["relay"]["p50_ms"] < figures["mesh"]["p50_ms"]
+    for figure in figures.values():
+        cost = figure["cpu_us_per_op"]
+        assert cost is not None and set(cost) == {"driver", "total"}
+        assert 0 < cost["driver"] == cost["total"]
 
 
 def test_the_report_sets_the_roundtrip_beside_the_least_the_contract_costs() -> None:
