@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from subprocess import PIPE
+from typing import Any
 
 import pytest
 
@@ -18,13 +19,16 @@ from benchmarks.harness import (
     combine,
     compare,
     cpu_table,
+    evaluate,
     measured_in_turns,
     memory_by_role,
     memory_lines,
+    paired,
     process_cpu_seconds,
     process_memory_mb,
     timed,
     to_markdown,
+    with_ratios,
 )
 
 BURN = """import time
@@ -226,6 +230,59 @@ async def test_operations_measured_side_by_side_take_turns_in_blocks() -> None:
         cost = figure["cpu_us_per_op"]
         assert cost is not None and set(cost) == {"driver", "total"}
         assert 0 < cost["driver"] == cost["total"]
+
+
+def repetition(relay_p50: float, roundtrip_p50: float) -> dict[str, dict[str, Any]]:
+    """The figures of one repetition, the relay and the roundtrip measured side by side."""
+
+    def latency(p50: float, p95: float) -> dict[str, Any]:
+        return {"p50_ms": p50, "p95_ms": p95, "p99_ms": p95, "max_ms": p95, "mean_ms": p50}
+
+    figures: dict[str, dict[str, Any]] = {
+        name: latency(0.5, 0.6)
+        for name in ("send", "receive", "handoff", "broadcast5_send", "broadcast5", "routing")
+    }
+    figures["broadcast100"] = latency(8.0, 9.0)
+    figures["baseline.relay2"] = latency(relay_p50, 2 * relay_p50)
+    figures["roundtrip"] = latency(roundtrip_p50, 3 * roundtrip_p50)
+    paired(figures)
+    figures["baseline.relay2"]["throughput_64"] = 3000.0
+    figures["roundtrip"]["throughput_64"] = 4000.0
+    figures["roundtrip_traced"] = {
+        **latency(1.1 * roundtrip_p50, 3.3 * roundtrip_p50),
+        "overhead": 0.05,
+        "sampled_10pct_overhead": 0.01,
+    }
+    figures["oneway_batch100"] = {"throughput": 21000.0}
+    return figures
+
+
+def test_a_ratio_to_the_relay_beside_it_is_the_median_of_the_repetitions_ratios() -> None:
+    # The machine was slower in the second repetition, for both figures alike: the ratio of
+    # the medians (1.5 / 0.6 = 2.5x) would set one repetition's roundtrip beside another's
+    # relay; each repetition's own ratio says 2x twice.
+    figures = combine([repetition(0.5, 1.0), repetition(0.9, 1.8), repetition(0.6, 1.5)])
+    assert figures["roundtrip"]["x_relay2_p50"] == pytest.approx(2.0)
+    assert figures["roundtrip"]["x_relay2_p50_spread"] == pytest.approx([2.0, 2.5])
+    checks = {c["figure"]: c for c in evaluate(figures)}
+    p50 = checks["roundtrip.p50_ms / baseline.relay2.p50_ms"]
+    assert p50["value"] == pytest.approx(2.0) and p50["pass"] is False
+    assert p50["spread"] == pytest.approx([2.0, 2.5])
+    p95 = checks["roundtrip.p95_ms / baseline.relay2.p95_ms"]
+    assert p95["value"] == pytest.approx(3.0) and p95["pass"] is False
+    report = {
+        "timestamp": "2026-11-24T00:00:00+00:00",
+        "machine": {"platform": "Linux", "cpus": 2, "python": "3.11", "grpcio": "1"},
+        "settings": {"repetitions": 3, "operations": 2000, "warmup": 200},
+        "figures": with_ratios(figures),
+        "checks": list(checks.values()),
+    }
+    markdown = to_markdown(report)
+    assert "| roundtrip | 1.500 | 4.500 | 4.500 | 4.500 | 2.00 | 4,000 (64 in flight) |" in markdown
+    assert (
+        "| roundtrip p50 <= 1.5x relay (`roundtrip.p50_ms / baseline.relay2.p50_ms`) "
+        "| 2.000 (2.00-2.50) | <= 1.5x | FAIL |" in markdown
+    )
 
 
 def test_the_report_sets_the_roundtrip_beside_the_least_the_contract_costs() -> None:
