@@ -361,9 +361,16 @@ class CpuMeter:
         before: dict[str, float] | None, after: dict[str, float] | None, operations: float
     ) -> dict[str, float] | None:
         """Microseconds of CPU per operation by role, and their total."""
-        if before is None or after is None or operations <= 0:
+        if before is None or after is None:
             return None
-        cost = {role: (after[role] - before[role]) / operations * 1e6 for role in after}
+        return CpuMeter.per_op({role: after[role] - before[role] for role in after}, operations)
+
+    @staticmethod
+    def per_op(spent: dict[str, float] | None, operations: float) -> dict[str, float] | None:
+        """Microseconds per operation by role, and their total, of CPU seconds spent."""
+        if spent is None or operations <= 0:
+            return None
+        cost = {role: seconds / operations * 1e6 for role, seconds in spent.items()}
         cost["total"] = sum(cost.values())
         return {role: round(us, 1) for role, us in cost.items()}
 
@@ -501,8 +508,15 @@ def paired(figures: dict[str, dict[str, Any]]) -> None:
     relay = figures["baseline.relay2"]
     for name, figure in figures.items():
         if name != "baseline.relay2":
-            figure["x_relay2_p50"] = figure["p50_ms"] / relay["p50_ms"]
-            figure["x_relay2_p95"] = figure["p95_ms"] / relay["p95_ms"]
+            figure.update(latency_ratios(figure, relay))
+
+
+def latency_ratios(figure: dict[str, Any], relay: dict[str, Any]) -> dict[str, float]:
+    """``x_relay2_p50`` and ``x_relay2_p95``: a latency figure against the relay's."""
+    return {
+        "x_relay2_p50": figure["p50_ms"] / relay["p50_ms"],
+        "x_relay2_p95": figure["p95_ms"] / relay["p95_ms"],
+    }
 
 
 Turn = tuple[Callable[[], Awaitable[Any]], CpuMeter]
@@ -543,10 +557,7 @@ async def measured_in_turns(
     figures = {}
     for name in ops:
         figure: dict[str, Any] = stats(samples[name])
-        total = spent[name]
-        figure["cpu_us_per_op"] = CpuMeter.cost(
-            None if total is None else dict.fromkeys(total, 0.0), total, count
-        )
+        figure["cpu_us_per_op"] = CpuMeter.per_op(spent[name], count)
         figures[name] = figure
     return figures
 
@@ -1215,8 +1226,8 @@ def with_ratios(figures: dict[str, Any]) -> dict[str, Any]:
     for name, v in figures.items():
         v = dict(v)
         if "p50_ms" in v:
-            v.setdefault("x_relay2_p50", v["p50_ms"] / base["p50_ms"])
-            v.setdefault("x_relay2_p95", v["p95_ms"] / base["p95_ms"])
+            for key, ratio in latency_ratios(v, base).items():
+                v.setdefault(key, ratio)  # (those measured beside it keep their own)
         if "throughput_64" in v and base.get("throughput_64"):
             v["x_relay2_throughput_64"] = v["throughput_64"] / base["throughput_64"]
         out[name] = v
