@@ -7,13 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agents import sample_agents
-from agents.research import RESEARCH_POLICY, research_agents, research_tools
-from agents.research.corpus import DocumentFolder
+from agents.research import research_agents, research_tool_host
 from gateway.dashboard import DashboardServer, serve_dashboard
 from gateway.server import GatewayServer, serve_gateway
 from mesh.agent import AgentServer, ServedAgents, serve_all
 from mesh.config import BrokerConfig, ServerConfig
-from mesh.core.tools import ToolHost
 from mesh.server import serve_broker
 from mesh.serving import MeshServer
 
@@ -68,8 +66,7 @@ async def start_embedded(
     """Starts everything; each agent on its own gRPC server, all of them on one client (one
     stream to the broker). Pattern metrics are exported beside the broker's on the broker's
     /metrics."""
-    docs = DocumentFolder(Path(docs_dir)) if docs_dir else DocumentFolder()
-    tools = ToolHost(research_tools(docs=docs, output=Path(reports_dir)), RESEARCH_POLICY)
+    tools = research_tool_host(docs_dir, reports_dir)
     broker, broker_server = await serve_broker(
         server_config=ServerConfig(host=host, port=broker_port, metrics_port=metrics_port),
         broker_config=broker_config,

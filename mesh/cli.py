@@ -21,6 +21,7 @@ from mesh.client import connect
 from mesh.config import BrokerConfig, SecurityConfig, ServerConfig
 from mesh.core.errors import MeshError, MessageValidationError
 from mesh.core.model import BROADCAST_TARGET, Message, MessageType, Priority
+from mesh.core.tools import ToolHost
 from mesh.logs import configure_logging, stop_logging
 from mesh.loop import run as run_loop
 
@@ -150,22 +151,44 @@ async def _run_broker(args: argparse.Namespace) -> int:
 
     server_config = ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port)
     broker_config = _broker_config(args)
+    tool_host = load_tool_host(args.tools) if args.tools else None
     _, server = await serve_broker(
-        server_config=server_config, broker_config=broker_config, security=security_config(args)
+        server_config=server_config,
+        broker_config=broker_config,
+        tool_host=tool_host,
+        security=security_config(args),
     )
     metrics = (
         f", metrics on http://{args.host}:{server.metrics_port}/metrics"
         if server.metrics_port
         else ""
     )
+    tools = f"; tools {', '.join(sorted(tool_host.tools))}" if tool_host else ""
     _print(
         f"agentmesh broker listening on {server.address}{metrics} ({server.security}; "
-        f"store {broker_config.store})"
+        f"store {broker_config.store}{tools})"
     )
     await _until_signalled()
     _print("agentmesh broker shutting down")
     await server.stop(server_config.grace_seconds)
     return 0
+
+
+def load_tool_host(spec: str) -> ToolHost:
+    """Loads ``module:attr``: a ToolHost, or a factory returning one (the tools the broker's
+    Tool service runs for agents, and which agent may use which)."""
+    module_name, _, attr = spec.partition(":")
+    if not attr:
+        raise UsageError(f"--tools must be module:attribute, got {spec!r}")
+    try:
+        target: Any = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as error:
+        raise UsageError(f"--tools {spec}: {error}") from None
+    if not isinstance(target, ToolHost) and callable(target):
+        target = target()
+    if not isinstance(target, ToolHost):
+        raise UsageError(f"--tools {spec} is not a ToolHost (nor a factory of one)")
+    return target
 
 
 # -- agent -----------------------------------------------------------------------------------
@@ -535,6 +558,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=int(_env("METRICS_PORT", "-1")),
         help="HTTP port of /metrics (-1 off, 0 any free port)",
+    )
+    p.add_argument(
+        "--tools",
+        default=_env("TOOLS", "") or None,
+        metavar="MODULE:ATTR",
+        help="serve the Tool service with this ToolHost (or a factory of one), e.g. "
+        "agents.research:tool_host for the research subagents (env AGENTMESH_TOOLS)",
     )
     _add_broker_config_flags(p)
     add_security_flags(p, server=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import sqlite3
 from datetime import UTC, datetime
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from mesh.core.model import JSON
-from mesh.core.tools import Tool, ToolFailedError
+from mesh.core.tools import Tool, ToolFailedError, ToolHost
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "research"
 RESEARCH_POLICY: dict[str, list[str]] = {
@@ -182,3 +183,23 @@ def research_tools(
         Tool("read", "Reads one page of a local document", read),
         Tool("write", "Writes a report file to the output folder", write),
     ]
+
+
+def research_tool_host(
+    docs_dir: str | Path | None = None, reports_dir: str | Path = "research-reports"
+) -> ToolHost:
+    """The research tools as a broker hosts them, each subagent held to its role's tools:
+    documents from ``docs_dir`` (default: the shipped sample documents), reports written to
+    ``reports_dir``."""
+    docs = DocumentFolder(Path(docs_dir)) if docs_dir else DocumentFolder()
+    return ToolHost(research_tools(docs=docs, output=Path(reports_dir)), RESEARCH_POLICY)
+
+
+def tool_host() -> ToolHost:
+    """For ``agentmesh broker --tools agents.research:tool_host``, a broker in its own
+    process: the research tools over AGENTMESH_DOCS_DIR (default: the shipped documents),
+    writing reports to AGENTMESH_REPORTS_DIR (default: ./research-reports)."""
+    return research_tool_host(
+        os.environ.get("AGENTMESH_DOCS_DIR") or None,
+        os.environ.get("AGENTMESH_REPORTS_DIR") or "research-reports",
+    )

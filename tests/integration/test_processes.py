@@ -279,3 +279,68 @@ async def test_the_broker_logs_hand_offs_and_broadcasts_by_default(
     [broadcast] = broadcasts
     assert broadcast["agent_types"] == ["booking"]
     assert broadcast["recipients"] == ["SellerAgent"]
+
+
+async def test_research_runs_across_processes_on_a_broker_serving_the_tools(
+    tmp_path: Path,
+) -> None:
+    # The tools on the broker (`--tools`), the subagents in a process of their own, the
+    # coordinator in the gateway's: what a deployment of separate processes runs.
+    reports = tmp_path / "reports"
+    broker = await start(
+        "broker",
+        *("--port", "0", "--tools", "agents.research:tool_host"),
+        ready=r"listening on (\S+?)[,\s]",
+        env={"AGENTMESH_REPORTS_DIR": str(reports)},
+    )
+    procs = [broker]
+    try:
+        assert "tools grep, read, web_fetch, web_search, write)" in broker.output[-1]
+        procs.append(
+            await start(
+                *("agent", "agents.research:research_agents", "--broker", broker.address),
+                ready=r"serving on (\S+),",
+            )
+        )
+        gateway = await start(
+            *("gateway", "--broker", broker.address, "--port", "0"),
+            ready=r"listening on (\S+?)[,\s]",
+        )
+        procs.append(gateway)
+        from gateway.client import GatewayClient
+
+        async with GatewayClient(gateway.address) as client:
+            events = await client.collect(
+                client.research(
+                    query="What is the latest lithium-ion battery recycling rate?",
+                    report_name="across",
+                )
+            )
+        result = events[-1]["data"]
+        assert events[-1]["kind"] == "RESULT" and result["status"] == "COMPLETED", result
+        assert any("46%" in str(f) for f in result["findings"]), result["findings"]
+        written = sorted(p.name for p in reports.iterdir())
+        assert written == ["across.json", "across.md"]
+        assert "46%" in (reports / "across.md").read_text()
+    finally:
+        for proc in reversed(procs):
+            assert await stop(proc) == 0
+
+
+async def test_a_broker_refuses_tools_it_cannot_load() -> None:
+    for spec, said in (
+        ("agents.research", "--tools must be module:attribute"),
+        ("agents.research:nothing", "has no attribute 'nothing'"),
+        ("agents.research:research_agents", "is not a ToolHost"),
+    ):
+        process = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "mesh.cli", "broker", "--port", "0", "--tools", spec),
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        async with asyncio.timeout(30):
+            out, err = await process.communicate()
+        assert process.returncode == 2, (spec, out, err)
+        assert said in err.decode(), err.decode()
