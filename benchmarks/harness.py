@@ -148,6 +148,21 @@ class Mesh:
     """An agent of the broker in raw grpc.aio (no SDK): the broker's share of a roundtrip."""
     raw_b5: list[Proc] = field(default_factory=list)
     """Five raw agents in five processes: the broker's share of broadcast5."""
+    pattern_agents: Proc | None = None
+    """The sample and research agents, in one process: what the patterns run on."""
+    pattern_gateway: Proc | None = None
+    """A gateway with the default routing table, for the pattern figures."""
+
+    def pattern_meter(self) -> CpuMeter:
+        """The CPU of the processes a pattern run crosses (and the driver's)."""
+        assert self.pattern_agents is not None and self.pattern_gateway is not None
+        return CpuMeter(
+            {
+                "broker": [self.broker.pid],
+                "agents": [self.pattern_agents.pid],
+                "gateway": [self.pattern_gateway.pid],
+            }
+        )
 
     def meter(self) -> CpuMeter:
         """The CPU of the mesh's processes (and the driver's)."""
@@ -173,7 +188,12 @@ async def start_mesh() -> Mesh:
             "100000",
             "--max-total-messages",
             "400000",
+            # The research subagents' tools (the pattern figures run research too), writing
+            # their reports beside the processes' logs.
+            "--tools",
+            "agents.research:tool_host",
             ready=r"listening on (\S+?)[,\s]",
+            env_extra={"AGENTMESH_REPORTS_DIR": str(logs_folder() / "research-reports")},
         )
         procs.append(broker)
         agent_sets = (
@@ -275,6 +295,20 @@ async def start_mesh() -> Mesh:
             ready=r"listening on (\S+)",
         )
         procs.append(fanout)
+        # The patterns as the demo runs them: the sample and research agents in one process
+        # (one client, one stream, as `agentmesh up` serves them) and a gateway of their own
+        # with the default routing table.
+        pattern_agents = await spawn(
+            *("-m", "mesh.cli", "agent", "agents:sample_agents", "agents.research:research_agents"),
+            *("--broker", broker.address),
+            ready=r"agentmesh agent \S+ serving",
+        )
+        procs.append(pattern_agents)
+        pattern_gateway = await spawn(
+            *("-m", "mesh.cli", "gateway", "--broker", broker.address, "--port", "0"),
+            ready=r"listening on (\S+?)[,\s]",
+        )
+        procs.append(pattern_gateway)
         return Mesh(
             broker,
             gateway,
@@ -288,6 +322,8 @@ async def start_mesh() -> Mesh:
             procs,
             raw_agent,
             list(raw_b5),
+            pattern_agents,
+            pattern_gateway,
         )
     except BaseException:
         await stop_all(procs)
@@ -867,6 +903,34 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
 
         out["routing"] = await measured("routing", first_event, n // 4, w // 4, meter)
         out["group_chat"] = await measured("group_chat", group_chat, n // 4, w // 4, meter)
+    out.update(await measure_patterns(mesh, s))
+    return out
+
+
+async def measure_patterns(mesh: Mesh, s: Settings) -> dict[str, Any]:
+    """Every pattern run of the demo (gateway.demo.SCENARIOS) end to end, from the call to
+    the gateway until its RESULT, on the sample and research agents: ``pattern.<name>``."""
+    from gateway.demo import SCENARIOS
+
+    count, warmup = max(5, s.operations // 40), max(2, s.warmup // 20)
+    meter = mesh.pattern_meter()
+    out: dict[str, Any] = {}
+    assert mesh.pattern_gateway is not None
+    async with GatewayClient(mesh.pattern_gateway.address) as gw:
+        for scenario in SCENARIOS:
+
+            async def run_pattern(scenario: Any = scenario) -> None:
+                events = await gw.collect(gw.run(scenario.rpc, scenario.request))
+                last = events[-1] if events else {}
+                status = last.get("data", {}).get("status")
+                if last.get("kind") != "RESULT" or status != scenario.expect:
+                    raise RuntimeError(
+                        f"pattern {scenario.name} ended {last.get('kind')} {status}, "
+                        f"not RESULT {scenario.expect}"
+                    )
+
+            name = f"pattern.{scenario.name}"
+            out[name] = await measured(name, run_pattern, count, warmup, meter)
     return out
 
 
@@ -1135,7 +1199,40 @@ TARGETS: list[tuple[str, str, str, float, str]] = [
     ("broadcast5", "p50_ms", "<=", 1.5, "broadcast to 5 agents in 5 processes p50 <= 1.5 ms"),
     ("broadcast100", "p50_ms", "<=", 20.0, "broadcast to 100 agents p50 <= 20 ms"),
     ("routing", "p95_ms", "<", 10.0, "RT-011 routing p95 < 100 ms, with a 10x margin"),
+    (
+        "pattern.group_chat",
+        "mean_ms",
+        "<",
+        1000.0,
+        "RF-010 group chat duration avg < 10 s, with a 10x margin",
+    ),
+    (
+        "pattern.handoff",
+        "mean_ms",
+        "<",
+        1500.0,
+        "RF-010 hand-off duration avg < 15 s, with a 10x margin",
+    ),
+    (
+        "pattern.handoff",
+        "p95_ms",
+        "<",
+        2000.0,
+        "RF-010 hand-off workflow of 4 agents < 20 s, with a 10x margin",
+    ),
+    (
+        "pattern.collaborative_filtering",
+        "p95_ms",
+        "<",
+        500.0,
+        "RF-010 collaborative filtering total latency < 5 s, with a 10x margin",
+    ),
 ]
+PATTERN_SWITCH_IMPACT_MS = 200.0
+"""RF-010 17: a pattern switch costs the workflow < 2 s, with a 10x margin (the p50 of the
+refund with a group chat at step 2 over the p50 of the plain refund)."""
+PATTERN_P95_MS = 2000.0
+"""RF-010: pattern execution latency p95 < 20 s, with a 10x margin (every pattern run)."""
 RATIO_TARGETS: list[tuple[str, str, float, str]] = [
     ("roundtrip", "p50", 1.5, "roundtrip p50 <= 1.5x relay"),
     ("roundtrip", "p95", 2.0, "roundtrip p95 <= 2x relay"),
@@ -1194,6 +1291,30 @@ def evaluate(figures: dict[str, Any]) -> list[dict[str, Any]]:
                 "what": f"{what}, on the roundtrip p50",
             }
         )
+    switch = figures["pattern.pattern_switch"]["p50_ms"] - figures["pattern.handoff"]["p50_ms"]
+    checks.append(
+        {
+            "figure": "pattern.pattern_switch.p50_ms - pattern.handoff.p50_ms",
+            "value": switch,
+            "target": f"< {PATTERN_SWITCH_IMPACT_MS:g}",
+            "pass": switch < PATTERN_SWITCH_IMPACT_MS,
+            "what": "RF-010 pattern switch latency impact < 2 s, with a 10x margin",
+        }
+    )
+    slowest = max(
+        (name for name in figures if name.startswith("pattern.")),
+        key=lambda name: figures[name]["p95_ms"],
+    )
+    checks.append(
+        {
+            "figure": f"{slowest}.p95_ms",
+            "value": figures[slowest]["p95_ms"],
+            "target": f"< {PATTERN_P95_MS:g}",
+            "pass": figures[slowest]["p95_ms"] < PATTERN_P95_MS,
+            "what": "RF-010 pattern execution latency p95 < 20 s (the slowest pattern), "
+            "with a 10x margin",
+        }
+    )
     batched = figures["oneway_batch100"]["throughput"]
     checks.append(
         {
@@ -1327,6 +1448,14 @@ def to_markdown(report: dict[str, Any]) -> str:
             f"{hot['agent_message_us']:.1f} µs, the SDK's request() {hot['client_request_us']:.1f}"
             f" µs, against {hot['raw_loop_us']:.1f} µs for a bare read-and-write loop "
             f"(`hotpath.*`).",
+        ]
+    if patterns := [name for name in f if name.startswith("pattern.")]:
+        lines += [
+            "",
+            f"The {len(patterns)} `pattern.*` figures: each pattern run of `agentmesh demo` "
+            "(`gateway.demo.SCENARIOS`), from the call to a gateway until its RESULT event, "
+            "on the sample and research agents (one process) through the same broker; "
+            "research's web pages come from a snapshot that simulates each page's latency.",
         ]
     if (raw := f.get("roundtrip_raw_ends")) and (rt := f.get("roundtrip")):
         lines += [

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from gateway.demo import SCENARIOS
+
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "benchmarks" / "results" / "latest.json"
 
@@ -31,6 +33,7 @@ LATENCIES = (
     "broadcast100",
     "routing",
     "group_chat",
+    *(f"pattern.{scenario.name}" for scenario in SCENARIOS),
 )
 THROUGHPUTS = ("oneway_1", "oneway_16", "oneway_64", "oneway_batch100")
 

@@ -254,6 +254,11 @@ def repetition(relay_p50: float, roundtrip_p50: float) -> dict[str, dict[str, An
         "sampled_10pct_overhead": 0.01,
     }
     figures["oneway_batch100"] = {"throughput": 21000.0}
+    figures["pattern.group_chat"] = latency(9.0, 12.0)
+    figures["pattern.handoff"] = latency(12.0, 15.0)
+    figures["pattern.pattern_switch"] = latency(17.0, 21.0)
+    figures["pattern.collaborative_filtering"] = latency(11.0, 14.0)
+    figures["pattern.research"] = latency(55.0, 70.0)
     return figures
 
 
@@ -308,3 +313,20 @@ def test_the_report_sets_the_roundtrip_beside_the_least_the_contract_costs() -> 
     assert "roundtrip takes 2.50x that." in text
     del report["figures"]["baseline.contract2"]  # an earlier result has no such figure
     assert "baseline.contract2" not in to_markdown(report)
+
+
+def test_the_pattern_targets_are_rf010s_with_a_10x_margin() -> None:
+    figures = with_ratios(combine([repetition(0.5, 1.0)]))
+    checks = {c["figure"]: c for c in evaluate(figures)}
+    switch = checks["pattern.pattern_switch.p50_ms - pattern.handoff.p50_ms"]
+    assert switch["value"] == pytest.approx(5.0) and switch["pass"] is True
+    slowest = checks["pattern.research.p95_ms"]  # the slowest pattern stands for them all
+    assert slowest["value"] == pytest.approx(70.0) and slowest["target"] == "< 2000"
+    assert checks["pattern.handoff.mean_ms"]["target"] == "< 1500"
+    assert checks["pattern.group_chat.mean_ms"]["pass"] is True
+
+    figures["pattern.pattern_switch"]["p50_ms"] = 250.0  # the switch cost the workflow 238 ms
+    figures["pattern.research"]["p95_ms"] = 2500.0
+    checks = {c["figure"]: c for c in evaluate(figures)}
+    assert checks["pattern.pattern_switch.p50_ms - pattern.handoff.p50_ms"]["pass"] is False
+    assert checks["pattern.research.p95_ms"]["pass"] is False
