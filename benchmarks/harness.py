@@ -84,13 +84,18 @@ def logs_folder() -> Path:
     return _logs[0]
 
 
-async def spawn(*args: str, ready: str, env_extra: dict[str, str] | None = None) -> Proc:
+async def spawn(
+    *args: str,
+    ready: str,
+    env_extra: dict[str, str] | None = None,
+    program: str = sys.executable,
+) -> Proc:
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
     name = "-".join(a for a in args[:4] if not a.startswith("-")).replace("/", "_")
     log = logs_folder() / f"{next(_spawned):02d}-{name}.log"
     with log.open("wb") as stderr:
         process = await asyncio.create_subprocess_exec(
-            sys.executable,
+            program,
             *args,
             cwd=ROOT,
             env=env,
@@ -130,6 +135,84 @@ async def stop_all(procs: list[Proc]) -> None:
             proc.process.kill()
 
 
+NODE_CLIENT = ROOT / "clients" / "node"
+
+
+def node_available() -> bool:
+    """Node.js and the Node.js client's packages (`make setup` installs them with npm)."""
+    return shutil.which("node") is not None and (NODE_CLIENT / "node_modules" / "@grpc").is_dir()
+
+
+class NodeDriver:
+    """``benchmarks/node_driver.js``: the Node.js client's request() through the broker,
+    timed in Node; told on stdin what to measure, so that the CPU read around it covers the
+    measured requests alone."""
+
+    def __init__(self, process: asyncio.subprocess.Process, log: Path) -> None:
+        self.process = process
+        self.log = log
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @classmethod
+    async def start(cls, broker: str, agent: str) -> NodeDriver:
+        log = logs_folder() / f"{next(_spawned):02d}-node-driver.log"
+        with log.open("wb") as stderr:
+            process = await asyncio.create_subprocess_exec(
+                "node",
+                str(ROOT / "benchmarks" / "node_driver.js"),
+                broker,
+                agent,
+                cwd=ROOT,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=stderr,
+            )
+        driver = cls(process, log)
+        await driver._expect("node driver ready")
+        return driver
+
+    async def _line(self) -> str:
+        assert self.process.stdout is not None
+        async with asyncio.timeout(120):
+            line = (await self.process.stdout.readline()).decode()
+        if not line:
+            tail = self.log.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"the Node.js driver exited:\n{tail}")
+        return line.strip()
+
+    async def _expect(self, wanted: str) -> None:
+        if (line := await self._line()) != wanted:
+            raise RuntimeError(f"the Node.js driver said {line!r}, not {wanted!r}")
+
+    async def _say(self, line: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(f"{line}\n".encode())
+        await self.process.stdin.drain()
+
+    async def measure(self, count: int, warmup: int, meter: CpuMeter) -> dict[str, Any]:
+        await self._say(f"{warmup} {count}")
+        await self._expect("warm")
+        before = meter.read()
+        await self._say("go")
+        samples = json.loads(await self._line())["samples"]
+        figure: dict[str, Any] = stats(samples)
+        figure["cpu_us_per_op"] = CpuMeter.cost(before, meter.read(), count)
+        return figure
+
+    async def close(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()  # the end of its stdin ends it
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(10):
+                await self.process.wait()
+        if self.process.returncode is None:
+            self.process.kill()
+            await self.process.wait()
+
+
 @dataclass
 class Mesh:
     broker: Proc
@@ -152,6 +235,10 @@ class Mesh:
     """The sample and research agents, in one process: what the patterns run on."""
     pattern_gateway: Proc | None = None
     """A gateway with the default routing table, for the pattern figures."""
+    node_agent: Proc | None = None
+    """An echo agent in Node.js (clients/node), when Node.js is here."""
+    node_driver: NodeDriver | None = None
+    """The Node.js client, asking the Python echo agent, when Node.js is here."""
 
     def pattern_meter(self) -> CpuMeter:
         """The CPU of the processes a pattern run crosses (and the driver's)."""
@@ -177,6 +264,7 @@ class Mesh:
 
 async def start_mesh() -> Mesh:
     procs: list[Proc] = []
+    node_driver: NodeDriver | None = None
     try:
         broker = await spawn(
             "-m",
@@ -309,6 +397,18 @@ async def start_mesh() -> Mesh:
             ready=r"listening on (\S+?)[,\s]",
         )
         procs.append(pattern_gateway)
+        # Polyglot: an agent and a client in Node.js (@grpc/grpc-js, the same .proto files).
+        node_agent = None
+        if node_available():
+            node_agent = await spawn(
+                str(NODE_CLIENT / "examples" / "echo-agent.js"),
+                "node-echo",
+                ready=r"node-echo serving on (\S+)",
+                env_extra={"AGENTMESH_BROKER": broker.address},
+                program="node",
+            )
+            procs.append(node_agent)
+            node_driver = await NodeDriver.start(broker.address, "echo-0")
         return Mesh(
             broker,
             gateway,
@@ -324,8 +424,12 @@ async def start_mesh() -> Mesh:
             list(raw_b5),
             pattern_agents,
             pattern_gateway,
+            node_agent,
+            node_driver,
         )
     except BaseException:
+        if node_driver is not None:
+            await node_driver.close()
         await stop_all(procs)
         raise
 
@@ -783,6 +887,29 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
         out["handoff"] = await measured(
             "handoff", lambda: client.request_message(handoff_message()), n, w, meter
         )
+
+        # Polyglot: the same roundtrip to the echo agent in Node.js, and from the Node.js
+        # client to the Python echo agent (timed in Node).
+        if mesh.node_agent is not None:
+            out["node_agent.roundtrip"] = await measured(
+                "node_agent.roundtrip",
+                lambda: client.request("node-echo", PAYLOAD),
+                n // 2,
+                w // 2,
+                CpuMeter({"broker": [mesh.broker.pid], "agents": [mesh.node_agent.pid]}),
+            )
+        if mesh.node_driver is not None:
+            out["node_client.roundtrip"] = await mesh.node_driver.measure(
+                n // 2,
+                w // 2,
+                CpuMeter(
+                    {
+                        "driver": [mesh.node_driver.pid],
+                        "broker": [mesh.broker.pid],
+                        "agents": [mesh.agents[0].pid],  # (echo-0's process)
+                    }
+                ),
+            )
 
         # A broadcast's latency is the time until the last of its agents has it: each agent
         # answers with the wall-clock time its handler got the message (one clock for every
@@ -1449,6 +1576,23 @@ def to_markdown(report: dict[str, Any]) -> str:
             f" µs, against {hot['raw_loop_us']:.1f} µs for a bare read-and-write loop "
             f"(`hotpath.*`).",
         ]
+    if (node_client := f.get("node_client.roundtrip")) and (
+        node_agent := f.get("node_agent.roundtrip")
+    ):
+        rt = f["roundtrip"]
+        lines += [
+            "",
+            f"Polyglot, through the same broker: the Node.js client (@grpc/grpc-js) asking the "
+            f"Python echo agent, p50 {node_client['p50_ms']:.3f} ms (`node_client.roundtrip`, "
+            f"timed in Node), and the Python SDK asking an echo agent in Node.js, p50 "
+            f"{node_agent['p50_ms']:.3f} ms (`node_agent.roundtrip`), beside "
+            f"{rt['p50_ms']:.3f} ms with Python at both ends (`roundtrip`).",
+        ]
+    elif "roundtrip" in f:
+        lines += [
+            "",
+            "Node.js or the Node.js client's packages were not found: no `node_*` figures.",
+        ]
     if patterns := [name for name in f if name.startswith("pattern.")]:
         lines += [
             "",
@@ -1587,6 +1731,8 @@ async def measure_all(settings: Settings) -> tuple[dict[str, Any], dict[str, Any
             runs.append(await run_once(mesh, settings))
             memory.append(memory_by_role(mesh.meter().roles))
     finally:
+        if mesh.node_driver is not None:
+            await mesh.node_driver.close()
         await stop_all(mesh.procs)
     figures = combine(runs)
     figures["roundtrip_traced"] = await measure_tracing_cost(settings)

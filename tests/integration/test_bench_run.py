@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.harness import node_available
 from gateway.demo import SCENARIOS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,6 +35,8 @@ LATENCIES = (
     "routing",
     "group_chat",
     *(f"pattern.{scenario.name}" for scenario in SCENARIOS),
+    # Polyglot: from the Node.js client, and to an agent in Node.js.
+    *(("node_client.roundtrip", "node_agent.roundtrip") if node_available() else ()),
 )
 THROUGHPUTS = ("oneway_1", "oneway_16", "oneway_64", "oneway_batch100")
 
