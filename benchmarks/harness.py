@@ -1598,8 +1598,10 @@ def to_markdown(report: dict[str, Any]) -> str:
             "",
             f"The {len(patterns)} `pattern.*` figures: each pattern run of `agentmesh demo` "
             "(`gateway.demo.SCENARIOS`), from the call to a gateway until its RESULT event, "
-            "on the sample and research agents (one process) through the same broker; "
-            "research's web pages come from a snapshot that simulates each page's latency.",
+            "on the sample and research agents (one process) through the same broker. The "
+            "sample agents read their JSON data files on every request (in a worker thread, "
+            "so that edits show without a restart), and research's web pages come from a "
+            "snapshot that simulates each page's latency: part of each figure is theirs.",
         ]
     if (raw := f.get("roundtrip_raw_ends")) and (rt := f.get("roundtrip")):
         lines += [
