@@ -28,9 +28,9 @@ def check(*overlays: Path) -> subprocess.CompletedProcess[str]:
 def test_every_overlay_renders_and_validates() -> None:
     result = check()
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "dev: 29 objects rendered and valid" in result.stdout
-    assert "prod: 30 objects rendered and valid" in result.stdout
-    assert "replicas: 34 objects rendered and valid" in result.stdout
+    assert "dev: 32 objects rendered and valid" in result.stdout
+    assert "prod: 33 objects rendered and valid" in result.stdout
+    assert "replicas: 37 objects rendered and valid" in result.stdout
 
 
 def test_rendered_manifests_have_grpc_probes_and_locked_down_pods() -> None:
@@ -42,16 +42,22 @@ def test_rendered_manifests_have_grpc_probes_and_locked_down_pods() -> None:
     ).stdout
     assert rendered.count("service: mesh.v1.BrokerService") == 1
     assert rendered.count("service: mesh.v1.GatewayService") == 1
-    assert rendered.count("service: mesh.v1.AgentService") == 4
-    assert rendered.count("runAsNonRoot: true") == 6
-    assert rendered.count("readOnlyRootFilesystem: true") == 6
+    assert rendered.count("service: mesh.v1.AgentService") == 5
+    assert rendered.count("runAsNonRoot: true") == 7
+    assert rendered.count("readOnlyRootFilesystem: true") == 7
     assert "kind: PodDisruptionBudget" in rendered
-    assert rendered.count("kind: HorizontalPodAutoscaler") == 5
+    assert rendered.count("kind: HorizontalPodAutoscaler") == 6
     assert rendered.count("kind: NetworkPolicy") == 7
     # Production queues are durable: SQLite on a persistent volume mounted by the broker.
     assert "value: sqlite:///var/lib/agentmesh/queues.db" in rendered
     assert "claimName: agentmesh-broker-queues" in rendered
     assert "mountPath: /var/lib/agentmesh" in rendered
+    # Research runs in the cluster: the broker serves the subagents' tools and writes reports
+    # to a volume of its own (its root file system is read-only), beside the queues.
+    assert "- --tools\n        - agents.research:tool_host\n" in rendered
+    assert "- agent\n        - agents.research:research_agents\n" in rendered
+    assert "AGENTMESH_REPORTS_DIR: /var/lib/agentmesh-reports" in rendered
+    assert "mountPath: /var/lib/agentmesh-reports" in rendered
 
 
 def test_replicas_overlay_runs_several_brokers_on_redis() -> None:
