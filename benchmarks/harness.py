@@ -171,7 +171,11 @@ class NodeDriver:
                 stderr=stderr,
             )
         driver = cls(process, log)
-        await driver._expect("node driver ready")
+        try:
+            await driver._expect("node driver ready")
+        except BaseException:
+            await driver.close()
+            raise
         return driver
 
     async def _line(self) -> str:
