@@ -24,7 +24,7 @@ class Scenario:
     """The GatewayService method, e.g. ``Route`` or ``RunConsensus``."""
     request: dict[str, Any]
     expect: str = "COMPLETED"
-    """The status its RESULT ends with on the sample agents."""
+    """The status its RESULT ends with on the sample agents and their shipped data."""
 
 
 SCENARIOS: list[Scenario] = [
@@ -262,8 +262,12 @@ async def run_demo(gateway: str, out: Printer = print) -> int:
                 f"   {name:<26} {s['runs']:>5} {s['completed']:>9} {avg_ms:8.1f} "
                 f"{s['completion_rate']:10.2f} {s['consensus_rate']:9.2f} {accuracy}"
             )
-    # (a run the sample agents make fail on purpose counts as done when it fails)
-    unexpected = [row for row in summary if row["status"] != row["expect"]]
-    for row in unexpected:
-        out(f"   unexpected: {row['title']} ended {row['status']}, not {row['expect']}")
-    return 1 if unexpected else 0
+    for row in summary:  # (other data, --data-dir, may decide otherwise: said, not failed)
+        if row["status"] != row["expect"]:
+            out(
+                f"   note: {row['title']} ended {row['status']}; "
+                f"on the shipped sample data it ends {row['expect']}"
+            )
+    # A run ends COMPLETED or FAILED (a refund the data refuses); anything else went wrong.
+    failed = [row for row in summary if row["status"] not in ("COMPLETED", "FAILED")]
+    return 1 if failed else 0

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 
+import agents
 from gateway.demo import SCENARIOS, run_demo
 from gateway.embedded import start_embedded
 
@@ -24,7 +27,30 @@ async def test_every_pattern_run_ends_as_the_demo_expects(
     for scenario, row in zip(SCENARIOS, summary, strict=True):
         assert row.split()[:1] == scenario.title.split()[:1], row
         assert f" {scenario.expect} " in row, row
-    assert not [line for line in lines if "unexpected:" in line]
+    assert not [line for line in lines if "note:" in line]  # each ended as the data says
     assert (tmp_path / "reports" / "demo-research.md").exists()
     # The one run that fails on purpose: the payment agent refuses order 12347.
     assert [s.name for s in SCENARIOS if s.expect != "COMPLETED"] == ["handoff_failed"]
+
+
+async def test_other_data_may_end_a_run_otherwise_which_the_demo_notes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With data of one's own (--data-dir), order 12347's card is fine: its refund completes.
+    data = tmp_path / "data"
+    shutil.copytree(Path(agents.__file__).parent / "data", data)
+    orders = json.loads((data / "orders.json").read_text())
+    orders["orders"]["12347"]["card_status"] = "active"
+    (data / "orders.json").write_text(json.dumps(orders))
+    monkeypatch.chdir(tmp_path)
+    mesh = await start_embedded(data_dir=data, reports_dir=tmp_path / "reports")
+    lines: list[str] = []
+    try:
+        assert await run_demo(mesh.gateway.address, out=lines.append) == 0  # not a failure
+    finally:
+        await mesh.stop()
+    notes = [line.strip() for line in lines if "note:" in line]
+    assert notes == [
+        "note: Hand-off workflow: payment fails (RF-010 10) ended COMPLETED; "
+        "on the shipped sample data it ends FAILED"
+    ]
