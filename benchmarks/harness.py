@@ -1575,7 +1575,14 @@ def to_markdown(report: dict[str, Any]) -> str:
             "",
             f"The mesh's own Python per operation, without gRPC (`python -m benchmarks.hotpath`: "
             f"each path in one process against in-memory streams): the broker's part of a "
-            f"roundtrip {hot['broker_roundtrip_us']:.1f} µs, the SDK agent's per message "
+            f"roundtrip {hot['broker_roundtrip_us']:.1f} µs"
+            + (
+                f" (of a gather to five agents, the shape of broadcast5, "
+                f"{hot['broker_gather5_us']:.1f} µs)"
+                if "broker_gather5_us" in hot
+                else ""
+            )
+            + f", the SDK agent's per message "
             f"{hot['agent_message_us']:.1f} µs, the SDK's request() {hot['client_request_us']:.1f}"
             f" µs, against {hot['raw_loop_us']:.1f} µs for a bare read-and-write loop "
             f"(`hotpath.*`).",

@@ -8,6 +8,9 @@ is the mesh's Python alone, steady from run to run where the multi-process figur
 
 - ``broker_roundtrip``: a request frame into the broker's servicer (its real sessions, broker
   and queues), the delivery out, the answer frame in, the response out;
+- ``broker_gather5``: a gather frame into the broker's servicer for five agents of a type
+  (the shape of broadcast5), its five deliveries out, their five answers in, each answer and
+  the end of the gather out;
 - ``agent_message``: the SDK's agent (its session, subscription and runtime, with the echo
   agent of the benchmarks) from a delivery frame to the answer it writes;
 - ``client_request``: the SDK's ``request()`` from the call to the decoded answer;
@@ -172,6 +175,70 @@ async def broker_roundtrip(count: int) -> float:
         await asyncio.gather(*sessions, return_exceptions=True)
 
 
+async def broker_gather5(count: int) -> float:
+    broker = Broker(BrokerConfig(max_messages_per_agent=count + 1000))
+    servicer = BrokerServicer(broker)
+    ended = asyncio.Event()
+
+    def agent_read(stream: MemoryStream, frame: Any) -> None:
+        for inner in _frames(frame):  # each delivery answered as a raw agent would
+            if inner.WhichOneof("frame") != "delivery":
+                continue
+            request = inner.delivery.message
+            out = broker_pb2.ConnectRequest()
+            answer = out.send
+            answer.from_agent, answer.to_agent = request.to_agent, request.from_agent
+            answer.message_type = message_pb2.MESSAGE_TYPE_RESPONSE
+            answer.correlation_id = request.correlation_id
+            answer.content.CopyFrom(answer_content)
+            stream.inbox.put_nowait(out)
+
+    def driver_read(stream: MemoryStream, frame: Any) -> None:
+        # The gather ends with `accepted` on its seq, after every agent's `gathered`.
+        if any(inner.WhichOneof("frame") == "accepted" for inner in _frames(frame)):
+            ended.set()
+
+    answer_content = message_to_pb(Message(from_agent="a", to_agent="b", content=ANSWER)).content
+    streams = []
+    for i in range(5):
+        await broker.register(AgentInfo(agent_id=f"b5-{i}", agent_types=("b5",)))
+        agent = MemoryStream(agent_read)
+        subscribe = broker_pb2.ConnectRequest(seq=1)
+        subscribe.subscribe.agent_id = f"b5-{i}"
+        subscribe.subscribe.max_in_flight = 128
+        subscribe.subscribe.max_batch = 128
+        agent.inbox.put_nowait(subscribe)
+        streams.append(agent)
+    driver = MemoryStream(driver_read)
+    sessions = [asyncio.create_task(servicer.Connect(s.frames(), s)) for s in [*streams, driver]]
+    gather = broker_pb2.ConnectRequest()
+    message_to_pb(
+        Message(from_agent="driver", to_agent="broadcast", content={"query": "q"}),
+        gather.gather.message,
+    )
+    for name in ("message_id", "timestamp", "message_type"):  # (unset: BROADCAST copies)
+        gather.gather.message.ClearField(name)
+    gather.gather.agent_types.append("b5")
+    seq = 1
+
+    async def one() -> None:
+        nonlocal seq
+        seq += 1
+        frame = broker_pb2.ConnectRequest()
+        frame.CopyFrom(gather)
+        frame.seq = seq
+        ended.clear()
+        driver.inbox.put_nowait(frame)
+        await ended.wait()
+
+    try:
+        return await per_op(one, count, count // 10)
+    finally:
+        for session in sessions:
+            session.cancel()
+        await asyncio.gather(*sessions, return_exceptions=True)
+
+
 async def agent_message(count: int) -> float:
     answered = asyncio.Event()
 
@@ -267,6 +334,7 @@ async def raw_loop(count: int) -> float:
 
 PATHS: dict[str, Callable[[int], Awaitable[float]]] = {
     "broker_roundtrip": broker_roundtrip,
+    "broker_gather5": broker_gather5,
     "agent_message": agent_message,
     "client_request": client_request,
     "raw_loop": raw_loop,
@@ -278,7 +346,10 @@ async def measure(count: int, repetitions: int = 5) -> dict[str, float]:
     runs: dict[str, list[float]] = {name: [] for name in PATHS}
     for _ in range(repetitions):
         for name, path in PATHS.items():
-            runs[name].append(await path(count))
+            # (a gather to five is a few roundtrips' work: a quarter as many of them)
+            runs[name].append(
+                await path(max(count // 4, 10) if name == "broker_gather5" else count)
+            )
     return {f"{name}_us": round(min(values), 2) for name, values in runs.items()}
 
 

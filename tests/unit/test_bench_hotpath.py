@@ -18,6 +18,7 @@ async def test_every_path_completes_its_operations_and_costs_more_than_the_bare_
     figures = await asyncio.wait_for(hotpath.measure(200, repetitions=1), 60)
     assert set(figures) == {
         "broker_roundtrip_us",
+        "broker_gather5_us",
         "agent_message_us",
         "client_request_us",
         "raw_loop_us",
@@ -26,6 +27,8 @@ async def test_every_path_completes_its_operations_and_costs_more_than_the_bare_
     assert floor > 0
     for name in ("broker_roundtrip_us", "agent_message_us", "client_request_us"):
         assert figures[name] > floor, name
+    # Five deliveries and five answers cost more than one of each.
+    assert figures["broker_gather5_us"] > figures["broker_roundtrip_us"]
 
 
 def test_the_command_prints_the_figures_as_json() -> None:
