@@ -115,73 +115,19 @@ async def per_op(op: Callable[[], Awaitable[None]], count: int, warmup: int) -> 
     return (time.perf_counter() - started) / count * 1e6
 
 
-async def broker_roundtrip(count: int) -> float:
-    broker = Broker(BrokerConfig(max_messages_per_agent=count + 1000))
-    await broker.register(AgentInfo(agent_id="echo-0", agent_types=("bench",)))
-    servicer = BrokerServicer(broker)
-    answered = asyncio.Event()
-
-    def agent_read(stream: MemoryStream, frame: Any) -> None:
-        for inner in _frames(frame):  # each delivery answered as a raw agent would
-            if inner.WhichOneof("frame") != "delivery":
-                continue
-            request = inner.delivery.message
-            out = broker_pb2.ConnectRequest()
-            answer = out.send
-            answer.from_agent, answer.to_agent = "echo-0", request.from_agent
-            answer.message_type = message_pb2.MESSAGE_TYPE_RESPONSE
-            answer.correlation_id = request.correlation_id or request.message_id
-            answer.content.CopyFrom(answer_content)
-            stream.inbox.put_nowait(out)
-
-    def driver_read(stream: MemoryStream, frame: Any) -> None:
-        if any(inner.WhichOneof("frame") == "response" for inner in _frames(frame)):
-            answered.set()
-
-    answer_content = message_to_pb(Message(from_agent="a", to_agent="b", content=ANSWER)).content
-    agent, driver = MemoryStream(agent_read), MemoryStream(driver_read)
-    sessions = [
-        asyncio.create_task(servicer.Connect(agent.frames(), agent)),
-        asyncio.create_task(servicer.Connect(driver.frames(), driver)),
-    ]
-    subscribe = broker_pb2.ConnectRequest(seq=1)
-    subscribe.subscribe.agent_id = "echo-0"
-    subscribe.subscribe.max_in_flight = 128
-    subscribe.subscribe.max_batch = 128
-    agent.inbox.put_nowait(subscribe)
-    request = broker_pb2.ConnectRequest()
-    message_to_pb(
-        Message(from_agent="driver", to_agent="echo-0", content=PAYLOAD), request.request.message
-    )
-    request.request.message.ClearField("message_id")
-    request.request.message.ClearField("timestamp")
-    seq = 1
-
-    async def one() -> None:
-        nonlocal seq
-        seq += 1
-        frame = broker_pb2.ConnectRequest()
-        frame.CopyFrom(request)
-        frame.seq = seq
-        answered.clear()
-        driver.inbox.put_nowait(frame)
-        await answered.wait()
-
-    try:
-        return await per_op(one, count, count // 10)
-    finally:
-        for session in sessions:
-            session.cancel()
-        await asyncio.gather(*sessions, return_exceptions=True)
-
-
-async def broker_gather5(count: int) -> float:
+async def through_broker(
+    count: int, agents: dict[str, str], frame: broker_pb2.ConnectRequest, ends_with: str
+) -> float:
+    """``frame`` (numbered anew each time) into the broker's servicer, from a driver's
+    session, until the driver reads a frame of kind ``ends_with``; ``agents`` (id: type) are
+    subscribed on sessions of their own and answer each delivery as a raw agent would."""
     broker = Broker(BrokerConfig(max_messages_per_agent=count + 1000))
     servicer = BrokerServicer(broker)
     ended = asyncio.Event()
+    answer_content = message_to_pb(Message(from_agent="a", to_agent="b", content=ANSWER)).content
 
     def agent_read(stream: MemoryStream, frame: Any) -> None:
-        for inner in _frames(frame):  # each delivery answered as a raw agent would
+        for inner in _frames(frame):
             if inner.WhichOneof("frame") != "delivery":
                 continue
             request = inner.delivery.message
@@ -189,46 +135,36 @@ async def broker_gather5(count: int) -> float:
             answer = out.send
             answer.from_agent, answer.to_agent = request.to_agent, request.from_agent
             answer.message_type = message_pb2.MESSAGE_TYPE_RESPONSE
-            answer.correlation_id = request.correlation_id
+            answer.correlation_id = request.correlation_id or request.message_id
             answer.content.CopyFrom(answer_content)
             stream.inbox.put_nowait(out)
 
     def driver_read(stream: MemoryStream, frame: Any) -> None:
-        # The gather ends with `accepted` on its seq, after every agent's `gathered`.
-        if any(inner.WhichOneof("frame") == "accepted" for inner in _frames(frame)):
+        if any(inner.WhichOneof("frame") == ends_with for inner in _frames(frame)):
             ended.set()
 
-    answer_content = message_to_pb(Message(from_agent="a", to_agent="b", content=ANSWER)).content
     streams = []
-    for i in range(5):
-        await broker.register(AgentInfo(agent_id=f"b5-{i}", agent_types=("b5",)))
+    for agent_id, agent_type in agents.items():
+        await broker.register(AgentInfo(agent_id=agent_id, agent_types=(agent_type,)))
         agent = MemoryStream(agent_read)
         subscribe = broker_pb2.ConnectRequest(seq=1)
-        subscribe.subscribe.agent_id = f"b5-{i}"
+        subscribe.subscribe.agent_id = agent_id
         subscribe.subscribe.max_in_flight = 128
         subscribe.subscribe.max_batch = 128
         agent.inbox.put_nowait(subscribe)
         streams.append(agent)
     driver = MemoryStream(driver_read)
     sessions = [asyncio.create_task(servicer.Connect(s.frames(), s)) for s in [*streams, driver]]
-    gather = broker_pb2.ConnectRequest()
-    message_to_pb(
-        Message(from_agent="driver", to_agent="broadcast", content={"query": "q"}),
-        gather.gather.message,
-    )
-    for name in ("message_id", "timestamp", "message_type"):  # (unset: BROADCAST copies)
-        gather.gather.message.ClearField(name)
-    gather.gather.agent_types.append("b5")
     seq = 1
 
     async def one() -> None:
         nonlocal seq
         seq += 1
-        frame = broker_pb2.ConnectRequest()
-        frame.CopyFrom(gather)
-        frame.seq = seq
+        numbered = broker_pb2.ConnectRequest()
+        numbered.CopyFrom(frame)
+        numbered.seq = seq
         ended.clear()
-        driver.inbox.put_nowait(frame)
+        driver.inbox.put_nowait(numbered)
         await ended.wait()
 
     try:
@@ -237,6 +173,30 @@ async def broker_gather5(count: int) -> float:
         for session in sessions:
             session.cancel()
         await asyncio.gather(*sessions, return_exceptions=True)
+
+
+async def broker_roundtrip(count: int) -> float:
+    request = broker_pb2.ConnectRequest()
+    message_to_pb(
+        Message(from_agent="driver", to_agent="echo-0", content=PAYLOAD), request.request.message
+    )
+    request.request.message.ClearField("message_id")
+    request.request.message.ClearField("timestamp")
+    return await through_broker(count, {"echo-0": "bench"}, request, ends_with="response")
+
+
+async def broker_gather5(count: int) -> float:
+    gather = broker_pb2.ConnectRequest()
+    message_to_pb(
+        Message(from_agent="driver", to_agent="broadcast", content={"query": "q"}),
+        gather.gather.message,
+    )
+    for name in ("message_id", "timestamp", "message_type"):  # (unset: BROADCAST copies)
+        gather.gather.message.ClearField(name)
+    gather.gather.agent_types.append("b5")
+    # The gather ends with `accepted` on its seq, after every agent's `gathered`.
+    agents = {f"b5-{i}": "b5" for i in range(5)}
+    return await through_broker(count, agents, gather, ends_with="accepted")
 
 
 async def agent_message(count: int) -> float:
