@@ -174,16 +174,21 @@ async def _run_broker(args: argparse.Namespace) -> int:
     return 0
 
 
+def import_spec(spec: str, what: str) -> Any:
+    """What ``module:attribute`` names; ``what`` (a flag, an argument) names it in the errors."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise UsageError(f"{what} must be module:attribute, got {spec!r}")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as error:
+        raise UsageError(f"{what} {spec}: {error}") from None
+
+
 def load_tool_host(spec: str) -> ToolHost:
     """Loads ``module:attr``: a ToolHost, or a factory returning one (the tools the broker's
     Tool service runs for agents, and which agent may use which)."""
-    module_name, _, attr = spec.partition(":")
-    if not attr:
-        raise UsageError(f"--tools must be module:attribute, got {spec!r}")
-    try:
-        target: Any = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as error:
-        raise UsageError(f"--tools {spec}: {error}") from None
+    target = import_spec(spec, "--tools")
     if not isinstance(target, ToolHost) and callable(target):
         target = target()
     if not isinstance(target, ToolHost):
@@ -197,10 +202,7 @@ def load_tool_host(spec: str) -> ToolHost:
 def load_agents(spec: str, agent_id: str | None = None) -> list[Agent]:
     """Loads ``module:attr``: an Agent instance or class, or a factory returning one agent or a
     list of agents."""
-    module_name, _, attr = spec.partition(":")
-    if not attr:
-        raise SystemExit(f"agent spec must be module:attribute, got {spec!r}")
-    target: Any = getattr(importlib.import_module(module_name), attr)
+    target = import_spec(spec, "an agent spec")
     is_class = isinstance(target, type) and issubclass(target, Agent)
     if is_class or (not isinstance(target, Agent) and callable(target)):
         target = target(agent_id) if agent_id and is_class else target()

@@ -1,4 +1,5 @@
-"""How `agentmesh send` turns its flags into a message's content, and refuses bad JSON."""
+"""How `agentmesh send` turns its flags into a message's content and refuses bad JSON, and how
+a command refuses a module:attribute spec that names nothing."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 
 import pytest
 
-from mesh.cli import _content
+from mesh.cli import _content, main
 
 
 def args(**flags: object) -> argparse.Namespace:
@@ -35,3 +36,21 @@ def test_params_without_an_action_reach_the_broker_to_be_refused_there() -> None
 def test_bad_json_is_refused_before_anything_is_sent(flags: dict, error: str) -> None:
     with pytest.raises(SystemExit, match=error):
         _content(args(**flags))
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["agent", "nosuch:thing"], "an agent spec nosuch:thing: No module named 'nosuch'"),
+        (["agent", "agents.stocks"], "an agent spec must be module:attribute"),
+        (["agent", "agents.stocks:nothing"], "has no attribute 'nothing'"),
+        (["broker", "--tools", ":tool_host"], "--tools must be module:attribute"),
+    ],
+)
+def test_a_spec_that_names_nothing_is_a_usage_error(
+    args: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    assert exited.value.code == 2  # as argparse ends a command it cannot run
+    assert said in capsys.readouterr().err
