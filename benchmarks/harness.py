@@ -1371,90 +1371,96 @@ RATIO_TARGETS: list[tuple[str, str, float, str]] = [
 """Ratios to the two-hop relay (``x_relay2_p50``, ``x_relay2_p95``: see :func:`with_ratios`)."""
 
 
+def check(
+    figure: str,
+    value: float,
+    op: str,
+    limit: float,
+    what: str,
+    *,
+    unit: str = "",
+    spread: list[float] | None = None,
+) -> dict[str, Any]:
+    """One target's check: ``value`` ``op`` (<, <= or >=) ``limit``."""
+    ok = {"<": value < limit, "<=": value <= limit, ">=": value >= limit}[op]
+    found: dict[str, Any] = {"figure": figure, "value": value}
+    if spread is not None:
+        found["spread"] = spread
+    return {**found, "target": f"{op} {limit:g}{unit}", "pass": ok, "what": what}
+
+
 def evaluate(figures: dict[str, Any]) -> list[dict[str, Any]]:
     """Each target's check on ``figures`` with their ratios to the relay (:func:`with_ratios`)."""
-    checks = []
-    for name, key, op, limit, what in TARGETS:
-        value = figures[name][key]
-        ok = value < limit if op == "<" else value <= limit
-        checks.append(
-            {
-                "figure": f"{name}.{key}",
-                "value": value,
-                "target": f"{op} {limit:g}",
-                "pass": ok,
-                "what": what,
-            }
-        )
+    checks = [
+        check(f"{name}.{key}", figures[name][key], op, limit, what)
+        for name, key, op, limit, what in TARGETS
+    ]
     for name, percentile, limit, what in RATIO_TARGETS:
-        ratio = figures[name][f"x_relay2_{percentile}"]
         checks.append(
-            {
-                "figure": f"{name}.{percentile}_ms / baseline.relay2.{percentile}_ms",
-                "value": ratio,
-                "spread": figures[name].get(f"x_relay2_{percentile}_spread"),
-                "target": f"<= {limit:g}x",
-                "pass": ratio <= limit,
-                "what": what,
-            }
+            check(
+                f"{name}.{percentile}_ms / baseline.relay2.{percentile}_ms",
+                figures[name][f"x_relay2_{percentile}"],
+                "<=",
+                limit,
+                what,
+                unit="x",
+                spread=figures[name].get(f"x_relay2_{percentile}_spread"),
+            )
         )
-    t64 = figures["roundtrip"]["x_relay2_throughput_64"]
     checks.append(
-        {
-            "figure": "roundtrip.throughput_64 / baseline.relay2.throughput_64",
-            "value": t64,
-            "target": ">= 0.75x",
-            "pass": t64 >= 0.75,
-            "what": "request/response throughput at 64 in flight vs relay",
-        }
+        check(
+            "roundtrip.throughput_64 / baseline.relay2.throughput_64",
+            figures["roundtrip"]["x_relay2_throughput_64"],
+            ">=",
+            0.75,
+            "request/response throughput at 64 in flight vs relay",
+            unit="x",
+        )
     )
     for key, what in (
         ("overhead", "cost of tracing every request (spans in every process)"),
         ("sampled_10pct_overhead", "cost of tracing with 10% head sampling"),
     ):
-        overhead = figures["roundtrip_traced"][key]
         checks.append(
-            {
-                "figure": f"roundtrip_traced.{key}",
-                "value": overhead,
-                "target": "< 0.15",
-                "pass": overhead < 0.15,
-                "what": f"{what}, on the roundtrip p50",
-            }
+            check(
+                f"roundtrip_traced.{key}",
+                figures["roundtrip_traced"][key],
+                "<",
+                0.15,
+                f"{what}, on the roundtrip p50",
+            )
         )
-    switch = figures["pattern.pattern_switch"]["p50_ms"] - figures["pattern.handoff"]["p50_ms"]
     checks.append(
-        {
-            "figure": "pattern.pattern_switch.p50_ms - pattern.handoff.p50_ms",
-            "value": switch,
-            "target": f"< {PATTERN_SWITCH_IMPACT_MS:g}",
-            "pass": switch < PATTERN_SWITCH_IMPACT_MS,
-            "what": "RF-010 pattern switch latency impact < 2 s, with a 10x margin",
-        }
+        check(
+            "pattern.pattern_switch.p50_ms - pattern.handoff.p50_ms",
+            figures["pattern.pattern_switch"]["p50_ms"] - figures["pattern.handoff"]["p50_ms"],
+            "<",
+            PATTERN_SWITCH_IMPACT_MS,
+            "RF-010 pattern switch latency impact < 2 s, with a 10x margin",
+        )
     )
     slowest = max(
         (name for name in figures if name.startswith("pattern.")),
         key=lambda name: figures[name]["p95_ms"],
     )
     checks.append(
-        {
-            "figure": f"{slowest}.p95_ms",
-            "value": figures[slowest]["p95_ms"],
-            "target": f"< {PATTERN_P95_MS:g}",
-            "pass": figures[slowest]["p95_ms"] < PATTERN_P95_MS,
-            "what": "RF-010 pattern execution latency p95 < 20 s (the slowest pattern), "
-            "with a 10x margin",
-        }
+        check(
+            f"{slowest}.p95_ms",
+            figures[slowest]["p95_ms"],
+            "<",
+            PATTERN_P95_MS,
+            "RF-010 pattern execution latency p95 < 20 s (the slowest pattern), with a 10x margin",
+        )
     )
-    batched = figures["oneway_batch100"]["throughput"]
     checks.append(
-        {
-            "figure": "oneway_batch100.throughput",
-            "value": batched,
-            "target": ">= 20000/s",
-            "pass": batched >= 20_000,
-            "what": "one-way batched throughput with priority, TTL and capacity",
-        }
+        check(
+            "oneway_batch100.throughput",
+            figures["oneway_batch100"]["throughput"],
+            ">=",
+            20_000,
+            "one-way batched throughput with priority, TTL and capacity",
+            unit="/s",
+        )
     )
     return checks
 
@@ -1571,18 +1577,17 @@ def to_markdown(report: dict[str, Any]) -> str:
             f"{rt['p50_ms'] / floor['p50_ms']:.2f}x that.",
         ]
     if hot := report.get("hotpath"):
+        gather5 = (  # (a result of before it was measured has none)
+            f" (of a gather to five agents, the shape of broadcast5, "
+            f"{hot['broker_gather5_us']:.1f} µs)"
+            if "broker_gather5_us" in hot
+            else ""
+        )
         lines += [
             "",
             f"The mesh's own Python per operation, without gRPC (`python -m benchmarks.hotpath`: "
             f"each path in one process against in-memory streams): the broker's part of a "
-            f"roundtrip {hot['broker_roundtrip_us']:.1f} µs"
-            + (
-                f" (of a gather to five agents, the shape of broadcast5, "
-                f"{hot['broker_gather5_us']:.1f} µs)"
-                if "broker_gather5_us" in hot
-                else ""
-            )
-            + f", the SDK agent's per message "
+            f"roundtrip {hot['broker_roundtrip_us']:.1f} µs{gather5}, the SDK agent's per message "
             f"{hot['agent_message_us']:.1f} µs, the SDK's request() {hot['client_request_us']:.1f}"
             f" µs, against {hot['raw_loop_us']:.1f} µs for a bare read-and-write loop "
             f"(`hotpath.*`).",
