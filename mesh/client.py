@@ -200,7 +200,7 @@ class _Session:
         call: Any = stub.Connect(metadata=((BATCH_HEADER, "1"),))  # type: ignore[call-arg]
         self._call = call
         self._writer: FrameWriter[broker_pb2.ConnectRequest] = FrameWriter(
-            call.write, _request_batch
+            call.write, _request_batch, size=broker_pb2.ConnectRequest.ByteSize
         )
         self._seq = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[broker_pb2.ConnectResponse]] = {}
@@ -1206,7 +1206,9 @@ class MeshClient:
     # -- receiving ---------------------------------------------------------------------------
 
     async def receive(self, agent_id: str | None = None, max_messages: int = 0) -> list[Message]:
-        """Removes and returns the agent's waiting messages, HIGH first, then oldest first.
+        """Removes and returns the agent's waiting messages, HIGH first, then oldest first:
+        up to ``max_messages`` (0: all) and 3 MiB an answer, the rest waiting for the next
+        call (an empty list: the queue is empty).
 
         Messages sent with ack_required are acknowledged to their senders automatically.
         """

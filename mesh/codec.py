@@ -307,6 +307,14 @@ def _undefined(field_name: str, number: int, known: Mapping[int, Any]) -> FieldV
     return FieldViolation(field_name, f"{field_name} {number} is not defined (known: {names})")
 
 
+def message_size(message: Message) -> int:
+    """The bytes of a message on the wire (what it came in as, when the codec kept it)."""
+    encoded = message.encoded
+    if encoded.__class__ is message_pb2.Message:
+        return encoded.ByteSize()
+    return message_to_pb(message).ByteSize()
+
+
 def message_to_pb(message: Message, out: message_pb2.Message | None = None) -> message_pb2.Message:
     pb = message_pb2.Message() if out is None else out
     encoded = message.encoded

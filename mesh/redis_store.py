@@ -220,12 +220,18 @@ return {leases, out}
 """
 
 _POP = """
-local now, most = tonumber(ARGV[1]), tonumber(ARGV[2])
+local now, most, room = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local out, popped = {}, {}
 while most <= 0 or #popped < most do
   local id, info = next_ready(now, out)
   if not id then break end
-  table.insert(popped, {redis.call('HGET', msgs, id), tostring(info.c)})
+  local body = redis.call('HGET', msgs, id)
+  if room > 0 and #popped > 0 and #body > room then
+    redis.call('ZADD', ready, info.p, info.m)  -- does not fit: back in its place
+    break
+  end
+  if room > 0 then room = math.max(1, room - #body) end
+  table.insert(popped, {body, tostring(info.c)})
   drop(id)
 end
 return {popped, out}
@@ -926,9 +932,16 @@ class RedisQueueStore:
 
     # -- consuming -------------------------------------------------------------------------
 
-    async def pop(self, agent_id: str, max_messages: int = 0) -> list[Popped]:
+    async def pop(
+        self,
+        agent_id: str,
+        max_messages: int = 0,
+        max_bytes: int = 0,
+        size_of: Callable[[Message], int] | None = None,
+    ) -> list[Popped]:
+        # (measured here by the stored JSON, longer than the message on the wire)
         now = self._now_ms()
-        popped, events = await self._run("pop", agent_id, [now, max_messages])
+        popped, events = await self._run("pop", agent_id, [now, max_messages, max_bytes])
         self._report(agent_id, events)
         return [
             Popped(_message(body), max(0.0, (now - float(_text(accepted))) / 1000))

@@ -42,6 +42,10 @@ session's reader, a gather) waits for it to be written."""
 BATCH_BYTES = 1024 * 1024
 """A `deliveries` frame stops growing past this size (gRPC refuses frames over 4 MiB by
 default; one message may be up to max_message_bytes, 1 MiB by default)."""
+RECEIVE_BYTES = 3 * 1024 * 1024
+"""What one ReceiveMessages answer (or `received` frame) holds at most, the messages beyond
+it staying queued for the next call: under the 4 MiB a gRPC client takes by default. An
+answer over a frame limit would fail in transit with its messages taken off the queue."""
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -138,7 +142,12 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
             raise _invalid("agent_id", "agent_id is required")
         if request.max_messages < 0:
             raise _invalid("max_messages", "max_messages must not be negative")
-        messages = await self.broker.receive(request.agent_id, request.max_messages)
+        messages = await self.broker.receive(
+            request.agent_id,
+            request.max_messages,
+            max_bytes=RECEIVE_BYTES,
+            size_of=codec.message_size,
+        )
         response = broker_pb2.ReceiveMessagesResponse()
         for message in messages:
             codec.message_to_pb(message, response.messages.add())
@@ -308,7 +317,9 @@ class _Session:
         # Frames ready while a write is in flight go out together: as one `batch` frame to
         # a client that opened the session with the header agentmesh-batch: 1.
         self.writer: FrameWriter[broker_pb2.ConnectResponse] = FrameWriter(
-            context.write, _response_batch if _takes_batches(context) else None
+            context.write,
+            _response_batch if _takes_batches(context) else None,
+            size=broker_pb2.ConnectResponse.ByteSize,
         )
         # The session's subscriptions (one per agent) and the tasks writing their deliveries.
         self.subscriptions: dict[str, tuple[Subscription, asyncio.Task[None]]] = {}
@@ -425,7 +436,10 @@ class _Session:
                 if not frame.receive.agent_id:
                     raise _invalid("agent_id", "agent_id is required")
                 messages = await self.broker.receive(
-                    frame.receive.agent_id, max(frame.receive.max_messages, 0)
+                    frame.receive.agent_id,
+                    max(frame.receive.max_messages, 0),
+                    max_bytes=RECEIVE_BYTES,
+                    size_of=codec.message_size,
                 )
                 out = broker_pb2.ConnectResponse(seq=seq)
                 out.received.SetInParent()

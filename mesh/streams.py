@@ -13,7 +13,9 @@ per frame; a lone frame costs one hand-over (a future and a wake-up of the write
 
 A write carries at most ``most`` frames (32): a burst larger than that goes as several
 writes, so the receiving side starts on the first while the next is written and the
-processes of a mesh keep working side by side instead of in turn.
+processes of a mesh keep working side by side instead of in turn. A batch frame also holds
+at most ``most_bytes`` (4 MiB): frames of messages near the 1 MiB limit go a few to a write,
+never as one frame over what gRPC lets through (8 MiB, which would fail them all).
 
 The task reading a stream may write a lone frame itself when the stream is idle
 (:meth:`FrameWriter.write_now`: no hand-over, so the answer to a send goes out before the
@@ -35,6 +37,10 @@ from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
 Frame = TypeVar("Frame")
+
+MOST_BYTES = 4 * 1024 * 1024
+"""A batch frame's size at most: half of gRPC's frame limit (mesh.serving), so that frames
+of messages up to the 1 MiB limit always fit, several together."""
 
 BATCH_HEADER = "agentmesh-batch"
 """Request header of a Connect session whose client takes `batch` frames (value "1")."""
@@ -61,12 +67,19 @@ class FrameWriter(Generic[Frame]):
         combine: Callable[[list[Frame]], Frame] | None = None,
         *,
         most: int = 32,
+        size: Callable[[Frame], int] | None = None,
+        most_bytes: int = MOST_BYTES,
     ) -> None:
         self._write = write
         self.combine = combine
         """Makes one batch frame of several; None writes them one by one."""
         self.most = most
         """Frames per write at most."""
+        self.size = size
+        """A frame's size in bytes (a protobuf message's ByteSize); None: not bounded."""
+        self.most_bytes = most_bytes
+        """Bytes of the frames combined in one write at most (a lone frame goes whatever
+        its size)."""
         self._queue: collections.deque[tuple[Frame | _Finish, asyncio.Future[None]]] = (
             collections.deque()
         )
@@ -217,15 +230,30 @@ class FrameWriter(Generic[Frame]):
                     future.set_result(None)
 
     def _take(self) -> list[tuple[Frame, asyncio.Future[None]]]:
-        """The frames of the next write: up to ``most`` (one without a batch shape), up to
-        the next half-close; frames whose caller gave up meanwhile are dropped."""
+        """The frames of the next write: up to ``most`` (one without a batch shape) and
+        ``most_bytes``, up to the next half-close; frames whose caller gave up meanwhile are
+        dropped."""
         queue = self._queue
-        most = self.most if self.combine is not None else 1
+        size_of = self.size
+        if self.combine is None:
+            most, budget = 1, 0
+        elif size_of is None or len(queue) == 1:  # (a lone frame: its size does not matter)
+            most, budget = self.most, 0
+        else:
+            most, budget = self.most, self.most_bytes
         carried: list[tuple[Frame, asyncio.Future[None]]] = []
         while queue and len(carried) < most and queue[0][0].__class__ is not _Finish:
-            frame, future = queue.popleft()
-            if not future.cancelled():
-                carried.append((frame, future))  # type: ignore[arg-type]
+            frame, future = queue[0]
+            if future.cancelled():
+                queue.popleft()
+                continue
+            if budget and size_of is not None:
+                size = size_of(frame)  # type: ignore[arg-type]
+                if carried and size > budget:
+                    break  # the next write's first
+                budget = max(1, budget - size)
+            queue.popleft()
+            carried.append((frame, future))  # type: ignore[arg-type]
         return carried
 
     async def _finish(self, item: _Finish, future: asyncio.Future[None]) -> None:

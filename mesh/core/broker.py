@@ -15,7 +15,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import AsyncGenerator, Collection, Iterable, Sequence
+from collections.abc import AsyncGenerator, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from mesh.config import BrokerConfig
@@ -893,10 +893,20 @@ class Broker:
 
     # -- receiving ---------------------------------------------------------------------------
 
-    async def receive(self, agent_id: str, max_messages: int = 0) -> list[Message]:
-        """Removes and returns the agent's waiting messages, HIGH first, then oldest first."""
+    async def receive(
+        self,
+        agent_id: str,
+        max_messages: int = 0,
+        *,
+        max_bytes: int = 0,
+        size_of: Callable[[Message], int] | None = None,
+    ) -> list[Message]:
+        """Removes and returns the agent's waiting messages, HIGH first, then oldest first:
+        up to ``max_messages`` (0: all), and with ``max_bytes`` only as many as fit in it
+        (``size_of`` measures a message; the first comes whatever its size), the rest
+        staying queued for the next call."""
         started = time.perf_counter()
-        popped = await self.store.pop(agent_id, max_messages)
+        popped = await self.store.pop(agent_id, max_messages, max_bytes, size_of)
         if popped:
             self.metrics.delivered("receive", len(popped))
         messages = [self._observe_delivery(item.message, item.queued_seconds) for item in popped]

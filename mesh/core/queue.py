@@ -113,8 +113,17 @@ class QueueStore(Protocol):
         """
         ...
 
-    async def pop(self, agent_id: str, max_messages: int = 0) -> list[Popped]:
-        """Removes and returns up to ``max_messages`` (0: all) messages, in order."""
+    async def pop(
+        self,
+        agent_id: str,
+        max_messages: int = 0,
+        max_bytes: int = 0,
+        size_of: Callable[[Message], int] | None = None,
+    ) -> list[Popped]:
+        """Removes and returns up to ``max_messages`` (0: all) messages, in order; with
+        ``max_bytes``, only as many as fit in that many bytes (``size_of``: a message's size;
+        a store may measure its own way), the first whatever its size. What does not fit
+        stays queued, in its place."""
         ...
 
     async def lease(self, agent_id: str, subscriber: str, lease_seconds: float) -> Lease | None:
@@ -519,16 +528,29 @@ class InMemoryQueueStore:
             return entry
         return None
 
-    async def pop(self, agent_id: str, max_messages: int = 0) -> list[Popped]:
+    async def pop(
+        self,
+        agent_id: str,
+        max_messages: int = 0,
+        max_bytes: int = 0,
+        size_of: Callable[[Message], int] | None = None,
+    ) -> list[Popped]:
         queue = self._queues.get(agent_id)
         if queue is None:
             return []
         now = self._clock()
         out: list[Popped] = []
+        room = max_bytes if max_bytes > 0 and size_of is not None else -1
         while max_messages <= 0 or len(out) < max_messages:
             entry = self._next_queued(queue, now)
             if entry is None:
                 break
+            if room >= 0:
+                size = size_of(entry.message)  # type: ignore[misc]
+                if out and size > room:
+                    self._push(queue, entry)  # back in its place: the next pop's first
+                    break
+                room = max(0, room - size)
             self._forget(queue, entry)
             out.append(Popped(entry.message, now - entry.accepted_at))
         return out

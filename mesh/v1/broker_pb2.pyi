@@ -363,7 +363,10 @@ class ReceiveMessagesRequest(_message.Message):
     agent_id: _builtins.str
     """The agent whose queue is read."""
     max_messages: _builtins.int
-    """At most this many messages; 0 means all."""
+    """At most this many messages; 0 means all. An answer holds at most 3 MiB of messages
+    (the first whatever its size): what does not fit stays queued, in its place, for the
+    next call; an empty answer means the queue is empty.
+    """
     def __init__(
         self,
         *,

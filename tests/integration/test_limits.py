@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
+import grpc
 import pytest
 
 from gateway.client import GatewayClient
@@ -12,6 +15,7 @@ from mesh import LocalMesh, MessageQueueFullError, MessageValidationError, Prior
 from mesh.client import NO_RETRY
 from mesh.config import BrokerConfig
 from mesh.core.errors import LimitExceededError, MessageTooLargeError
+from mesh.v1 import broker_pb2, broker_pb2_grpc
 
 
 @pytest.fixture
@@ -135,3 +139,70 @@ async def test_a_flood_of_low_priority_does_not_starve_high() -> None:
                 break
         await sub.close()
         assert first == high
+
+
+async def test_messages_near_the_size_limit_go_and_come_many_at_once() -> None:
+    """Twelve messages of 900 KB (the limit is 1 MiB): sent at once over one session, taken
+    by a plain gRPC client (4 MiB answers at most) and by the SDK a few per answer, and
+    delivered to a subscriber; none refused, none lost."""
+    blob = "x" * 900_000
+    async with LocalMesh() as mesh:
+        sender = mesh.client("sender", retry=NO_RETRY)
+        await sender.register("Sink")
+
+        async def send_twelve() -> None:
+            sent = await asyncio.gather(
+                *(
+                    sender.send("Sink", {"action": "big", "parameters": {"i": i, "blob": blob}})
+                    for i in range(12)
+                )
+            )
+            assert len({m.message_id for m in sent}) == 12
+
+        async def taken(receive: Callable[[], Awaitable[list[Any]]]) -> list[int]:
+            found: list[int] = []
+            while answer := await receive():
+                assert len(answer) < 12  # (a few per answer: 3 MiB at most)
+                found += [int(item) for item in answer]
+            return found
+
+        await send_twelve()
+        async with grpc.aio.insecure_channel(mesh.address) as channel:  # gRPC's defaults
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)
+
+            async def raw() -> list[Any]:
+                answer = await stub.ReceiveMessages(
+                    broker_pb2.ReceiveMessagesRequest(agent_id="Sink")
+                )
+                assert all(
+                    len(m.content.fields["parameters"].struct_value.fields["blob"].string_value)
+                    == 900_000
+                    for m in answer.messages
+                )
+                return [
+                    m.content.fields["parameters"].struct_value.fields["i"].number_value
+                    for m in answer.messages
+                ]
+
+            assert sorted(await taken(raw)) == list(range(12))
+
+        await send_twelve()
+        receiver = mesh.client("Sink", retry=NO_RETRY)
+
+        async def sdk() -> list[Any]:
+            return [m.parameters["i"] for m in await receiver.receive("Sink")]
+
+        assert sorted(await taken(sdk)) == list(range(12))
+
+        await send_twelve()
+        got: list[int] = []
+        async with asyncio.timeout(30):
+            async for delivered in receiver.subscribe("Sink", max_in_flight=16):
+                assert delivered.message.parameters["blob"] == blob
+                got.append(int(delivered.message.parameters["i"]))  # type: ignore[arg-type]
+                await delivered.ack()
+                if len(got) == 12:
+                    break
+        assert sorted(got) == list(range(12))
+        await receiver.close()  # (after the acknowledgements still on their way)
+        assert await held(mesh) == 0

@@ -10,11 +10,13 @@ import asyncio
 import gc
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
+from mesh.codec import message_size
 from mesh.core.durable import SqliteQueueStore, open_store
 from mesh.core.errors import MessageQueueFullError
 from mesh.core.model import DeadLetter, Message, Priority
@@ -163,6 +165,24 @@ async def test_a_fifo_queue_keeps_arrival_order_whatever_the_priority_and_timest
     assert lease is not None and lease.message.message_id == "msg_001"
     await fifo_store.nack("PaymentAgent", ["msg_001"])  # back in its place: first again
     assert await ids(fifo_store) == ["msg_001", "msg_002", "msg_003"]
+
+
+async def test_pop_takes_what_fits_in_max_bytes_and_leaves_the_rest_in_place(
+    store: QueueStore,
+) -> None:
+    # Three messages of about 1.1 KB (1.3 KB as Redis keeps them), then a larger one.
+    for mid, at, size in (("m0", 0, 1000), ("m1", 1, 1000), ("m2", 2, 1000), ("big", 9, 5000)):
+        await store.put(replace(msg(mid, at=at), content={"action": "a", "blob": "x" * size}), 60)
+
+    async def pop(max_bytes: int) -> list[str]:
+        popped = await store.pop("PaymentAgent", 0, max_bytes, message_size)
+        return [p.message.message_id for p in popped]
+
+    assert await pop(2700) == ["m0", "m1"]
+    assert await pop(2700) == ["m2"]  # the next one does not fit beside it
+    assert await pop(2700) == ["big"]  # larger than max_bytes alone: it comes all the same
+    assert await pop(2700) == []
+    assert await store.held() == 0
 
 
 async def test_pop_removes_and_respects_max(store: QueueStore) -> None:

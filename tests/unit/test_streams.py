@@ -136,6 +136,20 @@ async def test_batches_hold_at_most_most_frames(make: Make) -> None:
     assert stream.written == [("a", "b"), ("c", "d"), "e"]
 
 
+async def test_batches_hold_at_most_most_bytes_and_a_larger_frame_goes_alone(
+    make: Make,
+) -> None:
+    stream = Stream()
+    writer = make(stream.write, batch, size=len, most_bytes=8)
+    stream.gate.clear()
+    frames = ["aaaa", "bbbb", "cccc", "d" * 20, "ee", "ff"]
+    tasks = [asyncio.create_task(writer.write(f)) for f in frames]
+    await settle()
+    stream.gate.set()
+    await asyncio.gather(*tasks)
+    assert stream.written == [("aaaa", "bbbb"), "cccc", "d" * 20, ("ee", "ff")]
+
+
 async def test_a_failed_write_fails_the_frames_waiting_behind_it(make: Make) -> None:
     stream = Stream()
     writer = make(stream.write, batch)

@@ -510,7 +510,8 @@ export class MeshClient {
   Promise<SentMessage>;
   /** Hands a task to another agent with everything gathered so far. */
   handoff(to: string, taskDescription: string, options?: HandoffOptions): Promise<Message>;
-  /** Removes and returns the agent's queued messages (HIGH first, then oldest first). */
+  /** Removes and returns the agent's queued messages (HIGH first, then oldest first): up to
+   * maxMessages (0: all) and 3 MiB an answer, the rest waiting for the next call. */
   receive(agentId?: string, maxMessages?: number): Promise<Message[]>;
   /** Sends a REQUEST and waits for the correlated RESPONSE (or ERROR). */
   request(to: string, content: JsonObject | undefined,

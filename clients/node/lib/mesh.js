@@ -491,7 +491,8 @@ class MeshClient {
     return readMessage(res.message);
   }
 
-  /** Removes and returns the agent's queued messages (HIGH first, then oldest first). */
+  /** Removes and returns the agent's queued messages (HIGH first, then oldest first): up to
+   * maxMessages (0: all) and 3 MiB an answer, the rest waiting for the next call. */
   async receive(agentId = this.agentId, maxMessages = 0) {
     const res = await unary(this.broker, 'ReceiveMessages',
       { agent_id: agentId, max_messages: maxMessages });
