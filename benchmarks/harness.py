@@ -48,12 +48,14 @@ class Settings:
     operations: int
     warmup: int
     throughput_seconds: float
+    fill_messages: int
+    """How many messages ``roundtrip_filling`` puts into a queue nobody consumes."""
 
     @classmethod
     def from_env(cls, quick: bool = False) -> Settings:
         if quick or os.environ.get("BENCH_QUICK"):
-            return cls(True, 1, 200, 30, 0.5)
-        return cls(False, 3, 2000, 200, 3.0)
+            return cls(True, 1, 200, 30, 0.5, 10_000)
+        return cls(False, 3, 2000, 200, 3.0, 40_000)
 
 
 # -- processes --------------------------------------------------------------------------------
@@ -735,6 +737,48 @@ async def delivered_rate(
     }
 
 
+async def while_filling(client: Any, total: int) -> dict[str, Any]:
+    """Roundtrips to echo-0, one after another, for as long as four senders take to fill the
+    queue of an agent nobody consumes with ``total`` messages (batches of 100): what traffic
+    that still flows sees of a broker under a growing backlog (the batches it takes in between,
+    the collector walking what the queues hold). ``fill_throughput``: the messages/s the
+    backlog grew by. The queue is emptied afterwards."""
+    await client.register("fill-0", agent_types=["fill"])
+    filled = 0
+
+    async def fill() -> None:
+        nonlocal filled
+        while filled < total:
+            batch = [
+                Message(
+                    from_agent="driver",
+                    to_agent="fill-0",
+                    content={"action": "fill", "parameters": {"i": i}},
+                    ttl=600,
+                )
+                for i in range(100)
+            ]
+            for result in await client.send_batch(batch):
+                if not isinstance(result, Message):
+                    raise RuntimeError(f"filling a queue: {result}")
+                filled += 1
+
+    samples = []
+    started = time.perf_counter()
+    fillers = asyncio.gather(*(fill() for _ in range(4)))
+    while not fillers.done():
+        sent = time.perf_counter()
+        await client.request("echo-0", PAYLOAD)
+        samples.append(time.perf_counter() - sent)
+    await fillers
+    figure: dict[str, Any] = stats(samples)
+    figure["fill_throughput"] = filled / (time.perf_counter() - started)
+    while await client.receive("fill-0", 2_000):
+        pass
+    await client.deregister("fill-0")
+    return figure
+
+
 async def drain(client: Any, agent_id: str) -> None:
     """Empties an agent's queue (what was sent to an agent nobody consumes must not hold
     capacity or load the machine during the next figures)."""
@@ -1016,6 +1060,7 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
         out["oneway_batch100"] = await delivered_rate(
             batch_op, 16, s.throughput_seconds, client, "sink-0", meter
         )
+        out["roundtrip_filling"] = await while_filling(client, s.fill_messages)
 
     async with GatewayClient(mesh.gateway.address) as gw:
 
@@ -1618,6 +1663,15 @@ def to_markdown(report: dict[str, Any]) -> str:
             "sample agents read their JSON data files on every request (in a worker thread, "
             "so that edits show without a restart), and research's web pages come from a "
             "snapshot that simulates each page's latency: part of each figure is theirs.",
+        ]
+    if filling := f.get("roundtrip_filling"):
+        lines += [
+            "",
+            f"`roundtrip_filling`: roundtrips to the echo agent, one after another, while four "
+            f"senders fill the queue of an agent nobody consumes with "
+            f"{report['settings']['fill_messages']:,} messages in batches of 100 (it grew by "
+            f"{filling['fill_throughput']:,.0f} messages/s): the latency of traffic that "
+            f"still flows through a broker whose backlog grows.",
         ]
     if (raw := f.get("roundtrip_raw_ends")) and (rt := f.get("roundtrip")):
         lines += [
