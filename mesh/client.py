@@ -1586,9 +1586,15 @@ class MeshClient:
         )
 
     async def dead_letters(self, agent_id: str = "") -> list[DeadLetter]:
+        """Every dead letter (of ``agent_id``, when given), oldest first, page by page."""
+        found: list[DeadLetter] = []
         request = broker_pb2.ListDeadLettersRequest(agent_id=agent_id)
-        response = await self._with_retry(self._unary(self._stub.ListDeadLetters, request))
-        return [codec.dead_letter_from_pb(d) for d in response.dead_letters]
+        while True:
+            response = await self._with_retry(self._unary(self._stub.ListDeadLetters, request))
+            found += [codec.dead_letter_from_pb(d) for d in response.dead_letters]
+            if not response.next_page_token:
+                return found
+            request.page_token = response.next_page_token
 
 
 def connect(

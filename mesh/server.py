@@ -294,9 +294,20 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     async def ListDeadLetters(
         self, request: broker_pb2.ListDeadLettersRequest, context: Any
     ) -> broker_pb2.ListDeadLettersResponse:
+        if request.page_size < 0:
+            raise _invalid("page_size", "page_size must not be negative")
+        start = _page_start(request.page_token)
+        letters = await self.broker.dead_letters(request.agent_id)
         response = broker_pb2.ListDeadLettersResponse()
-        for dead in await self.broker.dead_letters(request.agent_id):
-            codec.dead_letter_to_pb(dead, response.dead_letters.add())
+        out, room, end = response.dead_letters, RECEIVE_BYTES, start
+        while end < len(letters) and not (request.page_size and len(out) >= request.page_size):
+            size = codec.dead_letter_to_pb(letters[end], out.add()).ByteSize()
+            if len(out) > 1 and size > room:
+                del out[-1]  # the next page's first
+                break
+            room, end = max(0, room - size), end + 1
+        if end < len(letters):
+            response.next_page_token = str(end)
         return response
 
     async def Connect(  # type: ignore[override]
@@ -615,6 +626,15 @@ async def _broadcast(
     out.recipients.extend(outcome.recipients)
     for agent_id, error in outcome.failures:
         codec.error_to_pb(error, out.failures.add(agent_id=agent_id).error)
+
+
+def _page_start(token: str) -> int:
+    """Where a page given by a page_token starts (an offset, as next_page_token says)."""
+    if not token:
+        return 0
+    if not token.isdigit():
+        raise _invalid("page_token", "page_token is not a next_page_token of this listing")
+    return int(token)
 
 
 def _decoded(broker: Broker, pb: message_pb2.Message) -> Message | MeshError:

@@ -1182,16 +1182,28 @@ class ListDeadLettersRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     AGENT_ID_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     """When set, only this agent's dead letters."""
+    page_size: _builtins.int
+    """At most this many dead letters in the answer; 0: as many as fit in 3 MiB (an answer
+    never holds more, the first whatever its size).
+    """
+    page_token: _builtins.str
+    """The next_page_token of the previous answer, to go on from there; empty: from the first.
+    (Offsets in the list: a listing taken while letters come and go may repeat or miss some.)
+    """
     def __init__(
         self,
         *,
         agent_id: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1242,6 +1254,9 @@ class ListDeadLettersResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     DEAD_LETTERS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Set when more follow: pass it as page_token for the next page."""
     @_builtins.property
     def dead_letters(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeadLetter]:
         """The dead letters."""
@@ -1250,10 +1265,11 @@ class ListDeadLettersResponse(_message.Message):
         self,
         *,
         dead_letters: _abc.Iterable[Global___DeadLetter] | None = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead_letters", b"dead_letters"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead_letters", b"dead_letters", "next_page_token", b"next_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -229,7 +229,7 @@ class BrokerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListDeadLetters(self, request, context):
-        """Lists messages that exhausted their delivery attempts.
+        """Lists messages that exhausted their delivery attempts, oldest first, a page at a time.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

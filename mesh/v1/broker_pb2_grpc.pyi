@@ -74,7 +74,7 @@ class BrokerServiceStub:
     GetQueueStats: _grpc.UnaryUnaryMultiCallable[_broker_pb2.GetQueueStatsRequest, _broker_pb2.GetQueueStatsResponse]
     """Queue depths and counters, per agent and in total."""
     ListDeadLetters: _grpc.UnaryUnaryMultiCallable[_broker_pb2.ListDeadLettersRequest, _broker_pb2.ListDeadLettersResponse]
-    """Lists messages that exhausted their delivery attempts."""
+    """Lists messages that exhausted their delivery attempts, oldest first, a page at a time."""
     Connect: _grpc.StreamStreamMultiCallable[_broker_pb2.ConnectRequest, _broker_pb2.ConnectResponse]
     """A long-lived session that carries sends, requests, deliveries, acks and responses as
     frames on one bidirectional stream: the fast path the SDK uses.
@@ -126,7 +126,7 @@ class BrokerServiceAsyncStub(BrokerServiceStub):
     GetQueueStats: _aio.UnaryUnaryMultiCallable[_broker_pb2.GetQueueStatsRequest, _broker_pb2.GetQueueStatsResponse]  # type: ignore[assignment]
     """Queue depths and counters, per agent and in total."""
     ListDeadLetters: _aio.UnaryUnaryMultiCallable[_broker_pb2.ListDeadLettersRequest, _broker_pb2.ListDeadLettersResponse]  # type: ignore[assignment]
-    """Lists messages that exhausted their delivery attempts."""
+    """Lists messages that exhausted their delivery attempts, oldest first, a page at a time."""
     Connect: _aio.StreamStreamMultiCallable[_broker_pb2.ConnectRequest, _broker_pb2.ConnectResponse]  # type: ignore[assignment]
     """A long-lived session that carries sends, requests, deliveries, acks and responses as
     frames on one bidirectional stream: the fast path the SDK uses.
@@ -265,7 +265,7 @@ class BrokerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _broker_pb2.ListDeadLettersRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_broker_pb2.ListDeadLettersResponse, _abc.Awaitable[_broker_pb2.ListDeadLettersResponse]]:
-        """Lists messages that exhausted their delivery attempts."""
+        """Lists messages that exhausted their delivery attempts, oldest first, a page at a time."""
 
     @_abc_1.abstractmethod
     def Connect(

@@ -706,3 +706,55 @@ async def test_nack_with_a_reason_dead_letters_through_every_way_in(mesh: LocalM
             (first.message_id, cut, 1),
             (second.message_id, "no", leased.attempt),
         ]
+
+
+async def test_dead_letters_are_listed_a_page_at_a_time(mesh: LocalMesh) -> None:
+    """Ten dead letters of 800 KB (8 MB, over what one gRPC answer takes): pages of at most
+    3 MiB, or of page_size, that together list every one, oldest first."""
+    blob = "x" * 800_000
+    async with mesh.client("sender") as client:
+        await client.register("Worker")
+        sent = [
+            await client.send("Worker", {"action": "work", "parameters": {"blob": blob}})
+            for _ in range(10)
+        ]
+        async with client.subscribe("Worker", max_in_flight=4) as sub:
+            rejected = 0
+            async for received in sub:
+                await received.reject("cannot do it")
+                rejected += 1
+                if rejected == 10:
+                    break
+        expected = [m.message_id for m in sent]
+        async with asyncio.timeout(10):
+            while len(await client.dead_letters("Worker")) < 10:  # noqa: ASYNC110 - broker state
+                await asyncio.sleep(0.05)
+
+        async with grpc.aio.insecure_channel(mesh.address) as channel:  # gRPC's 4 MiB default
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)
+
+            async def pages(page_size: int = 0) -> list[list[str]]:
+                request = broker_pb2.ListDeadLettersRequest(agent_id="Worker", page_size=page_size)
+                found = []
+                while True:
+                    page = await stub.ListDeadLetters(request)
+                    found.append([d.message.message_id for d in page.dead_letters])
+                    if not page.next_page_token:
+                        return found
+                    request.page_token = page.next_page_token
+
+            by_size = await pages()
+            assert [len(page) for page in by_size] == [3, 3, 3, 1]
+            assert [mid for page in by_size for mid in page] == expected
+            by_count = await pages(page_size=4)
+            assert [len(page) for page in by_count] == [3, 3, 3, 1]  # (4 do not fit in 3 MiB)
+            assert [len(page) for page in await pages(page_size=2)] == [2, 2, 2, 2, 2]
+            for wrong in (
+                broker_pb2.ListDeadLettersRequest(page_token="abc"),
+                broker_pb2.ListDeadLettersRequest(page_size=-1),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.ListDeadLetters(wrong)
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # The SDK reads every page.
+        assert [d.message.message_id for d in await client.dead_letters("Worker")] == expected
