@@ -75,9 +75,10 @@ def test_a_quick_run_writes_every_figure_and_compares_with_an_earlier_result(
         assert f["x_relay2_p95"] == pytest.approx(f["p95_ms"] / relay["p95_ms"]), name
     # The backlog beside roundtrip_filling grew while it was measured, and the report says how.
     assert figures["roundtrip_filling"]["fill_throughput"] > 0
-    assert "while four senders fill the queue of an agent nobody consumes" in (
-        out / "latest.md"
-    ).read_text()
+    assert (
+        "while four senders fill the queue of an agent nobody consumes"
+        in (out / "latest.md").read_text()
+    )
     for name in THROUGHPUTS:
         assert figures[name]["throughput"] > 0, name
     # Each number also under its plain dotted name, at the top level.
