@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from google.protobuf import json_format
+from google.protobuf import json_format, struct_pb2
 
 from gateway.events import EventKind, Pattern, PatternEvent
 from gateway.metrics import PatternTally
@@ -110,6 +110,14 @@ def research_spec(pb: gateway_pb2.RunResearchRequest) -> ResearchSpec:
     )
 
 
+EVENT_BYTES = 3 * 1024 * 1024
+"""An event's size on the stream at most: under the 4 MiB a gRPC client takes by default (and
+gRPC's 8 MiB frame limit, past which the stream failed and the run's result with it). The
+largest values of an event's data (the longest texts, at any depth) are left out past it,
+each replaced by ``{"omitted_bytes": n}``: a group chat's RESULT repeats every answer
+(contributions, history, the aggregate), each of which came in an event of its own before."""
+
+
 def event_to_pb(event: PatternEvent, out: gateway_pb2.PatternEvent) -> gateway_pb2.PatternEvent:
     out.run_id = event.run_id
     out.pattern = PATTERN_TO_PB[event.pattern]
@@ -121,7 +129,35 @@ def event_to_pb(event: PatternEvent, out: gateway_pb2.PatternEvent) -> gateway_p
     out.round = event.round
     out.summary = event.summary
     dict_to_struct(event.data, out.data)
+    if out.ByteSize() > EVENT_BYTES:
+        _leave_out_largest(out)
     return out
+
+
+def _leave_out_largest(out: gateway_pb2.PatternEvent) -> None:
+    """Replaces the largest value of the event's data, at whatever depth (descending into
+    the largest field of each object or list), until the event fits in EVENT_BYTES."""
+    size = out.ByteSize()
+    while size > EVENT_BYTES and out.data.fields:
+        children = list(out.data.fields.values())
+        value = max(children, key=struct_pb2.Value.ByteSize)
+        while children := _children(value):
+            value = max(children, key=struct_pb2.Value.ByteSize)
+        omitted = struct_pb2.Struct()
+        omitted["omitted_bytes"] = value.ByteSize()
+        value.struct_value.CopyFrom(omitted)
+        size, before = out.ByteSize(), size
+        if size >= before:  # (what is left is no larger than its omission: the summary is)
+            return
+
+
+def _children(value: struct_pb2.Value) -> list[struct_pb2.Value]:
+    kind = value.WhichOneof("kind")
+    if kind == "struct_value":
+        fields = value.struct_value.fields
+        # (an omission already made is not descended into again)
+        return [] if "omitted_bytes" in fields else list(fields.values())
+    return list(value.list_value.values) if kind == "list_value" else []
 
 
 def preset_request(preset: dict[str, JSON], message_type: type) -> object:

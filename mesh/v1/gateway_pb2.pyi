@@ -216,7 +216,10 @@ class PatternEvent(_message.Message):
 
     @_builtins.property
     def data(self) -> _struct_pb2.Struct:
-        """The event's fields, as listed for its kind."""
+        """The event's fields, as listed for its kind. An event is at most 3 MiB: past that, its
+        longest values (a RESULT repeats every answer) are each replaced by
+        {"omitted_bytes": n}; every answer also came whole in an event of its own.
+        """
 
     def __init__(
         self,

@@ -12,6 +12,7 @@ import pytest
 from gateway.client import GatewayClient
 from gateway.server import serve_gateway
 from mesh import LocalMesh, MessageQueueFullError, MessageValidationError, Priority, SecurityConfig
+from mesh.agent import agent
 from mesh.client import NO_RETRY
 from mesh.config import BrokerConfig
 from mesh.core.errors import LimitExceededError, MessageTooLargeError
@@ -206,3 +207,34 @@ async def test_messages_near_the_size_limit_go_and_come_many_at_once() -> None:
         assert sorted(got) == list(range(12))
         await receiver.close()  # (after the acknowledgements still on their way)
         assert await held(mesh) == 0
+
+
+async def test_a_group_chat_of_answers_near_the_size_limit_ends_with_its_result() -> None:
+    """Five experts answering 900 KB each: every answer arrives in its CONTRIBUTION event,
+    and the RESULT, which repeats them all, arrives too (13 MB before, which failed the run
+    with 'Sent message larger than max'), its longest texts left out."""
+    reasoning = "x" * 900_000
+    async with LocalMesh() as mesh:
+        for i in range(5):
+
+            @agent(f"expert{i}", agent_types=["expert"])
+            async def expert(message: Any, ctx: Any) -> dict[str, Any]:
+                return {"recommendation": "Buy AAPL", "confidence": 0.8, "reasoning": reasoning}
+
+            await mesh.add_agent(expert)
+        gateway = await serve_gateway(mesh.address, security=SecurityConfig())
+        try:
+            async with GatewayClient(gateway.address, security=SecurityConfig()) as gw:
+                events = await gw.collect(
+                    gw.group_chat(agent_ids=[f"expert{i}" for i in range(5)], query="q")
+                )
+        finally:
+            await gateway.stop(0.5)
+    contributions = [e for e in events if e["kind"] == "CONTRIBUTION"]
+    assert sorted(e["agent_id"] for e in contributions) == [f"expert{i}" for i in range(5)]
+    assert all(e["data"]["reasoning"] == reasoning for e in contributions)
+    result = events[-1]
+    assert result["kind"] == "RESULT"
+    assert result["data"]["status"] == "COMPLETED"
+    assert result["data"]["aggregate"]["recommendation"].startswith("Buy AAPL")
+    assert {"omitted_bytes": 900_004} in [c["reasoning"] for c in result["data"]["contributions"]]

@@ -256,3 +256,34 @@ def test_content_of_other_python_types_is_encoded_by_what_it_is() -> None:
         "other": "00000000-0000-0000-0000-000000000001",
     }
     assert struct.fields["empty"].WhichOneof("kind") == "struct_value"
+
+
+def test_an_event_over_the_stream_limit_leaves_out_its_longest_values() -> None:
+    from gateway.codec import EVENT_BYTES, event_to_pb
+    from gateway.events import EventKind, Pattern, PatternEvent
+    from mesh.v1 import gateway_pb2
+
+    text = "x" * 900_000
+    answers = [{"agent_id": f"a{i}", "reasoning": text, "confidence": 0.8} for i in range(5)]
+    event = PatternEvent(
+        run_id="r",
+        pattern=Pattern.GROUP_CHAT,
+        kind=EventKind.RESULT,
+        summary="done",
+        data={"status": "COMPLETED", "contributions": answers, "history": answers},
+    )
+    out = event_to_pb(event, gateway_pb2.PatternEvent())
+    assert out.ByteSize() <= EVENT_BYTES
+    data = codec.struct_to_dict(out.data)
+    assert data["status"] == "COMPLETED"
+    kept = [*data["contributions"], *data["history"]]  # type: ignore[misc]
+    assert [a["agent_id"] for a in kept] == [f"a{i}" for i in range(5)] * 2
+    omitted = [a for a in kept if a["reasoning"] != text]
+    assert len(omitted) == 7  # the fewest texts that bring it under the limit
+    assert all(a["reasoning"] == {"omitted_bytes": 900_004} for a in omitted)
+
+    # A summary larger than the limit on its own: what can be left out is, and no more.
+    event = PatternEvent(
+        run_id="r", pattern=Pattern.GROUP_CHAT, kind=EventKind.RESULT, summary=text * 4
+    )
+    assert event_to_pb(event, gateway_pb2.PatternEvent()).summary == text * 4
