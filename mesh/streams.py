@@ -14,8 +14,9 @@ per frame; a lone frame costs one hand-over (a future and a wake-up of the write
 A write carries at most ``most`` frames (32): a burst larger than that goes as several
 writes, so the receiving side starts on the first while the next is written and the
 processes of a mesh keep working side by side instead of in turn. A batch frame also holds
-at most ``most_bytes`` (4 MiB): frames of messages near the 1 MiB limit go a few to a write,
-never as one frame over what gRPC lets through (8 MiB, which would fail them all).
+at most ``most_bytes`` (3 MiB): frames of messages near the 1 MiB limit go a few to a write,
+never as one frame over what the other end takes (4 MiB by default in gRPC, 8 MiB in the
+mesh's own processes; over it, the whole stream fails).
 
 The task reading a stream may write a lone frame itself when the stream is idle
 (:meth:`FrameWriter.write_now`: no hand-over, so the answer to a send goes out before the
@@ -38,9 +39,10 @@ from typing import Generic, TypeVar
 
 Frame = TypeVar("Frame")
 
-MOST_BYTES = 4 * 1024 * 1024
-"""A batch frame's size at most: half of gRPC's frame limit (mesh.serving), so that frames
-of messages up to the 1 MiB limit always fit, several together."""
+MOST_BYTES = 3 * 1024 * 1024
+"""A batch frame's size at most: under the 4 MiB a gRPC client takes by default (the Node.js
+client takes the broker's batch frames), frames of messages up to the 1 MiB limit always
+fitting, several together."""
 
 BATCH_HEADER = "agentmesh-batch"
 """Request header of a Connect session whose client takes `batch` frames (value "1")."""
