@@ -13,6 +13,7 @@ from gateway.patterns.handoff import DEFAULT_MAX_HOPS, WorkflowSpec, WorkflowSte
 from gateway.patterns.research import ResearchSpec
 from mesh.codec import datetime_to_timestamp, dict_to_struct, duration_seconds, struct_to_dict
 from mesh.core.model import JSON
+from mesh.serving import ANSWER_BYTES
 from mesh.v1 import gateway_pb2
 
 PATTERN_TO_PB = {
@@ -110,14 +111,6 @@ def research_spec(pb: gateway_pb2.RunResearchRequest) -> ResearchSpec:
     )
 
 
-EVENT_BYTES = 3 * 1024 * 1024
-"""An event's size on the stream at most: under the 4 MiB a gRPC client takes by default (and
-gRPC's 8 MiB frame limit, past which the stream failed and the run's result with it). The
-largest values of an event's data (the longest texts, at any depth) are left out past it,
-each replaced by ``{"omitted_bytes": n}``: a group chat's RESULT repeats every answer
-(contributions, history, the aggregate), each of which came in an event of its own before."""
-
-
 def event_to_pb(event: PatternEvent, out: gateway_pb2.PatternEvent) -> gateway_pb2.PatternEvent:
     out.run_id = event.run_id
     out.pattern = PATTERN_TO_PB[event.pattern]
@@ -129,16 +122,18 @@ def event_to_pb(event: PatternEvent, out: gateway_pb2.PatternEvent) -> gateway_p
     out.round = event.round
     out.summary = event.summary
     dict_to_struct(event.data, out.data)
-    if out.ByteSize() > EVENT_BYTES:
+    if out.ByteSize() > ANSWER_BYTES:
         _leave_out_largest(out)
     return out
 
 
 def _leave_out_largest(out: gateway_pb2.PatternEvent) -> None:
     """Replaces the largest value of the event's data, at whatever depth (descending into
-    the largest field of each object or list), until the event fits in EVENT_BYTES."""
+    the largest field of each object or list), by ``{"omitted_bytes": n}`` until the event
+    fits in ANSWER_BYTES: a group chat's RESULT repeats every answer (contributions, history,
+    the aggregate), each of which came whole in an event of its own before."""
     size = out.ByteSize()
-    while size > EVENT_BYTES and out.data.fields:
+    while size > ANSWER_BYTES and out.data.fields:
         children = list(out.data.fields.values())
         value = max(children, key=struct_pb2.Value.ByteSize)
         while children := _children(value):

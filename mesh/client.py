@@ -54,7 +54,7 @@ from mesh.core.state import StateEntry, StateLock
 from mesh.core.tasks import cancel_and_wait
 from mesh.metrics import RT011_FIGURES
 from mesh.security import open_channel
-from mesh.serving import GRPC_OPTIONS
+from mesh.serving import ANSWER_BYTES, GRPC_OPTIONS
 from mesh.streams import BATCH_HEADER, FrameWriter
 from mesh.tracing import current_span, inject
 from mesh.v1 import (
@@ -200,7 +200,10 @@ class _Session:
         call: Any = stub.Connect(metadata=((BATCH_HEADER, "1"),))  # type: ignore[call-arg]
         self._call = call
         self._writer: FrameWriter[broker_pb2.ConnectRequest] = FrameWriter(
-            call.write, _request_batch, size=broker_pb2.ConnectRequest.ByteSize
+            call.write,
+            _request_batch,
+            size=broker_pb2.ConnectRequest.ByteSize,
+            most_bytes=ANSWER_BYTES,
         )
         self._seq = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[broker_pb2.ConnectResponse]] = {}

@@ -25,7 +25,7 @@ from mesh.core.model import Message
 from mesh.core.tasks import cancel_and_wait
 from mesh.core.tools import ToolHost
 from mesh.security import check_frame, current_principal
-from mesh.serving import Malformed, MeshServer, start_server
+from mesh.serving import ANSWER_BYTES, Malformed, MeshServer, start_server
 from mesh.streams import BATCH_HEADER, FrameWriter
 from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
 
@@ -42,10 +42,6 @@ session's reader, a gather) waits for it to be written."""
 BATCH_BYTES = 1024 * 1024
 """A `deliveries` frame stops growing past this size (gRPC refuses frames over 4 MiB by
 default; one message may be up to max_message_bytes, 1 MiB by default)."""
-RECEIVE_BYTES = 3 * 1024 * 1024
-"""What one ReceiveMessages answer (or `received` frame) holds at most, the messages beyond
-it staying queued for the next call: under the 4 MiB a gRPC client takes by default. An
-answer over a frame limit would fail in transit with its messages taken off the queue."""
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -145,7 +141,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         messages = await self.broker.receive(
             request.agent_id,
             request.max_messages,
-            max_bytes=RECEIVE_BYTES,
+            max_bytes=ANSWER_BYTES,
             size_of=codec.message_size,
         )
         response = broker_pb2.ReceiveMessagesResponse()
@@ -299,7 +295,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         start = _page_start(request.page_token)
         letters = await self.broker.dead_letters(request.agent_id)
         response = broker_pb2.ListDeadLettersResponse()
-        out, room, end = response.dead_letters, RECEIVE_BYTES, start
+        out, room, end = response.dead_letters, ANSWER_BYTES, start
         while end < len(letters) and not (request.page_size and len(out) >= request.page_size):
             size = codec.dead_letter_to_pb(letters[end], out.add()).ByteSize()
             if len(out) > 1 and size > room:
@@ -331,6 +327,7 @@ class _Session:
             context.write,
             _response_batch if _takes_batches(context) else None,
             size=broker_pb2.ConnectResponse.ByteSize,
+            most_bytes=ANSWER_BYTES,
         )
         # The session's subscriptions (one per agent) and the tasks writing their deliveries.
         self.subscriptions: dict[str, tuple[Subscription, asyncio.Task[None]]] = {}
@@ -449,7 +446,7 @@ class _Session:
                 messages = await self.broker.receive(
                     frame.receive.agent_id,
                     max(frame.receive.max_messages, 0),
-                    max_bytes=RECEIVE_BYTES,
+                    max_bytes=ANSWER_BYTES,
                     size_of=codec.message_size,
                 )
                 out = broker_pb2.ConnectResponse(seq=seq)

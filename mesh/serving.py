@@ -26,6 +26,12 @@ MAX_GRPC_MESSAGE_BYTES = 8 * 1024 * 1024
 """gRPC's own frame limit, above the mesh's message limit so that oversize messages
 reach validation and get a clear error instead of a transport failure."""
 
+ANSWER_BYTES = 3 * 1024 * 1024
+"""What one frame the mesh fills with several things holds at most (a batch of session
+frames, a ReceiveMessages or ListDeadLetters answer, a pattern event): under the 4 MiB a gRPC
+client takes by default (the Node.js client, grpcurl), so that every client takes it; over a
+limit, a frame fails in transit with all it carries. One message is at most 1 MiB."""
+
 
 def _seconds_from_env(name: str, default: float) -> int:
     raw = os.environ.get(name, "")

@@ -14,9 +14,9 @@ per frame; a lone frame costs one hand-over (a future and a wake-up of the write
 A write carries at most ``most`` frames (32): a burst larger than that goes as several
 writes, so the receiving side starts on the first while the next is written and the
 processes of a mesh keep working side by side instead of in turn. A batch frame also holds
-at most ``most_bytes`` (3 MiB): frames of messages near the 1 MiB limit go a few to a write,
-never as one frame over what the other end takes (4 MiB by default in gRPC, 8 MiB in the
-mesh's own processes; over it, the whole stream fails).
+at most ``most_bytes`` (the mesh's sessions: mesh.serving.ANSWER_BYTES): frames of messages
+near the 1 MiB limit go a few to a write, never as one frame over what the other end takes
+(over it, the whole stream fails).
 
 The task reading a stream may write a lone frame itself when the stream is idle
 (:meth:`FrameWriter.write_now`: no hand-over, so the answer to a send goes out before the
@@ -38,11 +38,6 @@ from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
 Frame = TypeVar("Frame")
-
-MOST_BYTES = 3 * 1024 * 1024
-"""A batch frame's size at most: under the 4 MiB a gRPC client takes by default (the Node.js
-client takes the broker's batch frames), frames of messages up to the 1 MiB limit always
-fitting, several together."""
 
 BATCH_HEADER = "agentmesh-batch"
 """Request header of a Connect session whose client takes `batch` frames (value "1")."""
@@ -70,7 +65,7 @@ class FrameWriter(Generic[Frame]):
         *,
         most: int = 32,
         size: Callable[[Frame], int] | None = None,
-        most_bytes: int = MOST_BYTES,
+        most_bytes: int = 0,
     ) -> None:
         self._write = write
         self.combine = combine
@@ -78,10 +73,10 @@ class FrameWriter(Generic[Frame]):
         self.most = most
         """Frames per write at most."""
         self.size = size
-        """A frame's size in bytes (a protobuf message's ByteSize); None: not bounded."""
+        """A frame's size in bytes (a protobuf message's ByteSize)."""
         self.most_bytes = most_bytes
-        """Bytes of the frames combined in one write at most (a lone frame goes whatever
-        its size)."""
+        """Bytes of the frames combined in one write at most, with ``size`` (a lone frame
+        goes whatever its size); 0: not bounded."""
         self._queue: collections.deque[tuple[Frame | _Finish, asyncio.Future[None]]] = (
             collections.deque()
         )
@@ -239,7 +234,7 @@ class FrameWriter(Generic[Frame]):
         size_of = self.size
         if self.combine is None:
             most, budget = 1, 0
-        elif size_of is None or len(queue) == 1:  # (a lone frame: its size does not matter)
+        elif size_of is None or not self.most_bytes or len(queue) == 1:  # (a lone frame goes)
             most, budget = self.most, 0
         else:
             most, budget = self.most, self.most_bytes

@@ -259,8 +259,9 @@ def test_content_of_other_python_types_is_encoded_by_what_it_is() -> None:
 
 
 def test_an_event_over_the_stream_limit_leaves_out_its_longest_values() -> None:
-    from gateway.codec import EVENT_BYTES, event_to_pb
+    from gateway.codec import event_to_pb
     from gateway.events import EventKind, Pattern, PatternEvent
+    from mesh.serving import ANSWER_BYTES
     from mesh.v1 import gateway_pb2
 
     text = "x" * 900_000
@@ -273,7 +274,7 @@ def test_an_event_over_the_stream_limit_leaves_out_its_longest_values() -> None:
         data={"status": "COMPLETED", "contributions": answers, "history": answers},
     )
     out = event_to_pb(event, gateway_pb2.PatternEvent())
-    assert out.ByteSize() <= EVENT_BYTES
+    assert out.ByteSize() <= ANSWER_BYTES
     data = codec.struct_to_dict(out.data)
     assert data["status"] == "COMPLETED"
     kept = [*data["contributions"], *data["history"]]  # type: ignore[misc]
