@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from opentelemetry.sdk.trace.sampling import Sampler, SamplingResult
 
 from benchmarks.baseline import ContractClient, StreamClient, stamps
 from gateway.client import GatewayClient
@@ -1110,11 +1111,28 @@ async def measure_patterns(mesh: Mesh, s: Settings) -> dict[str, Any]:
     return out
 
 
+class SwitchedSampler(Sampler):
+    """A sampler whose choice changes between blocks of one run (``current``)."""
+
+    def __init__(self, current: Sampler) -> None:
+        self.current = current
+
+    def should_sample(self, *args: Any, **kwargs: Any) -> SamplingResult:
+        return self.current.should_sample(*args, **kwargs)
+
+    def get_description(self) -> str:
+        return f"Switched{{{self.current.get_description()}}}"
+
+
 async def measure_tracing_cost(s: Settings) -> dict[str, Any]:
     """Roundtrip p50 with tracing on vs off, side by side: two brokers with an echo agent
     each, one set writing spans (JSON lines) and one not, measured in alternating blocks so
     that the machine's load falls on both alike. With tracing on every request is sampled,
-    then 10% of them (head sampling, as production runs it)."""
+    then 10% of them (head sampling, as production runs it): the driver's sampler decides,
+    the traced broker and agent follow its decision (OpenTelemetry's default sampler)."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.sampling import (
         ALWAYS_OFF,
         ALWAYS_ON,
@@ -1154,8 +1172,15 @@ async def measure_tracing_cost(s: Settings) -> dict[str, Any]:
                 )
             )
             brokers[name] = broker.address
-        provider = configure_tracing("bench-driver", folder)
-        assert provider is not None
+        # A tracer keeps the sampler its provider had when the tracer was made: the
+        # driver's sampler is switched between blocks inside one sampler of the provider's.
+        switch = SwitchedSampler(ALWAYS_OFF)
+        provider = TracerProvider(
+            sampler=switch, resource=Resource.create({"service.name": "bench-driver"})
+        )
+        trace.set_tracer_provider(provider)
+        if configure_tracing("bench-driver", folder) is not provider:
+            raise RuntimeError("the driver's tracer provider was set before the tracing bench")
         samples: dict[str, list[float]] = {"off": [], "on": [], "sampled": []}
         block = max(25, s.operations // 10)
         async with (
@@ -1170,11 +1195,11 @@ async def measure_tracing_cost(s: Settings) -> dict[str, Any]:
                     ("on", traced, "traced-0", ALWAYS_ON),
                     ("sampled", traced, "traced-0", ParentBased(TraceIdRatioBased(0.1))),
                 ):
-                    provider.sampler = sampler
+                    switch.current = sampler
                     samples[key] += await timed(
                         functools.partial(client.request, agent, PAYLOAD), block, 0
                     )
-        provider.sampler = ALWAYS_OFF
+        switch.current = ALWAYS_OFF
         provider.force_flush()
     finally:
         await stop_all(procs)

@@ -15,7 +15,7 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -26,6 +26,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.sampling import ParentBased
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 logger = logging.getLogger("mesh.tracing")
@@ -63,6 +64,46 @@ def recording() -> bool:
     return not isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
 
 
+_DROPS_UNSAMPLED = "remoteParentNotSampled:AlwaysOffSampler"
+_sampler_seen: list[tuple[object, bool]] = []
+"""The sampler last asked about, and whether it drops the children of unsampled parents."""
+
+
+def drops_unsampled_parents() -> bool:
+    """Whether this process's sampler drops every span whose remote parent was not sampled:
+    a ``ParentBased`` sampler keeping its default for that case (what OpenTelemetry's
+    default and every ``OTEL_TRACES_SAMPLER=parentbased_*`` configure). Read once per
+    sampler."""
+    sampler = getattr(trace.get_tracer_provider(), "sampler", None)
+    if not _sampler_seen or _sampler_seen[0][0] is not sampler:
+        drops = False
+        if isinstance(sampler, ParentBased):
+            description: str = sampler.get_description()  # type: ignore[no-untyped-call]
+            drops = _DROPS_UNSAMPLED in description
+        _sampler_seen[:] = [(sampler, drops)]
+    return _sampler_seen[0][1]
+
+
+def records_under(context: otel_context.Context) -> bool:
+    """Whether a span started under a message's trace context would be recorded here. Most
+    messages of a mesh that samples 10% of its traces carry an unsampled context: their
+    spans would be dropped, so they are not started at all (no sampler call, no ids, no
+    attributes), and the message's own context travels on as it came."""
+    if not recording():
+        return False
+    parent = trace.get_current_span(context).get_span_context()
+    return parent.trace_flags.sampled or not parent.is_remote or not drops_unsampled_parents()
+
+
+@contextlib.contextmanager
+def _attached(context: otel_context.Context) -> Iterator[trace.Span]:
+    token = otel_context.attach(context)
+    try:
+        yield trace.get_current_span(context)
+    finally:
+        otel_context.detach(token)
+
+
 def current_span(
     name: str,
     *,
@@ -73,12 +114,14 @@ def current_span(
     """``tracer().start_as_current_span`` for the hot paths. When this process records no
     spans and there is no trace context to carry on (``context``), it costs nothing: no span,
     no attributes (built only when a span is), the current context left as it is, so what
-    is sent still carries whatever trace context is current."""
-    if not recording():
-        if context is None:
+    is sent still carries whatever trace context is current. With a trace context whose span
+    would not be recorded (no recorder here, or an unsampled parent the sampler follows),
+    that context is made current as it is: what is sent carries the same trace on."""
+    if context is None:
+        if not recording():
             return contextlib.nullcontext(trace.INVALID_SPAN)
-        # A non-recording span that makes the message's trace context current.
-        return tracer().start_as_current_span(name, context=context, kind=kind)
+    elif not records_under(context):
+        return _attached(context)
     return tracer().start_as_current_span(
         name, context=context, kind=kind, attributes=attributes() if attributes else None
     )

@@ -50,7 +50,7 @@ from mesh.core.state import SharedState, StateStore
 from mesh.core.tasks import cancel_and_wait
 from mesh.core.validation import handoff_violations, validate_message
 from mesh.metrics import BrokerMetrics, Totals
-from mesh.tracing import extract, headers_for, tracer, without_trace
+from mesh.tracing import extract, headers_for, records_under, tracer, without_trace
 
 logger = logging.getLogger("mesh.broker")
 handoff_logger = logging.getLogger("mesh.handoff")
@@ -914,14 +914,15 @@ class Broker:
         return messages
 
     def _observe_delivery(self, message: Message, queued_seconds: float) -> Message:
-        """Counts a delivery; a traced message gets a span for its time in the queue, and
-        is delivered as that span's child so the receiver's work hangs below it."""
+        """Counts a delivery; a message whose trace this process records gets a span for its
+        time in the queue, and is delivered as that span's child so the receiver's work hangs
+        below it."""
         self.metrics.queue_wait.observe(queued_seconds)
         if message.message_type is MessageType.HANDOFF:
             self.metrics.handoff_delivered(queued_seconds)
         parent = extract(message.headers)
-        if parent is None:
-            return message
+        if parent is None or not records_under(parent):
+            return message  # (its trace context travels on as it came)
         end = time.time_ns()
         span = tracer().start_span(
             "broker.queue",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from opentelemetry import trace
 
@@ -71,3 +73,102 @@ def test_recording_follows_the_global_provider(
         check=True,
     )
     assert out.stdout.split() == said
+
+
+SAMPLED = """
+import asyncio, json
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON, DEFAULT_ON, ParentBased
+from mesh import Message, tracing
+from mesh.config import BrokerConfig
+from mesh.core.broker import Broker
+from mesh.core.model import AgentInfo
+
+exporter = InMemorySpanExporter()
+provider = TracerProvider(sampler={sampler})
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(provider)
+built = []
+
+def attributes():
+    built.append(1)
+    return {{"agent": "worker"}}
+
+async def main():
+    broker = Broker(BrokerConfig())
+    await broker.register(AgentInfo(agent_id="worker"))
+    out = {{}}
+    for flags in ("00", "01"):
+        parent = "{trace_id}-" + flags
+        exporter.clear()
+        built.clear()
+        context = tracing.extract({{"traceparent": parent}})
+        with tracing.current_span("worker.handle", context=context, attributes=attributes):
+            sent = tracing.inject({{}})["traceparent"]
+        await broker.send(Message(
+            from_agent="driver", to_agent="worker", content={{"action": "a"}},
+            headers={{"traceparent": parent, "tracestate": "vendor=1"}},
+        ))
+        [delivered] = await broker.receive("worker")
+        out[flags] = {{
+            "spans": sorted(s.name for s in exporter.get_finished_spans()),
+            "attributes_built": len(built),
+            "sent": sent,
+            "delivered": delivered.headers,
+        }}
+    print(json.dumps(out))
+
+asyncio.run(main())
+"""
+TRACE_ID = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331"
+
+
+def traced_in_a_fresh_interpreter(sampler: str) -> dict[str, Any]:
+    """What current_span and the broker's queue do under a trace context whose parent was
+    not sampled ("00") and one whose parent was ("01"), with ``sampler`` in a fresh process
+    (a tracer keeps the sampler of the provider it was made from)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", SAMPLED.format(sampler=sampler, trace_id=TRACE_ID)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    result: dict[str, Any] = json.loads(out.stdout)
+    return result
+
+
+def test_an_unsampled_parent_costs_no_span_and_its_context_travels_on_as_it_came() -> None:
+    """OpenTelemetry's default sampler follows the parent's decision: under a parent that was
+    not sampled no span is started (no attributes built), and what is sent or delivered
+    carries the parent's own context, tracestate included."""
+    traced = traced_in_a_fresh_interpreter("DEFAULT_ON")
+    unsampled = traced["00"]
+    assert unsampled["spans"] == []
+    assert unsampled["attributes_built"] == 0
+    assert unsampled["sent"] == f"{TRACE_ID}-00"
+    assert unsampled["delivered"] == {"traceparent": f"{TRACE_ID}-00", "tracestate": "vendor=1"}
+    sampled = traced["01"]
+    assert sampled["spans"] == ["broker.queue", "worker.handle"]
+    assert sampled["attributes_built"] == 1
+    for carried in (sampled["sent"], sampled["delivered"]["traceparent"]):
+        _, trace_id, span_id, flags = carried.split("-")
+        assert trace_id == TRACE_ID.split("-")[1]  # the same trace,
+        assert span_id != TRACE_ID.split("-")[2]  # under this process's span
+        assert flags == "01"
+
+
+@pytest.mark.parametrize(
+    "sampler", ["ALWAYS_ON", "ParentBased(ALWAYS_ON, remote_parent_not_sampled=ALWAYS_ON)"]
+)
+def test_a_sampler_that_records_under_unsampled_parents_is_obeyed(sampler: str) -> None:
+    unsampled = traced_in_a_fresh_interpreter(sampler)["00"]
+    assert unsampled["spans"] == ["broker.queue", "worker.handle"]
+    assert unsampled["attributes_built"] == 1
+    assert unsampled["sent"].split("-")[1] == TRACE_ID.split("-")[1]
