@@ -199,13 +199,14 @@ class JsonlSpanExporter(SpanExporter):
         self._written = self._file.tell()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        lines = [_ENCODER.encode(span_record(span)) for span in spans]
         with self._lock:
-            for span in spans:
+            for line in lines:
                 if self._written >= self.max_bytes:
                     self._rotate()
-                line = json.dumps(span_record(span), default=str) + "\n"
                 self._file.write(line)
-                self._written += len(line)
+                self._file.write("\n")
+                self._written += len(line) + 1
             self._file.flush()
         return SpanExportResult.SUCCESS
 
@@ -228,24 +229,38 @@ class JsonlSpanExporter(SpanExporter):
             self._file.close()
 
 
+_ENCODER = json.JSONEncoder(default=str)
+
+
 def span_record(span: ReadableSpan) -> dict[str, Any]:
     ctx = span.get_span_context()
     assert ctx is not None
     parent = span.parent
     start, end = span.start_time or 0, span.end_time or 0
+    attributes = span.attributes
     return {
         "trace_id": f"{ctx.trace_id:032x}",
         "span_id": f"{ctx.span_id:016x}",
         "parent_span_id": f"{parent.span_id:016x}" if parent else None,
         "name": span.name,
-        "service": span.resource.attributes.get("service.name", ""),
+        "service": _service(span.resource),
         "start_ns": start,
         "end_ns": end,
         "start": datetime.fromtimestamp(start / 1e9, UTC).isoformat(),
         "duration_ms": round((end - start) / 1e6, 3),
-        "attributes": dict(span.attributes or {}),
+        "attributes": {key: attributes[key] for key in attributes} if attributes else {},
         "status": span.status.status_code.name,
     }
+
+
+_services: list[tuple[Resource, str]] = []
+
+
+def _service(resource: Resource) -> str:
+    """The resource's service name (a process's spans share one resource: read once)."""
+    if not _services or _services[0][0] is not resource:
+        _services[:] = [(resource, str(resource.attributes.get("service.name", "")))]
+    return _services[0][1]
 
 
 _provider: TracerProvider | None = None
