@@ -24,10 +24,12 @@ sweep that finds a queue empty deletes its ``seq`` and takes it out, and the put
 sweep goes through every queue), ``mesh:agents``
 (registrations), ``mesh:route:...`` (which replica waits for an answer), ``mesh:replicas``
 (heartbeats).
-Pub/sub tells the replicas what happened elsewhere: ``mesh:wake`` (a message was queued for
-an agent: wake its local subscribers now, no polling), ``mesh:registry`` (an agent
-registered or left), ``mesh:answer:<replica>`` (an answer for a request waiting on that
-replica).
+Pub/sub tells the replicas what happened elsewhere: ``mesh:wake`` (a message was queued, or
+handed back for another delivery, for an agent: wake its local subscribers now, no polling),
+``mesh:registry`` (an agent registered or left), ``mesh:answer:<replica>`` (an answer for a
+request waiting on that replica), ``mesh:released:<replica>`` (a lease held through that
+replica ended elsewhere, e.g. by another replica's sweep: its subscription has the credit
+back).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ logger = logging.getLogger("mesh.store.redis")
 BASE_US = 1_577_836_800_000_000  # 2020-01-01T00:00:00Z in microseconds
 RANK_SPAN = 10**15  # ~31 years of microseconds per priority band, exact in a double
 WAKE = "mesh:wake"
+RELEASED = "mesh:released:"
 REGISTRY = "mesh:registry"
 TOTAL = "mesh:total"
 QUEUES = "mesh:queues"
@@ -490,6 +493,9 @@ class RedisQueueStore:
         """When (monotonic) a sweep last went through every queue."""
         self._unreleased = 0
         self._releasing: asyncio.Task[None] | None = None
+        self._notices: list[tuple[str, str]] = []
+        """(channel, payload) to publish for the other replicas, off the caller's path."""
+        self._notifying: asyncio.Task[None] | None = None
         self._drift: list[int] = []
         self._seen_total = max_total_messages  # unknown: the first puts reserve first
         self._beating_since: int | None = None
@@ -650,12 +656,25 @@ class RedisQueueStore:
         return True
 
     def _report(self, agent_id: str, events: Iterable[Any]) -> None:
-        """Tells the listener what a script did."""
+        """Tells the listener what a script did, and the other replicas what concerns them: a
+        lease held through another replica ended (its subscription gets the credit back), a
+        message handed back for another delivery (their subscribers of the agent look)."""
         for event in events:
             kind = _text(event[0])
             message_id, subscriber, body = _text(event[1]), _text(event[2]), event[3]
-            if subscriber and self.listener:
-                self.listener.on_released(Released(message_id, agent_id, subscriber))
+            if subscriber:
+                owner = _replica_of(subscriber)
+                if owner and owner != self.replica_id:
+                    notice = {
+                        "agent_id": agent_id,
+                        "message_id": message_id,
+                        "subscriber": subscriber,
+                    }
+                    self._notify(_released_channel(owner), json.dumps(notice))
+                elif self.listener:
+                    self.listener.on_released(Released(message_id, agent_id, subscriber))
+            if kind == "requeued":
+                self._notify(WAKE, agent_id)
             if not self.listener:
                 continue
             if kind == "expired":
@@ -693,6 +712,29 @@ class RedisQueueStore:
                 self._unreleased += count  # given back by the next sweep
                 logger.warning("could not give back %d places in %s: %s", count, TOTAL, error)
                 return
+
+    def _notify(self, channel: str, payload: str) -> None:
+        self._notices.append((channel, payload))
+        if self._notifying is None or self._notifying.done():
+            self._notifying = asyncio.get_running_loop().create_task(self._flush_notices())
+
+    async def _flush_notices(self) -> None:
+        await asyncio.sleep(0)
+        while self._notices:
+            notices, self._notices = self._notices, []
+            # (one at a time: a cluster client pipelines no PUBLISH; there are few of them)
+            for sent, (channel, payload) in enumerate(notices):
+                try:
+                    await self._call("publish", channel, payload)
+                except BrokerUnavailableError as error:
+                    # A replica that misses a wake-up finds the message at its next one; a
+                    # subscription that misses a release has the credit back once it closes.
+                    logger.warning(
+                        "could not tell the other replicas of %d events: %s",
+                        len(notices) - sent,
+                        error,
+                    )
+                    return
 
     async def _settle(self) -> None:
         """Waits until every place released so far has been given back."""
@@ -1241,7 +1283,11 @@ class RedisQueueStore:
         else:
             self._pubsub = client.pubsub(ignore_subscribe_messages=True)
         await self._pubsub.subscribe(
-            WAKE, REGISTRY, self._answers(self.replica_id), *self._followed
+            WAKE,
+            REGISTRY,
+            self._answers(self.replica_id),
+            _released_channel(self.replica_id),
+            *self._followed,
         )
         # A SUBSCRIBE can go out on a connection that is already dead: an answered PING
         # says the subscription is really there.
@@ -1295,6 +1341,11 @@ class RedisQueueStore:
             listener.on_agent_changed(agent_id, await self.saved_agent(agent_id))
         elif channel == self._answers(self.replica_id):
             listener.on_answer(_message(data))
+        elif channel == _released_channel(self.replica_id):
+            notice = json.loads(data)
+            listener.on_released(
+                Released(notice["message_id"], notice["agent_id"], notice["subscriber"])
+            )
         elif (handler := self._followed.get(channel)) is not None:
             handler(data)
 
@@ -1307,6 +1358,8 @@ class RedisQueueStore:
         self._heart = None
         with contextlib.suppress(BrokerUnavailableError):
             await self._settle()
+            if self._notifying is not None:
+                await asyncio.shield(self._notifying)  # what the others must still hear
             await self._call("hdel", REPLICAS, self.replica_id)
         await cancel_and_wait(self._watcher)  # redis-py may swallow one cancellation
         self._watcher = None
@@ -1325,3 +1378,17 @@ class RedisQueueStore:
         if keys:
             await client.delete(*keys)
         self._queues_known.clear()
+
+
+def _released_channel(replica: str) -> str:
+    return f"{RELEASED}{replica}"
+
+
+def _replica_of(subscriber: str) -> str | None:
+    """The replica a subscription is held through: subscriber ids read
+    ``<agent>#<replica>-<n>`` (the broker names them so; the sweep script reads them too)."""
+    _, hash_, rest = subscriber.rpartition("#")
+    replica, dash, number = rest.rpartition("-")
+    if not hash_ or not dash or not replica or not number.isdigit():
+        return None
+    return replica

@@ -4,7 +4,9 @@ a client talks to.
 Delivery, registration, broadcast, request/response and scatter-gather cross replicas, with
 no polling delay (a message queued through one replica wakes the subscriber on the other);
 a replica killed with SIGKILL under traffic loses nothing that was accepted: its clients
-fail over to the other one and its leases come back when they end.
+fail over to the other one and its leases come back when they end. A lease that ends while
+another replica sweeps comes back to the subscriber it was held through, or to the agent's
+subscriber on any replica.
 """
 
 from __future__ import annotations
@@ -16,8 +18,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from mesh import MeshError, connect
+from mesh import MeshError, Message, connect
 from mesh.client import NO_RETRY
+from mesh.config import BrokerConfig
+from mesh.core.broker import Broker
+from mesh.core.model import AgentInfo
+from mesh.redis_store import RedisQueueStore
 from tests.helpers.processes import BROKER_READY, Proc, start, stop, wait_killed
 
 pytestmark = pytest.mark.processes
@@ -188,3 +194,66 @@ async def test_a_replica_killed_under_traffic_loses_nothing_accepted(
                     await asyncio.sleep(0.2)
     finally:
         await raw.aclose()
+
+
+@pytest.fixture(params=["redis", "redis-cluster"])
+def one_redis(request: pytest.FixtureRequest) -> str:
+    return str(
+        request.getfixturevalue("redis_url" if request.param == "redis" else "redis_cluster_url")
+    )
+
+
+async def test_a_lease_another_replica_hands_back_is_delivered_again_through_the_first(
+    one_redis: str,
+) -> None:
+    """A lease held through replica B ends while replica A sweeps first (A sweeps every
+    50 ms, B every 30 s): A hands the message back, and B's subscriber, with one place in
+    flight, gets it again at once. Before, B never heard of it: its subscription kept the
+    place taken and was never woken, and the message waited in the queue for good."""
+    a = Broker(BrokerConfig(sweep_interval=0.05), store=RedisQueueStore(one_redis))
+    b = Broker(BrokerConfig(sweep_interval=30), store=RedisQueueStore(one_redis))
+    await a.start()
+    await b.start()
+    try:
+        await b.register(AgentInfo(agent_id="Slow"))
+        sub = await b.subscribe("Slow", max_in_flight=1, lease_seconds=1)
+        sent = await a.send(Message(from_agent="S", to_agent="Slow", content={"action": "x"}))
+        first = await asyncio.wait_for(sub.next(), 5)
+        assert (first.message.message_id, first.attempt) == (sent.message.message_id, 1)
+        # Not acked: the lease ends after 1 s, and A's sweep is the one that sees it.
+        again = await asyncio.wait_for(sub.next(), 5)
+        assert (again.message.message_id, again.attempt) == (sent.message.message_id, 2)
+        assert sub.in_flight == {sent.message.message_id}  # the one place, taken once
+        await b.ack("Slow", [again.message.message_id])
+        await asyncio.sleep(0.1)
+        assert sub.in_flight == set()
+        await sub.close()
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_message_another_replica_hands_back_wakes_the_agents_subscriber_anywhere(
+    one_redis: str,
+) -> None:
+    """The subscription a message was leased to is gone (its replica C stopped, its leases
+    handed back by A); the agent's new subscriber is on B, idle: A's hand-back wakes it."""
+    a = Broker(BrokerConfig(sweep_interval=0.05), store=RedisQueueStore(one_redis))
+    b = Broker(BrokerConfig(sweep_interval=30), store=RedisQueueStore(one_redis))
+    c = Broker(BrokerConfig(sweep_interval=30), store=RedisQueueStore(one_redis))
+    for broker in (a, b, c):
+        await broker.start()
+    try:
+        await c.register(AgentInfo(agent_id="Mover"))
+        leaving = await c.subscribe("Mover", lease_seconds=1)
+        sent = await a.send(Message(from_agent="S", to_agent="Mover", content={"action": "x"}))
+        assert (await asyncio.wait_for(leaving.next(), 5)).attempt == 1
+        staying = await b.subscribe("Mover")
+        assert not staying.in_flight
+        # C goes quiet with the lease (no ack, no release): it ends after 1 s, A hands it back.
+        again = await asyncio.wait_for(staying.next(), 5)
+        assert (again.message.message_id, again.attempt) == (sent.message.message_id, 2)
+        await staying.close()
+    finally:
+        for broker in (a, b, c):
+            await broker.stop()
