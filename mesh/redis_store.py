@@ -24,8 +24,9 @@ sweep that finds a queue empty deletes its ``seq`` and takes it out, and the put
 sweep goes through every queue), ``mesh:agents``
 (registrations), ``mesh:route:...`` (which replica waits for an answer), ``mesh:replicas``
 (heartbeats).
-Pub/sub tells the replicas what happened elsewhere: ``mesh:wake`` (a message was queued, or
-handed back for another delivery, for an agent: wake its local subscribers now, no polling),
+Pub/sub tells the replicas what happened elsewhere: ``mesh:wake`` (``<replica>\n<agent>``: a
+message was queued, or handed back for another delivery, for an agent through that replica:
+the others wake their subscribers of the agent now, no polling),
 ``mesh:registry`` (an agent registered or left), ``mesh:answer:<replica>`` (an answer for a
 request waiting on that replica), ``mesh:released:<replica>`` (a lease held through that
 replica ended elsewhere, e.g. by another replica's sweep: its subscription has the credit
@@ -674,7 +675,7 @@ class RedisQueueStore:
                 elif self.listener:
                     self.listener.on_released(Released(message_id, agent_id, subscriber))
             if kind == "requeued":
-                self._notify(WAKE, agent_id)
+                self._notify(WAKE, self._wake_for(agent_id))
             if not self.listener:
                 continue
             if kind == "expired":
@@ -791,7 +792,7 @@ class RedisQueueStore:
             now,
             per_agent,
             WAKE,
-            agent_id,
+            self._wake_for(agent_id),
         ]
         result = await self._put(agent_id, args, total)
         if int(result[0]) == -2:
@@ -1220,6 +1221,10 @@ class RedisQueueStore:
 
     # -- replicas --------------------------------------------------------------------------
 
+    def _wake_for(self, agent_id: str) -> str:
+        """What ``mesh:wake`` carries: the replica that queued, a newline, the agent."""
+        return f"{self.replica_id}\n{agent_id}"
+
     def _answers(self, replica: str) -> str:
         return f"mesh:answer:{replica}"
 
@@ -1335,7 +1340,9 @@ class RedisQueueStore:
             return
         channel, data = _text(event["channel"]), event["data"]
         if channel == WAKE:
-            listener.on_wake(_text(data))
+            origin, _, agent_id = _text(data).partition("\n")
+            if origin != self.replica_id:  # (this replica woke its own subscribers itself)
+                listener.on_wake(agent_id)
         elif channel == REGISTRY:
             agent_id = _text(data)
             listener.on_agent_changed(agent_id, await self.saved_agent(agent_id))

@@ -139,6 +139,8 @@ class Subscription:
         self.in_flight: set[str] = set()
         self.closed = False
         self._wake = asyncio.Event()
+        self._drained = False
+        """The last lease took fewer messages than it asked for: every ready one."""
 
     def wake(self) -> None:
         self._wake.set()
@@ -149,25 +151,42 @@ class Subscription:
 
     async def next_batch(self, most: int) -> list[Delivery]:
         """Waits until a message is ready, then leases it and up to ``most - 1`` more that
-        are ready too (within max_in_flight), in queue order; never waits for more."""
+        are ready too (within max_in_flight), in queue order; never waits for more.
+
+        Whatever makes a message ready for it (a send, a redelivery, another replica's
+        queueing) wakes the subscription, and so does a settled delivery while it lacked the
+        credit to lease: after a lease that found the queue empty, or took the last ready
+        messages, it waits for a wake-up before it asks the store again."""
         while True:
+            if self._drained and not self._wake.is_set():
+                await self._wake.wait()  # (leasing now would find nothing)
+            self._drained = False
             self._wake.clear()
             if self.closed:
                 raise SessionClosedError(f"subscription {self.subscription_id} is closed")
             credit = self.max_in_flight - len(self.in_flight)
-            if credit > 0:
-                try:
-                    batch = await self.broker._lease_many(self, min(most, credit))
-                except BrokerUnavailableError:
-                    # The store is away (the sweeper says so): the subscription stays, and
-                    # looks again at the next wake-up or in a moment.
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(STORE_RETRY_SECONDS):
-                            await self._wake.wait()
-                    continue
-                if batch:
-                    return batch
-            await self._wake.wait()
+            if credit <= 0:
+                await self._wake.wait()  # a settled delivery gives a place back
+                continue
+            asked = min(most, credit)
+            try:
+                batch = await self.broker._lease_many(self, asked)
+            except BrokerUnavailableError:
+                # The store is away (the sweeper says so): the subscription stays, and
+                # looks again at the next wake-up or in a moment.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(STORE_RETRY_SECONDS):
+                        await self._wake.wait()
+                continue
+            self._drained = len(batch) < asked
+            if batch:
+                return batch
+
+    def credit_freed(self) -> None:
+        """One of its leases ended (settled, expired, handed back): worth a look at the queue
+        unless the subscription had emptied it (a message that comes wakes it anyway)."""
+        if not self._drained:
+            self._wake.set()
 
     async def close(self, *, seen: Collection[str] | None = None) -> None:
         """Ends the subscription; its unacknowledged messages go back to the queue. With
@@ -1082,7 +1101,7 @@ class Broker:
         sub = self._by_subscription.get(released.subscriber)
         if sub is not None:
             sub.in_flight.discard(released.message_id)
-            sub.wake()
+            sub.credit_freed()
 
     # -- reading -----------------------------------------------------------------------------
 

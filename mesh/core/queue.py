@@ -133,7 +133,8 @@ class QueueStore(Protocol):
     async def lease_many(
         self, agent_id: str, subscriber: str, lease_seconds: float, most: int
     ) -> list[Lease]:
-        """Leases up to ``most`` waiting messages, in queue order, in one operation."""
+        """Leases up to ``most`` waiting messages, in queue order, in one operation: fewer
+        only when no more are waiting (a subscription that gets fewer waits to be woken)."""
         ...
 
     async def ack(self, agent_id: str, message_ids: Iterable[str]) -> int:

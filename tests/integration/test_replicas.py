@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import itertools
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -257,3 +258,51 @@ async def test_a_message_another_replica_hands_back_wakes_the_agents_subscriber_
     finally:
         for broker in (a, b, c):
             await broker.stop()
+
+
+class CountingRedisStore(RedisQueueStore):
+    leases = 0
+
+    async def lease_many(self, *args: Any, **kwargs: Any) -> Any:
+        self.leases += 1
+        return await super().lease_many(*args, **kwargs)
+
+
+async def test_each_delivery_costs_the_replica_of_its_subscriber_one_lease(one_redis: str) -> None:
+    """Messages sent one after another, through the subscriber's replica and through the
+    other: each is one lease script on Redis, nothing more (no look at an emptied queue
+    after a delivery or its ack, none on hearing this replica's own wake-up; before, three
+    leases a message)."""
+    store = CountingRedisStore(one_redis)
+    mine = Broker(BrokerConfig(), store=store)
+    other = Broker(BrokerConfig(), store=RedisQueueStore(one_redis))
+    await mine.start()
+    await other.start()
+    try:
+        await mine.register(AgentInfo(agent_id="Worker"))
+        sub = await mine.subscribe("Worker")
+        delivered: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def consume() -> None:
+            # As a session's pump does for the SDK (which takes whatever is ready in one
+            # frame): lease, hand on, lease again.
+            while True:
+                for delivery in await sub.next_batch(8):
+                    delivered.put_nowait(delivery)
+
+        consumer = asyncio.create_task(consume())
+        for i in range(6):
+            through = mine if i % 2 else other
+            await through.send(
+                Message(from_agent="S", to_agent="Worker", content={"action": f"task-{i}"})
+            )
+            delivery = await asyncio.wait_for(delivered.get(), 5)
+            assert delivery.message.action == f"task-{i}"
+            await mine.ack("Worker", [delivery.message.message_id])
+            await asyncio.sleep(0.05)  # (any wake-up that would follow has come)
+        assert store.leases == 1 + 6  # a look when it started, then one a message
+        consumer.cancel()
+        await sub.close()
+    finally:
+        await mine.stop()
+        await other.stop()

@@ -1,13 +1,15 @@
 """Background tasks around a shared store: stopping those whose cancellation can be swallowed
 (asyncio.wait_for on Python 3.11 returns the inner result when it completes in the same loop
-iteration as the cancel; redis-py sends commands through it), and waking subscriptions when a
-replica follows the others again after losing them."""
+iteration as the cancel; redis-py sends commands through it), waking subscriptions when a
+replica follows the others again after losing them, and a subscription that leaves the store
+alone while its queue is empty."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+from typing import Any
 
 import pytest
 
@@ -145,3 +147,60 @@ async def test_following_the_other_replicas_again_wakes_every_subscription() -> 
         delivery = await asyncio.wait_for(waiting, 5)
         assert delivery.message.message_id == queued.message_id
         await sub.close()
+
+
+class CountingStore(InMemoryQueueStore):
+    """Counts the store operations that lease (each a round trip on a shared store)."""
+
+    leases = 0
+
+    async def lease_many(self, *args: Any, **kwargs: Any) -> Any:
+        self.leases += 1
+        return await super().lease_many(*args, **kwargs)
+
+
+def note(text: str) -> Message:
+    return Message(from_agent="Sender", to_agent="Listener", content={"action": text})
+
+
+async def test_a_subscription_that_took_every_ready_message_leases_again_only_when_woken() -> None:
+    """A subscriber that emptied its queue waits to be woken (a send, a redelivery, another
+    replica's message, a release) rather than asking the store once more for nothing; one
+    whose lease was filled to what it asked for asks again at once."""
+    store = CountingStore()
+    async with Broker(BrokerConfig(), store=store) as broker:
+        await broker.register(AgentInfo(agent_id="Listener"))
+        sub = await broker.subscribe("Listener", max_in_flight=10)
+        await broker.send(note("first"))
+        [first] = await sub.next_batch(5)
+        waiting = asyncio.create_task(sub.next_batch(5))
+        await asyncio.sleep(0.05)
+        await broker.ack("Listener", [first.message.message_id])  # a place back: no matter
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        assert store.leases == 1  # the queue was left empty: no second look
+        await broker.send(note("second"))
+        [second] = await asyncio.wait_for(waiting, 5)
+        assert [first.message.action, second.message.action] == ["first", "second"]
+        assert store.leases == 2
+
+        for text in ("a", "b", "c"):
+            await broker.send(note(text))
+        full = await sub.next_batch(2)  # all it asked for: there may be more
+        rest = await asyncio.wait_for(sub.next_batch(2), 5)
+        assert [d.message.action for d in full + rest] == ["a", "b", "c"]
+        assert store.leases == 4
+
+        # Out of credit with messages waiting, a settled delivery is what wakes it.
+        tight = await broker.subscribe("Listener", max_in_flight=1)
+        for text in ("d", "e"):
+            await broker.send(note(text))
+        await sub.close()  # (what it did not settle goes back in its place: second, a, b, c)
+        taken = await asyncio.wait_for(tight.next(), 5)
+        assert taken.message.action == "second"
+        later = asyncio.create_task(tight.next())
+        await asyncio.sleep(0.05)
+        assert not later.done()  # its one place is taken
+        await broker.ack("Listener", [taken.message.message_id])
+        assert (await asyncio.wait_for(later, 5)).message.action == "a"
+        await tight.close()
