@@ -664,16 +664,7 @@ class RedisQueueStore:
             kind = _text(event[0])
             message_id, subscriber, body = _text(event[1]), _text(event[2]), event[3]
             if subscriber:
-                owner = _replica_of(subscriber)
-                if owner and owner != self.replica_id:
-                    notice = {
-                        "agent_id": agent_id,
-                        "message_id": message_id,
-                        "subscriber": subscriber,
-                    }
-                    self._notify(_released_channel(owner), json.dumps(notice))
-                elif self.listener:
-                    self.listener.on_released(Released(message_id, agent_id, subscriber))
+                self._released(Released(message_id, agent_id, subscriber))
             if kind == "requeued":
                 self._notify(WAKE, self._wake_for(agent_id))
             if not self.listener:
@@ -713,6 +704,20 @@ class RedisQueueStore:
                 self._unreleased += count  # given back by the next sweep
                 logger.warning("could not give back %d places in %s: %s", count, TOTAL, error)
                 return
+
+    def _released(self, released: Released) -> None:
+        """A lease ended: its subscription gets the credit back, here or on the replica it is
+        held through (an ack may come through another replica than the subscription's)."""
+        owner = _replica_of(released.subscriber)
+        if owner and owner != self.replica_id:
+            notice = {
+                "agent_id": released.agent_id,
+                "message_id": released.message_id,
+                "subscriber": released.subscriber,
+            }
+            self._notify(_released_channel(owner), json.dumps(notice))
+        elif self.listener:
+            self.listener.on_released(released)
 
     def _notify(self, channel: str, payload: str) -> None:
         self._notices.append((channel, payload))
@@ -1022,8 +1027,8 @@ class RedisQueueStore:
             return 0
         acked = await self._run("ack", agent_id, ids)
         for message_id, subscriber in acked:
-            if self.listener and subscriber:
-                self.listener.on_released(Released(_text(message_id), agent_id, _text(subscriber)))
+            if subscriber:
+                self._released(Released(_text(message_id), agent_id, _text(subscriber)))
         return len(acked)
 
     def _return_args(self) -> list[Any]:

@@ -306,3 +306,30 @@ async def test_each_delivery_costs_the_replica_of_its_subscriber_one_lease(one_r
     finally:
         await mine.stop()
         await other.stop()
+
+
+async def test_an_ack_through_another_replica_gives_the_subscription_its_place_back(
+    one_redis: str,
+) -> None:
+    """A client may settle a delivery through another replica than the one its subscription
+    is on (a unary Ack on another connection): the subscription, with one place in flight,
+    gets the next message. Before, its place stayed taken for good."""
+    a = Broker(BrokerConfig(), store=RedisQueueStore(one_redis))
+    b = Broker(BrokerConfig(), store=RedisQueueStore(one_redis))
+    await a.start()
+    await b.start()
+    try:
+        await b.register(AgentInfo(agent_id="Single"))
+        sub = await b.subscribe("Single", max_in_flight=1)
+        for text in ("one", "two"):
+            await b.send(Message(from_agent="S", to_agent="Single", content={"action": text}))
+        first = await asyncio.wait_for(sub.next(), 5)
+        second = asyncio.create_task(sub.next())
+        await asyncio.sleep(0.2)
+        assert not second.done()  # its one place is taken
+        assert await a.ack("Single", [first.message.message_id]) == 1
+        assert (await asyncio.wait_for(second, 5)).message.action == "two"
+        await sub.close()
+    finally:
+        await a.stop()
+        await b.stop()
