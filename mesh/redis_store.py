@@ -727,7 +727,8 @@ class RedisQueueStore:
     async def _flush_notices(self) -> None:
         await asyncio.sleep(0)
         while self._notices:
-            notices, self._notices = self._notices, []
+            # (a sweep that hands back many messages of one agent wakes it once)
+            notices, self._notices = list(dict.fromkeys(self._notices)), []
             # (one at a time: a cluster client pipelines no PUBLISH; there are few of them)
             for sent, (channel, payload) in enumerate(notices):
                 try:
