@@ -137,8 +137,14 @@ def span_name(agent_id: str, operation: str) -> str:
 
 def inject(headers: Mapping[str, str] | None = None) -> dict[str, str]:
     """The headers with the current span's trace context added (when there is one)."""
-    carrier = dict(headers or {})
-    ctx = trace.get_current_span().get_span_context()
+    return headers_for(trace.get_current_span(), headers or {})
+
+
+def headers_for(span: trace.Span, headers: Mapping[str, str]) -> dict[str, str]:
+    """The headers carrying ``span``'s context (not necessarily the current span's): its
+    ``traceparent``, and its ``tracestate`` when it has one (a vendor's entries travel on)."""
+    carrier = dict(headers)
+    ctx = span.get_span_context()
     if ctx.is_valid:
         # W3C traceparent written directly: the hot path needs no propagator machinery.
         carrier["traceparent"] = (
@@ -146,17 +152,6 @@ def inject(headers: Mapping[str, str] | None = None) -> dict[str, str]:
         )
         if ctx.trace_state:
             carrier["tracestate"] = ctx.trace_state.to_header()
-    return carrier
-
-
-def headers_for(span: trace.Span, headers: Mapping[str, str]) -> dict[str, str]:
-    """The headers carrying ``span``'s context (not necessarily the current span's)."""
-    carrier = dict(headers)
-    ctx = span.get_span_context()
-    if ctx.is_valid:
-        carrier["traceparent"] = (
-            f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
-        )
     return carrier
 
 

@@ -157,6 +157,7 @@ def test_an_unsampled_parent_costs_no_span_and_its_context_travels_on_as_it_came
     sampled = traced["01"]
     assert sampled["spans"] == ["broker.queue", "worker.handle"]
     assert sampled["attributes_built"] == 1
+    assert sampled["delivered"]["tracestate"] == "vendor=1"  # through the broker's span too
     for carried in (sampled["sent"], sampled["delivered"]["traceparent"]):
         _, trace_id, span_id, flags = carried.split("-")
         assert trace_id == TRACE_ID.split("-")[1]  # the same trace,
