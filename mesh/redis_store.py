@@ -1050,6 +1050,19 @@ class RedisQueueStore:
         kinds = [_text(e[0]) for e in events]
         return kinds.count("requeued"), kinds.count("dead")
 
+    async def still_leased(
+        self, agent_id: str, subscriber: str, message_ids: Collection[str]
+    ) -> set[str]:
+        ids = list(message_ids)
+        if not ids:
+            return set()
+        metas = await self._call("hmget", _keys(agent_id)[3], ids)
+        return {
+            message_id
+            for message_id, meta in zip(ids, metas, strict=True)
+            if meta is not None and json.loads(meta).get("s") == subscriber
+        }
+
     async def release_subscriber(
         self, agent_id: str, subscriber: str, *, seen: Collection[str] | None = None
     ) -> int:

@@ -115,6 +115,10 @@ class AgentQueueStats:
 
 STORE_RETRY_SECONDS = 0.5
 """How soon a subscription tries its queue again while the store cannot be reached."""
+CREDIT_CHECK_SECONDS = 10.0
+"""How often, with replicas, each subscription's places in flight are checked against the
+store's leases: a release another replica published while this one was not listening (its
+connection to Redis down a moment) would otherwise keep a place taken."""
 
 
 def _expire(waiter: asyncio.Future[Message]) -> None:
@@ -283,6 +287,7 @@ class Broker:
         # replica id, so that a lease tells which replica's subscriber holds it.
         self.instance = store.replica_id or secrets.token_hex(4)
         self._queue_full_log: dict[str, tuple[float, int]] = {}
+        self._credit_checked = time.monotonic()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -375,8 +380,30 @@ class Broker:
                 unavailable = False
 
     async def sweep(self) -> None:
-        """Expires messages and reclaims ended leases."""
+        """Expires messages and reclaims ended leases (and, with replicas, every
+        CREDIT_CHECK_SECONDS, checks the subscriptions' places in flight)."""
         await self.store.sweep()
+        if self.store.shared and time.monotonic() - self._credit_checked >= CREDIT_CHECK_SECONDS:
+            self._credit_checked = time.monotonic()
+            await self._check_credit()
+
+    async def _check_credit(self) -> None:
+        """Gives each subscription back the places in flight whose leases ended without this
+        replica hearing of it."""
+        for subs in list(self._subscriptions.values()):
+            for sub in list(subs):
+                if not sub.in_flight:
+                    continue
+                taken = set(sub.in_flight)  # (what is leased meanwhile is not in question)
+                held = await self.store.still_leased(sub.agent_id, sub.subscription_id, taken)
+                if ended := taken - held:
+                    sub.in_flight.difference_update(ended)
+                    logger.info(
+                        "subscription %s: %d leases had ended unheard of; their places are free",
+                        sub.subscription_id,
+                        len(ended),
+                    )
+                    sub.credit_freed()
 
     async def _read_gauges(self) -> None:
         """Reads every queue's depth, and the messages held, into the gauges (as /metrics is

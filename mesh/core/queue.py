@@ -149,6 +149,12 @@ class QueueStore(Protocol):
         dead-lettered)."""
         ...
 
+    async def still_leased(
+        self, agent_id: str, subscriber: str, message_ids: Collection[str]
+    ) -> set[str]:
+        """Of ``message_ids``, those still leased to ``subscriber``."""
+        ...
+
     async def release_subscriber(
         self, agent_id: str, subscriber: str, *, seen: Collection[str] | None = None
     ) -> int:
@@ -642,6 +648,19 @@ class InMemoryQueueStore:
             elif outcome == "dead":
                 dead += 1
         return (requeued, dead)
+
+    async def still_leased(
+        self, agent_id: str, subscriber: str, message_ids: Collection[str]
+    ) -> set[str]:
+        queue = self._queues.get(agent_id)
+        if queue is None:
+            return set()
+        return {
+            message_id
+            for message_id in message_ids
+            if (entry := queue.leased.get(message_id)) is not None
+            and entry.subscriber == subscriber
+        }
 
     async def release_subscriber(
         self, agent_id: str, subscriber: str, *, seen: Collection[str] | None = None

@@ -22,6 +22,7 @@ import pytest
 from mesh import MeshError, Message, connect
 from mesh.client import NO_RETRY
 from mesh.config import BrokerConfig
+from mesh.core import broker as broker_module
 from mesh.core.broker import Broker
 from mesh.core.model import AgentInfo
 from mesh.redis_store import RedisQueueStore
@@ -328,6 +329,39 @@ async def test_an_ack_through_another_replica_gives_the_subscription_its_place_b
         await asyncio.sleep(0.2)
         assert not second.done()  # its one place is taken
         assert await a.ack("Single", [first.message.message_id]) == 1
+        assert (await asyncio.wait_for(second, 5)).message.action == "two"
+        await sub.close()
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_release_the_subscriptions_replica_never_heard_of_frees_its_place_soon(
+    one_redis: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The notice of a release published while the subscription's replica was not listening
+    is lost: the replica's sweeps check its subscriptions' places in flight against Redis
+    (every CREDIT_CHECK_SECONDS, made 0.3 s here) and free the place."""
+    monkeypatch.setattr(broker_module, "CREDIT_CHECK_SECONDS", 0.3)
+    a = Broker(BrokerConfig(), store=RedisQueueStore(one_redis))
+    b = Broker(BrokerConfig(sweep_interval=0.05), store=RedisQueueStore(one_redis))
+    told = a.store._notify  # type: ignore[attr-defined]
+
+    def lose_releases(channel: str, payload: str) -> None:
+        if not channel.startswith("mesh:released:"):
+            told(channel, payload)
+
+    monkeypatch.setattr(a.store, "_notify", lose_releases)
+    await a.start()
+    await b.start()
+    try:
+        await b.register(AgentInfo(agent_id="Single"))
+        sub = await b.subscribe("Single", max_in_flight=1)
+        for text in ("one", "two"):
+            await b.send(Message(from_agent="S", to_agent="Single", content={"action": text}))
+        first = await asyncio.wait_for(sub.next(), 5)
+        second = asyncio.create_task(sub.next())
+        assert await a.ack("Single", [first.message.message_id]) == 1  # B is not told
         assert (await asyncio.wait_for(second, 5)).message.action == "two"
         await sub.close()
     finally:

@@ -276,6 +276,20 @@ async def test_lease_ack_releases_capacity(store: QueueStore, recorder: Recorder
     assert [r.message_id for r in recorder.released] == ["m1"]
 
 
+async def test_still_leased_names_the_leases_a_subscriber_holds(store: QueueStore) -> None:
+    for i in range(4):
+        await store.put(msg(f"m{i}", at=i), 3600)
+    await store.lease_many("PaymentAgent", "sub-1", 30, 2)  # m0, m1
+    await store.lease("PaymentAgent", "sub-2", 30)  # m2
+    await store.ack("PaymentAgent", ["m0"])
+    asked = {"m0", "m1", "m2", "m3", "never"}
+    assert await store.still_leased("PaymentAgent", "sub-1", asked) == {"m1"}
+    assert await store.still_leased("PaymentAgent", "sub-2", asked) == {"m2"}
+    await store.nack("PaymentAgent", ["m2"])  # back in the queue: leased to nobody
+    assert await store.still_leased("PaymentAgent", "sub-2", asked) == set()
+    assert await store.still_leased("Nobody", "sub-1", asked) == set()
+
+
 async def test_nack_redelivers_in_place_with_attempt_count(
     store: QueueStore, recorder: Recorder
 ) -> None:
