@@ -141,6 +141,9 @@ class Subscription:
         self.max_in_flight = max_in_flight
         self.lease_seconds = lease_seconds
         self.in_flight: set[str] = set()
+        self.leased = 0
+        """Leases taken so far (a check of ``in_flight`` against the store that spans a lease
+        cannot tell a place freed from one taken again: it waits for another time)."""
         self.closed = False
         self._wake = asyncio.Event()
         self._drained = False
@@ -394,8 +397,10 @@ class Broker:
             for sub in list(subs):
                 if not sub.in_flight:
                     continue
-                taken = set(sub.in_flight)  # (what is leased meanwhile is not in question)
+                taken, leased = set(sub.in_flight), sub.leased
                 held = await self.store.still_leased(sub.agent_id, sub.subscription_id, taken)
+                if sub.leased != leased:
+                    continue  # (it leased meanwhile, perhaps one of these again: next time)
                 if ended := taken - held:
                     sub.in_flight.difference_update(ended)
                     logger.info(
@@ -1022,6 +1027,7 @@ class Broker:
         deliveries = []
         for lease in leases:
             sub.in_flight.add(lease.message.message_id)
+            sub.leased += 1
             message = self._observe_delivery(lease.message, lease.queued_seconds)
             deliveries.append(Delivery(message, lease.attempt, lease.lease_expires_at))
         return deliveries

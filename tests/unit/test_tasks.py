@@ -1,8 +1,8 @@
 """Background tasks around a shared store: stopping those whose cancellation can be swallowed
 (asyncio.wait_for on Python 3.11 returns the inner result when it completes in the same loop
 iteration as the cancel; redis-py sends commands through it), waking subscriptions when a
-replica follows the others again after losing them, and a subscription that leaves the store
-alone while its queue is empty."""
+replica follows the others again after losing them, a subscription that leaves the store
+alone while its queue is empty, and the check of a subscription's places in flight."""
 
 from __future__ import annotations
 
@@ -204,3 +204,42 @@ async def test_a_subscription_that_took_every_ready_message_leases_again_only_wh
         await broker.ack("Listener", [taken.message.message_id])
         assert (await asyncio.wait_for(later, 5)).message.action == "a"
         await tight.close()
+
+
+class SlowCheckStore(InMemoryQueueStore):
+    """A store whose answer to still_leased comes when the test says, and names nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answer = asyncio.Event()
+
+    async def still_leased(self, *args: Any) -> set[str]:
+        await self.answer.wait()
+        return set()
+
+
+async def test_a_credit_check_that_spans_a_lease_leaves_the_places_as_they_are() -> None:
+    """The check of a subscription's places against the store reads the store, then frees
+    what it found ended; a lease taken in between (perhaps of one of those very messages,
+    handed back and leased again) makes the answer stale: nothing is freed this time."""
+    store = SlowCheckStore()
+    async with Broker(BrokerConfig(), store=store) as broker:
+        await broker.register(AgentInfo(agent_id="Listener"))
+        sub = await broker.subscribe("Listener", max_in_flight=5)
+        await broker.send(note("first"))
+        first = await sub.next()
+        check = asyncio.create_task(broker._check_credit())
+        await asyncio.sleep(0)
+        await broker.send(note("second"))
+        second = await sub.next()  # leased while the check waits for the store
+        store.answer.set()
+        await check
+        assert sub.in_flight == {first.message.message_id, second.message.message_id}
+
+        store.answer.clear()
+        check = asyncio.create_task(broker._check_credit())
+        await asyncio.sleep(0)
+        store.answer.set()  # nothing leased meanwhile: the store's word stands
+        await check
+        assert sub.in_flight == set()
+        await sub.close()
