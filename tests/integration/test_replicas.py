@@ -205,6 +205,25 @@ def one_redis(request: pytest.FixtureRequest) -> str:
     )
 
 
+def replica(url: str, sweep_interval: float = 0.2, store: RedisQueueStore | None = None) -> Broker:
+    """A broker replica in this process on the Redis at ``url``."""
+    return Broker(BrokerConfig(sweep_interval=sweep_interval), store=store or RedisQueueStore(url))
+
+
+@contextlib.asynccontextmanager
+async def running(*brokers: Broker) -> AsyncIterator[tuple[Broker, ...]]:
+    """The brokers started, and stopped at the end."""
+    started: list[Broker] = []
+    try:
+        for broker in brokers:
+            await broker.start()
+            started.append(broker)
+        yield brokers
+    finally:
+        for broker in started:
+            await broker.stop()
+
+
 async def test_a_lease_another_replica_hands_back_is_delivered_again_through_the_first(
     one_redis: str,
 ) -> None:
@@ -212,11 +231,7 @@ async def test_a_lease_another_replica_hands_back_is_delivered_again_through_the
     50 ms, B every 30 s): A hands the message back, and B's subscriber, with one place in
     flight, gets it again at once. Before, B never heard of it: its subscription kept the
     place taken and was never woken, and the message waited in the queue for good."""
-    a = Broker(BrokerConfig(sweep_interval=0.05), store=RedisQueueStore(one_redis))
-    b = Broker(BrokerConfig(sweep_interval=30), store=RedisQueueStore(one_redis))
-    await a.start()
-    await b.start()
-    try:
+    async with running(replica(one_redis, 0.05), replica(one_redis, 30)) as (a, b):
         await b.register(AgentInfo(agent_id="Slow"))
         sub = await b.subscribe("Slow", max_in_flight=1, lease_seconds=1)
         sent = await a.send(Message(from_agent="S", to_agent="Slow", content={"action": "x"}))
@@ -230,9 +245,6 @@ async def test_a_lease_another_replica_hands_back_is_delivered_again_through_the
         await asyncio.sleep(0.1)
         assert sub.in_flight == set()
         await sub.close()
-    finally:
-        await a.stop()
-        await b.stop()
 
 
 async def test_a_message_another_replica_hands_back_wakes_the_agents_subscriber_anywhere(
@@ -240,12 +252,8 @@ async def test_a_message_another_replica_hands_back_wakes_the_agents_subscriber_
 ) -> None:
     """The subscription a message was leased to is gone (its replica C stopped, its leases
     handed back by A); the agent's new subscriber is on B, idle: A's hand-back wakes it."""
-    a = Broker(BrokerConfig(sweep_interval=0.05), store=RedisQueueStore(one_redis))
-    b = Broker(BrokerConfig(sweep_interval=30), store=RedisQueueStore(one_redis))
-    c = Broker(BrokerConfig(sweep_interval=30), store=RedisQueueStore(one_redis))
-    for broker in (a, b, c):
-        await broker.start()
-    try:
+    replicas = (replica(one_redis, 0.05), replica(one_redis, 30), replica(one_redis, 30))
+    async with running(*replicas) as (a, b, c):
         await c.register(AgentInfo(agent_id="Mover"))
         leaving = await c.subscribe("Mover", lease_seconds=1)
         sent = await a.send(Message(from_agent="S", to_agent="Mover", content={"action": "x"}))
@@ -256,9 +264,6 @@ async def test_a_message_another_replica_hands_back_wakes_the_agents_subscriber_
         again = await asyncio.wait_for(staying.next(), 5)
         assert (again.message.message_id, again.attempt) == (sent.message.message_id, 2)
         await staying.close()
-    finally:
-        for broker in (a, b, c):
-            await broker.stop()
 
 
 class CountingRedisStore(RedisQueueStore):
@@ -275,11 +280,7 @@ async def test_each_delivery_costs_the_replica_of_its_subscriber_one_lease(one_r
     after a delivery or its ack, none on hearing this replica's own wake-up; before, three
     leases a message)."""
     store = CountingRedisStore(one_redis)
-    mine = Broker(BrokerConfig(), store=store)
-    other = Broker(BrokerConfig(), store=RedisQueueStore(one_redis))
-    await mine.start()
-    await other.start()
-    try:
+    async with running(replica(one_redis, store=store), replica(one_redis)) as (mine, other):
         await mine.register(AgentInfo(agent_id="Worker"))
         sub = await mine.subscribe("Worker")
         delivered: asyncio.Queue[Any] = asyncio.Queue()
@@ -304,9 +305,6 @@ async def test_each_delivery_costs_the_replica_of_its_subscriber_one_lease(one_r
         assert store.leases == 1 + 6  # a look when it started, then one a message
         consumer.cancel()
         await sub.close()
-    finally:
-        await mine.stop()
-        await other.stop()
 
 
 async def test_an_ack_through_another_replica_gives_the_subscription_its_place_back(
@@ -315,11 +313,7 @@ async def test_an_ack_through_another_replica_gives_the_subscription_its_place_b
     """A client may settle a delivery through another replica than the one its subscription
     is on (a unary Ack on another connection): the subscription, with one place in flight,
     gets the next message. Before, its place stayed taken for good."""
-    a = Broker(BrokerConfig(), store=RedisQueueStore(one_redis))
-    b = Broker(BrokerConfig(), store=RedisQueueStore(one_redis))
-    await a.start()
-    await b.start()
-    try:
+    async with running(replica(one_redis), replica(one_redis)) as (a, b):
         await b.register(AgentInfo(agent_id="Single"))
         sub = await b.subscribe("Single", max_in_flight=1)
         for text in ("one", "two"):
@@ -331,9 +325,6 @@ async def test_an_ack_through_another_replica_gives_the_subscription_its_place_b
         assert await a.ack("Single", [first.message.message_id]) == 1
         assert (await asyncio.wait_for(second, 5)).message.action == "two"
         await sub.close()
-    finally:
-        await a.stop()
-        await b.stop()
 
 
 async def test_a_release_the_subscriptions_replica_never_heard_of_frees_its_place_soon(
@@ -343,18 +334,15 @@ async def test_a_release_the_subscriptions_replica_never_heard_of_frees_its_plac
     is lost: the replica's sweeps check its subscriptions' places in flight against Redis
     (every CREDIT_CHECK_SECONDS, made 0.3 s here) and free the place."""
     monkeypatch.setattr(broker_module, "CREDIT_CHECK_SECONDS", 0.3)
-    a = Broker(BrokerConfig(), store=RedisQueueStore(one_redis))
-    b = Broker(BrokerConfig(sweep_interval=0.05), store=RedisQueueStore(one_redis))
-    told = a.store._notify  # type: ignore[attr-defined]
+    telling = RedisQueueStore(one_redis)
+    told = telling._notify
 
     def lose_releases(channel: str, payload: str) -> None:
         if not channel.startswith("mesh:released:"):
             told(channel, payload)
 
-    monkeypatch.setattr(a.store, "_notify", lose_releases)
-    await a.start()
-    await b.start()
-    try:
+    monkeypatch.setattr(telling, "_notify", lose_releases)
+    async with running(replica(one_redis, store=telling), replica(one_redis, 0.05)) as (a, b):
         await b.register(AgentInfo(agent_id="Single"))
         sub = await b.subscribe("Single", max_in_flight=1)
         for text in ("one", "two"):
@@ -364,6 +352,3 @@ async def test_a_release_the_subscriptions_replica_never_heard_of_frees_its_plac
         assert await a.ack("Single", [first.message.message_id]) == 1  # B is not told
         assert (await asyncio.wait_for(second, 5)).message.action == "two"
         await sub.close()
-    finally:
-        await a.stop()
-        await b.stop()
