@@ -1126,9 +1126,13 @@ class Broker:
         self._offer_answer(message)
 
     def on_followed_again(self) -> None:
+        """Back in touch with the other replicas after losing them: what they said meanwhile
+        was not heard. Every subscription looks at its queue, and the next sweep checks their
+        places in flight."""
         for subs in self._subscriptions.values():
             for sub in subs:
                 sub.wake()
+        self._credit_checked = -CREDIT_CHECK_SECONDS
 
     def on_released(self, released: Released) -> None:
         sub = self._by_subscription.get(released.subscriber)
