@@ -307,6 +307,17 @@ async def test_each_delivery_costs_the_replica_of_its_subscriber_one_lease(one_r
         await sub.close()
 
 
+async def one_place_taken(broker: Broker) -> tuple[Any, Any, asyncio.Task[Any]]:
+    """Agent "Single" subscribed through ``broker`` with one place in flight, two messages
+    queued ("one", "two"): the subscription, the delivery of "one", and the wait for "two"."""
+    await broker.register(AgentInfo(agent_id="Single"))
+    sub = await broker.subscribe("Single", max_in_flight=1)
+    for text in ("one", "two"):
+        await broker.send(Message(from_agent="S", to_agent="Single", content={"action": text}))
+    first = await asyncio.wait_for(sub.next(), 5)
+    return sub, first, asyncio.create_task(sub.next())
+
+
 async def test_an_ack_through_another_replica_gives_the_subscription_its_place_back(
     one_redis: str,
 ) -> None:
@@ -314,12 +325,7 @@ async def test_an_ack_through_another_replica_gives_the_subscription_its_place_b
     is on (a unary Ack on another connection): the subscription, with one place in flight,
     gets the next message. Before, its place stayed taken for good."""
     async with running(replica(one_redis), replica(one_redis)) as (a, b):
-        await b.register(AgentInfo(agent_id="Single"))
-        sub = await b.subscribe("Single", max_in_flight=1)
-        for text in ("one", "two"):
-            await b.send(Message(from_agent="S", to_agent="Single", content={"action": text}))
-        first = await asyncio.wait_for(sub.next(), 5)
-        second = asyncio.create_task(sub.next())
+        sub, first, second = await one_place_taken(b)
         await asyncio.sleep(0.2)
         assert not second.done()  # its one place is taken
         assert await a.ack("Single", [first.message.message_id]) == 1
@@ -346,12 +352,7 @@ async def test_a_release_the_subscriptions_replica_never_heard_of_frees_its_plac
 
     monkeypatch.setattr(telling, "_notify", lose_releases)
     async with running(replica(one_redis, store=telling), replica(one_redis, 0.05)) as (a, b):
-        await b.register(AgentInfo(agent_id="Single"))
-        sub = await b.subscribe("Single", max_in_flight=1)
-        for text in ("one", "two"):
-            await b.send(Message(from_agent="S", to_agent="Single", content={"action": text}))
-        first = await asyncio.wait_for(sub.next(), 5)
-        second = asyncio.create_task(sub.next())
+        sub, first, second = await one_place_taken(b)
         assert await a.ack("Single", [first.message.message_id]) == 1  # B is not told
         if not in_time:
             await asyncio.sleep(0.3)
