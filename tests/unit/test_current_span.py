@@ -173,3 +173,133 @@ def test_a_sampler_that_records_under_unsampled_parents_is_obeyed(sampler: str) 
     assert unsampled["spans"] == ["broker.queue", "worker.handle"]
     assert unsampled["attributes_built"] == 1
     assert unsampled["sent"].split("-")[1] == TRACE_ID.split("-")[1]
+
+
+RECORDED = """
+import asyncio, json
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from mesh import tracing
+
+exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(provider)
+
+def block(error):
+    with tracing.current_span("outer", attributes=lambda: {"agent": "worker"}) as outer:
+        with tracing.current_span("inner"):
+            assert trace.get_current_span().get_span_context().span_id != 0
+        assert trace.get_current_span() is outer
+        if error:
+            raise error
+
+async def cancelled():
+    with tracing.current_span("cancelled"):
+        await asyncio.sleep(10)
+
+async def main():
+    task = asyncio.create_task(cancelled())
+    await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+block(None)
+try:
+    block(ValueError("boom"))
+except ValueError as error:
+    raised = str(error)
+asyncio.run(main())
+spans = {}
+for span in exporter.get_finished_spans():
+    spans.setdefault(span.name, []).append({
+        "parent": span.parent.span_id if span.parent else None,
+        "id": span.context.span_id,
+        "status": span.status.status_code.name,
+        "description": span.status.description,
+        "events": [event.name for event in span.events],
+        "attributes": dict(span.attributes),
+    })
+print(json.dumps({"spans": spans, "raised": raised,
+                  "current_after": trace.get_current_span() is trace.INVALID_SPAN}))
+"""
+
+
+def test_a_recorded_span_is_current_in_its_block_and_ends_with_it_recording_an_error() -> None:
+    """What OpenTelemetry's start_as_current_span does: the span is the current one inside
+    the block (a span started there is its child), ended when the block ends, and an
+    exception leaving the block is recorded on it and sets its status; a cancelled task's
+    span just ends. Each block leaves the context as it found it."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", RECORDED], capture_output=True, text=True, check=True
+    )
+    result = json.loads(out.stdout)
+    spans = result["spans"]
+    assert result["raised"] == "boom"
+    assert result["current_after"] is True
+    assert [s["status"] for s in spans["outer"]] == ["UNSET", "ERROR"]
+    assert spans["outer"][1]["description"] == "ValueError: boom"
+    assert [s["events"] for s in spans["outer"]] == [[], ["exception"]]
+    assert all(s["attributes"] == {"agent": "worker"} for s in spans["outer"])
+    assert [s["parent"] for s in spans["inner"]] == [s["id"] for s in spans["outer"]]
+    assert [s["parent"] for s in spans["outer"]] == [None, None]
+    assert spans["cancelled"] == [
+        {
+            "parent": None,
+            "id": spans["cancelled"][0]["id"],
+            "status": "UNSET",
+            "description": None,
+            "events": [],
+            "attributes": {},
+        }
+    ]
+
+
+W3C_PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331"
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"traceparent": f"{W3C_PARENT}-01"},
+        {"traceparent": f"{W3C_PARENT}-00"},
+        {"traceparent": f"{W3C_PARENT}-03"},
+        {"traceparent": f"{W3C_PARENT}-01", "tracestate": "vendor=1,other=x"},
+        {"traceparent": f" {W3C_PARENT}-01"},  # leading blank
+        {"traceparent": f"{W3C_PARENT}-01-extra"},  # version 00 has four fields
+        {"traceparent": "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-extra"},
+        {"traceparent": "ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
+        {"traceparent": "00-0AF7651916CD43DD8448EB211C80319C-B7AD6B7169203331-01"},
+        {"traceparent": "00-00000000000000000000000000000000-b7ad6b7169203331-01"},
+        {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-0000000000000000-01"},
+        {"traceparent": "00-0af7651916cd43dd-b7ad6b7169203331-01"},
+        {"traceparent": ""},
+        {"other": "1"},
+    ],
+)
+def test_extract_reads_a_message_s_trace_context_as_the_w3c_propagator_does(
+    headers: dict[str, str],
+) -> None:
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    found = tracing.extract(headers)
+    expected = TraceContextTextMapPropagator().extract(headers)
+    if "traceparent" not in headers:
+        assert found is None
+        return
+    assert found is not None
+    ours = trace.get_current_span(found).get_span_context()
+    theirs = trace.get_current_span(expected).get_span_context()
+    assert ours == theirs
+    assert (ours.is_valid, ours.is_remote, ours.trace_flags, ours.trace_state) == (
+        theirs.is_valid,
+        theirs.is_remote,
+        theirs.trace_flags,
+        theirs.trace_state,
+    )

@@ -39,3 +39,36 @@ def test_a_process_started_again_appends_to_its_file(tmp_path: Path) -> None:
     write_spans(JsonlSpanExporter(path), 2)
     write_spans(JsonlSpanExporter(path), 1)
     assert [s["name"] for s in load_spans(tmp_path)] == ["span-0", "span-1", "span-0"]
+
+
+def test_every_attribute_a_span_may_carry_is_written_as_it_was(tmp_path: Path) -> None:
+    """Strings (any script), booleans, integers of any size, floats and sequences of them: one
+    line each, read back equal, the spans around an unusual one kept too."""
+    provider = TracerProvider(resource=Resource.create({"service.name": "broker"}))
+    path = tmp_path / "spans-broker-1.jsonl"
+    provider.add_span_processor(SimpleSpanProcessor(JsonlSpanExporter(path)))
+    tracer = provider.get_tracer("test")
+    written = {
+        "agent": "Señor-代理",
+        "retried": True,
+        "attempt": 3,
+        "queue_wait_ms": 1.25,
+        "huge": 2**70,
+        "agents": ("A", "B"),
+        "weights": (0.5, 0.25),
+    }
+    for name, attributes in (("before", {"n": 1}), ("odd", written), ("after", {"n": 2})):
+        with tracer.start_as_current_span(name, attributes=attributes):
+            pass
+    provider.shutdown()
+    lines = path.read_text(encoding="utf-8").splitlines()
+    assert len(lines) == 3
+    spans = load_spans(tmp_path)
+    assert [s["name"] for s in spans] == ["before", "odd", "after"]
+    assert spans[1]["attributes"] == {
+        **written,
+        "agents": ["A", "B"],
+        "weights": [0.5, 0.25],
+    }
+    assert spans[1]["service"] == "broker"
+    assert spans[1]["status"] == "UNSET"
