@@ -270,7 +270,13 @@ def test_a_ratio_to_the_relay_beside_it_is_the_median_of_the_repetitions_ratios(
     assert figures["roundtrip"]["x_relay2_p50"] == pytest.approx(2.0)
     assert figures["roundtrip"]["x_relay2_p50_spread"] == pytest.approx([2.0, 2.5])
     figures = with_ratios(figures)
+    # The cost of tracing is measured beside tracing off, repetition by repetition, too.
+    figures["roundtrip_traced"]["overhead_spread"] = [0.03, 0.08]
     checks = {c["figure"]: c for c in evaluate(figures)}
+    traced = checks["roundtrip_traced.overhead"]
+    assert traced["value"] == pytest.approx(0.05) and traced["pass"] is True
+    assert traced["spread"] == [0.03, 0.08]
+    assert "spread" not in checks["roundtrip_traced.sampled_10pct_overhead"]
     p50 = checks["roundtrip.p50_ms / baseline.relay2.p50_ms"]
     assert p50["value"] == pytest.approx(2.0) and p50["pass"] is False
     assert p50["spread"] == pytest.approx([2.0, 2.5])
@@ -289,6 +295,7 @@ def test_a_ratio_to_the_relay_beside_it_is_the_median_of_the_repetitions_ratios(
         "| roundtrip p50 <= 1.5x relay (`roundtrip.p50_ms / baseline.relay2.p50_ms`) "
         "| 2.000 (2.00-2.50) | <= 1.5x | FAIL |" in markdown
     )
+    assert "(`roundtrip_traced.overhead`) | 0.050 (0.03-0.08) | < 0.15 | PASS |" in markdown
 
 
 def test_the_report_sets_the_roundtrip_beside_the_least_the_contract_costs() -> None:
