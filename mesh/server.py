@@ -161,10 +161,16 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         except MeshError as error:
             await abort(context, error)
         try:
-            async for delivery in sub:
-                response = broker_pb2.SubscribeResponse()
-                codec.delivery_to_pb(delivery, response.delivery)
-                yield response
+            while True:
+                try:
+                    # Every ready one at once (within max_in_flight), written one by one.
+                    batch = await sub.next_batch(MAX_BATCH)
+                except SessionClosedError:
+                    return
+                for delivery in batch:
+                    response = broker_pb2.SubscribeResponse()
+                    codec.delivery_to_pb(delivery, response.delivery)
+                    yield response
         finally:
             await sub.close()
 
@@ -561,17 +567,22 @@ class _Session:
 
     async def _pump(self, sub: Subscription, max_batch: int) -> None:
         """Writes deliveries as they become ready: one per frame, or, when the subscriber
-        asked for batches, every ready one (up to max_batch and BATCH_BYTES) in one frame."""
+        asked for batches, every ready one (up to max_batch and BATCH_BYTES) in one frame.
+        Either way every ready one is leased at once (within max_in_flight): leased one at a
+        time, the subscription could not tell that it had emptied the queue, and would look
+        at it once more after each delivery."""
         while True:
             try:
-                batch = await sub.next_batch(max_batch)
+                batch = await sub.next_batch(max_batch if max_batch > 1 else MAX_BATCH)
             except SessionClosedError:
                 return
-            frame = broker_pb2.ConnectResponse()
-            if len(batch) == 1:
-                codec.delivery_to_pb(batch[0], frame.delivery)
-                await self.write(frame)
+            if max_batch == 1 or len(batch) == 1:
+                for delivery in batch:
+                    frame = broker_pb2.ConnectResponse()
+                    codec.delivery_to_pb(delivery, frame.delivery)
+                    await self.write(frame)
                 continue
+            frame = broker_pb2.ConnectResponse()
             out, size = frame.deliveries.deliveries, 0
             for delivery in batch:
                 added = codec.delivery_to_pb(delivery, out.add()).ByteSize()

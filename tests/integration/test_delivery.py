@@ -23,7 +23,9 @@ from mesh import (
     agent,
     on,
 )
+from mesh.core.broker import Broker
 from mesh.core.errors import AgentNotFoundError
+from mesh.core.queue import InMemoryQueueStore
 from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
 
 
@@ -418,6 +420,56 @@ async def test_a_session_that_does_not_ask_for_batches_gets_one_delivery_per_fra
         assert [f.WhichOneof("frame") for f in frames] == ["delivery"] * 3
         assert [f.delivery.message.message_id for f in frames] == [m.message_id for m in sent]
         call.cancel()
+
+
+class CountingStore(InMemoryQueueStore):
+    """Counts the times a subscription asks the store for messages."""
+
+    leases = 0
+
+    async def lease_many(self, *args: Any, **kwargs: Any) -> Any:
+        self.leases += 1
+        return await super().lease_many(*args, **kwargs)
+
+
+async def test_a_subscriber_of_one_message_a_frame_costs_the_store_one_look_a_message() -> None:
+    """Subscribe, and a session that does not ask for batches, still get one delivery a
+    frame, in queue order; but what is ready is leased at once, so the store is asked once
+    for the lot, and once for each message that comes alone, never again for nothing."""
+    store = CountingStore()
+    async with (
+        LocalMesh(broker=Broker(BrokerConfig(), store=store)) as mesh,
+        mesh.client("sender") as client,
+        grpc.aio.insecure_channel(mesh.address) as channel,
+    ):
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        await client.register("Worker")
+        ready = [
+            await client.send("Worker", {"action": "work"}, priority=priority)
+            for priority in ("LOW", "MEDIUM", "HIGH")
+        ]
+        session = await _connect_subscribed(stub, "Worker")
+        frames = [await session.read() for _ in ready]
+        assert [f.WhichOneof("frame") for f in frames] == ["delivery"] * 3
+        got = [f.delivery.message.message_id for f in frames]
+        assert got == [m.message_id for m in reversed(ready)]  # HIGH, MEDIUM, LOW
+        await asyncio.sleep(0.05)
+        assert store.leases == 1
+        session.cancel()
+
+        await client.register("Plain")
+        unary = stub.Subscribe(broker_pb2.SubscribeRequest(agent_id="Plain"))
+        for i in range(6):
+            sent = await client.send("Plain", {"action": "work", "i": i})
+            delivered = await unary.read()
+            assert delivered.delivery.message.message_id == sent.message_id
+            await stub.Ack(broker_pb2.AckRequest(agent_id="Plain", message_ids=[sent.message_id]))
+            if i == 0:
+                await asyncio.sleep(0.05)  # (the subscription's first look found nothing)
+                before = store.leases
+        await asyncio.sleep(0.05)
+        assert store.leases - before == 5
+        unary.cancel()
 
 
 async def test_batches_are_split_before_they_grow_past_a_mebibyte(mesh: LocalMesh) -> None:
