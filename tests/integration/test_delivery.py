@@ -25,8 +25,8 @@ from mesh import (
 )
 from mesh.core.broker import Broker
 from mesh.core.errors import AgentNotFoundError
-from mesh.core.queue import InMemoryQueueStore
 from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
+from tests.helpers.stores import CountingStore
 
 
 async def test_request_to_an_agent_that_does_not_answer_ends_at_the_deadline(
@@ -420,16 +420,6 @@ async def test_a_session_that_does_not_ask_for_batches_gets_one_delivery_per_fra
         assert [f.WhichOneof("frame") for f in frames] == ["delivery"] * 3
         assert [f.delivery.message.message_id for f in frames] == [m.message_id for m in sent]
         call.cancel()
-
-
-class CountingStore(InMemoryQueueStore):
-    """Counts the times a subscription asks the store for messages."""
-
-    leases = 0
-
-    async def lease_many(self, *args: Any, **kwargs: Any) -> Any:
-        self.leases += 1
-        return await super().lease_many(*args, **kwargs)
 
 
 async def test_a_subscriber_of_one_message_a_frame_costs_the_store_one_look_a_message() -> None:

@@ -27,6 +27,7 @@ from mesh.core.broker import Broker
 from mesh.core.model import AgentInfo
 from mesh.redis_store import RedisQueueStore
 from tests.helpers.processes import BROKER_READY, Proc, start, stop, wait_killed
+from tests.helpers.stores import CountingLeases
 
 pytestmark = pytest.mark.processes
 
@@ -266,12 +267,8 @@ async def test_a_message_another_replica_hands_back_wakes_the_agents_subscriber_
         await staying.close()
 
 
-class CountingRedisStore(RedisQueueStore):
-    leases = 0
-
-    async def lease_many(self, *args: Any, **kwargs: Any) -> Any:
-        self.leases += 1
-        return await super().lease_many(*args, **kwargs)
+class CountingRedisStore(CountingLeases, RedisQueueStore):
+    """The Redis store, counting its lease scripts."""
 
 
 async def test_each_delivery_costs_the_replica_of_its_subscriber_one_lease(one_redis: str) -> None:

@@ -18,6 +18,7 @@ from mesh.core.broker import Broker
 from mesh.core.model import AgentInfo, Message
 from mesh.core.queue import InMemoryQueueStore
 from mesh.core.tasks import cancel_and_wait
+from tests.helpers.stores import CountingStore
 
 
 async def test_a_loop_whose_cancellation_a_wait_for_swallowed_is_still_stopped() -> None:
@@ -147,16 +148,6 @@ async def test_following_the_other_replicas_again_wakes_every_subscription() -> 
         delivery = await asyncio.wait_for(waiting, 5)
         assert delivery.message.message_id == queued.message_id
         await sub.close()
-
-
-class CountingStore(InMemoryQueueStore):
-    """Counts the store operations that lease (each a round trip on a shared store)."""
-
-    leases = 0
-
-    async def lease_many(self, *args: Any, **kwargs: Any) -> Any:
-        self.leases += 1
-        return await super().lease_many(*args, **kwargs)
 
 
 def note(text: str) -> Message:
