@@ -15,7 +15,7 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from contextvars import Token
 from datetime import UTC, datetime
@@ -99,13 +99,23 @@ def records_under(context: otel_context.Context) -> bool:
     return parent.trace_flags.sampled or not parent.is_remote or not drops_unsampled_parents()
 
 
-@contextlib.contextmanager
-def _attached(context: otel_context.Context) -> Iterator[trace.Span]:
-    token = otel_context.attach(context)
-    try:
-        yield trace.get_current_span(context)
-    finally:
-        otel_context.detach(token)
+class _Attached:
+    """A message's trace context made current for a ``with`` block, with no span of this
+    process's (its span would not be recorded here)."""
+
+    __slots__ = ("_context", "_token")
+
+    def __init__(self, context: otel_context.Context) -> None:
+        self._context = context
+        self._token: Token[otel_context.Context] | None = None
+
+    def __enter__(self) -> trace.Span:
+        self._token = otel_context.attach(self._context)
+        return trace.get_current_span(self._context)
+
+    def __exit__(self, *exception: object) -> None:
+        if self._token is not None:
+            otel_context.detach(self._token)
 
 
 def current_span(
@@ -125,7 +135,7 @@ def current_span(
         if not recording():
             return contextlib.nullcontext(trace.INVALID_SPAN)
     elif not records_under(context):
-        return _attached(context)
+        return _Attached(context)
     span = tracer().start_span(
         name, context=context, kind=kind, attributes=attributes() if attributes else None
     )
