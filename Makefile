@@ -56,7 +56,12 @@ system-packages:
 dashboard: $(DASHBOARD_DEPS)
 	npm run build --prefix gateway/dashboard/web
 
+# The project's own modules compiled to bytecode (pip compiles only what it installs): every
+# process the tests, the bench and the demo start imports them, and where
+# PYTHONDONTWRITEBYTECODE is set (CI) each would otherwise compile them again, 0.2-0.3 s a
+# process. Only what changed since is compiled again.
 setup: $(BIN)/agentmesh $(NODE_DEPS) $(DASHBOARD_DEPS)
+	@$(PY) -m compileall -q -j 0 mesh gateway agents benchmarks tests > /dev/null
 
 proto: setup
 	PATH="$(abspath $(BIN)):$$PATH" $(PY) -m grpc_tools.protoc -I proto \

@@ -93,6 +93,9 @@ async def spawn(
     env_extra: dict[str, str] | None = None,
     program: str = sys.executable,
 ) -> Proc:
+    """Starts a process and waits for the line that says it is ready; a process that exits
+    first, or is not ready within 60 s, or whose start is cancelled, is killed (no process
+    outlives a failed start)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
     name = "-".join(a for a in args[:4] if not a.startswith("-")).replace("/", "_")
     log = logs_folder() / f"{next(_spawned):02d}-{name}.log"
@@ -106,16 +109,22 @@ async def spawn(
             stderr=stderr,
         )
     assert process.stdout is not None
-    async with asyncio.timeout(60):
-        while True:
-            line = (await process.stdout.readline()).decode()
-            if not line:
-                tail = log.read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"{' '.join(args)} exited before it was ready:\n{tail}")
-            match = re.search(ready, line)
-            if match:
-                address = match.group(1) if match.groups() else ""
-                return Proc(process, address, asyncio.create_task(_drain(process)))
+    try:
+        async with asyncio.timeout(60):
+            while True:
+                line = (await process.stdout.readline()).decode()
+                if not line:
+                    tail = log.read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"{' '.join(args)} exited before it was ready:\n{tail}")
+                match = re.search(ready, line)
+                if match:
+                    address = match.group(1) if match.groups() else ""
+                    return Proc(process, address, asyncio.create_task(_drain(process)))
+    except BaseException:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        raise
 
 
 async def _drain(process: asyncio.subprocess.Process) -> None:
@@ -270,173 +279,162 @@ class Mesh:
 
 
 async def start_mesh() -> Mesh:
-    procs: list[Proc] = []
-    node_driver: NodeDriver | None = None
-    try:
-        broker = await spawn(
-            "-m",
-            "mesh.cli",
-            "broker",
-            "--port",
-            "0",
-            "--max-messages-per-agent",
-            "100000",
-            "--max-total-messages",
-            "400000",
-            # The research subagents' tools (the pattern figures run research too), writing
-            # their reports beside the processes' logs.
-            "--tools",
-            "agents.research:tool_host",
-            ready=r"listening on (\S+?)[,\s]",
-            env_extra={"AGENTMESH_REPORTS_DIR": str(logs_folder() / "research-reports")},
+    """Every process of the run, started together where one does not need another's address
+    (the broker's dependents once it listens, each raw relay once its echo does): on two cores
+    the processes' imports overlap instead of following one another."""
+    procs: list[Proc] = []  # in the order they came up (stop_all stops the last first)
+    drivers: list[NodeDriver] = []
+
+    async def started(*args: str, **options: Any) -> Proc:
+        proc = await spawn(*args, **options)
+        procs.append(proc)
+        return proc
+
+    async def node_driver(broker: str) -> None:
+        drivers.append(await NodeDriver.start(broker, "echo-0"))
+
+    async def echo_and_relay(*flags: str) -> tuple[Proc, Proc]:
+        echo = await started(
+            "-m", "benchmarks.baseline", "echo", *flags, ready=r"listening on (\S+)"
         )
-        procs.append(broker)
-        agent_sets = (
-            [("echo", 0, 1, "bench"), ("sink", 0, 1, "sink:consume")]
-            + [("b5", i, 1, "b5") for i in range(5)]
-            + [("b100", i * 25, 25, "b100") for i in range(4)]
+        relay = await started(
+            *("-m", "benchmarks.baseline", "relay", *flags, "--upstream", echo.address),
+            ready=r"listening on (\S+)",
         )
-        starts = [
-            spawn(
-                "-m",
-                "benchmarks.agents",
-                "--broker",
-                broker.address,
-                "--prefix",
-                prefix,
-                "--start",
-                str(start),
-                "--count",
-                str(count),
-                "--types",
-                types.removesuffix(":consume"),
-                *(["--consume-only"] if types.endswith(":consume") else []),
-                ready=r"agents ready",
-            )
-            for prefix, start, count, types in agent_sets
-        ]
-        agents = await asyncio.gather(*starts)
-        procs.extend(agents)
-        raw_agent = await spawn(
-            "-m",
-            "benchmarks.baseline",
-            "agent",
-            "--broker",
-            broker.address,
-            "--agent-id",
-            "raw-0",
-            ready=r"baseline agent \S+ ready",
-        )
-        procs.append(raw_agent)
-        raw_b5 = await asyncio.gather(
-            *(
-                spawn(
-                    *("-m", "benchmarks.baseline", "agent", "--broker", broker.address),
-                    *("--agent-id", f"rawb5-{i}", "--types", "rawb5"),
-                    ready=r"baseline agent \S+ ready",
+        return echo, relay
+
+    async def stampers_and_fanout() -> tuple[list[Proc], Proc]:
+        async with asyncio.TaskGroup() as group:
+            starting = [
+                group.create_task(
+                    started(
+                        "-m", "benchmarks.baseline", "echo", "--stamp", ready=r"listening on (\S+)"
+                    )
                 )
-                for i in range(5)
-            )
-        )
-        procs.extend(raw_b5)
-        gateway = await spawn(
-            "-m",
-            "mesh.cli",
-            "gateway",
-            "--broker",
-            broker.address,
-            "--port",
-            "0",
-            "--routes",
-            str(ROOT / "benchmarks" / "routes.json"),
-            ready=r"listening on (\S+?)[,\s]",
-        )
-        echo = await spawn("-m", "benchmarks.baseline", "echo", ready=r"listening on (\S+)")
-        relay = await spawn(
-            "-m",
-            "benchmarks.baseline",
-            "relay",
-            "--upstream",
-            echo.address,
-            ready=r"listening on (\S+)",
-        )
-        procs.extend([gateway, echo, relay])
-        contract_echo = await spawn(
-            "-m", "benchmarks.baseline", "echo", "--contract", ready=r"listening on (\S+)"
-        )
-        procs.append(contract_echo)
-        contract_relay = await spawn(
-            "-m",
-            "benchmarks.baseline",
-            "relay",
-            "--contract",
-            "--upstream",
-            contract_echo.address,
-            ready=r"listening on (\S+)",
-        )
-        procs.append(contract_relay)
-        stampers = await asyncio.gather(
-            *(
-                spawn("-m", "benchmarks.baseline", "echo", "--stamp", ready=r"listening on (\S+)")
                 for _ in range(5)
-            )
-        )
-        procs.extend(stampers)
-        fanout = await spawn(
-            "-m",
-            "benchmarks.baseline",
-            "fanout",
+            ]
+        stampers = [task.result() for task in starting]
+        fanout = await started(
+            *("-m", "benchmarks.baseline", "fanout"),
             *(arg for stamper in stampers for arg in ("--upstream", stamper.address)),
             ready=r"listening on (\S+)",
         )
-        procs.append(fanout)
-        # The patterns as the demo runs them: the sample and research agents in one process
-        # (one client, one stream, as `agentmesh up` serves them) and a gateway of their own
-        # with the default routing table.
-        pattern_agents = await spawn(
-            *("-m", "mesh.cli", "agent", "agents:sample_agents", "agents.research:research_agents"),
-            *("--broker", broker.address),
-            ready=r"agentmesh agent \S+ serving",
-        )
-        procs.append(pattern_agents)
-        pattern_gateway = await spawn(
-            *("-m", "mesh.cli", "gateway", "--broker", broker.address, "--port", "0"),
-            ready=r"listening on (\S+?)[,\s]",
-        )
-        procs.append(pattern_gateway)
-        # Polyglot: an agent and a client in Node.js (@grpc/grpc-js, the same .proto files).
-        node_agent = None
-        if node_available():
-            node_agent = await spawn(
-                str(NODE_CLIENT / "examples" / "echo-agent.js"),
-                "node-echo",
-                ready=r"node-echo serving on (\S+)",
-                env_extra={"AGENTMESH_BROKER": broker.address},
-                program="node",
+        return stampers, fanout
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            raw_pair = group.create_task(echo_and_relay())
+            contract_pair = group.create_task(echo_and_relay("--contract"))
+            fan_out = group.create_task(stampers_and_fanout())
+            broker = await started(
+                "-m",
+                "mesh.cli",
+                "broker",
+                "--port",
+                "0",
+                "--max-messages-per-agent",
+                "100000",
+                "--max-total-messages",
+                "400000",
+                # The research subagents' tools (the pattern figures run research too), writing
+                # their reports beside the processes' logs.
+                "--tools",
+                "agents.research:tool_host",
+                ready=r"listening on (\S+?)[,\s]",
+                env_extra={"AGENTMESH_REPORTS_DIR": str(logs_folder() / "research-reports")},
             )
-            procs.append(node_agent)
-            node_driver = await NodeDriver.start(broker.address, "echo-0")
+            agent_sets = (
+                [("echo", 0, 1, "bench"), ("sink", 0, 1, "sink:consume")]
+                + [("b5", i, 1, "b5") for i in range(5)]
+                + [("b100", i * 25, 25, "b100") for i in range(4)]
+            )
+            agents = [
+                group.create_task(
+                    started(
+                        *("-m", "benchmarks.agents", "--broker", broker.address),
+                        *("--prefix", prefix, "--start", str(start), "--count", str(count)),
+                        *("--types", types.removesuffix(":consume")),
+                        *(["--consume-only"] if types.endswith(":consume") else []),
+                        ready=r"agents ready",
+                    )
+                )
+                for prefix, start, count, types in agent_sets
+            ]
+            raw_agents = [
+                group.create_task(
+                    started(
+                        *("-m", "benchmarks.baseline", "agent", "--broker", broker.address),
+                        *("--agent-id", agent_id, *types),
+                        ready=r"baseline agent \S+ ready",
+                    )
+                )
+                for agent_id, types in [
+                    ("raw-0", ()),
+                    *((f"rawb5-{i}", ("--types", "rawb5")) for i in range(5)),
+                ]
+            ]
+            gateway = group.create_task(
+                started(
+                    *("-m", "mesh.cli", "gateway", "--broker", broker.address, "--port", "0"),
+                    *("--routes", str(ROOT / "benchmarks" / "routes.json")),
+                    ready=r"listening on (\S+?)[,\s]",
+                )
+            )
+            # The patterns as the demo runs them: the sample and research agents in one
+            # process (one client, one stream, as `agentmesh up` serves them) and a gateway
+            # of their own with the default routing table.
+            pattern_agents = group.create_task(
+                started(
+                    *("-m", "mesh.cli", "agent"),
+                    *("agents:sample_agents", "agents.research:research_agents"),
+                    *("--broker", broker.address),
+                    ready=r"agentmesh agent \S+ serving",
+                )
+            )
+            pattern_gateway = group.create_task(
+                started(
+                    *("-m", "mesh.cli", "gateway", "--broker", broker.address, "--port", "0"),
+                    ready=r"listening on (\S+?)[,\s]",
+                )
+            )
+            # Polyglot: an agent and a client in Node.js (@grpc/grpc-js, the same .proto files).
+            node_agent = None
+            if node_available():
+                node_agent = group.create_task(
+                    started(
+                        str(NODE_CLIENT / "examples" / "echo-agent.js"),
+                        "node-echo",
+                        ready=r"node-echo serving on (\S+)",
+                        env_extra={"AGENTMESH_BROKER": broker.address},
+                        program="node",
+                    )
+                )
+                group.create_task(node_driver(broker.address))
+        echo, relay = raw_pair.result()
+        contract_echo, contract_relay = contract_pair.result()
+        stampers, fanout = fan_out.result()
+        raw_agent, *raw_b5 = [task.result() for task in raw_agents]
         return Mesh(
             broker,
-            gateway,
+            gateway.result(),
             echo,
             relay,
             fanout,
             contract_echo,
             contract_relay,
-            list(stampers),
-            list(agents),
+            stampers,
+            [task.result() for task in agents],
             procs,
             raw_agent,
-            list(raw_b5),
-            pattern_agents,
-            pattern_gateway,
-            node_agent,
-            node_driver,
+            raw_b5,
+            pattern_agents.result(),
+            pattern_gateway.result(),
+            None if node_agent is None else node_agent.result(),
+            drivers[0] if drivers else None,
         )
     except BaseException:
-        if node_driver is not None:
-            await node_driver.close()
+        for driver in drivers:
+            await driver.close()
         await stop_all(procs)
         raise
 
@@ -1187,33 +1185,28 @@ async def _tracing_round(
 
     procs: list[Proc] = []
     brokers: dict[str, str] = {}
-    try:
-        for name, env in (("plain", {}), ("traced", {"AGENTMESH_TRACE_DIR": folder})):
-            broker = await spawn(
-                "-m",
-                "mesh.cli",
-                "broker",
-                "--port",
-                "0",
+
+    async def broker_and_agent(name: str, env: dict[str, str]) -> None:
+        broker = await spawn(
+            *("-m", "mesh.cli", "broker", "--port", "0"),
+            env_extra=env,
+            ready=r"listening on (\S+?)[,\s]",
+        )
+        procs.append(broker)
+        procs.append(
+            await spawn(
+                *("-m", "benchmarks.agents", "--broker", broker.address),
+                *("--prefix", name, "--count", "1"),
                 env_extra=env,
-                ready=r"listening on (\S+?)[,\s]",
+                ready=r"agents ready",
             )
-            procs.append(broker)
-            procs.append(
-                await spawn(
-                    "-m",
-                    "benchmarks.agents",
-                    "--broker",
-                    broker.address,
-                    "--prefix",
-                    name,
-                    "--count",
-                    "1",
-                    env_extra=env,
-                    ready=r"agents ready",
-                )
-            )
-            brokers[name] = broker.address
+        )
+        brokers[name] = broker.address
+
+    try:
+        async with asyncio.TaskGroup() as group:  # (both sets start together)
+            group.create_task(broker_and_agent("plain", {}))
+            group.create_task(broker_and_agent("traced", {"AGENTMESH_TRACE_DIR": folder}))
         samples: dict[str, list[float]] = {"off": [], "on": [], "sampled": []}
         block = max(25, s.operations // 10)
         async with (
@@ -1304,8 +1297,15 @@ async def _measure_replicas(s: Settings, redis_url: str) -> dict[str, Any]:
     from mesh.redis_store import RedisQueueStore
 
     out: dict[str, Any] = {}
-    brokers = [await spawn_broker(redis_url), await spawn_broker(redis_url)]
+    brokers: list[Proc] = []
+
+    async def replica() -> None:
+        brokers.append(await spawn_broker(redis_url))
+
     try:
+        async with asyncio.TaskGroup() as group:  # (the two start together)
+            group.create_task(replica())
+            group.create_task(replica())
         for name, targets in (
             ("replicas1", [brokers[0].address, brokers[0].address]),
             ("replicas2", [brokers[0].address, brokers[1].address]),
@@ -1941,7 +1941,7 @@ async def main(args: argparse.Namespace) -> int:
             print(f"the processes' logs are in {_logs[0]}", file=sys.stderr)
         raise
     print("python per operation, without gRPC ...", flush=True)
-    python_cost = await measure_hotpath(2_000 if settings.quick else 20_000)
+    python_cost = await measure_hotpath(500 if settings.quick else 20_000)
     if _logs:
         shutil.rmtree(_logs[0], ignore_errors=True)
     ratios = with_ratios(figures)

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks import harness
 from benchmarks.harness import (
     CpuMeter,
     combine,
@@ -26,6 +27,7 @@ from benchmarks.harness import (
     paired,
     process_cpu_seconds,
     process_memory_mb,
+    spawn,
     timed,
     to_markdown,
     with_ratios,
@@ -337,3 +339,25 @@ def test_the_pattern_targets_are_rf010s_with_a_10x_margin() -> None:
     checks = {c["figure"]: c for c in evaluate(figures)}
     assert checks["pattern.pattern_switch.p50_ms - pattern.handoff.p50_ms"]["pass"] is False
     assert checks["pattern.research.p95_ms"]["pass"] is False
+
+
+NEVER_READY = """import os, pathlib, sys, time
+pathlib.Path(sys.argv[1]).write_text(str(os.getpid()))
+time.sleep(60)
+"""
+
+
+async def test_a_process_whose_start_is_given_up_is_not_left_running(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(harness, "logs_folder", lambda: tmp_path)  # (its log goes there)
+    pid_file = tmp_path / "pid"
+    starting = asyncio.create_task(spawn("-c", NEVER_READY, str(pid_file), ready=r"never printed"))
+    async with asyncio.timeout(30):
+        while not pid_file.exists() or not pid_file.read_text():  # noqa: ASYNC110 - a file
+            await asyncio.sleep(0.01)
+    starting.cancel()  # (as a TaskGroup does when another process of the mesh fails)
+    with pytest.raises(asyncio.CancelledError):
+        await starting
+    with pytest.raises(ProcessLookupError):  # killed and reaped: no such process any more
+        os.kill(int(pid_file.read_text()), 0)
