@@ -1235,7 +1235,7 @@ async def _tracing_round(
 async def local_redis(folder: str) -> Any:
     """A redis-server and a three-node Redis Cluster of our own on free ports (None, None when
     Redis is not installed)."""
-    if LocalRedis.available():
+    if LocalRedis.unavailable():
         yield None, None
         return
     single = await asyncio.to_thread(LocalRedis.start, Path(folder) / "redis")

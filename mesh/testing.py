@@ -134,7 +134,7 @@ class LocalRedis:
         return self.urls[0]
 
     @staticmethod
-    def available() -> str | None:
+    def unavailable() -> str | None:
         """Why a local Redis cannot run here (None when it can)."""
         for tool, package in (("redis-server", "redis-server"), ("redis-cli", "redis-tools")):
             if shutil.which(tool) is None:

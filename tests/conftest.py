@@ -51,7 +51,7 @@ async def embedded(tmp_path: Path) -> AsyncIterator[EmbeddedMesh]:
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real redis-server on a free port for the session; its URL."""
-    if why := LocalRedis.available():
+    if why := LocalRedis.unavailable():
         pytest.skip(f"{why}; .ci/run adds it")
     redis = LocalRedis.start(tmp_path_factory.mktemp("redis"))
     try:
@@ -64,7 +64,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def local_redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedis]:
     """A real three-node Redis Cluster (16384 slots over three primaries, made by
     ``redis-cli --cluster create``) for the session."""
-    if why := LocalRedis.available():
+    if why := LocalRedis.unavailable():
         pytest.skip(f"{why}; .ci/run adds it")
     cluster = LocalRedis.start_cluster(tmp_path_factory.mktemp("redis-cluster"))
     try:

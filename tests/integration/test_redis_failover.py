@@ -26,7 +26,7 @@ AGENTS = [f"agent-{i}" for i in range(12)]  # their queues fall on every primary
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[LocalRedis]:
     """A cluster of this test's own (three primaries, a replica each), since it kills a node."""
-    if why := LocalRedis.available():
+    if why := LocalRedis.unavailable():
         pytest.skip(f"{why}; .ci/run adds it")
     started = LocalRedis.start_cluster(tmp_path / "cluster", nodes=3, replicas=1)
     try:
