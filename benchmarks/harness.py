@@ -1644,7 +1644,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         "| --- | ---: | ---: | --- |",
     ]
     for c in report["checks"]:
-        spread = f" ({c['spread'][0]:.2f}-{c['spread'][1]:.2f})" if c.get("spread") else ""
+        spread = f" ({c['spread'][0]:.2f} to {c['spread'][1]:.2f})" if c.get("spread") else ""
         lines.append(
             f"| {c['what']} (`{c['figure']}`) | {c['value']:.3f}{spread} | {c['target']} | "
             f"{'PASS' if c['pass'] else 'FAIL'} |"

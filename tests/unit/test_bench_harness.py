@@ -295,9 +295,9 @@ def test_a_ratio_to_the_relay_beside_it_is_the_median_of_the_repetitions_ratios(
     assert "| roundtrip | 1.500 | 4.500 | 4.500 | 4.500 | 2.00 | 4,000 (64 in flight) |" in markdown
     assert (
         "| roundtrip p50 <= 1.5x relay (`roundtrip.p50_ms / baseline.relay2.p50_ms`) "
-        "| 2.000 (2.00-2.50) | <= 1.5x | FAIL |" in markdown
+        "| 2.000 (2.00 to 2.50) | <= 1.5x | FAIL |" in markdown
     )
-    assert "(`roundtrip_traced.overhead`) | 0.050 (0.03-0.08) | < 0.15 | PASS |" in markdown
+    assert "(`roundtrip_traced.overhead`) | 0.050 (0.03 to 0.08) | < 0.15 | PASS |" in markdown
 
 
 def test_the_report_sets_the_roundtrip_beside_the_least_the_contract_costs() -> None:
