@@ -61,7 +61,7 @@ dashboard: $(DASHBOARD_DEPS)
 # PYTHONDONTWRITEBYTECODE is set (CI) each would otherwise compile them again, 0.2-0.3 s a
 # process. Only what changed since is compiled again.
 setup: $(BIN)/agentmesh $(NODE_DEPS) $(DASHBOARD_DEPS)
-	@$(PY) -m compileall -q -j 0 mesh gateway agents benchmarks tests
+	@$(PY) -m compileall -q mesh gateway agents benchmarks tests
 
 proto: setup
 	PATH="$(abspath $(BIN)):$$PATH" $(PY) -m grpc_tools.protoc -I proto \
