@@ -127,6 +127,14 @@ async def spawn(
         raise
 
 
+async def spawn_into(procs: list[Proc], *args: str, **options: Any) -> Proc:
+    """:func:`spawn`, the process then added to ``procs`` (what is stopped at the end), so
+    that processes started together are all stopped, whichever of them failed."""
+    proc = await spawn(*args, **options)
+    procs.append(proc)
+    return proc
+
+
 async def _drain(process: asyncio.subprocess.Process) -> None:
     assert process.stdout is not None
     while await process.stdout.readline():
@@ -285,10 +293,7 @@ async def start_mesh() -> Mesh:
     procs: list[Proc] = []  # in the order they came up (stop_all stops the last first)
     drivers: list[NodeDriver] = []
 
-    async def started(*args: str, **options: Any) -> Proc:
-        proc = await spawn(*args, **options)
-        procs.append(proc)
-        return proc
+    started = functools.partial(spawn_into, procs)
 
     async def node_driver(broker: str) -> None:
         drivers.append(await NodeDriver.start(broker, "echo-0"))
@@ -1187,19 +1192,18 @@ async def _tracing_round(
     brokers: dict[str, str] = {}
 
     async def broker_and_agent(name: str, env: dict[str, str]) -> None:
-        broker = await spawn(
+        broker = await spawn_into(
+            procs,
             *("-m", "mesh.cli", "broker", "--port", "0"),
             env_extra=env,
             ready=r"listening on (\S+?)[,\s]",
         )
-        procs.append(broker)
-        procs.append(
-            await spawn(
-                *("-m", "benchmarks.agents", "--broker", broker.address),
-                *("--prefix", name, "--count", "1"),
-                env_extra=env,
-                ready=r"agents ready",
-            )
+        await spawn_into(
+            procs,
+            *("-m", "benchmarks.agents", "--broker", broker.address),
+            *("--prefix", name, "--count", "1"),
+            env_extra=env,
+            ready=r"agents ready",
         )
         brokers[name] = broker.address
 
