@@ -43,6 +43,7 @@ from mesh.core.model import (
     Message,
     MessageType,
     Priority,
+    utc_now,
 )
 from mesh.core.queue import GIVEN_UP_ROUTE, GIVEN_UP_SECONDS, QueueStats, QueueStore, Released
 from mesh.core.registry import AgentRegistry
@@ -472,17 +473,23 @@ class Broker:
             self.metrics.invalid()
             raise
 
-    async def send(self, message: Message, *, size_bytes: int = 0) -> SendOutcome:
+    async def send(
+        self, message: Message, *, size_bytes: int = 0, lifetime: float | None = None
+    ) -> SendOutcome:
         """Accepts one message: validates, routes an answer to its waiting requester, or enqueues.
 
         ``to_agent`` "broadcast" fans the message out to every other agent. Returns once the
-        message is accepted for good (on disk, with a durable store).
+        message is accepted for good (on disk, with a durable store). A message already past
+        its ttl (see :meth:`_lifetime`; ``lifetime`` when the caller worked it out) is accepted
+        and expires at once: logged and counted, never delivered.
         """
-        outcome = await self._send(message, size_bytes)
+        outcome = await self._send(message, size_bytes, lifetime)
         await self.store.sync()
         return outcome
 
-    async def _send(self, message: Message, size_bytes: int) -> SendOutcome:
+    async def _send(
+        self, message: Message, size_bytes: int, lifetime: float | None = None
+    ) -> SendOutcome:
         started = time.perf_counter()
         self._validate(message, size_bytes)
         if self.draining and message.message_type not in _ANSWER_TYPES:
@@ -514,7 +521,7 @@ class Broker:
             message.to_agent
         ):
             raise AgentNotFoundError(f"agent {message.to_agent} is not registered")
-        await self._enqueue(message)
+        await self._enqueue(message, lifetime)
         self.metrics.sent(message.message_type.value, time.perf_counter() - started)
         return SendOutcome(message, (message.to_agent,))
 
@@ -539,9 +546,37 @@ class Broker:
             self.registry.register(info)
         return True
 
-    async def _enqueue(self, message: Message) -> None:
+    def _lifetime(self, message: Message, cap: float | None = None) -> float:
+        """Seconds a message may wait in a queue from now. A ttl its sender gave counts from
+        the message's timestamp, when it was made (RF-009 scenario 6: sent at T with ttl 60,
+        not delivered at T+65), and never from later than now (a timestamp ahead of this clock
+        gains nothing); a message without one has the broker's default from now. ``cap``: the
+        deadline of the request or gather that asks it."""
+        if message.ttl:
+            age = (utc_now() - message.timestamp).total_seconds()
+            lifetime = message.ttl - age if age > 0 else float(message.ttl)
+        else:
+            lifetime = float(self.config.default_ttl)
+        return lifetime if cap is None else min(lifetime, cap)
+
+    @staticmethod
+    def _expired_question(message: Message) -> RequestTimeoutError:
+        """A request or gather already past its ttl when it came (logged and counted as
+        expired by its send): refused at once, since no answer can come."""
+        return RequestTimeoutError(
+            f"{message.message_type.value} {message.message_id} to {message.to_agent} expired "
+            f"before it was queued: its ttl counts from its timestamp "
+            f"{message.timestamp.isoformat()}"
+        )
+
+    async def _enqueue(self, message: Message, lifetime: float | None = None) -> None:
+        if lifetime is None:
+            lifetime = self._lifetime(message)
+        if lifetime <= 0:
+            self.on_expired(message)  # accepted, and already past its ttl: never delivered
+            return
         try:
-            accepted = await self.store.put(message, message.ttl or self.config.default_ttl)
+            accepted = await self.store.put(message, lifetime)
         except MessageQueueFullError:
             self.metrics.dropped("queue_full")
             self._log_queue_full(message)
@@ -664,11 +699,12 @@ class Broker:
         targets = self.registry.of_types(types) if types else self.registry.agents()
         recipients: list[str] = []
         failures: list[tuple[str, MeshError]] = []
+        lifetime = self._lifetime(message)
         for info in targets:
             if info.agent_id == message.from_agent:
                 continue
             try:
-                await self._enqueue(message.copy_to(info.agent_id))
+                await self._enqueue(message.copy_to(info.agent_id), lifetime)
                 recipients.append(info.agent_id)
             except MeshError as error:
                 failures.append((info.agent_id, error))
@@ -735,6 +771,7 @@ class Broker:
         correlation_id = message.correlation_id or message.message_id
         # The request must not outlive its caller: it expires from the queue with the deadline.
         ttl_cap = max(1, math.ceil(timeout))
+        lifetime = self._lifetime(message, cap=ttl_cap)
         ttl = min(message.ttl or self.config.default_ttl, ttl_cap)
         kind = (
             message.message_type if message.message_type in _ASKING_TYPES else MessageType.REQUEST
@@ -747,7 +784,9 @@ class Broker:
         try:
             if self.store.shared:
                 await self.store.claim_route(key, timeout)
-            await self.send(message)
+            await self.send(message, lifetime=lifetime)
+            if lifetime <= 0:
+                raise self._expired_question(message)
             # A timer on the waiter itself: cheaper than asyncio.timeout's cancel-and-uncancel
             # on the path every request takes.
             timer = asyncio.get_running_loop().call_later(timeout, _expire, waiter)
@@ -812,6 +851,7 @@ class Broker:
         kind = (
             message.message_type if message.message_type in _ASKING_TYPES else MessageType.BROADCAST
         )
+        lifetime = self._lifetime(message, cap=max(1, math.ceil(timeout)))
         ttl = min(message.ttl or self.config.default_ttl, max(1, math.ceil(timeout)))
         message = message.evolve(
             message_type=kind,
@@ -851,11 +891,13 @@ class Broker:
                 try:
                     if agent_id not in self.registry and not await self._known_elsewhere(agent_id):
                         raise AgentNotFoundError(f"agent {agent_id} is not registered")
-                    await self._enqueue(message.copy_to(agent_id))
+                    await self._enqueue(message.copy_to(agent_id), lifetime)
                     self.metrics.sent(kind.value, 0.0)
                 except MeshError as error:
                     gathering.expected.discard(agent_id)
                     refused.append(GatherItem(agent_id, error=error))
+            if lifetime <= 0:
+                raise self._expired_question(message)
             await self.store.sync()
             # Logged once the copies are on their way: the subscriptions woken by them run
             # first, so that no agent waits for this line to be written.

@@ -145,8 +145,10 @@ class Message(_message.Message):
     priority: Global___Priority.ValueType
     """Queue priority. Unset means MEDIUM."""
     ttl: _builtins.int
-    """Time to live in seconds, counted from the moment the broker accepts the message.
-    0 means the broker's default (3600); at most 86400.
+    """Time to live in seconds, counted from timestamp (from the moment the broker accepts the
+    message when timestamp is later than that): a message older than its ttl is accepted,
+    logged and counted as expired, and never delivered. 0 means the broker's default (3600),
+    counted from acceptance; at most 86400.
     """
     reply_to: _builtins.str
     """Agent that should receive the response, when it is not from_agent."""

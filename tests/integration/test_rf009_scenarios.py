@@ -9,8 +9,9 @@ import re
 import socket
 import urllib.request
 import uuid
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 
+import grpc
 import pytest
 
 from mesh import (
@@ -23,6 +24,7 @@ from mesh import (
     MessageType,
     MessageValidationError,
     Priority,
+    RequestTimeoutError,
     agent,
     connect,
     on,
@@ -33,6 +35,7 @@ from mesh.core.broker import Broker
 from mesh.core.queue import InMemoryQueueStore
 from mesh.logs import JsonFormatter
 from mesh.server import serve_broker
+from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
 
 ISO_8601 = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}")
 
@@ -329,6 +332,106 @@ async def test_scenario_06_message_ttl(caplog: pytest.LogCaptureFixture) -> None
     expired = [r for r in caplog.records if getattr(r, "event", {}).get("category") == "expired"]
     assert [r.event["message_id"] for r in expired] == [sent.message_id]
     assert expired[0].event["ttl"] == 60
+
+
+async def test_scenario_06_a_message_made_longer_ago_than_its_ttl_is_never_delivered(
+    mesh: LocalMesh, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Sent at T with ttl 60, received at T+65: over plain gRPC, as any client sends it."""
+    caplog.set_level(logging.INFO, logger="mesh.broker")
+    now = datetime.now(UTC)
+
+    def stamped(action: str, seconds_ago: float, ttl: int = 0) -> message_pb2.Message:
+        pb = message_pb2.Message(from_agent="FlightAgent", to_agent="PaymentAgent", ttl=ttl)
+        pb.content.update({"action": action})
+        pb.timestamp.FromDatetime(now - timedelta(seconds=seconds_ago))
+        return pb
+
+    async with grpc.aio.insecure_channel(mesh.address) as channel:
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        await stub.RegisterAgent(
+            broker_pb2.RegisterAgentRequest(agent=message_pb2.AgentInfo(agent_id="PaymentAgent"))
+        )
+        late = await stub.SendMessage(
+            broker_pb2.SendMessageRequest(message=stamped("late", 65, ttl=60))
+        )
+        for message in (
+            stamped("in_time", 30, ttl=60),
+            stamped("no_ttl", 300 * 86_400),  # the default ttl counts from acceptance
+            stamped("ahead", -120, ttl=60),  # a clock ahead of the broker's
+        ):
+            await stub.SendMessage(broker_pb2.SendMessageRequest(message=message))
+        received = await stub.ReceiveMessages(
+            broker_pb2.ReceiveMessagesRequest(agent_id="PaymentAgent")
+        )
+        stats = await stub.GetQueueStats(broker_pb2.GetQueueStatsRequest())
+    # (MEDIUM all, so in timestamp order)
+    assert [m.content["action"] for m in received.messages] == ["no_ttl", "in_time", "ahead"]
+    assert late.message.message_id
+    assert stats.totals.expired_count == 1
+    expired = [r for r in caplog.records if getattr(r, "event", {}).get("category") == "expired"]
+    assert [r.event["message_id"] for r in expired] == [late.message.message_id]
+
+
+async def test_scenario_06_a_ttl_counts_from_the_timestamp_while_queued() -> None:
+    clock = ManualClock()
+    broker = Broker(BrokerConfig(), store=InMemoryQueueStore(clock=clock))
+    async with LocalMesh(broker=broker) as local, local.client("FlightAgent") as flight:
+        await register(flight, "PaymentAgent")
+        made_earlier = datetime.now(UTC) - timedelta(seconds=50)
+        for action, timestamp in (("made_earlier", made_earlier), ("made_now", None)):
+            stamp = {"timestamp": timestamp} if timestamp else {}
+            await flight.send_message(
+                Message(
+                    from_agent="FlightAgent",
+                    to_agent="PaymentAgent",
+                    content={"action": action},
+                    ttl=60,
+                    **stamp,  # type: ignore[arg-type]
+                )
+            )
+        clock.now += 11  # 61 s after the first was made, 11 s after the second
+        received = await flight.receive("PaymentAgent")
+        report = await flight.queue_stats()
+    assert [m.content["action"] for m in received] == ["made_now"]
+    assert report.totals["expired_count"] == 1
+
+
+async def test_a_request_or_gather_older_than_its_ttl_is_refused_at_once(
+    mesh: LocalMesh,
+) -> None:
+    collector = Collector()
+    await mesh.add_agent(
+        collector.make("PaymentAgent", reply={"status": "PAID"}, agent_types=["payment"])
+    )
+    async with mesh.client("HotelAgent") as hotel:
+        stale = Message(
+            from_agent="HotelAgent",
+            to_agent="PaymentAgent",
+            content={"action": "process_payment"},
+            ttl=5,
+            timestamp=datetime.now(UTC) - timedelta(seconds=10),
+        )
+        with pytest.raises(RequestTimeoutError, match="expired before it was queued"):
+            await hotel.request_message(stale, timeout=30)
+        with pytest.raises(RequestTimeoutError, match="expired before it was queued"):
+            question = Message(
+                from_agent="HotelAgent",
+                to_agent="broadcast",
+                message_type=MessageType.BROADCAST,
+                content={"query": "q"},
+                ttl=5,
+                timestamp=stale.timestamp,
+            )
+            async for _ in hotel.gather(question, agent_types=["payment"], timeout=30):
+                pass
+        # What is in time still gets its answer; the stale ones never reached the agent.
+        answer = await hotel.request("PaymentAgent", {"action": "process_payment"}, ttl=5)
+        report = await hotel.queue_stats()
+    assert answer.content["status"] == "PAID"
+    assert [m.content["action"] for m in collector.got] == ["process_payment"]
+    assert collector.got[0].message_id == answer.correlation_id
+    assert report.totals["expired_count"] == 2
 
 
 async def test_scenario_06_ttl_limits(mesh: LocalMesh) -> None:
