@@ -22,7 +22,7 @@ from mesh.config import BrokerConfig, SecurityConfig, ServerConfig
 from mesh.core.errors import MeshError, MessageValidationError
 from mesh.core.model import BROADCAST_TARGET, Message, MessageType, Priority
 from mesh.core.tools import ToolHost
-from mesh.logs import configure_logging, stop_logging
+from mesh.logs import EVENT_LOG_DAYS, configure_logging, stop_logging
 from mesh.loop import run as run_loop
 
 DEFAULT_BROKER = "127.0.0.1:50051"
@@ -566,6 +566,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="write spans as JSON lines to this folder (env AGENTMESH_TRACE_DIR;"
         " `up` defaults to ./traces); OTLP via OTEL_EXPORTER_OTLP_ENDPOINT",
     )
+    parser.add_argument(
+        "--event-log",
+        default=_env("EVENT_LOG", "") or None,
+        help="also write the structured events (hand-offs, broadcasts, registrations,"
+        " expiries, ...) as JSON lines to this file, whatever --log-level: a new file every"
+        " day at midnight UTC, the earlier ones kept --event-log-days (env"
+        " AGENTMESH_EVENT_LOG; `up` defaults to ./logs/events.jsonl)",
+    )
+    parser.add_argument(
+        "--event-log-days",
+        type=int,
+        default=_env("EVENT_LOG_DAYS", str(EVENT_LOG_DAYS)),
+        help=f"days of events the event log keeps (env AGENTMESH_EVENT_LOG_DAYS;"
+        f" {EVENT_LOG_DAYS}, as RF-009 keeps hand-off logs)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     broker_default = _env("BROKER", DEFAULT_BROKER)
 
@@ -724,10 +739,15 @@ def _add_gateway_commands(sub: Any, broker_default: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    event_log = args.event_log or ("logs/events.jsonl" if args.command == "up" else None)
     try:
-        configure_logging(args.log_level)
-    except ValueError as error:  # AGENTMESH_LOG_LEVEL names no level
+        configure_logging(
+            args.log_level, event_log_path=event_log, event_log_days=args.event_log_days
+        )
+    except ValueError as error:  # AGENTMESH_LOG_LEVEL names no level, or too few days
         parser.error(str(error))
+    except OSError as error:
+        parser.error(f"cannot write the event log {event_log}: {error}")
     if args.command in TRACED:
         from mesh.tracing import configure_tracing
 

@@ -16,7 +16,10 @@ import logging.handlers
 import queue
 import sys
 import threading
+from collections.abc import Sequence
 from datetime import UTC, datetime
+from logging.handlers import TimedRotatingFileHandler
+from pathlib import Path
 from typing import Any
 
 from opentelemetry import trace
@@ -28,6 +31,8 @@ QUEUE_SIZE = 10_000
 """Records waiting for the writer thread at most; more are dropped, and counted in a line."""
 LINGER_SECONDS = 0.05
 """How long the writer thread, woken by a record, waits for others to write them together."""
+EVENT_LOG_DAYS = 30
+"""Days of structured events an event log keeps (RF-009: hand-off logs are kept 30 days)."""
 
 
 class JsonFormatter(logging.Formatter):
@@ -70,6 +75,44 @@ class ShownRecords(logging.Filter):
             and record.levelno >= logging.INFO
             and isinstance(getattr(record, EVENT_ATTR, None), dict)
         )
+
+
+class EventRecords(logging.Filter):
+    """The structured events from INFO up, whatever the level of the other outputs: what an
+    event log keeps."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        event = getattr(record, EVENT_ATTR, None)
+        return record.levelno >= logging.INFO and isinstance(event, dict)
+
+
+class AnyOf(logging.Filter):
+    """The records that at least one of ``filters`` lets through."""
+
+    def __init__(self, *filters: logging.Filter) -> None:
+        super().__init__()
+        self.any_of = filters
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return any(f.filter(record) for f in self.any_of)
+
+
+def event_log(
+    path: str | Path, days: int = EVENT_LOG_DAYS
+) -> TimedRotatingFileHandler:
+    """The structured events (hand-offs, broadcasts, registrations, expiries, ...) as JSON
+    lines in ``path``, whatever the log level: a new file every day at midnight UTC, the
+    earlier ones renamed ``<path>.<YYYY-MM-DD>`` and deleted once ``days`` are kept. One
+    process a file: processes sharing one would rename it under each other."""
+    if days < 1:
+        raise ValueError("an event log keeps at least one day")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    handler = TimedRotatingFileHandler(
+        path, when="midnight", utc=True, backupCount=days, encoding="utf-8"
+    )
+    handler.setFormatter(JsonFormatter())
+    handler.addFilter(EventRecords())
+    return handler
 
 
 def _span_ids() -> tuple[int, int] | None:
@@ -121,19 +164,20 @@ class WrittenAside(logging.handlers.QueueHandler):
 
 
 class LogWriter(threading.Thread):
-    """Writes the queued records through ``handler`` (its filters and format), those of a
-    moment in one write: woken by the first, it waits :data:`LINGER_SECONDS` for company."""
+    """Writes the queued records through each of ``handlers`` (its filters and format), those
+    of a moment in one write a handler: woken by the first, it waits :data:`LINGER_SECONDS`
+    for company."""
 
     def __init__(
         self,
         records: queue.Queue[logging.LogRecord],
         wake: threading.Event,
-        handler: logging.StreamHandler[Any],
+        *handlers: logging.StreamHandler[Any],
     ) -> None:
         super().__init__(name="log-writer", daemon=True)
         self.records = records
         self.wake = wake
-        self.handler = handler
+        self.handlers = handlers
         self._stopping = threading.Event()
 
     def run(self) -> None:
@@ -145,25 +189,14 @@ class LogWriter(threading.Thread):
         self._drain()
 
     def _drain(self) -> None:
-        lines = []
+        records = []
         while True:
             try:
-                record = self.records.get_nowait()
+                records.append(self.records.get_nowait())
             except queue.Empty:
                 break
-            if not self.handler.filter(record):
-                continue
-            try:
-                lines.append(self.handler.format(record) + self.handler.terminator)
-            except Exception:
-                self.handler.handleError(record)
-        if lines:
-            with self.handler.lock or contextlib.nullcontext():
-                try:
-                    self.handler.stream.write("".join(lines))
-                    self.handler.flush()
-                except Exception:  # (a closed stderr at exit: nothing to write to)
-                    pass
+        for handler in self.handlers:
+            _write(handler, records)
 
     def stop(self) -> None:
         """Writes every record queued so far, then ends the thread."""
@@ -172,13 +205,45 @@ class LogWriter(threading.Thread):
         self.join()
 
 
+def _write(handler: logging.StreamHandler[Any], records: Sequence[logging.LogRecord]) -> None:
+    """The records ``handler`` lets through, in one write (after a file's rollover, when one
+    is due)."""
+    lines = []
+    for record in records:
+        if not handler.filter(record):
+            continue
+        try:
+            lines.append(handler.format(record) + handler.terminator)
+        except Exception:
+            handler.handleError(record)
+    if not lines:
+        return
+    with handler.lock or contextlib.nullcontext():
+        try:
+            rotating = handler if isinstance(handler, TimedRotatingFileHandler) else None
+            if rotating is not None and rotating.shouldRollover(records[-1]):
+                rotating.doRollover()
+            handler.stream.write("".join(lines))
+            handler.flush()
+        except Exception:  # (a closed stderr at exit: nothing to write to)
+            pass
+
+
 _writer: LogWriter | None = None
 
 
-def configure_logging(level: str = "INFO", *, json_lines: bool = True) -> None:
+def configure_logging(
+    level: str = "INFO",
+    *,
+    json_lines: bool = True,
+    event_log_path: str | Path | None = None,
+    event_log_days: int = EVENT_LOG_DAYS,
+) -> None:
     """Sends the mesh's logs to stderr, as JSON lines by default: ``level`` and above, and
-    the structured events unless ``level`` is ERROR or CRITICAL. A thread of their own writes
-    them (:func:`stop_logging`, also run at exit, writes those still waiting)."""
+    the structured events unless ``level`` is ERROR or CRITICAL; with ``event_log_path``,
+    the structured events to that file too, whatever the level, for ``event_log_days`` days
+    (:func:`event_log`). A thread of their own writes them (:func:`stop_logging`, also run
+    at exit, writes those still waiting)."""
     global _writer
     threshold = logging.getLevelName(level.upper())
     if not isinstance(threshold, int):
@@ -191,17 +256,23 @@ def configure_logging(level: str = "INFO", *, json_lines: bool = True) -> None:
         writer.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     shown = ShownRecords(threshold)
     writer.addFilter(shown)
+    outputs: list[logging.StreamHandler[Any]] = [writer]
+    wanted: list[logging.Filter] = [shown]
+    if event_log_path is not None:
+        outputs.append(event_log(event_log_path, event_log_days))
+        wanted.append(EventRecords())
     records: queue.Queue[logging.LogRecord] = queue.Queue(QUEUE_SIZE)
     wake = threading.Event()
     handler = WrittenAside(records, wake)
-    handler.addFilter(shown)  # (in the logging thread: nothing else is queued)
-    _writer = LogWriter(records, wake, writer)
+    handler.addFilter(AnyOf(*wanted))  # (in the logging thread: what no output writes stays)
+    _writer = LogWriter(records, wake, *outputs)
     _writer.start()
     atexit.unregister(stop_logging)  # (once, however often logging is configured)
     atexit.register(stop_logging)
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(min(threshold, logging.INFO) if threshold <= logging.WARNING else threshold)
+    events = threshold <= logging.WARNING or event_log_path is not None
+    root.setLevel(min(threshold, logging.INFO) if events else threshold)
 
 
 def stop_logging() -> None:
@@ -214,4 +285,4 @@ def stop_logging() -> None:
     writer.stop()
     root = logging.getLogger()
     root.handlers[:] = [h for h in root.handlers if not isinstance(h, WrittenAside)]
-    root.handlers.append(writer.handler)
+    root.handlers.extend(writer.handlers)

@@ -52,6 +52,8 @@ def test_rendered_manifests_have_grpc_probes_and_locked_down_pods() -> None:
     assert "value: sqlite:///var/lib/agentmesh/queues.db" in rendered
     assert "claimName: agentmesh-broker-queues" in rendered
     assert "mountPath: /var/lib/agentmesh" in rendered
+    # and so are its events (RF-009 keeps hand-off logs for 30 days): on the same volume.
+    assert "value: /var/lib/agentmesh/events/broker.jsonl" in rendered
     # Research runs in the cluster: the broker serves the subagents' tools and writes reports
     # to a volume of its own (its root file system is read-only), beside the queues.
     assert "- --tools\n        - agents.research:tool_host\n" in rendered

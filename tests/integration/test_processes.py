@@ -238,35 +238,24 @@ def events_in(output: list[str]) -> list[dict[str, object]]:
     return [json.loads(line) for line in output if line.startswith("{")]
 
 
-@pytest.mark.parametrize(("level", "written"), [((), True), (("--log-level", "ERROR"), False)])
-async def test_the_broker_logs_hand_offs_and_broadcasts_by_default(
-    level: tuple[str, ...], written: bool
-) -> None:
-    """RF-009 scenarios 16 and 17: a structured line per hand-off and per (selective)
-    broadcast, at the default log level; --log-level ERROR leaves them out."""
-    proc = await start(*level, "broker", "--port", "0", ready=r"listening on (\S+?)[,\s]")
-    try:
-        async with connect(proc.address, agent_id="CustomerAgent") as client:
-            await client.register("SellerAgent", agent_types=["booking"])
-            await client.register("PaymentAgent", agent_types=["payment"])
-            await client.handoff(
-                "SellerAgent",
-                "Approve refund",
-                context={"order_id": "12345"},
-                constraints={"refund_method": "original_payment"},
-                workflow_id="wf_refund_123",
-                step_number=2,
-            )
-            await client.broadcast_to_types(["booking"], {"alert": "Booking API maintenance"})
-    finally:
-        assert await stop(proc) == 0
-    events = events_in(proc.output)
-    handoffs = [e for e in events if e.get("category") == "handoff"]
-    broadcasts = [e for e in events if e.get("category") == "broadcast"]
-    if not written:
-        assert handoffs == broadcasts == []
-        return
-    [handoff] = handoffs
+async def hand_off_and_broadcast(address: str) -> None:
+    async with connect(address, agent_id="CustomerAgent") as client:
+        await client.register("SellerAgent", agent_types=["booking"])
+        await client.register("PaymentAgent", agent_types=["payment"])
+        await client.handoff(
+            "SellerAgent",
+            "Approve refund",
+            context={"order_id": "12345"},
+            constraints={"refund_method": "original_payment"},
+            workflow_id="wf_refund_123",
+            step_number=2,
+        )
+        await client.broadcast_to_types(["booking"], {"alert": "Booking API maintenance"})
+
+
+def assert_rf009_lines(events: list[dict[str, object]]) -> None:
+    """RF-009 scenario 16's hand-off line and scenario 17's selective broadcast line."""
+    [handoff] = [e for e in events if e.get("category") == "handoff"]
     assert {k: handoff[k] for k in ("from_agent", "to_agent", "workflow_id", "step_number")} == {
         "from_agent": "CustomerAgent",
         "to_agent": "SellerAgent",
@@ -275,10 +264,80 @@ async def test_the_broker_logs_hand_offs_and_broadcasts_by_default(
     }
     assert handoff["task_description"] == "Approve refund"
     assert handoff["constraints"] == {"refund_method": "original_payment"}
-    assert handoff["context_size_kb"] > 0 and handoff["timestamp"]
-    [broadcast] = broadcasts
+    assert handoff["context_size_kb"] > 0 and handoff["timestamp"]  # type: ignore[operator]
+    [broadcast] = [e for e in events if e.get("category") == "broadcast"]
     assert broadcast["agent_types"] == ["booking"]
     assert broadcast["recipients"] == ["SellerAgent"]
+
+
+@pytest.mark.parametrize(("level", "written"), [((), True), (("--log-level", "ERROR"), False)])
+async def test_the_broker_logs_hand_offs_and_broadcasts_by_default(
+    level: tuple[str, ...], written: bool
+) -> None:
+    """RF-009 scenarios 16 and 17: a structured line per hand-off and per (selective)
+    broadcast, at the default log level; --log-level ERROR leaves them out."""
+    proc = await start(*level, "broker", "--port", "0", ready=r"listening on (\S+?)[,\s]")
+    try:
+        await hand_off_and_broadcast(proc.address)
+    finally:
+        assert await stop(proc) == 0
+    events = events_in(proc.output)
+    if written:
+        assert_rf009_lines(events)
+    else:
+        assert [e for e in events if e.get("category") in ("handoff", "broadcast")] == []
+
+
+async def test_the_event_log_keeps_the_events_whatever_the_log_level(tmp_path: Path) -> None:
+    """RF-009 scenario 16 keeps hand-off logs for 30 days: AGENTMESH_EVENT_LOG (or
+    --event-log) writes the structured events to a file of their own, one a day, even when
+    the log on stderr leaves them out."""
+    path = tmp_path / "logs" / "broker.jsonl"
+    proc = await start(
+        "--log-level",
+        "ERROR",
+        "broker",
+        "--port",
+        "0",
+        ready=r"listening on (\S+?)[,\s]",
+        env={"AGENTMESH_EVENT_LOG": str(path)},
+    )
+    try:
+        await hand_off_and_broadcast(proc.address)
+    finally:
+        assert await stop(proc) == 0
+    assert [e for e in events_in(proc.output) if "category" in e] == []
+    logged = [json.loads(line) for line in path.read_text().splitlines()]
+    assert_rf009_lines(logged)
+    assert {e["category"] for e in logged} >= {"registry", "handoff", "broadcast"}
+    assert all(e["level"] in ("INFO", "WARNING") for e in logged)
+
+
+async def test_a_bad_event_log_is_refused_at_start(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for flags, said in (
+        (
+            ("--event-log", str(tmp_path / "events.jsonl"), "--event-log-days", "0"),
+            "an event log keeps at least one day",
+        ),
+        (("--event-log", str(blocker / "events.jsonl")), "cannot write the event log"),
+    ):
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "mesh.cli",
+            *flags,
+            "broker",
+            "--port",
+            "0",
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stderr=asyncio.subprocess.PIPE,
+        )
+        _, err = await asyncio.wait_for(process.communicate(), 30)
+        assert process.returncode == 2
+        assert said in err.decode()
 
 
 async def test_research_runs_across_processes_on_a_broker_serving_the_tools(

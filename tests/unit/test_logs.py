@@ -10,12 +10,22 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from datetime import date, timedelta
+from pathlib import Path
+from typing import Any
 
 import pytest
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext
 
-from mesh.logs import JsonFormatter, LogWriter, WrittenAside, configure_logging, stop_logging
+from mesh.logs import (
+    JsonFormatter,
+    LogWriter,
+    WrittenAside,
+    configure_logging,
+    event_log,
+    stop_logging,
+)
 
 log = logging.getLogger("mesh.test")
 
@@ -113,3 +123,74 @@ def test_the_records_of_a_moment_are_written_together_and_none_waits_for_stop() 
     finally:
         writer.stop()  # writes what is still waiting
     assert stream.getvalue().splitlines()[-1].endswith('"message":"last"}')
+
+
+def event_record(message: str, level: int = logging.INFO) -> logging.LogRecord:
+    record = logging.LogRecord("mesh.test", level, "", 0, message, None, None)
+    record.event = {"category": "handoff"}
+    return record
+
+
+def written(*records: logging.LogRecord, to: logging.StreamHandler[Any]) -> None:
+    """Through a writer thread, as configure_logging does, until each is written."""
+    queued: queue.Queue[logging.LogRecord] = queue.Queue(100)
+    wake = threading.Event()
+    aside = WrittenAside(queued, wake)
+    for record in records:
+        aside.handle(record)
+    writer = LogWriter(queued, wake, to)
+    writer.start()
+    writer.stop()
+
+
+def test_the_event_log_keeps_events_whatever_the_level(
+    root_restored: None, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "logs" / "events.jsonl"
+    configure_logging("ERROR", event_log_path=path)
+    log.info("handoff A -> B", extra={"event": {"category": "handoff", "to_agent": "B"}})
+    log.warning("a warning, not an event")
+    log.error("an error, not an event")
+    stop_logging()
+    [event] = lines(path.read_text())
+    assert event["message"] == "handoff A -> B" and event["to_agent"] == "B"
+    assert [line["message"] for line in lines(capsys.readouterr().err)] == [
+        "an error, not an event"
+    ]
+
+
+def test_the_event_log_starts_a_file_a_day_and_keeps_the_last_days(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    earlier = [
+        tmp_path / f"events.jsonl.{date(2020, 1, 1) + timedelta(days=d):%Y-%m-%d}"
+        for d in range(35)
+    ]
+    for old in earlier:  # as the rollovers of 35 earlier days left them
+        old.write_text("{}\n")
+    handler = event_log(path, days=30)
+    try:
+        written(event_record("today"), to=handler)
+        assert [line["message"] for line in lines(path.read_text())] == ["today"]
+        handler.rolloverAt = int(time.time()) - 1  # midnight has passed
+        written(event_record("tomorrow"), to=handler)
+    finally:
+        handler.close()
+    assert [line["message"] for line in lines(path.read_text())] == ["tomorrow"]
+    kept = sorted(p for p in tmp_path.iterdir() if p.name.startswith("events.jsonl."))
+    assert len(kept) == 30  # the 29 most recent earlier days and yesterday's
+    assert kept[:-1] == earlier[-29:]
+    assert [line["message"] for line in lines(kept[-1].read_text())] == ["today"]
+
+
+def test_only_events_go_to_the_event_log(tmp_path: Path) -> None:
+    handler = event_log(tmp_path / "events.jsonl")
+    try:
+        plain = logging.LogRecord("mesh.test", logging.WARNING, "", 0, "plain", None, None)
+        written(plain, event_record("debug", logging.DEBUG), event_record("kept"), to=handler)
+    finally:
+        handler.close()
+    assert [line["message"] for line in lines((tmp_path / "events.jsonl").read_text())] == [
+        "kept"
+    ]
+    with pytest.raises(ValueError, match="at least one day"):
+        event_log(tmp_path / "other.jsonl", days=0)
