@@ -5,11 +5,12 @@ in-memory store here is the embedded default. Every method is a coroutine so tha
 and networked stores fit behind the same interface.
 
 Order: HIGH before MEDIUM before LOW, then by message timestamp, then by arrival.
-TTL counts from acceptance on the store's monotonic clock; an expired message is never
-returned by :meth:`pop` or :meth:`lease`, does not hold capacity and is reported to the
-listener. A leased message holds capacity until it is acked; a nack, an expired lease or the
-subscriber's departure puts it back in its place, or in the dead-letter queue once it has
-been delivered ``max_delivery_attempts`` times.
+A message lives the seconds :meth:`put` is given (what is left of its ttl: the broker counts
+a sender's ttl from the message's timestamp), on the store's monotonic clock; an expired
+message is never returned by :meth:`pop` or :meth:`lease`, does not hold capacity and is
+reported to the listener. A leased message holds capacity until it is acked; a nack, an
+expired lease or the subscriber's departure puts it back in its place, or in the
+dead-letter queue once it has been delivered ``max_delivery_attempts`` times.
 """
 
 from __future__ import annotations
