@@ -260,6 +260,8 @@ async def run_workflow(spec: WorkflowSpec, dispatcher: Dispatcher, emit: Emit) -
         previous_agent, previous_result = step.name, outcome.data
         task = outcome.next_task or spec.task
         chosen = outcome.next_agent or step.routes.get(outcome.status, "")
+        if chosen:
+            _log_decision(workflow_id, step, step_number, outcome, chosen)
         if chosen == END:
             break
         if chosen:
@@ -307,6 +309,32 @@ async def run_workflow(spec: WorkflowSpec, dispatcher: Dispatcher, emit: Emit) -
         data=result,
     )
     return result
+
+
+def _log_decision(
+    workflow_id: str, step: WorkflowStep, step_number: int, outcome: StepOutcome, chosen: str
+) -> None:
+    """A conditional hand-off (RF-009 scenario 10, "conditional logic logged"): where the
+    workflow goes after a step, and what decided it, the agent or the step's routes."""
+    logger.info(
+        "workflow %s: %s at step %d said %s, next %s",
+        workflow_id,
+        step.name,
+        step_number,
+        outcome.status,
+        chosen,
+        extra={
+            "event": {
+                "category": "handoff_decision",
+                "workflow_id": workflow_id,
+                "from_agent": step.name,
+                "step_number": step_number,
+                "status": outcome.status,
+                "to_agent": chosen,
+                "decided_by": "agent" if outcome.next_agent else "routes",
+            }
+        },
+    )
 
 
 async def _agent_step(

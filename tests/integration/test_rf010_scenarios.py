@@ -336,7 +336,10 @@ async def test_scenario_08_handoff_with_context_accumulation() -> None:
     assert message.handoff.previous_result == {"approved": True, "reason": "defective"}
 
 
-async def test_scenario_09_conditional_handoff_rejection_skips_payment(gw: GatewayClient) -> None:
+async def test_scenario_09_conditional_handoff_rejection_skips_payment(
+    gw: GatewayClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="gateway.handoff")
     events = await gw.collect(
         gw.handoff_workflow(steps=REFUND_STEPS, task="Process refund for order #12346")
     )
@@ -347,6 +350,17 @@ async def test_scenario_09_conditional_handoff_rejection_skips_payment(gw: Gatew
     assert result["final_result"]["email"].startswith("Refund rejected: order 12346")
     seller = of_kind(events, "STEP_RESULT")[1]
     assert seller["data"]["status"] == "REJECTED"
+    # The condition is logged (RF-009 scenario 10): what the seller said, and where it led.
+    decisions = [
+        r.event  # type: ignore[attr-defined]
+        for r in caplog.records
+        if getattr(r, "event", {}).get("category") == "handoff_decision"
+    ]
+    assert [(d["from_agent"], d["status"], d["to_agent"]) for d in decisions] == [
+        ("SellerAgent", "REJECTED", "NotificationAgent")
+    ]
+    assert decisions[0]["workflow_id"] == result["workflow_id"]
+    assert decisions[0]["step_number"] == 2
 
 
 async def test_scenario_10_handoff_chain_interruption(gw: GatewayClient) -> None:
