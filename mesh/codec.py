@@ -196,10 +196,23 @@ class WireContent(EncodedContent):
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
-def timestamp_to_datetime(ts: timestamp_pb2.Timestamp) -> datetime:
-    # Exact to the microsecond, and cheaper than Timestamp.ToDatetime on the hot path.
+TIMESTAMP_SECONDS = (-62_135_596_800, 253_402_300_799)
+"""What a Timestamp may hold (google/protobuf/timestamp.proto): 0001-01-01T00:00:00Z to
+9999-12-31T23:59:59Z, nanos from 0 to 999,999,999."""
+
+
+def timestamp_to_datetime(ts: timestamp_pb2.Timestamp, field: str = "timestamp") -> datetime:
+    """Exact to the microsecond, and cheaper than Timestamp.ToDatetime on the hot path. One
+    out of a Timestamp's range is the sender's mistake: MessageValidationError on ``field``."""
+    seconds, nanos = ts.seconds, ts.nanos
+    if not (TIMESTAMP_SECONDS[0] <= seconds <= TIMESTAMP_SECONDS[1] and 0 <= nanos <= 999_999_999):
+        raise MessageValidationError.for_field(
+            field,
+            f"{field} must be from 0001-01-01T00:00:00Z to 9999-12-31T23:59:59.999999999Z"
+            f" (seconds {seconds}, nanos {nanos})",
+        )
     # (days, seconds, microseconds) by position: keywords cost twice as much here.
-    return EPOCH + timedelta(0, ts.seconds, ts.nanos // 1000)
+    return EPOCH + timedelta(0, seconds, nanos // 1000)
 
 
 def datetime_to_timestamp(dt: datetime, out: timestamp_pb2.Timestamp) -> None:
@@ -413,7 +426,7 @@ def agent_from_pb(pb: message_pb2.AgentInfo) -> AgentInfo:
         agent_types=tuple(pb.agent_types),
         address=pb.address,
         capabilities=tuple(pb.capabilities),
-        registered_at=timestamp_to_datetime(pb.registered_at)
+        registered_at=timestamp_to_datetime(pb.registered_at, "registered_at")
         if pb.HasField("registered_at")
         else None,
     )

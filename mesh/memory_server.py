@@ -23,11 +23,11 @@ def insight_from_pb(pb: memory_pb2.Insight) -> Insight:
         segment=pb.segment,
         metadata=codec.struct_to_dict(pb.metadata),
         insight_id=pb.insight_id,
-        created_at=codec.timestamp_to_datetime(pb.created_at)
+        created_at=codec.timestamp_to_datetime(pb.created_at, "insight.created_at")
         if pb.HasField("created_at")
         else None,
         ttl=codec.duration_seconds(pb.ttl) if pb.HasField("ttl") else 0.0,
-        expires_at=codec.timestamp_to_datetime(pb.expires_at)
+        expires_at=codec.timestamp_to_datetime(pb.expires_at, "insight.expires_at")
         if pb.HasField("expires_at")
         else None,
     )

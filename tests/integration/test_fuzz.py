@@ -2,7 +2,8 @@
 
 Hypothesis builds requests from the protobuf descriptors (arbitrary strings, numbers out of
 range, unknown enum values, nested messages, Struct values, broken Durations) and also sends
-random bytes. Whatever arrives, the answer is a defined status that names the caller's
+random bytes; every Timestamp and Duration a request can carry is also sent past the limits
+of its type. Whatever arrives, the answer is a defined status that names the caller's
 mistake, never INTERNAL, UNKNOWN or UNIMPLEMENTED; the servers stay up; and messages accepted
 before the storm are all still there after it.
 """
@@ -312,3 +313,66 @@ def test_after_the_storm_servers_are_up_and_nothing_accepted_was_lost(servers: S
 
     # Broadcasts of the storm may have added to the queue; nothing accepted went missing.
     assert set(servers.canaries) <= set(Servers.run(servers.loop, drain()))
+
+
+# -- times at and past the limits of their types ------------------------------------------------
+
+TIME_TYPES = ("google.protobuf.Timestamp", "google.protobuf.Duration")
+OUT_OF_RANGE = [
+    (-62_135_596_801, 0),  # a second before 0001-01-01T00:00:00Z
+    (253_402_300_800, 0),  # a second after 9999-12-31T23:59:59Z
+    (315_576_000_001, 0),  # a Duration past its 10,000 years
+    (2**63 - 1, 0),
+    (0, -1),  # nanos out of 0..999,999,999
+    (0, 1_000_000_000),
+]
+
+
+def time_fields(descriptor: Descriptor, depth: int = 0) -> list[tuple[FieldDescriptor, ...]]:
+    """Every Timestamp and Duration a request can carry, as the fields that lead to it."""
+    found: list[tuple[FieldDescriptor, ...]] = []
+    for field in descriptor.fields:
+        kind = field.message_type
+        if kind is None or kind.GetOptions().map_entry:
+            continue
+        if kind.full_name in TIME_TYPES:
+            found.append((field,))
+        elif depth < 4 and kind.full_name not in (
+            "google.protobuf.Struct",
+            "google.protobuf.Value",
+        ):
+            found.extend((field, *rest) for rest in time_fields(kind, depth + 1))
+    return found
+
+
+def with_time(
+    method: MethodDescriptor, path: tuple[FieldDescriptor, ...], value: tuple[int, int]
+) -> bytes:
+    request = message_factory.GetMessageClass(method.input_type)()
+    target = request
+    for field in path[:-1]:
+        target = (
+            getattr(target, field.name).add() if field.is_repeated else getattr(target, field.name)
+        )
+    last = path[-1]
+    time = getattr(target, last.name).add() if last.is_repeated else getattr(target, last.name)
+    time.seconds, time.nanos = value
+    return request.SerializeToString()
+
+
+TIMED = [(m, p) for m in METHODS for p in time_fields(m.input_type)]
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    TIMED,
+    ids=[f"{m.name}:{'.'.join(f.name for f in p)}" for m, p in TIMED],
+)
+def test_a_time_out_of_its_range_is_refused_as_the_callers_mistake(
+    servers: Servers, method: MethodDescriptor, path: tuple[FieldDescriptor, ...]
+) -> None:
+    for value in OUT_OF_RANGE:
+        codes = call(servers, method, [with_time(method, path, value)])
+        assert not [c for c in codes if c in FORBIDDEN_CODES], (
+            f"{method.full_name} with {'.'.join(f.name for f in path)} = {value}: {codes}"
+        )

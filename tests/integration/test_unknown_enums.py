@@ -1,6 +1,7 @@
 """Numbers the contract does not define for message_type or priority (a client built from a
-newer or a mistaken .proto) are refused with INVALID_ARGUMENT naming the field, on every path
-a message enters by; the other messages of a batch go on. Unset values keep their defaults."""
+newer or a mistaken .proto), and timestamps out of a Timestamp's range, are refused with
+INVALID_ARGUMENT naming the field, on every path a message enters by; the other messages of
+a batch go on. Unset values keep their defaults."""
 
 from __future__ import annotations
 
@@ -135,3 +136,29 @@ async def test_a_gather_with_an_undefined_number_is_refused_on_both_paths(mesh: 
         assert answer.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
         await call.done_writing()
         assert await asyncio.wait_for(call.read(), 10) is grpc.aio.EOF
+
+
+async def test_a_timestamp_out_of_its_range_is_refused_naming_it(mesh: LocalMesh) -> None:
+    """Before year 1 or after 9999 (what google.protobuf.Timestamp allows): INVALID_ARGUMENT,
+    not an internal error; the batch's other messages go on."""
+    async with grpc.aio.insecure_channel(mesh.address) as channel:
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        await stub.RegisterAgent(
+            broker_pb2.RegisterAgentRequest(agent=message_pb2.AgentInfo(agent_id="Sink"))
+        )
+        late = envelope("late")
+        late.timestamp.seconds = 253_402_300_800  # 10000-01-01T00:00:00Z
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.SendMessage(broker_pb2.SendMessageRequest(message=late))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "timestamp must be from 0001-01-01T00:00:00Z" in (info.value.details() or "")
+        assert bad_request_fields(info.value) == ["timestamp"]
+        early = envelope("early")
+        early.timestamp.nanos = -1
+        batch = await stub.SendMessages(
+            broker_pb2.SendMessagesRequest(messages=[early, envelope("ok")])
+        )
+        assert [r.HasField("error") for r in batch.results] == [True, False]
+        assert batch.results[0].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        received = await stub.ReceiveMessages(broker_pb2.ReceiveMessagesRequest(agent_id="Sink"))
+        assert [m.content["action"] for m in received.messages] == ["ok"]
