@@ -97,9 +97,7 @@ class AnyOf(logging.Filter):
         return any(f.filter(record) for f in self.any_of)
 
 
-def event_log(
-    path: str | Path, days: int = EVENT_LOG_DAYS
-) -> TimedRotatingFileHandler:
+def event_log(path: str | Path, days: int = EVENT_LOG_DAYS) -> TimedRotatingFileHandler:
     """The structured events (hand-offs, broadcasts, registrations, expiries, ...) as JSON
     lines in ``path``, whatever the log level: a new file every day at midnight UTC, the
     earlier ones renamed ``<path>.<YYYY-MM-DD>`` and deleted once ``days`` are kept. One

@@ -6,7 +6,7 @@ import asyncio
 import collections
 import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 import grpc
@@ -24,8 +24,9 @@ from mesh.core.errors import (
 from mesh.core.model import Message
 from mesh.core.tasks import cancel_and_wait
 from mesh.core.tools import ToolHost
+from mesh.headroom import wire_fields
 from mesh.security import check_frame, current_principal
-from mesh.serving import ANSWER_BYTES, Malformed, MeshServer, start_server
+from mesh.serving import ANSWER_BYTES, Malformed, MeshServer, lenient, start_server
 from mesh.streams import BATCH_HEADER, FrameWriter
 from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
 
@@ -387,24 +388,20 @@ class _Session:
         codec.error_to_pb(error, frame.error)
         await self._answer(frame)
 
-    async def _dispatch(self, frame: broker_pb2.ConnectRequest) -> None:
+    async def _dispatch(self, frame: broker_pb2.ConnectRequest | Malformed) -> None:
         if isinstance(frame, Malformed):
-            await self._error(0, frame.to_error())
+            # Refused under its own seq, so that whoever waits on it hears at once; a
+            # batch's frames are read one by one, and only those that do not decode refused.
+            seq, frames = _frame_parts(frame.data)
+            if frames is None:
+                await self._error(seq, frame.to_error())
+            else:
+                await self._batch([_read_frame(raw) for raw in frames])
             return
         kind = frame.WhichOneof("frame")
         seq = frame.seq
         if kind == "batch":
-            self.in_batch = True
-            try:
-                for inner in frame.batch.frames:
-                    if inner.WhichOneof("frame") == "batch":
-                        await self._error(
-                            inner.seq, _invalid("batch", "a batch cannot hold a batch")
-                        )
-                    else:
-                        await self._dispatch(inner)
-            finally:
-                self.in_batch = False
+            await self._batch(frame.batch.frames)
             return
         try:
             if not self.principal.admin:
@@ -464,6 +461,19 @@ class _Session:
                 raise _invalid("frame", "the frame carries nothing")
         except MeshError as error:
             await self._error(seq, error)
+
+    async def _batch(self, frames: Iterable[broker_pb2.ConnectRequest | Malformed]) -> None:
+        self.in_batch = True
+        try:
+            for inner in frames:
+                if isinstance(inner, Malformed):
+                    await self._error(_frame_parts(inner.data)[0], inner.to_error())
+                elif inner.WhichOneof("frame") == "batch":
+                    await self._error(inner.seq, _invalid("batch", "a batch cannot hold a batch"))
+                else:
+                    await self._dispatch(inner)
+        finally:
+            self.in_batch = False
 
     def _spawn(self, seq: int, work: Any) -> None:
         if len(self.tasks) >= MAX_SESSION_REQUESTS:
@@ -605,6 +615,25 @@ class _Session:
         frame = broker_pb2.ConnectResponse(seq=seq)
         codec.message_to_pb(answer, frame.response)
         await self.write(frame)
+
+
+_read_frame = lenient(broker_pb2.ConnectRequest.FromString)
+
+
+def _frame_parts(data: bytes) -> tuple[int, list[bytes] | None]:
+    """What can be read of a session frame that does not decode: its seq (0 when none can
+    be), and, for a batch, the bytes of each of its frames."""
+    seq, frames = 0, None
+    for number, value in wire_fields(data):
+        if number == SEQ_FIELD and isinstance(value, int):
+            seq = value
+        elif number == BATCH_FIELD and isinstance(value, bytes):
+            frames = [v for n, v in wire_fields(value) if n == 1 and isinstance(v, bytes)]
+    return seq, frames
+
+
+SEQ_FIELD = broker_pb2.ConnectRequest.DESCRIPTOR.fields_by_name["seq"].number
+BATCH_FIELD = broker_pb2.ConnectRequest.DESCRIPTOR.fields_by_name["batch"].number
 
 
 def _inbound(broker: Broker, pb: message_pb2.Message, *, gather: bool = False) -> Message:

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from mesh._status import abort
 from mesh.config import SecurityConfig
 from mesh.core.errors import MessageValidationError
+from mesh.headroom import parser_for
 from mesh.security import AuthInterceptor, authenticator_for, server_credentials
 
 logger = logging.getLogger("mesh.serving")
@@ -68,13 +69,15 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 class Malformed:
     """Bytes that did not decode as the request type: stands in for a request so that the
     call is answered INVALID_ARGUMENT (by the method, or frame by frame on a stream) rather
-    than gRPC's INTERNAL "Exception deserializing request"."""
+    than gRPC's INTERNAL "Exception deserializing request". ``data``: the bytes, for what can
+    still be read from them (a stream frame's seq)."""
 
-    __slots__ = ("error", "type_name")
+    __slots__ = ("data", "error", "type_name")
 
-    def __init__(self, type_name: str, error: Exception) -> None:
+    def __init__(self, type_name: str, error: Exception, data: bytes = b"") -> None:
         self.type_name = type_name
         self.error = error
+        self.data = data
 
     def to_error(self) -> MessageValidationError:
         return MessageValidationError.for_field(
@@ -82,15 +85,20 @@ class Malformed:
         )
 
 
-def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
+def lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
+    """``deserializer`` (a request type's FromString) reading with headroom, and answering
+    :class:`Malformed` for what it cannot read."""
     owner = getattr(deserializer, "__self__", None)
-    type_name = getattr(getattr(owner, "DESCRIPTOR", None), "full_name", "request")
+    descriptor = getattr(owner, "DESCRIPTOR", None)
+    type_name = getattr(descriptor, "full_name", "request")
+    # A request of the contract is read with room to spare (mesh.headroom).
+    parse = parser_for(owner) if descriptor is not None else deserializer
 
     def decode(data: bytes) -> Any:
         try:
-            return deserializer(data) if deserializer else data
+            return parse(data) if parse else data
         except Exception as error:  # DecodeError and anything else from the parser
-            return Malformed(type_name, error)
+            return Malformed(type_name, error, data)
 
     return decode
 
@@ -98,9 +106,6 @@ def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], A
 class ContractInterceptor(grpc.aio.ServerInterceptor):
     """Answers undecodable requests with INVALID_ARGUMENT. Streams receive
     :class:`Malformed` items and answer them one by one (the Connect session does)."""
-
-    def __init__(self) -> None:
-        self._cache: dict[str, Any] = {}
 
     async def intercept_service(
         self,
@@ -111,8 +116,8 @@ class ContractInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or details.method.startswith(("/grpc.health.", "/grpc.reflection.")):
             return handler
         if handler.request_streaming:
-            return handler._replace(request_deserializer=_lenient(handler.request_deserializer))
-        decode = _lenient(handler.request_deserializer)
+            return handler._replace(request_deserializer=lenient(handler.request_deserializer))
+        decode = lenient(handler.request_deserializer)
         if handler.unary_unary:
             inner_uu = handler.unary_unary
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 import pytest
+from google.protobuf import struct_pb2
 
 from gateway.client import GatewayClient
 from gateway.server import serve_gateway
@@ -238,3 +239,133 @@ async def test_a_group_chat_of_answers_near_the_size_limit_ends_with_its_result(
     assert result["data"]["status"] == "COMPLETED"
     assert result["data"]["aggregate"]["recommendation"].startswith("Buy AAPL")
     assert {"omitted_bytes": 900_004} in [c["reasoning"] for c in result["data"]["contributions"]]
+
+
+def nested(depth: int) -> Any:
+    """A JSON value ``depth`` objects deep."""
+    value: Any = "bottom"
+    for _ in range(depth):
+        value = {"k": value}
+    return value
+
+
+async def test_what_nests_as_deep_as_the_mesh_takes_reaches_every_reader() -> None:
+    """Protobuf's parsers stop at 100 levels. A request is read with 16 to spare, so that what
+    it carries still decodes inside the deeper frames that carry it on: a batch of deliveries,
+    an answer back to the requester, a pattern's events. Deeper: INVALID_ARGUMENT, and the
+    queue goes on (one such message used to fail every batch frame it was in)."""
+    got: list[Any] = []
+    answer_with: dict[str, Any] = {}
+    async with LocalMesh() as mesh:
+
+        @agent("Deep", agent_types=["deep"])
+        async def deep(message: Any, ctx: Any) -> dict[str, Any]:
+            got.append(message.content)
+            return {"status": "DONE", **answer_with}
+
+        client = mesh.client("asker", retry=NO_RETRY)
+        await client.register("Sink")
+        depth = 40
+        while True:  # the deepest value the broker takes
+            try:
+                await client.send("Sink", {"action": "keep", "nest": nested(depth)})
+                break
+            except MessageValidationError as error:
+                assert "it nests more than 84 levels deep" in error.message
+                assert error.code == "INVALID_ARGUMENT"
+                depth -= 1
+        assert depth >= 20  # JSON as deep as anyone writes it goes
+        await client.send("Sink", {"action": "after"})
+        async with mesh.client("Sink") as sink, sink.subscribe() as inbox:
+            async for delivery in inbox:  # (both in one batch of deliveries)
+                got.append(delivery.message.content)
+                await delivery.ack()
+                if len(got) == 2:
+                    break
+        assert got == [{"action": "keep", "nest": nested(depth)}, {"action": "after"}]
+
+        # An answer as deep as an agent may send comes back to its requester, and inside a
+        # pattern's events to the pattern's client.
+        answer_with["nest"] = nested(depth - 2)
+        await mesh.add_agent(deep)
+        answer = await client.request("Deep", {"action": "echo"})
+        assert answer.content["nest"] == nested(depth - 2)
+        gateway = await serve_gateway(mesh.address, security=SecurityConfig())
+        try:
+            async with GatewayClient(gateway.address, security=SecurityConfig()) as gw:
+                steps = [{"agent_id": "Deep"}]
+                events = await gw.collect(gw.handoff_workflow(steps=steps, task="t"))
+        finally:
+            await gateway.stop(0.5)
+        result = events[-1]["data"]
+        assert result["status"] == "COMPLETED"
+        assert result["final_result"]["nest"] == nested(depth - 2)
+        assert result["previous_results"][0]["nest"] == nested(depth - 2)
+
+
+def _length_delimited(number: int, payload: bytes) -> bytes:
+    return _varint((number << 3) | 2) + _varint(len(payload)) + payload
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes(out + bytes([value]))
+
+
+def _deep_send(seq: int, depth: int) -> bytes:
+    """A session `send` frame whose content nests ``depth`` objects: written by hand, since
+    protobuf's own writer goes no deeper than its reader."""
+    value = struct_pb2.Value(string_value="bottom").SerializeToString()
+    for _ in range(depth):  # Value.struct_value -> Struct.fields entry {key, value}
+        entry = _length_delimited(1, b"k") + _length_delimited(2, value)
+        value = _length_delimited(5, _length_delimited(1, entry))
+    action = struct_pb2.Value(string_value="deep").SerializeToString()
+    content = _length_delimited(1, _length_delimited(1, b"action") + _length_delimited(2, action))
+    content += _length_delimited(1, _length_delimited(1, b"nest") + _length_delimited(2, value))
+    message = _length_delimited(2, b"sender") + _length_delimited(3, b"Sink")
+    return bytes([0x08, seq]) + _length_delimited(3, message + _length_delimited(5, content))
+
+
+async def test_a_session_frame_too_deep_is_refused_by_its_seq_and_the_batch_goes_on() -> None:
+    """The frame names no seq the broker could read once decoded; it is read from the bytes,
+    so its sender hears at once (it waited for its deadline before). In a batch, the frames
+    around it are taken as they came."""
+    async with LocalMesh() as mesh, grpc.aio.insecure_channel(mesh.address) as channel:
+        client = mesh.client("sender", retry=NO_RETRY)
+        await client.register("Sink")
+
+        def send(seq: int, action: str) -> bytes:
+            frame = broker_pb2.ConnectRequest(seq=seq)
+            frame.send.from_agent, frame.send.to_agent = "sender", "Sink"
+            frame.send.content.update({"action": action})
+            return frame.SerializeToString()
+
+        frames = [send(1, "first"), _deep_send(2, 40), _deep_send(3, 30), send(4, "last")]
+        batch = _length_delimited(9, b"".join(_length_delimited(1, f) for f in frames))
+        call = channel.stream_stream(
+            "/mesh.v1.BrokerService/Connect",
+            response_deserializer=broker_pb2.ConnectResponse.FromString,
+        )()
+        for raw in (batch, _deep_send(5, 30)):
+            await call.write(raw)
+        answers: dict[int, broker_pb2.ConnectResponse] = {}
+        async with asyncio.timeout(10):
+            while len(answers) < 5:
+                frame = await call.read()
+                for inner in frame.batch.frames if frame.HasField("batch") else [frame]:
+                    answers[inner.seq] = inner
+        await call.done_writing()
+        assert {seq: a.WhichOneof("frame") for seq, a in answers.items()} == {
+            1: "accepted",
+            2: "error",
+            3: "error",
+            4: "accepted",
+            5: "error",
+        }
+        for seq in (2, 3, 5):
+            assert answers[seq].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert "it nests more than 84 levels deep" in answers[seq].error.message
+        assert [m.content["action"] for m in await client.receive("Sink")] == ["first", "last"]
