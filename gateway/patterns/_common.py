@@ -6,8 +6,8 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 
-from mesh.core.errors import MessageValidationError
-from mesh.core.model import JSON
+from mesh.core.errors import AgentError, MeshError, MessageValidationError
+from mesh.core.model import JSON, Message
 
 Clock = Callable[[], float]
 GATEWAY_ID = "gateway"
@@ -42,9 +42,30 @@ def nobody_answered(missing: Mapping[str, str]) -> str:
     return f"no agent answered ({reasons})"
 
 
+def no_answer(error: MeshError | None, answer: Message | None) -> MeshError:
+    """Why an agent of a gather gave nothing to aggregate: the gather's error for it (no
+    answer in time, not registered, ...), or the ERROR it answered with."""
+    if error is not None:
+        return error
+    content = (answer.content if answer is not None else None) or {}
+    return AgentError(str(content.get("error") or "agent error"))
+
+
 def as_float(value: JSON, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return default
+    return float(value)
+
+
+def unit_value(value: JSON, default: float, field: str) -> float:
+    """A confidence or score from an agent's answer: a number from 0 to 1, ``default`` when
+    the answer gives none. Anything else (a string, NaN, 85 for 85%) makes the answer
+    unusable: MessageValidationError on ``field``, which a pattern reports as the agent's
+    reason for missing rather than let it win or sink a vote."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise invalid(field, f"{field} must be a number from 0 to 1, got {value!r}")
     return float(value)
 
 

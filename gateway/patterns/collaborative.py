@@ -14,14 +14,16 @@ from gateway.events import Emit, EventKind, Pattern, PatternEvent
 from gateway.patterns._common import (
     GATEWAY_ID,
     Stopwatch,
-    as_float,
     check_group,
     clean,
     invalid,
     new_id,
+    no_answer,
     nobody_answered,
+    unit_value,
 )
 from gateway.tracing import now_ns, record_span, span_name, tracer
+from mesh.core.errors import MeshError
 from mesh.core.model import JSON, Message, MessageType
 
 METHODS = ("weighted", "confidence")
@@ -51,11 +53,17 @@ class AgentOpinion:
 
 def opinion_from(agent_id: str, weight_key: str, content: Mapping[str, JSON]) -> AgentOpinion:
     raw = content.get("scores")
-    scores = {str(k): as_float(v, 0.0) for k, v in raw.items()} if isinstance(raw, dict) else {}
+    scores = (
+        {str(k): unit_value(v, 0.0, f"scores.{k}") for k, v in raw.items()}
+        if isinstance(raw, dict)
+        else {}
+    )
     recommendation = str(content.get("recommendation") or "")
     if not recommendation and scores:
         recommendation = max(sorted(scores), key=lambda o: scores[o])
-    confidence = as_float(content.get("confidence"), scores.get(recommendation, 0.5))
+    confidence = unit_value(
+        content.get("confidence"), scores.get(recommendation, 0.5), "confidence"
+    )
     return AgentOpinion(
         agent_id=agent_id,
         weight_key=weight_key,
@@ -262,18 +270,20 @@ async def run_filtering(spec: FilteringSpec, dispatcher: Dispatcher, emit: Emit)
                 answered=item.response is not None,
             )
             answer = item.response
-            if answer is None or answer.message_type is MessageType.ERROR:
-                reason = item.error.message if item.error is not None else "agent error"
-                missing[item.agent_id] = reason
+            try:
+                if answer is None or answer.message_type is MessageType.ERROR:
+                    raise no_answer(item.error, answer)
+                opinion = opinion_from(item.agent_id, keys[item.agent_id], answer.content or {})
+            except MeshError as error:  # none, an ERROR, or scores the aggregation cannot use
+                missing[item.agent_id] = error.message
                 await event(
                     EventKind.AGENT_MISSING,
-                    f"{item.agent_id} gave no scores: {reason}",
+                    f"{item.agent_id} gave no scores: {error.message}",
                     agent_id=item.agent_id,
-                    data={"agent_id": item.agent_id, "reason": reason},
+                    data={"agent_id": item.agent_id, "reason": error.message},
                 )
                 continue
             durations[item.agent_id] = clock.ms
-            opinion = opinion_from(item.agent_id, keys[item.agent_id], answer.content or {})
             opinions.append(opinion)
             await event(
                 EventKind.SCORES,
@@ -314,6 +324,7 @@ async def run_filtering(spec: FilteringSpec, dispatcher: Dispatcher, emit: Emit)
         "opinions": [op.to_dict() for op in opinions],
         "agent_durations_ms": durations,
         "missing": sorted(missing),
+        "missing_reasons": dict(sorted(missing.items())),
         "weights": weights,
         "duration_ms": clock.ms,
     }

@@ -14,7 +14,15 @@ from typing import Any
 
 from gateway.dispatch import Dispatcher
 from gateway.events import Emit, EventKind, Pattern, PatternEvent
-from gateway.patterns._common import GATEWAY_ID, Stopwatch, as_float, check_group, invalid, new_id
+from gateway.patterns._common import (
+    GATEWAY_ID,
+    Stopwatch,
+    check_group,
+    invalid,
+    new_id,
+    no_answer,
+    unit_value,
+)
 from mesh.core.errors import MeshError
 from mesh.core.model import JSON, Message, MessageType
 
@@ -47,7 +55,7 @@ def vote_from(reviewer_id: str, content: Mapping[str, JSON]) -> Vote:
         reviewer_id=reviewer_id,
         vote=kind,
         feedback=str(content.get("feedback", "")),
-        confidence=as_float(content.get("confidence"), 1.0),
+        confidence=unit_value(content.get("confidence"), 1.0, "confidence"),
     )
 
 
@@ -267,24 +275,19 @@ async def run_consensus(spec: ConsensusSpec, dispatcher: Dispatcher, emit: Emit)
         async for item in items:
             pending.remove(item.agent_id)
             reply = item.response
-            if reply is None or reply.message_type is MessageType.ERROR:
-                if item.error is not None:
-                    reason = item.error.message
-                else:
-                    reason = str(((reply.content if reply else None) or {}).get("error"))
-                missing[item.agent_id] = reason
+            try:
+                if reply is None or reply.message_type is MessageType.ERROR:
+                    raise no_answer(item.error, reply)
+                vote = vote_from(item.agent_id, reply.content or {})
+            except MeshError as error:  # none, an ERROR, or a vote that cannot count
+                missing[item.agent_id] = error.message
                 await event(
                     EventKind.AGENT_MISSING,
-                    f"{item.agent_id} did not vote: {reason}",
+                    f"{item.agent_id} did not vote: {error.message}",
                     agent_id=item.agent_id,
-                    data={"agent_id": item.agent_id, "reason": reason},
+                    data={"agent_id": item.agent_id, "reason": error.message},
                 )
             else:
-                try:
-                    vote = vote_from(item.agent_id, reply.content or {})
-                except MeshError as error:
-                    missing[item.agent_id] = error.message
-                    continue
                 votes.append(vote)
                 await event(
                     EventKind.VOTE,
@@ -351,6 +354,7 @@ async def run_consensus(spec: ConsensusSpec, dispatcher: Dispatcher, emit: Emit)
         "votes": [v.to_dict() for v in votes],
         "decision": decision,
         "missing": sorted(missing),
+        "missing_reasons": dict(sorted(missing.items())),
         "skipped": skipped,
         "duration_ms": clock.ms,
         "stats": decision.pop("memory_stats", None),

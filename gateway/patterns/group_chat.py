@@ -16,14 +16,16 @@ from gateway.events import Emit, EventKind, Pattern, PatternEvent
 from gateway.patterns._common import (
     GATEWAY_ID,
     Stopwatch,
-    as_float,
     check_group,
     clean,
     invalid,
     new_id,
+    no_answer,
     nobody_answered,
+    unit_value,
 )
 from gateway.tracing import span_name, tracer
+from mesh.core.errors import MeshError
 from mesh.core.model import JSON, Message, MessageType
 from mesh.tracing import inject
 
@@ -73,12 +75,13 @@ class Contribution:
 
 
 def contribution_from(agent_id: str, content: Mapping[str, JSON], **extra: Any) -> Contribution:
-    """Reads an agent's answer: recommendation, confidence (default 0.5) and reasoning."""
+    """Reads an agent's answer: recommendation, confidence (0 to 1, default 0.5) and
+    reasoning; MessageValidationError for a confidence that is not."""
     recommendation = content.get("recommendation", content.get("result", ""))
     return Contribution(
         agent_id=agent_id,
         recommendation=str(recommendation),
-        confidence=as_float(content.get("confidence"), DEFAULT_CONFIDENCE),
+        confidence=unit_value(content.get("confidence"), DEFAULT_CONFIDENCE, "confidence"),
         reasoning=str(content.get("reasoning", "")),
         **extra,
     )
@@ -434,30 +437,26 @@ async def _run(
         async with contextlib.aclosing(items):  # left early: the gather is given up
             async for item in items:
                 answer = item.response
-                if answer is None or answer.message_type is MessageType.ERROR:
-                    reason = (
-                        item.error.message
-                        if item.error is not None
-                        else str((answer.content or {}).get("error", "error"))
-                        if answer
-                        else ""
+                try:
+                    if answer is None or answer.message_type is MessageType.ERROR:
+                        raise no_answer(item.error, answer)
+                    contribution = contribution_from(
+                        item.agent_id,
+                        answer.content or {},
+                        round=round_number,
+                        timestamp=answer.timestamp.isoformat(),
+                        latency_ms=round(clock.ms - sent_at, 3),
                     )
-                    missing[item.agent_id] = reason
+                except MeshError as error:  # none, an ERROR, or one the aggregation cannot use
+                    missing[item.agent_id] = error.message
                     await event(
                         EventKind.AGENT_MISSING,
-                        f"{item.agent_id} gave no answer: {reason}",
+                        f"{item.agent_id} gave no answer: {error.message}",
                         agent_id=item.agent_id,
                         round=round_number,
-                        data={"agent_id": item.agent_id, "reason": reason},
+                        data={"agent_id": item.agent_id, "reason": error.message},
                     )
                     continue
-                contribution = contribution_from(
-                    item.agent_id,
-                    answer.content or {},
-                    round=round_number,
-                    timestamp=answer.timestamp.isoformat(),
-                    latency_ms=round(clock.ms - sent_at, 3),
-                )
                 this_round.append(contribution)
                 history.append(
                     {

@@ -192,6 +192,56 @@ async def test_scenario_05_group_chat_with_disagreement(tmp_path: Path) -> None:
     assert aggregate["note"] == "Disagreement detected: 3 different stocks recommended"
 
 
+async def test_answers_whose_confidence_or_scores_are_not_shares_are_left_out_saying_why() -> None:
+    """Agents are other processes. A NaN confidence would win every comparison ("Buy A
+    (highest confidence)", confidence NaN, which JSON cannot even carry), an 85 would outweigh
+    the rest: such answers are left out, each with its reason, and the others decide."""
+    answers: dict[str, dict[str, Any]] = {
+        "Careful": {"recommendation": "Buy MSFT", "confidence": 0.6, "scores": {"H": 0.6}},
+        "NotANumber": {"recommendation": "Buy AAPL", "confidence": float("nan")},
+        "Percent": {"recommendation": "Buy AAPL", "confidence": 85, "scores": {"H": 0.9}},
+        "Worded": {"recommendation": "Buy AAPL", "confidence": "high"},
+        "Beyond": {"recommendation": "Buy AAPL", "scores": {"H": 1.5}},
+    }
+    async with LocalMesh() as mesh:
+        for name, answer in answers.items():
+
+            @agent(name)
+            async def answers_so(message: Message, ctx: AgentContext, answer: Any = answer) -> Any:
+                return answer
+
+            await mesh.add_agent(answers_so)
+        gateway = await serve_gateway(mesh.address)
+        try:
+            async with GatewayClient(gateway.address) as client:
+                chat = await client.collect(client.group_chat(agent_ids=list(answers), query="q"))
+                weights = {name: 0.2 for name in answers}
+                scored = await client.collect(
+                    client.collaborative_filtering(
+                        agent_ids=list(answers), query="q", weights=weights
+                    )
+                )
+        finally:
+            await gateway.stop(0.5)
+    chat_result = result_of(chat)
+    # Careful's 0.6 against Beyond's unstated confidence (0.5): the NaN does not win.
+    assert chat_result["aggregate"]["scores"] == {"Buy MSFT": 0.6, "Buy AAPL": 0.5}
+    assert chat_result["aggregate"]["recommendation"] == "Buy MSFT (highest confidence)"
+    assert chat_result["missing_reasons"] == {
+        "NotANumber": "confidence must be a number from 0 to 1, got nan",
+        "Percent": "confidence must be a number from 0 to 1, got 85",
+        "Worded": "confidence must be a number from 0 to 1, got 'high'",
+    }
+    assert {e["agent_id"] for e in of_kind(chat, "AGENT_MISSING")} == set(
+        chat_result["missing_reasons"]
+    )
+    scored_result = result_of(scored)
+    assert scored_result["missing_reasons"]["Beyond"] == (
+        "scores.H must be a number from 0 to 1, got 1.5"
+    )
+    assert "Careful" not in scored_result["missing_reasons"]
+
+
 async def test_group_chat_agent_stopped_mid_pattern_finishes_with_the_others() -> None:
     entered = asyncio.Event()
 

@@ -1,11 +1,14 @@
 """How a group chat settles its agents' disagreement (RT-011 conflict resolution: voting by
-majority, weighted or unanimous, and agent hierarchy), without a mesh."""
+majority, weighted or unanimous, and agent hierarchy), and which answers can count at all,
+without a mesh."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.patterns.group_chat import Contribution, GroupChatSpec, aggregate
+from gateway.patterns.collaborative import opinion_from
+from gateway.patterns.consensus import vote_from
+from gateway.patterns.group_chat import Contribution, GroupChatSpec, aggregate, contribution_from
 from mesh.core.errors import MessageValidationError
 
 
@@ -98,3 +101,26 @@ def test_expertise_must_be_a_share_for_members() -> None:
         spec = GroupChatSpec(agent_ids=["A"], query="q", expertise=expertise)
         with pytest.raises(MessageValidationError):
             spec.validate()
+
+
+@pytest.mark.parametrize("confidence", [float("nan"), float("inf"), -0.1, 85, "high", True])
+def test_an_answer_whose_confidence_is_not_a_share_cannot_count(confidence: object) -> None:
+    """Agents are other processes: a NaN would win every comparison it is in, 85 (for 85%)
+    would outweigh every other answer. Such an answer is refused, saying why; one that gives
+    no confidence counts at 0.5."""
+    content = {"recommendation": "Buy AAPL", "confidence": confidence}
+    with pytest.raises(MessageValidationError, match="confidence must be a number from 0 to 1"):
+        contribution_from("A", content)  # type: ignore[arg-type]
+    with pytest.raises(MessageValidationError, match="confidence must be a number from 0 to 1"):
+        vote_from("A", {"vote": "approve", "confidence": confidence})  # type: ignore[dict-item]
+    with pytest.raises(MessageValidationError, match="confidence must be a number from 0 to 1"):
+        opinion_from("A", "price", content)  # type: ignore[arg-type]
+    assert contribution_from("A", {"recommendation": "Buy AAPL"}).confidence == 0.5
+    assert contribution_from("A", {"recommendation": "X", "confidence": 1}).confidence == 1.0
+
+
+def test_a_score_that_is_not_a_share_cannot_count() -> None:
+    with pytest.raises(MessageValidationError, match=r"scores\.Hotel B must be a number from 0"):
+        opinion_from("A", "price", {"scores": {"Hotel A": 0.9, "Hotel B": 1.5}})
+    opinion = opinion_from("A", "price", {"scores": {"Hotel A": 0.9, "Hotel B": 0}})
+    assert opinion.recommendation == "Hotel A" and opinion.confidence == 0.9
