@@ -76,8 +76,8 @@ def opinion_from(agent_id: str, weight_key: str, content: Mapping[str, JSON]) ->
 def validate_weights(weights: Mapping[str, float]) -> None:
     if not weights:
         raise invalid("weights", "weights are required")
-    if any(w < 0 for w in weights.values()):
-        raise invalid("weights", "weights must not be negative")
+    if any(not 0 <= w <= 1 for w in weights.values()):  # (NaN is not either)
+        raise invalid("weights", "weights must be numbers from 0 to 1")
     total = sum(weights.values())
     if abs(total - 1.0) > WEIGHT_TOLERANCE:
         raise invalid("weights", f"weights must sum to 1.0, got {clean(total):g}")

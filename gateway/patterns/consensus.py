@@ -8,6 +8,7 @@ means unanimous, exactly.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -188,8 +189,8 @@ class ConsensusSpec:
             )
         if not 0 <= self.quorum <= len(self.reviewer_ids):
             raise invalid("quorum", "quorum must be within 0 and the number of reviewers")
-        if any(w <= 0 for w in self.weights.values()):
-            raise invalid("reviewer_weights", "reviewer weights must be positive")
+        if any(not 0 < w < math.inf for w in self.weights.values()):  # (NaN is not either)
+            raise invalid("reviewer_weights", "reviewer weights must be positive numbers")
         if self.agent_timeout <= 0:
             raise invalid("agent_timeout", "agent_timeout must be positive")
         if self.insight_ttl < 0:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.patterns.consensus import Vote, decide, settled
+from gateway.patterns.consensus import ConsensusSpec, Vote, decide, settled
 from mesh.core.errors import MessageValidationError
 
 
@@ -87,3 +87,12 @@ def test_settled_once_remaining_votes_cannot_change_the_outcome() -> None:
     assert settled(votes(1, 1, 0), ["r9"], threshold=0.67) is None
     assert settled(votes(1, 1, 1), ["r8"], threshold=0.75) == "REQUEST_REVISION"
     assert settled(votes(2, 0, 0), ["r9"], threshold=0.67, quorum=3) is None
+
+
+@pytest.mark.parametrize("weight", [0.0, -1.0, float("nan"), float("inf")])
+def test_reviewer_weights_must_be_positive_numbers(weight: float) -> None:
+    """An infinite weight made every ratio NaN; a NaN one passed the old check."""
+    spec = ConsensusSpec(problem="p", weights={"reviewer_1": weight})
+    with pytest.raises(MessageValidationError, match="reviewer weights must be positive numbers"):
+        spec.validate()
+    ConsensusSpec(problem="p", weights={"reviewer_1": 3.0}).validate()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.patterns.collaborative import opinion_from
+from gateway.patterns.collaborative import opinion_from, validate_weights
 from gateway.patterns.consensus import vote_from
 from gateway.patterns.group_chat import Contribution, GroupChatSpec, aggregate, contribution_from
 from mesh.core.errors import MessageValidationError
@@ -124,3 +124,13 @@ def test_a_score_that_is_not_a_share_cannot_count() -> None:
         opinion_from("A", "price", {"scores": {"Hotel A": 0.9, "Hotel B": 1.5}})
     opinion = opinion_from("A", "price", {"scores": {"Hotel A": 0.9, "Hotel B": 0}})
     assert opinion.recommendation == "Hotel A" and opinion.confidence == 0.9
+
+
+@pytest.mark.parametrize("weight", [-0.1, 1.5, float("nan"), float("inf")])
+def test_collaborative_weights_must_be_shares(weight: float) -> None:
+    """A NaN weight passed (NaN is neither negative nor off 1.0 in a sum) and failed the run
+    with an IndexError; now it is refused like any other that is not a share."""
+    weights = {"price": weight, "quality": 0.4, "location": 0.3, "reviews": 0.1}
+    with pytest.raises(MessageValidationError, match="weights must be numbers from 0 to 1"):
+        validate_weights(weights)
+    validate_weights({"price": 0.2, "quality": 0.4, "location": 0.3, "reviews": 0.1})

@@ -189,8 +189,6 @@ def test_only_events_go_to_the_event_log(tmp_path: Path) -> None:
         written(plain, event_record("debug", logging.DEBUG), event_record("kept"), to=handler)
     finally:
         handler.close()
-    assert [line["message"] for line in lines((tmp_path / "events.jsonl").read_text())] == [
-        "kept"
-    ]
+    assert [line["message"] for line in lines((tmp_path / "events.jsonl").read_text())] == ["kept"]
     with pytest.raises(ValueError, match="at least one day"):
         event_log(tmp_path / "other.jsonl", days=0)
