@@ -393,10 +393,10 @@ class _Session:
             # Refused under its own seq, so that whoever waits on it hears at once; a
             # batch's frames are read one by one, and only those that do not decode refused.
             seq, frames = _frame_parts(frame.data)
-            if frames is None:
-                await self._error(seq, frame.to_error())
-            else:
+            if frames:
                 await self._batch([_read_frame(raw) for raw in frames])
+            else:
+                await self._error(seq, frame.to_error())
             return
         kind = frame.WhichOneof("frame")
         seq = frame.seq
