@@ -549,26 +549,32 @@ async def _certs(args: argparse.Namespace) -> int:
 # -- parser ------------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="agentmesh", description=__doc__)
+def _add_process_options(parser: argparse.ArgumentParser, *, defaults: bool = True) -> None:
+    """How a process logs and traces. Taken before the command (`agentmesh --log-level INFO
+    broker`) or after it (`agentmesh broker --log-level INFO`): the command's own parser has
+    them with no defaults, so that only what is given there replaces the others."""
+
+    def default(value: Any) -> Any:
+        return value if defaults else argparse.SUPPRESS
+
     parser.add_argument(
         "--log-level",
         type=str.upper,
         choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
-        default=_env("LOG_LEVEL", "WARNING").upper(),
+        default=default(_env("LOG_LEVEL", "WARNING").upper()),
         help="WARNING (default) writes warnings, errors and the structured events (hand-offs,"
         " broadcasts, registrations, retries, ...); ERROR leaves the events out (env"
         " AGENTMESH_LOG_LEVEL)",
     )
     parser.add_argument(
         "--trace-dir",
-        default=_env("TRACE_DIR", "") or None,
+        default=default(_env("TRACE_DIR", "") or None),
         help="write spans as JSON lines to this folder (env AGENTMESH_TRACE_DIR;"
         " `up` defaults to ./traces); OTLP via OTEL_EXPORTER_OTLP_ENDPOINT",
     )
     parser.add_argument(
         "--event-log",
-        default=_env("EVENT_LOG", "") or None,
+        default=default(_env("EVENT_LOG", "") or None),
         help="also write the structured events (hand-offs, broadcasts, registrations,"
         " expiries, ...) as JSON lines to this file, whatever --log-level: a new file every"
         " day at midnight UTC, the earlier ones kept --event-log-days (env"
@@ -577,10 +583,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--event-log-days",
         type=int,
-        default=_env("EVENT_LOG_DAYS", str(EVENT_LOG_DAYS)),
+        default=default(_env("EVENT_LOG_DAYS", str(EVENT_LOG_DAYS))),
         help=f"days of events the event log keeps (env AGENTMESH_EVENT_LOG_DAYS;"
         f" {EVENT_LOG_DAYS}, as RF-009 keeps hand-off logs)",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agentmesh", description=__doc__)
+    _add_process_options(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     broker_default = _env("BROKER", DEFAULT_BROKER)
 
@@ -724,6 +735,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_stats)
 
     _add_gateway_commands(sub, broker_default)
+    for command in sub.choices.values():
+        _add_process_options(command, defaults=False)
     return parser
 
 

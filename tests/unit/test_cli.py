@@ -1,5 +1,6 @@
-"""How `agentmesh send` turns its flags into a message's content and refuses bad JSON, and how
-a command refuses a module:attribute spec that names nothing."""
+"""How `agentmesh send` turns its flags into a message's content and refuses bad JSON, how
+a command refuses a module:attribute spec that names nothing, and where the options of how a
+process logs may stand."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import argparse
 
 import pytest
 
-from mesh.cli import _content, main
+from mesh.cli import _content, build_parser, main
 
 
 def args(**flags: object) -> argparse.Namespace:
@@ -54,3 +55,27 @@ def test_a_spec_that_names_nothing_is_a_usage_error(
         main(args)
     assert exited.value.code == 2  # as argparse ends a command it cannot run
     assert said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["broker"], ("WARNING", None, None, 30)),
+        (["--log-level", "info", "broker"], ("INFO", None, None, 30)),
+        (
+            ["broker", "--log-level", "error", "--event-log", "e.jsonl"],
+            ("ERROR", None, "e.jsonl", 30),
+        ),
+        (
+            ["--log-level", "info", "up", "--trace-dir", "t", "--event-log-days", "7"],
+            ("INFO", "t", None, 7),
+        ),
+    ],
+)
+def test_how_a_process_logs_is_taken_before_or_after_the_command(
+    argv: list[str], expected: tuple[object, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("LOG_LEVEL", "TRACE_DIR", "EVENT_LOG", "EVENT_LOG_DAYS"):
+        monkeypatch.delenv(f"AGENTMESH_{name}", raising=False)
+    parsed = build_parser().parse_args(argv)
+    assert (parsed.log_level, parsed.trace_dir, parsed.event_log, parsed.event_log_days) == expected
