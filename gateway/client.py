@@ -12,6 +12,7 @@ from mesh._status import from_rpc_error
 from mesh.client import CLIENT_OPTIONS
 from mesh.codec import struct_to_dict
 from mesh.config import SecurityConfig
+from mesh.core.errors import MessageValidationError
 from mesh.security import open_channel
 from mesh.tracing import inject
 from mesh.v1 import gateway_pb2, gateway_pb2_grpc
@@ -74,7 +75,14 @@ class GatewayClient:
                 "RunConsensus": gateway_pb2.RunConsensusRequest,
                 "RunResearch": gateway_pb2.RunResearchRequest,
             }[rpc]
-            request = json_format.ParseDict(request, request_type())
+            fields, request = request, request_type()
+            try:
+                json_format.ParseDict(fields, request)
+            except json_format.ParseError as error:  # e.g. {"query": 5}: the caller's mistake
+                raise MessageValidationError.for_field(
+                    "request",
+                    f"the request is not a valid {request.DESCRIPTOR.full_name}: {error}",
+                ) from None
         metadata = tuple(inject().items())  # continue the caller's trace in the gateway
         return self._stream(method(request, timeout=self.timeout, metadata=metadata or None))
 

@@ -321,6 +321,10 @@ class Dashboard:
                     first.set_exception(error)
                 else:
                     logger.warning("dashboard run %s failed: %s", name, error.message)
+            except Exception as error:  # a fault of ours: said at once, not after 30 s
+                logger.exception("dashboard run %s failed", name)
+                if not first.done():
+                    first.set_exception(error)
 
         task = asyncio.create_task(run(), name=f"dashboard-run-{name}")
         self._tasks.add(task)

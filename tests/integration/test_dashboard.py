@@ -221,6 +221,13 @@ def test_bad_pattern_requests_get_clear_errors(mesh_up: dict[str, str]) -> None:
     assert status == 404 and "group_chat" in text
     status, text = post(patterns + "group_chat", b"not json")
     assert status == 400 and "JSON" in text
+    # Fields the request type cannot take: refused at once (it waited 30 s for a run that
+    # had failed in the background before).
+    for body in ({"query": 5}, {"agent_ids": "IndustryExpertAgent", "query": "q"}):
+        status, text = post(patterns + "group_chat", json.dumps(body).encode())
+        assert status == 400
+        assert json.loads(text)["code"] == "INVALID_ARGUMENT"
+        assert "not a valid mesh.v1.RunGroupChatRequest" in json.loads(text)["message"]
 
 
 def test_rating_a_run_gets_clear_errors(mesh_up: dict[str, str]) -> None:
