@@ -24,6 +24,7 @@ from mesh.client import NO_RETRY, ClientSubscription, MeshClient, Received, Retr
 from mesh.config import SecurityConfig
 from mesh.core import negotiation
 from mesh.core.errors import (
+    AgentError,
     BrokerUnavailableError,
     MeshError,
     SessionClosedError,
@@ -398,6 +399,15 @@ class AgentRuntime:
                     message.message_id,
                     error.message,
                 )
+                if (
+                    error.code == "INVALID_ARGUMENT"
+                    and answer.message_type is not MessageType.ERROR
+                ):
+                    # The answer itself was refused (too large, too deep, a NaN): whoever
+                    # waits for it hears why now, not at its deadline.
+                    refused = AgentError(f"{self.agent.agent_id}'s answer was refused: {error}")
+                    with contextlib.suppress(MeshError):
+                        await received.answer(error_to(message, self.agent.agent_id, refused))
         await received.ack()  # nothing to do when the answer acknowledged it
 
     async def run_handler(self, message: Message) -> Message | None:

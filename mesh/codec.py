@@ -84,13 +84,25 @@ def struct_to_dict(struct: struct_pb2.Struct) -> dict[str, JSON]:
     return {key: value_to_python(fields[key]) for key in fields}
 
 
+def _not_json(number: float) -> MessageValidationError:
+    return MessageValidationError.for_field(
+        "content", f"{number!r} is not a number JSON can write (NaN and Infinity are not)"
+    )
+
+
 def python_to_value(data: JSON, out: struct_pb2.Value) -> None:
     # The exact types JSON decodes to are told apart by identity (one test each, bool apart
-    # from int); subclasses and other sequences take the general path.
+    # from int); subclasses and other sequences take the general path. NaN and Infinity are
+    # refused here, where a JSON value is made: protobuf would carry them, but no client
+    # reading JSON could read what holds one.
     kind = type(data)
     if kind is str:
         out.string_value = data
-    elif kind is float or kind is int:
+    elif kind is int:
+        out.number_value = data
+    elif kind is float:
+        if data - data != 0.0:  # (NaN or an infinity; a call to isfinite costs more)
+            raise _not_json(data)
         out.number_value = data
     elif kind is bool:
         out.bool_value = data
@@ -99,6 +111,8 @@ def python_to_value(data: JSON, out: struct_pb2.Value) -> None:
     elif data is None:
         out.null_value = struct_pb2.NULL_VALUE
     elif isinstance(data, int | float):  # (bool has no subclasses: it was told above)
+        if not math.isfinite(data):
+            raise _not_json(float(data))
         out.number_value = float(data)
     elif isinstance(data, str):
         out.string_value = data
@@ -124,7 +138,7 @@ def dict_to_struct(data: Mapping[str, JSON], out: struct_pb2.Struct) -> None:
         kind = type(item)  # strings and numbers, the most met, set here without a call
         if kind is str:
             fields[name].string_value = item
-        elif kind is float or kind is int:
+        elif kind is int or (kind is float and item - item == 0.0):
             fields[name].number_value = item
         else:
             python_to_value(item, fields[name])

@@ -9,10 +9,17 @@ read where it goes: one such message in a batch frame would fail the frame, and 
 message with it, at every delivery. So a server of the mesh reads each request as if it
 were :data:`HEADROOM` levels further down, and refuses what does not fit with
 INVALID_ARGUMENT (JSON content may still nest about 25 levels).
+
+The same reading refuses a JSON value (google.protobuf.Value) that holds NaN or Infinity:
+protobuf takes them, JSON has neither, and a client reading JSON (grpcurl, buf curl, a
+browser) fails on the whole answer that carries one, a ReceiveMessages of every message it
+took off the queue included.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -29,6 +36,51 @@ _START, _END, _LEAF = b"\x0b", b"\x0c", b"\x12"
 """Field 1 as a group (opened and closed: no length to work out) and field 2 with a length."""
 _UNWRAP_ABOVE = 4096
 """Bytes above which a request is taken out of its wrapper rather than parsed again."""
+
+
+_NON_FINITE = re.compile(rb"\x11[\x00-\xff]{6}[\xf0-\xff][\x7f\xff]", re.DOTALL)
+"""A double in field 2 of a message (Value.number_value) whose exponent bits are all set: NaN
+or an infinity. Bytes elsewhere may look the same: a match is looked into field by field."""
+
+
+def non_finite_value(message: Any, path: str = "") -> str:
+    """Where ``message`` holds a google.protobuf.Value of NaN or Infinity ("" for nowhere)."""
+    if message.DESCRIPTOR.full_name == "google.protobuf.Value":
+        kind = message.WhichOneof("kind")
+        if kind == "number_value" and not math.isfinite(message.number_value):
+            return path or "value"
+        if kind == "struct_value":
+            return non_finite_value(message.struct_value, path)
+        if kind == "list_value":
+            return non_finite_value(message.list_value, path)
+        return ""
+    for field, value in message.ListFields():
+        if field.message_type is None:
+            continue
+        if field.message_type.GetOptions().map_entry:
+            items: Any = (
+                value.items() if field.message_type.fields_by_name["value"].message_type else ()
+            )
+        elif field.is_repeated:
+            items = enumerate(value)
+        else:
+            items = [(None, value)]
+        name = "" if message.DESCRIPTOR.full_name in _JSON_TYPES else field.name
+        for key, item in items:
+            where = ".".join(p for p in (path, name, "" if key is None else str(key)) if p)
+            found = non_finite_value(item, where)
+            if found:
+                return found
+    return ""
+
+
+_JSON_TYPES = ("google.protobuf.Struct", "google.protobuf.ListValue")
+"""Whose own field names (fields, values) a path leaves out: content.x, not content.fields.x."""
+
+
+class NonFiniteError(ValueError):
+    def __init__(self, where: str) -> None:
+        super().__init__(f"{where} is NaN or Infinity, which JSON has no way to write")
 
 
 def _wrapper(descriptor: Descriptor) -> Any:
@@ -92,10 +144,14 @@ def with_headroom(message_class: Any, headroom: int = HEADROOM) -> Callable[[byt
                     raise
             raise DeepRequestError(headroom) from None
         if len(data) <= _UNWRAP_ABOVE:
-            return parse(data)
-        for _ in range(headroom - 1):
-            held = held.inner
-        return held.request
+            request = parse(data)
+        else:
+            for _ in range(headroom - 1):
+                held = held.inner
+            request = held.request
+        if _NON_FINITE.search(data) and (where := non_finite_value(request)):
+            raise NonFiniteError(where)
+        return request
 
     return parse_with_headroom
 

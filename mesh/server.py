@@ -396,6 +396,7 @@ class _Session:
             if frames:
                 await self._batch([_read_frame(raw) for raw in frames])
             else:
+                self.broker.refused_unreadable()
                 await self._error(seq, frame.to_error())
             return
         kind = frame.WhichOneof("frame")
@@ -467,6 +468,7 @@ class _Session:
         try:
             for inner in frames:
                 if isinstance(inner, Malformed):
+                    self.broker.refused_unreadable()
                     await self._error(_frame_parts(inner.data)[0], inner.to_error())
                 elif inner.WhichOneof("frame") == "batch":
                     await self._error(inner.seq, _invalid("batch", "a batch cannot hold a batch"))
@@ -735,6 +737,7 @@ async def serve_broker(
         metrics_registry=broker.metrics.registry,
         metrics_port=config.metrics_port,
         security=security,
+        on_malformed=broker.refused_unreadable,
     )
     server._on_drain.append(broker.drain)
     server._on_stop.append(broker.stop)

@@ -105,7 +105,11 @@ def lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], An
 
 class ContractInterceptor(grpc.aio.ServerInterceptor):
     """Answers undecodable requests with INVALID_ARGUMENT. Streams receive
-    :class:`Malformed` items and answer them one by one (the Connect session does)."""
+    :class:`Malformed` items and answer them one by one (the Connect session does).
+    ``on_malformed`` counts the refusals of unary calls (the broker's validation errors)."""
+
+    def __init__(self, on_malformed: Callable[[], None] | None = None) -> None:
+        self.on_malformed = on_malformed
 
     async def intercept_service(
         self,
@@ -123,7 +127,7 @@ class ContractInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary_unary(request: Any, context: Any) -> Any:
                 if isinstance(request, Malformed):
-                    await _abort_invalid(context, request)
+                    await self._refuse(context, request)
                 return await inner_uu(request, context)
 
             return handler._replace(unary_unary=unary_unary, request_deserializer=decode)
@@ -131,7 +135,7 @@ class ContractInterceptor(grpc.aio.ServerInterceptor):
 
         async def unary_stream(request: Any, context: Any) -> Any:
             if isinstance(request, Malformed):
-                await _abort_invalid(context, request)
+                await self._refuse(context, request)
             result = inner_us(request, context)
             if hasattr(result, "__aiter__"):
                 async for item in result:
@@ -142,8 +146,10 @@ class ContractInterceptor(grpc.aio.ServerInterceptor):
         return handler._replace(unary_stream=unary_stream, request_deserializer=decode)
 
 
-async def _abort_invalid(context: Any, malformed: Malformed) -> None:
-    await abort(context, malformed.to_error())
+    async def _refuse(self, context: Any, malformed: Malformed) -> None:
+        if self.on_malformed is not None:
+            self.on_malformed()
+        await abort(context, malformed.to_error())
 
 
 @dataclass
@@ -237,14 +243,16 @@ async def start_server(
     metrics_port: int = -1,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     security: SecurityConfig | None = None,
+    on_malformed: Callable[[], None] | None = None,
 ) -> MeshServer:
     """Starts a grpc.aio server with the given services, health and reflection.
 
     ``port`` 0 picks a free port; the chosen one is on the returned server. ``metrics_port``
-    -1 serves no /metrics, 0 picks a free port.
+    -1 serves no /metrics, 0 picks a free port. ``on_malformed`` counts each request
+    refused because it could not be read.
     """
     security = security or SecurityConfig()
-    chain: list[grpc.aio.ServerInterceptor] = [ContractInterceptor(), *interceptors]
+    chain: list[grpc.aio.ServerInterceptor] = [ContractInterceptor(on_malformed), *interceptors]
     authenticator = authenticator_for(security)
     if authenticator is not None:
         chain.insert(1, AuthInterceptor(authenticator))

@@ -462,8 +462,9 @@ class Broker:
     # -- sending -----------------------------------------------------------------------------
 
     def refused_unreadable(self) -> None:
-        """Counts a message refused before it became one (the transport could not read it:
-        an undefined enum number), with the validation errors."""
+        """Counts a message refused before it became one (it could not be read: an
+        undefined enum number, NaN in its JSON, nesting too deep, bytes that are no
+        request), with the validation errors."""
         self.metrics.invalid()
 
     def _validate(self, message: Message, size_bytes: int) -> None:

@@ -17,6 +17,7 @@ import pytest
 from mesh import (
     Agent,
     AgentContext,
+    AgentError,
     BrokerConfig,
     LocalMesh,
     Message,
@@ -995,3 +996,20 @@ async def test_agents_that_left_with_nothing_waiting_leave_no_queue_behind() -> 
         ]
         [kept] = await flight.receive("TempAgent")
         assert kept.content == {"action": "note"}
+
+
+async def test_an_answer_the_broker_would_refuse_reaches_the_requester_as_an_error(
+    mesh: LocalMesh,
+) -> None:
+    """An agent whose handler returns NaN (or too much, or too deep) cannot send that answer;
+    the requester hears why at once, not when its deadline passes."""
+
+    @agent("Analyst")
+    async def analyst(message: Message, ctx: AgentContext) -> dict:
+        return {"confidence": float("nan")}
+
+    await mesh.add_agent(analyst)
+    async with mesh.client("HotelAgent") as hotel:
+        # (an AgentError, not the RequestTimeoutError of a deadline passing)
+        with pytest.raises(AgentError, match="Analyst's answer was refused: nan is not a number"):
+            await hotel.request("Analyst", {"action": "analyze"}, timeout=20)

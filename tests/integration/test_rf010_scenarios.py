@@ -194,8 +194,9 @@ async def test_scenario_05_group_chat_with_disagreement(tmp_path: Path) -> None:
 
 async def test_answers_whose_confidence_or_scores_are_not_shares_are_left_out_saying_why() -> None:
     """Agents are other processes. A NaN confidence would win every comparison ("Buy A
-    (highest confidence)", confidence NaN, which JSON cannot even carry), an 85 would outweigh
-    the rest: such answers are left out, each with its reason, and the others decide."""
+    (highest confidence)", confidence NaN, which JSON cannot even carry: the SDK refuses to
+    send it, and the agent answers ERROR), an 85 would outweigh the rest: such answers are
+    left out, each with its reason, and the others decide."""
     answers: dict[str, dict[str, Any]] = {
         "Careful": {"recommendation": "Buy MSFT", "confidence": 0.6, "scores": {"H": 0.6}},
         "NotANumber": {"recommendation": "Buy AAPL", "confidence": float("nan")},
@@ -227,14 +228,19 @@ async def test_answers_whose_confidence_or_scores_are_not_shares_are_left_out_sa
     # Careful's 0.6 against Beyond's unstated confidence (0.5): the NaN does not win.
     assert chat_result["aggregate"]["scores"] == {"Buy MSFT": 0.6, "Buy AAPL": 0.5}
     assert chat_result["aggregate"]["recommendation"] == "Buy MSFT (highest confidence)"
-    assert chat_result["missing_reasons"] == {
-        "NotANumber": "confidence must be a number from 0 to 1, got nan",
+    reasons = chat_result["missing_reasons"]
+    assert reasons.pop("NotANumber").startswith(  # (its agent could not even send it)
+        "NotANumber's answer was refused: nan is not a number JSON can write"
+    )
+    assert reasons == {
         "Percent": "confidence must be a number from 0 to 1, got 85",
         "Worded": "confidence must be a number from 0 to 1, got 'high'",
     }
-    assert {e["agent_id"] for e in of_kind(chat, "AGENT_MISSING")} == set(
-        chat_result["missing_reasons"]
-    )
+    assert {e["agent_id"] for e in of_kind(chat, "AGENT_MISSING")} == {
+        "NotANumber",
+        "Percent",
+        "Worded",
+    }
     scored_result = result_of(scored)
     assert scored_result["missing_reasons"]["Beyond"] == (
         "scores.H must be a number from 0 to 1, got 1.5"

@@ -6,6 +6,7 @@ a batch go on. Unset values keep their defaults."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
 import pytest
@@ -162,3 +163,30 @@ async def test_a_timestamp_out_of_its_range_is_refused_naming_it(mesh: LocalMesh
         assert batch.results[0].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
         received = await stub.ReceiveMessages(broker_pb2.ReceiveMessagesRequest(agent_id="Sink"))
         assert [m.content["action"] for m in received.messages] == ["ok"]
+
+
+async def test_nan_or_infinity_in_json_is_refused_so_json_readers_can_read_the_queue(
+    mesh: LocalMesh,
+) -> None:
+    """A client not using the SDK can put NaN in a Struct; a reader of JSON (grpcurl, buf curl)
+    then failed on the whole ReceiveMessages answer, every message it had taken off the queue
+    with it. Refused at the door, naming where it is; the queue stays readable as JSON."""
+    from google.protobuf import json_format
+
+    async with grpc.aio.insecure_channel(mesh.address) as channel:
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        await stub.RegisterAgent(
+            broker_pb2.RegisterAgentRequest(agent=message_pb2.AgentInfo(agent_id="Sink"))
+        )
+        await stub.SendMessage(broker_pb2.SendMessageRequest(message=envelope("before")))
+        bad = envelope("nan")
+        bad.content.fields["scores"].list_value.values.add().number_value = float("nan")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.SendMessage(broker_pb2.SendMessageRequest(message=bad))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "message.content.scores.0 is NaN or Infinity" in (info.value.details() or "")
+        stats = await stub.GetQueueStats(broker_pb2.GetQueueStatsRequest())
+        assert stats.totals.validation_errors == 1  # counted with the other refusals
+        received = await stub.ReceiveMessages(broker_pb2.ReceiveMessagesRequest(agent_id="Sink"))
+    as_json = json.loads(json_format.MessageToJson(received))
+    assert [m["content"]["action"] for m in as_json["messages"]] == ["before"]

@@ -288,3 +288,25 @@ def test_an_event_over_the_stream_limit_leaves_out_its_longest_values() -> None:
         run_id="r", pattern=Pattern.GROUP_CHAT, kind=EventKind.RESULT, summary=text * 4
     )
     assert event_to_pb(event, gateway_pb2.PatternEvent()).summary == text * 4
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        {"action": "x", "score": float("nan")},
+        {"action": "x", "scores": [0.5, float("inf")]},
+        {"action": "x", "deep": {"deeper": {"low": -float("inf")}}},
+    ],
+    ids=["nan", "in a list", "nested"],
+)
+def test_nan_and_infinity_are_refused_where_a_json_value_is_made(
+    content: dict[str, object],
+) -> None:
+    """Protobuf would carry them; no client reading JSON could read what holds one."""
+    from mesh.core.errors import MessageValidationError
+
+    with pytest.raises(MessageValidationError, match="is not a number JSON can write"):
+        codec.dict_to_struct(content, struct_pb2.Struct())  # type: ignore[arg-type]
+    finite = struct_pb2.Struct()
+    codec.dict_to_struct({"a": 1.5, "b": [2, -0.0], "c": {"d": 1e308}}, finite)
+    assert codec.struct_to_dict(finite) == {"a": 1.5, "b": [2, 0], "c": {"d": 1e308}}
