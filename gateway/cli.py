@@ -16,9 +16,10 @@ def _env(name: str, default: str) -> str:
 
 async def _up(args: argparse.Namespace) -> int:
     from gateway.embedded import start_embedded
-    from mesh.cli import _print, _until_signalled
+    from mesh.cli import _print, _stop_on_signals, _until_signalled
     from mesh.config import BrokerConfig
 
+    stop = _stop_on_signals()
     mesh = await start_embedded(
         docs_dir=args.docs,
         reports_dir=args.reports_dir,
@@ -46,7 +47,7 @@ async def _up(args: argparse.Namespace) -> int:
         text = json.dumps(info, indent=2)
         await asyncio.to_thread(Path(args.ready_file).write_text, text, encoding="utf-8")
     _print("ready; Ctrl-C to stop")
-    await _until_signalled()
+    await _until_signalled(stop)
     _print("agentmesh up: shutting down")
     await mesh.stop()
     _print("agentmesh up: stopped")
@@ -56,8 +57,9 @@ async def _up(args: argparse.Namespace) -> int:
 async def _gateway(args: argparse.Namespace) -> int:
     from gateway.patterns.orchestrator import Router
     from gateway.server import serve_gateway
-    from mesh.cli import _print, _until_signalled, security_config
+    from mesh.cli import _print, _stop_on_signals, _until_signalled, security_config
 
+    stop = _stop_on_signals()
     router = Router.from_file(Path(args.routes)) if args.routes else None
     gateway = await serve_gateway(
         args.broker,
@@ -87,7 +89,7 @@ async def _gateway(args: argparse.Namespace) -> int:
     )
     if dashboard is not None:
         _print(f"dashboard: {dashboard.url}")
-    await _until_signalled()
+    await _until_signalled(stop)
     if dashboard is not None:
         await dashboard.stop()
     await gateway.stop()

@@ -9,6 +9,7 @@ import dataclasses
 import gc
 import importlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -60,14 +61,22 @@ def settle_heap() -> None:
     gc.set_threshold(young, middle, FULL_COLLECTION_AFTER)
 
 
-async def _until_signalled() -> None:
-    """Serves until SIGINT or SIGTERM, the heap settled (:func:`settle_heap`)."""
-    settle_heap()
+def _stop_on_signals() -> asyncio.Event:
+    """Set by SIGINT or SIGTERM from now on. Taken as a command starts, so that a signal while
+    it starts stops it gracefully once started, instead of killing it half-way."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def _until_signalled(stop: asyncio.Event | None = None) -> None:
+    """Serves until ``stop`` (:func:`_stop_on_signals`; by default, the signals from now on),
+    the heap settled (:func:`settle_heap`)."""
+    stop = stop or _stop_on_signals()
+    settle_heap()
     await stop.wait()
 
 
@@ -166,6 +175,7 @@ def _broker_config(args: argparse.Namespace) -> BrokerConfig:
 async def _run_broker(args: argparse.Namespace) -> int:
     from mesh.server import serve_broker
 
+    stop = _stop_on_signals()
     server_config = ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port)
     broker_config = _broker_config(args)
     tool_host = load_tool_host(args.tools) if args.tools else None
@@ -185,7 +195,7 @@ async def _run_broker(args: argparse.Namespace) -> int:
         f"agentmesh broker listening on {server.address}{metrics} ({server.security}; "
         f"store {broker_config.store}{tools})"
     )
-    await _until_signalled()
+    await _until_signalled(stop)
     _print("agentmesh broker shutting down")
     await server.stop(server_config.grace_seconds)
     return 0
@@ -239,6 +249,7 @@ def load_agent(spec: str, agent_id: str | None = None) -> Agent:
 
 
 async def _run_agent(args: argparse.Namespace) -> int:
+    stop = _stop_on_signals()
     agents = [a for spec in args.spec for a in load_agents(spec, args.id)]
     security = security_config(args)
     ports = [args.port + i if args.port else 0 for i in range(len(agents))]
@@ -260,7 +271,7 @@ async def _run_agent(args: argparse.Namespace) -> int:
             f"agentmesh agent {one.agent.agent_id} serving on {one.address}, "
             f"broker {args.broker} ({one.server.security})"
         )
-    await _until_signalled()
+    await _until_signalled(stop)
     await served.stop()
     return 0
 
@@ -754,13 +765,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     event_log = args.event_log or ("logs/events.jsonl" if args.command == "up" else None)
     try:
-        configure_logging(
-            args.log_level, event_log_path=event_log, event_log_days=args.event_log_days
-        )
+        try:
+            configure_logging(
+                args.log_level, event_log_path=event_log, event_log_days=args.event_log_days
+            )
+        except OSError as error:
+            if args.event_log:  # asked for: refused
+                parser.error(f"cannot write the event log {event_log}: {error}")
+            # `up`'s own default, in a folder it cannot write (a read-only image): without
+            configure_logging(args.log_level, event_log_days=args.event_log_days)
+            logging.getLogger("mesh.cli").warning(
+                "no event log: cannot write %s (%s); --event-log names another", event_log, error
+            )
     except ValueError as error:  # AGENTMESH_LOG_LEVEL names no level, or too few days
         parser.error(str(error))
-    except OSError as error:
-        parser.error(f"cannot write the event log {event_log}: {error}")
     if args.command in TRACED:
         from mesh.tracing import configure_tracing
 

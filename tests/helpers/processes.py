@@ -33,9 +33,10 @@ async def start(
     ready: str,
     env: dict[str, str] | None = None,
     prefix: tuple[str, ...] = (),
+    cwd: Path = ROOT,
 ) -> Proc:
-    """Starts `agentmesh ARGS` (after ``prefix``, e.g. `ip netns exec NS`) and waits for its
-    ready line, which names its address."""
+    """Starts `agentmesh ARGS` (after ``prefix``, e.g. `ip netns exec NS`) in ``cwd`` and
+    waits for its ready line, which names its address."""
     environ = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     process = await asyncio.create_subprocess_exec(
         *prefix,
@@ -43,7 +44,7 @@ async def start(
         "-m",
         "mesh.cli",
         *args,
-        cwd=ROOT,
+        cwd=cwd,
         env=environ,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,

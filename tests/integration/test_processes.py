@@ -403,3 +403,15 @@ async def test_a_broker_refuses_tools_it_cannot_load() -> None:
             out, err = await process.communicate()
         assert process.returncode == 2, (spec, out, err)
         assert said in err.decode(), err.decode()
+
+
+async def test_up_starts_without_its_event_log_where_it_cannot_write_one(tmp_path: Path) -> None:
+    """`up` writes logs/events.jsonl by default; in a folder where that cannot be (a read-only
+    image, here a file in the way) it starts anyway and says so. One asked for is refused."""
+    (tmp_path / "logs").write_text("in the way")
+    flags = ("--gateway-port", "0", "--dashboard-port", "-1", "--metrics-port", "-1")
+    proc = await start(
+        "up", "--port", "0", *flags, ready=r"agentmesh up: broker (\S+?),", cwd=tmp_path
+    )
+    assert await stop(proc) == 0
+    assert any("no event log: cannot write logs/events.jsonl" in line for line in proc.output)
