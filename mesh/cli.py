@@ -75,7 +75,8 @@ def _stop_on_signals() -> asyncio.Event:
 async def _until_signalled(stop: asyncio.Event | None = None) -> None:
     """Serves until ``stop`` (:func:`_stop_on_signals`; by default, the signals from now on),
     the heap settled (:func:`settle_heap`)."""
-    stop = stop or _stop_on_signals()
+    if stop is None:
+        stop = _stop_on_signals()
     settle_heap()
     await stop.wait()
 
@@ -765,20 +766,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     event_log = args.event_log or ("logs/events.jsonl" if args.command == "up" else None)
     try:
-        try:
-            configure_logging(
-                args.log_level, event_log_path=event_log, event_log_days=args.event_log_days
-            )
-        except OSError as error:
-            if args.event_log:  # asked for: refused
-                parser.error(f"cannot write the event log {event_log}: {error}")
-            # `up`'s own default, in a folder it cannot write (a read-only image): without
-            configure_logging(args.log_level, event_log_days=args.event_log_days)
-            logging.getLogger("mesh.cli").warning(
-                "no event log: cannot write %s (%s); --event-log names another", event_log, error
-            )
+        configure_logging(
+            args.log_level, event_log_path=event_log, event_log_days=args.event_log_days
+        )
     except ValueError as error:  # AGENTMESH_LOG_LEVEL names no level, or too few days
         parser.error(str(error))
+    except OSError as error:  # (the level and the days were taken: only the file failed)
+        if args.event_log:  # asked for: refused
+            parser.error(f"cannot write the event log {event_log}: {error}")
+        # `up`'s own default, in a folder it cannot write (a read-only image): without
+        configure_logging(args.log_level, event_log_days=args.event_log_days)
+        logging.getLogger("mesh.cli").warning(
+            "no event log: cannot write %s (%s); --event-log names another", event_log, error
+        )
     if args.command in TRACED:
         from mesh.tracing import configure_tracing
 

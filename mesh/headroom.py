@@ -18,6 +18,7 @@ took off the queue included.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Iterator
@@ -41,6 +42,10 @@ _UNWRAP_ABOVE = 4096
 _NON_FINITE = re.compile(rb"\x11[\x00-\xff]{6}[\xf0-\xff][\x7f\xff]", re.DOTALL)
 """A double in field 2 of a message (Value.number_value) whose exponent bits are all set: NaN
 or an infinity. Bytes elsewhere may look the same: a match is looked into field by field."""
+
+
+_JSON_TYPES = ("google.protobuf.Struct", "google.protobuf.ListValue")
+"""Whose own field names (fields, values) a path leaves out: content.x, not content.fields.x."""
 
 
 def non_finite_value(message: Any, path: str = "") -> str:
@@ -72,10 +77,6 @@ def non_finite_value(message: Any, path: str = "") -> str:
             if found:
                 return found
     return ""
-
-
-_JSON_TYPES = ("google.protobuf.Struct", "google.protobuf.ListValue")
-"""Whose own field names (fields, values) a path leaves out: content.x, not content.fields.x."""
 
 
 class NonFiniteError(ValueError):
@@ -113,22 +114,12 @@ def _wrapper(descriptor: Descriptor) -> Any:
     return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{_PACKAGE}.{name}"))
 
 
-_parsers: dict[tuple[Any, int], Callable[[bytes], Any]] = {}
-
-
-def parser_for(message_class: Any, headroom: int = HEADROOM) -> Callable[[bytes], Any]:
-    """:func:`with_headroom`, made once per request type."""
-    parser = _parsers.get((message_class, headroom))
-    if parser is None:
-        parser = _parsers[message_class, headroom] = with_headroom(message_class, headroom)
-    return parser
-
-
 def with_headroom(message_class: Any, headroom: int = HEADROOM) -> Callable[[bytes], Any]:
-    """A parser of ``message_class`` that refuses (protobuf's DecodeError, saying so) a
-    message that would not parse ``headroom`` levels further down. Small requests are parsed
-    in the wrapper and again on their own (cheaper than walking out of the wrapper); large
-    ones are taken out of it (cheaper than a second parse)."""
+    """A parser of ``message_class`` that refuses a message that would not parse
+    ``headroom`` levels further down (DeepRequestError) or that holds NaN or Infinity in a
+    JSON value (NonFiniteError); bytes that are no such message keep protobuf's own error.
+    Small requests are parsed in the wrapper and again on their own (cheaper than walking
+    out of the wrapper); large ones are taken out of it (cheaper than a second parse)."""
     wrapper = _wrapper(message_class.DESCRIPTOR)
     opened, closed = _START * (headroom - 1), _END * (headroom - 1)
     wrapped, parse = wrapper.FromString, message_class.FromString
@@ -154,6 +145,10 @@ def with_headroom(message_class: Any, headroom: int = HEADROOM) -> Callable[[byt
         return request
 
     return parse_with_headroom
+
+
+parser_for = functools.cache(with_headroom)
+""":func:`with_headroom`, made once per request type."""
 
 
 class DeepRequestError(ValueError):

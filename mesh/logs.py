@@ -70,11 +70,7 @@ class ShownRecords(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= self.level:
             return True
-        return (
-            self.level <= logging.WARNING
-            and record.levelno >= logging.INFO
-            and isinstance(getattr(record, EVENT_ATTR, None), dict)
-        )
+        return self.level <= logging.WARNING and is_event(record)
 
 
 class EventRecords(logging.Filter):
@@ -82,8 +78,12 @@ class EventRecords(logging.Filter):
     event log keeps."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        event = getattr(record, EVENT_ATTR, None)
-        return record.levelno >= logging.INFO and isinstance(event, dict)
+        return is_event(record)
+
+
+def is_event(record: logging.LogRecord) -> bool:
+    """A structured event (``extra={"event": {...}}``) from INFO up."""
+    return record.levelno >= logging.INFO and isinstance(getattr(record, EVENT_ATTR, None), dict)
 
 
 class AnyOf(logging.Filter):
@@ -218,9 +218,10 @@ def _write(handler: logging.StreamHandler[Any], records: Sequence[logging.LogRec
         return
     with handler.lock or contextlib.nullcontext():
         try:
-            rotating = handler if isinstance(handler, TimedRotatingFileHandler) else None
-            if rotating is not None and rotating.shouldRollover(records[-1]):
-                rotating.doRollover()
+            if isinstance(handler, TimedRotatingFileHandler) and handler.shouldRollover(
+                records[-1]
+            ):
+                handler.doRollover()
             handler.stream.write("".join(lines))
             handler.flush()
         except Exception:  # (a closed stderr at exit: nothing to write to)

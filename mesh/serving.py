@@ -145,7 +145,6 @@ class ContractInterceptor(grpc.aio.ServerInterceptor):
 
         return handler._replace(unary_stream=unary_stream, request_deserializer=decode)
 
-
     async def _refuse(self, context: Any, malformed: Malformed) -> None:
         if self.on_malformed is not None:
             self.on_malformed()

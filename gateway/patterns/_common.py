@@ -6,8 +6,8 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 
-from mesh.core.errors import AgentError, MeshError, MessageValidationError
-from mesh.core.model import JSON, Message
+from mesh.core.errors import MessageValidationError
+from mesh.core.model import JSON
 
 Clock = Callable[[], float]
 GATEWAY_ID = "gateway"
@@ -40,15 +40,6 @@ def nobody_answered(missing: Mapping[str, str]) -> str:
     """What a run's summary says when no agent answered: each agent and why."""
     reasons = "; ".join(f"{agent_id}: {reason}" for agent_id, reason in sorted(missing.items()))
     return f"no agent answered ({reasons})"
-
-
-def no_answer(error: MeshError | None, answer: Message | None) -> MeshError:
-    """Why an agent of a gather gave nothing to aggregate: the gather's error for it (no
-    answer in time, not registered, ...), or the ERROR it answered with."""
-    if error is not None:
-        return error
-    content = (answer.content if answer is not None else None) or {}
-    return AgentError(str(content.get("error") or "agent error"))
 
 
 def as_float(value: JSON, default: float) -> float:

@@ -18,7 +18,6 @@ from gateway.patterns._common import (
     clean,
     invalid,
     new_id,
-    no_answer,
     nobody_answered,
     unit_value,
 )
@@ -269,10 +268,8 @@ async def run_filtering(spec: FilteringSpec, dispatcher: Dispatcher, emit: Emit)
                 run_id=run_id,
                 answered=item.response is not None,
             )
-            answer = item.response
             try:
-                if answer is None or answer.message_type is MessageType.ERROR:
-                    raise no_answer(item.error, answer)
+                answer = item.answer()
                 opinion = opinion_from(item.agent_id, keys[item.agent_id], answer.content or {})
             except MeshError as error:  # none, an ERROR, or scores the aggregation cannot use
                 missing[item.agent_id] = error.message

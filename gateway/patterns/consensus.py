@@ -21,7 +21,6 @@ from gateway.patterns._common import (
     check_group,
     invalid,
     new_id,
-    no_answer,
     unit_value,
 )
 from mesh.core.errors import MeshError
@@ -275,11 +274,8 @@ async def run_consensus(spec: ConsensusSpec, dispatcher: Dispatcher, emit: Emit)
     try:
         async for item in items:
             pending.remove(item.agent_id)
-            reply = item.response
             try:
-                if reply is None or reply.message_type is MessageType.ERROR:
-                    raise no_answer(item.error, reply)
-                vote = vote_from(item.agent_id, reply.content or {})
+                vote = vote_from(item.agent_id, item.answer().content or {})
             except MeshError as error:  # none, an ERROR, or a vote that cannot count
                 missing[item.agent_id] = error.message
                 await event(

@@ -20,7 +20,6 @@ from gateway.patterns._common import (
     clean,
     invalid,
     new_id,
-    no_answer,
     nobody_answered,
     unit_value,
 )
@@ -436,10 +435,8 @@ async def _run(
         items = dispatcher.gather(message, spec.agent_ids, spec.agent_timeout)
         async with contextlib.aclosing(items):  # left early: the gather is given up
             async for item in items:
-                answer = item.response
                 try:
-                    if answer is None or answer.message_type is MessageType.ERROR:
-                        raise no_answer(item.error, answer)
+                    answer = item.answer()
                     contribution = contribution_from(
                         item.agent_id,
                         answer.content or {},

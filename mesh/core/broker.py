@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from mesh.config import BrokerConfig
 from mesh.core.durable import open_store
 from mesh.core.errors import (
+    AgentError,
     AgentNotFoundError,
     BrokerUnavailableError,
     FieldViolation,
@@ -82,6 +83,17 @@ class GatherItem:
     agent_id: str
     response: Message | None = None
     error: MeshError | None = None
+
+    def answer(self) -> Message:
+        """The agent's RESPONSE; raises why there is none: the gather's error for it (no
+        answer in time, not registered, ...), or the ERROR it answered with, as AgentError."""
+        if self.error is not None:
+            raise self.error
+        response = self.response
+        if response is None or response.message_type is MessageType.ERROR:
+            content = (response.content if response is not None else None) or {}
+            raise AgentError(str(content.get("error") or "agent error"))
+        return response
 
 
 class _Gathering:
@@ -852,8 +864,9 @@ class Broker:
         kind = (
             message.message_type if message.message_type in _ASKING_TYPES else MessageType.BROADCAST
         )
-        lifetime = self._lifetime(message, cap=max(1, math.ceil(timeout)))
-        ttl = min(message.ttl or self.config.default_ttl, max(1, math.ceil(timeout)))
+        ttl_cap = max(1, math.ceil(timeout))
+        lifetime = self._lifetime(message, cap=ttl_cap)
+        ttl = min(message.ttl or self.config.default_ttl, ttl_cap)
         message = message.evolve(
             message_type=kind,
             correlation_id=correlation_id,
