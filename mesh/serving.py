@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool, text_format
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 from prometheus_client import CollectorRegistry, start_http_server
@@ -213,7 +214,32 @@ messages are those of v1alpha field for field, so grpcio-reflection's servicer (
 only v1alpha) answers both."""
 
 
+def _describe_reflection_v1() -> None:
+    """Puts grpc/reflection/v1/reflection.proto into the default pool, so that a client that
+    lists the services and describes each finds the v1 service too. grpcio-reflection ships
+    only v1alpha's; v1's is the same file under another package."""
+    pool = descriptor_pool.Default()
+    name = "grpc/reflection/v1/reflection.proto"
+    try:
+        pool.FindFileByName(name)
+        return
+    except KeyError:
+        pass
+    alpha = descriptor_pb2.FileDescriptorProto()
+    reflection_pb2.DESCRIPTOR.CopyToProto(alpha)
+    text = text_format.MessageToString(alpha)
+    v1 = text_format.Parse(
+        text.replace("grpc.reflection.v1alpha", "grpc.reflection.v1"),
+        descriptor_pb2.FileDescriptorProto(),
+    )
+    v1.name = name
+    v1.options.ClearField("deprecated")
+    v1.options.go_package = "google.golang.org/grpc/reflection/grpc_reflection_v1"
+    pool.Add(v1)
+
+
 def _enable_reflection(names: Sequence[str], server: grpc.aio.Server) -> None:
+    _describe_reflection_v1()
     servicer = reflection.aio.ReflectionServicer(names)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
     server.add_generic_rpc_handlers(
@@ -260,7 +286,7 @@ async def start_server(
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
-    _enable_reflection([*names, reflection.SERVICE_NAME], server)
+    _enable_reflection([*names, REFLECTION_V1, reflection.SERVICE_NAME], server)
     credentials = server_credentials(security)
     if credentials is None:
         bound = server.add_insecure_port(f"{host}:{port}")

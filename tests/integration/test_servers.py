@@ -9,10 +9,13 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 
 from mesh import Agent, AgentClient, AgentContext, LocalMesh, MeshError, Message, Tool, agent, on
 from mesh.client import NO_RETRY
@@ -130,12 +133,48 @@ async def test_reflection_answers_both_protocol_versions(mesh: LocalMesh, protoc
 
     listed = await abuf(*curl("--list-services", f"http://{mesh.address}"))
     assert listed.returncode == 0, listed.stderr
-    assert {"mesh.v1.BrokerService", "mesh.v1.MemoryService", "grpc.health.v1.Health"} <= set(
-        listed.stdout.split()
-    )
+    assert {
+        "mesh.v1.BrokerService",
+        "mesh.v1.MemoryService",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
+        "grpc.reflection.v1alpha.ServerReflection",
+    } <= set(listed.stdout.split())
     card = await abuf(*curl(f"http://{served.address}/mesh.v1.AgentService/DescribeAgent"))
     assert card.returncode == 0, card.stderr
     assert json.loads(card.stdout)["card"]["agentId"] == "WeatherAgent"
+
+
+async def test_every_listed_service_is_described(mesh: LocalMesh) -> None:
+    """What grpcurl's `list` then `describe` does, over the v1 protocol: every service the
+    server lists has its file (and the files it imports) to give."""
+    v1 = "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"
+    async with grpc.aio.insecure_channel(mesh.address) as channel:
+        call = channel.stream_stream(
+            v1,
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+
+        async def ask(request: reflection_pb2.ServerReflectionRequest) -> Any:
+            replies = [reply async for reply in call(iter([request]), timeout=5)]
+            assert len(replies) == 1
+            return replies[0]
+
+        listed = await ask(reflection_pb2.ServerReflectionRequest(list_services=""))
+        names = [service.name for service in listed.list_services_response.service]
+        assert "grpc.reflection.v1.ServerReflection" in names
+        for name in names:
+            reply = await ask(reflection_pb2.ServerReflectionRequest(file_containing_symbol=name))
+            assert reply.WhichOneof("message_response") == "file_descriptor_response", name
+            files = [
+                descriptor_pb2.FileDescriptorProto.FromString(raw)
+                for raw in reply.file_descriptor_response.file_descriptor_proto
+            ]
+            package, _, service = name.rpartition(".")
+            assert any(
+                f.package == package and service in [s.name for s in f.service] for f in files
+            ), name
 
 
 async def health_of(address: str, service: str = "") -> int:
