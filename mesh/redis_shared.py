@@ -30,6 +30,7 @@ from mesh.core.memory import (
     SharedMemoryPool,
     as_stored,
     check_insight_delete,
+    check_insight_read,
     pool_full,
 )
 from mesh.core.model import JSON
@@ -352,6 +353,7 @@ class RedisMemoryPool:
         limit: int = 0,
         agent_id: str = "",
     ) -> list[Insight]:
+        check_insight_read(min_importance, limit)
         found = await self._eval(
             _READ_INSIGHTS, self._now_ms(), repr(float(min_importance)), agent_id,
             limit if limit > 0 else DEFAULT_READ_LIMIT, segment, *dict.fromkeys(tags),

@@ -69,6 +69,18 @@ def as_stored(insight: Insight, seq: int, now: datetime | None = None) -> Insigh
     )
 
 
+def check_insight_read(min_importance: float, limit: int) -> None:
+    """Refuses a read whose filter is not a number (NaN matches no insight, and a pool in
+    Redis would read it as no filter at all) or whose limit is negative; every pool asks."""
+    problems = []
+    if math.isnan(min_importance):
+        problems.append(FieldViolation("min_importance", "min_importance must be a number"))
+    if limit < 0:
+        problems.append(FieldViolation("limit", "limit must not be negative (0 reads the default)"))
+    if problems:
+        raise MessageValidationError.from_violations(problems)
+
+
 def check_insight_delete(
     insight_ids: list[str], tags: list[str], segment: str, agent_id: str
 ) -> None:
@@ -217,6 +229,7 @@ class SharedMemoryPool:
         limit: int = 0,
         agent_id: str = "",
     ) -> list[Insight]:
+        check_insight_read(min_importance, limit)
         self._purge(self._now())
         found: Iterable[Insight] = self._matching(tags=tags, segment=segment, agent_id=agent_id)
         if min_importance > 0:

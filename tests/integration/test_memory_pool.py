@@ -83,3 +83,20 @@ async def test_insights_are_deleted_by_what_they_are(broker: str) -> None:
         # Its tags are free again: written anew, the pool counts them from zero.
         await two.write_insight("approve", tags=["vote", "p1"], segment="votes")
         assert (await one.memory_stats()).tag_distribution["p1"] == 1
+
+
+async def test_a_read_with_a_filter_that_is_not_a_number_is_refused(broker: str) -> None:
+    """NaN matched nothing on one pool and was no filter at all on another: refused on
+    every pool, as a negative limit is, with the field named."""
+    async with connect(broker, agent_id="reviewer_1", retry=NO_RETRY) as one:
+        await one.write_insight("approve", tags=["vote"], importance=0.9)
+        for kwargs, field in (
+            ({"min_importance": float("nan")}, "min_importance"),
+            ({"limit": -1}, "limit"),
+        ):
+            with pytest.raises(MeshError, match=field) as info:
+                await one.read_insights(**kwargs)  # type: ignore[arg-type]
+            assert info.value.code == "INVALID_ARGUMENT"
+        assert [i.content for i in await one.read_insights(min_importance=0.5, limit=1)] == [
+            "approve"
+        ]
