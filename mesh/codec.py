@@ -241,6 +241,17 @@ def duration_seconds(d: duration_pb2.Duration) -> float:
     return d.seconds + d.nanos / 1e9
 
 
+def timeout_seconds(pb: Any, field: str = "timeout") -> float | None:
+    """The optional Duration a caller gives as how long to wait, in seconds (None when
+    unset); a negative one is the caller's mistake: MessageValidationError on ``field``."""
+    if not pb.HasField(field):
+        return None
+    seconds = duration_seconds(getattr(pb, field))
+    if seconds < 0:
+        raise MessageValidationError.for_field(field, f"{field} must not be negative")
+    return seconds
+
+
 def seconds_to_duration(seconds: float, out: duration_pb2.Duration) -> None:
     whole = math.floor(seconds)
     out.seconds = whole

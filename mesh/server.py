@@ -217,18 +217,14 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     ) -> AsyncIterator[broker_pb2.GatherResponse]:
         if not request.HasField("message"):
             await abort(context, _invalid("message", "message is required"))
-        timeout = (
-            codec.duration_seconds(request.timeout)
-            if request.HasField("timeout")
-            else context.time_remaining()
-        )
         remaining = context.time_remaining()
-        if timeout is not None and remaining is not None:
-            timeout = min(timeout, remaining)
         try:
+            timeout = codec.timeout_seconds(request)
             message = _inbound(self.broker, request.message, gather=True)
         except MeshError as error:
             await abort(context, error)
+        if timeout is None or (remaining is not None and remaining < timeout):
+            timeout = remaining
         items = self.broker.gather(
             message,
             agent_ids=list(request.agent_ids),
@@ -496,11 +492,11 @@ class _Session:
 
     async def _gather(self, seq: int, request: broker_pb2.GatherRequest) -> None:
         try:
+            timeout = codec.timeout_seconds(request)
             message = _inbound(self.broker, request.message, gather=True)
         except MeshError as error:
             await self._error(seq, error)
             return
-        timeout = codec.duration_seconds(request.timeout) if request.HasField("timeout") else None
         items = self.broker.gather(
             message,
             agent_ids=list(request.agent_ids),
@@ -608,8 +604,8 @@ class _Session:
             await self.write(frame)
 
     async def _request(self, seq: int, request: broker_pb2.SessionRequest) -> None:
-        timeout = codec.duration_seconds(request.timeout) if request.HasField("timeout") else None
         try:
+            timeout = codec.timeout_seconds(request)
             answer = await self.broker.request(_inbound(self.broker, request.message), timeout)
         except MeshError as error:
             await self._error(seq, error)

@@ -23,7 +23,9 @@ class ToolServicer(tools_pb2_grpc.ToolServiceServicer):
     ) -> tools_pb2.InvokeToolResponse:
         if not request.agent_id or not request.tool:
             raise _invalid("tool", "agent_id and tool are required")
-        timeout = codec.duration_seconds(request.timeout) if request.HasField("timeout") else 10.0
+        timeout = codec.timeout_seconds(request)
+        if timeout is None:
+            timeout = 10.0
         remaining = context.time_remaining()
         if remaining is not None:
             timeout = min(timeout, remaining)

@@ -1,7 +1,7 @@
 """Numbers the contract does not define for message_type or priority (a client built from a
-newer or a mistaken .proto), and timestamps out of a Timestamp's range, are refused with
-INVALID_ARGUMENT naming the field, on every path a message enters by; the other messages of
-a batch go on. Unset values keep their defaults."""
+newer or a mistaken .proto), timestamps out of a Timestamp's range and negative timeouts are
+refused with INVALID_ARGUMENT naming the field, on every path a message enters by; the other
+messages of a batch go on. Unset values keep their defaults."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ import json
 
 import grpc
 import pytest
+from google.protobuf import duration_pb2
 from grpc_status import rpc_status
 
+from mesh.core.tools import Tool, ToolHost
 from mesh.testing import LocalMesh
-from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
+from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2, tools_pb2, tools_pb2_grpc
 
 
 def envelope(action: str, **fields: int) -> message_pb2.Message:
@@ -190,3 +192,63 @@ async def test_nan_or_infinity_in_json_is_refused_so_json_readers_can_read_the_q
         received = await stub.ReceiveMessages(broker_pb2.ReceiveMessagesRequest(agent_id="Sink"))
     as_json = json.loads(json_format.MessageToJson(received))
     assert [m["content"]["action"] for m in as_json["messages"]] == ["before"]
+
+
+async def test_a_negative_timeout_is_refused_on_every_path_that_takes_one() -> None:
+    """A Duration of -1 s is the caller's mistake, not a deadline that passed: INVALID_ARGUMENT
+    naming `timeout` from a gather (unary and on a session), a session's request and a tool
+    call; nothing is queued, and the session goes on."""
+
+    async def count(arguments: dict[str, object]) -> int:
+        return len(arguments)
+
+    tools = ToolHost([Tool("count", "counts its arguments", count)], {"Sink": ["count"]})
+    async with (
+        LocalMesh(tool_host=tools) as mesh,
+        grpc.aio.insecure_channel(mesh.address) as channel,
+    ):
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        await stub.RegisterAgent(
+            broker_pb2.RegisterAgentRequest(agent=message_pb2.AgentInfo(agent_id="Sink"))
+        )
+        minus_one = duration_pb2.Duration(seconds=-1)
+        gather = broker_pb2.GatherRequest(message=envelope("poll"), timeout=minus_one)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in stub.Gather(gather):
+                pass
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert bad_request_fields(info.value) == ["timeout"]
+        assert "timeout must not be negative" in (info.value.details() or "")
+
+        call = stub.Connect()
+        asked = broker_pb2.ConnectRequest(seq=1)
+        asked.request.message.CopyFrom(envelope("ask"))
+        asked.request.timeout.CopyFrom(minus_one)
+        gathered = broker_pb2.ConnectRequest(seq=2, gather=gather)
+        sent = broker_pb2.ConnectRequest(seq=3, send=envelope("kept"))
+        for frame in (asked, gathered, sent):
+            await call.write(frame)
+        answers = {}
+        while len(answers) < 3:
+            frame = await asyncio.wait_for(call.read(), 10)
+            for one in frame.batch.frames if frame.WhichOneof("frame") == "batch" else [frame]:
+                answers[one.seq] = one
+        for seq in (1, 2):
+            assert answers[seq].WhichOneof("frame") == "error"
+            assert answers[seq].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert [v.field for v in answers[seq].error.field_violations] == ["timeout"]
+        assert answers[3].WhichOneof("frame") == "accepted"
+        await call.done_writing()
+
+        tool = tools_pb2_grpc.ToolServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await tool.InvokeTool(
+                tools_pb2.InvokeToolRequest(agent_id="Sink", tool="count", timeout=minus_one)
+            )
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert bad_request_fields(info.value) == ["timeout"]
+        done = await tool.InvokeTool(tools_pb2.InvokeToolRequest(agent_id="Sink", tool="count"))
+        assert done.result.number_value == 0
+
+        received = await stub.ReceiveMessages(broker_pb2.ReceiveMessagesRequest(agent_id="Sink"))
+        assert [m.content["action"] for m in received.messages] == ["kept"]
