@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import grpc
 import pytest
@@ -22,6 +23,18 @@ def envelope(action: str, **fields: int) -> message_pb2.Message:
     pb = message_pb2.Message(from_agent="sender", to_agent="Sink", **fields)
     pb.content.update({"action": action})
     return pb
+
+
+async def answered(call: Any, *frames: broker_pb2.ConnectRequest) -> dict[int, Any]:
+    """Writes ``frames`` on a Connect session and reads until each has its answer, by seq."""
+    for frame in frames:
+        await call.write(frame)
+    answers = {}
+    while len(answers) < len(frames):
+        frame = await asyncio.wait_for(call.read(), 10)
+        for one in frame.batch.frames if frame.WhichOneof("frame") == "batch" else [frame]:
+            answers[one.seq] = one
+    return answers
 
 
 def bad_request_fields(error: grpc.aio.AioRpcError) -> list[str]:
@@ -101,13 +114,7 @@ async def test_a_connect_frame_with_an_undefined_number_is_answered_and_the_stre
         odd.send.CopyFrom(envelope("odd", message_type=99))
         good = broker_pb2.ConnectRequest(seq=2)
         good.send.CopyFrom(envelope("good"))
-        await call.write(odd)
-        await call.write(good)
-        answers = {}
-        while len(answers) < 2:
-            frame = await asyncio.wait_for(call.read(), 10)
-            for one in frame.batch.frames if frame.WhichOneof("frame") == "batch" else [frame]:
-                answers[one.seq] = one
+        answers = await answered(call, odd, good)
         assert answers[1].WhichOneof("frame") == "error"
         assert answers[1].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
         assert [v.field for v in answers[1].error.field_violations] == ["message_type"]
@@ -226,13 +233,7 @@ async def test_a_negative_timeout_is_refused_on_every_path_that_takes_one() -> N
         asked.request.timeout.CopyFrom(minus_one)
         gathered = broker_pb2.ConnectRequest(seq=2, gather=gather)
         sent = broker_pb2.ConnectRequest(seq=3, send=envelope("kept"))
-        for frame in (asked, gathered, sent):
-            await call.write(frame)
-        answers = {}
-        while len(answers) < 3:
-            frame = await asyncio.wait_for(call.read(), 10)
-            for one in frame.batch.frames if frame.WhichOneof("frame") == "batch" else [frame]:
-                answers[one.seq] = one
+        answers = await answered(call, asked, gathered, sent)
         for seq in (1, 2):
             assert answers[seq].WhichOneof("frame") == "error"
             assert answers[seq].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
