@@ -31,6 +31,7 @@ from mesh.core.errors import (
     BrokerUnavailableError,
     LockNotHeldError,
     MeshError,
+    MessageValidationError,
     NotFoundError,
     RequestTimeoutError,
     SessionClosedError,
@@ -177,6 +178,18 @@ def with_trace(message: Message) -> Message:
     if "traceparent" in message.headers or not get_current_span().get_span_context().is_valid:
         return message  # (carries one already, or there is none to carry)
     return message.evolve(headers=inject(message.headers))
+
+
+def wait_seconds(timeout: float | None, default: float) -> float:
+    """How long a call waits: ``timeout`` seconds, or ``default`` when it is None. A negative
+    one, or one that is not a finite number, is the caller's mistake (MessageValidationError)
+    before anything is sent."""
+    seconds = default if timeout is None else timeout
+    if not 0 <= seconds < math.inf:  # NaN too
+        raise MessageValidationError.for_field(
+            "timeout", f"timeout must be a finite number of seconds, not negative (got {seconds})"
+        )
+    return seconds
 
 
 def _time_out(waiter: asyncio.Future[Any]) -> None:
@@ -945,7 +958,7 @@ class MeshClient:
     async def request_message(
         self, message: Message, *, timeout: float | None = None, raise_on_error: bool = True
     ) -> Message:
-        timeout = self.default_timeout if timeout is None else timeout
+        timeout = wait_seconds(timeout, self.default_timeout)
         if not message.from_agent and self.agent_id:
             message = message.evolve(from_agent=self.agent_id)
         if not message.correlation_id:
@@ -1004,7 +1017,7 @@ class MeshClient:
         comes with AgentNotFoundError; with ``all_or_none`` it raises that, and nobody is
         asked.
         """
-        timeout = self.default_timeout if timeout is None else timeout
+        timeout = wait_seconds(timeout, self.default_timeout)
         if isinstance(content, Message):
             message = content
         else:
@@ -1392,6 +1405,7 @@ class MeshClient:
             UnknownToolError,
         )
 
+        timeout = wait_seconds(timeout, 10.0)
         request = tools_pb2.InvokeToolRequest(agent_id=agent_id or self.agent_id, tool=tool)
         codec.dict_to_struct(dict(arguments or {}), request.arguments)
         codec.seconds_to_duration(timeout, request.timeout)
@@ -1651,7 +1665,7 @@ class AgentClient:
         codec.message_to_pb(message, request.message)
         try:
             response = await self._stub.HandleMessage(
-                request, timeout=timeout or self.default_timeout
+                request, timeout=wait_seconds(timeout, self.default_timeout)
             )
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
@@ -1660,7 +1674,8 @@ class AgentClient:
     async def describe(self, *, timeout: float | None = None) -> AgentCard:
         try:
             response = await self._stub.DescribeAgent(
-                agent_pb2.DescribeAgentRequest(), timeout=timeout or self.default_timeout
+                agent_pb2.DescribeAgentRequest(),
+                timeout=wait_seconds(timeout, self.default_timeout),
             )
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None

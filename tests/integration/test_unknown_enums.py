@@ -14,6 +14,7 @@ import pytest
 from google.protobuf import duration_pb2
 from grpc_status import rpc_status
 
+from mesh import Agent, AgentClient, AgentContext, Message, MessageValidationError, on
 from mesh.core.tools import Tool, ToolHost
 from mesh.testing import LocalMesh
 from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2, tools_pb2, tools_pb2_grpc
@@ -253,3 +254,38 @@ async def test_a_negative_timeout_is_refused_on_every_path_that_takes_one() -> N
 
         received = await stub.ReceiveMessages(broker_pb2.ReceiveMessagesRequest(agent_id="Sink"))
         assert [m.content["action"] for m in received.messages] == ["kept"]
+
+
+@pytest.mark.parametrize("timeout", [-1.0, float("nan"), float("inf")])
+async def test_the_sdk_refuses_a_timeout_that_is_no_time_before_sending(timeout: float) -> None:
+    """A request, a gather, a tool call or a call on an agent's own server with a negative
+    or non-finite timeout raises MessageValidationError naming it (NaN and infinity failed
+    in the Duration's arithmetic); nothing is sent."""
+    tools = ToolHost([Tool("count", "counts its arguments", _count)], {"asker": ["count"]})
+    async with LocalMesh(tool_host=tools) as mesh:
+        served = await mesh.add_agent(Quiet())
+        async with mesh.client("asker") as client:
+            calls = [
+                lambda: client.request("Sink", {"action": "ask"}, timeout=timeout),
+                lambda: anext(aiter(client.gather({"action": "poll"}, timeout=timeout))),
+                lambda: client.call_tool("count", timeout=timeout),
+            ]
+            async with AgentClient(served.address) as direct:
+                calls.append(lambda: direct.describe(timeout=timeout))
+                for call in calls:
+                    with pytest.raises(MessageValidationError, match="timeout must be a finite"):
+                        await call()
+            assert (await client.queue_stats()).totals["sent_count"] == 0
+            assert await client.call_tool("count", {"a": 1}) == 1
+
+
+async def _count(arguments: dict[str, object]) -> int:
+    return len(arguments)
+
+
+class Quiet(Agent):
+    agent_id = "Sink"
+
+    @on("ask")
+    async def ask(self, message: Message, ctx: AgentContext) -> dict[str, str]:
+        return {"answer": "yes"}
