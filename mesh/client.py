@@ -23,7 +23,7 @@ from opentelemetry.trace import SpanKind, get_current_span
 
 from mesh import codec
 from mesh._status import from_rpc_error, has_rich_status
-from mesh.config import SecurityConfig
+from mesh.config import MAX_TTL, SecurityConfig
 from mesh.core import negotiation
 from mesh.core.errors import (
     AgentError,
@@ -71,6 +71,7 @@ from mesh.v1 import (
 
 logger = logging.getLogger("mesh.client")
 T = TypeVar("T")
+E = TypeVar("E", MessageType, Priority)
 
 _CLOSED = object()
 _RECONNECT_DELAYS = (0.1, 0.25, 0.5, 1.0, 2.0)
@@ -190,6 +191,16 @@ def wait_seconds(timeout: float | None, default: float) -> float:
             "timeout", f"timeout must be a finite number of seconds, not negative (got {seconds})"
         )
     return seconds
+
+
+def _named(kind: type[E], value: str, field: str) -> E:
+    try:
+        return kind(value)
+    except ValueError:
+        known = ", ".join(kind.__members__)
+        raise MessageValidationError.for_field(
+            field, f"{field} {value!r} is not one of {known}"
+        ) from None
 
 
 def _time_out(waiter: asyncio.Future[Any]) -> None:
@@ -830,14 +841,24 @@ class MeshClient:
         message_id: str = "",
     ) -> Message:
         """A message from this client (``agent_id``) with a fresh id (unless one is given: a
-        re-sent id is accepted once) and timestamp."""
+        re-sent id is accepted once) and timestamp. A type or priority may be given by name
+        ("REQUEST", "high"); one that is not known, or a ttl that is not a whole number of
+        seconds, raises MessageValidationError naming it."""
+        if type(ttl) is not int:
+            raise MessageValidationError.for_field(
+                "ttl", f"ttl must be a whole number of seconds (got {ttl!r})"
+            )
+        if not -(2**31) <= ttl < 2**31:  # (what the wire carries; the broker says the rest)
+            raise MessageValidationError.for_field(
+                "ttl", f"ttl must be within 0 and {MAX_TTL} seconds (got {ttl})"
+            )
         return Message(
             message_id=message_id or new_message_id(),
             from_agent=self.agent_id if from_agent is None else from_agent,
             to_agent=to_agent,
             content=content,
-            message_type=MessageType(message_type),  # (a name, "REQUEST", is taken too)
-            priority=Priority(priority),
+            message_type=_named(MessageType, message_type, "message_type"),
+            priority=_named(Priority, priority, "priority"),
             ttl=ttl,
             correlation_id=correlation_id,
             reply_to=reply_to,

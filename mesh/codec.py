@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
+from datetime import time as dt_time
+from decimal import Decimal
 from typing import Any, cast
 
 from google.protobuf import duration_pb2, struct_pb2, timestamp_pb2
@@ -123,8 +125,14 @@ def python_to_value(data: JSON, out: struct_pb2.Value) -> None:
         out.list_value.SetInParent()
         for item in data:
             python_to_value(item, values.add())
+    elif isinstance(data, datetime | date | dt_time):
+        out.string_value = data.isoformat()  # ISO 8601, as the message's own timestamp
+    elif isinstance(data, Decimal):
+        if not data.is_finite():
+            raise _not_json(float(data))
+        out.number_value = float(data)
     else:
-        out.string_value = str(data)
+        out.string_value = str(data)  # (a UUID, an enum member, a path: their text)
 
 
 def dict_to_struct(data: Mapping[str, JSON], out: struct_pb2.Struct) -> None:

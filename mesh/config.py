@@ -37,6 +37,10 @@ QUEUE_TYPES = ("priority_queue", "fifo")
 DELIVERY_GUARANTEES = ("at_least_once", "at_most_once")
 
 
+MAX_TTL = 86_400
+"""The longest ttl a message may ask for by default, in seconds (a day)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BrokerConfig:
     """Limits and defaults of the broker (RT-011 message queue configuration)."""
@@ -44,7 +48,7 @@ class BrokerConfig:
     max_messages_per_agent: int = 1000
     max_total_messages: int = 10_000
     default_ttl: int = 3600
-    max_ttl: int = 86_400
+    max_ttl: int = MAX_TTL
     max_delivery_attempts: int = 4
     """RT-011 max_retries = 3: one delivery plus three redeliveries, then dead-letter."""
     lease_seconds: float = 30.0

@@ -22,7 +22,17 @@ MAX_DEAD_LETTER_REASON = 1024
 HANDOFF_ACTION = "execute_handoff"
 
 
-class MessageType(enum.StrEnum):
+class _Named(enum.StrEnum):
+    """An enum of names that also takes them in lower or mixed case ("high" is HIGH)."""
+
+    @classmethod
+    def _missing_(cls, value: object) -> Any:
+        if isinstance(value, str) and value.upper() in cls.__members__:
+            return cls[value.upper()]
+        return None
+
+
+class MessageType(_Named):
     """What a message is for."""
 
     REQUEST = "REQUEST"
@@ -33,7 +43,7 @@ class MessageType(enum.StrEnum):
     ACK = "ACK"
 
 
-class Priority(enum.StrEnum):
+class Priority(_Named):
     """Queue priority: HIGH is delivered before MEDIUM, MEDIUM before LOW."""
 
     HIGH = "HIGH"

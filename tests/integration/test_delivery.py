@@ -311,6 +311,34 @@ async def test_batch_results_are_per_message(mesh: LocalMesh) -> None:
         assert [m.message_id for m in await client.receive("Worker")] == [good.message_id]
 
 
+async def test_the_sdk_takes_names_in_any_case_and_names_what_it_cannot_take(
+    mesh: LocalMesh,
+) -> None:
+    """A type or priority by name in any case ("high", as often written) is taken; an
+    unknown one, or a ttl that is not a whole number of seconds the wire can carry, raises
+    MessageValidationError naming the field (not protobuf's TypeError or ValueError), and
+    nothing is sent."""
+    from mesh import MessageValidationError
+
+    async with mesh.client("sender") as client:
+        await client.register("Worker")
+        await client.send("Worker", {"action": "x"}, priority="high", message_type="request")
+        wrong: list[tuple[dict[str, Any], str]] = [
+            ({"priority": "URGENT"}, "priority"),
+            ({"message_type": "PING"}, "message_type"),
+            ({"ttl": 1.5}, "ttl"),
+            ({"ttl": "60"}, "ttl"),
+            ({"ttl": True}, "ttl"),
+            ({"ttl": 2**40}, "ttl"),
+        ]
+        for options, field in wrong:
+            with pytest.raises(MessageValidationError) as info:
+                await client.send("Worker", {"action": "y"}, **options)
+            assert [v.field for v in info.value.field_violations] == [field], options
+        [taken] = await client.receive("Worker")
+        assert (taken.priority, taken.message_type) == (Priority.HIGH, MessageType.REQUEST)
+
+
 async def test_agent_handler_error_answers_with_error_message(mesh: LocalMesh) -> None:
     from mesh import AgentError
 

@@ -113,7 +113,7 @@ async def test_scenario_01_in_rf009s_own_words(mesh: LocalMesh) -> None:
             await flight.send_message(content=content)
         with pytest.raises(TypeError, match="takes no fields: ttl"):
             await flight.send_message(sent, ttl=5)
-        with pytest.raises(ValueError, match="'URGENT' is not a valid Priority"):
+        with pytest.raises(MessageValidationError, match="priority 'URGENT' is not one of HIGH"):
             await flight.send_message(to_agent="PaymentAgent", content=content, priority="URGENT")
         assert await flight.receive_messages("PaymentAgent") == []  # nothing else went
 

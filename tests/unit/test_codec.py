@@ -6,7 +6,8 @@ from __future__ import annotations
 import enum
 import json
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime, time
+from decimal import Decimal
 
 import pytest
 from google.protobuf import struct_pb2
@@ -243,6 +244,10 @@ def test_content_of_other_python_types_is_encoded_by_what_it_is() -> None:
             "pair": (1, "b"),  # a tuple is a list
             7: "seven",  # a key that is not a string is written as one
             "empty": {},
+            "when": datetime(2025, 11, 16, 10, 0, 5, tzinfo=UTC),  # times in ISO 8601
+            "day": date(2025, 11, 16),
+            "at": time(10, 0, 5),
+            "amount": Decimal("450.25"),  # a decimal is a number
             "other": uuid.UUID(int=1),  # anything else as its text
         },
         struct,
@@ -253,6 +258,10 @@ def test_content_of_other_python_types_is_encoded_by_what_it_is() -> None:
         "pair": [1, "b"],
         "7": "seven",
         "empty": {},
+        "when": "2025-11-16T10:00:05+00:00",
+        "day": "2025-11-16",
+        "at": "10:00:05",
+        "amount": 450.25,
         "other": "00000000-0000-0000-0000-000000000001",
     }
     assert struct.fields["empty"].WhichOneof("kind") == "struct_value"
@@ -296,8 +305,9 @@ def test_an_event_over_the_stream_limit_leaves_out_its_longest_values() -> None:
         {"action": "x", "score": float("nan")},
         {"action": "x", "scores": [0.5, float("inf")]},
         {"action": "x", "deep": {"deeper": {"low": -float("inf")}}},
+        {"action": "x", "amount": Decimal("NaN")},
     ],
-    ids=["nan", "in a list", "nested"],
+    ids=["nan", "in a list", "nested", "decimal"],
 )
 def test_nan_and_infinity_are_refused_where_a_json_value_is_made(
     content: dict[str, object],
