@@ -38,6 +38,7 @@ from mesh.core.model import (
     MessageType,
     Tool,
 )
+from mesh.core.tasks import cancel_and_wait
 from mesh.serving import MeshServer, start_server
 from mesh.tracing import current_span, extract, inject, span_name, without_trace
 from mesh.v1 import agent_pb2, agent_pb2_grpc
@@ -49,6 +50,9 @@ Reply = dict[str, JSON] | Message | JSON | None
 HandlerFn = Callable[[Message, "AgentContext"], Awaitable[Reply]]
 
 _RECONNECT_DELAYS = (0.1, 0.5, 1.0, 2.0)
+MAX_LEASE_EXTENSION = 3600.0
+"""How long a runtime keeps a delivery leased while its handler still works on it (it extends
+the lease every third of a lease): past that, the broker delivers the message again."""
 
 
 def on(action: str) -> Callable[[Callable[..., Awaitable[Reply]]], Callable[..., Awaitable[Reply]]]:
@@ -294,17 +298,22 @@ class AgentRuntime:
         max_in_flight: int = 16,
         lease_seconds: float = 30.0,
         address: str = "",
+        max_lease_extension: float = MAX_LEASE_EXTENSION,
     ) -> None:
         self.agent = agent
         self.client = client
         self.max_in_flight = max_in_flight
         self.lease_seconds = lease_seconds
+        self.max_lease_extension = max_lease_extension
         self.address = address
         self.handled = 0
         self.failed = 0
         self._consumer: asyncio.Task[None] | None = None
         self._in_flight: set[asyncio.Task[None]] = set()
         self._subscription: ClientSubscription | None = None
+        self._working: dict[Received, float] = {}
+        """The deliveries whose handler runs, with when (loop time) it started."""
+        self._keeper: asyncio.Task[None] | None = None
         self._stopping = False
         self.subscribed = asyncio.Event()
 
@@ -319,6 +328,39 @@ class AgentRuntime:
     async def start(self) -> None:
         await self.register()
         self._consumer = asyncio.create_task(self._consume(), name=f"agent-{self.agent.agent_id}")
+        self._keeper = asyncio.create_task(
+            self._keep_leases(), name=f"agent-{self.agent.agent_id}-leases"
+        )
+
+    async def _keep_leases(self) -> None:
+        """Every third of a lease, extends the leases of the deliveries whose handler still
+        runs (one frame for them all), so that a handler that takes longer than a lease (a
+        model's answer, a long search) is not run again meanwhile, up to
+        ``max_lease_extension`` after it started."""
+        period = self.lease_seconds / 3
+        loop = asyncio.get_running_loop()
+        given_up: set[Received] = set()
+        while True:
+            await asyncio.sleep(period)
+            now = loop.time()
+            due: dict[ClientSubscription, list[str]] = {}
+            for received, started in list(self._working.items()):
+                if received.done or received in given_up:
+                    continue
+                if now - started > self.max_lease_extension:
+                    given_up.add(received)
+                    logger.warning(
+                        "%s has worked on %s for over %g s: its lease is no longer extended,"
+                        " and the broker delivers it again when the lease ends",
+                        self.agent.agent_id,
+                        received.message.message_id,
+                        self.max_lease_extension,
+                    )
+                    continue
+                due.setdefault(received.subscription, []).append(received.message.message_id)
+            given_up.intersection_update(self._working)
+            for subscription, message_ids in due.items():
+                await subscription.extend_leases(message_ids, self.lease_seconds)
 
     async def _consume(self) -> None:
         attempt = 0
@@ -366,6 +408,14 @@ class AgentRuntime:
                 await asyncio.sleep(_RECONNECT_DELAYS[-1])
 
     async def _process(self, received: Received) -> None:
+        self._working[received] = asyncio.get_running_loop().time()
+        try:
+            await self._settle(received)
+        finally:
+            del self._working[received]
+
+    async def _settle(self, received: Received) -> None:
+        """Runs the handler on a delivery, answers it when due, and settles the delivery."""
         message = received.message
         try:
             answer = await self.run_handler(message)
@@ -478,6 +528,8 @@ class AgentRuntime:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+        if self._keeper is not None:
+            await cancel_and_wait(self._keeper)
         if self._subscription is not None:
             await self._subscription.close()
         # Best effort, once: a broker that is gone forgets its agents anyway.
@@ -564,6 +616,7 @@ async def serve(
     port: int = 0,
     max_in_flight: int = 16,
     lease_seconds: float = 30.0,
+    max_lease_extension: float = MAX_LEASE_EXTENSION,
     retry: RetryPolicy | None = None,
     advertise: str | None = None,
     security: SecurityConfig | None = None,
@@ -574,11 +627,21 @@ async def serve(
 
     Agents of one process given one ``client`` (see :func:`serve_all`) share its stream to
     the broker: what is ready for several of them at once (a broadcast) travels in one
-    frame. The caller closes a client it gave, after stopping the agents."""
+    frame. The caller closes a client it gave, after stopping the agents.
+
+    A delivery stays leased ``lease_seconds`` unless acknowledged; while a handler still
+    works on one, its lease is extended every third of that, for up to
+    ``max_lease_extension`` seconds, so that a slow handler is not run twice."""
     owns_client = client is None
     if client is None:
         client = MeshClient(broker, agent_id=agent.agent_id, retry=retry, security=security)
-    runtime = AgentRuntime(agent, client, max_in_flight=max_in_flight, lease_seconds=lease_seconds)
+    runtime = AgentRuntime(
+        agent,
+        client,
+        max_in_flight=max_in_flight,
+        lease_seconds=lease_seconds,
+        max_lease_extension=max_lease_extension,
+    )
     servicer = AgentServicer(runtime)
     server = await start_server(
         lambda s: agent_pb2_grpc.add_AgentServiceServicer_to_server(servicer, s),
@@ -649,7 +712,7 @@ async def serve_all(
 ) -> ServedAgents:
     """Serves several agents in this process, each on its own gRPC server (``ports[i]``, 0
     or missing picks one), sharing one client and so one stream to the broker. ``options``
-    are those of :func:`serve` (host, max_in_flight, lease_seconds)."""
+    are those of :func:`serve` (host, max_in_flight, lease_seconds, max_lease_extension)."""
     client = MeshClient(broker, retry=retry, security=security)
     servers: list[AgentServer] = []
     try:

@@ -181,14 +181,14 @@ def with_trace(message: Message) -> Message:
     return message.evolve(headers=inject(message.headers))
 
 
-def wait_seconds(timeout: float | None, default: float) -> float:
+def wait_seconds(timeout: float | None, default: float, field: str = "timeout") -> float:
     """How long a call waits: ``timeout`` seconds, or ``default`` when it is None. A negative
-    one, or one that is not a finite number, is the caller's mistake (MessageValidationError)
-    before anything is sent."""
+    one, or one that is not a finite number, is the caller's mistake (MessageValidationError
+    on ``field``) before anything is sent."""
     seconds = default if timeout is None else timeout
     if not 0 <= seconds < math.inf:  # NaN too
         raise MessageValidationError.for_field(
-            "timeout", f"timeout must be a finite number of seconds, not negative (got {seconds})"
+            field, f"{field} must be a finite number of seconds, not negative (got {seconds})"
         )
     return seconds
 
@@ -437,6 +437,19 @@ class Received:
             reason = reason[:MAX_DEAD_LETTER_REASON] or "rejected"
             self._subscription._settle("nack", self.message.message_id, reason)
 
+    @property
+    def subscription(self) -> ClientSubscription:
+        """The subscription that delivered it."""
+        return self._subscription
+
+    async def extend_lease(self, seconds: float | None = None) -> None:
+        """Keeps the message leased ``seconds`` from now (the subscription's lease when None)
+        while it is still being worked on, so that the broker does not deliver it again
+        meanwhile; sent like acks, and a message whose lease had already ended stays where
+        it is (the agent runtime does this by itself for a handler that runs long)."""
+        if not self.done:
+            await self._subscription.extend_leases([self.message.message_id], seconds)
+
     async def answer(self, answer: Message) -> None:
         """Sends the answer to this request on the subscription's own stream, fire-and-forget;
         the broker takes it as the acknowledgement (when it answers this message's id), and
@@ -675,6 +688,21 @@ class ClientSubscription:
             with contextlib.suppress(MeshError):
                 await session.write(frame)
                 self.client.stats.settle_frames += 1
+
+    async def extend_leases(self, message_ids: Iterable[str], seconds: float | None = None) -> None:
+        """Keeps these deliveries leased ``seconds`` from now (this subscription's lease when
+        None), in one frame that is not answered; nothing when the stream is gone (the broker
+        has put them back already)."""
+        seconds = wait_seconds(seconds, self.lease_seconds, "lease")
+        session = self._session
+        if session is None or session.closed:
+            return
+        frame = broker_pb2.ConnectRequest()
+        frame.extend_lease.agent_id = self.agent_id
+        frame.extend_lease.message_ids.extend(message_ids)
+        codec.seconds_to_duration(seconds, frame.extend_lease.lease)
+        with contextlib.suppress(MeshError):
+            await session.write(frame)
 
     async def close(self) -> None:
         """Ends the subscription, after sending the acks and nacks still queued (and what

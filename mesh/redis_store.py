@@ -270,6 +270,17 @@ end
 return out
 """
 
+_EXTEND = """
+local lease_end, count = tonumber(ARGV[1]), 0
+for i = 2, #ARGV do
+  if redis.call('ZSCORE', leased, ARGV[i]) then
+    redis.call('ZADD', leased, lease_end, ARGV[i])
+    count = count + 1
+  end
+end
+return count
+"""
+
 _NACK = """
 local now, max_attempts, at, max_dead = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3],
   tonumber(ARGV[4])
@@ -354,6 +365,7 @@ SCRIPTS = {
         ("pop", _POP),
         ("take_back", _TAKE_BACK),
         ("ack", _ACK),
+        ("extend", _EXTEND),
         ("nack", _NACK),
         ("release", _RELEASE),
         ("sweep", _SWEEP),
@@ -1031,6 +1043,15 @@ class RedisQueueStore:
             if subscriber:
                 self._released(Released(_text(message_id), agent_id, _text(subscriber)))
         return len(acked)
+
+    async def extend_lease(
+        self, agent_id: str, message_ids: Iterable[str], lease_seconds: float
+    ) -> int:
+        ids = list(message_ids)
+        if not ids:
+            return 0
+        lease_end = self._now_ms() + int(lease_seconds * 1000)
+        return int(await self._run("extend", agent_id, [lease_end, *ids]))
 
     def _return_args(self) -> list[Any]:
         return [

@@ -191,6 +191,15 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         return broker_pb2.NackResponse(requeued=requeued, dead_lettered=dead)
 
     @translating
+    async def ExtendLease(
+        self, request: broker_pb2.ExtendLeaseRequest, context: Any
+    ) -> broker_pb2.ExtendLeaseResponse:
+        extended = await self.broker.extend_lease(
+            request.agent_id, request.message_ids, codec.duration_seconds(request.lease)
+        )
+        return broker_pb2.ExtendLeaseResponse(extended=extended)
+
+    @translating
     async def Broadcast(
         self, request: broker_pb2.BroadcastRequest, context: Any
     ) -> broker_pb2.BroadcastResponse:
@@ -429,6 +438,13 @@ class _Session:
                     self._agent(frame.nack.agent_id),
                     frame.nack.message_ids,
                     dead_letter_reason=frame.nack.dead_letter_reason,
+                )
+            elif kind == "extend_lease":
+                extend = frame.extend_lease
+                await self.broker.extend_lease(
+                    self._agent(extend.agent_id),
+                    extend.message_ids,
+                    codec.duration_seconds(extend.lease),
                 )
             elif kind == "subscribe":
                 await self._subscribe(seq, frame.subscribe)

@@ -1109,6 +1109,19 @@ class Broker:
     async def ack(self, agent_id: str, message_ids: Iterable[str]) -> int:
         return await self.store.ack(agent_id, message_ids)
 
+    async def extend_lease(
+        self, agent_id: str, message_ids: Iterable[str], lease_seconds: float = 0
+    ) -> int:
+        """Keeps deliveries leased for ``lease_seconds`` from now (0: the default lease)
+        while their handler still works on them; returns how many were still leased."""
+        if lease_seconds < 0 or lease_seconds > self.config.max_ttl:
+            raise MessageValidationError.for_field(
+                "lease", f"lease must be within 0..{self.config.max_ttl} seconds"
+            )
+        return await self.store.extend_lease(
+            agent_id, message_ids, lease_seconds or self.config.lease_seconds
+        )
+
     async def nack(
         self, agent_id: str, message_ids: Iterable[str], *, dead_letter_reason: str = ""
     ) -> tuple[int, int]:

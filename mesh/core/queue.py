@@ -150,6 +150,13 @@ class QueueStore(Protocol):
         dead-lettered)."""
         ...
 
+    async def extend_lease(
+        self, agent_id: str, message_ids: Iterable[str], lease_seconds: float
+    ) -> int:
+        """Makes the leases of these messages end ``lease_seconds`` from now (their handler
+        still works on them); returns how many were still leased."""
+        ...
+
     async def still_leased(
         self, agent_id: str, subscriber: str, message_ids: Collection[str]
     ) -> set[str]:
@@ -649,6 +656,25 @@ class InMemoryQueueStore:
             elif outcome == "dead":
                 dead += 1
         return (requeued, dead)
+
+    async def extend_lease(
+        self, agent_id: str, message_ids: Iterable[str], lease_seconds: float
+    ) -> int:
+        queue = self._queues.get(agent_id)
+        if queue is None:
+            return 0
+        until = self._clock() + lease_seconds
+        count = 0
+        for message_id in message_ids:
+            entry = queue.leased.get(message_id)
+            if entry is None:
+                continue
+            entry.lease_until = until  # (the heap's earlier item for it is now stale)
+            heapq.heappush(self._lease_heap, (until, entry.seq, entry))
+            count += 1
+        if len(self._lease_heap) > _compact_at(self._total):
+            self._lease_heap = _live(self._lease_heap, _lease_is_live)
+        return count
 
     async def still_leased(
         self, agent_id: str, subscriber: str, message_ids: Collection[str]

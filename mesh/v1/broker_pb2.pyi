@@ -617,6 +617,65 @@ class NackResponse(_message.Message):
 Global___NackResponse: _TypeAlias = NackResponse  # noqa: Y015
 
 @_typing.final
+class ExtendLeaseRequest(_message.Message):
+    """ExtendLeaseRequest keeps deliveries leased for longer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    MESSAGE_IDS_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """The subscribed agent (may be empty on a session with one subscription)."""
+    @_builtins.property
+    def message_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Ids of the delivered messages still being worked on."""
+
+    @_builtins.property
+    def lease(self) -> _duration_pb2.Duration:
+        """How long from now each lease lasts (at most 86400 s); unset means the broker's default
+        lease (30 s). A message whose lease has already ended is not extended: it is back in
+        the queue, or with another subscriber.
+        """
+
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+        message_ids: _abc.Iterable[_builtins.str] | None = ...,
+        lease: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "lease", b"lease", "message_ids", b"message_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExtendLeaseRequest: _TypeAlias = ExtendLeaseRequest  # noqa: Y015
+
+@_typing.final
+class ExtendLeaseResponse(_message.Message):
+    """ExtendLeaseResponse counts the extended leases."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXTENDED_FIELD_NUMBER: _builtins.int
+    extended: _builtins.int
+    """How many of the messages were still leased and now are for `lease` from now."""
+    def __init__(
+        self,
+        *,
+        extended: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["extended", b"extended"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExtendLeaseResponse: _TypeAlias = ExtendLeaseResponse  # noqa: Y015
+
+@_typing.final
 class BroadcastRequest(_message.Message):
     """BroadcastRequest sends one message to many agents."""
 
@@ -1386,6 +1445,7 @@ class ConnectRequest(_message.Message):
     UNSUBSCRIBE_FIELD_NUMBER: _builtins.int
     CANCEL_FIELD_NUMBER: _builtins.int
     BROADCAST_FIELD_NUMBER: _builtins.int
+    EXTEND_LEASE_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """Chosen by the client; the broker's answer to this frame carries the same seq."""
     @_builtins.property
@@ -1448,6 +1508,10 @@ class ConnectRequest(_message.Message):
         `error`).
         """
 
+    @_builtins.property
+    def extend_lease(self) -> Global___ExtendLeaseRequest:
+        """Keep deliveries leased for longer (their handler still works on them); not answered."""
+
     def __init__(
         self,
         *,
@@ -1463,12 +1527,13 @@ class ConnectRequest(_message.Message):
         unsubscribe: Global___UnsubscribeRequest | None = ...,
         cancel: Global___CancelRequest | None = ...,
         broadcast: Global___BroadcastRequest | None = ...,
+        extend_lease: Global___ExtendLeaseRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "batch", b"batch", "broadcast", b"broadcast", "cancel", b"cancel", "frame", b"frame", "gather", b"gather", "nack", b"nack", "receive", b"receive", "request", b"request", "send", b"send", "subscribe", b"subscribe", "unsubscribe", b"unsubscribe"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "batch", b"batch", "broadcast", b"broadcast", "cancel", b"cancel", "extend_lease", b"extend_lease", "frame", b"frame", "gather", b"gather", "nack", b"nack", "receive", b"receive", "request", b"request", "send", b"send", "subscribe", b"subscribe", "unsubscribe", b"unsubscribe"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "batch", b"batch", "broadcast", b"broadcast", "cancel", b"cancel", "frame", b"frame", "gather", b"gather", "nack", b"nack", "receive", b"receive", "request", b"request", "send", b"send", "seq", b"seq", "subscribe", b"subscribe", "unsubscribe", b"unsubscribe"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "batch", b"batch", "broadcast", b"broadcast", "cancel", b"cancel", "extend_lease", b"extend_lease", "frame", b"frame", "gather", b"gather", "nack", b"nack", "receive", b"receive", "request", b"request", "send", b"send", "seq", b"seq", "subscribe", b"subscribe", "unsubscribe", b"unsubscribe"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["subscribe", "send", "request", "ack", "nack", "receive", "gather", "batch", "unsubscribe", "cancel", "broadcast"]  # noqa: Y015
+    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["subscribe", "send", "request", "ack", "nack", "receive", "gather", "batch", "unsubscribe", "cancel", "broadcast", "extend_lease"]  # noqa: Y015
     _WhichOneofArgType_frame: _TypeAlias = _typing.Literal["frame", b"frame"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_frame) -> _WhichOneofReturnType_frame | None: ...
 

@@ -82,6 +82,11 @@ class BrokerServiceStub:
                 request_serializer=mesh_dot_v1_dot_broker__pb2.NackRequest.SerializeToString,
                 response_deserializer=mesh_dot_v1_dot_broker__pb2.NackResponse.FromString,
                 _registered_method=True)
+        self.ExtendLease = channel.unary_unary(
+                '/mesh.v1.BrokerService/ExtendLease',
+                request_serializer=mesh_dot_v1_dot_broker__pb2.ExtendLeaseRequest.SerializeToString,
+                response_deserializer=mesh_dot_v1_dot_broker__pb2.ExtendLeaseResponse.FromString,
+                _registered_method=True)
         self.Broadcast = channel.unary_unary(
                 '/mesh.v1.BrokerService/Broadcast',
                 request_serializer=mesh_dot_v1_dot_broker__pb2.BroadcastRequest.SerializeToString,
@@ -190,6 +195,14 @@ class BrokerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExtendLease(self, request, context):
+        """Keeps deliveries leased for longer while their handler still works on them, so that a
+        task that takes longer than a lease is not delivered again meanwhile.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Broadcast(self, request, context):
         """Sends a copy of a message to every registered agent but the sender, or only to the
         agents of the given types.
@@ -290,6 +303,11 @@ def add_BrokerServiceServicer_to_server(servicer, server):
                     servicer.Nack,
                     request_deserializer=mesh_dot_v1_dot_broker__pb2.NackRequest.FromString,
                     response_serializer=mesh_dot_v1_dot_broker__pb2.NackResponse.SerializeToString,
+            ),
+            'ExtendLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExtendLease,
+                    request_deserializer=mesh_dot_v1_dot_broker__pb2.ExtendLeaseRequest.FromString,
+                    response_serializer=mesh_dot_v1_dot_broker__pb2.ExtendLeaseResponse.SerializeToString,
             ),
             'Broadcast': grpc.unary_unary_rpc_method_handler(
                     servicer.Broadcast,
@@ -573,6 +591,33 @@ class BrokerService:
             '/mesh.v1.BrokerService/Nack',
             mesh_dot_v1_dot_broker__pb2.NackRequest.SerializeToString,
             mesh_dot_v1_dot_broker__pb2.NackResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExtendLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mesh.v1.BrokerService/ExtendLease',
+            mesh_dot_v1_dot_broker__pb2.ExtendLeaseRequest.SerializeToString,
+            mesh_dot_v1_dot_broker__pb2.ExtendLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -58,6 +58,10 @@ class BrokerServiceStub:
     """Acknowledges delivered messages, releasing them for good."""
     Nack: _grpc.UnaryUnaryMultiCallable[_broker_pb2.NackRequest, _broker_pb2.NackResponse]
     """Returns delivered messages to the queue for redelivery."""
+    ExtendLease: _grpc.UnaryUnaryMultiCallable[_broker_pb2.ExtendLeaseRequest, _broker_pb2.ExtendLeaseResponse]
+    """Keeps deliveries leased for longer while their handler still works on them, so that a
+    task that takes longer than a lease is not delivered again meanwhile.
+    """
     Broadcast: _grpc.UnaryUnaryMultiCallable[_broker_pb2.BroadcastRequest, _broker_pb2.BroadcastResponse]
     """Sends a copy of a message to every registered agent but the sender, or only to the
     agents of the given types.
@@ -110,6 +114,10 @@ class BrokerServiceAsyncStub(BrokerServiceStub):
     """Acknowledges delivered messages, releasing them for good."""
     Nack: _aio.UnaryUnaryMultiCallable[_broker_pb2.NackRequest, _broker_pb2.NackResponse]  # type: ignore[assignment]
     """Returns delivered messages to the queue for redelivery."""
+    ExtendLease: _aio.UnaryUnaryMultiCallable[_broker_pb2.ExtendLeaseRequest, _broker_pb2.ExtendLeaseResponse]  # type: ignore[assignment]
+    """Keeps deliveries leased for longer while their handler still works on them, so that a
+    task that takes longer than a lease is not delivered again meanwhile.
+    """
     Broadcast: _aio.UnaryUnaryMultiCallable[_broker_pb2.BroadcastRequest, _broker_pb2.BroadcastResponse]  # type: ignore[assignment]
     """Sends a copy of a message to every registered agent but the sender, or only to the
     agents of the given types.
@@ -213,6 +221,16 @@ class BrokerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_broker_pb2.NackResponse, _abc.Awaitable[_broker_pb2.NackResponse]]:
         """Returns delivered messages to the queue for redelivery."""
+
+    @_abc_1.abstractmethod
+    def ExtendLease(
+        self,
+        request: _broker_pb2.ExtendLeaseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.ExtendLeaseResponse, _abc.Awaitable[_broker_pb2.ExtendLeaseResponse]]:
+        """Keeps deliveries leased for longer while their handler still works on them, so that a
+        task that takes longer than a lease is not delivered again meanwhile.
+        """
 
     @_abc_1.abstractmethod
     def Broadcast(

@@ -828,3 +828,118 @@ async def test_dead_letters_are_listed_a_page_at_a_time(mesh: LocalMesh) -> None
                 assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         # The SDK reads every page.
         assert [d.message.message_id for d in await client.dead_letters("Worker")] == expected
+
+
+class Slow(Agent):
+    """Takes ``seconds`` over each message, counting the runs of each."""
+
+    agent_id = "SlowAgent"
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.runs: dict[str, int] = {}
+
+    @on("work")
+    async def work(self, message: Message, ctx: AgentContext) -> dict[str, int]:
+        self.runs[message.message_id] = self.runs.get(message.message_id, 0) + 1
+        await asyncio.sleep(self.seconds)
+        return {"runs": self.runs[message.message_id]}
+
+
+async def test_a_handler_slower_than_its_lease_runs_once(mesh: LocalMesh) -> None:
+    """The runtime extends the lease of a delivery while its handler works on it: a handler
+    taking three leases is not run again meanwhile, answers once, and nothing is
+    redelivered or dead-lettered."""
+    slow = Slow(3.0)
+    await mesh.add_agent(slow, lease_seconds=1.0)
+    async with mesh.client("boss") as client:
+        await client.register("boss")
+        sent = await client.send("SlowAgent", {"action": "work"})  # its answer is queued
+        answer = await client.request("SlowAgent", {"action": "work"}, timeout=10)
+        assert answer.content["runs"] == 1
+        await asyncio.sleep(0.5)  # the first, started with the request, is done too
+        assert slow.runs == {sent.message_id: 1, answer.correlation_id: 1}
+        [queued] = await client.receive("boss")
+        assert (queued.correlation_id, queued.content["runs"]) == (sent.message_id, 1)
+        stats = await client.queue_stats()
+        assert stats.totals["redelivered_count"] == 0
+        assert await client.dead_letters("SlowAgent") == []
+
+
+async def test_a_lease_is_extended_no_longer_than_the_runtime_allows(
+    mesh: LocalMesh, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Past ``max_lease_extension`` the broker delivers the message again (a handler stuck
+    for good must not hold it forever), and the runtime says so."""
+    slow = Slow(3.0)
+    await mesh.add_agent(slow, lease_seconds=0.6, max_lease_extension=1.0)
+    async with mesh.client("boss") as client:
+        await client.register("boss")
+        sent = await client.send("SlowAgent", {"action": "work"})
+        async with asyncio.timeout(10):
+            while slow.runs.get(sent.message_id, 0) < 2:  # noqa: ASYNC110 - a handler's count
+                await asyncio.sleep(0.05)
+        assert any("is no longer extended" in r.getMessage() for r in caplog.records)
+
+
+async def test_extend_lease_over_plain_grpc_keeps_a_delivery_from_coming_again(
+    mesh: LocalMesh,
+) -> None:
+    """`ExtendLease` (a unary call, or a frame on a session): the delivery is not redelivered
+    at its first lease's end; a bad lease is INVALID_ARGUMENT; what is not leased counts 0."""
+    async with mesh.client("sender") as client:
+        await client.register("Desk")
+        sent = await client.send("Desk", {"action": "x"})
+    async with grpc.aio.insecure_channel(mesh.address) as channel:
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        stream = stub.Subscribe(
+            broker_pb2.SubscribeRequest(
+                agent_id="Desk", lease=duration_pb2.Duration(nanos=600_000_000)
+            )
+        )
+        first = await asyncio.wait_for(stream.read(), 5)
+        assert first.delivery.message.message_id == sent.message_id
+
+        def extend(seconds: int, *ids: str) -> broker_pb2.ExtendLeaseRequest:
+            return broker_pb2.ExtendLeaseRequest(
+                agent_id="Desk", message_ids=ids, lease=duration_pb2.Duration(seconds=seconds)
+            )
+
+        reply = await stub.ExtendLease(extend(3, sent.message_id, "ghost"))
+        assert reply.extended == 1
+        await nothing_within(stream.read(), 1.5)  # not delivered again at 0.6 s
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.ExtendLease(extend(-1, sent.message_id))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        ack = await stub.Ack(broker_pb2.AckRequest(agent_id="Desk", message_ids=[sent.message_id]))
+        assert ack.acknowledged == 1
+        assert (await stub.ExtendLease(extend(3, sent.message_id))).extended == 0
+        stream.cancel()
+
+        # On a session, the frame is not answered; a bad one is, with an error under its seq.
+        session = stub.Connect()
+        subscribe = broker_pb2.ConnectRequest(seq=1)
+        subscribe.subscribe.agent_id = "Desk"
+        subscribe.subscribe.lease.FromNanoseconds(600_000_000)
+        await session.write(subscribe)
+        assert (await asyncio.wait_for(session.read(), 5)).WhichOneof("frame") == "accepted"
+        async with mesh.client("sender") as client:
+            again = await client.send("Desk", {"action": "y"})
+        delivered = await asyncio.wait_for(session.read(), 5)
+        assert delivered.delivery.message.message_id == again.message_id
+        await session.write(broker_pb2.ConnectRequest(extend_lease=extend(3, again.message_id)))
+        await session.write(broker_pb2.ConnectRequest(seq=7, extend_lease=extend(-1, "x")))
+        refused = await asyncio.wait_for(session.read(), 5)
+        assert (refused.seq, refused.error.code) == (7, grpc.StatusCode.INVALID_ARGUMENT.value[0])
+        next_frame = asyncio.ensure_future(session.read())
+        await nothing_within(next_frame, 1.5)  # not delivered again at 0.6 s
+        session.cancel()
+
+
+async def nothing_within(read: Any, seconds: float) -> None:
+    """Nothing comes of ``read`` within ``seconds`` (the read itself is left running: a read
+    cancelled cancels its call)."""
+    pending = asyncio.ensure_future(read)
+    done, _ = await asyncio.wait({pending}, timeout=seconds)
+    assert not done, pending.result()

@@ -316,6 +316,28 @@ async def test_lease_expiry_redelivers(store: QueueStore, clock: FakeClock) -> N
     assert lease is not None and lease.attempt == 2
 
 
+async def test_an_extended_lease_ends_that_much_later(store: QueueStore, clock: FakeClock) -> None:
+    """A handler still at work keeps its message: the lease ends ``lease_seconds`` after the
+    extension, not after the delivery; a message no longer leased is not extended."""
+    await store.put(msg("m1"), 3600)
+    await store.put(msg("m2"), 3600)
+    assert len(await store.lease_many("PaymentAgent", "s", 5, 2)) == 2
+    clock.advance(4)
+    assert await store.extend_lease("PaymentAgent", ["m1", "ghost"], 5) == 1
+    clock.advance(2)  # 6 s: m2's lease ended, m1's ends at 9 s
+    await store.sweep()
+    again = await store.lease("PaymentAgent", "s", 5)
+    assert again is not None and (again.message.message_id, again.attempt) == ("m2", 2)
+    assert await store.lease("PaymentAgent", "s", 5) is None
+    clock.advance(4)  # 10 s
+    await store.sweep()
+    back = await store.lease("PaymentAgent", "s", 5)
+    assert back is not None and (back.message.message_id, back.attempt) == ("m1", 2)
+    assert await store.ack("PaymentAgent", ["m1"]) == 1
+    assert await store.extend_lease("PaymentAgent", ["m1"], 5) == 0
+    assert await store.extend_lease("Nobody", ["m1"], 5) == 0
+
+
 async def test_dead_letter_after_max_attempts(store: QueueStore, recorder: Recorder) -> None:
     await store.put(msg("poison"), 3600)
     for attempt in (1, 2):

@@ -456,6 +456,10 @@ export interface SessionOptions {
   maxBatch?: number;
   /** How long an ack waits for company in a steady flow (2). */
   ackLingerMs?: number;
+  /** How long a delivery stays leased unless acked (30,000); extended while handled. */
+  leaseMs?: number;
+  /** How long a handler may keep its delivery leased by extending it (3,600,000). */
+  maxLeaseExtensionMs?: number;
 }
 
 /** An agent's deliveries on a Connect stream (session()). */
@@ -546,7 +550,8 @@ export class MeshClient {
   broadcast(content: JsonObject, options?: BroadcastOptions): Promise<BroadcastResult>;
   session(handle: SessionHandler, options?: SessionOptions): AgentSession;
   subscribe(onDelivery: (message: Message, attempt: number) => Promise<unknown> | unknown,
-    options?: { agentId?: string; maxInFlight?: number }): Subscription;
+    options?: { agentId?: string; maxInFlight?: number; leaseMs?: number;
+      maxLeaseExtensionMs?: number }): Subscription;
 }
 
 // -- the gateway client -------------------------------------------------------------------------

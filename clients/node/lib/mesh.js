@@ -770,19 +770,25 @@ class MeshClient {
    * null (acknowledged); when it throws, the message is handed back for redelivery (a
    * Reject sends it to the dead-letter queue at once, with the Reject's message). A message
    * sent with ackRequired is acknowledged to its sender with an ACK message as it arrives,
-   * on its first delivery. The returned stream emits 'subscribed' once the broker took the
-   * subscription, 'refused' (a MeshError) when the broker refuses an answer or ACK it was
-   * sent, and 'error' / 'end' when the session is over.
+   * on its first delivery. A delivery stays leased leaseMs (30,000) unless acked; while
+   * handle still works on one, its lease is extended every third of that, for up to
+   * maxLeaseExtensionMs (an hour), so that a slow handler is not run twice. The returned
+   * stream emits 'subscribed' once the broker took the subscription, 'refused' (a
+   * MeshError) when the broker refuses an answer or ACK it was sent, and 'error' / 'end'
+   * when the session is over.
    */
   session(handle, { agentId = this.agentId, maxInFlight = 16, maxBatch = 16,
-    ackLingerMs = 2 } = {}) {
+    ackLingerMs = 2, leaseMs = 30000, maxLeaseExtensionMs = 3600000 } = {}) {
     const metadata = (this.broker.meshMetadata || new grpc.Metadata()).clone();
     metadata.set('agentmesh-batch', '1');
     const call = this.broker.Connect(metadata);
     const write = (frame) => {
       if (!call.writableEnded && !call.destroyed) call.write(frame);
     };
-    const inFlight = new Map(); // handling -> the message id
+    const inFlight = new Map(); // handling -> {id, started}
+    const keeper = keepLeases(inFlight, leaseMs, maxLeaseExtensionMs, (ids) => write({
+      extend_lease: { agent_id: agentId, message_ids: ids, lease: toDuration(leaseMs) } }));
+    for (const over of ['status', 'error', 'close']) call.on(over, () => clearInterval(keeper));
     let closing = false;
     // Acks go together: those of a moment (a batch of deliveries handled together) in one
     // frame. In a steady flow (the ack before came less than half ackLingerMs ago), and while
@@ -827,7 +833,7 @@ class MeshClient {
           write({ nack });
         }
       })();
-      inFlight.set(done, message.messageId);
+      inFlight.set(done, { id: message.messageId, started: performance.now() });
       done.finally(() => inFlight.delete(done));
     };
     /**
@@ -842,8 +848,9 @@ class MeshClient {
         promise, new Promise((resolve) => { setTimeout(resolve, graceMs).unref(); })]);
       await waited(Promise.allSettled([...inFlight.keys()]));
       flushAcks();
+      clearInterval(keeper);
       write({ seq: 2, unsubscribe: { agent_id: agentId, release_unseen: true,
-        seen_message_ids: [...inFlight.values()] } });
+        seen_message_ids: [...inFlight.values()].map((work) => work.id) } });
       const over = new Promise((resolve) => { call.on('status', resolve); call.on('error', resolve); });
       if (!call.writableEnded) call.end();
       await waited(over);
@@ -871,7 +878,7 @@ class MeshClient {
     call.on('data', take);
     call.on('error', () => {}); // listeners of the caller's decide; none must not crash
     write({ seq: 1, subscribe: { agent_id: agentId, max_in_flight: maxInFlight,
-      max_batch: maxBatch } });
+      max_batch: maxBatch, lease: toDuration(leaseMs) } });
     return call;
   }
 
@@ -879,26 +886,53 @@ class MeshClient {
    * Deliveries of the agent's messages on the plain Subscribe stream (one per frame, acks as
    * unary calls; session() is the fast path): onDelivery(message, attempt) must resolve to
    * ack. A message sent with ackRequired is acknowledged to its sender with an ACK message as
-   * it arrives, on its first delivery.
+   * it arrives, on its first delivery. Leases are kept while onDelivery runs, as session()
+   * keeps them (ExtendLease calls).
    */
-  subscribe(onDelivery, { agentId = this.agentId, maxInFlight = 16 } = {}) {
-    const call = this.broker.Subscribe({ agent_id: agentId, max_in_flight: maxInFlight },
-      this.broker.meshMetadata);
+  subscribe(onDelivery, { agentId = this.agentId, maxInFlight = 16, leaseMs = 30000,
+    maxLeaseExtensionMs = 3600000 } = {}) {
+    const call = this.broker.Subscribe({ agent_id: agentId, max_in_flight: maxInFlight,
+      lease: toDuration(leaseMs) }, this.broker.meshMetadata);
+    const inFlight = new Map(); // handling -> {id, started}
+    const keeper = keepLeases(inFlight, leaseMs, maxLeaseExtensionMs, (ids) => unary(
+      this.broker, 'ExtendLease',
+      { agent_id: agentId, message_ids: ids, lease: toDuration(leaseMs) }).catch(() => {}));
+    for (const over of ['status', 'error', 'close']) call.on(over, () => clearInterval(keeper));
     call.on('data', async (res) => {
       const message = readMessage(res.delivery.message);
       const receipt = receiptOf(message, res.delivery.delivery_attempt, agentId);
       if (receipt) this._ask({ send: receipt }, 10000).catch((err) => call.emit('refused', err));
+      const work = { id: message.messageId, started: performance.now() };
+      inFlight.set(work, work);
       try {
         await onDelivery(message, res.delivery.delivery_attempt);
         await unary(this.broker, 'Ack', { agent_id: agentId, message_ids: [message.messageId] });
       } catch (err) {
         await unary(this.broker, 'Nack', { agent_id: agentId, message_ids: [message.messageId] })
           .catch(() => {});
+      } finally {
+        inFlight.delete(work);
       }
     });
     call.on('error', () => {});
     return call;
   }
+}
+
+/**
+ * Every third of leaseMs, hands extend(ids) the ids of the deliveries still being handled
+ * ({id, started} values of inFlight) for less than maxExtensionMs: their leases are extended
+ * while they run. The timer does not keep the process alive; clear it when done.
+ */
+function keepLeases(inFlight, leaseMs, maxExtensionMs, extend) {
+  const timer = setInterval(() => {
+    const now = performance.now();
+    const ids = [...inFlight.values()]
+      .filter((work) => now - work.started <= maxExtensionMs).map((work) => work.id);
+    if (ids.length) extend(ids);
+  }, leaseMs / 3);
+  timer.unref();
+  return timer;
 }
 
 // -- requests from plain objects --------------------------------------------------------------

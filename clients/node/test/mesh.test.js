@@ -684,6 +684,32 @@ test('what a session is sent while it closes goes back to the queue as never del
     }
   });
 
+test('a handler slower than its lease runs once: the session extends the lease', async () => {
+  const client = new MeshClient(BROKER, { agentId: 'NodeSlowBoss' });
+  try {
+    await client.register({ agentId: 'NodeSlowAgent' });
+    const sent = await client.send('NodeSlowAgent', { action: 'work' });
+    const runs = [];
+    let done;
+    const finished = new Promise((resolve) => { done = resolve; });
+    const session = client.session(async (message, attempt) => {
+      runs.push([message.messageId, attempt]);
+      await new Promise((resolve) => { setTimeout(resolve, 2500); });
+      done();
+      return null;
+    }, { agentId: 'NodeSlowAgent', leaseMs: 900 });
+    await finished;
+    await new Promise((resolve) => { setTimeout(resolve, 300); });
+    await session.close();
+    assert.deepEqual(runs, [[sent.messageId, 1]]); // three leases long, and run once
+    const [slow] = (await client.queueStats('NodeSlowAgent')).agents;
+    assert.equal(slow.depth + slow.inFlight + slow.deadLetters, 0);
+  } finally {
+    await client.deregister('NodeSlowAgent').catch(() => {});
+    client.close();
+  }
+});
+
 /** Sends `count` work messages ({action: 'work', parameters: {i}}) to agentId, in order. */
 async function sendWork(client, agentId, count) {
   for (let i = 0; i < count; i += 1) {
