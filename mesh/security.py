@@ -47,6 +47,7 @@ ACTING: dict[type, Acting] = {
     broker_pb2.SubscribeRequest: lambda r: [(r.agent_id, "receive")],
     broker_pb2.AckRequest: lambda r: [(r.agent_id, "acknowledge")],
     broker_pb2.NackRequest: lambda r: [(r.agent_id, "acknowledge")],
+    broker_pb2.ExtendLeaseRequest: lambda r: [(r.agent_id, "acknowledge")],
     broker_pb2.BroadcastRequest: lambda r: [(r.message.from_agent, "broadcast")],
     broker_pb2.GatherRequest: lambda r: [(r.message.from_agent, "gather")],
     broker_pb2.SendRequestRequest: lambda r: [(r.message.from_agent, "send")],
@@ -90,7 +91,7 @@ def check_frame(principal: Principal, frame: broker_pb2.ConnectRequest) -> None:
         principal.require_agent(frame.subscribe.agent_id, "receive")
     elif kind == "receive":
         principal.require_agent(frame.receive.agent_id, "receive")
-    elif kind in ("ack", "nack"):
+    elif kind in ("ack", "nack", "extend_lease"):
         agent_id = getattr(frame, kind).agent_id
         if agent_id:
             principal.require_agent(agent_id, "acknowledge")

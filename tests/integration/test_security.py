@@ -7,6 +7,7 @@ handshake fails. Health and reflection stay open, as balancers and tools expect.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -30,6 +31,7 @@ from mesh import (
 from mesh.certs import write_dev_certificates
 from mesh.client import NO_RETRY
 from mesh.core.errors import BrokerUnavailableError
+from mesh.v1 import broker_pb2, broker_pb2_grpc
 
 PAYMENT_TOKEN = "payment-token-0123456789"
 GATEWAY_TOKEN = "gateway-token-0123456789"
@@ -137,6 +139,25 @@ async def test_an_agent_acts_only_as_itself(token_mesh: LocalMesh) -> None:
     received = await hotel.receive("HotelAgent")
     # Nothing spoofed got in: two sends and one batch from PaymentAgent itself.
     assert [m.from_agent for m in received] == ["PaymentAgent", "PaymentAgent"]
+
+    # An agent keeps its own leases, no one else's, by unary call or on a session.
+    as_payment = (("authorization", f"Bearer {PAYMENT_TOKEN}"),)
+    async with grpc.aio.insecure_channel(token_mesh.address) as channel:
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        for agent_id, code in (("HotelAgent", 7), ("PaymentAgent", 0)):
+            extend = broker_pb2.ExtendLeaseRequest(agent_id=agent_id, message_ids=["m"])
+            try:
+                assert (await stub.ExtendLease(extend, metadata=as_payment)).extended == 0
+                assert code == 0
+            except grpc.aio.AioRpcError as error:
+                assert error.code().value[0] == code
+            session = stub.Connect(metadata=as_payment)
+            await session.write(broker_pb2.ConnectRequest(seq=5, extend_lease=extend))
+            await session.write(broker_pb2.ConnectRequest(seq=6, receive={"agent_id": agent_id}))
+            answer = await asyncio.wait_for(session.read(), 5)  # the error, or the receive's
+            assert answer.seq == (5 if code else 6)
+            assert answer.error.code == code
+            session.cancel()
 
     # The admin (the gateway) may act as anyone.
     await admin.send("HotelAgent", {"action": "book"}, from_agent="PaymentAgent")
