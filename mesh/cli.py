@@ -424,6 +424,15 @@ async def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _requeue(args: argparse.Namespace) -> int:
+    """Puts an agent's dead letters (all, or those named) back in its queue."""
+    async with connect(args.broker, agent_id=args.agent, security=security_config(args)) as client:
+        result = await client.requeue_dead_letters(args.agent, args.message_ids)
+    left = f"; {result.left} left as dead letters (the queue is full)" if result.left else ""
+    _print(f"{result.requeued} dead letters of {args.agent} requeued{left}")
+    return 0
+
+
 async def _state(args: argparse.Namespace) -> int:
     """Reads, writes or deletes one entry of the shared state."""
     async with connect(args.broker, agent_id=args.agent, security=security_config(args)) as client:
@@ -745,6 +754,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--agent")
     add_security_flags(p, server=False)
     p.set_defaults(run=_stats)
+
+    p = sub.add_parser(
+        "requeue", help="put an agent's dead letters (all, or those named) back in its queue"
+    )
+    p.add_argument("agent")
+    p.add_argument("message_ids", nargs="*", metavar="MESSAGE_ID")
+    p.add_argument("--broker", default=broker_default)
+    add_security_flags(p, server=False)
+    p.set_defaults(run=_requeue)
 
     _add_gateway_commands(sub, broker_default)
     for command in sub.choices.values():

@@ -133,6 +133,16 @@ class BroadcastResult:
 
 
 @dataclass(frozen=True, slots=True)
+class RequeueResult:
+    """What :meth:`MeshClient.requeue_dead_letters` did."""
+
+    requeued: int
+    """Dead letters back in the queue, for a new round of delivery attempts."""
+    left: int
+    """Dead letters left as they were because the queue was full."""
+
+
+@dataclass(frozen=True, slots=True)
 class GatherResult:
     """One agent's outcome of :meth:`MeshClient.gather`."""
 
@@ -1661,6 +1671,19 @@ class MeshClient:
             if not response.next_page_token:
                 return found
             request.page_token = response.next_page_token
+
+    async def requeue_dead_letters(
+        self, agent_id: str, message_ids: Iterable[str] = ()
+    ) -> RequeueResult:
+        """Puts ``agent_id``'s dead letters (all, or those of ``message_ids``) back in its
+        queue once what failed them is fixed: oldest first, each with its delivery attempts
+        from zero and its ttl from now. Those the full queue cannot take stay dead letters
+        (``left``)."""
+        request = broker_pb2.RequeueDeadLettersRequest(
+            agent_id=agent_id, message_ids=list(message_ids)
+        )
+        response = await self._with_retry(self._unary(self._stub.RequeueDeadLetters, request))
+        return RequeueResult(response.requeued, response.left)
 
 
 def connect(

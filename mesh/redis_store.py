@@ -281,6 +281,26 @@ end
 return count
 """
 
+_UNDEAD = """
+local wanted = {}
+for i = 1, #ARGV do wanted[ARGV[i]] = true end
+local kept, removed = {}, 0
+for _, raw in ipairs(redis.call('LRANGE', dead, 0, -1)) do
+  if wanted[cjson.decode(cjson.decode(raw).b).message_id] then
+    removed = removed + 1
+  else
+    table.insert(kept, raw)
+  end
+end
+if removed > 0 then
+  redis.call('DEL', dead)
+  for i = 1, #kept, 1000 do
+    redis.call('RPUSH', dead, unpack(kept, i, math.min(i + 999, #kept)))
+  end
+end
+return removed
+"""
+
 _NACK = """
 local now, max_attempts, at, max_dead = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3],
   tonumber(ARGV[4])
@@ -366,6 +386,7 @@ SCRIPTS = {
         ("take_back", _TAKE_BACK),
         ("ack", _ACK),
         ("extend", _EXTEND),
+        ("undead", _UNDEAD),
         ("nack", _NACK),
         ("release", _RELEASE),
         ("sweep", _SWEEP),
@@ -1225,6 +1246,11 @@ class RedisQueueStore:
                     )
                 )
         return out
+
+    async def remove_dead_letters(self, agent_id: str, message_ids: Collection[str]) -> int:
+        if not message_ids:
+            return 0
+        return int(await self._run("undead", agent_id, list(message_ids)))
 
     async def sync(self) -> None:
         return None  # every script has run in Redis before it returns

@@ -318,6 +318,15 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
             response.next_page_token = str(end)
         return response
 
+    @translating
+    async def RequeueDeadLetters(
+        self, request: broker_pb2.RequeueDeadLettersRequest, context: Any
+    ) -> broker_pb2.RequeueDeadLettersResponse:
+        requeued, left = await self.broker.requeue_dead_letters(
+            request.agent_id, request.message_ids
+        )
+        return broker_pb2.RequeueDeadLettersResponse(requeued=requeued, left=left)
+
     async def Connect(  # type: ignore[override]
         self, request_iterator: AsyncIterator[broker_pb2.ConnectRequest], context: Any
     ) -> None:

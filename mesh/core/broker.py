@@ -1236,3 +1236,45 @@ class Broker:
 
     async def dead_letters(self, agent_id: str = "") -> list[DeadLetter]:
         return await self.store.dead_letters(agent_id or None)
+
+    async def requeue_dead_letters(
+        self, agent_id: str, message_ids: Collection[str] = ()
+    ) -> tuple[int, int]:
+        """Puts the agent's dead letters (all, or those of ``message_ids``) back in its
+        queue, oldest first, each with its delivery attempts from zero and its ttl (or the
+        default) from now; returns (requeued, left because the queue was full)."""
+        if not agent_id:
+            raise MessageValidationError.for_field("agent_id", "agent_id is required")
+        wanted = set(message_ids)
+        chosen: dict[str, Message] = {}
+        for dead in await self.store.dead_letters(agent_id):
+            message = dead.message
+            if (not wanted or message.message_id in wanted) and message.message_id not in chosen:
+                chosen[message.message_id] = message
+        requeued: list[str] = []
+        for message in chosen.values():
+            try:
+                await self._enqueue(message, float(message.ttl or self.config.default_ttl))
+            except MessageQueueFullError:
+                break
+            requeued.append(message.message_id)
+        await self.store.sync()  # queued for good before they stop being dead letters
+        if requeued:
+            await self.store.remove_dead_letters(agent_id, requeued)
+        left = len(chosen) - len(requeued)
+        logger.info(
+            "%d dead letters of %s requeued%s",
+            len(requeued),
+            agent_id,
+            f", {left} left (the queue is full)" if left else "",
+            extra={
+                "event": {
+                    "category": "dead_letters_requeued",
+                    "agent_id": agent_id,
+                    "requeued": len(requeued),
+                    "left": left,
+                    "message_ids": requeued[:100],
+                }
+            },
+        )
+        return len(requeued), left

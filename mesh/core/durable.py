@@ -21,7 +21,7 @@ import json
 import logging
 import sqlite3
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -148,6 +148,9 @@ class SqliteJournal:
     def dead(self, agent_id: str, dead: DeadLetter) -> None:
         self._record(("dead", agent_id, dead))
 
+    def undead(self, agent_id: str, message_ids: Collection[str]) -> None:
+        self._record(("undead", agent_id, list(message_ids)))
+
     def agent(self, info: AgentInfo) -> None:
         self._record(("agent", info))
 
@@ -271,6 +274,12 @@ class SqliteJournal:
                         "DELETE FROM dead_letters WHERE id <= "
                         "(SELECT MAX(id) FROM dead_letters) - ?",
                         (self.max_dead_letters,),
+                    )
+                elif kind == "undead":
+                    db.executemany(
+                        "DELETE FROM dead_letters WHERE agent_id = ? "
+                        "AND json_extract(body, '$.message_id') = ?",
+                        [(op[1], message_id) for message_id in op[2]],
                     )
             db.execute("COMMIT")
         except BaseException:

@@ -183,6 +183,11 @@ class QueueStore(Protocol):
 
     async def dead_letters(self, agent_id: str | None = None) -> list[DeadLetter]: ...
 
+    async def remove_dead_letters(self, agent_id: str, message_ids: Collection[str]) -> int:
+        """Takes these messages out of the agent's dead letters (they were queued again);
+        returns how many dead letters went."""
+        ...
+
     async def depth(self, agent_id: str) -> int:
         """Messages waiting for one agent."""
         ...
@@ -263,6 +268,8 @@ class Journal(Protocol):
     def removed(self, agent_id: str, message_id: str) -> None: ...
 
     def dead(self, agent_id: str, dead: DeadLetter) -> None: ...
+
+    def undead(self, agent_id: str, message_ids: Collection[str]) -> None: ...
 
     def agent(self, info: AgentInfo) -> None:
         """An agent registered (or registered again)."""
@@ -832,6 +839,19 @@ class InMemoryQueueStore:
 
     async def dead_letters(self, agent_id: str | None = None) -> list[DeadLetter]:
         return [d for aid, d in self._dead if agent_id is None or aid == agent_id]
+
+    async def remove_dead_letters(self, agent_id: str, message_ids: Collection[str]) -> int:
+        ids = set(message_ids)
+        kept = [
+            (aid, d) for aid, d in self._dead if aid != agent_id or d.message.message_id not in ids
+        ]
+        removed = len(self._dead) - len(kept)
+        if removed:
+            self._dead = deque(kept, maxlen=self._dead.maxlen)
+            self._queues[agent_id].dead -= removed
+            if self._journal:
+                self._journal.undead(agent_id, ids)
+        return removed
 
 
 PRIORITY_BY_RANK = (Priority.HIGH, Priority.MEDIUM, Priority.LOW)

@@ -1335,6 +1335,64 @@ class ListDeadLettersResponse(_message.Message):
 Global___ListDeadLettersResponse: _TypeAlias = ListDeadLettersResponse  # noqa: Y015
 
 @_typing.final
+class RequeueDeadLettersRequest(_message.Message):
+    """RequeueDeadLettersRequest selects dead letters to deliver again."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    MESSAGE_IDS_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """The agent whose dead letters go back to its queue; required."""
+    @_builtins.property
+    def message_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The dead letters to requeue, by message id; empty means every one of the agent's."""
+
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+        message_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "message_ids", b"message_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RequeueDeadLettersRequest: _TypeAlias = RequeueDeadLettersRequest  # noqa: Y015
+
+@_typing.final
+class RequeueDeadLettersResponse(_message.Message):
+    """RequeueDeadLettersResponse counts what went back."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEUED_FIELD_NUMBER: _builtins.int
+    LEFT_FIELD_NUMBER: _builtins.int
+    requeued: _builtins.int
+    """How many went back to the queue, oldest first: each counts its delivery attempts from
+    zero again and its ttl (or the default) from now, and is no longer a dead letter.
+    """
+    left: _builtins.int
+    """How many stay dead letters because the queue was full (the first refusal stops the
+    rest; ask again once it has room). Ids named that are not dead letters are not counted.
+    """
+    def __init__(
+        self,
+        *,
+        requeued: _builtins.int = ...,
+        left: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["left", b"left", "requeued", b"requeued"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RequeueDeadLettersResponse: _TypeAlias = RequeueDeadLettersResponse  # noqa: Y015
+
+@_typing.final
 class SessionRequest(_message.Message):
     """SessionRequest is a request sent on a session, with its own timeout."""
 

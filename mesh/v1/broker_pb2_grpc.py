@@ -117,6 +117,11 @@ class BrokerServiceStub:
                 request_serializer=mesh_dot_v1_dot_broker__pb2.ListDeadLettersRequest.SerializeToString,
                 response_deserializer=mesh_dot_v1_dot_broker__pb2.ListDeadLettersResponse.FromString,
                 _registered_method=True)
+        self.RequeueDeadLetters = channel.unary_unary(
+                '/mesh.v1.BrokerService/RequeueDeadLetters',
+                request_serializer=mesh_dot_v1_dot_broker__pb2.RequeueDeadLettersRequest.SerializeToString,
+                response_deserializer=mesh_dot_v1_dot_broker__pb2.RequeueDeadLettersResponse.FromString,
+                _registered_method=True)
         self.Connect = channel.stream_stream(
                 '/mesh.v1.BrokerService/Connect',
                 request_serializer=mesh_dot_v1_dot_broker__pb2.ConnectRequest.SerializeToString,
@@ -248,6 +253,14 @@ class BrokerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RequeueDeadLetters(self, request, context):
+        """Puts an agent's dead letters back in its queue (once what failed them is fixed), all
+        of them or those named, oldest first, each for a new round of delivery attempts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Connect(self, request_iterator, context):
         """A long-lived session that carries sends, requests, deliveries, acks and responses as
         frames on one bidirectional stream: the fast path the SDK uses.
@@ -338,6 +351,11 @@ def add_BrokerServiceServicer_to_server(servicer, server):
                     servicer.ListDeadLetters,
                     request_deserializer=mesh_dot_v1_dot_broker__pb2.ListDeadLettersRequest.FromString,
                     response_serializer=mesh_dot_v1_dot_broker__pb2.ListDeadLettersResponse.SerializeToString,
+            ),
+            'RequeueDeadLetters': grpc.unary_unary_rpc_method_handler(
+                    servicer.RequeueDeadLetters,
+                    request_deserializer=mesh_dot_v1_dot_broker__pb2.RequeueDeadLettersRequest.FromString,
+                    response_serializer=mesh_dot_v1_dot_broker__pb2.RequeueDeadLettersResponse.SerializeToString,
             ),
             'Connect': grpc.stream_stream_rpc_method_handler(
                     servicer.Connect,
@@ -780,6 +798,33 @@ class BrokerService:
             '/mesh.v1.BrokerService/ListDeadLetters',
             mesh_dot_v1_dot_broker__pb2.ListDeadLettersRequest.SerializeToString,
             mesh_dot_v1_dot_broker__pb2.ListDeadLettersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RequeueDeadLetters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mesh.v1.BrokerService/RequeueDeadLetters',
+            mesh_dot_v1_dot_broker__pb2.RequeueDeadLettersRequest.SerializeToString,
+            mesh_dot_v1_dot_broker__pb2.RequeueDeadLettersResponse.FromString,
             options,
             channel_credentials,
             insecure,

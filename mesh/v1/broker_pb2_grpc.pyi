@@ -79,6 +79,10 @@ class BrokerServiceStub:
     """Queue depths and counters, per agent and in total."""
     ListDeadLetters: _grpc.UnaryUnaryMultiCallable[_broker_pb2.ListDeadLettersRequest, _broker_pb2.ListDeadLettersResponse]
     """Lists messages that exhausted their delivery attempts, oldest first, a page at a time."""
+    RequeueDeadLetters: _grpc.UnaryUnaryMultiCallable[_broker_pb2.RequeueDeadLettersRequest, _broker_pb2.RequeueDeadLettersResponse]
+    """Puts an agent's dead letters back in its queue (once what failed them is fixed), all
+    of them or those named, oldest first, each for a new round of delivery attempts.
+    """
     Connect: _grpc.StreamStreamMultiCallable[_broker_pb2.ConnectRequest, _broker_pb2.ConnectResponse]
     """A long-lived session that carries sends, requests, deliveries, acks and responses as
     frames on one bidirectional stream: the fast path the SDK uses.
@@ -135,6 +139,10 @@ class BrokerServiceAsyncStub(BrokerServiceStub):
     """Queue depths and counters, per agent and in total."""
     ListDeadLetters: _aio.UnaryUnaryMultiCallable[_broker_pb2.ListDeadLettersRequest, _broker_pb2.ListDeadLettersResponse]  # type: ignore[assignment]
     """Lists messages that exhausted their delivery attempts, oldest first, a page at a time."""
+    RequeueDeadLetters: _aio.UnaryUnaryMultiCallable[_broker_pb2.RequeueDeadLettersRequest, _broker_pb2.RequeueDeadLettersResponse]  # type: ignore[assignment]
+    """Puts an agent's dead letters back in its queue (once what failed them is fixed), all
+    of them or those named, oldest first, each for a new round of delivery attempts.
+    """
     Connect: _aio.StreamStreamMultiCallable[_broker_pb2.ConnectRequest, _broker_pb2.ConnectResponse]  # type: ignore[assignment]
     """A long-lived session that carries sends, requests, deliveries, acks and responses as
     frames on one bidirectional stream: the fast path the SDK uses.
@@ -284,6 +292,16 @@ class BrokerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_broker_pb2.ListDeadLettersResponse, _abc.Awaitable[_broker_pb2.ListDeadLettersResponse]]:
         """Lists messages that exhausted their delivery attempts, oldest first, a page at a time."""
+
+    @_abc_1.abstractmethod
+    def RequeueDeadLetters(
+        self,
+        request: _broker_pb2.RequeueDeadLettersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.RequeueDeadLettersResponse, _abc.Awaitable[_broker_pb2.RequeueDeadLettersResponse]]:
+        """Puts an agent's dead letters back in its queue (once what failed them is fixed), all
+        of them or those named, oldest first, each for a new round of delivery attempts.
+        """
 
     @_abc_1.abstractmethod
     def Connect(

@@ -943,3 +943,58 @@ async def nothing_within(read: Any, seconds: float) -> None:
     pending = asyncio.ensure_future(read)
     done, _ = await asyncio.wait({pending}, timeout=seconds)
     assert not done, pending.result()
+
+
+async def reject_all(client: Any, agent_id: str, count: int) -> None:
+    """Takes ``count`` deliveries of ``agent_id`` and rejects each (dead letters at once)."""
+    async with client.subscribe(agent_id) as inbox:
+        for _ in range(count):
+            delivery = await asyncio.wait_for(anext(aiter(inbox)), 5)
+            await delivery.reject("the handler was broken")
+
+
+async def test_dead_letters_are_requeued_once_the_cause_is_fixed() -> None:
+    """RequeueDeadLetters puts them back, oldest first, as first deliveries; a full queue
+    takes what fits and the rest stay dead letters, to be requeued later."""
+    async with LocalMesh(BrokerConfig(max_messages_per_agent=2)) as local:
+        async with local.client("sender") as client:
+            await client.register("Worker")
+            sent = []
+            for n in range(3):  # (two places: each is dead before the next comes)
+                sent.append(await client.send("Worker", {"action": "x", "n": n}))
+                await reject_all(client, "Worker", 1)
+            dead = await client.dead_letters("Worker")
+            assert [d.message.message_id for d in dead] == [m.message_id for m in sent]
+            await client.send("Worker", {"action": "x", "n": 9})  # one of two places taken
+
+            first = await client.requeue_dead_letters("Worker")
+            assert (first.requeued, first.left) == (1, 2)
+            left = await client.dead_letters("Worker")
+            assert [d.message.message_id for d in left] == [m.message_id for m in sent[1:]]
+            got = await client.receive("Worker")
+            assert [m.content["n"] for m in got] == [0, 9]  # the oldest timestamp first
+
+            named = await client.requeue_dead_letters("Worker", [sent[2].message_id, "ghost"])
+            assert (named.requeued, named.left) == (1, 0)
+            async with client.subscribe("Worker") as inbox:
+                again = await asyncio.wait_for(anext(aiter(inbox)), 5)
+                assert (again.message.message_id, again.attempt) == (sent[2].message_id, 1)
+                assert again.message.content == {"action": "x", "n": 2}
+                await again.ack()
+            assert [d.message.message_id for d in await client.dead_letters("Worker")] == [
+                sent[1].message_id
+            ]
+            stats = (await client.queue_stats()).for_agent("Worker")
+            assert stats is not None and stats.dead_letters == 1
+
+        async with grpc.aio.insecure_channel(local.address) as channel:
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.RequeueDeadLetters(broker_pb2.RequeueDeadLettersRequest())
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            done = await stub.RequeueDeadLetters(
+                broker_pb2.RequeueDeadLettersRequest(agent_id="Worker")
+            )
+            assert (done.requeued, done.left) == (1, 0)
+            page = await stub.ListDeadLetters(broker_pb2.ListDeadLettersRequest(agent_id="Worker"))
+            assert list(page.dead_letters) == []

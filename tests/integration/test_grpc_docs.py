@@ -78,8 +78,15 @@ async def test_every_documented_call_works(embedded: EmbeddedMesh) -> None:
     for command, out in ran:
         match = re.search(r"/([\w.]+/\w+)\s*$", command.strip())
         by_rpc[match.group(1) if match else command] = out
-    received = json.loads(by_rpc["mesh.v1.BrokerService/ReceiveMessages"])["messages"]
+    [first_receive, *_] = [o for c, o in ran if c.rstrip().endswith("/ReceiveMessages")]
+    received = json.loads(first_receive)["messages"]
     assert [m["fromAgent"] for m in received] == ["HotelAgent", "CarAgent", "FlightAgent"]
+    # The dead letter, requeued, is in the queue again (and no longer a dead letter).
+    assert json.loads(by_rpc["mesh.v1.BrokerService/RequeueDeadLetters"]) == {"requeued": 1}
+    [(_, back)] = [(c, o) for c, o in ran if '"max_messages": 10' in c]
+    assert [m["messageId"] for m in json.loads(back)["messages"]] == [
+        "7b0c7e58-0d1e-4a8e-9a53-6f0e3f3b9a01"
+    ]
     route_events = [
         json.loads(doc)
         for doc in re.findall(

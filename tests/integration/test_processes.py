@@ -173,6 +173,25 @@ async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
         assert alert.content == {"alert": "System maintenance in 10 minutes"}
         await client.deregister("HotelAgent")
 
+    # Dead letters: shown by `stats`, put back by `requeue` (all, or those named).
+    async with connect(broker_proc.address, agent_id="PaymentAgent") as client:
+        for n in range(2):
+            await client.send("PaymentAgent", {"action": "refund", "n": n})
+        async with client.subscribe("PaymentAgent") as inbox:
+            for _ in range(2):
+                delivery = await asyncio.wait_for(anext(aiter(inbox)), 5)
+                await delivery.reject("no refund handler yet")
+        first = (await client.dead_letters("PaymentAgent"))[0].message.message_id
+    code, out = await cli("stats", "--agent", "PaymentAgent")
+    assert code == 0 and out.count("no refund handler yet") == 2, out
+    code, out = await cli("requeue", "PaymentAgent", first)
+    assert code == 0 and out.strip() == "1 dead letters of PaymentAgent requeued", out
+    code, out = await cli("requeue", "PaymentAgent")
+    assert code == 0 and out.strip() == "1 dead letters of PaymentAgent requeued", out
+    async with connect(broker_proc.address) as client:
+        assert [m.content["n"] for m in await client.receive("PaymentAgent")] == [0, 1]
+        assert await client.dead_letters("PaymentAgent") == []
+
     # The shared memory pool: list by tag, count, delete (a delete must name what it takes).
     async with connect(broker_proc.address, agent_id="reviewer_1") as client:
         await client.write_insight("approve", tags=["vote", "p1"], segment="votes", ttl=3600)

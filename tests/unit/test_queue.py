@@ -338,6 +338,20 @@ async def test_an_extended_lease_ends_that_much_later(store: QueueStore, clock: 
     assert await store.extend_lease("Nobody", ["m1"], 5) == 0
 
 
+async def test_dead_letters_taken_out_by_id_leave_the_others(store: QueueStore) -> None:
+    """What a requeue does to the dead letters: the named ones go (every entry of an id),
+    the others and other agents' stay, and the counts follow."""
+    for mid, to in (("a", "PaymentAgent"), ("b", "PaymentAgent"), ("c", "HotelAgent")):
+        await store.put(msg(mid, to=to), 3600)
+        assert await store.lease(to, "s", 30) is not None
+        assert await store.nack(to, [mid], dead_letter_reason="broken") == (0, 1)
+    assert await store.remove_dead_letters("PaymentAgent", ["a", "c", "ghost"]) == 1
+    assert [d.message.message_id for d in await store.dead_letters("PaymentAgent")] == ["b"]
+    assert [d.message.message_id for d in await store.dead_letters("HotelAgent")] == ["c"]
+    assert (await store.stats("PaymentAgent"))[0].dead_letters == 1
+    assert await store.remove_dead_letters("PaymentAgent", []) == 0
+
+
 async def test_dead_letter_after_max_attempts(store: QueueStore, recorder: Recorder) -> None:
     await store.put(msg("poison"), 3600)
     for attempt in (1, 2):
@@ -859,7 +873,11 @@ async def test_dead_letters_survive_a_reopen(tmp_path: Path, clock: FakeClock) -
     assert [(d.message.message_id, d.attempts) for d in dead] == [("poison", 3)]
     assert (await second.stats("PaymentAgent"))[0].dead_letters == 1
     assert await second.held() == 0
+    assert await second.remove_dead_letters("PaymentAgent", ["poison"]) == 1
     await second.close()
+    third = SqliteQueueStore(path, **OPTIONS, clock=clock)  # taken out for good
+    assert await third.dead_letters("PaymentAgent") == []
+    await third.close()
 
 
 async def test_concurrent_senders_share_commits(tmp_path: Path) -> None:

@@ -528,6 +528,9 @@ export class MeshClient {
   Promise<JsonValue>;
   listTools(agentId?: string): Promise<Tool[]>;
   deadLetters(agentId?: string): Promise<DeadLetter[]>;
+  /** Puts dead letters back in the agent's queue (all, or those named). */
+  requeueDeadLetters(agentId: string, messageIds?: string[]):
+  Promise<{ requeued: number; left: number }>;
 
   gather(content: JsonObject, options?: GatherOptions): Promise<GatherOutcome[]>;
   negotiate(peers: string[], proposal: JsonObject, options?: NegotiationOptions):

@@ -570,6 +570,17 @@ class MeshClient {
   }
 
   /**
+   * Puts agentId's dead letters (all, or those of messageIds) back in its queue once what
+   * failed them is fixed, oldest first, each for a new round of delivery attempts; resolves
+   * with {requeued, left} (left: those a full queue could not take, still dead letters).
+   */
+  async requeueDeadLetters(agentId, messageIds = []) {
+    const res = await this._withRetry(() => unary(this.broker, 'RequeueDeadLetters',
+      { agent_id: agentId, message_ids: messageIds }));
+    return { requeued: res.requeued, left: res.left };
+  }
+
+  /**
    * Asks several agents at once (the Gather RPC): resolves with each agent's outcome,
    * {agentId, response, error}, in the order they came (agents that did not answer in time
    * last, with error.reason DEADLINE_EXCEEDED or TIMEOUT).

@@ -637,6 +637,20 @@ test('a handler that throws Reject sends the message to the dead-letter queue at
       assert.deepEqual(seen, [sent.messageId]); // delivered once, not tried again
       const answered = await client.request('NodeInvoiceAgent', { action: 'invoice' });
       assert.deepEqual(answered.content, { action: 'invoice', invoiced: true });
+      // Requeued (the agent still cannot ship: dead again, after one more delivery).
+      assert.deepEqual(await client.requeueDeadLetters('NodeInvoiceAgent'),
+        { requeued: 1, left: 0 });
+      const shipped = () => seen.filter((id) => id === sent.messageId).length;
+      for (let i = 0; i < 100 && shipped() < 2; i += 1) {
+        await new Promise((resolve) => { setTimeout(resolve, 20); });
+      }
+      assert.equal(shipped(), 2);
+      dead = [];
+      for (let i = 0; i < 100 && dead.length === 0; i += 1) {
+        dead = await client.deadLetters('NodeInvoiceAgent');
+        if (dead.length === 0) await new Promise((resolve) => { setTimeout(resolve, 20); });
+      }
+      assert.deepEqual(dead.map((d) => d.message.messageId), [sent.messageId]);
     } finally {
       await agent.stop();
       client.close();
