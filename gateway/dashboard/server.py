@@ -407,6 +407,29 @@ def make_app(dashboard: Dashboard) -> web.Application:
             ]
         )
 
+    @routes.post("/api/dead-letters/requeue")
+    async def requeue(request: web.Request) -> web.Response:
+        dashboard._authorize_run(request)  # an action, as starting a pattern is
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        ids = body.get("message_ids", []) if isinstance(body, dict) else None
+        if (
+            not isinstance(body, dict)
+            or not isinstance(body.get("agent_id"), str)
+            or not isinstance(ids, list)
+            or not all(isinstance(i, str) for i in ids)
+        ):
+            raise web.HTTPBadRequest(
+                text='the body must be {"agent_id": "...", "message_ids": ["...", ...]}'
+            )
+        try:
+            result = await dashboard.client.requeue_dead_letters(body["agent_id"], ids)
+        except MeshError as error:
+            return web.json_response({"code": error.code, "message": error.message}, status=400)
+        return web.json_response({"requeued": result.requeued, "left": result.left})
+
     @routes.post("/api/patterns/{name}")
     async def start(request: web.Request) -> web.Response:
         security = dashboard._authorize_run(request)

@@ -240,6 +240,59 @@ def test_rating_a_run_gets_clear_errors(mesh_up: dict[str, str]) -> None:
     assert status == 400 and "JSON" in text
 
 
+def dead_letter(broker: str, agent_id: str) -> str:
+    """Sends ``agent_id`` one message and rejects it: a dead letter; its message id."""
+
+    async def make() -> str:
+        async with connect(broker, agent_id=agent_id, retry=NO_RETRY) as client:
+            await client.register(agent_id)
+            sent = await client.send(agent_id, {"action": "refund"})
+            async with client.subscribe(agent_id) as inbox:
+                delivery = await asyncio.wait_for(anext(aiter(inbox)), 5)
+                await delivery.reject("no refund handler yet")
+            return sent.message_id
+
+    return asyncio.run(make())
+
+
+def queued(broker: str, agent_id: str) -> list[str]:
+    async def take() -> list[str]:
+        async with connect(broker, retry=NO_RETRY) as client:
+            return [m.message_id for m in await client.receive(agent_id)]
+
+    return asyncio.run(take())
+
+
+def test_dead_letters_are_requeued_from_the_dashboard(
+    mesh_up: dict[str, str], browser: object
+) -> None:
+    """POST /api/dead-letters/requeue, and the page's Requeue button: the message is back in
+    its agent's queue and no longer listed."""
+    from selenium.webdriver.common.by import By
+
+    url = f"{mesh_up['dashboard']}api/dead-letters/requeue"
+    first = dead_letter(mesh_up["broker"], "DashboardDesk")
+    status, text = post(url, json.dumps({"agent_id": "DashboardDesk"}).encode())
+    assert (status, json.loads(text)) == (200, {"requeued": 1, "left": 0})
+    assert queued(mesh_up["broker"], "DashboardDesk") == [first]
+    for body in (b"not json", b"[]", b'{"agent_id": 5}', b'{"agent_id": "A", "message_ids": "x"}'):
+        status, text = post(url, body)
+        assert status == 400 and "agent_id" in text, body
+    status, text = post(url, json.dumps({"agent_id": ""}).encode())
+    assert status == 400 and json.loads(text)["code"] == "INVALID_ARGUMENT"
+
+    second = dead_letter(mesh_up["broker"], "DashboardDesk")
+    driver = browser
+    driver.get(mesh_up["dashboard"])  # type: ignore[attr-defined]
+    selector = f'button.requeue[data-message="{second}"]'
+    button = wait_for(driver, lambda d: d.find_element(By.CSS_SELECTOR, selector))
+    button.click()  # type: ignore[attr-defined]
+    result = wait_for(driver, lambda d: d.find_element(By.ID, "requeue-result"))
+    assert result.text.strip() == "1 requeued"  # type: ignore[attr-defined]
+    wait_for(driver, lambda d: not d.find_elements(By.CSS_SELECTOR, selector))
+    assert queued(mesh_up["broker"], "DashboardDesk") == [second]
+
+
 def test_the_shipped_bundle_is_built_from_the_sources(tmp_path: Path) -> None:
     import subprocess
 

@@ -271,23 +271,70 @@ function StartPattern({ state, onStarted }) {
   </section>`;
 }
 
-function DeadLetters() {
+function DeadLetters({ state }) {
   const [letters, setLetters] = useState(null);
+  const [token, setToken] = useState("");
+  const [answer, setAnswer] = useState(null);
   const load = async () => setLetters(await getJSON("/api/dead-letters"));
   useEffect(() => {
     load();
   }, []);
+  // Once what failed it is fixed: back in its agent's queue for a new round of attempts.
+  const requeue = async (letter) => {
+    const headers = { "Content-Type": "application/json" };
+    if (token) headers.Authorization = `Bearer ${token}`;
+    const response = await fetch("/api/dead-letters/requeue", {
+      method: "POST",
+      headers,
+      body: JSON.stringify({ agent_id: letter.to_agent, message_ids: [letter.message_id] }),
+    });
+    const text = await response.text();
+    try {
+      const body = JSON.parse(text);
+      setAnswer(response.ok ? { ok: true, ...body } : { ok: false, message: body.message || text });
+    } catch {
+      setAnswer({ ok: false, message: text });
+    }
+    await load();
+  };
+  const actions = state.allow_runs;
   return html`<section>
     <h2>Dead letters <button onClick=${load}>Refresh</button></h2>
+    ${actions &&
+    state.credential_required &&
+    html`<input
+      id="requeue-token"
+      type="password"
+      placeholder="gateway credential"
+      value=${token}
+      onInput=${(e) => setToken(e.target.value)}
+    />`}
+    ${answer &&
+    (answer.ok
+      ? html`<p id="requeue-result">
+          ${answer.requeued} requeued${answer.left ? `, ${answer.left} left (queue full)` : ""}
+        </p>`
+      : html`<p class="error" id="requeue-result">${answer.message}</p>`)}
     ${letters &&
     (letters.length
       ? html`<table id="dead-letters">
-          <thead><tr><th>message</th><th>from</th><th>to</th><th>reason</th><th>at</th></tr></thead>
+          <thead>
+            <tr>
+              <th>message</th><th>from</th><th>to</th><th>reason</th><th>at</th>
+              ${actions && html`<th></th>`}
+            </tr>
+          </thead>
           <tbody>
             ${letters.map(
               (d) => html`<tr>
                 <td><code>${d.message_id}</code></td><td>${d.from_agent}</td>
                 <td>${d.to_agent}</td><td>${d.reason}</td><td>${d.dead_lettered_at}</td>
+                ${actions &&
+                html`<td>
+                  <button class="requeue" data-message=${d.message_id} onClick=${() => requeue(d)}>
+                    Requeue
+                  </button>
+                </td>`}
               </tr>`,
             )}
           </tbody>
@@ -408,7 +455,7 @@ function App() {
     </div>
     ${current &&
     html`<${RunDetail} run=${current} events=${events[current.run_id] || []} state=${state} />`}
-    <${DeadLetters} />
+    <${DeadLetters} state=${state} />
   </main>`;
 }
 
