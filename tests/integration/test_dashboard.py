@@ -363,6 +363,12 @@ async def test_starting_patterns_needs_the_gateway_credential_when_security_is_o
                     f"{read_only.url}api/patterns/group_chat", json=body, headers=good
                 ) as reply:
                     assert reply.status == 403
+                # Requeuing dead letters is an action too.
+                requeue = f"{board.url}api/dead-letters/requeue"
+                async with http.post(requeue, json={"agent_id": "Expert"}) as reply:
+                    assert reply.status == 401
+                async with http.post(requeue, json={"agent_id": "Expert"}, headers=good) as reply:
+                    assert (reply.status, await reply.json()) == (200, {"requeued": 0, "left": 0})
                 # Live updates: the stream opens with the whole state, the run included.
                 async with http.get(f"{board.url}api/events") as stream:
                     assert stream.headers["Content-Type"] == "text/event-stream"
@@ -403,6 +409,10 @@ async def test_a_standalone_gateways_dashboard_is_read_only_by_default() -> None
             ) as reply:
                 assert reply.status == 403
                 assert "--dashboard-runs" in await reply.text()
+            async with http.post(
+                f"{gateway.address}api/dead-letters/requeue", json={"agent_id": "A"}
+            ) as reply:
+                assert reply.status == 403
     finally:
         await stop(gateway)
         await stop(broker)
