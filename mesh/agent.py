@@ -21,7 +21,7 @@ import grpc
 from mesh import codec
 from mesh._status import abort
 from mesh.client import NO_RETRY, ClientSubscription, MeshClient, Received, RetryPolicy
-from mesh.config import SecurityConfig
+from mesh.config import DEFAULT_LEASE_SECONDS, SecurityConfig
 from mesh.core import negotiation
 from mesh.core.errors import (
     AgentError,
@@ -337,7 +337,8 @@ class AgentRuntime:
         runs (one frame for them all), so that a handler that takes longer than a lease (a
         model's answer, a long search) is not run again meanwhile, up to
         ``max_lease_extension`` after it started."""
-        period = self.lease_seconds / 3
+        # (a lease of 0 asks for the broker's, 30 s unless it was configured otherwise)
+        period = (self.lease_seconds if self.lease_seconds > 0 else DEFAULT_LEASE_SECONDS) / 3
         loop = asyncio.get_running_loop()
         given_up: set[Received] = set()
         while True:

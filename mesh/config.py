@@ -39,6 +39,8 @@ DELIVERY_GUARANTEES = ("at_least_once", "at_most_once")
 
 MAX_TTL = 86_400
 """The longest ttl a message may ask for by default, in seconds (a day)."""
+DEFAULT_LEASE_SECONDS = 30.0
+"""How long a delivery stays leased unless acknowledged, by default."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,7 +53,7 @@ class BrokerConfig:
     max_ttl: int = MAX_TTL
     max_delivery_attempts: int = 4
     """RT-011 max_retries = 3: one delivery plus three redeliveries, then dead-letter."""
-    lease_seconds: float = 30.0
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
     default_max_in_flight: int = 64
     max_in_flight_limit: int = 10_000
     max_message_bytes: int = 1024 * 1024

@@ -998,3 +998,20 @@ async def test_dead_letters_are_requeued_once_the_cause_is_fixed() -> None:
             assert (done.requeued, done.left) == (1, 0)
             page = await stub.ListDeadLetters(broker_pb2.ListDeadLettersRequest(agent_id="Worker"))
             assert list(page.dead_letters) == []
+
+
+async def test_an_agent_on_the_brokers_default_lease_keeps_it_without_spinning(
+    mesh: LocalMesh,
+) -> None:
+    """lease_seconds=0 asks for the broker's lease: the runtime extends every 10 s, not in a
+    loop that would burn the process's CPU; the agent works as any other."""
+    import time
+
+    slow = Slow(0.01)
+    await mesh.add_agent(slow, lease_seconds=0)
+    started = time.process_time()
+    await asyncio.sleep(0.5)
+    assert time.process_time() - started < 0.25
+    async with mesh.client("boss") as client:
+        answer = await client.request("SlowAgent", {"action": "work"}, timeout=5)
+        assert answer.content["runs"] == 1

@@ -941,7 +941,7 @@ function keepLeases(inFlight, leaseMs, maxExtensionMs, extend) {
     const ids = [...inFlight.values()]
       .filter((work) => now - work.started <= maxExtensionMs).map((work) => work.id);
     if (ids.length) extend(ids);
-  }, leaseMs / 3);
+  }, (leaseMs > 0 ? leaseMs : 30000) / 3); // (0 asks for the broker's default, 30 s)
   timer.unref();
   return timer;
 }
