@@ -20,13 +20,21 @@ import grpc
 
 from mesh import codec
 from mesh._status import abort
-from mesh.client import NO_RETRY, ClientSubscription, MeshClient, Received, RetryPolicy
+from mesh.client import (
+    NO_RETRY,
+    ClientSubscription,
+    MeshClient,
+    Received,
+    RetryPolicy,
+    wait_seconds,
+)
 from mesh.config import DEFAULT_LEASE_SECONDS, SecurityConfig
 from mesh.core import negotiation
 from mesh.core.errors import (
     AgentError,
     BrokerUnavailableError,
     MeshError,
+    MessageValidationError,
     SessionClosedError,
     UnhandledActionError,
 )
@@ -303,7 +311,11 @@ class AgentRuntime:
         self.agent = agent
         self.client = client
         self.max_in_flight = max_in_flight
-        self.lease_seconds = lease_seconds
+        self.lease_seconds = wait_seconds(lease_seconds, 0, "lease_seconds")
+        if not max_lease_extension >= 0:  # (NaN too; infinity: for as long as it runs)
+            raise MessageValidationError.for_field(
+                "max_lease_extension", "max_lease_extension must not be negative"
+            )
         self.max_lease_extension = max_lease_extension
         self.address = address
         self.handled = 0
@@ -636,13 +648,18 @@ async def serve(
     owns_client = client is None
     if client is None:
         client = MeshClient(broker, agent_id=agent.agent_id, retry=retry, security=security)
-    runtime = AgentRuntime(
-        agent,
-        client,
-        max_in_flight=max_in_flight,
-        lease_seconds=lease_seconds,
-        max_lease_extension=max_lease_extension,
-    )
+    try:
+        runtime = AgentRuntime(
+            agent,
+            client,
+            max_in_flight=max_in_flight,
+            lease_seconds=lease_seconds,
+            max_lease_extension=max_lease_extension,
+        )
+    except MessageValidationError:
+        if owns_client:
+            await client.close()
+        raise
     servicer = AgentServicer(runtime)
     server = await start_server(
         lambda s: agent_pb2_grpc.add_AgentServiceServicer_to_server(servicer, s),

@@ -1015,3 +1015,19 @@ async def test_an_agent_on_the_brokers_default_lease_keeps_it_without_spinning(
     async with mesh.client("boss") as client:
         answer = await client.request("SlowAgent", {"action": "work"}, timeout=5)
         assert answer.content["runs"] == 1
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"lease_seconds": -1}, {"lease_seconds": float("nan")}, {"max_lease_extension": -5}],
+)
+async def test_an_agent_with_a_lease_that_is_no_time_is_refused_at_once(
+    mesh: LocalMesh, options: dict[str, float]
+) -> None:
+    """Refused before it registers (it retried subscribing until serve timed out)."""
+    from mesh import MessageValidationError
+
+    with pytest.raises(MessageValidationError, match=next(iter(options))):
+        await mesh.add_agent(Slow(0.01), **options)
+    async with mesh.client("boss") as client:
+        assert "SlowAgent" not in [a.agent_id for a in await client.list_agents()]
