@@ -72,9 +72,13 @@ async def start_embedded(
         broker_config=broker_config,
         tool_host=tools,
     )
-    gateway = await serve_gateway(
-        broker_server.address, host=host, port=gateway_port, registry=broker.metrics.registry
-    )
+    try:
+        gateway = await serve_gateway(
+            broker_server.address, host=host, port=gateway_port, registry=broker.metrics.registry
+        )
+    except BaseException:
+        await broker_server.stop(0)
+        raise
     mesh = EmbeddedMesh(broker_server, gateway)
     try:
         mesh.served = await serve_all(

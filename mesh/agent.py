@@ -656,18 +656,18 @@ async def serve(
             lease_seconds=lease_seconds,
             max_lease_extension=max_lease_extension,
         )
-    except MessageValidationError:
+        servicer = AgentServicer(runtime)
+        server = await start_server(
+            lambda s: agent_pb2_grpc.add_AgentServiceServicer_to_server(servicer, s),
+            [AGENT_SERVICE],
+            host=host,
+            port=port,
+            security=security,
+        )
+    except BaseException:  # (a lease that is no time; a port in use)
         if owns_client:
             await client.close()
         raise
-    servicer = AgentServicer(runtime)
-    server = await start_server(
-        lambda s: agent_pb2_grpc.add_AgentServiceServicer_to_server(servicer, s),
-        [AGENT_SERVICE],
-        host=host,
-        port=port,
-        security=security,
-    )
     runtime.address = advertise or server.address
     try:
         await runtime.start()

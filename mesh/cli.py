@@ -808,6 +808,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         stop_logging()  # what was logged before it comes first
         print(f"error: {error.code}: {error.message}", file=sys.stderr)
         return 1
+    except OSError as error:  # a port in use, a file that is not there: said, not traced
+        stop_logging()
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     except UsageError as error:
         parser.error(str(error))
     except KeyboardInterrupt:

@@ -750,16 +750,20 @@ async def serve_broker(
 
             tools_pb2_grpc.add_ToolServiceServicer_to_server(ToolServicer(tool_host), s)
 
-    server = await start_server(
-        register,
-        services,
-        host=config.host,
-        port=config.port,
-        metrics_registry=broker.metrics.registry,
-        metrics_port=config.metrics_port,
-        security=security,
-        on_malformed=broker.refused_unreadable,
-    )
+    try:
+        server = await start_server(
+            register,
+            services,
+            host=config.host,
+            port=config.port,
+            metrics_registry=broker.metrics.registry,
+            metrics_port=config.metrics_port,
+            security=security,
+            on_malformed=broker.refused_unreadable,
+        )
+    except BaseException:
+        await broker.stop()  # (its sweeper and store, started above)
+        raise
     server._on_drain.append(broker.drain)
     server._on_stop.append(broker.stop)
     return broker, server

@@ -288,12 +288,18 @@ async def start_server(
     names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
     _enable_reflection([*names, REFLECTION_V1, reflection.SERVICE_NAME], server)
     credentials = server_credentials(security)
-    if credentials is None:
-        bound = server.add_insecure_port(f"{host}:{port}")
-    else:
-        bound = server.add_secure_port(f"{host}:{port}", credentials)
+    try:
+        if credentials is None:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound = server.add_secure_port(f"{host}:{port}", credentials)
+    except RuntimeError:  # (grpcio's way of saying it; older releases answered 0)
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
+        raise OSError(
+            f"cannot listen on {host}:{port}: the port is in use (another mesh?) or the "
+            "address is not one of this machine's (port 0 takes any free port)"
+        )
     await server.start()
     mesh_server = MeshServer(server, health_servicer, host, bound, list(service_names))
     mesh_server.security = security.describe()
@@ -305,7 +311,13 @@ async def start_server(
         )
     await mesh_server.set_serving(True)
     if metrics_registry is not None and metrics_port >= 0:
-        httpd, _ = start_http_server(metrics_port, addr=host, registry=metrics_registry)
+        try:
+            httpd, _ = start_http_server(metrics_port, addr=host, registry=metrics_registry)
+        except OSError as error:
+            await server.stop(0)
+            raise OSError(
+                f"cannot serve /metrics on {host}:{metrics_port}: {error.strerror or error}"
+            ) from None
         mesh_server._metrics_http = httpd
         mesh_server.metrics_port = httpd.server_port
     return mesh_server

@@ -424,6 +424,49 @@ async def test_a_broker_refuses_tools_it_cannot_load() -> None:
         assert said in err.decode(), err.decode()
 
 
+async def test_a_port_in_use_is_said_in_one_line(broker_proc: Proc) -> None:
+    """A second broker, gateway or agent on a port that is taken, or a /metrics port that is,
+    exits 1 with one line that says so (a traceback of grpc's RuntimeError before)."""
+    import socket
+
+    port = broker_proc.address.rsplit(":", 1)[1]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        metrics = str(taken.getsockname()[1])
+        for args, said in (
+            (("broker", "--port", port), f"cannot listen on 127.0.0.1:{port}: the port is in use"),
+            (("broker", "--port", "0", "--metrics-port", metrics), "cannot serve /metrics on"),
+            (
+                ("gateway", "--broker", broker_proc.address, "--port", port),
+                f"cannot listen on 127.0.0.1:{port}",
+            ),
+            (
+                (
+                    "agent",
+                    "agents.stocks:IndustryExpertAgent",
+                    "--broker",
+                    broker_proc.address,
+                    "--port",
+                    port,
+                ),
+                f"cannot listen on 127.0.0.1:{port}",
+            ),
+        ):
+            process = await asyncio.create_subprocess_exec(
+                *(sys.executable, "-m", "mesh.cli", *args),
+                cwd=ROOT,
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            async with asyncio.timeout(30):
+                _, err = await process.communicate()
+            text = err.decode()
+            assert process.returncode == 1, (args, text)
+            assert f"error: {said}" in text and "Traceback" not in text, (args, text)
+
+
 async def test_up_starts_without_its_event_log_where_it_cannot_write_one(tmp_path: Path) -> None:
     """`up` writes logs/events.jsonl by default; in a folder where that cannot be (a read-only
     image, here a file in the way) it starts anyway and says so. One asked for is refused."""
