@@ -304,7 +304,7 @@ class AgentRuntime:
         client: MeshClient,
         *,
         max_in_flight: int = 16,
-        lease_seconds: float = 30.0,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
         address: str = "",
         max_lease_extension: float = MAX_LEASE_EXTENSION,
     ) -> None:
@@ -628,7 +628,7 @@ async def serve(
     host: str = "127.0.0.1",
     port: int = 0,
     max_in_flight: int = 16,
-    lease_seconds: float = 30.0,
+    lease_seconds: float = DEFAULT_LEASE_SECONDS,
     max_lease_extension: float = MAX_LEASE_EXTENSION,
     retry: RetryPolicy | None = None,
     advertise: str | None = None,

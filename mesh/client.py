@@ -23,7 +23,7 @@ from opentelemetry.trace import SpanKind, get_current_span
 
 from mesh import codec
 from mesh._status import from_rpc_error, has_rich_status
-from mesh.config import MAX_TTL, SecurityConfig
+from mesh.config import DEFAULT_LEASE_SECONDS, MAX_TTL, SecurityConfig
 from mesh.core import negotiation
 from mesh.core.errors import (
     AgentError,
@@ -1316,7 +1316,7 @@ class MeshClient:
         agent_id: str | None = None,
         *,
         max_in_flight: int = 64,
-        lease_seconds: float = 30.0,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
         reconnect: bool = True,
         ack_linger: float | None = None,
     ) -> ClientSubscription:
