@@ -301,6 +301,14 @@ class BrokerMetrics:
         self.redelivered = loop.counter(
             "agentmesh_messages_redelivered", "Redeliveries after nack or lease expiry."
         )
+        self.dead_letters_requeued = loop.counter(
+            "agentmesh_dead_letters_requeued",
+            "Dead letters put back in their queue (RequeueDeadLetters).",
+        )
+        self.leases_extended = loop.counter(
+            "agentmesh_leases_extended",
+            "Leases extended while their handler still worked (ExtendLease).",
+        )
         self.handoffs = loop.counter("agentmesh_handoffs", "HANDOFF messages accepted.")
         self.broadcasts = loop.counter("agentmesh_broadcasts", "Broadcasts sent.", ["selective"])
         self.requests = loop.counter(

@@ -1118,9 +1118,11 @@ class Broker:
             raise MessageValidationError.for_field(
                 "lease", f"lease must be within 0..{self.config.max_ttl} seconds"
             )
-        return await self.store.extend_lease(
+        extended = await self.store.extend_lease(
             agent_id, message_ids, lease_seconds or self.config.lease_seconds
         )
+        self.metrics.leases_extended.inc(extended)
+        return extended
 
     async def nack(
         self, agent_id: str, message_ids: Iterable[str], *, dead_letter_reason: str = ""
@@ -1262,6 +1264,7 @@ class Broker:
         if requeued:
             await self.store.remove_dead_letters(agent_id, requeued)
         left = len(chosen) - len(requeued)
+        self.metrics.dead_letters_requeued.inc(len(requeued))
         logger.info(
             "%d dead letters of %s requeued%s",
             len(requeued),

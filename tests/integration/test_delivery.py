@@ -935,6 +935,8 @@ async def test_extend_lease_over_plain_grpc_keeps_a_delivery_from_coming_again(
         next_frame = asyncio.ensure_future(session.read())
         await nothing_within(next_frame, 1.5)  # not delivered again at 0.6 s
         session.cancel()
+    assert mesh.broker is not None
+    assert mesh.broker.metrics.registry.get_sample_value("agentmesh_leases_extended_total") == 2
 
 
 async def nothing_within(read: Any, seconds: float) -> None:
@@ -998,6 +1000,9 @@ async def test_dead_letters_are_requeued_once_the_cause_is_fixed() -> None:
             assert (done.requeued, done.left) == (1, 0)
             page = await stub.ListDeadLetters(broker_pb2.ListDeadLettersRequest(agent_id="Worker"))
             assert list(page.dead_letters) == []
+        assert local.broker is not None  # (its /metrics count them)
+        registry = local.broker.metrics.registry
+        assert registry.get_sample_value("agentmesh_dead_letters_requeued_total") == 3
 
 
 async def test_an_agent_on_the_brokers_default_lease_keeps_it_without_spinning(
