@@ -867,7 +867,7 @@ class MeshClient:
         to_agent: str,
         content: dict[str, JSON] | None = None,
         *,
-        message_type: MessageType = MessageType.REQUEST,
+        message_type: MessageType | None = None,
         priority: Priority = Priority.MEDIUM,
         ttl: int = 0,
         correlation_id: str = "",
@@ -879,9 +879,10 @@ class MeshClient:
         message_id: str = "",
     ) -> Message:
         """A message from this client (``agent_id``) with a fresh id (unless one is given: a
-        re-sent id is accepted once) and timestamp. A type or priority may be given by name
-        ("REQUEST", "high"); one that is not known, or a ttl that is not a whole number of
-        seconds, raises MessageValidationError naming it."""
+        re-sent id is accepted once) and timestamp: a REQUEST, or a BROADCAST when it goes to
+        "broadcast", unless ``message_type`` says otherwise. A type or priority may be given
+        by name ("REQUEST", "high"); one that is not known, or a ttl that is not a whole
+        number of seconds, raises MessageValidationError naming it."""
         if type(ttl) is not int:
             raise MessageValidationError.for_field(
                 "ttl", f"ttl must be a whole number of seconds (got {ttl!r})"
@@ -895,7 +896,13 @@ class MeshClient:
             from_agent=self.agent_id if from_agent is None else from_agent,
             to_agent=to_agent,
             content=content,
-            message_type=_named(MessageType, message_type, "message_type"),
+            message_type=(
+                _named(MessageType, message_type, "message_type")
+                if message_type is not None
+                else MessageType.BROADCAST
+                if to_agent == BROADCAST_TARGET
+                else MessageType.REQUEST
+            ),
             priority=_named(Priority, priority, "priority"),
             ttl=ttl,
             correlation_id=correlation_id,
@@ -1239,7 +1246,9 @@ class MeshClient:
         """Selective broadcast: only agents of the given types receive the message."""
         types = list(agent_types)
         if not types:
-            raise ValueError("broadcast_to_types needs at least one agent type")
+            raise MessageValidationError.for_field(
+                "agent_types", "broadcast_to_types needs at least one agent type"
+            )
         return await self.broadcast(content, agent_types=types, **options)
 
     async def handoff(

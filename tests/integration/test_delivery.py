@@ -18,6 +18,7 @@ from mesh import (
     Message,
     MessageTooLargeError,
     MessageType,
+    MessageValidationError,
     Priority,
     RequestTimeoutError,
     agent,
@@ -318,7 +319,6 @@ async def test_the_sdk_takes_names_in_any_case_and_names_what_it_cannot_take(
     unknown one, or a ttl that is not a whole number of seconds the wire can carry, raises
     MessageValidationError naming the field (not protobuf's TypeError or ValueError), and
     nothing is sent."""
-    from mesh import MessageValidationError
 
     async with mesh.client("sender") as client:
         await client.register("Worker")
@@ -362,6 +362,14 @@ async def test_broadcast_via_to_agent_broadcast(mesh: LocalMesh) -> None:
         for name in ("A", "B"):
             [got] = await client.receive(name)
             assert got.message_id == sent.message_id and got.to_agent == name
+        # Sent to "broadcast", a message is a BROADCAST unless it says otherwise (an alert
+        # has no action); an empty list of types is the caller's mistake.
+        plain = await client.send("broadcast", {"alert": "maintenance at noon"})
+        for name in ("A", "B"):
+            [got] = await client.receive(name)
+            assert (got.message_id, got.message_type) == (plain.message_id, MessageType.BROADCAST)
+        with pytest.raises(MessageValidationError, match="at least one agent type"):
+            await client.broadcast_to_types([], {"alert": "x"})
 
 
 async def test_gather_streams_answers_and_names_the_silent(mesh: LocalMesh) -> None:
@@ -1030,7 +1038,6 @@ async def test_an_agent_with_a_lease_that_is_no_time_is_refused_at_once(
     mesh: LocalMesh, options: dict[str, float]
 ) -> None:
     """Refused before it registers (it retried subscribing until serve timed out)."""
-    from mesh import MessageValidationError
 
     with pytest.raises(MessageValidationError, match=next(iter(options))):
         await mesh.add_agent(Slow(0.01), **options)
