@@ -13,6 +13,7 @@ from google.protobuf import duration_pb2, struct_pb2, timestamp_pb2
 
 from mesh.core.errors import FieldViolation, MeshError, MessageValidationError, error_class_for
 from mesh.core.model import (
+    BROADCAST_TARGET,
     JSON,
     AgentCard,
     AgentInfo,
@@ -329,9 +330,9 @@ def _message_from_pb(
 
 
 def _known_enums(pb: message_pb2.Message, strict: bool) -> tuple[MessageType, Priority]:
-    """The type and priority of an envelope where one is unset (REQUEST, MEDIUM) or a number
-    this contract does not define (``strict``: refused, so that a message is not taken for
-    something else)."""
+    """The type and priority of an envelope where one is unset (REQUEST, or BROADCAST for a
+    message to "broadcast"; MEDIUM) or a number this contract does not define (``strict``:
+    refused, so that a message is not taken for something else)."""
     violations = [
         _undefined(field_name, number, known)
         for field_name, number, known in (
@@ -342,10 +343,10 @@ def _known_enums(pb: message_pb2.Message, strict: bool) -> tuple[MessageType, Pr
     ]
     if violations and strict:
         raise MessageValidationError.from_violations(violations)
-    return (
-        _TYPE_FROM_PB.get(pb.message_type, MessageType.REQUEST),
-        _PRIORITY_FROM_PB.get(pb.priority, Priority.MEDIUM),
-    )
+    kind = _TYPE_FROM_PB.get(pb.message_type)
+    if kind is None:
+        kind = MessageType.BROADCAST if pb.to_agent == BROADCAST_TARGET else MessageType.REQUEST
+    return kind, _PRIORITY_FROM_PB.get(pb.priority, Priority.MEDIUM)
 
 
 def _undefined(field_name: str, number: int, known: Mapping[int, Any]) -> FieldViolation:

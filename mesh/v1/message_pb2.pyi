@@ -139,7 +139,7 @@ class Message(_message.Message):
     to_agent: _builtins.str
     """Id of the receiving agent, or "broadcast" for every registered agent. Required."""
     message_type: Global___MessageType.ValueType
-    """What the message is for. Unset means REQUEST."""
+    """What the message is for. Unset means REQUEST, or BROADCAST when to_agent is "broadcast"."""
     correlation_id: _builtins.str
     """Correlates a RESPONSE, ERROR or ACK with the message it answers."""
     priority: Global___Priority.ValueType

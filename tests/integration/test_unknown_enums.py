@@ -77,6 +77,27 @@ async def test_send_message_refuses_an_undefined_number(
         assert [m.content["action"] for m in received.messages] == ["ok"]
 
 
+async def test_an_unset_type_to_broadcast_is_a_broadcast(mesh: LocalMesh) -> None:
+    """RF-009 scenario 3 as a plain gRPC client writes it: to "broadcast", an alert with no
+    action and no type; every other agent gets a BROADCAST copy."""
+    async with grpc.aio.insecure_channel(mesh.address) as channel:
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        for name in ("Flight", "Hotel", "Orchestrator"):
+            await stub.RegisterAgent(
+                broker_pb2.RegisterAgentRequest(agent=message_pb2.AgentInfo(agent_id=name))
+            )
+        alert = message_pb2.Message(from_agent="Orchestrator", to_agent="broadcast")
+        alert.content.update({"alert": "System maintenance in 10 minutes"})
+        sent = await stub.SendMessage(broker_pb2.SendMessageRequest(message=alert))
+        assert sent.message.message_type == message_pb2.MESSAGE_TYPE_BROADCAST
+        assert sorted(sent.recipients) == ["Flight", "Hotel"]
+        for name in ("Flight", "Hotel"):
+            got = await stub.ReceiveMessages(broker_pb2.ReceiveMessagesRequest(agent_id=name))
+            [copy] = got.messages
+            assert copy.message_type == message_pb2.MESSAGE_TYPE_BROADCAST
+            assert copy.to_agent == name and copy.message_id == sent.message.message_id
+
+
 async def test_a_batch_refuses_only_its_undefined_message(mesh: LocalMesh) -> None:
     async with grpc.aio.insecure_channel(mesh.address) as channel:
         stub = broker_pb2_grpc.BrokerServiceStub(channel)

@@ -83,7 +83,8 @@ function buildMessage(m) {
     message_id: m.messageId || crypto.randomUUID(),
     from_agent: m.from,
     to_agent: m.to,
-    message_type: `MESSAGE_TYPE_${m.type || 'REQUEST'}`,
+    // A REQUEST, or a BROADCAST when it goes to "broadcast", unless m.type says otherwise.
+    message_type: `MESSAGE_TYPE_${m.type || (m.to === 'broadcast' ? 'BROADCAST' : 'REQUEST')}`,
     content: m.content === undefined ? undefined : toStruct(m.content),
     timestamp: nowTimestamp(),
     metadata: toStruct(m.metadata || {}),

@@ -27,6 +27,13 @@ test('sends and receives messages in priority order', async () => {
         && err.reason === 'VALIDATION_FAILED' && err.fieldViolations[0].field === 'content');
     await assert.rejects(client.send('Nobody', { action: 'x' }),
       (err) => err.codeName === 'NOT_FOUND');
+    // To "broadcast", a message is a BROADCAST unless it says otherwise (an alert has no
+    // action): every other agent gets a copy.
+    const alert = await client.send('broadcast', { alert: 'System maintenance in 10 minutes' });
+    assert.ok(alert.recipients.includes('NodePaymentAgent'));
+    const [copy] = await client.receive('NodePaymentAgent');
+    assert.equal(copy.type, 'BROADCAST');
+    assert.equal(copy.messageId, alert.messageId);
   } finally {
     await client.deregister('NodePaymentAgent').catch(() => {});
     client.close();
