@@ -14,7 +14,7 @@ import contextlib
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import grpc
 
@@ -55,7 +55,7 @@ logger = logging.getLogger("mesh.agent")
 
 AGENT_SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name
 Reply = dict[str, JSON] | Message | JSON | None
-HandlerFn = Callable[[Message, "AgentContext"], Awaitable[Reply]]
+HandlerFn = Callable[[Message, "AgentContext"], Awaitable[Reply] | Reply]
 
 _RECONNECT_DELAYS = (0.1, 0.5, 1.0, 2.0)
 MAX_LEASE_EXTENSION = 3600.0
@@ -63,10 +63,30 @@ MAX_LEASE_EXTENSION = 3600.0
 the lease every third of a lease): past that, the broker delivers the message again."""
 
 
-def on(action: str) -> Callable[[Callable[..., Awaitable[Reply]]], Callable[..., Awaitable[Reply]]]:
-    """Marks an Agent method as the handler of one content.action."""
+def _as_coroutine(fn: Callable[..., Any]) -> Callable[..., Awaitable[Reply]]:
+    """A handler as a coroutine function: an ``async def`` as it is; a plain function runs in a
+    worker thread, so that its work (a blocking library, a long computation) does not hold
+    the event loop, and an awaitable it returns is awaited."""
+    if inspect.iscoroutinefunction(fn):
+        return fn
 
-    def mark(method: Callable[..., Awaitable[Reply]]) -> Callable[..., Awaitable[Reply]]:
+    async def threaded(*args: Any) -> Reply:
+        result = await asyncio.to_thread(fn, *args)
+        if inspect.isawaitable(result):
+            return cast(Reply, await result)
+        return cast(Reply, result)
+
+    return threaded
+
+
+HandlerT = TypeVar("HandlerT", bound=Callable[..., Any])
+
+
+def on(action: str) -> Callable[[HandlerT], HandlerT]:
+    """Marks an Agent method as the handler of one content.action (``async def``, or a plain
+    method, which runs in a worker thread)."""
+
+    def mark(method: HandlerT) -> HandlerT:
         method.__mesh_action__ = action  # type: ignore[attr-defined]
         return method
 
@@ -169,7 +189,7 @@ class Agent:
         for _, member in inspect.getmembers(self, inspect.ismethod):
             action = getattr(member, "__mesh_action__", None)
             if action:
-                self._actions[action] = member
+                self._actions[action] = _as_coroutine(member)
 
     @property
     def actions(self) -> tuple[str, ...]:
@@ -203,7 +223,7 @@ class FunctionAgent(Agent):
     def __init__(self, fn: HandlerFn, agent_id: str, **kwargs: Any) -> None:
         kwargs.setdefault("description", (inspect.getdoc(fn) or "").split("\n")[0])
         super().__init__(agent_id, **kwargs)
-        self._fn = fn
+        self._fn = _as_coroutine(fn)
 
     async def handle(self, message: Message, ctx: AgentContext) -> Reply:
         return await self._fn(message, ctx)

@@ -1043,3 +1043,36 @@ async def test_an_agent_with_a_lease_that_is_no_time_is_refused_at_once(
         await mesh.add_agent(Slow(0.01), **options)
     async with mesh.client("boss") as client:
         assert "SlowAgent" not in [a.agent_id for a in await client.list_agents()]
+
+
+async def test_a_plain_function_handler_runs_off_the_event_loop(mesh: LocalMesh) -> None:
+    """A handler written without async (a blocking library call) works, for an @on method and
+    for an @agent function, and runs in a worker thread: while one blocks, the event loop
+    (other agents, the client's stream) goes on and answers."""
+    import threading
+
+    loop_thread = threading.get_ident()
+    release = threading.Event()
+
+    class Blocking(Agent):
+        agent_id = "Blocking"
+
+        @on("lookup")
+        def lookup(self, message: Message, ctx: AgentContext) -> dict[str, object]:
+            release.wait(10)  # a blocking call, until the other answer came
+            return {"off_loop": threading.get_ident() != loop_thread}
+
+    @agent("Plain")
+    def plain(message: Message, ctx: AgentContext) -> str:
+        return "plain answer"
+
+    await mesh.add_agent(Blocking())
+    await mesh.add_agent(plain)
+    async with mesh.client("asker") as client:
+        slow = asyncio.create_task(client.request("Blocking", {"action": "lookup"}, timeout=15))
+        await asyncio.sleep(0.1)
+        quick = await client.request("Plain", {"action": "any"}, timeout=3)
+        assert quick.content == {"action": "any", "result": "plain answer"}
+        assert not slow.done()
+        release.set()
+        assert (await slow).content == {"action": "lookup", "off_loop": True}
