@@ -190,6 +190,8 @@ class Agent:
             action = getattr(member, "__mesh_action__", None)
             if action:
                 self._actions[action] = _as_coroutine(member)
+        if not inspect.iscoroutinefunction(self.handle):  # a plain `def handle` overridden
+            self.handle = _as_coroutine(self.handle)  # type: ignore[method-assign,assignment]
 
     @property
     def actions(self) -> tuple[str, ...]:

@@ -1066,13 +1066,22 @@ async def test_a_plain_function_handler_runs_off_the_event_loop(mesh: LocalMesh)
     def plain(message: Message, ctx: AgentContext) -> str:
         return "plain answer"
 
+    class Overridden(Agent):
+        agent_id = "Overridden"
+
+        def handle(self, message: Message, ctx: AgentContext) -> dict[str, bool]:  # type: ignore[override]
+            return {"overridden": True}
+
     await mesh.add_agent(Blocking())
     await mesh.add_agent(plain)
+    await mesh.add_agent(Overridden())
     async with mesh.client("asker") as client:
         slow = asyncio.create_task(client.request("Blocking", {"action": "lookup"}, timeout=15))
         await asyncio.sleep(0.1)
         quick = await client.request("Plain", {"action": "any"}, timeout=3)
         assert quick.content == {"action": "any", "result": "plain answer"}
         assert not slow.done()
+        other = await client.request("Overridden", {"action": "any"}, timeout=3)
+        assert other.content == {"action": "any", "overridden": True}
         release.set()
         assert (await slow).content == {"action": "lookup", "off_loop": True}
