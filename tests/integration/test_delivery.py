@@ -1085,3 +1085,21 @@ async def test_a_plain_function_handler_runs_off_the_event_loop(mesh: LocalMesh)
         assert other.content == {"action": "any", "overridden": True}
         release.set()
         assert (await slow).content == {"action": "lookup", "off_loop": True}
+
+
+async def test_a_subscriber_keeps_a_delivery_by_hand(mesh: LocalMesh) -> None:
+    """`Received.extend_lease()` outside the agent runtime: the delivery is not redelivered at
+    its first lease's end, and acked after it, it is gone."""
+    async with mesh.client("worker") as client:
+        await client.register("Desk")
+        sent = await client.send("Desk", {"action": "long"})
+        async with client.subscribe("Desk", lease_seconds=0.6) as inbox:
+            stream = aiter(inbox)
+            first = await asyncio.wait_for(anext(stream), 5)
+            assert first.message.message_id == sent.message_id
+            await first.extend_lease(3)
+            await nothing_within(anext(stream), 1.5)  # not delivered again at 0.6 s
+            await first.ack()
+        stats = (await client.queue_stats()).for_agent("Desk")
+        assert stats is not None and (stats.depth, stats.in_flight) == (0, 0)
+        assert (await client.queue_stats()).totals["redelivered_count"] == 0
