@@ -523,6 +523,12 @@ class AgentRuntime:
         ) as span:
             try:
                 reply = await self.agent.handle(message, ctx)
+                if inspect.iscoroutine(reply):  # `return other(...)` without its await
+                    reply.close()
+                    raise TypeError(
+                        f"the handler of {message.action!r} returned a coroutine, not its"
+                        " result: an await is missing"
+                    )
             except asyncio.CancelledError:
                 raise
             except Exception as error:

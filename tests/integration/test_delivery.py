@@ -1074,13 +1074,24 @@ async def test_a_plain_function_handler_runs_off_the_event_loop(mesh: LocalMesh)
 
     await mesh.add_agent(Blocking())
     await mesh.add_agent(plain)
+
+    class Forgetful(Agent):  # `return` of a coroutine without its await: said, at once
+        agent_id = "Forgetful"
+
+        @on("forget")
+        async def forget(self, message: Message, ctx: AgentContext) -> Any:
+            return asyncio.sleep(0, {"never": "sent"})
+
     await mesh.add_agent(Overridden())
+    await mesh.add_agent(Forgetful())
     async with mesh.client("asker") as client:
         slow = asyncio.create_task(client.request("Blocking", {"action": "lookup"}, timeout=15))
         await asyncio.sleep(0.1)
         quick = await client.request("Plain", {"action": "any"}, timeout=3)
         assert quick.content == {"action": "any", "result": "plain answer"}
         assert not slow.done()
+        with pytest.raises(AgentError, match="returned a coroutine, not its result"):
+            await client.request("Forgetful", {"action": "forget"}, timeout=3)
         other = await client.request("Overridden", {"action": "any"}, timeout=3)
         assert other.content == {"action": "any", "overridden": True}
         release.set()
