@@ -456,7 +456,7 @@ export interface SessionOptions {
   maxBatch?: number;
   /** How long an ack waits for company in a steady flow (2). */
   ackLingerMs?: number;
-  /** How long a delivery stays leased unless acked (the broker's); extended while handled. */
+  /** How long a delivery stays leased unless acked (30,000); extended while handled. */
   leaseMs?: number;
   /** How long a handler may keep its delivery leased by extending it (3,600,000). */
   maxLeaseExtensionMs?: number;

@@ -782,16 +782,15 @@ class MeshClient {
    * null (acknowledged); when it throws, the message is handed back for redelivery (a
    * Reject sends it to the dead-letter queue at once, with the Reject's message). A message
    * sent with ackRequired is acknowledged to its sender with an ACK message as it arrives,
-   * on its first delivery. A delivery stays leased leaseMs (the broker's lease, 30,000 unless
-   * it was configured otherwise) unless acked; while handle still works on one, its lease is
-   * extended every third of that, for up to maxLeaseExtensionMs (an hour), so that a slow
-   * handler is not run twice. The returned
+   * on its first delivery. A delivery stays leased leaseMs (30,000) unless acked; while
+   * handle still works on one, its lease is extended every third of that, for up to
+   * maxLeaseExtensionMs (an hour), so that a slow handler is not run twice. The returned
    * stream emits 'subscribed' once the broker took the subscription, 'refused' (a
    * MeshError) when the broker refuses an answer or ACK it was sent, and 'error' / 'end'
    * when the session is over.
    */
   session(handle, { agentId = this.agentId, maxInFlight = 16, maxBatch = 16,
-    ackLingerMs = 2, leaseMs, maxLeaseExtensionMs = 3600000 } = {}) {
+    ackLingerMs = 2, leaseMs = 30000, maxLeaseExtensionMs = 3600000 } = {}) {
     const metadata = (this.broker.meshMetadata || new grpc.Metadata()).clone();
     metadata.set('agentmesh-batch', '1');
     const call = this.broker.Connect(metadata);
@@ -799,9 +798,8 @@ class MeshClient {
       if (!call.writableEnded && !call.destroyed) call.write(frame);
     };
     const inFlight = new Map(); // handling -> {id, started}
-    const lease = leaseMs === undefined ? undefined : toDuration(leaseMs); // unset: the broker's
     const keeper = keepLeases(inFlight, leaseMs, maxLeaseExtensionMs, (ids) => write({
-      extend_lease: { agent_id: agentId, message_ids: ids, lease } }));
+      extend_lease: { agent_id: agentId, message_ids: ids, lease: toDuration(leaseMs) } }));
     for (const over of ['status', 'error', 'close']) call.on(over, () => clearInterval(keeper));
     let closing = false;
     // Acks go together: those of a moment (a batch of deliveries handled together) in one
@@ -892,7 +890,7 @@ class MeshClient {
     call.on('data', take);
     call.on('error', () => {}); // listeners of the caller's decide; none must not crash
     write({ seq: 1, subscribe: { agent_id: agentId, max_in_flight: maxInFlight,
-      max_batch: maxBatch, lease } });
+      max_batch: maxBatch, lease: toDuration(leaseMs) } });
     return call;
   }
 
@@ -903,15 +901,14 @@ class MeshClient {
    * it arrives, on its first delivery. Leases are kept while onDelivery runs, as session()
    * keeps them (ExtendLease calls).
    */
-  subscribe(onDelivery, { agentId = this.agentId, maxInFlight = 16, leaseMs,
+  subscribe(onDelivery, { agentId = this.agentId, maxInFlight = 16, leaseMs = 30000,
     maxLeaseExtensionMs = 3600000 } = {}) {
-    const lease = leaseMs === undefined ? undefined : toDuration(leaseMs); // unset: the broker's
-    const call = this.broker.Subscribe({ agent_id: agentId, max_in_flight: maxInFlight, lease },
-      this.broker.meshMetadata);
+    const call = this.broker.Subscribe({ agent_id: agentId, max_in_flight: maxInFlight,
+      lease: toDuration(leaseMs) }, this.broker.meshMetadata);
     const inFlight = new Map(); // handling -> {id, started}
     const keeper = keepLeases(inFlight, leaseMs, maxLeaseExtensionMs, (ids) => unary(
-      this.broker, 'ExtendLease', { agent_id: agentId, message_ids: ids, lease })
-      .catch(() => {}));
+      this.broker, 'ExtendLease',
+      { agent_id: agentId, message_ids: ids, lease: toDuration(leaseMs) }).catch(() => {}));
     for (const over of ['status', 'error', 'close']) call.on(over, () => clearInterval(keeper));
     call.on('data', async (res) => {
       const message = readMessage(res.delivery.message);
@@ -935,10 +932,9 @@ class MeshClient {
 }
 
 /**
- * Every third of leaseMs (of the broker's default lease, 30,000, when it is unset), hands
- * extend(ids) the ids of the deliveries still being handled ({id, started} values of
- * inFlight) for less than maxExtensionMs: their leases are extended while they run. The timer
- * does not keep the process alive; clear it when done.
+ * Every third of leaseMs, hands extend(ids) the ids of the deliveries still being handled
+ * ({id, started} values of inFlight) for less than maxExtensionMs: their leases are extended
+ * while they run. The timer does not keep the process alive; clear it when done.
  */
 function keepLeases(inFlight, leaseMs, maxExtensionMs, extend) {
   const timer = setInterval(() => {
@@ -946,7 +942,7 @@ function keepLeases(inFlight, leaseMs, maxExtensionMs, extend) {
     const ids = [...inFlight.values()]
       .filter((work) => now - work.started <= maxExtensionMs).map((work) => work.id);
     if (ids.length) extend(ids);
-  }, (leaseMs > 0 ? leaseMs : 30000) / 3);
+  }, (leaseMs > 0 ? leaseMs : 30000) / 3); // (0 asks for the broker's default, 30 s)
   timer.unref();
   return timer;
 }
