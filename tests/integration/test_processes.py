@@ -405,23 +405,29 @@ async def test_research_runs_across_processes_on_a_broker_serving_the_tools(
             assert await stop(proc) == 0
 
 
+async def agentmesh(*args: str) -> tuple[int, str]:
+    """Runs `agentmesh ARGS` to its end: its exit code and what it wrote to stderr."""
+    process = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "mesh.cli", *args),
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    async with asyncio.timeout(30):
+        _, err = await process.communicate()
+    return process.returncode or 0, err.decode()
+
+
 async def test_a_broker_refuses_tools_it_cannot_load() -> None:
     for spec, said in (
         ("agents.research", "--tools must be module:attribute"),
         ("agents.research:nothing", "has no attribute 'nothing'"),
         ("agents.research:research_agents", "is not a ToolHost"),
     ):
-        process = await asyncio.create_subprocess_exec(
-            *(sys.executable, "-m", "mesh.cli", "broker", "--port", "0", "--tools", spec),
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        async with asyncio.timeout(30):
-            out, err = await process.communicate()
-        assert process.returncode == 2, (spec, out, err)
-        assert said in err.decode(), err.decode()
+        code, err = await agentmesh("broker", "--port", "0", "--tools", spec)
+        assert code == 2, (spec, err)
+        assert said in err, err
 
 
 async def test_a_port_in_use_is_said_in_one_line(broker_proc: Proc) -> None:
@@ -453,18 +459,9 @@ async def test_a_port_in_use_is_said_in_one_line(broker_proc: Proc) -> None:
                 f"cannot listen on 127.0.0.1:{port}",
             ),
         ):
-            process = await asyncio.create_subprocess_exec(
-                *(sys.executable, "-m", "mesh.cli", *args),
-                cwd=ROOT,
-                env={**os.environ, "PYTHONPATH": str(ROOT)},
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-            )
-            async with asyncio.timeout(30):
-                _, err = await process.communicate()
-            text = err.decode()
-            assert process.returncode == 1, (args, text)
-            assert f"error: {said}" in text and "Traceback" not in text, (args, text)
+            code, err = await agentmesh(*args)
+            assert code == 1, (args, err)
+            assert f"error: {said}" in err and "Traceback" not in err, (args, err)
 
 
 async def test_up_starts_without_its_event_log_where_it_cannot_write_one(tmp_path: Path) -> None:

@@ -44,6 +44,21 @@ async function getJSON(url) {
   return response.json();
 }
 
+// POSTs a JSON body (with the gateway credential, when one is given): {ok: true, ...answer}
+// or {ok: false, message}.
+async function postJSON(url, body, token) {
+  const headers = { "Content-Type": "application/json" };
+  if (token) headers.Authorization = `Bearer ${token}`;
+  const response = await fetch(url, { method: "POST", headers, body: JSON.stringify(body) });
+  const text = await response.text();
+  try {
+    const answer = JSON.parse(text);
+    return response.ok ? { ok: true, ...answer } : { ok: false, message: answer.message || text };
+  } catch {
+    return { ok: false, message: text };
+  }
+}
+
 function fmt(value, digits = 2) {
   return typeof value === "number" ? value.toFixed(digits) : "–";
 }
@@ -148,22 +163,8 @@ function Feedback({ run, state }) {
   const [answer, setAnswer] = useState(null);
   useEffect(() => setAnswer(null), [run.run_id]);
   if (!state.allow_runs || !["COMPLETED", "PARTIAL"].includes(run.status)) return null;
-  const rate = async (satisfied) => {
-    const headers = { "Content-Type": "application/json" };
-    if (token) headers.Authorization = `Bearer ${token}`;
-    const response = await fetch(`/api/runs/${run.run_id}/feedback`, {
-      method: "POST",
-      headers,
-      body: JSON.stringify({ satisfied }),
-    });
-    const text = await response.text();
-    try {
-      const body = JSON.parse(text);
-      setAnswer(response.ok ? { ok: true, ...body } : { ok: false, message: body.message || text });
-    } catch {
-      setAnswer({ ok: false, message: text });
-    }
-  };
+  const rate = async (satisfied) =>
+    setAnswer(await postJSON(`/api/runs/${run.run_id}/feedback`, { satisfied }, token));
   return html`<p id="feedback">
     Did this outcome satisfy you?
     ${state.credential_required &&
@@ -232,23 +233,12 @@ function StartPattern({ state, onStarted }) {
       setError(`not JSON: ${e.message}`);
       return;
     }
-    const headers = { "Content-Type": "application/json" };
-    if (token) headers.Authorization = `Bearer ${token}`;
-    const response = await fetch(`/api/patterns/${pattern}`, {
-      method: "POST",
-      headers,
-      body: JSON.stringify(parsed),
-    });
-    const text = await response.text();
-    if (!response.ok) {
-      try {
-        setError(JSON.parse(text).message || text);
-      } catch {
-        setError(text);
-      }
+    const answer = await postJSON(`/api/patterns/${pattern}`, parsed, token);
+    if (!answer.ok) {
+      setError(answer.message);
       return;
     }
-    onStarted(JSON.parse(text).run_id);
+    onStarted(answer.run_id);
   };
   return html`<section>
     <h2>Start a pattern</h2>
@@ -281,20 +271,8 @@ function DeadLetters({ state }) {
   }, []);
   // Once what failed it is fixed: back in its agent's queue for a new round of attempts.
   const requeue = async (letter) => {
-    const headers = { "Content-Type": "application/json" };
-    if (token) headers.Authorization = `Bearer ${token}`;
-    const response = await fetch("/api/dead-letters/requeue", {
-      method: "POST",
-      headers,
-      body: JSON.stringify({ agent_id: letter.to_agent, message_ids: [letter.message_id] }),
-    });
-    const text = await response.text();
-    try {
-      const body = JSON.parse(text);
-      setAnswer(response.ok ? { ok: true, ...body } : { ok: false, message: body.message || text });
-    } catch {
-      setAnswer({ ok: false, message: text });
-    }
+    const body = { agent_id: letter.to_agent, message_ids: [letter.message_id] };
+    setAnswer(await postJSON("/api/dead-letters/requeue", body, token));
     await load();
   };
   const actions = state.allow_runs;
