@@ -59,6 +59,17 @@ async function postJSON(url, body, token) {
   }
 }
 
+// The gateway credential an action is taken with, when security is on.
+function Credential({ id, token, set }) {
+  return html`<input
+    id=${id}
+    type="password"
+    placeholder="gateway credential"
+    value=${token}
+    onInput=${(e) => set(e.target.value)}
+  />`;
+}
+
 function fmt(value, digits = 2) {
   return typeof value === "number" ? value.toFixed(digits) : "–";
 }
@@ -168,13 +179,7 @@ function Feedback({ run, state }) {
   return html`<p id="feedback">
     Did this outcome satisfy you?
     ${state.credential_required &&
-    html`<input
-      id="feedback-token"
-      type="password"
-      placeholder="gateway credential"
-      value=${token}
-      onInput=${(e) => setToken(e.target.value)}
-    />`}
+    html`<${Credential} id="feedback-token" token=${token} set=${setToken} />`}
     <button id="satisfied" onClick=${() => rate(true)}>Yes</button>
     <button id="not-satisfied" onClick=${() => rate(false)}>No</button>
     ${answer &&
@@ -247,13 +252,7 @@ function StartPattern({ state, onStarted }) {
         ${state.patterns.map((p) => html`<option value=${p}>${p}</option>`)}
       </select>
       ${state.credential_required &&
-      html`<input
-        id="token"
-        type="password"
-        placeholder="gateway credential"
-        value=${token}
-        onInput=${(e) => setToken(e.target.value)}
-      />`}
+      html`<${Credential} id="token" token=${token} set=${setToken} />`}
       <textarea id="body" rows="8" value=${body} onInput=${(e) => setBody(e.target.value)} />
       <button id="run" type="submit">Start</button>
       ${error && html`<p class="error" id="start-error">${error}</p>`}
@@ -280,13 +279,7 @@ function DeadLetters({ state }) {
     <h2>Dead letters <button onClick=${load}>Refresh</button></h2>
     ${actions &&
     state.credential_required &&
-    html`<input
-      id="requeue-token"
-      type="password"
-      placeholder="gateway credential"
-      value=${token}
-      onInput=${(e) => setToken(e.target.value)}
-    />`}
+    html`<${Credential} id="requeue-token" token=${token} set=${setToken} />`}
     ${answer &&
     (answer.ok
       ? html`<p id="requeue-result">
