@@ -271,9 +271,10 @@ return out
 """
 
 _EXTEND = """
-local lease_end, count = tonumber(ARGV[1]), 0
-for i = 2, #ARGV do
-  if redis.call('ZSCORE', leased, ARGV[i]) then
+local now, lease_end, count = tonumber(ARGV[1]), tonumber(ARGV[2]), 0
+for i = 3, #ARGV do
+  local ends = redis.call('ZSCORE', leased, ARGV[i])
+  if ends and tonumber(ends) > now then  -- (one that ended waits for the sweep)
     redis.call('ZADD', leased, lease_end, ARGV[i])
     count = count + 1
   end
@@ -1071,8 +1072,9 @@ class RedisQueueStore:
         ids = list(message_ids)
         if not ids:
             return 0
-        lease_end = self._now_ms() + int(lease_seconds * 1000)
-        return int(await self._run("extend", agent_id, [lease_end, *ids]))
+        now = self._now_ms()
+        lease_end = now + int(lease_seconds * 1000)
+        return int(await self._run("extend", agent_id, [now, lease_end, *ids]))
 
     def _return_args(self) -> list[Any]:
         return [

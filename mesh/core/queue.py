@@ -670,11 +670,12 @@ class InMemoryQueueStore:
         queue = self._queues.get(agent_id)
         if queue is None:
             return 0
-        until = self._clock() + lease_seconds
+        now = self._clock()
+        until = now + lease_seconds
         count = 0
         for message_id in message_ids:
             entry = queue.leased.get(message_id)
-            if entry is None:
+            if entry is None or entry.lease_until <= now:  # (ended, the sweep to come)
                 continue
             entry.lease_until = until  # (the heap's earlier item for it is now stale)
             heapq.heappush(self._lease_heap, (until, entry.seq, entry))

@@ -325,6 +325,7 @@ async def test_an_extended_lease_ends_that_much_later(store: QueueStore, clock: 
     clock.advance(4)
     assert await store.extend_lease("PaymentAgent", ["m1", "ghost"], 5) == 1
     clock.advance(2)  # 6 s: m2's lease ended, m1's ends at 9 s
+    assert await store.extend_lease("PaymentAgent", ["m2"], 5) == 0  # too late, unswept
     await store.sweep()
     again = await store.lease("PaymentAgent", "s", 5)
     assert again is not None and (again.message.message_id, again.attempt) == ("m2", 2)
