@@ -333,7 +333,12 @@ class AgentRuntime:
         self.agent = agent
         self.client = client
         self.max_in_flight = max_in_flight
-        self.lease_seconds = wait_seconds(lease_seconds, 0, "lease_seconds")
+        # 0 means the default lease, asked for explicitly: the runtime extends leases by a
+        # length it knows (on a broker configured with a shorter default, leases would end
+        # before the first extension).
+        self.lease_seconds = (
+            wait_seconds(lease_seconds, 0, "lease_seconds") or DEFAULT_LEASE_SECONDS
+        )
         if not max_lease_extension >= 0:  # (NaN too; infinity: for as long as it runs)
             raise MessageValidationError.for_field(
                 "max_lease_extension", "max_lease_extension must not be negative"
@@ -371,8 +376,7 @@ class AgentRuntime:
         runs (one frame for them all), so that a handler that takes longer than a lease (a
         model's answer, a long search) is not run again meanwhile, up to
         ``max_lease_extension`` after it started."""
-        # (a lease of 0 asks for the broker's, 30 s unless it was configured otherwise)
-        period = (self.lease_seconds if self.lease_seconds > 0 else DEFAULT_LEASE_SECONDS) / 3
+        period = self.lease_seconds / 3
         loop = asyncio.get_running_loop()
         given_up: set[Received] = set()
         while True:

@@ -1016,8 +1016,9 @@ async def test_dead_letters_are_requeued_once_the_cause_is_fixed() -> None:
 async def test_an_agent_on_the_brokers_default_lease_keeps_it_without_spinning(
     mesh: LocalMesh,
 ) -> None:
-    """lease_seconds=0 asks for the broker's lease: the runtime extends every 10 s, not in a
-    loop that would burn the process's CPU; the agent works as any other."""
+    """lease_seconds=0 is the default lease (30 s, asked for by name, so that the runtime
+    extends by a length it knows): every 10 s, not in a loop that would burn the process's
+    CPU; the agent works as any other."""
     import time
 
     slow = Slow(0.01)

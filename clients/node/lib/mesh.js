@@ -790,7 +790,8 @@ class MeshClient {
    * when the session is over.
    */
   session(handle, { agentId = this.agentId, maxInFlight = 16, maxBatch = 16,
-    ackLingerMs = 2, leaseMs = 30000, maxLeaseExtensionMs = 3600000 } = {}) {
+    ackLingerMs = 2, leaseMs: askedLeaseMs, maxLeaseExtensionMs = 3600000 } = {}) {
+    const leaseMs = askedLeaseMs || 30000; // (0 too: a length the extensions know)
     const metadata = (this.broker.meshMetadata || new grpc.Metadata()).clone();
     metadata.set('agentmesh-batch', '1');
     const call = this.broker.Connect(metadata);
@@ -901,8 +902,9 @@ class MeshClient {
    * it arrives, on its first delivery. Leases are kept while onDelivery runs, as session()
    * keeps them (ExtendLease calls).
    */
-  subscribe(onDelivery, { agentId = this.agentId, maxInFlight = 16, leaseMs = 30000,
+  subscribe(onDelivery, { agentId = this.agentId, maxInFlight = 16, leaseMs: askedLeaseMs,
     maxLeaseExtensionMs = 3600000 } = {}) {
+    const leaseMs = askedLeaseMs || 30000; // (0 too: a length the extensions know)
     const call = this.broker.Subscribe({ agent_id: agentId, max_in_flight: maxInFlight,
       lease: toDuration(leaseMs) }, this.broker.meshMetadata);
     const inFlight = new Map(); // handling -> {id, started}
@@ -942,7 +944,7 @@ function keepLeases(inFlight, leaseMs, maxExtensionMs, extend) {
     const ids = [...inFlight.values()]
       .filter((work) => now - work.started <= maxExtensionMs).map((work) => work.id);
     if (ids.length) extend(ids);
-  }, (leaseMs > 0 ? leaseMs : 30000) / 3); // (0 asks for the broker's default, 30 s)
+  }, leaseMs / 3); // (0 asks for the broker's default, 30 s)
   timer.unref();
   return timer;
 }
