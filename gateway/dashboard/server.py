@@ -360,6 +360,8 @@ class Dashboard:
 
 FEEDBACK_STATUS = {"NOT_FOUND": 404, "FAILED_PRECONDITION": 409, "UNAUTHENTICATED": 401}
 """How the gateway's refusals of a rating read over HTTP."""
+REQUEUE_STATUS = {"PERMISSION_DENIED": 403, "UNAUTHENTICATED": 401, "UNAVAILABLE": 503}
+"""How the broker's refusals of a requeue read over HTTP (the rest: 400)."""
 
 
 def make_app(dashboard: Dashboard) -> web.Application:
@@ -427,7 +429,8 @@ def make_app(dashboard: Dashboard) -> web.Application:
         try:
             result = await dashboard.client.requeue_dead_letters(body["agent_id"], ids)
         except MeshError as error:
-            return web.json_response({"code": error.code, "message": error.message}, status=400)
+            status = REQUEUE_STATUS.get(error.code, 400)
+            return web.json_response({"code": error.code, "message": error.message}, status=status)
         return web.json_response({"requeued": result.requeued, "left": result.left})
 
     @routes.post("/api/patterns/{name}")
