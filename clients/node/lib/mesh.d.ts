@@ -763,6 +763,10 @@ export interface AgentOptions extends SecurityOptions {
   port?: number;
   /** An answer or ACK the broker refused (a warning on the console by default). */
   onRefused?: (error: MeshError) => void;
+  /** How long a delivery stays leased unless acked (30,000); extended while handled. */
+  leaseMs?: number;
+  /** How long a handler may keep its delivery leased by extending it (3,600,000). */
+  maxLeaseExtensionMs?: number;
   retryDelaysMs?: number[];
   onRetry?: (retry: RetryEvent) => void;
 }

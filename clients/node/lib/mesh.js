@@ -1247,7 +1247,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
   description = 'A Node.js agent', actions = [], host = '127.0.0.1', port = 0,
   onRefused = (err) => console.warn(
     `${agentId}: the broker refused a frame: ${err.codeName}: ${err.message}`),
-  ...options }) {
+  leaseMs, maxLeaseExtensionMs, ...options }) {
   const server = new grpc.Server();
   const answer = async (message) => {
     const to = message.replyTo || message.from;
@@ -1314,7 +1314,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     while (!stopped) {
       try {
         if (attempt) await client.register({ agentTypes, address, capabilities });
-        subscription = client.session(onDelivery);
+        subscription = client.session(onDelivery, { leaseMs, maxLeaseExtensionMs });
         subscription.on('refused', onRefused);
         await new Promise((resolve) => {
           subscription.on('error', resolve);

@@ -731,6 +731,35 @@ test('a handler slower than its lease runs once: the session extends the lease',
   }
 });
 
+test('serveAgent takes leaseMs: a handler three leases long answers once', async () => {
+  const runs = { kept: 0, unkept: 0 };
+  const slow = (name) => async () => {
+    runs[name] += 1;
+    await new Promise((resolve) => { setTimeout(resolve, 2100); });
+    return { runs: runs[name] };
+  };
+  const kept = await serveAgent({ broker: BROKER, agentId: 'NodeSlowKept', leaseMs: 700,
+    handler: slow('kept') });
+  // Without extensions, the 700 ms lease ends while the handler works: delivered again.
+  const unkept = await serveAgent({ broker: BROKER, agentId: 'NodeSlowUnkept', leaseMs: 700,
+    maxLeaseExtensionMs: 0, handler: slow('unkept') });
+  const client = new MeshClient(BROKER, { agentId: 'NodeSlowCaller' });
+  try {
+    const [answer] = await Promise.all([
+      client.request('NodeSlowKept', { action: 'work' }, { timeoutMs: 8000 }),
+      client.request('NodeSlowUnkept', { action: 'work' }, { timeoutMs: 8000 }),
+    ]);
+    assert.equal(answer.content.runs, 1);
+    await new Promise((resolve) => { setTimeout(resolve, 300); });
+    assert.equal(runs.kept, 1);
+    assert.ok(runs.unkept >= 2, `runs without extensions: ${runs.unkept}`);
+  } finally {
+    await kept.stop();
+    await unkept.stop();
+    client.close();
+  }
+});
+
 /** Sends `count` work messages ({action: 'work', parameters: {i}}) to agentId, in order. */
 async function sendWork(client, agentId, count) {
   for (let i = 0; i < count; i += 1) {
