@@ -309,6 +309,13 @@ class BrokerMetrics:
             "agentmesh_leases_extended",
             "Leases extended while their handler still worked (ExtendLease).",
         )
+        self.withdrawn = loop.counter(
+            "agentmesh_messages_withdrawn",
+            "Requests taken out of their agent's queue because their requester gave up"
+            " (cancelled, or past its deadline), by where they were: waiting, or in flight"
+            " (their subscriber told, when it asked to be).",
+            ["state"],
+        )
         self.handoffs = loop.counter("agentmesh_handoffs", "HANDOFF messages accepted.")
         self.broadcasts = loop.counter("agentmesh_broadcasts", "Broadcasts sent.", ["selective"])
         self.requests = loop.counter(

@@ -30,7 +30,7 @@ the others wake their subscribers of the agent now, no polling),
 ``mesh:registry`` (an agent registered or left), ``mesh:answer:<replica>`` (an answer for a
 request waiting on that replica), ``mesh:released:<replica>`` (a lease held through that
 replica ended elsewhere, e.g. by another replica's sweep: its subscription has the credit
-back).
+back; or it was withdrawn, its requester waiting on another replica: its subscriber is told).
 """
 
 from __future__ import annotations
@@ -270,6 +270,25 @@ end
 return out
 """
 
+_WITHDRAW = """
+local out = {}
+for i = 1, #ARGV do
+  local id = ARGV[i]
+  local m = redis.call('HGET', meta, id)
+  if m then
+    local info = cjson.decode(m)
+    if info.s == '' then
+      redis.call('ZREM', ready, info.m)
+    else
+      redis.call('ZREM', leased, id)
+    end
+    table.insert(out, {id, info.s})
+    drop(id)
+  end
+end
+return out
+"""
+
 _EXTEND = """
 local now, lease_end, count = tonumber(ARGV[1]), tonumber(ARGV[2]), 0
 for i = 3, #ARGV do
@@ -387,6 +406,7 @@ SCRIPTS = {
         ("take_back", _TAKE_BACK),
         ("ack", _ACK),
         ("extend", _EXTEND),
+        ("withdraw", _WITHDRAW),
         ("undead", _UNDEAD),
         ("nack", _NACK),
         ("release", _RELEASE),
@@ -748,6 +768,7 @@ class RedisQueueStore:
                 "agent_id": released.agent_id,
                 "message_id": released.message_id,
                 "subscriber": released.subscriber,
+                "withdrawn": released.withdrawn,
             }
             self._notify(_released_channel(owner), json.dumps(notice))
         elif self.listener:
@@ -1075,6 +1096,19 @@ class RedisQueueStore:
         now = self._now_ms()
         lease_end = now + int(lease_seconds * 1000)
         return int(await self._run("extend", agent_id, [now, lease_end, *ids]))
+
+    async def withdraw(self, agent_id: str, message_ids: Iterable[str]) -> tuple[int, int]:
+        ids = list(message_ids)
+        if not ids:
+            return (0, 0)
+        waiting = leased = 0
+        for message_id, subscriber in await self._run("withdraw", agent_id, ids):
+            if subscriber:
+                leased += 1
+                self._released(Released(_text(message_id), agent_id, _text(subscriber), True))
+            else:
+                waiting += 1
+        return (waiting, leased)
 
     def _return_args(self) -> list[Any]:
         return [
@@ -1419,7 +1453,12 @@ class RedisQueueStore:
         elif channel == _released_channel(self.replica_id):
             notice = json.loads(data)
             listener.on_released(
-                Released(notice["message_id"], notice["agent_id"], notice["subscriber"])
+                Released(
+                    notice["message_id"],
+                    notice["agent_id"],
+                    notice["subscriber"],
+                    bool(notice.get("withdrawn")),
+                )
             )
         elif (handler := self._followed.get(channel)) is not None:
             handler(data)

@@ -158,6 +158,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
                 request.agent_id,
                 max_in_flight=request.max_in_flight,
                 lease_seconds=codec.duration_seconds(request.lease),
+                withdrawals=request.withdrawals,
             )
         except MeshError as error:
             await abort(context, error)
@@ -168,6 +169,10 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
                     batch = await sub.next_batch(MAX_BATCH)
                 except SessionClosedError:
                     return
+                if sub.withdrawn:
+                    response = broker_pb2.SubscribeResponse()
+                    _withdrawn_to_pb(sub, response.withdrawn)
+                    yield response
                 for delivery in batch:
                     response = broker_pb2.SubscribeResponse()
                     codec.delivery_to_pb(delivery, response.delivery)
@@ -572,6 +577,7 @@ class _Session:
             request.agent_id,
             max_in_flight=request.max_in_flight,
             lease_seconds=codec.duration_seconds(request.lease),
+            withdrawals=request.withdrawals,
         )
         out = broker_pb2.ConnectResponse(seq=seq)
         out.accepted.SetInParent()
@@ -609,6 +615,12 @@ class _Session:
                 batch = await sub.next_batch(max_batch if max_batch > 1 else MAX_BATCH)
             except SessionClosedError:
                 return
+            if sub.withdrawn:  # (after the deliveries it names, as this writes them all)
+                frame = broker_pb2.ConnectResponse()
+                _withdrawn_to_pb(sub, frame.withdrawn)
+                await self.write(frame)
+            if not batch:
+                continue
             if max_batch == 1 or len(batch) == 1:
                 for delivery in batch:
                     frame = broker_pb2.ConnectResponse()
@@ -641,6 +653,11 @@ class _Session:
 
 
 _read_frame = lenient(broker_pb2.ConnectRequest.FromString)
+
+
+def _withdrawn_to_pb(sub: Subscription, out: broker_pb2.Withdrawn) -> None:
+    out.agent_id = sub.agent_id
+    out.message_ids.extend(sub.take_withdrawn())
 
 
 def _frame_parts(data: bytes) -> tuple[int, list[bytes] | None]:

@@ -145,7 +145,13 @@ class Subscription:
     _ids = itertools.count(1)
 
     def __init__(
-        self, broker: Broker, agent_id: str, max_in_flight: int, lease_seconds: float
+        self,
+        broker: Broker,
+        agent_id: str,
+        max_in_flight: int,
+        lease_seconds: float,
+        *,
+        withdrawals: bool = False,
     ) -> None:
         self.broker = broker
         self.agent_id = agent_id
@@ -157,6 +163,11 @@ class Subscription:
         self.leased = 0
         """Leases taken so far (a check of ``in_flight`` against the store that spans a lease
         cannot tell a place freed from one taken again: it waits for another time)."""
+        self.withdrawals = withdrawals
+        """Whether the subscriber asked to be told of deliveries withdrawn from it."""
+        self.withdrawn: list[str] = []
+        """Deliveries withdrawn (their requester gave up) that the subscriber is yet to be
+        told of: at most what it held in flight (none is leased while any waits here)."""
         self.closed = False
         self._wake = asyncio.Event()
         self._drained = False
@@ -166,12 +177,17 @@ class Subscription:
         self._wake.set()
 
     async def next(self) -> Delivery:
-        """Waits for the next message and leases it to this subscription."""
-        return (await self.next_batch(1))[0]
+        """Waits for the next message and leases it to this subscription (withdrawals are
+        for callers of :meth:`next_batch`: this passes them by)."""
+        while not (batch := await self.next_batch(1)):
+            self.take_withdrawn()
+        return batch[0]
 
     async def next_batch(self, most: int) -> list[Delivery]:
         """Waits until a message is ready, then leases it and up to ``most - 1`` more that
-        are ready too (within max_in_flight), in queue order; never waits for more.
+        are ready too (within max_in_flight), in queue order; never waits for more. Returns
+        an empty list, before leasing anything, when deliveries were withdrawn that the
+        subscriber is yet to be told of (see :meth:`take_withdrawn`).
 
         Whatever makes a message ready for it (a send, a redelivery, another replica's
         queueing) wakes the subscription, and so does a settled delivery while it lacked the
@@ -180,6 +196,8 @@ class Subscription:
         while True:
             if self._drained and not self._wake.is_set():
                 await self._wake.wait()  # (leasing now would find nothing)
+            if self.withdrawn:
+                return []
             self._drained = False
             self._wake.clear()
             if self.closed:
@@ -201,6 +219,11 @@ class Subscription:
             self._drained = len(batch) < asked
             if batch:
                 return batch
+
+    def take_withdrawn(self) -> list[str]:
+        """The deliveries withdrawn since the last call, for the subscriber to hear of."""
+        withdrawn, self.withdrawn = self.withdrawn, []
+        return withdrawn
 
     def credit_freed(self) -> None:
         """One of its leases ended (settled, expired, handed back): worth a look at the queue
@@ -794,10 +817,12 @@ class Broker:
         waiter: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._pending[key] = waiter
         started = time.perf_counter()
+        sent = False
         try:
             if self.store.shared:
                 await self.store.claim_route(key, timeout)
             await self.send(message, lifetime=lifetime)
+            sent = True
             if lifetime <= 0:
                 raise self._expired_question(message)
             # A timer on the waiter itself: cheaper than asyncio.timeout's cancel-and-uncancel
@@ -824,6 +849,8 @@ class Broker:
                 self._ended(key)  # a second answer (after a redelivery), or one too late
                 if self.store.shared:
                     await self.store.drop_route(key, given_up=not answered)
+                if sent and not answered:
+                    await self._withdraw(message, (message.to_agent,))
 
     def _reserve(self, message: Message) -> tuple[str, str]:
         """The waiter key of a request; refuses a duplicate key or one over the limit."""
@@ -953,6 +980,52 @@ class Broker:
                 self._ended(key)
                 if self.store.shared:
                     await self.store.drop_route(key, given_up=bool(gathering.expected))
+                if gathering.expected:
+                    await self._withdraw(message, sorted(gathering.expected))
+
+    async def _withdraw(self, message: Message, agent_ids: Sequence[str]) -> None:
+        """Takes a request (or a gather's copies) that nobody waits for any more out of the
+        queues of the agents that did not answer: one still waiting is never delivered, and
+        the subscriber holding one hears of it (when it asked to) so that its handler can
+        stop. A broker shutting down leaves them be (a durable store keeps them), and a store
+        that cannot be reached leaves them to their TTL."""
+        if self._stopping:
+            return
+        waiting = leased = 0
+        try:
+            for agent_id in agent_ids:
+                queued, held = await self.store.withdraw(agent_id, (message.message_id,))
+                waiting += queued
+                leased += held
+        except MeshError as error:
+            logger.warning(
+                "request %s could not be withdrawn (%s): it expires with its ttl",
+                message.message_id,
+                error.message,
+            )
+        if not (waiting or leased):
+            return
+        self.metrics.withdrawn.labels("waiting").inc(waiting)
+        self.metrics.withdrawn.labels("in_flight").inc(leased)
+        logger.info(
+            "%s %s from %s withdrawn: its requester gave up (%d waiting, %d in flight)",
+            message.message_type.value,
+            message.message_id,
+            message.from_agent,
+            waiting,
+            leased,
+            extra={
+                "event": {
+                    "category": "withdrawn",
+                    "message_id": message.message_id,
+                    "correlation_id": message.correlation_id,
+                    "from_agent": message.from_agent,
+                    "agent_ids": list(agent_ids),
+                    "waiting": waiting,
+                    "in_flight": leased,
+                }
+            },
+        )
 
     def _ended(self, key: tuple[str, str]) -> None:
         """Remembers (for a while, the latest ones first) a request or gather that ended,
@@ -1049,9 +1122,16 @@ class Broker:
         return message.evolve(headers=headers)
 
     async def subscribe(
-        self, agent_id: str, *, max_in_flight: int = 0, lease_seconds: float = 0
+        self,
+        agent_id: str,
+        *,
+        max_in_flight: int = 0,
+        lease_seconds: float = 0,
+        withdrawals: bool = False,
     ) -> Subscription:
-        """Opens a push subscription; the agent must be registered."""
+        """Opens a push subscription; the agent must be registered. With ``withdrawals``, the
+        subscription also reports the deliveries withdrawn from it (their requester gave
+        up: see :meth:`Subscription.take_withdrawn`)."""
         self.registry.require(agent_id)
         if max_in_flight < 0 or max_in_flight > self.config.max_in_flight_limit:
             raise MessageValidationError(
@@ -1068,6 +1148,7 @@ class Broker:
             agent_id,
             max_in_flight or self.config.default_max_in_flight,
             lease_seconds or self.config.lease_seconds,
+            withdrawals=withdrawals,
         )
         self._subscriptions.setdefault(agent_id, []).append(sub)
         self._by_subscription[sub.subscription_id] = sub
@@ -1208,6 +1289,9 @@ class Broker:
     def on_released(self, released: Released) -> None:
         sub = self._by_subscription.get(released.subscriber)
         if sub is not None:
+            if released.withdrawn and sub.withdrawals and released.message_id in sub.in_flight:
+                sub.withdrawn.append(released.message_id)
+                sub.wake()
             sub.in_flight.discard(released.message_id)
             sub.credit_freed()
 

@@ -61,6 +61,8 @@ class Released:
     message_id: str
     agent_id: str
     subscriber: str
+    withdrawn: bool = False
+    """The message was withdrawn (its requester gave up): its subscriber may stop work."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +157,13 @@ class QueueStore(Protocol):
     ) -> int:
         """Makes the leases of these messages end ``lease_seconds`` from now (their handler
         still works on them); returns how many were still leased."""
+        ...
+
+    async def withdraw(self, agent_id: str, message_ids: Iterable[str]) -> tuple[int, int]:
+        """Takes these messages out of the agent's queue for good, waiting or leased (their
+        requester gave up: nobody waits for the answer); a leased one's end is reported as
+        :class:`Released` with ``withdrawn``, so that its subscriber can be told. Returns
+        (withdrawn while waiting, withdrawn while leased)."""
         ...
 
     async def still_leased(
@@ -684,6 +693,25 @@ class InMemoryQueueStore:
             self._lease_heap = _live(self._lease_heap, _lease_is_live)
         return count
 
+    async def withdraw(self, agent_id: str, message_ids: Iterable[str]) -> tuple[int, int]:
+        queue = self._queues.get(agent_id)
+        if queue is None:
+            return (0, 0)
+        waiting = leased = 0
+        for message_id in message_ids:
+            entry = queue.by_id.get(message_id)
+            if entry is None:
+                continue
+            if entry.state is _State.QUEUED:
+                queue.waiting[entry.rank] -= 1  # (its heap item goes stale)
+                waiting += 1
+            else:
+                del queue.leased[message_id]
+                leased += 1
+            self._forget(queue, entry)
+            self._released(entry, withdrawn=True)
+        return (waiting, leased)
+
     async def still_leased(
         self, agent_id: str, subscriber: str, message_ids: Collection[str]
     ) -> set[str]:
@@ -774,10 +802,10 @@ class InMemoryQueueStore:
             entry.attempts,
         )
 
-    def _released(self, entry: _Entry) -> None:
+    def _released(self, entry: _Entry, *, withdrawn: bool = False) -> None:
         if self.listener and entry.subscriber:
             self.listener.on_released(
-                Released(entry.message.message_id, entry.agent_id, entry.subscriber)
+                Released(entry.message.message_id, entry.agent_id, entry.subscriber, withdrawn)
             )
 
     def _forget(self, queue: _AgentQueue, entry: _Entry) -> None:

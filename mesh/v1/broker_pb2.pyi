@@ -415,6 +415,7 @@ class SubscribeRequest(_message.Message):
     MAX_IN_FLIGHT_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
     MAX_BATCH_FIELD_NUMBER: _builtins.int
+    WITHDRAWALS_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     """The agent whose messages are delivered."""
     max_in_flight: _builtins.int
@@ -423,6 +424,12 @@ class SubscribeRequest(_message.Message):
     """On a Connect session: how many messages that are ready at once the broker may put in
     one `deliveries` frame (still within max_in_flight). 0 or 1: one `delivery` frame per
     message, the only shape a client that leaves this unset ever sees.
+    """
+    withdrawals: _builtins.bool
+    """Tell the subscriber when a delivery it holds is withdrawn: the request it carries was
+    given up by its requester (cancelled, or past its deadline), so its handler may stop.
+    A withdrawn delivery is gone from the broker: its ack or nack counts nothing, and its
+    answer is dropped as late. False: no `withdrawn` frame is ever sent.
     """
     @_builtins.property
     def lease(self) -> _duration_pb2.Duration:
@@ -437,10 +444,11 @@ class SubscribeRequest(_message.Message):
         max_in_flight: _builtins.int = ...,
         lease: _duration_pb2.Duration | None = ...,
         max_batch: _builtins.int = ...,
+        withdrawals: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "lease", b"lease", "max_batch", b"max_batch", "max_in_flight", b"max_in_flight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "lease", b"lease", "max_batch", b"max_batch", "max_in_flight", b"max_in_flight", "withdrawals", b"withdrawals"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -448,27 +456,65 @@ Global___SubscribeRequest: _TypeAlias = SubscribeRequest  # noqa: Y015
 
 @_typing.final
 class SubscribeResponse(_message.Message):
-    """SubscribeResponse carries one delivery of a subscription."""
+    """SubscribeResponse carries one delivery of a subscription, or (only to a subscription that
+    asked for withdrawals) the deliveries withdrawn from it, with `delivery` unset.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     DELIVERY_FIELD_NUMBER: _builtins.int
+    WITHDRAWN_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def delivery(self) -> Global___Delivery:
         """The delivery."""
+
+    @_builtins.property
+    def withdrawn(self) -> Global___Withdrawn:
+        """Deliveries this subscription holds that their requester gave up."""
 
     def __init__(
         self,
         *,
         delivery: Global___Delivery | None = ...,
+        withdrawn: Global___Withdrawn | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["delivery", b"delivery"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["delivery", b"delivery", "withdrawn", b"withdrawn"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["delivery", b"delivery"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delivery", b"delivery", "withdrawn", b"withdrawn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SubscribeResponse: _TypeAlias = SubscribeResponse  # noqa: Y015
+
+@_typing.final
+class Withdrawn(_message.Message):
+    """Withdrawn names deliveries taken back from a subscriber: nobody waits for their answer
+    any more, and the broker no longer holds them (no ack is due).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    MESSAGE_IDS_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """The subscribed agent they were delivered to."""
+    @_builtins.property
+    def message_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Ids of the withdrawn messages."""
+
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+        message_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "message_ids", b"message_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Withdrawn: _TypeAlias = Withdrawn  # noqa: Y015
 
 @_typing.final
 class Delivery(_message.Message):
@@ -1665,6 +1711,7 @@ class ConnectResponse(_message.Message):
     DELIVERIES_FIELD_NUMBER: _builtins.int
     BATCH_FIELD_NUMBER: _builtins.int
     BROADCASTED_FIELD_NUMBER: _builtins.int
+    WITHDRAWN_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """The seq of the client frame this answers; 0 on deliveries."""
     @_builtins.property
@@ -1707,6 +1754,12 @@ class ConnectResponse(_message.Message):
     def broadcasted(self) -> Global___BroadcastResponse:
         """The outcome of a `broadcast` frame: who got a copy, and who could not."""
 
+    @_builtins.property
+    def withdrawn(self) -> Global___Withdrawn:
+        """Deliveries of a subscribed agent that their requester gave up (only to a
+        subscription that asked for withdrawals): its handler may stop, no ack is due.
+        """
+
     def __init__(
         self,
         *,
@@ -1720,12 +1773,13 @@ class ConnectResponse(_message.Message):
         deliveries: Global___Deliveries | None = ...,
         batch: Global___ConnectResponseBatch | None = ...,
         broadcasted: Global___BroadcastResponse | None = ...,
+        withdrawn: Global___Withdrawn | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "batch", b"batch", "broadcasted", b"broadcasted", "deliveries", b"deliveries", "delivery", b"delivery", "error", b"error", "frame", b"frame", "gathered", b"gathered", "received", b"received", "response", b"response"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "batch", b"batch", "broadcasted", b"broadcasted", "deliveries", b"deliveries", "delivery", b"delivery", "error", b"error", "frame", b"frame", "gathered", b"gathered", "received", b"received", "response", b"response", "withdrawn", b"withdrawn"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "batch", b"batch", "broadcasted", b"broadcasted", "deliveries", b"deliveries", "delivery", b"delivery", "error", b"error", "frame", b"frame", "gathered", b"gathered", "received", b"received", "response", b"response", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "batch", b"batch", "broadcasted", b"broadcasted", "deliveries", b"deliveries", "delivery", b"delivery", "error", b"error", "frame", b"frame", "gathered", b"gathered", "received", b"received", "response", b"response", "seq", b"seq", "withdrawn", b"withdrawn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["accepted", "delivery", "response", "error", "received", "gathered", "deliveries", "batch", "broadcasted"]  # noqa: Y015
+    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["accepted", "delivery", "response", "error", "received", "gathered", "deliveries", "batch", "broadcasted", "withdrawn"]  # noqa: Y015
     _WhichOneofArgType_frame: _TypeAlias = _typing.Literal["frame", b"frame"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_frame) -> _WhichOneofReturnType_frame | None: ...
 

@@ -339,6 +339,43 @@ async def test_an_extended_lease_ends_that_much_later(store: QueueStore, clock: 
     assert await store.extend_lease("Nobody", ["m1"], 5) == 0
 
 
+async def test_withdrawn_messages_leave_whether_waiting_or_leased(
+    store: QueueStore, clock: FakeClock, recorder: Recorder
+) -> None:
+    """A request its requester gave up: one still waiting is never delivered, a leased one
+    is gone for good (its release says withdrawn, for its subscriber), their places free;
+    what is not held (acked, unknown) counts nothing."""
+    for i in range(4):
+        await store.put(msg(f"m{i}", at=i), 3600)
+    assert len(await store.lease_many("PaymentAgent", "sub-1", 5, 2)) == 2  # m0, m1
+    assert await store.ack("PaymentAgent", ["m0"]) == 1
+    recorder.released.clear()
+    assert await store.withdraw("PaymentAgent", ["m0", "m1", "m2", "ghost"]) == (1, 1)
+    assert recorder.released == [Released("m1", "PaymentAgent", "sub-1", withdrawn=True)]
+    assert await store.held() == 1
+    [stats] = await store.stats("PaymentAgent")
+    assert (stats.depth, stats.in_flight) == (1, 0)
+    assert await store.ack("PaymentAgent", ["m1"]) == 0  # its subscriber's late ack
+    clock.advance(6)  # past m1's lease: nothing comes back
+    await store.sweep()
+    got = await store.lease("PaymentAgent", "sub-1", 5)
+    assert got is not None and (got.message.message_id, got.attempt) == ("m3", 1)
+    assert await store.lease("PaymentAgent", "sub-1", 5) is None
+    assert await store.withdraw("Nobody", ["m3"]) == (0, 0)
+    assert recorder.expired == [] and recorder.dead == []
+
+
+async def test_withdrawn_messages_free_their_places(store: QueueStore) -> None:
+    for i in range(5):
+        await store.put(msg(f"m{i}", at=i), 3600)
+    with pytest.raises(MessageQueueFullError):
+        await store.put(msg("more", at=9), 3600)
+    await store.lease("PaymentAgent", "s", 30)
+    assert await store.withdraw("PaymentAgent", ["m0", "m4"]) == (1, 1)
+    await store.put(msg("more", at=9), 3600)
+    assert await ids(store) == ["m1", "m2", "m3", "more"]
+
+
 async def test_dead_letters_taken_out_by_id_leave_the_others(store: QueueStore) -> None:
     """What a requeue does to the dead letters: the named ones go (every entry of an id),
     the others and other agents' stay, and the counts follow."""
@@ -843,6 +880,22 @@ async def test_reopened_store_has_every_accepted_message_in_order_with_its_state
     # Leased when the first store closed: queued again, with the next attempt number.
     assert got == [("high", 2), ("medium", 3), ("low", 1)]
     assert await second.pop("HotelAgent") == []
+    await second.close()
+
+
+async def test_withdrawn_messages_stay_gone_after_a_reopen(tmp_path: Path) -> None:
+    path = tmp_path / "queues.db"
+    first = SqliteQueueStore(path, **OPTIONS)
+    for mid in ("waiting", "leased", "kept"):
+        await first.put(msg(mid), 3600)
+    await first.lease("PaymentAgent", "s", 30)  # waiting (the oldest by arrival)
+    await first.lease("PaymentAgent", "s", 30)  # leased
+    await first.nack("PaymentAgent", ["waiting"])
+    assert await first.withdraw("PaymentAgent", ["waiting", "leased"]) == (1, 1)
+    await first.close()
+    second = SqliteQueueStore(path, **OPTIONS)
+    assert second.restored == 1
+    assert await ids(second) == ["kept"]
     await second.close()
 
 
