@@ -348,7 +348,11 @@ class AgentRuntime:
         self.handled = 0
         self.failed = 0
         self._consumer: asyncio.Task[None] | None = None
-        self._in_flight: set[asyncio.Task[None]] = set()
+        self._in_flight: dict[asyncio.Task[None], Received] = {}
+        """The tasks that handle deliveries, with their delivery."""
+        self._tasks: dict[Received, asyncio.Task[None]] = {}
+        self.withdrawn = 0
+        """Handlers stopped because their requester gave up."""
         self._subscription: ClientSubscription | None = None
         self._working: dict[Received, float] = {}
         """The deliveries whose handler runs, with when (loop time) it started."""
@@ -412,6 +416,7 @@ class AgentRuntime:
                     max_in_flight=self.max_in_flight,
                     lease_seconds=self.lease_seconds,
                     reconnect=False,  # this loop reconnects, registering again first
+                    on_withdrawn=self._stop_work,
                 )
                 await sub.start()
                 self._subscription = sub
@@ -421,8 +426,9 @@ class AgentRuntime:
                     # (taken as the agent stops: handled with the work in flight, within
                     # the grace; what is still buffered goes back unseen as it closes)
                     task = asyncio.create_task(self._process(received))
-                    self._in_flight.add(task)
-                    task.add_done_callback(self._in_flight.discard)
+                    self._in_flight[task] = received
+                    self._tasks[received] = task
+                    task.add_done_callback(self._done)
                     if self._stopping:
                         break
                 if self._stopping:
@@ -445,6 +451,27 @@ class AgentRuntime:
                 self.subscribed.clear()
                 attempt += 1
                 await asyncio.sleep(_RECONNECT_DELAYS[-1])
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        received = self._in_flight.pop(task)
+        del self._tasks[received]
+
+    def _stop_work(self, received: Received) -> None:
+        """The broker withdrew a delivery whose handler runs: its requester gave up
+        (cancelled, or past its deadline), so the handler is cancelled (a plain function
+        running in a worker thread finishes there, its result unused)."""
+        task = self._tasks.get(received)
+        if task is None or task.done():
+            return
+        self.withdrawn += 1
+        logger.info(
+            "%s stops work on %s %s from %s: its requester gave up",
+            self.agent.agent_id,
+            received.message.message_type.value,
+            received.message.message_id,
+            received.message.from_agent,
+        )
+        task.cancel()
 
     async def _process(self, received: Received) -> None:
         self._working[received] = asyncio.get_running_loop().time()

@@ -243,6 +243,8 @@ class _Session:
         self._waiting: dict[int, asyncio.Future[broker_pb2.ConnectResponse]] = {}
         self._streams: dict[int, asyncio.Queue[Any]] = {}
         self.deliveries: dict[str, asyncio.Queue[Any]] = {}
+        self.withdrawals: dict[str, Callable[[Iterable[str]], None]] = {}
+        """By subscribed agent, who hears of the deliveries withdrawn from it."""
         self.closed = False
         self.failure: MeshError | None = None
         self._reader = asyncio.create_task(self._read(), name="mesh-session-reader")
@@ -288,6 +290,10 @@ class _Session:
         elif frame.HasField("deliveries"):
             for delivery in frame.deliveries.deliveries:
                 await self._deliver(codec.delivery_from_pb(delivery))
+        elif frame.HasField("withdrawn"):
+            withdrawn = self.withdrawals.get(frame.withdrawn.agent_id)
+            if withdrawn is not None:
+                withdrawn(frame.withdrawn.message_ids)
         elif frame.HasField("error"):
             error = codec.error_from_pb(frame.error)
             logger.warning("the broker refused a frame: %s: %s", error.code, error.message)
@@ -416,7 +422,7 @@ class _Session:
 class Received:
     """A message delivered by a subscription; ack it when done, or nack it to have it again."""
 
-    __slots__ = ("_subscription", "attempt", "done", "lease_expires_at", "message")
+    __slots__ = ("_subscription", "attempt", "done", "lease_expires_at", "message", "withdrawn")
 
     def __init__(self, subscription: ClientSubscription, delivery: Delivery) -> None:
         self._subscription = subscription
@@ -424,6 +430,9 @@ class Received:
         self.attempt = delivery.attempt
         self.lease_expires_at = delivery.lease_expires_at
         self.done = False
+        self.withdrawn = False
+        """The broker took the message back: its requester gave up (cancelled, or past its
+        deadline), nobody waits for the answer, and no ack is due."""
 
     async def ack(self) -> None:
         """Acknowledges the message. The ack goes out with the others of this moment in one
@@ -496,9 +505,13 @@ class ClientSubscription:
         *,
         reconnect: bool = True,
         ack_linger: float = ACK_LINGER,
+        on_withdrawn: Callable[[Received], None] | None = None,
     ) -> None:
         self.client = client
         self.agent_id = agent_id
+        self.on_withdrawn = on_withdrawn
+        """Called with a delivery the application has (handed on, not settled) when the
+        broker withdraws it: its requester gave up, so the work on it may stop."""
         self.max_in_flight = max_in_flight
         self.lease_seconds = lease_seconds
         self.reconnect = reconnect
@@ -519,10 +532,14 @@ class ClientSubscription:
         """What the settling task awaits while it lingers; set to write at once."""
         self._last_settle_at = -math.inf
         """When (loop time) the application last acked or nacked."""
-        self._taken: dict[str, None] = {}
+        self._taken: dict[str, Received] = {}
         """The deliveries handed on to the application and not settled yet: when the
         subscription closes, only these count a delivery attempt at the broker (those still
         buffered here, or on their way, go back as if never delivered)."""
+        self._withdrawn: dict[str, None] = {}
+        """Deliveries withdrawn while still buffered here: never handed on. (One settled
+        as its withdrawal crossed the ack is listed too, and never met: the oldest go past
+        twice the buffer's size.)"""
 
     async def start(self) -> ClientSubscription:
         session = await self.client._open_session()
@@ -533,16 +550,20 @@ class ClientSubscription:
         # end-of-session marker.
         queue: asyncio.Queue[Any] = asyncio.Queue(self.max_in_flight + 1)
         session.deliveries[self.agent_id] = queue
+        session.withdrawals[self.agent_id] = self._withdraw
+        self._withdrawn.clear()
         frame = broker_pb2.ConnectRequest()
         frame.subscribe.agent_id = self.agent_id
         frame.subscribe.max_in_flight = self.max_in_flight
         frame.subscribe.max_batch = self.max_in_flight  # whatever is ready comes in one frame
+        frame.subscribe.withdrawals = True
         codec.seconds_to_duration(self.lease_seconds, frame.subscribe.lease)
         try:
             await session.call(frame, timeout=self.client.default_timeout)
         except BaseException as error:
             if session.deliveries.get(self.agent_id) is queue:
                 del session.deliveries[self.agent_id]
+                session.withdrawals.pop(self.agent_id, None)
             if own:
                 await session.close()
             if isinstance(error, TimeoutError):
@@ -574,7 +595,12 @@ class ClientSubscription:
                 await self.start()
             assert self._session is not None and self._queue is not None
             item = await self._queue.get()
-            if item is not _CLOSED:
+            if item is _CLOSED:
+                pass
+            elif item.message.message_id in self._withdrawn:
+                del self._withdrawn[item.message.message_id]  # (given up meanwhile)
+                continue
+            else:
                 break
             failure = None if self._closed else self._session.failure
             if self._closed or failure is None or isinstance(failure, SessionClosedError):
@@ -584,7 +610,7 @@ class ClientSubscription:
             await self._resubscribe(failure)
         received = Received(self, item)
         taken = self._taken
-        taken[received.message.message_id] = None
+        taken[received.message.message_id] = received
         if len(taken) > 2 * self.max_in_flight + 16:
             # Beyond what the broker leases at once: the oldest are long settled by lease
             # expiry (their application never acked them), not held.
@@ -592,6 +618,20 @@ class ClientSubscription:
         if received.message.ack_required and received.attempt == 1:
             self.client._ack_in_background(received.message)
         return received
+
+    def _withdraw(self, message_ids: Iterable[str]) -> None:
+        """The broker withdrew these deliveries: those handed on are marked (and reported to
+        ``on_withdrawn``), those still buffered are passed by."""
+        for message_id in message_ids:
+            received = self._taken.pop(message_id, None)
+            if received is None:
+                self._withdrawn[message_id] = None
+                if len(self._withdrawn) > 2 * (self.max_in_flight + 1):
+                    del self._withdrawn[next(iter(self._withdrawn))]
+                continue
+            received.withdrawn = received.done = True
+            if self.on_withdrawn is not None:
+                self.on_withdrawn(received)
 
     async def _resubscribe(self, failure: MeshError) -> None:
         """Subscribes again after the broker went away, with backoff; what this subscription
@@ -741,6 +781,7 @@ class ClientSubscription:
                 session.abandon()  # not answering: the broker returns the leases when it ends
             if session.deliveries.get(self.agent_id) is queue:
                 del session.deliveries[self.agent_id]
+                session.withdrawals.pop(self.agent_id, None)
         with contextlib.suppress(asyncio.QueueFull):
             queue.put_nowait(_CLOSED)  # an iteration waiting now ends
         if self._own_session:
@@ -1328,6 +1369,7 @@ class MeshClient:
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
         reconnect: bool = True,
         ack_linger: float | None = None,
+        on_withdrawn: Callable[[Received], None] | None = None,
     ) -> ClientSubscription:
         """Deliveries of the agent's messages as they arrive: ``async for r in sub`` then
         ``await r.ack()``. Unacknowledged messages are redelivered. Acks and nacks go out
@@ -1337,7 +1379,12 @@ class MeshClient:
 
         With ``reconnect`` (the default) a subscription that loses the broker subscribes again
         with backoff (registering the agent again when this client registered it and the
-        broker forgot it), for up to ``reconnect_timeout`` seconds."""
+        broker forgot it), for up to ``reconnect_timeout`` seconds.
+
+        A request whose requester gives up (cancels it, or its deadline passes) is withdrawn
+        by the broker: one still buffered here is never handed on; one handed on is marked
+        ``withdrawn`` (its ack is no longer due) and given to ``on_withdrawn``, which may stop
+        the work on it (the agent runtime cancels its handler)."""
         sub = ClientSubscription(
             self,
             agent_id or self.agent_id,
@@ -1345,6 +1392,7 @@ class MeshClient:
             lease_seconds,
             reconnect=reconnect,
             ack_linger=self.ack_linger if ack_linger is None else ack_linger,
+            on_withdrawn=on_withdrawn,
         )
         self._subscriptions.add(sub)
         return sub

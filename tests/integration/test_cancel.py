@@ -1,10 +1,13 @@
 """Giving up: a caller that stops waiting for a request or a gather (a cancelled task, a
 gateway client that stops reading a pattern's events) makes the broker stop waiting too, at
-once rather than at the deadline, over the SDK, the gateway and the raw Connect protocol."""
+once rather than at the deadline, over the SDK, the gateway and the raw Connect protocol; the
+agent working on it is told (its runtime cancels the handler). An answer that comes anyway
+(a handler that finishes what it started) is late: taken in quietly."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from collections.abc import AsyncIterator
@@ -28,12 +31,15 @@ from mesh.v1 import broker_pb2, broker_pb2_grpc
 
 @pytest.fixture
 async def slow_mesh() -> AsyncIterator[tuple[LocalMesh, asyncio.Event]]:
-    """A mesh with an agent that answers only once released, and one that answers at once."""
+    """A mesh with an agent that answers only once released (even when told that its
+    requester gave up: it finishes what it started), and one that answers at once."""
     release = asyncio.Event()
 
     @agent("Slow", agent_types=["panel"])
     async def slow(message: Message, ctx: AgentContext) -> dict[str, Any]:
-        await release.wait()
+        while not release.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await release.wait()
         return {"recommendation": "Hold", "confidence": 0.5}
 
     @agent("Fast", agent_types=["panel"])
@@ -58,6 +64,15 @@ async def settled(mesh: LocalMesh) -> int:
     return mesh.broker.pending_requests
 
 
+async def told(mesh: LocalMesh, agent_id: str = "Slow") -> int:
+    """How many times the agent's runtime was told that a requester gave up, once told."""
+    runtime = mesh.agents[agent_id].runtime
+    async with asyncio.timeout(3):
+        while not runtime.withdrawn:  # noqa: ASYNC110 (a runtime figure, no event)
+            await asyncio.sleep(0.02)
+    return runtime.withdrawn
+
+
 async def late_answer_counted(broker: Broker) -> None:
     """Returns once the broker has counted a late answer."""
     async with asyncio.timeout(5):
@@ -79,6 +94,7 @@ async def test_a_cancelled_request_is_given_up_at_the_broker(
         with pytest.raises(asyncio.CancelledError):
             await asking
         assert await settled(mesh) == 0  # not 30 s from now
+        assert await told(mesh) == 1
         # The session goes on.
         answer = await client.request("Fast", {"action": "quote"}, timeout=5)
         assert answer.content["recommendation"] == "Buy"
@@ -94,6 +110,7 @@ async def test_a_gather_left_early_is_given_up_at_the_broker(
         assert first.agent_id == "Fast"
         await items.aclose()  # not waiting for Slow
         assert await settled(mesh) == 0
+        assert await told(mesh) == 1
 
 
 async def test_a_pattern_whose_client_stops_reading_stops_at_the_broker(
@@ -109,6 +126,7 @@ async def test_a_pattern_whose_client_stops_reading_stops_at_the_broker(
                     break
             await events.aclose()  # type: ignore[attr-defined]
             assert await settled(mesh) == 0
+            assert await told(mesh) == 1
             release.set()
             done = await client.collect(client.group_chat(agent_ids=["Fast", "Slow"], query="q"))
             assert done[-1]["data"]["status"] == "COMPLETED"

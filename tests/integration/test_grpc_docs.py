@@ -97,6 +97,13 @@ async def test_every_documented_call_works(embedded: EmbeddedMesh) -> None:
     # Left unseen by the session that settled refund-1, refund-2 comes at its first attempt.
     [(_, again)] = [(c, o) for c, o in ran if '"message_ids": ["refund-2"]' in c]
     assert '"messageId": "refund-2"' in again and '"deliveryAttempt": 1' in again
+    # The request given up: its delivery, its error, then the withdrawal of the delivery.
+    [(_, withdrawn)] = [(c, o) for c, o in ran if '"withdrawals": true' in c]
+    delivered = withdrawn.index('"delivery": {')
+    failed = withdrawn.index('"seq": "2"')
+    taken_back = withdrawn.index('"withdrawn": {')
+    assert delivered < failed < taken_back, withdrawn
+    assert '"agentId": "PaymentDesk"' in withdrawn[taken_back:]
     [(_, session)] = [(c, o) for c, o in ran if '"broadcast": {' in c]
     assert '"seq": "3"' in session and '"broadcasted": {' in session
     assert '"recipients": [\n' in session and '"PaymentAgent"' in session

@@ -442,10 +442,20 @@ export interface BroadcastResult {
 }
 
 /**
- * What a session's handler resolves to: the answer (a message built with buildMessage; it
- * takes the place of the ack when it answers the delivery) or null (acknowledged).
+ * What a handler is given beside the message: signal aborts (with a MeshError CANCELLED,
+ * reason WITHDRAWN) when the broker withdraws the delivery because its requester gave up
+ * (cancelled, or past its deadline), or, on an agent's own server, when the caller cancels.
  */
-export type SessionHandler = (message: Message, attempt: number)
+export interface HandlerContext {
+  signal: AbortSignal;
+}
+
+/**
+ * What a session's handler resolves to: the answer (a message built with buildMessage; it
+ * takes the place of the ack when it answers the delivery) or null (acknowledged). Once
+ * context.signal aborted, its outcome is neither sent nor acknowledged.
+ */
+export type SessionHandler = (message: Message, attempt: number, context: HandlerContext)
 => Promise<WireMessage | null | undefined> | WireMessage | null | undefined;
 
 export interface SessionOptions {
@@ -475,6 +485,8 @@ export interface AgentSession extends EventEmitter {
   on(event: 'subscribed', listener: () => void): this;
   /** The broker refused an answer or an ACK of receipt it was sent. */
   on(event: 'refused', listener: (error: MeshError) => void): this;
+  /** The broker withdrew these deliveries: their requester gave up. */
+  on(event: 'withdrawn', listener: (messageIds: string[]) => void): this;
   on(event: 'error', listener: (error: Error) => void): this;
   on(event: 'end', listener: () => void): this;
   on(event: string | symbol, listener: (...args: any[]) => void): this;
@@ -490,6 +502,8 @@ export interface Subscription extends EventEmitter {
   cancel(): void;
   /** The broker refused the ACK of receipt of a delivery. */
   on(event: 'refused', listener: (error: MeshError) => void): this;
+  /** The broker withdrew these deliveries: their requester gave up. */
+  on(event: 'withdrawn', listener: (messageIds: string[]) => void): this;
   on(event: 'error', listener: (error: Error) => void): this;
   on(event: 'end', listener: () => void): this;
   on(event: string | symbol, listener: (...args: any[]) => void): this;
@@ -552,7 +566,8 @@ export class MeshClient {
 
   broadcast(content: JsonObject, options?: BroadcastOptions): Promise<BroadcastResult>;
   session(handle: SessionHandler, options?: SessionOptions): AgentSession;
-  subscribe(onDelivery: (message: Message, attempt: number) => Promise<unknown> | unknown,
+  subscribe(onDelivery: (message: Message, attempt: number, context: HandlerContext)
+  => Promise<unknown> | unknown,
     options?: { agentId?: string; maxInFlight?: number; leaseMs?: number;
       maxLeaseExtensionMs?: number }): Subscription;
 }
@@ -754,8 +769,8 @@ export interface AgentOptions extends SecurityOptions {
    * for none; a throw answers a request with an ERROR and hands anything else back (a Reject:
    * to the dead-letter queue).
    */
-  handler: (message: Message) => Promise<JsonObject | null | undefined> | JsonObject | null
-  | undefined;
+  handler: (message: Message, context: HandlerContext)
+  => Promise<JsonObject | null | undefined> | JsonObject | null | undefined;
   description?: string;
   actions?: string[];
   host?: string;

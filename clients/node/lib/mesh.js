@@ -784,7 +784,10 @@ class MeshClient {
    * sent with ackRequired is acknowledged to its sender with an ACK message as it arrives,
    * on its first delivery. A delivery stays leased leaseMs (30,000) unless acked; while
    * handle still works on one, its lease is extended every third of that, for up to
-   * maxLeaseExtensionMs (an hour), so that a slow handler is not run twice. The returned
+   * maxLeaseExtensionMs (an hour), so that a slow handler is not run twice. A request whose
+   * requester gives up (cancels it, or its deadline passes) is withdrawn by the broker: the
+   * third argument of handle, {signal}, is an AbortSignal that aborts then, so that the work
+   * may stop; its outcome is neither sent nor acknowledged (the broker dropped it). The returned
    * stream emits 'subscribed' once the broker took the subscription, 'refused' (a
    * MeshError) when the broker refuses an answer or ACK it was sent, and 'error' / 'end'
    * when the session is over.
@@ -829,25 +832,41 @@ class MeshClient {
         flushAcks();
       }
     };
+    const working = new Map(); // message id -> AbortController of its handling
     const settle = (delivery) => {
       const message = readMessage(delivery.message);
       // Come while closing: left alone; the unsubscribe hands it back as never delivered.
       if (closing) return;
       const receipt = receiptOf(message, delivery.delivery_attempt, agentId);
       if (receipt) write({ send: receipt });
+      const aborting = new AbortController();
+      const { signal } = aborting;
+      working.set(message.messageId, aborting);
       const done = (async () => {
         try {
-          const answer = await handle(message, delivery.delivery_attempt);
+          const answer = await handle(message, delivery.delivery_attempt, { signal });
+          if (signal.aborted) return; // withdrawn: nobody waits, nothing to ack
           if (answer) write({ send: answer });
           if (!answer || answer.correlation_id !== message.messageId) ack(message.messageId);
         } catch (err) {
+          if (signal.aborted) return;
           const nack = { agent_id: agentId, message_ids: [message.messageId] };
           if (err instanceof Reject) nack.dead_letter_reason = err.message;
           write({ nack });
         }
       })();
       inFlight.set(done, { id: message.messageId, started: performance.now() });
-      done.finally(() => inFlight.delete(done));
+      done.finally(() => {
+        inFlight.delete(done);
+        if (working.get(message.messageId) === aborting) working.delete(message.messageId);
+      });
+    };
+    const withdraw = (withdrawn) => {
+      for (const id of withdrawn.message_ids) {
+        const aborting = working.get(id);
+        if (aborting) aborting.abort(withdrawnError());
+      }
+      call.emit('withdrawn', withdrawn.message_ids);
     };
     /**
      * Ends the session gracefully: the messages being handled are answered (for up to
@@ -874,6 +893,7 @@ class MeshClient {
         case 'batch': frame.batch.frames.forEach(take); break;
         case 'delivery': settle(frame.delivery); break;
         case 'deliveries': frame.deliveries.deliveries.forEach(settle); break;
+        case 'withdrawn': withdraw(frame.withdrawn); break;
         case 'accepted': if (Number(frame.seq) === 1) call.emit('subscribed'); break;
         case 'error':
           if (Number(frame.seq) === 1) {
@@ -891,46 +911,67 @@ class MeshClient {
     call.on('data', take);
     call.on('error', () => {}); // listeners of the caller's decide; none must not crash
     write({ seq: 1, subscribe: { agent_id: agentId, max_in_flight: maxInFlight,
-      max_batch: maxBatch, lease: toDuration(leaseMs) } });
+      max_batch: maxBatch, lease: toDuration(leaseMs), withdrawals: true } });
     return call;
   }
 
   /**
    * Deliveries of the agent's messages on the plain Subscribe stream (one per frame, acks as
-   * unary calls; session() is the fast path): onDelivery(message, attempt) must resolve to
-   * ack. A message sent with ackRequired is acknowledged to its sender with an ACK message as
-   * it arrives, on its first delivery. Leases are kept while onDelivery runs, as session()
-   * keeps them (ExtendLease calls).
+   * unary calls; session() is the fast path): onDelivery(message, attempt, {signal}) must
+   * resolve to ack. A message sent with ackRequired is acknowledged to its sender with an ACK
+   * message as it arrives, on its first delivery. Leases are kept while onDelivery runs, as
+   * session() keeps them (ExtendLease calls); signal aborts when the broker withdraws the
+   * message (its requester gave up), and it is then neither acked nor nacked.
    */
   subscribe(onDelivery, { agentId = this.agentId, maxInFlight = 16, leaseMs: askedLeaseMs,
     maxLeaseExtensionMs = 3600000 } = {}) {
     const leaseMs = askedLeaseMs || 30000; // (0 too: a length the extensions know)
     const call = this.broker.Subscribe({ agent_id: agentId, max_in_flight: maxInFlight,
-      lease: toDuration(leaseMs) }, this.broker.meshMetadata);
+      lease: toDuration(leaseMs), withdrawals: true }, this.broker.meshMetadata);
+    const working = new Map(); // message id -> AbortController of its handling
     const inFlight = new Map(); // handling -> {id, started}
     const keeper = keepLeases(inFlight, leaseMs, maxLeaseExtensionMs, (ids) => unary(
       this.broker, 'ExtendLease',
       { agent_id: agentId, message_ids: ids, lease: toDuration(leaseMs) }).catch(() => {}));
     for (const over of ['status', 'error', 'close']) call.on(over, () => clearInterval(keeper));
     call.on('data', async (res) => {
+      if (!res.delivery) { // withdrawn deliveries
+        for (const id of res.withdrawn.message_ids) working.get(id)?.abort(withdrawnError());
+        call.emit('withdrawn', res.withdrawn.message_ids);
+        return;
+      }
       const message = readMessage(res.delivery.message);
       const receipt = receiptOf(message, res.delivery.delivery_attempt, agentId);
       if (receipt) this._ask({ send: receipt }, 10000).catch((err) => call.emit('refused', err));
       const work = { id: message.messageId, started: performance.now() };
       inFlight.set(work, work);
+      const aborting = new AbortController();
+      const { signal } = aborting;
+      working.set(message.messageId, aborting);
       try {
-        await onDelivery(message, res.delivery.delivery_attempt);
-        await unary(this.broker, 'Ack', { agent_id: agentId, message_ids: [message.messageId] });
+        await onDelivery(message, res.delivery.delivery_attempt, { signal });
+        if (!signal.aborted) {
+          await unary(this.broker, 'Ack', { agent_id: agentId, message_ids: [message.messageId] });
+        }
       } catch (err) {
-        await unary(this.broker, 'Nack', { agent_id: agentId, message_ids: [message.messageId] })
-          .catch(() => {});
+        if (!signal.aborted) {
+          await unary(this.broker, 'Nack', { agent_id: agentId,
+            message_ids: [message.messageId] }).catch(() => {});
+        }
       } finally {
         inFlight.delete(work);
+        if (working.get(message.messageId) === aborting) working.delete(message.messageId);
       }
     });
     call.on('error', () => {});
     return call;
   }
+}
+
+/** Why a withdrawn delivery's AbortSignal aborted. */
+function withdrawnError() {
+  return new MeshError({ code: grpc.status.CANCELLED, reason: 'WITHDRAWN',
+    details: 'the request was withdrawn: its requester gave up (cancelled, or past its deadline)' });
 }
 
 /**
@@ -1239,9 +1280,11 @@ const REFLECTED = reflectable(definition);
 
 /**
  * Serves an agent: its own gRPC server (Agent service, with grpc.health.v1 and reflection),
- * registered with the broker, taking its deliveries from a subscription. handler(message)
- * returns the response content (an object) or null. onRefused(err) hears of an answer or
- * ACK the broker refused (a warning on the console by default).
+ * registered with the broker, taking its deliveries from a subscription. handler(message,
+ * {signal}) returns the response content (an object) or null; signal aborts when the
+ * request's requester gave up (the broker withdrew it) or a direct caller cancelled.
+ * onRefused(err) hears of an answer or ACK the broker refused (a warning on the console by
+ * default).
  */
 async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [], handler,
   description = 'A Node.js agent', actions = [], host = '127.0.0.1', port = 0,
@@ -1249,7 +1292,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     `${agentId}: the broker refused a frame: ${err.codeName}: ${err.message}`),
   leaseMs, maxLeaseExtensionMs, ...options }) {
   const server = new grpc.Server();
-  const answer = async (message) => {
+  const answer = async (message, context) => {
     const to = message.replyTo || message.from;
     const correlationId = message.correlationId || message.messageId;
     // A broadcast is asked when its sender waits for answers: a gather's copy (every one
@@ -1258,7 +1301,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
       || (message.type === 'BROADCAST' && Boolean(message.correlationId || message.replyTo));
     let content;
     try {
-      content = await handler(message);
+      content = await handler(message, context);
     } catch (err) {
       // What is asked always gets an answer: the error, as the Python agents send it (a
       // gather does not wait its timeout). Anything else is handed back (redelivered, then
@@ -1280,7 +1323,10 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
   };
   server.addService(meshV1.AgentService.service, {
     HandleMessage: (call, callback) => {
-      answer(readMessage(call.request.message))
+      const aborting = new AbortController(); // the caller gave up: the handler may stop
+      call.on('cancelled', () => aborting.abort(new MeshError({ code: grpc.status.CANCELLED,
+        details: 'the caller cancelled the call' })));
+      answer(readMessage(call.request.message), { signal: aborting.signal })
         .then((response) => callback(null, { response }))
         .catch((err) => callback({ code: grpc.status.INTERNAL, details: String(err) }));
     },
@@ -1301,7 +1347,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
   const address = `${host}:${boundPort}`;
   const client = new MeshClient(broker, { agentId, ...options });
   await client.register({ agentTypes, address, capabilities });
-  const onDelivery = (message) => answer(message);
+  const onDelivery = (message, attempt, context) => answer(message, context);
   // The subscription lives as long as the agent: when its stream ends or fails (the broker
   // restarted, the network went away), the agent registers again (a restarted broker may
   // have forgotten it) and subscribes again, waiting a little longer after each failure.

@@ -357,8 +357,8 @@ test('a request nobody answers ends with DEADLINE_EXCEEDED, and the session goes
     await assert.rejects(client.request('NodeSilent', { action: 'wait' }, { timeoutMs: 300 }),
       (err) => err.codeName === 'DEADLINE_EXCEEDED');
     assert.ok(Date.now() - started < 1300);
-    const [waiting] = await client.receive('NodeSilent');  // the request stays queued for it
-    assert.equal(waiting.content.action, 'wait');
+    // Given up, the request is withdrawn from its queue: whoever comes later does not get it.
+    assert.deepEqual(await client.receive('NodeSilent'), []);
     const answer = await client.request('IndustryExpertAgent', { action: 'analyze', query: 'q' });
     assert.equal(answer.content.recommendation, 'Buy AAPL');
   } finally {
@@ -756,6 +756,52 @@ test('serveAgent takes leaseMs: a handler three leases long answers once', async
   } finally {
     await kept.stop();
     await unkept.stop();
+    client.close();
+  }
+});
+
+test('a handler hears through its signal that the requester gave up', async () => {
+  const seen = [];
+  const waitAbort = (name, signal) => new Promise((resolve) => {
+    seen.push(`${name} started`);
+    signal.addEventListener('abort', () => {
+      seen.push(`${name} aborted: ${signal.reason.reason}`);
+      resolve(null);
+    });
+  });
+  const agent = await serveAgent({ broker: BROKER, agentId: 'NodeThinker',
+    handler: (message, { signal }) => waitAbort('served', signal) });
+  const client = new MeshClient(BROKER, { agentId: 'NodeAsker' });
+  await client.register({ agentId: 'NodePlainThinker' });
+  const subscription = client.subscribe((message, attempt, { signal }) => waitAbort('plain', signal),
+    { agentId: 'NodePlainThinker' });
+  try {
+    // (the Subscribe stream says nothing when it starts: the broker's figures do)
+    for (let waited = 0; waited < 5000; waited += 50) {
+      const [view] = (await client.queueStats('NodePlainThinker')).agents;
+      if (view.subscribers) break;
+      await new Promise((resolve) => { setTimeout(resolve, 50); });
+    }
+    for (const to of ['NodeThinker', 'NodePlainThinker']) {
+      await assert.rejects(client.request(to, { action: 'think' }, { timeoutMs: 500 }),
+        (err) => err.codeName === 'DEADLINE_EXCEEDED');
+    }
+    for (let waited = 0; seen.length < 4 && waited < 5000; waited += 50) {
+      await new Promise((resolve) => { setTimeout(resolve, 50); });
+    }
+    // (each agent's own order; the two streams' frames may cross)
+    assert.deepEqual([...seen].sort(), ['plain aborted: WITHDRAWN', 'plain started',
+      'served aborted: WITHDRAWN', 'served started']);
+    assert.ok(seen.indexOf('served started') < seen.indexOf('served aborted: WITHDRAWN'));
+    assert.ok(seen.indexOf('plain started') < seen.indexOf('plain aborted: WITHDRAWN'));
+    const { agents } = await client.queueStats();
+    for (const view of agents.filter((a) => a.agentId.endsWith('Thinker'))) {
+      assert.equal(view.depth + view.inFlight + view.deadLetters, 0, view.agentId);
+    }
+  } finally {
+    subscription.cancel();
+    await client.deregister('NodePlainThinker').catch(() => {});
+    await agent.stop();
     client.close();
   }
 });
