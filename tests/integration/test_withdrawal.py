@@ -131,6 +131,46 @@ async def test_a_gather_withdraws_its_copies_from_the_agents_that_did_not_answer
     assert withdrawn_count(mesh, "in_flight") == 1
 
 
+class Delegator(Agent):
+    """Answers ``think`` by asking the next agent of a chain and waiting for it."""
+
+    def __init__(self, agent_id: str, next_agent: str) -> None:
+        super().__init__(agent_id)
+        self.next_agent = next_agent
+        self.cancelled = asyncio.Event()
+
+    @on("think")
+    async def think(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
+        try:
+            answer = await ctx.request(self.next_agent, {"action": "think"}, timeout=30)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        return dict(answer.content)
+
+
+async def test_a_give_up_reaches_down_a_chain_of_agents(mesh: LocalMesh) -> None:
+    """Front asks Middle, which asks Back (slow): when Front's requester gives up, Front's
+    handler is cancelled, which gives up its own request to Middle, and so on down: no agent
+    of the chain works on for nobody."""
+    back = Thinker("Back")
+    middle, front = Delegator("Middle", "Back"), Delegator("Front", "Middle")
+    for one in (back, middle, front):
+        await mesh.add_agent(one)
+    async with mesh.client("asker") as client:
+        with pytest.raises(RequestTimeoutError):
+            await client.request("Front", {"action": "think"}, timeout=0.5)
+        async with asyncio.timeout(5):
+            await front.cancelled.wait()
+            await middle.cancelled.wait()
+            await back.cancelled_event.wait()
+        assert back.finished == []
+        for agent_id in ("Front", "Middle", "Back"):
+            view = (await client.queue_stats(agent_id)).for_agent(agent_id)
+            assert view is not None and (view.depth, view.in_flight) == (0, 0), agent_id
+    assert withdrawn_count(mesh, "in_flight") == 3
+
+
 def _request(to: str) -> broker_pb2.SendRequestRequest:
     request = broker_pb2.SendRequestRequest(
         message=message_pb2.Message(from_agent="caller", to_agent=to)
