@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -348,9 +349,8 @@ class AgentRuntime:
         self.handled = 0
         self.failed = 0
         self._consumer: asyncio.Task[None] | None = None
-        self._in_flight: dict[asyncio.Task[None], Received] = {}
-        """The tasks that handle deliveries, with their delivery."""
-        self._tasks: dict[Received, asyncio.Task[None]] = {}
+        self._in_flight: dict[Received, asyncio.Task[None]] = {}
+        """The deliveries being handled, with the task that handles each."""
         self.withdrawn = 0
         """Handlers stopped because their requester gave up."""
         self._subscription: ClientSubscription | None = None
@@ -426,9 +426,8 @@ class AgentRuntime:
                     # (taken as the agent stops: handled with the work in flight, within
                     # the grace; what is still buffered goes back unseen as it closes)
                     task = asyncio.create_task(self._process(received))
-                    self._in_flight[task] = received
-                    self._tasks[received] = task
-                    task.add_done_callback(self._done)
+                    self._in_flight[received] = task
+                    task.add_done_callback(functools.partial(self._done, received))
                     if self._stopping:
                         break
                 if self._stopping:
@@ -452,15 +451,14 @@ class AgentRuntime:
                 attempt += 1
                 await asyncio.sleep(_RECONNECT_DELAYS[-1])
 
-    def _done(self, task: asyncio.Task[None]) -> None:
-        received = self._in_flight.pop(task)
-        del self._tasks[received]
+    def _done(self, received: Received, _: asyncio.Task[None]) -> None:
+        del self._in_flight[received]
 
     def _stop_work(self, received: Received) -> None:
         """The broker withdrew a delivery whose handler runs: its requester gave up
         (cancelled, or past its deadline), so the handler is cancelled (a plain function
         running in a worker thread finishes there, its result unused)."""
-        task = self._tasks.get(received)
+        task = self._in_flight.get(received)
         if task is None or task.done():
             return
         self.withdrawn += 1
@@ -596,7 +594,7 @@ class AgentRuntime:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._consumer
         if self._in_flight:
-            _, pending = await asyncio.wait(list(self._in_flight), timeout=grace)
+            _, pending = await asyncio.wait(list(self._in_flight.values()), timeout=grace)
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
