@@ -31,6 +31,8 @@ NODE_TESTS = (
     "the declarations name every export of lib/mesh.js, and nothing else",
     "each declared class has the public methods of its implementation",
     "a message as read off the wire has the fields its declaration gives it",
+    "a handler hears through its signal that the requester gave up",
+    "a handler that passes on its signal gives up what it asked when its requester does",
 )
 """Tests of clients/node/test/ whose names the run must show."""
 

@@ -225,6 +225,8 @@ export interface HandoffOptions {
 export interface RequestOptions extends MessageOptions {
   /** How long to wait for the correlated RESPONSE, retries included (10,000 by default). */
   timeoutMs?: number;
+  /** Gives the request up when it aborts (rejecting with its reason). */
+  signal?: AbortSignal;
 }
 
 /** A message of a batch: as for send, with its recipient. */
@@ -309,6 +311,8 @@ export interface GatherOptions extends MessageOptions {
   timeoutMs?: number;
   /** Nobody is asked when one of agentIds is not registered. */
   allOrNone?: boolean;
+  /** Gives the gather up when it aborts (rejecting with its reason). */
+  signal?: AbortSignal;
 }
 
 /** One agent's outcome of a gather: its answer, or why there is none. */

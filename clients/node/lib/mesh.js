@@ -415,21 +415,32 @@ class MeshClient {
     return session;
   }
 
-  /** Writes a frame on the session; resolves with its answer (rejects with an error frame). */
-  _ask(frame, timeoutMs, { cancellable = false } = {}) {
+  /**
+   * Writes a frame on the session; resolves with its answer (rejects with an error frame).
+   * A cancellable frame (a request) is given up at the broker when the client stops waiting:
+   * past timeoutMs, or when signal aborts (rejecting with the signal's reason).
+   */
+  _ask(frame, timeoutMs, { cancellable = false, signal } = {}) {
+    if (signal?.aborted) return Promise.reject(signal.reason);
     const session = this._connect();
     session.seq += 1;
     const seq = session.seq;
     return new Promise((resolve, reject) => {
-      const timer = setTimeout(() => {
+      const giveUp = (err) => {
         if (!session.pending.delete(seq)) return;
+        clearTimeout(timer);
+        signal?.removeEventListener('abort', onAbort);
         if (cancellable && !session.closed) session.call.write({ cancel: { seq } });
-        reject(new MeshError({ code: grpc.status.DEADLINE_EXCEEDED,
-          details: `the broker did not answer within ${timeoutMs} ms` }));
-      }, timeoutMs);
+        reject(err);
+      };
+      const timer = setTimeout(() => giveUp(new MeshError({ code: grpc.status.DEADLINE_EXCEEDED,
+        details: `the broker did not answer within ${timeoutMs} ms` })), timeoutMs);
+      const onAbort = () => giveUp(signal.reason);
+      signal?.addEventListener('abort', onAbort, { once: true });
+      const settled = () => { clearTimeout(timer); signal?.removeEventListener('abort', onAbort); };
       session.pending.set(seq, {
-        resolve: (answer) => { clearTimeout(timer); resolve(answer); },
-        reject: (err) => { clearTimeout(timer); reject(err); },
+        resolve: (answer) => { settled(); resolve(answer); },
+        reject: (err) => { settled(); reject(err); },
       });
       session.call.write({ seq, ...frame });
     });
@@ -502,9 +513,11 @@ class MeshClient {
 
   /**
    * Sends a REQUEST (on the session) and waits for the correlated RESPONSE, at most timeoutMs
-   * (then DEADLINE_EXCEEDED, and the broker forgets the request).
+   * (then DEADLINE_EXCEEDED, and the broker forgets the request). When signal (an AbortSignal)
+   * aborts, the request is given up at once and rejects with the signal's reason: a handler
+   * that passes on its own signal gives up what it asked when its requester gives up.
    */
-  async request(to, content, { timeoutMs = 10000, ...options } = {}) {
+  async request(to, content, { timeoutMs = 10000, signal, ...options } = {}) {
     const message = buildMessage({ from: this.agentId, to, content, ...options });
     const deadline = Date.now() + timeoutMs;
     // Tried again while refused for a moment, within the one timeout. The broker answers
@@ -516,7 +529,7 @@ class MeshClient {
           details: `no response from ${to} within ${timeoutMs} ms` });
       }
       return this._ask({ request: { message, timeout: toDuration(remaining) } }, remaining + 1000,
-        { cancellable: true });
+        { cancellable: true, signal });
     });
     return readMessage(response);
   }
@@ -584,10 +597,12 @@ class MeshClient {
   /**
    * Asks several agents at once (the Gather RPC): resolves with each agent's outcome,
    * {agentId, response, error}, in the order they came (agents that did not answer in time
-   * last, with error.reason DEADLINE_EXCEEDED or TIMEOUT).
+   * last, with error.reason DEADLINE_EXCEEDED or TIMEOUT). When signal aborts, the gather is
+   * given up (the broker withdraws the copies not answered) and rejects with its reason.
    */
   gather(content, { agentIds = [], agentTypes = [], timeoutMs = 5000, type = 'BROADCAST',
-    allOrNone = false, ...options } = {}) {
+    allOrNone = false, signal, ...options } = {}) {
+    if (signal?.aborted) return Promise.reject(signal.reason);
     const message = buildMessage({ from: this.agentId, to: 'broadcast', type, content,
       ...options });
     const call = this.broker.Gather(
@@ -597,6 +612,9 @@ class MeshClient {
       { deadline: Date.now() + timeoutMs + 5000 },
     );
     return new Promise((resolve, reject) => {
+      const onAbort = () => { reject(signal.reason); call.cancel(); };
+      signal?.addEventListener('abort', onAbort, { once: true });
+      call.on('status', () => signal?.removeEventListener('abort', onAbort));
       const outcomes = [];
       call.on('data', (r) => outcomes.push({
         agentId: r.agent_id,

@@ -806,6 +806,63 @@ test('a handler hears through its signal that the requester gave up', async () =
   }
 });
 
+test('a handler that passes on its signal gives up what it asked when its requester does',
+  async () => {
+    const seen = [];
+    const thinker = await serveAgent({ broker: BROKER, agentId: 'NodeDeepThinker',
+      handler: (message, { signal }) => new Promise((resolve) => {
+        seen.push('thinker started');
+        signal.addEventListener('abort', () => { seen.push('thinker aborted'); resolve(null); });
+      }) });
+    const relay = await serveAgent({ broker: BROKER, agentId: 'NodeRelay',
+      handler: async (message, { signal }) => {
+        const asker = new MeshClient(BROKER, { agentId: 'NodeRelay' });
+        try {
+          const answer = await asker.request('NodeDeepThinker', { action: 'think' },
+            { timeoutMs: 30000, signal });
+          return answer.content;
+        } catch (err) {
+          seen.push(`relay gave up: ${err.reason}`);
+          throw err;
+        } finally {
+          asker.close();
+        }
+      } });
+    const client = new MeshClient(BROKER, { agentId: 'NodeChainAsker' });
+    try {
+      await assert.rejects(client.request('NodeRelay', { action: 'think' }, { timeoutMs: 600 }),
+        (err) => err.codeName === 'DEADLINE_EXCEEDED');
+      for (let waited = 0; seen.length < 3 && waited < 5000; waited += 50) {
+        await new Promise((resolve) => { setTimeout(resolve, 50); });
+      }
+      assert.deepEqual(seen, ['thinker started', 'relay gave up: WITHDRAWN', 'thinker aborted']);
+      // A gather given up on its way: the copy its agent works on is withdrawn.
+      seen.length = 0;
+      const stopping = new AbortController();
+      const gathering = client.gather({ action: 'think' },
+        { agentIds: ['NodeDeepThinker'], timeoutMs: 30000, signal: stopping.signal });
+      for (let waited = 0; seen.length < 1 && waited < 5000; waited += 20) {
+        await new Promise((resolve) => { setTimeout(resolve, 20); });
+      }
+      stopping.abort(new Error('enough'));
+      await assert.rejects(gathering, /enough/);
+      for (let waited = 0; seen.length < 2 && waited < 5000; waited += 50) {
+        await new Promise((resolve) => { setTimeout(resolve, 50); });
+      }
+      assert.deepEqual(seen, ['thinker started', 'thinker aborted']);
+      // An aborted signal gives them up before they start.
+      const aborted = AbortSignal.abort(new Error('not wanted'));
+      await assert.rejects(client.gather({ action: 'think' },
+        { agentIds: ['NodeDeepThinker'], signal: aborted }), /not wanted/);
+      await assert.rejects(client.request('NodeDeepThinker', { action: 'think' },
+        { signal: aborted }), /not wanted/);
+    } finally {
+      await relay.stop();
+      await thinker.stop();
+      client.close();
+    }
+  });
+
 /** Sends `count` work messages ({action: 'work', parameters: {i}}) to agentId, in order. */
 async function sendWork(client, agentId, count) {
   for (let i = 0; i < count; i += 1) {
