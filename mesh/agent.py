@@ -97,14 +97,29 @@ def on(action: str) -> Callable[[HandlerT], HandlerT]:
 class AgentContext:
     """What a handler can do besides answering: send, request and hand off, as this agent."""
 
-    def __init__(self, agent: Agent, client: MeshClient, message: Message) -> None:
+    def __init__(
+        self,
+        agent: Agent,
+        client: MeshClient,
+        message: Message,
+        received: Received | None = None,
+    ) -> None:
         self.agent = agent
         self.client = client
         self.message = message
+        self._received = received
 
     @property
     def agent_id(self) -> str:
         return self.agent.agent_id
+
+    @property
+    def withdrawn(self) -> bool:
+        """Whether the broker withdrew the message: its requester gave up (its timeout
+        passed, or it cancelled), and nobody waits for the answer. An ``async def`` handler is
+        cancelled then; a plain function, running in its worker thread, may look here to
+        stop early."""
+        return self._received is not None and self._received.withdrawn
 
     async def send(self, to_agent: str, content: dict[str, JSON], **options: Any) -> Message:
         options.setdefault("headers", without_trace(self.message.headers))
@@ -482,7 +497,7 @@ class AgentRuntime:
         """Runs the handler on a delivery, answers it when due, and settles the delivery."""
         message = received.message
         try:
-            answer = await self.run_handler(message)
+            answer = await self.run_handler(message, received)
         except UnhandledActionError as error:
             # Not answerable (not a REQUEST), and no attempt would go otherwise. A broadcast
             # is for whoever cares for it; anything else was meant for this agent.
@@ -524,9 +539,12 @@ class AgentRuntime:
                         await received.answer(error_to(message, self.agent.agent_id, refused))
         await received.ack()  # nothing to do when the answer acknowledged it
 
-    async def run_handler(self, message: Message) -> Message | None:
-        """Calls the handler; returns the answer (RESPONSE or ERROR) that is due, if any."""
-        ctx = AgentContext(self.agent, self.client, message)
+    async def run_handler(
+        self, message: Message, received: Received | None = None
+    ) -> Message | None:
+        """Calls the handler (on ``received``, a delivery, or a message handed to the agent's
+        own server); returns the answer (RESPONSE or ERROR) that is due, if any."""
+        ctx = AgentContext(self.agent, self.client, message, received)
         if message.message_type is MessageType.ACK:
             await self.agent.on_ack(message, ctx)
             return None

@@ -11,6 +11,7 @@ response on the Subscribe stream; the Python runtime cancels the handler.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import grpc
@@ -91,6 +92,34 @@ async def test_a_handler_stops_when_its_requester_cancels(mesh: LocalMesh) -> No
         answer = await client.request("Thinker", {"action": "think"}, timeout=5)
         assert answer.content["thought"] == "Thinker"
     assert len(thinker.cancelled) == 1 and len(thinker.finished) == 1
+
+
+async def test_a_plain_function_handler_can_see_that_its_requester_gave_up(
+    mesh: LocalMesh,
+) -> None:
+    """A plain function runs in a worker thread, where no cancellation reaches: it looks at
+    ``ctx.withdrawn`` and stops early."""
+    seen: list[str] = []
+
+    class Crunch(Agent):
+        @on("crunch")
+        def crunch(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
+            for _ in range(500):  # up to 5 s of work, in slices
+                if ctx.withdrawn:
+                    seen.append("stopped")
+                    return {}
+                time.sleep(0.01)
+            seen.append("finished")
+            return {"done": True}
+
+    await mesh.add_agent(Crunch("Cruncher"))
+    async with mesh.client("asker") as client:
+        with pytest.raises(RequestTimeoutError):
+            await client.request("Cruncher", {"action": "crunch"}, timeout=0.3)
+        async with asyncio.timeout(3):
+            while not seen:  # noqa: ASYNC110 - the handler's own record, from its thread
+                await asyncio.sleep(0.02)
+        assert seen == ["stopped"]  # (not "finished": its work was 5 s)
 
 
 async def test_a_request_given_up_before_its_delivery_is_never_delivered(
