@@ -472,7 +472,8 @@ class AgentRuntime:
     def _stop_work(self, received: Received) -> None:
         """The broker withdrew a delivery whose handler runs: its requester gave up
         (cancelled, or past its deadline), so the handler is cancelled (a plain function
-        running in a worker thread finishes there, its result unused)."""
+        running in a worker thread goes on there, unless it looks at ``ctx.withdrawn``; its
+        result is unused)."""
         task = self._in_flight.get(received)
         if task is None or task.done():
             return
