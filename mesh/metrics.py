@@ -56,6 +56,7 @@ class Totals:
     requests: int = 0
     request_timeouts: int = 0
     late_answers: int = 0
+    withdrawn: int = 0
 
 
 class RecentLatencies:
@@ -429,6 +430,12 @@ class BrokerMetrics:
             self.roundtrip_latency.observe(seconds)
             self.recent_roundtrip.add(seconds)
 
+    def withdrew(self, waiting: int, in_flight: int) -> None:
+        """Requests withdrawn, their requester gone: so many still waiting, so many leased."""
+        self.totals.withdrawn += waiting + in_flight
+        self.withdrawn.labels("waiting").inc(waiting)
+        self.withdrawn.labels("in_flight").inc(in_flight)
+
     def figures(self) -> dict[str, float]:
         """Every figure of mesh.v1.BrokerTotals these metrics hold, by its field: the counts
         since the broker started, the latency percentiles in milliseconds over the most
@@ -444,6 +451,7 @@ class BrokerMetrics:
             "redelivered_count": t.redelivered,
             "handoff_count": t.handoffs,
             "broadcast_count": t.broadcasts,
+            "withdrawn_count": t.withdrawn,
         }
         for figure, window in (
             ("send", self.recent_send),

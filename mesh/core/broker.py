@@ -1005,8 +1005,7 @@ class Broker:
             )
         if not (waiting or leased):
             return
-        self.metrics.withdrawn.labels("waiting").inc(waiting)
-        self.metrics.withdrawn.labels("in_flight").inc(leased)
+        self.metrics.withdrew(waiting, leased)
         logger.info(
             "%s %s from %s withdrawn: its requester gave up (%d waiting, %d in flight)",
             message.message_type.value,

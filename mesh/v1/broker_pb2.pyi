@@ -1150,6 +1150,7 @@ class BrokerTotals(_message.Message):
     BROADCAST_LATENCY_P95_MS_FIELD_NUMBER: _builtins.int
     BROADCAST_LATENCY_P99_MS_FIELD_NUMBER: _builtins.int
     DROP_RATE_FIELD_NUMBER: _builtins.int
+    WITHDRAWN_COUNT_FIELD_NUMBER: _builtins.int
     held: _builtins.int
     """Messages held (waiting and in flight)."""
     max_messages_per_agent: _builtins.int
@@ -1210,6 +1211,10 @@ class BrokerTotals(_message.Message):
     """Time to fan a broadcast out, 99th percentile, in milliseconds."""
     drop_rate: _builtins.float
     """Messages dropped per message offered (dropped / (sent + dropped)), 0 to 1."""
+    withdrawn_count: _builtins.int
+    """Requests withdrawn because their requester gave up (cancelled, or past its deadline),
+    waiting or in flight.
+    """
     def __init__(
         self,
         *,
@@ -1241,10 +1246,11 @@ class BrokerTotals(_message.Message):
         broadcast_latency_p95_ms: _builtins.float = ...,
         broadcast_latency_p99_ms: _builtins.float = ...,
         drop_rate: _builtins.float = ...,
+        withdrawn_count: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["broadcast_count", b"broadcast_count", "broadcast_latency_p50_ms", b"broadcast_latency_p50_ms", "broadcast_latency_p95_ms", b"broadcast_latency_p95_ms", "broadcast_latency_p99_ms", b"broadcast_latency_p99_ms", "dead_lettered_count", b"dead_lettered_count", "delivered_count", b"delivered_count", "drop_rate", b"drop_rate", "dropped_count", b"dropped_count", "expired_count", b"expired_count", "handoff_count", b"handoff_count", "handoff_latency_p50_ms", b"handoff_latency_p50_ms", "handoff_latency_p95_ms", b"handoff_latency_p95_ms", "handoff_latency_p99_ms", b"handoff_latency_p99_ms", "held", b"held", "max_messages_per_agent", b"max_messages_per_agent", "max_total_messages", b"max_total_messages", "receive_latency_p50_ms", b"receive_latency_p50_ms", "receive_latency_p95_ms", b"receive_latency_p95_ms", "receive_latency_p99_ms", b"receive_latency_p99_ms", "redelivered_count", b"redelivered_count", "roundtrip_latency_p50_ms", b"roundtrip_latency_p50_ms", "roundtrip_latency_p95_ms", b"roundtrip_latency_p95_ms", "roundtrip_latency_p99_ms", b"roundtrip_latency_p99_ms", "send_latency_p50_ms", b"send_latency_p50_ms", "send_latency_p95_ms", b"send_latency_p95_ms", "send_latency_p99_ms", b"send_latency_p99_ms", "sent_count", b"sent_count", "validation_errors", b"validation_errors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["broadcast_count", b"broadcast_count", "broadcast_latency_p50_ms", b"broadcast_latency_p50_ms", "broadcast_latency_p95_ms", b"broadcast_latency_p95_ms", "broadcast_latency_p99_ms", b"broadcast_latency_p99_ms", "dead_lettered_count", b"dead_lettered_count", "delivered_count", b"delivered_count", "drop_rate", b"drop_rate", "dropped_count", b"dropped_count", "expired_count", b"expired_count", "handoff_count", b"handoff_count", "handoff_latency_p50_ms", b"handoff_latency_p50_ms", "handoff_latency_p95_ms", b"handoff_latency_p95_ms", "handoff_latency_p99_ms", b"handoff_latency_p99_ms", "held", b"held", "max_messages_per_agent", b"max_messages_per_agent", "max_total_messages", b"max_total_messages", "receive_latency_p50_ms", b"receive_latency_p50_ms", "receive_latency_p95_ms", b"receive_latency_p95_ms", "receive_latency_p99_ms", b"receive_latency_p99_ms", "redelivered_count", b"redelivered_count", "roundtrip_latency_p50_ms", b"roundtrip_latency_p50_ms", "roundtrip_latency_p95_ms", b"roundtrip_latency_p95_ms", "roundtrip_latency_p99_ms", b"roundtrip_latency_p99_ms", "send_latency_p50_ms", b"send_latency_p50_ms", "send_latency_p95_ms", b"send_latency_p95_ms", "send_latency_p99_ms", b"send_latency_p99_ms", "sent_count", b"sent_count", "validation_errors", b"validation_errors", "withdrawn_count", b"withdrawn_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

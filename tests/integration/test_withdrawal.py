@@ -72,6 +72,7 @@ async def test_a_handler_stops_when_its_requester_times_out(mesh: LocalMesh) -> 
         view = stats.for_agent("Thinker")
         assert view is not None and (view.depth, view.in_flight) == (0, 0)
         assert stats.totals["redelivered_count"] == 0
+        assert stats.totals["withdrawn_count"] == 1
         assert await client.dead_letters("Thinker") == []
     assert served.runtime.withdrawn == 1
     assert withdrawn_count(mesh, "in_flight") == 1
@@ -262,6 +263,8 @@ async def test_plain_grpc_subscribers_hear_of_withdrawals_when_they_ask(
             await asking
         await nothing_within(quiet.read(), 1.0)
         quiet.cancel()
+        stats = await stub.GetQueueStats(broker_pb2.GetQueueStatsRequest())
+        assert stats.totals.withdrawn_count == 3
     assert withdrawn_count(mesh, "in_flight") == 3
 
 

@@ -283,6 +283,8 @@ export interface BrokerTotals {
   broadcastLatencyP99Ms: number;
   /** Messages dropped per message offered, 0 to 1. */
   dropRate: number;
+  /** Requests withdrawn because their requester gave up. */
+  withdrawnCount: number;
 }
 
 export interface QueueStats {

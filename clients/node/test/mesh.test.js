@@ -794,10 +794,11 @@ test('a handler hears through its signal that the requester gave up', async () =
       'served aborted: WITHDRAWN', 'served started']);
     assert.ok(seen.indexOf('served started') < seen.indexOf('served aborted: WITHDRAWN'));
     assert.ok(seen.indexOf('plain started') < seen.indexOf('plain aborted: WITHDRAWN'));
-    const { agents } = await client.queueStats();
+    const { agents, totals } = await client.queueStats();
     for (const view of agents.filter((a) => a.agentId.endsWith('Thinker'))) {
       assert.equal(view.depth + view.inFlight + view.deadLetters, 0, view.agentId);
     }
+    assert.ok(Number(totals.withdrawnCount) >= 2, `withdrawn: ${totals.withdrawnCount}`);
   } finally {
     subscription.cancel();
     await client.deregister('NodePlainThinker').catch(() => {});
