@@ -631,7 +631,10 @@ class ClientSubscription:
                 continue
             received.withdrawn = received.done = True
             if self.on_withdrawn is not None:
-                self.on_withdrawn(received)
+                try:
+                    self.on_withdrawn(received)
+                except Exception:  # (the session's reader calls it: it must go on reading)
+                    logger.exception("on_withdrawn failed on %s", message_id)
 
     async def _resubscribe(self, failure: MeshError) -> None:
         """Subscribes again after the broker went away, with backoff; what this subscription

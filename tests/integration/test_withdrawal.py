@@ -295,3 +295,32 @@ async def test_a_withdrawal_reaches_the_subscriber_through_another_replica(
     finally:
         await stop(a)
         await stop(b)
+
+
+async def test_a_subscriber_hears_of_a_withdrawal_and_its_stream_goes_on(
+    mesh: LocalMesh,
+) -> None:
+    """A hand-written consumer: the delivery it holds turns ``withdrawn`` and reaches
+    ``on_withdrawn`` (here one that fails: the subscription goes on all the same)."""
+    heard: list[str] = []
+
+    def on_withdrawn(received: Any) -> None:
+        heard.append(received.message.message_id)
+        raise RuntimeError("a careless callback")
+
+    async with mesh.client("asker") as client:
+        await client.register("Desk")
+        async with client.subscribe("Desk", on_withdrawn=on_withdrawn) as inbox:
+            deliveries = aiter(inbox)
+            asking = asyncio.ensure_future(client.request("Desk", {"action": "think"}, timeout=0.4))
+            first = await asyncio.wait_for(anext(deliveries), 5)
+            with pytest.raises(RequestTimeoutError):
+                await asking
+            async with asyncio.timeout(3):
+                while not first.withdrawn:  # noqa: ASYNC110 - set by the session's reader
+                    await asyncio.sleep(0.02)
+            assert heard == [first.message.message_id]
+            kept = await client.send("Desk", {"action": "note"})
+            second = await asyncio.wait_for(anext(deliveries), 5)
+            assert second.message.message_id == kept.message_id and not second.withdrawn
+            await second.ack()
