@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import threading
 import urllib.error
@@ -113,6 +114,8 @@ def test_the_agent_list_matches_the_registry(mesh_up: dict[str, str], browser: o
     driver = browser
     driver.get(mesh_up["dashboard"])  # type: ignore[attr-defined]
     wait_for(driver, lambda d: d.find_element(By.ID, "live").text == "live")
+    header = driver.find_element(By.TAG_NAME, "header").text  # type: ignore[attr-defined]
+    assert re.search(r"dead \d+", header) and re.search(r"withdrawn \d+", header), header
     rows = wait_for(
         driver,
         lambda d: (

@@ -373,6 +373,7 @@ function App() {
       <span>delivered <b>${t.delivered_count}</b></span>
       <span>expired <b>${t.expired_count}</b></span>
       <span>dead <b>${t.dead_lettered_count}</b></span>
+      <span title="requests whose requester gave up">withdrawn <b>${t.withdrawn_count}</b></span>
     </header>
     <div class="charts">
       <${Chart}
