@@ -883,6 +883,7 @@ class MeshClient {
       for (const id of withdrawn.message_ids) {
         const aborting = working.get(id);
         if (aborting) aborting.abort(withdrawnError());
+        stopKeeping(inFlight, id);
       }
       call.emit('withdrawn', withdrawn.message_ids);
     };
@@ -954,7 +955,10 @@ class MeshClient {
     for (const over of ['status', 'error', 'close']) call.on(over, () => clearInterval(keeper));
     call.on('data', async (res) => {
       if (!res.delivery) { // withdrawn deliveries
-        for (const id of res.withdrawn.message_ids) working.get(id)?.abort(withdrawnError());
+        for (const id of res.withdrawn.message_ids) {
+          working.get(id)?.abort(withdrawnError());
+          stopKeeping(inFlight, id);
+        }
         call.emit('withdrawn', res.withdrawn.message_ids);
         return;
       }
@@ -984,6 +988,11 @@ class MeshClient {
     call.on('error', () => {});
     return call;
   }
+}
+
+/** A withdrawn delivery's lease is no longer kept (nor waited for), whatever its handler does. */
+function stopKeeping(inFlight, id) {
+  for (const [key, work] of inFlight) if (work.id === id) inFlight.delete(key);
 }
 
 /** Why a withdrawn delivery's AbortSignal aborted. */
