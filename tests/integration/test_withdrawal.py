@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from mesh import Agent, AgentContext, LocalMesh, Message, RequestTimeoutError, on
+from mesh.agent import AgentRuntime
 from mesh.client import NO_RETRY, connect
 from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
 from tests.helpers.processes import BROKER_READY, Proc, start, stop
@@ -279,8 +280,6 @@ async def test_a_withdrawal_reaches_the_subscriber_through_another_replica(
     try:
         thinker = Thinker()
         async with connect(a.address, agent_id="Thinker", retry=NO_RETRY) as via_a:
-            from mesh.agent import AgentRuntime
-
             runtime = AgentRuntime(thinker, via_a, lease_seconds=2.0)
             await runtime.start()
             try:
