@@ -851,6 +851,19 @@ test('a handler that passes on its signal gives up what it asked when its reques
         await new Promise((resolve) => { setTimeout(resolve, 50); });
       }
       assert.deepEqual(seen, ['thinker started', 'thinker aborted']);
+      // A direct call to the agent's own server whose caller gives up (its deadline) too.
+      seen.length = 0;
+      const direct = new AgentClient(thinker.address, { agentId: 'NodeChainAsker' });
+      try {
+        await assert.rejects(direct.handle('NodeDeepThinker', { action: 'think' },
+          { type: 'REQUEST', timeoutMs: 300 }), (err) => err.codeName === 'DEADLINE_EXCEEDED');
+      } finally {
+        direct.close();
+      }
+      for (let waited = 0; seen.length < 2 && waited < 5000; waited += 50) {
+        await new Promise((resolve) => { setTimeout(resolve, 50); });
+      }
+      assert.deepEqual(seen, ['thinker started', 'thinker aborted']);
       // An aborted signal gives them up before they start.
       const aborted = AbortSignal.abort(new Error('not wanted'));
       await assert.rejects(client.gather({ action: 'think' },
