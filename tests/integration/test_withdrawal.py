@@ -17,9 +17,9 @@ from typing import Any
 import grpc
 import pytest
 
-from mesh import Agent, AgentContext, LocalMesh, Message, RequestTimeoutError, on
+from mesh import Agent, AgentContext, LocalMesh, MeshError, Message, RequestTimeoutError, on
 from mesh.agent import AgentRuntime
-from mesh.client import NO_RETRY, connect
+from mesh.client import NO_RETRY, AgentClient, connect
 from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
 from tests.helpers.processes import BROKER_READY, Proc, start, stop
 from tests.integration.test_delivery import nothing_within
@@ -323,3 +323,19 @@ async def test_a_subscriber_hears_of_a_withdrawal_and_its_stream_goes_on(
             second = await asyncio.wait_for(anext(deliveries), 5)
             assert second.message.message_id == kept.message_id and not second.withdrawn
             await second.ack()
+
+
+async def test_a_direct_call_whose_caller_gives_up_cancels_the_handler(mesh: LocalMesh) -> None:
+    """Without the broker: a call to the agent's own server past its gRPC deadline cancels
+    the handler there, as a withdrawal does."""
+    thinker = Thinker("Direct")
+    served = await mesh.add_agent(thinker)
+    async with AgentClient(served.address) as direct:
+        with pytest.raises(MeshError) as info:
+            await direct.handle(
+                Message(from_agent="caller", to_agent="Direct", content={"action": "think"}),
+                timeout=0.3,
+            )
+        assert info.value.code == "DEADLINE_EXCEEDED"
+    await asyncio.wait_for(thinker.cancelled_event.wait(), 3)
+    assert thinker.finished == []
