@@ -40,6 +40,7 @@ from mesh.core.errors import (
     UnhandledActionError,
 )
 from mesh.core.model import (
+    BROADCAST_TARGET,
     JSON,
     AgentCard,
     Handoff,
@@ -120,6 +121,30 @@ class AgentContext:
         cancelled then; a plain function, running in its worker thread, may look here to
         stop early."""
         return self._received is not None and self._received.withdrawn
+
+    def forward(
+        self, to_agent: str, content: dict[str, JSON] | None = None, **options: Any
+    ) -> Message:
+        """The request handed on to ``to_agent``, who answers the requester in this agent's
+        place: return it from the handler (``return ctx.forward("Billing")``). It carries this
+        message's content (or ``content``), metadata and priority, expires with the request,
+        and its answer reaches the requester under the request's correlation id; given up,
+        the request is withdrawn from ``to_agent`` too. ``options`` are further
+        :class:`Message` fields."""
+        message = self.message
+        if message.message_type is not MessageType.REQUEST:
+            raise ValueError(
+                f"only a REQUEST can be forwarded, not a {message.message_type.value}: "
+                "send or hand off a new message instead"
+            )
+        fields: dict[str, Any] = {
+            "content": dict(message.content or {}) if content is None else content,
+            "metadata": dict(message.metadata),
+            "priority": message.priority,
+            "headers": inject(without_trace(message.headers)),
+        }
+        fields.update(options)
+        return Message(from_agent=self.agent_id, to_agent=to_agent, **fields)
 
     async def send(self, to_agent: str, content: dict[str, JSON], **options: Any) -> Message:
         options.setdefault("headers", without_trace(self.message.headers))
@@ -296,6 +321,8 @@ def answer_to(message: Message, agent_id: str, reply: Reply) -> Message | None:
         return None
     target = message.reply_target
     correlation_id = message.correlation_id or message.message_id
+    if isinstance(reply, Message) and forwards(message, reply):
+        return forward_of(message, agent_id, reply)
     if isinstance(reply, Message):
         return reply.evolve(
             from_agent=reply.from_agent or agent_id,
@@ -317,6 +344,32 @@ def answer_to(message: Message, agent_id: str, reply: Reply) -> Message | None:
         correlation_id=correlation_id,
         priority=message.priority,
         headers=inject(without_trace(message.headers)),
+    )
+
+
+def forwards(message: Message, reply: Message) -> bool:
+    """Whether a handler's returned message hands a REQUEST on to another agent rather than
+    answering it: it asks (a REQUEST or HANDOFF) and is addressed to an agent other than the
+    requester."""
+    return (
+        message.message_type is MessageType.REQUEST
+        and reply.message_type in (MessageType.REQUEST, MessageType.HANDOFF)
+        and reply.to_agent not in ("", BROADCAST_TARGET, message.reply_target)
+    )
+
+
+def forward_of(message: Message, agent_id: str, reply: Message) -> Message:
+    """A REQUEST handed on: the next agent answers the requester (``reply_to``) under the
+    request's correlation id, and the forward expires with the request (its ttl, counted from
+    the request's timestamp) unless the handler gave it a ttl of its own."""
+    expiry: dict[str, Any] = {}
+    if not reply.ttl and message.ttl:
+        expiry = {"ttl": message.ttl, "timestamp": message.timestamp}
+    return reply.evolve(
+        from_agent=reply.from_agent or agent_id,
+        reply_to=reply.reply_to or message.reply_target,
+        correlation_id=reply.correlation_id or message.correlation_id or message.message_id,
+        **expiry,
     )
 
 
@@ -642,6 +695,8 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         try:
             message = codec.message_from_pb(request.message, strict=True)
             answer = await self.runtime.run_handler(message)
+            if answer is not None and forwards(message, answer):
+                answer = await self._forward(message, answer, context.time_remaining())
         except MeshError as error:
             await abort(context, error)
         except Exception:
@@ -650,6 +705,16 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         if answer is not None:
             codec.message_to_pb(answer, response.response)
         return response
+
+    async def _forward(
+        self, message: Message, forward: Message, remaining: float | None
+    ) -> Message:
+        """A direct call's request handed on: asked through the broker (the caller is not
+        one of its agents), the next agent's answer returned to the caller."""
+        answer = await self.runtime.client.request_message(
+            forward.evolve(reply_to=""), timeout=remaining, raise_on_error=False
+        )
+        return answer.evolve(to_agent=message.reply_target)
 
     async def DescribeAgent(
         self, request: agent_pb2.DescribeAgentRequest, context: Any

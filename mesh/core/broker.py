@@ -58,6 +58,8 @@ logger = logging.getLogger("mesh.broker")
 handoff_logger = logging.getLogger("mesh.handoff")
 
 _ANSWER_TYPES = (MessageType.RESPONSE, MessageType.ERROR)
+MAX_FORWARDS = 16
+"""How many forwards of one request the broker remembers to withdraw when it is given up."""
 _ASKING_TYPES = (MessageType.REQUEST, MessageType.HANDOFF, MessageType.BROADCAST)
 
 
@@ -317,6 +319,9 @@ class Broker:
         """Requests and gathers that ended (answered, past their deadline, given up) and until
         when they are remembered, most recent last: an answer to one now (late, or a second
         one after a redelivery) is expected, not an error."""
+        self._forwards: dict[tuple[str, str], list[tuple[str, str]]] = {}
+        """For a request sent and not yet answered: where its agents handed it on (agent id,
+        message id), so that giving it up withdraws the forwards too."""
         self._subscriptions: dict[str, list[Subscription]] = {}
         self._by_subscription: dict[str, Subscription] = {}
         self._sweeper: asyncio.Task[None] | None = None
@@ -557,9 +562,18 @@ class Broker:
             message.to_agent
         ):
             raise AgentNotFoundError(f"agent {message.to_agent} is not registered")
+        if message.reply_to and message.message_type in _ASKING_TYPES:
+            self._note_forward(message)
         await self._enqueue(message, lifetime)
         self.metrics.sent(message.message_type.value, time.perf_counter() - started)
         return SendOutcome(message, (message.to_agent,))
+
+    def _note_forward(self, message: Message) -> None:
+        """An agent handed a request on (its answer goes to the requester, under the request's
+        correlation id): remembered while the request waits here."""
+        places = self._forwards.get((message.reply_to, message.correlation_id))
+        if places is not None and len(places) < MAX_FORWARDS:
+            places.append((message.to_agent, message.message_id))
 
     def _offer_answer(self, message: Message) -> bool:
         """Gives an answer to the request or gather waiting for it here; False when none is."""
@@ -821,6 +835,7 @@ class Broker:
         try:
             if self.store.shared:
                 await self.store.claim_route(key, timeout)
+            self._forwards[key] = []
             await self.send(message, lifetime=lifetime)
             sent = True
             if lifetime <= 0:
@@ -843,6 +858,7 @@ class Broker:
             )
             return answer
         finally:
+            forwards = self._forwards.pop(key, ())
             if self._pending.get(key) is waiter:
                 del self._pending[key]
                 answered = waiter.done() and not waiter.cancelled() and not waiter.exception()
@@ -850,7 +866,8 @@ class Broker:
                 if self.store.shared:
                     await self.store.drop_route(key, given_up=not answered)
                 if sent and not answered:
-                    await self._withdraw(message, (message.to_agent,))
+                    places = dict.fromkeys([(message.to_agent, message.message_id), *forwards])
+                    await self._withdraw(message, list(places))
 
     def _reserve(self, message: Message) -> tuple[str, str]:
         """The waiter key of a request; refuses a duplicate key or one over the limit."""
@@ -981,20 +998,22 @@ class Broker:
                 if self.store.shared:
                     await self.store.drop_route(key, given_up=bool(gathering.expected))
                 if gathering.expected:
-                    await self._withdraw(message, sorted(gathering.expected))
+                    places = [(agent_id, message.message_id) for agent_id in gathering.expected]
+                    await self._withdraw(message, sorted(places))
 
-    async def _withdraw(self, message: Message, agent_ids: Sequence[str]) -> None:
-        """Takes a request (or a gather's copies) that nobody waits for any more out of the
-        queues of the agents that did not answer: one still waiting is never delivered, and
-        the subscriber holding one hears of it (when it asked to) so that its handler can
+    async def _withdraw(self, message: Message, places: Sequence[tuple[str, str]]) -> None:
+        """Takes a request (or a gather's copies, or the forwards of a request its agent
+        handed on) that nobody waits for any more out of the queues of the agents that did
+        not answer, ``places`` (agent id, message id): one still waiting is never delivered,
+        and the subscriber holding one hears of it (when it asked to) so that its handler can
         stop. A broker shutting down leaves them be (a durable store keeps them), and a store
         that cannot be reached leaves them to their TTL."""
         if self._stopping:
             return
         waiting = leased = 0
         try:
-            for agent_id in agent_ids:
-                queued, held = await self.store.withdraw(agent_id, (message.message_id,))
+            for agent_id, message_id in places:
+                queued, held = await self.store.withdraw(agent_id, (message_id,))
                 waiting += queued
                 leased += held
         except MeshError as error:
@@ -1019,7 +1038,7 @@ class Broker:
                     "message_id": message.message_id,
                     "correlation_id": message.correlation_id,
                     "from_agent": message.from_agent,
-                    "agent_ids": list(agent_ids),
+                    "agent_ids": [agent_id for agent_id, _ in places],
                     "waiting": waiting,
                     "in_flight": leased,
                 }

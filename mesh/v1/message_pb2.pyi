@@ -151,7 +151,10 @@ class Message(_message.Message):
     counted from acceptance; at most 86400.
     """
     reply_to: _builtins.str
-    """Agent that should receive the response, when it is not from_agent."""
+    """Agent that should receive the response, when it is not from_agent. An agent that hands a
+    request on to another sets it to the requester and keeps the request's correlation_id: the
+    next agent answers the requester, and the forward is withdrawn with the request.
+    """
     ack_required: _builtins.bool
     """When true, the receiving agent answers with an ACK message automatically."""
     @_builtins.property
