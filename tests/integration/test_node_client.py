@@ -33,6 +33,7 @@ NODE_TESTS = (
     "a message as read off the wire has the fields its declaration gives it",
     "a handler hears through its signal that the requester gave up",
     "a handler that passes on its signal gives up what it asked when its requester does",
+    "a Node agent forwards a request: the next agent, Node or Python, answers the requester",
 )
 """Tests of clients/node/test/ whose names the run must show."""
 

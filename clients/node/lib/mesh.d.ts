@@ -764,6 +764,22 @@ export class AgentClient {
 
 // -- a Node.js agent ----------------------------------------------------------------------------
 
+/** A REQUEST handed on to another agent, as a serveAgent handler returns it. */
+export interface Forward {
+  readonly to: string;
+  readonly content?: JsonObject;
+}
+
+export interface AgentHandlerContext extends HandlerContext {
+  /**
+   * Hands the REQUEST on instead of answering it (`return forward('BillingAgent')`): the next
+   * agent answers the requester in this agent's place, under the request's correlation id,
+   * with `content` (the request's by default); the forward expires with the request and is
+   * withdrawn with it. A TypeError for any other type of message.
+   */
+  forward(agentId: string, content?: JsonObject): Forward;
+}
+
 export interface AgentOptions extends SecurityOptions {
   /** The broker's address. */
   broker: string;
@@ -775,8 +791,8 @@ export interface AgentOptions extends SecurityOptions {
    * for none; a throw answers a request with an ERROR and hands anything else back (a Reject:
    * to the dead-letter queue).
    */
-  handler: (message: Message, context: HandlerContext)
-  => Promise<JsonObject | null | undefined> | JsonObject | null | undefined;
+  handler: (message: Message, context: AgentHandlerContext)
+  => Promise<JsonObject | Forward | null | undefined> | JsonObject | Forward | null | undefined;
   description?: string;
   actions?: string[];
   host?: string;

@@ -865,7 +865,7 @@ class MeshClient {
           const answer = await handle(message, delivery.delivery_attempt, { signal });
           if (signal.aborted) return; // withdrawn: nobody waits, nothing to ack
           if (answer) write({ send: answer });
-          if (!answer || answer.correlation_id !== message.messageId) ack(message.messageId);
+          if (!answers(answer, message)) ack(message.messageId);
         } catch (err) {
           if (signal.aborted) return;
           const nack = { agent_id: agentId, message_ids: [message.messageId] };
@@ -988,6 +988,56 @@ class MeshClient {
     call.on('error', () => {});
     return call;
   }
+}
+
+/**
+ * Whether a frame sent in reply to a delivery takes the place of its ack: an answer (RESPONSE
+ * or ERROR) to it. A request handed on to another agent (a forward) asks, it does not answer.
+ */
+function answers(reply, message) {
+  return Boolean(reply)
+    && (reply.message_type === 'MESSAGE_TYPE_RESPONSE' || reply.message_type === 'MESSAGE_TYPE_ERROR')
+    && reply.correlation_id === message.messageId;
+}
+
+/** What a serveAgent handler returns to hand a REQUEST on (see forward in its context). */
+class Forward {
+  constructor(to, content) {
+    this.to = to;
+    this.content = content;
+  }
+}
+
+/** The `forward` of a serveAgent handler's context, for the delivery `message`. */
+function forwarding(message) {
+  return (to, content) => {
+    if (message.type !== 'REQUEST') {
+      throw new TypeError(`only a REQUEST can be forwarded, not a ${message.type}: `
+        + 'send or hand off a new message instead');
+    }
+    if (typeof to !== 'string' || !to || to === 'broadcast') {
+      throw new TypeError(`forward needs the id of the agent to hand the request to, not ${
+        JSON.stringify(to)}`);
+    }
+    return new Forward(to, content);
+  };
+}
+
+/**
+ * The REQUEST handed on: to the next agent, answering the requester (replyTo) under the
+ * request's correlation id, with its priority, metadata and headers, expiring with it.
+ */
+function forwardOf(message, agentId, forward) {
+  const built = buildMessage({ from: agentId, to: forward.to, type: 'REQUEST',
+    content: forward.content === undefined ? message.content : forward.content,
+    metadata: message.metadata, priority: message.priority, ttl: message.ttl,
+    replyTo: message.replyTo || message.from,
+    correlationId: message.correlationId || message.messageId, headers: message.headers });
+  const sent = Date.parse(message.timestamp);
+  if (message.ttl && !Number.isNaN(sent)) {
+    built.timestamp = { seconds: Math.floor(sent / 1000), nanos: (sent % 1000) * 1e6 };
+  }
+  return built;
 }
 
 /** A withdrawn delivery's lease is no longer kept (nor waited for), whatever its handler does. */
@@ -1308,8 +1358,10 @@ const REFLECTED = reflectable(definition);
 /**
  * Serves an agent: its own gRPC server (Agent service, with grpc.health.v1 and reflection),
  * registered with the broker, taking its deliveries from a subscription. handler(message,
- * {signal}) returns the response content (an object) or null; signal aborts when the
- * request's requester gave up (the broker withdrew it) or a direct caller cancelled.
+ * {signal, forward}) returns the response content (an object) or null; signal aborts when the
+ * request's requester gave up (the broker withdrew it) or a direct caller cancelled. A handler
+ * hands a REQUEST on instead of answering it with `return forward(agentId, content?)`: the
+ * next agent answers the requester in its place (content defaults to the request's).
  * onRefused(err) hears of an answer or ACK the broker refused (a warning on the console by
  * default).
  */
@@ -1328,7 +1380,8 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
       || (message.type === 'BROADCAST' && Boolean(message.correlationId || message.replyTo));
     let content;
     try {
-      content = await handler(message, context);
+      content = await handler(message, { ...context, forward: forwarding(message) });
+      if (content instanceof Forward) return forwardOf(message, agentId, content);
     } catch (err) {
       // What is asked always gets an answer: the error, as the Python agents send it (a
       // gather does not wait its timeout). Anything else is handed back (redelivered, then
@@ -1348,14 +1401,29 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     const reply = { action: (message.content && message.content.action) || 'response', ...content };
     return buildMessage({ from: agentId, to, type: 'RESPONSE', content: reply, correlationId });
   };
+  // A direct call's request handed on is asked through the broker (the caller is not one of
+  // its agents), and the next agent's answer goes back to the caller.
+  const askOnward = async (message, forward, signal, deadline) => {
+    const remaining = Number.isFinite(deadline) ? deadline - Date.now() : 30000;
+    const { response } = await client._ask({ request: { message: { ...forward, reply_to: '' },
+      timeout: toDuration(Math.max(remaining, 1)) } }, remaining + 1000,
+    { cancellable: true, signal });
+    return { ...response, to_agent: message.replyTo || message.from };
+  };
   server.addService(meshV1.AgentService.service, {
     HandleMessage: (call, callback) => {
       const aborting = new AbortController(); // the caller gave up: the handler may stop
       call.on('cancelled', () => aborting.abort(new MeshError({ code: grpc.status.CANCELLED,
         details: 'the caller cancelled the call' })));
-      answer(readMessage(call.request.message), { signal: aborting.signal })
+      const message = readMessage(call.request.message);
+      const deadline = Number(call.getDeadline());
+      answer(message, { signal: aborting.signal })
+        .then((response) => (response && response.message_type === 'MESSAGE_TYPE_REQUEST'
+          ? askOnward(message, response, aborting.signal, deadline) : response))
         .then((response) => callback(null, { response }))
-        .catch((err) => callback({ code: grpc.status.INTERNAL, details: String(err) }));
+        .catch((err) => callback(err instanceof MeshError
+          ? { code: err.code, details: err.message }
+          : { code: grpc.status.INTERNAL, details: String(err) }));
     },
     DescribeAgent: (call, callback) => callback(null, {
       card: { agent_id: agentId, agent_types: agentTypes, capabilities, tools: [],

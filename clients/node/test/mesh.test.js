@@ -911,6 +911,53 @@ function ackFrames(session) {
   return acked;
 }
 
+test('a Node agent forwards a request: the next agent, Node or Python, answers the requester',
+  async () => {
+    const handled = [];
+    const expert = await serveAgent({ broker: BROKER, agentId: 'NodeExpert',
+      handler: async (message) => ({ by: 'NodeExpert', path: message.content.path,
+        replyTo: message.replyTo }) });
+    const desk = await serveAgent({ broker: BROKER, agentId: 'NodeDesk', leaseMs: 500,
+      handler: async (message, { forward }) => {
+        handled.push(message.messageId);
+        const content = { ...message.content, path: ['NodeDesk'] };
+        return message.content.action === 'score'
+          ? forward('PriceAgent', content) : forward('NodeExpert', content);
+      } });
+    const client = new MeshClient(BROKER, { agentId: 'NodeAsker' });
+    const direct = new AgentClient(desk.address, { agentId: 'NodeCaller' });
+    try {
+      const answer = await client.request('NodeDesk', { action: 'ask' },
+        { messageId: 'node-forward-1', timeoutMs: 5000 });
+      assert.equal(answer.type, 'RESPONSE');
+      assert.equal(answer.from, 'NodeExpert');
+      assert.equal(answer.to, 'NodeAsker');
+      assert.equal(answer.correlationId, 'node-forward-1');
+      assert.deepEqual(answer.content, { action: 'ask', by: 'NodeExpert', path: ['NodeDesk'],
+        replyTo: 'NodeAsker' });
+      const scored = await client.request('NodeDesk',
+        { action: 'score', query: 'Hotel in Paris near Eiffel Tower' }, { timeoutMs: 5000 });
+      assert.equal(scored.from, 'PriceAgent');
+      assert.equal(scored.content.dimension, 'price');
+      const called = await direct.handle('NodeDesk', { action: 'ask' });
+      assert.equal(called.type, 'RESPONSE');
+      assert.equal(called.from, 'NodeExpert');
+      assert.equal(called.to, 'NodeCaller');
+      // The desk is done with what it forwarded: acknowledged, not delivered again once its
+      // lease is over.
+      await new Promise((resolve) => { setTimeout(resolve, 1500); });
+      assert.equal(handled[0], 'node-forward-1');
+      assert.equal(handled.length, 3); // the two requests through the broker, the direct call
+      const [view] = (await client.queueStats('NodeDesk')).agents;
+      assert.equal(view.depth + view.inFlight + view.deadLetters, 0);
+    } finally {
+      direct.close();
+      client.close();
+      await desk.stop();
+      await expert.stop();
+    }
+  });
+
 test('a session acks the deliveries of one frame in one frame, and none is redelivered',
   async () => {
     const client = new MeshClient(BROKER, { agentId: 'NodeBatchShop' });

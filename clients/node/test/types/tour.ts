@@ -35,6 +35,10 @@ export async function misuses(client: MeshClient, gateway: GatewayClient): Promi
   console.log(message.content.amount);
   // @ts-expect-error: a handler answers with a JSON object
   await serveAgent({ broker: '', agentId: 'A', handler: async () => 42 });
+  // @ts-expect-error: a forward names the agent it goes to
+  await serveAgent({ broker: '', agentId: 'A', handler: (_m, { forward }) => forward() });
+  // (and a handler may return one)
+  await serveAgent({ broker: '', agentId: 'A', handler: (_m, { forward }) => forward('B', { n: 1 }) });
   // @ts-expect-error: a lock comes from lockState
   await client.putState('k', 1, { lock: 'token' });
 }
