@@ -480,10 +480,8 @@ class Received:
         if session is not None and not session.closed:
             with contextlib.suppress(MeshError):
                 await session.write(frame)
-                if (
-                    answer.correlation_id == self.message.message_id
-                    and answer.message_type in (MessageType.RESPONSE, MessageType.ERROR)
-                ):
+                answers = answer.message_type in (MessageType.RESPONSE, MessageType.ERROR)
+                if answers and answer.correlation_id == self.message.message_id:
                     self.done = True
                     self._subscription._taken.pop(self.message.message_id, None)
                 return

@@ -87,9 +87,19 @@ def struct_to_dict(struct: struct_pb2.Struct) -> dict[str, JSON]:
     return {key: value_to_python(fields[key]) for key in fields}
 
 
-def _not_json(number: float) -> MessageValidationError:
+def _not_json(number: float | Decimal) -> MessageValidationError:
     return MessageValidationError.for_field(
         "content", f"{number!r} is not a number JSON can write (NaN and Infinity are not)"
+    )
+
+
+def _not_exact(number: int) -> MessageValidationError:
+    digits = len(str(abs(number)))
+    told = str(number) if digits <= 30 else f"of {digits} digits"
+    return MessageValidationError.for_field(
+        "content",
+        f"the integer {told} is beyond what a JSON number carries exactly "
+        "(+/-(2**53 - 1)): send it as a string",
     )
 
 
@@ -97,11 +107,14 @@ def python_to_value(data: JSON, out: struct_pb2.Value) -> None:
     # The exact types JSON decodes to are told apart by identity (one test each, bool apart
     # from int); subclasses and other sequences take the general path. NaN and Infinity are
     # refused here, where a JSON value is made: protobuf would carry them, but no client
-    # reading JSON could read what holds one.
+    # reading JSON could read what holds one; and so is an integer a double (what a JSON
+    # number is, in protobuf and in JavaScript) would round: it would arrive changed.
     kind = type(data)
     if kind is str:
         out.string_value = data
     elif kind is int:
+        if not -_MAX_SAFE_INT < data < _MAX_SAFE_INT:
+            raise _not_exact(data)
         out.number_value = data
     elif kind is float:
         if data - data != 0.0:  # (NaN or an infinity; a call to isfinite costs more)
@@ -113,7 +126,11 @@ def python_to_value(data: JSON, out: struct_pb2.Value) -> None:
         dict_to_struct(data, out.struct_value)
     elif data is None:
         out.null_value = struct_pb2.NULL_VALUE
-    elif isinstance(data, int | float):  # (bool has no subclasses: it was told above)
+    elif isinstance(data, int):  # (an IntEnum; bool has no subclasses: it was told above)
+        if not -_MAX_SAFE_INT < data < _MAX_SAFE_INT:
+            raise _not_exact(int(data))
+        out.number_value = int(data)
+    elif isinstance(data, float):
         if not math.isfinite(data):
             raise _not_json(float(data))
         out.number_value = float(data)
@@ -129,9 +146,10 @@ def python_to_value(data: JSON, out: struct_pb2.Value) -> None:
     elif isinstance(data, datetime | date | dt_time):
         out.string_value = data.isoformat()  # ISO 8601, as the message's own timestamp
     elif isinstance(data, Decimal):
-        if not data.is_finite():
-            raise _not_json(float(data))
-        out.number_value = float(data)
+        number = float(data)  # (a finite Decimal past a double's range is an infinity)
+        if not math.isfinite(number):
+            raise _not_json(data)
+        out.number_value = number
     else:
         out.string_value = str(data)  # (a UUID, an enum member, a path: their text)
 
@@ -147,7 +165,9 @@ def dict_to_struct(data: Mapping[str, JSON], out: struct_pb2.Struct) -> None:
         kind = type(item)  # strings and numbers, the most met, set here without a call
         if kind is str:
             fields[name].string_value = item
-        elif kind is int or (kind is float and item - item == 0.0):
+        elif (kind is int and -_MAX_SAFE_INT < item < _MAX_SAFE_INT) or (
+            kind is float and item - item == 0.0
+        ):
             fields[name].number_value = item
         else:
             python_to_value(item, fields[name])

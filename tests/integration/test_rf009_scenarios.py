@@ -1013,3 +1013,24 @@ async def test_an_answer_the_broker_would_refuse_reaches_the_requester_as_an_err
         # (an AgentError, not the RequestTimeoutError of a deadline passing)
         with pytest.raises(AgentError, match="Analyst's answer was refused: nan is not a number"):
             await hotel.request("Analyst", {"action": "analyze"}, timeout=20)
+
+
+async def test_an_integer_json_would_round_is_refused_before_it_travels(mesh: LocalMesh) -> None:
+    """12345678901234567 would arrive as 12345678901234568 (a JSON number is a double): the
+    sender hears so and nothing is queued; an agent answering with one cannot, and its
+    requester hears why at once."""
+
+    @agent("Ledger")
+    async def ledger(message: Message, ctx: AgentContext) -> dict:
+        return {"order_id": 12345678901234567}
+
+    await mesh.add_agent(ledger)
+    async with mesh.client("ShopAgent") as shop:
+        with pytest.raises(MessageValidationError, match="send it as a string"):
+            await shop.send("Ledger", {"action": "note", "order_id": 12345678901234567})
+        view = (await shop.queue_stats("Ledger")).for_agent("Ledger")
+        assert view is not None and view.depth == 0
+        with pytest.raises(
+            AgentError, match="Ledger's answer was refused: the integer 12345678901234567 is"
+        ):
+            await shop.request("Ledger", {"action": "look_up"}, timeout=20)

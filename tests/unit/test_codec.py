@@ -306,8 +306,9 @@ def test_an_event_over_the_stream_limit_leaves_out_its_longest_values() -> None:
         {"action": "x", "scores": [0.5, float("inf")]},
         {"action": "x", "deep": {"deeper": {"low": -float("inf")}}},
         {"action": "x", "amount": Decimal("NaN")},
+        {"action": "x", "amount": Decimal("1e400")},
     ],
-    ids=["nan", "in a list", "nested", "decimal"],
+    ids=["nan", "in a list", "nested", "decimal", "decimal past a double"],
 )
 def test_nan_and_infinity_are_refused_where_a_json_value_is_made(
     content: dict[str, object],
@@ -320,3 +321,31 @@ def test_nan_and_infinity_are_refused_where_a_json_value_is_made(
     finite = struct_pb2.Struct()
     codec.dict_to_struct({"a": 1.5, "b": [2, -0.0], "c": {"d": 1e308}}, finite)
     assert codec.struct_to_dict(finite) == {"a": 1.5, "b": [2, 0], "c": {"d": 1e308}}
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        ({"order_id": 12345678901234567}, "the integer 12345678901234567"),
+        ({"ids": [1, 2**53]}, "the integer 9007199254740992"),
+        ({"deep": {"n": -(2**53)}}, "the integer -9007199254740992"),
+        ({"huge": 10**400}, "the integer of 401 digits"),
+    ],
+    ids=["beyond 2**53", "in a list", "nested, negative", "past a double"],
+)
+def test_an_integer_a_json_number_would_round_is_refused(
+    content: dict[str, object], said: str
+) -> None:
+    """A JSON number is a double (in protobuf's Struct and in JavaScript): 12345678901234567
+    would arrive as 12345678901234568, and 10**400 not at all. Refused where the value is
+    made, with what to do instead; the largest integers it carries exactly go through."""
+    with pytest.raises(MessageValidationError, match=f"{said} is beyond .*send it as a string"):
+        codec.dict_to_struct(content, struct_pb2.Struct())  # type: ignore[arg-type]
+
+    class Level(enum.IntEnum):
+        HIGH = 3
+
+    exact = struct_pb2.Struct()
+    edge = 2**53 - 1
+    codec.dict_to_struct({"a": edge, "b": [-edge], "c": {"d": Level.HIGH}}, exact)
+    assert codec.struct_to_dict(exact) == {"a": edge, "b": [-edge], "c": {"d": 3}}
