@@ -22,12 +22,24 @@ const meshV1 = grpc.loadPackageDefinition(definition).mesh.v1;
 
 // -- google.protobuf.Struct <-> plain JSON ---------------------------------------------------
 
+/**
+ * A google.protobuf.Value from a JSON value, read as JSON.stringify reads it (a Date, or
+ * anything with toJSON, as what toJSON gives: a Date's ISO 8601 text). What JSON cannot carry
+ * is a TypeError rather than something else arriving: a BigInt (a JSON number is a double;
+ * send it as a string), a function or a symbol.
+ */
 function toValue(v) {
   if (v === null || v === undefined) return { nullValue: 'NULL_VALUE' };
   if (typeof v === 'boolean') return { boolValue: v };
   if (typeof v === 'number') return { numberValue: v };
   if (typeof v === 'string') return { stringValue: v };
   if (Array.isArray(v)) return { listValue: { values: v.map(toValue) } };
+  if (typeof v === 'bigint') {
+    throw new TypeError(`the BigInt ${v} cannot travel as a JSON number (a double): `
+      + 'send it as a string, or as a Number when it is within Number.MAX_SAFE_INTEGER');
+  }
+  if (typeof v !== 'object') throw new TypeError(`a ${typeof v} is not a JSON value`);
+  if (typeof v.toJSON === 'function') return toValue(v.toJSON());
   return { structValue: toStruct(v) };
 }
 

@@ -71,3 +71,21 @@ test('a message as read off the wire has the fields its declaration gives it', (
   assert.equal(read.priority, 'MEDIUM');
   assert.deepEqual(read.content, { n: 1 });
 });
+
+test('content travels as JSON.stringify reads it; a BigInt or a function is a TypeError', () => {
+  const definition = protoLoader.loadSync('mesh/v1/broker.proto', { includeDirs: [mesh.PROTO_ROOT],
+    keepCase: true, longs: Number, enums: String, defaults: true, oneofs: true });
+  const { requestSerialize, requestDeserialize } = definition['mesh.v1.BrokerService'].SendMessage;
+  const when = new Date(Date.UTC(2026, 10, 26, 12, 0, 0));
+  const wire = mesh.buildMessage({ from: 'A', to: 'B',
+    content: { action: 'book', when, legs: [{ at: when }], id: Number.MAX_SAFE_INTEGER } });
+  const read = mesh.readMessage(requestDeserialize(requestSerialize({ message: wire })).message);
+  assert.deepEqual(read.content, JSON.parse(JSON.stringify({ action: 'book', when,
+    legs: [{ at: when }], id: Number.MAX_SAFE_INTEGER })));
+  assert.equal(read.content.when, '2026-11-26T12:00:00.000Z');
+  assert.throws(() => mesh.buildMessage({ from: 'A', to: 'B',
+    content: { action: 'pay', orderId: 12345678901234567n } }),
+  (err) => err instanceof TypeError && /BigInt 12345678901234567 .*send it as a string/.test(err.message));
+  assert.throws(() => mesh.buildMessage({ from: 'A', to: 'B',
+    content: { action: 'pay', then: () => 1 } }), /a function is not a JSON value/);
+});
