@@ -14,7 +14,7 @@ import contextlib
 import functools
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
 import grpc
@@ -23,7 +23,9 @@ from mesh import codec
 from mesh._status import abort
 from mesh.client import (
     NO_RETRY,
+    BroadcastResult,
     ClientSubscription,
+    GatherResult,
     MeshClient,
     Received,
     RetryPolicy,
@@ -153,6 +155,24 @@ class AgentContext:
     async def request(self, to_agent: str, content: dict[str, JSON], **options: Any) -> Message:
         options.setdefault("headers", without_trace(self.message.headers))
         return await self.client.request(to_agent, content, from_agent=self.agent_id, **options)
+
+    async def broadcast(
+        self, content: dict[str, JSON], *, agent_types: Iterable[str] = (), **options: Any
+    ) -> BroadcastResult:
+        """A copy to every other agent, or to the agents of ``agent_types``, from this agent
+        (see :meth:`MeshClient.broadcast`)."""
+        options.setdefault("headers", without_trace(self.message.headers))
+        return await self.client.broadcast(
+            content, agent_types=agent_types, from_agent=self.agent_id, **options
+        )
+
+    def gather(
+        self, content: dict[str, JSON], **options: Any
+    ) -> AsyncGenerator[GatherResult, None]:
+        """Asks several agents at once as this agent; each answer (or error) as it arrives
+        (see :meth:`MeshClient.gather`: ``agent_ids``, ``agent_types``, ``timeout``)."""
+        options.setdefault("headers", without_trace(self.message.headers))
+        return self.client.gather(content, from_agent=self.agent_id, **options)
 
     async def handoff(
         self,
