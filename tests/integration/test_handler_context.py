@@ -61,19 +61,21 @@ async def test_a_handler_gathers_and_broadcasts_as_its_agent(mesh: LocalMesh) ->
     it."""
     coordinator = Coordinator()
     voters = [Voter("Ann", "A"), Voter("Bob", "B")]
-    async with await serve_all([coordinator, *voters], mesh.address):
-        async with mesh.client("asker") as client:
-            answer = await client.request("Coordinator", {"action": "poll"}, timeout=10)
-            assert answer.content == {
-                "action": "poll",
-                "votes": {
-                    "Ann": {"action": "vote", "choice": "A", "asked_by": "Coordinator"},
-                    "Bob": {"action": "vote", "choice": "B", "asked_by": "Coordinator"},
-                },
-                "told": ["Ann", "Bob"],
-            }
-            for voter in voters:
-                await asyncio.wait_for(voter.noticed.wait(), 5)
-                (notice,) = voter.notices
-                assert notice.from_agent == "Coordinator" and notice.content["votes"] == 2
+    async with (
+        await serve_all([coordinator, *voters], mesh.address),
+        mesh.client("asker") as client,
+    ):
+        answer = await client.request("Coordinator", {"action": "poll"}, timeout=10)
+        assert answer.content == {
+            "action": "poll",
+            "votes": {
+                "Ann": {"action": "vote", "choice": "A", "asked_by": "Coordinator"},
+                "Bob": {"action": "vote", "choice": "B", "asked_by": "Coordinator"},
+            },
+            "told": ["Ann", "Bob"],
+        }
+        for voter in voters:
+            await asyncio.wait_for(voter.noticed.wait(), 5)
+            (notice,) = voter.notices
+            assert notice.from_agent == "Coordinator" and notice.content["votes"] == 2
     assert coordinator.notices == []
