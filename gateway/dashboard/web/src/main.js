@@ -45,12 +45,17 @@ async function getJSON(url) {
 }
 
 // POSTs a JSON body (with the gateway credential, when one is given): {ok: true, ...answer}
-// or {ok: false, message}.
+// or {ok: false, message}, also when the dashboard could not be reached (said, not lost).
 async function postJSON(url, body, token) {
   const headers = { "Content-Type": "application/json" };
   if (token) headers.Authorization = `Bearer ${token}`;
-  const response = await fetch(url, { method: "POST", headers, body: JSON.stringify(body) });
-  const text = await response.text();
+  let response, text;
+  try {
+    response = await fetch(url, { method: "POST", headers, body: JSON.stringify(body) });
+    text = await response.text();
+  } catch (err) {
+    return { ok: false, message: `the dashboard could not be reached: ${err.message}` };
+  }
   try {
     const answer = JSON.parse(text);
     return response.ok ? { ok: true, ...answer } : { ok: false, message: answer.message || text };
