@@ -150,6 +150,12 @@ def python_to_value(data: JSON, out: struct_pb2.Value) -> None:
         if not math.isfinite(number):
             raise _not_json(data)
         out.number_value = number
+    elif isinstance(data, bytes | bytearray | memoryview | set | frozenset):
+        raise MessageValidationError.for_field(
+            "content",
+            f"{type(data).__name__} is not a JSON value: send "
+            + ("a list" if isinstance(data, set | frozenset) else "its base64 text"),
+        )
     else:
         out.string_value = str(data)  # (a UUID, an enum member, a path: their text)
 
@@ -407,18 +413,33 @@ def message_to_pb(message: Message, out: message_pb2.Message | None = None) -> m
     pb.to_agent = message.to_agent
     pb.message_type = _TYPE_TO_PB[message.message_type]
     if message.content is not None:
-        dict_to_struct(message.content, pb.content)
+        dict_to_struct(_an_object(message.content, "content"), pb.content)
     datetime_to_timestamp(message.timestamp, pb.timestamp)
     if message.metadata:
-        dict_to_struct(message.metadata, pb.metadata)
+        dict_to_struct(_an_object(message.metadata, "metadata"), pb.metadata)
     pb.correlation_id = message.correlation_id
     pb.priority = _PRIORITY_TO_PB[message.priority]
     pb.ttl = message.ttl
     pb.reply_to = message.reply_to
     pb.ack_required = message.ack_required
+    headers = pb.headers
     for key, value in message.headers.items():
-        pb.headers[key] = value
+        try:
+            headers[key] = value
+        except TypeError:
+            raise MessageValidationError.for_field(
+                "headers", f"headers must map strings to strings, not {key!r}: {value!r}"
+            ) from None
     return pb
+
+
+def _an_object(value: Any, field_name: str) -> Mapping[str, JSON]:
+    """``value`` when it is a JSON object (a mapping), else the error that says so."""
+    if type(value) is dict or isinstance(value, Mapping):
+        return cast(Mapping[str, JSON], value)
+    raise MessageValidationError.for_field(
+        field_name, f"{field_name} must be an object (a dict), not a {type(value).__name__}"
+    )
 
 
 def gather_message_from_pb(

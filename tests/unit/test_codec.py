@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 import uuid
 from datetime import UTC, date, datetime, time
 from decimal import Decimal
@@ -349,3 +350,29 @@ def test_an_integer_a_json_number_would_round_is_refused(
     edge = 2**53 - 1
     codec.dict_to_struct({"a": edge, "b": [-edge], "c": {"d": Level.HIGH}}, exact)
     assert codec.struct_to_dict(exact) == {"a": edge, "b": [-edge], "c": {"d": 3}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "said"),
+    [
+        ({"content": ["book"]}, "content must be an object (a dict), not a list"),
+        ({"metadata": "wf_1"}, "metadata must be an object (a dict), not a str"),  # type: ignore[dict-item]
+        (
+            {"content": {"action": "a", "blob": b"\x00"}},
+            "bytes is not a JSON value: send its base64",
+        ),
+        ({"content": {"action": "a", "tags": {"x"}}}, "set is not a JSON value: send a list"),
+        ({"headers": {"attempt": 3}}, "headers must map strings to strings, not 'attempt': 3"),
+        ({"headers": {1: "x"}}, "headers must map strings to strings, not 1: 'x'"),
+    ],
+    ids=["content a list", "metadata a string", "bytes", "a set", "a header's value", "a key"],
+)
+def test_what_json_or_the_envelope_cannot_carry_is_a_validation_error(
+    fields: dict[str, object], said: str
+) -> None:
+    """Not a TypeError or AttributeError from deep inside protobuf, nor a value's repr sent
+    as text: the sender hears what is wrong, before anything travels."""
+    fields.setdefault("content", {"action": "a"})
+    message = Message(from_agent="a", to_agent="b", **fields)  # type: ignore[arg-type]
+    with pytest.raises(MessageValidationError, match=re.escape(said)):
+        codec.message_to_pb(message)
