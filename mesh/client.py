@@ -14,7 +14,15 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -186,7 +194,10 @@ class QueueStatsReport:
 def with_trace(message: Message) -> Message:
     """The message carrying the current trace context in its headers, when there is one and
     it carries none yet."""
-    if "traceparent" in message.headers or not get_current_span().get_span_context().is_valid:
+    headers = message.headers
+    if type(headers) is not dict and not isinstance(headers, Mapping):
+        return message  # (wrong: the codec says so)
+    if "traceparent" in headers or not get_current_span().get_span_context().is_valid:
         return message  # (carries one already, or there is none to carry)
     return message.evolve(headers=inject(message.headers))
 

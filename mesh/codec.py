@@ -408,29 +408,70 @@ def message_to_pb(message: Message, out: message_pb2.Message | None = None) -> m
         pb.reply_to = message.reply_to
         pb.ack_required = message.ack_required
         return pb
-    pb.message_id = message.message_id
-    pb.from_agent = message.from_agent
-    pb.to_agent = message.to_agent
-    pb.message_type = _TYPE_TO_PB[message.message_type]
-    if message.content is not None:
-        dict_to_struct(_an_object(message.content, "content"), pb.content)
-    datetime_to_timestamp(message.timestamp, pb.timestamp)
-    if message.metadata:
-        dict_to_struct(_an_object(message.metadata, "metadata"), pb.metadata)
-    pb.correlation_id = message.correlation_id
-    pb.priority = _PRIORITY_TO_PB[message.priority]
-    pb.ttl = message.ttl
-    pb.reply_to = message.reply_to
-    pb.ack_required = message.ack_required
-    headers = pb.headers
-    for key, value in message.headers.items():
-        try:
-            headers[key] = value
-        except TypeError:
-            raise MessageValidationError.for_field(
-                "headers", f"headers must map strings to strings, not {key!r}: {value!r}"
-            ) from None
+    try:
+        pb.message_id = message.message_id
+        pb.from_agent = message.from_agent
+        pb.to_agent = message.to_agent
+        pb.message_type = _TYPE_TO_PB[message.message_type]
+        if message.content is not None:
+            dict_to_struct(_an_object(message.content, "content"), pb.content)
+        datetime_to_timestamp(message.timestamp, pb.timestamp)
+        if message.metadata:
+            dict_to_struct(_an_object(message.metadata, "metadata"), pb.metadata)
+        pb.correlation_id = message.correlation_id
+        pb.priority = _PRIORITY_TO_PB[message.priority]
+        pb.ttl = message.ttl
+        pb.reply_to = message.reply_to
+        pb.ack_required = message.ack_required
+        headers = pb.headers
+        for key, value in message.headers.items():
+            try:
+                headers[key] = value
+            except TypeError:
+                raise MessageValidationError.for_field(
+                    "headers", f"headers must map strings to strings, not {key!r}: {value!r}"
+                ) from None
+    except (TypeError, ValueError, AttributeError, KeyError, OverflowError):
+        raise _misfilled(message) from None
     return pb
+
+
+_ENVELOPE_KINDS: tuple[tuple[str, tuple[type, ...], str], ...] = (
+    ("message_id", (str,), "a string"),
+    ("from_agent", (str,), "a string"),
+    ("to_agent", (str,), "a string"),
+    ("correlation_id", (str,), "a string"),
+    ("reply_to", (str,), "a string"),
+    ("timestamp", (datetime,), "a datetime"),
+    ("ack_required", (bool,), "True or False"),
+    ("headers", (Mapping,), "a dict of strings"),
+)
+
+
+def _misfilled(message: Message) -> MessageValidationError:
+    """What is wrong with a :class:`Message` built by hand that could not be encoded: the
+    first field that is not of its type (a ttl of 1.5, a timestamp given as text...)."""
+    for name, kinds, told in _ENVELOPE_KINDS:
+        value = getattr(message, name)
+        if not isinstance(value, kinds):
+            return MessageValidationError.for_field(
+                name, f"{name} must be {told}, not {type(value).__name__} {value!r:.60}"
+            )
+    if type(message.ttl) is not int or not -(2**31) <= message.ttl < 2**31:
+        return MessageValidationError.for_field(
+            "ttl", f"ttl must be a whole number of seconds, not {message.ttl!r:.60}"
+        )
+    for name, known in (("message_type", _TYPE_TO_PB), ("priority", _PRIORITY_TO_PB)):
+        value = getattr(message, name)
+        try:
+            known_value = value in known
+        except TypeError:  # (unhashable)
+            known_value = False
+        if not known_value:
+            return MessageValidationError.for_field(
+                name, f"{name} must be one of {', '.join(map(str, known))}, not {value!r:.60}"
+            )
+    return MessageValidationError("the message could not be encoded: one of its fields is wrong")
 
 
 def _an_object(value: Any, field_name: str) -> Mapping[str, JSON]:

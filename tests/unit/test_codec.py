@@ -376,3 +376,28 @@ def test_what_json_or_the_envelope_cannot_carry_is_a_validation_error(
     message = Message(from_agent="a", to_agent="b", **fields)  # type: ignore[arg-type]
     with pytest.raises(MessageValidationError, match=re.escape(said)):
         codec.message_to_pb(message)
+
+
+@pytest.mark.parametrize(
+    ("fields", "said"),
+    [
+        ({"ttl": 1.5}, "ttl must be a whole number of seconds, not 1.5"),
+        ({"ttl": "5"}, "ttl must be a whole number of seconds, not '5'"),
+        ({"ttl": 2**40}, "ttl must be a whole number of seconds, not 1099511627776"),
+        ({"timestamp": "2026-11-26T12:00:00Z"}, "timestamp must be a datetime, not str"),
+        ({"correlation_id": 5}, "correlation_id must be a string, not int 5"),
+        ({"ack_required": "yes"}, "ack_required must be True or False, not str 'yes'"),
+        ({"headers": None}, "headers must be a dict of strings, not NoneType None"),
+        ({"priority": "URGENT"}, "priority must be one of HIGH, MEDIUM, LOW, not 'URGENT'"),
+        ({"message_type": ["REQUEST"]}, "message_type must be one of REQUEST, RESPONSE"),
+    ],
+    ids=lambda value: str(value)[:20] if isinstance(value, dict) else "",
+)
+def test_a_message_built_by_hand_with_a_field_of_the_wrong_type_is_a_validation_error(
+    fields: dict[str, object], said: str
+) -> None:
+    """``Message(...)`` takes what it is given; encoding it names the first wrong field,
+    where protobuf would raise a bare TypeError (or AttributeError, KeyError)."""
+    message = Message(from_agent="a", to_agent="b", content={"action": "a"}, **fields)  # type: ignore[arg-type]
+    with pytest.raises(MessageValidationError, match=re.escape(said)):
+        codec.message_to_pb(message)
