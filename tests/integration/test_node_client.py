@@ -34,7 +34,7 @@ NODE_TESTS = (
     "a handler hears through its signal that the requester gave up",
     "a handler that passes on its signal gives up what it asked when its requester does",
     "a Node agent forwards a request: the next agent, Node or Python, answers the requester",
-    "content travels as JSON.stringify reads it; a BigInt or a function is a TypeError",
+    "content travels as JSON.stringify reads it; what JSON cannot carry is a TypeError",
 )
 """Tests of clients/node/test/ whose names the run must show."""
 

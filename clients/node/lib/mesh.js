@@ -40,10 +40,20 @@ function toValue(v) {
   }
   if (typeof v !== 'object') throw new TypeError(`a ${typeof v} is not a JSON value`);
   if (typeof v.toJSON === 'function') return toValue(v.toJSON());
+  if (v instanceof Map || v instanceof Set) {
+    // (JSON.stringify writes either as {}: all that was in it lost)
+    throw new TypeError(`a ${v.constructor.name} is not a JSON value: send `
+      + (v instanceof Map ? 'an object (Object.fromEntries)' : 'an array'));
+  }
   return { structValue: toStruct(v) };
 }
 
-function toStruct(obj) {
+/** A google.protobuf.Struct from a JSON object (null or undefined: an empty one). */
+function toStruct(obj, field = 'a JSON object') {
+  if (obj !== null && obj !== undefined && (typeof obj !== 'object' || Array.isArray(obj))) {
+    throw new TypeError(`${field} must be an object, not ${
+      Array.isArray(obj) ? 'an array' : `a ${typeof obj}`}`);
+  }
   const fields = {};
   for (const [k, v] of Object.entries(obj || {})) fields[k] = toValue(v);
   return { fields };
@@ -91,15 +101,18 @@ function buildMessage(m) {
     throw new TypeError(
       `priority ${JSON.stringify(m.priority)} is not one of ${PRIORITIES.join(', ')}`);
   }
+  if (m.ttl !== undefined && !Number.isInteger(m.ttl)) {
+    throw new TypeError(`ttl must be a whole number of seconds, not ${JSON.stringify(m.ttl)}`);
+  }
   return {
     message_id: m.messageId || crypto.randomUUID(),
     from_agent: m.from,
     to_agent: m.to,
     // A REQUEST, or a BROADCAST when it goes to "broadcast", unless m.type says otherwise.
     message_type: `MESSAGE_TYPE_${m.type || (m.to === 'broadcast' ? 'BROADCAST' : 'REQUEST')}`,
-    content: m.content === undefined ? undefined : toStruct(m.content),
+    content: m.content === undefined ? undefined : toStruct(m.content, 'content'),
     timestamp: nowTimestamp(),
-    metadata: toStruct(m.metadata || {}),
+    metadata: toStruct(m.metadata, 'metadata'),
     correlation_id: m.correlationId || '',
     priority: `PRIORITY_${m.priority || 'MEDIUM'}`,
     ttl: m.ttl || 0,
@@ -502,9 +515,9 @@ class MeshClient {
       to_agent: to,
       handoff: {
         task_description: taskDescription,
-        context: toStruct(context),
+        context: toStruct(context, 'context'),
         previous_result: toValue(previousResult),
-        constraints: toStruct(constraints),
+        constraints: toStruct(constraints, 'constraints'),
         workflow_id: workflowId,
         step_number: stepNumber,
       },
@@ -578,7 +591,7 @@ class MeshClient {
    */
   async callTool(tool, args = {}, { timeoutMs = 10000, agentId = this.agentId } = {}) {
     const res = await unary(this.tools, 'InvokeTool', { agent_id: agentId, tool,
-      arguments: toStruct(args), timeout: toDuration(timeoutMs) }, timeoutMs + 5000);
+      arguments: toStruct(args, 'arguments'), timeout: toDuration(timeoutMs) }, timeoutMs + 5000);
     return fromValue(res.result);
   }
 
@@ -708,7 +721,7 @@ class MeshClient {
   async writeInsight(content, { tags = [], importance = 0.5, segment = 'default', metadata = {},
     agentId = this.agentId, ttlMs = 0 } = {}) {
     const insight = { agent_id: agentId, content: toValue(content), tags, importance, segment,
-      metadata: toStruct(metadata) };
+      metadata: toStruct(metadata, 'metadata') };
     if (ttlMs) insight.ttl = toDuration(ttlMs);
     return readInsight((await unary(this.memory, 'WriteInsight', { insight })).insight);
   }

@@ -72,7 +72,7 @@ test('a message as read off the wire has the fields its declaration gives it', (
   assert.deepEqual(read.content, { n: 1 });
 });
 
-test('content travels as JSON.stringify reads it; a BigInt or a function is a TypeError', () => {
+test('content travels as JSON.stringify reads it; what JSON cannot carry is a TypeError', () => {
   const definition = protoLoader.loadSync('mesh/v1/broker.proto', { includeDirs: [mesh.PROTO_ROOT],
     keepCase: true, longs: Number, enums: String, defaults: true, oneofs: true });
   const { requestSerialize, requestDeserialize } = definition['mesh.v1.BrokerService'].SendMessage;
@@ -88,4 +88,17 @@ test('content travels as JSON.stringify reads it; a BigInt or a function is a Ty
   (err) => err instanceof TypeError && /BigInt 12345678901234567 .*send it as a string/.test(err.message));
   assert.throws(() => mesh.buildMessage({ from: 'A', to: 'B',
     content: { action: 'pay', then: () => 1 } }), /a function is not a JSON value/);
+  // What would arrive as something else ({"0": "x"}, {}, a ttl of 1): refused, saying why.
+  for (const [fields, said] of [
+    [{ content: ['x'] }, /^content must be an object, not an array$/],
+    [{ content: 'x' }, /^content must be an object, not a string$/],
+    [{ content: { action: 'a' }, metadata: [1] }, /^metadata must be an object, not an array$/],
+    [{ content: { action: 'a', m: new Map([['k', 1]]) } }, /a Map is not a JSON value: send an object/],
+    [{ content: { action: 'a', s: new Set([1]) } }, /a Set is not a JSON value: send an array/],
+    [{ content: { action: 'a' }, ttl: 1.5 }, /^ttl must be a whole number of seconds, not 1.5$/],
+    [{ content: { action: 'a' }, ttl: '5' }, /^ttl must be a whole number of seconds, not "5"$/],
+  ]) {
+    assert.throws(() => mesh.buildMessage({ from: 'A', to: 'B', ...fields }),
+      (err) => err instanceof TypeError && said.test(err.message), JSON.stringify(fields));
+  }
 });
