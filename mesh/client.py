@@ -842,6 +842,7 @@ class MeshClient:
         self._session_lock = asyncio.Lock()
         self._background: set[asyncio.Task[None]] = set()
         self._subscriptions: set[ClientSubscription] = set()
+        self._closed = False
 
     async def __aenter__(self) -> MeshClient:
         return self
@@ -849,7 +850,19 @@ class MeshClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called: the client sends nothing more."""
+        return self._closed
+
+    def _refuse_if_closed(self) -> None:
+        if self._closed:
+            raise SessionClosedError(
+                "this client is closed: connect again (or keep it open while it is used)"
+            )
+
     async def close(self) -> None:
+        self._closed = True
         for task in list(self._background):
             task.cancel()
         for sub in list(self._subscriptions):
@@ -866,12 +879,14 @@ class MeshClient:
         session = self._session
         if session is not None and not session.closed:
             return session
+        self._refuse_if_closed()
         async with self._session_lock:
             if self._session is None or self._session.closed:
                 self._session = _Session(self._stub)
             return self._session
 
     async def _with_retry(self, operation: Callable[[], Awaitable[T]]) -> T:
+        self._refuse_if_closed()
         delays = self.retry.delays
         for attempt in itertools.count():
             try:
@@ -1400,6 +1415,7 @@ class MeshClient:
         by the broker: one still buffered here is never handed on; one handed on is marked
         ``withdrawn`` (its ack is no longer due) and given to ``on_withdrawn``, which may stop
         the work on it (the agent runtime cancels its handler)."""
+        self._refuse_if_closed()
         sub = ClientSubscription(
             self,
             agent_id or self.agent_id,
@@ -1540,6 +1556,7 @@ class MeshClient:
         request = tools_pb2.InvokeToolRequest(agent_id=agent_id or self.agent_id, tool=tool)
         codec.dict_to_struct(dict(arguments or {}), request.arguments)
         codec.seconds_to_duration(timeout, request.timeout)
+        self._refuse_if_closed()
         try:
             response = await self._tools.InvokeTool(request, timeout=timeout + 5.0)
         except grpc.RpcError as error:

@@ -14,10 +14,10 @@ import grpc
 import pytest
 from grpc_status import rpc_status
 
-from mesh import BrokerUnavailableError, connect
+from mesh import BrokerUnavailableError, LocalMesh, connect
 from mesh._status import to_rpc_status
 from mesh.client import NO_RETRY
-from mesh.core.errors import MeshError
+from mesh.core.errors import MeshError, SessionClosedError
 
 CONNECT = "/mesh.v1.BrokerService/Connect"
 
@@ -106,3 +106,28 @@ async def test_a_stream_the_broker_stops_answering_on_is_given_up() -> None:
         async with asyncio.timeout(5):
             while opened < 2:  # noqa: ASYNC110 (the server counts the streams)
                 await asyncio.sleep(0.01)
+
+
+async def test_a_closed_client_says_so(mesh: LocalMesh) -> None:
+    """Used after ``close`` (a client closed by the ``async with`` it was opened in, still
+    held by a task): each call says the client is closed, a MeshError like every other,
+    instead of grpc's bare UsageError from the closed channel."""
+    client = connect(mesh.address, agent_id="late")
+    await client.register()
+    await client.close()
+    assert client.closed
+    calls = {
+        "send": lambda: client.send("late", {"action": "a"}),
+        "request": lambda: client.request("late", {"action": "a"}, timeout=1),
+        "register": lambda: client.register(),
+        "queue_stats": lambda: client.queue_stats(),
+        "gather": lambda: anext(aiter(client.gather({"action": "a"}, timeout=1))),
+        "call_tool": lambda: client.call_tool("search", {"q": "x"}),
+    }
+    for name, call in calls.items():
+        with pytest.raises(SessionClosedError, match="this client is closed") as info:
+            await call()
+        assert info.value.code == "CANCELLED", name
+    with pytest.raises(SessionClosedError, match="this client is closed"):
+        client.subscribe()
+    await client.close()  # closing again is harmless
