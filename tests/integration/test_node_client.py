@@ -35,6 +35,7 @@ NODE_TESTS = (
     "a handler that passes on its signal gives up what it asked when its requester does",
     "a Node agent forwards a request: the next agent, Node or Python, answers the requester",
     "content travels as JSON.stringify reads it; what JSON cannot carry is a TypeError",
+    "a closed client says so on every call, a MeshError like every other",
 )
 """Tests of clients/node/test/ whose names the run must show."""
 

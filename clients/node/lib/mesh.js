@@ -339,7 +339,19 @@ function security(options = {}) {
   return { credentials, metadata, channelOptions };
 }
 
+/** What a call on a closed client gets: said plainly, a MeshError like every other. */
+function closedClient() {
+  return new MeshError({ code: grpc.status.CANCELLED, reason: 'SESSION_CLOSED',
+    details: 'this client is closed: make a new one (or keep it open while it is used)' });
+}
+
+/** Whether a client's channel was closed (close() on it, or on the client sharing it). */
+function isClosed(client) {
+  return client.getChannel().getConnectivityState(false) === grpc.connectivityState.SHUTDOWN;
+}
+
 function unary(client, method, request, timeoutMs = 10000, metadata = client.meshMetadata) {
+  if (isClosed(client)) return Promise.reject(closedClient());
   return new Promise((resolve, reject) => {
     client[method](request, metadata || new grpc.Metadata(),
       { deadline: Date.now() + timeoutMs }, (err, res) => {
@@ -414,6 +426,7 @@ class MeshClient {
    */
   _connect() {
     if (this._session && !this._session.closed) return this._session;
+    if (isClosed(this.broker)) throw closedClient();
     const call = this.broker.Connect(this.broker.meshMetadata || new grpc.Metadata());
     const session = { call, pending: new Map(), seq: 0, closed: false };
     const fail = (err) => {
@@ -840,6 +853,7 @@ class MeshClient {
     const leaseMs = askedLeaseMs || 30000; // (0 too: a length the extensions know)
     const metadata = (this.broker.meshMetadata || new grpc.Metadata()).clone();
     metadata.set('agentmesh-batch', '1');
+    if (isClosed(this.broker)) throw closedClient();
     const call = this.broker.Connect(metadata);
     const write = (frame) => {
       if (!call.writableEnded && !call.destroyed) call.write(frame);
@@ -970,6 +984,7 @@ class MeshClient {
   subscribe(onDelivery, { agentId = this.agentId, maxInFlight = 16, leaseMs: askedLeaseMs,
     maxLeaseExtensionMs = 3600000 } = {}) {
     const leaseMs = askedLeaseMs || 30000; // (0 too: a length the extensions know)
+    if (isClosed(this.broker)) throw closedClient();
     const call = this.broker.Subscribe({ agent_id: agentId, max_in_flight: maxInFlight,
       lease: toDuration(leaseMs), withdrawals: true }, this.broker.meshMetadata);
     const working = new Map(); // message id -> AbortController of its handling
@@ -1204,6 +1219,7 @@ class GatewayClient {
     } catch (err) {
       return Promise.reject(err);
     }
+    if (isClosed(this.gateway)) return Promise.reject(closedClient());
     const call = this.gateway[method](request, this.metadata, { deadline: Date.now() + timeoutMs });
     return new Promise((resolve, reject) => {
       const events = [];

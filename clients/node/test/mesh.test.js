@@ -4,7 +4,9 @@
 
 const test = require('node:test');
 const assert = require('node:assert/strict');
-const { MeshClient, GatewayClient, AgentClient, Reject, serveAgent } = require('../lib/mesh');
+const {
+  MeshClient, GatewayClient, AgentClient, MeshError, Reject, serveAgent,
+} = require('../lib/mesh');
 
 const BROKER = process.env.AGENTMESH_BROKER;
 const GATEWAY = process.env.AGENTMESH_GATEWAY;
@@ -957,6 +959,25 @@ test('a Node agent forwards a request: the next agent, Node or Python, answers t
       await expert.stop();
     }
   });
+
+test('a closed client says so on every call, a MeshError like every other', async () => {
+  const client = new MeshClient(BROKER, { agentId: 'NodeClosing' });
+  await client.register();
+  await client.deregister('NodeClosing');
+  client.close();
+  const gateway = new GatewayClient(GATEWAY);
+  gateway.close();
+  const closed = (err) => err instanceof MeshError && err.codeName === 'CANCELLED'
+    && err.reason === 'SESSION_CLOSED' && /this client is closed/.test(err.message);
+  await assert.rejects(client.send('NodeClosing', { action: 'a' }), closed);
+  await assert.rejects(client.request('NodeClosing', { action: 'a' }, { timeoutMs: 500 }), closed);
+  await assert.rejects(client.register(), closed);
+  await assert.rejects(client.queueStats(), closed);
+  assert.throws(() => client.session(() => null), closed);
+  assert.throws(() => client.subscribe(() => null), closed);
+  await assert.rejects(gateway.groupChat({ agentIds: ['PriceAgent'], query: 'q' }), closed);
+  client.close(); // again: harmless
+});
 
 test('a session acks the deliveries of one frame in one frame, and none is redelivered',
   async () => {
