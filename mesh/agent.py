@@ -592,6 +592,9 @@ class AgentRuntime:
             # Not answerable (not a REQUEST): let the broker redeliver, then dead-letter it.
             await received.nack()
             return
+        if answer is not None and forwards(message, answer):
+            await self._hand_on(received, answer)
+            return
         if answer is not None:
             try:
                 await received.answer(answer)
@@ -612,6 +615,31 @@ class AgentRuntime:
                     with contextlib.suppress(MeshError):
                         await received.answer(error_to(message, self.agent.agent_id, refused))
         await received.ack()  # nothing to do when the answer acknowledged it
+
+    async def _hand_on(self, received: Received, forward: Message) -> None:
+        """Sends a forward and waits for the broker to take it (tried again under backpressure,
+        as any send): one it refuses (the next agent unknown, its queue full) is said to the
+        requester as an ERROR at once, instead of its waiting for an answer that cannot come."""
+        message = received.message
+        try:
+            await self.client.send_message(forward)
+        except MeshError as error:
+            logger.warning(
+                "%s could not hand %s on to %s: %s",
+                self.agent.agent_id,
+                message.message_id,
+                forward.to_agent,
+                error.message,
+            )
+            failed = MeshError(
+                f"{self.agent.agent_id} could not hand the request on to {forward.to_agent}: "
+                f"{error.message}",
+                code=error.code,
+                reason=error.reason,
+            )
+            with contextlib.suppress(MeshError):
+                await received.answer(error_to(message, self.agent.agent_id, failed))
+        await received.ack()
 
     async def run_handler(
         self, message: Message, received: Received | None = None

@@ -18,6 +18,7 @@ from mesh import (
     Agent,
     AgentClient,
     AgentContext,
+    AgentError,
     LocalMesh,
     Message,
     MessageType,
@@ -126,6 +127,25 @@ async def test_a_forward_is_withdrawn_when_the_requester_gives_up(mesh: LocalMes
         view = (await client.queue_stats("Absent")).for_agent("Absent")
         assert view is not None and view.depth == 0
         assert withdrawn_count(mesh, "waiting") == 1
+
+
+async def test_a_forward_the_broker_refuses_reaches_the_requester_as_an_error(
+    mesh: LocalMesh,
+) -> None:
+    """The next agent is not registered: the requester hears so at once (not at its
+    deadline), and the desk is done with the request."""
+    desk = Desk("Desk", "Nowhere")
+    await mesh.add_agent(desk, lease_seconds=0.5)
+    async with mesh.client("asker") as client:
+        with pytest.raises(
+            AgentError, match="Desk could not hand the request on to Nowhere: "
+        ) as info:
+            await client.request("Desk", {"action": "ask"}, timeout=20)
+        assert info.value.reason == "AGENT_NOT_FOUND"
+        await asyncio.sleep(1.0)  # two of the desk's leases
+        assert len(desk.handled) == 1
+        view = (await client.queue_stats("Desk")).for_agent("Desk")
+        assert view is not None and (view.depth, view.in_flight) == (0, 0)
 
 
 async def test_a_direct_call_to_an_agent_that_forwards_gets_the_next_agents_answer(
