@@ -1412,7 +1412,9 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     `${agentId}: the broker refused a frame: ${err.codeName}: ${err.message}`),
   leaseMs, maxLeaseExtensionMs, ...options }) {
   const server = new grpc.Server();
-  const answer = async (message, context) => {
+  // What the handler returns for a delivery, or for a direct call (its forward returned
+  // unsent then: askOnward below asks it through the broker).
+  const answer = async (message, context, { direct = false } = {}) => {
     const to = message.replyTo || message.from;
     const correlationId = message.correlationId || message.messageId;
     // A broadcast is asked when its sender waits for answers: a gather's copy (every one
@@ -1422,7 +1424,10 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     let content;
     try {
       content = await handler(message, { ...context, forward: forwarding(message) });
-      if (content instanceof Forward) return forwardOf(message, agentId, content);
+      if (content instanceof Forward) {
+        const forward = forwardOf(message, agentId, content);
+        return direct ? forward : await handOn(message, forward);
+      }
     } catch (err) {
       // What is asked always gets an answer: the error, as the Python agents send it (a
       // gather does not wait its timeout). Anything else is handed back (redelivered, then
@@ -1442,6 +1447,21 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     const reply = { action: (message.content && message.content.action) || 'response', ...content };
     return buildMessage({ from: agentId, to, type: 'RESPONSE', content: reply, correlationId });
   };
+  // A forward is sent as any send (waiting for the broker to take it, tried again under
+  // backpressure); one refused (the next agent unknown, its queue full) is said to the
+  // requester as an ERROR at once. Either way the delivery is settled (acked).
+  const handOn = async (message, forward) => {
+    try {
+      await client._withRetry(() => client._ask({ send: forward }, 10000));
+      return null;
+    } catch (err) {
+      if (!(err instanceof MeshError)) throw err;
+      return buildMessage({ from: agentId, to: message.replyTo || message.from, type: 'ERROR',
+        correlationId: message.correlationId || message.messageId,
+        content: { action: 'error', reason: err.reason || err.codeName,
+          error: `${agentId} could not hand the request on to ${forward.to_agent}: ${err.message}` } });
+    }
+  };
   // A direct call's request handed on is asked through the broker (the caller is not one of
   // its agents), and the next agent's answer goes back to the caller.
   const askOnward = async (message, forward, signal, deadline) => {
@@ -1458,7 +1478,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
         details: 'the caller cancelled the call' })));
       const message = readMessage(call.request.message);
       const deadline = Number(call.getDeadline());
-      answer(message, { signal: aborting.signal })
+      answer(message, { signal: aborting.signal }, { direct: true })
         .then((response) => (response && response.message_type === 'MESSAGE_TYPE_REQUEST'
           ? askOnward(message, response, aborting.signal, deadline) : response))
         .then((response) => callback(null, { response }))

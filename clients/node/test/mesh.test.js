@@ -923,8 +923,8 @@ test('a Node agent forwards a request: the next agent, Node or Python, answers t
       handler: async (message, { forward }) => {
         handled.push(message.messageId);
         const content = { ...message.content, path: ['NodeDesk'] };
-        return message.content.action === 'score'
-          ? forward('PriceAgent', content) : forward('NodeExpert', content);
+        const next = { score: 'PriceAgent', lost: 'NodeNowhere' }[message.content.action];
+        return forward(next || 'NodeExpert', content);
       } });
     const client = new MeshClient(BROKER, { agentId: 'NodeAsker' });
     const direct = new AgentClient(desk.address, { agentId: 'NodeCaller' });
@@ -945,11 +945,17 @@ test('a Node agent forwards a request: the next agent, Node or Python, answers t
       assert.equal(called.type, 'RESPONSE');
       assert.equal(called.from, 'NodeExpert');
       assert.equal(called.to, 'NodeCaller');
+      // A forward the broker refuses: the requester hears why at once, not at its deadline.
+      const lost = await client.request('NodeDesk', { action: 'lost' }, { timeoutMs: 20000 });
+      assert.equal(lost.type, 'ERROR');
+      assert.equal(lost.from, 'NodeDesk');
+      assert.equal(lost.content.reason, 'AGENT_NOT_FOUND');
+      assert.match(lost.content.error, /^NodeDesk could not hand the request on to NodeNowhere: /);
       // The desk is done with what it forwarded: acknowledged, not delivered again once its
       // lease is over.
       await new Promise((resolve) => { setTimeout(resolve, 1500); });
       assert.equal(handled[0], 'node-forward-1');
-      assert.equal(handled.length, 3); // the two requests through the broker, the direct call
+      assert.equal(handled.length, 4); // three requests through the broker, the direct call
       const [view] = (await client.queueStats('NodeDesk')).agents;
       assert.equal(view.depth + view.inFlight + view.deadLetters, 0);
     } finally {
