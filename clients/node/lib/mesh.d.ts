@@ -778,6 +778,8 @@ export interface AgentHandlerContext extends HandlerContext {
    * withdrawn with it. A TypeError for any other type of message.
    */
   forward(agentId: string, content?: JsonObject): Forward;
+  /** The agent's own client (its messages come from the agent): for the handler's requests. */
+  client: MeshClient;
 }
 
 export interface AgentOptions extends SecurityOptions {

@@ -1399,10 +1399,12 @@ const REFLECTED = reflectable(definition);
 /**
  * Serves an agent: its own gRPC server (Agent service, with grpc.health.v1 and reflection),
  * registered with the broker, taking its deliveries from a subscription. handler(message,
- * {signal, forward}) returns the response content (an object) or null; signal aborts when the
- * request's requester gave up (the broker withdrew it) or a direct caller cancelled. A handler
- * hands a REQUEST on instead of answering it with `return forward(agentId, content?)`: the
- * next agent answers the requester in its place (content defaults to the request's).
+ * {signal, forward, client}) returns the response content (an object) or null; signal aborts
+ * when the request's requester gave up (the broker withdrew it) or a direct caller cancelled.
+ * A handler hands a REQUEST on instead of answering it with `return forward(agentId,
+ * content?)`: the next agent answers the requester in its place (content defaults to the
+ * request's). client is the agent's own MeshClient (its messages come from the agent), for
+ * the handler's own sends, requests and gathers.
  * onRefused(err) hears of an answer or ACK the broker refused (a warning on the console by
  * default).
  */
@@ -1423,7 +1425,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
       || (message.type === 'BROADCAST' && Boolean(message.correlationId || message.replyTo));
     let content;
     try {
-      content = await handler(message, { ...context, forward: forwarding(message) });
+      content = await handler(message, { ...context, forward: forwarding(message), client });
       if (content instanceof Forward) {
         const forward = forwardOf(message, agentId, content);
         return direct ? forward : await handOn(message, forward);
