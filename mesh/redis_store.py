@@ -56,6 +56,7 @@ from mesh.core.model import AgentInfo, DeadLetter, Message, Priority
 from mesh.core.queue import (
     GIVEN_UP_ROUTE,
     GIVEN_UP_SECONDS,
+    MAX_FORWARDS,
     Lease,
     Popped,
     QueueStats,
@@ -1352,6 +1353,20 @@ class RedisQueueStore:
         replica is gone."""
         body = json.dumps(message.to_dict(), separators=(",", ":"))
         return bool(await self._call("publish", self._answers(replica), body))
+
+    async def remember_forward(
+        self, key: tuple[str, str], agent_id: str, message_id: str, ttl: float
+    ) -> None:
+        forwards = f"mesh:forwards:{key[0]}:{key[1]}"
+        with contextlib.suppress(BrokerUnavailableError):  # (best effort: it expires anyway)
+            await self._call("rpush", forwards, f"{agent_id}\n{message_id}")
+            await self._call("ltrim", forwards, -MAX_FORWARDS, -1)
+            await self._call("pexpire", forwards, max(1, int(ttl * 1000)))
+
+    async def take_forwards(self, key: tuple[str, str]) -> list[tuple[str, str]]:
+        raw = await self._call("lpop", f"mesh:forwards:{key[0]}:{key[1]}", MAX_FORWARDS)
+        places = [_text(entry).split("\n", 1) for entry in raw or ()]
+        return [(place[0], place[1]) for place in places if len(place) == 2]
 
     async def watch(self, listener: Any) -> None:
         """Follows the other replicas: wake-ups, registrations and answers for this one."""

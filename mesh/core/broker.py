@@ -46,7 +46,14 @@ from mesh.core.model import (
     Priority,
     utc_now,
 )
-from mesh.core.queue import GIVEN_UP_ROUTE, GIVEN_UP_SECONDS, QueueStats, QueueStore, Released
+from mesh.core.queue import (
+    GIVEN_UP_ROUTE,
+    GIVEN_UP_SECONDS,
+    MAX_FORWARDS,
+    QueueStats,
+    QueueStore,
+    Released,
+)
 from mesh.core.registry import AgentRegistry
 from mesh.core.state import SharedState, StateStore
 from mesh.core.tasks import cancel_and_wait
@@ -58,8 +65,6 @@ logger = logging.getLogger("mesh.broker")
 handoff_logger = logging.getLogger("mesh.handoff")
 
 _ANSWER_TYPES = (MessageType.RESPONSE, MessageType.ERROR)
-MAX_FORWARDS = 16
-"""How many forwards of one request the broker remembers to withdraw when it is given up."""
 _ASKING_TYPES = (MessageType.REQUEST, MessageType.HANDOFF, MessageType.BROADCAST)
 
 
@@ -563,17 +568,27 @@ class Broker:
         ):
             raise AgentNotFoundError(f"agent {message.to_agent} is not registered")
         if message.reply_to and message.message_type in _ASKING_TYPES:
-            self._note_forward(message)
+            await self._note_forward(message, lifetime)
         await self._enqueue(message, lifetime)
         self.metrics.sent(message.message_type.value, time.perf_counter() - started)
         return SendOutcome(message, (message.to_agent,))
 
-    def _note_forward(self, message: Message) -> None:
+    async def _note_forward(self, message: Message, lifetime: float | None) -> None:
         """An agent handed a request on (its answer goes to the requester, under the request's
-        correlation id): remembered while the request waits here."""
-        places = self._forwards.get((message.reply_to, message.correlation_id))
-        if places is not None and len(places) < MAX_FORWARDS:
-            places.append((message.to_agent, message.message_id))
+        correlation id): remembered while the request waits here, or, with replicas, for the
+        replica it waits on (the forward's lifetime at most)."""
+        key = (message.reply_to, message.correlation_id)
+        places = self._forwards.get(key)
+        if places is not None:
+            if len(places) < MAX_FORWARDS:
+                places.append((message.to_agent, message.message_id))
+        elif self.store.shared and message.correlation_id:
+            ttl = self._lifetime(message) if lifetime is None else lifetime
+            if ttl > 0:
+                # Past the forward's own lifetime: its request is given up at about that
+                # moment (the forward expires with it), when the record is read.
+                place = (message.to_agent, message.message_id)
+                await self.store.remember_forward(key, *place, ttl + 30.0)
 
     def _offer_answer(self, message: Message) -> bool:
         """Gives an answer to the request or gather waiting for it here; False when none is."""
@@ -866,6 +881,9 @@ class Broker:
                 if self.store.shared:
                     await self.store.drop_route(key, given_up=not answered)
                 if sent and not answered:
+                    if self.store.shared:
+                        with contextlib.suppress(MeshError):  # (else they expire)
+                            forwards = [*forwards, *await self.store.take_forwards(key)]
                     places = dict.fromkeys([(message.to_agent, message.message_id), *forwards])
                     await self._withdraw(message, list(places))
 

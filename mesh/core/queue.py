@@ -97,6 +97,9 @@ GIVEN_UP_ROUTE = "given-up"
 GIVEN_UP_SECONDS = 300.0
 """How long answers to a request or gather that ended unanswered count as late, not lost."""
 
+MAX_FORWARDS = 16
+"""How many forwards of one request are remembered, to be withdrawn when it is given up."""
+
 
 class QueueStore(Protocol):
     """What the broker needs from a queue backend."""
@@ -239,6 +242,17 @@ class QueueStore(Protocol):
 
     async def forward_answer(self, replica: str, message: Message) -> bool:
         """Hands an answer to the replica waiting for it; False when it is gone."""
+        ...
+
+    async def remember_forward(
+        self, key: tuple[str, str], agent_id: str, message_id: str, ttl: float
+    ) -> None:
+        """Records, for the replica whose requester waits for that answer, that the request
+        was handed on to ``agent_id`` as ``message_id`` (kept ``ttl`` seconds at most)."""
+        ...
+
+    async def take_forwards(self, key: tuple[str, str]) -> list[tuple[str, str]]:
+        """The forwards recorded for that answer (agent id, message id), forgotten."""
         ...
 
     async def close(self) -> None:
@@ -532,6 +546,14 @@ class InMemoryQueueStore:
 
     async def forward_answer(self, replica: str, message: Message) -> bool:
         return False
+
+    async def remember_forward(
+        self, key: tuple[str, str], agent_id: str, message_id: str, ttl: float
+    ) -> None:
+        return None
+
+    async def take_forwards(self, key: tuple[str, str]) -> list[tuple[str, str]]:
+        return []
 
     def _push(self, queue: _AgentQueue, entry: _Entry) -> None:
         entry.state = _State.QUEUED

@@ -26,7 +26,10 @@ from mesh import (
     RequestTimeoutError,
     on,
 )
-from mesh.agent import answer_to, forwards
+from mesh.agent import AgentServer, answer_to, forwards, serve
+from mesh.client import NO_RETRY, connect
+from mesh.config import SecurityConfig
+from tests.helpers.processes import BROKER_READY, Proc, start, stop
 from tests.integration.test_withdrawal import Thinker, withdrawn_count
 
 
@@ -210,3 +213,31 @@ async def test_only_a_request_can_be_forwarded(mesh: LocalMesh) -> None:
         ctx = AgentContext(Desk("Desk", "Expert"), client, broadcast)
         with pytest.raises(ValueError, match="only a REQUEST can be forwarded"):
             ctx.forward("Expert")
+
+
+@pytest.mark.processes
+async def test_a_forward_through_another_replica_is_withdrawn_with_its_request(
+    redis_url: str,
+) -> None:
+    """Two broker processes on one Redis: the requester waits on one, the desk and the expert
+    are served through the other. The requester gives up: the replica it waited on withdraws
+    the forward the other replica took, and the expert's handler is cancelled."""
+    a: Proc = await start("broker", "--port", "0", "--store", redis_url, ready=BROKER_READY)
+    b: Proc = await start("broker", "--port", "0", "--store", redis_url, ready=BROKER_READY)
+    thinker = Thinker("Expert")
+    served: list[AgentServer] = []
+    try:
+        served.append(await serve(thinker, b.address, security=SecurityConfig()))
+        served.append(await serve(Desk("Desk", "Expert"), b.address, security=SecurityConfig()))
+        async with connect(a.address, agent_id="asker", retry=NO_RETRY) as via_a:
+            with pytest.raises(RequestTimeoutError):
+                await via_a.request("Desk", {"action": "think"}, timeout=1.0)
+            await asyncio.wait_for(thinker.cancelled_event.wait(), 5)
+            assert thinker.finished == [] and served[0].runtime.withdrawn == 1
+            view = (await via_a.queue_stats("Expert")).for_agent("Expert")
+            assert view is not None and (view.depth, view.in_flight) == (0, 0)
+    finally:
+        for one in served:
+            await one.stop(0.5)
+        await stop(a)
+        await stop(b)
