@@ -216,7 +216,8 @@ class Agent:
     A handler returns the response content (a dict), a whole :class:`Message`, any other
     JSON value (sent as ``{"result": value}``) or None. REQUEST messages always get a
     RESPONSE; BROADCAST and HANDOFF messages get one when the handler returns something.
-    A handler that raises answers a REQUEST with an ERROR message.
+    A handler that raises answers a REQUEST with an ERROR message. A REQUEST's handler may
+    hand it on instead (``return ctx.forward("OtherAgent")``): the other agent answers.
     """
 
     agent_id: str = ""
