@@ -65,6 +65,8 @@ logger = logging.getLogger("mesh.broker")
 handoff_logger = logging.getLogger("mesh.handoff")
 
 _ANSWER_TYPES = (MessageType.RESPONSE, MessageType.ERROR)
+MAX_REFUSAL_TEXT = 2048
+"""How much of an answer's refusal the ERROR that takes its place says."""
 _ASKING_TYPES = (MessageType.REQUEST, MessageType.HANDOFF, MessageType.BROADCAST)
 
 
@@ -537,7 +539,12 @@ class Broker:
         self, message: Message, size_bytes: int, lifetime: float | None = None
     ) -> SendOutcome:
         started = time.perf_counter()
-        self._validate(message, size_bytes)
+        try:
+            self._validate(message, size_bytes)
+        except MessageValidationError as error:
+            if message.message_type in _ANSWER_TYPES:
+                await self._answer_refused(message, error)
+            raise
         if self.draining and message.message_type not in _ANSWER_TYPES:
             self._refuse_new_work()
         if message.to_agent == BROADCAST_TARGET:
@@ -572,6 +579,33 @@ class Broker:
         await self._enqueue(message, lifetime)
         self.metrics.sent(message.message_type.value, time.perf_counter() - started)
         return SendOutcome(message, (message.to_agent,))
+
+    async def _answer_refused(self, answer: Message, error: MessageValidationError) -> None:
+        """An answer refused (too large, no content, ...) still tells whoever waits for it
+        why, at once: an ERROR in its place from the broker, routed as any answer (and
+        settling the answering agent's delivery as one), instead of a wait until the
+        deadline for an answer that was sent and lost."""
+        if not answer.correlation_id or answer.to_agent == BROADCAST_TARGET:
+            return
+        said = Message(
+            from_agent=answer.from_agent,
+            to_agent=answer.to_agent,
+            message_type=MessageType.ERROR,
+            content={
+                "action": "error",
+                "error": f"{answer.from_agent or 'the agent'}'s answer was refused: "
+                f"{error.message}"[:MAX_REFUSAL_TEXT],
+                "reason": error.reason,
+            },
+            correlation_id=answer.correlation_id,
+            priority=Priority.HIGH,
+        )
+        try:
+            validate_message(said, self.config, 0)  # (an envelope that cannot carry it)
+        except MeshError:
+            return
+        with contextlib.suppress(MeshError):
+            await self._send(said, 0)
 
     async def _note_forward(self, message: Message, lifetime: float | None) -> None:
         """An agent handed a request on (its answer goes to the requester, under the request's

@@ -1034,3 +1034,59 @@ async def test_an_integer_json_would_round_is_refused_before_it_travels(mesh: Lo
             AgentError, match="Ledger's answer was refused: the integer 12345678901234567 is"
         ):
             await shop.request("Ledger", {"action": "look_up"}, timeout=20)
+
+
+@pytest.mark.parametrize(
+    ("reply", "said", "reason"),
+    [
+        ({"report": "x" * 1_100_000}, "message is 11001", "MESSAGE_TOO_LARGE"),
+        (
+            Message(from_agent="", to_agent="", content=None, message_type=MessageType.RESPONSE),
+            "content is required",
+            "VALIDATION_FAILED",
+        ),
+    ],
+    ids=["too large", "no content"],
+)
+async def test_an_answer_the_broker_refuses_reaches_the_requester_as_an_error(
+    mesh: LocalMesh, reply: object, said: str, reason: str
+) -> None:
+    """The answer goes out and the broker refuses it (too large, no content): whoever waits
+    hears why at once, from the broker, and the agent's delivery is settled (not delivered
+    again at its lease's end)."""
+    handled: list[str] = []
+
+    @agent("Writer")
+    async def writer(message: Message, ctx: AgentContext) -> object:
+        handled.append(message.message_id)
+        return reply
+
+    await mesh.add_agent(writer, lease_seconds=0.5)
+    async with mesh.client("Editor") as editor:
+        with pytest.raises(AgentError, match=f"Writer's answer was refused: {said}") as info:
+            await editor.request("Writer", {"action": "write"}, timeout=20)
+        assert info.value.reason == reason
+        await asyncio.sleep(1.0)  # two leases
+        assert len(handled) == 1
+        view = (await editor.queue_stats("Writer")).for_agent("Writer")
+        assert view is not None and (view.depth, view.in_flight) == (0, 0)
+
+
+async def test_a_cancellation_from_inside_a_handler_answers_with_an_error(
+    mesh: LocalMesh,
+) -> None:
+    """A task the handler awaited was cancelled by someone else: the CancelledError is the
+    handler's failure, not the runtime's cancellation of it; the requester hears so at once."""
+
+    @agent("Waiter")
+    async def waiter(message: Message, ctx: AgentContext) -> dict:
+        side = asyncio.create_task(asyncio.sleep(30))
+        asyncio.get_running_loop().call_later(0.05, side.cancel)
+        await side
+        return {"waited": True}
+
+    await mesh.add_agent(waiter)
+    async with mesh.client("Guest") as guest:
+        with pytest.raises(AgentError, match="was cancelled from within") as info:
+            await guest.request("Waiter", {"action": "wait"}, timeout=20)
+        assert info.value.reason == "HANDLER_CANCELLED"
