@@ -672,7 +672,7 @@ class AgentRuntime:
             attributes=attributes,
         ) as span:
             try:
-                reply = await self.agent.handle(message, ctx)
+                reply = await self._handled(message, ctx)
                 if inspect.iscoroutine(reply):  # `return other(...)` without its await
                     reply.close()
                     raise TypeError(
@@ -706,6 +706,22 @@ class AgentRuntime:
                 raise
             self.handled += 1
             return answer_to(message, self.agent.agent_id, reply)
+
+    async def _handled(self, message: Message, ctx: AgentContext) -> Reply:
+        """The handler's reply. A cancellation that comes from inside the handler (a task it
+        awaited was cancelled by someone else), not to it, is a failure like any other: its
+        requester hears of it, rather than waiting for a delivery left to its lease's end."""
+        try:
+            return await self.agent.handle(message, ctx)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is None or current.cancelling():
+                raise  # its own: a withdrawal, the runtime stopping, a direct caller gone
+            raise AgentError(
+                f"the handler of {message.action!r} was cancelled from within"
+                " (a task it awaited was cancelled)",
+                reason="HANDLER_CANCELLED",
+            ) from None
 
     async def stop(self, grace: float = 5.0) -> None:
         """No new deliveries; in-flight work finishes within ``grace`` or goes back to the queue."""
