@@ -1446,7 +1446,11 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     // A broadcast nobody asked is not answered: an alert to every agent does not bring every
     // agent's answer back.
     if (message.type === 'BROADCAST' && !asked) return null;
-    const reply = { action: (message.content && message.content.action) || 'response', ...content };
+    // Any other JSON value (a number, a string, an array) goes as {result: value}, as the
+    // Python agents send it (spread, a string would arrive as {"0": ..., "1": ...}).
+    const fields = typeof content === 'object' && !Array.isArray(content) ? content
+      : { result: content };
+    const reply = { action: (message.content && message.content.action) || 'response', ...fields };
     return buildMessage({ from: agentId, to, type: 'RESPONSE', content: reply, correlationId });
   };
   // A forward is sent as any send (waiting for the broker to take it, tried again under

@@ -150,7 +150,8 @@ test('calls an agent directly on its own server, Node or Python (RT-011 peer-to-
     const agent = await serveAgent({ broker: BROKER, agentId: 'NodePeerAgent',
       agentTypes: ['peer'], capabilities: ['quote'], description: 'Quotes prices',
       actions: ['get_quote'],
-      handler: async (message) => ({ quote: 42, asked: message.content.action }) });
+      handler: async (message) => ({ count: 42, name: 'Quote desk', list: [1, 2] }[
+        message.content.action] ?? { quote: 42, asked: message.content.action }) });
     const client = new MeshClient(BROKER, { agentId: 'NodeCaller' });
     const direct = new AgentClient(agent.address, { agentId: 'NodeCaller' });
     let python = null;
@@ -164,6 +165,11 @@ test('calls an agent directly on its own server, Node or Python (RT-011 peer-to-
       const answer = await direct.handle('NodePeerAgent', { action: 'get_quote' });
       assert.equal(answer.type, 'RESPONSE');
       assert.deepEqual(answer.content, { action: 'get_quote', quote: 42, asked: 'get_quote' });
+      // Any other JSON value comes as {result}, as from a Python agent.
+      for (const [action, result] of [['count', 42], ['name', 'Quote desk'], ['list', [1, 2]]]) {
+        assert.deepEqual((await direct.handle('NodePeerAgent', { action })).content,
+          { action, result });
+      }
       const [price] = (await client.listAgents()).filter((a) => a.agentId === 'PriceAgent');
       python = new AgentClient(price.address, { agentId: 'NodeCaller' });
       assert.equal((await python.describe()).agentId, 'PriceAgent');
