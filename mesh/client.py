@@ -962,9 +962,16 @@ class MeshClient:
             raise MessageValidationError.for_field(
                 "ttl", f"ttl must be within 0 and {MAX_TTL} seconds (got {ttl})"
             )
+        sender = self.agent_id if from_agent is None else from_agent
+        if not sender:
+            raise MessageValidationError.for_field(
+                "from_agent",
+                "from_agent is required: connect(..., agent_id=...) names the agent this client"
+                " sends as (or pass from_agent=...)",
+            )
         return Message(
             message_id=message_id or new_message_id(),
-            from_agent=self.agent_id if from_agent is None else from_agent,
+            from_agent=sender,
             to_agent=to_agent,
             content=content,
             message_type=(

@@ -1090,3 +1090,24 @@ async def test_a_cancellation_from_inside_a_handler_answers_with_an_error(
         with pytest.raises(AgentError, match="was cancelled from within") as info:
             await guest.request("Waiter", {"action": "wait"}, timeout=20)
         assert info.value.reason == "HANDLER_CANCELLED"
+
+
+async def test_a_client_that_names_no_agent_is_told_how_to_send(mesh: LocalMesh) -> None:
+    """RF-009 scenario 11, from the SDK: a message needs its sender; a client connected
+    without an agent id hears how to give one, and nothing is sent."""
+    async with mesh.client("Inbox") as inbox, mesh.client() as anonymous:
+        await inbox.register()
+        for call in (
+            lambda: anonymous.send("Inbox", {"action": "note"}),
+            lambda: anonymous.request("Inbox", {"action": "note"}, timeout=1),
+            lambda: anonymous.broadcast({"action": "note"}),
+        ):
+            with pytest.raises(
+                MessageValidationError, match="connect\\(\\.\\.\\., agent_id="
+            ) as info:
+                await call()
+            assert [v.field for v in info.value.field_violations] == ["from_agent"]
+        sent = await anonymous.send("Inbox", {"action": "note"}, from_agent="Desk")
+        assert sent.from_agent == "Desk"
+        view = (await anonymous.queue_stats("Inbox")).for_agent("Inbox")
+        assert view is not None and view.depth == 1
