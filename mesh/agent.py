@@ -679,6 +679,12 @@ class AgentRuntime:
                         f"the handler of {message.action!r} returned a coroutine, not its"
                         " result: an await is missing"
                     )
+                if inspect.isgenerator(reply) or inspect.isasyncgen(reply):
+                    # (its text, "<generator object ...>", would have gone as the answer)
+                    raise TypeError(
+                        f"the handler of {message.action!r} is a generator: it returns one"
+                        " answer (a list, for many values), not a yield per value"
+                    )
             except asyncio.CancelledError:
                 raise
             except Exception as error:

@@ -1,13 +1,16 @@
 """What a handler does as its agent through ``ctx``: broadcast and gather, besides send,
 request, hand off and forward. Agents served together (``serve_all``) share a client that is
-no agent of its own: each exchange must still come from the agent whose handler made it."""
+no agent of its own: each exchange must still come from the agent whose handler made it. And
+a handler written as a generator, which has no one answer to give."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
-from mesh import Agent, AgentContext, LocalMesh, Message, on, serve_all
+import pytest
+
+from mesh import Agent, AgentContext, AgentError, LocalMesh, Message, on, serve_all
 
 
 class Voter(Agent):
@@ -79,3 +82,28 @@ async def test_a_handler_gathers_and_broadcasts_as_its_agent(mesh: LocalMesh) ->
             (notice,) = voter.notices
             assert notice.from_agent == "Coordinator" and notice.content["votes"] == 2
     assert coordinator.notices == []
+
+
+class Yielder(Agent):
+    """Handlers written as generators by mistake: each yields instead of returning."""
+
+    @on("numbers")
+    def numbers(self, message: Message, ctx: AgentContext) -> Any:
+        yield 1
+        yield 2
+
+    @on("stream")
+    async def stream(self, message: Message, ctx: AgentContext) -> Any:
+        yield {"part": 1}
+
+
+async def test_a_handler_written_as_a_generator_answers_with_an_error_saying_so(
+    mesh: LocalMesh,
+) -> None:
+    """Its answer would have been the text "<generator object ...>": the requester hears
+    what is wrong instead."""
+    await mesh.add_agent(Yielder("Yielder"))
+    async with mesh.client("asker") as client:
+        for action in ("numbers", "stream"):
+            with pytest.raises(AgentError, match=f"the handler of '{action}' is a generator"):
+                await client.request("Yielder", {"action": action}, timeout=10)
