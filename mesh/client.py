@@ -46,6 +46,7 @@ from mesh.core.errors import (
 )
 from mesh.core.memory import Insight, MemoryStats
 from mesh.core.model import (
+    ANSWER_TYPES,
     BROADCAST_TARGET,
     JSON,
     MAX_DEAD_LETTER_REASON,
@@ -199,7 +200,7 @@ def with_trace(message: Message) -> Message:
         return message  # (wrong: the codec says so)
     if "traceparent" in headers or not get_current_span().get_span_context().is_valid:
         return message  # (carries one already, or there is none to carry)
-    return message.evolve(headers=inject(message.headers))
+    return message.evolve(headers=inject(headers))
 
 
 def wait_seconds(timeout: float | None, default: float, field: str = "timeout") -> float:
@@ -491,7 +492,7 @@ class Received:
         if session is not None and not session.closed:
             with contextlib.suppress(MeshError):
                 await session.write(frame)
-                answers = answer.message_type in (MessageType.RESPONSE, MessageType.ERROR)
+                answers = answer.message_type in ANSWER_TYPES
                 if answers and answer.correlation_id == self.message.message_id:
                     self.done = True
                     self._subscription._taken.pop(self.message.message_id, None)

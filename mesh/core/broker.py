@@ -35,6 +35,7 @@ from mesh.core.errors import (
 )
 from mesh.core.memory import MemoryPool, SharedMemoryPool
 from mesh.core.model import (
+    ANSWER_TYPES,
     BROADCAST_TARGET,
     MAX_DEAD_LETTER_REASON,
     AgentInfo,
@@ -64,7 +65,6 @@ from mesh.tracing import extract, headers_for, records_under, tracer, without_tr
 logger = logging.getLogger("mesh.broker")
 handoff_logger = logging.getLogger("mesh.handoff")
 
-_ANSWER_TYPES = (MessageType.RESPONSE, MessageType.ERROR)
 MAX_REFUSAL_TEXT = 2048
 """How much of an answer's refusal the ERROR that takes its place says."""
 _ASKING_TYPES = (MessageType.REQUEST, MessageType.HANDOFF, MessageType.BROADCAST)
@@ -542,15 +542,15 @@ class Broker:
         try:
             self._validate(message, size_bytes)
         except MessageValidationError as error:
-            if message.message_type in _ANSWER_TYPES:
+            if message.message_type in ANSWER_TYPES:
                 await self._answer_refused(message, error)
             raise
-        if self.draining and message.message_type not in _ANSWER_TYPES:
+        if self.draining and message.message_type not in ANSWER_TYPES:
             self._refuse_new_work()
         if message.to_agent == BROADCAST_TARGET:
             outcome = await self.broadcast(message)
             return SendOutcome(outcome.message, outcome.recipients)
-        if message.message_type in _ANSWER_TYPES and message.correlation_id:
+        if message.message_type in ANSWER_TYPES and message.correlation_id:
             # An answer acknowledges the request it answers, when the answering agent holds
             # it leased (its correlation id is the request's id): no separate ack frame.
             await self.store.ack(message.from_agent, (message.correlation_id,))

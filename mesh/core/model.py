@@ -43,6 +43,11 @@ class MessageType(_Named):
     ACK = "ACK"
 
 
+ANSWER_TYPES = (MessageType.RESPONSE, MessageType.ERROR)
+"""The types that answer a message (under its id as their correlation_id): one that answers a
+delivery settles it, as its acknowledgement."""
+
+
 class Priority(_Named):
     """Queue priority: HIGH is delivered before MEDIUM, MEDIUM before LOW."""
 
