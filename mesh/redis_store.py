@@ -1358,10 +1358,13 @@ class RedisQueueStore:
         self, key: tuple[str, str], agent_id: str, message_id: str, ttl: float
     ) -> None:
         forwards = f"mesh:forwards:{key[0]}:{key[1]}"
-        with contextlib.suppress(BrokerUnavailableError):  # (best effort: it expires anyway)
-            await self._call("rpush", forwards, f"{agent_id}\n{message_id}")
-            await self._call("ltrim", forwards, -MAX_FORWARDS, -1)
-            await self._call("pexpire", forwards, max(1, int(ttl * 1000)))
+        # One round trip; best effort: what is not recorded expires with its request anyway.
+        with contextlib.suppress(RedisError, OSError, BrokerUnavailableError):
+            pipe = (await self._client()).pipeline(transaction=False)
+            pipe.rpush(forwards, f"{agent_id}\n{message_id}")
+            pipe.ltrim(forwards, -MAX_FORWARDS, -1)
+            pipe.pexpire(forwards, max(1, int(ttl * 1000)))
+            await pipe.execute()
 
     async def take_forwards(self, key: tuple[str, str]) -> list[tuple[str, str]]:
         raw = await self._call("lpop", f"mesh:forwards:{key[0]}:{key[1]}", MAX_FORWARDS)
