@@ -435,6 +435,8 @@ async def _requeue(args: argparse.Namespace) -> int:
 
 async def _state(args: argparse.Namespace) -> int:
     """Reads, writes or deletes one entry of the shared state."""
+    if args.ttl is not None and (args.delete or args.value is None):
+        raise MessageValidationError.for_field("ttl", "--ttl goes with a VALUE to write")
     async with connect(args.broker, agent_id=args.agent, security=security_config(args)) as client:
         if args.delete:
             entry = await client.delete_state(args.key, expected_version=args.expect_version)
@@ -447,7 +449,9 @@ async def _state(args: argparse.Namespace) -> int:
                 raise MessageValidationError.for_field(
                     "value", f"value is not JSON: {error}"
                 ) from None
-            entry = await client.put_state(args.key, value, expected_version=args.expect_version)
+            entry = await client.put_state(
+                args.key, value, expected_version=args.expect_version, ttl=args.ttl
+            )
         else:
             found = await client.get_state(args.key)
             if found is None:
@@ -463,14 +467,17 @@ async def _state(args: argparse.Namespace) -> int:
                     "version": entry.version,
                     "updated_by": entry.updated_by,
                     "updated_at": entry.updated_at.isoformat(),
+                    "expires_at": entry.expires_at.isoformat() if entry.expires_at else None,
                 },
                 indent=2,
             )
         )
     else:
+        lapses = f"  until {entry.expires_at.isoformat()}" if entry.expires_at else ""
         _print(
             f"{entry.key}  version {entry.version}  by {entry.updated_by}  at "
-            f"{entry.updated_at.isoformat()}  {json.dumps(entry.value, separators=(',', ':'))}"
+            f"{entry.updated_at.isoformat()}{lapses}  "
+            f"{json.dumps(entry.value, separators=(',', ':'))}"
         )
     return 0
 
@@ -712,6 +719,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--expect-version",
         type=int,
         help="write or delete only if the entry is at this version (0: only if absent)",
+    )
+    p.add_argument(
+        "--ttl", type=float, help="with VALUE: the entry lapses this many seconds after the write"
     )
     p.add_argument("--delete", action="store_true")
     p.add_argument("--broker", default=broker_default)

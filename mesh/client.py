@@ -60,7 +60,7 @@ from mesh.core.model import (
     Priority,
     new_message_id,
 )
-from mesh.core.state import StateEntry, StateLock
+from mesh.core.state import StateEntry, StateLock, check_ttl
 from mesh.core.tasks import cancel_and_wait
 from mesh.metrics import RT011_FIGURES
 from mesh.security import open_channel
@@ -1672,11 +1672,14 @@ class MeshClient:
         expected_version: int | None = None,
         lock: StateLock | None = None,
         agent_id: str | None = None,
+        ttl: float | None = None,
     ) -> StateEntry:
         """Writes a new version of ``key``. With ``expected_version`` (0: "there is none
         yet") it is a compare-and-set, refused with StateConflictError (VERSION_CONFLICT) when
         another write came first; an entry locked by another agent refuses it too
-        (STATE_LOCKED) unless this write carries that ``lock``."""
+        (STATE_LOCKED) unless this write carries that ``lock``. With ``ttl`` (seconds) the
+        entry lapses that long after this write (it is then read as absent); without, it
+        stays until deleted."""
         from mesh.memory_server import entry_from_pb
 
         request = memory_pb2.PutStateRequest(
@@ -1685,6 +1688,9 @@ class MeshClient:
         codec.python_to_value(value, request.value)
         if expected_version is not None:
             request.expected_version = expected_version
+        if ttl is not None:
+            check_ttl(ttl)
+            codec.seconds_to_duration(ttl, request.ttl)
         response = await self._with_retry(self._unary(self._memory.PutState, request))
         return entry_from_pb(response.entry)
 

@@ -56,6 +56,8 @@ def entry_to_pb(entry: StateEntry, out: memory_pb2.StateEntry) -> memory_pb2.Sta
     out.version = entry.version
     out.updated_by = entry.updated_by
     codec.datetime_to_timestamp(entry.updated_at, out.updated_at)
+    if entry.expires_at is not None:
+        codec.datetime_to_timestamp(entry.expires_at, out.expires_at)
     return out
 
 
@@ -66,6 +68,9 @@ def entry_from_pb(pb: memory_pb2.StateEntry) -> StateEntry:
         version=pb.version,
         updated_by=pb.updated_by,
         updated_at=codec.timestamp_to_datetime(pb.updated_at),
+        expires_at=(
+            codec.timestamp_to_datetime(pb.expires_at) if pb.HasField("expires_at") else None
+        ),
     )
 
 
@@ -151,6 +156,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
             request.agent_id,
             expected_version=_expected_version(request),
             lock_token=request.lock_token,
+            ttl=_seconds(request, "ttl"),
         )
         response = memory_pb2.PutStateResponse()
         entry_to_pb(entry, response.entry)

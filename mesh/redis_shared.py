@@ -65,7 +65,10 @@ WRITER_COUNTS = PREFIX + "writer-counts"
 STATE_VALUES = PREFIX + "state-values"
 """Hash: key -> the entry's value, as the writer's JSON."""
 STATE_META = PREFIX + "state-meta"
-"""Hash: key -> {"version", "updated_by", "updated_at"}."""
+"""Hash: key -> {"version", "updated_by", "updated_at"} and, for an entry with a ttl,
+"expires" (ms since the epoch)."""
+STATE_EXPIRY = PREFIX + "state-expiry"
+"""Sorted set: the keys of entries with a ttl, by when they lapse (ms since the epoch)."""
 LOCKS = PREFIX + "locks"
 """Hash: key -> {"holder", "token", "expires"} (expires in ms since the epoch)."""
 UNLOCKED = PREFIX + "unlocked"
@@ -207,10 +210,15 @@ return {redis.call('HLEN', KEYS[1]), redis.call('HLEN', KEYS[4]),
 )
 _INSIGHT_KEYS = [INSIGHTS, TAG_COUNTS, SEGMENT_COUNTS, WRITER_COUNTS, INSIGHT_EXPIRY]
 
-# KEYS: values, meta, locks. ARGV: key, now (ms), agent, token, expected version ('' for
-# none), capacity, value JSON, updated_at, 'put' or 'delete'.
+# KEYS: values, meta, locks, expiry. ARGV: key, now (ms), agent, token, expected version
+# ('' for none), capacity, value JSON, updated_at, 'put' or 'delete', ttl (ms, '' for none).
 _WRITE_STATE = """
 local key, now, token = ARGV[1], tonumber(ARGV[2]), ARGV[4]
+for _, lapsed in ipairs(redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now, 'LIMIT', 0, 1000)) do
+  redis.call('HDEL', KEYS[1], lapsed)
+  redis.call('HDEL', KEYS[2], lapsed)
+  redis.call('ZREM', KEYS[4], lapsed)
+end
 local lock = redis.call('HGET', KEYS[3], key)
 local held = nil
 if lock then
@@ -233,10 +241,18 @@ if ARGV[9] == 'delete' then
   local old = redis.call('HGET', KEYS[1], key)
   redis.call('HDEL', KEYS[1], key)
   redis.call('HDEL', KEYS[2], key)
+  redis.call('ZREM', KEYS[4], key)
   return {'OK', meta, old}
 end
 if not meta and redis.call('HLEN', KEYS[2]) >= tonumber(ARGV[6]) then return {'FULL'} end
-local fresh = cjson.encode({version = version + 1, updated_by = ARGV[3], updated_at = ARGV[8]})
+local record = {version = version + 1, updated_by = ARGV[3], updated_at = ARGV[8]}
+if ARGV[10] ~= '' then
+  record.expires = now + tonumber(ARGV[10])
+  redis.call('ZADD', KEYS[4], record.expires, key)
+else
+  redis.call('ZREM', KEYS[4], key)
+end
+local fresh = cjson.encode(record)
 redis.call('HSET', KEYS[1], key, ARGV[7])
 redis.call('HSET', KEYS[2], key, fresh)
 return {'OK', fresh, ARGV[7]}
@@ -446,7 +462,10 @@ class RedisSharedState:
         )  # fmt: skip
         if meta is None:
             raise not_found(key)
-        return _entry(key, meta, value)
+        entry = _entry(key, meta, value)
+        if entry.expires_at is not None and entry.expires_at.timestamp() <= self.store.now():
+            raise not_found(key)  # lapsed: the next write removes it
+        return entry
 
     async def put(
         self,
@@ -456,9 +475,10 @@ class RedisSharedState:
         *,
         expected_version: int | None = None,
         lock_token: str = "",
+        ttl: float | None = None,
     ) -> StateEntry:
-        encoded = check_write(key, value, agent_id, expected_version, self.max_value_bytes)
-        return await self._write("put", key, agent_id, expected_version, lock_token, encoded)
+        encoded = check_write(key, value, agent_id, expected_version, self.max_value_bytes, ttl)
+        return await self._write("put", key, agent_id, expected_version, lock_token, encoded, ttl)
 
     async def delete(
         self,
@@ -479,12 +499,14 @@ class RedisSharedState:
         expected_version: int | None,
         lock_token: str,
         encoded: str,
+        ttl: float | None = None,
     ) -> StateEntry:
-        keys = [STATE_VALUES, STATE_META, LOCKS]
+        keys = [STATE_VALUES, STATE_META, LOCKS, STATE_EXPIRY]
         answer = await self.store._call(
             "eval", _WRITE_STATE, len(keys), *keys, key, self._now_ms(), agent_id, lock_token,
             "" if expected_version is None else expected_version, self.capacity, encoded,
             datetime.fromtimestamp(self.store.now(), UTC).isoformat(), what,
+            "" if ttl is None else max(1, round(ttl * 1000)),
         )  # fmt: skip
         outcome = _text(answer[0])
         if outcome == "OK":
@@ -559,4 +581,5 @@ def _entry(key: str, meta: Any, value: Any) -> StateEntry:
         version=int(fields["version"]),
         updated_by=str(fields["updated_by"]),
         updated_at=datetime.fromisoformat(str(fields["updated_at"])),
+        expires_at=_at(int(fields["expires"])) if "expires" in fields else None,
     )

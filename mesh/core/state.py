@@ -9,13 +9,17 @@ read and write, with locks for the writes that must not interleave.
   waits at most ``lock_timeout`` (RT-011: 1 s), and at most ``max_writers`` agents (RT-011: 5)
   hold locks at once: a sixth waits for one of them to finish.
 - Bounded: at most ``capacity`` entries, each value at most ``max_value_bytes`` of JSON.
+- A write may give its entry a ttl: past it the entry is read as absent, its place free (each
+  write sets the entry's lifetime anew; one without a ttl keeps it until deleted).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import heapq
 import json
+import math
 import secrets
 import time
 from dataclasses import dataclass
@@ -39,6 +43,8 @@ MAX_WRITERS = 5
 DEFAULT_LEASE = 10.0
 MAX_LEASE = 60.0
 MAX_KEY_LENGTH = 256
+MAX_TTL = 365 * 86400.0
+"""The longest an entry's ttl may be, in seconds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +54,8 @@ class StateEntry:
     version: int
     updated_by: str
     updated_at: datetime
+    expires_at: datetime | None = None
+    """When it lapses (its last write gave a ttl); None: it stays until deleted."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +87,7 @@ class StateStore(Protocol):
         *,
         expected_version: int | None = None,
         lock_token: str = "",
+        ttl: float | None = None,
     ) -> StateEntry: ...
 
     async def delete(
@@ -111,6 +120,10 @@ class SharedState:
         self.capacity = capacity
         self.max_value_bytes = max_value_bytes
         self._entries: dict[str, StateEntry] = {}
+        self._expiry: dict[str, float] = {}
+        """Per entry written with a ttl, when it lapses (monotonic)."""
+        self._lapsing: list[tuple[float, str]] = []
+        """A heap of those moments (some stale: an entry written again since)."""
         self._locks: dict[str, _Held] = {}
         self._waiting: dict[str, collections.deque[object]] = {}
         """Per key, the lock requests waiting, in their order of arrival."""
@@ -121,10 +134,42 @@ class SharedState:
 
     async def get(self, key: str) -> StateEntry:
         check_key(key)
-        entry = self._entries.get(key)
+        entry = self._live(key)
         if entry is None:
             raise not_found(key)
         return entry
+
+    def _live(self, key: str) -> StateEntry | None:
+        """The entry, unless there is none or its ttl ran out (then it goes)."""
+        entry = self._entries.get(key)
+        if entry is not None and self._expiry.get(key, math.inf) <= time.monotonic():
+            self._drop(key)
+            return None
+        return entry
+
+    def _drop(self, key: str) -> None:
+        self._entries.pop(key, None)
+        self._expiry.pop(key, None)
+
+    def _purge(self) -> None:
+        """Removes the entries whose ttl ran out."""
+        now = time.monotonic()
+        while self._lapsing and self._lapsing[0][0] <= now:
+            at, key = heapq.heappop(self._lapsing)
+            if self._expiry.get(key) == at:
+                self._drop(key)
+
+    def _lapse_after(self, key: str, ttl: float | None) -> datetime | None:
+        if ttl is None:
+            self._expiry.pop(key, None)
+            return None
+        at = time.monotonic() + ttl
+        self._expiry[key] = at
+        heapq.heappush(self._lapsing, (at, key))
+        if len(self._lapsing) > 2 * len(self._expiry) + 64:  # stale moments of rewrites
+            self._lapsing = [(t, k) for k, t in self._expiry.items()]
+            heapq.heapify(self._lapsing)
+        return datetime.fromtimestamp(time.time() + ttl, tz=UTC)
 
     async def put(
         self,
@@ -134,12 +179,16 @@ class SharedState:
         *,
         expected_version: int | None = None,
         lock_token: str = "",
+        ttl: float | None = None,
     ) -> StateEntry:
-        check_write(key, value, agent_id, expected_version, self.max_value_bytes)
+        check_write(key, value, agent_id, expected_version, self.max_value_bytes, ttl)
+        self._purge()
         current = self._may_write(key, agent_id, expected_version, lock_token)
         if current is None and len(self._entries) >= self.capacity:
             raise full(self.capacity)
-        entry = StateEntry(key, value, (current.version if current else 0) + 1, agent_id, utc_now())
+        version = (current.version if current else 0) + 1
+        expires_at = self._lapse_after(key, ttl)
+        entry = StateEntry(key, value, version, agent_id, utc_now(), expires_at)
         self._entries[key] = entry
         return entry
 
@@ -155,7 +204,7 @@ class SharedState:
         current = self._may_write(key, agent_id, expected_version, lock_token)
         if current is None:
             raise not_found(key)
-        del self._entries[key]
+        self._drop(key)
         return current
 
     def _may_write(
@@ -167,7 +216,7 @@ class SharedState:
                 raise lock_not_held(key)
         elif held is not None:
             raise locked(key, held.holder, held.expires_at)
-        current = self._entries.get(key)
+        current = self._live(key)
         if expected_version is not None:
             found = current.version if current else 0
             if found != expected_version:
@@ -273,7 +322,12 @@ def check_key(key: str) -> None:
 
 
 def check_write(
-    key: str, value: JSON, agent_id: str, expected_version: int | None, max_value_bytes: int
+    key: str,
+    value: JSON,
+    agent_id: str,
+    expected_version: int | None,
+    max_value_bytes: int,
+    ttl: float | None = None,
 ) -> str:
     """A write's validation; returns the value as JSON (what a store in Redis keeps)."""
     check_key(key)
@@ -291,9 +345,21 @@ def check_write(
             )
     if expected_version is not None and expected_version < 0:
         problems.append(FieldViolation("expected_version", "must not be negative"))
+    if ttl is not None and not 0 < ttl <= MAX_TTL:
+        problems.append(ttl_violation())
     if problems:
         raise MessageValidationError.from_violations(problems)
     return encoded
+
+
+def ttl_violation() -> FieldViolation:
+    return FieldViolation("ttl", f"ttl must be above 0 and at most {MAX_TTL:g} s (or unset)")
+
+
+def check_ttl(ttl: float) -> None:
+    """An entry's ttl, in seconds, as a client checks it before sending."""
+    if not 0 < ttl <= MAX_TTL:
+        raise MessageValidationError.from_violations([ttl_violation()])
 
 
 def lock_terms(

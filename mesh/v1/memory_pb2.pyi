@@ -373,6 +373,7 @@ class StateEntry(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     UPDATED_BY_FIELD_NUMBER: _builtins.int
     UPDATED_AT_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """Its name, e.g. "budget/q3"."""
     version: _builtins.int
@@ -387,6 +388,12 @@ class StateEntry(_message.Message):
     def updated_at(self) -> _timestamp_pb2.Timestamp:
         """When this version was written."""
 
+    @_builtins.property
+    def expires_at(self) -> _timestamp_pb2.Timestamp:
+        """When the entry lapses (it is then read as absent), when its last write gave a ttl;
+        unset: it stays until deleted.
+        """
+
     def __init__(
         self,
         *,
@@ -395,10 +402,11 @@ class StateEntry(_message.Message):
         version: _builtins.int = ...,
         updated_by: _builtins.str = ...,
         updated_at: _timestamp_pb2.Timestamp | None = ...,
+        expires_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["updated_at", b"updated_at", "value", b"value"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "updated_at", b"updated_at", "value", b"value"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "updated_at", b"updated_at", "updated_by", b"updated_by", "value", b"value", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "key", b"key", "updated_at", b"updated_at", "updated_by", b"updated_by", "value", b"value", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -461,6 +469,7 @@ class PutStateRequest(_message.Message):
     AGENT_ID_FIELD_NUMBER: _builtins.int
     EXPECTED_VERSION_FIELD_NUMBER: _builtins.int
     LOCK_TOKEN_FIELD_NUMBER: _builtins.int
+    TTL_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """The entry's key (at most 256 characters)."""
     agent_id: _builtins.str
@@ -475,6 +484,12 @@ class PutStateRequest(_message.Message):
     def value(self) -> _struct_pb2.Value:
         """The new value (at most 64 KiB of JSON). Required."""
 
+    @_builtins.property
+    def ttl(self) -> _duration_pb2.Duration:
+        """How long the entry lives after this write (each write sets it anew): past it the entry
+        is read as absent, its key free and its place no longer counted. Unset: until deleted.
+        """
+
     def __init__(
         self,
         *,
@@ -483,10 +498,11 @@ class PutStateRequest(_message.Message):
         agent_id: _builtins.str = ...,
         expected_version: _builtins.int | None = ...,
         lock_token: _builtins.str = ...,
+        ttl: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_expected_version", b"_expected_version", "expected_version", b"expected_version", "value", b"value"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_expected_version", b"_expected_version", "expected_version", b"expected_version", "ttl", b"ttl", "value", b"value"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expected_version", b"_expected_version", "agent_id", b"agent_id", "expected_version", b"expected_version", "key", b"key", "lock_token", b"lock_token", "value", b"value"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expected_version", b"_expected_version", "agent_id", b"agent_id", "expected_version", b"expected_version", "key", b"key", "lock_token", b"lock_token", "ttl", b"ttl", "value", b"value"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__expected_version: _TypeAlias = _typing.Literal["expected_version"]  # noqa: Y015
     _WhichOneofArgType__expected_version: _TypeAlias = _typing.Literal["_expected_version", b"_expected_version"]  # noqa: Y015

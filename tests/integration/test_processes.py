@@ -8,6 +8,7 @@ import os
 import re
 import sys
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,18 @@ async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
     assert code == 0 and out.strip() == "deleted budget at version 1"
     code, out = await cli("state", "budget")
     assert code == 1 and "no shared state named 'budget'" in out
+    code, out = await cli("state", "hold", '"printer"', "--ttl", "60", "--json")
+    written = json.loads(out)
+    lapses = datetime.fromisoformat(written["expires_at"]) - datetime.now(UTC)
+    assert code == 0 and timedelta(seconds=55) < lapses <= timedelta(seconds=60), out
+    code, out = await cli("state", "hold")
+    assert code == 0 and re.search(
+        r"^hold  version 1  by cli  at \S+  until \S+  \"printer\"$", out
+    )
+    code, out = await cli("state", "hold", "--ttl", "5")
+    assert code == 1 and "--ttl goes with a VALUE to write" in out, out
+    code, out = await cli("state", "hold", "1", "--ttl", "0")
+    assert code == 1 and "INVALID_ARGUMENT: ttl must be above 0" in out, out
 
     # A broadcast (RF-009 scenario 3) names who got it; --types narrows it (scenario 17).
     async with connect(broker_proc.address) as client:

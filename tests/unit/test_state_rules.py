@@ -160,3 +160,40 @@ async def test_waiting_writers_get_the_lock_in_their_order_of_arrival() -> None:
     await take("E")
     await asyncio.gather(*waiting)
     assert order == ["B", "C", "D", "E"]
+
+
+async def test_an_entry_with_a_ttl_lapses_and_frees_its_place() -> None:
+    state = SharedState(capacity=2)
+    brief = await state.put("brief", {"hold": True}, "A", ttl=0.05)
+    assert brief.expires_at is not None and brief.expires_at > brief.updated_at
+    kept = await state.put("kept", 1, "A")
+    assert kept.expires_at is None
+    assert (await state.get("brief")).value == {"hold": True}
+    with pytest.raises(LimitExceededError):
+        await state.put("third", 1, "A")
+    await asyncio.sleep(0.08)
+    with pytest.raises(NotFoundError):
+        await state.get("brief")
+    assert (await state.put("third", 1, "A")).version == 1  # its place is free again
+    # A lapsed entry is absent to a compare-and-set too: written anew, from version 1.
+    await state.delete("third", "A")
+    again = await state.put("brief", 2, "A", expected_version=0)
+    assert again.version == 1 and again.expires_at is None
+
+
+async def test_each_write_sets_an_entrys_lifetime_anew() -> None:
+    state = SharedState()
+    await state.put("k", 1, "A", ttl=0.05)
+    renewed = await state.put("k", 2, "A", ttl=10)  # renewed before it lapsed
+    await asyncio.sleep(0.08)
+    assert (await state.get("k")).version == 2 == renewed.version
+    await state.put("k", 3, "A")  # written without a ttl: kept until deleted
+    assert (await state.get("k")).expires_at is None
+    await state.put("short", 1, "A", ttl=0.05)
+    await state.put("short", 2, "A", ttl=0.05)  # the first lapse is stale: the second counts
+    await asyncio.sleep(0.08)
+    with pytest.raises(NotFoundError):
+        await state.get("short")
+    for ttl in (0, -1, float("nan"), float("inf"), 366 * 86400):
+        with pytest.raises(MessageValidationError, match="ttl"):
+            await state.put("k", 1, "A", ttl=ttl)

@@ -418,6 +418,8 @@ export interface StateEntry {
   updatedBy: string;
   /** ISO 8601. */
   updatedAt: string | null;
+  /** When the entry lapses (ISO 8601); null when it stays until deleted. */
+  expiresAt: string | null;
 }
 
 export interface StateLock {
@@ -432,6 +434,8 @@ export interface StateWriteOptions {
   expectedVersion?: number;
   /** The writer's lock, when it holds one. */
   lock?: StateLock;
+  /** putState only: the entry lapses this many milliseconds after the write. */
+  ttlMs?: number;
   agentId?: string;
 }
 

@@ -175,7 +175,8 @@ function readAgent(pb) {
 /** A plain object from a mesh.v1.StateEntry. */
 function readEntry(pb) {
   return { key: pb.key, value: fromValue(pb.value), version: Number(pb.version),
-    updatedBy: pb.updated_by, updatedAt: isoTime(pb.updated_at) };
+    updatedBy: pb.updated_by, updatedAt: isoTime(pb.updated_at),
+    expiresAt: isoTime(pb.expires_at) };
 }
 
 /**
@@ -764,7 +765,10 @@ class MeshClient {
 
   // -- shared state (RT-011 shared_state) --------------------------------------------------
 
-  /** The entry {key, value, version, updatedBy, updatedAt}, or null when there is none. */
+  /**
+   * The entry {key, value, version, updatedBy, updatedAt, expiresAt}, or null when there is
+   * none (expiresAt: null for an entry that stays until deleted).
+   */
   async getState(key) {
     try {
       return readEntry((await unary(this.memory, 'GetState', { key })).entry);
@@ -777,12 +781,19 @@ class MeshClient {
   /**
    * Writes a new version of key. expectedVersion (0: "none yet") makes it a compare-and-set
    * (ABORTED, reason VERSION_CONFLICT, when another write came first); lock is the writer's
-   * lock from lockState when it holds one.
+   * lock from lockState when it holds one; ttlMs makes the entry lapse that long after this
+   * write (it is then read as absent).
    */
-  async putState(key, value, { expectedVersion, lock, agentId = this.agentId } = {}) {
+  async putState(key, value, { expectedVersion, lock, ttlMs, agentId = this.agentId } = {}) {
     const request = { key, value: toValue(value), agent_id: agentId,
       lock_token: lock ? lock.token : '' };
     if (expectedVersion !== undefined) request.expected_version = expectedVersion;
+    if (ttlMs !== undefined) {
+      if (typeof ttlMs !== 'number' || !(ttlMs > 0)) {
+        throw new TypeError(`ttlMs must be a number of milliseconds above 0, not ${ttlMs}`);
+      }
+      request.ttl = toDuration(ttlMs);
+    }
     return readEntry((await unary(this.memory, 'PutState', request)).entry);
   }
 

@@ -1078,6 +1078,16 @@ test('shared state: versions, compare-and-set and locks, beside the Python agent
     const gone = await b.deleteState('node/budget', { expectedVersion: 2 });
     assert.equal(gone.version, 2);
     assert.equal(await a.getState('node/budget'), null);
+    assert.equal(second.expiresAt, null);
+    // An entry written with a ttl lapses: read as absent after it, its key free again.
+    const brief = await a.putState('node/brief', { hold: true }, { ttlMs: 300 });
+    assert.ok(Date.parse(brief.expiresAt) > Date.parse(brief.updatedAt));
+    assert.equal((await b.getState('node/brief')).expiresAt, brief.expiresAt);
+    await new Promise((resolve) => { setTimeout(resolve, 600); });
+    assert.equal(await b.getState('node/brief'), null);
+    assert.equal((await b.putState('node/brief', 1, { expectedVersion: 0 })).version, 1);
+    await b.deleteState('node/brief');
+    await assert.rejects(a.putState('node/brief', 1, { ttlMs: 0 }), TypeError);
   } finally {
     a.close();
     b.close();
