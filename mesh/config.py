@@ -80,6 +80,10 @@ class BrokerConfig:
     """RT-011 queue type: priority_queue (HIGH, then MEDIUM, then LOW; within a priority by
     timestamp, then arrival) or fifo (arrival order; priorities still count for capacity). A
     topic is what a broadcast to agent types is."""
+    workflow_status_ttl: float = 86_400.0
+    """RT-011 hand-off protocol: each hand-off of a workflow records its status (the agent that
+    has it now, its step) in the shared state as ``workflow/<workflow_id>``, kept this many
+    seconds after the workflow's last hand-off; 0 records none."""
     delivery_guarantee: str = "at_least_once"
     """RT-011 delivery guarantee: at_least_once (a delivery not acknowledged is delivered
     again, max_delivery_attempts in all, then dead-lettered) or at_most_once (never delivered
@@ -109,6 +113,8 @@ class BrokerConfig:
                 raise ValueError(f"{name} must be > 0")
         if not 0 < self.low_priority_share <= 1:
             raise ValueError("low_priority_share must be within (0, 1]")
+        if not 0 <= self.workflow_status_ttl <= 365 * 86_400:
+            raise ValueError("workflow_status_ttl must be within 0 and 365 days, in seconds")
         if not self.store.startswith(
             ("memory://", "sqlite://", "redis://", "rediss://")
         ) and not self.store.endswith((".db", ".sqlite", ".sqlite3")):

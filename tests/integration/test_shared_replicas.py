@@ -192,3 +192,38 @@ async def test_a_release_through_one_replica_wakes_the_lock_request_waiting_on_a
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_entries_lapse_and_workflows_are_followed_across_replicas(
+    replicas: tuple[Proc, Proc],
+) -> None:
+    """An entry written with a ttl through one replica lapses for the other; a workflow's
+    status, written by whichever replica took its hand-off, is one for both."""
+    a, b = replicas
+    async with (
+        connect(a.address, agent_id="Customer", retry=NO_RETRY) as via_a,
+        connect(b.address, agent_id="Seller", retry=NO_RETRY) as via_b,
+    ):
+        brief = await via_a.put_state("lapsing/printer", "busy", ttl=0.4)
+        assert brief.expires_at is not None
+        seen = await via_b.get_state("lapsing/printer")
+        assert seen is not None and seen.expires_at == brief.expires_at
+        await asyncio.sleep(0.6)
+        assert await via_b.get_state("lapsing/printer") is None
+        again = await via_b.put_state("lapsing/printer", "free", expected_version=0)
+        assert again.version == 1 and again.expires_at is None  # its key free, written anew
+        await via_b.delete_state("lapsing/printer")
+
+        await via_a.register("ReplicaSeller")
+        await via_a.register("ReplicaPayment")
+        await via_a.handoff("ReplicaSeller", "Approve", workflow_id="wf-replicas", step_number=1)
+        first = await via_b.get_state("workflow/wf-replicas")
+        assert first is not None and first.value["current_agent"] == "ReplicaSeller"
+        await via_b.handoff("ReplicaPayment", "Refund", workflow_id="wf-replicas", step_number=2)
+        second = await via_a.get_state("workflow/wf-replicas")
+        assert second is not None and second.version == 2
+        assert (second.value["current_agent"], second.value["step"]) == ("ReplicaPayment", 2)
+        assert second.updated_by == "Seller" and second.expires_at is not None
+        await via_a.delete_state("workflow/wf-replicas")
+        await via_a.deregister("ReplicaSeller")
+        await via_a.deregister("ReplicaPayment")
