@@ -749,7 +749,7 @@ class AgentRuntime:
         retry, self.client.retry = self.client.retry, NO_RETRY
         try:
             with contextlib.suppress(MeshError):
-                await self.client.deregister(self.agent.agent_id)
+                await self.client.deregister(self.agent.agent_id, address=self.address)
         finally:
             self.client.retry = retry
 

@@ -1509,8 +1509,13 @@ class MeshClient:
         self._registered[info.agent_id] = info
         return codec.agent_from_pb(response.agent)
 
-    async def deregister(self, agent_id: str | None = None) -> None:
-        request = broker_pb2.DeregisterAgentRequest(agent_id=agent_id or self.agent_id)
+    async def deregister(self, agent_id: str | None = None, *, address: str = "") -> None:
+        """Takes the agent off the mesh; with ``address``, only the instance serving there
+        leaves (the agent stays while other processes serve it: what an agent does as it
+        stops)."""
+        request = broker_pb2.DeregisterAgentRequest(
+            agent_id=agent_id or self.agent_id, address=address
+        )
         self._registered.pop(request.agent_id, None)
         await self._with_retry(self._unary(self._stub.DeregisterAgent, request))
 

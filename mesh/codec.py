@@ -545,6 +545,7 @@ def agent_from_pb(pb: message_pb2.AgentInfo) -> AgentInfo:
         registered_at=timestamp_to_datetime(pb.registered_at, "registered_at")
         if pb.HasField("registered_at")
         else None,
+        instances=tuple(pb.instances),
     )
 
 
@@ -556,6 +557,7 @@ def agent_to_pb(info: AgentInfo, out: message_pb2.AgentInfo | None = None) -> me
     pb.capabilities.extend(info.capabilities)
     if info.registered_at is not None:
         datetime_to_timestamp(info.registered_at, pb.registered_at)
+    pb.instances.extend(info.instances)
     return pb
 
 

@@ -90,7 +90,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     async def DeregisterAgent(
         self, request: broker_pb2.DeregisterAgentRequest, context: Any
     ) -> broker_pb2.DeregisterAgentResponse:
-        await self.broker.deregister(request.agent_id)
+        await self.broker.deregister(request.agent_id, request.address)
         return broker_pb2.DeregisterAgentResponse()
 
     @translating

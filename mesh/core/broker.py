@@ -360,7 +360,7 @@ class Broker:
     async def start(self) -> None:
         for info in await self.store.saved_agents():
             if info.agent_id not in self.registry:
-                self.registry.register(info)
+                self.registry.register(info, restore=True)
         if self.store.shared:
             await self.store.watch(self)
         gauges = self.metrics.queues  # read from the queues when /metrics is scraped
@@ -490,8 +490,11 @@ class Broker:
     # -- registry ----------------------------------------------------------------------------
 
     async def register(self, info: AgentInfo) -> AgentInfo:
+        """Registers an agent, or one more instance of it (another process serving the same
+        agent id: they share its queue)."""
         if self.draining:
             self._refuse_new_work()
+        await self._refresh_registration(info.agent_id)
         registered = self.registry.register(info)
         await self.store.save_agent(registered)
         await self.store.sync()
@@ -509,14 +512,50 @@ class Broker:
         )
         return registered
 
-    async def deregister(self, agent_id: str) -> None:
-        self.registry.deregister(agent_id)
+    async def deregister(self, agent_id: str, address: str = "") -> None:
+        """Takes an agent off the mesh; with ``address``, only that instance of it leaves,
+        and the agent stays while other instances serve it (a rolling update, or one of
+        several processes stopping)."""
+        if address:
+            await self._refresh_registration(agent_id)
+            remaining = self.registry.leave(agent_id, address)
+        else:
+            self.registry.deregister(agent_id)
+            remaining = None
+        if remaining is not None:
+            await self.store.save_agent(remaining)
+            await self.store.sync()
+            logger.info(
+                "agent %s: the instance at %s left, %d serve it still",
+                agent_id,
+                address,
+                len(remaining.instances),
+                extra={
+                    "event": {
+                        "category": "registry",
+                        "agent_id": agent_id,
+                        "left": address,
+                        "instances": list(remaining.instances),
+                    }
+                },
+            )
+            return
         await self.store.forget_agent(agent_id)
         logger.info(
             "agent deregistered: %s",
             agent_id,
             extra={"event": {"category": "registry", "agent_id": agent_id}},
         )
+
+    async def _refresh_registration(self, agent_id: str) -> None:
+        """With replicas, the agent's registration as the store keeps it (instances that
+        registered through other replicas a moment ago included)."""
+        if not self.store.shared:
+            return
+        saved = await self.store.saved_agent(agent_id)
+        if saved is not None:
+            with contextlib.suppress(MeshError):
+                self.registry.register(saved, restore=True)
 
     def list_agents(self, agent_type: str = "") -> list[AgentInfo]:
         return self.registry.agents(agent_type)
@@ -657,7 +696,7 @@ class Broker:
         if info is None:
             return False
         with contextlib.suppress(MeshError):
-            self.registry.register(info)
+            self.registry.register(info, restore=True)
         return True
 
     def _lifetime(self, message: Message, cap: float | None = None) -> float:
@@ -1417,7 +1456,7 @@ class Broker:
                 if agent_id in self.registry:
                     self.registry.deregister(agent_id)
             else:
-                self.registry.register(info)
+                self.registry.register(info, restore=True)
 
     def on_answer(self, message: Message) -> None:
         """An answer another replica forwarded to a request waiting here."""

@@ -322,6 +322,10 @@ class AgentInfo:
     address: str = ""
     capabilities: tuple[str, ...] = ()
     registered_at: datetime | None = None
+    instances: tuple[str, ...] = ()
+    """The addresses of the processes serving the agent (sharing its queue), the latest
+    registered last: kept by the registry, so that one leaving does not take the agent off
+    the mesh while the others serve it."""
 
     def to_dict(self) -> dict[str, JSON]:
         """The JSON form (the durable and Redis stores keep registrations this way)."""
@@ -331,6 +335,7 @@ class AgentInfo:
             "address": self.address,
             "capabilities": list(self.capabilities),
             "registered_at": self.registered_at.isoformat() if self.registered_at else None,
+            "instances": list(self.instances),
         }
 
     @classmethod
@@ -342,6 +347,7 @@ class AgentInfo:
             address=str(data.get("address") or ""),
             capabilities=tuple(str(c) for c in data.get("capabilities") or ()),
             registered_at=datetime.fromisoformat(str(when)) if when else None,
+            instances=tuple(str(i) for i in data.get("instances") or ()),
         )
 
 

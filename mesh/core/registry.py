@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 from mesh.core.errors import (
@@ -14,6 +15,8 @@ from mesh.core.model import BROADCAST_TARGET, AgentInfo, utc_now
 
 MAX_TYPES = 32
 MAX_CAPABILITIES = 128
+MAX_INSTANCES = 64
+"""Instances kept per agent: past it, the one registered longest ago is forgotten."""
 
 
 class AgentRegistry:
@@ -24,7 +27,11 @@ class AgentRegistry:
         self.max_agents = max_agents
         self.max_id_length = max_id_length
 
-    def register(self, info: AgentInfo) -> AgentInfo:
+    def register(self, info: AgentInfo, *, restore: bool = False) -> AgentInfo:
+        """Registers an instance of an agent: the agent's types, capabilities and address
+        become the ones given, and its address joins the agent's instances (one leaving takes
+        the agent off only with the last: :meth:`leave`). ``restore``: the registration as a
+        store kept it, its instances as they are."""
         violations = []
         if not info.agent_id:
             violations.append(FieldViolation("agent.agent_id", "agent_id is required"))
@@ -62,21 +69,49 @@ class AgentRegistry:
         if info.agent_id not in self._agents and len(self._agents) >= self.max_agents:
             raise LimitExceededError(f"the registry holds its limit of {self.max_agents} agents")
         previous = self._agents.get(info.agent_id)
+        if restore:  # (a registration kept before instances were: its address alone)
+            instances = (info.instances or (info.address,) * bool(info.address))[-MAX_INSTANCES:]
+        else:
+            earlier = previous.instances if previous else ()
+            instances = tuple(a for a in earlier if a != info.address)
+            if info.address:
+                instances = (*instances, info.address)[-MAX_INSTANCES:]
         registered = AgentInfo(
             agent_id=info.agent_id,
             agent_types=tuple(dict.fromkeys(info.agent_types)),
             address=info.address,
             capabilities=tuple(dict.fromkeys(info.capabilities)),
-            registered_at=previous.registered_at if previous else utc_now(),
+            registered_at=(
+                info.registered_at or utc_now()
+                if restore
+                else previous.registered_at
+                if previous
+                else utc_now()
+            ),
+            instances=instances,
         )
         self._agents[info.agent_id] = registered
         return registered
 
     def deregister(self, agent_id: str) -> AgentInfo:
+        """Takes the agent off, every instance of it."""
         info = self._agents.pop(agent_id, None)
         if info is None:
             raise AgentNotFoundError(f"agent {agent_id} is not registered")
         return info
+
+    def leave(self, agent_id: str, address: str) -> AgentInfo | None:
+        """One instance of the agent, at ``address``, leaves. The agent stays while other
+        instances serve it (its address the latest of theirs) and is returned; with the last
+        one (or with none known but this) it is taken off, and None is returned."""
+        info = self.require(agent_id)
+        others = tuple(a for a in info.instances if a != address)
+        if not others:
+            del self._agents[agent_id]
+            return None
+        remaining = dataclasses.replace(info, address=others[-1], instances=others)
+        self._agents[agent_id] = remaining
+        return remaining
 
     def get(self, agent_id: str) -> AgentInfo | None:
         return self._agents.get(agent_id)

@@ -260,6 +260,7 @@ class AgentInfo(_message.Message):
     ADDRESS_FIELD_NUMBER: _builtins.int
     CAPABILITIES_FIELD_NUMBER: _builtins.int
     REGISTERED_AT_FIELD_NUMBER: _builtins.int
+    INSTANCES_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     """Unique id of the agent, e.g. "PaymentAgent"."""
     address: _builtins.str
@@ -276,6 +277,13 @@ class AgentInfo(_message.Message):
     def registered_at(self) -> _timestamp_pb2.Timestamp:
         """When the agent registered."""
 
+    @_builtins.property
+    def instances(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The addresses of every instance serving the agent (several processes may serve one agent
+        id, sharing its queue), the latest registered last; `address` is the last of them. Set
+        by the broker: what a registration sends here is not read.
+        """
+
     def __init__(
         self,
         *,
@@ -284,10 +292,11 @@ class AgentInfo(_message.Message):
         address: _builtins.str = ...,
         capabilities: _abc.Iterable[_builtins.str] | None = ...,
         registered_at: _timestamp_pb2.Timestamp | None = ...,
+        instances: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["registered_at", b"registered_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_id", b"agent_id", "agent_types", b"agent_types", "capabilities", b"capabilities", "registered_at", b"registered_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_id", b"agent_id", "agent_types", b"agent_types", "capabilities", b"capabilities", "instances", b"instances", "registered_at", b"registered_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -199,6 +199,8 @@ export interface AgentInfo {
   capabilities: string[];
   /** ISO 8601. */
   registeredAt: string | null;
+  /** The addresses of every process serving the agent (sharing its queue), the latest last. */
+  instances: string[];
 }
 
 export interface Registration {
@@ -530,7 +532,7 @@ export class MeshClient {
 
   close(): void;
   register(registration?: Registration): Promise<AgentInfo>;
-  deregister(agentId?: string): Promise<void>;
+  deregister(agentId?: string, options?: { address?: string }): Promise<void>;
   listAgents(agentType?: string): Promise<AgentInfo[]>;
 
   /** Sends a message; resolves with it as accepted. */

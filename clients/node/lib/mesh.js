@@ -169,7 +169,8 @@ function readInsight(pb) {
 /** A plain object from a mesh.v1.AgentInfo. */
 function readAgent(pb) {
   return { agentId: pb.agent_id, agentTypes: pb.agent_types, address: pb.address,
-    capabilities: pb.capabilities, registeredAt: isoTime(pb.registered_at) };
+    capabilities: pb.capabilities, registeredAt: isoTime(pb.registered_at),
+    instances: pb.instances || [] };
 }
 
 /** A plain object from a mesh.v1.StateEntry. */
@@ -492,8 +493,13 @@ class MeshClient {
     return readAgent(res.agent);
   }
 
-  async deregister(agentId = this.agentId) {
-    await this._withRetry(() => unary(this.broker, 'DeregisterAgent', { agent_id: agentId }));
+  /**
+   * Takes the agent off the mesh; with address, only the instance serving there leaves (the
+   * agent stays while other processes serve it).
+   */
+  async deregister(agentId = this.agentId, { address = '' } = {}) {
+    await this._withRetry(() => unary(this.broker, 'DeregisterAgent',
+      { agent_id: agentId, address }));
   }
 
   async listAgents(agentType = '') {
@@ -1553,20 +1559,28 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     }
   };
   const running = keepSubscribed();
+  let stopping = null;
+  const stopOnce = async (graceMs) => {
+    stopped = true;
+    // Out of service first: probes and callers look elsewhere while it finishes its work.
+    health.setStatus('', 'NOT_SERVING');
+    health.setStatus('mesh.v1.AgentService', 'NOT_SERVING');
+    if (subscription) await subscription.close(graceMs);
+    if (wake) wake();
+    await running;
+    // Once, without retries: a broker that is away forgets it by itself. Only this
+    // instance leaves: other processes serving the same agent id keep it on the mesh.
+    await unary(client.broker, 'DeregisterAgent', { agent_id: agentId, address }, 2000)
+      .catch(() => {});
+    client.close();
+    await new Promise((resolve) => server.tryShutdown(resolve));
+  };
   return {
     address,
-    async stop(graceMs = 5000) {
-      stopped = true;
-      // Out of service first: probes and callers look elsewhere while it finishes its work.
-      health.setStatus('', 'NOT_SERVING');
-      health.setStatus('mesh.v1.AgentService', 'NOT_SERVING');
-      if (subscription) await subscription.close(graceMs);
-      if (wake) wake();
-      await running;
-      // Once, without retries: a broker that is away forgets it by itself.
-      await unary(client.broker, 'DeregisterAgent', { agent_id: agentId }, 2000).catch(() => {});
-      client.close();
-      await new Promise((resolve) => server.tryShutdown(resolve));
+    /** Stops serving (once: a second call waits for the first). */
+    stop(graceMs = 5000) {
+      stopping = stopping || stopOnce(graceMs);
+      return stopping;
     },
   };
 }

@@ -221,6 +221,31 @@ test('a Node agent says NOT_SERVING as it stops, and finishes what it was handli
     }
   });
 
+test('two Node processes serve one agent id: one stopping leaves the agent to the other',
+  async () => {
+    const first = await serveAgent({ broker: BROKER, agentId: 'NodeTwinAgent',
+      handler: async () => ({ by: 'first' }) });
+    const second = await serveAgent({ broker: BROKER, agentId: 'NodeTwinAgent',
+      handler: async () => ({ by: 'second' }) });
+    const client = new MeshClient(BROKER, { agentId: 'NodeTwinCaller' });
+    const running = new Set([first, second]);
+    const stop = async (agent) => { running.delete(agent); await agent.stop(); };
+    try {
+      const [card] = (await client.listAgents()).filter((a) => a.agentId === 'NodeTwinAgent');
+      assert.deepEqual(card.instances, [first.address, second.address]);
+      await stop(first);
+      const [left] = (await client.listAgents()).filter((a) => a.agentId === 'NodeTwinAgent');
+      assert.deepEqual(left.instances, [second.address]);
+      const answer = await client.request('NodeTwinAgent', { action: 'work' }, { timeoutMs: 5000 });
+      assert.equal(answer.content.by, 'second');
+      await Promise.all([stop(second), second.stop()]); // a second call waits for the first
+      assert.ok(!(await client.listAgents()).some((a) => a.agentId === 'NodeTwinAgent'));
+    } finally {
+      client.close();
+      await Promise.all([...running].map((agent) => agent.stop()));
+    }
+  });
+
 test('a Node agent hears when the broker refuses its answer, instead of losing it silently',
   async () => {
     const refused = [];
