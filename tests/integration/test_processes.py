@@ -90,6 +90,59 @@ async def test_request_and_handoff_cross_three_processes(broker_proc: Proc) -> N
         assert remaining == {"CustomerAgent"}
 
 
+async def test_a_rolling_update_of_an_agent_loses_no_request(broker_proc: Proc) -> None:
+    """The shape of a Kubernetes rolling update: a second process of PaymentAgent starts, the
+    first gets SIGTERM, while requests keep coming. Every one is answered (none NOT_FOUND,
+    none timed out), by the old process and then by the new, and the agent stays registered
+    with the new one as its instance."""
+
+    async def serving() -> Proc:
+        return await start(
+            "agent",
+            "tests.helpers.process_agents:Payment",
+            "--broker",
+            broker_proc.address,
+            ready=r"serving on (\S+),",
+        )
+
+    old = await serving()
+    new: Proc | None = None
+    async with connect(broker_proc.address, agent_id="Checkout") as client:
+        await client.register()
+        answered: list[int] = []
+        done = asyncio.Event()
+
+        async def keep_asking() -> None:
+            while not done.is_set():
+                answer = await client.request(
+                    "PaymentAgent",
+                    {"action": "process_payment", "parameters": {"amount": 5}},
+                    timeout=10,
+                )
+                answered.append(answer.content["pid"])
+                await asyncio.sleep(0.01)
+
+        asking = asyncio.create_task(keep_asking())
+        try:
+            new = await serving()
+            assert await stop(old) == 0
+            count = len(answered)
+            while len(answered) < count + 20:
+                await asyncio.sleep(0.01)
+                assert not asking.done(), asking.exception()
+            done.set()
+            await asking  # every request answered, none refused
+        finally:
+            done.set()
+            asking.cancel()
+            if new is not None:
+                [info] = [a for a in await client.list_agents() if a.agent_id == "PaymentAgent"]
+                assert info.instances == (new.address,)
+                assert await stop(new) == 0
+        assert answered[0] == old.process.pid and answered[-1] == new.process.pid
+        assert "PaymentAgent" not in {a.agent_id for a in await client.list_agents()}
+
+
 async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "AGENTMESH_BROKER": broker_proc.address}
 
