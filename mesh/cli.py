@@ -380,6 +380,7 @@ async def _agents(args: argparse.Namespace) -> int:
                         "agent_id": a.agent_id,
                         "agent_types": list(a.agent_types),
                         "address": a.address,
+                        "instances": list(a.instances),
                         "capabilities": list(a.capabilities),
                     }
                     for a in agents
@@ -396,7 +397,8 @@ async def _agents(args: argparse.Namespace) -> int:
             (
                 a.agent_id,
                 ",".join(a.agent_types) or "-",
-                a.address or "-",
+                (a.address or "-")
+                + (f" (+{len(a.instances) - 1} more)" if len(a.instances) > 1 else ""),
                 str(s.depth if s else 0),
                 str(s.in_flight if s else 0),
                 ",".join(a.capabilities) or "-",

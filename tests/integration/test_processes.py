@@ -125,6 +125,20 @@ async def test_a_rolling_update_of_an_agent_loses_no_request(broker_proc: Proc) 
         asking = asyncio.create_task(keep_asking())
         try:
             new = await serving()
+
+            async def agents(*flags: str) -> str:
+                listed = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "mesh.cli", "agents", "--broker", broker_proc.address,
+                    *flags, cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+                )  # fmt: skip
+                return (await listed.communicate())[0].decode()
+
+            [payment] = [
+                a for a in json.loads(await agents("--json")) if a["agent_id"] == "PaymentAgent"
+            ]
+            assert payment["instances"] == [old.address, new.address]
+            assert payment["address"] == new.address
+            assert f"{new.address} (+1 more)" in await agents()
             assert await stop(old) == 0
             count = len(answered)
             while len(answered) < count + 20:
