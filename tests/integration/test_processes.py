@@ -146,12 +146,13 @@ async def test_a_rolling_update_of_an_agent_loses_no_request(broker_proc: Proc) 
                 assert not asking.done(), asking.exception()
             done.set()
             await asking  # every request answered, none refused
+            [info] = [a for a in await client.list_agents() if a.agent_id == "PaymentAgent"]
+            assert info.instances == (new.address,)
         finally:
             done.set()
             asking.cancel()
+            await stop(old)  # (at once when it has already stopped)
             if new is not None:
-                [info] = [a for a in await client.list_agents() if a.agent_id == "PaymentAgent"]
-                assert info.instances == (new.address,)
                 assert await stop(new) == 0
         assert answered[0] == old.process.pid and answered[-1] == new.process.pid
         assert "PaymentAgent" not in {a.agent_id for a in await client.list_agents()}
