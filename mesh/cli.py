@@ -435,6 +435,19 @@ async def _requeue(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _deregister(args: argparse.Namespace) -> int:
+    """Takes an agent off the mesh, or (with --address) one instance of it."""
+    async with connect(args.broker, security=security_config(args)) as client:
+        await client.deregister(args.agent, address=args.address)
+        left = [a for a in await client.list_agents() if a.agent_id == args.agent]
+    if not left:
+        _print(f"deregistered {args.agent}")
+    else:
+        serving = ", ".join(left[0].instances) or left[0].address or "-"
+        _print(f"the instance at {args.address} of {args.agent} left; serving it still: {serving}")
+    return 0
+
+
 async def _state(args: argparse.Namespace) -> int:
     """Reads, writes or deletes one entry of the shared state."""
     if args.ttl is not None and (args.delete or args.value is None):
@@ -775,6 +788,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--broker", default=broker_default)
     add_security_flags(p, server=False)
     p.set_defaults(run=_requeue)
+
+    p = sub.add_parser(
+        "deregister",
+        help="take an agent off the mesh (every instance), or with --address one instance of it",
+    )
+    p.add_argument("agent")
+    p.add_argument(
+        "--address", default="", help="only the instance serving at HOST:PORT (a process gone)"
+    )
+    p.add_argument("--broker", default=broker_default)
+    add_security_flags(p, server=False)
+    p.set_defaults(run=_deregister)
 
     _add_gateway_commands(sub, broker_default)
     for command in sub.choices.values():

@@ -234,6 +234,19 @@ async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
     code, out = await cli("state", "hold", "1", "--ttl", "0")
     assert code == 1 and "INVALID_ARGUMENT: ttl must be above 0" in out, out
 
+    # An instance of an agent gone without a word is taken off by its address; the agent by id.
+    async with connect(broker_proc.address) as client:
+        for host in ("10.0.0.1", "10.0.0.2"):
+            await client.register("TwinDesk", address=f"{host}:7000")
+    code, out = await cli("deregister", "TwinDesk", "--address", "10.0.0.1:7000")
+    assert code == 0 and out.strip() == (
+        "the instance at 10.0.0.1:7000 of TwinDesk left; serving it still: 10.0.0.2:7000"
+    ), out
+    code, out = await cli("deregister", "TwinDesk")
+    assert code == 0 and out.strip() == "deregistered TwinDesk", out
+    code, out = await cli("deregister", "TwinDesk")
+    assert code == 1 and "NOT_FOUND: agent TwinDesk is not registered" in out, out
+
     # A broadcast (RF-009 scenario 3) names who got it; --types narrows it (scenario 17).
     async with connect(broker_proc.address) as client:
         await client.register("HotelAgent", agent_types=["hotel"])
