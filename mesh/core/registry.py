@@ -69,26 +69,23 @@ class AgentRegistry:
         if info.agent_id not in self._agents and len(self._agents) >= self.max_agents:
             raise LimitExceededError(f"the registry holds its limit of {self.max_agents} agents")
         previous = self._agents.get(info.agent_id)
-        if restore:  # (a registration kept before instances were: its address alone)
-            instances = (info.instances or (info.address,) * bool(info.address))[-MAX_INSTANCES:]
+        if restore:
+            # (A registration kept before instances were counted: its address alone.)
+            instances = info.instances or ((info.address,) if info.address else ())
+            since = info.registered_at
         else:
             earlier = previous.instances if previous else ()
             instances = tuple(a for a in earlier if a != info.address)
             if info.address:
-                instances = (*instances, info.address)[-MAX_INSTANCES:]
+                instances = (*instances, info.address)
+            since = previous.registered_at if previous else None
         registered = AgentInfo(
             agent_id=info.agent_id,
             agent_types=tuple(dict.fromkeys(info.agent_types)),
             address=info.address,
             capabilities=tuple(dict.fromkeys(info.capabilities)),
-            registered_at=(
-                info.registered_at or utc_now()
-                if restore
-                else previous.registered_at
-                if previous
-                else utc_now()
-            ),
-            instances=instances,
+            registered_at=since or utc_now(),
+            instances=instances[-MAX_INSTANCES:],
         )
         self._agents[info.agent_id] = registered
         return registered
