@@ -353,7 +353,9 @@ def check_write(
 
 
 def ttl_violation() -> FieldViolation:
-    return FieldViolation("ttl", f"ttl must be above 0 and at most {MAX_TTL:g} s (or unset)")
+    return FieldViolation(
+        "ttl", f"ttl must be above 0 and at most {MAX_TTL:.0f} s (365 days), or unset"
+    )
 
 
 def check_ttl(ttl: float) -> None:
