@@ -547,15 +547,18 @@ class Broker:
             extra={"event": {"category": "registry", "agent_id": agent_id}},
         )
 
-    async def _refresh_registration(self, agent_id: str) -> None:
+    async def _refresh_registration(self, agent_id: str) -> bool:
         """With replicas, the agent's registration as the store keeps it (instances that
-        registered through other replicas a moment ago included)."""
+        registered through other replicas a moment ago included); False when it keeps
+        none (or there are no replicas)."""
         if not self.store.shared:
-            return
+            return False
         saved = await self.store.saved_agent(agent_id)
-        if saved is not None:
-            with contextlib.suppress(MeshError):
-                self.registry.register(saved, restore=True)
+        if saved is None:
+            return False
+        with contextlib.suppress(MeshError):
+            self.registry.register(saved, restore=True)
+        return True
 
     def list_agents(self, agent_type: str = "") -> list[AgentInfo]:
         return self.registry.agents(agent_type)
@@ -690,14 +693,7 @@ class Broker:
 
     async def _known_elsewhere(self, agent_id: str) -> bool:
         """With replicas, an agent that registered through another one a moment ago."""
-        if not self.store.shared:
-            return False
-        info = await self.store.saved_agent(agent_id)
-        if info is None:
-            return False
-        with contextlib.suppress(MeshError):
-            self.registry.register(info, restore=True)
-        return True
+        return await self._refresh_registration(agent_id)
 
     def _lifetime(self, message: Message, cap: float | None = None) -> float:
         """Seconds a message may wait in a queue from now. A ttl its sender gave counts from
