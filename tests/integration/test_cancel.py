@@ -161,13 +161,15 @@ async def test_answers_after_a_give_up_are_taken_in_quietly(
     slow_mesh: tuple[LocalMesh, asyncio.Event], caplog: pytest.LogCaptureFixture
 ) -> None:
     """The agent answers a request its caller gave up (here, its deadline passed): the broker
-    counts the late answer and drops it; the agent is not told it did something wrong."""
+    counts the late answer and drops it; the agent is not told it did something wrong. (The
+    deadline leaves a busy machine time to deliver the request: one still queued when it
+    passes is withdrawn unhandled, and no answer comes, late or not.)"""
     caplog.set_level(logging.INFO)
     mesh, release = slow_mesh
     assert mesh.broker is not None
     async with mesh.client("caller") as client:
         with pytest.raises(RequestTimeoutError):
-            await client.request("Slow", {"action": "quote"}, timeout=0.2)
+            await client.request("Slow", {"action": "quote"}, timeout=1.0)
         release.set()
         await late_answer_counted(mesh.broker)
     assert mesh.broker.metrics.totals.late_answers == 1
@@ -187,7 +189,7 @@ async def test_a_late_answer_to_an_agent_is_not_queued_to_it(
     async with mesh.client("Desk") as desk:
         await desk.register("Desk")
         with pytest.raises(RequestTimeoutError):
-            await desk.request("Slow", {"action": "quote"}, timeout=0.2)
+            await desk.request("Slow", {"action": "quote"}, timeout=1.0)
         release.set()
         await late_answer_counted(mesh.broker)
         [queue] = (await desk.queue_stats("Desk")).agents
