@@ -494,7 +494,7 @@ class Broker:
         agent id: they share its queue)."""
         if self.draining:
             self._refuse_new_work()
-        await self._refresh_registration(info.agent_id)
+        await self._load_registration(info.agent_id)
         registered = self.registry.register(info)
         await self.store.save_agent(registered)
         await self.store.sync()
@@ -517,7 +517,7 @@ class Broker:
         and the agent stays while other instances serve it (a rolling update, or one of
         several processes stopping)."""
         if address:
-            await self._refresh_registration(agent_id)
+            await self._load_registration(agent_id)
             remaining = self.registry.leave(agent_id, address)
         else:
             self.registry.deregister(agent_id)
@@ -547,10 +547,10 @@ class Broker:
             extra={"event": {"category": "registry", "agent_id": agent_id}},
         )
 
-    async def _refresh_registration(self, agent_id: str) -> bool:
-        """With replicas, the agent's registration as the store keeps it (instances that
-        registered through other replicas a moment ago included); False when it keeps
-        none (or there are no replicas)."""
+    async def _load_registration(self, agent_id: str) -> bool:
+        """With replicas, the agent's registration as the store keeps it: an agent, or
+        instances of one, registered through another replica a moment ago. False when it
+        keeps none (or there are no replicas)."""
         if not self.store.shared:
             return False
         saved = await self.store.saved_agent(agent_id)
@@ -627,7 +627,7 @@ class Broker:
                 return SendOutcome(message, (message.to_agent,))
             if self._late(message, given_up=given_up):
                 return SendOutcome(message, ())
-        if message.to_agent not in self.registry and not await self._known_elsewhere(
+        if message.to_agent not in self.registry and not await self._load_registration(
             message.to_agent
         ):
             raise AgentNotFoundError(f"agent {message.to_agent} is not registered")
@@ -690,10 +690,6 @@ class Broker:
             waiter.set_result(message)
             return True
         return False
-
-    async def _known_elsewhere(self, agent_id: str) -> bool:
-        """With replicas, an agent that registered through another one a moment ago."""
-        return await self._refresh_registration(agent_id)
 
     def _lifetime(self, message: Message, cap: float | None = None) -> float:
         """Seconds a message may wait in a queue from now. A ttl its sender gave counts from
@@ -1087,7 +1083,7 @@ class Broker:
                 unknown = [
                     a
                     for a in targets
-                    if a not in self.registry and not await self._known_elsewhere(a)
+                    if a not in self.registry and not await self._load_registration(a)
                 ]
                 if unknown:
                     raise AgentNotFoundError(
@@ -1110,7 +1106,8 @@ class Broker:
             refused: list[GatherItem] = []
             for agent_id in targets:
                 try:
-                    if agent_id not in self.registry and not await self._known_elsewhere(agent_id):
+                    known = agent_id in self.registry or await self._load_registration(agent_id)
+                    if not known:
                         raise AgentNotFoundError(f"agent {agent_id} is not registered")
                     await self._enqueue(message.copy_to(agent_id), lifetime)
                     self.metrics.sent(kind.value, 0.0)
