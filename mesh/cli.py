@@ -22,6 +22,7 @@ from mesh.client import connect
 from mesh.config import BrokerConfig, SecurityConfig, ServerConfig
 from mesh.core.errors import MeshError, MessageValidationError
 from mesh.core.model import BROADCAST_TARGET, Message, MessageType, Priority
+from mesh.core.state import StateEntry
 from mesh.core.tools import ToolHost
 from mesh.logs import EVENT_LOG_DAYS, configure_logging, stop_logging
 from mesh.loop import run as run_loop
@@ -448,8 +449,36 @@ async def _deregister(args: argparse.Namespace) -> int:
     return 0
 
 
+def _entry_json(entry: StateEntry) -> dict[str, Any]:
+    return {
+        "key": entry.key,
+        "value": entry.value,
+        "version": entry.version,
+        "updated_by": entry.updated_by,
+        "updated_at": entry.updated_at.isoformat(),
+        "expires_at": entry.expires_at.isoformat() if entry.expires_at else None,
+    }
+
+
+def _entry_line(entry: StateEntry) -> str:
+    lapses = f"  until {entry.expires_at.isoformat()}" if entry.expires_at else ""
+    return (
+        f"{entry.key}  version {entry.version}  by {entry.updated_by}  at "
+        f"{entry.updated_at.isoformat()}{lapses}  "
+        f"{json.dumps(entry.value, separators=(',', ':'))}"
+    )
+
+
 async def _state(args: argparse.Namespace) -> int:
-    """Reads, writes or deletes one entry of the shared state."""
+    """Reads, writes or deletes one entry of the shared state, or lists entries by prefix."""
+    if args.prefix is not None:
+        if args.key is not None or args.delete or args.ttl is not None:
+            raise MessageValidationError.for_field(
+                "prefix", "--prefix lists entries: give no KEY, VALUE, --delete or --ttl with it"
+            )
+        return await _state_list(args)
+    if args.key is None:
+        raise MessageValidationError.for_field("key", "give a KEY, or --prefix to list entries")
     if args.ttl is not None and (args.delete or args.value is None):
         raise MessageValidationError.for_field("ttl", "--ttl goes with a VALUE to write")
     async with connect(args.broker, agent_id=args.agent, security=security_config(args)) as client:
@@ -473,27 +502,21 @@ async def _state(args: argparse.Namespace) -> int:
                 print(f"no shared state named {args.key!r}", file=sys.stderr)
                 return 1
             entry = found
+    _print(json.dumps(_entry_json(entry), indent=2) if args.json else _entry_line(entry))
+    return 0
+
+
+async def _state_list(args: argparse.Namespace) -> int:
+    """Every entry whose key starts with the prefix, a line (or a JSON object) each."""
+    async with connect(args.broker, agent_id=args.agent, security=security_config(args)) as client:
+        entries = [entry async for entry in client.state_entries(args.prefix)]
     if args.json:
-        _print(
-            json.dumps(
-                {
-                    "key": entry.key,
-                    "value": entry.value,
-                    "version": entry.version,
-                    "updated_by": entry.updated_by,
-                    "updated_at": entry.updated_at.isoformat(),
-                    "expires_at": entry.expires_at.isoformat() if entry.expires_at else None,
-                },
-                indent=2,
-            )
-        )
+        _print(json.dumps([_entry_json(e) for e in entries], indent=2))
+    elif not entries:
+        print(f"no shared state entries under {args.prefix!r}", file=sys.stderr)
     else:
-        lapses = f"  until {entry.expires_at.isoformat()}" if entry.expires_at else ""
-        _print(
-            f"{entry.key}  version {entry.version}  by {entry.updated_by}  at "
-            f"{entry.updated_at.isoformat()}{lapses}  "
-            f"{json.dumps(entry.value, separators=(',', ':'))}"
-        )
+        for entry in entries:
+            _print(_entry_line(entry))
     return 0
 
 
@@ -726,8 +749,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_security_flags(p, server=False)
     p.set_defaults(run=_agents)
 
-    p = sub.add_parser("state", help="read, write (VALUE as JSON) or delete a shared state entry")
-    p.add_argument("key")
+    p = sub.add_parser(
+        "state",
+        help="read, write (VALUE as JSON) or delete a shared state entry, or list entries by "
+        "key prefix (--prefix)",
+    )
+    p.add_argument("key", nargs="?", help="the entry's key (not with --prefix)")
     p.add_argument("value", nargs="?", help="the new value, as JSON; omitted: read the entry")
     p.add_argument("--agent", default="cli", help="the writing agent (default cli)")
     p.add_argument(
@@ -739,6 +766,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--ttl", type=float, help="with VALUE: the entry lapses this many seconds after the write"
     )
     p.add_argument("--delete", action="store_true")
+    p.add_argument(
+        "--prefix",
+        help="list every entry whose key starts with this, in key order ('' for all entries)",
+    )
     p.add_argument("--broker", default=broker_default)
     p.add_argument("--json", action="store_true")
     add_security_flags(p, server=False)
@@ -845,6 +876,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         stop_logging()  # what was logged before it comes first
         print(f"error: {error.code}: {error.message}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the reader went (`agentmesh agents | head`): quietly, as `ls` does
+        # Python would report the pipe again flushing stdout at exit: it goes to /dev/null.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # (128 + SIGPIPE, what a shell reports for a tool the signal ended)
     except OSError as error:  # a port in use, a file that is not there: said, not traced
         stop_logging()
         print(f"error: {error}", file=sys.stderr)

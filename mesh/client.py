@@ -60,7 +60,7 @@ from mesh.core.model import (
     Priority,
     new_message_id,
 )
-from mesh.core.state import StateEntry, StateLock, check_ttl
+from mesh.core.state import StateEntry, StateLock, StatePage, check_ttl
 from mesh.core.tasks import cancel_and_wait
 from mesh.metrics import RT011_FIGURES
 from mesh.security import open_channel
@@ -1668,6 +1668,35 @@ class MeshClient:
         except NotFoundError:
             return None
         return entry_from_pb(response.entry)
+
+    async def list_state(
+        self, prefix: str = "", *, page_size: int = 0, page_token: str = ""
+    ) -> StatePage:
+        """One page of the entries whose keys start with ``prefix`` (every entry, without
+        one), in key order: at most ``page_size`` (100 by default, 1000 at most), fewer when
+        their values are large; pass its ``next_page_token`` for the next ("" after the last).
+        :meth:`state_entries` walks every page."""
+        from mesh.memory_server import entry_from_pb
+
+        request = memory_pb2.ListStateRequest(
+            prefix=prefix, page_size=page_size, page_token=page_token
+        )
+        response = await self._with_retry(self._unary(self._memory.ListState, request))
+        return StatePage(
+            tuple(entry_from_pb(pb) for pb in response.entries), response.next_page_token
+        )
+
+    async def state_entries(self, prefix: str = "") -> AsyncIterator[StateEntry]:
+        """``async for entry in client.state_entries("workflow/"):`` every entry whose key
+        starts with ``prefix``, in key order, a page read at a time."""
+        token = ""
+        while True:
+            page = await self.list_state(prefix, page_token=token)
+            for entry in page.entries:
+                yield entry
+            if not page.next_page_token:
+                return
+            token = page.next_page_token
 
     async def put_state(
         self,

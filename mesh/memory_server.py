@@ -147,6 +147,18 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         return response
 
     @translating
+    async def ListState(
+        self, request: memory_pb2.ListStateRequest, context: Any
+    ) -> memory_pb2.ListStateResponse:
+        page = await self.state.entries(
+            request.prefix, page_size=request.page_size, page_token=request.page_token
+        )
+        response = memory_pb2.ListStateResponse(next_page_token=page.next_page_token)
+        for entry in page.entries:
+            entry_to_pb(entry, response.entries.add())
+        return response
+
+    @translating
     async def PutState(
         self, request: memory_pb2.PutStateRequest, context: Any
     ) -> memory_pb2.PutStateResponse:

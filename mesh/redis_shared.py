@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import json
 import secrets
 import time
@@ -39,14 +40,17 @@ from mesh.core.state import (
     MAX_WRITERS,
     StateEntry,
     StateLock,
+    StatePage,
     check_delete,
     check_key,
     check_write,
     full,
+    listing_terms,
     lock_not_held,
     lock_terms,
     locked,
     not_found,
+    page_of,
     version_conflict,
 )
 
@@ -466,6 +470,33 @@ class RedisSharedState:
         if entry.expires_at is not None and entry.expires_at.timestamp() <= self.store.now():
             raise not_found(key)  # lapsed: the next write removes it
         return entry
+
+    async def entries(
+        self, prefix: str = "", *, page_size: int = 0, page_token: str = ""
+    ) -> StatePage:
+        """The page's keys are chosen here from all the keys (the shared state holds at most
+        ``capacity``); then their entries are read in one script, skipping any deleted or
+        lapsed in between."""
+        after, limit = listing_terms(prefix, page_size, page_token)
+        names = (_text(k) for k in await self.store._call("hkeys", STATE_META))
+        keys = heapq.nsmallest(limit + 1, (k for k in names if k > after and k.startswith(prefix)))
+        last = keys[limit - 1] if len(keys) > limit else None
+        keys = keys[:limit]
+        if not keys:
+            return StatePage((), "")
+        metas, values = await self.store._call(
+            "eval", "return {redis.call('HMGET', KEYS[1], unpack(ARGV)), "
+            "redis.call('HMGET', KEYS[2], unpack(ARGV))}", 2, STATE_META, STATE_VALUES, *keys,
+        )  # fmt: skip
+        now = self.store.now()
+        sized = (
+            (entry, len(value))
+            for key, meta, value in zip(keys, metas, values, strict=True)
+            if meta is not None and value is not None
+            for entry in (_entry(key, meta, value),)
+            if entry.expires_at is None or entry.expires_at.timestamp() > now
+        )
+        return page_of(prefix, sized, last)
 
     async def put(
         self,

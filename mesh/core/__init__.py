@@ -41,7 +41,7 @@ from mesh.core.model import (
     Tool,
 )
 from mesh.core.queue import InMemoryQueueStore, QueueStore
-from mesh.core.state import StateEntry, StateLock
+from mesh.core.state import StateEntry, StateLock, StatePage
 
 __all__ = [
     "BROADCAST_TARGET",
@@ -79,6 +79,7 @@ __all__ = [
     "StateConflictError",
     "StateEntry",
     "StateLock",
+    "StatePage",
     "Subscription",
     "Tool",
     "UnauthenticatedError",

@@ -11,17 +11,23 @@ read and write, with locks for the writes that must not interleave.
 - Bounded: at most ``capacity`` entries, each value at most ``max_value_bytes`` of JSON.
 - A write may give its entry a ttl: past it the entry is read as absent, its place free (each
   write sets the entry's lifetime anew; one without a ttl keeps it until deleted).
+- Entries are listed by key prefix, in key order, a page at a time: a page ends at
+  ``page_size`` entries or when its values reach ``PAGE_BYTES`` of JSON, and its token names
+  the last key it gave (a listing goes on from there, whatever was written meanwhile).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import collections
 import heapq
 import json
 import math
 import secrets
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Protocol
@@ -45,6 +51,13 @@ MAX_LEASE = 60.0
 MAX_KEY_LENGTH = 256
 MAX_TTL = 365 * 86400.0
 """The longest an entry's ttl may be, in seconds."""
+PAGE_SIZE = 100
+"""Entries in a page of a listing that does not say how many."""
+MAX_PAGE_SIZE = 1000
+"""The most entries in one page (a larger page_size counts as this)."""
+PAGE_BYTES = 1 << 20
+"""A page stops once its values reach this much JSON (it holds at least one entry): a page of
+large values stays well within a gRPC message."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +69,15 @@ class StateEntry:
     updated_at: datetime
     expires_at: datetime | None = None
     """When it lapses (its last write gave a ttl); None: it stays until deleted."""
+
+
+@dataclass(frozen=True, slots=True)
+class StatePage:
+    """One page of a listing: its entries in key order, and the token of the next page ("" when
+    this one is the last)."""
+
+    entries: tuple[StateEntry, ...]
+    next_page_token: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +100,10 @@ class StateStore(Protocol):
     """What the Memory service needs of a shared state: this module's, or one in Redis."""
 
     async def get(self, key: str) -> StateEntry: ...
+
+    async def entries(
+        self, prefix: str = "", *, page_size: int = 0, page_token: str = ""
+    ) -> StatePage: ...
 
     async def put(
         self,
@@ -138,6 +164,18 @@ class SharedState:
         if entry is None:
             raise not_found(key)
         return entry
+
+    async def entries(
+        self, prefix: str = "", *, page_size: int = 0, page_token: str = ""
+    ) -> StatePage:
+        after, limit = listing_terms(prefix, page_size, page_token)
+        self._purge()
+        keys = heapq.nsmallest(
+            limit + 1, (k for k in self._entries if k > after and k.startswith(prefix))
+        )
+        entries = [self._entries[k] for k in keys[:limit]]
+        sized = ((e, len(json.dumps(e.value, default=str, separators=(",", ":")))) for e in entries)
+        return page_of(prefix, sized, keys[limit - 1] if len(keys) > limit else None)
 
     def _live(self, key: str) -> StateEntry | None:
         """The entry, unless there is none or its ttl ran out (then it goes)."""
@@ -319,6 +357,58 @@ def check_key(key: str) -> None:
         raise MessageValidationError.for_field(
             "key", f"key must be at most {MAX_KEY_LENGTH} characters"
         )
+
+
+def listing_terms(prefix: str, page_size: int, page_token: str) -> tuple[str, int]:
+    """A listing's validation: the key it goes on after ("" for the first page) and the most
+    entries its page may hold."""
+    problems = []
+    if len(prefix) > MAX_KEY_LENGTH:
+        problems.append(
+            FieldViolation("prefix", f"prefix must be at most {MAX_KEY_LENGTH} characters")
+        )
+    if page_size < 0:
+        problems.append(FieldViolation("page_size", "page_size must not be negative"))
+    after = ""
+    if page_token:
+        try:
+            listed, after = json.loads(base64.urlsafe_b64decode(page_token.encode()))
+            if not isinstance(listed, str) or not isinstance(after, str):
+                raise ValueError
+        except (ValueError, TypeError, binascii.Error):
+            problems.append(
+                FieldViolation("page_token", "page_token is not one a listing of the state gave")
+            )
+        else:
+            if listed != prefix:
+                problems.append(
+                    FieldViolation(
+                        "page_token",
+                        f"page_token continues the listing of prefix {listed!r}, not {prefix!r}",
+                    )
+                )
+    if problems:
+        raise MessageValidationError.from_violations(problems)
+    return after, min(page_size or PAGE_SIZE, MAX_PAGE_SIZE)
+
+
+def page_of(prefix: str, sized: Iterable[tuple[StateEntry, int]], last: str | None) -> StatePage:
+    """A page from its candidates in key order (at most a page_size of them, the keys that
+    follow the previous page), each with the size of its value's JSON: all of them, or fewer
+    once their values reach PAGE_BYTES. ``last``: the last key looked at when more keys
+    follow it (None when none do); the next page starts after it."""
+    taken: list[StateEntry] = []
+    size = 0
+    for entry, value_bytes in sized:
+        if taken and size + value_bytes > PAGE_BYTES:
+            return StatePage(tuple(taken), _page_token(prefix, taken[-1].key))
+        taken.append(entry)
+        size += value_bytes
+    return StatePage(tuple(taken), "" if last is None else _page_token(prefix, last))
+
+
+def _page_token(prefix: str, last: str) -> str:
+    return base64.urlsafe_b64encode(json.dumps([prefix, last]).encode()).decode()
 
 
 def check_write(

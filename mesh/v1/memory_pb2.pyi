@@ -459,6 +459,66 @@ class GetStateResponse(_message.Message):
 Global___GetStateResponse: _TypeAlias = GetStateResponse  # noqa: Y015
 
 @_typing.final
+class ListStateRequest(_message.Message):
+    """ListStateRequest asks for a page of entries."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PREFIX_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    prefix: _builtins.str
+    """Only entries whose keys start with it (at most 256 characters); empty: every entry."""
+    page_size: _builtins.int
+    """The most entries to return: 0 means 100; above 1000 counts as 1000. A page may hold
+    fewer (its values are kept under 1 MiB of JSON) and still be followed by another.
+    """
+    page_token: _builtins.str
+    """The next_page_token of the previous page of the same listing; empty: the first page."""
+    def __init__(
+        self,
+        *,
+        prefix: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "prefix", b"prefix"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListStateRequest: _TypeAlias = ListStateRequest  # noqa: Y015
+
+@_typing.final
+class ListStateResponse(_message.Message):
+    """ListStateResponse is one page of entries."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Pass it as page_token for the next page; empty when this page is the last."""
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___StateEntry]:
+        """The entries, each at its latest version, in order of their keys (by code point)."""
+
+    def __init__(
+        self,
+        *,
+        entries: _abc.Iterable[Global___StateEntry] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "next_page_token", b"next_page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListStateResponse: _TypeAlias = ListStateResponse  # noqa: Y015
+
+@_typing.final
 class PutStateRequest(_message.Message):
     """PutStateRequest writes an entry."""
 

@@ -61,6 +61,11 @@ class MemoryServiceStub:
                 request_serializer=mesh_dot_v1_dot_memory__pb2.GetStateRequest.SerializeToString,
                 response_deserializer=mesh_dot_v1_dot_memory__pb2.GetStateResponse.FromString,
                 _registered_method=True)
+        self.ListState = channel.unary_unary(
+                '/mesh.v1.MemoryService/ListState',
+                request_serializer=mesh_dot_v1_dot_memory__pb2.ListStateRequest.SerializeToString,
+                response_deserializer=mesh_dot_v1_dot_memory__pb2.ListStateResponse.FromString,
+                _registered_method=True)
         self.PutState = channel.unary_unary(
                 '/mesh.v1.MemoryService/PutState',
                 request_serializer=mesh_dot_v1_dot_memory__pb2.PutStateRequest.SerializeToString,
@@ -126,6 +131,14 @@ class MemoryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListState(self, request, context):
+        """Lists the entries whose keys start with a prefix (all, without one), in key order, a
+        page at a time: e.g. prefix "workflow/" for every hand-off workflow's status.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PutState(self, request, context):
         """Writes an entry (a new version of it). ABORTED when the entry is locked by another
         writer (reason STATE_LOCKED) or is not at expected_version (VERSION_CONFLICT);
@@ -185,6 +198,11 @@ def add_MemoryServiceServicer_to_server(servicer, server):
                     servicer.GetState,
                     request_deserializer=mesh_dot_v1_dot_memory__pb2.GetStateRequest.FromString,
                     response_serializer=mesh_dot_v1_dot_memory__pb2.GetStateResponse.SerializeToString,
+            ),
+            'ListState': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListState,
+                    request_deserializer=mesh_dot_v1_dot_memory__pb2.ListStateRequest.FromString,
+                    response_serializer=mesh_dot_v1_dot_memory__pb2.ListStateResponse.SerializeToString,
             ),
             'PutState': grpc.unary_unary_rpc_method_handler(
                     servicer.PutState,
@@ -344,6 +362,33 @@ class MemoryService:
             '/mesh.v1.MemoryService/GetState',
             mesh_dot_v1_dot_memory__pb2.GetStateRequest.SerializeToString,
             mesh_dot_v1_dot_memory__pb2.GetStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mesh.v1.MemoryService/ListState',
+            mesh_dot_v1_dot_memory__pb2.ListStateRequest.SerializeToString,
+            mesh_dot_v1_dot_memory__pb2.ListStateResponse.FromString,
             options,
             channel_credentials,
             insecure,

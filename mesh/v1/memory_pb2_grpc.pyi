@@ -51,6 +51,10 @@ class MemoryServiceStub:
     """Shared state (RT-011 shared_state coordination): named, versioned entries. Reads one
     entry; NOT_FOUND when there is none of that key.
     """
+    ListState: _grpc.UnaryUnaryMultiCallable[_memory_pb2.ListStateRequest, _memory_pb2.ListStateResponse]
+    """Lists the entries whose keys start with a prefix (all, without one), in key order, a
+    page at a time: e.g. prefix "workflow/" for every hand-off workflow's status.
+    """
     PutState: _grpc.UnaryUnaryMultiCallable[_memory_pb2.PutStateRequest, _memory_pb2.PutStateResponse]
     """Writes an entry (a new version of it). ABORTED when the entry is locked by another
     writer (reason STATE_LOCKED) or is not at expected_version (VERSION_CONFLICT);
@@ -88,6 +92,10 @@ class MemoryServiceAsyncStub(MemoryServiceStub):
     GetState: _aio.UnaryUnaryMultiCallable[_memory_pb2.GetStateRequest, _memory_pb2.GetStateResponse]  # type: ignore[assignment]
     """Shared state (RT-011 shared_state coordination): named, versioned entries. Reads one
     entry; NOT_FOUND when there is none of that key.
+    """
+    ListState: _aio.UnaryUnaryMultiCallable[_memory_pb2.ListStateRequest, _memory_pb2.ListStateResponse]  # type: ignore[assignment]
+    """Lists the entries whose keys start with a prefix (all, without one), in key order, a
+    page at a time: e.g. prefix "workflow/" for every hand-off workflow's status.
     """
     PutState: _aio.UnaryUnaryMultiCallable[_memory_pb2.PutStateRequest, _memory_pb2.PutStateResponse]  # type: ignore[assignment]
     """Writes an entry (a new version of it). ABORTED when the entry is locked by another
@@ -153,6 +161,16 @@ class MemoryServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_memory_pb2.GetStateResponse, _abc.Awaitable[_memory_pb2.GetStateResponse]]:
         """Shared state (RT-011 shared_state coordination): named, versioned entries. Reads one
         entry; NOT_FOUND when there is none of that key.
+        """
+
+    @_abc_1.abstractmethod
+    def ListState(
+        self,
+        request: _memory_pb2.ListStateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_memory_pb2.ListStateResponse, _abc.Awaitable[_memory_pb2.ListStateResponse]]:
+        """Lists the entries whose keys start with a prefix (all, without one), in key order, a
+        page at a time: e.g. prefix "workflow/" for every hand-off workflow's status.
         """
 
     @_abc_1.abstractmethod

@@ -113,6 +113,10 @@ async def test_every_documented_call_works(embedded: EmbeddedMesh) -> None:
     deleted = json.loads(by_rpc["mesh.v1.MemoryService/DeleteState"])["entry"]
     assert deleted["value"] == {"left": 80} and deleted["version"] == "2"
     assert deleted["updatedBy"] == "buyer"  # written under the buyer's lock
+    # The workflow handed off above is listed under workflow/, with the agent that has it.
+    listed = json.loads(by_rpc["mesh.v1.MemoryService/ListState"])["entries"]
+    assert [e["key"] for e in listed] == ["workflow/wf_refund_123"], listed
+    assert listed[0]["value"]["current_agent"] == "PaymentDesk", listed
     feedback = json.loads(by_rpc["mesh.v1.GatewayService/RecordFeedback"])
     assert feedback["pattern"] == "PATTERN_GROUP_CHAT"
     assert feedback["stats"]["rated"] == "1" and feedback["stats"]["accuracy"] == 1

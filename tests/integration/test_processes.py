@@ -233,6 +233,41 @@ async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
     assert code == 1 and "--ttl goes with a VALUE to write" in out, out
     code, out = await cli("state", "hold", "1", "--ttl", "0")
     assert code == 1 and "INVALID_ARGUMENT: ttl must be above 0" in out, out
+    # Listed by prefix, in key order: every page walked (150 entries, pages of 100).
+    async with connect(broker_proc.address, agent_id="Tracker") as client:
+        for n in (2, 0, 1, *range(3, 150)):
+            await client.put_state(f"parcel/{n:03d}", {"n": n})
+    code, out = await cli("state", "--prefix", "parcel/")
+    lines = out.splitlines()
+    assert code == 0 and len(lines) == 150, out[-500:]
+    assert re.match(r"^parcel/000  version 1  by Tracker  at \S+  \{\"n\":0\}$", lines[0])
+    assert [line.split()[0] for line in lines] == [f"parcel/{n:03d}" for n in range(150)]
+    code, out = await cli("state", "--prefix", "", "--json")
+    listed = json.loads(out)
+    assert code == 0 and [e["key"] for e in listed] == ["hold"] + [
+        f"parcel/{n:03d}" for n in range(150)
+    ]
+    assert listed[1]["value"] == {"n": 0} and listed[1]["updated_by"] == "Tracker"
+    # A reader gone before the listing is written (`agentmesh state --prefix "" | head -0`)
+    # ends it quietly, as a shell's tools end.
+    reader, writer = os.pipe()
+    os.close(reader)
+    listing = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "mesh.cli", "state", "--prefix", ""),
+        cwd=ROOT,
+        env=env,
+        stdout=writer,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    os.close(writer)
+    _, err = await listing.communicate()
+    assert listing.returncode == 141 and err == b"", err
+    code, out = await cli("state", "--prefix", "nothing/")
+    assert code == 0 and out.strip() == "no shared state entries under 'nothing/'"
+    code, out = await cli("state", "parcel/001", "--prefix", "parcel/")
+    assert code == 1 and "--prefix lists entries: give no KEY" in out, out
+    code, out = await cli("state")
+    assert code == 1 and "give a KEY, or --prefix to list entries" in out, out
 
     # An instance of an agent gone without a word is taken off by its address; the agent by id.
     async with connect(broker_proc.address) as client:

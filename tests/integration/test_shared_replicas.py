@@ -227,3 +227,41 @@ async def test_entries_lapse_and_workflows_are_followed_across_replicas(
         await via_a.delete_state("workflow/wf-replicas")
         await via_a.deregister("ReplicaSeller")
         await via_a.deregister("ReplicaPayment")
+
+
+async def test_a_listing_is_one_across_replicas_page_by_page(
+    replicas: tuple[Proc, Proc],
+) -> None:
+    """Entries written through either replica are listed through both, by prefix and in key
+    order; a listing begun on one replica goes on through the other with its page token."""
+    a, b = replicas
+    async with (
+        connect(a.address, agent_id="Planner", retry=NO_RETRY) as via_a,
+        connect(b.address, agent_id="Buyer", retry=NO_RETRY) as via_b,
+    ):
+        for i in range(0, 7, 2):
+            await via_a.put_state(f"listing/item{i}", {"i": i})
+        for i in range(1, 7, 2):
+            await via_b.put_state(f"listing/item{i}", {"i": i})
+        await via_b.put_state("listing/item7", "brief", ttl=0.3)
+        await via_a.put_state("listingx", "not under listing/")
+        first = await via_a.list_state("listing/", page_size=3)
+        assert [e.key for e in first.entries] == [f"listing/item{i}" for i in range(3)]
+        assert [e.updated_by for e in first.entries] == ["Planner", "Buyer", "Planner"]
+        assert first.entries[1].value == {"i": 1}
+        await via_a.delete_state("listing/item4")  # gone before the next page is read
+        second = await via_b.list_state("listing/", page_size=3, page_token=first.next_page_token)
+        assert [e.key for e in second.entries] == [
+            "listing/item3",
+            "listing/item5",
+            "listing/item6",
+        ]
+        third = await via_a.list_state("listing/", page_size=3, page_token=second.next_page_token)
+        assert [e.key for e in third.entries] == ["listing/item7"]
+        assert third.next_page_token == ""
+        await asyncio.sleep(0.5)  # item7 lapses
+        walked = [e.key async for e in via_b.state_entries("listing/")]
+        assert walked == [f"listing/item{i}" for i in (0, 1, 2, 3, 5, 6)]
+        for key in [*walked, "listingx"]:
+            await via_a.delete_state(key)
+        assert [e async for e in via_b.state_entries("listing/")] == []

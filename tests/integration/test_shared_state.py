@@ -138,3 +138,52 @@ async def test_an_agent_writes_and_locks_only_as_itself(tmp_path: Path) -> None:
             await planner.lock_state("budget", agent_id="Buyer")
         entry = await planner.get_state("budget")
         assert entry is not None and entry.value == 100
+
+
+async def test_a_plain_grpc_client_lists_the_state_page_by_page(mesh: LocalMesh) -> None:
+    """ListState as any gRPC client calls it: entries by key prefix in key order, a page at a
+    time until next_page_token comes back empty; a bad page_token or page_size is
+    INVALID_ARGUMENT, naming the field."""
+    async with grpc.aio.insecure_channel(mesh.address) as channel:
+        stub = memory_pb2_grpc.MemoryServiceStub(channel)
+        for n in range(250):
+            put = memory_pb2.PutStateRequest(key=f"orders/{n:03d}", agent_id="Seller")
+            put.value.number_value = n
+            await stub.PutState(put)
+        other = memory_pb2.PutStateRequest(key="payments/001", agent_id="Payment")
+        other.value.string_value = "paid"
+        await stub.PutState(other)
+
+        pages, token = [], ""
+        while True:
+            page = await stub.ListState(
+                memory_pb2.ListStateRequest(prefix="orders/", page_token=token)
+            )
+            pages.append(page.entries)
+            if not (token := page.next_page_token):
+                break
+        assert [len(p) for p in pages] == [100, 100, 50]  # page_size unset: 100
+        listed = [e for p in pages for e in p]
+        assert [e.key for e in listed] == [f"orders/{n:03d}" for n in range(250)]
+        assert [e.value.number_value for e in listed] == list(range(250))
+        assert all(e.version == 1 and e.updated_by == "Seller" for e in listed)
+
+        everything = await stub.ListState(memory_pb2.ListStateRequest(page_size=1000))
+        assert len(everything.entries) == 251 and everything.entries[-1].key == "payments/001"
+        assert everything.next_page_token == ""
+
+        for bad, field in (
+            (memory_pb2.ListStateRequest(page_token="not a token"), "page_token"),
+            (memory_pb2.ListStateRequest(page_size=-5), "page_size"),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.ListState(bad)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert field in (refused.value.details() or "")
+        first = await stub.ListState(memory_pb2.ListStateRequest(prefix="orders/", page_size=5))
+        with pytest.raises(grpc.aio.AioRpcError) as elsewhere:
+            await stub.ListState(
+                memory_pb2.ListStateRequest(prefix="payments/", page_token=first.next_page_token)
+            )
+        assert elsewhere.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "continues the listing of prefix 'orders/'" in (elsewhere.value.details() or "")

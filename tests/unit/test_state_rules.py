@@ -197,3 +197,66 @@ async def test_each_write_sets_an_entrys_lifetime_anew() -> None:
     for ttl in (0, -1, float("nan"), float("inf"), 366 * 86400):
         with pytest.raises(MessageValidationError, match="ttl"):
             await state.put("k", 1, "A", ttl=ttl)
+
+
+async def test_entries_are_listed_by_prefix_in_key_order_a_page_at_a_time() -> None:
+    state = SharedState()
+    for key in ("workflow/wf_3", "budget/q3", "workflow/wf_1", "workflow/wf_10", "workflow/wf_2"):
+        await state.put(key, {"key": key}, "A")
+    page = await state.entries("workflow/", page_size=2)
+    assert [e.key for e in page.entries] == ["workflow/wf_1", "workflow/wf_10"]
+    assert page.entries[0].value == {"key": "workflow/wf_1"} and page.entries[0].version == 1
+    # Written meanwhile: a key after the page's end is in the next page, one before is not.
+    await state.put("workflow/wf_0", 0, "A")
+    await state.put("workflow/wf_25", 25, "A")
+    second = await state.entries("workflow/", page_size=2, page_token=page.next_page_token)
+    assert [e.key for e in second.entries] == ["workflow/wf_2", "workflow/wf_25"]
+    last = await state.entries("workflow/", page_size=2, page_token=second.next_page_token)
+    assert [e.key for e in last.entries] == ["workflow/wf_3"] and last.next_page_token == ""
+    everything = await state.entries()
+    assert [e.key for e in everything.entries][:2] == ["budget/q3", "workflow/wf_0"]
+    assert len(everything.entries) == 7 and everything.next_page_token == ""
+    assert (await state.entries("none/")).entries == ()
+
+
+async def test_a_page_holds_at_most_a_thousand_entries_and_a_mebibyte_of_values() -> None:
+    state = SharedState(capacity=3000)
+    for i in range(1500):
+        await state.put(f"k{i:04d}", i, "A")
+    first = await state.entries(page_size=5000)  # more than the most: the most
+    assert len(first.entries) == 1000
+    rest = await state.entries(page_token=first.next_page_token)
+    assert len(rest.entries) == 100  # unset: 100
+    assert rest.entries[0].key == "k1000"
+    large = "x" * 60_000  # 60 KB of JSON each: 17 fill a page's mebibyte, the 18th starts a next
+    for i in range(40):
+        await state.put(f"large/{i:02d}", large, "A")
+    pages, token = [], ""
+    while True:
+        page = await state.entries("large/", page_size=1000, page_token=token)
+        pages.append([e.key for e in page.entries])
+        if not (token := page.next_page_token):
+            break
+    assert [len(p) for p in pages] == [17, 17, 6]
+    assert [k for p in pages for k in p] == [f"large/{i:02d}" for i in range(40)]
+
+
+async def test_a_listing_leaves_out_lapsed_entries_and_refuses_what_it_did_not_give() -> None:
+    state = SharedState()
+    await state.put("s/brief", 1, "A", ttl=0.05)
+    await state.put("s/kept", 2, "A")
+    assert [e.key for e in (await state.entries("s/")).entries] == ["s/brief", "s/kept"]
+    await asyncio.sleep(0.08)
+    assert [e.key for e in (await state.entries("s/")).entries] == ["s/kept"]
+    await state.put("t/other", 3, "A")
+    other = await state.entries("", page_size=1)
+    assert other.next_page_token
+    with pytest.raises(MessageValidationError, match="page_token continues the listing of"):
+        await state.entries("s/", page_token=other.next_page_token)
+    for token in ("nope", "bm9wZQ==", "WzEsMl0="):  # not base64 JSON; "nope"; [1,2]
+        with pytest.raises(MessageValidationError, match="page_token"):
+            await state.entries("s/", page_token=token)
+    with pytest.raises(MessageValidationError, match="page_size"):
+        await state.entries("s/", page_size=-1)
+    with pytest.raises(MessageValidationError, match="prefix"):
+        await state.entries("p" * 257)

@@ -424,6 +424,21 @@ export interface StateEntry {
   expiresAt: string | null;
 }
 
+/** One page of a listing of the shared state. */
+export interface StatePage {
+  /** In key order. */
+  entries: StateEntry[];
+  /** Pass it as pageToken for the next page; '' when this page is the last. */
+  nextPageToken: string;
+}
+
+export interface StateListOptions {
+  /** At most this many entries (100 by default, 1000 at most). */
+  pageSize?: number;
+  /** The previous page's nextPageToken; '' (default): the first page. */
+  pageToken?: string;
+}
+
 export interface StateLock {
   key: string;
   token: string;
@@ -570,6 +585,10 @@ export class MeshClient {
 
   /** null when there is no such key. */
   getState(key: string): Promise<StateEntry | null>;
+  /** A page of the entries whose keys start with prefix ('' for all), in key order. */
+  listState(prefix?: string, options?: StateListOptions): Promise<StatePage>;
+  /** Every entry whose key starts with prefix, in key order, a page read at a time. */
+  stateEntries(prefix?: string): AsyncIterable<StateEntry>;
   putState(key: string, value: JsonValue, options?: StateWriteOptions): Promise<StateEntry>;
   deleteState(key: string, options?: StateWriteOptions): Promise<StateEntry>;
   lockState(key: string, options?: { waitMs?: number; leaseMs?: number; agentId?: string }):

@@ -785,6 +785,31 @@ class MeshClient {
   }
 
   /**
+   * One page of the entries whose keys start with prefix (every entry, without one), in key
+   * order: resolves with {entries, nextPageToken}, nextPageToken '' after the last page.
+   * pageSize: at most that many (100 by default, 1000 at most; fewer when the values are
+   * large); pageToken: the previous page's nextPageToken.
+   */
+  async listState(prefix = '', { pageSize = 0, pageToken = '' } = {}) {
+    const res = await unary(this.memory, 'ListState',
+      { prefix, page_size: pageSize, page_token: pageToken });
+    return { entries: (res.entries || []).map(readEntry), nextPageToken: res.next_page_token };
+  }
+
+  /**
+   * Every entry whose key starts with prefix, in key order, a page read at a time:
+   * `for await (const entry of client.stateEntries('workflow/'))`.
+   */
+  async* stateEntries(prefix = '') {
+    let pageToken = '';
+    do {
+      const page = await this.listState(prefix, { pageToken });
+      yield* page.entries;
+      pageToken = page.nextPageToken;
+    } while (pageToken);
+  }
+
+  /**
    * Writes a new version of key. expectedVersion (0: "none yet") makes it a compare-and-set
    * (ABORTED, reason VERSION_CONFLICT, when another write came first); lock is the writer's
    * lock from lockState when it holds one; ttlMs makes the entry lapse that long after this

@@ -1113,6 +1113,21 @@ test('shared state: versions, compare-and-set and locks, beside the Python agent
     assert.equal((await b.putState('node/brief', 1, { expectedVersion: 0 })).version, 1);
     await b.deleteState('node/brief');
     await assert.rejects(a.putState('node/brief', 1, { ttlMs: 0 }), TypeError);
+    // Listed by prefix in key order, a page at a time; every page walked by stateEntries.
+    for (const n of [3, 1, 4, 0, 2]) await a.putState(`node/list/${n}`, { n });
+    const page = await b.listState('node/list/', { pageSize: 2 });
+    assert.deepEqual(page.entries.map((e) => e.key), ['node/list/0', 'node/list/1']);
+    assert.deepEqual(page.entries[1].value, { n: 1 });
+    assert.equal(page.entries[1].updatedBy, 'NodeWriterA');
+    const next = await b.listState('node/list/', { pageSize: 2, pageToken: page.nextPageToken });
+    assert.deepEqual(next.entries.map((e) => e.key), ['node/list/2', 'node/list/3']);
+    const walked = [];
+    for await (const entry of a.stateEntries('node/list/')) walked.push(entry.key);
+    assert.deepEqual(walked, [0, 1, 2, 3, 4].map((n) => `node/list/${n}`));
+    await assert.rejects(a.listState('node/list/', { pageToken: 'not one' }),
+      (err) => err.codeName === 'INVALID_ARGUMENT' && err.message.includes('page_token'));
+    for (const key of walked) await a.deleteState(key);
+    assert.deepEqual((await a.listState('node/list/')).entries, []);
   } finally {
     a.close();
     b.close();

@@ -8,7 +8,8 @@ import assert from 'node:assert/strict';
 import {
   AgentClient, GatewayClient, MeshClient, MeshError, Reject, buildMessage, serveAgent,
   type AgentInfo, type BrokerTotals, type Insight, type JsonObject, type Message,
-  type PatternEvent, type PatternStats, type StateEntry, type WireMessage,
+  type PatternEvent, type PatternStats, type StateEntry, type StatePage,
+  type WireMessage,
 } from 'agentmesh-client';
 
 /** The misuses the declarations refuse; never called. */
@@ -147,6 +148,10 @@ async function tour(broker: string, gateway: string): Promise<JsonObject> {
     await client.putState('ts/tour', { left: 2 }, { lock });
     await client.unlockState(lock);
     seen.state = (await client.getState('ts/tour'))?.value ?? null;
+    const page: StatePage = await client.listState('ts/', { pageSize: 10 });
+    assert.deepEqual(page.entries.map((e) => e.key), ['ts/tour']);
+    assert.equal(page.nextPageToken, '');
+    for await (const listed of client.stateEntries('ts/')) assert.equal(listed.version, 2);
     await client.deleteState('ts/tour');
     assert.equal(await client.getState('ts/tour'), null);
 
