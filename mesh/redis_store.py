@@ -40,6 +40,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import random
 import secrets
 import time
 from collections.abc import Callable, Collection, Iterable
@@ -72,6 +73,9 @@ RANK_SPAN = 10**15  # ~31 years of microseconds per priority band, exact in a do
 WAKE = "mesh:wake"
 RELEASED = "mesh:released:"
 REGISTRY = "mesh:registry"
+REGISTRATION_TRIES = 64
+"""How often a change to one registration is tried while other replicas' changes come
+first (each round, one of the changes racing goes through)."""
 TOTAL = "mesh:total"
 QUEUES = "mesh:queues"
 BUSY = "mesh:{mesh:replicas}:busy"
@@ -432,6 +436,16 @@ def _keys(agent_id: str) -> list[str]:
     return [
         f"mesh:{tag}:{part}" for part in ("ready", "leased", "msg", "meta", "expiry", "dead", "seq")
     ]
+
+
+# KEYS: the registrations. ARGV: agent id, its registration as read ('' for none), the one to
+# keep ('' for none). 1 when written; 0 when another replica changed it since the read.
+_SWAP_AGENT = """
+if (redis.call('HGET', KEYS[1], ARGV[1]) or '') ~= ARGV[2] then return 0 end
+if ARGV[3] == '' then redis.call('HDEL', KEYS[1], ARGV[1])
+else redis.call('HSET', KEYS[1], ARGV[1], ARGV[3]) end
+return 1
+"""
 
 
 def _text(value: Any) -> str:
@@ -1298,9 +1312,37 @@ class RedisQueueStore:
         await self._call("hset", AGENTS, info.agent_id, json.dumps(info.to_dict()))
         await self._call("publish", REGISTRY, info.agent_id)
 
+    async def update_agent(
+        self, agent_id: str, change: Callable[[AgentInfo | None], AgentInfo | None]
+    ) -> AgentInfo | None:
+        """Read, changed, written back only if no replica wrote it in between (else read
+        again): instances registering or leaving at the same moment, through any replicas,
+        all count."""
+        for attempt in range(REGISTRATION_TRIES):
+            raw = await self._call("hget", AGENTS, agent_id)
+            kept = change(AgentInfo.from_dict(json.loads(raw)) if raw else None)
+            fresh = json.dumps(kept.to_dict()) if kept is not None else ""
+            if int(
+                await self._call(
+                    "eval", _SWAP_AGENT, 1, AGENTS, agent_id, _text(raw) if raw else "", fresh
+                )
+            ):
+                await self._call("publish", REGISTRY, agent_id)
+                if kept is None:
+                    await self._forget_queue(agent_id)
+                return kept
+            await asyncio.sleep(random.uniform(0, 0.001 * (attempt + 1)))  # (out of step)
+        raise BrokerUnavailableError(
+            f"the registration of {agent_id} changed {REGISTRATION_TRIES} times while this "
+            "change was being made: try again"
+        )
+
     async def forget_agent(self, agent_id: str) -> None:
         await self._call("hdel", AGENTS, agent_id)
         await self._call("publish", REGISTRY, agent_id)
+        await self._forget_queue(agent_id)
+
+    async def _forget_queue(self, agent_id: str) -> None:
         # An agent that left with nothing held and no dead letters leaves no queue behind:
         # every sweep of every replica goes through each queue named in mesh:queues, and
         # agents that come and go under new ids would otherwise be swept for ever. Named out

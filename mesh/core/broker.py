@@ -494,9 +494,15 @@ class Broker:
         agent id: they share its queue)."""
         if self.draining:
             self._refuse_new_work()
-        await self._load_registration(info.agent_id)
-        registered = self.registry.register(info)
-        await self.store.save_agent(registered)
+        if self.store.shared:  # (merged with the registration as kept, in one step)
+            kept = await self.store.update_agent(
+                info.agent_id, lambda saved: self._as_kept(info.agent_id, saved).register(info)
+            )
+            assert kept is not None
+            registered = kept
+        else:
+            registered = self.registry.register(info)
+            await self.store.save_agent(registered)
         await self.store.sync()
         logger.info(
             "agent registered: %s",
@@ -516,15 +522,23 @@ class Broker:
         """Takes an agent off the mesh; with ``address``, only that instance of it leaves,
         and the agent stays while other instances serve it (a rolling update, or one of
         several processes stopping)."""
-        if address:
-            await self._load_registration(agent_id)
-            remaining = self.registry.leave(agent_id, address)
-        else:
+        remaining: AgentInfo | None = None
+        if not address:
+            await self._load_registration(agent_id)  # (registered through another replica)
             self.registry.deregister(agent_id)
-            remaining = None
+            await self.store.forget_agent(agent_id)
+        elif self.store.shared:
+            remaining = await self.store.update_agent(
+                agent_id, lambda saved: self._as_kept(agent_id, saved).leave(agent_id, address)
+            )
+        else:
+            remaining = self.registry.leave(agent_id, address)
+            if remaining is None:
+                await self.store.forget_agent(agent_id)
+            else:
+                await self.store.save_agent(remaining)
+        await self.store.sync()
         if remaining is not None:
-            await self.store.save_agent(remaining)
-            await self.store.sync()
             logger.info(
                 "agent %s: the instance at %s left, %d serve it still",
                 agent_id,
@@ -540,24 +554,32 @@ class Broker:
                 },
             )
             return
-        await self.store.forget_agent(agent_id)
         logger.info(
             "agent deregistered: %s",
             agent_id,
             extra={"event": {"category": "registry", "agent_id": agent_id}},
         )
 
+    def _as_kept(self, agent_id: str, saved: AgentInfo | None) -> AgentRegistry:
+        """The registry, with the agent as the shared store keeps it (registered, changed or
+        gone through another replica a moment ago, before this replica heard of it)."""
+        if saved is None:
+            self.registry.discard(agent_id)
+        else:
+            with contextlib.suppress(MeshError):  # (this replica's registry is full)
+                self.registry.register(saved, restore=True)
+        return self.registry
+
     async def _load_registration(self, agent_id: str) -> bool:
-        """With replicas, the agent's registration as the store keeps it: an agent, or
-        instances of one, registered through another replica a moment ago. False when it
-        keeps none (or there are no replicas)."""
+        """With replicas, the agent's registration as the store keeps it: an agent
+        registered through another replica a moment ago. False when it keeps none (or there
+        are no replicas)."""
         if not self.store.shared:
             return False
         saved = await self.store.saved_agent(agent_id)
         if saved is None:
             return False
-        with contextlib.suppress(MeshError):
-            self.registry.register(saved, restore=True)
+        self._as_kept(agent_id, saved)
         return True
 
     def list_agents(self, agent_type: str = "") -> list[AgentInfo]:

@@ -214,6 +214,15 @@ class QueueStore(Protocol):
 
     async def forget_agent(self, agent_id: str) -> None: ...
 
+    async def update_agent(
+        self, agent_id: str, change: Callable[[AgentInfo | None], AgentInfo | None]
+    ) -> AgentInfo | None:
+        """Changes one kept registration in one step: ``change`` is given it as kept (as
+        :meth:`saved_agent` reads it) and returns the one to keep (None: none), which is kept
+        and returned. On a store shared by replicas no change made meanwhile through another
+        is lost (``change`` may be called again, on what that one kept)."""
+        ...
+
     async def saved_agents(self) -> list[AgentInfo]:
         """The registrations kept (none for a store that does not outlive its process)."""
         ...
@@ -525,6 +534,16 @@ class InMemoryQueueStore:
             del self._queues[agent_id]
         if self._journal:
             self._journal.agent_gone(agent_id)
+
+    async def update_agent(
+        self, agent_id: str, change: Callable[[AgentInfo | None], AgentInfo | None]
+    ) -> AgentInfo | None:
+        kept = change(await self.saved_agent(agent_id))
+        if kept is None:
+            await self.forget_agent(agent_id)
+        else:
+            await self.save_agent(kept)
+        return kept
 
     async def saved_agents(self) -> list[AgentInfo]:
         return []

@@ -97,6 +97,10 @@ class AgentRegistry:
             raise AgentNotFoundError(f"agent {agent_id} is not registered")
         return info
 
+    def discard(self, agent_id: str) -> None:
+        """Forgets the agent if it is registered (it left through another replica)."""
+        self._agents.pop(agent_id, None)
+
     def leave(self, agent_id: str, address: str) -> AgentInfo | None:
         """One instance of the agent, at ``address``, leaves. The agent stays while other
         instances serve it (its address the latest of theirs) and is returned; with the last

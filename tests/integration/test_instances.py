@@ -88,3 +88,59 @@ async def test_instances_registered_through_different_replicas_are_one_agent(
     finally:
         await server_a.stop(0.5)
         await server_b.stop(0.5)
+
+
+@pytest.fixture(params=["redis", "redis-cluster"])
+def one_redis(request: pytest.FixtureRequest) -> str:
+    return str(
+        request.getfixturevalue("redis_url" if request.param == "redis" else "redis_cluster_url")
+    )
+
+
+async def test_instances_registering_and_leaving_at_once_through_two_replicas_are_all_kept(
+    one_redis: str,
+) -> None:
+    """Sixteen instances of one agent register at the same moment, half through each of two
+    replicas on one Redis (pods of a scaled-out agent group starting together): the agent
+    keeps all sixteen, as each replica sees it. Then fifteen leave at once: the one left is
+    the agent's instance, and with it gone the agent is off."""
+    from mesh.core.broker import Broker
+    from mesh.core.model import AgentInfo
+    from mesh.redis_store import RedisQueueStore
+
+    replicas = [Broker(BrokerConfig(), store=RedisQueueStore(one_redis)) for _ in range(2)]
+    for replica in replicas:
+        await replica.start()
+    addresses = [f"10.1.0.{n}:7000" for n in range(16)]
+    try:
+        await asyncio.gather(
+            *(
+                replicas[n % 2].register(
+                    AgentInfo(agent_id="Crowd", agent_types=("crowd",), address=address)
+                )
+                for n, address in enumerate(addresses)
+            )
+        )
+        saved = await replicas[0].store.saved_agent("Crowd")
+        assert saved is not None and sorted(saved.instances) == sorted(addresses)
+        await asyncio.sleep(0.2)  # each replica hears of the other's registrations
+        for replica in replicas:
+            [seen] = replica.list_agents("crowd")
+            assert sorted(seen.instances) == sorted(addresses)
+
+        await asyncio.gather(
+            *(
+                replicas[n % 2].deregister("Crowd", address)
+                for n, address in enumerate(addresses[1:])
+            )
+        )
+        saved = await replicas[1].store.saved_agent("Crowd")
+        assert saved is not None and saved.instances == (addresses[0],)
+        assert saved.address == addresses[0]
+        await replicas[0].deregister("Crowd", addresses[0])
+        assert await replicas[1].store.saved_agent("Crowd") is None
+        await asyncio.sleep(0.2)
+        assert [r.list_agents("crowd") for r in replicas] == [[], []]
+    finally:
+        for replica in replicas:
+            await replica.stop()

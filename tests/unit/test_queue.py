@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -19,7 +20,7 @@ import pytest
 from mesh.codec import message_size
 from mesh.core.durable import SqliteQueueStore, open_store
 from mesh.core.errors import MessageQueueFullError
-from mesh.core.model import DeadLetter, Message, Priority
+from mesh.core.model import AgentInfo, DeadLetter, Message, Priority
 from mesh.core.queue import InMemoryQueueStore, QueueStore, Released
 
 
@@ -958,3 +959,31 @@ async def test_store_urls(tmp_path: Path) -> None:
         open_store("postgres://x")
     with pytest.raises(ValueError, match="needs a file path"):
         open_store("sqlite://")
+
+
+async def test_a_registration_changed_by_many_at_once_keeps_every_change(
+    store: QueueStore,
+) -> None:
+    """Ten changes to one registration at once, each adding an instance to what it reads: a
+    store shared by replicas keeps all ten (a change that read before another's write reads
+    again), and a store of one process keeps what each change returns (it keeps nothing to
+    read: the broker's own registry is the registration)."""
+    agent_id = f"Crowd-{secrets.token_hex(4)}"  # (a Redis is shared by the tests)
+
+    def adding(address: str) -> Callable[[AgentInfo | None], AgentInfo | None]:
+        def change(saved: AgentInfo | None) -> AgentInfo:
+            earlier = saved.instances if saved else ()
+            return AgentInfo(agent_id=agent_id, address=address, instances=(*earlier, address))
+
+        return change
+
+    addresses = [f"10.2.0.{n}:7000" for n in range(10)]
+    kept = await asyncio.gather(*(store.update_agent(agent_id, adding(a)) for a in addresses))
+    saved = await store.saved_agent(agent_id)
+    if store.shared:
+        assert saved is not None and sorted(saved.instances) == sorted(addresses)
+        assert max(len(k.instances) for k in kept if k) == 10
+    else:
+        assert [k.instances for k in kept if k] == [(a,) for a in addresses]
+    assert await store.update_agent(agent_id, lambda saved: None) is None
+    assert await store.saved_agent(agent_id) is None
