@@ -476,7 +476,9 @@ async def _state(args: argparse.Namespace) -> int:
             raise MessageValidationError.for_field(
                 "prefix", "--prefix lists entries: give no KEY, VALUE, --delete or --ttl with it"
             )
-        return await _state_list(args)
+        return await (_state_watch(args) if args.watch else _state_list(args))
+    if args.watch:
+        raise MessageValidationError.for_field("watch", "--watch goes with --prefix")
     if args.key is None:
         raise MessageValidationError.for_field("key", "give a KEY, or --prefix to list entries")
     if args.ttl is not None and (args.delete or args.value is None):
@@ -517,6 +519,25 @@ async def _state_list(args: argparse.Namespace) -> int:
     else:
         for entry in entries:
             _print(_entry_line(entry))
+    return 0
+
+
+async def _state_watch(args: argparse.Namespace) -> int:
+    """The entries under the prefix, then each change as it is made (a line, or a JSON
+    object, each: what happened, then the entry), until interrupted or the watch ends."""
+    async with connect(args.broker, agent_id=args.agent, security=security_config(args)) as client:
+        async for change in client.watch_state(args.prefix, send_initial=True):
+            if change.entry is None:  # SYNCED: what follows are changes
+                print(f"watching {args.prefix!r} (Ctrl-C to stop)", file=sys.stderr, flush=True)
+            elif args.json:
+                _print(
+                    json.dumps(
+                        {"kind": change.kind.value, "entry": _entry_json(change.entry)},
+                        separators=(",", ":"),
+                    )
+                )
+            else:
+                _print(f"{change.kind.value:<7} {_entry_line(change.entry)}")
     return 0
 
 
@@ -769,6 +790,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prefix",
         help="list every entry whose key starts with this, in key order ('' for all entries)",
+    )
+    p.add_argument(
+        "--watch",
+        action="store_true",
+        help="with --prefix: the entries, then each change as it is made, until interrupted",
     )
     p.add_argument("--broker", default=broker_default)
     p.add_argument("--json", action="store_true")

@@ -60,7 +60,7 @@ from mesh.core.model import (
     Priority,
     new_message_id,
 )
-from mesh.core.state import StateEntry, StateLock, StatePage, check_ttl
+from mesh.core.state import StateChange, StateEntry, StateLock, StatePage, check_ttl
 from mesh.core.tasks import cancel_and_wait
 from mesh.metrics import RT011_FIGURES
 from mesh.security import open_channel
@@ -1697,6 +1697,33 @@ class MeshClient:
             if not page.next_page_token:
                 return
             token = page.next_page_token
+
+    async def watch_state(
+        self, prefix: str = "", *, send_initial: bool = False
+    ) -> AsyncGenerator[StateChange, None]:
+        """``async for change in client.watch_state("workflow/"):`` each change to the entries
+        whose keys start with ``prefix`` as it is made (``change.kind``: PUT, DELETE or LAPSE;
+        ``change.entry``: the new or the last version), in order. With ``send_initial`` the
+        entries there are come first (CURRENT); a SYNCED change (no entry) says the watch is
+        in place. Runs until closed (leave the loop); one that fell 1000 changes behind ends
+        with LimitExceededError (reason WATCH_BEHIND), one whose broker missed changes with
+        BrokerUnavailableError: watch again with ``send_initial`` to catch up."""
+        from mesh.memory_server import KINDS_OF_CHANGES, entry_from_pb
+
+        self._refuse_if_closed()
+        request = memory_pb2.WatchStateRequest(prefix=prefix, send_initial=send_initial)
+        call = self._memory.WatchState(request)
+        try:
+            async for pb in call:
+                kind = KINDS_OF_CHANGES.get(pb.kind)
+                if kind is None:  # (a kind of change a newer broker tells of)
+                    continue
+                entry = entry_from_pb(pb.entry) if pb.HasField("entry") else None
+                yield StateChange(kind, entry)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        finally:
+            call.cancel()
 
     async def put_state(
         self,

@@ -3,11 +3,14 @@ state."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 from mesh import codec
+from mesh._status import abort
+from mesh.core.errors import MeshError
 from mesh.core.memory import Insight, MemoryPool
-from mesh.core.state import StateEntry, StateStore
+from mesh.core.state import ChangeKind, StateEntry, StateStore
 from mesh.server import translating
 from mesh.v1 import memory_pb2, memory_pb2_grpc
 
@@ -59,6 +62,12 @@ def entry_to_pb(entry: StateEntry, out: memory_pb2.StateEntry) -> memory_pb2.Sta
     if entry.expires_at is not None:
         codec.datetime_to_timestamp(entry.expires_at, out.expires_at)
     return out
+
+
+CHANGE_KINDS = {
+    kind: memory_pb2.StateChangeKind.Value(f"STATE_CHANGE_KIND_{kind.name}") for kind in ChangeKind
+}
+KINDS_OF_CHANGES = {number: kind for kind, number in CHANGE_KINDS.items()}
 
 
 def entry_from_pb(pb: memory_pb2.StateEntry) -> StateEntry:
@@ -157,6 +166,24 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         for entry in page.entries:
             entry_to_pb(entry, response.entries.add())
         return response
+
+    async def WatchState(
+        self, request: memory_pb2.WatchStateRequest, context: Any
+    ) -> AsyncIterator[memory_pb2.WatchStateResponse]:
+        try:
+            watch = await self.state.watch(request.prefix, send_initial=request.send_initial)
+        except MeshError as error:
+            await abort(context, error)
+        try:
+            async for change in watch:
+                response = memory_pb2.WatchStateResponse(kind=CHANGE_KINDS[change.kind])
+                if change.entry is not None:
+                    entry_to_pb(change.entry, response.entry)
+                yield response
+        except MeshError as error:
+            await abort(context, error)
+        finally:
+            watch.close()
 
     @translating
     async def PutState(

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import heapq
 import json
+import logging
 import secrets
 import time
 from collections.abc import Iterable
@@ -36,13 +37,19 @@ from mesh.core.memory import (
 )
 from mesh.core.model import JSON
 from mesh.core.state import (
+    INITIAL_BYTES,
     LOCK_TIMEOUT,
     MAX_WRITERS,
+    ChangeKind,
+    StateChange,
     StateEntry,
     StateLock,
     StatePage,
+    StateWatch,
+    Watchers,
     check_delete,
     check_key,
+    check_prefix,
     check_write,
     full,
     listing_terms,
@@ -51,11 +58,17 @@ from mesh.core.state import (
     locked,
     not_found,
     page_of,
+    shutting_down,
+    start_watch,
+    too_wide,
     version_conflict,
 )
+from mesh.core.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from mesh.redis_store import RedisQueueStore
+
+logger = logging.getLogger("mesh.state")
 
 PREFIX = "mesh:{shared}:"
 INSIGHTS = PREFIX + "insights"
@@ -73,6 +86,14 @@ STATE_META = PREFIX + "state-meta"
 "expires" (ms since the epoch)."""
 STATE_EXPIRY = PREFIX + "state-expiry"
 """Sorted set: the keys of entries with a ttl, by when they lapse (ms since the epoch)."""
+STATE_SEQ = PREFIX + "state-seq"
+"""Counter: the changes made to the shared state, each numbered by it (for watches)."""
+STATE_CHANGES = PREFIX + "state-changes"
+"""Channel: each change, as [number, kind, key, meta, value], for the watches of every
+replica."""
+LAPSE_SWEEP_SECONDS = 0.25
+"""While a replica has watches, how often it takes out the entries whose ttl ran out (so
+that their lapse is told when it happens, not at the next write)."""
 LOCKS = PREFIX + "locks"
 """Hash: key -> {"holder", "token", "expires"} (expires in ms since the epoch)."""
 UNLOCKED = PREFIX + "unlocked"
@@ -214,15 +235,34 @@ return {redis.call('HLEN', KEYS[1]), redis.call('HLEN', KEYS[4]),
 )
 _INSIGHT_KEYS = [INSIGHTS, TAG_COUNTS, SEGMENT_COUNTS, WRITER_COUNTS, INSIGHT_EXPIRY]
 
-# KEYS: values, meta, locks, expiry. ARGV: key, now (ms), agent, token, expected version
-# ('' for none), capacity, value JSON, updated_at, 'put' or 'delete', ttl (ms, '' for none).
-_WRITE_STATE = """
-local key, now, token = ARGV[1], tonumber(ARGV[2]), ARGV[4]
-for _, lapsed in ipairs(redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now, 'LIMIT', 0, 1000)) do
-  redis.call('HDEL', KEYS[1], lapsed)
-  redis.call('HDEL', KEYS[2], lapsed)
-  redis.call('ZREM', KEYS[4], lapsed)
+# What the state's scripts share: each change numbered (KEYS[5]) and told on the channel
+# (ARGV[11]); the entries whose ttl ran out taken out (and told).
+_TELL_AND_PURGE = """
+local function tell(kind, key, meta, value)
+  local seq = redis.call('INCR', KEYS[5])
+  redis.call('PUBLISH', ARGV[11], cjson.encode({seq, kind, key, meta, value}))
 end
+local function purge(now)
+  local lapsing = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now, 'LIMIT', 0, 1000)
+  for _, lapsed in ipairs(lapsing) do
+    local meta, value = redis.call('HGET', KEYS[2], lapsed), redis.call('HGET', KEYS[1], lapsed)
+    redis.call('HDEL', KEYS[1], lapsed)
+    redis.call('HDEL', KEYS[2], lapsed)
+    redis.call('ZREM', KEYS[4], lapsed)
+    if meta and value then tell('lapse', lapsed, meta, value) end
+  end
+  return #lapsing
+end
+"""
+
+# KEYS: values, meta, locks, expiry, change counter. ARGV: key, now (ms), agent, token,
+# expected version ('' for none), capacity, value JSON, updated_at, 'put' or 'delete', ttl (ms,
+# '' for none), the changes' channel.
+_WRITE_STATE = (
+    _TELL_AND_PURGE
+    + """
+local key, now, token = ARGV[1], tonumber(ARGV[2]), ARGV[4]
+purge(now)
 local lock = redis.call('HGET', KEYS[3], key)
 local held = nil
 if lock then
@@ -246,6 +286,7 @@ if ARGV[9] == 'delete' then
   redis.call('HDEL', KEYS[1], key)
   redis.call('HDEL', KEYS[2], key)
   redis.call('ZREM', KEYS[4], key)
+  tell('delete', key, meta, old)
   return {'OK', meta, old}
 end
 if not meta and redis.call('HLEN', KEYS[2]) >= tonumber(ARGV[6]) then return {'FULL'} end
@@ -259,7 +300,40 @@ end
 local fresh = cjson.encode(record)
 redis.call('HSET', KEYS[1], key, ARGV[7])
 redis.call('HSET', KEYS[2], key, fresh)
+tell('put', key, fresh, ARGV[7])
 return {'OK', fresh, ARGV[7]}
+"""
+)
+
+# KEYS: as for _WRITE_STATE. ARGV[2]: now (ms); ARGV[11]: the changes' channel.
+_SWEEP_STATE = (
+    _TELL_AND_PURGE
+    + """
+return purge(tonumber(ARGV[2]))
+"""
+)
+
+# KEYS: meta, values, change counter. ARGV: prefix, '1' for the entries too, the most JSON
+# their values may come to. The number of the last change, then (with the entries) their keys,
+# metas and values; {'TOO_WIDE'} past the most.
+_WATCH_FROM = """
+local seq = tonumber(redis.call('GET', KEYS[3]) or '0')
+if ARGV[2] ~= '1' then return {seq} end
+local prefix, most, size = ARGV[1], tonumber(ARGV[3]), 0
+local keys, metas, values = {}, {}, {}
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  local key = all[i]
+  if string.sub(key, 1, #prefix) == prefix then
+    local value = redis.call('HGET', KEYS[2], key)
+    if value then
+      size = size + #value
+      if size > most then return {'TOO_WIDE'} end
+      keys[#keys + 1], metas[#metas + 1], values[#values + 1] = key, all[i + 1], value
+    end
+  end
+end
+return {seq, keys, metas, values}
 """
 
 # KEYS: locks, the key's waiting line. ARGV: key, agent, ticket ("<deadline ms>:<random>"),
@@ -312,6 +386,9 @@ redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('PUBLISH', ARGV[4], ARGV[1])
 return 1
 """
+
+
+_STATE_KEYS = [STATE_VALUES, STATE_META, LOCKS, STATE_EXPIRY, STATE_SEQ]
 
 
 def _text(value: Any) -> str:
@@ -447,6 +524,14 @@ class RedisSharedState:
         self._waiting: set[asyncio.Future[None]] = set()
         """Lock requests of this replica waiting for a release."""
         store.follow(UNLOCKED, self._released)
+        self._watchers = Watchers()
+        self._starting: dict[StateWatch, list[tuple[int, ChangeKind, StateEntry]]] = {}
+        """Watches being started: the changes heard meanwhile, told once they are in place."""
+        self._cut_off = 0
+        """How often this replica lost the changes' channel (a watch begun before one ends)."""
+        self._sweeper: asyncio.Task[None] | None = None
+        store.follow(STATE_CHANGES, self._changed)
+        store.on_gap(self._missed_changes)
 
     def _now_ms(self) -> int:
         """Milliseconds since the epoch by the clock the replicas agree on (lock leases are
@@ -498,6 +583,84 @@ class RedisSharedState:
         )
         return page_of(prefix, sized, last)
 
+    # -- watches -----------------------------------------------------------------------------
+
+    async def watch(self, prefix: str = "", *, send_initial: bool = False) -> StateWatch:
+        """Every replica hears every change, numbered in the order the scripts made them; a
+        watch starts after the change numbered when its entries were read (one script), those
+        heard meanwhile told after its entries."""
+        check_prefix(prefix)
+        watch = StateWatch(prefix)
+        heard: list[tuple[int, ChangeKind, StateEntry]] = []
+        self._starting[watch] = heard
+        cut_off = self._cut_off
+        try:
+            answer = await self.store._call(
+                "eval", _WATCH_FROM, 3, STATE_META, STATE_VALUES, STATE_SEQ, prefix,
+                "1" if send_initial else "", INITIAL_BYTES,
+            )  # fmt: skip
+        finally:
+            del self._starting[watch]
+        if _text(answer[0]) == "TOO_WIDE":
+            raise too_wide(prefix)
+        if self._cut_off != cut_off:
+            raise _missed()
+        seq, initial = int(answer[0]), None
+        if send_initial:
+            now = self.store.now()
+            found = sorted(
+                (_text(k), meta, value) for k, meta, value in zip(*answer[1:], strict=True)
+            )
+            initial = [
+                (entry, len(value))
+                for key, meta, value in found
+                for entry in (_entry(key, meta, value),)
+                if entry.expires_at is None or entry.expires_at.timestamp() > now
+            ]
+        start_watch(watch, initial)
+        watch.after = seq
+        for number, kind, entry in heard:
+            if number > seq and entry.key.startswith(prefix):
+                watch.offer(StateChange(kind, entry))
+        self._watchers.adopt(watch)
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_lapses())
+        return watch
+
+    def _changed(self, data: bytes) -> None:
+        if not self._watchers and not self._starting:
+            return
+        number, kind_name, key, meta, value = json.loads(data)
+        kind, entry = ChangeKind(kind_name), _entry(key, meta, value)
+        for heard in self._starting.values():
+            heard.append((number, kind, entry))
+        self._watchers.publish(kind, entry, number)
+
+    def _missed_changes(self) -> None:
+        """The changes' channel was lost (or is back after a loss): what was said in between
+        is not heard, and every watch of this replica ends (its watcher watches again)."""
+        self._cut_off += 1
+        self._watchers.end_all(_missed())
+
+    async def _sweep_lapses(self) -> None:
+        """While this replica has watches: takes out the entries whose ttl ran out, so that
+        their lapse is told on time (any replica's sweep tells every replica)."""
+        while self._watchers or self._starting:
+            await asyncio.sleep(LAPSE_SWEEP_SECONDS)
+            try:
+                await self.store._call(
+                    "eval", _SWEEP_STATE, len(_STATE_KEYS), *_STATE_KEYS, "", self._now_ms(),
+                    *([""] * 8), STATE_CHANGES,
+                )  # fmt: skip
+            except BrokerUnavailableError as error:
+                logger.debug("could not take out lapsed shared state entries: %s", error)
+
+    async def close(self) -> None:
+        self._watchers.end_all(shutting_down())
+        if self._sweeper is not None:
+            await cancel_and_wait(self._sweeper)
+            self._sweeper = None
+
     async def put(
         self,
         key: str,
@@ -532,12 +695,11 @@ class RedisSharedState:
         encoded: str,
         ttl: float | None = None,
     ) -> StateEntry:
-        keys = [STATE_VALUES, STATE_META, LOCKS, STATE_EXPIRY]
         answer = await self.store._call(
-            "eval", _WRITE_STATE, len(keys), *keys, key, self._now_ms(), agent_id, lock_token,
-            "" if expected_version is None else expected_version, self.capacity, encoded,
-            datetime.fromtimestamp(self.store.now(), UTC).isoformat(), what,
-            "" if ttl is None else max(1, round(ttl * 1000)),
+            "eval", _WRITE_STATE, len(_STATE_KEYS), *_STATE_KEYS, key, self._now_ms(), agent_id,
+            lock_token, "" if expected_version is None else expected_version, self.capacity,
+            encoded, datetime.fromtimestamp(self.store.now(), UTC).isoformat(), what,
+            "" if ttl is None else max(1, round(ttl * 1000)), STATE_CHANGES,
         )  # fmt: skip
         outcome = _text(answer[0])
         if outcome == "OK":
@@ -602,6 +764,13 @@ class RedisSharedState:
         )
         if not int(released):
             raise lock_not_held(key)
+
+
+def _missed() -> BrokerUnavailableError:
+    return BrokerUnavailableError(
+        "this broker missed changes to the shared state (cut off from Redis for a moment): "
+        "watch again, with the initial entries, to catch up"
+    )
 
 
 def _entry(key: str, meta: Any, value: Any) -> StateEntry:

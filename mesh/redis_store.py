@@ -574,11 +574,17 @@ class RedisQueueStore:
         """When this replica last beat (ms)."""
         self._followed: dict[str, Callable[[bytes], None]] = {}
         """Channels of other parts of the mesh kept in this Redis, and their handlers."""
+        self._refollowed: list[Callable[[], None]] = []
 
     def follow(self, channel: str, handler: Callable[[bytes], None]) -> None:
         """Calls ``handler`` with what is published on ``channel`` once this replica watches
         the others (:meth:`watch`; a channel followed later is heard after a resubscription)."""
         self._followed[channel] = handler
+
+    def on_gap(self, hook: Callable[[], None]) -> None:
+        """Calls ``hook`` when this replica loses the others, and again when it follows them
+        once more: what was published on the channels it follows in between was not heard."""
+        self._refollowed.append(hook)
 
     def shared_memory(self) -> tuple[Any, Any]:
         """The shared memory pool and shared state, in this Redis: every replica sees the
@@ -1483,6 +1489,9 @@ class RedisQueueStore:
                 raise
             except Exception as error:  # a lost connection (or node): subscribe again
                 failures += 1
+                if failures == 1:
+                    for hook in self._refollowed:
+                        hook()
                 logger.log(
                     logging.WARNING if failures == 1 else logging.DEBUG,
                     "following the other replicas failed (%s); retrying every 0.5 s",
@@ -1496,6 +1505,8 @@ class RedisQueueStore:
                     logger.info("following the other replicas again")
                     failures = 0
                     listener.on_followed_again()
+                    for hook in self._refollowed:
+                        hook()
 
     async def _handle(self, event: dict[str, Any], listener: Any) -> None:
         if event.get("type") != "message":

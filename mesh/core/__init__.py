@@ -41,7 +41,7 @@ from mesh.core.model import (
     Tool,
 )
 from mesh.core.queue import InMemoryQueueStore, QueueStore
-from mesh.core.state import StateEntry, StateLock, StatePage
+from mesh.core.state import ChangeKind, StateChange, StateEntry, StateLock, StatePage
 
 __all__ = [
     "BROADCAST_TARGET",
@@ -52,6 +52,7 @@ __all__ = [
     "BroadcastOutcome",
     "Broker",
     "BrokerUnavailableError",
+    "ChangeKind",
     "ConflictResolutionError",
     "DeadLetter",
     "Delivery",
@@ -76,6 +77,7 @@ __all__ = [
     "RoutingError",
     "SendOutcome",
     "SessionClosedError",
+    "StateChange",
     "StateConflictError",
     "StateEntry",
     "StateLock",

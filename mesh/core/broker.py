@@ -379,6 +379,7 @@ class Broker:
         for future in self._pending.values():
             if isinstance(future, asyncio.Future) and not future.done():
                 future.set_exception(SessionClosedError("the broker is shutting down"))
+        await self.state.close()
         await self.store.close()
 
     def _refuse_new_work(self) -> None:

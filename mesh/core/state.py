@@ -14,6 +14,10 @@ read and write, with locks for the writes that must not interleave.
 - Entries are listed by key prefix, in key order, a page at a time: a page ends at
   ``page_size`` entries or when its values reach ``PAGE_BYTES`` of JSON, and its token names
   the last key it gave (a listing goes on from there, whatever was written meanwhile).
+- Changes are watched by key prefix: each write, deletion and lapse, in the order they were
+  made, after the entries there were (optionally) and a SYNCED mark. A watcher holds at most
+  ``WATCH_BACKLOG`` changes not yet taken; one that falls further behind is ended (it watches
+  again to catch up) rather than holding the state's writers back or growing without bound.
 """
 
 from __future__ import annotations
@@ -22,20 +26,23 @@ import asyncio
 import base64
 import binascii
 import collections
+import enum
 import heapq
 import json
 import math
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Protocol
 
 from mesh.core.errors import (
+    BrokerUnavailableError,
     FieldViolation,
     LimitExceededError,
     LockNotHeldError,
+    MeshError,
     MessageValidationError,
     NotFoundError,
     StateConflictError,
@@ -58,6 +65,10 @@ MAX_PAGE_SIZE = 1000
 PAGE_BYTES = 1 << 20
 """A page stops once its values reach this much JSON (it holds at least one entry): a page of
 large values stays well within a gRPC message."""
+WATCH_BACKLOG = 1000
+"""The most changes a watcher holds that it has not taken yet; one more ends the watch."""
+INITIAL_BYTES = 64 << 20
+"""The most JSON the initial entries of a watch may come to (a wider prefix is refused)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +89,136 @@ class StatePage:
 
     entries: tuple[StateEntry, ...]
     next_page_token: str
+
+
+class ChangeKind(enum.Enum):
+    CURRENT = "current"
+    """An entry as it was when the watch began (asked for with the watch)."""
+    SYNCED = "synced"
+    """The watch is in place: every change after this one is watched (no entry)."""
+    PUT = "put"
+    """Written: the new version."""
+    DELETE = "delete"
+    """Deleted: its last version."""
+    LAPSE = "lapse"
+    """Its ttl ran out: its last version."""
+
+
+@dataclass(frozen=True, slots=True)
+class StateChange:
+    kind: ChangeKind
+    entry: StateEntry | None = None
+    """None only for SYNCED."""
+
+
+class StateWatch:
+    """One watcher's changes, in the order they were made: ``async for change in watch``.
+    Holds at most ``backlog`` changes not yet taken (the initial entries aside); one more
+    ends the watch with LimitExceededError (reason WATCH_BEHIND) once those are taken.
+    :meth:`close` stops it."""
+
+    def __init__(self, prefix: str, backlog: int = WATCH_BACKLOG) -> None:
+        self.prefix = prefix
+        self.backlog = backlog
+        self._changes: collections.deque[StateChange] = collections.deque()
+        self._ready = asyncio.Event()
+        self._ended: MeshError | None = None
+        self._closed = False
+        self.on_close: list[Callable[[StateWatch], None]] = []
+        self.after = 0
+        """Where changes are numbered (a store shared by replicas): the last change before
+        the watch began; those up to it are not the watch's."""
+
+    def offer(self, change: StateChange, *, initial: bool = False) -> None:
+        """Queues a change for the watcher (those of other prefixes are the hub's to skip)."""
+        if self._ended is not None or self._closed:
+            return
+        if not initial and len(self._changes) >= self.backlog:
+            self.end(
+                LimitExceededError(
+                    f"the watch of {self.prefix!r} fell {self.backlog} changes behind: "
+                    "watch again (with the initial entries) to catch up",
+                    reason="WATCH_BEHIND",
+                )
+            )
+            return
+        self._changes.append(change)
+        self._ready.set()
+
+    def end(self, error: MeshError) -> None:
+        """Ends the watch with ``error``, after the changes it holds."""
+        if self._ended is None:
+            self._ended = error
+            self._ready.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._changes.clear()
+        self._ready.set()
+        for hook in self.on_close:
+            hook(self)
+
+    def __aiter__(self) -> StateWatch:
+        return self
+
+    async def __anext__(self) -> StateChange:
+        while not self._changes:
+            if self._closed:
+                raise StopAsyncIteration
+            if self._ended is not None:
+                raise self._ended
+            self._ready.clear()
+            await self._ready.wait()
+        return self._changes.popleft()
+
+
+class Watchers:
+    """The watches of one shared state: each change goes to those whose prefix its key has."""
+
+    def __init__(self) -> None:
+        self._watches: list[StateWatch] = []
+
+    def __len__(self) -> int:
+        return len(self._watches)
+
+    def add(self, prefix: str) -> StateWatch:
+        return self.adopt(StateWatch(prefix))
+
+    def adopt(self, watch: StateWatch) -> StateWatch:
+        watch.on_close.append(self._remove)
+        self._watches.append(watch)
+        return watch
+
+    def _remove(self, watch: StateWatch) -> None:
+        if watch in self._watches:
+            self._watches.remove(watch)
+
+    def publish(self, kind: ChangeKind, entry: StateEntry, number: int = 0) -> None:
+        """Tells the watches of its key a change (``number``: where changes are numbered)."""
+        change = StateChange(kind, entry)
+        for watch in self._watches:
+            if entry.key.startswith(watch.prefix) and (not number or number > watch.after):
+                watch.offer(change)
+
+    def end_all(self, error: MeshError) -> None:
+        for watch in list(self._watches):
+            watch.end(error)
+            self._remove(watch)
+
+
+def start_watch(watch: StateWatch, initial: Iterable[tuple[StateEntry, int]] | None) -> None:
+    """Queues a new watch's initial entries (when asked for: each with the size of its value's
+    JSON, in key order), then its SYNCED mark; a watch whose initial entries pass
+    INITIAL_BYTES is refused."""
+    if initial is not None:
+        size = 0
+        for entry, value_bytes in initial:
+            size += value_bytes
+            if size > INITIAL_BYTES:
+                watch.close()
+                raise too_wide(watch.prefix)
+            watch.offer(StateChange(ChangeKind.CURRENT, entry), initial=True)
+    watch.offer(StateChange(ChangeKind.SYNCED), initial=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +245,12 @@ class StateStore(Protocol):
     async def entries(
         self, prefix: str = "", *, page_size: int = 0, page_token: str = ""
     ) -> StatePage: ...
+
+    async def watch(self, prefix: str = "", *, send_initial: bool = False) -> StateWatch: ...
+
+    async def close(self) -> None:
+        """The broker is stopping: every watch ends (UNAVAILABLE, SHUTTING_DOWN)."""
+        ...
 
     async def put(
         self,
@@ -155,6 +302,10 @@ class SharedState:
         """Per key, the lock requests waiting, in their order of arrival."""
         self._changed = asyncio.Condition()
         """Notified whenever a lock is released: waiters look again."""
+        self._watchers = Watchers()
+        self._timer: asyncio.TimerHandle | None = None
+        """While anyone watches: set for the next lapse, so that it is told when it happens."""
+        self._timer_at = math.inf
 
     # -- reading and writing -----------------------------------------------------------------
 
@@ -174,16 +325,59 @@ class SharedState:
             limit + 1, (k for k in self._entries if k > after and k.startswith(prefix))
         )
         entries = [self._entries[k] for k in keys[:limit]]
-        sized = ((e, len(json.dumps(e.value, default=str, separators=(",", ":")))) for e in entries)
+        sized = ((e, json_size(e.value)) for e in entries)
         return page_of(prefix, sized, keys[limit - 1] if len(keys) > limit else None)
+
+    async def watch(self, prefix: str = "", *, send_initial: bool = False) -> StateWatch:
+        check_prefix(prefix)
+        self._purge()
+        watch = self._watchers.add(prefix)
+        initial = None
+        if send_initial:
+            keys = sorted(k for k in self._entries if k.startswith(prefix))
+            initial = ((self._entries[k], json_size(self._entries[k].value)) for k in keys)
+        start_watch(watch, initial)
+        self._schedule_lapses()
+        return watch
+
+    def _schedule_lapses(self) -> None:
+        """While anyone watches, a timer for the next lapse (a lapse is otherwise noticed only
+        when the entry is next read or written)."""
+        if not self._watchers or not self._lapsing:
+            return
+        at = self._lapsing[0][0]
+        if self._timer is not None:
+            if self._timer_at <= at:
+                return
+            self._timer.cancel()
+        delay = max(0.0, at - time.monotonic())
+        self._timer = asyncio.get_running_loop().call_later(delay, self._lapse_due)
+        self._timer_at = at
+
+    async def close(self) -> None:
+        self._watchers.end_all(shutting_down())
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer, self._timer_at = None, math.inf
+
+    def _lapse_due(self) -> None:
+        self._timer, self._timer_at = None, math.inf
+        self._purge()
+        self._schedule_lapses()
 
     def _live(self, key: str) -> StateEntry | None:
         """The entry, unless there is none or its ttl ran out (then it goes)."""
         entry = self._entries.get(key)
         if entry is not None and self._expiry.get(key, math.inf) <= time.monotonic():
-            self._drop(key)
+            self._lapse(key)
             return None
         return entry
+
+    def _lapse(self, key: str) -> None:
+        entry = self._entries.get(key)
+        self._drop(key)
+        if entry is not None and self._watchers:
+            self._watchers.publish(ChangeKind.LAPSE, entry)
 
     def _drop(self, key: str) -> None:
         self._entries.pop(key, None)
@@ -195,7 +389,7 @@ class SharedState:
         while self._lapsing and self._lapsing[0][0] <= now:
             at, key = heapq.heappop(self._lapsing)
             if self._expiry.get(key) == at:
-                self._drop(key)
+                self._lapse(key)
 
     def _lapse_after(self, key: str, ttl: float | None) -> datetime | None:
         if ttl is None:
@@ -228,6 +422,10 @@ class SharedState:
         expires_at = self._lapse_after(key, ttl)
         entry = StateEntry(key, value, version, agent_id, utc_now(), expires_at)
         self._entries[key] = entry
+        if self._watchers:
+            self._watchers.publish(ChangeKind.PUT, entry)
+            if ttl is not None:
+                self._schedule_lapses()
         return entry
 
     async def delete(
@@ -243,6 +441,8 @@ class SharedState:
         if current is None:
             raise not_found(key)
         self._drop(key)
+        if self._watchers:
+            self._watchers.publish(ChangeKind.DELETE, current)
         return current
 
     def _may_write(
@@ -364,9 +564,7 @@ def listing_terms(prefix: str, page_size: int, page_token: str) -> tuple[str, in
     entries its page may hold."""
     problems = []
     if len(prefix) > MAX_KEY_LENGTH:
-        problems.append(
-            FieldViolation("prefix", f"prefix must be at most {MAX_KEY_LENGTH} characters")
-        )
+        problems.append(prefix_violation())
     if page_size < 0:
         problems.append(FieldViolation("page_size", "page_size must not be negative"))
     after = ""
@@ -390,6 +588,34 @@ def listing_terms(prefix: str, page_size: int, page_token: str) -> tuple[str, in
     if problems:
         raise MessageValidationError.from_violations(problems)
     return after, min(page_size or PAGE_SIZE, MAX_PAGE_SIZE)
+
+
+def too_wide(prefix: str) -> LimitExceededError:
+    return LimitExceededError(
+        f"the entries under {prefix!r} pass {INITIAL_BYTES >> 20} MiB: watch a narrower "
+        "prefix, or without the initial entries",
+        reason="WATCH_TOO_WIDE",
+    )
+
+
+def shutting_down() -> BrokerUnavailableError:
+    return BrokerUnavailableError(
+        "the broker is shutting down: watch again through another", reason="SHUTTING_DOWN"
+    )
+
+
+def prefix_violation() -> FieldViolation:
+    return FieldViolation("prefix", f"prefix must be at most {MAX_KEY_LENGTH} characters")
+
+
+def check_prefix(prefix: str) -> None:
+    if len(prefix) > MAX_KEY_LENGTH:
+        raise MessageValidationError.from_violations([prefix_violation()])
+
+
+def json_size(value: JSON) -> int:
+    """The size of a value's JSON as the state keeps it (ASCII: characters are bytes)."""
+    return len(json.dumps(value, default=str, separators=(",", ":")))
 
 
 def page_of(prefix: str, sized: Iterable[tuple[StateEntry, int]], last: str | None) -> StatePage:

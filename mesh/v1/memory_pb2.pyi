@@ -10,6 +10,7 @@ from google.protobuf import message as _message
 from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -20,6 +21,42 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _StateChangeKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _StateChangeKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_StateChangeKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    STATE_CHANGE_KIND_UNSPECIFIED: _StateChangeKind.ValueType  # 0
+    """Not sent."""
+    STATE_CHANGE_KIND_CURRENT: _StateChangeKind.ValueType  # 1
+    """The entry as it was when the watch began (send_initial)."""
+    STATE_CHANGE_KIND_SYNCED: _StateChangeKind.ValueType  # 2
+    """The watch is in place: every change after this one is streamed. No entry."""
+    STATE_CHANGE_KIND_PUT: _StateChangeKind.ValueType  # 3
+    """Written: the entry at its new version."""
+    STATE_CHANGE_KIND_DELETE: _StateChangeKind.ValueType  # 4
+    """Deleted: the entry's last version."""
+    STATE_CHANGE_KIND_LAPSE: _StateChangeKind.ValueType  # 5
+    """Its ttl ran out: the entry's last version."""
+
+class StateChangeKind(_StateChangeKind, metaclass=_StateChangeKindEnumTypeWrapper):
+    """StateChangeKind says what happened to an entry."""
+
+STATE_CHANGE_KIND_UNSPECIFIED: StateChangeKind.ValueType  # 0
+"""Not sent."""
+STATE_CHANGE_KIND_CURRENT: StateChangeKind.ValueType  # 1
+"""The entry as it was when the watch began (send_initial)."""
+STATE_CHANGE_KIND_SYNCED: StateChangeKind.ValueType  # 2
+"""The watch is in place: every change after this one is streamed. No entry."""
+STATE_CHANGE_KIND_PUT: StateChangeKind.ValueType  # 3
+"""Written: the entry at its new version."""
+STATE_CHANGE_KIND_DELETE: StateChangeKind.ValueType  # 4
+"""Deleted: the entry's last version."""
+STATE_CHANGE_KIND_LAPSE: StateChangeKind.ValueType  # 5
+"""Its ttl ran out: the entry's last version."""
+Global___StateChangeKind: _TypeAlias = StateChangeKind  # noqa: Y015
 
 @_typing.final
 class Insight(_message.Message):
@@ -517,6 +554,60 @@ class ListStateResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListStateResponse: _TypeAlias = ListStateResponse  # noqa: Y015
+
+@_typing.final
+class WatchStateRequest(_message.Message):
+    """WatchStateRequest starts a watch."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PREFIX_FIELD_NUMBER: _builtins.int
+    SEND_INITIAL_FIELD_NUMBER: _builtins.int
+    prefix: _builtins.str
+    """Only entries whose keys start with it (at most 256 characters); empty: every entry."""
+    send_initial: _builtins.bool
+    """First stream the entries there are now (kind CURRENT), at most 64 MiB of JSON in all."""
+    def __init__(
+        self,
+        *,
+        prefix: _builtins.str = ...,
+        send_initial: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prefix", b"prefix", "send_initial", b"send_initial"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchStateRequest: _TypeAlias = WatchStateRequest  # noqa: Y015
+
+@_typing.final
+class WatchStateResponse(_message.Message):
+    """WatchStateResponse is one change."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    ENTRY_FIELD_NUMBER: _builtins.int
+    kind: Global___StateChangeKind.ValueType
+    """What happened."""
+    @_builtins.property
+    def entry(self) -> Global___StateEntry:
+        """The entry it happened to; unset for SYNCED."""
+
+    def __init__(
+        self,
+        *,
+        kind: Global___StateChangeKind.ValueType = ...,
+        entry: Global___StateEntry | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry", "kind", b"kind"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchStateResponse: _TypeAlias = WatchStateResponse  # noqa: Y015
 
 @_typing.final
 class PutStateRequest(_message.Message):

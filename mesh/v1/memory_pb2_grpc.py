@@ -66,6 +66,11 @@ class MemoryServiceStub:
                 request_serializer=mesh_dot_v1_dot_memory__pb2.ListStateRequest.SerializeToString,
                 response_deserializer=mesh_dot_v1_dot_memory__pb2.ListStateResponse.FromString,
                 _registered_method=True)
+        self.WatchState = channel.unary_stream(
+                '/mesh.v1.MemoryService/WatchState',
+                request_serializer=mesh_dot_v1_dot_memory__pb2.WatchStateRequest.SerializeToString,
+                response_deserializer=mesh_dot_v1_dot_memory__pb2.WatchStateResponse.FromString,
+                _registered_method=True)
         self.PutState = channel.unary_unary(
                 '/mesh.v1.MemoryService/PutState',
                 request_serializer=mesh_dot_v1_dot_memory__pb2.PutStateRequest.SerializeToString,
@@ -139,6 +144,18 @@ class MemoryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchState(self, request, context):
+        """Streams the changes to the entries whose keys start with a prefix (all, without one) as
+        they are made: each write, deletion and lapse, in their order. First, with send_initial,
+        the entries there are (kind CURRENT, in key order); then one SYNCED: every change after it
+        is streamed. A watcher more than 1000 changes behind is ended with RESOURCE_EXHAUSTED
+        (reason WATCH_BEHIND), and one whose broker missed changes (a replica cut off from its
+        Redis for a moment) with UNAVAILABLE: it watches again, with send_initial, to catch up.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PutState(self, request, context):
         """Writes an entry (a new version of it). ABORTED when the entry is locked by another
         writer (reason STATE_LOCKED) or is not at expected_version (VERSION_CONFLICT);
@@ -203,6 +220,11 @@ def add_MemoryServiceServicer_to_server(servicer, server):
                     servicer.ListState,
                     request_deserializer=mesh_dot_v1_dot_memory__pb2.ListStateRequest.FromString,
                     response_serializer=mesh_dot_v1_dot_memory__pb2.ListStateResponse.SerializeToString,
+            ),
+            'WatchState': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchState,
+                    request_deserializer=mesh_dot_v1_dot_memory__pb2.WatchStateRequest.FromString,
+                    response_serializer=mesh_dot_v1_dot_memory__pb2.WatchStateResponse.SerializeToString,
             ),
             'PutState': grpc.unary_unary_rpc_method_handler(
                     servicer.PutState,
@@ -389,6 +411,33 @@ class MemoryService:
             '/mesh.v1.MemoryService/ListState',
             mesh_dot_v1_dot_memory__pb2.ListStateRequest.SerializeToString,
             mesh_dot_v1_dot_memory__pb2.ListStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/mesh.v1.MemoryService/WatchState',
+            mesh_dot_v1_dot_memory__pb2.WatchStateRequest.SerializeToString,
+            mesh_dot_v1_dot_memory__pb2.WatchStateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -55,6 +55,14 @@ class MemoryServiceStub:
     """Lists the entries whose keys start with a prefix (all, without one), in key order, a
     page at a time: e.g. prefix "workflow/" for every hand-off workflow's status.
     """
+    WatchState: _grpc.UnaryStreamMultiCallable[_memory_pb2.WatchStateRequest, _memory_pb2.WatchStateResponse]
+    """Streams the changes to the entries whose keys start with a prefix (all, without one) as
+    they are made: each write, deletion and lapse, in their order. First, with send_initial,
+    the entries there are (kind CURRENT, in key order); then one SYNCED: every change after it
+    is streamed. A watcher more than 1000 changes behind is ended with RESOURCE_EXHAUSTED
+    (reason WATCH_BEHIND), and one whose broker missed changes (a replica cut off from its
+    Redis for a moment) with UNAVAILABLE: it watches again, with send_initial, to catch up.
+    """
     PutState: _grpc.UnaryUnaryMultiCallable[_memory_pb2.PutStateRequest, _memory_pb2.PutStateResponse]
     """Writes an entry (a new version of it). ABORTED when the entry is locked by another
     writer (reason STATE_LOCKED) or is not at expected_version (VERSION_CONFLICT);
@@ -96,6 +104,14 @@ class MemoryServiceAsyncStub(MemoryServiceStub):
     ListState: _aio.UnaryUnaryMultiCallable[_memory_pb2.ListStateRequest, _memory_pb2.ListStateResponse]  # type: ignore[assignment]
     """Lists the entries whose keys start with a prefix (all, without one), in key order, a
     page at a time: e.g. prefix "workflow/" for every hand-off workflow's status.
+    """
+    WatchState: _aio.UnaryStreamMultiCallable[_memory_pb2.WatchStateRequest, _memory_pb2.WatchStateResponse]  # type: ignore[assignment]
+    """Streams the changes to the entries whose keys start with a prefix (all, without one) as
+    they are made: each write, deletion and lapse, in their order. First, with send_initial,
+    the entries there are (kind CURRENT, in key order); then one SYNCED: every change after it
+    is streamed. A watcher more than 1000 changes behind is ended with RESOURCE_EXHAUSTED
+    (reason WATCH_BEHIND), and one whose broker missed changes (a replica cut off from its
+    Redis for a moment) with UNAVAILABLE: it watches again, with send_initial, to catch up.
     """
     PutState: _aio.UnaryUnaryMultiCallable[_memory_pb2.PutStateRequest, _memory_pb2.PutStateResponse]  # type: ignore[assignment]
     """Writes an entry (a new version of it). ABORTED when the entry is locked by another
@@ -171,6 +187,20 @@ class MemoryServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_memory_pb2.ListStateResponse, _abc.Awaitable[_memory_pb2.ListStateResponse]]:
         """Lists the entries whose keys start with a prefix (all, without one), in key order, a
         page at a time: e.g. prefix "workflow/" for every hand-off workflow's status.
+        """
+
+    @_abc_1.abstractmethod
+    def WatchState(
+        self,
+        request: _memory_pb2.WatchStateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_memory_pb2.WatchStateResponse], _abc.AsyncIterator[_memory_pb2.WatchStateResponse]]:
+        """Streams the changes to the entries whose keys start with a prefix (all, without one) as
+        they are made: each write, deletion and lapse, in their order. First, with send_initial,
+        the entries there are (kind CURRENT, in key order); then one SYNCED: every change after it
+        is streamed. A watcher more than 1000 changes behind is ended with RESOURCE_EXHAUSTED
+        (reason WATCH_BEHIND), and one whose broker missed changes (a replica cut off from its
+        Redis for a moment) with UNAVAILABLE: it watches again, with send_initial, to catch up.
         """
 
     @_abc_1.abstractmethod

@@ -117,6 +117,9 @@ async def test_every_documented_call_works(embedded: EmbeddedMesh) -> None:
     listed = json.loads(by_rpc["mesh.v1.MemoryService/ListState"])["entries"]
     assert [e["key"] for e in listed] == ["workflow/wf_refund_123"], listed
     assert listed[0]["value"]["current_agent"] == "PaymentDesk", listed
+    [(_, watched)] = [(c, o) for c, o in ran if '"send_initial": true' in c]
+    kinds = re.findall(r'"kind": "STATE_CHANGE_KIND_(\w+)"', watched)
+    assert kinds == ["CURRENT", "SYNCED"] and '"key": "workflow/wf_refund_123"' in watched
     feedback = json.loads(by_rpc["mesh.v1.GatewayService/RecordFeedback"])
     assert feedback["pattern"] == "PATTERN_GROUP_CHAT"
     assert feedback["stats"]["rated"] == "1" and feedback["stats"]["accuracy"] == 1

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import re
+import signal
 import sys
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -262,6 +263,33 @@ async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
     os.close(writer)
     _, err = await listing.communicate()
     assert listing.returncode == 141 and err == b"", err
+    # Watched: the entries there are, then each change as it is made, until Ctrl-C.
+    watching = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "mesh.cli", "state", "--prefix", "parcel/14", "--watch"),
+        cwd=ROOT,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert watching.stdout is not None and watching.stderr is not None
+    first = [(await watching.stdout.readline()).decode() for _ in range(10)]
+    assert [line.split()[:2] for line in first] == [
+        ["current", f"parcel/{n}"] for n in range(140, 150)
+    ], first
+    assert b"watching 'parcel/14' (Ctrl-C to stop)" in await watching.stderr.readline()
+    async with connect(broker_proc.address, agent_id="Tracker") as client:
+        await client.put_state("parcel/149", {"out": True})
+        await client.put_state("parcel/150", {"n": 150})  # not under parcel/14
+        await client.delete_state("parcel/140")
+    then = [(await watching.stdout.readline()).decode() for _ in range(2)]
+    assert re.match(
+        r'^put     parcel/149  version 2  by Tracker  at \S+  \{"out":true\}$', then[0]
+    ), then
+    assert then[1].startswith("delete  parcel/140  version 1"), then
+    watching.send_signal(signal.SIGINT)
+    assert await asyncio.wait_for(watching.wait(), 10) == 130
+    code, out = await cli("state", "parcel/1", "--watch")
+    assert code == 1 and "--watch goes with --prefix" in out, out
     code, out = await cli("state", "--prefix", "nothing/")
     assert code == 0 and out.strip() == "no shared state entries under 'nothing/'"
     code, out = await cli("state", "parcel/001", "--prefix", "parcel/")

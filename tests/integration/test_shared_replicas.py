@@ -5,6 +5,7 @@ versions and locks are the same whichever replica a client talks to."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import pytest
@@ -265,3 +266,107 @@ async def test_a_listing_is_one_across_replicas_page_by_page(
         for key in [*walked, "listingx"]:
             await via_a.delete_state(key)
         assert [e async for e in via_b.state_entries("listing/")] == []
+
+
+async def test_a_watch_through_one_replica_sees_the_changes_made_through_the_other(
+    replicas: tuple[Proc, Proc],
+) -> None:
+    """Writes, deletions and a lapse made through replica A, watched through replica B: in
+    order, each once; a watch begun while writes go on starts exactly where its initial
+    entries end (no version missed, none told twice)."""
+    a, b = replicas
+    async with (
+        connect(a.address, agent_id="Writer", retry=NO_RETRY) as via_a,
+        connect(b.address, agent_id="Watcher", retry=NO_RETRY) as via_b,
+    ):
+        await via_a.put_state("watched/b", 1)
+        await via_a.put_state("watched/a", 2)
+        changes = via_b.watch_state("watched/", send_initial=True)
+        first = [await asyncio.wait_for(anext(changes), 5) for _ in range(3)]
+        assert [(c.kind.value, c.entry and c.entry.key) for c in first] == [
+            ("current", "watched/a"),
+            ("current", "watched/b"),
+            ("synced", None),
+        ]
+        await via_a.put_state("watched/a", 3)
+        await via_a.put_state("unwatched", 0)
+        await via_a.delete_state("watched/b")
+        await via_a.put_state("watched/brief", "soon gone", ttl=0.3)  # lapses, nobody writing
+        told = [await asyncio.wait_for(anext(changes), 5) for _ in range(4)]
+        assert [(c.kind.value, c.entry.key, c.entry.value) for c in told if c.entry] == [
+            ("put", "watched/a", 3),
+            ("delete", "watched/b", 1),
+            ("put", "watched/brief", "soon gone"),
+            ("lapse", "watched/brief", "soon gone"),
+        ]
+        await changes.aclose()
+
+        # A counter written as fast as replica A takes it while B starts watching it.
+        async def count() -> None:
+            for n in range(200):
+                await via_a.put_state("race/counter", n)
+
+        counting = asyncio.create_task(count())
+        await asyncio.sleep(0.05)
+        versions = []
+        async for change in via_b.watch_state("race/", send_initial=True):
+            if change.entry is not None:
+                versions.append(change.entry.version)
+            if versions and versions[-1] == 200:
+                break
+        await counting
+        assert versions == list(range(versions[0], 201)), versions
+        for key in ("watched/a", "unwatched", "race/counter"):
+            await via_a.delete_state(key)
+
+
+async def test_a_replica_cut_off_from_redis_ends_its_watches(redis_url: str) -> None:
+    """The replica's subscription is cut (as when Redis drops it): what was published
+    meanwhile is lost to it, so its watches end with UNAVAILABLE instead of going on with
+    changes missing; a new watch works once it follows again."""
+    from mesh.core.errors import BrokerUnavailableError
+
+    writer = Broker(BrokerConfig(), store=RedisQueueStore(redis_url))
+    watcher = Broker(BrokerConfig(), store=RedisQueueStore(redis_url))
+    await writer.start()
+    await watcher.start()
+    try:
+        watch = await watcher.state.watch("cut/")
+        assert (await anext(watch)).kind.value == "synced"
+        await writer.state.put("cut/x", 1, "Writer")
+        assert (await asyncio.wait_for(anext(watch), 5)).kind.value == "put"
+        # A change numbered before a watch began, heard only after it began (published
+        # before its entries were read, late on the channel), is not the watch's.
+        late = await watcher.state.watch("cut/", send_initial=True)
+        assert [(await anext(late)).kind.value for _ in range(2)] == ["current", "synced"]
+        meta = '{"version":1,"updated_by":"Writer","updated_at":"2026-01-01T00:00:00+00:00"}'
+        for number in (late.after, late.after + 1):
+            watcher.state._changed(json.dumps([number, "put", "cut/y", meta, "1"]).encode())  # type: ignore[attr-defined]
+        told = await asyncio.wait_for(anext(late), 5)
+        assert told.entry is not None and told.entry.key == "cut/y"  # the later one alone
+        assert late.after > 0 and not late._changes
+        late.close()
+        assert [(await anext(watch)).kind.value for _ in range(2)] == [
+            "put",
+            "put",
+        ]  # (begun before)
+        redis = await watcher.store._client()  # type: ignore[attr-defined]
+        await redis.client_kill_filter(_type="pubsub")
+        with pytest.raises(BrokerUnavailableError, match="missed changes"):
+            await asyncio.wait_for(anext(watch), 10)
+        for _ in range(50):  # following again (it tries every 0.5 s)
+            again = await watcher.state.watch("cut/")
+            await asyncio.sleep(0.3)
+            await writer.state.put("cut/x", 2, "Writer")
+            try:
+                changes = [await asyncio.wait_for(anext(again), 2) for _ in range(2)]
+            except (BrokerUnavailableError, TimeoutError):
+                continue
+            assert [c.kind.value for c in changes] == ["synced", "put"]
+            break
+        else:
+            raise AssertionError("the replica did not follow again")
+        await writer.state.delete("cut/x", "Writer")
+    finally:
+        await writer.stop()
+        await watcher.stop()

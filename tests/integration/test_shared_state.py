@@ -10,8 +10,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf import json_format
 
 from mesh import (
+    ChangeKind,
     LocalMesh,
     LockNotHeldError,
     PermissionDeniedError,
@@ -187,3 +189,70 @@ async def test_a_plain_grpc_client_lists_the_state_page_by_page(mesh: LocalMesh)
             )
         assert elsewhere.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "continues the listing of prefix 'orders/'" in (elsewhere.value.details() or "")
+
+
+async def test_a_plain_grpc_client_watches_the_state_change_by_change(mesh: LocalMesh) -> None:
+    """WatchState as any gRPC client calls it: the entries there are, SYNCED, then each
+    write, deletion and lapse under the prefix as it is made, until the client cancels."""
+    writer = mesh.client("Seller")
+    await writer.put_state("orders/002", {"status": "paid"})
+    await writer.put_state("orders/001", {"status": "new"})
+    await writer.put_state("payments/001", "elsewhere")
+    async with grpc.aio.insecure_channel(mesh.address) as channel:
+        stub = memory_pb2_grpc.MemoryServiceStub(channel)
+        call = stub.WatchState(memory_pb2.WatchStateRequest(prefix="orders/", send_initial=True))
+        seen: list[tuple[str, str, object, int]] = []
+
+        async def take(n: int) -> None:
+            for _ in range(n):
+                change = await asyncio.wait_for(call.read(), 5)
+                kind = memory_pb2.StateChangeKind.Name(change.kind).removeprefix(
+                    "STATE_CHANGE_KIND_"
+                )
+                value = json.loads(json_format.MessageToJson(change.entry.value) or "null")
+                seen.append((kind, change.entry.key, value, change.entry.version))
+
+        await take(3)
+        assert seen == [
+            ("CURRENT", "orders/001", {"status": "new"}, 1),
+            ("CURRENT", "orders/002", {"status": "paid"}, 1),
+            ("SYNCED", "", None, 0),
+        ]
+        seen.clear()
+        await writer.put_state("orders/001", {"status": "paid"})
+        await writer.put_state("payments/002", "not watched")
+        await writer.delete_state("orders/002")
+        await writer.put_state("orders/003", {"status": "held"}, ttl=0.2)
+        await take(4)
+        assert seen == [
+            ("PUT", "orders/001", {"status": "paid"}, 2),
+            ("DELETE", "orders/002", {"status": "paid"}, 1),
+            ("PUT", "orders/003", {"status": "held"}, 1),
+            ("LAPSE", "orders/003", {"status": "held"}, 1),
+        ]
+        call.cancel()
+
+        too_long = stub.WatchState(memory_pb2.WatchStateRequest(prefix="p" * 300))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await too_long.read()
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "prefix" in (refused.value.details() or "")
+
+
+async def test_the_sdk_watches_workflows_move_from_agent_to_agent(mesh: LocalMesh) -> None:
+    """A dashboard's view: each hand-off of a workflow, as its status changes."""
+    watcher = mesh.client("Dashboard")
+    actor = mesh.client("CustomerAgent")
+    for agent_id in ("SellerAgent", "PaymentAgent"):
+        await actor.register(agent_id)
+    changes = watcher.watch_state("workflow/")
+    assert (await anext(changes)).kind is ChangeKind.SYNCED
+    await actor.handoff("SellerAgent", "Approve refund", workflow_id="wf_w1", step_number=1)
+    await actor.handoff("PaymentAgent", "Process refund", workflow_id="wf_w1", step_number=2)
+    steps = []
+    for _ in range(2):
+        change = await asyncio.wait_for(anext(changes), 5)
+        assert change.kind is ChangeKind.PUT and change.entry is not None
+        steps.append((change.entry.key, change.entry.value["current_agent"], change.entry.version))
+    assert steps == [("workflow/wf_w1", "SellerAgent", 1), ("workflow/wf_w1", "PaymentAgent", 2)]
+    await changes.aclose()

@@ -14,7 +14,7 @@ from mesh.core.errors import (
     NotFoundError,
     StateConflictError,
 )
-from mesh.core.state import SharedState
+from mesh.core.state import WATCH_BACKLOG, ChangeKind, SharedState, StateWatch
 
 
 async def test_every_write_makes_a_new_version_and_the_last_write_wins() -> None:
@@ -260,3 +260,63 @@ async def test_a_listing_leaves_out_lapsed_entries_and_refuses_what_it_did_not_g
         await state.entries("s/", page_size=-1)
     with pytest.raises(MessageValidationError, match="prefix"):
         await state.entries("p" * 257)
+
+
+async def next_change(watch: StateWatch) -> tuple[str, str | None, object]:
+    change = await asyncio.wait_for(anext(watch), 2)
+    entry = change.entry
+    return change.kind.value, entry and entry.key, entry and entry.value
+
+
+async def test_a_watch_sees_every_change_under_its_prefix_in_order() -> None:
+    state = SharedState()
+    await state.put("workflow/wf_2", {"step": 1}, "A")
+    await state.put("workflow/wf_1", {"step": 3}, "A")
+    await state.put("budget", 100, "A")
+    watch = await state.watch("workflow/", send_initial=True)
+    plain = await state.watch("workflow/")  # without the entries there already
+    assert [await next_change(watch) for _ in range(3)] == [
+        ("current", "workflow/wf_1", {"step": 3}),
+        ("current", "workflow/wf_2", {"step": 1}),
+        ("synced", None, None),
+    ]
+    assert await next_change(plain) == ("synced", None, None)
+    await state.put("workflow/wf_2", {"step": 2}, "B")
+    await state.put("budget", 90, "B")  # not under the prefix
+    await state.delete("workflow/wf_1", "B")
+    await state.put("workflow/wf_3", "brief", "B", ttl=0.05)
+    expected = [
+        ("put", "workflow/wf_2", {"step": 2}),
+        ("delete", "workflow/wf_1", {"step": 3}),
+        ("put", "workflow/wf_3", "brief"),
+        ("lapse", "workflow/wf_3", "brief"),  # told when it lapses, with nobody reading it
+    ]
+    assert [await next_change(watch) for _ in range(4)] == expected
+    assert [await next_change(plain) for _ in range(4)] == expected
+    watch.close()
+    await state.put("workflow/wf_4", 1, "B")
+    assert [c async for c in watch] == []  # closed: it ends
+    assert (await next_change(plain))[:2] == ("put", "workflow/wf_4")
+    assert len(state._watchers) == 1
+
+
+async def test_a_watch_that_falls_behind_is_ended_after_what_it_holds() -> None:
+    state = SharedState()
+    watch = await state.watch("k/")
+    for n in range(WATCH_BACKLOG + 5):  # nobody takes them
+        await state.put(f"k/{n}", n, "A")
+    taken = []
+    with pytest.raises(LimitExceededError, match="fell 1000 changes behind") as ended:
+        async for change in watch:
+            taken.append(change)
+    assert ended.value.reason == "WATCH_BEHIND"
+    assert taken[0].kind is ChangeKind.SYNCED and len(taken) == WATCH_BACKLOG
+    assert taken[-1].entry is not None and taken[-1].entry.key == f"k/{WATCH_BACKLOG - 2}"
+    # The writers were never held back, and a new watch starts afresh.
+    assert len((await state.entries("k/", page_size=1000)).entries) == 1000
+    again = await state.watch("k/", send_initial=True)
+    initial = [await anext(again) for _ in range(WATCH_BACKLOG + 5)]  # (not held to the most)
+    assert {c.kind for c in initial} == {ChangeKind.CURRENT}
+    assert (await anext(again)).kind is ChangeKind.SYNCED
+    with pytest.raises(MessageValidationError, match="prefix"):
+        await state.watch("p" * 257)

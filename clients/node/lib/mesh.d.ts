@@ -432,6 +432,15 @@ export interface StatePage {
   nextPageToken: string;
 }
 
+/** A change to an entry of the shared state, as a watch tells it. */
+export interface StateChange {
+  /** current: as the watch began; synced: the watch is in place (entry null); put: written;
+   * delete: deleted; lapse: its ttl ran out. */
+  kind: 'current' | 'synced' | 'put' | 'delete' | 'lapse';
+  /** The new version (put), the last (delete, lapse), as it is (current); null for synced. */
+  entry: StateEntry | null;
+}
+
 export interface StateListOptions {
   /** At most this many entries (100 by default, 1000 at most). */
   pageSize?: number;
@@ -589,6 +598,8 @@ export class MeshClient {
   listState(prefix?: string, options?: StateListOptions): Promise<StatePage>;
   /** Every entry whose key starts with prefix, in key order, a page read at a time. */
   stateEntries(prefix?: string): AsyncIterable<StateEntry>;
+  /** Each change under prefix as it is made, until the loop is left. */
+  watchState(prefix?: string, options?: { sendInitial?: boolean }): AsyncGenerator<StateChange>;
   putState(key: string, value: JsonValue, options?: StateWriteOptions): Promise<StateEntry>;
   deleteState(key: string, options?: StateWriteOptions): Promise<StateEntry>;
   lockState(key: string, options?: { waitMs?: number; leaseMs?: number; agentId?: string }):

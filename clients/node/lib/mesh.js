@@ -173,6 +173,8 @@ function readAgent(pb) {
     instances: pb.instances || [] };
 }
 
+const CHANGE_KINDS = new Set(['current', 'synced', 'put', 'delete', 'lapse']);
+
 /** A plain object from a mesh.v1.StateEntry. */
 function readEntry(pb) {
   return { key: pb.key, value: fromValue(pb.value), version: Number(pb.version),
@@ -807,6 +809,32 @@ class MeshClient {
       yield* page.entries;
       pageToken = page.nextPageToken;
     } while (pageToken);
+  }
+
+  /**
+   * Each change to the entries whose keys start with prefix as it is made, in order:
+   * `for await (const { kind, entry } of client.watchState('workflow/'))`. kind: 'put' (entry:
+   * the new version), 'delete' or 'lapse' (its last version); with sendInitial the entries
+   * there are come first ('current'), and 'synced' (entry null) says the watch is in place.
+   * Leaving the loop ends the watch; one that fell 1000 changes behind ends with a MeshError
+   * RESOURCE_EXHAUSTED (reason WATCH_BEHIND), one whose broker missed changes with
+   * UNAVAILABLE: watch again with sendInitial to catch up.
+   */
+  async* watchState(prefix = '', { sendInitial = false } = {}) {
+    if (isClosed(this.memory)) throw closedClient();
+    const call = this.memory.WatchState({ prefix, send_initial: sendInitial },
+      this.memory.meshMetadata || new grpc.Metadata());
+    try {
+      for await (const res of call) {
+        const kind = String(res.kind).replace('STATE_CHANGE_KIND_', '').toLowerCase();
+        if (!CHANGE_KINDS.has(kind)) continue; // (a kind of change a newer broker tells of)
+        yield { kind, entry: res.entry ? readEntry(res.entry) : null };
+      }
+    } catch (err) {
+      throw err instanceof MeshError ? err : new MeshError(err);
+    } finally {
+      call.cancel();
+    }
   }
 
   /**

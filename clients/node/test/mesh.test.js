@@ -1126,7 +1126,24 @@ test('shared state: versions, compare-and-set and locks, beside the Python agent
     assert.deepEqual(walked, [0, 1, 2, 3, 4].map((n) => `node/list/${n}`));
     await assert.rejects(a.listState('node/list/', { pageToken: 'not one' }),
       (err) => err.codeName === 'INVALID_ARGUMENT' && err.message.includes('page_token'));
-    for (const key of walked) await a.deleteState(key);
+    // Watched: the entries there are, then each change as it is made.
+    const watch = b.watchState('node/list/', { sendInitial: true });
+    const seen = [];
+    for (let i = 0; i < 6; i += 1) {
+      const { value } = await watch.next();
+      seen.push(`${value.kind} ${value.entry ? value.entry.key : '-'}`);
+    }
+    assert.deepEqual(seen, ['current node/list/0', 'current node/list/1', 'current node/list/2',
+      'current node/list/3', 'current node/list/4', 'synced -']);
+    await a.putState('node/list/5', { n: 5 });
+    await a.deleteState('node/list/0');
+    const put = (await watch.next()).value;
+    assert.equal(put.kind, 'put');
+    assert.deepEqual([put.entry.key, put.entry.value, put.entry.version], ['node/list/5', { n: 5 }, 1]);
+    const deleted = (await watch.next()).value;
+    assert.deepEqual([deleted.kind, deleted.entry.key], ['delete', 'node/list/0']);
+    await watch.return();
+    for (const key of [...walked.slice(1), 'node/list/5']) await a.deleteState(key);
     assert.deepEqual((await a.listState('node/list/')).entries, []);
   } finally {
     a.close();

@@ -8,7 +8,7 @@ import assert from 'node:assert/strict';
 import {
   AgentClient, GatewayClient, MeshClient, MeshError, Reject, buildMessage, serveAgent,
   type AgentInfo, type BrokerTotals, type Insight, type JsonObject, type Message,
-  type PatternEvent, type PatternStats, type StateEntry, type StatePage,
+  type PatternEvent, type PatternStats, type StateChange, type StateEntry, type StatePage,
   type WireMessage,
 } from 'agentmesh-client';
 
@@ -152,6 +152,12 @@ async function tour(broker: string, gateway: string): Promise<JsonObject> {
     assert.deepEqual(page.entries.map((e) => e.key), ['ts/tour']);
     assert.equal(page.nextPageToken, '');
     for await (const listed of client.stateEntries('ts/')) assert.equal(listed.version, 2);
+    for await (const change of client.watchState('ts/', { sendInitial: true })) {
+      const kind: StateChange['kind'] = change.kind;
+      assert.equal(kind, 'current');
+      assert.equal(change.entry?.key, 'ts/tour');
+      break;
+    }
     await client.deleteState('ts/tour');
     assert.equal(await client.getState('ts/tour'), null);
 
