@@ -2,7 +2,8 @@
 server-sent events.
 
 It reads the mesh through the same gRPC the rest of the world uses (agents and queue depths
-from the broker, each agent's health from the agent itself), follows every pattern run through
+from the broker, each agent's health from the agent itself, the hand-off workflows by watching
+their status in the shared state), follows every pattern run through
 the gateway servicer's observers, reads traces from the span files, and starts patterns by
 calling the gateway like any client would. Read-only unless runs are allowed; with security
 on, starting a run needs a credential the gateway accepts.
@@ -31,7 +32,9 @@ from gateway.server import GatewayServer
 from mesh.client import MeshClient
 from mesh.config import SecurityConfig
 from mesh.core.auth import Authenticator
+from mesh.core.broker import WORKFLOW_KEY_PREFIX
 from mesh.core.errors import MeshError
+from mesh.core.state import ChangeKind, StateEntry
 from mesh.security import authenticator_for
 
 logger = logging.getLogger("gateway.dashboard")
@@ -41,6 +44,9 @@ SAMPLE_SECONDS = 1.0
 HISTORY = 300
 """Samples kept for the charts: five minutes at one per second."""
 MAX_RUNS = 50
+MAX_WORKFLOWS = 100
+"""Hand-off workflows shown: those handed off most recently."""
+REWATCH_SECONDS = 1.0
 MAX_EVENTS_PER_RUN = 500
 MAX_CLIENTS = 64
 CLIENT_QUEUE = 256
@@ -68,6 +74,21 @@ def event_json(event: PatternEvent) -> dict[str, Any]:
         "elapsed_ms": round(event.elapsed_ms, 3),
         "timestamp": event.timestamp.isoformat(),
         "data": event.data,
+    }
+
+
+def workflow_row(entry: StateEntry) -> dict[str, Any]:
+    """A workflow's status (``workflow/<id>`` in the shared state) as the page shows it."""
+    value = entry.value if isinstance(entry.value, dict) else {}
+    return {
+        "key": entry.key,
+        "workflow_id": value.get("workflow_id") or entry.key.removeprefix(WORKFLOW_KEY_PREFIX),
+        "step": value.get("step"),
+        "current_agent": value.get("current_agent"),
+        "from_agent": value.get("from_agent"),
+        "task_description": value.get("task_description"),
+        "handed_off_at": value.get("handed_off_at") or entry.updated_at.isoformat(),
+        "version": entry.version,
     }
 
 
@@ -110,6 +131,8 @@ class Dashboard:
         self.runs: dict[str, RunRecord] = {}
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
         self.snapshot: dict[str, Any] = {"agents": [], "totals": {}}
+        self.workflows: dict[str, dict[str, Any]] = {}
+        """By key, the one handed off last at the end."""
         self._clients: set[asyncio.Queue[str]] = set()
         self._last: tuple[float, dict[str, Any]] | None = None
         self._sampler: asyncio.Task[None] | None = None
@@ -146,6 +169,48 @@ class Dashboard:
 
     async def start(self) -> None:
         self._sampler = asyncio.create_task(self._sample_forever(), name="dashboard-sampler")
+        watching = asyncio.create_task(self._follow_workflows(), name="dashboard-workflows")
+        self._tasks.add(watching)
+        watching.add_done_callback(self._tasks.discard)
+
+    async def _follow_workflows(self) -> None:
+        """Watches the workflows' status in the shared state: the ones there when the watch
+        begins, then each hand-off as it happens; a watch that ends (its broker restarted,
+        or it fell behind) is begun again and the list read afresh."""
+        failures = 0
+        while True:
+            fresh: dict[str, dict[str, Any]] = {}
+            try:
+                async for change in self.client.watch_state(WORKFLOW_KEY_PREFIX, send_initial=True):
+                    failures = 0
+                    entry = change.entry
+                    if change.kind is ChangeKind.SYNCED:
+                        self.workflows = dict(sorted(fresh.items(), key=_handed_off))
+                        self._trim_workflows()
+                        self.publish("workflows", list(self.workflows.values()))
+                    elif entry is None:
+                        continue
+                    elif change.kind is ChangeKind.CURRENT:
+                        fresh[entry.key] = workflow_row(entry)
+                    elif change.kind is ChangeKind.PUT:
+                        self.workflows.pop(entry.key, None)  # (to the end: the latest)
+                        row = self.workflows[entry.key] = workflow_row(entry)
+                        self._trim_workflows()
+                        self.publish("workflow", {"key": entry.key, "row": row})
+                    elif self.workflows.pop(entry.key, None) is not None:  # DELETE, LAPSE
+                        self.publish("workflow", {"key": entry.key, "row": None})
+            except MeshError as error:
+                failures += 1
+                logger.log(
+                    logging.WARNING if failures == 1 else logging.DEBUG,
+                    "dashboard: watching the workflows failed: %s",
+                    error.message,
+                )
+            await asyncio.sleep(REWATCH_SECONDS)
+
+    def _trim_workflows(self) -> None:
+        while len(self.workflows) > MAX_WORKFLOWS:
+            del self.workflows[next(iter(self.workflows))]
 
     async def stop(self) -> None:
         for task in [self._sampler, *self._tasks]:
@@ -234,6 +299,7 @@ class Dashboard:
             **self.snapshot,
             "history": list(self.history),
             "runs": [r.summary() for r in reversed(self.runs.values())],
+            "workflows": list(self.workflows.values()),
             "allow_runs": self.allow_runs,
             "credential_required": self.authenticator is not None,
             "patterns": sorted(RPCS),
@@ -353,6 +419,10 @@ class Dashboard:
                 yield frame
         finally:
             self._clients.discard(queue)
+
+
+def _handed_off(item: tuple[str, dict[str, Any]]) -> str:
+    return str(item[1]["handed_off_at"])
 
 
 # -- HTTP ------------------------------------------------------------------------------------

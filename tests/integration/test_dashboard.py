@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -298,6 +299,48 @@ def test_dead_letters_are_requeued_from_the_dashboard(
     assert result.text.strip() == "1 requeued"  # type: ignore[attr-defined]
     wait_for(driver, lambda d: not d.find_elements(By.CSS_SELECTOR, selector))
     assert queued(mesh_up["broker"], "DashboardDesk") == [second]
+
+
+def test_hand_off_workflows_move_on_the_page_as_they_happen(
+    mesh_up: dict[str, str], browser: object
+) -> None:
+    """The page lists the hand-off workflows from their status in the shared state, and
+    follows each hand-off live (the dashboard watches the state: nothing is polled); a
+    workflow whose status is deleted leaves the list."""
+    from selenium.webdriver.common.by import By
+
+    def call(work: Any) -> Any:
+        async def run() -> Any:
+            async with connect(mesh_up["broker"], agent_id="PageSeller", retry=NO_RETRY) as c:
+                return await work(c)
+
+        return asyncio.run(run())
+
+    async def first_hand_off(client: Any) -> None:
+        for agent_id in ("PageSeller", "PagePayment"):
+            await client.register(agent_id)
+        await client.handoff("PageSeller", "Approve refund", workflow_id="wf_page", step_number=1)
+
+    call(first_hand_off)
+    driver = browser
+    driver.get(mesh_up["dashboard"])  # type: ignore[attr-defined]
+    row = 'tr[data-workflow="wf_page"]'
+
+    def cells(d: Any) -> list[str]:
+        found = d.find_elements(By.CSS_SELECTOR, f"{row} td")
+        return [c.text for c in found]
+
+    wait_for(driver, lambda d: cells(d)[1:5] == ["1", "PageSeller", "PageSeller", "Approve refund"])
+    call(
+        lambda c: c.handoff("PagePayment", "Process refund", workflow_id="wf_page", step_number=2)
+    )  # the page is not reloaded: the change comes to it
+    wait_for(
+        driver, lambda d: cells(d)[1:5] == ["2", "PagePayment", "PageSeller", "Process refund"]
+    )
+    top = driver.find_element(By.CSS_SELECTOR, "#workflows tbody tr")  # type: ignore[attr-defined]
+    assert top.get_attribute("data-workflow") == "wf_page"  # the latest hand-off first
+    call(lambda c: c.delete_state("workflow/wf_page"))
+    wait_for(driver, lambda d: not d.find_elements(By.CSS_SELECTOR, row))
 
 
 def test_the_shipped_bundle_is_built_from_the_sources(tmp_path: Path) -> None:

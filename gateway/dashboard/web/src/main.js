@@ -143,6 +143,37 @@ function Agents({ agents }) {
   </section>`;
 }
 
+// The hand-off workflows, as their status in the shared state says (workflow/<id>): the one
+// handed off last first.
+function Workflows({ workflows }) {
+  const rows = [...workflows].reverse();
+  return html`<section>
+    <h2>Hand-off workflows <small>${workflows.length}</small></h2>
+    ${rows.length
+      ? html`<table id="workflows">
+          <thead>
+            <tr>
+              <th>workflow</th><th>step</th><th>with</th><th>from</th><th>task</th>
+              <th>handed off</th>
+            </tr>
+          </thead>
+          <tbody>
+            ${rows.map(
+              (w) => html`<tr data-workflow=${w.workflow_id}>
+                <td><code>${w.workflow_id}</code></td>
+                <td>${w.step}</td>
+                <td class="id">${w.current_agent}</td>
+                <td>${w.from_agent}</td>
+                <td>${w.task_description}</td>
+                <td>${w.handed_off_at && new Date(w.handed_off_at).toLocaleTimeString()}</td>
+              </tr>`,
+            )}
+          </tbody>
+        </table>`
+      : html`<p class="note" id="workflows">none</p>`}
+  </section>`;
+}
+
 function Waterfall({ trace }) {
   if (!trace) return null;
   if (!trace.spans.length) return html`<p class="note">${trace.note || "no spans"}</p>`;
@@ -327,6 +358,7 @@ function App() {
   const [runs, setRuns] = useState([]);
   const [selected, setSelected] = useState(null);
   const [events, setEvents] = useState({});
+  const [workflows, setWorkflows] = useState([]);
   const [live, setLive] = useState(false);
 
   useEffect(() => {
@@ -338,6 +370,15 @@ function App() {
       setState(data);
       setHistory(data.history);
       setRuns(data.runs);
+      setWorkflows(data.workflows || []);
+    });
+    source.addEventListener("workflows", (e) => setWorkflows(JSON.parse(e.data)));
+    source.addEventListener("workflow", (e) => {
+      const { key, row } = JSON.parse(e.data);
+      setWorkflows((list) => {
+        const others = list.filter((w) => w.key !== key);
+        return row ? [...others, row].slice(-100) : others;
+      });
     });
     source.addEventListener("snapshot", (e) => {
       const data = JSON.parse(e.data);
@@ -412,6 +453,7 @@ function App() {
       />
     </div>
     <${Agents} agents=${state.agents || []} />
+    <${Workflows} workflows=${workflows} />
     <div class="columns">
       <section>
         <h2>Pattern runs</h2>
