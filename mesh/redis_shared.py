@@ -39,6 +39,7 @@ from mesh.core.model import JSON
 from mesh.core.state import (
     INITIAL_BYTES,
     LOCK_TIMEOUT,
+    MAX_WATCHES,
     MAX_WRITERS,
     ChangeKind,
     StateChange,
@@ -515,6 +516,7 @@ class RedisSharedState:
         max_writers: int = MAX_WRITERS,
         capacity: int = 10_000,
         max_value_bytes: int = 64 * 1024,
+        max_watches: int = MAX_WATCHES,
     ) -> None:
         self.store = store
         self.lock_timeout = lock_timeout
@@ -524,7 +526,7 @@ class RedisSharedState:
         self._waiting: set[asyncio.Future[None]] = set()
         """Lock requests of this replica waiting for a release."""
         store.follow(UNLOCKED, self._released)
-        self._watchers = Watchers()
+        self._watchers = Watchers(max_watches)
         self._starting: dict[StateWatch, list[tuple[int, ChangeKind, StateEntry]]] = {}
         """Watches being started: the changes heard meanwhile, told once they are in place."""
         self._cut_off = 0
@@ -590,6 +592,7 @@ class RedisSharedState:
         watch starts after the change numbered when its entries were read (one script), those
         heard meanwhile told after its entries."""
         check_prefix(prefix)
+        self._watchers.check_room(len(self._starting))
         watch = StateWatch(prefix)
         heard: list[tuple[int, ChangeKind, StateEntry]] = []
         self._starting[watch] = heard

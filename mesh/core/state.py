@@ -67,6 +67,8 @@ PAGE_BYTES = 1 << 20
 large values stays well within a gRPC message."""
 WATCH_BACKLOG = 1000
 """The most changes a watcher holds that it has not taken yet; one more ends the watch."""
+MAX_WATCHES = 1000
+"""The most watches open at once on one broker."""
 INITIAL_BYTES = 64 << 20
 """The most JSON the initial entries of a watch may come to (a wider prefix is refused)."""
 
@@ -173,15 +175,26 @@ class StateWatch:
 
 
 class Watchers:
-    """The watches of one shared state: each change goes to those whose prefix its key has."""
+    """The watches of one shared state, at most ``most`` at once: each change goes to those
+    whose prefix its key has."""
 
-    def __init__(self) -> None:
+    def __init__(self, most: int = MAX_WATCHES) -> None:
+        self.most = most
         self._watches: list[StateWatch] = []
 
     def __len__(self) -> int:
         return len(self._watches)
 
+    def check_room(self, starting: int = 0) -> None:
+        """Refuses one more watch when ``most`` are open (``starting``: begun, not yet in)."""
+        if len(self._watches) + starting >= self.most:
+            raise LimitExceededError(
+                f"{self.most} watches of the shared state are open on this broker already",
+                reason="TOO_MANY_WATCHES",
+            )
+
     def add(self, prefix: str) -> StateWatch:
+        self.check_room()
         return self.adopt(StateWatch(prefix))
 
     def adopt(self, watch: StateWatch) -> StateWatch:
@@ -287,6 +300,7 @@ class SharedState:
         max_writers: int = MAX_WRITERS,
         capacity: int = 10_000,
         max_value_bytes: int = 64 * 1024,
+        max_watches: int = MAX_WATCHES,
     ) -> None:
         self.lock_timeout = lock_timeout
         self.max_writers = max_writers
@@ -302,7 +316,7 @@ class SharedState:
         """Per key, the lock requests waiting, in their order of arrival."""
         self._changed = asyncio.Condition()
         """Notified whenever a lock is released: waiters look again."""
-        self._watchers = Watchers()
+        self._watchers = Watchers(max_watches)
         self._timer: asyncio.TimerHandle | None = None
         """While anyone watches: set for the next lapse, so that it is told when it happens."""
         self._timer_at = math.inf

@@ -62,6 +62,7 @@ class MemoryServiceStub:
     is streamed. A watcher more than 1000 changes behind is ended with RESOURCE_EXHAUSTED
     (reason WATCH_BEHIND), and one whose broker missed changes (a replica cut off from its
     Redis for a moment) with UNAVAILABLE: it watches again, with send_initial, to catch up.
+    At most 1000 watches are open on one broker (RESOURCE_EXHAUSTED, TOO_MANY_WATCHES).
     """
     PutState: _grpc.UnaryUnaryMultiCallable[_memory_pb2.PutStateRequest, _memory_pb2.PutStateResponse]
     """Writes an entry (a new version of it). ABORTED when the entry is locked by another
@@ -112,6 +113,7 @@ class MemoryServiceAsyncStub(MemoryServiceStub):
     is streamed. A watcher more than 1000 changes behind is ended with RESOURCE_EXHAUSTED
     (reason WATCH_BEHIND), and one whose broker missed changes (a replica cut off from its
     Redis for a moment) with UNAVAILABLE: it watches again, with send_initial, to catch up.
+    At most 1000 watches are open on one broker (RESOURCE_EXHAUSTED, TOO_MANY_WATCHES).
     """
     PutState: _aio.UnaryUnaryMultiCallable[_memory_pb2.PutStateRequest, _memory_pb2.PutStateResponse]  # type: ignore[assignment]
     """Writes an entry (a new version of it). ABORTED when the entry is locked by another
@@ -201,6 +203,7 @@ class MemoryServiceServicer(metaclass=_abc_1.ABCMeta):
         is streamed. A watcher more than 1000 changes behind is ended with RESOURCE_EXHAUSTED
         (reason WATCH_BEHIND), and one whose broker missed changes (a replica cut off from its
         Redis for a moment) with UNAVAILABLE: it watches again, with send_initial, to catch up.
+        At most 1000 watches are open on one broker (RESOURCE_EXHAUSTED, TOO_MANY_WATCHES).
         """
 
     @_abc_1.abstractmethod

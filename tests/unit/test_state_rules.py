@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from mesh.core.errors import (
+    BrokerUnavailableError,
     LimitExceededError,
     LockNotHeldError,
     MessageValidationError,
@@ -320,3 +321,18 @@ async def test_a_watch_that_falls_behind_is_ended_after_what_it_holds() -> None:
     assert (await anext(again)).kind is ChangeKind.SYNCED
     with pytest.raises(MessageValidationError, match="prefix"):
         await state.watch("p" * 257)
+
+
+async def test_at_most_so_many_watches_are_open_at_once() -> None:
+    state = SharedState(max_watches=2)
+    first, second = await state.watch("a/"), await state.watch("b/")
+    with pytest.raises(LimitExceededError, match="2 watches") as refused:
+        await state.watch("c/")
+    assert refused.value.reason == "TOO_MANY_WATCHES"
+    first.close()  # its place is free again
+    third = await state.watch("c/")
+    await state.close()  # the broker stops: every watch ends
+    for watch in (second, third):
+        assert (await anext(watch)).kind is ChangeKind.SYNCED
+        with pytest.raises(BrokerUnavailableError, match="shutting down"):
+            await anext(watch)
