@@ -659,7 +659,7 @@ class RedisSharedState:
                 logger.debug("could not take out lapsed shared state entries: %s", error)
 
     async def close(self) -> None:
-        self._watchers.end_all(shutting_down())
+        self._watchers.close(shutting_down())
         if self._sweeper is not None:
             await cancel_and_wait(self._sweeper)
             self._sweeper = None

@@ -397,6 +397,7 @@ class Broker:
         the in-memory store loses them, which is logged).
         """
         self.draining = True
+        await self.state.close()  # (a watch is no work in flight: its watcher goes elsewhere)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
         while loop.time() < deadline and await self._busy():  # noqa: ASYNC110 - polls state

@@ -181,12 +181,16 @@ class Watchers:
     def __init__(self, most: int = MAX_WATCHES) -> None:
         self.most = most
         self._watches: list[StateWatch] = []
+        self._refusing: MeshError | None = None
 
     def __len__(self) -> int:
         return len(self._watches)
 
     def check_room(self, starting: int = 0) -> None:
-        """Refuses one more watch when ``most`` are open (``starting``: begun, not yet in)."""
+        """Refuses one more watch when ``most`` are open (``starting``: begun, not yet in), or
+        once closed."""
+        if self._refusing is not None:
+            raise self._refusing
         if len(self._watches) + starting >= self.most:
             raise LimitExceededError(
                 f"{self.most} watches of the shared state are open on this broker already",
@@ -217,6 +221,11 @@ class Watchers:
         for watch in list(self._watches):
             watch.end(error)
             self._remove(watch)
+
+    def close(self, error: MeshError) -> None:
+        """Ends every watch with ``error``, and refuses new ones with it."""
+        self._refusing = error
+        self.end_all(error)
 
 
 def start_watch(watch: StateWatch, initial: Iterable[tuple[StateEntry, int]] | None) -> None:
@@ -262,7 +271,8 @@ class StateStore(Protocol):
     async def watch(self, prefix: str = "", *, send_initial: bool = False) -> StateWatch: ...
 
     async def close(self) -> None:
-        """The broker is stopping: every watch ends (UNAVAILABLE, SHUTTING_DOWN)."""
+        """The broker is stopping: every watch ends, and new ones are refused (UNAVAILABLE,
+        SHUTTING_DOWN)."""
         ...
 
     async def put(
@@ -344,7 +354,7 @@ class SharedState:
 
     async def watch(self, prefix: str = "", *, send_initial: bool = False) -> StateWatch:
         check_prefix(prefix)
-        self._purge()
+        self._purge()  # (before the watch is in: lapses come after its initial entries)
         watch = self._watchers.add(prefix)
         initial = None
         if send_initial:
@@ -369,7 +379,7 @@ class SharedState:
         self._timer_at = at
 
     async def close(self) -> None:
-        self._watchers.end_all(shutting_down())
+        self._watchers.close(shutting_down())
         if self._timer is not None:
             self._timer.cancel()
             self._timer, self._timer_at = None, math.inf

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from mesh import MessageType, connect
-from tests.helpers.processes import Proc, start, stop
+from mesh import BrokerUnavailableError, ChangeKind, MessageType, connect
+from mesh.client import NO_RETRY
+from tests.helpers.processes import BROKER_READY, Proc, start, stop
 
 pytestmark = pytest.mark.processes
 ROOT = Path(__file__).resolve().parents[2]
@@ -631,3 +632,21 @@ async def test_up_starts_without_its_event_log_where_it_cannot_write_one(tmp_pat
     )
     assert await stop(proc) == 0
     assert any("no event log: cannot write logs/events.jsonl" in line for line in proc.output)
+
+
+async def test_a_stopping_broker_tells_its_watchers_to_go_elsewhere() -> None:
+    """SIGTERM to a broker with a watch open: the watcher is told at once, with UNAVAILABLE
+    (SHUTTING_DOWN), the sign to watch again through another broker, rather than left
+    waiting or cut off as if the network had failed."""
+    broker = await start("broker", "--port", "0", ready=BROKER_READY)
+    try:
+        async with connect(broker.address, agent_id="Watcher", retry=NO_RETRY) as client:
+            changes = client.watch_state("parcel/")
+            assert (await anext(changes)).kind is ChangeKind.SYNCED
+            broker.process.send_signal(signal.SIGTERM)
+            with pytest.raises(BrokerUnavailableError) as told:
+                await asyncio.wait_for(anext(changes), 10)
+            assert told.value.reason == "SHUTTING_DOWN", told.value
+            assert "shutting down" in told.value.message
+    finally:
+        assert await stop(broker) == 0

@@ -331,8 +331,11 @@ async def test_at_most_so_many_watches_are_open_at_once() -> None:
     assert refused.value.reason == "TOO_MANY_WATCHES"
     first.close()  # its place is free again
     third = await state.watch("c/")
-    await state.close()  # the broker stops: every watch ends
+    await state.close()  # the broker stops: every watch ends, and no new one begins
     for watch in (second, third):
         assert (await anext(watch)).kind is ChangeKind.SYNCED
         with pytest.raises(BrokerUnavailableError, match="shutting down"):
             await anext(watch)
+    with pytest.raises(BrokerUnavailableError, match="shutting down") as refused:
+        await state.watch("d/")
+    assert refused.value.reason == "SHUTTING_DOWN"
