@@ -150,7 +150,8 @@ class MemoryServiceServicer:
         the entries there are (kind CURRENT, in key order); then one SYNCED: every change after it
         is streamed. A watcher more than 1000 changes behind is ended with RESOURCE_EXHAUSTED
         (reason WATCH_BEHIND), and one whose broker missed changes (a replica cut off from its
-        Redis for a moment) with UNAVAILABLE: it watches again, with send_initial, to catch up.
+        Redis for a moment) or is shutting down (reason SHUTTING_DOWN) with UNAVAILABLE: it
+        watches again, with send_initial, to catch up.
         At most 1000 watches are open on one broker (RESOURCE_EXHAUSTED, TOO_MANY_WATCHES).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

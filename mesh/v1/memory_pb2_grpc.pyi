@@ -61,7 +61,8 @@ class MemoryServiceStub:
     the entries there are (kind CURRENT, in key order); then one SYNCED: every change after it
     is streamed. A watcher more than 1000 changes behind is ended with RESOURCE_EXHAUSTED
     (reason WATCH_BEHIND), and one whose broker missed changes (a replica cut off from its
-    Redis for a moment) with UNAVAILABLE: it watches again, with send_initial, to catch up.
+    Redis for a moment) or is shutting down (reason SHUTTING_DOWN) with UNAVAILABLE: it
+    watches again, with send_initial, to catch up.
     At most 1000 watches are open on one broker (RESOURCE_EXHAUSTED, TOO_MANY_WATCHES).
     """
     PutState: _grpc.UnaryUnaryMultiCallable[_memory_pb2.PutStateRequest, _memory_pb2.PutStateResponse]
@@ -112,7 +113,8 @@ class MemoryServiceAsyncStub(MemoryServiceStub):
     the entries there are (kind CURRENT, in key order); then one SYNCED: every change after it
     is streamed. A watcher more than 1000 changes behind is ended with RESOURCE_EXHAUSTED
     (reason WATCH_BEHIND), and one whose broker missed changes (a replica cut off from its
-    Redis for a moment) with UNAVAILABLE: it watches again, with send_initial, to catch up.
+    Redis for a moment) or is shutting down (reason SHUTTING_DOWN) with UNAVAILABLE: it
+    watches again, with send_initial, to catch up.
     At most 1000 watches are open on one broker (RESOURCE_EXHAUSTED, TOO_MANY_WATCHES).
     """
     PutState: _aio.UnaryUnaryMultiCallable[_memory_pb2.PutStateRequest, _memory_pb2.PutStateResponse]  # type: ignore[assignment]
@@ -202,7 +204,8 @@ class MemoryServiceServicer(metaclass=_abc_1.ABCMeta):
         the entries there are (kind CURRENT, in key order); then one SYNCED: every change after it
         is streamed. A watcher more than 1000 changes behind is ended with RESOURCE_EXHAUSTED
         (reason WATCH_BEHIND), and one whose broker missed changes (a replica cut off from its
-        Redis for a moment) with UNAVAILABLE: it watches again, with send_initial, to catch up.
+        Redis for a moment) or is shutting down (reason SHUTTING_DOWN) with UNAVAILABLE: it
+        watches again, with send_initial, to catch up.
         At most 1000 watches are open on one broker (RESOURCE_EXHAUSTED, TOO_MANY_WATCHES).
         """
 
