@@ -32,9 +32,9 @@ from gateway.server import GatewayServer
 from mesh.client import MeshClient
 from mesh.config import SecurityConfig
 from mesh.core.auth import Authenticator
-from mesh.core.broker import WORKFLOW_KEY_PREFIX
 from mesh.core.errors import MeshError
 from mesh.core.state import ChangeKind, StateEntry
+from mesh.core.workflows import WORKFLOW_KEY_PREFIX
 from mesh.security import authenticator_for
 
 logger = logging.getLogger("gateway.dashboard")
@@ -84,6 +84,8 @@ def workflow_row(entry: StateEntry) -> dict[str, Any]:
         "key": entry.key,
         "workflow_id": value.get("workflow_id") or entry.key.removeprefix(WORKFLOW_KEY_PREFIX),
         "step": value.get("step"),
+        "status": value.get("status") or "IN_PROGRESS",
+        "error_reason": value.get("error_reason") or "",
         "current_agent": value.get("current_agent"),
         "from_agent": value.get("from_agent"),
         "task_description": value.get("task_description"),

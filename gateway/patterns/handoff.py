@@ -302,6 +302,7 @@ async def run_workflow(spec: WorkflowSpec, dispatcher: Dispatcher, emit: Emit) -
             result["notification"] = await _notify_failure(
                 spec, workflow_id, failure, accumulated, dispatcher, event
             )
+    await _record_ending(dispatcher, workflow_id, failure)
     result["duration_ms"] = clock.ms
     await event(
         EventKind.RESULT,
@@ -309,6 +310,41 @@ async def run_workflow(spec: WorkflowSpec, dispatcher: Dispatcher, emit: Emit) -
         data=result,
     )
     return result
+
+
+async def _record_ending(
+    dispatcher: Dispatcher, workflow_id: str, failure: dict[str, JSON] | None
+) -> None:
+    """The workflow's ending, added to its status in the shared state (RF-010 scenario 10:
+    status FAILED, failed_at_step, error_reason), after the hand-off that notified the failure
+    (which moved the status on). A status that cannot be written is logged; the workflow's
+    result stands."""
+    try:
+        if failure is None:
+            await dispatcher.record_ending(
+                workflow_id, "COMPLETED", failed_at_step=None, error_reason=""
+            )
+        else:
+            step = failure["failed_at_step"]
+            await dispatcher.record_ending(
+                workflow_id,
+                "FAILED",
+                failed_at_step=step if isinstance(step, int) else None,
+                error_reason=str(failure["error_reason"]),
+            )
+    except MeshError as error:
+        logger.warning(
+            "workflow %s: its ending was not recorded in the shared state: %s",
+            workflow_id,
+            error.message,
+            extra={
+                "event": {
+                    "category": "workflow_status",
+                    "workflow_id": workflow_id,
+                    "error": error.message,
+                }
+            },
+        )
 
 
 def _log_decision(

@@ -19,6 +19,7 @@ from collections.abc import AsyncGenerator, Callable, Collection, Iterable, Sequ
 from dataclasses import dataclass
 
 from mesh.config import BrokerConfig
+from mesh.core import workflows
 from mesh.core.durable import open_store
 from mesh.core.errors import (
     AgentError,
@@ -30,16 +31,13 @@ from mesh.core.errors import (
     MeshError,
     MessageQueueFullError,
     MessageValidationError,
-    NotFoundError,
     RequestTimeoutError,
     SessionClosedError,
-    StateConflictError,
 )
 from mesh.core.memory import MemoryPool, SharedMemoryPool
 from mesh.core.model import (
     ANSWER_TYPES,
     BROADCAST_TARGET,
-    JSON,
     MAX_DEAD_LETTER_REASON,
     AgentInfo,
     DeadLetter,
@@ -144,16 +142,6 @@ CREDIT_CHECK_SECONDS = 10.0
 """How often, with replicas, each subscription's places in flight are checked against the
 store's leases: a release another replica published while this one was not listening (its
 connection to Redis down a moment) would otherwise keep a place taken."""
-
-
-WORKFLOW_KEY_PREFIX = "workflow/"
-"""A workflow's status in the shared state is ``workflow/<workflow_id>``."""
-
-
-def _step_of(status: JSON) -> int:
-    """The step a workflow's recorded status is at (0 for a value that is no status)."""
-    step = status.get("step") if isinstance(status, dict) else None
-    return step if isinstance(step, int) else 0
 
 
 def _expire(waiter: asyncio.Future[Message]) -> None:
@@ -853,46 +841,15 @@ class Broker:
 
     async def _note_workflow(self, message: Message) -> None:
         """RT-011's hand-off protocol: the shared state follows each workflow. A hand-off that
-        names its workflow writes ``workflow/<workflow_id>`` (the agent that has it now, the
-        step, who handed it on, the task), one version per hand-off, kept
-        ``workflow_status_ttl`` after the last; a hand-off of an earlier step than the one
-        recorded (one retried, or racing on another replica) leaves it. What cannot be written
-        (the shared state full, the entry locked) is logged: the hand-off itself is accepted."""
+        names its workflow writes ``workflow/<workflow_id>`` (mesh.core.workflows), kept
+        ``workflow_status_ttl`` after the last. What cannot be written (the shared state full,
+        the entry locked) is logged: the hand-off itself is accepted."""
         ttl = self.config.workflow_status_ttl
         handoff = Handoff.from_message(message)
         if not ttl or not handoff.workflow_id:
             return
-        key = f"{WORKFLOW_KEY_PREFIX}{handoff.workflow_id}"
-        status: dict[str, JSON] = {
-            "workflow_id": handoff.workflow_id,
-            "current_agent": message.to_agent,
-            "step": handoff.step_number,
-            "from_agent": message.from_agent,
-            "task_description": handoff.task_description,
-            "message_id": message.message_id,
-            "handed_off_at": message.timestamp.isoformat(),
-        }
         try:
-            for _ in range(3):  # compare-and-set, looked at again when another write came first
-                try:
-                    current = await self.state.get(key)
-                except NotFoundError:
-                    current = None
-                if current is not None and _step_of(current.value) > handoff.step_number:
-                    return
-                try:
-                    await self.state.put(
-                        key,
-                        status,
-                        message.from_agent,
-                        expected_version=current.version if current else 0,
-                        ttl=ttl,
-                    )
-                    return
-                except StateConflictError as error:
-                    if error.reason != "VERSION_CONFLICT":
-                        raise
-            raise StateConflictError(f"{key!r} kept changing", reason="VERSION_CONFLICT")
+            await workflows.record_hand_off(self.state, message, ttl)
         except MeshError as error:
             now = time.monotonic()
             if now - self._workflow_log_at >= 1.0:  # one a second, under a flood

@@ -330,12 +330,20 @@ def test_hand_off_workflows_move_on_the_page_as_they_happen(
         found = d.find_elements(By.CSS_SELECTOR, f"{row} td")
         return [c.text for c in found]
 
-    wait_for(driver, lambda d: cells(d)[1:5] == ["1", "PageSeller", "PageSeller", "Approve refund"])
+    wait_for(
+        driver,
+        lambda d: (
+            cells(d)[1:6] == ["IN_PROGRESS", "1", "PageSeller", "PageSeller", "Approve refund"]
+        ),
+    )
     call(
         lambda c: c.handoff("PagePayment", "Process refund", workflow_id="wf_page", step_number=2)
     )  # the page is not reloaded: the change comes to it
     wait_for(
-        driver, lambda d: cells(d)[1:5] == ["2", "PagePayment", "PageSeller", "Process refund"]
+        driver,
+        lambda d: (
+            cells(d)[1:6] == ["IN_PROGRESS", "2", "PagePayment", "PageSeller", "Process refund"]
+        ),
     )
     top = driver.find_element(By.CSS_SELECTOR, "#workflows tbody tr")  # type: ignore[attr-defined]
     assert top.get_attribute("data-workflow") == "wf_page"  # the latest hand-off first

@@ -19,7 +19,16 @@ from agents.refund import PaymentAgent
 from gateway.client import GatewayClient
 from gateway.embedded import EmbeddedMesh, start_embedded
 from gateway.server import serve_gateway
-from mesh import Agent, AgentContext, LocalMesh, Message, MessageType, MessageValidationError, agent
+from mesh import (
+    Agent,
+    AgentContext,
+    LocalMesh,
+    Message,
+    MessageType,
+    MessageValidationError,
+    agent,
+    connect,
+)
 from mesh.core.errors import MeshError
 
 REFUND_STEPS = [
@@ -316,8 +325,14 @@ async def test_scenario_06_handoff_workflow_creation(gw: GatewayClient) -> None:
     assert [s["step"] for s in created["data"]["steps"]] == [1, 2, 3, 4]
 
 
+async def workflow_status(embedded: EmbeddedMesh, workflow_id: str) -> Any:
+    """The workflow's status in the shared state, as any client reads it."""
+    async with connect(embedded.broker.address, agent_id="StatusReader") as client:
+        return await client.get_state(f"workflow/{workflow_id}")
+
+
 async def test_scenario_07_execute_handoff_workflow(
-    gw: GatewayClient, caplog: pytest.LogCaptureFixture
+    gw: GatewayClient, embedded: EmbeddedMesh, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="mesh.handoff")
     events = await gw.collect(
@@ -343,6 +358,13 @@ async def test_scenario_07_execute_handoff_workflow(
     assert result["status"] == "COMPLETED"
     assert result["current_step"] == 4
     assert result["accumulated_context"]["refunded"] == 50
+    # The shared state follows the workflow (RT-011 hand-off protocol) to its end.
+    status = await workflow_status(embedded, result["workflow_id"])
+    assert status is not None and status.version == 5  # four hand-offs, then the ending
+    assert status.value["status"] == "COMPLETED" and status.value["step"] == 4
+    assert status.value["current_agent"] == "NotificationAgent"
+    assert status.value["finished_at"] and status.updated_by == "gateway"
+    assert status.expires_at is not None  # (for the time its hand-offs gave it)
     logged = [
         (r.event["from_agent"], r.event["to_agent"], r.event["step_number"])
         for r in caplog.records
@@ -419,7 +441,9 @@ async def test_scenario_09_conditional_handoff_rejection_skips_payment(
     assert decisions[0]["step_number"] == 2
 
 
-async def test_scenario_10_handoff_chain_interruption(gw: GatewayClient) -> None:
+async def test_scenario_10_handoff_chain_interruption(
+    gw: GatewayClient, embedded: EmbeddedMesh
+) -> None:
     events = await gw.collect(
         gw.handoff_workflow(
             steps=REFUND_STEPS,
@@ -443,6 +467,15 @@ async def test_scenario_10_handoff_chain_interruption(gw: GatewayClient) -> None
         "NotificationAgent",
     )
     assert error_handoff["error_handoff"] is True
+    # status = FAILED, failed_at_step = 2, error_reason: in the shared state too.
+    status = await workflow_status(embedded, result["workflow_id"])
+    assert status is not None
+    assert {k: status.value[k] for k in ("status", "failed_at_step", "error_reason")} == {
+        "status": "FAILED",
+        "failed_at_step": 2,
+        "error_reason": "Payment failed",
+    }
+    assert status.value["current_agent"] == "NotificationAgent"  # told, after the failure
 
 
 async def test_handoff_loop_protection_stops_with_a_clear_error() -> None:

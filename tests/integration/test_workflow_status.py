@@ -48,6 +48,7 @@ async def test_each_hand_off_moves_the_workflow_status_on() -> None:
         assert entry is not None
         assert json_format.MessageToDict(entry.value) == {
             "workflow_id": "wf-refund",
+            "status": "IN_PROGRESS",
             "current_agent": "PaymentAgent",
             "step": 2,
             "from_agent": "SellerAgent",

@@ -153,14 +153,17 @@ function Workflows({ workflows }) {
       ? html`<table id="workflows">
           <thead>
             <tr>
-              <th>workflow</th><th>step</th><th>with</th><th>from</th><th>task</th>
-              <th>handed off</th>
+              <th>workflow</th><th>status</th><th>step</th><th>with</th><th>from</th>
+              <th>task</th><th>handed off</th>
             </tr>
           </thead>
           <tbody>
             ${rows.map(
               (w) => html`<tr data-workflow=${w.workflow_id}>
                 <td><code>${w.workflow_id}</code></td>
+                <td>
+                  <span class=${`status ${w.status}`} title=${w.error_reason}>${w.status}</span>
+                </td>
                 <td>${w.step}</td>
                 <td class="id">${w.current_agent}</td>
                 <td>${w.from_agent}</td>

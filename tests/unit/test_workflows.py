@@ -1,0 +1,71 @@
+"""A workflow's status in the shared state: moved on by each hand-off, its ending added by
+whoever ran it (RF-010 scenario 10's status, failed_at_step and error_reason), never made for a
+workflow whose hand-offs were not recorded."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from gateway.dispatch import BrokerDispatcher
+from mesh.config import BrokerConfig
+from mesh.core.broker import Broker
+from mesh.core.model import AgentInfo, Message, MessageType
+from mesh.core.state import SharedState
+from mesh.core.workflows import ended, record_ending, record_hand_off
+
+
+def hand_off(to_agent: str, step: int, workflow_id: str = "wf_1") -> Message:
+    return Message(
+        from_agent="Seller",
+        to_agent=to_agent,
+        message_type=MessageType.HANDOFF,
+        content={"action": "execute_handoff", "parameters": {"task_description": "Refund"}},
+        metadata={"workflow_id": workflow_id, "handoff_step": step},
+    )
+
+
+async def test_an_ending_is_added_to_the_status_the_hand_offs_left() -> None:
+    state = SharedState()
+    await record_hand_off(state, hand_off("Payment", 2), ttl=3600)
+    await record_hand_off(state, hand_off("Notification", 3), ttl=3600)
+    await record_hand_off(state, hand_off("Payment", 2), ttl=3600)  # late: left as it is
+    at = datetime.now(UTC)
+    entry = await record_ending(
+        state, "wf_1", "FAILED", "gateway", at, failed_at_step=1, error_reason="Payment failed"
+    )
+    assert entry is not None and entry.version == 3 and entry.updated_by == "gateway"
+    assert entry.value["current_agent"] == "Notification" and entry.value["step"] == 3
+    assert (entry.value["status"], entry.value["failed_at_step"]) == ("FAILED", 1)
+    assert entry.value["error_reason"] == "Payment failed"
+    assert entry.value["finished_at"] == at.isoformat()
+    assert entry.expires_at is not None  # the hour its hand-offs gave it, not for ever
+    assert entry.expires_at - at <= timedelta(hours=1, seconds=1)
+    # A workflow whose hand-offs were not recorded gets no status from its ending.
+    assert await record_ending(state, "wf_unknown", "COMPLETED", "gateway", at) is None
+    assert (await state.entries("workflow/")).entries[0].key == "workflow/wf_1"
+    assert len((await state.entries("workflow/")).entries) == 1
+
+
+def test_an_ending_is_completed_or_failed() -> None:
+    at = datetime(2026, 1, 1, tzinfo=UTC)
+    done = ended({"step": 4, "status": "IN_PROGRESS"}, "COMPLETED", at)
+    assert done == {"step": 4, "status": "COMPLETED", "finished_at": "2026-01-01T00:00:00+00:00"}
+    with pytest.raises(ValueError, match="COMPLETED or FAILED"):
+        ended({}, "IN_PROGRESS", at)
+
+
+async def test_the_in_process_dispatcher_records_an_ending_in_its_brokers_state() -> None:
+    broker = Broker(BrokerConfig())
+    await broker.start()
+    try:
+        await broker.register(AgentInfo(agent_id="Payment"))
+        await broker.send(hand_off("Payment", 1, "wf_local"))
+        await BrokerDispatcher(broker).record_ending(
+            "wf_local", "COMPLETED", failed_at_step=None, error_reason=""
+        )
+        entry = await broker.state.get("workflow/wf_local")
+        assert entry.value["status"] == "COMPLETED" and entry.updated_by == "gateway"
+    finally:
+        await broker.stop()
