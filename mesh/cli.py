@@ -461,11 +461,12 @@ def _entry_json(entry: StateEntry) -> dict[str, Any]:
 
 
 def _entry_line(entry: StateEntry) -> str:
+    """One line; the value's keys sorted (a JSON object comes back in no particular order)."""
     lapses = f"  until {entry.expires_at.isoformat()}" if entry.expires_at else ""
     return (
         f"{entry.key}  version {entry.version}  by {entry.updated_by}  at "
         f"{entry.updated_at.isoformat()}{lapses}  "
-        f"{json.dumps(entry.value, separators=(',', ':'))}"
+        f"{json.dumps(entry.value, separators=(',', ':'), sort_keys=True)}"
     )
 
 

@@ -279,12 +279,12 @@ async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
     ], first
     assert b"watching 'parcel/14' (Ctrl-C to stop)" in await watching.stderr.readline()
     async with connect(broker_proc.address, agent_id="Tracker") as client:
-        await client.put_state("parcel/149", {"out": True})
+        await client.put_state("parcel/149", {"out": True, "n": 149})
         await client.put_state("parcel/150", {"n": 150})  # not under parcel/14
         await client.delete_state("parcel/140")
     then = [(await watching.stdout.readline()).decode() for _ in range(2)]
     assert re.match(
-        r'^put     parcel/149  version 2  by Tracker  at \S+  \{"out":true\}$', then[0]
+        r'^put     parcel/149  version 2  by Tracker  at \S+  \{"n":149,"out":true\}$', then[0]
     ), then
     assert then[1].startswith("delete  parcel/140  version 1"), then
     watching.send_signal(signal.SIGINT)
