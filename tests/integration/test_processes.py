@@ -289,6 +289,19 @@ async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
     assert then[1].startswith("delete  parcel/140  version 1"), then
     watching.send_signal(signal.SIGINT)
     assert await asyncio.wait_for(watching.wait(), 10) == 130
+    as_json = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "mesh.cli", "state", "--prefix", "parcel/149", "--watch", "--json"),
+        cwd=ROOT,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    assert as_json.stdout is not None
+    line = json.loads(await asyncio.wait_for(as_json.stdout.readline(), 10))
+    assert line["kind"] == "current" and line["entry"]["value"] == {"n": 149, "out": True}
+    assert line["entry"]["key"] == "parcel/149" and line["entry"]["version"] == 2
+    as_json.send_signal(signal.SIGINT)
+    assert await asyncio.wait_for(as_json.wait(), 10) == 130
     code, out = await cli("state", "parcel/1", "--watch")
     assert code == 1 and "--watch goes with --prefix" in out, out
     code, out = await cli("state", "--prefix", "nothing/")
