@@ -24,6 +24,7 @@ from mesh.core.errors import MeshError, MessageValidationError
 from mesh.core.model import BROADCAST_TARGET, Message, MessageType, Priority
 from mesh.core.state import StateEntry
 from mesh.core.tools import ToolHost
+from mesh.core.workflows import WORKFLOW_KEY_PREFIX
 from mesh.logs import EVENT_LOG_DAYS, configure_logging, stop_logging
 from mesh.loop import run as run_loop
 
@@ -405,10 +406,49 @@ async def _agents(args: argparse.Namespace) -> int:
                 ",".join(a.capabilities) or "-",
             )
         )
+    _table(rows)
+    _print(f"{len(agents)} agents; broker holds {stats.totals['held']} messages")
+    return 0
+
+
+def _table(rows: Sequence[Sequence[str]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         _print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
-    _print(f"{len(agents)} agents; broker holds {stats.totals['held']} messages")
+
+
+async def _workflows(args: argparse.Namespace) -> int:
+    """The hand-off workflows, from their status in the shared state: the latest hand-off
+    first."""
+    async with connect(args.broker, security=security_config(args)) as client:
+        entries = [e async for e in client.state_entries(WORKFLOW_KEY_PREFIX)]
+    statuses = [e.value for e in entries if isinstance(e.value, dict)]
+    statuses.sort(key=lambda v: str(v.get("handed_off_at", "")), reverse=True)
+    if args.status:
+        statuses = [v for v in statuses if v.get("status") == args.status]
+    if args.json:
+        _print(json.dumps(statuses, indent=2, sort_keys=True))
+        return 0
+    rows = [("WORKFLOW", "STATUS", "STEP", "AGENT", "FROM", "HANDED OFF", "TASK")]
+    for v in statuses:
+        status = str(v.get("status") or "IN_PROGRESS")
+        failed_at = v.get("failed_at_step")
+        if status == "FAILED" and isinstance(failed_at, int):
+            # failed_at_step is the step's index (RF-010 scenario 10); STEP counts from 1.
+            status += f" at step {failed_at + 1}: {v.get('error_reason')}"
+        rows.append(
+            (
+                str(v.get("workflow_id", "")),
+                status,
+                str(v.get("step", "")),
+                str(v.get("current_agent", "")),
+                str(v.get("from_agent", "")),
+                str(v.get("handed_off_at", "")),
+                str(v.get("task_description", "")),
+            )
+        )
+    _table(rows)
+    _print(f"{len(statuses)} workflows")
     return 0
 
 
@@ -770,6 +810,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     add_security_flags(p, server=False)
     p.set_defaults(run=_agents)
+
+    p = sub.add_parser(
+        "workflows", help="the hand-off workflows, as their status in the shared state says"
+    )
+    p.add_argument("--status", choices=["IN_PROGRESS", "COMPLETED", "FAILED"], help="only these")
+    p.add_argument("--broker", default=broker_default)
+    p.add_argument("--json", action="store_true")
+    add_security_flags(p, server=False)
+    p.set_defaults(run=_workflows)
 
     p = sub.add_parser(
         "state",

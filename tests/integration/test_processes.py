@@ -302,6 +302,29 @@ async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
     assert line["entry"]["key"] == "parcel/149" and line["entry"]["version"] == 2
     as_json.send_signal(signal.SIGINT)
     assert await asyncio.wait_for(as_json.wait(), 10) == 130
+    # The hand-off workflows, from their status: the latest hand-off first.
+    async with connect(broker_proc.address, agent_id="CliSeller") as client:
+        await client.register("CliPayment")
+        await client.handoff("CliPayment", "Refund 50", workflow_id="wf_cli_1", step_number=2)
+        await client.handoff("CliPayment", "Refund 70", workflow_id="wf_cli_2", step_number=3)
+        failed = await client.get_state("workflow/wf_cli_2")
+        assert failed is not None
+        await client.put_state(
+            "workflow/wf_cli_2",
+            {**failed.value, "status": "FAILED", "failed_at_step": 2, "error_reason": "declined"},
+        )
+    code, out = await cli("workflows")
+    lines = out.splitlines()
+    assert code == 0 and lines[0].split() == [
+        "WORKFLOW", "STATUS", "STEP", "AGENT", "FROM", "HANDED", "OFF", "TASK"
+    ], out  # fmt: skip
+    assert re.match(r"^wf_cli_2 +FAILED at step 3: declined +3 +CliPayment +CliSeller ", lines[1])
+    assert re.match(r"^wf_cli_1 +IN_PROGRESS +2 +CliPayment +CliSeller +\S+ +Refund 50$", lines[2])
+    assert lines[-1] == "2 workflows"
+    code, out = await cli("workflows", "--status", "IN_PROGRESS", "--json")
+    assert code == 0 and [w["workflow_id"] for w in json.loads(out)] == ["wf_cli_1"]
+    async with connect(broker_proc.address) as client:
+        await client.deregister("CliPayment")  # (the broadcasts below reach the others)
     code, out = await cli("state", "parcel/1", "--watch")
     assert code == 1 and "--watch goes with --prefix" in out, out
     code, out = await cli("state", "--prefix", "nothing/")
