@@ -17,7 +17,7 @@ import bisect
 import concurrent.futures
 import logging
 from collections import deque
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -217,6 +217,8 @@ class QueueGauges:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.depths: dict[str, int] = {}
         self.held = 0
+        self.watches = 0
+        self.watches_ended: Mapping[str, int] = {}
         self.refresh: Callable[[], Coroutine[Any, Any, None]] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         registry.register(self)
@@ -241,6 +243,20 @@ class QueueGauges:
             "Messages held by the broker (waiting and in flight).",
             value=self.held,
         )
+        yield GaugeMetricFamily(
+            "agentmesh_state_watches",
+            "Watches of the shared state open on this broker (WatchState; at most 1000).",
+            value=self.watches,
+        )
+        ended = CounterMetricFamily(
+            "agentmesh_state_watches_ended",
+            "Watches the broker ended, by reason: WATCH_BEHIND (the watcher read too slowly),"
+            " UNAVAILABLE (changes missed), SHUTTING_DOWN.",
+            labels=["reason"],
+        )
+        for reason, count in sorted(self.watches_ended.items()):
+            ended.add_metric([reason], count)
+        yield ended
 
     def _refresh(self) -> None:
         loop, refresh = self.loop, self.refresh

@@ -526,7 +526,7 @@ class RedisSharedState:
         self._waiting: set[asyncio.Future[None]] = set()
         """Lock requests of this replica waiting for a release."""
         store.follow(UNLOCKED, self._released)
-        self._watchers = Watchers(max_watches)
+        self.watchers = Watchers(max_watches)
         self._starting: dict[StateWatch, list[tuple[int, ChangeKind, StateEntry]]] = {}
         """Watches being started: the changes heard meanwhile, told once they are in place."""
         self._cut_off = 0
@@ -592,7 +592,7 @@ class RedisSharedState:
         watch starts after the change numbered when its entries were read (one script), those
         heard meanwhile told after its entries."""
         check_prefix(prefix)
-        self._watchers.check_room(len(self._starting))
+        self.watchers.check_room(len(self._starting))
         watch = StateWatch(prefix)
         heard: list[tuple[int, ChangeKind, StateEntry]] = []
         self._starting[watch] = heard
@@ -625,30 +625,30 @@ class RedisSharedState:
         for number, kind, entry in heard:
             if number > seq and entry.key.startswith(prefix):
                 watch.offer(StateChange(kind, entry))
-        self._watchers.adopt(watch)
+        self.watchers.adopt(watch)
         if self._sweeper is None or self._sweeper.done():
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep_lapses())
         return watch
 
     def _changed(self, data: bytes) -> None:
-        if not self._watchers and not self._starting:
+        if not self.watchers and not self._starting:
             return
         number, kind_name, key, meta, value = json.loads(data)
         kind, entry = ChangeKind(kind_name), _entry(key, meta, value)
         for heard in self._starting.values():
             heard.append((number, kind, entry))
-        self._watchers.publish(kind, entry, number)
+        self.watchers.publish(kind, entry, number)
 
     def _missed_changes(self) -> None:
         """The changes' channel was lost (or is back after a loss): what was said in between
         is not heard, and every watch of this replica ends (its watcher watches again)."""
         self._cut_off += 1
-        self._watchers.end_all(_missed())
+        self.watchers.end_all(_missed())
 
     async def _sweep_lapses(self) -> None:
         """While this replica has watches: takes out the entries whose ttl ran out, so that
         their lapse is told on time (any replica's sweep tells every replica)."""
-        while self._watchers or self._starting:
+        while self.watchers or self._starting:
             await asyncio.sleep(LAPSE_SWEEP_SECONDS)
             try:
                 await self.store._call(
@@ -659,7 +659,7 @@ class RedisSharedState:
                 logger.debug("could not take out lapsed shared state entries: %s", error)
 
     async def close(self) -> None:
-        self._watchers.close(shutting_down())
+        self.watchers.close(shutting_down())
         if self._sweeper is not None:
             await cancel_and_wait(self._sweeper)
             self._sweeper = None

@@ -476,6 +476,8 @@ class Broker:
                 depths[queue.agent_id] = queue.depth
         gauges = self.metrics.queues
         gauges.depths, gauges.held = depths, held
+        gauges.watches = len(self.state.watchers)
+        gauges.watches_ended = dict(self.state.watchers.ended)  # (read by another thread)
 
     # -- registry ----------------------------------------------------------------------------
 

@@ -131,10 +131,11 @@ class StateWatch:
         """Where changes are numbered (a store shared by replicas): the last change before
         the watch began; those up to it are not the watch's."""
 
-    def offer(self, change: StateChange, *, initial: bool = False) -> None:
-        """Queues a change for the watcher (those of other prefixes are the hub's to skip)."""
+    def offer(self, change: StateChange, *, initial: bool = False) -> bool:
+        """Queues a change for the watcher (those of other prefixes are the hub's to skip);
+        False when this one ends the watch, which is that far behind."""
         if self._ended is not None or self._closed:
-            return
+            return True
         if not initial and len(self._changes) >= self.backlog:
             self.end(
                 LimitExceededError(
@@ -143,15 +144,19 @@ class StateWatch:
                     reason="WATCH_BEHIND",
                 )
             )
-            return
+            return False
         self._changes.append(change)
         self._ready.set()
+        return True
 
-    def end(self, error: MeshError) -> None:
-        """Ends the watch with ``error``, after the changes it holds."""
-        if self._ended is None:
-            self._ended = error
-            self._ready.set()
+    def end(self, error: MeshError) -> bool:
+        """Ends the watch with ``error``, after the changes it holds; False when it had ended
+        (or was closed) already."""
+        if self._ended is not None or self._closed:
+            return False
+        self._ended = error
+        self._ready.set()
+        return True
 
     def close(self) -> None:
         self._closed = True
@@ -182,6 +187,8 @@ class Watchers:
         self.most = most
         self._watches: list[StateWatch] = []
         self._refusing: MeshError | None = None
+        self.ended: collections.Counter[str] = collections.Counter()
+        """Watches ended by the state, by reason (WATCH_BEHIND, UNAVAILABLE, SHUTTING_DOWN)."""
 
     def __len__(self) -> int:
         return len(self._watches)
@@ -214,12 +221,14 @@ class Watchers:
         """Tells the watches of its key a change (``number``: where changes are numbered)."""
         change = StateChange(kind, entry)
         for watch in self._watches:
-            if entry.key.startswith(watch.prefix) and (not number or number > watch.after):
-                watch.offer(change)
+            told = entry.key.startswith(watch.prefix) and (not number or number > watch.after)
+            if told and not watch.offer(change):
+                self.ended["WATCH_BEHIND"] += 1
 
     def end_all(self, error: MeshError) -> None:
         for watch in list(self._watches):
-            watch.end(error)
+            if watch.end(error):
+                self.ended[error.reason] += 1
             self._remove(watch)
 
     def close(self, error: MeshError) -> None:
@@ -261,6 +270,9 @@ class _Held:
 
 class StateStore(Protocol):
     """What the Memory service needs of a shared state: this module's, or one in Redis."""
+
+    watchers: Watchers
+    """Its watches (for the broker's gauges)."""
 
     async def get(self, key: str) -> StateEntry: ...
 
@@ -326,7 +338,7 @@ class SharedState:
         """Per key, the lock requests waiting, in their order of arrival."""
         self._changed = asyncio.Condition()
         """Notified whenever a lock is released: waiters look again."""
-        self._watchers = Watchers(max_watches)
+        self.watchers = Watchers(max_watches)
         self._timer: asyncio.TimerHandle | None = None
         """While anyone watches: set for the next lapse, so that it is told when it happens."""
         self._timer_at = math.inf
@@ -355,7 +367,7 @@ class SharedState:
     async def watch(self, prefix: str = "", *, send_initial: bool = False) -> StateWatch:
         check_prefix(prefix)
         self._purge()  # (before the watch is in: lapses come after its initial entries)
-        watch = self._watchers.add(prefix)
+        watch = self.watchers.add(prefix)
         initial = None
         if send_initial:
             keys = sorted(k for k in self._entries if k.startswith(prefix))
@@ -367,7 +379,7 @@ class SharedState:
     def _schedule_lapses(self) -> None:
         """While anyone watches, a timer for the next lapse (a lapse is otherwise noticed only
         when the entry is next read or written)."""
-        if not self._watchers or not self._lapsing:
+        if not self.watchers or not self._lapsing:
             return
         at = self._lapsing[0][0]
         if self._timer is not None:
@@ -379,7 +391,7 @@ class SharedState:
         self._timer_at = at
 
     async def close(self) -> None:
-        self._watchers.close(shutting_down())
+        self.watchers.close(shutting_down())
         if self._timer is not None:
             self._timer.cancel()
             self._timer, self._timer_at = None, math.inf
@@ -400,8 +412,8 @@ class SharedState:
     def _lapse(self, key: str) -> None:
         entry = self._entries.get(key)
         self._drop(key)
-        if entry is not None and self._watchers:
-            self._watchers.publish(ChangeKind.LAPSE, entry)
+        if entry is not None and self.watchers:
+            self.watchers.publish(ChangeKind.LAPSE, entry)
 
     def _drop(self, key: str) -> None:
         self._entries.pop(key, None)
@@ -446,8 +458,8 @@ class SharedState:
         expires_at = self._lapse_after(key, ttl)
         entry = StateEntry(key, value, version, agent_id, utc_now(), expires_at)
         self._entries[key] = entry
-        if self._watchers:
-            self._watchers.publish(ChangeKind.PUT, entry)
+        if self.watchers:
+            self.watchers.publish(ChangeKind.PUT, entry)
             if ttl is not None:
                 self._schedule_lapses()
         return entry
@@ -465,8 +477,8 @@ class SharedState:
         if current is None:
             raise not_found(key)
         self._drop(key)
-        if self._watchers:
-            self._watchers.publish(ChangeKind.DELETE, current)
+        if self.watchers:
+            self.watchers.publish(ChangeKind.DELETE, current)
         return current
 
     def _may_write(

@@ -256,3 +256,25 @@ async def test_the_sdk_watches_workflows_move_from_agent_to_agent(mesh: LocalMes
         steps.append((change.entry.key, change.entry.value["current_agent"], change.entry.version))
     assert steps == [("workflow/wf_w1", "SellerAgent", 1), ("workflow/wf_w1", "PaymentAgent", 2)]
     await changes.aclose()
+
+
+async def test_the_watches_open_are_on_the_metrics_page() -> None:
+    """agentmesh_state_watches: the watches open now (a bounded resource: 1000 at most),
+    beside agentmesh_state_watches_ended_total (by reason; see the unit tests)."""
+    from tests.integration.test_rf009_scenarios import scrape
+
+    async with LocalMesh(metrics_port=0) as local:
+        assert local.server is not None
+        port = local.server.metrics_port
+        watcher = local.client("Watcher")
+        watches = [watcher.watch_state("metered/"), watcher.watch_state("")]
+        for changes in watches:
+            assert (await anext(changes)).kind is ChangeKind.SYNCED
+        samples = await scrape(port)
+        assert samples["agentmesh_state_watches"] == 2
+        assert not [k for k in samples if k.startswith("agentmesh_state_watches_ended")]
+        for changes in watches:
+            await changes.aclose()
+        async with asyncio.timeout(5):  # the broker sees the calls end
+            while (await scrape(port))["agentmesh_state_watches"] != 0:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)

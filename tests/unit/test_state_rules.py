@@ -298,7 +298,7 @@ async def test_a_watch_sees_every_change_under_its_prefix_in_order() -> None:
     await state.put("workflow/wf_4", 1, "B")
     assert [c async for c in watch] == []  # closed: it ends
     assert (await next_change(plain))[:2] == ("put", "workflow/wf_4")
-    assert len(state._watchers) == 1
+    assert len(state.watchers) == 1
 
 
 async def test_a_watch_that_falls_behind_is_ended_after_what_it_holds() -> None:
@@ -311,6 +311,7 @@ async def test_a_watch_that_falls_behind_is_ended_after_what_it_holds() -> None:
         async for change in watch:
             taken.append(change)
     assert ended.value.reason == "WATCH_BEHIND"
+    assert state.watchers.ended == {"WATCH_BEHIND": 1}  # (counted once, for the metrics)
     assert taken[0].kind is ChangeKind.SYNCED and len(taken) == WATCH_BACKLOG
     assert taken[-1].entry is not None and taken[-1].entry.key == f"k/{WATCH_BACKLOG - 2}"
     # The writers were never held back, and a new watch starts afresh.
@@ -336,6 +337,7 @@ async def test_at_most_so_many_watches_are_open_at_once() -> None:
         assert (await anext(watch)).kind is ChangeKind.SYNCED
         with pytest.raises(BrokerUnavailableError, match="shutting down"):
             await anext(watch)
+    assert state.watchers.ended == {"SHUTTING_DOWN": 2}
     with pytest.raises(BrokerUnavailableError, match="shutting down") as refused:
         await state.watch("d/")
     assert refused.value.reason == "SHUTTING_DOWN"
