@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import json
 import logging
 import secrets
@@ -58,6 +57,7 @@ from mesh.core.state import (
     lock_terms,
     locked,
     not_found,
+    page_keys,
     page_of,
     shutting_down,
     start_watch,
@@ -566,9 +566,7 @@ class RedisSharedState:
         lapsed in between."""
         after, limit = listing_terms(prefix, page_size, page_token)
         names = (_text(k) for k in await self.store._call("hkeys", STATE_META))
-        keys = heapq.nsmallest(limit + 1, (k for k in names if k > after and k.startswith(prefix)))
-        last = keys[limit - 1] if len(keys) > limit else None
-        keys = keys[:limit]
+        keys, last = page_keys(names, prefix, after, limit)
         if not keys:
             return StatePage((), "")
         metas, values = await self.store._call(

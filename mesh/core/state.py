@@ -126,7 +126,8 @@ class StateWatch:
         self._ready = asyncio.Event()
         self._ended: MeshError | None = None
         self._closed = False
-        self.on_close: list[Callable[[StateWatch], None]] = []
+        self.on_close: Callable[[StateWatch], None] | None = None
+        """Called once it is closed (its hub forgets it)."""
         self.after = 0
         """Where changes are numbered (a store shared by replicas): the last change before
         the watch began; those up to it are not the watch's."""
@@ -162,8 +163,8 @@ class StateWatch:
         self._closed = True
         self._changes.clear()
         self._ready.set()
-        for hook in self.on_close:
-            hook(self)
+        if self.on_close is not None:
+            self.on_close(self)
 
     def __aiter__(self) -> StateWatch:
         return self
@@ -209,7 +210,7 @@ class Watchers:
         return self.adopt(StateWatch(prefix))
 
     def adopt(self, watch: StateWatch) -> StateWatch:
-        watch.on_close.append(self._remove)
+        watch.on_close = self._remove
         self._watches.append(watch)
         return watch
 
@@ -357,12 +358,9 @@ class SharedState:
     ) -> StatePage:
         after, limit = listing_terms(prefix, page_size, page_token)
         self._purge()
-        keys = heapq.nsmallest(
-            limit + 1, (k for k in self._entries if k > after and k.startswith(prefix))
-        )
-        entries = [self._entries[k] for k in keys[:limit]]
-        sized = ((e, json_size(e.value)) for e in entries)
-        return page_of(prefix, sized, keys[limit - 1] if len(keys) > limit else None)
+        keys, last = page_keys(self._entries, prefix, after, limit)
+        sized = ((e, json_size(e.value)) for e in (self._entries[k] for k in keys))
+        return page_of(prefix, sized, last)
 
     async def watch(self, prefix: str = "", *, send_initial: bool = False) -> StateWatch:
         check_prefix(prefix)
@@ -652,6 +650,15 @@ def check_prefix(prefix: str) -> None:
 def json_size(value: JSON) -> int:
     """The size of a value's JSON as the state keeps it (ASCII: characters are bytes)."""
     return len(json.dumps(value, default=str, separators=(",", ":")))
+
+
+def page_keys(
+    keys: Iterable[str], prefix: str, after: str, limit: int
+) -> tuple[list[str], str | None]:
+    """The keys of a page, in order: at most ``limit`` of those under ``prefix`` after
+    ``after``; and the last of them when more follow (None when none do)."""
+    found = heapq.nsmallest(limit + 1, (k for k in keys if k > after and k.startswith(prefix)))
+    return found[:limit], found[limit - 1] if len(found) > limit else None
 
 
 def page_of(prefix: str, sized: Iterable[tuple[StateEntry, int]], last: str | None) -> StatePage:
