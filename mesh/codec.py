@@ -26,6 +26,7 @@ from mesh.core.model import (
     MessageType,
     Priority,
     Tool,
+    assemble_message,
     new_message_id,
     utc_now,
 )
@@ -179,13 +180,24 @@ def dict_to_struct(data: Mapping[str, JSON], out: struct_pb2.Struct) -> None:
             python_to_value(item, fields[name])
 
 
+_JSON_KINDS: dict[str | None, str] = {
+    "struct_value": "object",
+    "list_value": "array",
+    "string_value": "string",
+    "number_value": "number",
+    "bool_value": "boolean",
+    "null_value": "null",
+    None: "null",  # (a Value with no kind set reads as null)
+}
+
+
 class WireContent(EncodedContent):
     """Content as it came off the wire: a copy of its Struct (so that a queued message keeps
     no frame alive), read key by key in place. A scalar read (``action``) decodes that value
     alone; reading an object or list decodes the whole content once and keeps it; written
     out again, the Struct is copied back in one call."""
 
-    __slots__ = ("_decoded", "struct")
+    __slots__ = ("_decoded", "_fields", "struct")
 
     def __init__(self, struct: struct_pb2.Struct, *, copy: bool = True) -> None:
         if copy:
@@ -193,11 +205,12 @@ class WireContent(EncodedContent):
             self.struct.CopyFrom(struct)
         else:  # a Struct of a message the caller copied already
             self.struct = struct
+        self._fields = self.struct.fields  # (read once: each .fields costs a lookup)
         self._decoded: dict[str, JSON] | None = None
 
-    def is_object(self, key: str) -> bool:
-        fields = self.struct.fields
-        return key in fields and fields[key].WhichOneof("kind") == "struct_value"
+    def value_kind(self, key: str) -> str | None:
+        value = self._fields.get(key)
+        return None if value is None else _JSON_KINDS[value.WhichOneof("kind")]
 
     def to_dict(self) -> dict[str, JSON]:
         if self._decoded is None:
@@ -207,7 +220,7 @@ class WireContent(EncodedContent):
     def __getitem__(self, key: str) -> JSON:
         if self._decoded is not None:
             return self._decoded[key]
-        fields = self.struct.fields
+        fields = self._fields
         if key not in fields:
             raise KeyError(key)
         value = fields[key]
@@ -218,7 +231,7 @@ class WireContent(EncodedContent):
     def get(self, key: str, default: JSON = None) -> JSON:
         if self._decoded is not None:
             return self._decoded.get(key, default)
-        fields = self.struct.fields
+        fields = self._fields
         if key not in fields:
             return default
         value = fields[key]
@@ -230,13 +243,13 @@ class WireContent(EncodedContent):
         return value_to_python(value)
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and key in self.struct.fields
+        return isinstance(key, str) and key in self._fields
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.struct.fields)
+        return iter(self._fields)
 
     def __len__(self) -> int:
-        return len(self.struct.fields)
+        return len(self._fields)
 
 
 # -- time ----------------------------------------------------------------------------------
@@ -305,10 +318,13 @@ def message_from_pb(
     more than their action, and so writes them out again in one copy. ``strict``, for
     servers taking messages in, refuses a message_type or priority number the contract does
     not define; a client reading what a (newer) broker delivers takes it as unset instead."""
-    message_type = _TYPE_FROM_PB.get(pb.message_type)
-    priority = _PRIORITY_FROM_PB.get(pb.priority)
-    if message_type is None or priority is None:
+    known_type = _TYPE_FROM_PB.get(pb.message_type)
+    known_priority = _PRIORITY_FROM_PB.get(pb.priority)
+    named = known_type is not None and known_priority is not None
+    if known_type is None or known_priority is None:
         message_type, priority = _known_enums(pb, strict)
+    else:
+        message_type, priority = known_type, known_priority
     if in_place:
         wire = message_pb2.Message()
         wire.CopyFrom(pb)  # so that a queued message keeps no frame alive
@@ -318,9 +334,9 @@ def message_from_pb(
             wire.message_id = message.message_id
         if not pb.HasField("timestamp"):
             datetime_to_timestamp(message.timestamp, wire.timestamp)
-        wire.message_type = _TYPE_TO_PB[message_type]
-        wire.priority = _PRIORITY_TO_PB[priority]
-        object.__setattr__(message, "encoded", wire)
+        if not named:
+            wire.message_type = _TYPE_TO_PB[message_type]
+            wire.priority = _PRIORITY_TO_PB[priority]
         return message
     return _message_from_pb(pb, message_type, priority, None)
 
@@ -338,20 +354,21 @@ def _message_from_pb(
     else:
         content = struct_to_dict(pb.content)
     headers = pb.headers  # (read key by key: a third of what dict() of the map costs)
-    return Message(
-        message_id=pb.message_id or new_message_id(),
-        from_agent=pb.from_agent,
-        to_agent=pb.to_agent,
-        message_type=message_type,
-        content=content,
-        timestamp=timestamp_to_datetime(pb.timestamp) if pb.HasField("timestamp") else utc_now(),
-        metadata=struct_to_dict(pb.metadata) if pb.HasField("metadata") else {},
-        correlation_id=pb.correlation_id,
-        priority=priority,
-        ttl=pb.ttl,
-        reply_to=pb.reply_to,
-        ack_required=pb.ack_required,
-        headers={key: headers[key] for key in headers} if headers else {},
+    return assemble_message(
+        pb.from_agent,
+        pb.to_agent,
+        content,
+        message_type,
+        pb.message_id or new_message_id(),
+        timestamp_to_datetime(pb.timestamp) if pb.HasField("timestamp") else utc_now(),
+        struct_to_dict(pb.metadata) if pb.HasField("metadata") else {},
+        pb.correlation_id,
+        priority,
+        pb.ttl,
+        pb.reply_to,
+        pb.ack_required,
+        {key: headers[key] for key in headers} if headers else {},
+        wire,
     )
 
 
@@ -586,12 +603,36 @@ def card_from_pb(pb: message_pb2.AgentCard) -> AgentCard:
 # -- deliveries, dead letters, errors -------------------------------------------------------
 
 
-def delivery_to_pb(delivery: Delivery, out: broker_pb2.Delivery) -> broker_pb2.Delivery:
+def delivery_to_pb(
+    delivery: Delivery, out: broker_pb2.Delivery, stamps: LeaseStamps | None = None
+) -> broker_pb2.Delivery:
+    """``stamps``: for the deliveries of one batch, which share their lease deadline."""
     message_to_pb(delivery.message, out.message)
     out.delivery_attempt = delivery.attempt
-    if delivery.lease_expires_at is not None:
-        datetime_to_timestamp(delivery.lease_expires_at, out.lease_expires_at)
+    expires = delivery.lease_expires_at
+    if expires is not None:
+        if stamps is None:
+            datetime_to_timestamp(expires, out.lease_expires_at)
+        else:
+            stamps.write(expires, out.lease_expires_at)
     return out
+
+
+class LeaseStamps:
+    """Lease deadlines written as Timestamps, the last one converted kept: the deliveries of
+    one lease share one deadline (one datetime), converted once for all of them."""
+
+    __slots__ = ("_at", "_pb")
+
+    def __init__(self) -> None:
+        self._at: datetime | None = None
+        self._pb = timestamp_pb2.Timestamp()
+
+    def write(self, at: datetime, out: timestamp_pb2.Timestamp) -> None:
+        if at is not self._at:
+            datetime_to_timestamp(at, self._pb)
+            self._at = at
+        out.CopyFrom(self._pb)
 
 
 def delivery_from_pb(pb: broker_pb2.Delivery) -> Delivery:

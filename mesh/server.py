@@ -628,15 +628,15 @@ class _Session:
                     await self.write(frame)
                 continue
             frame = broker_pb2.ConnectResponse()
-            out, size = frame.deliveries.deliveries, 0
+            out, size, stamps = frame.deliveries.deliveries, 0, codec.LeaseStamps()
             for delivery in batch:
-                added = codec.delivery_to_pb(delivery, out.add()).ByteSize()
+                added = codec.delivery_to_pb(delivery, out.add(), stamps).ByteSize()
                 if size and size + added > BATCH_BYTES:
                     del out[-1]  # full: this one starts the next frame
                     await self.write(frame)
                     frame = broker_pb2.ConnectResponse()
                     out, size = frame.deliveries.deliveries, 0
-                    codec.delivery_to_pb(delivery, out.add())
+                    codec.delivery_to_pb(delivery, out.add(), stamps)
                 size += added
             await self.write(frame)
 

@@ -7,7 +7,7 @@ import enum
 import json
 import re
 import uuid
-from datetime import UTC, date, datetime, time
+from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal
 
 import pytest
@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from mesh import codec
 from mesh.config import BrokerConfig
 from mesh.core.errors import MessageValidationError
-from mesh.core.model import Message, MessageType, Priority
+from mesh.core.model import Delivery, Message, MessageType, Priority
 from mesh.core.validation import validate_message
+from mesh.v1 import broker_pb2
 
 CONTENT = {
     "action": "process_payment",
@@ -401,3 +402,74 @@ def test_a_message_built_by_hand_with_a_field_of_the_wrong_type_is_a_validation_
     message = Message(from_agent="a", to_agent="b", content={"action": "a"}, **fields)  # type: ignore[arg-type]
     with pytest.raises(MessageValidationError, match=re.escape(said)):
         codec.message_to_pb(message)
+
+
+def test_wire_content_names_the_kind_of_each_value_without_decoding_it() -> None:
+    content = arrived({**CONTENT, "count": 3, "context": {}}).content
+    assert isinstance(content, codec.WireContent)
+    kinds = {key: content.value_kind(key) for key in (*CONTENT, "count", "context", "missing")}
+    assert kinds == {
+        "action": "string",
+        "parameters": "object",
+        "tags": "array",
+        "note": "null",
+        "urgent": "boolean",
+        "count": "number",
+        "context": "object",
+        "missing": None,
+    }
+
+
+def test_a_decoded_message_is_the_message_its_fields_make() -> None:
+    sent = Message(
+        from_agent="FlightAgent",
+        to_agent="PaymentAgent",
+        content=CONTENT,
+        message_type=MessageType.HANDOFF,
+        metadata={"workflow_id": "w-1"},
+        correlation_id="c-1",
+        priority=Priority.HIGH,
+        ttl=30,
+        reply_to="Desk",
+        ack_required=True,
+        headers={"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"},
+    )
+    for in_place in (False, True):
+        decoded = codec.message_from_pb(codec.message_to_pb(sent), in_place=in_place)
+        assert decoded == sent  # every field compared (encoded is not)
+        assert (decoded.encoded is not None) is in_place
+        assert decoded.evolve(to_agent="Other") == Message(
+            **{**{f: getattr(sent, f) for f in _FIELDS}, "to_agent": "Other"}
+        )
+
+
+_FIELDS = (
+    "from_agent",
+    "to_agent",
+    "content",
+    "message_type",
+    "message_id",
+    "timestamp",
+    "metadata",
+    "correlation_id",
+    "priority",
+    "ttl",
+    "reply_to",
+    "ack_required",
+    "headers",
+)
+
+
+def test_deliveries_leased_together_are_written_with_their_own_deadlines() -> None:
+    message = arrived(CONTENT)
+    first = datetime(2026, 11, 26, 12, 0, 30, 250_000, tzinfo=UTC)
+    later = first + timedelta(seconds=5, microseconds=7)
+    stamps = codec.LeaseStamps()
+    written = [
+        codec.delivery_to_pb(Delivery(message, attempt, at), broker_pb2.Delivery(), stamps)
+        for attempt, at in ((1, first), (2, first), (1, later), (3, first))
+    ]
+    assert [d.lease_expires_at.ToDatetime(UTC) for d in written] == [first, first, later, first]
+    assert [d.delivery_attempt for d in written] == [1, 2, 1, 3]
+    alone = codec.delivery_to_pb(Delivery(message, 1, later), broker_pb2.Delivery())
+    assert alone == written[2]
