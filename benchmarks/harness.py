@@ -1683,11 +1683,18 @@ def to_markdown(report: dict[str, Any]) -> str:
             if "broker_gather5_us" in hot
             else ""
         )
+        batched = (
+            f"; a message of a batch of 100, in, delivered and acked, "
+            f"{hot['broker_batched_us']:.1f} µs (the shape of oneway_batch100)"
+            if "broker_batched_us" in hot
+            else ""
+        )
         lines += [
             "",
             f"The mesh's own Python per operation, without gRPC (`python -m benchmarks.hotpath`: "
             f"each path in one process against in-memory streams): the broker's part of a "
-            f"roundtrip {hot['broker_roundtrip_us']:.1f} µs{gather5}, the SDK agent's per message "
+            f"roundtrip {hot['broker_roundtrip_us']:.1f} µs{gather5}{batched}; the SDK agent's "
+            f"per message "
             f"{hot['agent_message_us']:.1f} µs, the SDK's request() {hot['client_request_us']:.1f}"
             f" µs, against {hot['raw_loop_us']:.1f} µs for a bare read-and-write loop "
             f"(`hotpath.*`).",

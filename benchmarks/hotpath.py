@@ -11,6 +11,10 @@ is the mesh's Python alone, steady from run to run where the multi-process figur
 - ``broker_gather5``: a gather frame into the broker's servicer for five agents of a type
   (the shape of broadcast5), its five deliveries out, their five answers in, each answer and
   the end of the gather out;
+- ``broker_batched``: per message, batches of 100 (priorities mixed, a ttl) into the
+  broker's ``SendMessages``, delivered in ``deliveries`` frames to a subscribed agent that
+  acks each frame at once (the shape of ``oneway_batch100``; the time of the SDK's encoding
+  is left out);
 - ``agent_message``: the SDK's agent (its session, subscription and runtime, with the echo
   agent of the benchmarks) from a delivery frame to the answer it writes;
 - ``client_request``: the SDK's ``request()`` from the call to the decoded answer;
@@ -34,7 +38,7 @@ from typing import Any
 import grpc
 
 from benchmarks.agents import EchoAgent
-from mesh import Message, MessageType, connect
+from mesh import Message, MessageType, Priority, connect
 from mesh.agent import AgentRuntime
 from mesh.codec import message_to_pb
 from mesh.config import BrokerConfig
@@ -199,6 +203,70 @@ async def broker_gather5(count: int) -> float:
     return await through_broker(count, agents, gather, ends_with="accepted")
 
 
+async def broker_batched(count: int) -> float:
+    """Per message: batches of 100 (the three priorities mixed, a ttl set) into the broker's
+    ``SendMessages``, delivered to a subscribed agent in ``deliveries`` frames and acked by it
+    in one frame per delivery frame (the shape of ``oneway_batch100``)."""
+    broker = Broker(BrokerConfig(max_messages_per_agent=1000))
+    servicer = BrokerServicer(broker)
+    delivered, settled = 0, asyncio.Event()
+
+    def agent_read(stream: MemoryStream, frame: Any) -> None:
+        nonlocal delivered
+        ack = broker_pb2.ConnectRequest()
+        ack.ack.agent_id = "sink-0"
+        ids = ack.ack.message_ids
+        for inner in _frames(frame):
+            if inner.WhichOneof("frame") == "deliveries":
+                ids.extend(d.message.message_id for d in inner.deliveries.deliveries)
+        if ids:
+            delivered += len(ids)
+            stream.inbox.put_nowait(ack)
+            if delivered % BATCH == 0:
+                settled.set()
+
+    await broker.register(AgentInfo(agent_id="sink-0", agent_types=("sink",)))
+    agent = MemoryStream(agent_read)
+    subscribe = broker_pb2.ConnectRequest(seq=1)
+    subscribe.subscribe.agent_id = "sink-0"
+    subscribe.subscribe.max_in_flight = 2 * BATCH
+    subscribe.subscribe.max_batch = 128
+    agent.inbox.put_nowait(subscribe)
+    session = asyncio.create_task(servicer.Connect(agent.frames(), agent))
+    priorities = (Priority.HIGH, Priority.MEDIUM, Priority.LOW)
+
+    async def one() -> None:
+        request = broker_pb2.SendMessagesRequest()
+        for i in range(BATCH):  # (new ids each time, as a client's messages have)
+            message = Message(
+                from_agent="driver",
+                to_agent="sink-0",
+                content={"action": "sink", "parameters": {"i": i}},
+                priority=priorities[i % 3],
+                ttl=60,
+            )
+            message_to_pb(message, request.messages.add())
+        encoded = request.SerializeToString()
+        started = time.perf_counter()
+        settled.clear()
+        context: Any = agent  # (where the call's context would be: unread unless it fails)
+        await servicer.SendMessages(broker_pb2.SendMessagesRequest.FromString(encoded), context)
+        await settled.wait()
+        spent.append(time.perf_counter() - started)
+
+    spent: list[float] = []
+    try:
+        await per_op(one, count, count // 10)
+        measured = spent[len(spent) - count :]
+        return sum(measured) / (count * BATCH) * 1e6
+    finally:
+        session.cancel()
+        await asyncio.gather(session, return_exceptions=True)
+
+
+BATCH = 100
+
+
 async def agent_message(count: int) -> float:
     answered = asyncio.Event()
 
@@ -292,9 +360,13 @@ async def raw_loop(count: int) -> float:
         await asyncio.gather(task, return_exceptions=True)
 
 
+SHARE = {"broker_gather5": 4, "broker_batched": BATCH}
+"""Paths whose operation is several of the others: run ``count // share`` times."""
+
 PATHS: dict[str, Callable[[int], Awaitable[float]]] = {
     "broker_roundtrip": broker_roundtrip,
     "broker_gather5": broker_gather5,
+    "broker_batched": broker_batched,
     "agent_message": agent_message,
     "client_request": client_request,
     "raw_loop": raw_loop,
@@ -306,10 +378,9 @@ async def measure(count: int, repetitions: int = 5) -> dict[str, float]:
     runs: dict[str, list[float]] = {name: [] for name in PATHS}
     for _ in range(repetitions):
         for name, path in PATHS.items():
-            # (a gather to five is a few roundtrips' work: a quarter as many of them)
-            runs[name].append(
-                await path(max(count // 4, 10) if name == "broker_gather5" else count)
-            )
+            # (a gather to five is a few roundtrips' work: a quarter as many of them; a
+            # batch is a hundred messages: a hundredth as many)
+            runs[name].append(await path(max(count // SHARE.get(name, 1), 10)))
     return {f"{name}_us": round(min(values), 2) for name, values in runs.items()}
 
 

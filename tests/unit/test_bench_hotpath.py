@@ -19,6 +19,7 @@ async def test_every_path_completes_its_operations_and_costs_more_than_the_bare_
     assert set(figures) == {
         "broker_roundtrip_us",
         "broker_gather5_us",
+        "broker_batched_us",
         "agent_message_us",
         "client_request_us",
         "raw_loop_us",
@@ -27,8 +28,10 @@ async def test_every_path_completes_its_operations_and_costs_more_than_the_bare_
     assert floor > 0
     for name in ("broker_roundtrip_us", "agent_message_us", "client_request_us"):
         assert figures[name] > floor, name
-    # Five deliveries and five answers cost more than one of each.
+    # Five deliveries and five answers cost more than one of each; a message of a batch
+    # shares its call, its frames and its ack with 99 others: less than a roundtrip.
     assert figures["broker_gather5_us"] > figures["broker_roundtrip_us"]
+    assert floor < figures["broker_batched_us"] < figures["broker_roundtrip_us"]
 
 
 def test_the_command_prints_the_figures_as_json() -> None:
