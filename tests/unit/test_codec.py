@@ -3,6 +3,7 @@ with the decoded dict."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import re
@@ -443,21 +444,7 @@ def test_a_decoded_message_is_the_message_its_fields_make() -> None:
         )
 
 
-_FIELDS = (
-    "from_agent",
-    "to_agent",
-    "content",
-    "message_type",
-    "message_id",
-    "timestamp",
-    "metadata",
-    "correlation_id",
-    "priority",
-    "ttl",
-    "reply_to",
-    "ack_required",
-    "headers",
-)
+_FIELDS = tuple(f.name for f in dataclasses.fields(Message) if f.init)
 
 
 def test_deliveries_leased_together_are_written_with_their_own_deadlines() -> None:
