@@ -317,7 +317,11 @@ async def test_broker_shutdown_under_load_refuses_new_work_and_finishes_what_it_
 
     pushers = [asyncio.create_task(push(lane)) for lane in range(4)]
     await enough.wait()
-    asking = asyncio.create_task(client.request("Worker", {"action": "answer"}, timeout=10))
+    # (HIGH: handled next, not behind the work queued so far, so that the queue is not full
+    # by the time the broker stops, however fast the senders are)
+    asking = asyncio.create_task(
+        client.request("Worker", {"action": "answer"}, timeout=10, priority="HIGH")
+    )
     async with asyncio.timeout(5):
         await asked.wait()  # the request is in flight: accepted, being handled, not answered
     stopping = asyncio.create_task(server.stop(10))
