@@ -21,6 +21,16 @@ from tests.helpers.processes import BROKER_READY, Proc, start, stop
 pytestmark = pytest.mark.processes
 ROOT = Path(__file__).resolve().parents[2]
 
+CLI_AT_A_TERMINAL = (
+    sys.executable,
+    "-c",
+    "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler);"
+    " runpy.run_module('mesh.cli', run_name='__main__', alter_sys=True)",
+)
+"""`python -m mesh.cli` as started from a terminal, where Ctrl-C interrupts it: a process
+started in the background of a non-interactive shell (as a CI runner may start the tests)
+inherits SIGINT ignored, and Python leaves it so."""
+
 
 @pytest.fixture
 async def broker_proc() -> AsyncIterator[Proc]:
@@ -266,7 +276,7 @@ async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
     assert listing.returncode == 141 and err == b"", err
     # Watched: the entries there are, then each change as it is made, until Ctrl-C.
     watching = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "mesh.cli", "state", "--prefix", "parcel/14", "--watch"),
+        *(*CLI_AT_A_TERMINAL, "state", "--prefix", "parcel/14", "--watch"),
         cwd=ROOT,
         env=env,
         stdout=asyncio.subprocess.PIPE,
@@ -290,7 +300,7 @@ async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
     watching.send_signal(signal.SIGINT)
     assert await asyncio.wait_for(watching.wait(), 10) == 130
     as_json = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "mesh.cli", "state", "--prefix", "parcel/149", "--watch", "--json"),
+        *(*CLI_AT_A_TERMINAL, "state", "--prefix", "parcel/149", "--watch", "--json"),
         cwd=ROOT,
         env=env,
         stdout=asyncio.subprocess.PIPE,
