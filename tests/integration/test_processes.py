@@ -276,7 +276,11 @@ async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
     assert listing.returncode == 141 and err == b"", err
     # Watched: the entries there are, then each change as it is made, until Ctrl-C.
     watching = await asyncio.create_subprocess_exec(
-        *(*CLI_AT_A_TERMINAL, "state", "--prefix", "parcel/14", "--watch"),
+        *CLI_AT_A_TERMINAL,
+        "state",
+        "--prefix",
+        "parcel/14",
+        "--watch",
         cwd=ROOT,
         env=env,
         stdout=asyncio.subprocess.PIPE,
@@ -300,7 +304,12 @@ async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
     watching.send_signal(signal.SIGINT)
     assert await asyncio.wait_for(watching.wait(), 10) == 130
     as_json = await asyncio.create_subprocess_exec(
-        *(*CLI_AT_A_TERMINAL, "state", "--prefix", "parcel/149", "--watch", "--json"),
+        *CLI_AT_A_TERMINAL,
+        "state",
+        "--prefix",
+        "parcel/149",
+        "--watch",
+        "--json",
         cwd=ROOT,
         env=env,
         stdout=asyncio.subprocess.PIPE,
