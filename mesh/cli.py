@@ -565,11 +565,15 @@ async def _state_list(args: argparse.Namespace) -> int:
 
 async def _state_watch(args: argparse.Namespace) -> int:
     """The entries under the prefix, then each change as it is made (a line, or a JSON
-    object, each: what happened, then the entry), until interrupted or the watch ends."""
+    object, each: what happened, then the entry), until interrupted; a broker that restarts
+    meanwhile is watched again, and what changed while it was away printed as changes."""
     async with connect(args.broker, agent_id=args.agent, security=security_config(args)) as client:
-        async for change in client.watch_state(args.prefix, send_initial=True):
+        synced = False
+        async for change in client.watch_state(args.prefix, send_initial=True, resume=True):
             if change.entry is None:  # SYNCED: what follows are changes
-                print(f"watching {args.prefix!r} (Ctrl-C to stop)", file=sys.stderr, flush=True)
+                said = "again" if synced else "(Ctrl-C to stop)"
+                print(f"watching {args.prefix!r} {said}", file=sys.stderr, flush=True)
+                synced = True
             elif args.json:
                 _print(
                     json.dumps(
@@ -844,7 +848,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--watch",
         action="store_true",
-        help="with --prefix: the entries, then each change as it is made, until interrupted",
+        help="with --prefix: the entries, then each change as it is made, until interrupted"
+        " (a broker that restarts is watched again)",
     )
     p.add_argument("--broker", default=broker_default)
     p.add_argument("--json", action="store_true")

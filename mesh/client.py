@@ -60,7 +60,15 @@ from mesh.core.model import (
     Priority,
     new_message_id,
 )
-from mesh.core.state import StateChange, StateEntry, StateLock, StatePage, check_ttl
+from mesh.core.state import (
+    ChangeKind,
+    StateChange,
+    StateEntry,
+    StateLock,
+    StateMirror,
+    StatePage,
+    check_ttl,
+)
 from mesh.core.tasks import cancel_and_wait
 from mesh.metrics import RT011_FIGURES
 from mesh.security import open_channel
@@ -1699,7 +1707,7 @@ class MeshClient:
             token = page.next_page_token
 
     async def watch_state(
-        self, prefix: str = "", *, send_initial: bool = False
+        self, prefix: str = "", *, send_initial: bool = False, resume: bool = False
     ) -> AsyncGenerator[StateChange, None]:
         """``async for change in client.watch_state("workflow/"):`` each change to the entries
         whose keys start with ``prefix`` as it is made (``change.kind``: PUT, DELETE or LAPSE;
@@ -1707,7 +1715,61 @@ class MeshClient:
         entries there are come first (CURRENT); a SYNCED change (no entry) says the watch is
         in place. Runs until closed (leave the loop); one that fell 1000 changes behind ends
         with LimitExceededError (reason WATCH_BEHIND), one whose broker missed changes with
-        BrokerUnavailableError: watch again with ``send_initial`` to catch up."""
+        BrokerUnavailableError: watch again with ``send_initial`` to catch up.
+
+        With ``resume`` it catches up by itself: a watch in place that ends because its
+        broker went away (restarted, shutting down, cut off from Redis) or because it fell
+        behind is begun again, with backoff, for up to ``reconnect_timeout`` seconds, and
+        tells what changed meanwhile (a PUT of each entry written, its latest version; a
+        DELETE of each one gone: deleted, lapsed, or lost with the memory of a broker that
+        restarted), then SYNCED again. For that it keeps the entries under ``prefix``."""
+        if not resume:
+            async with contextlib.aclosing(self._watch_state(prefix, send_initial)) as changes:
+                async for change in changes:
+                    yield change
+            return
+        mirror, loop = StateMirror(), asyncio.get_running_loop()
+        failure: MeshError | None = None
+        synced, give_up, attempt = False, 0.0, 0
+        while True:
+            caught_up: list[StateEntry] | None = None if failure is None else []
+            try:
+                async with contextlib.aclosing(self._watch_state(prefix, True)) as changes:
+                    async for change in changes:
+                        if caught_up is None:  # (in place: as it comes)
+                            mirror.note(change)
+                            synced = synced or change.kind is ChangeKind.SYNCED
+                            if send_initial or change.kind is not ChangeKind.CURRENT:
+                                yield change
+                        elif change.entry is not None:  # (CURRENT: the entries now)
+                            caught_up.append(change.entry)
+                        else:  # SYNCED: in place again
+                            for missed in mirror.catch_up(caught_up):
+                                yield missed
+                            caught_up, failure, attempt = None, None, 0
+                            yield change
+                return  # (ended without an error: closed)
+            except MeshError as error:
+                if not (error.code == "UNAVAILABLE" or error.reason == "WATCH_BEHIND"):
+                    raise
+                if failure is None:
+                    if not synced:
+                        raise  # (never in place: nothing to resume)
+                    give_up = loop.time() + self.reconnect_timeout
+                elif loop.time() >= give_up:
+                    raise
+                failure = error
+            delay = _RECONNECT_DELAYS[min(attempt, len(_RECONNECT_DELAYS) - 1)]
+            attempt += 1
+            logger.warning(
+                "watch of %r ended (%s); watching again in %.1f s", prefix, failure.message, delay
+            )
+            await asyncio.sleep(delay)
+            self._refuse_if_closed()
+
+    async def _watch_state(
+        self, prefix: str, send_initial: bool
+    ) -> AsyncGenerator[StateChange, None]:
         from mesh.memory_server import KINDS_OF_CHANGES, entry_from_pb
 
         self._refuse_if_closed()

@@ -113,6 +113,42 @@ class StateChange:
     """None only for SYNCED."""
 
 
+class StateMirror:
+    """The entries under a watched prefix as the watcher was last told of them, so that a
+    watch begun again (its broker restarted, or it fell behind) tells only what changed while
+    there was none: :meth:`catch_up` with the entries there are now."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, StateEntry] = {}
+
+    def note(self, change: StateChange) -> None:
+        entry = change.entry
+        if entry is None:
+            return
+        if change.kind is ChangeKind.CURRENT or change.kind is ChangeKind.PUT:
+            self.entries[entry.key] = entry
+        else:
+            self.entries.pop(entry.key, None)
+
+    def catch_up(self, current: Iterable[StateEntry]) -> list[StateChange]:
+        """What the watcher missed, in key order: a PUT of each entry written meanwhile (its
+        latest version only), a DELETE of each one gone meanwhile (deleted, lapsed, or lost
+        with the memory of a broker that restarted; its last version as the watcher saw it)."""
+        now = {entry.key: entry for entry in current}
+        missed = [
+            StateChange(ChangeKind.PUT, entry)
+            for key, entry in sorted(now.items())
+            if self.entries.get(key) != entry
+        ]
+        missed += [
+            StateChange(ChangeKind.DELETE, entry)
+            for key, entry in sorted(self.entries.items())
+            if key not in now
+        ]
+        self.entries = now
+        return missed
+
+
 class StateWatch:
     """One watcher's changes, in the order they were made: ``async for change in watch``.
     Holds at most ``backlog`` changes not yet taken (the initial entries aside); one more

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 from collections.abc import AsyncIterator
 
 import pytest
@@ -14,8 +16,10 @@ from mesh import LockNotHeldError, StateConflictError, connect, redis_shared
 from mesh.client import NO_RETRY, MeshClient
 from mesh.config import BrokerConfig
 from mesh.core.broker import Broker
+from mesh.core.state import StateChange
 from mesh.redis_store import RedisQueueStore
-from tests.helpers.processes import BROKER_READY, Proc, start, stop
+from tests.helpers.processes import BROKER_READY, ROOT, Proc, start, stop
+from tests.integration.test_processes import CLI_AT_A_TERMINAL
 
 pytestmark = pytest.mark.processes
 
@@ -370,3 +374,104 @@ async def test_a_replica_cut_off_from_redis_ends_its_watches(redis_url: str) -> 
     finally:
         await writer.stop()
         await watcher.stop()
+
+
+async def test_a_resumed_watch_tells_what_changed_while_its_replica_was_down(
+    redis_url: str,
+) -> None:
+    """A watcher on replica A, which crashes (SIGKILL) and comes back on its port while writes
+    go on through replica B: the SDK's watch with ``resume`` and `agentmesh state --watch`
+    each go on by themselves and tell exactly what changed meanwhile (the latest version of
+    what was written, what was deleted, nothing of what was left alone), then each change as
+    it is made again."""
+    a = await start("broker", "--port", "0", "--store", redis_url, ready=BROKER_READY)
+    b = await start("broker", "--port", "0", "--store", redis_url, ready=BROKER_READY)
+    procs, cli = [a, b], None
+    try:
+        async with (
+            connect(b.address, agent_id="Tracker", retry=NO_RETRY) as via_b,
+            connect(a.address, agent_id="Watcher", reconnect_timeout=30) as via_a,
+        ):
+            for n in (1, 2, 3):
+                await via_b.put_state(f"parcel/{n}", {"n": n})
+            changes = via_a.watch_state("parcel/", send_initial=True, resume=True)
+            assert [_told(await anext(changes)) for _ in range(4)] == [
+                ("current", "parcel/1", 1, {"n": 1}),
+                ("current", "parcel/2", 1, {"n": 2}),
+                ("current", "parcel/3", 1, {"n": 3}),
+                ("synced",),
+            ]
+            cli = await asyncio.create_subprocess_exec(
+                *CLI_AT_A_TERMINAL,
+                *("state", "--prefix", "parcel/", "--watch", "--broker", a.address),
+                cwd=ROOT,
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            assert cli.stdout is not None and cli.stderr is not None
+            await _line_with(cli.stderr, "watching 'parcel/' (Ctrl-C to stop)")
+            first = [(await cli.stdout.readline()).decode() for _ in range(3)]
+            assert [line.split()[:4] for line in first] == [
+                ["current", f"parcel/{n}", "version", "1"] for n in (1, 2, 3)
+            ], first
+
+            a.kill()
+            await a.process.wait()
+            await via_b.put_state("parcel/2", {"n": 20})
+            await via_b.put_state("parcel/2", {"n": 21})
+            await via_b.delete_state("parcel/3")
+            await via_b.put_state("parcel/4", {"n": 4})
+            port = a.address.rsplit(":", 1)[1]
+            procs.append(
+                await start("broker", "--port", port, "--store", redis_url, ready=BROKER_READY)
+            )
+
+            caught_up = [_told(await asyncio.wait_for(anext(changes), 30)) for _ in range(4)]
+            assert caught_up == [
+                ("put", "parcel/2", 3, {"n": 21}),
+                ("put", "parcel/4", 1, {"n": 4}),
+                ("delete", "parcel/3", 1, {"n": 3}),
+                ("synced",),
+            ]
+            await _line_with(cli.stderr, "watching 'parcel/' again")
+            printed = [
+                (await asyncio.wait_for(cli.stdout.readline(), 10)).decode() for _ in range(3)
+            ]
+            assert [line.split()[:4] for line in printed] == [
+                ["put", "parcel/2", "version", "3"],
+                ["put", "parcel/4", "version", "1"],
+                ["delete", "parcel/3", "version", "1"],
+            ], printed
+
+            await via_b.put_state("parcel/1", {"n": 10})
+            live = await asyncio.wait_for(anext(changes), 10)
+            assert _told(live) == ("put", "parcel/1", 2, {"n": 10})
+            await changes.aclose()
+            line = (await asyncio.wait_for(cli.stdout.readline(), 10)).decode()
+            assert line.split()[:4] == ["put", "parcel/1", "version", "2"], line
+            cli.send_signal(signal.SIGINT)
+            assert await asyncio.wait_for(cli.wait(), 10) == 130
+    finally:
+        if cli is not None and cli.returncode is None:
+            cli.kill()
+            await cli.wait()
+        for proc in procs[1:]:
+            await stop(proc)
+        a.kill()
+
+
+def _told(change: StateChange) -> tuple[object, ...]:
+    entry = change.entry
+    if entry is None:
+        return (change.kind.value,)
+    return change.kind.value, entry.key, entry.version, entry.value
+
+
+async def _line_with(stream: asyncio.StreamReader, text: str) -> str:
+    """The first line of ``stream`` that holds ``text`` (within 30 s)."""
+    async with asyncio.timeout(30):
+        while line := (await stream.readline()).decode():
+            if text in line:
+                return line
+    raise AssertionError(f"no line with {text!r}")

@@ -13,12 +13,15 @@ import pytest
 from google.protobuf import json_format
 
 from mesh import (
+    BrokerUnavailableError,
     ChangeKind,
     LocalMesh,
     LockNotHeldError,
+    MessageValidationError,
     PermissionDeniedError,
     SecurityConfig,
     StateConflictError,
+    connect,
 )
 from mesh.client import NO_RETRY
 from mesh.v1 import memory_pb2, memory_pb2_grpc
@@ -278,3 +281,48 @@ async def test_the_watches_open_are_on_the_metrics_page() -> None:
         async with asyncio.timeout(5):  # the broker sees the calls end
             while (await scrape(port))["agentmesh_state_watches"] != 0:  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
+
+
+async def test_a_resumed_watch_that_fell_behind_catches_up_by_itself(mesh: LocalMesh) -> None:
+    """A watcher that reads nothing while 3,000 writes of 8 kB are made (more than gRPC holds
+    for it in flight) falls 1000 changes behind, and the broker ends its watch; with
+    ``resume`` the SDK watches again by itself:
+    the watcher reads every change the broker held for it, then the latest version of each
+    entry (and nothing of one that came and went meanwhile), then SYNCED, with no error."""
+    watcher, writer = mesh.client("Watcher"), mesh.client("Writer")
+    changes = watcher.watch_state("k/", resume=True)
+    assert (await anext(changes)).kind is ChangeKind.SYNCED
+    for n in range(3000):
+        await writer.put_state(f"k/{n % 10}", {"n": n, "pad": "x" * 8000})
+    await writer.put_state("k/gone", "soon")
+    await writer.delete_state("k/gone")
+    versions: dict[str, list[int]] = {}
+    async with asyncio.timeout(30):
+        async for change in changes:
+            if change.kind is ChangeKind.SYNCED:
+                break
+            assert change.kind is ChangeKind.PUT and change.entry is not None, change
+            versions.setdefault(change.entry.key, []).append(change.entry.version)
+    assert sorted(versions) == [f"k/{n}" for n in range(10)]  # (k/gone: never told)
+    for told in versions.values():
+        assert told == sorted(set(told)) and told[-1] == 300  # rising, and the latest
+    held = sum(len(told) for told in versions.values()) - 10  # (less the catch-up's)
+    assert 1000 <= held < 3000, held  # the broker's backlog and what was in flight
+    assert mesh.broker is not None and mesh.broker.state.watchers.ended == {"WATCH_BEHIND": 1}
+    await writer.put_state("k/0", "after")
+    later = await asyncio.wait_for(anext(changes), 5)
+    assert later.entry is not None and (later.entry.key, later.entry.version) == ("k/0", 301)
+    await changes.aclose()
+
+
+async def test_a_resumed_watch_that_was_never_in_place_fails_at_once() -> None:
+    """``resume`` goes on with a watch that was in place: one that could not begin (a broker
+    that is not there, a prefix refused) raises at once, as any watch."""
+    async with LocalMesh() as local:
+        client = local.client("Watcher")
+        with pytest.raises(MessageValidationError, match="prefix"):
+            await anext(client.watch_state("k" * 300, resume=True))
+        address = local.address
+    async with connect(address, agent_id="Watcher", reconnect_timeout=30) as gone:
+        with pytest.raises(BrokerUnavailableError):
+            await asyncio.wait_for(anext(gone.watch_state("k/", resume=True)), 10)

@@ -15,7 +15,14 @@ from mesh.core.errors import (
     NotFoundError,
     StateConflictError,
 )
-from mesh.core.state import WATCH_BACKLOG, ChangeKind, SharedState, StateWatch
+from mesh.core.state import (
+    WATCH_BACKLOG,
+    ChangeKind,
+    SharedState,
+    StateChange,
+    StateMirror,
+    StateWatch,
+)
 
 
 async def test_every_write_makes_a_new_version_and_the_last_write_wins() -> None:
@@ -341,3 +348,42 @@ async def test_at_most_so_many_watches_are_open_at_once() -> None:
     with pytest.raises(BrokerUnavailableError, match="shutting down") as refused:
         await state.watch("d/")
     assert refused.value.reason == "SHUTTING_DOWN"
+
+
+async def test_a_mirror_tells_what_changed_while_no_watch_was_in_place() -> None:
+    """What a resumed watch tells after its gap: the latest version of each entry written
+    meanwhile, each entry gone meanwhile, and nothing of what did not change."""
+    state = SharedState()
+    mirror = StateMirror()
+    for key in ("p/1", "p/2", "p/3", "p/4"):
+        mirror.note(StateChange(ChangeKind.CURRENT, await state.put(key, {"n": 1}, "A")))
+    gone = await state.delete("p/4", "A")
+    mirror.note(StateChange(ChangeKind.DELETE, gone))
+    assert sorted(mirror.entries) == ["p/1", "p/2", "p/3"]
+    # The gap: p/2 written twice, p/3 deleted, p/0 and p/4 (again) new.
+    await state.put("p/2", {"n": 2}, "B")
+    latest = await state.put("p/2", {"n": 3}, "B")
+    last_seen = mirror.entries["p/3"]
+    await state.delete("p/3", "B")
+    new0 = await state.put("p/0", "new", "B")
+    new4 = await state.put("p/4", "again", "B")
+    now = (await state.entries("p/")).entries
+    missed = mirror.catch_up(now)
+    assert [(c.kind, c.entry) for c in missed] == [
+        (ChangeKind.PUT, new0),
+        (ChangeKind.PUT, latest),
+        (ChangeKind.PUT, new4),
+        (ChangeKind.DELETE, last_seen),
+    ]
+    assert mirror.catch_up(now) == []  # caught up: nothing more
+    # A broker that lost its memory writes versions from 1 again: a rewrite at the same
+    # version is still a change.
+    rewritten = [await SharedState().put("p/0", "other", "C")]
+    assert rewritten[0].version == new0.version
+    assert [(c.kind, c.entry.key) for c in mirror.catch_up(rewritten) if c.entry] == [
+        (ChangeKind.PUT, "p/0"),
+        *((ChangeKind.DELETE, key) for key in ("p/1", "p/2", "p/4")),
+    ]
+    mirror.note(StateChange(ChangeKind.LAPSE, rewritten[0]))
+    mirror.note(StateChange(ChangeKind.SYNCED))
+    assert mirror.entries == {}
