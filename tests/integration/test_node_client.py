@@ -36,6 +36,7 @@ NODE_TESTS = (
     "a Node agent forwards a request: the next agent, Node or Python, answers the requester",
     "content travels as JSON.stringify reads it; what JSON cannot carry is a TypeError",
     "a closed client says so on every call, a MeshError like every other",
+    "a resumed watch that fell behind catches up by itself",
 )
 """Tests of clients/node/test/ whose names the run must show."""
 

@@ -599,7 +599,9 @@ export class MeshClient {
   /** Every entry whose key starts with prefix, in key order, a page read at a time. */
   stateEntries(prefix?: string): AsyncIterable<StateEntry>;
   /** Each change under prefix as it is made, until the loop is left. */
-  watchState(prefix?: string, options?: { sendInitial?: boolean }): AsyncGenerator<StateChange>;
+  watchState(prefix?: string,
+    options?: { sendInitial?: boolean; resume?: boolean; reconnectTimeoutMs?: number }):
+  AsyncGenerator<StateChange>;
   putState(key: string, value: JsonValue, options?: StateWriteOptions): Promise<StateEntry>;
   deleteState(key: string, options?: StateWriteOptions): Promise<StateEntry>;
   lockState(key: string, options?: { waitMs?: number; leaseMs?: number; agentId?: string }):

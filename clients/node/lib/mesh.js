@@ -4,6 +4,7 @@
 
 const path = require('node:path');
 const crypto = require('node:crypto');
+const util = require('node:util');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
 const protobuf = require('protobufjs');
@@ -174,6 +175,26 @@ function readAgent(pb) {
 }
 
 const CHANGE_KINDS = new Set(['current', 'synced', 'put', 'delete', 'lapse']);
+const RECONNECT_DELAYS_MS = [100, 250, 500, 1000, 2000];
+
+/**
+ * What a resumed watch missed, in key order: a 'put' of each entry written meanwhile (its
+ * latest version), a 'delete' of each one gone (its last version as the watcher saw it);
+ * known becomes the entries now.
+ */
+function* catchUp(known, current) {
+  const now = new Map(current.map((entry) => [entry.key, entry]));
+  const byKey = (a, b) => (a[0] < b[0] ? -1 : 1);
+  const missed = [
+    ...[...now].sort(byKey).filter(([key, entry]) => !util.isDeepStrictEqual(known.get(key), entry))
+      .map(([, entry]) => ({ kind: 'put', entry })),
+    ...[...known].sort(byKey).filter(([key]) => !now.has(key))
+      .map(([, entry]) => ({ kind: 'delete', entry })),
+  ];
+  known.clear();
+  for (const [key, entry] of now) known.set(key, entry);
+  yield* missed;
+}
 
 /** A plain object from a mesh.v1.StateEntry. */
 function readEntry(pb) {
@@ -819,8 +840,64 @@ class MeshClient {
    * Leaving the loop ends the watch; one that fell 1000 changes behind ends with a MeshError
    * RESOURCE_EXHAUSTED (reason WATCH_BEHIND), one whose broker missed changes with
    * UNAVAILABLE: watch again with sendInitial to catch up.
+   *
+   * With resume it catches up by itself: a watch in place that ends because its broker went
+   * away (restarted, shutting down, cut off from Redis) or because it fell behind is begun
+   * again, with backoff, for up to reconnectTimeoutMs (60 s), and tells what changed
+   * meanwhile ('put' of each entry written, its latest version; 'delete' of each one gone:
+   * deleted, lapsed, or lost with the memory of a broker that restarted), then 'synced'
+   * again. For that it keeps the entries under prefix.
    */
-  async* watchState(prefix = '', { sendInitial = false } = {}) {
+  async* watchState(prefix = '',
+    { sendInitial = false, resume = false, reconnectTimeoutMs = 60000 } = {}) {
+    if (!resume) {
+      yield* this._watchState(prefix, sendInitial);
+      return;
+    }
+    const known = new Map(); // key -> the entry as the watcher was last told of it
+    let synced = false;
+    let failure = null;
+    let giveUp = 0;
+    let attempt = 0;
+    for (;;) {
+      const caughtUp = failure ? [] : null; // (the entries now, while catching up)
+      try {
+        for await (const change of this._watchState(prefix, true)) {
+          if (!failure) { // in place: as it comes
+            if (change.kind === 'current' || change.kind === 'put') known.set(change.entry.key, change.entry);
+            else if (change.entry) known.delete(change.entry.key);
+            else synced = true;
+            if (sendInitial || change.kind !== 'current') yield change;
+          } else if (change.entry) {
+            caughtUp.push(change.entry);
+          } else { // synced: in place again
+            yield* catchUp(known, caughtUp);
+            failure = null;
+            attempt = 0;
+            yield change;
+          }
+        }
+        return; // (ended without an error: closed)
+      } catch (err) {
+        if (!(err instanceof MeshError)
+          || !(err.codeName === 'UNAVAILABLE' || err.reason === 'WATCH_BEHIND')) throw err;
+        if (!failure) {
+          if (!synced) throw err; // (never in place: nothing to resume)
+          giveUp = Date.now() + reconnectTimeoutMs;
+        } else if (Date.now() >= giveUp) {
+          throw err;
+        }
+        failure = err;
+      }
+      await new Promise((resolve) => {
+        setTimeout(resolve, RECONNECT_DELAYS_MS[Math.min(attempt, RECONNECT_DELAYS_MS.length - 1)]);
+      });
+      attempt += 1;
+      if (isClosed(this.memory)) throw closedClient();
+    }
+  }
+
+  async* _watchState(prefix, sendInitial) {
     if (isClosed(this.memory)) throw closedClient();
     const call = this.memory.WatchState({ prefix, send_initial: sendInitial },
       this.memory.meshMetadata || new grpc.Metadata());

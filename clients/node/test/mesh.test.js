@@ -1151,6 +1151,46 @@ test('shared state: versions, compare-and-set and locks, beside the Python agent
   }
 });
 
+test('a resumed watch that fell behind catches up by itself', async () => {
+  // 3,000 writes of 8 kB while the watcher reads nothing: more than gRPC holds in flight, so
+  // the broker ends the watch 1000 changes behind; with resume the client watches again and
+  // tells the latest version of each entry, then 'synced', with no error.
+  const writer = new MeshClient(BROKER, { agentId: 'NodeStateWriter' });
+  const watcher = new MeshClient(BROKER, { agentId: 'NodeStateWatcher' });
+  const keys = [...Array(10).keys()].map((n) => `node/behind/${n}`);
+  try {
+    const watch = watcher.watchState('node/behind/', { resume: true });
+    assert.equal((await watch.next()).value.kind, 'synced');
+    const pad = 'x'.repeat(8000);
+    for (let n = 0; n < 3000; n += 1) await writer.putState(keys[n % 10], { n, pad });
+    await writer.putState('node/behind/gone', 'soon');
+    await writer.deleteState('node/behind/gone');
+    const versions = new Map();
+    for (;;) {
+      const { value } = await watch.next();
+      if (value.kind === 'synced') break;
+      assert.equal(value.kind, 'put', JSON.stringify(value));
+      versions.set(value.entry.key, [...(versions.get(value.entry.key) || []),
+        value.entry.version]);
+    }
+    assert.deepEqual([...versions.keys()].sort(), keys); // (node/behind/gone: never told)
+    for (const told of versions.values()) {
+      assert.deepEqual(told, [...new Set(told)].sort((a, b) => a - b)); // rising
+      assert.equal(told[told.length - 1], 300); // and the latest
+    }
+    const held = [...versions.values()].reduce((sum, told) => sum + told.length, 0) - 10;
+    assert.ok(held >= 1000 && held < 3000, `held ${held}`);
+    await writer.putState(keys[0], 'after');
+    const later = (await watch.next()).value;
+    assert.deepEqual([later.kind, later.entry.key, later.entry.version], ['put', keys[0], 301]);
+    await watch.return();
+  } finally {
+    for (const key of keys) await writer.deleteState(key).catch(() => {});
+    writer.close();
+    watcher.close();
+  }
+});
+
 test('the shared memory pool: insights written, read, kept for their ttl and deleted',
   async () => {
     const reviewer = new MeshClient(BROKER, { agentId: 'NodeReviewer' });
