@@ -131,9 +131,10 @@ class StateMirror:
             self.entries.pop(entry.key, None)
 
     def catch_up(self, current: Iterable[StateEntry]) -> list[StateChange]:
-        """What the watcher missed, in key order: a PUT of each entry written meanwhile (its
-        latest version only), a DELETE of each one gone meanwhile (deleted, lapsed, or lost
-        with the memory of a broker that restarted; its last version as the watcher saw it)."""
+        """What the watcher missed: a PUT of each entry written meanwhile (its latest version
+        only), then a DELETE of each one gone meanwhile (deleted, lapsed, or lost with the
+        memory of a broker that restarted; its last version as the watcher saw it), each in
+        key order."""
         now = {entry.key: entry for entry in current}
         missed = [
             StateChange(ChangeKind.PUT, entry)

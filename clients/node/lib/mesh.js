@@ -178,9 +178,9 @@ const CHANGE_KINDS = new Set(['current', 'synced', 'put', 'delete', 'lapse']);
 const RECONNECT_DELAYS_MS = [100, 250, 500, 1000, 2000];
 
 /**
- * What a resumed watch missed, in key order: a 'put' of each entry written meanwhile (its
- * latest version), a 'delete' of each one gone (its last version as the watcher saw it);
- * known becomes the entries now.
+ * What a resumed watch missed: a 'put' of each entry written meanwhile (its latest
+ * version), then a 'delete' of each one gone (its last version as the watcher saw it), each
+ * in key order; known becomes the entries now.
  */
 function* catchUp(known, current) {
   const now = new Map(current.map((entry) => [entry.key, entry]));
