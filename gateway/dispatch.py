@@ -11,8 +11,7 @@ from gateway.patterns._common import GATEWAY_ID
 from mesh.client import MeshClient
 from mesh.core import workflows
 from mesh.core.broker import Broker, GatherItem
-from mesh.core.model import JSON, AgentInfo, Message, utc_now
-from mesh.core.state import StateEntry, not_found
+from mesh.core.model import AgentInfo, Message, utc_now
 
 
 class Dispatcher(Protocol):
@@ -98,38 +97,6 @@ class MeshDispatcher:
     async def record_ending(
         self, workflow_id: str, outcome: str, *, failed_at_step: int | None, error_reason: str
     ) -> None:
-        await workflows.record_ending(
-            _ClientState(self.client),
-            workflow_id,
-            outcome,
-            self.client.agent_id,
-            utc_now(),
-            failed_at_step=failed_at_step,
-            error_reason=error_reason,
-        )
-
-
-class _ClientState:
-    """The shared state through a client, as mesh.core.workflows reads and writes it."""
-
-    def __init__(self, client: MeshClient) -> None:
-        self.client = client
-
-    async def get(self, key: str) -> StateEntry:
-        entry = await self.client.get_state(key)
-        if entry is None:
-            raise not_found(key)
-        return entry
-
-    async def put(
-        self,
-        key: str,
-        value: JSON,
-        agent_id: str,
-        *,
-        expected_version: int | None = None,
-        ttl: float | None = None,
-    ) -> StateEntry:
-        return await self.client.put_state(
-            key, value, expected_version=expected_version, agent_id=agent_id, ttl=ttl
+        await self.client.end_workflow(
+            workflow_id, outcome, failed_at_step=failed_at_step, error_reason=error_reason
         )

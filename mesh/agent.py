@@ -50,6 +50,7 @@ from mesh.core.model import (
     MessageType,
     Tool,
 )
+from mesh.core.state import StateEntry
 from mesh.core.tasks import cancel_and_wait
 from mesh.serving import MeshServer, start_server
 from mesh.tracing import current_span, extract, inject, span_name, without_trace
@@ -201,6 +202,23 @@ class AgentContext:
             constraints=constraints,
             from_agent=self.agent_id,
             **options,
+        )
+
+    async def end_workflow(self, *, error_reason: str | None = None) -> StateEntry | None:
+        """Ends the workflow this HANDOFF belongs to, as its last agent (one its agents run by
+        themselves: the gateway ends those it runs): COMPLETED, or with ``error_reason``
+        FAILED at this step; see :meth:`MeshClient.end_workflow`."""
+        handoff = self.message.handoff
+        if handoff is None or not handoff.workflow_id:
+            raise ValueError("only a HANDOFF that names its workflow has a workflow to end")
+        if error_reason is None:
+            return await self.client.end_workflow(handoff.workflow_id, agent_id=self.agent_id)
+        return await self.client.end_workflow(
+            handoff.workflow_id,
+            "FAILED",
+            failed_at_step=handoff.step_number,
+            error_reason=error_reason,
+            agent_id=self.agent_id,
         )
 
     async def negotiate(

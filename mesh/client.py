@@ -32,7 +32,7 @@ from opentelemetry.trace import SpanKind, get_current_span
 from mesh import codec
 from mesh._status import from_rpc_error, has_rich_status
 from mesh.config import DEFAULT_LEASE_SECONDS, MAX_TTL, SecurityConfig
-from mesh.core import negotiation
+from mesh.core import negotiation, workflows
 from mesh.core.errors import (
     AgentError,
     AgentNotFoundError,
@@ -59,6 +59,7 @@ from mesh.core.model import (
     MessageType,
     Priority,
     new_message_id,
+    utc_now,
 )
 from mesh.core.state import (
     ChangeKind,
@@ -68,6 +69,7 @@ from mesh.core.state import (
     StateMirror,
     StatePage,
     check_ttl,
+    not_found,
 )
 from mesh.core.tasks import cancel_and_wait
 from mesh.metrics import RT011_FIGURES
@@ -1374,6 +1376,38 @@ class MeshClient:
         )
         return await self.send_message(message)
 
+    async def end_workflow(
+        self,
+        workflow_id: str,
+        status: str = "COMPLETED",
+        *,
+        failed_at_step: int | None = None,
+        error_reason: str = "",
+        agent_id: str | None = None,
+    ) -> StateEntry | None:
+        """Adds a workflow's ending to the status its hand-offs keep in the shared state
+        (``workflow/<workflow_id>``): ``status`` COMPLETED, or FAILED with ``failed_at_step``
+        (by default the step the status is at) and ``error_reason`` (RF-010 scenario 10),
+        and ``finished_at``; the status keeps the time it has left. What the last agent of a
+        workflow run by its agents alone does (the gateway does it for the workflows it runs).
+        Returns the status written; None, and nothing written, when none is recorded (no
+        hand-off named the workflow)."""
+        if not workflow_id:
+            raise MessageValidationError.for_field("workflow_id", "workflow_id is required")
+        if status not in workflows.ENDED:
+            raise MessageValidationError.for_field(
+                "status", f"a workflow ends COMPLETED or FAILED, not {status!r}"
+            )
+        return await workflows.record_ending(
+            _StateThroughClient(self),
+            workflow_id,
+            status,
+            agent_id or self.agent_id,
+            utc_now(),
+            failed_at_step=failed_at_step,
+            error_reason=error_reason,
+        )
+
     # -- receiving ---------------------------------------------------------------------------
 
     async def receive(self, agent_id: str | None = None, max_messages: int = 0) -> list[Message]:
@@ -1910,6 +1944,32 @@ class MeshClient:
         )
         response = await self._with_retry(self._unary(self._stub.RequeueDeadLetters, request))
         return RequeueResult(response.requeued, response.left)
+
+
+class _StateThroughClient:
+    """The shared state through a client, as mesh.core.workflows reads and writes it."""
+
+    def __init__(self, client: MeshClient) -> None:
+        self.client = client
+
+    async def get(self, key: str) -> StateEntry:
+        entry = await self.client.get_state(key)
+        if entry is None:
+            raise not_found(key)
+        return entry
+
+    async def put(
+        self,
+        key: str,
+        value: JSON,
+        agent_id: str,
+        *,
+        expected_version: int | None = None,
+        ttl: float | None = None,
+    ) -> StateEntry:
+        return await self.client.put_state(
+            key, value, expected_version=expected_version, agent_id=agent_id, ttl=ttl
+        )
 
 
 def connect(

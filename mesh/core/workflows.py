@@ -78,13 +78,14 @@ def ended(
     error_reason: str = "",
 ) -> dict[str, JSON]:
     """The recorded status, the workflow's ending added (RF-010 scenario 10's fields when it
-    failed)."""
+    failed; ``failed_at_step`` by default the step the status is at)."""
     if outcome not in ENDED:
         raise ValueError(f"a workflow ends COMPLETED or FAILED, not {outcome!r}")
     value: dict[str, JSON] = dict(status) if isinstance(status, dict) else {}
     value.update(status=outcome, finished_at=at.isoformat())
     if outcome == "FAILED":
-        value.update(failed_at_step=failed_at_step, error_reason=error_reason)
+        step = step_of(status) if failed_at_step is None else failed_at_step
+        value.update(failed_at_step=step, error_reason=error_reason)
     return value
 
 

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from google.protobuf import json_format
 
-from mesh import LocalMesh
+from mesh import AgentContext, ChangeKind, LocalMesh, Message, MessageValidationError, agent
 from mesh.config import BrokerConfig
 from mesh.v1 import memory_pb2, memory_pb2_grpc
 
@@ -140,3 +140,65 @@ async def test_a_plain_client_writes_an_entry_that_lapses() -> None:
             await stub.PutState(bad)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "ttl must be above 0" in (refused.value.details() or "")
+
+
+async def test_the_last_agent_of_a_workflow_its_agents_run_ends_it() -> None:
+    """A refund handed on from agent to agent, with no gateway: the last agent ends the
+    workflow from its handler, and its status says COMPLETED, or FAILED at that step and why
+    (RF-010 scenario 10), with the time it finished, keeping what the hand-offs wrote."""
+
+    @agent("WfSeller")
+    async def seller(message: Message, ctx: AgentContext) -> None:
+        if message.handoff:
+            await ctx.handoff("WfPayment", "Refund", context=message.handoff.context)
+
+    @agent("WfPayment")
+    async def payment(message: Message, ctx: AgentContext) -> None:
+        if message.handoff and message.handoff.context["amount"] > 100:
+            await ctx.end_workflow(error_reason="Payment failed")
+        elif message.handoff:
+            await ctx.end_workflow()
+
+    async with LocalMesh() as mesh:
+        await mesh.add_agent(seller)
+        await mesh.add_agent(payment)
+        customer = mesh.client("WfCustomer")
+        changes = customer.watch_state("workflow/wf_end_")
+        assert (await anext(changes)).kind is ChangeKind.SYNCED
+        for workflow_id, amount in (("wf_end_ok", 50), ("wf_end_bad", 500)):
+            await customer.handoff(
+                "WfSeller", "Refund", context={"amount": amount}, workflow_id=workflow_id
+            )
+        ended = {}
+        async with asyncio.timeout(10):
+            async for change in changes:
+                assert change.entry is not None
+                if change.entry.value["status"] != "IN_PROGRESS":
+                    ended[change.entry.key] = change.entry
+                    if len(ended) == 2:
+                        break
+        await changes.aclose()
+        ok, bad = ended["workflow/wf_end_ok"], ended["workflow/wf_end_bad"]
+        assert ok.updated_by == "WfPayment" and ok.version == 3  # two hand-offs, the ending
+        assert {k: ok.value[k] for k in ("status", "current_agent", "step", "from_agent")} == {
+            "status": "COMPLETED",
+            "current_agent": "WfPayment",
+            "step": 2,
+            "from_agent": "WfSeller",
+        }
+        finished = datetime.fromisoformat(str(ok.value["finished_at"]))
+        assert abs(datetime.now(UTC) - finished) < timedelta(seconds=10)
+        assert "failed_at_step" not in ok.value and ok.expires_at is not None  # (its ttl kept)
+        assert {k: bad.value[k] for k in ("status", "failed_at_step", "error_reason")} == {
+            "status": "FAILED",
+            "failed_at_step": 2,
+            "error_reason": "Payment failed",
+        }
+        # A workflow no hand-off named has no status to end; a mistake is refused before
+        # anything is written.
+        assert await customer.end_workflow("wf_never_handed_off") is None
+        with pytest.raises(MessageValidationError, match="COMPLETED or FAILED"):
+            await customer.end_workflow("wf_end_ok", "DONE")
+        with pytest.raises(MessageValidationError, match="workflow_id is required"):
+            await customer.end_workflow("")
+        assert (await customer.get_state("workflow/wf_end_ok")) == ok
