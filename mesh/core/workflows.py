@@ -86,6 +86,9 @@ def ended(
     if outcome == "FAILED":
         step = step_of(status) if failed_at_step is None else failed_at_step
         value.update(failed_at_step=step, error_reason=error_reason)
+    else:  # (over an ending written before: its failure is no longer the workflow's)
+        value.pop("failed_at_step", None)
+        value.pop("error_reason", None)
     return value
 
 

@@ -202,3 +202,7 @@ async def test_the_last_agent_of_a_workflow_its_agents_run_ends_it() -> None:
         with pytest.raises(MessageValidationError, match="workflow_id is required"):
             await customer.end_workflow("")
         assert (await customer.get_state("workflow/wf_end_ok")) == ok
+        # Ended again, COMPLETED over FAILED: the failure is no longer the workflow's.
+        again = await customer.end_workflow("wf_end_bad")
+        assert again is not None and again.value["status"] == "COMPLETED"
+        assert "failed_at_step" not in again.value and "error_reason" not in again.value

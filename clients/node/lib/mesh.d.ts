@@ -602,6 +602,8 @@ export class MeshClient {
   watchState(prefix?: string,
     options?: { sendInitial?: boolean; resume?: boolean; reconnectTimeoutMs?: number }):
   AsyncGenerator<StateChange>;
+  endWorkflow(workflowId: string, options?: { status?: 'COMPLETED' | 'FAILED';
+    failedAtStep?: number; errorReason?: string; agentId?: string }): Promise<StateEntry | null>;
   putState(key: string, value: JsonValue, options?: StateWriteOptions): Promise<StateEntry>;
   deleteState(key: string, options?: StateWriteOptions): Promise<StateEntry>;
   lockState(key: string, options?: { waitMs?: number; leaseMs?: number; agentId?: string }):

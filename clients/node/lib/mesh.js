@@ -571,6 +571,53 @@ class MeshClient {
     return readMessage(res.message);
   }
 
+  /**
+   * Adds a workflow's ending to the status its hand-offs keep in the shared state
+   * (workflow/<workflowId>): status 'COMPLETED', or 'FAILED' with failedAtStep (by default the
+   * step the status is at) and errorReason (RF-010 scenario 10), and finished_at; the status
+   * keeps the time it has left. What the last agent of a workflow run by its agents alone
+   * does (the gateway does it for the workflows it runs). Resolves with the status written,
+   * or null, nothing written, when none is recorded (no hand-off named the workflow).
+   */
+  async endWorkflow(workflowId, { status = 'COMPLETED', failedAtStep, errorReason = '',
+    agentId = this.agentId } = {}) {
+    if (typeof workflowId !== 'string' || !workflowId) {
+      throw new TypeError('workflowId is required');
+    }
+    if (status !== 'COMPLETED' && status !== 'FAILED') {
+      throw new TypeError(`a workflow ends COMPLETED or FAILED, not ${JSON.stringify(status)}`);
+    }
+    const key = `workflow/${workflowId}`;
+    // A compare-and-set on the version read, as the hand-offs write it: tried again when
+    // another write came first.
+    for (let tries = 0; tries < 3; tries += 1) {
+      const current = await this.getState(key);
+      if (current === null) return null;
+      const now = new Date();
+      const recorded = current.value !== null && typeof current.value === 'object'
+        && !Array.isArray(current.value) ? current.value : {};
+      const value = { ...recorded, status, finished_at: now.toISOString() };
+      if (status === 'FAILED') {
+        const step = Number.isInteger(recorded.step) ? recorded.step : 0;
+        value.failed_at_step = failedAtStep ?? step;
+        value.error_reason = errorReason;
+      } else { // (over an ending written before: its failure is no longer the workflow's)
+        delete value.failed_at_step;
+        delete value.error_reason;
+      }
+      const ttlMs = current.expiresAt
+        ? Math.max(1000, Date.parse(current.expiresAt) - now.getTime()) : undefined;
+      try {
+        return await this.putState(key, value,
+          { expectedVersion: current.version, ttlMs, agentId });
+      } catch (err) {
+        if (err.reason !== 'VERSION_CONFLICT') throw err;
+      }
+    }
+    throw new MeshError({ code: grpc.status.ABORTED, details: `'${key}' kept changing`,
+      reason: 'VERSION_CONFLICT' });
+  }
+
   /** Removes and returns the agent's queued messages (HIGH first, then oldest first): up to
    * maxMessages (0: all) and 3 MiB an answer, the rest waiting for the next call. */
   async receive(agentId = this.agentId, maxMessages = 0) {

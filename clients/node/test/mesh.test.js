@@ -499,6 +499,28 @@ test('hands a task to another agent with its context, read back as message.hando
       await assert.rejects(client.handoff('NodeRefundDesk', 'Refund', { priority: 'URGENT' }),
         (err) => err instanceof TypeError);
       assert.deepEqual(await client.receive('NodeRefundDesk'), []); // nothing refused went in
+      // The desk, last of the workflow, ends it: FAILED at its step (and why), or COMPLETED,
+      // over what the hand-off recorded; a workflow no hand-off named has nothing to end.
+      const desk = new MeshClient(BROKER, { agentId: 'NodeRefundDesk' });
+      try {
+        const failed = await desk.endWorkflow('wf_node_1',
+          { status: 'FAILED', errorReason: 'Payment failed' });
+        assert.equal(failed.updatedBy, 'NodeRefundDesk');
+        assert.deepEqual([failed.value.status, failed.value.failed_at_step,
+          failed.value.error_reason, failed.value.current_agent, failed.value.step],
+        ['FAILED', 2, 'Payment failed', 'NodeRefundDesk', 2]);
+        assert.ok(Math.abs(Date.parse(failed.value.finished_at) - Date.now()) < 10000);
+        assert.ok(failed.expiresAt !== null); // (the time the status had left, kept)
+        const done = await desk.endWorkflow('wf_node_1');
+        assert.equal(done.value.status, 'COMPLETED');
+        assert.ok(!('failed_at_step' in done.value) && !('error_reason' in done.value));
+        assert.equal(done.version, failed.version + 1);
+        assert.equal(await desk.endWorkflow('wf_node_never'), null);
+        await assert.rejects(desk.endWorkflow('wf_node_1', { status: 'DONE' }), TypeError);
+        await assert.rejects(desk.endWorkflow(''), TypeError);
+      } finally {
+        desk.close();
+      }
     } finally {
       await client.deregister('NodeRefundDesk').catch(() => {});
       client.close();
