@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from mesh import LockNotHeldError, StateConflictError, connect, redis_shared
+from mesh import ChangeKind, LocalMesh, LockNotHeldError, StateConflictError, connect, redis_shared
 from mesh.client import NO_RETRY, MeshClient
 from mesh.config import BrokerConfig
 from mesh.core.broker import Broker
@@ -475,3 +475,43 @@ async def _line_with(stream: asyncio.StreamReader, text: str) -> str:
             if text in line:
                 return line
     raise AssertionError(f"no line with {text!r}")
+
+
+async def test_a_resumed_watch_goes_on_through_its_replica_losing_redis(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The watcher's replica loses its Redis subscription (as when Redis drops it): its watch
+    ends UNAVAILABLE, changes may have been missed; with ``resume`` the SDK watches again (a
+    new watch is refused until the replica follows Redis again) and tells what changed
+    meanwhile."""
+    writer = Broker(BrokerConfig(), store=RedisQueueStore(redis_url))
+    await writer.start()
+    try:
+        async with LocalMesh(broker=Broker(BrokerConfig(), store=RedisQueueStore(redis_url))) as a:
+            watcher = a.client("Watcher", reconnect_timeout=30)
+            changes = watcher.watch_state("cut/", resume=True)
+            assert (await anext(changes)).kind is ChangeKind.SYNCED
+            await writer.state.put("cut/x", 1, "Writer")
+            assert _told(await asyncio.wait_for(anext(changes), 5))[:3] == ("put", "cut/x", 1)
+            assert a.broker is not None
+            redis = await a.broker.store._client()  # type: ignore[attr-defined]
+            await redis.client_kill_filter(_type="pubsub")
+            await writer.state.put("cut/x", 2, "Writer")
+            await writer.state.put("cut/y", 1, "Writer")
+            told = []
+            async with asyncio.timeout(30):
+                while not told or told[-1] != ("synced",):
+                    told.append(_told(await anext(changes)))
+            # Whatever the replica still heard before the cut came as it was made; the rest
+            # in the catch-up: either way, each entry's latest version, and nothing twice.
+            assert told[-1] == ("synced",) and told.count(("synced",)) == 1, told
+            latest = {change[1]: change[2] for change in told[:-1]}
+            assert latest == {"cut/x": 2, "cut/y": 1}, told
+            assert len(told) - 1 == len({change[1:3] for change in told[:-1]}), told
+            await writer.state.put("cut/y", 2, "Writer")
+            assert _told(await asyncio.wait_for(anext(changes), 5))[:3] == ("put", "cut/y", 2)
+            await changes.aclose()
+        said = [r.getMessage() for r in caplog.records if r.name == "mesh.client"]
+        assert said and "missed changes" in said[0], said  # (why it watched again)
+    finally:
+        await writer.stop()
