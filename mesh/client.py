@@ -1796,7 +1796,7 @@ class MeshClient:
             delay = _RECONNECT_DELAYS[min(attempt, len(_RECONNECT_DELAYS) - 1)]
             attempt += 1
             logger.warning(
-                "watch of %r ended (%s); watching again in %.1f s", prefix, failure.message, delay
+                "watch of %r: %s; watching again in %.1f s", prefix, failure.message, delay
             )
             await asyncio.sleep(delay)
             self._refuse_if_closed()

@@ -588,8 +588,14 @@ class RedisSharedState:
     async def watch(self, prefix: str = "", *, send_initial: bool = False) -> StateWatch:
         """Every replica hears every change, numbered in the order the scripts made them; a
         watch starts after the change numbered when its entries were read (one script), those
-        heard meanwhile told after its entries."""
+        heard meanwhile told after its entries. Refused while this replica is cut off from
+        the others' changes (it would be ended as soon as it follows them again)."""
         check_prefix(prefix)
+        if self.store.cut_off:
+            raise BrokerUnavailableError(
+                "this broker is cut off from Redis for a moment and hears no changes to the "
+                "shared state: watch again shortly, or through another broker"
+            )
         self.watchers.check_room(len(self._starting))
         watch = StateWatch(prefix)
         heard: list[tuple[int, ChangeKind, StateEntry]] = []

@@ -575,6 +575,9 @@ class RedisQueueStore:
         self._followed: dict[str, Callable[[bytes], None]] = {}
         """Channels of other parts of the mesh kept in this Redis, and their handlers."""
         self._refollowed: list[Callable[[], None]] = []
+        self.cut_off = False
+        """Whether this replica has lost the others' channels (and not followed them again
+        yet): what is published meanwhile is not heard here."""
 
     def follow(self, channel: str, handler: Callable[[bytes], None]) -> None:
         """Calls ``handler`` with what is published on ``channel`` once this replica watches
@@ -1490,6 +1493,7 @@ class RedisQueueStore:
             except Exception as error:  # a lost connection (or node): subscribe again
                 failures += 1
                 if failures == 1:
+                    self.cut_off = True
                     for hook in self._refollowed:
                         hook()
                 logger.log(
@@ -1504,6 +1508,7 @@ class RedisQueueStore:
                     await self._subscribe()
                     logger.info("following the other replicas again")
                     failures = 0
+                    self.cut_off = False
                     listener.on_followed_again()
                     for hook in self._refollowed:
                         hook()
