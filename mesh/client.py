@@ -235,6 +235,15 @@ def _named(kind: type[E], value: str, field: str) -> E:
         ) from None
 
 
+def _prepared_alone(message: Message, content: object, options: dict[str, Any]) -> None:
+    """A prepared message is sent as it is: content or options beside it would be lost."""
+    if content is not None or options:
+        given = ["content"] if content is not None else []
+        raise TypeError(
+            f"a prepared message takes no content or options: {', '.join([*given, *options])}"
+        )
+
+
 def _time_out(waiter: asyncio.Future[Any]) -> None:
     if not waiter.done():
         waiter.set_exception(TimeoutError())
@@ -1004,9 +1013,14 @@ class MeshClient:
     # -- sending -----------------------------------------------------------------------------
 
     async def send(
-        self, to_agent: str, content: dict[str, JSON] | None = None, **options: Any
+        self, to_agent: str | Message, content: dict[str, JSON] | None = None, **options: Any
     ) -> Message:
-        """Sends a message to ``to_agent`` (or "broadcast"); returns it as accepted."""
+        """Sends a message to ``to_agent`` (or "broadcast"); returns it as accepted. A
+        prepared :class:`Message` in place of ``to_agent`` is sent as it is
+        (:meth:`send_message`)."""
+        if isinstance(to_agent, Message):
+            _prepared_alone(to_agent, content, options)
+            return await self.send_message(to_agent)
         return await self.send_message(self.build(to_agent, content, **options))
 
     async def send_message(self, message: Message | None = None, **fields: Any) -> Message:
@@ -1093,7 +1107,7 @@ class MeshClient:
 
     async def request(
         self,
-        to_agent: str,
+        to_agent: str | Message,
         content: dict[str, JSON] | None = None,
         *,
         timeout: float | None = None,
@@ -1102,8 +1116,12 @@ class MeshClient:
         """Sends a REQUEST and returns the correlated RESPONSE.
 
         Raises AgentError when the agent answers with an ERROR, RequestTimeoutError when no
-        answer arrives within ``timeout`` seconds.
+        answer arrives within ``timeout`` seconds. A prepared :class:`Message` in place of
+        ``to_agent`` is sent as it is (:meth:`request_message`).
         """
+        if isinstance(to_agent, Message):
+            _prepared_alone(to_agent, content, options)
+            return await self.request_message(to_agent, timeout=timeout)
         options.setdefault("message_type", MessageType.REQUEST)
         message_id = options.pop("message_id", "") or new_message_id()
         options.setdefault("correlation_id", message_id)

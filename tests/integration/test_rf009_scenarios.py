@@ -593,17 +593,46 @@ async def test_scenario_10_conditional_handoff(
     assert any(f"-> {expected}" in r.getMessage() for r in caplog.records)
 
 
-async def test_scenario_11_message_validation_error(mesh: LocalMesh) -> None:
+@pytest.mark.parametrize("content", [None, {}], ids=["absent", "empty object"])
+async def test_scenario_11_message_validation_error(mesh: LocalMesh, content: dict | None) -> None:
     async with mesh.client("FlightAgent") as flight:
         await register(flight, "PaymentAgent")
         with pytest.raises(MessageValidationError) as info:
-            await flight.send("PaymentAgent", message_type=MessageType.REQUEST)
+            await flight.send("PaymentAgent", content, message_type=MessageType.REQUEST)
         assert info.value.message == "content is required"
         assert info.value.code == "INVALID_ARGUMENT"
         assert [v.field for v in info.value.field_violations] == ["content"]
         stats = await flight.queue_stats("PaymentAgent")
         assert stats.agents[0].depth == 0
         assert stats.totals["validation_errors"] == 1
+
+
+async def test_a_prepared_message_is_sent_and_requested_as_it_is(mesh: LocalMesh) -> None:
+    collector = Collector()
+    async with mesh.client("FlightAgent") as flight:
+        await mesh.add_agent(collector.make("PaymentAgent", reply={"status": "PAID"}))
+        prepared = Message(
+            from_agent="FlightAgent",
+            to_agent="PaymentAgent",
+            message_type=MessageType.REQUEST,
+            content={"action": "process_payment", "parameters": {"amount": 450}},
+            priority=Priority.HIGH,
+        )
+        answer = await flight.request(prepared, timeout=10)
+        assert answer.content == {"status": "PAID", "action": "process_payment"}
+        assert answer.correlation_id == prepared.message_id
+        told = prepared.evolve(message_type=MessageType.HANDOFF, message_id="m-told")
+        told = told.evolve(
+            content={"action": "execute_handoff", "parameters": {"task_description": "Pay"}}
+        )
+        assert (await flight.send(told)).message_id == "m-told"
+        [asked, handed] = await collector.wait(2)
+        assert (asked.message_id, asked.priority) == (prepared.message_id, Priority.HIGH)
+        assert (handed.message_id, handed.message_type) == ("m-told", MessageType.HANDOFF)
+        with pytest.raises(TypeError, match="takes no content or options: content, priority"):
+            await flight.send(prepared, {"action": "x"}, priority=Priority.LOW)
+        with pytest.raises(TypeError, match="takes no content or options: ttl"):
+            await flight.request(prepared, ttl=5)
 
 
 class RecordingSleep:
