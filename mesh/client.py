@@ -134,8 +134,6 @@ class ClientStats:
 
     sent: int = 0
     retries: dict[str, int] = field(default_factory=dict)
-    acks_sent: int = 0
-    """ACK messages sent to the senders of messages with ack_required."""
     settle_frames: int = 0
     """Ack and nack frames written to the broker (each carries every id settled meanwhile)."""
 
@@ -647,8 +645,6 @@ class ClientSubscription:
             # Beyond what the broker leases at once: the oldest are long settled by lease
             # expiry (their application never acked them), not held.
             del taken[next(iter(taken))]
-        if received.message.ack_required and received.attempt == 1:
-            self.client._ack_in_background(received.message)
         return received
 
     def _withdraw(self, message_ids: Iterable[str]) -> None:
@@ -833,7 +829,6 @@ class MeshClient:
         agent_id: str = "",
         retry: RetryPolicy | None = None,
         default_timeout: float = 30.0,
-        auto_ack: bool = True,
         reconnect_timeout: float = 60.0,
         ack_linger: float = ACK_LINGER,
         security: SecurityConfig | None = None,
@@ -844,7 +839,6 @@ class MeshClient:
         self.agent_id = agent_id
         self.retry = retry or RetryPolicy()
         self.default_timeout = default_timeout
-        self.auto_ack = auto_ack
         self.reconnect_timeout = reconnect_timeout
         self.ack_linger = ack_linger
         """The subscriptions' default :attr:`ClientSubscription.ack_linger` (0: none)."""
@@ -1433,7 +1427,8 @@ class MeshClient:
         up to ``max_messages`` (0: all) and 3 MiB an answer, the rest waiting for the next
         call (an empty list: the queue is empty).
 
-        Messages sent with ack_required are acknowledged to their senders automatically.
+        Messages sent with ack_required are acknowledged to their senders (by the broker, as
+        it hands them over).
         """
 
         async def attempt() -> broker_pb2.ReceiveMessagesResponse:
@@ -1446,12 +1441,7 @@ class MeshClient:
             return answer.received
 
         response = await self._with_retry(attempt)
-        messages = [codec.message_from_pb(pb) for pb in response.messages]
-        if self.auto_ack:
-            wanted = [m for m in messages if m.ack_required]
-            if wanted:
-                await asyncio.gather(*(self._send_ack(m) for m in wanted))
-        return messages
+        return [codec.message_from_pb(pb) for pb in response.messages]
 
     async def receive_messages(
         self, agent_id: str | None = None, max_messages: int = 0
@@ -1495,31 +1485,6 @@ class MeshClient:
         )
         self._subscriptions.add(sub)
         return sub
-
-    def _ack_in_background(self, message: Message) -> None:
-        task = asyncio.create_task(self._send_ack(message))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _send_ack(self, message: Message) -> None:
-        ack = Message(
-            from_agent=message.to_agent or self.agent_id,
-            to_agent=message.from_agent,
-            message_type=MessageType.ACK,
-            content={"action": "ack", "acknowledged_message_id": message.message_id},
-            correlation_id=message.message_id,
-            priority=Priority.HIGH,
-        )
-        try:
-            await self.send_message(ack)
-            self.stats.acks_sent += 1
-        except MeshError as error:
-            logger.warning(
-                "could not acknowledge %s to %s: %s",
-                message.message_id,
-                message.from_agent,
-                error.message,
-            )
 
     async def ack(self, message_ids: Iterable[str], agent_id: str | None = None) -> int:
         request = broker_pb2.AckRequest(
@@ -1996,7 +1961,6 @@ def connect(
     agent_id: str = "",
     retry: RetryPolicy | None = None,
     default_timeout: float = 30.0,
-    auto_ack: bool = True,
     **options: Any,
 ) -> MeshClient:
     """A client of the broker at ``target`` (host:port); use as ``async with connect(...)``."""
@@ -2005,7 +1969,6 @@ def connect(
         agent_id=agent_id,
         retry=retry,
         default_timeout=default_timeout,
-        auto_ack=auto_ack,
         **options,
     )
 

@@ -240,7 +240,7 @@ while most <= 0 or #popped < most do
     break
   end
   if room > 0 then room = math.max(1, room - #body) end
-  table.insert(popped, {body, tostring(info.c)})
+  table.insert(popped, {body, tostring(info.c), info.a})
   drop(id)
 end
 return {popped, out}
@@ -1072,8 +1072,8 @@ class RedisQueueStore:
         popped, events = await self._run("pop", agent_id, [now, max_messages, max_bytes])
         self._report(agent_id, events)
         return [
-            Popped(_message(body), max(0.0, (now - float(_text(accepted))) / 1000))
-            for body, accepted in popped
+            Popped(_message(body), max(0.0, (now - float(_text(accepted))) / 1000), int(attempts))
+            for body, accepted, attempts in popped
         ]
 
     async def lease(self, agent_id: str, subscriber: str, lease_seconds: float) -> Lease | None:

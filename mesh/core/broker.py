@@ -46,6 +46,7 @@ from mesh.core.model import (
     Message,
     MessageType,
     Priority,
+    receipt_of,
     utc_now,
 )
 from mesh.core.queue import (
@@ -69,6 +70,8 @@ handoff_logger = logging.getLogger("mesh.handoff")
 MAX_REFUSAL_TEXT = 2048
 """How much of an answer's refusal the ERROR that takes its place says."""
 _ASKING_TYPES = (MessageType.REQUEST, MessageType.HANDOFF, MessageType.BROADCAST)
+_SETTLING_TYPES = (*ANSWER_TYPES, MessageType.ACK)
+"""What a draining broker still takes: answers, and acknowledgements of the work it holds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -616,7 +619,7 @@ class Broker:
             if message.message_type in ANSWER_TYPES:
                 await self._answer_refused(message, error)
             raise
-        if self.draining and message.message_type not in ANSWER_TYPES:
+        if self.draining and message.message_type not in _SETTLING_TYPES:
             self._refuse_new_work()
         if message.to_agent == BROADCAST_TARGET:
             outcome = await self.broadcast(message)
@@ -1252,7 +1255,35 @@ class Broker:
             self.metrics.delivered("receive", len(popped))
         messages = [self._observe_delivery(item.message, item.queued_seconds) for item in popped]
         self.metrics.receive_served(time.perf_counter() - started)
+        receipts = [i.message for i in popped if i.message.ack_required and not i.attempts]
+        if receipts:
+            await self._acknowledge_receipt(receipts)
         return messages
+
+    async def _acknowledge_receipt(self, messages: Iterable[Message]) -> None:
+        """Sends each message's sender the ACK it asked for (``ack_required``) as the message
+        first reaches its agent: the broker sends it for the agent, whatever the agent's client
+        (an SDK, plain gRPC in any language). One that cannot be delivered (the sender is not
+        registered, its queue is full) is logged; the delivery goes on."""
+        for message in messages:
+            try:
+                await self.send(receipt_of(message))
+            except MeshError as error:
+                logger.warning(
+                    "receipt of %s not acknowledged to %s: %s",
+                    message.message_id,
+                    message.from_agent,
+                    error.message,
+                    extra={
+                        "event": {
+                            "category": "ack_undelivered",
+                            "message_id": message.message_id,
+                            "from_agent": message.to_agent,
+                            "to_agent": message.from_agent,
+                            "reason": error.reason,
+                        }
+                    },
+                )
 
     def _observe_delivery(self, message: Message, queued_seconds: float) -> Message:
         """Counts a delivery; a message whose trace this process records gets a span for its
@@ -1323,11 +1354,16 @@ class Broker:
             return []
         self.metrics.delivered("subscription", len(leases))
         deliveries = []
+        receipts = []
         for lease in leases:
             sub.in_flight.add(lease.message.message_id)
             sub.leased += 1
             message = self._observe_delivery(lease.message, lease.queued_seconds)
             deliveries.append(Delivery(message, lease.attempt, lease.lease_expires_at))
+            if message.ack_required and lease.attempt == 1:
+                receipts.append(message)
+        if receipts:
+            await self._acknowledge_receipt(receipts)
         return deliveries
 
     async def _unsubscribe(self, sub: Subscription, seen: Collection[str] | None) -> None:

@@ -334,6 +334,19 @@ def assemble_message(
     return message
 
 
+def receipt_of(message: Message) -> Message:
+    """RF-009's acknowledgement of receipt: the ACK a message sent with ``ack_required`` brings
+    its sender when it first reaches its agent, from that agent, under the message's id."""
+    return Message(
+        from_agent=message.to_agent,
+        to_agent=message.from_agent,
+        message_type=MessageType.ACK,
+        content={"action": "ack", "acknowledged_message_id": message.message_id},
+        correlation_id=message.message_id,
+        priority=Priority.HIGH,
+    )
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Handoff:
     """The hand-off payload (RT-011 hand-off protocol)."""

@@ -52,6 +52,8 @@ class Popped:
 
     message: Message
     queued_seconds: float
+    attempts: int = 0
+    """Times it was delivered to a subscriber before (and given back)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -624,7 +626,7 @@ class InMemoryQueueStore:
                     break
                 room = max(0, room - size)
             self._forget(queue, entry)
-            out.append(Popped(entry.message, now - entry.accepted_at))
+            out.append(Popped(entry.message, now - entry.accepted_at, entry.attempts))
         return out
 
     async def lease(self, agent_id: str, subscriber: str, lease_seconds: float) -> Lease | None:

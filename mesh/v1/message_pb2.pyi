@@ -156,7 +156,10 @@ class Message(_message.Message):
     next agent answers the requester, and the forward is withdrawn with the request.
     """
     ack_required: _builtins.bool
-    """When true, the receiving agent answers with an ACK message automatically."""
+    """When true, the sender gets an ACK message from the receiving agent (correlation_id = this
+    message_id) as the broker first hands the message over (on a subscription or a receive);
+    the broker sends it for the agent, whatever the agent's client. Redeliveries bring none.
+    """
     @_builtins.property
     def content(self) -> _struct_pb2.Struct:
         """The payload: an object with "action" (string, required except on BROADCAST),

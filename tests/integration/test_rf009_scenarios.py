@@ -31,6 +31,7 @@ from mesh import (
     on,
 )
 from mesh.client import NO_RETRY, MeshClient
+from mesh.codec import message_to_pb
 from mesh.config import ServerConfig
 from mesh.core.broker import Broker
 from mesh.core.queue import InMemoryQueueStore
@@ -38,6 +39,7 @@ from mesh.logs import JsonFormatter
 from mesh.server import serve_broker
 from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
 
+HIGH = message_pb2.PRIORITY_HIGH
 ISO_8601 = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}")
 
 
@@ -703,6 +705,64 @@ async def test_scenario_13_acknowledge_receipt(mesh: LocalMesh) -> None:
     assert ack.correlation_id == sent.message_id
     assert ack.from_agent == "FlightAgent"
     assert ack.to_agent == "Orchestrator"
+
+
+async def test_scenario_13_the_broker_acknowledges_receipt_for_a_plain_grpc_agent(
+    mesh: LocalMesh, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An agent of plain gRPC stubs (no SDK) still gives its senders their ACK of receipt,
+    once, as the broker first hands it each message: on a subscription or a receive."""
+
+    def asking(message_id: str, sender: str = "Orchestrator") -> broker_pb2.SendMessageRequest:
+        return broker_pb2.SendMessageRequest(
+            message=message_pb2.Message(
+                message_id=message_id,
+                from_agent=sender,
+                to_agent="FlightAgent",
+                content=message_to_pb(
+                    Message(from_agent="x", to_agent="y", content={"action": "search_flights"})
+                ).content,
+                ack_required=True,
+            )
+        )
+
+    async with grpc.aio.insecure_channel(mesh.address) as channel:
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        for agent_id in ("Orchestrator", "FlightAgent"):
+            await stub.RegisterAgent(
+                broker_pb2.RegisterAgentRequest(agent=message_pb2.AgentInfo(agent_id=agent_id))
+            )
+        stream = stub.Subscribe(broker_pb2.SubscribeRequest(agent_id="FlightAgent"))
+        await stub.SendMessage(asking("m-pushed"))
+        first = await stream.read()
+        await stub.Nack(broker_pb2.NackRequest(agent_id="FlightAgent", message_ids=["m-pushed"]))
+        again = await stream.read()  # delivered again: no second ACK
+        assert (first.delivery.delivery_attempt, again.delivery.delivery_attempt) == (1, 2)
+        await stub.Ack(broker_pb2.AckRequest(agent_id="FlightAgent", message_ids=["m-pushed"]))
+        stream.cancel()
+
+        await stub.SendMessage(asking("m-received"))
+        got = await stub.ReceiveMessages(broker_pb2.ReceiveMessagesRequest(agent_id="FlightAgent"))
+        assert [m.message_id for m in got.messages] == ["m-received"]
+
+        caplog.set_level(logging.WARNING, logger="mesh.broker")
+        await stub.SendMessage(asking("m-unknown-sender", sender="Ghost"))  # not registered
+        got = await stub.ReceiveMessages(broker_pb2.ReceiveMessagesRequest(agent_id="FlightAgent"))
+        assert [m.message_id for m in got.messages] == ["m-unknown-sender"]
+
+        acks = await stub.ReceiveMessages(
+            broker_pb2.ReceiveMessagesRequest(agent_id="Orchestrator")
+        )
+    assert [
+        (m.message_type, m.correlation_id, m.from_agent, m.to_agent, m.priority)
+        for m in acks.messages
+    ] == [
+        (message_pb2.MESSAGE_TYPE_ACK, message_id, "FlightAgent", "Orchestrator", HIGH)
+        for message_id in ("m-pushed", "m-received")
+    ]
+    assert acks.messages[0].content.fields["acknowledged_message_id"].string_value == "m-pushed"
+    [lost] = [r for r in caplog.records if "not acknowledged" in r.getMessage()]
+    assert lost.event["to_agent"] == "Ghost" and lost.event["reason"] == "AGENT_NOT_FOUND"
 
 
 async def test_scenario_14_parallel_messages(

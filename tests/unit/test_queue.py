@@ -305,6 +305,18 @@ async def test_nack_redelivers_in_place_with_attempt_count(
     assert recorder.redelivered == [("first", 2)]
 
 
+async def test_pop_says_how_often_each_message_was_delivered_before(store: QueueStore) -> None:
+    await store.put(msg("handed back", at=0), 3600)
+    await store.put(msg("never leased", at=1), 3600)
+    await store.lease("PaymentAgent", "s", 30)
+    assert await store.nack("PaymentAgent", ["handed back"]) == (1, 0)
+    popped = await store.pop("PaymentAgent")
+    assert [(p.message.message_id, p.attempts) for p in popped] == [
+        ("handed back", 1),
+        ("never leased", 0),
+    ]
+
+
 async def test_lease_expiry_redelivers(store: QueueStore, clock: FakeClock) -> None:
     await store.put(msg("m1"), 3600)
     await store.lease("PaymentAgent", "s", 5)

@@ -73,7 +73,8 @@ export interface MessageOptions {
   metadata?: JsonObject;
   correlationId?: string;
   replyTo?: string;
-  /** The recipient acknowledges receipt with an ACK message (RF-009). */
+  /** The sender gets an ACK message from the recipient as the broker first hands it over
+   * (RF-009's acknowledgement of receipt). */
   ackRequired?: boolean;
   headers?: Record<string, string>;
 }
@@ -519,7 +520,7 @@ export interface AgentSession extends EventEmitter {
   cancel(): void;
   /** The broker took the subscription. */
   on(event: 'subscribed', listener: () => void): this;
-  /** The broker refused an answer or an ACK of receipt it was sent. */
+  /** The broker refused an answer it was sent. */
   on(event: 'refused', listener: (error: MeshError) => void): this;
   /** The broker withdrew these deliveries: their requester gave up. */
   on(event: 'withdrawn', listener: (messageIds: string[]) => void): this;
@@ -536,8 +537,6 @@ export interface AgentSession extends EventEmitter {
 /** An agent's deliveries on the plain Subscribe stream (subscribe()). */
 export interface Subscription extends EventEmitter {
   cancel(): void;
-  /** The broker refused the ACK of receipt of a delivery. */
-  on(event: 'refused', listener: (error: MeshError) => void): this;
   /** The broker withdrew these deliveries: their requester gave up. */
   on(event: 'withdrawn', listener: (messageIds: string[]) => void): this;
   on(event: 'error', listener: (error: Error) => void): this;
@@ -840,7 +839,7 @@ export interface AgentOptions extends SecurityOptions {
   host?: string;
   /** 0 (the default): any free port. */
   port?: number;
-  /** An answer or ACK the broker refused (a warning on the console by default). */
+  /** An answer the broker refused (a warning on the console by default). */
   onRefused?: (error: MeshError) => void;
   /** How long a delivery stays leased unless acked (30,000); extended while handled. */
   leaseMs?: number;

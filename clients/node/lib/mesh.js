@@ -123,17 +123,6 @@ function buildMessage(m) {
   };
 }
 
-/**
- * RF-009 acknowledgement of receipt: the ACK message due to the sender of a delivery that
- * asked for one (ackRequired), on its first delivery only; else null.
- */
-function receiptOf(message, attempt, agentId) {
-  if (!message.ackRequired || attempt !== 1) return null;
-  return buildMessage({ from: message.to || agentId, to: message.from, type: 'ACK',
-    content: { action: 'ack', acknowledged_message_id: message.messageId },
-    correlationId: message.messageId, priority: 'HIGH' });
-}
-
 /** A google.protobuf.Timestamp in ISO 8601, or null. */
 function isoTime(ts) {
   return ts ? new Date(Number(ts.seconds) * 1000 + ts.nanos / 1e6).toISOString() : null;
@@ -1030,16 +1019,16 @@ class MeshClient {
    * outstanding). handle(message, attempt) resolves to the answer (a message built with
    * buildMessage, sent and taking the place of the ack when it answers this message) or to
    * null (acknowledged); when it throws, the message is handed back for redelivery (a
-   * Reject sends it to the dead-letter queue at once, with the Reject's message). A message
-   * sent with ackRequired is acknowledged to its sender with an ACK message as it arrives,
-   * on its first delivery. A delivery stays leased leaseMs (30,000) unless acked; while
+   * Reject sends it to the dead-letter queue at once, with the Reject's message). (A message
+   * sent with ackRequired is acknowledged to its sender by the broker, with an ACK message as
+   * it first hands it over.) A delivery stays leased leaseMs (30,000) unless acked; while
    * handle still works on one, its lease is extended every third of that, for up to
    * maxLeaseExtensionMs (an hour), so that a slow handler is not run twice. A request whose
    * requester gives up (cancels it, or its deadline passes) is withdrawn by the broker: the
    * third argument of handle, {signal}, is an AbortSignal that aborts then, so that the work
    * may stop; its outcome is neither sent nor acknowledged (the broker dropped it). The returned
    * stream emits 'subscribed' once the broker took the subscription, 'refused' (a
-   * MeshError) when the broker refuses an answer or ACK it was sent, and 'error' / 'end'
+   * MeshError) when the broker refuses an answer it was sent, and 'error' / 'end'
    * when the session is over.
    */
   session(handle, { agentId = this.agentId, maxInFlight = 16, maxBatch = 16,
@@ -1088,8 +1077,6 @@ class MeshClient {
       const message = readMessage(delivery.message);
       // Come while closing: left alone; the unsubscribe hands it back as never delivered.
       if (closing) return;
-      const receipt = receiptOf(message, delivery.delivery_attempt, agentId);
-      if (receipt) write({ send: receipt });
       const aborting = new AbortController();
       const { signal } = aborting;
       working.set(message.messageId, aborting);
@@ -1170,8 +1157,8 @@ class MeshClient {
   /**
    * Deliveries of the agent's messages on the plain Subscribe stream (one per frame, acks as
    * unary calls; session() is the fast path): onDelivery(message, attempt, {signal}) must
-   * resolve to ack. A message sent with ackRequired is acknowledged to its sender with an ACK
-   * message as it arrives, on its first delivery. Leases are kept while onDelivery runs, as
+   * resolve to ack. (A message sent with ackRequired is acknowledged to its sender by the
+   * broker, as it hands it over.) Leases are kept while onDelivery runs, as
    * session() keeps them (ExtendLease calls); signal aborts when the broker withdraws the
    * message (its requester gave up), and it is then neither acked nor nacked.
    */
@@ -1197,8 +1184,6 @@ class MeshClient {
         return;
       }
       const message = readMessage(res.delivery.message);
-      const receipt = receiptOf(message, res.delivery.delivery_attempt, agentId);
-      if (receipt) this._ask({ send: receipt }, 10000).catch((err) => call.emit('refused', err));
       const work = { id: message.messageId, started: performance.now() };
       inFlight.set(work, work);
       const aborting = new AbortController();
@@ -1599,7 +1584,7 @@ const REFLECTED = reflectable(definition);
  * content?)`: the next agent answers the requester in its place (content defaults to the
  * request's). client is the agent's own MeshClient (its messages come from the agent), for
  * the handler's own sends, requests and gathers.
- * onRefused(err) hears of an answer or ACK the broker refused (a warning on the console by
+ * onRefused(err) hears of an answer the broker refused (a warning on the console by
  * default).
  */
 async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [], handler,

@@ -254,11 +254,13 @@ test('a Node agent hears when the broker refuses its answer, instead of losing i
     const ghost = new MeshClient(BROKER, { agentId: 'NodeGhostCaller' }); // never registered
     try {
       await ghost.send('NodeLonelyAgent', { action: 'work' }, { ackRequired: true });
-      for (let i = 0; i < 100 && refused.length < 2; i += 1) {
+      for (let i = 0; i < 100 && refused.length < 1; i += 1) {
         await new Promise((resolve) => { setTimeout(resolve, 20); });
       }
-      // Its ACK of receipt and its RESPONSE, both to a sender that is not registered.
-      assert.equal(refused.length, 2);
+      await new Promise((resolve) => { setTimeout(resolve, 200); });
+      // Its RESPONSE to a sender that is not registered (the ACK of receipt is the broker's:
+      // its failure is the broker's to log, not the agent's to hear).
+      assert.equal(refused.length, 1);
       assert.ok(refused.every((err) => err.codeName === 'NOT_FOUND'
         && err.reason === 'AGENT_NOT_FOUND' && /NodeGhostCaller/.test(err.message)));
     } finally {
