@@ -36,7 +36,7 @@ def message_violations(message: Message, config: BrokerConfig) -> list[FieldViol
                 found.append(FieldViolation(name, f"{name} must be at most {limit} characters"))
 
     content = message.content
-    if not content:  # absent, or an empty object: nothing to act on
+    if content is None:
         found.append(FieldViolation("content", "content is required"))
     else:
         action = content.get("action")

@@ -164,7 +164,7 @@ class Message(_message.Message):
     def content(self) -> _struct_pb2.Struct:
         """The payload: an object with "action" (string, required except on BROADCAST),
         "parameters" (object), "context" (object) and "previous_result" (any value),
-        plus any further keys the agents agree on. Required: unset or empty is refused.
+        plus any further keys the agents agree on. Required.
         """
 
     @_builtins.property

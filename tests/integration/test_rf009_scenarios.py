@@ -595,15 +595,21 @@ async def test_scenario_10_conditional_handoff(
     assert any(f"-> {expected}" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("content", [None, {}], ids=["absent", "empty object"])
-async def test_scenario_11_message_validation_error(mesh: LocalMesh, content: dict | None) -> None:
+@pytest.mark.parametrize(
+    ("content", "field", "said"),
+    [(None, "content", "content is required"), ({}, "content.action", "content.action is required")],
+    ids=["absent", "empty object"],
+)
+async def test_scenario_11_message_validation_error(
+    mesh: LocalMesh, content: dict | None, field: str, said: str
+) -> None:
     async with mesh.client("FlightAgent") as flight:
         await register(flight, "PaymentAgent")
         with pytest.raises(MessageValidationError) as info:
             await flight.send("PaymentAgent", content, message_type=MessageType.REQUEST)
-        assert info.value.message == "content is required"
+        assert info.value.message == said
         assert info.value.code == "INVALID_ARGUMENT"
-        assert [v.field for v in info.value.field_violations] == ["content"]
+        assert [v.field for v in info.value.field_violations] == [field]
         stats = await flight.queue_stats("PaymentAgent")
         assert stats.agents[0].depth == 0
         assert stats.totals["validation_errors"] == 1
