@@ -597,7 +597,10 @@ async def test_scenario_10_conditional_handoff(
 
 @pytest.mark.parametrize(
     ("content", "field", "said"),
-    [(None, "content", "content is required"), ({}, "content.action", "content.action is required")],
+    [
+        (None, "content", "content is required"),
+        ({}, "content.action", "content.action is required"),
+    ],
     ids=["absent", "empty object"],
 )
 async def test_scenario_11_message_validation_error(
