@@ -6,7 +6,7 @@ PY := $(BIN)/python
 PROTOS := $(wildcard proto/mesh/v1/*.proto)
 
 .DEFAULT_GOAL := help
-.PHONY: dashboard deploy-check help system-packages setup proto proto-check proto-baseline breaking lint test test-fast demo up bench clean
+.PHONY: go-client dashboard deploy-check help system-packages setup proto proto-check proto-baseline breaking lint test test-fast demo up bench clean
 
 help:
 	@echo "make setup        virtualenv in $(VENV) with agentmesh and its dev tools"
@@ -16,6 +16,7 @@ help:
 	@echo "make lint         ruff, mypy, buf lint and buf format, tsc on the Node client's types"
 	@echo "make bench        latency benchmarks (benchmarks/results/)"
 	@echo "make deploy-check render and validate the Kubernetes overlays in deploy/"
+	@echo "make go-client    build the Go agent and client (clients/go/bin/meshgo)"
 	@echo "make dashboard    rebuild the dashboard bundle (gateway/dashboard/static/app.js)"
 
 $(BIN)/agentmesh: pyproject.toml
@@ -44,6 +45,11 @@ system-packages:
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	command -v chromium >/dev/null || missing="$$missing chromium"; \
 	command -v chromedriver >/dev/null || missing="$$missing chromium-driver"; \
+	command -v go >/dev/null || missing="$$missing golang-go"; \
+	command -v protoc-gen-go >/dev/null || missing="$$missing protoc-gen-go"; \
+	command -v protoc-gen-go-grpc >/dev/null || missing="$$missing protoc-gen-go-grpc"; \
+	[ -d /usr/share/gocode/src/google.golang.org/grpc/health ] || \
+		missing="$$missing golang-google-grpc-dev golang-github-golang-protobuf-1-5-dev"; \
 	if [ -n "$$missing" ]; then \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 			echo "installing Debian packages:$$missing"; \
@@ -93,6 +99,7 @@ lint: setup breaking
 	$(BIN)/buf format --exit-code > /dev/null
 	@if [ -x clients/node/node_modules/.bin/tsc ]; then \
 		npm run --silent typecheck --prefix clients/node && echo "clients/node: declarations check"; fi
+	@if command -v gofmt >/dev/null; then test -z "$$(gofmt -l clients/go)" && echo "clients/go: gofmt"; fi
 
 test: setup system-packages proto-check breaking
 	$(BIN)/buf lint
@@ -123,6 +130,10 @@ demo: setup
 
 up: setup
 	$(BIN)/agentmesh up
+
+# The Go agent and client (clients/go/bin/meshgo), from Go code generated from proto/.
+go-client: setup system-packages
+	PYTHON=$(PY) clients/go/build.sh
 
 # Renders every kustomize overlay and validates it strictly against the Kubernetes schemas.
 deploy-check: setup

@@ -1,0 +1,32 @@
+#!/bin/sh
+# Builds meshgo (clients/go/meshgo) against the contract: Go code generated from proto/ by
+# protoc-gen-go and protoc-gen-go-grpc (run through grpcio-tools' protoc, whose well-known
+# types it includes), compiled in GOPATH mode against the Go packages of GO_DEPS (Debian's
+# golang-google-grpc-dev and golang-google-protobuf-dev install them in /usr/share/gocode).
+#
+#   clients/go/build.sh [OUTPUT]      (default clients/go/bin/meshgo)
+set -eu
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+out=${1:-$here/bin/meshgo}
+work=${GO_BUILD_DIR:-$here/.build}
+python=${PYTHON:-$root/.venv/bin/python}
+deps=${GO_DEPS:-/usr/share/gocode}
+
+gen="$work/src/agentmesh/gen"
+rm -rf "$work/src/agentmesh"
+mkdir -p "$gen" "$(dirname "$out")"
+maps=""
+for proto in "$root"/proto/mesh/v1/*.proto; do
+  maps="$maps,Mmesh/v1/$(basename "$proto")=agentmesh/gen/mesh/v1;meshv1"
+done
+maps=${maps#,}
+wkt=$("$python" -c 'import grpc_tools, os; print(os.path.join(os.path.dirname(grpc_tools.__file__), "_proto"))')
+"$python" -m grpc_tools.protoc -I "$root/proto" -I "$wkt" \
+  --go_out="$work/src" --go_opt="$maps" \
+  --go-grpc_out="$work/src" --go-grpc_opt="$maps" \
+  "$root"/proto/mesh/v1/*.proto
+cp -R "$here/meshgo" "$work/src/agentmesh/meshgo"
+cd "$work/src/agentmesh/meshgo"
+GOPATH="$work:$deps" GO111MODULE=off GOFLAGS= GOCACHE="$work/cache" go vet .
+GOPATH="$work:$deps" GO111MODULE=off GOFLAGS= GOCACHE="$work/cache" go build -o "$out" .

@@ -1,0 +1,431 @@
+// Command meshgo is a Go agent and client of the agent mesh, written against the contract in
+// proto/ with plain gRPC: no SDK, only the Go code protoc generates from mesh/v1.
+//
+//	meshgo agent -broker 127.0.0.1:50051 -id GoExpertAgent -types stock_expert
+//	meshgo request -broker 127.0.0.1:50051 -from GoClient -to PaymentAgent -action quote
+//	meshgo groupchat -gateway 127.0.0.1:50052 -agents GoExpertAgent,IndustryExpertAgent -query "..."
+//
+// The agent runs its own gRPC server (the Agent service, health and reflection), registers
+// that address with the broker, takes its deliveries on a Connect session and answers each
+// REQUEST, HANDOFF and asked BROADCAST (a gather's copy, a group chat's question) with a
+// RESPONSE under the message's correlation; everything else it acknowledges. It subscribes
+// again when the broker goes away, for up to a minute, and on SIGTERM or SIGINT says
+// NOT_SERVING, ends its session (what it did not answer goes back to the queue), leaves the
+// registry and exits 0.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/signal"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	meshv1 "agentmesh/gen/mesh/v1"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/reflection"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/types/known/structpb"
+)
+
+func main() {
+	if len(os.Args) < 2 {
+		fmt.Fprintln(os.Stderr, "usage: meshgo agent|request|groupchat [flags]")
+		os.Exit(2)
+	}
+	var err error
+	switch os.Args[1] {
+	case "agent":
+		err = runAgent(os.Args[2:])
+	case "request":
+		err = runRequest(os.Args[2:])
+	case "groupchat":
+		err = runGroupChat(os.Args[2:])
+	default:
+		err = fmt.Errorf("unknown command %q: agent, request or groupchat", os.Args[1])
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "meshgo:", describe(err))
+		os.Exit(1)
+	}
+}
+
+// describe says a gRPC error as "CODE: message".
+func describe(err error) string {
+	if s, ok := status.FromError(err); ok {
+		return fmt.Sprintf("%s: %s", s.Code(), s.Message())
+	}
+	return err.Error()
+}
+
+func dial(ctx context.Context, target string) (*grpc.ClientConn, error) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	return grpc.DialContext(ctx, target, grpc.WithInsecure(), grpc.WithBlock())
+}
+
+// ---- the agent ----------------------------------------------------------------------------
+
+type agent struct {
+	id             string
+	types          []string
+	recommendation string
+	confidence     float64
+	address        string
+}
+
+// answer is the agent's work: what it says about a message. Its recommendation and
+// confidence are what a group chat counts; the rest tells what it saw.
+func (a *agent) answer(m *meshv1.Message) map[string]interface{} {
+	content := m.GetContent().AsMap()
+	said, _ := content["query"].(string)
+	if said == "" {
+		said, _ = content["action"].(string)
+	}
+	action, _ := content["action"].(string)
+	if action == "" {
+		action = "response"
+	}
+	return map[string]interface{}{
+		"action":         action,
+		"status":         "COMPLETED",
+		"recommendation": a.recommendation,
+		"confidence":     a.confidence,
+		"reasoning":      fmt.Sprintf("go saw: %s", said),
+		"served_by":      a.id,
+		"echo":           content,
+	}
+}
+
+// reply is the RESPONSE due to m, or nil when none is: what is asked (a REQUEST, a HANDOFF,
+// a BROADCAST that names where answers go) is answered; alerts and answers are not.
+func (a *agent) reply(m *meshv1.Message) (*meshv1.Message, error) {
+	asked := m.GetCorrelationId() != "" || m.GetReplyTo() != ""
+	kind := m.GetMessageType()
+	if kind == meshv1.MessageType_MESSAGE_TYPE_UNSPECIFIED { // (unset: as the broker reads it)
+		kind = meshv1.MessageType_MESSAGE_TYPE_REQUEST
+		if m.GetToAgent() == "broadcast" {
+			kind = meshv1.MessageType_MESSAGE_TYPE_BROADCAST
+		}
+	}
+	switch kind {
+	case meshv1.MessageType_MESSAGE_TYPE_REQUEST, meshv1.MessageType_MESSAGE_TYPE_HANDOFF:
+	case meshv1.MessageType_MESSAGE_TYPE_BROADCAST:
+		if !asked {
+			return nil, nil
+		}
+	default:
+		return nil, nil
+	}
+	content, err := structpb.NewStruct(a.answer(m))
+	if err != nil {
+		return nil, err
+	}
+	to := m.GetReplyTo()
+	if to == "" {
+		to = m.GetFromAgent()
+	}
+	correlation := m.GetCorrelationId()
+	if correlation == "" {
+		correlation = m.GetMessageId()
+	}
+	return &meshv1.Message{
+		FromAgent:     a.id,
+		ToAgent:       to,
+		MessageType:   meshv1.MessageType_MESSAGE_TYPE_RESPONSE,
+		Content:       content,
+		CorrelationId: correlation,
+		Priority:      m.GetPriority(),
+	}, nil
+}
+
+// HandleMessage and DescribeAgent: the Agent service, for callers that reach the agent
+// directly (RT-011 peer-to-peer) rather than through its queue.
+type agentServer struct {
+	meshv1.UnimplementedAgentServiceServer
+	agent *agent
+}
+
+func (s *agentServer) HandleMessage(
+	ctx context.Context, req *meshv1.HandleMessageRequest,
+) (*meshv1.HandleMessageResponse, error) {
+	answer, err := s.agent.reply(req.GetMessage())
+	if err != nil {
+		return nil, err
+	}
+	return &meshv1.HandleMessageResponse{Response: answer}, nil
+}
+
+func (s *agentServer) DescribeAgent(
+	ctx context.Context, req *meshv1.DescribeAgentRequest,
+) (*meshv1.DescribeAgentResponse, error) {
+	return &meshv1.DescribeAgentResponse{Card: &meshv1.AgentCard{
+		AgentId:     s.agent.id,
+		AgentTypes:  s.agent.types,
+		Description: "A Go agent on plain gRPC",
+	}}, nil
+}
+
+func runAgent(args []string) error {
+	flags := flag.NewFlagSet("agent", flag.ExitOnError)
+	broker := flags.String("broker", envOr("AGENTMESH_BROKER", "127.0.0.1:50051"), "broker host:port")
+	id := flags.String("id", "GoAgent", "agent id")
+	types := flags.String("types", "", "agent types, comma-separated")
+	recommendation := flags.String("recommendation", "Buy AAPL", "what the agent recommends")
+	confidence := flags.Float64("confidence", 0.7, "how sure it is (0 to 1)")
+	host := flags.String("host", "127.0.0.1", "host of the agent's own server")
+	flags.Parse(args)
+
+	a := &agent{id: *id, recommendation: *recommendation, confidence: *confidence}
+	if *types != "" {
+		a.types = strings.Split(*types, ",")
+	}
+	listener, err := net.Listen("tcp", net.JoinHostPort(*host, "0"))
+	if err != nil {
+		return err
+	}
+	a.address = listener.Addr().String()
+	server := grpc.NewServer()
+	meshv1.RegisterAgentServiceServer(server, &agentServer{agent: a})
+	healthy := health.NewServer()
+	healthpb.RegisterHealthServer(server, healthy)
+	reflection.Register(server)
+	go server.Serve(listener)
+
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	conn, err := dial(ctx, *broker)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	brokerClient := meshv1.NewBrokerServiceClient(conn)
+
+	announced := false
+	var lost time.Time
+	for delay := 100 * time.Millisecond; ; {
+		err := a.serveSession(ctx, brokerClient, func() {
+			lost = time.Time{}
+			delay = 100 * time.Millisecond
+			if !announced {
+				announced = true
+				fmt.Printf("%s serving on %s\n", a.id, a.address)
+			}
+		})
+		if ctx.Err() != nil {
+			break
+		}
+		if lost.IsZero() {
+			lost = time.Now()
+		}
+		if time.Since(lost) > time.Minute {
+			return fmt.Errorf("the broker has been gone for a minute: %s", describe(err))
+		}
+		fmt.Fprintf(os.Stderr, "%s: session ended (%s); subscribing again in %s\n", a.id, describe(err), delay)
+		select {
+		case <-time.After(delay):
+		case <-ctx.Done():
+		}
+		if delay < 5*time.Second {
+			delay *= 2
+		}
+	}
+
+	// Stopping: not serving first, then out of the registry, then the server.
+	healthy.Shutdown()
+	leave, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if _, err := brokerClient.DeregisterAgent(leave, &meshv1.DeregisterAgentRequest{
+		AgentId: a.id, Address: a.address,
+	}); err != nil {
+		fmt.Fprintf(os.Stderr, "%s: could not deregister: %s\n", a.id, describe(err))
+	}
+	server.GracefulStop()
+	fmt.Printf("%s stopped\n", a.id)
+	return nil
+}
+
+// serveSession registers the agent, subscribes it on a Connect session and answers its
+// deliveries until the session ends (the error says why) or ctx is done.
+func (a *agent) serveSession(
+	ctx context.Context, broker meshv1.BrokerServiceClient, subscribed func(),
+) error {
+	if _, err := broker.RegisterAgent(ctx, &meshv1.RegisterAgentRequest{Agent: &meshv1.AgentInfo{
+		AgentId: a.id, AgentTypes: a.types, Address: a.address,
+	}}); err != nil {
+		return err
+	}
+	sessionCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	session, err := broker.Connect(sessionCtx)
+	if err != nil {
+		return err
+	}
+	var writing sync.Mutex // (a gRPC stream takes one writer at a time)
+	write := func(frame *meshv1.ConnectRequest) error {
+		writing.Lock()
+		defer writing.Unlock()
+		return session.Send(frame)
+	}
+	if err := write(&meshv1.ConnectRequest{Seq: 1, Frame: &meshv1.ConnectRequest_Subscribe{
+		Subscribe: &meshv1.SubscribeRequest{AgentId: a.id, MaxInFlight: 16},
+	}}); err != nil {
+		return err
+	}
+	for {
+		frame, err := session.Recv()
+		if err == io.EOF {
+			return errors.New("the broker ended the session")
+		}
+		if err != nil {
+			return err
+		}
+		switch f := frame.GetFrame().(type) {
+		case *meshv1.ConnectResponse_Accepted:
+			if frame.GetSeq() == 1 {
+				subscribed()
+			}
+		case *meshv1.ConnectResponse_Error:
+			if frame.GetSeq() == 1 {
+				return fmt.Errorf("subscribe refused: %s", f.Error.GetMessage())
+			}
+			// A frame sent without waiting (an answer) was refused: say so, go on.
+			fmt.Fprintf(os.Stderr, "%s: the broker refused a frame: %s\n", a.id, f.Error.GetMessage())
+		case *meshv1.ConnectResponse_Delivery:
+			if err := a.settle(f.Delivery.GetMessage(), write); err != nil {
+				return err
+			}
+		case *meshv1.ConnectResponse_Deliveries:
+			for _, d := range f.Deliveries.GetDeliveries() {
+				if err := a.settle(d.GetMessage(), write); err != nil {
+					return err
+				}
+			}
+		}
+	}
+}
+
+// settle answers a delivery (the answer acknowledges it) or acknowledges it.
+func (a *agent) settle(m *meshv1.Message, write func(*meshv1.ConnectRequest) error) error {
+	answer, err := a.reply(m)
+	if err != nil {
+		return err
+	}
+	if answer != nil && answer.GetCorrelationId() == m.GetMessageId() {
+		return write(&meshv1.ConnectRequest{Frame: &meshv1.ConnectRequest_Send{Send: answer}})
+	}
+	if answer != nil { // (answers another's question: this delivery still needs its ack)
+		if err := write(&meshv1.ConnectRequest{Frame: &meshv1.ConnectRequest_Send{Send: answer}}); err != nil {
+			return err
+		}
+	}
+	return write(&meshv1.ConnectRequest{Frame: &meshv1.ConnectRequest_Ack{
+		Ack: &meshv1.AckRequest{AgentId: a.id, MessageIds: []string{m.GetMessageId()}},
+	}})
+}
+
+// ---- the client ---------------------------------------------------------------------------
+
+func runRequest(args []string) error {
+	flags := flag.NewFlagSet("request", flag.ExitOnError)
+	broker := flags.String("broker", envOr("AGENTMESH_BROKER", "127.0.0.1:50051"), "broker host:port")
+	from := flags.String("from", "GoClient", "the sender's agent id")
+	to := flags.String("to", "", "the agent asked")
+	action := flags.String("action", "", "content.action")
+	params := flags.String("params", "{}", "content.parameters, a JSON object")
+	timeout := flags.Duration("timeout", 10*time.Second, "how long to wait for the answer")
+	flags.Parse(args)
+
+	var parameters map[string]interface{}
+	if err := json.Unmarshal([]byte(*params), &parameters); err != nil {
+		return fmt.Errorf("-params is not a JSON object: %w", err)
+	}
+	content, err := structpb.NewStruct(map[string]interface{}{"action": *action, "parameters": parameters})
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), *timeout+5*time.Second)
+	defer cancel()
+	conn, err := dial(ctx, *broker)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	client := meshv1.NewBrokerServiceClient(conn)
+	asking, cancelAsk := context.WithTimeout(ctx, *timeout) // (the broker waits as long)
+	defer cancelAsk()
+	answer, err := client.SendRequest(asking, &meshv1.SendRequestRequest{Message: &meshv1.Message{
+		FromAgent: *from, ToAgent: *to, MessageType: meshv1.MessageType_MESSAGE_TYPE_REQUEST,
+		Content: content,
+	}})
+	if err != nil {
+		return err
+	}
+	out, err := protojson.Marshal(answer.GetResponse())
+	if err != nil {
+		return err
+	}
+	fmt.Println(string(out))
+	return nil
+}
+
+func runGroupChat(args []string) error {
+	flags := flag.NewFlagSet("groupchat", flag.ExitOnError)
+	gateway := flags.String("gateway", envOr("AGENTMESH_GATEWAY", "127.0.0.1:50052"), "gateway host:port")
+	agents := flags.String("agents", "", "the group's agent ids, comma-separated")
+	query := flags.String("query", "", "the question")
+	label := flags.String("label", "", "plural noun for the options, e.g. stocks")
+	flags.Parse(args)
+
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	conn, err := dial(ctx, *gateway)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	stream, err := meshv1.NewGatewayServiceClient(conn).RunGroupChat(ctx, &meshv1.RunGroupChatRequest{
+		AgentIds: strings.Split(*agents, ","), Query: *query, OptionLabel: *label,
+	})
+	if err != nil {
+		return err
+	}
+	for {
+		answer, err := stream.Recv()
+		if err == io.EOF {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		event := answer.GetEvent()
+		kind := strings.TrimPrefix(event.GetKind().String(), "EVENT_KIND_")
+		fmt.Printf("%s %s\n", kind, event.GetSummary())
+		if kind == "RESULT" {
+			data, err := json.Marshal(event.GetData().AsMap()["aggregate"])
+			if err != nil {
+				return err
+			}
+			fmt.Printf("AGGREGATE %s\n", data)
+		}
+	}
+}
+
+func envOr(name, otherwise string) string {
+	if value := os.Getenv(name); value != "" {
+		return value
+	}
+	return otherwise
+}

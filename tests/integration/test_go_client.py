@@ -1,0 +1,265 @@
+"""A Go agent and client (clients/go) on plain gRPC, built from the contract with protoc-gen-go
+and protoc-gen-go-grpc, against a real mesh of Python agents."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from gateway.embedded import EmbeddedMesh
+from mesh import AgentClient, Message, MessageType, connect
+from tests.helpers.processes import BROKER_READY, free_port, start, stop, wait_killed
+
+GO_DIR = Path(__file__).resolve().parents[2] / "clients" / "go"
+GO_DEPS = Path(os.environ.get("GO_DEPS", "/usr/share/gocode"))
+
+
+def missing_go_tools() -> str | None:
+    for tool in ("go", "protoc-gen-go", "protoc-gen-go-grpc"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    if not (GO_DEPS / "src" / "google.golang.org" / "grpc" / "health").is_dir():
+        return f"the Go packages of gRPC are not in {GO_DEPS}"
+    return None
+
+
+pytestmark = pytest.mark.skipif(
+    missing_go_tools() is not None,
+    reason=f"{missing_go_tools()} (make test installs the Debian packages when run as root)",
+)
+
+
+@pytest.fixture(scope="module")
+def meshgo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """clients/go/build.sh's program, built for this run."""
+    work = tmp_path_factory.mktemp("go")
+    binary = work / "meshgo"
+    built = subprocess.run(
+        [str(GO_DIR / "build.sh"), str(binary)],
+        env={**os.environ, "GO_BUILD_DIR": str(work / "build"), "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert built.returncode == 0, built.stdout + built.stderr
+    return binary
+
+
+async def run(meshgo: Path, *args: str) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        str(meshgo),
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    async with asyncio.timeout(60):
+        out, err = await process.communicate()
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+class GoAgent:
+    """`meshgo agent` in a process of its own, serving until stopped."""
+
+    def __init__(self, process: asyncio.subprocess.Process, address: str) -> None:
+        self.process = process
+        self.address = address
+
+    async def stop(self) -> tuple[int, str]:
+        """SIGTERM, as a service manager stops it: its exit status and what it printed."""
+        assert self.process.stdout is not None
+        self.process.terminate()
+        async with asyncio.timeout(15):
+            rest = await self.process.stdout.read()
+            return await self.process.wait(), rest.decode()
+
+
+@pytest.fixture
+async def go_agents(meshgo: Path) -> AsyncIterator[list[GoAgent]]:
+    started: list[GoAgent] = []
+    yield started
+    for agent in started:
+        if agent.process.returncode is None:
+            agent.process.kill()
+            await agent.process.wait()
+
+
+async def start_go_agent(
+    meshgo: Path, started: list[GoAgent], broker: str, agent_id: str, *flags: str
+) -> GoAgent:
+    process = await asyncio.create_subprocess_exec(
+        str(meshgo),
+        "agent",
+        "-broker",
+        broker,
+        "-id",
+        agent_id,
+        *flags,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    assert process.stdout is not None
+    agent = GoAgent(process, "")
+    started.append(agent)
+    async with asyncio.timeout(30):
+        line = (await process.stdout.readline()).decode()
+    assert f"{agent_id} serving on 127.0.0.1:" in line, line
+    agent.address = line.rsplit(" ", 1)[-1].strip()
+    return agent
+
+
+async def test_a_go_agent_takes_part_in_a_group_chat_beside_the_python_agents(
+    embedded: EmbeddedMesh, meshgo: Path, go_agents: list[GoAgent]
+) -> None:
+    await start_go_agent(
+        meshgo,
+        go_agents,
+        embedded.broker.address,
+        "GoExpertAgent",
+        "-types",
+        "stock_expert",
+        "-confidence",
+        "0.75",
+    )
+    group = "GoExpertAgent,IndustryExpertAgent,TechnicalAnalysisAgent,FundamentalAnalysisAgent"
+    code, out, err = await run(
+        meshgo,
+        "groupchat",
+        "-gateway",
+        embedded.gateway.address,
+        "-agents",
+        group,
+        "-query",
+        "What stock should I buy?",
+        "-label",
+        "stocks",
+    )
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("GROUP_CREATED ")
+    contributions = sorted(line for line in lines if line.startswith("CONTRIBUTION "))
+    assert contributions == [
+        "CONTRIBUTION FundamentalAnalysisAgent: Buy AAPL (confidence 0.72)",
+        "CONTRIBUTION GoExpertAgent: Buy AAPL (confidence 0.75)",
+        "CONTRIBUTION IndustryExpertAgent: Buy AAPL (confidence 0.8)",
+        "CONTRIBUTION TechnicalAnalysisAgent: Buy AAPL (confidence 0.85)",
+    ]
+    assert "RESULT group chat completed: Buy AAPL (unanimous expert consensus)" in lines
+    aggregate = json.loads(lines[-1].removeprefix("AGGREGATE "))
+    assert aggregate["votes"] == {"Buy AAPL": 4}
+    assert "go saw: What stock should I buy?" in aggregate["reasoning"]
+
+
+async def test_a_go_agent_answers_python_asks_go_and_leaves_when_stopped(
+    embedded: EmbeddedMesh, meshgo: Path, go_agents: list[GoAgent]
+) -> None:
+    broker = embedded.broker.address
+    agent = await start_go_agent(meshgo, go_agents, broker, "GoDeskAgent", "-types", "desk")
+    async with connect(broker, agent_id="PyCaller") as client:
+        await client.register()
+        # A Python request to the Go agent: answered under its correlation, and its sender
+        # gets the ACK of receipt it asked for, which the broker sends for the agent.
+        answer = await client.request(
+            "GoDeskAgent", {"action": "book", "parameters": {"seat": "12A"}}, ack_required=True
+        )
+        assert answer.message_type is MessageType.RESPONSE
+        assert answer.from_agent == "GoDeskAgent"
+        assert answer.content["echo"] == {"action": "book", "parameters": {"seat": "12A"}}
+        assert (answer.content["action"], answer.content["status"]) == ("book", "COMPLETED")
+        [ack] = await client.receive()
+        assert (ack.message_type, ack.from_agent) == (MessageType.ACK, "GoDeskAgent")
+        assert ack.correlation_id == answer.correlation_id
+
+        # A plain alert is not answered; a hand-off is.
+        await client.broadcast_to_types(["desk"], {"alert": "maintenance at noon"})
+        await client.handoff("GoDeskAgent", "Seat the passenger", context={"seat": "12A"})
+        # (Answered in order: an answer to the alert would have come first.)
+        async with client.subscribe() as inbox, asyncio.timeout(10):
+            first = await anext(aiter(inbox))
+            await first.ack()
+        assert first.message.message_type is MessageType.RESPONSE
+        assert first.message.content["action"] == "execute_handoff"
+        assert first.message.content["echo"]["parameters"]["context"] == {"seat": "12A"}
+
+        # Its own server: the Agent service, directly (RT-011 peer-to-peer).
+        async with AgentClient(agent.address) as direct:
+            card = await direct.describe()
+            assert (card.agent_id, list(card.agent_types)) == ("GoDeskAgent", ["desk"])
+            reply = await direct.handle(
+                Message(from_agent="PyCaller", to_agent="GoDeskAgent", content={"action": "ping"})
+            )
+            assert reply is not None and reply.content["served_by"] == "GoDeskAgent"
+
+        # Go asks Python: a request to a Python sample agent, and one to nobody.
+        code, out, err = await run(
+            meshgo,
+            "request",
+            "-broker",
+            broker,
+            "-from",
+            "GoCaller",
+            "-to",
+            "PaymentAgent",
+            "-action",
+            "process_refund",
+            "-params",
+            '{"amount": 50}',
+        )
+        assert code == 0, err
+        response = json.loads(out)
+        assert (response["fromAgent"], response["toAgent"]) == ("PaymentAgent", "GoCaller")
+        assert response["messageType"] == "MESSAGE_TYPE_RESPONSE"
+        assert response["content"]["action"] == "process_refund"
+        code, out, err = await run(
+            meshgo, "request", "-broker", broker, "-to", "Nobody", "-action", "x"
+        )
+        assert (code, out) == (1, "")
+        assert err == "meshgo: NotFound: agent Nobody is not registered\n"
+
+        code, said = await agent.stop()
+        assert (code, said) == (0, "GoDeskAgent stopped\n")
+        assert "GoDeskAgent" not in [a.agent_id for a in await client.list_agents()]
+
+
+async def test_a_go_agent_is_back_in_service_after_a_broker_restart(
+    meshgo: Path, go_agents: list[GoAgent]
+) -> None:
+    from mesh.client import NO_RETRY
+    from mesh.core.errors import MeshError
+
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    broker = await start("broker", "--port", str(port), ready=BROKER_READY)
+    try:
+        agent = await start_go_agent(meshgo, go_agents, address, "GoEchoAgent")
+        async with connect(address, agent_id="Caller", retry=NO_RETRY) as client:
+            first = await client.request("GoEchoAgent", {"action": "echo", "n": 1}, timeout=5)
+            assert first.content["echo"] == {"action": "echo", "n": 1}
+
+            # The broker dies and comes back on its port, remembering nothing (memory store):
+            # the Go agent registers and subscribes again by itself.
+            await wait_killed(broker)
+            broker = await start("broker", "--port", str(port), ready=BROKER_READY)
+            async with asyncio.timeout(20):
+                while True:
+                    try:
+                        again = await client.request(
+                            "GoEchoAgent", {"action": "echo", "n": 2}, timeout=1
+                        )
+                        break
+                    except MeshError:  # not registered again yet, or the channel reconnecting
+                        await asyncio.sleep(0.2)
+            assert again.content["echo"] == {"action": "echo", "n": 2}
+        code, said = await agent.stop()
+        assert code == 0
+        assert "session ended" in said and said.endswith("GoEchoAgent stopped\n")
+    finally:
+        await stop(broker)
