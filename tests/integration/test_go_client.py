@@ -53,10 +53,11 @@ def meshgo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return binary
 
 
-async def run(meshgo: Path, *args: str) -> tuple[int, str, str]:
+async def run(meshgo: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
     process = await asyncio.create_subprocess_exec(
         str(meshgo),
         *args,
+        env={**os.environ, **(env or {})},
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
@@ -93,7 +94,12 @@ async def go_agents(meshgo: Path) -> AsyncIterator[list[GoAgent]]:
 
 
 async def start_go_agent(
-    meshgo: Path, started: list[GoAgent], broker: str, agent_id: str, *flags: str
+    meshgo: Path,
+    started: list[GoAgent],
+    broker: str,
+    agent_id: str,
+    *flags: str,
+    env: dict[str, str] | None = None,
 ) -> GoAgent:
     process = await asyncio.create_subprocess_exec(
         str(meshgo),
@@ -103,6 +109,7 @@ async def start_go_agent(
         "-id",
         agent_id,
         *flags,
+        env={**os.environ, **(env or {})},
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
     )
@@ -263,3 +270,53 @@ async def test_a_go_agent_is_back_in_service_after_a_broker_restart(
         assert "session ended" in said and said.endswith("GoEchoAgent stopped\n")
     finally:
         await stop(broker)
+
+
+async def test_go_speaks_tls_with_a_token_and_is_held_to_its_identity(
+    tmp_path: Path, meshgo: Path, go_agents: list[GoAgent]
+) -> None:
+    from mesh import LocalMesh, SecurityConfig
+    from mesh.certs import write_dev_certificates
+
+    certs = write_dev_certificates(tmp_path / "certs")
+    tokens = {"go": "go-agent-token-0123456789", "py": "py-caller-token-0123456789"}
+    credentials = tmp_path / "credentials.json"
+    credentials.write_text(
+        json.dumps(
+            {
+                "principals": [
+                    {"name": "go", "token": tokens["go"], "agents": ["GoSecureAgent"]},
+                    {"name": "py", "token": tokens["py"], "agents": ["PyCaller"]},
+                ]
+            }
+        )
+    )
+    security = SecurityConfig(
+        tls_cert=str(certs["server"]),
+        tls_key=str(certs["server_key"]),
+        credentials_file=str(credentials),
+    )
+    go_env = {"AGENTMESH_TLS_CA": str(certs["ca"]), "AGENTMESH_TOKEN": tokens["go"]}
+    async with LocalMesh(security=security) as mesh:
+        await start_go_agent(meshgo, go_agents, mesh.address, "GoSecureAgent", env=go_env)
+        as_py = SecurityConfig(tls_ca=str(certs["ca"]), token=tokens["py"])
+        async with connect(mesh.address, agent_id="PyCaller", security=as_py) as client:
+            answer = await client.request("GoSecureAgent", {"action": "pay"}, timeout=10)
+            assert answer.content["served_by"] == "GoSecureAgent"
+
+        def asking(sender: str) -> tuple[str, ...]:
+            return ("request", "-broker", mesh.address, "-from", sender, "-to", "GoSecureAgent",
+                    "-action", "pay")  # fmt: skip
+
+        code, out, err = await run(meshgo, *asking("GoSecureAgent"), env=go_env)
+        assert code == 0, err
+        assert json.loads(out)["content"]["served_by"] == "GoSecureAgent"
+        # Acting as an agent its token does not name; no token; plaintext to a TLS broker.
+        code, _, err = await run(meshgo, *asking("PyCaller"), env=go_env)
+        assert (code, err.split(":")[:2]) == (1, ["meshgo", " PermissionDenied"]), err
+        code, _, err = await run(
+            meshgo, *asking("GoSecureAgent"), env={**go_env, "AGENTMESH_TOKEN": ""}
+        )
+        assert (code, err.split(":")[:2]) == (1, ["meshgo", " Unauthenticated"]), err
+        code, _, err = await run(meshgo, *asking("GoSecureAgent"), env={"AGENTMESH_TLS_CA": ""})
+        assert (code, err.split(":")[:2]) == (1, ["meshgo", " Unavailable"]), err

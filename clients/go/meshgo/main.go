@@ -12,10 +12,17 @@
 // again when the broker goes away, for up to a minute, and on SIGTERM or SIGINT says
 // NOT_SERVING, ends its session (what it did not answer goes back to the queue), leaves the
 // registry and exits 0.
+//
+// TLS and credentials come from the variables every client of the mesh reads:
+// AGENTMESH_TLS_CA, AGENTMESH_TLS_CLIENT_CERT and AGENTMESH_TLS_CLIENT_KEY,
+// AGENTMESH_TLS_SERVER_NAME, AGENTMESH_TOKEN (and AGENTMESH_TLS_CERT and AGENTMESH_TLS_KEY
+// for the agent's own server).
 package main
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -32,6 +39,7 @@ import (
 	meshv1 "agentmesh/gen/mesh/v1"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/reflection"
@@ -70,10 +78,66 @@ func describe(err error) string {
 	return err.Error()
 }
 
+// dial connects as every client of the mesh does, from the same variables: TLS when
+// AGENTMESH_TLS_CA names the CA of the server's certificate (AGENTMESH_TLS_SERVER_NAME
+// overrides the name checked), a client certificate for mutual TLS from
+// AGENTMESH_TLS_CLIENT_CERT and AGENTMESH_TLS_CLIENT_KEY, and AGENTMESH_TOKEN as a bearer
+// token on every call.
 func dial(ctx context.Context, target string) (*grpc.ClientConn, error) {
-	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	return grpc.DialContext(ctx, target, grpc.WithInsecure(), grpc.WithBlock())
+	var options []grpc.DialOption
+	if ca := os.Getenv("AGENTMESH_TLS_CA"); ca != "" {
+		pem, err := os.ReadFile(ca)
+		if err != nil {
+			return nil, err
+		}
+		roots := x509.NewCertPool()
+		if !roots.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("%s holds no PEM certificate", ca)
+		}
+		config := &tls.Config{RootCAs: roots, ServerName: os.Getenv("AGENTMESH_TLS_SERVER_NAME")}
+		if cert := os.Getenv("AGENTMESH_TLS_CLIENT_CERT"); cert != "" {
+			pair, err := tls.LoadX509KeyPair(cert, os.Getenv("AGENTMESH_TLS_CLIENT_KEY"))
+			if err != nil {
+				return nil, err
+			}
+			config.Certificates = []tls.Certificate{pair}
+		}
+		options = append(options, grpc.WithTransportCredentials(credentials.NewTLS(config)))
+	} else {
+		options = append(options, grpc.WithInsecure())
+	}
+	if token := os.Getenv("AGENTMESH_TOKEN"); token != "" {
+		options = append(options, grpc.WithPerRPCCredentials(bearer(token)))
+	}
+	// (Not blocking: a broker that cannot be reached fails the first call, UNAVAILABLE with
+	// why, rather than the dial with a bare deadline.)
+	return grpc.DialContext(ctx, target, options...)
+}
+
+// bearer sends its token as "authorization: Bearer <token>" on every call.
+type bearer string
+
+func (b bearer) GetRequestMetadata(ctx context.Context, uri ...string) (map[string]string, error) {
+	return map[string]string{"authorization": "Bearer " + string(b)}, nil
+}
+
+// RequireTransportSecurity: false, as the mesh's other clients (a broker may take
+// credentials over plaintext on a private network).
+func (b bearer) RequireTransportSecurity() bool { return false }
+
+// serverOptions: TLS for the agent's own server when AGENTMESH_TLS_CERT and
+// AGENTMESH_TLS_KEY name its certificate and key.
+func serverOptions() ([]grpc.ServerOption, error) {
+	cert := os.Getenv("AGENTMESH_TLS_CERT")
+	if cert == "" {
+		return nil, nil
+	}
+	pair, err := tls.LoadX509KeyPair(cert, os.Getenv("AGENTMESH_TLS_KEY"))
+	if err != nil {
+		return nil, err
+	}
+	config := &tls.Config{Certificates: []tls.Certificate{pair}}
+	return []grpc.ServerOption{grpc.Creds(credentials.NewTLS(config))}, nil
 }
 
 // ---- the agent ----------------------------------------------------------------------------
@@ -197,7 +261,11 @@ func runAgent(args []string) error {
 		return err
 	}
 	a.address = listener.Addr().String()
-	server := grpc.NewServer()
+	options, err := serverOptions()
+	if err != nil {
+		return err
+	}
+	server := grpc.NewServer(options...)
 	meshv1.RegisterAgentServiceServer(server, &agentServer{agent: a})
 	healthy := health.NewServer()
 	healthpb.RegisterHealthServer(server, healthy)
