@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -95,6 +96,21 @@ async def wait_killed(proc: Proc) -> None:
     proc.kill()
     async with asyncio.timeout(15):
         await proc.process.wait()
+
+
+async def request_once_back(
+    client: Any, agent_id: str, content: dict[str, Any], within: float = 20.0
+) -> Any:
+    """The answer of ``agent_id`` to ``content`` once it is back in service: asked again (by
+    a client without retries) while it is not registered yet or the channel reconnects."""
+    from mesh.core.errors import MeshError
+
+    async with asyncio.timeout(within):
+        while True:
+            try:
+                return await client.request(agent_id, content, timeout=1)
+            except MeshError:
+                await asyncio.sleep(0.2)
 
 
 def free_port() -> int:

@@ -16,7 +16,14 @@ import pytest
 
 from gateway.embedded import EmbeddedMesh
 from mesh import AgentClient, Message, MessageType, connect
-from tests.helpers.processes import BROKER_READY, free_port, start, stop, wait_killed
+from tests.helpers.processes import (
+    BROKER_READY,
+    free_port,
+    request_once_back,
+    start,
+    stop,
+    wait_killed,
+)
 
 GO_DIR = Path(__file__).resolve().parents[2] / "clients" / "go"
 GO_DEPS = Path(os.environ.get("GO_DEPS", "/usr/share/gocode"))
@@ -240,7 +247,6 @@ async def test_a_go_agent_is_back_in_service_after_a_broker_restart(
     meshgo: Path, go_agents: list[GoAgent]
 ) -> None:
     from mesh.client import NO_RETRY
-    from mesh.core.errors import MeshError
 
     port = free_port()
     address = f"127.0.0.1:{port}"
@@ -255,15 +261,7 @@ async def test_a_go_agent_is_back_in_service_after_a_broker_restart(
             # the Go agent registers and subscribes again by itself.
             await wait_killed(broker)
             broker = await start("broker", "--port", str(port), ready=BROKER_READY)
-            async with asyncio.timeout(20):
-                while True:
-                    try:
-                        again = await client.request(
-                            "GoEchoAgent", {"action": "echo", "n": 2}, timeout=1
-                        )
-                        break
-                    except MeshError:  # not registered again yet, or the channel reconnecting
-                        await asyncio.sleep(0.2)
+            again = await request_once_back(client, "GoEchoAgent", {"action": "echo", "n": 2})
             assert again.content["echo"] == {"action": "echo", "n": 2}
         code, said = await agent.stop()
         assert code == 0

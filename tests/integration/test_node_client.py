@@ -197,8 +197,14 @@ async def test_node_client_speaks_tls_with_a_token_and_is_held_to_its_identity(
 async def test_a_node_agent_is_back_in_service_after_a_broker_restart() -> None:
     from mesh import connect
     from mesh.client import NO_RETRY
-    from mesh.core.errors import MeshError
-    from tests.helpers.processes import BROKER_READY, free_port, start, stop, wait_killed
+    from tests.helpers.processes import (
+        BROKER_READY,
+        free_port,
+        request_once_back,
+        start,
+        stop,
+        wait_killed,
+    )
 
     port = free_port()
     address = f"127.0.0.1:{port}"
@@ -214,15 +220,7 @@ async def test_a_node_agent_is_back_in_service_after_a_broker_restart() -> None:
             # the Node agent registers and subscribes again by itself.
             await wait_killed(broker)
             broker = await start("broker", "--port", str(port), ready=BROKER_READY)
-            async with asyncio.timeout(20):
-                while True:
-                    try:
-                        again = await client.request(
-                            "NodeEchoAgent", {"action": "echo", "n": 2}, timeout=1
-                        )
-                        break
-                    except MeshError:  # not registered again yet, or the channel reconnecting
-                        await asyncio.sleep(0.2)
+            again = await request_once_back(client, "NodeEchoAgent", {"action": "echo", "n": 2})
             assert again.content["echo"] == {"action": "echo", "n": 2}
             assert again.content["pid"] == node.pid  # the same process, never restarted
         await stop_echo_agent(node)
