@@ -16,6 +16,7 @@ import re
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -163,6 +164,42 @@ def node_available() -> bool:
     return shutil.which("node") is not None and (NODE_CLIENT / "node_modules" / "@grpc").is_dir()
 
 
+GO_CLIENT = ROOT / "clients" / "go"
+
+
+def go_available() -> bool:
+    """Go, the generators and the Go packages of gRPC (the Debian packages `make test`
+    installs)."""
+    tools = ("go", "protoc-gen-go", "protoc-gen-go-grpc")
+    deps = Path(os.environ.get("GO_DEPS", "/usr/share/gocode"))
+    grpc_go = deps / "src" / "google.golang.org" / "grpc" / "health"
+    return all(shutil.which(t) is not None for t in tools) and grpc_go.is_dir()
+
+
+def go_agent_program() -> Path | None:
+    """``meshgo`` (clients/go), built for the run when :func:`go_available`; None when Go is
+    not here or the build fails."""
+    if not go_available():
+        return None
+    work = ROOT / "benchmarks" / "results" / "tmp" / "go"
+    binary = work / "meshgo"
+    try:
+        built = subprocess.run(
+            [str(GO_CLIENT / "build.sh"), str(binary)],
+            env={**os.environ, "GO_BUILD_DIR": str(work / "build"), "PYTHON": sys.executable},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        print(f"clients/go did not build ({error}): no go_agent figure")
+        return None
+    if built.returncode != 0:
+        print(f"clients/go did not build: no go_agent figure\n{built.stderr[-2000:]}")
+        return None
+    return binary
+
+
 class NodeDriver:
     """``benchmarks/node_driver.js``: the Node.js client's request() through the broker,
     timed in Node; told on stdin what to measure, so that the CPU read around it covers the
@@ -263,6 +300,8 @@ class Mesh:
     """An echo agent in Node.js (clients/node), when Node.js is here."""
     node_driver: NodeDriver | None = None
     """The Node.js client, asking the Python echo agent, when Node.js is here."""
+    go_agent: Proc | None = None
+    """An echo agent in Go on plain gRPC (clients/go), when Go is here."""
 
     def pattern_meter(self) -> CpuMeter:
         """The CPU of the processes a pattern run crosses (and the driver's)."""
@@ -297,6 +336,19 @@ async def start_mesh() -> Mesh:
 
     async def node_driver(broker: str) -> None:
         drivers.append(await NodeDriver.start(broker, "echo-0"))
+
+    go_build = asyncio.create_task(asyncio.to_thread(go_agent_program))
+
+    async def go_echo(broker: str) -> Proc | None:
+        program = await go_build
+        if program is None:
+            return None
+        return await started(
+            "agent",
+            *("-broker", broker, "-id", "go-echo"),
+            ready=r"go-echo serving on (\S+)",
+            program=str(program),
+        )
 
     async def echo_and_relay(*flags: str) -> tuple[Proc, Proc]:
         echo = await started(
@@ -415,6 +467,8 @@ async def start_mesh() -> Mesh:
                     )
                 )
                 group.create_task(node_driver(broker.address))
+            # ... and an agent in Go, on plain gRPC (clients/go).
+            go_agent = group.create_task(go_echo(broker.address))
         echo, relay = raw_pair.result()
         contract_echo, contract_relay = contract_pair.result()
         stampers, fanout = fan_out.result()
@@ -436,6 +490,7 @@ async def start_mesh() -> Mesh:
             pattern_gateway.result(),
             None if node_agent is None else node_agent.result(),
             drivers[0] if drivers else None,
+            go_agent.result(),
         )
     except BaseException:
         for driver in drivers:
@@ -961,6 +1016,14 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
                         "agents": [mesh.agents[0].pid],  # (echo-0's process)
                     }
                 ),
+            )
+        if mesh.go_agent is not None:
+            out["go_agent.roundtrip"] = await measured(
+                "go_agent.roundtrip",
+                lambda: client.request("go-echo", PAYLOAD),
+                n // 2,
+                w // 2,
+                CpuMeter({"broker": [mesh.broker.pid], "agents": [mesh.go_agent.pid]}),
             )
 
         # A broadcast's latency is the time until the last of its agents has it: each agent
@@ -1715,6 +1778,13 @@ def to_markdown(report: dict[str, Any]) -> str:
         lines += [
             "",
             "Node.js or the Node.js client's packages were not found: no `node_*` figures.",
+        ]
+    if (go_agent := f.get("go_agent.roundtrip")) and "roundtrip" in f:
+        lines += [
+            "",
+            f"The Python SDK asking an echo agent in Go on plain gRPC (clients/go), p50 "
+            f"{go_agent['p50_ms']:.3f} ms (`go_agent.roundtrip`), beside "
+            f"{f['roundtrip']['p50_ms']:.3f} ms with the SDK's agent (`roundtrip`).",
         ]
     if patterns := [name for name in f if name.startswith("pattern.")]:
         lines += [

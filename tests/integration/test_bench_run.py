@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness import node_available
+from benchmarks.harness import go_available, node_available
 from gateway.demo import SCENARIOS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,6 +38,7 @@ LATENCIES = (
     *(f"pattern.{scenario.name}" for scenario in SCENARIOS),
     # Polyglot: from the Node.js client, and to an agent in Node.js.
     *(("node_client.roundtrip", "node_agent.roundtrip") if node_available() else ()),
+    *(("go_agent.roundtrip",) if go_available() else ()),
 )
 THROUGHPUTS = ("oneway_1", "oneway_16", "oneway_64", "oneway_batch100")
 
