@@ -176,28 +176,32 @@ def go_available() -> bool:
     return all(shutil.which(t) is not None for t in tools) and grpc_go.is_dir()
 
 
+def build_meshgo(work: Path) -> Path:
+    """Builds ``meshgo`` (clients/go/build.sh) in ``work``; its path. Raises RuntimeError
+    with the build's output when it fails."""
+    binary = work / "meshgo"
+    built = subprocess.run(
+        [str(GO_CLIENT / "build.sh"), str(binary)],
+        env={**os.environ, "GO_BUILD_DIR": str(work / "build"), "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if built.returncode != 0:
+        raise RuntimeError(f"clients/go did not build:\n{built.stdout}{built.stderr[-4000:]}")
+    return binary
+
+
 def go_agent_program() -> Path | None:
-    """``meshgo`` (clients/go), built for the run when :func:`go_available`; None when Go is
-    not here or the build fails."""
+    """``meshgo``, built for the run when :func:`go_available`; None when Go is not here or
+    the build fails (said, and the run goes on without the go_agent figure)."""
     if not go_available():
         return None
-    work = ROOT / "benchmarks" / "results" / "tmp" / "go"
-    binary = work / "meshgo"
     try:
-        built = subprocess.run(
-            [str(GO_CLIENT / "build.sh"), str(binary)],
-            env={**os.environ, "GO_BUILD_DIR": str(work / "build"), "PYTHON": sys.executable},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-    except (OSError, subprocess.TimeoutExpired) as error:
-        print(f"clients/go did not build ({error}): no go_agent figure")
+        return build_meshgo(ROOT / "benchmarks" / "results" / "tmp" / "go")
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as error:
+        print(f"{error}\n(no go_agent figure)")
         return None
-    if built.returncode != 0:
-        print(f"clients/go did not build: no go_agent figure\n{built.stderr[-2000:]}")
-        return None
-    return binary
 
 
 class NodeDriver:

@@ -6,14 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
+from benchmarks.harness import build_meshgo, go_available
 from gateway.embedded import EmbeddedMesh
 from mesh import AgentClient, Message, MessageType, connect
 from tests.helpers.processes import (
@@ -25,39 +23,17 @@ from tests.helpers.processes import (
     wait_killed,
 )
 
-GO_DIR = Path(__file__).resolve().parents[2] / "clients" / "go"
-GO_DEPS = Path(os.environ.get("GO_DEPS", "/usr/share/gocode"))
-
-
-def missing_go_tools() -> str | None:
-    for tool in ("go", "protoc-gen-go", "protoc-gen-go-grpc"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed"
-    if not (GO_DEPS / "src" / "google.golang.org" / "grpc" / "health").is_dir():
-        return f"the Go packages of gRPC are not in {GO_DEPS}"
-    return None
-
-
 pytestmark = pytest.mark.skipif(
-    missing_go_tools() is not None,
-    reason=f"{missing_go_tools()} (make test installs the Debian packages when run as root)",
+    not go_available(),
+    reason="Go, protoc-gen-go(-grpc) or the Go packages of gRPC are not installed"
+    " (make test installs the Debian packages when run as root)",
 )
 
 
 @pytest.fixture(scope="module")
 def meshgo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """clients/go/build.sh's program, built for this run."""
-    work = tmp_path_factory.mktemp("go")
-    binary = work / "meshgo"
-    built = subprocess.run(
-        [str(GO_DIR / "build.sh"), str(binary)],
-        env={**os.environ, "GO_BUILD_DIR": str(work / "build"), "PYTHON": sys.executable},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert built.returncode == 0, built.stdout + built.stderr
-    return binary
+    return build_meshgo(tmp_path_factory.mktemp("go"))
 
 
 async def run(meshgo: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
