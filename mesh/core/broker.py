@@ -1264,11 +1264,15 @@ class Broker:
         """Sends each message's sender the ACK it asked for (``ack_required``) as the message
         first reaches its agent: the broker sends it for the agent, whatever the agent's client
         (an SDK, plain gRPC in any language). One that cannot be delivered (the sender is not
-        registered, its queue is full) is logged; the delivery goes on."""
+        registered, its queue is full) is logged; the delivery goes on, whatever went wrong
+        (the messages are already out of their queue)."""
         for message in messages:
             try:
                 await self.send(receipt_of(message))
-            except MeshError as error:
+            except Exception as error:
+                if not isinstance(error, MeshError):
+                    logger.exception("receipt of %s not acknowledged", message.message_id)
+                    continue
                 logger.warning(
                     "receipt of %s not acknowledged to %s: %s",
                     message.message_id,
