@@ -212,7 +212,7 @@ async def test_a_go_agent_answers_python_asks_go_and_leaves_when_stopped(
             meshgo, "request", "-broker", broker, "-to", "Nobody", "-action", "x"
         )
         assert (code, out) == (1, "")
-        assert err == "meshgo: NotFound: agent Nobody is not registered\n"
+        assert err == "meshgo: NOT_FOUND: agent Nobody is not registered\n"
 
         code, said = await agent.stop()
         assert (code, said) == (0, "GoDeskAgent stopped\n")
@@ -287,10 +287,10 @@ async def test_go_speaks_tls_with_a_token_and_is_held_to_its_identity(
         assert json.loads(out)["content"]["served_by"] == "GoSecureAgent"
         # Acting as an agent its token does not name; no token; plaintext to a TLS broker.
         code, _, err = await run(meshgo, *asking("PyCaller"), env=go_env)
-        assert (code, err.split(":")[:2]) == (1, ["meshgo", " PermissionDenied"]), err
+        assert (code, err.split(":")[:2]) == (1, ["meshgo", " PERMISSION_DENIED"]), err
         code, _, err = await run(
             meshgo, *asking("GoSecureAgent"), env={**go_env, "AGENTMESH_TOKEN": ""}
         )
-        assert (code, err.split(":")[:2]) == (1, ["meshgo", " Unauthenticated"]), err
+        assert (code, err.split(":")[:2]) == (1, ["meshgo", " UNAUTHENTICATED"]), err
         code, _, err = await run(meshgo, *asking("GoSecureAgent"), env={"AGENTMESH_TLS_CA": ""})
-        assert (code, err.split(":")[:2]) == (1, ["meshgo", " Unavailable"]), err
+        assert (code, err.split(":")[:2]) == (1, ["meshgo", " UNAVAILABLE"]), err

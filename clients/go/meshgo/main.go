@@ -35,6 +35,7 @@ import (
 	"sync"
 	"syscall"
 	"time"
+	"unicode"
 
 	meshv1 "agentmesh/gen/mesh/v1"
 
@@ -70,12 +71,26 @@ func main() {
 	}
 }
 
-// describe says a gRPC error as "CODE: message".
+// describe says a gRPC error as "CODE: message", the code by its canonical name
+// (NOT_FOUND), as the mesh's other clients say it.
 func describe(err error) string {
 	if s, ok := status.FromError(err); ok {
-		return fmt.Sprintf("%s: %s", s.Code(), s.Message())
+		return fmt.Sprintf("%s: %s", canonical(s.Code().String()), s.Message())
 	}
 	return err.Error()
+}
+
+// canonical turns Go's name of a status code ("DeadlineExceeded") into gRPC's
+// ("DEADLINE_EXCEEDED").
+func canonical(name string) string {
+	var out strings.Builder
+	for i, r := range name {
+		if i > 0 && unicode.IsUpper(r) && unicode.IsLower(rune(name[i-1])) {
+			out.WriteByte('_')
+		}
+		out.WriteRune(unicode.ToUpper(r))
+	}
+	return out.String()
 }
 
 // dial connects as every client of the mesh does, from the same variables: TLS when
