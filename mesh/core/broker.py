@@ -34,6 +34,7 @@ from mesh.core.errors import (
     RequestTimeoutError,
     SessionClosedError,
 )
+from mesh.core.logthrottle import LogThrottle
 from mesh.core.memory import MemoryPool, SharedMemoryPool
 from mesh.core.model import (
     ANSWER_TYPES,
@@ -341,7 +342,8 @@ class Broker:
         # Names this broker in subscription ids; replicas sharing a store use the store's
         # replica id, so that a lease tells which replica's subscriber holds it.
         self.instance = store.replica_id or secrets.token_hex(4)
-        self._queue_full_log: dict[str, tuple[float, int]] = {}
+        self._queue_full_log = LogThrottle(max_keys=self.config.max_agents)
+        self._receipt_log = LogThrottle(max_keys=self.config.max_agents)
         self._workflow_log_at = -math.inf
         """When a workflow status that could not be written was last logged."""
         self._credit_checked = time.monotonic()
@@ -752,16 +754,12 @@ class Broker:
             await self._note_workflow(message)
 
     def _log_queue_full(self, message: Message) -> None:
-        """One warning per agent per second under overload, counting the refusals between."""
-        now = time.monotonic()
-        last, suppressed = self._queue_full_log.get(message.to_agent, (0.0, 0))
-        if now - last < 1.0:
-            self._queue_full_log[message.to_agent] = (last, suppressed + 1)
+        """At most one warning per agent per second under overload, counting the refusals
+        held back between."""
+        suppressed = self._queue_full_log.admit(message.to_agent)
+        if suppressed is None:
             return
-        if len(self._queue_full_log) > self.config.max_agents:
-            self._queue_full_log.clear()
-        self._queue_full_log[message.to_agent] = (now, 0)
-        more = f" ({suppressed} more refused in the last second)" if suppressed else ""
+        more = f" ({suppressed} more refused since the last warning)" if suppressed else ""
         logger.warning(
             "queue full: %s refused a message from %s%s",
             message.to_agent,
@@ -1273,11 +1271,16 @@ class Broker:
                 if not isinstance(error, MeshError):
                     logger.exception("receipt of %s not acknowledged", message.message_id)
                     continue
+                suppressed = self._receipt_log.admit(message.from_agent)
+                if suppressed is None:
+                    continue
+                more = f" ({suppressed} more since the last warning)" if suppressed else ""
                 logger.warning(
-                    "receipt of %s not acknowledged to %s: %s",
+                    "receipt of %s not acknowledged to %s: %s%s",
                     message.message_id,
                     message.from_agent,
                     error.message,
+                    more,
                     extra={
                         "event": {
                             "category": "ack_undelivered",
@@ -1285,6 +1288,7 @@ class Broker:
                             "from_agent": message.to_agent,
                             "to_agent": message.from_agent,
                             "reason": error.reason,
+                            "suppressed": suppressed,
                         }
                     },
                 )
