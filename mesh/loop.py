@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -23,9 +25,16 @@ def loop_name() -> str:
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
-    """Runs a process's main coroutine on the chosen loop."""
-    if loop_name() == "uvloop":
-        import uvloop
+    """Runs a process's main coroutine on the chosen loop. Once it is over, the process is
+    on its way out: a SIGTERM then (a supervisor saying it again while the process finishes
+    exiting) is ignored, where the default the loop leaves behind would turn a clean exit into
+    death by that signal."""
+    try:
+        if loop_name() == "uvloop":
+            import uvloop
 
-        return uvloop.run(main)
-    return asyncio.run(main)
+            return uvloop.run(main)
+        return asyncio.run(main)
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -705,3 +706,17 @@ async def test_a_stopping_broker_tells_its_watchers_to_go_elsewhere() -> None:
             assert "shutting down" in told.value.message
     finally:
         assert await stop(broker) == 0
+
+
+async def test_a_broker_told_to_stop_again_while_it_exits_still_exits_cleanly() -> None:
+    """A supervisor that repeats its SIGTERM while the broker shuts down (or a test helper
+    that stops what it already stopped) gets exit status 0, not death by the signal."""
+    broker = await start("broker", "--port", "0", ready=BROKER_READY)
+    broker.process.send_signal(signal.SIGTERM)
+    async with asyncio.timeout(15):
+        while broker.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                broker.process.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.003)
+    assert await broker.process.wait() == 0
+    assert "agentmesh broker shutting down\n" in broker.output
