@@ -524,6 +524,7 @@ class AgentRuntime:
                     lease_seconds=self.lease_seconds,
                     reconnect=False,  # this loop reconnects, registering again first
                     on_withdrawn=self._stop_work,
+                    instance=self.address,  # (its death takes this instance off the agent's)
                 )
                 await sub.start()
                 self._subscription = sub

@@ -536,9 +536,13 @@ class ClientSubscription:
         reconnect: bool = True,
         ack_linger: float = ACK_LINGER,
         on_withdrawn: Callable[[Received], None] | None = None,
+        instance: str | None = None,
     ) -> None:
         self.client = client
         self.agent_id = agent_id
+        self.instance = instance
+        """The address of the agent's instance this subscription serves; None: the one this
+        client registered the agent with, if any (see ``SubscribeRequest.instance``)."""
         self.on_withdrawn = on_withdrawn
         """Called with a delivery the application has (handed on, not settled) when the
         broker withdraws it: its requester gave up, so the work on it may stop."""
@@ -587,6 +591,7 @@ class ClientSubscription:
         frame.subscribe.max_in_flight = self.max_in_flight
         frame.subscribe.max_batch = self.max_in_flight  # whatever is ready comes in one frame
         frame.subscribe.withdrawals = True
+        frame.subscribe.instance = self._instance()
         codec.seconds_to_duration(self.lease_seconds, frame.subscribe.lease)
         try:
             await session.call(frame, timeout=self.client.default_timeout)
@@ -702,6 +707,12 @@ class ClientSubscription:
                 failure = error
             if loop.time() >= give_up:
                 raise failure
+
+    def _instance(self) -> str:
+        if self.instance is not None:
+            return self.instance
+        registered = self.client._registered.get(self.agent_id)
+        return registered.address if registered is not None else ""
 
     def _settle(self, kind: str, message_id: str, dead_letter_reason: str = "") -> None:
         """Queues an ack or nack; one task writes all of those queued in the meantime as one
@@ -1458,12 +1469,17 @@ class MeshClient:
         reconnect: bool = True,
         ack_linger: float | None = None,
         on_withdrawn: Callable[[Received], None] | None = None,
+        instance: str | None = None,
     ) -> ClientSubscription:
         """Deliveries of the agent's messages as they arrive: ``async for r in sub`` then
         ``await r.ack()``. Unacknowledged messages are redelivered. Acks and nacks go out
         together: in a steady flow, and while less than half of ``max_in_flight`` is
         outstanding, they wait up to ``ack_linger`` seconds (the client's, 2 ms by default)
         for company.
+
+        The subscription holds the agent's instance at ``instance`` (by default the address
+        this client registered the agent with): should it be lost without the instance
+        deregistering (the process dies), the broker takes that instance off the agent's.
 
         With ``reconnect`` (the default) a subscription that loses the broker subscribes again
         with backoff (registering the agent again when this client registered it and the
@@ -1482,6 +1498,7 @@ class MeshClient:
             reconnect=reconnect,
             ack_linger=self.ack_linger if ack_linger is None else ack_linger,
             on_withdrawn=on_withdrawn,
+            instance=instance,
         )
         self._subscriptions.add(sub)
         return sub

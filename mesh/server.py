@@ -159,6 +159,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
                 max_in_flight=request.max_in_flight,
                 lease_seconds=codec.duration_seconds(request.lease),
                 withdrawals=request.withdrawals,
+                instance=request.instance,
             )
         except MeshError as error:
             await abort(context, error)
@@ -178,7 +179,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
                     codec.delivery_to_pb(delivery, response.delivery)
                     yield response
         finally:
-            await sub.close()
+            # (A subscriber ends this stream only by cancelling it, or by going away.)
+            await sub.close(lost=True)
 
     @translating
     async def Ack(self, request: broker_pb2.AckRequest, context: Any) -> broker_pb2.AckResponse:
@@ -397,9 +399,12 @@ class _Session:
         finally:
             for task in self.tasks:
                 task.cancel()
+            # Those not unsubscribed are lost: the client died, lost its connection, or ended
+            # the stream while still subscribed (a handler of grpc.aio sees a client's cancel
+            # as the end of its frames too, as it sees a half-close: they are one here).
             for sub, pump in self.subscriptions.values():
                 pump.cancel()
-                await sub.close()
+                await sub.close(lost=True)
             self.writer.close()
 
     async def _error(self, seq: int, error: MeshError) -> None:
@@ -578,13 +583,14 @@ class _Session:
             max_in_flight=request.max_in_flight,
             lease_seconds=codec.duration_seconds(request.lease),
             withdrawals=request.withdrawals,
+            instance=request.instance,
         )
         out = broker_pb2.ConnectResponse(seq=seq)
         out.accepted.SetInParent()
         try:
             await self.write(out)  # `accepted` goes before the first delivery
         except BaseException:
-            await sub.close()
+            await sub.close(lost=True)
             raise
         batch = min(max(request.max_batch, 1), MAX_BATCH)
         pump = asyncio.create_task(self._pump(sub, batch), name=f"session-pump-{sub.agent_id}")

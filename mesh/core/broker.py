@@ -166,9 +166,13 @@ class Subscription:
         lease_seconds: float,
         *,
         withdrawals: bool = False,
+        instance: str = "",
     ) -> None:
         self.broker = broker
         self.agent_id = agent_id
+        self.instance = instance
+        """The address of the agent's instance this subscription serves (its process's own
+        server), when it named one: the subscription keeps it among the agent's instances."""
         # Unique across replicas sharing a store: leases name their subscriber.
         self.subscription_id = f"{agent_id}#{broker.instance}-{next(self._ids)}"
         self.max_in_flight = max_in_flight
@@ -245,14 +249,16 @@ class Subscription:
         if not self._drained:
             self._wake.set()
 
-    async def close(self, *, seen: Collection[str] | None = None) -> None:
+    async def close(self, *, seen: Collection[str] | None = None, lost: bool = False) -> None:
         """Ends the subscription; its unacknowledged messages go back to the queue. With
         ``seen`` (the deliveries the subscriber's application had and did not settle), only
-        those count their delivery attempt; the others go back as if never delivered."""
+        those count their delivery attempt; the others go back as if never delivered.
+        ``lost``: the subscriber did not end it (its stream broke: its process died, or its
+        connection), so the instance it named is taken off its agent's."""
         if not self.closed:
             self.closed = True
             self._wake.set()
-            await self.broker._unsubscribe(self, seen)
+            await self.broker._unsubscribe(self, seen, lost=lost)
 
     def __aiter__(self) -> Subscription:
         return self
@@ -347,6 +353,11 @@ class Broker:
         self._workflow_log_at = -math.inf
         """When a workflow status that could not be written was last logged."""
         self._credit_checked = time.monotonic()
+        self._held_before: list[tuple[str, str, str]] = []
+        """Instances that subscriptions held before this broker restarted on its durable
+        store (agent id, address, subscription): each that no subscription holds again within
+        a lease of the start (its process died meanwhile) is taken off."""
+        self._held_before_until = 0.0
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -354,6 +365,9 @@ class Broker:
         for info in await self.store.saved_agents():
             if info.agent_id not in self.registry:
                 self.registry.register(info, restore=True)
+                if not self.store.shared:  # (no subscription outlives its broker)
+                    self._held_before.extend((info.agent_id, *h) for h in info.subscribed.items())
+        self._held_before_until = time.monotonic() + self.config.lease_seconds
         if self.store.shared:
             await self.store.watch(self)
         gauges = self.metrics.queues  # read from the queues when /metrics is scraped
@@ -444,6 +458,15 @@ class Broker:
         """Expires messages and reclaims ended leases (and, with replicas, every
         CREDIT_CHECK_SECONDS, checks the subscriptions' places in flight)."""
         await self.store.sweep()
+        while self._held_before and time.monotonic() >= self._held_before_until:
+            agent_id, address, held_by = self._held_before[-1]
+            await self._lose_instance(
+                agent_id,
+                address,
+                held_by,
+                "it did not subscribe again within a lease of the broker's restart",
+            )
+            self._held_before.pop()
         if self.store.shared and time.monotonic() - self._credit_checked >= CREDIT_CHECK_SECONDS:
             self._credit_checked = time.monotonic()
             await self._check_credit()
@@ -1328,11 +1351,19 @@ class Broker:
         max_in_flight: int = 0,
         lease_seconds: float = 0,
         withdrawals: bool = False,
+        instance: str = "",
     ) -> Subscription:
         """Opens a push subscription; the agent must be registered. With ``withdrawals``, the
         subscription also reports the deliveries withdrawn from it (their requester gave
-        up: see :meth:`Subscription.take_withdrawn`)."""
+        up: see :meth:`Subscription.take_withdrawn`). With ``instance`` (the address of the
+        subscriber's own server, as it registered it), the subscription holds that instance
+        among the agent's instances: if it ends while the broker still runs and the instance
+        has not left (its process died, its connection was lost), the instance is taken off."""
         self.registry.require(agent_id)
+        if len(instance) > self.config.max_id_length:
+            raise MessageValidationError.for_field(
+                "instance", f"instance must be at most {self.config.max_id_length} characters"
+            )
         if max_in_flight < 0 or max_in_flight > self.config.max_in_flight_limit:
             raise MessageValidationError(
                 f"max_in_flight must be within 0..{self.config.max_in_flight_limit}",
@@ -1349,10 +1380,65 @@ class Broker:
             max_in_flight or self.config.default_max_in_flight,
             lease_seconds or self.config.lease_seconds,
             withdrawals=withdrawals,
+            instance=instance,
         )
+        if instance:
+            await self._hold_instance(sub)
         self._subscriptions.setdefault(agent_id, []).append(sub)
         self._by_subscription[sub.subscription_id] = sub
         return sub
+
+    async def _hold_instance(self, sub: Subscription) -> None:
+        agent_id, address, held_by = sub.agent_id, sub.instance, sub.subscription_id
+        if self.store.shared:
+            await self.store.update_agent(
+                agent_id,
+                lambda saved: self._as_kept(agent_id, saved).hold(agent_id, address, held_by),
+            )
+        else:
+            await self.store.save_agent(self.registry.hold(agent_id, address, held_by))
+        await self.store.sync()
+
+    async def _lose_instance(self, agent_id: str, address: str, held_by: str, why: str) -> None:
+        """The subscription that held an instance ended: the instance goes (see
+        :meth:`AgentRegistry.lose`) unless it left already or another subscription holds it."""
+        lost: AgentInfo | None
+        if self.store.shared:
+            changed: list[AgentInfo] = []
+
+            def lose(saved: AgentInfo | None) -> AgentInfo | None:
+                changed.clear()
+                if saved is None:
+                    return None
+                remaining = self._as_kept(agent_id, saved).lose(agent_id, address, held_by)
+                if remaining is not None:
+                    changed.append(remaining)
+                return remaining or saved
+
+            await self.store.update_agent(agent_id, lose)
+            lost = changed[0] if changed else None
+        else:
+            lost = self.registry.lose(agent_id, address, held_by)
+            if lost is not None:
+                await self.store.save_agent(lost)
+        if lost is None:
+            return
+        await self.store.sync()
+        logger.warning(
+            "agent %s: the instance at %s is gone (%s); %d serve it still",
+            agent_id,
+            address,
+            why,
+            len(lost.instances),
+            extra={
+                "event": {
+                    "category": "registry",
+                    "agent_id": agent_id,
+                    "lost": address,
+                    "instances": list(lost.instances),
+                }
+            },
+        )
 
     async def _lease_many(self, sub: Subscription, most: int) -> list[Delivery]:
         leases = await self.store.lease_many(
@@ -1374,7 +1460,9 @@ class Broker:
             await self._acknowledge_receipt(receipts)
         return deliveries
 
-    async def _unsubscribe(self, sub: Subscription, seen: Collection[str] | None) -> None:
+    async def _unsubscribe(
+        self, sub: Subscription, seen: Collection[str] | None, *, lost: bool = False
+    ) -> None:
         subs = self._subscriptions.get(sub.agent_id, [])
         if sub in subs:
             subs.remove(sub)
@@ -1383,6 +1471,21 @@ class Broker:
         self._by_subscription.pop(sub.subscription_id, None)
         returned = await self.store.release_subscriber(sub.agent_id, sub.subscription_id, seen=seen)
         sub.in_flight.clear()
+        if lost and sub.instance and not (self.draining or self._stopping):
+            try:
+                await self._lose_instance(
+                    sub.agent_id,
+                    sub.instance,
+                    sub.subscription_id,
+                    "its subscription ended without it leaving",
+                )
+            except MeshError as error:  # (the store is out of reach: the instance stays named)
+                logger.warning(
+                    "agent %s: the instance at %s could not be taken off: %s",
+                    sub.agent_id,
+                    sub.instance,
+                    error.message,
+                )
         if returned:
             unseen = "" if seen is None else " (an attempt counted for those its application had)"
             logger.info(

@@ -416,6 +416,10 @@ class AgentInfo:
     """The addresses of the processes serving the agent (sharing its queue), the latest
     registered last: kept by the registry, so that one leaving does not take the agent off
     the mesh while the others serve it."""
+    subscribed: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    """Instance address -> the subscription that names it as its subscriber (the latest
+    opened): when that subscription's stream is lost, the instance is taken off. Kept by the
+    broker and its stores; not part of the contract's AgentInfo."""
 
     def to_dict(self) -> dict[str, JSON]:
         """The JSON form (the durable and Redis stores keep registrations this way)."""
@@ -426,6 +430,7 @@ class AgentInfo:
             "capabilities": list(self.capabilities),
             "registered_at": self.registered_at.isoformat() if self.registered_at else None,
             "instances": list(self.instances),
+            "subscribed": dict(self.subscribed),
         }
 
     @classmethod
@@ -438,6 +443,9 @@ class AgentInfo:
             capabilities=tuple(str(c) for c in data.get("capabilities") or ()),
             registered_at=datetime.fromisoformat(str(when)) if when else None,
             instances=tuple(str(i) for i in data.get("instances") or ()),
+            subscribed={str(a): str(s) for a, s in subscribed.items()}
+            if isinstance(subscribed := data.get("subscribed"), dict)
+            else {},
         )
 
 

@@ -73,19 +73,23 @@ class AgentRegistry:
             # (A registration kept before instances were counted: its address alone.)
             instances = info.instances or ((info.address,) if info.address else ())
             since = info.registered_at
+            subscribed = info.subscribed
         else:
             earlier = previous.instances if previous else ()
             instances = tuple(a for a in earlier if a != info.address)
             if info.address:
                 instances = (*instances, info.address)
             since = previous.registered_at if previous else None
+            subscribed = previous.subscribed if previous else {}
+        instances = instances[-MAX_INSTANCES:]
         registered = AgentInfo(
             agent_id=info.agent_id,
             agent_types=tuple(dict.fromkeys(info.agent_types)),
             address=info.address,
             capabilities=tuple(dict.fromkeys(info.capabilities)),
             registered_at=since or utc_now(),
-            instances=instances[-MAX_INSTANCES:],
+            instances=instances,
+            subscribed={a: s for a, s in subscribed.items() if a in instances},
         )
         self._agents[info.agent_id] = registered
         return registered
@@ -110,8 +114,49 @@ class AgentRegistry:
         if not others:
             del self._agents[agent_id]
             return None
-        remaining = dataclasses.replace(info, address=others[-1], instances=others)
-        self._agents[agent_id] = remaining
+        return self._without(info, address)
+
+    def hold(self, agent_id: str, address: str, subscription_id: str) -> AgentInfo:
+        """A subscription of the instance at ``address`` opened: while it lasts the instance
+        serves the agent (it is put back among the agent's instances, the latest, if a lost
+        subscription had taken it off) and the subscription holds it (:meth:`lose`)."""
+        info = self.require(agent_id)
+        if len(address) > self.max_id_length:
+            raise MessageValidationError.for_field(
+                "instance", f"instance must be at most {self.max_id_length} characters"
+            )
+        if address in info.instances:
+            held = info
+        else:
+            instances = (*info.instances, address)[-MAX_INSTANCES:]
+            held = dataclasses.replace(info, address=address, instances=instances)
+        subscribed = {a: s for a, s in info.subscribed.items() if a in held.instances}
+        subscribed[address] = subscription_id
+        held = dataclasses.replace(held, subscribed=subscribed)
+        self._agents[agent_id] = held
+        return held
+
+    def lose(self, agent_id: str, address: str, subscription_id: str) -> AgentInfo | None:
+        """The subscription that held the instance at ``address`` ended while the instance was
+        still registered (its process died, its connection was lost): the instance is taken
+        off, unless another subscription holds it since (the process subscribed again,
+        here or through another replica). The agent stays registered, with no instance when
+        that was the last, so that its queue keeps what is sent to it until one comes back.
+        Returns the agent as changed, or None when nothing changed."""
+        info = self._agents.get(agent_id)
+        if info is None or info.subscribed.get(address) != subscription_id:
+            return None
+        return self._without(info, address)
+
+    def _without(self, info: AgentInfo, address: str) -> AgentInfo:
+        others = tuple(a for a in info.instances if a != address)
+        remaining = dataclasses.replace(
+            info,
+            address=others[-1] if others else "",
+            instances=others,
+            subscribed={a: s for a, s in info.subscribed.items() if a != address},
+        )
+        self._agents[info.agent_id] = remaining
         return remaining
 
     def get(self, agent_id: str) -> AgentInfo | None:

@@ -422,6 +422,7 @@ class SubscribeRequest(_message.Message):
     LEASE_FIELD_NUMBER: _builtins.int
     MAX_BATCH_FIELD_NUMBER: _builtins.int
     WITHDRAWALS_FIELD_NUMBER: _builtins.int
+    INSTANCE_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     """The agent whose messages are delivered."""
     max_in_flight: _builtins.int
@@ -437,6 +438,17 @@ class SubscribeRequest(_message.Message):
     A withdrawn delivery is gone from the broker: its ack or nack counts nothing, and its
     answer is dropped as late. False: no `withdrawn` frame is ever sent.
     """
+    instance: _builtins.str
+    """The address of the subscriber's own server, as it registered it (AgentInfo.address):
+    the subscription holds that instance among the agent's instances (the latest one
+    naming it does; a subscription naming it puts it back if it was taken off). If the
+    subscription ends other than by an `unsubscribe` frame while the broker runs and the
+    instance has not left (DeregisterAgent with its address) - its process died, its
+    connection was lost, its stream was cancelled or ended while subscribed - the instance is
+    taken off; the agent stays registered, with no instance if that was the last, and its
+    queue keeps what is sent to it. Empty: the subscription holds no instance, and one whose
+    process dies stays named until it is taken off.
+    """
     @_builtins.property
     def lease(self) -> _duration_pb2.Duration:
         """How long a delivery stays leased before it is redelivered; unset means the broker
@@ -451,10 +463,11 @@ class SubscribeRequest(_message.Message):
         lease: _duration_pb2.Duration | None = ...,
         max_batch: _builtins.int = ...,
         withdrawals: _builtins.bool = ...,
+        instance: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "lease", b"lease", "max_batch", b"max_batch", "max_in_flight", b"max_in_flight", "withdrawals", b"withdrawals"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "instance", b"instance", "lease", b"lease", "max_batch", b"max_batch", "max_in_flight", b"max_in_flight", "withdrawals", b"withdrawals"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -120,3 +120,16 @@ def free_port() -> int:
 
 
 BROKER_READY = r"listening on (\S+?)[,\s]"
+
+
+async def instances_become(
+    client: Any, agent_id: str, expected: tuple[str, ...], within: float = 10.0
+) -> Any:
+    """The agent as ListAgents names it once its instances are ``expected`` (an instance's
+    process that died is taken off as the broker notices its stream end)."""
+    async with asyncio.timeout(within):
+        while True:
+            [info] = [a for a in await client.list_agents() if a.agent_id == agent_id]
+            if info.instances == expected:
+                return info
+            await asyncio.sleep(0.02)

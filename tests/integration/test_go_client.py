@@ -14,9 +14,11 @@ import pytest
 from benchmarks.harness import build_meshgo, go_available
 from gateway.embedded import EmbeddedMesh
 from mesh import AgentClient, Message, MessageType, connect
+from mesh.testing import LocalMesh
 from tests.helpers.processes import (
     BROKER_READY,
     free_port,
+    instances_become,
     request_once_back,
     start,
     stop,
@@ -294,3 +296,20 @@ async def test_go_speaks_tls_with_a_token_and_is_held_to_its_identity(
         assert (code, err.split(":")[:2]) == (1, ["meshgo", " UNAUTHENTICATED"]), err
         code, _, err = await run(meshgo, *asking("GoSecureAgent"), env={"AGENTMESH_TLS_CA": ""})
         assert (code, err.split(":")[:2]) == (1, ["meshgo", " UNAVAILABLE"]), err
+
+
+async def test_a_go_agent_whose_process_dies_is_taken_off_its_agents_instances(
+    meshgo: Path, go_agents: list[GoAgent]
+) -> None:
+    """Two Go processes serve one agent; each is killed (SIGKILL: no deregistration) and
+    leaves the agent's instances as its session breaks; the agent stays, with none."""
+    async with LocalMesh() as mesh, mesh.client("Caller") as client:
+        first, second = [
+            await start_go_agent(meshgo, go_agents, mesh.address, "GoTwinAgent") for _ in range(2)
+        ]
+        await instances_become(client, "GoTwinAgent", (first.address, second.address))
+        for gone, left in ((first, (second.address,)), (second, ())):
+            gone.process.kill()
+            await gone.process.wait()
+            info = await instances_become(client, "GoTwinAgent", left)
+            assert info.address == (left[-1] if left else "")

@@ -5,16 +5,22 @@ they share its queue, and one stopping leaves the agent on the mesh while the ot
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+from google.protobuf import struct_pb2
 
 from mesh import AgentContext, AgentNotFoundError, Message, agent, connect, serve
 from mesh.client import NO_RETRY
 from mesh.config import BrokerConfig
+from mesh.redis_store import RedisQueueStore
 from mesh.server import serve_broker
 from mesh.testing import LocalMesh
+from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
 
 
 def payment(tag: str, handled: Counter[str]) -> Any:
@@ -27,7 +33,10 @@ def payment(tag: str, handled: Counter[str]) -> Any:
     return pay
 
 
-async def test_one_instance_stopping_leaves_the_agent_to_the_others() -> None:
+async def test_one_instance_stopping_leaves_the_agent_to_the_others(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="mesh.broker")
     handled: Counter[str] = Counter()
     async with LocalMesh() as mesh, mesh.client("caller") as caller:
         old = await serve(payment("old", handled), mesh.address)
@@ -49,6 +58,11 @@ async def test_one_instance_stopping_leaves_the_agent_to_the_others() -> None:
         assert await caller.list_agents() == []
         with pytest.raises(AgentNotFoundError):
             await caller.send("Payment", {"action": "pay"})
+    # Each left as it stopped, none was lost.
+    said = [r.getMessage() for r in caplog.records if r.name == "mesh.broker"]
+    assert sum(f"the instance at {old.address} left" in m for m in said) == 1
+    assert "agent deregistered: Payment" in said
+    assert not [m for m in said if "is gone" in m]
 
 
 async def test_deregistering_an_agent_by_id_takes_every_instance_off() -> None:
@@ -144,3 +158,171 @@ async def test_instances_registering_and_leaving_at_once_through_two_replicas_ar
     finally:
         for replica in replicas:
             await replica.stop()
+
+
+async def test_an_instance_is_held_by_its_latest_subscription_across_replicas(
+    redis_url: str,
+) -> None:
+    """An instance's stream to replica A breaks and it subscribes again through B before A
+    notices: A's late end of the old stream leaves the instance named; the end of the one
+    through B takes it off (and the agent stays, its queue taking messages)."""
+    config = BrokerConfig(store=redis_url)
+    _, server_a = await serve_broker(broker_config=config)
+    _, server_b = await serve_broker(broker_config=config)
+    channels = [grpc.aio.insecure_channel(s.address) for s in (server_a, server_b)]
+    store = RedisQueueStore(redis_url)  # (to see which subscription holds the instance)
+    try:
+        on_a, on_b = (broker_pb2_grpc.BrokerServiceStub(c) for c in channels)
+        await on_a.RegisterAgent(
+            broker_pb2.RegisterAgentRequest(
+                agent=message_pb2.AgentInfo(agent_id="Payment", address="10.0.0.1:7000")
+            )
+        )
+
+        async def subscribed(stub: Any, replacing: str = "") -> tuple[Any, str]:
+            """A subscription naming the instance, and its id, once it holds the instance."""
+            stream = stub.Subscribe(
+                broker_pb2.SubscribeRequest(agent_id="Payment", instance="10.0.0.1:7000")
+            )
+            async with asyncio.timeout(10):
+                while True:
+                    saved = await store.saved_agent("Payment")
+                    holder = saved.subscribed.get("10.0.0.1:7000", "") if saved else ""
+                    if holder and holder != replacing:
+                        return stream, holder
+                    await asyncio.sleep(0.02)
+
+        async def instances(stub: Any, expected: list[str]) -> None:
+            async with asyncio.timeout(10):
+                while True:
+                    listed = await stub.ListAgents(broker_pb2.ListAgentsRequest())
+                    [payment] = [a for a in listed.agents if a.agent_id == "Payment"]
+                    if list(payment.instances) == expected:
+                        return
+                    await asyncio.sleep(0.02)
+
+        old, held_by_a = await subscribed(on_a)
+        new, _ = await subscribed(on_b, replacing=held_by_a)
+        old.cancel()
+        async with asyncio.timeout(10):  # A sees the old stream end
+            while True:
+                stats = await on_a.GetQueueStats(
+                    broker_pb2.GetQueueStatsRequest(agent_id="Payment")
+                )
+                if stats.agents and stats.agents[0].subscribers == 0:
+                    break
+                await asyncio.sleep(0.02)
+        for stub in (on_a, on_b):
+            await instances(stub, ["10.0.0.1:7000"])
+        new.cancel()
+        for stub in (on_a, on_b):
+            await instances(stub, [])
+        sent = await on_a.SendMessage(
+            broker_pb2.SendMessageRequest(
+                message=message_pb2.Message(
+                    from_agent="caller",
+                    to_agent="Payment",
+                    message_type=message_pb2.MESSAGE_TYPE_REQUEST,
+                    content=struct_pb2.Struct(
+                        fields={"action": struct_pb2.Value(string_value="pay")}
+                    ),
+                )
+            )
+        )
+        assert list(sent.recipients) == ["Payment"]
+    finally:
+        for channel in channels:
+            await channel.close()
+        await store.close()
+        await server_a.stop(0.5)
+        await server_b.stop(0.5)
+
+
+async def test_after_a_restart_an_instance_that_does_not_subscribe_again_is_taken_off(
+    tmp_path: Path,
+) -> None:
+    """A broker on its durable store restarts: the instance whose process subscribes again
+    stays; the one whose process died meanwhile is taken off within a lease of the start."""
+    from mesh.core.broker import Broker
+    from mesh.core.model import AgentInfo
+
+    config = BrokerConfig(store=f"sqlite://{tmp_path / 'queues.db'}", lease_seconds=0.5)
+    before = Broker(config)
+    await before.start()
+    for address in ("10.0.0.1:7000", "10.0.0.2:7000"):
+        await before.register(AgentInfo(agent_id="Payment", address=address))
+        await before.subscribe("Payment", instance=address)
+    await before.stop()  # (stopping, a broker takes no instance off)
+
+    after = Broker(config)
+    await after.start()
+    try:
+        [restored] = after.list_agents()
+        assert restored.instances == ("10.0.0.1:7000", "10.0.0.2:7000")
+        await after.subscribe("Payment", instance="10.0.0.2:7000")  # this one came back
+        async with asyncio.timeout(10):
+            while after.list_agents()[0].instances != ("10.0.0.2:7000",):  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+    finally:
+        await after.stop()
+    again = Broker(config)  # and so it was kept
+    await again.start()
+    try:
+        assert [a.instances for a in again.list_agents()] == [("10.0.0.2:7000",)]
+    finally:
+        await again.stop()
+
+
+async def test_an_unsubscribe_keeps_the_instance_a_session_ended_under_it_does_not() -> None:
+    """On plain gRPC: a subscription ended by an unsubscribe leaves the instance it named alone
+    (its client lives on, and deregisters it when it means to); a session that ends while
+    subscribed (cancelled, as a dying process's is, or ended by its client) takes it off, and
+    the next subscription naming it puts it back."""
+    async with LocalMesh() as mesh, grpc.aio.insecure_channel(mesh.address) as channel:
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        await stub.RegisterAgent(
+            broker_pb2.RegisterAgentRequest(
+                agent=message_pb2.AgentInfo(agent_id="Desk", address="10.0.0.1:7000")
+            )
+        )
+        subscribe = broker_pb2.ConnectRequest(
+            seq=1, subscribe=broker_pb2.SubscribeRequest(agent_id="Desk", instance="10.0.0.1:7000")
+        )
+
+        async def instances() -> list[str]:
+            listed = await stub.ListAgents(broker_pb2.ListAgentsRequest())
+            return [i for a in listed.agents if a.agent_id == "Desk" for i in a.instances]
+
+        async def subscribed() -> Any:
+            session = stub.Connect()
+            await session.write(subscribe)
+            assert (await session.read()).HasField("accepted")
+            assert await instances() == ["10.0.0.1:7000"]
+            return session
+
+        async def instance_gone() -> None:
+            async with asyncio.timeout(10):
+                while await instances():  # noqa: ASYNC110 - the broker's view
+                    await asyncio.sleep(0.02)
+
+        unsubscribed = await subscribed()
+        await unsubscribed.write(
+            broker_pb2.ConnectRequest(
+                seq=2, unsubscribe=broker_pb2.UnsubscribeRequest(agent_id="Desk")
+            )
+        )
+        assert (await unsubscribed.read()).HasField("accepted")
+        await unsubscribed.done_writing()
+        assert await unsubscribed.read() == grpc.aio.EOF
+        assert await instances() == ["10.0.0.1:7000"]
+
+        ended = await subscribed()
+        await ended.done_writing()
+        assert await ended.read() == grpc.aio.EOF
+        await instance_gone()
+
+        cancelled = await subscribed()  # (back)
+        cancelled.cancel()
+        await instance_gone()
+        [desk] = (await stub.ListAgents(broker_pb2.ListAgentsRequest())).agents
+        assert (desk.agent_id, list(desk.instances), desk.address) == ("Desk", [], "")

@@ -283,3 +283,32 @@ async def test_a_node_agent_serves_health_and_reflection_for_plain_grpc_tools() 
             node.kill()
             await node.wait()
         await stop(broker)
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
+async def test_a_node_agent_whose_process_dies_is_taken_off_its_agents_instances() -> None:
+    """Two Node processes serve one agent; each is killed (SIGKILL: no deregistration) and
+    leaves the agent's instances as its session breaks; the agent stays, with none."""
+    from mesh.testing import LocalMesh
+    from tests.helpers.processes import instances_become
+
+    async with LocalMesh() as mesh, mesh.client("Caller") as client:
+        nodes = []
+        try:
+            for _ in range(2):
+                nodes.append(await start_echo_agent("NodeTwinEcho", mesh.address))
+            (first, first_at), (second, second_at) = nodes
+            await instances_become(client, "NodeTwinEcho", (first_at, second_at))
+            first.kill()
+            await first.wait()
+            info = await instances_become(client, "NodeTwinEcho", (second_at,))
+            assert info.address == second_at
+            second.kill()
+            await second.wait()
+            info = await instances_become(client, "NodeTwinEcho", ())
+            assert info.address == ""
+        finally:
+            for node, _ in nodes:
+                if node.returncode is None:
+                    node.kill()
+                    await node.wait()

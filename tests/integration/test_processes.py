@@ -17,7 +17,14 @@ import pytest
 
 from mesh import BrokerUnavailableError, ChangeKind, MessageType, connect
 from mesh.client import NO_RETRY
-from tests.helpers.processes import BROKER_READY, Proc, start, stop
+from tests.helpers.processes import (
+    BROKER_READY,
+    Proc,
+    instances_become,
+    start,
+    stop,
+    wait_killed,
+)
 
 pytestmark = pytest.mark.processes
 ROOT = Path(__file__).resolve().parents[2]
@@ -169,6 +176,60 @@ async def test_a_rolling_update_of_an_agent_loses_no_request(broker_proc: Proc) 
                 assert await stop(new) == 0
         assert answered[0] == old.process.pid and answered[-1] == new.process.pid
         assert "PaymentAgent" not in {a.agent_id for a in await client.list_agents()}
+
+
+async def test_an_agent_process_that_dies_is_taken_off_its_agents_instances(
+    broker_proc: Proc,
+) -> None:
+    """Two processes serve PaymentAgent; each is killed (SIGKILL: no deregistration). Each
+    is taken off the agent's instances as its stream to the broker breaks; with the last gone
+    the agent stays registered with none, and what is sent to it waits in its queue until a
+    new process serves it."""
+
+    async def serving() -> Proc:
+        return await start(
+            "agent",
+            "tests.helpers.process_agents:Payment",
+            "--broker",
+            broker_proc.address,
+            ready=r"serving on (\S+),",
+        )
+
+    first, second = await serving(), await serving()
+    third: Proc | None = None
+    async with connect(broker_proc.address, agent_id="Checkout", retry=NO_RETRY) as client:
+        await client.register()
+
+        try:
+            await instances_become(client, "PaymentAgent", (first.address, second.address))
+            await wait_killed(second)
+            info = await instances_become(client, "PaymentAgent", (first.address,))
+            assert info.address == first.address
+            await wait_killed(first)
+            info = await instances_become(client, "PaymentAgent", ())
+            assert info.address == "" and info.agent_types == ("payment",)  # still registered
+
+            sent = await client.send(
+                "PaymentAgent", {"action": "process_payment", "parameters": {"amount": 7}}
+            )
+            stats = (await client.queue_stats("PaymentAgent")).for_agent("PaymentAgent")
+            assert stats is not None and stats.depth == 1
+
+            third = await serving()
+            await instances_become(client, "PaymentAgent", (third.address,))
+            async with asyncio.timeout(10):
+                while not (answers := await client.receive()):  # noqa: ASYNC110 - polls
+                    await asyncio.sleep(0.02)
+            [answer] = answers
+            assert answer.correlation_id == sent.message_id
+            assert answer.content["pid"] == third.process.pid
+        finally:
+            for proc in (first, second, third):
+                if proc is not None:
+                    proc.kill()
+    log = "".join(broker_proc.output)
+    for proc in (second, first):
+        assert f"the instance at {proc.address} is gone" in log
 
 
 async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mesh.core.errors import AgentNotFoundError
+from mesh.core.errors import AgentNotFoundError, MessageValidationError
 from mesh.core.model import AgentInfo
 from mesh.core.registry import MAX_INSTANCES, AgentRegistry
 
@@ -55,3 +55,65 @@ def test_instances_are_bounded_and_a_kept_registration_is_restored_as_it_was() -
     # A registration kept before instances were counted: its address is its one instance.
     old = AgentInfo.from_dict({"agent_id": "Old", "address": "h:1", "registered_at": None})
     assert AgentRegistry().register(old, restore=True).instances == ("h:1",)
+
+
+def test_a_lost_subscription_takes_its_instance_off_and_keeps_the_agent() -> None:
+    registry = AgentRegistry()
+    for host in ("a", "b"):
+        registry.register(AgentInfo(agent_id="Payment", agent_types=("pay",), address=f"{host}:1"))
+    registry.hold("Payment", "a:1", "Payment#r1-1")
+    registry.hold("Payment", "b:1", "Payment#r1-2")
+    assert registry.lose("Payment", "b:1", "Payment#r1-9") is None  # not the one holding it
+    lost = registry.lose("Payment", "b:1", "Payment#r1-2")
+    assert lost is not None and lost.instances == ("a:1",) and lost.address == "a:1"
+    assert registry.lose("Payment", "b:1", "Payment#r1-2") is None  # gone already
+    last = registry.lose("Payment", "a:1", "Payment#r1-1")
+    assert last is not None and last.instances == () and last.address == ""
+    assert "Payment" in registry and last.agent_types == ("pay",)  # its queue still takes
+
+
+def test_a_newer_subscription_of_the_instance_outlives_the_older_ones_end() -> None:
+    """The process's stream broke and it subscribed again (here, or through another replica)
+    before the broker noticed the old one end: the old one's end takes nothing off."""
+    registry = AgentRegistry()
+    registry.register(AgentInfo(agent_id="Payment", address="a:1"))
+    registry.hold("Payment", "a:1", "Payment#r1-1")
+    registry.hold("Payment", "a:1", "Payment#r2-1")
+    assert registry.lose("Payment", "a:1", "Payment#r1-1") is None
+    assert registry.require("Payment").instances == ("a:1",)
+    assert registry.lose("Payment", "a:1", "Payment#r2-1") is not None
+
+
+def test_a_subscription_puts_its_lost_instance_back() -> None:
+    registry = AgentRegistry()
+    registry.register(AgentInfo(agent_id="Payment", address="a:1"))
+    registry.register(AgentInfo(agent_id="Payment", address="b:1"))
+    registry.hold("Payment", "a:1", "s1")
+    registry.lose("Payment", "a:1", "s1")
+    back = registry.hold("Payment", "a:1", "s2")
+    assert back.instances == ("b:1", "a:1") and back.address == "a:1"  # the latest again
+    assert dict(back.subscribed) == {"a:1": "s2"}
+
+
+def test_leaving_or_registering_again_keeps_the_holders_of_the_instances_left() -> None:
+    registry = AgentRegistry()
+    for host in ("a", "b"):
+        registry.register(AgentInfo(agent_id="Payment", address=f"{host}:1"))
+        registry.hold("Payment", f"{host}:1", f"s-{host}")
+    registry.leave("Payment", "a:1")
+    again = registry.register(AgentInfo(agent_id="Payment", address="a:1"))
+    assert dict(again.subscribed) == {"b:1": "s-b"}  # a:1 registered anew, held by none yet
+    assert registry.lose("Payment", "a:1", "s-a") is None
+    kept = AgentInfo.from_dict(again.to_dict())
+    assert dict(kept.subscribed) == {"b:1": "s-b"}
+    restored = AgentRegistry().register(kept, restore=True)
+    assert dict(restored.subscribed) == {"b:1": "s-b"} and restored.instances == ("b:1", "a:1")
+
+
+def test_holding_needs_the_agent_and_a_bounded_address() -> None:
+    registry = AgentRegistry(max_id_length=16)
+    with pytest.raises(AgentNotFoundError):
+        registry.hold("Nobody", "a:1", "s1")
+    registry.register(AgentInfo(agent_id="Payment"))
+    with pytest.raises(MessageValidationError):
+        registry.hold("Payment", "x" * 17, "s1")

@@ -363,7 +363,8 @@ func (a *agent) serveSession(
 		return session.Send(frame)
 	}
 	if err := write(&meshv1.ConnectRequest{Seq: 1, Frame: &meshv1.ConnectRequest_Subscribe{
-		Subscribe: &meshv1.SubscribeRequest{AgentId: a.id, MaxInFlight: 16},
+		// Naming its instance: should this process die, the broker takes it off the agent's.
+		Subscribe: &meshv1.SubscribeRequest{AgentId: a.id, MaxInFlight: 16, Instance: a.address},
 	}}); err != nil {
 		return err
 	}

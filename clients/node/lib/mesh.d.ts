@@ -507,6 +507,11 @@ export interface SessionOptions {
   leaseMs?: number;
   /** How long a handler may keep its delivery leased by extending it (3,600,000). */
   maxLeaseExtensionMs?: number;
+  /**
+   * The address this agent's process registered: the session holds that instance among the
+   * agent's, and its loss (the process dies) takes it off. '' (default): none.
+   */
+  instance?: string;
 }
 
 /** An agent's deliveries on a Connect stream (session()). */
@@ -614,7 +619,7 @@ export class MeshClient {
   subscribe(onDelivery: (message: Message, attempt: number, context: HandlerContext)
   => Promise<unknown> | unknown,
     options?: { agentId?: string; maxInFlight?: number; leaseMs?: number;
-      maxLeaseExtensionMs?: number }): Subscription;
+      maxLeaseExtensionMs?: number; instance?: string }): Subscription;
 }
 
 // -- the gateway client -------------------------------------------------------------------------

@@ -1029,10 +1029,13 @@ class MeshClient {
    * may stop; its outcome is neither sent nor acknowledged (the broker dropped it). The returned
    * stream emits 'subscribed' once the broker took the subscription, 'refused' (a
    * MeshError) when the broker refuses an answer it was sent, and 'error' / 'end'
-   * when the session is over.
+   * when the session is over. instance: the address this agent's process registered; the
+   * session then holds that instance among the agent's, and its loss (the process dies)
+   * takes it off.
    */
   session(handle, { agentId = this.agentId, maxInFlight = 16, maxBatch = 16,
-    ackLingerMs = 2, leaseMs: askedLeaseMs, maxLeaseExtensionMs = 3600000 } = {}) {
+    ackLingerMs = 2, leaseMs: askedLeaseMs, maxLeaseExtensionMs = 3600000,
+    instance = '' } = {}) {
     const leaseMs = askedLeaseMs || 30000; // (0 too: a length the extensions know)
     const metadata = (this.broker.meshMetadata || new grpc.Metadata()).clone();
     metadata.set('agentmesh-batch', '1');
@@ -1150,7 +1153,7 @@ class MeshClient {
     call.on('data', take);
     call.on('error', () => {}); // listeners of the caller's decide; none must not crash
     write({ seq: 1, subscribe: { agent_id: agentId, max_in_flight: maxInFlight,
-      max_batch: maxBatch, lease: toDuration(leaseMs), withdrawals: true } });
+      max_batch: maxBatch, lease: toDuration(leaseMs), withdrawals: true, instance } });
     return call;
   }
 
@@ -1163,11 +1166,11 @@ class MeshClient {
    * message (its requester gave up), and it is then neither acked nor nacked.
    */
   subscribe(onDelivery, { agentId = this.agentId, maxInFlight = 16, leaseMs: askedLeaseMs,
-    maxLeaseExtensionMs = 3600000 } = {}) {
+    maxLeaseExtensionMs = 3600000, instance = '' } = {}) {
     const leaseMs = askedLeaseMs || 30000; // (0 too: a length the extensions know)
     if (isClosed(this.broker)) throw closedClient();
     const call = this.broker.Subscribe({ agent_id: agentId, max_in_flight: maxInFlight,
-      lease: toDuration(leaseMs), withdrawals: true }, this.broker.meshMetadata);
+      lease: toDuration(leaseMs), withdrawals: true, instance }, this.broker.meshMetadata);
     const working = new Map(); // message id -> AbortController of its handling
     const inFlight = new Map(); // handling -> {id, started}
     const keeper = keepLeases(inFlight, leaseMs, maxLeaseExtensionMs, (ids) => unary(
@@ -1701,7 +1704,9 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     while (!stopped) {
       try {
         if (attempt) await client.register({ agentTypes, address, capabilities });
-        subscription = client.session(onDelivery, { leaseMs, maxLeaseExtensionMs });
+        // (Naming its instance: should this process die, the broker takes it off.)
+        subscription = client.session(onDelivery,
+          { leaseMs, maxLeaseExtensionMs, instance: address });
         subscription.on('refused', onRefused);
         await new Promise((resolve) => {
           subscription.on('error', resolve);
