@@ -322,6 +322,12 @@ class BrokerMetrics:
             "agentmesh_dead_letters_requeued",
             "Dead letters put back in their queue (RequeueDeadLetters).",
         )
+        self.instances_lost = loop.counter(
+            "agentmesh_agent_instances_lost",
+            "Agent instances taken off because their subscription ended without them"
+            " deregistering (a process killed or out of memory, its connection gone).",
+            ["agent"],
+        )
         self.leases_extended = loop.counter(
             "agentmesh_leases_extended",
             "Leases extended while their handler still worked (ExtendLease).",

@@ -1424,6 +1424,7 @@ class Broker:
         if lost is None:
             return
         await self.store.sync()
+        self.metrics.instances_lost.labels(agent_id).inc()
         logger.warning(
             "agent %s: the instance at %s is gone (%s); %d serve it still",
             agent_id,

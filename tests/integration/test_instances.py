@@ -326,3 +326,8 @@ async def test_an_unsubscribe_keeps_the_instance_a_session_ended_under_it_does_n
         await instance_gone()
         [desk] = (await stub.ListAgents(broker_pb2.ListAgentsRequest())).agents
         assert (desk.agent_id, list(desk.instances), desk.address) == ("Desk", [], "")
+        assert mesh.broker is not None
+        lost = mesh.broker.metrics.registry.get_sample_value(
+            "agentmesh_agent_instances_lost_total", {"agent": "Desk"}
+        )
+        assert lost == 2  # the session ended, then the one cancelled: not the unsubscribe
