@@ -1178,6 +1178,8 @@ class RedisQueueStore:
         messages (mesh:busy), and every FULL_SWEEP_SECONDS (or when a replica is gone) in
         every queue: an idle queue costs a sweep nothing, however many agents are registered."""
         gone, leader = await self._beat()
+        if gone and self.listener is not None:
+            self.listener.on_replicas_gone(gone)
         self._queues_known.clear()  # each queue is named to mesh:queues again once a sweep
         started = time.monotonic()
         full = bool(gone) or started - self._swept_all_at >= FULL_SWEEP_SECONDS

@@ -301,6 +301,11 @@ def _log_fan_out(
     )
 
 
+def _replica_of(subscription_id: str) -> str:
+    """The replica (broker instance) a subscription id names: ``agent#replica-n``."""
+    return subscription_id.rpartition("#")[2].rpartition("-")[0]
+
+
 class Broker:
     """Routes messages between agents (RF-009)."""
 
@@ -358,6 +363,8 @@ class Broker:
         store (agent id, address, subscription): each that no subscription holds again within
         a lease of the start (its process died meanwhile) is taken off."""
         self._held_before_until = 0.0
+        self._replicas_gone: set[str] = set()
+        """Replicas found dead whose subscriptions' instances are still to be taken off."""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -467,6 +474,8 @@ class Broker:
                 "it did not subscribe again within a lease of the broker's restart",
             )
             self._held_before.pop()
+        if self._replicas_gone:
+            await self._lose_instances_of_replicas()
         if self.store.shared and time.monotonic() - self._credit_checked >= CREDIT_CHECK_SECONDS:
             self._credit_checked = time.monotonic()
             await self._check_credit()
@@ -1399,6 +1408,20 @@ class Broker:
             await self.store.save_agent(self.registry.hold(agent_id, address, held_by))
         await self.store.sync()
 
+    async def _lose_instances_of_replicas(self) -> None:
+        """Takes off the instances held by subscriptions of replicas found dead: the
+        processes of those instances did not subscribe again through another replica (that
+        would have made a subscription of its own hold them)."""
+        gone = set(self._replicas_gone)
+        for info in await self.store.saved_agents():
+            for address, held_by in info.subscribed.items():
+                replica = _replica_of(held_by)
+                if replica in gone:
+                    await self._lose_instance(
+                        info.agent_id, address, held_by, f"its broker replica {replica} is gone"
+                    )
+        self._replicas_gone -= gone
+
     async def _lose_instance(self, agent_id: str, address: str, held_by: str, why: str) -> None:
         """The subscription that held an instance ended: the instance goes (see
         :meth:`AgentRegistry.lose`) unless it left already or another subscription holds it."""
@@ -1594,6 +1617,11 @@ class Broker:
             for sub in subs:
                 sub.wake()
         self._credit_checked = -CREDIT_CHECK_SECONDS
+
+    def on_replicas_gone(self, replica_ids: Sequence[str]) -> None:
+        """Replicas that died: the instances their subscriptions held go in the next sweep
+        (unless those processes subscribed again elsewhere meanwhile)."""
+        self._replicas_gone.update(replica_ids)
 
     def on_released(self, released: Released) -> None:
         sub = self._by_subscription.get(released.subscriber)

@@ -20,7 +20,7 @@ import heapq
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol, TypeVar
@@ -283,6 +283,11 @@ class ReplicaListener(StoreListener, Protocol):
     def on_followed_again(self) -> None:
         """Following the other replicas was interrupted (a lost connection) and has resumed:
         wake-ups sent meanwhile may be lost, so every subscription looks at its queue."""
+        ...
+
+    def on_replicas_gone(self, replica_ids: Sequence[str]) -> None:
+        """These replicas stopped beating (told to the one replica that noticed): their
+        subscriptions are gone with them."""
         ...
 
 

@@ -445,9 +445,10 @@ class SubscribeRequest(_message.Message):
     subscription ends other than by an `unsubscribe` frame while the broker runs and the
     instance has not left (DeregisterAgent with its address) - its process died, its
     connection was lost, its stream was cancelled or ended while subscribed - the instance is
-    taken off; the agent stays registered, with no instance if that was the last, and its
-    queue keeps what is sent to it. Empty: the subscription holds no instance, and one whose
-    process dies stays named until it is taken off.
+    taken off (also when the broker replica holding the subscription dies: by the replica
+    that sees it gone); the agent stays registered, with no instance if that was the last,
+    and its queue keeps what is sent to it. Empty: the subscription holds no instance, and
+    one whose process dies stays named until it is taken off.
     """
     @_builtins.property
     def lease(self) -> _duration_pb2.Duration:

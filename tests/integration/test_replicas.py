@@ -17,6 +17,7 @@ import itertools
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 import pytest
 
 from mesh import MeshError, Message, connect
@@ -26,6 +27,7 @@ from mesh.core import broker as broker_module
 from mesh.core.broker import Broker
 from mesh.core.model import AgentInfo
 from mesh.redis_store import RedisQueueStore
+from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
 from tests.helpers.processes import BROKER_READY, Proc, start, stop, wait_killed
 from tests.helpers.stores import CountingLeases
 
@@ -357,3 +359,49 @@ async def test_a_release_the_subscriptions_replica_never_heard_of_frees_its_plac
             b.on_followed_again()  # (as its store calls it once subscribed again)
         assert (await asyncio.wait_for(second, 5)).message.action == "two"
         await sub.close()
+
+
+async def test_the_instances_a_dead_replica_held_are_taken_off_by_the_other(
+    redis_url: str,
+) -> None:
+    """An agent process subscribed through replica A naming its instance; A and that process
+    die together (one machine lost). Replica B, seeing A stop beating, takes the instance off
+    (nobody else could: A's end of the stream died with A); the agent stays registered."""
+    a = await start_replica(redis_url)
+    b = await start_replica(redis_url)
+    channel = grpc.aio.insecure_channel(a.address)
+    store = RedisQueueStore(redis_url)  # (to see that A's subscription holds the instance)
+    try:
+        on_a = broker_pb2_grpc.BrokerServiceStub(channel)
+        await on_a.RegisterAgent(
+            broker_pb2.RegisterAgentRequest(
+                agent=message_pb2.AgentInfo(agent_id="Desk", address="10.0.0.1:7000")
+            )
+        )
+        stream = on_a.Subscribe(
+            broker_pb2.SubscribeRequest(agent_id="Desk", instance="10.0.0.1:7000")
+        )
+        async with connect(b.address, agent_id="watcher", retry=NO_RETRY) as watcher:
+            async with asyncio.timeout(10):
+                while True:
+                    saved = await store.saved_agent("Desk")
+                    if saved is not None and saved.subscribed:
+                        break
+                    await asyncio.sleep(0.05)
+            await wait_killed(a)  # (the test's end of the stream is left as a dead host's)
+            stream.cancel()
+            async with asyncio.timeout(20):
+                while True:
+                    [desk] = [x for x in await watcher.list_agents() if x.agent_id == "Desk"]
+                    if desk.instances == ():
+                        break
+                    await asyncio.sleep(0.1)
+        said = "the instance at 10.0.0.1:7000 is gone (its broker replica"
+        async with asyncio.timeout(10):  # (its log is written by a thread of its own)
+            while not any(said in line for line in b.output):  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+    finally:
+        await channel.close()
+        await store.close()
+        await stop(a)
+        await stop(b)
