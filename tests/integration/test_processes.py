@@ -110,22 +110,24 @@ async def test_request_and_handoff_cross_three_processes(broker_proc: Proc) -> N
         assert remaining == {"CustomerAgent"}
 
 
+async def payment_agent(broker: Proc) -> Proc:
+    """A process of PaymentAgent (tests/helpers/process_agents.py) serving through ``broker``."""
+    return await start(
+        "agent",
+        "tests.helpers.process_agents:Payment",
+        "--broker",
+        broker.address,
+        ready=r"serving on (\S+),",
+    )
+
+
 async def test_a_rolling_update_of_an_agent_loses_no_request(broker_proc: Proc) -> None:
     """The shape of a Kubernetes rolling update: a second process of PaymentAgent starts, the
     first gets SIGTERM, while requests keep coming. Every one is answered (none NOT_FOUND,
     none timed out), by the old process and then by the new, and the agent stays registered
     with the new one as its instance."""
 
-    async def serving() -> Proc:
-        return await start(
-            "agent",
-            "tests.helpers.process_agents:Payment",
-            "--broker",
-            broker_proc.address,
-            ready=r"serving on (\S+),",
-        )
-
-    old = await serving()
+    old = await payment_agent(broker_proc)
     new: Proc | None = None
     async with connect(broker_proc.address, agent_id="Checkout") as client:
         await client.register()
@@ -144,7 +146,7 @@ async def test_a_rolling_update_of_an_agent_loses_no_request(broker_proc: Proc) 
 
         asking = asyncio.create_task(keep_asking())
         try:
-            new = await serving()
+            new = await payment_agent(broker_proc)
 
             async def agents(*flags: str) -> str:
                 listed = await asyncio.create_subprocess_exec(
@@ -186,16 +188,7 @@ async def test_an_agent_process_that_dies_is_taken_off_its_agents_instances(
     the agent stays registered with none, and what is sent to it waits in its queue until a
     new process serves it."""
 
-    async def serving() -> Proc:
-        return await start(
-            "agent",
-            "tests.helpers.process_agents:Payment",
-            "--broker",
-            broker_proc.address,
-            ready=r"serving on (\S+),",
-        )
-
-    first, second = await serving(), await serving()
+    first, second = await payment_agent(broker_proc), await payment_agent(broker_proc)
     third: Proc | None = None
     async with connect(broker_proc.address, agent_id="Checkout", retry=NO_RETRY) as client:
         await client.register()
@@ -215,7 +208,7 @@ async def test_an_agent_process_that_dies_is_taken_off_its_agents_instances(
             stats = (await client.queue_stats("PaymentAgent")).for_agent("PaymentAgent")
             assert stats is not None and stats.depth == 1
 
-            third = await serving()
+            third = await payment_agent(broker_proc)
             await instances_become(client, "PaymentAgent", (third.address,))
             async with asyncio.timeout(10):
                 while not (answers := await client.receive()):  # noqa: ASYNC110 - polls
