@@ -32,6 +32,7 @@ from mesh.core.errors import (
     MessageQueueFullError,
     MessageValidationError,
     RequestTimeoutError,
+    RoutingError,
     SessionClosedError,
 )
 from mesh.core.logthrottle import LogThrottle
@@ -1125,6 +1126,7 @@ class Broker:
                     known = agent_id in self.registry or await self._load_registration(agent_id)
                     if not known:
                         raise AgentNotFoundError(f"agent {agent_id} is not registered")
+                    self._refuse_if_no_instance(agent_id)
                     await self._enqueue(message.copy_to(agent_id), lifetime)
                     self.metrics.sent(kind.value, 0.0)
                 except MeshError as error:
@@ -1407,6 +1409,17 @@ class Broker:
         else:
             await self.store.save_agent(self.registry.hold(agent_id, address, held_by))
         await self.store.sync()
+
+    def _refuse_if_no_instance(self, agent_id: str) -> None:
+        """A gather does not wait for an agent whose every instance died (none came back
+        since): it has nobody to answer within the gather's time, and is left out at once."""
+        info = self.registry.get(agent_id)
+        if info is not None and info.lost_at is not None and not info.instances:
+            raise RoutingError(
+                f"no instance of {agent_id} is serving: its last was lost at "
+                f"{info.lost_at.isoformat(timespec='seconds')}",
+                reason="NO_INSTANCE",
+            )
 
     async def _lose_instances_of_replicas(self) -> None:
         """Takes off the instances held by subscriptions of replicas found dead: the

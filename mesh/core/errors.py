@@ -212,6 +212,7 @@ _BY_REASON: dict[str, type[MultiAgentCommunicationError]] = {
 }
 # Reasons that say more than their class's own.
 _BY_REASON.update(
+    NO_INSTANCE=RoutingError,
     STATE_NOT_FOUND=NotFoundError,
     RUN_NOT_FOUND=NotFoundError,
     STATE_LOCKED=StateConflictError,

@@ -420,6 +420,9 @@ class AgentInfo:
     """Instance address -> the subscription that names it as its subscriber (the latest
     opened): when that subscription's stream is lost, the instance is taken off. Kept by the
     broker and its stores; not part of the contract's AgentInfo."""
+    lost_at: datetime | None = field(default=None, compare=False, repr=False)
+    """When its last instance was lost (its process died without deregistering), while no
+    instance serves it since; None otherwise (also for an agent that never named one)."""
 
     def to_dict(self) -> dict[str, JSON]:
         """The JSON form (the durable and Redis stores keep registrations this way)."""
@@ -431,6 +434,7 @@ class AgentInfo:
             "registered_at": self.registered_at.isoformat() if self.registered_at else None,
             "instances": list(self.instances),
             "subscribed": dict(self.subscribed),
+            "lost_at": self.lost_at.isoformat() if self.lost_at else None,
         }
 
     @classmethod
@@ -446,6 +450,7 @@ class AgentInfo:
             subscribed={str(a): str(s) for a, s in subscribed.items()}
             if isinstance(subscribed := data.get("subscribed"), dict)
             else {},
+            lost_at=datetime.fromisoformat(str(lost)) if (lost := data.get("lost_at")) else None,
         )
 
 

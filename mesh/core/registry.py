@@ -74,6 +74,7 @@ class AgentRegistry:
             instances = info.instances or ((info.address,) if info.address else ())
             since = info.registered_at
             subscribed = info.subscribed
+            lost_at = info.lost_at
         else:
             earlier = previous.instances if previous else ()
             instances = tuple(a for a in earlier if a != info.address)
@@ -81,6 +82,7 @@ class AgentRegistry:
                 instances = (*instances, info.address)
             since = previous.registered_at if previous else None
             subscribed = previous.subscribed if previous else {}
+            lost_at = previous.lost_at if previous else None
         instances = instances[-MAX_INSTANCES:]
         registered = AgentInfo(
             agent_id=info.agent_id,
@@ -90,6 +92,7 @@ class AgentRegistry:
             registered_at=since or utc_now(),
             instances=instances,
             subscribed={a: s for a, s in subscribed.items() if a in instances},
+            lost_at=None if instances else lost_at,
         )
         self._agents[info.agent_id] = registered
         return registered
@@ -132,7 +135,7 @@ class AgentRegistry:
             held = dataclasses.replace(info, address=address, instances=instances)
         subscribed = {a: s for a, s in info.subscribed.items() if a in held.instances}
         subscribed[address] = subscription_id
-        held = dataclasses.replace(held, subscribed=subscribed)
+        held = dataclasses.replace(held, subscribed=subscribed, lost_at=None)
         self._agents[agent_id] = held
         return held
 
@@ -146,15 +149,16 @@ class AgentRegistry:
         info = self._agents.get(agent_id)
         if info is None or info.subscribed.get(address) != subscription_id:
             return None
-        return self._without(info, address)
+        return self._without(info, address, lost=True)
 
-    def _without(self, info: AgentInfo, address: str) -> AgentInfo:
+    def _without(self, info: AgentInfo, address: str, *, lost: bool = False) -> AgentInfo:
         others = tuple(a for a in info.instances if a != address)
         remaining = dataclasses.replace(
             info,
             address=others[-1] if others else "",
             instances=others,
             subscribed={a: s for a, s in info.subscribed.items() if a != address},
+            lost_at=utc_now() if lost and not others else info.lost_at,
         )
         self._agents[info.agent_id] = remaining
         return remaining

@@ -14,13 +14,14 @@ import grpc
 import pytest
 from google.protobuf import struct_pb2
 
-from mesh import AgentContext, AgentNotFoundError, Message, agent, connect, serve
+from mesh import AgentContext, AgentNotFoundError, Message, RoutingError, agent, connect, serve
 from mesh.client import NO_RETRY
 from mesh.config import BrokerConfig
 from mesh.redis_store import RedisQueueStore
 from mesh.server import serve_broker
 from mesh.testing import LocalMesh
 from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
+from tests.helpers.processes import instances_become
 
 
 def payment(tag: str, handled: Counter[str]) -> Any:
@@ -331,3 +332,59 @@ async def test_an_unsubscribe_keeps_the_instance_a_session_ended_under_it_does_n
             "agentmesh_agent_instances_lost_total", {"agent": "Desk"}
         )
         assert lost == 2  # the session ended, then the one cancelled: not the unsubscribe
+
+
+async def test_a_gather_leaves_out_at_once_an_agent_whose_every_instance_died() -> None:
+    """A group's agent whose only process died (its session lost) is left out of a gather at
+    once, with NO_INSTANCE, rather than waited for until the gather's timeout; once a process
+    of it subscribes again, it is asked again."""
+
+    @agent("Talker", agent_types=["advisor"])
+    async def talker(message: Message, ctx: AgentContext) -> dict[str, Any]:
+        return {"recommendation": "hold"}
+
+    async with LocalMesh() as mesh, grpc.aio.insecure_channel(mesh.address) as channel:
+        await mesh.add_agent(talker)
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        await stub.RegisterAgent(
+            broker_pb2.RegisterAgentRequest(
+                agent=message_pb2.AgentInfo(
+                    agent_id="Quiet", agent_types=["advisor"], address="10.0.0.9:7000"
+                )
+            )
+        )
+        subscribe = broker_pb2.ConnectRequest(
+            seq=1,
+            subscribe=broker_pb2.SubscribeRequest(agent_id="Quiet", instance="10.0.0.9:7000"),
+        )
+        session = stub.Connect()
+        await session.write(subscribe)
+        assert (await session.read()).HasField("accepted")
+        session.cancel()  # the process dies
+        async with mesh.client("Chair") as chair:
+            await instances_become(chair, "Quiet", ())
+
+            async def ask() -> dict[str, Any]:
+                return {
+                    r.agent_id: r
+                    async for r in chair.gather(
+                        {"query": "AAPL?"}, agent_types=["advisor"], timeout=30
+                    )
+                }
+
+            outcome = await ask()
+            assert outcome["Talker"].response is not None
+            refused = outcome["Quiet"].error
+            assert isinstance(refused, RoutingError) and refused.reason == "NO_INSTANCE"
+            assert "no instance of Quiet is serving" in refused.message
+            stats = (await chair.queue_stats("Quiet")).for_agent("Quiet")
+            assert stats is not None and stats.depth == 0  # no copy waits for nobody
+
+            back = stub.Connect()  # a new process of it
+            await back.write(subscribe)
+            assert (await back.read()).HasField("accepted")
+            asking = asyncio.create_task(ask())
+            delivered = await back.read()
+            assert delivered.delivery.message.to_agent == "Quiet"
+            back.cancel()
+            asking.cancel()

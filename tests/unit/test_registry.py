@@ -117,3 +117,22 @@ def test_holding_needs_the_agent_and_a_bounded_address() -> None:
     registry.register(AgentInfo(agent_id="Payment"))
     with pytest.raises(MessageValidationError):
         registry.hold("Payment", "x" * 17, "s1")
+
+
+def test_an_agent_whose_last_instance_was_lost_says_since_when_until_one_serves_again() -> None:
+    registry = AgentRegistry()
+    registry.register(AgentInfo(agent_id="Payment", address="a:1"))
+    registry.register(AgentInfo(agent_id="Payment", address="b:1"))
+    registry.hold("Payment", "a:1", "s1")
+    registry.hold("Payment", "b:1", "s2")
+    assert registry.lose("Payment", "a:1", "s1").lost_at is None  # type: ignore[union-attr]
+    last = registry.lose("Payment", "b:1", "s2")
+    assert last is not None and last.lost_at is not None
+    kept = AgentInfo.from_dict(last.to_dict())
+    assert kept.lost_at == last.lost_at
+    assert registry.register(AgentInfo(agent_id="Payment")).lost_at == last.lost_at  # no address
+    assert registry.hold("Payment", "a:1", "s3").lost_at is None  # one serves again
+    registry.lose("Payment", "a:1", "s3")
+    assert registry.register(AgentInfo(agent_id="Payment", address="c:1")).lost_at is None
+    registry.register(AgentInfo(agent_id="Inbox"))  # never named an instance: never lost
+    assert registry.require("Inbox").lost_at is None
