@@ -149,6 +149,29 @@ async def test_a_go_agent_takes_part_in_a_group_chat_beside_the_python_agents(
     assert aggregate["votes"] == {"Buy AAPL": 4}
     assert "go saw: What stock should I buy?" in aggregate["reasoning"]
 
+    # The Go process dies: the next chat names it missing at once and goes on without it.
+    [go_agent] = go_agents
+    go_agent.process.kill()
+    await go_agent.process.wait()
+    async with connect(embedded.broker.address, agent_id="GoChatAdmin") as admin:
+        await instances_become(admin, "GoExpertAgent", ())
+        try:
+            code, out, err = await run(
+                meshgo, "groupchat", "-gateway", embedded.gateway.address, "-agents", group,
+                "-query", "What stock should I buy?", "-label", "stocks",
+            )  # fmt: skip
+        finally:
+            await admin.deregister("GoExpertAgent")  # (the shared mesh as it was)
+    assert code == 0, err
+    lines = out.splitlines()
+    [missing] = [line for line in lines if line.startswith("AGENT_MISSING ")]
+    assert missing.startswith(
+        "AGENT_MISSING GoExpertAgent gave no answer: no instance of GoExpertAgent is serving"
+    ), missing
+    assert len([line for line in lines if line.startswith("CONTRIBUTION ")]) == 3
+    assert "RESULT group chat partial: Buy AAPL (unanimous expert consensus)" in lines
+    assert json.loads(lines[-1].removeprefix("AGGREGATE "))["votes"] == {"Buy AAPL": 3}
+
 
 async def test_a_go_agent_answers_python_asks_go_and_leaves_when_stopped(
     embedded: EmbeddedMesh, meshgo: Path, go_agents: list[GoAgent]
