@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from mesh.agent import Agent, serve_all
 from mesh.client import connect
 from mesh.config import BrokerConfig, SecurityConfig, ServerConfig
 from mesh.core.errors import MeshError, MessageValidationError
-from mesh.core.model import BROADCAST_TARGET, Message, MessageType, Priority
+from mesh.core.model import BROADCAST_TARGET, AgentInfo, Message, MessageType, Priority
 from mesh.core.state import StateEntry
 from mesh.core.tools import ToolHost
 from mesh.core.workflows import WORKFLOW_KEY_PREFIX
@@ -384,6 +385,7 @@ async def _agents(args: argparse.Namespace) -> int:
                         "address": a.address,
                         "instances": list(a.instances),
                         "capabilities": list(a.capabilities),
+                        "lost_at": a.lost_at.isoformat() if a.lost_at else None,
                     }
                     for a in agents
                 ],
@@ -399,8 +401,7 @@ async def _agents(args: argparse.Namespace) -> int:
             (
                 a.agent_id,
                 ",".join(a.agent_types) or "-",
-                (a.address or "-")
-                + (f" (+{len(a.instances) - 1} more)" if len(a.instances) > 1 else ""),
+                _where(a),
                 str(s.depth if s else 0),
                 str(s.in_flight if s else 0),
                 ",".join(a.capabilities) or "-",
@@ -409,6 +410,14 @@ async def _agents(args: argparse.Namespace) -> int:
     _table(rows)
     _print(f"{len(agents)} agents; broker holds {stats.totals['held']} messages")
     return 0
+
+
+def _where(info: AgentInfo) -> str:
+    """Its latest instance (and how many more), or since when none serves it."""
+    if info.lost_at is not None and not info.instances:
+        return f"- (none since {info.lost_at.astimezone(UTC):%Y-%m-%d %H:%M:%S}Z)"
+    more = f" (+{len(info.instances) - 1} more)" if len(info.instances) > 1 else ""
+    return (info.address or "-") + more
 
 
 def _table(rows: Sequence[Sequence[str]]) -> None:

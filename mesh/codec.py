@@ -563,6 +563,7 @@ def agent_from_pb(pb: message_pb2.AgentInfo) -> AgentInfo:
         if pb.HasField("registered_at")
         else None,
         instances=tuple(pb.instances),
+        lost_at=timestamp_to_datetime(pb.lost_at, "lost_at") if pb.HasField("lost_at") else None,
     )
 
 
@@ -575,6 +576,8 @@ def agent_to_pb(info: AgentInfo, out: message_pb2.AgentInfo | None = None) -> me
     if info.registered_at is not None:
         datetime_to_timestamp(info.registered_at, pb.registered_at)
     pb.instances.extend(info.instances)
+    if info.lost_at is not None:
+        datetime_to_timestamp(info.lost_at, pb.lost_at)
     return pb
 
 

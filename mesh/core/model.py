@@ -420,7 +420,7 @@ class AgentInfo:
     """Instance address -> the subscription that names it as its subscriber (the latest
     opened): when that subscription's stream is lost, the instance is taken off. Kept by the
     broker and its stores; not part of the contract's AgentInfo."""
-    lost_at: datetime | None = field(default=None, compare=False, repr=False)
+    lost_at: datetime | None = field(default=None, compare=False)
     """When its last instance was lost (its process died without deregistering), while no
     instance serves it since; None otherwise (also for an agent that never named one)."""
 

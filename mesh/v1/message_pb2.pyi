@@ -264,6 +264,7 @@ class AgentInfo(_message.Message):
     CAPABILITIES_FIELD_NUMBER: _builtins.int
     REGISTERED_AT_FIELD_NUMBER: _builtins.int
     INSTANCES_FIELD_NUMBER: _builtins.int
+    LOST_AT_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     """Unique id of the agent, e.g. "PaymentAgent"."""
     address: _builtins.str
@@ -287,6 +288,13 @@ class AgentInfo(_message.Message):
         by the broker: what a registration sends here is not read.
         """
 
+    @_builtins.property
+    def lost_at(self) -> _timestamp_pb2.Timestamp:
+        """When the agent's last instance was lost (its process died without deregistering, see
+        SubscribeRequest.instance), while no instance has served it since: its queue keeps what
+        is sent to it, and gathers leave it out. Unset otherwise. Set by the broker.
+        """
+
     def __init__(
         self,
         *,
@@ -296,10 +304,11 @@ class AgentInfo(_message.Message):
         capabilities: _abc.Iterable[_builtins.str] | None = ...,
         registered_at: _timestamp_pb2.Timestamp | None = ...,
         instances: _abc.Iterable[_builtins.str] | None = ...,
+        lost_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["registered_at", b"registered_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lost_at", b"lost_at", "registered_at", b"registered_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_id", b"agent_id", "agent_types", b"agent_types", "capabilities", b"capabilities", "instances", b"instances", "registered_at", b"registered_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_id", b"agent_id", "agent_types", b"agent_types", "capabilities", b"capabilities", "instances", b"instances", "lost_at", b"lost_at", "registered_at", b"registered_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

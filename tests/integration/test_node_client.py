@@ -307,6 +307,24 @@ async def test_a_node_agent_whose_process_dies_is_taken_off_its_agents_instances
             await second.wait()
             info = await instances_become(client, "NodeTwinEcho", ())
             assert info.address == ""
+            # As the Node client reads it: no instance, and since when.
+            script = (
+                "const { MeshClient } = require('./lib/mesh');"
+                f"const c = new MeshClient('{mesh.address}');"
+                "c.listAgents().then((agents) => {"
+                " console.log(JSON.stringify(agents.find((a) => a.agentId === 'NodeTwinEcho')));"
+                " c.close(); });"
+            )
+            reader = await asyncio.create_subprocess_exec(
+                "node", "-e", script, cwd=NODE_DIR, stdout=asyncio.subprocess.PIPE
+            )
+            async with asyncio.timeout(30):
+                read = json.loads((await reader.communicate())[0])
+            assert read["instances"] == [] and read["address"] == ""
+            assert info.lost_at is not None
+            assert read["lostAt"] == info.lost_at.isoformat(timespec="milliseconds").replace(
+                "+00:00", "Z"
+            )
         finally:
             for node, _ in nodes:
                 if node.returncode is None:

@@ -201,6 +201,15 @@ async def test_an_agent_process_that_dies_is_taken_off_its_agents_instances(
             await wait_killed(first)
             info = await instances_become(client, "PaymentAgent", ())
             assert info.address == "" and info.agent_types == ("payment",)  # still registered
+            assert info.lost_at is not None
+            listed = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "mesh.cli", "agents", "--broker", broker_proc.address,
+                cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+            table = (await listed.communicate())[0].decode()
+            when = info.lost_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+            [row] = [line for line in table.splitlines() if line.startswith("PaymentAgent ")]
+            assert f"- (none since {when}Z)" in row
 
             sent = await client.send(
                 "PaymentAgent", {"action": "process_payment", "parameters": {"amount": 7}}
@@ -209,7 +218,8 @@ async def test_an_agent_process_that_dies_is_taken_off_its_agents_instances(
             assert stats is not None and stats.depth == 1
 
             third = await payment_agent(broker_proc)
-            await instances_become(client, "PaymentAgent", (third.address,))
+            info = await instances_become(client, "PaymentAgent", (third.address,))
+            assert info.lost_at is None
             async with asyncio.timeout(10):
                 while not (answers := await client.receive()):  # noqa: ASYNC110 - polls
                     await asyncio.sleep(0.02)

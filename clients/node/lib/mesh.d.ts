@@ -202,6 +202,8 @@ export interface AgentInfo {
   registeredAt: string | null;
   /** The addresses of every process serving the agent (sharing its queue), the latest last. */
   instances: string[];
+  /** ISO 8601: when its last instance died, while none serves it since; null otherwise. */
+  lostAt: string | null;
 }
 
 export interface Registration {

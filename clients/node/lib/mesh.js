@@ -160,7 +160,7 @@ function readInsight(pb) {
 function readAgent(pb) {
   return { agentId: pb.agent_id, agentTypes: pb.agent_types, address: pb.address,
     capabilities: pb.capabilities, registeredAt: isoTime(pb.registered_at),
-    instances: pb.instances || [] };
+    instances: pb.instances || [], lostAt: pb.lost_at ? isoTime(pb.lost_at) : null };
 }
 
 const CHANGE_KINDS = new Set(['current', 'synced', 'put', 'delete', 'lapse']);
