@@ -33,6 +33,7 @@ from mesh.client import MeshClient
 from mesh.config import SecurityConfig
 from mesh.core.auth import Authenticator
 from mesh.core.errors import MeshError
+from mesh.core.model import AgentInfo
 from mesh.core.state import ChangeKind, StateEntry
 from mesh.core.workflows import WORKFLOW_KEY_PREFIX
 from mesh.security import authenticator_for
@@ -233,7 +234,12 @@ class Dashboard:
                 logger.exception("dashboard sample failed")
             await asyncio.sleep(SAMPLE_SECONDS)
 
-    async def _health_of(self, address: str) -> str:
+    async def _health_of(self, info: AgentInfo) -> str:
+        """What the agent's latest instance says (grpc.health.v1); NO_INSTANCE while none
+        serves it since its last died; UNKNOWN when it never named one."""
+        if info.lost_at is not None and not info.instances:
+            return "NO_INSTANCE"
+        address = info.address
         if not address:
             return "UNKNOWN"
         channel = self._health.get(address)
@@ -250,7 +256,7 @@ class Dashboard:
     async def sample(self) -> dict[str, Any]:
         agents = await self.client.list_agents()
         stats = await self.client.queue_stats()
-        health = await asyncio.gather(*(self._health_of(a.address) for a in agents))
+        health = await asyncio.gather(*(self._health_of(a) for a in agents))
         queues = {q.agent_id: q for q in stats.agents}
         rows = []
         for info, status in zip(agents, health, strict=True):
@@ -261,6 +267,7 @@ class Dashboard:
                     "agent_types": list(info.agent_types),
                     "address": info.address,
                     "health": status,
+                    "lost_at": info.lost_at.isoformat() if info.lost_at else None,
                     "high": q.high if q else 0,
                     "medium": q.medium if q else 0,
                     "low": q.low if q else 0,

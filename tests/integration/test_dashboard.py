@@ -474,3 +474,50 @@ async def test_a_standalone_gateways_dashboard_is_read_only_by_default() -> None
     finally:
         await stop(gateway)
         await stop(broker)
+
+
+def test_an_agent_whose_process_died_shows_no_instance(mesh_up: dict[str, str]) -> None:
+    """An agent's only process dies (its session lost without deregistering): the dashboard
+    says NO_INSTANCE for it, and since when, rather than UNKNOWN or UNREACHABLE."""
+    import urllib.request
+
+    import grpc
+
+    from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
+
+    def state() -> dict[str, object]:
+        with urllib.request.urlopen(f"{mesh_up['dashboard']}api/state", timeout=5) as reply:
+            return json.loads(reply.read())  # type: ignore[no-any-return]
+
+    async def die_and_watch() -> dict[str, object]:
+        async with grpc.aio.insecure_channel(mesh_up["broker"]) as channel:
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)
+            await stub.RegisterAgent(
+                broker_pb2.RegisterAgentRequest(
+                    agent=message_pb2.AgentInfo(agent_id="GhostDesk", address="10.9.9.9:7000")
+                )
+            )
+            try:
+                session = stub.Connect()
+                await session.write(
+                    broker_pb2.ConnectRequest(
+                        seq=1,
+                        subscribe=broker_pb2.SubscribeRequest(
+                            agent_id="GhostDesk", instance="10.9.9.9:7000"
+                        ),
+                    )
+                )
+                assert (await session.read()).HasField("accepted")
+                session.cancel()  # the process dies
+                async with asyncio.timeout(20):
+                    while True:
+                        rows: Any = (await asyncio.to_thread(state))["agents"]
+                        for row in rows:
+                            if row["agent_id"] == "GhostDesk" and row["health"] == "NO_INSTANCE":
+                                return dict(row)
+                        await asyncio.sleep(0.2)
+            finally:
+                await stub.DeregisterAgent(broker_pb2.DeregisterAgentRequest(agent_id="GhostDesk"))
+
+    row = asyncio.run(die_and_watch())
+    assert row["address"] == "" and row["lost_at"]
