@@ -1371,10 +1371,6 @@ class Broker:
         among the agent's instances: if it ends while the broker still runs and the instance
         has not left (its process died, its connection was lost), the instance is taken off."""
         self.registry.require(agent_id)
-        if len(instance) > self.config.max_id_length:
-            raise MessageValidationError.for_field(
-                "instance", f"instance must be at most {self.config.max_id_length} characters"
-            )
         if max_in_flight < 0 or max_in_flight > self.config.max_in_flight_limit:
             raise MessageValidationError(
                 f"max_in_flight must be within 0..{self.config.max_in_flight_limit}",
