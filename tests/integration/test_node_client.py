@@ -22,6 +22,7 @@ NODE_TESTS = (
     "sends a batch in one call: each message goes in or is refused on its own",
     "tools run under each agent's allow-list",
     "a plain subscription acknowledges receipt when asked, too",
+    "a subscription naming its instance takes it off the agent when it is lost",
     "a Node agent hears when the broker refuses its answer, instead of losing it",
     "a Node agent says NOT_SERVING as it stops, and finishes what it was handling",
     "calls an agent directly on its own server, Node or Python (RT-011 peer-to-peer)",

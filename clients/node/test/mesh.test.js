@@ -298,6 +298,39 @@ test('a plain subscription acknowledges receipt when asked, too', async () => {
   }
 });
 
+test('a subscription naming its instance takes it off the agent when it is lost',
+  async () => {
+    const desk = new MeshClient(BROKER, { agentId: 'NodeLostDesk' });
+    const address = '10.7.7.7:7000';
+    const instances = async () => {
+      const [card] = (await desk.listAgents()).filter((a) => a.agentId === 'NodeLostDesk');
+      return card;
+    };
+    try {
+      await desk.register({ address });
+      const handled = [];
+      const stream = desk.subscribe(async (m) => { handled.push(m.messageId); }, { instance: address });
+      await desk.send('NodeLostDesk', { action: 'ping' }); // delivered: the subscription is on
+      for (let i = 0; i < 200 && handled.length === 0; i += 1) {
+        await new Promise((resolve) => { setTimeout(resolve, 20); });
+      }
+      assert.equal(handled.length, 1);
+      assert.deepEqual((await instances()).instances, [address]);
+      stream.cancel(); // as a process that dies loses its stream
+      let card = await instances();
+      for (let i = 0; i < 200 && card.instances.length > 0; i += 1) {
+        await new Promise((resolve) => { setTimeout(resolve, 20); });
+        card = await instances();
+      }
+      assert.deepEqual(card.instances, []);
+      assert.equal(card.address, '');
+      assert.ok(!Number.isNaN(Date.parse(card.lostAt)), card.lostAt);
+    } finally {
+      await desk.deregister().catch(() => {});
+      desk.close();
+    }
+  });
+
 test('broadcasts to the agents of a type, and says whose queue could not take a copy',
   async () => {
     const client = new MeshClient(BROKER, { agentId: 'NodeWarehouse' });
