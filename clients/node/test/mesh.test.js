@@ -309,7 +309,8 @@ test('a subscription naming its instance takes it off the agent when it is lost'
     try {
       await desk.register({ address });
       const handled = [];
-      const stream = desk.subscribe(async (m) => { handled.push(m.messageId); }, { instance: address });
+      const stream = desk.subscribe(async (m) => { handled.push(m.messageId); },
+        { instance: address });
       await desk.send('NodeLostDesk', { action: 'ping' }); // delivered: the subscription is on
       for (let i = 0; i < 200 && handled.length === 0; i += 1) {
         await new Promise((resolve) => { setTimeout(resolve, 20); });
