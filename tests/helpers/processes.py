@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -25,8 +26,16 @@ class Proc:
 
     def kill(self) -> None:
         """SIGKILL: no clean-up of any kind, as in a crash."""
-        if self.process.returncode is None:
-            self.process.kill()
+        signal_process(self.process, signal.SIGKILL)
+
+
+def signal_process(process: asyncio.subprocess.Process, sig: int) -> None:
+    """Sends ``sig`` to a child still running. (os.kill, not Popen.send_signal: that one
+    reaps a child that has just exited itself, racing the event loop's child watcher, which
+    then reports 255 for a process it can no longer find.)"""
+    if process.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, sig)
 
 
 async def start(
@@ -78,8 +87,7 @@ async def _drain(stream: asyncio.StreamReader, lines: list[str]) -> None:
 async def stop(proc: Proc) -> int:
     """SIGTERM, and its exit code; a process still running 15 s later is killed (so that no
     test leaves one behind) and the test fails with what it printed."""
-    if proc.process.returncode is None:
-        proc.process.send_signal(signal.SIGTERM)
+    signal_process(proc.process, signal.SIGTERM)
     try:
         async with asyncio.timeout(15):
             return await proc.process.wait()

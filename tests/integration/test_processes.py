@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import re
@@ -21,6 +20,7 @@ from tests.helpers.processes import (
     BROKER_READY,
     Proc,
     instances_become,
+    signal_process,
     start,
     stop,
     wait_killed,
@@ -763,7 +763,7 @@ async def test_a_stopping_broker_tells_its_watchers_to_go_elsewhere() -> None:
         async with connect(broker.address, agent_id="Watcher", retry=NO_RETRY) as client:
             changes = client.watch_state("parcel/")
             assert (await anext(changes)).kind is ChangeKind.SYNCED
-            broker.process.send_signal(signal.SIGTERM)
+            signal_process(broker.process, signal.SIGTERM)
             with pytest.raises(BrokerUnavailableError) as told:
                 await asyncio.wait_for(anext(changes), 10)
             assert told.value.reason == "SHUTTING_DOWN", told.value
@@ -776,14 +776,10 @@ async def test_a_broker_told_to_stop_again_while_it_exits_still_exits_cleanly() 
     """A supervisor that repeats its SIGTERM while the broker shuts down (or a test helper
     that stops what it already stopped) gets exit status 0, not death by the signal."""
     broker = await start("broker", "--port", "0", ready=BROKER_READY)
-    pid = broker.process.pid
-    # (os.kill, not Popen.send_signal: that one reaps an exited child itself, racing the
-    # event loop's child watcher, which then reports 255 for a process it cannot find.)
-    os.kill(pid, signal.SIGTERM)
+    signal_process(broker.process, signal.SIGTERM)
     async with asyncio.timeout(15):
         while broker.process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
+            signal_process(broker.process, signal.SIGTERM)
             await asyncio.sleep(0.003)
     assert await broker.process.wait() == 0
     assert "agentmesh broker shutting down\n" in broker.output
