@@ -1022,6 +1022,7 @@ class Broker:
                 self.metrics.request("timeout")
                 raise RequestTimeoutError(
                     f"no response from {message.to_agent} within {timeout:.3g} s"
+                    + (f" ({why})" if (why := self._no_instance(message.to_agent)) else "")
                 ) from None
             finally:
                 timer.cancel()
@@ -1406,16 +1407,20 @@ class Broker:
             await self.store.save_agent(self.registry.hold(agent_id, address, held_by))
         await self.store.sync()
 
-    def _refuse_if_no_instance(self, agent_id: str) -> None:
-        """A gather does not wait for an agent whose every instance died (none came back
-        since): it has nobody to answer within the gather's time, and is left out at once."""
+    def _no_instance(self, agent_id: str) -> str:
+        """Why nobody can answer, when the registry knows: every instance of the agent died
+        (none came back since). Empty otherwise."""
         info = self.registry.get(agent_id)
-        if info is not None and info.lost_at is not None and not info.instances:
-            raise RoutingError(
-                f"no instance of {agent_id} is serving: its last was lost at "
-                f"{info.lost_at.isoformat(timespec='seconds')}",
-                reason="NO_INSTANCE",
-            )
+        if info is None or info.lost_at is None or info.instances:
+            return ""
+        lost_at = info.lost_at.isoformat(timespec="seconds")
+        return f"no instance of {agent_id} is serving: its last was lost at {lost_at}"
+
+    def _refuse_if_no_instance(self, agent_id: str) -> None:
+        """A gather does not wait for an agent whose every instance died: it has nobody to
+        answer within the gather's time, and is left out at once."""
+        if why := self._no_instance(agent_id):
+            raise RoutingError(why, reason="NO_INSTANCE")
 
     async def _lose_instances_of_replicas(self) -> None:
         """Takes off the instances held by subscriptions of replicas found dead: the

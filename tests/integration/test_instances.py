@@ -14,7 +14,16 @@ import grpc
 import pytest
 from google.protobuf import struct_pb2
 
-from mesh import AgentContext, AgentNotFoundError, Message, RoutingError, agent, connect, serve
+from mesh import (
+    AgentContext,
+    AgentNotFoundError,
+    Message,
+    RequestTimeoutError,
+    RoutingError,
+    agent,
+    connect,
+    serve,
+)
 from mesh.client import NO_RETRY
 from mesh.config import BrokerConfig
 from mesh.redis_store import RedisQueueStore
@@ -379,6 +388,12 @@ async def test_a_gather_leaves_out_at_once_an_agent_whose_every_instance_died() 
             assert "no instance of Quiet is serving" in refused.message
             stats = (await chair.queue_stats("Quiet")).for_agent("Quiet")
             assert stats is not None and stats.depth == 0  # no copy waits for nobody
+            # A request still goes in (a process may come back in time); its timeout says why.
+            with pytest.raises(RequestTimeoutError) as timed_out:
+                await chair.request("Quiet", {"action": "quote"}, timeout=0.2)
+            assert "(no instance of Quiet is serving: its last was lost at" in str(
+                timed_out.value.message
+            )
 
             back = stub.Connect()  # a new process of it
             await back.write(subscribe)
