@@ -233,7 +233,7 @@ def _named(kind: type[E], value: str, field: str) -> E:
         ) from None
 
 
-def _prepared_alone(message: Message, content: object, options: dict[str, Any]) -> None:
+def _prepared_alone(content: object, options: dict[str, Any]) -> None:
     """A prepared message is sent as it is: content or options beside it would be lost."""
     if content is not None or options:
         given = ["content"] if content is not None else []
@@ -865,7 +865,6 @@ class MeshClient:
         self._tools = tools_pb2_grpc.ToolServiceStub(self._channel)
         self._session: _Session | None = None
         self._session_lock = asyncio.Lock()
-        self._background: set[asyncio.Task[None]] = set()
         self._subscriptions: set[ClientSubscription] = set()
         self._closed = False
 
@@ -888,8 +887,6 @@ class MeshClient:
 
     async def close(self) -> None:
         self._closed = True
-        for task in list(self._background):
-            task.cancel()
         for sub in list(self._subscriptions):
             await sub.close()
         if self._session is not None:
@@ -1024,7 +1021,7 @@ class MeshClient:
         prepared :class:`Message` in place of ``to_agent`` is sent as it is
         (:meth:`send_message`)."""
         if isinstance(to_agent, Message):
-            _prepared_alone(to_agent, content, options)
+            _prepared_alone(content, options)
             return await self.send_message(to_agent)
         return await self.send_message(self.build(to_agent, content, **options))
 
@@ -1125,7 +1122,7 @@ class MeshClient:
         ``to_agent`` is sent as it is (:meth:`request_message`).
         """
         if isinstance(to_agent, Message):
-            _prepared_alone(to_agent, content, options)
+            _prepared_alone(content, options)
             return await self.request_message(to_agent, timeout=timeout)
         options.setdefault("message_type", MessageType.REQUEST)
         message_id = options.pop("message_id", "") or new_message_id()

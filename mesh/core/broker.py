@@ -789,23 +789,17 @@ class Broker:
     def _log_queue_full(self, message: Message) -> None:
         """At most one warning per agent per second under overload, counting the refusals
         held back between."""
-        suppressed = self._queue_full_log.admit(message.to_agent)
-        if suppressed is None:
-            return
-        more = f" ({suppressed} more refused since the last warning)" if suppressed else ""
-        logger.warning(
-            "queue full: %s refused a message from %s%s",
+        self._queue_full_log.warning(
+            logger,
+            message.to_agent,
+            "queue full: %s refused a message from %s",
             message.to_agent,
             message.from_agent,
-            more,
-            extra={
-                "event": {
-                    "category": "queue_full",
-                    "message_id": message.message_id,
-                    "from_agent": message.from_agent,
-                    "to_agent": message.to_agent,
-                    "suppressed": suppressed,
-                }
+            event={
+                "category": "queue_full",
+                "message_id": message.message_id,
+                "from_agent": message.from_agent,
+                "to_agent": message.to_agent,
             },
         )
 
@@ -1302,31 +1296,24 @@ class Broker:
         for message in messages:
             try:
                 await self.send(receipt_of(message))
-            except Exception as error:
-                if not isinstance(error, MeshError):
-                    logger.exception("receipt of %s not acknowledged", message.message_id)
-                    continue
-                suppressed = self._receipt_log.admit(message.from_agent)
-                if suppressed is None:
-                    continue
-                more = f" ({suppressed} more since the last warning)" if suppressed else ""
-                logger.warning(
-                    "receipt of %s not acknowledged to %s: %s%s",
+            except MeshError as error:
+                self._receipt_log.warning(
+                    logger,
+                    message.from_agent,
+                    "receipt of %s not acknowledged to %s: %s",
                     message.message_id,
                     message.from_agent,
                     error.message,
-                    more,
-                    extra={
-                        "event": {
-                            "category": "ack_undelivered",
-                            "message_id": message.message_id,
-                            "from_agent": message.to_agent,
-                            "to_agent": message.from_agent,
-                            "reason": error.reason,
-                            "suppressed": suppressed,
-                        }
+                    event={
+                        "category": "ack_undelivered",
+                        "message_id": message.message_id,
+                        "from_agent": message.to_agent,
+                        "to_agent": message.from_agent,
+                        "reason": error.reason,
                     },
                 )
+            except Exception:
+                logger.exception("receipt of %s not acknowledged", message.message_id)
 
     def _observe_delivery(self, message: Message, queued_seconds: float) -> Message:
         """Counts a delivery; a message whose trace this process records gets a span for its

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 
 class LogThrottle:
@@ -34,3 +36,15 @@ class LogThrottle:
             self._last.clear()
         self._last[key] = (now, 0)
         return held
+
+    def warning(
+        self, logger: logging.Logger, key: str, message: str, *args: Any, event: dict[str, Any]
+    ) -> None:
+        """Logs ``message % args`` as a warning with its structured ``event``, if
+        :meth:`admit` lets it through: saying how many were held back since the last one
+        (in the line, and as the event's ``suppressed``)."""
+        held = self.admit(key)
+        if held is None:
+            return
+        more = f" ({held} more since the last warning)" if held else ""
+        logger.warning(message + "%s", *args, more, extra={"event": {**event, "suppressed": held}})

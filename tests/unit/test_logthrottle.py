@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+
+import pytest
+
 from mesh.core.logthrottle import LogThrottle
 
 
@@ -35,3 +39,19 @@ def test_it_keeps_at_most_max_keys() -> None:
     assert throttle.admit("c") == 0  # a third key: the others are forgotten
     assert len(throttle._last) == 1
     assert throttle.admit("a") == 0
+
+
+def test_a_throttled_warning_says_how_many_it_held_back(caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    throttle = LogThrottle(1.0, clock=clock)
+    log = logging.getLogger("test.throttle")
+    caplog.set_level(logging.WARNING, logger="test.throttle")
+    for _ in range(3):
+        throttle.warning(log, "Ghost", "refused for %s", "Ghost", event={"category": "x"})
+    clock.now += 1.0
+    throttle.warning(log, "Ghost", "refused for %s", "Ghost", event={"category": "x"})
+    said = [(r.getMessage(), r.event) for r in caplog.records]  # type: ignore[attr-defined]
+    assert said == [
+        ("refused for Ghost", {"category": "x", "suppressed": 0}),
+        ("refused for Ghost (2 more since the last warning)", {"category": "x", "suppressed": 2}),
+    ]
