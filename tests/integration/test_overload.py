@@ -1,19 +1,23 @@
 """Overload: senders push ten times what the broker may hold, at once, from four clients.
 
 The broker refuses the excess with RESOURCE_EXHAUSTED and a retry delay, its memory stays
-bounded (peak RSS reported), and every message it accepted is delivered, exactly once.
+bounded (peak RSS reported), and every message it accepted is delivered, exactly once. And a
+burst of calls, thousands at once from plain gRPC clients, is served whole.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 from pathlib import Path
 
+import grpc
 import pytest
 
 from mesh import MessageQueueFullError, connect
 from mesh.client import NO_RETRY
+from mesh.v1 import broker_pb2, broker_pb2_grpc
 from tests.helpers.processes import BROKER_READY, start, stop
 
 pytestmark = pytest.mark.processes
@@ -91,5 +95,53 @@ async def test_ten_times_capacity_is_refused_with_retry_info_and_nothing_accepte
             assert sorted(delivered) == sorted(accepted)
             # Room again: the next send is accepted.
             await client.send("SinkA", {"action": "work"})
+    finally:
+        assert await stop(broker) == 0
+
+
+BURST = 3000
+
+
+async def test_a_burst_of_thousands_of_calls_at_once_is_served_whole() -> None:
+    """3,000 SendMessage calls at the same moment, on plain gRPC: each is answered OK (none
+    CANCELLED by gRPC for arriving faster than the server takes calls up), and the agent
+    receives every one."""
+    broker = await start(
+        "broker",
+        "--port",
+        "0",
+        "--max-messages-per-agent",
+        str(BURST),
+        "--max-total-messages",
+        str(BURST),
+        ready=BROKER_READY,
+    )
+    try:
+        async with grpc.aio.insecure_channel(broker.address) as channel:
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)
+            register = broker_pb2.RegisterAgentRequest()
+            register.agent.agent_id = "Sink"
+            await stub.RegisterAgent(register)
+
+            async def send(i: int) -> tuple[str, str]:
+                request = broker_pb2.SendMessageRequest()
+                message = request.message
+                message.from_agent, message.to_agent = f"sender{i}", "Sink"
+                message.content.update({"action": "work", "parameters": {"i": i}})
+                try:
+                    response = await stub.SendMessage(request, timeout=60)
+                except grpc.aio.AioRpcError as error:
+                    return error.code().name, ""
+                return "OK", response.message.message_id
+
+            answers = await asyncio.gather(*(send(i) for i in range(BURST)))
+            codes = collections.Counter(code for code, _ in answers)
+            assert codes == {"OK": BURST}
+
+            receive = broker_pb2.ReceiveMessagesRequest(agent_id="Sink")
+            received = await stub.ReceiveMessages(receive)
+            assert sorted(m.message_id for m in received.messages) == sorted(
+                message_id for _, message_id in answers
+            )
     finally:
         assert await stop(broker) == 0
