@@ -79,6 +79,29 @@ SERVER_OPTIONS: list[tuple[str, Any]] = [
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
+_LINUX_NR_OPEN = 1_048_576
+"""Linux's own ceiling of open files per process (fs.nr_open's default): where an unlimited
+hard limit is taken to end."""
+
+
+def open_files_to_the_hard_limit() -> None:
+    """Raises the process's soft limit of open files to its hard limit, as Go's runtime does
+    at start: each connection a server holds is a file, and the soft limit many systems give
+    (1,024) would cap a broker at about a thousand clients and agents, gRPC then accepting no
+    more connections and the newcomers waiting out their deadlines. Where it cannot be
+    raised, it stays."""
+    try:
+        import resource
+    except ImportError:  # (not a POSIX system)
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = _LINUX_NR_OPEN if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as error:
+            logger.debug("open files: the soft limit stays at %d (%s)", soft, error)
+
 
 class Malformed:
     """Bytes that did not decode as the request type: stands in for a request so that the
@@ -283,12 +306,14 @@ async def start_server(
     security: SecurityConfig | None = None,
     on_malformed: Callable[[], None] | None = None,
 ) -> MeshServer:
-    """Starts a grpc.aio server with the given services, health and reflection.
+    """Starts a grpc.aio server with the given services, health and reflection (and the
+    process's soft limit of open files raised to its hard limit, for its connections).
 
     ``port`` 0 picks a free port; the chosen one is on the returned server. ``metrics_port``
     -1 serves no /metrics, 0 picks a free port. ``on_malformed`` counts each request
     refused because it could not be read.
     """
+    open_files_to_the_hard_limit()
     security = security or SecurityConfig()
     chain: list[grpc.aio.ServerInterceptor] = [ContractInterceptor(on_malformed), *interceptors]
     authenticator = authenticator_for(security)

@@ -2,7 +2,8 @@
 
 The broker refuses the excess with RESOURCE_EXHAUSTED and a retry delay, its memory stays
 bounded (peak RSS reported), and every message it accepted is delivered, exactly once. And a
-burst of calls, thousands at once from plain gRPC clients, is served whole.
+burst of calls, thousands at once from plain gRPC clients, is served whole, as are more
+connections than a default limit of open files would let a process hold.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import resource
 from pathlib import Path
 
 import grpc
@@ -145,3 +147,44 @@ async def test_a_burst_of_thousands_of_calls_at_once_is_served_whole() -> None:
             )
     finally:
         assert await stop(broker) == 0
+
+
+CONNECTIONS = 1500
+
+
+async def test_a_broker_holds_more_connections_than_a_default_limit_of_open_files() -> None:
+    """Started under the soft limit of open files many systems give (1,024), a broker still
+    serves 1,500 clients at once, each on a connection of its own: it takes the hard limit."""
+    needed = 2 * CONNECTIONS + 200  # (this process holds the other end of each)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        pytest.skip(f"the hard limit of open files here ({hard}) is under {needed}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, needed), hard))
+    broker = await start(
+        "broker",
+        "--port",
+        "0",
+        ready=BROKER_READY,
+        prefix=("sh", "-c", 'ulimit -Sn 1024 && exec "$@"', "sh"),
+    )
+    # (a channel of its own subchannels each: otherwise gRPC shares one connection)
+    channels = [
+        grpc.aio.insecure_channel(broker.address, options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(CONNECTIONS)
+    ]
+    try:
+
+        async def ask(channel: grpc.aio.Channel) -> str:
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)
+            try:
+                await stub.GetQueueStats(broker_pb2.GetQueueStatsRequest(), timeout=15)
+            except grpc.aio.AioRpcError as error:
+                return error.code().name
+            return "OK"
+
+        codes = collections.Counter(await asyncio.gather(*(ask(c) for c in channels)))
+        assert codes == {"OK": CONNECTIONS}
+    finally:
+        await asyncio.gather(*(channel.close() for channel in channels))
+        assert await stop(broker) == 0
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
