@@ -67,7 +67,7 @@ PENDING_CALLS = 10_000
 """Calls a server holds that it has not yet taken up (gRPC's pending queue: a grpc.aio server
 takes one call per turn of its loop, so a burst of calls waits there). gRPC's own default
 starts refusing at 1,000, at random and with a bare CANCELLED that a client cannot tell from
-its own cancel; 3,000 SendMessage calls at once lost a fifth so. Past this many, calls are
+its own cancel (of 3,000 SendMessage calls at once, a fifth were so). Past this many, calls are
 refused likewise, more and more of them, and all past twice as many: the queue stays bounded
 (10,000 calls of a burst took a server about 130 MiB while they ran)."""
 
