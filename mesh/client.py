@@ -1559,9 +1559,16 @@ class MeshClient:
         await self._with_retry(self._unary(self._stub.DeregisterAgent, request))
 
     async def list_agents(self, agent_type: str = "") -> list[AgentInfo]:
+        """Every registered agent (of ``agent_type`` when given), by id: the broker answers
+        a page of up to 3 MiB at a time, and this reads them all."""
+        agents: list[AgentInfo] = []
         request = broker_pb2.ListAgentsRequest(agent_type=agent_type)
-        response = await self._with_retry(self._unary(self._stub.ListAgents, request))
-        return [codec.agent_from_pb(a) for a in response.agents]
+        while True:
+            response = await self._with_retry(self._unary(self._stub.ListAgents, request))
+            agents.extend(codec.agent_from_pb(a) for a in response.agents)
+            if not response.next_page_token:
+                return agents
+            request.page_token = response.next_page_token
 
     async def queue_stats(self, agent_id: str = "") -> QueueStatsReport:
         request = broker_pb2.GetQueueStatsRequest(agent_id=agent_id)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -21,7 +22,7 @@ from mesh.core.errors import (
     MessageValidationError,
     SessionClosedError,
 )
-from mesh.core.model import Message
+from mesh.core.model import AgentInfo, Message
 from mesh.core.tasks import cancel_and_wait
 from mesh.core.tools import ToolHost
 from mesh.headroom import wire_fields
@@ -44,6 +45,7 @@ BATCH_BYTES = 1024 * 1024
 """A `deliveries` frame stops growing past this size (gRPC refuses frames over 4 MiB by
 default; one message may be up to max_message_bytes, 1 MiB by default)."""
 
+T = TypeVar("T")
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 Handler = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]  # type: ignore[type-arg]
@@ -97,9 +99,16 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     async def ListAgents(
         self, request: broker_pb2.ListAgentsRequest, context: Any
     ) -> broker_pb2.ListAgentsResponse:
+        if request.page_size < 0:
+            raise _invalid("page_size", "page_size must not be negative")
+        agents = self.broker.list_agents(request.agent_type)
+        # A page goes on after the last agent of the one before, by id (they come sorted):
+        # one registering or leaving between pages moves no other across the boundary.
+        start = bisect.bisect_right(agents, request.page_token, key=_agent_id)
         response = broker_pb2.ListAgentsResponse()
-        for info in self.broker.list_agents(request.agent_type):
-            codec.agent_to_pb(info, response.agents.add())
+        end = _fill_page(response.agents, agents, start, request.page_size, codec.agent_to_pb)
+        if end < len(agents):
+            response.next_page_token = agents[end - 1].agent_id
         return response
 
     @translating
@@ -314,13 +323,9 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         start = _page_start(request.page_token)
         letters = await self.broker.dead_letters(request.agent_id)
         response = broker_pb2.ListDeadLettersResponse()
-        out, room, end = response.dead_letters, ANSWER_BYTES, start
-        while end < len(letters) and not (request.page_size and len(out) >= request.page_size):
-            size = codec.dead_letter_to_pb(letters[end], out.add()).ByteSize()
-            if len(out) > 1 and size > room:
-                del out[-1]  # the next page's first
-                break
-            room, end = max(0, room - size), end + 1
+        end = _fill_page(
+            response.dead_letters, letters, start, request.page_size, codec.dead_letter_to_pb
+        )
         if end < len(letters):
             response.next_page_token = str(end)
         return response
@@ -709,6 +714,26 @@ async def _broadcast(
     out.recipients.extend(outcome.recipients)
     for agent_id, error in outcome.failures:
         codec.error_to_pb(error, out.failures.add(agent_id=agent_id).error)
+
+
+def _fill_page(
+    out: Any, items: Sequence[T], start: int, page_size: int, encode: Callable[[T, Any], Any]
+) -> int:
+    """Encodes ``items`` from ``start`` into the repeated field ``out`` while the page has room:
+    ``page_size`` of them at most (0: no count), ANSWER_BYTES in all (the first whatever its
+    size). Returns where the next page starts."""
+    room, end = ANSWER_BYTES, start
+    while end < len(items) and not (page_size and len(out) >= page_size):
+        size = encode(items[end], out.add()).ByteSize()
+        if len(out) > 1 and size > room:
+            del out[-1]  # the next page's first
+            break
+        room, end = max(0, room - size), end + 1
+    return end
+
+
+def _agent_id(info: AgentInfo) -> str:
+    return info.agent_id
 
 
 def _page_start(token: str) -> int:

@@ -121,16 +121,29 @@ class ListAgentsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     AGENT_TYPE_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     agent_type: _builtins.str
     """When set, only agents of this type are listed."""
+    page_size: _builtins.int
+    """At most this many agents in the answer; 0: as many as fit in 3 MiB (an answer never
+    holds more, the first whatever its size).
+    """
+    page_token: _builtins.str
+    """The next_page_token of the previous answer (of the same agent_type), to go on from
+    there; empty: from the first. A page goes on after the last agent listed, by id: an
+    agent registering or leaving meanwhile neither repeats nor hides any other.
+    """
     def __init__(
         self,
         *,
         agent_type: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_type", b"agent_type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_type", b"agent_type", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -143,6 +156,9 @@ class ListAgentsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     AGENTS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Set when more follow: pass it as page_token for the next page."""
     @_builtins.property
     def agents(self) -> _containers.RepeatedCompositeFieldContainer[_message_pb2.AgentInfo]:
         """The agents."""
@@ -151,10 +167,11 @@ class ListAgentsResponse(_message.Message):
         self,
         *,
         agents: _abc.Iterable[_message_pb2.AgentInfo] | None = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "next_page_token", b"next_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

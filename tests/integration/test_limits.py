@@ -369,3 +369,56 @@ async def test_a_session_frame_too_deep_is_refused_by_its_seq_and_the_batch_goes
             assert answers[seq].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
             assert "it nests more than 84 levels deep" in answers[seq].error.message
         assert [m.content["action"] for m in await client.receive("Sink")] == ["first", "last"]
+
+
+async def test_a_listing_of_agents_past_one_answer_comes_in_pages() -> None:
+    """140 agents of 128 capabilities of 250 characters each, about 4.5 MB: in one answer,
+    more than a gRPC client reads by default (4 MiB), so that nobody could list the agents.
+    ListAgents answers 3 MiB at most, or page_size agents, and says where to go on; pages go
+    on by id, so that agents registering or leaving between pages move no other."""
+    capabilities = [f"{i}-".ljust(250, "c") for i in range(128)]
+    ids = [f"Wide{i:03d}" for i in range(140)]
+    async with LocalMesh() as mesh, mesh.client("catalog") as client:
+        for agent_id in ids:
+            await client.register(agent_id, agent_types=["wide"], capabilities=capabilities)
+        await client.register("Narrow", agent_types=["other"])
+        async with grpc.aio.insecure_channel(mesh.address) as channel:  # gRPC's 4 MiB default
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)
+
+            async def pages(**fields: Any) -> list[list[str]]:
+                request = broker_pb2.ListAgentsRequest(**fields)
+                found = []
+                while True:
+                    page = await stub.ListAgents(request)
+                    found.append([a.agent_id for a in page.agents])
+                    if not page.next_page_token:
+                        return found
+                    assert page.next_page_token == page.agents[-1].agent_id
+                    request.page_token = page.next_page_token
+
+            by_size = await pages()
+            assert len(by_size) == 2 and 90 <= len(by_size[0]) < 140
+            assert [a for page in by_size for a in page] == ["Narrow", *ids]
+            by_count = await pages(agent_type="wide", page_size=50)
+            assert by_count == [ids[:50], ids[50:100], ids[100:]]
+
+            # Between pages: one agent leaves from the page read, one registers before the
+            # token and one after it. Nobody else repeats or goes missing.
+            first = await stub.ListAgents(broker_pb2.ListAgentsRequest(page_size=10))
+            await client.deregister("Wide005")
+            await client.register("Wide004b", agent_types=["wide"])
+            await client.register("Wide100b", agent_types=["wide"])
+            second = await stub.ListAgents(
+                broker_pb2.ListAgentsRequest(page_size=10, page_token=first.next_page_token)
+            )
+            assert [a.agent_id for a in first.agents] == ["Narrow", *ids[:9]]
+            assert [a.agent_id for a in second.agents] == ids[9:19]
+
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.ListAgents(broker_pb2.ListAgentsRequest(page_size=-1))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "page_size must not be negative" in (info.value.details() or "")
+        # The SDK reads every page.
+        listed = [a.agent_id for a in await client.list_agents("wide")]
+        assert listed == sorted({*ids, "Wide004b", "Wide100b"} - {"Wide005"})
+        assert len(listed) == 141

@@ -563,6 +563,7 @@ export class MeshClient {
   close(): void;
   register(registration?: Registration): Promise<AgentInfo>;
   deregister(agentId?: string, options?: { address?: string }): Promise<void>;
+  /** Every registered agent (of agentType, when given), by id: all the broker's pages. */
   listAgents(agentType?: string): Promise<AgentInfo[]>;
 
   /** Sends a message; resolves with it as accepted. */
@@ -583,6 +584,7 @@ export class MeshClient {
   callTool(tool: string, args?: JsonObject, options?: { timeoutMs?: number; agentId?: string }):
   Promise<JsonValue>;
   listTools(agentId?: string): Promise<Tool[]>;
+  /** The dead-letter queue (of agentId, when given), oldest first: all the broker's pages. */
   deadLetters(agentId?: string): Promise<DeadLetter[]>;
   /** Puts dead letters back in the agent's queue (all, or those named). */
   requeueDeadLetters(agentId: string, messageIds?: string[]):

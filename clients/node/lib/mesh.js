@@ -375,6 +375,20 @@ function unary(client, method, request, timeoutMs = 10000, metadata = client.mes
   });
 }
 
+/**
+ * Every item of a paged listing (ListAgents, ListDeadLetters): the broker answers up to 3 MiB
+ * at a time with a next_page_token while more follow.
+ */
+async function allPages(client, method, request, field) {
+  const items = [];
+  for (let pageToken = ''; ;) {
+    const res = await unary(client, method, { ...request, page_token: pageToken });
+    for (const item of res[field]) items.push(item);
+    pageToken = res.next_page_token;
+    if (!pageToken) return items;
+  }
+}
+
 // -- the broker client ------------------------------------------------------------------------
 
 /** RT-011 retry_backoff_ms: the waits before the retries of a call refused for a moment. */
@@ -514,9 +528,10 @@ class MeshClient {
       { agent_id: agentId, address }));
   }
 
+  /** Every registered agent (of agentType, when given), by id, page by page. */
   async listAgents(agentType = '') {
-    const res = await unary(this.broker, 'ListAgents', { agent_type: agentType });
-    return res.agents.map(readAgent);
+    const agents = await allPages(this.broker, 'ListAgents', { agent_type: agentType }, 'agents');
+    return agents.map(readAgent);
   }
 
   /** Sends a message (on the session); returns it as accepted (with its id and recipients). */
@@ -680,10 +695,14 @@ class MeshClient {
     return res.tools.map((t) => ({ name: t.name, description: t.description }));
   }
 
-  /** The dead-letter queue (oldest first): {message, reason, attempts, deadLetteredAt}. */
+  /**
+   * The dead-letter queue (oldest first), page by page: {message, reason, attempts,
+   * deadLetteredAt}.
+   */
   async deadLetters(agentId = '') {
-    const res = await unary(this.broker, 'ListDeadLetters', { agent_id: agentId });
-    return res.dead_letters.map((d) => ({ message: readMessage(d.message), reason: d.reason,
+    const letters = await allPages(this.broker, 'ListDeadLetters', { agent_id: agentId },
+      'dead_letters');
+    return letters.map((d) => ({ message: readMessage(d.message), reason: d.reason,
       attempts: d.delivery_attempts, deadLetteredAt: isoTime(d.dead_lettered_at) }));
   }
 

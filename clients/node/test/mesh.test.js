@@ -4,6 +4,7 @@
 
 const test = require('node:test');
 const assert = require('node:assert/strict');
+const grpc = require('@grpc/grpc-js');
 const {
   MeshClient, GatewayClient, AgentClient, MeshError, Reject, serveAgent,
 } = require('../lib/mesh');
@@ -699,7 +700,7 @@ test('a Node agent answers a request it fails with an ERROR, and finishes its wo
       assert.equal(settled.type, 'RESPONSE');
       assert.deepEqual(settled.content, { action: 'settle', settled: true });
       const left = await client.listAgents();
-      assert.ok(!left.some((a) => a.agent_id === 'NodeCardAgent'));
+      assert.ok(!left.some((a) => a.agentId === 'NodeCardAgent'));
     } finally {
       client.close();
     }
@@ -751,6 +752,60 @@ test('a handler that throws Reject sends the message to the dead-letter queue at
       assert.deepEqual(dead.map((d) => d.message.messageId), [sent.messageId]);
     } finally {
       await agent.stop();
+      client.close();
+    }
+  });
+
+test('listings longer than one answer come whole, page by page: agents and dead letters',
+  async () => {
+    // 110 agents of 128 capabilities of 250 characters: about 3.6 MB, past the 3 MiB a page
+    // of ListAgents holds.
+    const client = new MeshClient(BROKER, { agentId: 'NodeCatalog' });
+    const ids = Array.from({ length: 110 }, (_, i) => `NodeWideAgent${String(i).padStart(3, '0')}`);
+    const capabilities = Array.from({ length: 128 }, (_, i) => `${i}-`.padEnd(250, 'c'));
+    const seen = [];
+    let agent;
+    try {
+      for (const agentId of ids) {
+        await client.register({ agentId, agentTypes: ['node-wide'], capabilities });
+      }
+      const first = await new Promise((resolve, reject) => {
+        client.broker.ListAgents({ agent_type: 'node-wide' }, new grpc.Metadata(),
+          (err, res) => (err ? reject(err) : resolve(res)));
+      });
+      assert.ok(first.agents.length < ids.length, 'the first page holds only part');
+      assert.equal(first.next_page_token, first.agents[first.agents.length - 1].agent_id);
+      const wide = await client.listAgents('node-wide');
+      assert.deepEqual(wide.map((a) => a.agentId), ids);
+      assert.equal(wide[109].capabilities.length, 128);
+      assert.deepEqual((await client.listAgents()).filter((a) => ids.includes(a.agentId))
+        .map((a) => a.agentId), ids);
+
+      // Four dead letters of about 900 kB: three to a page.
+      agent = await serveAgent({
+        broker: BROKER, agentId: 'NodeArchiveAgent',
+        handler: async (message) => {
+          seen.push(message.messageId);
+          throw new Reject('NodeArchiveAgent keeps nothing this large');
+        },
+      });
+      const sent = [];
+      for (let i = 0; i < 4; i += 1) {
+        sent.push((await client.send('NodeArchiveAgent',
+          { action: 'archive',
+            parameters: { task_description: 'Archive', blob: `${i}`.padEnd(900000, 'x') } },
+          { type: 'HANDOFF' })).messageId);
+      }
+      let dead = [];
+      for (let i = 0; i < 200 && dead.length < 4; i += 1) {
+        dead = await client.deadLetters('NodeArchiveAgent');
+        if (dead.length < 4) await new Promise((resolve) => { setTimeout(resolve, 25); });
+      }
+      assert.deepEqual(dead.map((d) => d.message.messageId), sent);
+      assert.equal(dead[3].message.content.parameters.blob.length, 900000);
+    } finally {
+      if (agent) await agent.stop();
+      for (const agentId of ids) await client.deregister(agentId).catch(() => {});
       client.close();
     }
   });
