@@ -1689,7 +1689,8 @@ class MeshClient:
         limit: int = 0,
         agent_id: str = "",
     ) -> list[Insight]:
-        """Insights with all of ``tags``, most important first, then newest first."""
+        """Insights with all of ``tags``, most important first, then newest first: up to
+        ``limit`` (0: 100), read 3 MiB at a time."""
         from mesh.memory_server import insight_from_pb
 
         request = memory_pb2.ReadInsightsRequest(
@@ -1699,8 +1700,13 @@ class MeshClient:
             limit=limit,
             agent_id=agent_id,
         )
-        response = await self._with_retry(self._unary(self._memory.ReadInsights, request))
-        return [insight_from_pb(pb) for pb in response.insights]
+        found: list[Insight] = []
+        while True:
+            response = await self._with_retry(self._unary(self._memory.ReadInsights, request))
+            found += [insight_from_pb(pb) for pb in response.insights]
+            if not response.next_page_token:
+                return found
+            request.page_token = response.next_page_token
 
     # -- shared state ----------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from mesh.core.errors import MeshError
 from mesh.core.memory import Insight, MemoryPool
 from mesh.core.state import ChangeKind, StateEntry, StateStore
 from mesh.server import translating
+from mesh.serving import fill_page, page_offset
 from mesh.v1 import memory_pb2, memory_pb2_grpc
 
 MEMORY_SERVICE = memory_pb2.DESCRIPTOR.services_by_name["MemoryService"].full_name
@@ -109,15 +110,18 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
     async def ReadInsights(
         self, request: memory_pb2.ReadInsightsRequest, context: Any
     ) -> memory_pb2.ReadInsightsResponse:
-        response = memory_pb2.ReadInsightsResponse()
-        for insight in await self.pool.read(
+        start = page_offset(request.page_token)
+        insights = await self.pool.read(
             tags=request.tags,
             segment=request.segment,
             min_importance=request.min_importance,
             limit=request.limit,
             agent_id=request.agent_id,
-        ):
-            insight_to_pb(insight, response.insights.add())
+        )
+        response = memory_pb2.ReadInsightsResponse()
+        end = fill_page(response.insights, insights, start, 0, insight_to_pb)
+        if end < len(insights):
+            response.next_page_token = str(end)
         return response
 
     @translating

@@ -7,7 +7,7 @@ import bisect
 import collections
 import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 import grpc
@@ -27,7 +27,15 @@ from mesh.core.tasks import cancel_and_wait
 from mesh.core.tools import ToolHost
 from mesh.headroom import wire_fields
 from mesh.security import check_frame, current_principal
-from mesh.serving import ANSWER_BYTES, Malformed, MeshServer, lenient, start_server
+from mesh.serving import (
+    ANSWER_BYTES,
+    Malformed,
+    MeshServer,
+    fill_page,
+    lenient,
+    page_offset,
+    start_server,
+)
 from mesh.streams import BATCH_HEADER, FrameWriter
 from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
 
@@ -45,7 +53,6 @@ BATCH_BYTES = 1024 * 1024
 """A `deliveries` frame stops growing past this size (gRPC refuses frames over 4 MiB by
 default; one message may be up to max_message_bytes, 1 MiB by default)."""
 
-T = TypeVar("T")
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 Handler = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]  # type: ignore[type-arg]
@@ -106,7 +113,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         # one registering or leaving between pages moves no other across the boundary.
         start = bisect.bisect_right(agents, request.page_token, key=_agent_id)
         response = broker_pb2.ListAgentsResponse()
-        end = _fill_page(response.agents, agents, start, request.page_size, codec.agent_to_pb)
+        end = fill_page(response.agents, agents, start, request.page_size, codec.agent_to_pb)
         if end < len(agents):
             response.next_page_token = agents[end - 1].agent_id
         return response
@@ -320,10 +327,10 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     ) -> broker_pb2.ListDeadLettersResponse:
         if request.page_size < 0:
             raise _invalid("page_size", "page_size must not be negative")
-        start = _page_start(request.page_token)
+        start = page_offset(request.page_token)
         letters = await self.broker.dead_letters(request.agent_id)
         response = broker_pb2.ListDeadLettersResponse()
-        end = _fill_page(
+        end = fill_page(
             response.dead_letters, letters, start, request.page_size, codec.dead_letter_to_pb
         )
         if end < len(letters):
@@ -716,33 +723,8 @@ async def _broadcast(
         codec.error_to_pb(error, out.failures.add(agent_id=agent_id).error)
 
 
-def _fill_page(
-    out: Any, items: Sequence[T], start: int, page_size: int, encode: Callable[[T, Any], Any]
-) -> int:
-    """Encodes ``items`` from ``start`` into the repeated field ``out`` while the page has room:
-    ``page_size`` of them at most (0: no count), ANSWER_BYTES in all (the first whatever its
-    size). Returns where the next page starts."""
-    room, end = ANSWER_BYTES, start
-    while end < len(items) and not (page_size and len(out) >= page_size):
-        size = encode(items[end], out.add()).ByteSize()
-        if len(out) > 1 and size > room:
-            del out[-1]  # the next page's first
-            break
-        room, end = max(0, room - size), end + 1
-    return end
-
-
 def _agent_id(info: AgentInfo) -> str:
     return info.agent_id
-
-
-def _page_start(token: str) -> int:
-    """Where a page given by a page_token starts (an offset, as next_page_token says)."""
-    if not token:
-        return 0
-    if not token.isdigit():
-        raise _invalid("page_token", "page_token is not a next_page_token of this listing")
-    return int(token)
 
 
 def _decoded(broker: Broker, pb: message_pb2.Message) -> Message | MeshError:

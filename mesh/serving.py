@@ -8,7 +8,7 @@ import logging
 import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, text_format
@@ -24,6 +24,8 @@ from mesh.security import AuthInterceptor, authenticator_for, server_credentials
 
 logger = logging.getLogger("mesh.serving")
 
+T = TypeVar("T")
+
 MAX_GRPC_MESSAGE_BYTES = 8 * 1024 * 1024
 """gRPC's own frame limit, above the mesh's message limit so that oversize messages
 reach validation and get a clear error instead of a transport failure."""
@@ -33,6 +35,34 @@ ANSWER_BYTES = 3 * 1024 * 1024
 frames, a ReceiveMessages or ListDeadLetters answer, a pattern event): under the 4 MiB a gRPC
 client takes by default (the Node.js client, grpcurl), so that every client takes it; over a
 limit, a frame fails in transit with all it carries. One message is at most 1 MiB."""
+
+
+def fill_page(
+    out: Any, items: Sequence[T], start: int, page_size: int, encode: Callable[[T, Any], Any]
+) -> int:
+    """Encodes ``items`` from ``start`` into the repeated field ``out`` while the answer has
+    room: ``page_size`` of them at most (0: no count), ANSWER_BYTES in all (the first whatever
+    its size). Returns where the next page starts."""
+    room, end = ANSWER_BYTES, start
+    while end < len(items) and not (page_size and len(out) >= page_size):
+        size = encode(items[end], out.add()).ByteSize()
+        if len(out) > 1 and size > room:
+            del out[-1]  # the next page's first
+            break
+        room, end = max(0, room - size), end + 1
+    return end
+
+
+def page_offset(token: str) -> int:
+    """Where a page given by a page_token starts, for a listing whose next_page_token is an
+    offset."""
+    if not token:
+        return 0
+    if not token.isdigit():
+        raise MessageValidationError.for_field(
+            "page_token", "page_token is not a next_page_token of this listing"
+        )
+    return int(token)
 
 
 def _seconds_from_env(name: str, default: float) -> int:

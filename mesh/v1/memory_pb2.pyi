@@ -187,6 +187,7 @@ class ReadInsightsRequest(_message.Message):
     MIN_IMPORTANCE_FIELD_NUMBER: _builtins.int
     LIMIT_FIELD_NUMBER: _builtins.int
     AGENT_ID_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     segment: _builtins.str
     """When set, only this segment."""
     min_importance: _builtins.float
@@ -195,6 +196,11 @@ class ReadInsightsRequest(_message.Message):
     """At most this many; 0 means 100."""
     agent_id: _builtins.str
     """When set, only insights written by this agent."""
+    page_token: _builtins.str
+    """The next_page_token of the previous answer to the same read, to go on from there; empty:
+    from the first. (Offsets in the ranking: insights written or removed between pages may
+    shift it.)
+    """
     @_builtins.property
     def tags(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Insights must carry all of these tags."""
@@ -207,10 +213,11 @@ class ReadInsightsRequest(_message.Message):
         min_importance: _builtins.float = ...,
         limit: _builtins.int = ...,
         agent_id: _builtins.str = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "limit", b"limit", "min_importance", b"min_importance", "segment", b"segment", "tags", b"tags"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "limit", b"limit", "min_importance", b"min_importance", "page_token", b"page_token", "segment", b"segment", "tags", b"tags"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -218,11 +225,14 @@ Global___ReadInsightsRequest: _TypeAlias = ReadInsightsRequest  # noqa: Y015
 
 @_typing.final
 class ReadInsightsResponse(_message.Message):
-    """ReadInsightsResponse lists the matching insights."""
+    """ReadInsightsResponse lists the matching insights, as many of the limit as fit in 3 MiB."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     INSIGHTS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Set when more of the limit follow: pass it as page_token for the next page."""
     @_builtins.property
     def insights(self) -> _containers.RepeatedCompositeFieldContainer[Global___Insight]:
         """The insights, most important first, then newest first."""
@@ -231,10 +241,11 @@ class ReadInsightsResponse(_message.Message):
         self,
         *,
         insights: _abc.Iterable[Global___Insight] | None = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["insights", b"insights"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["insights", b"insights", "next_page_token", b"next_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -8,11 +8,13 @@ import asyncio
 from collections.abc import AsyncIterator
 from datetime import timedelta
 
+import grpc
 import pytest
 
 from mesh import MeshError, connect
 from mesh.client import NO_RETRY
 from mesh.testing import LocalMesh
+from mesh.v1 import memory_pb2, memory_pb2_grpc
 from tests.helpers.processes import BROKER_READY, start, stop
 
 
@@ -100,3 +102,38 @@ async def test_a_read_with_a_filter_that_is_not_a_number_is_refused(broker: str)
         assert [i.content for i in await one.read_insights(min_importance=0.5, limit=1)] == [
             "approve"
         ]
+
+
+async def test_a_read_past_one_answer_comes_in_pages(broker: str) -> None:
+    """75 insights of 60 kB (their content's limit is 64 KiB), about 4.5 MB: in one answer,
+    within the default limit of 100, more than a gRPC client reads by default (4 MiB). An
+    answer holds 3 MiB at most, the rest of the limit on the next page, most important first
+    throughout."""
+    async with connect(broker, agent_id="archivist", retry=NO_RETRY) as client:
+        written = [
+            await client.write_insight(
+                {"n": i, "text": "x" * 60_000}, tags=["big"], importance=i / 100
+            )
+            for i in range(75)
+        ]
+        expected = [w.insight_id for w in reversed(written)]
+        async with grpc.aio.insecure_channel(broker) as channel:  # gRPC's 4 MiB default
+            stub = memory_pb2_grpc.MemoryServiceStub(channel)
+            request = memory_pb2.ReadInsightsRequest(tags=["big"])
+            pages = []
+            while True:
+                page = await stub.ReadInsights(request)
+                pages.append([i.insight_id for i in page.insights])
+                if not page.next_page_token:
+                    break
+                request.page_token = page.next_page_token
+            assert len(pages) == 2
+            assert [i for page in pages for i in page] == expected
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.ReadInsights(memory_pb2.ReadInsightsRequest(page_token="next"))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # The SDK reads every page, up to the limit.
+        assert [i.insight_id for i in await client.read_insights(tags=["big"])] == expected
+        most = await client.read_insights(tags=["big"], limit=55)
+        assert [i.insight_id for i in most] == expected[:55]
+        assert most[0].content == {"n": 74, "text": "x" * 60_000}

@@ -376,8 +376,8 @@ function unary(client, method, request, timeoutMs = 10000, metadata = client.mes
 }
 
 /**
- * Every item of a paged listing (ListAgents, ListDeadLetters): the broker answers up to 3 MiB
- * at a time with a next_page_token while more follow.
+ * Every item of a paged listing (ListAgents, ListDeadLetters, ReadInsights): the server answers
+ * up to 3 MiB at a time with a next_page_token while more follow.
  */
 async function allPages(client, method, request, field) {
   const items = [];
@@ -827,9 +827,9 @@ class MeshClient {
   /** Insights with all of tags (and of segment, agentId), most important first, then newest. */
   async readInsights({ tags = [], segment = '', minImportance = 0, limit = 0,
     agentId = '' } = {}) {
-    const res = await unary(this.memory, 'ReadInsights', { tags, segment,
-      min_importance: minImportance, limit, agent_id: agentId });
-    return res.insights.map(readInsight);
+    const insights = await allPages(this.memory, 'ReadInsights', { tags, segment,
+      min_importance: minImportance, limit, agent_id: agentId }, 'insights');
+    return insights.map(readInsight);
   }
 
   /** Removes the insights matching every filter given (at least one); resolves with how many. */

@@ -756,7 +756,7 @@ test('a handler that throws Reject sends the message to the dead-letter queue at
     }
   });
 
-test('listings longer than one answer come whole, page by page: agents and dead letters',
+test('listings longer than one answer come whole, page by page: agents, dead letters, insights',
   async () => {
     // 110 agents of 128 capabilities of 250 characters: about 3.6 MB, past the 3 MiB a page
     // of ListAgents holds.
@@ -803,7 +803,18 @@ test('listings longer than one answer come whole, page by page: agents and dead 
       }
       assert.deepEqual(dead.map((d) => d.message.messageId), sent);
       assert.equal(dead[3].message.content.parameters.blob.length, 900000);
+
+      // 75 insights of 60 kB, most important first, over two answers.
+      const written = [];
+      for (let i = 0; i < 75; i += 1) {
+        written.push((await client.writeInsight({ n: i, text: 'x'.repeat(60000) },
+          { tags: ['node-wide'], importance: i / 100 })).insightId);
+      }
+      const read = await client.readInsights({ tags: ['node-wide'] });
+      assert.deepEqual(read.map((insight) => insight.insightId), written.reverse());
+      assert.deepEqual(read[0].content, { n: 74, text: 'x'.repeat(60000) });
     } finally {
+      await client.deleteInsights({ tags: ['node-wide'] }).catch(() => {});
       if (agent) await agent.stop();
       for (const agentId of ids) await client.deregister(agentId).catch(() => {});
       client.close();
