@@ -125,7 +125,8 @@ class MemoryPool(Protocol):
 
 class SharedMemoryPool:
     """Bounded: writes over ``capacity`` are refused (RESOURCE_EXHAUSTED), and each insight's
-    content is limited to ``max_content_bytes`` of JSON. Indexed by tag and segment, with
+    content and metadata are limited to ``max_content_bytes`` of JSON each, its writer's id,
+    tags and segment to ``max_name_length`` characters. Indexed by tag and segment, with
     its statistics kept as insights come and go: a read goes through the insights of its
     rarest tag (or segment), not the whole pool, and the statistics cost no pass at all."""
 
@@ -135,11 +136,14 @@ class SharedMemoryPool:
         capacity: int = 10_000,
         max_content_bytes: int = 64 * 1024,
         max_tags: int = 32,
+        max_name_length: int = 256,
         clock: Callable[[], float] | None = None,
     ) -> None:
         self.capacity = capacity
         self.max_content_bytes = max_content_bytes
         self.max_tags = max_tags
+        self.max_name_length = max_name_length
+        """Characters of a writer's id, a tag or a segment at most."""
         self._clock = clock
         """Seconds since the epoch (tests drive time with it); the wall clock by default."""
         self._insights: dict[str, Insight] = {}
@@ -199,6 +203,24 @@ class SharedMemoryPool:
         if len(insight.tags) > self.max_tags or any(not t for t in insight.tags):
             problems.append(
                 FieldViolation("insight.tags", f"at most {self.max_tags} tags, none of them empty")
+            )
+        longest = self.max_name_length
+        for part, names in (
+            ("agent_id", (insight.agent_id,)),
+            ("tags", insight.tags),
+            ("segment", (insight.segment,)),
+        ):
+            if any(len(name) > longest for name in names):
+                problems.append(
+                    FieldViolation(
+                        f"insight.{part}", f"{part} must be at most {longest} characters"
+                    )
+                )
+        if len(json.dumps(insight.metadata, default=str).encode()) > self.max_content_bytes:
+            problems.append(
+                FieldViolation(
+                    "insight.metadata", f"metadata must be at most {self.max_content_bytes} bytes"
+                )
             )
         if not (insight.ttl >= 0 and math.isfinite(insight.ttl)):
             problems.append(FieldViolation("insight.ttl", "ttl must not be negative"))

@@ -137,3 +137,19 @@ async def test_a_read_past_one_answer_comes_in_pages(broker: str) -> None:
         most = await client.read_insights(tags=["big"], limit=55)
         assert [i.insight_id for i in most] == expected[:55]
         assert most[0].content == {"n": 74, "text": "x" * 60_000}
+
+
+async def test_an_insight_over_its_limits_is_refused_whole(broker: str) -> None:
+    """A tag past 256 characters or metadata past 64 KiB: INVALID_ARGUMENT naming the field,
+    on every pool, and nothing kept."""
+    async with connect(broker, agent_id="archivist", retry=NO_RETRY) as client:
+        for kwargs, field in (
+            ({"tags": ["vote", "t" * 300]}, "insight.tags"),
+            ({"metadata": {"notes": "n" * 70_000}}, "insight.metadata"),
+            ({"segment": "s" * 300}, "insight.segment"),
+        ):
+            with pytest.raises(MeshError) as info:
+                await client.write_insight("approve", **kwargs)  # type: ignore[arg-type]
+            assert info.value.code == "INVALID_ARGUMENT"
+            assert [v.field for v in info.value.field_violations] == [field]
+        assert (await client.memory_stats()).total_insights == 0

@@ -101,6 +101,32 @@ async def test_a_negative_ttl_is_refused() -> None:
     assert (await pool.stats()).total_insights == 0
 
 
+async def test_every_part_of_an_insight_is_bounded() -> None:
+    """Content and metadata 64 KiB of JSON each; the writer, each tag and the segment 256
+    characters. (Metadata and names had no limit: one write could hold the pool's memory
+    with megabytes, and every read of it then passed what a client takes.)"""
+    pool = SharedMemoryPool()
+    long = "x" * 257
+    for insight, field in (
+        (Insight(agent_id=long, content="c"), "insight.agent_id"),
+        (Insight(agent_id="a", content="c", tags=("vote", long)), "insight.tags"),
+        (Insight(agent_id="a", content="c", segment=long), "insight.segment"),
+        (Insight(agent_id="a", content="c", metadata={"notes": "n" * 65_536}), "insight.metadata"),
+        (Insight(agent_id="a", content={"text": "t" * 65_536}), "insight.content"),
+    ):
+        with pytest.raises(MessageValidationError) as info:
+            await pool.write(insight)
+        assert [v.field for v in info.value.field_violations] == [field]
+    assert (await pool.stats()).total_insights == 0
+    edge = "y" * 256
+    kept = await pool.write(
+        Insight(
+            agent_id=edge, content="c", tags=(edge,), segment=edge, metadata={"n": "m" * 60_000}
+        )
+    )
+    assert [i.insight_id for i in await pool.read(tags=[edge])] == [kept.insight_id]
+
+
 async def test_what_was_deleted_is_not_kept_for_its_ttl() -> None:
     """Insights written with a day's ttl and deleted at once, 5,000 times over: the pool
     keeps no trace of them (their expiry entries are dropped, not held for a day)."""
