@@ -31,7 +31,7 @@ from mesh.client import (
     RetryPolicy,
     wait_seconds,
 )
-from mesh.config import DEFAULT_LEASE_SECONDS, SecurityConfig
+from mesh.config import DEFAULT_LEASE_SECONDS, BrokerConfig, SecurityConfig
 from mesh.core import negotiation
 from mesh.core.errors import (
     AgentError,
@@ -52,6 +52,7 @@ from mesh.core.model import (
 )
 from mesh.core.state import StateEntry
 from mesh.core.tasks import cancel_and_wait
+from mesh.core.validation import validate_message
 from mesh.serving import MeshServer, start_server
 from mesh.tracing import current_span, extract, inject, span_name, without_trace
 from mesh.v1 import agent_pb2, agent_pb2_grpc
@@ -63,6 +64,9 @@ Reply = dict[str, JSON] | Message | JSON | None
 HandlerFn = Callable[[Message, "AgentContext"], Awaitable[Reply] | Reply]
 
 _RECONNECT_DELAYS = (0.1, 0.5, 1.0, 2.0)
+DIRECT_LIMITS = BrokerConfig()
+"""The limits a message called to an agent's own server is held to: the broker's defaults,
+RT-011's (the broker in between, when there is one, may hold its own)."""
 MAX_LEASE_EXTENSION = 3600.0
 """How long a runtime keeps a delivery leased while its handler still works on it (it extends
 the lease every third of a lease): past that, the broker delivers the message again."""
@@ -661,6 +665,16 @@ class AgentRuntime:
                 await received.answer(error_to(message, self.agent.agent_id, failed))
         await received.ack()
 
+    def check_direct(self, message: Message, size_bytes: int) -> None:
+        """A message called to the agent's own server directly is held to the format the
+        broker holds every message to (RT-011's limits), and must be for this agent: raises
+        MessageValidationError otherwise, before any handler runs."""
+        validate_message(message, DIRECT_LIMITS, size_bytes)
+        if message.to_agent != self.agent.agent_id:
+            raise MessageValidationError.for_field(
+                "to_agent", f"this server serves {self.agent.agent_id}, not {message.to_agent}"
+            )
+
     async def run_handler(
         self, message: Message, received: Received | None = None
     ) -> Message | None:
@@ -784,6 +798,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     ) -> agent_pb2.HandleMessageResponse:
         try:
             message = codec.message_from_pb(request.message, strict=True)
+            self.runtime.check_direct(message, request.message.ByteSize())
             answer = await self.runtime.run_handler(message)
             if answer is not None and forwards(message, answer):
                 answer = await self._forward(message, answer, context.time_remaining())

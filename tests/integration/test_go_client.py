@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks.harness import build_meshgo, go_available
 from gateway.embedded import EmbeddedMesh
-from mesh import AgentClient, Message, MessageType, connect
+from mesh import AgentClient, Message, MessageType, MessageValidationError, connect
 from mesh.testing import LocalMesh
 from tests.helpers.processes import (
     BROKER_READY,
@@ -212,6 +212,18 @@ async def test_a_go_agent_answers_python_asks_go_and_leaves_when_stopped(
                 Message(from_agent="PyCaller", to_agent="GoDeskAgent", content={"action": "ping"})
             )
             assert reply is not None and reply.content["served_by"] == "GoDeskAgent"
+            # What the broker would refuse, its server refuses too, with the same status.
+            for content, to_agent, sender, field, why in (
+                ({"action": "x"}, "Other", "PyCaller", "to_agent", "serves GoDeskAgent, not Other"),
+                ({}, "GoDeskAgent", "PyCaller", "content.action", "content.action is required"),
+                ({"action": "x"}, "GoDeskAgent", "", "from_agent", "from_agent is required"),
+            ):
+                refused = Message(from_agent=sender, to_agent=to_agent, content=content)
+                with pytest.raises(MessageValidationError, match=why) as info:
+                    await direct.handle(refused)
+                assert info.value.code == "INVALID_ARGUMENT"
+                assert info.value.reason == "VALIDATION_FAILED"
+                assert [v.field for v in info.value.field_violations] == [field]
 
         # Go asks Python: a request to a Python sample agent, and one to nobody.
         code, out, err = await run(

@@ -13,14 +13,17 @@ from typing import Any
 
 import grpc
 import pytest
-from google.protobuf import descriptor_pb2
+from google.protobuf import descriptor_pb2, struct_pb2
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
+from grpc_status import rpc_status
 
 from mesh import Agent, AgentClient, AgentContext, LocalMesh, MeshError, Message, Tool, agent, on
 from mesh.client import NO_RETRY
 from mesh.config import BrokerConfig
 from mesh.core.model import MessageType
+from mesh.v1 import agent_pb2, agent_pb2_grpc, message_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -219,6 +222,76 @@ async def test_agent_service_describes_and_handles_directly(mesh: LocalMesh) -> 
         )
         assert failed is not None and failed.message_type is MessageType.ERROR
         assert "does not handle action 'unknown'" in failed.content["error"]
+
+
+async def test_a_direct_call_is_held_to_the_message_format_before_any_handler_runs(
+    mesh: LocalMesh,
+) -> None:
+    """A message called to an agent's own server meets the rules the broker holds every
+    message to (it was handed to the handler as it came: no content, no action, no sender, or
+    meant for another agent), and is for the agent that server serves."""
+    handled = []
+
+    @agent("Ledger")
+    async def ledger(message: Message, ctx: AgentContext) -> dict[str, Any]:
+        handled.append(message.message_id)
+        return {"booked": True}
+
+    served = await mesh.add_agent(ledger)
+    action = struct_pb2.Struct(fields={"action": struct_pb2.Value(string_value="book")})
+    cases = [
+        (message_pb2.Message(from_agent="cli", to_agent="Ledger"), ["content"]),
+        (
+            message_pb2.Message(from_agent="cli", to_agent="Ledger", content=struct_pb2.Struct()),
+            ["content.action"],
+        ),
+        (message_pb2.Message(to_agent="Ledger", content=action), ["from_agent"]),
+        (message_pb2.Message(from_agent="cli", to_agent="Other", content=action), ["to_agent"]),
+        (message_pb2.Message(), ["from_agent", "to_agent", "content"]),
+        (
+            message_pb2.Message(
+                from_agent="cli",
+                to_agent="Ledger",
+                message_type=message_pb2.MESSAGE_TYPE_HANDOFF,
+                content=action,
+            ),
+            ["content.parameters.task_description"],
+        ),
+    ]
+    async with grpc.aio.insecure_channel(served.address) as channel:
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
+        for message, fields in cases:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.HandleMessage(agent_pb2.HandleMessageRequest(message=message))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            status = rpc_status.from_call(info.value)
+            assert status is not None
+            violations = [
+                v.field
+                for d in status.details
+                if d.Is(error_details_pb2.BadRequest.DESCRIPTOR)
+                for v in _unpacked_bad_request(d).field_violations
+            ]
+            assert violations == fields
+        assert handled == []
+        answered = await stub.HandleMessage(
+            agent_pb2.HandleMessageRequest(
+                message=message_pb2.Message(from_agent="cli", to_agent="Ledger", content=action)
+            )
+        )
+        assert answered.response.content["booked"] is True
+    assert len(handled) == 1
+    async with AgentClient(served.address) as direct:
+        misrouted = Message(from_agent="cli", to_agent="Other", content={"action": "book"})
+        with pytest.raises(MeshError, match="this server serves Ledger, not Other") as refused:
+            await direct.handle(misrouted)
+        assert refused.value.code == "INVALID_ARGUMENT"
+
+
+def _unpacked_bad_request(detail: Any) -> error_details_pb2.BadRequest:
+    bad = error_details_pb2.BadRequest()
+    detail.Unpack(bad)
+    return bad
 
 
 async def test_graceful_shutdown_finishes_in_flight_work_then_deregisters(mesh: LocalMesh) -> None:

@@ -39,7 +39,9 @@ import (
 
 	meshv1 "agentmesh/gen/mesh/v1"
 
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
@@ -190,15 +192,21 @@ func (a *agent) answer(m *meshv1.Message) map[string]interface{} {
 
 // reply is the RESPONSE due to m, or nil when none is: what is asked (a REQUEST, a HANDOFF,
 // a BROADCAST that names where answers go) is answered; alerts and answers are not.
-func (a *agent) reply(m *meshv1.Message) (*meshv1.Message, error) {
-	asked := m.GetCorrelationId() != "" || m.GetReplyTo() != ""
+// kindOf is a message's type, an unset one read as the broker reads it.
+func kindOf(m *meshv1.Message) meshv1.MessageType {
 	kind := m.GetMessageType()
-	if kind == meshv1.MessageType_MESSAGE_TYPE_UNSPECIFIED { // (unset: as the broker reads it)
+	if kind == meshv1.MessageType_MESSAGE_TYPE_UNSPECIFIED {
 		kind = meshv1.MessageType_MESSAGE_TYPE_REQUEST
 		if m.GetToAgent() == "broadcast" {
 			kind = meshv1.MessageType_MESSAGE_TYPE_BROADCAST
 		}
 	}
+	return kind
+}
+
+func (a *agent) reply(m *meshv1.Message) (*meshv1.Message, error) {
+	asked := m.GetCorrelationId() != "" || m.GetReplyTo() != ""
+	kind := kindOf(m)
 	switch kind {
 	case meshv1.MessageType_MESSAGE_TYPE_REQUEST, meshv1.MessageType_MESSAGE_TYPE_HANDOFF:
 	case meshv1.MessageType_MESSAGE_TYPE_BROADCAST:
@@ -240,11 +248,75 @@ type agentServer struct {
 func (s *agentServer) HandleMessage(
 	ctx context.Context, req *meshv1.HandleMessageRequest,
 ) (*meshv1.HandleMessageResponse, error) {
+	if violations := s.agent.directViolations(req.GetMessage()); len(violations) > 0 {
+		return nil, invalidArgument(violations)
+	}
 	answer, err := s.agent.reply(req.GetMessage())
 	if err != nil {
 		return nil, err
 	}
 	return &meshv1.HandleMessageResponse{Response: answer}, nil
+}
+
+// directViolations is what keeps a message called to the agent's own server from being
+// handled, as the broker would refuse it: RT-011's required fields, and an agent id other than
+// the one this server serves.
+func (a *agent) directViolations(m *meshv1.Message) []*errdetails.BadRequest_FieldViolation {
+	var found []*errdetails.BadRequest_FieldViolation
+	add := func(field, description string) {
+		found = append(found, &errdetails.BadRequest_FieldViolation{
+			Field: field, Description: description,
+		})
+	}
+	if m.GetFromAgent() == "" {
+		add("from_agent", "from_agent is required")
+	}
+	if m.GetToAgent() == "" {
+		add("to_agent", "to_agent is required")
+	}
+	kind := kindOf(m)
+	if m.GetContent() == nil {
+		add("content", "content is required")
+	} else {
+		action, present := m.GetContent().GetFields()["action"]
+		_, isString := action.GetKind().(*structpb.Value_StringValue)
+		_, isNull := action.GetKind().(*structpb.Value_NullValue)
+		switch {
+		case !present || isNull || (isString && action.GetStringValue() == ""):
+			if kind != meshv1.MessageType_MESSAGE_TYPE_BROADCAST {
+				add("content.action", "content.action is required")
+			}
+		case !isString:
+			add("content.action", "content.action must be a string")
+		}
+		parameters := m.GetContent().GetFields()["parameters"].GetStructValue()
+		if kind == meshv1.MessageType_MESSAGE_TYPE_HANDOFF &&
+			parameters.GetFields()["task_description"].GetStringValue() == "" {
+			add("content.parameters.task_description", "task_description is required for handoff")
+		}
+	}
+	if m.GetToAgent() != "" && m.GetToAgent() != a.id {
+		add("to_agent", fmt.Sprintf("this server serves %s, not %s", a.id, m.GetToAgent()))
+	}
+	return found
+}
+
+// invalidArgument is INVALID_ARGUMENT with the rich status every server of the mesh sends:
+// the reason VALIDATION_FAILED and a field violation per problem.
+func invalidArgument(violations []*errdetails.BadRequest_FieldViolation) error {
+	descriptions := make([]string, len(violations))
+	for i, v := range violations {
+		descriptions[i] = v.GetDescription()
+	}
+	st := status.New(codes.InvalidArgument, strings.Join(descriptions, "; "))
+	rich, err := st.WithDetails(
+		&errdetails.ErrorInfo{Reason: "VALIDATION_FAILED", Domain: "agentmesh.dev"},
+		&errdetails.BadRequest{FieldViolations: violations},
+	)
+	if err != nil {
+		return st.Err()
+	}
+	return rich.Err()
 }
 
 func (s *agentServer) DescribeAgent(

@@ -282,6 +282,53 @@ function richStatus(metadata) {
 }
 
 /**
+ * What keeps a message called to an agent's own server from being handled, as the broker
+ * would refuse it ([field, description] pairs): RT-011's required fields, and an agent id
+ * other than the one the server serves.
+ */
+function directViolations(message, agentId) {
+  const found = [];
+  if (!message.from) found.push(['from_agent', 'from_agent is required']);
+  if (!message.to) found.push(['to_agent', 'to_agent is required']);
+  if (message.content === null) {
+    found.push(['content', 'content is required']);
+  } else {
+    const { action, parameters } = message.content;
+    if (action === undefined || action === null || action === '') {
+      if (message.type !== 'BROADCAST') found.push(['content.action', 'content.action is required']);
+    } else if (typeof action !== 'string') {
+      found.push(['content.action', 'content.action must be a string']);
+    }
+    if (message.type === 'HANDOFF' && !(parameters && parameters.task_description)) {
+      found.push(['content.parameters.task_description', 'task_description is required for handoff']);
+    }
+  }
+  if (message.to && message.to !== agentId) {
+    found.push(['to_agent', `this server serves ${agentId}, not ${message.to}`]);
+  }
+  return found;
+}
+
+/** An INVALID_ARGUMENT for a server's callback, with the rich status the mesh's servers send. */
+function invalidArgument(violations) {
+  const details = violations.map(([, description]) => description).join('; ');
+  const pack = (name, value) => ({ type_url: `type.googleapis.com/google.rpc.${name}`,
+    value: RPC.lookupType(`google.rpc.${name}`).encode(value).finish() });
+  const status = RPC.lookupType('google.rpc.Status').encode({
+    code: grpc.status.INVALID_ARGUMENT,
+    message: details,
+    details: [
+      pack('ErrorInfo', { reason: 'VALIDATION_FAILED', domain: 'agentmesh.dev' }),
+      pack('BadRequest', { field_violations: violations.map(([field, description]) => ({
+        field, description })) }),
+    ],
+  }).finish();
+  const metadata = new grpc.Metadata();
+  metadata.add('grpc-status-details-bin', Buffer.from(status));
+  return { code: grpc.status.INVALID_ARGUMENT, details, metadata };
+}
+
+/**
  * Errors carry the gRPC status code and what the mesh says of them: its machine-readable
  * reason (e.g. QUEUE_FULL, TOOL_NOT_ALLOWED), the fields that failed validation, and how long
  * to wait before trying again (backpressure), from the call's rich status or from the error
@@ -1684,6 +1731,11 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
       call.on('cancelled', () => aborting.abort(new MeshError({ code: grpc.status.CANCELLED,
         details: 'the caller cancelled the call' })));
       const message = readMessage(call.request.message);
+      const violations = directViolations(message, agentId);
+      if (violations.length) {
+        callback(invalidArgument(violations));
+        return;
+      }
       const deadline = Number(call.getDeadline());
       answer(message, { signal: aborting.signal }, { direct: true })
         .then((response) => (response && response.message_type === 'MESSAGE_TYPE_REQUEST'

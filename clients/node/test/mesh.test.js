@@ -181,6 +181,26 @@ test('calls an agent directly on its own server, Node or Python (RT-011 peer-to-
       assert.equal(scored.content.dimension, 'price');
       assert.equal(scored.content.city, 'Paris');
       assert.equal(typeof scored.content.confidence, 'number');
+      // A message such as the broker would refuse is refused by either agent's server too,
+      // before its handler: the same status, reason and fields.
+      for (const [peer, agentId] of [[direct, 'NodePeerAgent'], [python, 'PriceAgent']]) {
+        await assert.rejects(peer.handle('NodeLedger', { action: 'get_quote' }),
+          (err) => err.codeName === 'INVALID_ARGUMENT' && err.reason === 'VALIDATION_FAILED'
+            && err.message === `this server serves ${agentId}, not NodeLedger`
+            && err.fieldViolations.map((v) => v.field).join() === 'to_agent');
+        for (const [message, fields] of [
+          [{ from_agent: 'NodeCaller', to_agent: agentId }, 'content'],
+          [{ from_agent: 'NodeCaller', to_agent: agentId, content: { fields: {} } },
+            'content.action'],
+          [{}, 'from_agent,to_agent,content'],
+        ]) {
+          await assert.rejects(new Promise((resolve, reject) => {
+            peer.agent.HandleMessage({ message }, new grpc.Metadata(),
+              (err, res) => (err ? reject(new MeshError(err)) : resolve(res)));
+          }), (err) => err.codeName === 'INVALID_ARGUMENT'
+            && err.fieldViolations.map((v) => v.field).join() === fields);
+        }
+      }
     } finally {
       if (python) python.close();
       direct.close();
