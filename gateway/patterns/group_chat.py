@@ -26,6 +26,7 @@ from gateway.patterns._common import (
 from gateway.tracing import span_name, tracer
 from mesh.core.errors import MeshError
 from mesh.core.model import JSON, Message, MessageType
+from mesh.core.workflows import MAX_WORKFLOW_ID, workflow_id_problem
 from mesh.tracing import inject
 
 STRATEGIES = (
@@ -319,6 +320,11 @@ class GroupChatSpec:
             raise invalid("expertise", "expertise must be within 0 and 1")
         if not self.query:
             raise invalid("query", "query is required")
+        if self.group_id and workflow_id_problem(self.group_id):
+            # (Held to a workflow id's rules: it is the workflow id of the group's trace.)
+            raise invalid(
+                "group_id", f"group_id must be printable and at most {MAX_WORKFLOW_ID} characters"
+            )
         if not 1 <= self.rounds <= MAX_ROUNDS:
             raise invalid("rounds", f"rounds must be within 1..{MAX_ROUNDS}")
         if self.strategy not in STRATEGIES:

@@ -17,6 +17,7 @@ from gateway.patterns.group_chat import GroupChatSpec, run_group_chat
 from gateway.tracing import tracer
 from mesh.core.errors import MeshError
 from mesh.core.model import JSON, Handoff, Message, MessageType
+from mesh.core.workflows import workflow_id_problem
 
 logger = logging.getLogger("gateway.handoff")
 END = "END"
@@ -65,6 +66,8 @@ class WorkflowSpec:
             raise invalid("steps", f"a workflow takes at most {MAX_AGENTS} steps")
         if not self.task:
             raise invalid("task", "task is required")
+        if self.workflow_id and (problem := workflow_id_problem(self.workflow_id)):
+            raise invalid("workflow_id", problem)
         for i, step in enumerate(self.steps):
             if step.group_chat is None and not step.parallel and not step.agent_id:
                 raise invalid(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from mesh.config import BrokerConfig
 from mesh.core.errors import FieldViolation, MessageTooLargeError, MessageValidationError
 from mesh.core.model import BROADCAST_TARGET, EncodedContent, Handoff, Message, MessageType
+from mesh.core.workflows import workflow_id_problem
 
 _OBJECT_OR_NOTHING = frozenset({"object", "null", None})
 """What content.parameters and content.context may be: an object, null, or absent."""
@@ -64,6 +65,7 @@ def message_violations(message: Message, config: BrokerConfig) -> list[FieldViol
                     Handoff.from_message(message),
                     "content.parameters.",
                     config.max_context_bytes,
+                    "metadata.workflow_id",
                 )
             )
 
@@ -84,9 +86,14 @@ def message_violations(message: Message, config: BrokerConfig) -> list[FieldViol
 
 
 def handoff_violations(
-    handoff: Handoff, prefix: str = "handoff.", max_context_bytes: int = 0
+    handoff: Handoff,
+    prefix: str = "handoff.",
+    max_context_bytes: int = 0,
+    workflow_field: str = "handoff.workflow_id",
 ) -> list[FieldViolation]:
     found = []
+    if handoff.workflow_id and (problem := workflow_id_problem(handoff.workflow_id)):
+        found.append(FieldViolation(workflow_field, problem))
     if max_context_bytes and handoff.context_size_kb * 1024 > max_context_bytes:
         found.append(
             FieldViolation(

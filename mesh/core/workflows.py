@@ -17,10 +17,12 @@ from typing import Protocol
 
 from mesh.core.errors import NotFoundError, StateConflictError
 from mesh.core.model import JSON, Handoff, Message
-from mesh.core.state import StateEntry
+from mesh.core.state import MAX_KEY_LENGTH, StateEntry
 
 WORKFLOW_KEY_PREFIX = "workflow/"
 """A workflow's status in the shared state is ``workflow/<workflow_id>``."""
+MAX_WORKFLOW_ID = MAX_KEY_LENGTH - len(WORKFLOW_KEY_PREFIX)
+"""Characters of a workflow id at most: its status's key must fit the shared state's."""
 IN_PROGRESS = "IN_PROGRESS"
 ENDED = frozenset({"COMPLETED", "FAILED"})
 TRIES = 3
@@ -42,6 +44,17 @@ class StatusStore(Protocol):
         expected_version: int | None = None,
         ttl: float | None = None,
     ) -> StateEntry: ...
+
+
+def workflow_id_problem(workflow_id: str) -> str | None:
+    """Why ``workflow_id`` cannot name a workflow (None when it can): its status is kept as
+    ``workflow/<workflow_id>``, and shown in logs and on the dashboard."""
+    if len(workflow_id) > MAX_WORKFLOW_ID or not workflow_id.isprintable():
+        return (
+            f"workflow_id must be printable and at most {MAX_WORKFLOW_ID} characters "
+            f"(its status is the shared state's {WORKFLOW_KEY_PREFIX}<workflow_id>)"
+        )
+    return None
 
 
 def key_of(workflow_id: str) -> str:

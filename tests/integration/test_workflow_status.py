@@ -15,7 +15,7 @@ from google.protobuf import json_format
 
 from mesh import AgentContext, ChangeKind, LocalMesh, Message, MessageValidationError, agent
 from mesh.config import BrokerConfig
-from mesh.v1 import memory_pb2, memory_pb2_grpc
+from mesh.v1 import broker_pb2, broker_pb2_grpc, memory_pb2, memory_pb2_grpc, message_pb2
 
 
 async def status_of(mesh: LocalMesh, workflow_id: str) -> memory_pb2.StateEntry | None:
@@ -206,3 +206,30 @@ async def test_the_last_agent_of_a_workflow_its_agents_run_ends_it() -> None:
         again = await customer.end_workflow("wf_end_bad")
         assert again is not None and again.value["status"] == "COMPLETED"
         assert "failed_at_step" not in again.value and "error_reason" not in again.value
+
+
+async def test_a_hand_off_naming_a_workflow_its_status_cannot_be_kept_for_is_refused() -> None:
+    """A workflow id whose status key would pass the shared state's 256 characters: the
+    hand-off went on and its status was never recorded (a warning in the broker's log); now
+    refused, on a session and on the Handoff RPC alike, naming the field, and nothing sent."""
+    async with LocalMesh() as mesh, mesh.client("CustomerAgent") as customer:
+        await customer.register("SellerAgent")
+        too_long = "w" * 248
+        with pytest.raises(MessageValidationError, match="at most 247 characters") as info:
+            await customer.handoff("SellerAgent", "Approve refund", workflow_id=too_long)
+        assert [v.field for v in info.value.field_violations] == ["metadata.workflow_id"]
+        async with grpc.aio.insecure_channel(mesh.address) as channel:
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)
+            request = broker_pb2.HandoffRequest(
+                from_agent="CustomerAgent",
+                to_agent="SellerAgent",
+                handoff=message_pb2.Handoff(task_description="Approve", workflow_id="wf\n1"),
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Handoff(request)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "workflow_id must be printable" in (refused.value.details() or "")
+        seller = (await customer.queue_stats("SellerAgent")).for_agent("SellerAgent")
+        assert seller is not None and seller.depth == 0
+        await customer.handoff("SellerAgent", "Approve refund", workflow_id=too_long[:-1])
+        assert await status_of(mesh, too_long[:-1]) is not None

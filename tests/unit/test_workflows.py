@@ -9,11 +9,22 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from gateway.dispatch import BrokerDispatcher
+from gateway.patterns.group_chat import GroupChatSpec
+from gateway.patterns.handoff import WorkflowSpec, WorkflowStep
 from mesh.config import BrokerConfig
 from mesh.core.broker import Broker
+from mesh.core.errors import MessageValidationError
 from mesh.core.model import AgentInfo, Message, MessageType
 from mesh.core.state import SharedState
-from mesh.core.workflows import ended, record_ending, record_hand_off
+from mesh.core.validation import message_violations
+from mesh.core.workflows import (
+    MAX_WORKFLOW_ID,
+    ended,
+    key_of,
+    record_ending,
+    record_hand_off,
+    workflow_id_problem,
+)
 
 
 def hand_off(to_agent: str, step: int, workflow_id: str = "wf_1") -> Message:
@@ -69,3 +80,33 @@ async def test_the_in_process_dispatcher_records_an_ending_in_its_brokers_state(
         assert entry.value["status"] == "COMPLETED" and entry.updated_by == "gateway"
     finally:
         await broker.stop()
+
+
+def test_a_workflow_id_fits_the_key_of_its_status() -> None:
+    """``workflow/<workflow_id>`` is a shared state key, 256 characters at most: a longer id
+    (or one with a line break) is refused where it comes in, by the broker for a hand-off and
+    by the gateway for a workflow or a group chat, instead of the hand-offs going on with
+    their status never recorded."""
+    config = BrokerConfig()
+    fits = "w" * MAX_WORKFLOW_ID
+    assert len(key_of(fits)) == 256 and workflow_id_problem(fits) is None
+    for wrong in ("w" * (MAX_WORKFLOW_ID + 1), "wf\nrefund"):
+        assert workflow_id_problem(wrong) is not None
+        message = Message(
+            from_agent="CustomerAgent",
+            to_agent="SellerAgent",
+            message_type=MessageType.HANDOFF,
+            content={"action": "handoff", "parameters": {"task_description": "Approve"}},
+            metadata={"workflow_id": wrong},
+        )
+        assert [v.field for v in message_violations(message, config)] == ["metadata.workflow_id"]
+        with pytest.raises(MessageValidationError, match="workflow_id must be printable"):
+            WorkflowSpec(
+                steps=[WorkflowStep(agent_id="SellerAgent")], task="t", workflow_id=wrong
+            ).validate()
+        with pytest.raises(MessageValidationError, match="group_id must be printable"):
+            GroupChatSpec(agent_ids=["A"], query="q", group_id=wrong).validate()
+    WorkflowSpec(
+        steps=[WorkflowStep(agent_id="SellerAgent")], task="t", workflow_id=fits
+    ).validate()
+    GroupChatSpec(agent_ids=["A"], query="q", group_id=fits).validate()
