@@ -99,6 +99,7 @@ class AgentRegistry:
 
     def deregister(self, agent_id: str) -> AgentInfo:
         """Takes the agent off, every instance of it."""
+        _named(agent_id)
         info = self._agents.pop(agent_id, None)
         if info is None:
             raise AgentNotFoundError(f"agent {agent_id} is not registered")
@@ -167,6 +168,7 @@ class AgentRegistry:
         return self._agents.get(agent_id)
 
     def require(self, agent_id: str) -> AgentInfo:
+        _named(agent_id)
         info = self._agents.get(agent_id)
         if info is None:
             raise AgentNotFoundError(f"agent {agent_id} is not registered")
@@ -191,3 +193,9 @@ class AgentRegistry:
     def of_types(self, agent_types: Iterable[str]) -> list[AgentInfo]:
         wanted = set(agent_types)
         return [a for a in self.agents() if wanted.intersection(a.agent_types)]
+
+
+def _named(agent_id: str) -> None:
+    """A call about an agent names it: none is INVALID_ARGUMENT, not an agent "" not found."""
+    if not agent_id:
+        raise MessageValidationError.for_field("agent_id", "agent_id is required")

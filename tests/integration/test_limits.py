@@ -422,3 +422,22 @@ async def test_a_listing_of_agents_past_one_answer_comes_in_pages() -> None:
         listed = [a.agent_id for a in await client.list_agents("wide")]
         assert listed == sorted({*ids, "Wide004b", "Wide100b"} - {"Wide005"})
         assert len(listed) == 141
+
+
+async def test_a_call_about_an_agent_that_names_none_is_invalid_not_not_found() -> None:
+    """Subscribe, ReceiveMessages and DeregisterAgent without an agent_id answered NOT_FOUND
+    "agent  is not registered", as if an agent "" were missing: the request is what is wrong."""
+    async with LocalMesh() as mesh, grpc.aio.insecure_channel(mesh.address) as channel:
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        calls = [
+            lambda: stub.ReceiveMessages(broker_pb2.ReceiveMessagesRequest()),
+            lambda: stub.DeregisterAgent(
+                broker_pb2.DeregisterAgentRequest(address="10.0.0.7:7000")
+            ),
+            lambda: anext(aiter(stub.Subscribe(broker_pb2.SubscribeRequest()))),
+        ]
+        for call in calls:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call()
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.details() == "agent_id is required"
