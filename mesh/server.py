@@ -8,6 +8,7 @@ import collections
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from operator import attrgetter
 from typing import Any, TypeVar
 
 import grpc
@@ -22,7 +23,7 @@ from mesh.core.errors import (
     MessageValidationError,
     SessionClosedError,
 )
-from mesh.core.model import AgentInfo, Message
+from mesh.core.model import Message
 from mesh.core.tasks import cancel_and_wait
 from mesh.core.tools import ToolHost
 from mesh.headroom import wire_fields
@@ -111,7 +112,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         agents = self.broker.list_agents(request.agent_type)
         # A page goes on after the last agent of the one before, by id (they come sorted):
         # one registering or leaving between pages moves no other across the boundary.
-        start = bisect.bisect_right(agents, request.page_token, key=_agent_id)
+        start = bisect.bisect_right(agents, request.page_token, key=attrgetter("agent_id"))
         response = broker_pb2.ListAgentsResponse()
         end = fill_page(response.agents, agents, start, request.page_size, codec.agent_to_pb)
         if end < len(agents):
@@ -721,10 +722,6 @@ async def _broadcast(
     out.recipients.extend(outcome.recipients)
     for agent_id, error in outcome.failures:
         codec.error_to_pb(error, out.failures.add(agent_id=agent_id).error)
-
-
-def _agent_id(info: AgentInfo) -> str:
-    return info.agent_id
 
 
 def _decoded(broker: Broker, pb: message_pb2.Message) -> Message | MeshError:

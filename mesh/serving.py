@@ -32,7 +32,7 @@ reach validation and get a clear error instead of a transport failure."""
 
 ANSWER_BYTES = 3 * 1024 * 1024
 """What one frame the mesh fills with several things holds at most (a batch of session
-frames, a ReceiveMessages or ListDeadLetters answer, a pattern event): under the 4 MiB a gRPC
+frames, a ReceiveMessages answer, a page of a listing, a pattern event): under the 4 MiB a gRPC
 client takes by default (the Node.js client, grpcurl), so that every client takes it; over a
 limit, a frame fails in transit with all it carries. One message is at most 1 MiB."""
 
