@@ -411,8 +411,26 @@ function isClosed(client) {
   return client.getChannel().getConnectivityState(false) === grpc.connectivityState.SHUTDOWN;
 }
 
+/**
+ * A wait the caller gives, in milliseconds: a finite number, not negative. Anything else is
+ * the caller's mistake, a TypeError before anything is sent (a NaN sent a request and gave
+ * it up at once).
+ */
+function checkWait(timeoutMs, field = 'timeoutMs') {
+  if (!(typeof timeoutMs === 'number' && timeoutMs >= 0 && Number.isFinite(timeoutMs))) {
+    throw new TypeError(
+      `${field} must be a finite number of milliseconds, not negative (got ${timeoutMs})`);
+  }
+  return timeoutMs;
+}
+
 function unary(client, method, request, timeoutMs = 10000, metadata = client.meshMetadata) {
   if (isClosed(client)) return Promise.reject(closedClient());
+  try {
+    checkWait(timeoutMs);
+  } catch (err) {
+    return Promise.reject(err);
+  }
   return new Promise((resolve, reject) => {
     client[method](request, metadata || new grpc.Metadata(),
       { deadline: Date.now() + timeoutMs }, (err, res) => {
@@ -684,6 +702,7 @@ class MeshClient {
    * that passes on its own signal gives up what it asked when its requester gives up.
    */
   async request(to, content, { timeoutMs = 10000, signal, ...options } = {}) {
+    checkWait(timeoutMs);
     const message = buildMessage({ from: this.agentId, to, content, ...options });
     const deadline = Date.now() + timeoutMs;
     // Tried again while refused for a moment, within the one timeout. The broker answers
@@ -731,6 +750,7 @@ class MeshClient {
    * TOOL_NOT_ALLOWED, UNKNOWN_TOOL, TOOL_TIMEOUT (worth retrying), TOOL_FAILED (not).
    */
   async callTool(tool, args = {}, { timeoutMs = 10000, agentId = this.agentId } = {}) {
+    checkWait(timeoutMs);
     const res = await unary(this.tools, 'InvokeTool', { agent_id: agentId, tool,
       arguments: toStruct(args, 'arguments'), timeout: toDuration(timeoutMs) }, timeoutMs + 5000);
     return fromValue(res.result);
@@ -773,6 +793,11 @@ class MeshClient {
   gather(content, { agentIds = [], agentTypes = [], timeoutMs = 5000, type = 'BROADCAST',
     allOrNone = false, signal, ...options } = {}) {
     if (signal?.aborted) return Promise.reject(signal.reason);
+    try {
+      checkWait(timeoutMs);
+    } catch (err) {
+      return Promise.reject(err);
+    }
     const message = buildMessage({ from: this.agentId, to: 'broadcast', type, content,
       ...options });
     const call = this.broker.Gather(
@@ -1463,6 +1488,7 @@ class GatewayClient {
   run(method, { timeoutMs = 60000, ...fields } = {}, onEvent = undefined) {
     let request;
     try {
+      checkWait(timeoutMs);
       request = toRequest(`mesh.v1.${method}Request`, fields);
     } catch (err) {
       return Promise.reject(err);

@@ -1139,6 +1139,37 @@ test('a Node agent forwards a request: the next agent, Node or Python, answers t
     }
   });
 
+test('a wait that is no finite, non-negative number is refused before anything is sent',
+  async () => {
+    const client = new MeshClient(BROKER, { agentId: 'NodeImpatient' });
+    const gateway = new GatewayClient(GATEWAY);
+    const direct = new AgentClient((await client.listAgents()).find((a) => a.agentId
+      === 'PriceAgent').address, { agentId: 'NodeImpatient' });
+    try {
+      await client.register({ agentId: 'NodeWaitDesk' });
+      const refused = (err) => err instanceof TypeError
+        && /timeoutMs must be a finite number of milliseconds, not negative/.test(err.message);
+      for (const timeoutMs of [NaN, -5, Infinity, '100']) {
+        await assert.rejects(client.request('NodeWaitDesk', { action: 'a' }, { timeoutMs }),
+          refused);
+        await assert.rejects(client.gather({ action: 'a' }, { agentIds: ['NodeWaitDesk'],
+          timeoutMs }), refused);
+        await assert.rejects(client.callTool('web_search', { query: 'q' }, { timeoutMs }),
+          refused);
+        await assert.rejects(direct.handle('PriceAgent', { action: 'score' }, { timeoutMs }),
+          refused);
+        await assert.rejects(gateway.groupChat({ agentIds: ['PriceAgent'], query: 'q',
+          timeoutMs }), refused);
+      }
+      assert.deepEqual(await client.receive('NodeWaitDesk'), []); // nothing was sent
+    } finally {
+      await client.deregister('NodeWaitDesk').catch(() => {});
+      direct.close();
+      gateway.close();
+      client.close();
+    }
+  });
+
 test('a closed client says so on every call, a MeshError like every other', async () => {
   const client = new MeshClient(BROKER, { agentId: 'NodeClosing' });
   await client.register();
