@@ -424,6 +424,27 @@ function checkWait(timeoutMs, field = 'timeoutMs') {
   return timeoutMs;
 }
 
+/**
+ * What a subscription is given, checked before it opens (the broker's refusal of a frame
+ * would end it with nobody told): a lease (leaseMs, when given) and a wait for company
+ * (ackLingerMs) in finite milliseconds, a longest extension that is not negative (Infinity:
+ * as long as a handler runs), windows (maxInFlight, maxBatch) in whole numbers.
+ */
+function checkSubscription({ leaseMs, ackLingerMs = 0, maxLeaseExtensionMs = 0, maxInFlight = 0,
+  maxBatch = 0 }) {
+  if (leaseMs !== undefined) checkWait(leaseMs, 'leaseMs');
+  checkWait(ackLingerMs, 'ackLingerMs');
+  if (!(typeof maxLeaseExtensionMs === 'number' && maxLeaseExtensionMs >= 0)) {
+    throw new TypeError(
+      `maxLeaseExtensionMs must be a number of milliseconds, not negative (got ${maxLeaseExtensionMs})`);
+  }
+  for (const [field, value] of [['maxInFlight', maxInFlight], ['maxBatch', maxBatch]]) {
+    if (!(Number.isInteger(value) && value >= 0)) {
+      throw new TypeError(`${field} must be a whole number, not negative (got ${value})`);
+    }
+  }
+}
+
 function unary(client, method, request, timeoutMs = 10000, metadata = client.meshMetadata) {
   if (isClosed(client)) return Promise.reject(closedClient());
   try {
@@ -890,6 +911,7 @@ class MeshClient {
    */
   async writeInsight(content, { tags = [], importance = 0.5, segment = 'default', metadata = {},
     agentId = this.agentId, ttlMs = 0 } = {}) {
+    checkWait(ttlMs, 'ttlMs');
     const insight = { agent_id: agentId, content: toValue(content), tags, importance, segment,
       metadata: toStruct(metadata, 'metadata') };
     if (ttlMs) insight.ttl = toDuration(ttlMs);
@@ -1127,6 +1149,8 @@ class MeshClient {
   session(handle, { agentId = this.agentId, maxInFlight = 16, maxBatch = 16,
     ackLingerMs = 2, leaseMs: askedLeaseMs, maxLeaseExtensionMs = 3600000,
     instance = '' } = {}) {
+    checkSubscription({ leaseMs: askedLeaseMs, ackLingerMs, maxLeaseExtensionMs, maxInFlight,
+      maxBatch });
     const leaseMs = askedLeaseMs || 30000; // (0 too: a length the extensions know)
     const metadata = (this.broker.meshMetadata || new grpc.Metadata()).clone();
     metadata.set('agentmesh-batch', '1');
@@ -1258,6 +1282,7 @@ class MeshClient {
    */
   subscribe(onDelivery, { agentId = this.agentId, maxInFlight = 16, leaseMs: askedLeaseMs,
     maxLeaseExtensionMs = 3600000, instance = '' } = {}) {
+    checkSubscription({ leaseMs: askedLeaseMs, maxLeaseExtensionMs, maxInFlight });
     const leaseMs = askedLeaseMs || 30000; // (0 too: a length the extensions know)
     if (isClosed(this.broker)) throw closedClient();
     const call = this.broker.Subscribe({ agent_id: agentId, max_in_flight: maxInFlight,
@@ -1687,6 +1712,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
   onRefused = (err) => console.warn(
     `${agentId}: the broker refused a frame: ${err.codeName}: ${err.message}`),
   leaseMs, maxLeaseExtensionMs, ...options }) {
+  checkSubscription({ leaseMs, maxLeaseExtensionMs });
   const server = new grpc.Server();
   // What the handler returns for a delivery, or for a direct call (its forward returned
   // unsent then: askOnward below asks it through the broker).

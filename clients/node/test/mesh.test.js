@@ -1162,6 +1162,19 @@ test('a wait that is no finite, non-negative number is refused before anything i
           timeoutMs }), refused);
       }
       assert.deepEqual(await client.receive('NodeWaitDesk'), []); // nothing was sent
+      // A subscription's lengths and windows, before it opens: the broker's refusal of its
+      // frame ended it with nobody told (an agent served so never had a message).
+      const bad = /must be a (finite|whole) number/;
+      assert.throws(() => client.subscribe(() => null, { agentId: 'NodeWaitDesk', leaseMs: NaN }),
+        bad);
+      assert.throws(() => client.subscribe(() => null, { agentId: 'NodeWaitDesk',
+        maxInFlight: -1 }), bad);
+      assert.throws(() => client.session(() => null, { agentId: 'NodeWaitDesk', maxBatch: 1.5 }),
+        bad);
+      await assert.rejects(serveAgent({ broker: BROKER, agentId: 'NodeWaitAgent',
+        handler: async () => ({}), leaseMs: -5 }), bad);
+      await assert.rejects(client.writeInsight('x', { ttlMs: NaN }), bad);
+      assert.ok(!(await client.listAgents()).some((a) => a.agentId === 'NodeWaitAgent'));
     } finally {
       await client.deregister('NodeWaitDesk').catch(() => {});
       direct.close();
