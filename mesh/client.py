@@ -546,10 +546,15 @@ class ClientSubscription:
         self.on_withdrawn = on_withdrawn
         """Called with a delivery the application has (handed on, not settled) when the
         broker withdraws it: its requester gave up, so the work on it may stop."""
+        if not isinstance(max_in_flight, int) or max_in_flight < 0:
+            raise MessageValidationError.for_field(
+                "max_in_flight",
+                f"max_in_flight must be a whole number, not negative (got {max_in_flight!r})",
+            )
         self.max_in_flight = max_in_flight
-        self.lease_seconds = lease_seconds
+        self.lease_seconds = wait_seconds(lease_seconds, 0, "lease_seconds")
         self.reconnect = reconnect
-        self.ack_linger = ack_linger
+        self.ack_linger = wait_seconds(ack_linger, 0, "ack_linger")
         """Seconds an ack or nack of a steady flow waits for company while few deliveries
         are outstanding (see :meth:`_settle`); 0: none waits."""
         self.reconnects = 0
@@ -1657,7 +1662,7 @@ class MeshClient:
                 importance=importance,
                 segment=segment,
                 metadata=dict(metadata or {}),
-                ttl=ttl,
+                ttl=wait_seconds(ttl, 0, "ttl"),
             ),
             request.insight,
         )

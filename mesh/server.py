@@ -152,10 +152,6 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     async def ReceiveMessages(
         self, request: broker_pb2.ReceiveMessagesRequest, context: Any
     ) -> broker_pb2.ReceiveMessagesResponse:
-        if not request.agent_id:
-            raise _invalid("agent_id", "agent_id is required")
-        if request.max_messages < 0:
-            raise _invalid("max_messages", "max_messages must not be negative")
         messages = await self.broker.receive(
             request.agent_id,
             request.max_messages,
@@ -489,11 +485,9 @@ class _Session:
                 if task is not None:
                     task.cancel()  # its finally blocks free what the broker held for it
             elif kind == "receive":
-                if not frame.receive.agent_id:
-                    raise _invalid("agent_id", "agent_id is required")
                 messages = await self.broker.receive(
                     frame.receive.agent_id,
-                    max(frame.receive.max_messages, 0),
+                    frame.receive.max_messages,
                     max_bytes=ANSWER_BYTES,
                     size_of=codec.message_size,
                 )

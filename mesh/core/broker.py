@@ -1276,6 +1276,12 @@ class Broker:
         up to ``max_messages`` (0: all), and with ``max_bytes`` only as many as fit in it
         (``size_of`` measures a message; the first comes whatever its size), the rest
         staying queued for the next call."""
+        if not agent_id:
+            raise MessageValidationError.for_field("agent_id", "agent_id is required")
+        if max_messages < 0:
+            raise MessageValidationError.for_field(
+                "max_messages", "max_messages must not be negative"
+            )
         started = time.perf_counter()
         popped = await self.store.pop(agent_id, max_messages, max_bytes, size_of)
         if popped:

@@ -441,3 +441,27 @@ async def test_a_call_about_an_agent_that_names_none_is_invalid_not_not_found() 
                 await call()
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert info.value.details() == "agent_id is required"
+
+
+async def test_a_subscriptions_window_and_lengths_are_checked_before_it_opens() -> None:
+    """A NaN lease, a negative window or ack linger, an insight's NaN ttl: the caller's
+    mistake, MessageValidationError naming the field before anything is sent (they were a
+    bare ValueError from protobuf, or taken as they came). A negative max_messages is refused
+    on a session as on ReceiveMessages (a session took it for "all")."""
+    async with LocalMesh() as mesh, mesh.client("reader") as client:
+        await client.register("Desk")
+        await client.send("Desk", {"action": "keep"})
+        for options, field in (
+            ({"max_in_flight": -1}, "max_in_flight"),
+            ({"lease_seconds": float("nan")}, "lease_seconds"),
+            ({"ack_linger": float("inf")}, "ack_linger"),
+        ):
+            with pytest.raises(MessageValidationError) as info:
+                client.subscribe("Desk", **options)  # type: ignore[arg-type]
+            assert [v.field for v in info.value.field_violations] == [field]
+        with pytest.raises(MessageValidationError, match="ttl must be a finite number"):
+            await client.write_insight("note", ttl=float("nan"))
+        with pytest.raises(MessageValidationError, match="max_messages must not be negative"):
+            await client.receive("Desk", max_messages=-1)
+        assert [m.content["action"] for m in await client.receive("Desk")] == ["keep"]
+        assert (await client.memory_stats()).total_insights == 0
