@@ -2,7 +2,8 @@
 # Builds meshgo (clients/go/meshgo) against the contract: Go code generated from proto/ by
 # protoc-gen-go and protoc-gen-go-grpc (run through grpcio-tools' protoc, whose well-known
 # types it includes), compiled in GOPATH mode against the Go packages of GO_DEPS (Debian's
-# golang-google-grpc-dev and golang-google-protobuf-dev install them in /usr/share/gocode).
+# golang-google-grpc-dev, with the golang-google-genproto-dev it depends on, and
+# golang-google-protobuf-dev install them in /usr/share/gocode).
 #
 #   clients/go/build.sh [OUTPUT]      (default clients/go/bin/meshgo)
 set -eu

@@ -172,6 +172,15 @@ async def test_a_go_agent_takes_part_in_a_group_chat_beside_the_python_agents(
     assert "RESULT group chat partial: Buy AAPL (unanimous expert consensus)" in lines
     assert json.loads(lines[-1].removeprefix("AGGREGATE "))["votes"] == {"Buy AAPL": 3}
 
+    # Nobody answers: the chat failed, and the command says so in its exit status.
+    code, out, err = await run(
+        meshgo, "groupchat", "-gateway", embedded.gateway.address, "-agents", "GoNobody",
+        "-query", "What stock should I buy?",
+    )  # fmt: skip
+    assert code == 1
+    assert "RESULT group chat failed: no agent answered" in out
+    assert "the group chat failed" in err
+
 
 async def test_a_go_agent_answers_python_asks_go_and_leaves_when_stopped(
     embedded: EmbeddedMesh, meshgo: Path, go_agents: list[GoAgent]

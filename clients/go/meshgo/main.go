@@ -570,11 +570,15 @@ func runGroupChat(args []string) error {
 		kind := strings.TrimPrefix(event.GetKind().String(), "EVENT_KIND_")
 		fmt.Printf("%s %s\n", kind, event.GetSummary())
 		if kind == "RESULT" {
-			data, err := json.Marshal(event.GetData().AsMap()["aggregate"])
+			result := event.GetData().AsMap()
+			data, err := json.Marshal(result["aggregate"])
 			if err != nil {
 				return err
 			}
 			fmt.Printf("AGGREGATE %s\n", data)
+			if result["status"] == "FAILED" { // (no agent answered: a script hears of it)
+				return fmt.Errorf("the group chat failed: %s", event.GetSummary())
+			}
 		}
 	}
 }
