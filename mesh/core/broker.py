@@ -59,7 +59,7 @@ from mesh.core.queue import (
     QueueStore,
     Released,
 )
-from mesh.core.registry import AgentRegistry
+from mesh.core.registry import AgentRegistry, named
 from mesh.core.state import SharedState, StateStore
 from mesh.core.tasks import cancel_and_wait
 from mesh.core.validation import handoff_violations, validate_message
@@ -1276,8 +1276,7 @@ class Broker:
         up to ``max_messages`` (0: all), and with ``max_bytes`` only as many as fit in it
         (``size_of`` measures a message; the first comes whatever its size), the rest
         staying queued for the next call."""
-        if not agent_id:
-            raise MessageValidationError.for_field("agent_id", "agent_id is required")
+        named(agent_id)
         if max_messages < 0:
             raise MessageValidationError.for_field(
                 "max_messages", "max_messages must not be negative"
@@ -1527,6 +1526,7 @@ class Broker:
             )
 
     async def ack(self, agent_id: str, message_ids: Iterable[str]) -> int:
+        named(agent_id)
         return await self.store.ack(agent_id, message_ids)
 
     async def extend_lease(
@@ -1534,6 +1534,7 @@ class Broker:
     ) -> int:
         """Keeps deliveries leased for ``lease_seconds`` from now (0: the default lease)
         while their handler still works on them; returns how many were still leased."""
+        named(agent_id)
         if lease_seconds < 0 or lease_seconds > self.config.max_ttl:
             raise MessageValidationError.for_field(
                 "lease", f"lease must be within 0..{self.config.max_ttl} seconds"
@@ -1549,6 +1550,7 @@ class Broker:
     ) -> tuple[int, int]:
         """Hands deliveries back for another attempt; with ``dead_letter_reason`` (a message
         its agent can never process) they are dead-lettered at once with that reason."""
+        named(agent_id)
         if len(dead_letter_reason) > MAX_DEAD_LETTER_REASON:
             raise MessageValidationError.for_field(
                 "dead_letter_reason",

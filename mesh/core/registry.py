@@ -99,7 +99,7 @@ class AgentRegistry:
 
     def deregister(self, agent_id: str) -> AgentInfo:
         """Takes the agent off, every instance of it."""
-        _named(agent_id)
+        named(agent_id)
         info = self._agents.pop(agent_id, None)
         if info is None:
             raise AgentNotFoundError(f"agent {agent_id} is not registered")
@@ -168,7 +168,7 @@ class AgentRegistry:
         return self._agents.get(agent_id)
 
     def require(self, agent_id: str) -> AgentInfo:
-        _named(agent_id)
+        named(agent_id)
         info = self._agents.get(agent_id)
         if info is None:
             raise AgentNotFoundError(f"agent {agent_id} is not registered")
@@ -195,7 +195,8 @@ class AgentRegistry:
         return [a for a in self.agents() if wanted.intersection(a.agent_types)]
 
 
-def _named(agent_id: str) -> None:
-    """A call about an agent names it: none is INVALID_ARGUMENT, not an agent "" not found."""
+def named(agent_id: str) -> None:
+    """A call about an agent names it: none is INVALID_ARGUMENT, not an agent "" not found
+    (nor a call that quietly does nothing)."""
     if not agent_id:
         raise MessageValidationError.for_field("agent_id", "agent_id is required")

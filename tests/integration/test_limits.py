@@ -426,7 +426,8 @@ async def test_a_listing_of_agents_past_one_answer_comes_in_pages() -> None:
 
 async def test_a_call_about_an_agent_that_names_none_is_invalid_not_not_found() -> None:
     """Subscribe, ReceiveMessages and DeregisterAgent without an agent_id answered NOT_FOUND
-    "agent  is not registered", as if an agent "" were missing: the request is what is wrong."""
+    "agent  is not registered", as if an agent "" were missing, and Ack, Nack and ExtendLease
+    OK having done nothing: the request is what is wrong."""
     async with LocalMesh() as mesh, grpc.aio.insecure_channel(mesh.address) as channel:
         stub = broker_pb2_grpc.BrokerServiceStub(channel)
         calls = [
@@ -435,6 +436,10 @@ async def test_a_call_about_an_agent_that_names_none_is_invalid_not_not_found() 
                 broker_pb2.DeregisterAgentRequest(address="10.0.0.7:7000")
             ),
             lambda: anext(aiter(stub.Subscribe(broker_pb2.SubscribeRequest()))),
+            # (These answered OK having done nothing: the messages stayed leased.)
+            lambda: stub.Ack(broker_pb2.AckRequest(message_ids=["m1"])),
+            lambda: stub.Nack(broker_pb2.NackRequest(message_ids=["m1"])),
+            lambda: stub.ExtendLease(broker_pb2.ExtendLeaseRequest(message_ids=["m1"])),
         ]
         for call in calls:
             with pytest.raises(grpc.aio.AioRpcError) as info:
