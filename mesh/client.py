@@ -1566,13 +1566,19 @@ class MeshClient:
     async def list_agents(self, agent_type: str = "") -> list[AgentInfo]:
         """Every registered agent (of ``agent_type`` when given), by id: the broker answers
         a page of up to 3 MiB at a time, and this reads them all."""
-        agents: list[AgentInfo] = []
         request = broker_pb2.ListAgentsRequest(agent_type=agent_type)
+        pages = await self._every_page(self._stub.ListAgents, request, "agents")
+        return [codec.agent_from_pb(a) for a in pages]
+
+    async def _every_page(self, method: Callable[..., Any], request: Any, field: str) -> list[Any]:
+        """Every item of a paged listing: ``method`` asked page after page (each tried again
+        as any call) while its answer has a ``next_page_token``."""
+        items: list[Any] = []
         while True:
-            response = await self._with_retry(self._unary(self._stub.ListAgents, request))
-            agents.extend(codec.agent_from_pb(a) for a in response.agents)
+            response = await self._with_retry(self._unary(method, request))
+            items.extend(getattr(response, field))
             if not response.next_page_token:
-                return agents
+                return items
             request.page_token = response.next_page_token
 
     async def queue_stats(self, agent_id: str = "") -> QueueStatsReport:
@@ -1705,13 +1711,8 @@ class MeshClient:
             limit=limit,
             agent_id=agent_id,
         )
-        found: list[Insight] = []
-        while True:
-            response = await self._with_retry(self._unary(self._memory.ReadInsights, request))
-            found += [insight_from_pb(pb) for pb in response.insights]
-            if not response.next_page_token:
-                return found
-            request.page_token = response.next_page_token
+        pages = await self._every_page(self._memory.ReadInsights, request, "insights")
+        return [insight_from_pb(pb) for pb in pages]
 
     # -- shared state ----------------------------------------------------------------------
 
@@ -1938,14 +1939,9 @@ class MeshClient:
 
     async def dead_letters(self, agent_id: str = "") -> list[DeadLetter]:
         """Every dead letter (of ``agent_id``, when given), oldest first, page by page."""
-        found: list[DeadLetter] = []
         request = broker_pb2.ListDeadLettersRequest(agent_id=agent_id)
-        while True:
-            response = await self._with_retry(self._unary(self._stub.ListDeadLetters, request))
-            found += [codec.dead_letter_from_pb(d) for d in response.dead_letters]
-            if not response.next_page_token:
-                return found
-            request.page_token = response.next_page_token
+        pages = await self._every_page(self._stub.ListDeadLetters, request, "dead_letters")
+        return [codec.dead_letter_from_pb(d) for d in pages]
 
     async def requeue_dead_letters(
         self, agent_id: str, message_ids: Iterable[str] = ()

@@ -43,6 +43,8 @@ def fill_page(
     """Encodes ``items`` from ``start`` into the repeated field ``out`` while the answer has
     room: ``page_size`` of them at most (0: no count), ANSWER_BYTES in all (the first whatever
     its size). Returns where the next page starts."""
+    if page_size < 0:
+        raise MessageValidationError.for_field("page_size", "page_size must not be negative")
     room, end = ANSWER_BYTES, start
     while end < len(items) and not (page_size and len(out) >= page_size):
         size = encode(items[end], out.add()).ByteSize()

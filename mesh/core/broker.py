@@ -1675,8 +1675,7 @@ class Broker:
         """Puts the agent's dead letters (all, or those of ``message_ids``) back in its
         queue, oldest first, each with its delivery attempts from zero and its ttl (or the
         default) from now; returns (requeued, left because the queue was full)."""
-        if not agent_id:
-            raise MessageValidationError.for_field("agent_id", "agent_id is required")
+        named(agent_id)
         wanted = set(message_ids)
         chosen: dict[str, Message] = {}
         for dead in await self.store.dead_letters(agent_id):
