@@ -22,7 +22,14 @@ from mesh.agent import Agent, serve_all
 from mesh.client import connect
 from mesh.config import BrokerConfig, SecurityConfig, ServerConfig
 from mesh.core.errors import MeshError, MessageValidationError
-from mesh.core.model import BROADCAST_TARGET, AgentInfo, Message, MessageType, Priority
+from mesh.core.model import (
+    BROADCAST_TARGET,
+    AgentInfo,
+    DeliveryMode,
+    Message,
+    MessageType,
+    Priority,
+)
 from mesh.core.state import StateEntry
 from mesh.core.tools import ToolHost
 from mesh.core.workflows import WORKFLOW_KEY_PREFIX
@@ -386,6 +393,7 @@ async def _agents(args: argparse.Namespace) -> int:
                         "instances": list(a.instances),
                         "capabilities": list(a.capabilities),
                         "lost_at": a.lost_at.isoformat() if a.lost_at else None,
+                        "delivery_mode": a.delivery_mode.value,
                     }
                     for a in agents
                 ],
@@ -417,7 +425,8 @@ def _where(info: AgentInfo) -> str:
     if info.lost_at is not None and not info.instances:
         return f"- (none since {info.lost_at.astimezone(UTC):%Y-%m-%d %H:%M:%S}Z)"
     more = f" (+{len(info.instances) - 1} more)" if len(info.instances) > 1 else ""
-    return (info.address or "-") + more
+    pushed = " (push)" if info.delivery_mode is DeliveryMode.PUSH else ""
+    return (info.address or "-") + more + pushed
 
 
 def _table(rows: Sequence[Sequence[str]]) -> None:

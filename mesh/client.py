@@ -54,6 +54,7 @@ from mesh.core.model import (
     AgentInfo,
     DeadLetter,
     Delivery,
+    DeliveryMode,
     Handoff,
     Message,
     MessageType,
@@ -90,7 +91,7 @@ from mesh.v1 import (
 
 logger = logging.getLogger("mesh.client")
 T = TypeVar("T")
-E = TypeVar("E", MessageType, Priority)
+E = TypeVar("E", MessageType, Priority, DeliveryMode)
 
 _CLOSED = object()
 _RECONNECT_DELAYS = (0.1, 0.25, 0.5, 1.0, 2.0)
@@ -1538,12 +1539,18 @@ class MeshClient:
         agent_types: Iterable[str] = (),
         address: str = "",
         capabilities: Iterable[str] = (),
+        delivery_mode: DeliveryMode | str = DeliveryMode.PULL,
     ) -> AgentInfo:
+        """Registers an agent (or one more instance of it, at ``address``). With
+        ``delivery_mode="PUSH"`` the broker calls ``HandleMessage`` on the server at
+        ``address`` with each message queued for the agent (any gRPC server of the Agent
+        service: no subscription needed); by default the agent takes its messages itself."""
         info = AgentInfo(
             agent_id=agent_id or self.agent_id,
             agent_types=tuple(agent_types),
             address=address,
             capabilities=tuple(capabilities),
+            delivery_mode=_named(DeliveryMode, delivery_mode, "delivery_mode"),
         )
         request = broker_pb2.RegisterAgentRequest()
         codec.agent_to_pb(info, request.agent)

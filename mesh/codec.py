@@ -19,6 +19,7 @@ from mesh.core.model import (
     AgentInfo,
     DeadLetter,
     Delivery,
+    DeliveryMode,
     EncodedBefore,
     EncodedContent,
     Handoff,
@@ -56,6 +57,11 @@ _PRIORITY_TO_PB: dict[Priority, Any] = {
     Priority.LOW: message_pb2.PRIORITY_LOW,
 }
 _PRIORITY_FROM_PB: dict[int, Priority] = {v: k for k, v in _PRIORITY_TO_PB.items()}
+_DELIVERY_TO_PB: dict[DeliveryMode, Any] = {
+    DeliveryMode.PULL: message_pb2.DELIVERY_MODE_PULL,
+    DeliveryMode.PUSH: message_pb2.DELIVERY_MODE_PUSH,
+}
+_DELIVERY_FROM_PB: dict[int, DeliveryMode] = {v: k for k, v in _DELIVERY_TO_PB.items()}
 
 _MAX_SAFE_INT = 2**53
 
@@ -554,6 +560,11 @@ def handoff_to_pb(handoff: Handoff, out: message_pb2.Handoff) -> message_pb2.Han
 
 
 def agent_from_pb(pb: message_pb2.AgentInfo) -> AgentInfo:
+    delivery_mode = _DELIVERY_FROM_PB.get(pb.delivery_mode, DeliveryMode.PULL)
+    if pb.delivery_mode and pb.delivery_mode not in _DELIVERY_FROM_PB:
+        raise MessageValidationError.from_violations(
+            [_undefined("agent.delivery_mode", pb.delivery_mode, _DELIVERY_FROM_PB)]
+        )
     return AgentInfo(
         agent_id=pb.agent_id,
         agent_types=tuple(pb.agent_types),
@@ -564,6 +575,7 @@ def agent_from_pb(pb: message_pb2.AgentInfo) -> AgentInfo:
         else None,
         instances=tuple(pb.instances),
         lost_at=timestamp_to_datetime(pb.lost_at, "lost_at") if pb.HasField("lost_at") else None,
+        delivery_mode=delivery_mode,
     )
 
 
@@ -578,6 +590,7 @@ def agent_to_pb(info: AgentInfo, out: message_pb2.AgentInfo | None = None) -> me
     pb.instances.extend(info.instances)
     if info.lost_at is not None:
         datetime_to_timestamp(info.lost_at, pb.lost_at)
+    pb.delivery_mode = _DELIVERY_TO_PB[info.delivery_mode]
     return pb
 
 

@@ -339,6 +339,12 @@ class BrokerMetrics:
             " (their subscriber told, when it asked to be).",
             ["state"],
         )
+        self.pushes = loop.counter(
+            "agentmesh_push_calls",
+            "HandleMessage calls the broker made to agents that take their messages by push,"
+            " by the status they ended with (OK, UNAVAILABLE, ...).",
+            ["code"],
+        )
         self.handoffs = loop.counter("agentmesh_handoffs", "HANDOFF messages accepted.")
         self.broadcasts = loop.counter("agentmesh_broadcasts", "Broadcasts sent.", ["selective"])
         self.requests = loop.counter(

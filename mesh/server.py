@@ -27,6 +27,7 @@ from mesh.core.model import Message
 from mesh.core.tasks import cancel_and_wait
 from mesh.core.tools import ToolHost
 from mesh.headroom import wire_fields
+from mesh.push import Pusher
 from mesh.security import check_frame, current_principal
 from mesh.serving import (
     ANSWER_BYTES,
@@ -781,6 +782,11 @@ async def serve_broker(
     except BaseException:
         await broker.stop()  # (its sweeper and store, started above)
         raise
+    # Agents that take their messages by push are called from here on, until the broker
+    # stops (after its drain: a push is one more subscriber that empties its queue).
+    pusher = Pusher(broker, security)
+    pusher.start()
     server._on_drain.append(broker.drain)
+    server._on_stop.append(pusher.stop)
     server._on_stop.append(broker.stop)
     return broker, server

@@ -366,6 +366,9 @@ class Broker:
         self._held_before_until = 0.0
         self._replicas_gone: set[str] = set()
         """Replicas found dead whose subscriptions' instances are still to be taken off."""
+        self.registry_watchers: list[Callable[[], None]] = []
+        """Called when an agent registered, left or changed (here or through another replica):
+        what follows the registry (push delivery) looks again."""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -546,6 +549,7 @@ class Broker:
                 }
             },
         )
+        self._registry_changed()
         return registered
 
     async def deregister(self, agent_id: str, address: str = "") -> None:
@@ -568,6 +572,7 @@ class Broker:
             else:
                 await self.store.save_agent(remaining)
         await self.store.sync()
+        self._registry_changed()
         if remaining is not None:
             logger.info(
                 "agent %s: the instance at %s left, %d serve it still",
@@ -1613,6 +1618,11 @@ class Broker:
                     self.registry.deregister(agent_id)
             else:
                 self.registry.register(info, restore=True)
+        self._registry_changed()
+
+    def _registry_changed(self) -> None:
+        for watcher in self.registry_watchers:
+            watcher()
 
     def on_answer(self, message: Message) -> None:
         """An answer another replica forwarded to a request waiting here."""

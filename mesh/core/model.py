@@ -48,6 +48,15 @@ ANSWER_TYPES = (MessageType.RESPONSE, MessageType.ERROR)
 delivery settles it, as its acknowledgement."""
 
 
+class DeliveryMode(_Named):
+    """How an agent takes the messages queued for it."""
+
+    PULL = "PULL"
+    """It takes them: a subscription (Subscribe, a Connect session) or ReceiveMessages."""
+    PUSH = "PUSH"
+    """The broker takes them to it, calling the Agent service of each instance's server."""
+
+
 class Priority(_Named):
     """Queue priority: HIGH is delivered before MEDIUM, MEDIUM before LOW."""
 
@@ -423,6 +432,8 @@ class AgentInfo:
     lost_at: datetime | None = field(default=None, compare=False)
     """When its last instance was lost (its process died without deregistering), while no
     instance serves it since; None otherwise (also for an agent that never named one)."""
+    delivery_mode: DeliveryMode = DeliveryMode.PULL
+    """PUSH: the broker calls ``HandleMessage`` on each instance's server (``instances``)."""
 
     def to_dict(self) -> dict[str, JSON]:
         """The JSON form (the durable and Redis stores keep registrations this way)."""
@@ -435,6 +446,7 @@ class AgentInfo:
             "instances": list(self.instances),
             "subscribed": dict(self.subscribed),
             "lost_at": self.lost_at.isoformat() if self.lost_at else None,
+            "delivery_mode": self.delivery_mode.value,
         }
 
     @classmethod
@@ -451,6 +463,7 @@ class AgentInfo:
             if isinstance(subscribed := data.get("subscribed"), dict)
             else {},
             lost_at=datetime.fromisoformat(str(lost)) if (lost := data.get("lost_at")) else None,
+            delivery_mode=DeliveryMode(data.get("delivery_mode") or DeliveryMode.PULL),
         )
 
 

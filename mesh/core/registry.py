@@ -11,7 +11,7 @@ from mesh.core.errors import (
     LimitExceededError,
     MessageValidationError,
 )
-from mesh.core.model import BROADCAST_TARGET, AgentInfo, utc_now
+from mesh.core.model import BROADCAST_TARGET, AgentInfo, DeliveryMode, utc_now
 
 MAX_TYPES = 32
 MAX_CAPABILITIES = 128
@@ -64,6 +64,13 @@ class AgentRegistry:
                     "agent.address", f"address must be at most {self.max_id_length} characters"
                 )
             )
+        if info.delivery_mode is DeliveryMode.PUSH and not info.address:
+            violations.append(
+                FieldViolation(
+                    "agent.address",
+                    "push delivery needs the address of the agent's server (host:port)",
+                )
+            )
         if violations:
             raise MessageValidationError.from_violations(violations)
         if info.agent_id not in self._agents and len(self._agents) >= self.max_agents:
@@ -93,6 +100,7 @@ class AgentRegistry:
             instances=instances,
             subscribed={a: s for a, s in subscribed.items() if a in instances},
             lost_at=None if instances else lost_at,
+            delivery_mode=info.delivery_mode,
         )
         self._agents[info.agent_id] = registered
         return registered

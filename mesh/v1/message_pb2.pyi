@@ -93,6 +93,50 @@ PRIORITY_LOW: Priority.ValueType  # 3
 """Delivered after HIGH and MEDIUM messages."""
 Global___Priority: _TypeAlias = Priority  # noqa: Y015
 
+class _DeliveryMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _DeliveryModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DeliveryMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    DELIVERY_MODE_UNSPECIFIED: _DeliveryMode.ValueType  # 0
+    """Not set: PULL."""
+    DELIVERY_MODE_PULL: _DeliveryMode.ValueType  # 1
+    """The agent takes its messages: a Subscribe or Connect stream, or ReceiveMessages."""
+    DELIVERY_MODE_PUSH: _DeliveryMode.ValueType  # 2
+    """The broker takes them to the agent: it calls AgentService.HandleMessage on each
+    instance's server, as many calls in flight per instance as a subscription's default
+    (BrokerConfig.default_max_in_flight), each within a lease. A HandleMessageResponse's
+    message answers a REQUEST (correlated as any answer) and acknowledges the delivery; a
+    status of UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED, CANCELLED,
+    INTERNAL or UNKNOWN hands it back for another attempt (at most
+    BrokerConfig.max_delivery_attempts, then the dead-letter queue); any other status
+    dead-letters it at once, and a REQUEST's requester gets an ERROR saying why. While an
+    instance's server cannot be reached, nothing is taken from the queue for it.
+    """
+
+class DeliveryMode(_DeliveryMode, metaclass=_DeliveryModeEnumTypeWrapper):
+    """DeliveryMode says how an agent takes the messages queued for it. A number not defined here
+    is refused with INVALID_ARGUMENT (field agent.delivery_mode).
+    """
+
+DELIVERY_MODE_UNSPECIFIED: DeliveryMode.ValueType  # 0
+"""Not set: PULL."""
+DELIVERY_MODE_PULL: DeliveryMode.ValueType  # 1
+"""The agent takes its messages: a Subscribe or Connect stream, or ReceiveMessages."""
+DELIVERY_MODE_PUSH: DeliveryMode.ValueType  # 2
+"""The broker takes them to the agent: it calls AgentService.HandleMessage on each
+instance's server, as many calls in flight per instance as a subscription's default
+(BrokerConfig.default_max_in_flight), each within a lease. A HandleMessageResponse's
+message answers a REQUEST (correlated as any answer) and acknowledges the delivery; a
+status of UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED, CANCELLED,
+INTERNAL or UNKNOWN hands it back for another attempt (at most
+BrokerConfig.max_delivery_attempts, then the dead-letter queue); any other status
+dead-letters it at once, and a REQUEST's requester gets an ERROR saying why. While an
+instance's server cannot be reached, nothing is taken from the queue for it.
+"""
+Global___DeliveryMode: _TypeAlias = DeliveryMode  # noqa: Y015
+
 @_typing.final
 class Message(_message.Message):
     """Message is the envelope every agent exchange travels in (RT-011)."""
@@ -265,10 +309,15 @@ class AgentInfo(_message.Message):
     REGISTERED_AT_FIELD_NUMBER: _builtins.int
     INSTANCES_FIELD_NUMBER: _builtins.int
     LOST_AT_FIELD_NUMBER: _builtins.int
+    DELIVERY_MODE_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     """Unique id of the agent, e.g. "PaymentAgent"."""
     address: _builtins.str
     """host:port of the agent's own gRPC server (Agent service), if it runs one."""
+    delivery_mode: Global___DeliveryMode.ValueType
+    """How the agent takes its messages: PULL (unset) or PUSH, where the broker calls
+    AgentService.HandleMessage on each instance's `address` (which PUSH requires).
+    """
     @_builtins.property
     def agent_types(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Types the agent belongs to, used by selective broadcast, e.g. ["booking"]."""
@@ -305,10 +354,11 @@ class AgentInfo(_message.Message):
         registered_at: _timestamp_pb2.Timestamp | None = ...,
         instances: _abc.Iterable[_builtins.str] | None = ...,
         lost_at: _timestamp_pb2.Timestamp | None = ...,
+        delivery_mode: Global___DeliveryMode.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lost_at", b"lost_at", "registered_at", b"registered_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_id", b"agent_id", "agent_types", b"agent_types", "capabilities", b"capabilities", "instances", b"instances", "lost_at", b"lost_at", "registered_at", b"registered_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_id", b"agent_id", "agent_types", b"agent_types", "capabilities", b"capabilities", "delivery_mode", b"delivery_mode", "instances", b"instances", "lost_at", b"lost_at", "registered_at", b"registered_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -38,6 +38,7 @@ NODE_TESTS = (
     "content travels as JSON.stringify reads it; what JSON cannot carry is a TypeError",
     "a closed client says so on every call, a MeshError like every other",
     "a resumed watch that fell behind catches up by itself",
+    "a plain gRPC server registered for push is called by the broker with each message",
 )
 """Tests of clients/node/test/ whose names the run must show."""
 

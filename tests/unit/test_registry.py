@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mesh.core.errors import AgentNotFoundError, MessageValidationError
-from mesh.core.model import AgentInfo
+from mesh.core.model import AgentInfo, DeliveryMode
 from mesh.core.registry import MAX_INSTANCES, AgentRegistry
 
 
@@ -136,3 +136,24 @@ def test_an_agent_whose_last_instance_was_lost_says_since_when_until_one_serves_
     assert registry.register(AgentInfo(agent_id="Payment", address="c:1")).lost_at is None
     registry.register(AgentInfo(agent_id="Inbox"))  # never named an instance: never lost
     assert registry.require("Inbox").lost_at is None
+
+
+def test_push_delivery_needs_an_address_and_is_kept_with_the_registration() -> None:
+    registry = AgentRegistry()
+    with pytest.raises(MessageValidationError) as refused:
+        registry.register(AgentInfo(agent_id="Ledger", delivery_mode=DeliveryMode.PUSH))
+    assert [v.field for v in refused.value.field_violations] == ["agent.address"]
+    assert "Ledger" not in registry
+    pushed = registry.register(
+        AgentInfo(agent_id="Ledger", address="10.0.0.1:7000", delivery_mode=DeliveryMode.PUSH)
+    )
+    assert pushed.delivery_mode is DeliveryMode.PUSH
+    # As the durable and Redis stores keep it, and as a registration from before it was kept.
+    kept = AgentInfo.from_dict(pushed.to_dict())
+    assert kept.delivery_mode is DeliveryMode.PUSH and kept.instances == ("10.0.0.1:7000",)
+    older = {k: v for k, v in pushed.to_dict().items() if k != "delivery_mode"}
+    assert AgentInfo.from_dict(older).delivery_mode is DeliveryMode.PULL
+    # The latest registration says how the agent takes its messages.
+    pulled = registry.register(AgentInfo(agent_id="Ledger", address="10.0.0.2:7000"))
+    assert pulled.delivery_mode is DeliveryMode.PULL
+    assert pulled.instances == ("10.0.0.1:7000", "10.0.0.2:7000")

@@ -204,13 +204,19 @@ export interface AgentInfo {
   instances: string[];
   /** ISO 8601: when its last instance died, while none serves it since; null otherwise. */
   lostAt: string | null;
+  /** PUSH: the broker calls HandleMessage on each instance's server; PULL: the agent takes them. */
+  deliveryMode: DeliveryMode;
 }
+
+export type DeliveryMode = 'PULL' | 'PUSH';
 
 export interface Registration {
   agentId?: string;
   agentTypes?: string[];
   address?: string;
   capabilities?: string[];
+  /** 'PUSH' needs address: the broker calls HandleMessage there. Default 'PULL'. */
+  deliveryMode?: DeliveryMode;
 }
 
 export interface HandoffOptions {

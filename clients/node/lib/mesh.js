@@ -160,8 +160,12 @@ function readInsight(pb) {
 function readAgent(pb) {
   return { agentId: pb.agent_id, agentTypes: pb.agent_types, address: pb.address,
     capabilities: pb.capabilities, registeredAt: isoTime(pb.registered_at),
-    instances: pb.instances || [], lostAt: pb.lost_at ? isoTime(pb.lost_at) : null };
+    instances: pb.instances || [], lostAt: pb.lost_at ? isoTime(pb.lost_at) : null,
+    deliveryMode: String(pb.delivery_mode || 'DELIVERY_MODE_PULL').replace('DELIVERY_MODE_', '')
+      .replace('UNSPECIFIED', 'PULL') };
 }
+
+const DELIVERY_MODES = ['PULL', 'PUSH'];
 
 const CHANGE_KINDS = new Set(['current', 'synced', 'put', 'delete', 'lapse']);
 const RECONNECT_DELAYS_MS = [100, 250, 500, 1000, 2000];
@@ -598,9 +602,20 @@ class MeshClient {
     });
   }
 
-  async register({ agentId = this.agentId, agentTypes = [], address = '', capabilities = [] } = {}) {
+  /**
+   * Registers an agent (or one more instance of it, at address). With deliveryMode 'PUSH' the
+   * broker calls HandleMessage on the server at address with each message queued for the
+   * agent (any gRPC server of the Agent service); by default ('PULL') the agent takes them.
+   */
+  async register({ agentId = this.agentId, agentTypes = [], address = '', capabilities = [],
+    deliveryMode = 'PULL' } = {}) {
+    if (!DELIVERY_MODES.includes(deliveryMode)) {
+      throw new TypeError(`deliveryMode ${JSON.stringify(deliveryMode)} is not one of `
+        + DELIVERY_MODES.join(', '));
+    }
     const res = await this._withRetry(() => unary(this.broker, 'RegisterAgent', {
-      agent: { agent_id: agentId, agent_types: agentTypes, address, capabilities },
+      agent: { agent_id: agentId, agent_types: agentTypes, address, capabilities,
+        delivery_mode: `DELIVERY_MODE_${deliveryMode}` },
     }));
     return readAgent(res.agent);
   }

@@ -209,6 +209,51 @@ test('calls an agent directly on its own server, Node or Python (RT-011 peer-to-
     }
   });
 
+test('a plain gRPC server registered for push is called by the broker with each message',
+  async () => {
+    const protoLoader = require('@grpc/proto-loader');
+    const { PROTO_ROOT } = require('../lib/mesh');
+    const { v1 } = grpc.loadPackageDefinition(protoLoader.loadSync('mesh/v1/agent.proto',
+      { includeDirs: [PROTO_ROOT], keepCase: true, enums: String, defaults: true })).mesh;
+    const seen = [];
+    const server = new grpc.Server();
+    server.addService(v1.AgentService.service, {
+      HandleMessage({ request }, callback) {
+        seen.push(request.message);
+        callback(null, { response: { message_type: 'MESSAGE_TYPE_RESPONSE', content: { fields: {
+          action: { stringValue: 'quote' }, price: { numberValue: 42 } } } } });
+      },
+      DescribeAgent(_, callback) { callback(null, { card: { agent_id: 'NodePushDesk' } }); },
+    });
+    const port = await new Promise((resolve, reject) => server.bindAsync('127.0.0.1:0',
+      grpc.ServerCredentials.createInsecure(), (err, p) => (err ? reject(err) : resolve(p))));
+    const address = `127.0.0.1:${port}`;
+    const client = new MeshClient(BROKER, { agentId: 'NodeBuyer' });
+    try {
+      await assert.rejects(client.register({ agentId: 'NodePushDesk', address,
+        deliveryMode: 'SIDEWAYS' }), TypeError);
+      await assert.rejects(client.register({ agentId: 'NodePushDesk', deliveryMode: 'PUSH' }),
+        (err) => err.codeName === 'INVALID_ARGUMENT'
+          && err.fieldViolations[0].field === 'agent.address');
+      const info = await client.register({ agentId: 'NodePushDesk', address,
+        deliveryMode: 'PUSH' });
+      assert.equal(info.deliveryMode, 'PUSH');
+      const answer = await client.request('NodePushDesk', { action: 'quote', item: 'tea' });
+      assert.equal(answer.type, 'RESPONSE');
+      assert.equal(answer.from, 'NodePushDesk');
+      assert.deepEqual(answer.content, { action: 'quote', price: 42 });
+      assert.equal(seen.length, 1);
+      assert.equal(seen[0].to_agent, 'NodePushDesk');
+      assert.equal(answer.correlationId, seen[0].message_id);
+      const [listed] = (await client.listAgents()).filter((a) => a.agentId === 'NodePushDesk');
+      assert.equal(listed.deliveryMode, 'PUSH');
+    } finally {
+      await client.deregister('NodePushDesk').catch(() => {});
+      client.close();
+      server.forceShutdown();
+    }
+  });
+
 test('a Node agent says NOT_SERVING as it stops, and finishes what it was handling',
   async () => {
     const grpc = require('@grpc/grpc-js');

@@ -1,0 +1,83 @@
+'use strict';
+// An agent in plain gRPC, without the agentmesh library: a server of mesh.v1.AgentService
+// (HandleMessage, DescribeAgent) registered with DELIVERY_MODE_PUSH, so that the broker calls
+// it with each message queued for the agent. No stream, lease or acknowledgement of its own:
+// answering the call settles the delivery, and a RESPONSE it returns answers the requester.
+//
+//   node examples/push-agent.js AGENT_ID [PORT]
+//
+// serves AGENT_ID against the broker named by AGENTMESH_BROKER (default 127.0.0.1:50051) until
+// SIGTERM or Ctrl-C, answering every message with what it was sent.
+
+const path = require('node:path');
+const grpc = require('@grpc/grpc-js');
+const protoLoader = require('@grpc/proto-loader');
+
+const definition = protoLoader.loadSync(['mesh/v1/broker.proto', 'mesh/v1/agent.proto'], {
+  includeDirs: [path.resolve(__dirname, '..', '..', '..', 'proto')],
+  keepCase: true,
+  enums: String,
+  defaults: true,
+});
+const { v1 } = grpc.loadPackageDefinition(definition).mesh;
+
+function call(stub, method, request) {
+  return new Promise((resolve, reject) => {
+    stub[method](request, (err, response) => (err ? reject(err) : resolve(response)));
+  });
+}
+
+async function main() {
+  const agentId = process.argv[2] || 'PlainNodeAgent';
+  const port = Number(process.argv[3] || 0);
+  const server = new grpc.Server();
+  server.addService(v1.AgentService.service, {
+    HandleMessage({ request }, callback) {
+      const { message } = request;
+      if (message.to_agent !== agentId) {
+        callback({ code: grpc.status.INVALID_ARGUMENT, details: `this server serves ${agentId}` });
+        return;
+      }
+      // The broker fills in the envelope of an answer: who it is from and for, and the
+      // request it answers.
+      callback(null, {
+        response: {
+          message_type: 'MESSAGE_TYPE_RESPONSE',
+          content: {
+            fields: {
+              action: { stringValue: 'echo' },
+              echo: { structValue: message.content },
+              served_by: { stringValue: `${agentId} (pid ${process.pid})` },
+            },
+          },
+        },
+      });
+    },
+    DescribeAgent(_, callback) {
+      callback(null, { card: { agent_id: agentId, capabilities: ['echo'] } });
+    },
+  });
+  const bound = await new Promise((resolve, reject) => {
+    server.bindAsync(`127.0.0.1:${port}`, grpc.ServerCredentials.createInsecure(),
+      (err, p) => (err ? reject(err) : resolve(p)));
+  });
+  const address = `127.0.0.1:${bound}`;
+  const broker = new v1.BrokerService(process.env.AGENTMESH_BROKER || '127.0.0.1:50051',
+    grpc.credentials.createInsecure());
+  await call(broker, 'RegisterAgent', {
+    agent: { agent_id: agentId, address, delivery_mode: 'DELIVERY_MODE_PUSH' },
+  });
+  console.log(`${agentId} serving on ${address}`);
+  const stop = async () => {
+    // This instance leaves; what is queued for the agent stays for the next one.
+    await call(broker, 'DeregisterAgent', { agent_id: agentId, address }).catch(() => {});
+    server.tryShutdown(() => process.exit(0));
+  };
+  process.on('SIGTERM', stop);
+  process.on('SIGINT', stop);
+}
+
+main().catch((err) => {
+  console.error(err);
+  process.exit(1);
+});

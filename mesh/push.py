@@ -1,0 +1,318 @@
+"""Push delivery: the broker takes their messages to the agents registered with
+``DeliveryMode.PUSH``, calling ``AgentService.HandleMessage`` on each instance's server.
+
+An agent in any language is then a plain gRPC server of one unary method and a registration;
+it needs no stream of its own, no leases and no acknowledgements. Each instance is served by
+a subscription of its own on the agent's queue (the instances share the queue, as pulling
+ones do), with at-least-once delivery as any subscription has it:
+
+- a call answered OK acknowledges its delivery; the message it returns answers a REQUEST (the
+  requester's correlation id and address filled in when the agent left them out), and a
+  REQUEST answered with nothing gets an empty RESPONSE, as the SDK's agents do;
+- a transient status (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED, CANCELLED,
+  INTERNAL, UNKNOWN) hands the delivery back for another attempt; any other status (the
+  agent refused the message: INVALID_ARGUMENT, UNIMPLEMENTED, ...) dead-letters it at once,
+  its requester told why with an ERROR;
+- while an instance's server cannot be reached, its subscription is closed (what it held goes
+  back to the queue, counting no attempt the agent never saw) and opened again once the
+  server answers, after the RT-011 backoff (100 ms, 500 ms, then 2 s).
+
+A call has its delivery's lease to finish in (``BrokerConfig.lease_seconds``): past it the
+call is given up (DEADLINE_EXCEEDED) and the message delivered again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import Iterable
+
+import grpc
+
+from mesh import codec
+from mesh._status import from_rpc_error
+from mesh.agent import answer_to, asked_broadcast, error_to, forward_of, forwards
+from mesh.config import SecurityConfig
+from mesh.core.broker import Broker, Subscription
+from mesh.core.errors import AgentError, MeshError
+from mesh.core.model import (
+    ANSWER_TYPES,
+    MAX_DEAD_LETTER_REASON,
+    Delivery,
+    DeliveryMode,
+    Message,
+    MessageType,
+)
+from mesh.core.tasks import cancel_and_wait
+from mesh.security import open_channel
+from mesh.v1 import agent_pb2, agent_pb2_grpc, message_pb2
+
+logger = logging.getLogger("mesh.push")
+
+RECONCILE_SECONDS = 1.0
+"""How often the instances pushed to are checked against the registry besides its changes
+(an instance lost, a registration restored from the store)."""
+RETRY_DELAYS = (0.1, 0.5, 2.0)
+"""RT-011 retry_backoff_ms: the waits before subscribing again for an instance whose server
+could not be reached, the last repeated."""
+CALL_SHARE_OF_LEASE = 0.9
+"""A call's deadline, as a share of its delivery's lease: it ends, and its delivery is
+settled, before the lease would hand the message to another instance."""
+TRANSIENT = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+    }
+)
+"""Statuses after which a delivery is tried again; any other refuses the message for good."""
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
+
+
+def client_security(server: SecurityConfig | None) -> SecurityConfig:
+    """How the broker calls the agents' servers: with TLS when it serves with TLS and knows
+    the CA (the one that signs the mesh's certificates), presenting its own certificate, for
+    agents that require mutual TLS."""
+    if server is None or not server.tls_ca:
+        return SecurityConfig()
+    return SecurityConfig(
+        tls_ca=server.tls_ca, tls_client_cert=server.tls_cert, tls_client_key=server.tls_key
+    )
+
+
+class Pusher:
+    """Runs one :class:`InstancePush` per instance of every agent that takes its messages by
+    push, following the registry: started with the broker's server, stopped before its
+    broker."""
+
+    def __init__(self, broker: Broker, security: SecurityConfig | None = None) -> None:
+        self.broker = broker
+        self.security = client_security(security)
+        self._pushes: dict[tuple[str, str], InstancePush] = {}
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.broker.registry_watchers.append(self._changed.set)
+        self._task = asyncio.create_task(self._follow(), name="push-delivery")
+
+    async def stop(self) -> None:
+        with contextlib.suppress(ValueError):
+            self.broker.registry_watchers.remove(self._changed.set)
+        await cancel_and_wait(self._task)
+        self._task = None
+        await asyncio.gather(*(push.stop() for push in self._pushes.values()))
+        self._pushes.clear()
+
+    async def _follow(self) -> None:
+        while True:
+            self._changed.clear()
+            await self._reconcile()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(RECONCILE_SECONDS):
+                    await self._changed.wait()
+
+    async def _reconcile(self) -> None:
+        wanted = set(_pushed_instances(self.broker))
+        gone = [key for key in self._pushes if key not in wanted]
+        await asyncio.gather(*(self._pushes.pop(key).stop() for key in gone))
+        for agent_id, address in wanted - self._pushes.keys():
+            push = InstancePush(self.broker, agent_id, address, self.security)
+            self._pushes[agent_id, address] = push
+            push.start()
+
+
+def _pushed_instances(broker: Broker) -> Iterable[tuple[str, str]]:
+    for info in broker.list_agents():
+        if info.delivery_mode is DeliveryMode.PUSH:
+            for address in info.instances:
+                yield info.agent_id, address
+
+
+class InstancePush:
+    """Takes one agent's messages to one instance's server, as a subscription of its own."""
+
+    def __init__(
+        self, broker: Broker, agent_id: str, address: str, security: SecurityConfig
+    ) -> None:
+        self.broker = broker
+        self.agent_id = agent_id
+        self.address = address
+        self.security = security
+        self._calls: dict[str, asyncio.Task[None]] = {}
+        self._unreachable = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._pushed = broker.metrics.pushes
+        self.reached = False
+        """Whether a call reached the server since the subscription opened."""
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"push-{self.agent_id}@{self.address}")
+
+    async def stop(self) -> None:
+        await cancel_and_wait(self._task)
+
+    async def _run(self) -> None:
+        channel = open_channel(self.address, self.security, CHANNEL_OPTIONS)
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
+        failures = 0
+        try:
+            while True:
+                await channel.channel_ready()
+                try:
+                    sub = await self.broker.subscribe(self.agent_id, withdrawals=True)
+                except MeshError as error:  # (left a moment ago: the reconcile stops this)
+                    logger.debug("push to %s: %s", self.agent_id, error.message)
+                    await asyncio.sleep(RECONCILE_SECONDS)
+                    continue
+                reached = await self._serve(sub, stub)
+                failures = 0 if reached else failures + 1
+                await asyncio.sleep(RETRY_DELAYS[min(failures, len(RETRY_DELAYS) - 1)])
+        finally:
+            await channel.close()
+
+    async def _serve(self, sub: Subscription, stub: agent_pb2_grpc.AgentServiceAsyncStub) -> bool:
+        """Calls the instance with each delivery until its server cannot be reached (returns
+        whether any call reached it) or this push is stopped."""
+        self._unreachable.clear()
+        self.reached = False
+        pump = asyncio.create_task(self._pump(sub, stub))
+        unreachable = asyncio.create_task(self._unreachable.wait())
+        try:
+            await asyncio.wait({pump, unreachable}, return_when=asyncio.FIRST_COMPLETED)
+            if pump.done() and not pump.cancelled() and pump.exception() is not None:
+                logger.warning(
+                    "push to %s at %s stopped: %s", self.agent_id, self.address, pump.exception()
+                )
+        finally:
+            unreachable.cancel()
+            await cancel_and_wait(pump)
+            # The calls in flight may have reached the agent: each counts its attempt. The
+            # others (refused UNAVAILABLE, or leased as the server went away) go back as if
+            # never delivered.
+            seen = set(self._calls)
+            running = list(self._calls.values())
+            for call in running:
+                call.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+            self._calls.clear()
+            await asyncio.shield(sub.close(seen=seen))  # (done even when stopped meanwhile)
+        return self.reached
+
+    async def _pump(self, sub: Subscription, stub: agent_pb2_grpc.AgentServiceAsyncStub) -> None:
+        deadline = sub.lease_seconds * CALL_SHARE_OF_LEASE
+        while True:
+            batch = await sub.next_batch(sub.max_in_flight)
+            for message_id in sub.take_withdrawn():
+                if (call := self._calls.get(message_id)) is not None:
+                    call.cancel()  # its requester gave up: the agent's call is cancelled too
+            for delivery in batch:
+                message_id = delivery.message.message_id
+                call = asyncio.create_task(self._push(delivery, stub, deadline))
+                self._calls[message_id] = call
+                call.add_done_callback(functools.partial(self._forget, message_id))
+
+    def _forget(self, message_id: str, call: asyncio.Task[None]) -> None:
+        if self._calls.get(message_id) is call:
+            del self._calls[message_id]
+
+    async def _push(
+        self, delivery: Delivery, stub: agent_pb2_grpc.AgentServiceAsyncStub, deadline: float
+    ) -> None:
+        message = delivery.message
+        request = agent_pb2.HandleMessageRequest()
+        codec.message_to_pb(message, request.message)
+        try:
+            response = await stub.HandleMessage(request, timeout=deadline)
+        except grpc.aio.AioRpcError as error:
+            self._pushed.labels(error.code().name).inc()
+            if error.code() is grpc.StatusCode.UNAVAILABLE:
+                # The server cannot be reached (or says it cannot take work now): the
+                # subscription ends, and this delivery goes back without counting an attempt.
+                self._calls.pop(message.message_id, None)
+                self._unreachable.set()
+                return
+            self.reached = True
+            await self._failed(message, from_rpc_error(error), transient=error.code() in TRANSIENT)
+            return
+        self._pushed.labels("OK").inc()
+        self.reached = True
+        try:
+            reply = _reply_from_pb(response) if response.HasField("response") else None
+        except MeshError as error:
+            refused = AgentError(f"{self.agent_id}'s answer could not be read: {error.message}")
+            await self._failed(message, refused, transient=False)
+            return
+        await self._settle(message, reply)
+
+    async def _settle(self, message: Message, reply: Message | None) -> None:
+        """What the SDK's agents do with a handler's return value (mesh.agent): a forward is
+        sent on, an answer is sent back (which acknowledges the delivery), and the delivery
+        is acknowledged."""
+        if reply is not None and forwards(message, reply):
+            outgoing: Message | None = forward_of(message, self.agent_id, reply)
+        elif reply is not None and reply.message_type in ANSWER_TYPES and _awaited(message):
+            # An answer to this message, whatever the agent wrote in its envelope (its own
+            # request ids, another agent's name): the requester matches it by this.
+            outgoing = reply.evolve(
+                from_agent=self.agent_id,
+                to_agent=message.reply_target,
+                correlation_id=message.correlation_id or message.message_id,
+            )
+        else:
+            outgoing = answer_to(message, self.agent_id, reply)
+        if outgoing is not None:
+            try:
+                await self.broker.send(outgoing)
+            except MeshError as error:
+                logger.warning(
+                    "%s's answer to %s was not taken: %s",
+                    self.agent_id,
+                    message.message_id,
+                    error.message,
+                )
+                if outgoing.message_type is not MessageType.ERROR and _awaited(message):
+                    said = AgentError(f"{self.agent_id}'s answer was not taken: {error.message}")
+                    with contextlib.suppress(MeshError):
+                        await self.broker.send(error_to(message, self.agent_id, said))
+        with contextlib.suppress(MeshError):
+            await self.broker.ack(self.agent_id, (message.message_id,))
+
+    async def _failed(self, message: Message, error: MeshError, *, transient: bool) -> None:
+        with contextlib.suppress(MeshError):
+            if transient:
+                await self.broker.nack(self.agent_id, (message.message_id,))
+                return
+            reason = f"{self.agent_id} refused it: {error.code}: {error.message}"
+            await self.broker.nack(
+                self.agent_id,
+                (message.message_id,),
+                dead_letter_reason=reason[:MAX_DEAD_LETTER_REASON],
+            )
+            if _awaited(message):  # (after: an answer would settle the delivery as handled)
+                await self.broker.send(error_to(message, self.agent_id, error))
+
+
+def _reply_from_pb(response: agent_pb2.HandleMessageResponse) -> Message:
+    """The message an agent's server answered with; one that names no type is a RESPONSE."""
+    pb = response.response
+    if pb.message_type == message_pb2.MESSAGE_TYPE_UNSPECIFIED:
+        pb.message_type = message_pb2.MESSAGE_TYPE_RESPONSE
+    return codec.message_from_pb(pb, strict=True)
+
+
+def _awaited(message: Message) -> bool:
+    """Whether somebody waits for an answer to the message."""
+    return message.message_type in (MessageType.REQUEST, MessageType.HANDOFF) or asked_broadcast(
+        message
+    )

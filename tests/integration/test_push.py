@@ -1,0 +1,391 @@
+"""Push delivery: an agent that is a plain gRPC server of AgentService.HandleMessage and a
+registration (DELIVERY_MODE_PUSH) gets its messages from the broker, with the broker's
+guarantees: answers correlated, at-least-once with redelivery, dead letters, nothing counted
+against a message while the agent's server is away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from mesh import (
+    DeliveryMode,
+    LocalMesh,
+    MeshError,
+    Message,
+    MessageType,
+    MessageValidationError,
+    Priority,
+)
+from mesh._status import from_rpc_error
+from mesh.config import BrokerConfig
+from mesh.v1 import agent_pb2, agent_pb2_grpc, broker_pb2, broker_pb2_grpc, message_pb2
+
+Handler = Callable[[message_pb2.Message, Any], Any]
+
+
+class PlainAgent(agent_pb2_grpc.AgentServiceServicer):
+    """An agent as any language would write it: one unary method, no SDK."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.seen: list[message_pb2.Message] = []
+
+    async def HandleMessage(
+        self, request: agent_pb2.HandleMessageRequest, context: Any
+    ) -> agent_pb2.HandleMessageResponse:
+        self.seen.append(request.message)
+        answer = await self.handler(request.message, context)
+        response = agent_pb2.HandleMessageResponse()
+        if answer is not None:
+            response.response.CopyFrom(answer)
+        return response
+
+
+async def start_plain(agent: PlainAgent, port: int = 0) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    agent_pb2_grpc.add_AgentServiceServicer_to_server(agent, server)
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, f"127.0.0.1:{bound}"
+
+
+async def register_push(mesh: LocalMesh, agent_id: str, address: str) -> message_pb2.AgentInfo:
+    async with grpc.aio.insecure_channel(mesh.address) as channel:
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        response = await stub.RegisterAgent(
+            broker_pb2.RegisterAgentRequest(
+                agent=message_pb2.AgentInfo(
+                    agent_id=agent_id,
+                    address=address,
+                    delivery_mode=message_pb2.DELIVERY_MODE_PUSH,
+                )
+            )
+        )
+    return response.agent
+
+
+async def echo(message: message_pb2.Message, context: Any) -> message_pb2.Message:
+    """Answers with the request's parameters, its envelope written carelessly: the broker
+    knows whom it called and what for."""
+    answer = message_pb2.Message(
+        message_type=message_pb2.MESSAGE_TYPE_RESPONSE,
+        from_agent="Impostor",
+        to_agent="Somebody",
+        correlation_id="my-own-id",
+    )
+    answer.content.update({"action": "echo", "echo": dict(message.content["parameters"])})
+    return answer
+
+
+@pytest.fixture
+async def mesh() -> AsyncIterator[LocalMesh]:
+    async with LocalMesh(config=BrokerConfig(lease_seconds=5)) as local:
+        yield local
+
+
+async def eventually(check: Callable[[], Any], timeout: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not check():
+        assert loop.time() < deadline, "not reached in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_plain_grpc_server_answers_requests_pushed_to_it(mesh: LocalMesh) -> None:
+    agent = PlainAgent(echo)
+    server, address = await start_plain(agent)
+    try:
+        info = await register_push(mesh, "LedgerAgent", address)
+        assert info.delivery_mode == message_pb2.DELIVERY_MODE_PUSH
+        assert list(info.instances) == [address]
+        async with mesh.client("Cashier") as client:
+            answer = await client.request(
+                "LedgerAgent",
+                {"action": "post", "parameters": {"amount": 450, "account": "A-1"}},
+                timeout=10,
+            )
+            await client.register("Cashier")
+            listed = {a.agent_id: a for a in await client.list_agents()}
+        assert answer.message_type is MessageType.RESPONSE
+        assert answer.from_agent == "LedgerAgent"
+        assert answer.to_agent == "Cashier"
+        assert answer.content["echo"] == {"amount": 450, "account": "A-1"}
+        (pushed,) = agent.seen
+        assert pushed.to_agent == "LedgerAgent" and pushed.from_agent == "Cashier"
+        assert answer.correlation_id == pushed.message_id
+        assert listed["LedgerAgent"].delivery_mode.value == "PUSH"
+        assert listed["Cashier"].delivery_mode.value == "PULL"
+    finally:
+        await server.stop(None)
+
+
+async def test_a_push_registration_needs_an_address_and_a_defined_mode(mesh: LocalMesh) -> None:
+    async with grpc.aio.insecure_channel(mesh.address) as channel:
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        for agent, field, words in (
+            (
+                message_pb2.AgentInfo(
+                    agent_id="Nowhere", delivery_mode=message_pb2.DELIVERY_MODE_PUSH
+                ),
+                "agent.address",
+                "push delivery needs the address",
+            ),
+            (
+                message_pb2.AgentInfo(agent_id="Odd", address="127.0.0.1:1", delivery_mode=9),
+                "agent.delivery_mode",
+                "agent.delivery_mode 9 is not defined",
+            ),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.RegisterAgent(broker_pb2.RegisterAgentRequest(agent=agent))
+            assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert words in (refused.value.details() or "")
+            fields = [v.field for v in from_rpc_error(refused.value).field_violations]
+            assert fields == [field]
+        listed = await stub.ListAgents(broker_pb2.ListAgentsRequest())
+    assert [a.agent_id for a in listed.agents] == []
+
+
+async def test_the_sdk_registers_an_agent_for_push(mesh: LocalMesh) -> None:
+    agent = PlainAgent(echo)
+    server, address = await start_plain(agent)
+    try:
+        async with mesh.client("Cashier") as client:
+            with pytest.raises(MessageValidationError) as refused:
+                await client.register("LedgerAgent", address=address, delivery_mode="sideways")
+            assert refused.value.field_violations[0].field == "delivery_mode"
+            info = await client.register("LedgerAgent", address=address, delivery_mode="push")
+            assert info.delivery_mode is DeliveryMode.PUSH
+            answer = await client.request(
+                "LedgerAgent", {"action": "post", "parameters": {"n": 1}}, timeout=10
+            )
+            listing = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "mesh.cli", "agents", "--broker", mesh.address, "--json",
+                stdout=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+            out, _ = await listing.communicate()
+    finally:
+        await server.stop(None)
+    assert answer.content["echo"] == {"n": 1}
+    assert [(a["agent_id"], a["delivery_mode"]) for a in json.loads(out)] == [
+        ("LedgerAgent", "PUSH")
+    ]
+
+
+async def test_pushes_come_in_priority_order_one_at_a_time() -> None:
+    release = asyncio.Event()
+
+    async def slow_first(message: message_pb2.Message, context: Any) -> None:
+        if message.content["action"] == "first":
+            await release.wait()
+
+    agent = PlainAgent(slow_first)
+    server, address = await start_plain(agent)
+    config = BrokerConfig(default_max_in_flight=1)
+    try:
+        async with LocalMesh(config=config) as mesh, mesh.client("Orders") as client:
+            await register_push(mesh, "PaymentAgent", address)
+            await client.register("Orders")
+            await client.send("PaymentAgent", {"action": "first"})
+            await eventually(lambda: len(agent.seen) == 1)
+            for name, priority in (("low", Priority.LOW), ("high", Priority.HIGH)):
+                await client.send("PaymentAgent", {"action": name}, priority=priority)
+            await client.send("PaymentAgent", {"action": "medium"})
+            release.set()
+            await eventually(lambda: len(agent.seen) == 4)
+            stats = await client.queue_stats("PaymentAgent")
+            answers = await client.receive("Orders")
+    finally:
+        await server.stop(None)
+    actions = [m.content["action"] for m in agent.seen]
+    assert actions == ["first", "high", "medium", "low"]
+    assert [m.priority for m in agent.seen[1:]] == [
+        message_pb2.PRIORITY_HIGH,
+        message_pb2.PRIORITY_MEDIUM,
+        message_pb2.PRIORITY_LOW,
+    ]
+    view = stats.for_agent("PaymentAgent")
+    assert view is not None and view.depth == 0 and view.subscribers == 1
+    # A REQUEST is always answered: with nothing returned, an empty RESPONSE, correlated.
+    assert [a.message_type for a in answers] == [MessageType.RESPONSE] * 4
+    assert {a.correlation_id for a in answers} == {m.message_id for m in agent.seen}
+
+
+async def test_a_refusal_dead_letters_at_once_and_tells_the_requester(mesh: LocalMesh) -> None:
+    async def refuse(message: message_pb2.Message, context: Any) -> None:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no such account")
+
+    agent = PlainAgent(refuse)
+    server, address = await start_plain(agent)
+    try:
+        await register_push(mesh, "LedgerAgent", address)
+        async with mesh.client("Cashier") as client:
+            with pytest.raises(MeshError) as failed:
+                await client.request("LedgerAgent", {"action": "post"}, timeout=10)
+            await client.send("LedgerAgent", {"action": "note"})
+            await eventually(lambda: len(agent.seen) == 2)
+            await asyncio.sleep(0.1)  # (the dead letter is written after the call returns)
+            dead = await client.dead_letters("LedgerAgent")
+    finally:
+        await server.stop(None)
+    assert "no such account" in str(failed.value)
+    assert len(agent.seen) == 2  # each once: a refusal is not tried again
+    assert sorted(d.message.content["action"] for d in dead) == ["note", "post"]
+    assert all("INVALID_ARGUMENT: no such account" in d.reason for d in dead)
+    assert all(d.attempts == 1 for d in dead)
+
+
+async def test_a_failing_agent_gets_each_message_again_then_dead_letters_it(
+    mesh: LocalMesh,
+) -> None:
+    async def crash(message: message_pb2.Message, context: Any) -> None:
+        raise RuntimeError("disk full")
+
+    agent = PlainAgent(crash)
+    server, address = await start_plain(agent)
+    try:
+        await register_push(mesh, "LedgerAgent", address)
+        async with mesh.client("Cashier") as client:
+            await client.send("LedgerAgent", {"action": "post"})
+            await eventually(lambda: len(agent.seen) == 4)
+            await asyncio.sleep(0.3)
+            dead = await client.dead_letters("LedgerAgent")
+    finally:
+        await server.stop(None)
+    assert len(agent.seen) == mesh.config.max_delivery_attempts == 4
+    assert len({m.message_id for m in agent.seen}) == 1
+    (letter,) = dead
+    assert letter.message.content["action"] == "post"
+    assert letter.attempts == 4
+
+
+async def test_nothing_is_lost_or_counted_while_the_agents_server_is_away(
+    mesh: LocalMesh,
+) -> None:
+    agent = PlainAgent(echo)
+    server, address = await start_plain(agent)
+    port = int(address.rpartition(":")[2])
+    await register_push(mesh, "LedgerAgent", address)
+    async with mesh.client("Cashier") as client:
+        first = await client.request(
+            "LedgerAgent", {"action": "post", "parameters": {"n": 0}}, timeout=10
+        )
+        assert first.content["echo"] == {"n": 0}
+        await server.stop(None)
+        for n in range(1, 4):
+            await client.send("LedgerAgent", {"action": "post", "parameters": {"n": n}})
+        await asyncio.sleep(3)  # the broker tries the server again, and again
+        assert len(agent.seen) == 1
+        server, _ = await start_plain(agent, port)
+        try:
+            await eventually(lambda: len(agent.seen) == 4)
+            await asyncio.sleep(0.2)
+            dead = await client.dead_letters("LedgerAgent")
+            stats = await client.queue_stats("LedgerAgent")
+        finally:
+            await server.stop(None)
+    assert sorted(m.content["parameters"]["n"] for m in agent.seen[1:]) == [1, 2, 3]
+    assert dead == []
+    view = stats.for_agent("LedgerAgent")
+    assert view is not None and view.depth == 0 and view.in_flight == 0
+
+
+async def test_an_agent_that_leaves_is_pushed_nothing_more(mesh: LocalMesh) -> None:
+    agent = PlainAgent(echo)
+    server, address = await start_plain(agent)
+    try:
+        await register_push(mesh, "LedgerAgent", address)
+        async with mesh.client("Cashier") as client:
+            await client.request("LedgerAgent", {"action": "post", "parameters": {}}, timeout=10)
+            await client.deregister("LedgerAgent", address=address)
+            await client.register("LedgerAgent")  # (pulls now: its queue keeps what comes)
+            await client.send("LedgerAgent", {"action": "later"})
+            await asyncio.sleep(1.5)
+            received = await client.receive("LedgerAgent")
+    finally:
+        await server.stop(None)
+    assert len(agent.seen) == 1
+    assert [m.content["action"] for m in received] == ["later"]
+
+
+NODE_DIR = Path(__file__).resolve().parents[2] / "clients" / "node"
+
+
+async def start_node_push_agent(
+    agent_id: str, broker: str, port: int = 0
+) -> tuple[asyncio.subprocess.Process, str]:
+    """clients/node/examples/push-agent.js (plain @grpc/grpc-js, no agentmesh library) in a
+    process of its own; the process and its server's address once it has registered."""
+    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").exists():
+        pytest.fail("clients/node dependencies are missing: run `make setup`")
+    node = await asyncio.create_subprocess_exec(
+        "node",
+        "examples/push-agent.js",
+        agent_id,
+        str(port),
+        cwd=NODE_DIR,
+        env={**os.environ, "AGENTMESH_BROKER": broker},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    assert node.stdout is not None
+    try:
+        async with asyncio.timeout(30):
+            line = (await node.stdout.readline()).decode()
+        assert f"{agent_id} serving on 127.0.0.1:" in line, line
+    except BaseException:
+        node.kill()
+        await node.wait()
+        raise
+    return node, line.rsplit(" ", 1)[-1].strip()
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
+async def test_a_plain_node_server_is_an_agent_and_loses_nothing_when_killed(
+    mesh: LocalMesh,
+) -> None:
+    node, address = await start_node_push_agent("NodeLedger", mesh.address)
+    try:
+        async with mesh.client("Cashier") as client:
+            await client.register("Cashier")
+            answer = await client.request(
+                "NodeLedger", {"action": "post", "parameters": {"amount": 450}}, timeout=15
+            )
+            assert answer.from_agent == "NodeLedger" and answer.to_agent == "Cashier"
+            assert answer.content["echo"]["parameters"] == {"amount": 450}
+            assert f"pid {node.pid}" in answer.content["served_by"]
+
+            node.kill()  # no goodbye: the broker finds its server gone
+            await node.wait()
+            sent = [
+                await client.send("NodeLedger", {"action": "post", "parameters": {"n": n}})
+                for n in range(3)
+            ]
+            await asyncio.sleep(1)
+            port = int(address.rpartition(":")[2])
+            node, again = await start_node_push_agent("NodeLedger", mesh.address, port)
+            assert again == address
+            # Each was a REQUEST, and each is answered: into the sender's queue.
+            answers: list[Message] = []
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 15
+            while len(answers) < 3 and loop.time() < deadline:
+                answers += await client.receive("Cashier")
+                await asyncio.sleep(0.05)
+            dead = await client.dead_letters("NodeLedger")
+    finally:
+        node.terminate()
+        await node.wait()
+    assert sorted(a.correlation_id for a in answers) == sorted(m.message_id for m in sent)
+    assert all(f"pid {node.pid}" in a.content["served_by"] for a in answers)
+    assert dead == []
