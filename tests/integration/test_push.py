@@ -10,7 +10,7 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -28,35 +28,8 @@ from mesh import (
 )
 from mesh._status import from_rpc_error
 from mesh.config import BrokerConfig
-from mesh.v1 import agent_pb2, agent_pb2_grpc, broker_pb2, broker_pb2_grpc, message_pb2
-
-Handler = Callable[[message_pb2.Message, Any], Any]
-
-
-class PlainAgent(agent_pb2_grpc.AgentServiceServicer):
-    """An agent as any language would write it: one unary method, no SDK."""
-
-    def __init__(self, handler: Handler) -> None:
-        self.handler = handler
-        self.seen: list[message_pb2.Message] = []
-
-    async def HandleMessage(
-        self, request: agent_pb2.HandleMessageRequest, context: Any
-    ) -> agent_pb2.HandleMessageResponse:
-        self.seen.append(request.message)
-        answer = await self.handler(request.message, context)
-        response = agent_pb2.HandleMessageResponse()
-        if answer is not None:
-            response.response.CopyFrom(answer)
-        return response
-
-
-async def start_plain(agent: PlainAgent, port: int = 0) -> tuple[grpc.aio.Server, str]:
-    server = grpc.aio.server()
-    agent_pb2_grpc.add_AgentServiceServicer_to_server(agent, server)
-    bound = server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
-    return server, f"127.0.0.1:{bound}"
+from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
+from tests.helpers.plain_agent import PlainAgent, echo, start_plain
 
 
 async def register_push(mesh: LocalMesh, agent_id: str, address: str) -> message_pb2.AgentInfo:
@@ -74,31 +47,10 @@ async def register_push(mesh: LocalMesh, agent_id: str, address: str) -> message
     return response.agent
 
 
-async def echo(message: message_pb2.Message, context: Any) -> message_pb2.Message:
-    """Answers with the request's parameters, its envelope written carelessly: the broker
-    knows whom it called and what for."""
-    answer = message_pb2.Message(
-        message_type=message_pb2.MESSAGE_TYPE_RESPONSE,
-        from_agent="Impostor",
-        to_agent="Somebody",
-        correlation_id="my-own-id",
-    )
-    answer.content.update({"action": "echo", "echo": dict(message.content["parameters"])})
-    return answer
-
-
 @pytest.fixture
 async def mesh() -> AsyncIterator[LocalMesh]:
     async with LocalMesh(config=BrokerConfig(lease_seconds=5)) as local:
         yield local
-
-
-async def eventually(check: Callable[[], Any], timeout: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not check():
-        assert loop.time() < deadline, "not reached in time"
-        await asyncio.sleep(0.02)
 
 
 async def test_a_plain_grpc_server_answers_requests_pushed_to_it(mesh: LocalMesh) -> None:
@@ -197,12 +149,12 @@ async def test_pushes_come_in_priority_order_one_at_a_time() -> None:
             await register_push(mesh, "PaymentAgent", address)
             await client.register("Orders")
             await client.send("PaymentAgent", {"action": "first"})
-            await eventually(lambda: len(agent.seen) == 1)
+            await agent.until_seen(1)
             for name, priority in (("low", Priority.LOW), ("high", Priority.HIGH)):
                 await client.send("PaymentAgent", {"action": name}, priority=priority)
             await client.send("PaymentAgent", {"action": "medium"})
             release.set()
-            await eventually(lambda: len(agent.seen) == 4)
+            await agent.until_seen(4)
             stats = await client.queue_stats("PaymentAgent")
             answers = await client.receive("Orders")
     finally:
@@ -233,7 +185,7 @@ async def test_a_refusal_dead_letters_at_once_and_tells_the_requester(mesh: Loca
             with pytest.raises(MeshError) as failed:
                 await client.request("LedgerAgent", {"action": "post"}, timeout=10)
             await client.send("LedgerAgent", {"action": "note"})
-            await eventually(lambda: len(agent.seen) == 2)
+            await agent.until_seen(2)
             await asyncio.sleep(0.1)  # (the dead letter is written after the call returns)
             dead = await client.dead_letters("LedgerAgent")
     finally:
@@ -257,7 +209,7 @@ async def test_a_failing_agent_gets_each_message_again_then_dead_letters_it(
         await register_push(mesh, "LedgerAgent", address)
         async with mesh.client("Cashier") as client:
             await client.send("LedgerAgent", {"action": "post"})
-            await eventually(lambda: len(agent.seen) == 4)
+            await agent.until_seen(4)
             await asyncio.sleep(0.3)
             dead = await client.dead_letters("LedgerAgent")
     finally:
@@ -288,7 +240,7 @@ async def test_nothing_is_lost_or_counted_while_the_agents_server_is_away(
         assert len(agent.seen) == 1
         server, _ = await start_plain(agent, port)
         try:
-            await eventually(lambda: len(agent.seen) == 4)
+            await agent.until_seen(4)
             await asyncio.sleep(0.2)
             dead = await client.dead_letters("LedgerAgent")
             stats = await client.queue_stats("LedgerAgent")

@@ -28,6 +28,7 @@ from mesh.core.broker import Broker
 from mesh.core.model import AgentInfo
 from mesh.redis_store import RedisQueueStore
 from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
+from tests.helpers.plain_agent import PlainAgent, echo, start_plain
 from tests.helpers.processes import BROKER_READY, Proc, start, stop, wait_killed
 from tests.helpers.stores import CountingLeases
 
@@ -119,6 +120,36 @@ async def test_one_mesh_across_two_replicas(replicas: tuple[Proc, Proc, str]) ->
             assert stats is not None and stats.medium == 1
     finally:
         await stop(agent)
+
+
+async def test_a_push_agent_is_served_by_every_replica_each_message_once(
+    replicas: tuple[Proc, Proc, str],
+) -> None:
+    a, b, _ = replicas
+    agent = PlainAgent(echo)
+    server, address = await start_plain(agent)
+    try:
+        async with (
+            connect(a.address, agent_id="alice", retry=NO_RETRY) as via_a,
+            connect(b.address, agent_id="bob", retry=NO_RETRY) as via_b,
+        ):
+            await via_a.register("Ledger", address=address, delivery_mode="push")
+            await via_b.register("bob")
+            # Registered for push through A; a request through B is answered.
+            answer = await via_b.request(
+                "Ledger", {"action": "post", "parameters": {"n": -1}}, timeout=15
+            )
+            assert answer.content["echo"] == {"n": -1} and answer.from_agent == "Ledger"
+            sent = [
+                await via.send("Ledger", {"action": "post", "parameters": {"n": n}})
+                for n, via in zip(range(20), itertools.cycle((via_a, via_b)))
+            ]
+            await agent.until_seen(21)
+            await asyncio.sleep(0.5)  # (time for a second delivery, were there one)
+    finally:
+        await server.stop(None)
+    pushed = [m.message_id for m in agent.seen[1:]]
+    assert sorted(pushed) == sorted(m.message_id for m in sent)  # each once, none lost
 
 
 async def test_a_replica_killed_under_traffic_loses_nothing_accepted(
