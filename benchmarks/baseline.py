@@ -18,6 +18,10 @@ on the contract alone (no SDK): it registers, subscribes on a Connect stream and
 delivery on that stream with a RESPONSE built from the request in place. With the raw driver
 (:class:`ContractClient`) at the other end, a roundtrip through the broker measures the broker
 and nothing of the SDKs': where the time of a mesh roundtrip goes, the broker or its clients.
+`... push-agent --broker ADDR --agent-id ID` is an agent taking its messages by push: a plain
+server of AgentService.HandleMessage in raw grpc.aio, registered with DELIVERY_MODE_PUSH, that
+answers each call with the request's content (a unary call per message, where the others
+share a stream).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import struct
 import time
 from collections.abc import AsyncIterator
@@ -34,7 +39,7 @@ import grpc
 
 from mesh.cli import _until_signalled
 from mesh.loop import run as run_loop
-from mesh.v1 import broker_pb2, message_pb2
+from mesh.v1 import agent_pb2, broker_pb2, message_pb2
 
 METHOD = "/bench.Echo/Stream"
 
@@ -290,6 +295,56 @@ def _relay(upstream: str) -> Any:
     return relay
 
 
+async def _push_echo(data: bytes, context: Any) -> bytes:
+    """HandleMessage of the push agent: the request's content back, with ``received_at``, as a
+    RESPONSE whose envelope the broker fills in."""
+    request = agent_pb2.HandleMessageRequest.FromString(data)
+    response = agent_pb2.HandleMessageResponse()
+    answer = response.response
+    answer.message_type = message_pb2.MESSAGE_TYPE_RESPONSE
+    answer.content.CopyFrom(request.message.content)
+    fields = answer.content.fields
+    fields["received_at"].number_value = time.time()
+    if "action" not in fields:
+        fields["action"].string_value = "response"
+    return response.SerializeToString()
+
+
+async def serve_push_agent(broker: str, agent_id: str, ready: Any) -> None:
+    """The push agent: a plain server of AgentService.HandleMessage in raw grpc.aio (no SDK, no
+    stream of its own), registered for push delivery: the broker calls it with each message."""
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "mesh.v1.AgentService",
+                {
+                    "HandleMessage": grpc.unary_unary_rpc_method_handler(
+                        _push_echo, request_deserializer=_identity, response_serializer=_identity
+                    )
+                },
+            )
+        ]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(broker) as channel:
+            register = broker_pb2.RegisterAgentRequest()
+            register.agent.agent_id = agent_id
+            register.agent.address = f"127.0.0.1:{port}"
+            register.agent.delivery_mode = message_pb2.DELIVERY_MODE_PUSH
+            await channel.unary_unary(
+                "/mesh.v1.BrokerService/RegisterAgent",
+                request_serializer=broker_pb2.RegisterAgentRequest.SerializeToString,
+                response_deserializer=broker_pb2.RegisterAgentResponse.FromString,
+            )(register)
+        ready()
+        await server.wait_for_termination()
+    finally:
+        await server.stop(0.5)
+
+
 async def start(handler: Any, host: str = "127.0.0.1") -> tuple[grpc.aio.Server, str]:
     """A server of the bench.Echo stream with ``handler``, on a free port; and its address."""
     server = grpc.aio.server()
@@ -322,7 +377,7 @@ def handler_for(
 
 async def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("role", choices=["echo", "relay", "fanout", "agent"])
+    parser.add_argument("role", choices=["echo", "relay", "fanout", "agent", "push-agent"])
     parser.add_argument("--upstream", action="append", default=[])
     parser.add_argument("--broker", help="agent: the broker to serve")
     parser.add_argument("--agent-id", default="raw-0", help="agent: its id")
@@ -332,16 +387,19 @@ async def main() -> None:
         "--contract", action="store_true", help="relay, echo: speak the mesh's Connect frames"
     )
     args = parser.parse_args()
-    if args.role == "agent":
+    if args.role in ("agent", "push-agent"):
         if not args.broker:
-            parser.error("agent needs --broker")
+            parser.error(f"{args.role} needs --broker")
+        ready = functools.partial(print, f"baseline agent {args.agent_id} ready", flush=True)
         serving = asyncio.create_task(
             serve_raw_agent(
                 args.broker,
                 args.agent_id,
-                lambda: print(f"baseline agent {args.agent_id} ready", flush=True),
+                ready,
                 tuple(t for t in args.types.split(",") if t),
             )
+            if args.role == "agent"
+            else serve_push_agent(args.broker, args.agent_id, ready)
         )
         signalled = asyncio.create_task(_until_signalled())
         await asyncio.wait({serving, signalled}, return_when=asyncio.FIRST_COMPLETED)

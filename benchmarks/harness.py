@@ -306,6 +306,8 @@ class Mesh:
     """The Node.js client, asking the Python echo agent, when Node.js is here."""
     go_agent: Proc | None = None
     """An echo agent in Go on plain gRPC (clients/go), when Go is here."""
+    push_agent: Proc | None = None
+    """An echo agent taking its messages by push: a plain AgentService server, no SDK."""
 
     def pattern_meter(self) -> CpuMeter:
         """The CPU of the processes a pattern run crosses (and the driver's)."""
@@ -434,6 +436,13 @@ async def start_mesh() -> Mesh:
                     *((f"rawb5-{i}", ("--types", "rawb5")) for i in range(5)),
                 ]
             ]
+            push_agent = group.create_task(
+                started(
+                    *("-m", "benchmarks.baseline", "push-agent", "--broker", broker.address),
+                    *("--agent-id", "push-0"),
+                    ready=r"baseline agent \S+ ready",
+                )
+            )
             gateway = group.create_task(
                 started(
                     *("-m", "mesh.cli", "gateway", "--broker", broker.address, "--port", "0"),
@@ -495,6 +504,7 @@ async def start_mesh() -> Mesh:
             None if node_agent is None else node_agent.result(),
             drivers[0] if drivers else None,
             go_agent.result(),
+            push_agent.result(),
         )
     except BaseException:
         for driver in drivers:
@@ -1028,6 +1038,15 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
                 n // 2,
                 w // 2,
                 CpuMeter({"broker": [mesh.broker.pid], "agents": [mesh.go_agent.pid]}),
+            )
+
+        if mesh.push_agent is not None:
+            out["push_agent.roundtrip"] = await measured(
+                "push_agent.roundtrip",
+                lambda: client.request("push-0", PAYLOAD),
+                n // 2,
+                w // 2,
+                CpuMeter({"broker": [mesh.broker.pid], "agents": [mesh.push_agent.pid]}),
             )
 
         # A broadcast's latency is the time until the last of its agents has it: each agent
@@ -1789,6 +1808,14 @@ def to_markdown(report: dict[str, Any]) -> str:
             f"The Python SDK asking an echo agent in Go on plain gRPC (clients/go), p50 "
             f"{go_agent['p50_ms']:.3f} ms (`go_agent.roundtrip`), beside "
             f"{f['roundtrip']['p50_ms']:.3f} ms with the SDK's agent (`roundtrip`).",
+        ]
+    if (push := f.get("push_agent.roundtrip")) and "roundtrip" in f:
+        lines += [
+            "",
+            f"The Python SDK asking an echo agent that takes its messages by push (a plain "
+            f"AgentService server in raw grpc.aio, the broker calling HandleMessage once per "
+            f"message), p50 {push['p50_ms']:.3f} ms (`push_agent.roundtrip`), beside "
+            f"{f['roundtrip']['p50_ms']:.3f} ms with the SDK's agent on its stream.",
         ]
     if patterns := [name for name in f if name.startswith("pattern.")]:
         lines += [

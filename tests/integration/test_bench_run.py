@@ -39,6 +39,7 @@ LATENCIES = (
     # Polyglot: from the Node.js client, and to an agent in Node.js.
     *(("node_client.roundtrip", "node_agent.roundtrip") if node_available() else ()),
     *(("go_agent.roundtrip",) if go_available() else ()),
+    "push_agent.roundtrip",
 )
 THROUGHPUTS = ("oneway_1", "oneway_16", "oneway_64", "oneway_batch100")
 
