@@ -79,14 +79,20 @@ CHANNEL_OPTIONS = (
 )
 
 
-def client_security(server: SecurityConfig | None) -> SecurityConfig:
-    """How the broker calls the agents' servers: with TLS when it serves with TLS and knows
-    the CA (the one that signs the mesh's certificates), presenting its own certificate, for
-    agents that require mutual TLS."""
-    if server is None or not server.tls_ca:
+def client_security(config: SecurityConfig | None) -> SecurityConfig:
+    """How the broker calls the agents' servers: as a client of the mesh with its own
+    settings. TLS when it has a CA (``AGENTMESH_TLS_CA``, the one that signs the mesh's
+    certificates), presenting its client certificate (``AGENTMESH_TLS_CLIENT_CERT`` and
+    ``_KEY``) to agents that require mutual TLS, and its token (``AGENTMESH_TOKEN``) to those
+    that require one."""
+    if config is None:
         return SecurityConfig()
     return SecurityConfig(
-        tls_ca=server.tls_ca, tls_client_cert=server.tls_cert, tls_client_key=server.tls_key
+        tls_ca=config.tls_ca,
+        tls_client_cert=config.tls_client_cert,
+        tls_client_key=config.tls_client_key,
+        tls_server_name=config.tls_server_name,
+        token=config.token,
     )
 
 

@@ -27,8 +27,9 @@ from mesh import (
     Priority,
 )
 from mesh._status import from_rpc_error
-from mesh.config import BrokerConfig
-from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
+from mesh.certs import write_dev_certificates
+from mesh.config import BrokerConfig, SecurityConfig
+from mesh.v1 import agent_pb2_grpc, broker_pb2, broker_pb2_grpc, message_pb2
 from tests.helpers.plain_agent import PlainAgent, echo, start_plain
 
 
@@ -341,3 +342,46 @@ async def test_a_plain_node_server_is_an_agent_and_loses_nothing_when_killed(
     assert sorted(a.correlation_id for a in answers) == sorted(m.message_id for m in sent)
     assert all(f"pid {node.pid}" in a.content["served_by"] for a in answers)
     assert dead == []
+
+
+async def test_the_broker_pushes_over_mutual_tls_with_its_client_certificate(
+    tmp_path: Path,
+) -> None:
+    certs = write_dev_certificates(tmp_path, clients=["broker", "LedgerAgent"])
+    broker_security = SecurityConfig(
+        tls_cert=str(certs["server"]),
+        tls_key=str(certs["server_key"]),
+        tls_ca=str(certs["ca"]),
+        tls_client_cert=str(certs["broker"]),
+        tls_client_key=str(certs["broker_key"]),
+    )
+    agent = PlainAgent(echo)
+    server = grpc.aio.server()
+    agent_pb2_grpc.add_AgentServiceServicer_to_server(agent, server)
+    port = server.add_secure_port(
+        "127.0.0.1:0",
+        grpc.ssl_server_credentials(
+            [(certs["server_key"].read_bytes(), certs["server"].read_bytes())],
+            root_certificates=certs["ca"].read_bytes(),
+            require_client_auth=True,  # only a caller with a certificate of the mesh's CA
+        ),
+    )
+    await server.start()
+    ledger = SecurityConfig(
+        tls_ca=str(certs["ca"]),
+        tls_client_cert=str(certs["LedgerAgent"]),
+        tls_client_key=str(certs["LedgerAgent_key"]),
+    )
+    try:
+        async with (
+            LocalMesh(security=broker_security) as mesh,
+            mesh.client("LedgerAgent", security=ledger) as client,
+        ):
+            await client.register("LedgerAgent", address=f"127.0.0.1:{port}", delivery_mode="push")
+            answer = await client.request(
+                "LedgerAgent", {"action": "post", "parameters": {"n": 7}}, timeout=10
+            )
+    finally:
+        await server.stop(None)
+    assert answer.content["echo"] == {"n": 7}
+    assert len(agent.seen) == 1
