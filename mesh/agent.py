@@ -29,6 +29,7 @@ from mesh.client import (
     MeshClient,
     Received,
     RetryPolicy,
+    _named,
     wait_seconds,
 )
 from mesh.config import DEFAULT_LEASE_SECONDS, BrokerConfig, SecurityConfig
@@ -45,6 +46,7 @@ from mesh.core.model import (
     BROADCAST_TARGET,
     JSON,
     AgentCard,
+    DeliveryMode,
     Handoff,
     Message,
     MessageType,
@@ -441,9 +443,13 @@ class AgentRuntime:
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
         address: str = "",
         max_lease_extension: float = MAX_LEASE_EXTENSION,
+        delivery_mode: DeliveryMode = DeliveryMode.PULL,
     ) -> None:
         self.agent = agent
         self.client = client
+        self.delivery_mode = delivery_mode
+        """PULL: the runtime subscribes to the agent's queue; PUSH: the broker calls the
+        agent's server (HandleMessage) with each message, and the runtime only registers."""
         self.max_in_flight = max_in_flight
         # 0 means the default lease, asked for explicitly: the runtime extends leases by a
         # length it knows (on a broker configured with a shorter default, leases would end
@@ -477,10 +483,14 @@ class AgentRuntime:
             agent_types=self.agent.agent_types,
             address=self.address,
             capabilities=self.agent.card().capabilities,
+            delivery_mode=self.delivery_mode,
         )
 
     async def start(self) -> None:
         await self.register()
+        if self.delivery_mode is DeliveryMode.PUSH:
+            self.subscribed.set()  # (the broker holds the queue's end: it calls this server)
+            return
         self._consumer = asyncio.create_task(self._consume(), name=f"agent-{self.agent.agent_id}")
         self._keeper = asyncio.create_task(
             self._keep_leases(), name=f"agent-{self.agent.agent_id}-leases"
@@ -880,9 +890,12 @@ async def serve(
     advertise: str | None = None,
     security: SecurityConfig | None = None,
     client: MeshClient | None = None,
+    delivery_mode: DeliveryMode | str = DeliveryMode.PULL,
 ) -> AgentServer:
     """Serves ``agent``: its own gRPC server on host:port (0 picks one), registered with the
-    broker at ``broker`` and subscribed to its queue. Returns once it is ready.
+    broker at ``broker`` and subscribed to its queue. Returns once it is ready. With
+    ``delivery_mode="push"`` it does not subscribe: the broker calls the agent's server with
+    each message queued for it (the server must be reachable from the broker: ``advertise``).
 
     Agents of one process given one ``client`` (see :func:`serve_all`) share its stream to
     the broker: what is ready for several of them at once (a broadcast) travels in one
@@ -901,6 +914,7 @@ async def serve(
             max_in_flight=max_in_flight,
             lease_seconds=lease_seconds,
             max_lease_extension=max_lease_extension,
+            delivery_mode=_named(DeliveryMode, delivery_mode, "delivery_mode"),
         )
         servicer = AgentServicer(runtime)
         server = await start_server(
@@ -976,7 +990,8 @@ async def serve_all(
 ) -> ServedAgents:
     """Serves several agents in this process, each on its own gRPC server (``ports[i]``, 0
     or missing picks one), sharing one client and so one stream to the broker. ``options``
-    are those of :func:`serve` (host, max_in_flight, lease_seconds, max_lease_extension)."""
+    are those of :func:`serve` (host, max_in_flight, lease_seconds, max_lease_extension,
+    delivery_mode)."""
     client = MeshClient(broker, retry=retry, security=security)
     servers: list[AgentServer] = []
     try:

@@ -276,6 +276,7 @@ async def _run_agent(args: argparse.Namespace) -> int:
         ],
         max_in_flight=args.max_in_flight,
         security=security,
+        delivery_mode=args.delivery,
     )
     for one in served:
         _print(
@@ -787,6 +788,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="host others reach the agents at (e.g. the pod IP)",
     )
     p.add_argument("--max-in-flight", type=int, default=16)
+    p.add_argument(
+        "--delivery",
+        choices=["pull", "push"],
+        default=_env("DELIVERY", "pull"),
+        help="pull: the agents subscribe to their queues (default); push: the broker calls"
+        " each agent's server with its messages (env AGENTMESH_DELIVERY)",
+    )
     add_security_flags(p, server=True)
     p.set_defaults(run=_run_agent)
 

@@ -18,6 +18,8 @@ import grpc
 import pytest
 
 from mesh import (
+    Agent,
+    AgentContext,
     DeliveryMode,
     LocalMesh,
     MeshError,
@@ -25,6 +27,8 @@ from mesh import (
     MessageType,
     MessageValidationError,
     Priority,
+    agent,
+    on,
 )
 from mesh._status import from_rpc_error
 from mesh.certs import write_dev_certificates
@@ -133,6 +137,48 @@ async def test_the_sdk_registers_an_agent_for_push(mesh: LocalMesh) -> None:
     assert [(a["agent_id"], a["delivery_mode"]) for a in json.loads(out)] == [
         ("LedgerAgent", "PUSH")
     ]
+
+
+class Quotes(Agent):
+    """An SDK agent served for push: it asks another agent and answers with what it heard."""
+
+    agent_id = "QuoteDesk"
+
+    @on("quote")
+    async def quote(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
+        tax = await ctx.request("TaxDesk", {"action": "rate", "item": message.content["item"]})
+        return {"price": 100, "tax": tax.content["rate"]}
+
+
+@agent("TaxDesk")
+async def tax_desk(message: Message, ctx: AgentContext) -> dict[str, Any]:
+    return {"rate": 0.2 if message.content["item"] == "book" else 0.1}
+
+
+async def test_an_sdk_agent_served_for_push_takes_its_messages_from_the_brokers_calls(
+    mesh: LocalMesh,
+) -> None:
+    with pytest.raises(MessageValidationError):
+        await mesh.add_agent(Quotes(), delivery_mode="sideways")
+    await mesh.add_agent(tax_desk)  # (pulls: subscribed on its stream)
+    await mesh.add_agent(Quotes(), delivery_mode="push")
+    async with mesh.client("Shop") as client:
+        answers = [
+            await client.request("QuoteDesk", {"action": "quote", "item": item}, timeout=10)
+            for item in ("book", "pen")
+        ]
+        listed = {a.agent_id: a.delivery_mode for a in await client.list_agents()}
+        stats = await client.queue_stats("QuoteDesk")
+        await mesh.stop_agent("QuoteDesk")
+        after = [a.agent_id for a in await client.list_agents()]
+    assert [(a.from_agent, a.content["tax"]) for a in answers] == [
+        ("QuoteDesk", 0.2),
+        ("QuoteDesk", 0.1),
+    ]
+    assert listed == {"QuoteDesk": DeliveryMode.PUSH, "TaxDesk": DeliveryMode.PULL}
+    view = stats.for_agent("QuoteDesk")
+    assert view is not None and view.subscribers == 1  # the broker's push, no stream of its own
+    assert after == ["TaxDesk"]  # stopping deregistered it
 
 
 async def test_pushes_come_in_priority_order_one_at_a_time() -> None:
