@@ -1646,6 +1646,12 @@ class MeshClient:
             }.get(failure.reason)
             if kind is None and failure.code == "DEADLINE_EXCEEDED":
                 kind = ToolTimeoutError
+            if failure.code == "UNIMPLEMENTED" and not has_rich_status(error):
+                # gRPC's own "Method not found!": the broker serves no Tool service at all.
+                raise UnknownToolError(
+                    f"no tool {tool!r}: the broker runs no tools (it is started with --tools"
+                    " to host them)"
+                ) from None
             raise (kind(failure.message) if kind else failure) from None
         return codec.value_to_python(response.result)
 

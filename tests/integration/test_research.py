@@ -18,7 +18,7 @@ from gateway.client import GatewayClient
 from gateway.server import serve_gateway
 from mesh import LocalMesh
 from mesh.core.errors import MeshError
-from mesh.core.tools import ToolHost, ToolPermissionError
+from mesh.core.tools import ToolHost, ToolPermissionError, UnknownToolError
 from mesh.v1 import tools_pb2, tools_pb2_grpc
 
 FULL_QUERY = (
@@ -98,6 +98,12 @@ async def test_a_tool_outside_the_allow_list_is_refused(research: Research) -> N
         assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
         allowed = await stub.ListTools(tools_pb2.ListToolsRequest(agent_id="web-search-agent"))
         assert [t.name for t in allowed.tools] == ["web_fetch", "web_search"]
+
+
+async def test_a_tool_asked_of_a_broker_that_runs_none_is_said_so() -> None:
+    async with LocalMesh() as local, local.client("web-search-agent") as client:
+        with pytest.raises(UnknownToolError, match="the broker runs no tools"):
+            await client.call_tool("web_search", {"query": "batteries"})
 
 
 async def test_provenance_is_preserved_end_to_end(research: Research) -> None:
