@@ -13,7 +13,14 @@ import pytest
 
 from benchmarks.harness import build_meshgo, go_available
 from gateway.embedded import EmbeddedMesh
-from mesh import AgentClient, Message, MessageType, MessageValidationError, connect
+from mesh import (
+    AgentClient,
+    DeliveryMode,
+    Message,
+    MessageType,
+    MessageValidationError,
+    connect,
+)
 from mesh.testing import LocalMesh
 from tests.helpers.processes import (
     BROKER_READY,
@@ -263,6 +270,29 @@ async def test_a_go_agent_answers_python_asks_go_and_leaves_when_stopped(
         code, said = await agent.stop()
         assert (code, said) == (0, "GoDeskAgent stopped\n")
         assert "GoDeskAgent" not in [a.agent_id for a in await client.list_agents()]
+
+
+async def test_a_go_agent_registered_for_push_is_called_by_the_broker(
+    embedded: EmbeddedMesh, meshgo: Path, go_agents: list[GoAgent]
+) -> None:
+    broker = embedded.broker.address
+    await start_go_agent(meshgo, go_agents, broker, "GoPushDesk", "-types", "desk", "-push")
+    async with connect(broker, agent_id="PyPushCaller") as client:
+        await client.register()
+        listed = {a.agent_id: a for a in await client.list_agents()}
+        assert listed["GoPushDesk"].delivery_mode is DeliveryMode.PUSH
+        answer = await client.request(
+            "GoPushDesk", {"action": "book", "parameters": {"seat": "3C"}}, ack_required=True
+        )
+        assert answer.message_type is MessageType.RESPONSE
+        assert answer.from_agent == "GoPushDesk"
+        assert answer.content["echo"] == {"action": "book", "parameters": {"seat": "3C"}}
+        # The ACK of receipt, sent by the broker as it hands the request over.
+        [ack] = await client.receive()
+        assert (ack.message_type, ack.from_agent) == (MessageType.ACK, "GoPushDesk")
+        stats = await client.queue_stats("GoPushDesk")
+    view = stats.for_agent("GoPushDesk")
+    assert view is not None and view.subscribers == 1 and view.depth == 0
 
 
 async def test_a_go_agent_is_back_in_service_after_a_broker_restart(

@@ -337,6 +337,8 @@ func runAgent(args []string) error {
 	recommendation := flags.String("recommendation", "Buy AAPL", "what the agent recommends")
 	confidence := flags.Float64("confidence", 0.7, "how sure it is (0 to 1)")
 	host := flags.String("host", "127.0.0.1", "host of the agent's own server")
+	push := flags.Bool("push", false,
+		"register for push delivery: the broker calls this server's HandleMessage, no session")
 	flags.Parse(args)
 
 	a := &agent{id: *id, recommendation: *recommendation, confidence: *confidence}
@@ -370,7 +372,30 @@ func runAgent(args []string) error {
 
 	announced := false
 	var lost time.Time
-	for delay := 100 * time.Millisecond; ; {
+	for delay := 100 * time.Millisecond; *push; {
+		// Push: registered once, the broker calls the server; nothing more to keep up.
+		_, err := brokerClient.RegisterAgent(ctx, &meshv1.RegisterAgentRequest{Agent: &meshv1.AgentInfo{
+			AgentId: a.id, AgentTypes: a.types, Address: a.address,
+			DeliveryMode: meshv1.DeliveryMode_DELIVERY_MODE_PUSH,
+		}})
+		if err == nil {
+			fmt.Printf("%s serving on %s\n", a.id, a.address) // (taking its messages by push)
+			<-ctx.Done()
+			break
+		}
+		if ctx.Err() != nil {
+			break
+		}
+		fmt.Fprintf(os.Stderr, "%s: could not register (%s); again in %s\n", a.id, describe(err), delay)
+		select {
+		case <-time.After(delay):
+		case <-ctx.Done():
+		}
+		if delay < 5*time.Second {
+			delay *= 2
+		}
+	}
+	for delay := 100 * time.Millisecond; !*push; {
 		err := a.serveSession(ctx, brokerClient, func() {
 			lost = time.Time{}
 			delay = 100 * time.Millisecond
