@@ -268,6 +268,7 @@ class Dashboard:
                     "address": info.address,
                     "health": status,
                     "lost_at": info.lost_at.isoformat() if info.lost_at else None,
+                    "delivery_mode": info.delivery_mode.value,
                     "high": q.high if q else 0,
                     "medium": q.medium if q else 0,
                     "low": q.low if q else 0,

@@ -521,3 +521,34 @@ def test_an_agent_whose_process_died_shows_no_instance(mesh_up: dict[str, str]) 
 
     row = asyncio.run(die_and_watch())
     assert row["address"] == "" and row["lost_at"]
+
+
+def test_an_agent_taking_its_messages_by_push_is_shown_so(
+    mesh_up: dict[str, str], browser: object
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    async def register() -> None:
+        async with connect(mesh_up["broker"], retry=NO_RETRY) as client:
+            await client.register("PushDesk", address="127.0.0.1:7101", delivery_mode="push")
+
+    async def deregister() -> None:
+        async with connect(mesh_up["broker"], retry=NO_RETRY) as client:
+            await client.deregister("PushDesk")
+
+    asyncio.run(register())
+    try:
+        driver = browser
+        driver.get(mesh_up["dashboard"])  # type: ignore[attr-defined]
+        cell = wait_for(
+            driver,
+            lambda d: (
+                found[0]
+                if (found := d.find_elements(By.CSS_SELECTOR, '#agents tr[data-agent="PushDesk"]'))
+                else False
+            ),
+        )
+        address = cell.find_elements(By.TAG_NAME, "td")[-1].text  # type: ignore[attr-defined]
+    finally:
+        asyncio.run(deregister())
+    assert address == "127.0.0.1:7101 (push)"

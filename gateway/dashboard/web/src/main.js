@@ -135,7 +135,7 @@ function Agents({ agents }) {
             <td class=${`health ${a.health}`}>${a.health}</td>
             <td>${a.high}</td><td>${a.medium}</td><td>${a.low}</td>
             <td>${a.in_flight}</td><td>${a.dead_letters}</td>
-            <td class="addr">${a.address}</td>
+            <td class="addr">${a.address}${a.delivery_mode === "PUSH" ? " (push)" : ""}</td>
           </tr>`,
         )}
       </tbody>
