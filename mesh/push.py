@@ -157,6 +157,7 @@ class InstancePush:
         self.security = security
         self._calls: dict[str, asyncio.Task[None]] = {}
         self._unreachable = asyncio.Event()
+        self._channel: grpc.aio.Channel | None = None
         self._task: asyncio.Task[None] | None = None
         self._pushed = broker.metrics.pushes
         self.reached = False
@@ -169,7 +170,7 @@ class InstancePush:
         await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
-        channel = open_channel(self.address, self.security, CHANNEL_OPTIONS)
+        channel = self._channel = open_channel(self.address, self.security, CHANNEL_OPTIONS)
         stub = agent_pb2_grpc.AgentServiceStub(channel)
         failures = 0
         try:
@@ -228,6 +229,12 @@ class InstancePush:
                 self._calls[message_id] = call
                 call.add_done_callback(functools.partial(self._forget, message_id))
 
+    def _connected(self) -> bool:
+        """Whether the connection to the server is up: an UNAVAILABLE then is the server's
+        own answer (busy a moment), a transient failure of that one message."""
+        channel = self._channel
+        return channel is not None and (channel.get_state() is grpc.ChannelConnectivity.READY)
+
     def _forget(self, message_id: str, call: asyncio.Task[None]) -> None:
         if self._calls.get(message_id) is call:
             del self._calls[message_id]
@@ -242,9 +249,9 @@ class InstancePush:
             response = await stub.HandleMessage(request, timeout=deadline)
         except grpc.aio.AioRpcError as error:
             self._pushed.labels(error.code().name).inc()
-            if error.code() is grpc.StatusCode.UNAVAILABLE:
-                # The server cannot be reached (or says it cannot take work now): the
-                # subscription ends, and this delivery goes back without counting an attempt.
+            if error.code() is grpc.StatusCode.UNAVAILABLE and not self._connected():
+                # The server cannot be reached: the subscription ends (the other calls would
+                # fail too), and this delivery goes back without counting an attempt.
                 self._calls.pop(message.message_id, None)
                 self._unreachable.set()
                 return

@@ -268,6 +268,40 @@ async def test_a_failing_agent_gets_each_message_again_then_dead_letters_it(
     assert letter.attempts == 4
 
 
+async def test_a_server_busy_with_one_message_keeps_the_others_going(mesh: LocalMesh) -> None:
+    release = asyncio.Event()
+    tried: list[str] = []
+
+    async def busy_once(message: message_pb2.Message, context: Any) -> None:
+        action = message.content["action"]
+        if action == "slow":
+            await release.wait()
+        elif action == "busy" and action not in tried:
+            tried.append(action)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "busy, try again")
+
+    agent = PlainAgent(busy_once)
+    server, address = await start_plain(agent)
+    try:
+        await register_push(mesh, "LedgerAgent", address)
+        async with mesh.client("Cashier") as client:
+            await client.send("LedgerAgent", {"action": "slow"}, message_type="BROADCAST")
+            await agent.until_seen(1)
+            await client.send("LedgerAgent", {"action": "busy"}, message_type="BROADCAST")
+            await agent.until_seen(3)  # refused once, then taken again
+            release.set()
+            await asyncio.sleep(0.3)
+            dead = await client.dead_letters("LedgerAgent")
+            stats = await client.queue_stats("LedgerAgent")
+    finally:
+        await server.stop(None)
+    # The slow call was not given up for its neighbour's refusal: called once, finished.
+    assert [m.content["action"] for m in agent.seen] == ["slow", "busy", "busy"]
+    assert dead == []
+    view = stats.for_agent("LedgerAgent")
+    assert view is not None and view.depth == 0 and view.in_flight == 0
+
+
 async def test_nothing_is_lost_or_counted_while_the_agents_server_is_away(
     mesh: LocalMesh,
 ) -> None:
