@@ -10,7 +10,8 @@ ones do), with at-least-once delivery as any subscription has it:
   requester's correlation id and address filled in when the agent left them out), and a
   REQUEST answered with nothing gets an empty RESPONSE, as the SDK's agents do;
 - a transient status (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED, CANCELLED,
-  INTERNAL, UNKNOWN) hands the delivery back for another attempt; any other status (the
+  INTERNAL, UNKNOWN) hands the delivery back for another attempt after the RT-011 backoff
+  (100 ms, 500 ms, 2 s), the dead-letter queue after the last; any other status (the
   agent refused the message: INVALID_ARGUMENT, UNIMPLEMENTED, ...) dead-letters it at once,
   its requester told why with an ERROR;
 - while an instance's server cannot be reached, its subscription is closed (what it held goes
@@ -55,8 +56,9 @@ RECONCILE_SECONDS = 1.0
 """How often the instances pushed to are checked against the registry besides its changes
 (an instance lost, a registration restored from the store)."""
 RETRY_DELAYS = (0.1, 0.5, 2.0)
-"""RT-011 retry_backoff_ms: the waits before subscribing again for an instance whose server
-could not be reached, the last repeated."""
+"""RT-011 retry_backoff_ms: the waits before a delivery that failed for a moment is tried
+again, and before subscribing again for an instance whose server could not be reached (the
+last repeated)."""
 CALL_SHARE_OF_LEASE = 0.9
 """A call's deadline, as a share of its delivery's lease: it ends, and its delivery is
 settled, before the lease would hand the message to another instance."""
@@ -256,7 +258,10 @@ class InstancePush:
                 self._unreachable.set()
                 return
             self.reached = True
-            await self._failed(message, from_rpc_error(error), transient=error.code() in TRANSIENT)
+            if error.code() in TRANSIENT:
+                await self._retry_later(delivery)
+            else:
+                await self._refused(message, from_rpc_error(error))
             return
         self._pushed.labels("OK").inc()
         self.reached = True
@@ -264,7 +269,7 @@ class InstancePush:
             reply = _reply_from_pb(response) if response.HasField("response") else None
         except MeshError as error:
             refused = AgentError(f"{self.agent_id}'s answer could not be read: {error.message}")
-            await self._failed(message, refused, transient=False)
+            await self._refused(message, refused)
             return
         await self._settle(message, reply)
 
@@ -301,12 +306,20 @@ class InstancePush:
         with contextlib.suppress(MeshError):
             await self.broker.ack(self.agent_id, (message.message_id,))
 
-    async def _failed(self, message: Message, error: MeshError, *, transient: bool) -> None:
+    async def _retry_later(self, delivery: Delivery) -> None:
+        """A transient failure: the delivery goes back for another attempt after RT-011's
+        backoff (100 ms, 500 ms, 2 s; held meanwhile, its place in flight taken, so that a
+        server busy a moment is not called again at once), or to the dead-letter queue at
+        once after the last attempt."""
+        if delivery.attempt < self.broker.config.delivery_attempts:
+            await asyncio.sleep(RETRY_DELAYS[min(delivery.attempt, len(RETRY_DELAYS)) - 1])
         with contextlib.suppress(MeshError):
-            if transient:
-                await self.broker.nack(self.agent_id, (message.message_id,))
-                return
-            reason = f"{self.agent_id} refused it: {error.code}: {error.message}"
+            await self.broker.nack(self.agent_id, (delivery.message.message_id,))
+
+    async def _refused(self, message: Message, error: MeshError) -> None:
+        """The agent refused the message: dead-lettered at once, its requester told why."""
+        reason = f"{self.agent_id} refused it: {error.code}: {error.message}"
+        with contextlib.suppress(MeshError):
             await self.broker.nack(
                 self.agent_id,
                 (message.message_id,),

@@ -109,8 +109,9 @@ class _DeliveryModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Delivery
     (BrokerConfig.default_max_in_flight), each within a lease. A HandleMessageResponse's
     message answers a REQUEST (correlated as any answer) and acknowledges the delivery; a
     status of UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED, CANCELLED,
-    INTERNAL or UNKNOWN hands it back for another attempt (at most
-    BrokerConfig.max_delivery_attempts, then the dead-letter queue); any other status
+    INTERNAL or UNKNOWN hands it back for another attempt after RT-011's backoff (100 ms,
+    500 ms, 2 s; at most BrokerConfig.max_delivery_attempts, then the dead-letter queue),
+    unless the connection itself was lost; any other status
     dead-letters it at once, and a REQUEST's requester gets an ERROR saying why. While an
     instance's server cannot be reached, nothing is taken from the queue for it.
     """
@@ -130,8 +131,9 @@ instance's server, as many calls in flight per instance as a subscription's defa
 (BrokerConfig.default_max_in_flight), each within a lease. A HandleMessageResponse's
 message answers a REQUEST (correlated as any answer) and acknowledges the delivery; a
 status of UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED, CANCELLED,
-INTERNAL or UNKNOWN hands it back for another attempt (at most
-BrokerConfig.max_delivery_attempts, then the dead-letter queue); any other status
+INTERNAL or UNKNOWN hands it back for another attempt after RT-011's backoff (100 ms,
+500 ms, 2 s; at most BrokerConfig.max_delivery_attempts, then the dead-letter queue),
+unless the connection itself was lost; any other status
 dead-letters it at once, and a REQUEST's requester gets an ERROR saying why. While an
 instance's server cannot be reached, nothing is taken from the queue for it.
 """

@@ -20,6 +20,8 @@ class PlainAgent(agent_pb2_grpc.AgentServiceServicer):
     def __init__(self, handler: Handler) -> None:
         self.handler = handler
         self.seen: list[message_pb2.Message] = []
+        self.called_at: list[float] = []
+        """When (loop time) each call came."""
         self._arrived = asyncio.Condition()
 
     async def until_seen(self, count: int, timeout: float = 15.0) -> None:
@@ -32,6 +34,7 @@ class PlainAgent(agent_pb2_grpc.AgentServiceServicer):
     ) -> agent_pb2.HandleMessageResponse:
         async with self._arrived:
             self.seen.append(request.message)
+            self.called_at.append(asyncio.get_running_loop().time())
             self._arrived.notify_all()
         answer = await self.handler(request.message, context)
         response = agent_pb2.HandleMessageResponse()

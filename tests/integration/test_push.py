@@ -6,6 +6,7 @@ against a message while the agent's server is away."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -263,6 +264,9 @@ async def test_a_failing_agent_gets_each_message_again_then_dead_letters_it(
         await server.stop(None)
     assert len(agent.seen) == mesh.config.max_delivery_attempts == 4
     assert len({m.message_id for m in agent.seen}) == 1
+    # Tried again after RT-011's backoff: 100 ms, 500 ms, 2 s (at least).
+    waits = [later - earlier for earlier, later in itertools.pairwise(agent.called_at)]
+    assert [w >= least for w, least in zip(waits, (0.1, 0.5, 2.0), strict=True)] == [True] * 3
     (letter,) = dead
     assert letter.message.content["action"] == "post"
     assert letter.attempts == 4
