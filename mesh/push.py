@@ -45,6 +45,7 @@ from mesh.core.model import (
     DeliveryMode,
     Message,
     MessageType,
+    utc_now,
 )
 from mesh.core.tasks import cancel_and_wait
 from mesh.security import open_channel
@@ -312,7 +313,10 @@ class InstancePush:
         server busy a moment is not called again at once), or to the dead-letter queue at
         once after the last attempt."""
         if delivery.attempt < self.broker.config.delivery_attempts:
-            await asyncio.sleep(RETRY_DELAYS[min(delivery.attempt, len(RETRY_DELAYS)) - 1])
+            wait = RETRY_DELAYS[min(delivery.attempt, len(RETRY_DELAYS)) - 1]
+            if delivery.lease_expires_at is not None:  # (the lease's end gives it back anyway)
+                wait = min(wait, (delivery.lease_expires_at - utc_now()).total_seconds())
+            await asyncio.sleep(max(wait, 0.0))
         with contextlib.suppress(MeshError):
             await self.broker.nack(self.agent_id, (delivery.message.message_id,))
 
