@@ -39,6 +39,7 @@ NODE_TESTS = (
     "a closed client says so on every call, a MeshError like every other",
     "a resumed watch that fell behind catches up by itself",
     "a plain gRPC server registered for push is called by the broker with each message",
+    "a Node agent served for push answers the broker's calls, with no session of its own",
 )
 """Tests of clients/node/test/ whose names the run must show."""
 

@@ -860,6 +860,11 @@ export interface AgentOptions extends SecurityOptions {
   leaseMs?: number;
   /** How long a handler may keep its delivery leased by extending it (3,600,000). */
   maxLeaseExtensionMs?: number;
+  /**
+   * 'PULL' (the default): the agent takes its messages on a session; 'PUSH': the broker calls
+   * its server's HandleMessage with each one (the server must be reachable from the broker).
+   */
+  deliveryMode?: DeliveryMode;
   retryDelaysMs?: number[];
   onRetry?: (retry: RetryEvent) => void;
 }

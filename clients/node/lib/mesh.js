@@ -1726,8 +1726,12 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
   description = 'A Node.js agent', actions = [], host = '127.0.0.1', port = 0,
   onRefused = (err) => console.warn(
     `${agentId}: the broker refused a frame: ${err.codeName}: ${err.message}`),
-  leaseMs, maxLeaseExtensionMs, ...options }) {
+  leaseMs, maxLeaseExtensionMs, deliveryMode = 'PULL', ...options }) {
   checkSubscription({ leaseMs, maxLeaseExtensionMs });
+  if (!DELIVERY_MODES.includes(deliveryMode)) {
+    throw new TypeError(`deliveryMode ${JSON.stringify(deliveryMode)} is not one of `
+      + DELIVERY_MODES.join(', '));
+  }
   const server = new grpc.Server();
   // What the handler returns for a delivery, or for a direct call (its forward returned
   // unsent then: askOnward below asks it through the broker).
@@ -1828,7 +1832,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
   });
   const address = `${host}:${boundPort}`;
   const client = new MeshClient(broker, { agentId, ...options });
-  await client.register({ agentTypes, address, capabilities });
+  await client.register({ agentTypes, address, capabilities, deliveryMode });
   const onDelivery = (message, attempt, context) => answer(message, context);
   // The subscription lives as long as the agent: when its stream ends or fails (the broker
   // restarted, the network went away), the agent registers again (a restarted broker may
@@ -1841,7 +1845,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     let attempt = 0;
     while (!stopped) {
       try {
-        if (attempt) await client.register({ agentTypes, address, capabilities });
+        if (attempt) await client.register({ agentTypes, address, capabilities, deliveryMode });
         // (Naming its instance: should this process die, the broker takes it off.)
         subscription = client.session(onDelivery,
           { leaseMs, maxLeaseExtensionMs, instance: address });
@@ -1863,7 +1867,8 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
       attempt += 1;
     }
   };
-  const running = keepSubscribed();
+  // Push: the broker calls HandleMessage above with each message; no session to keep.
+  const running = deliveryMode === 'PUSH' ? Promise.resolve() : keepSubscribed();
   let stopping = null;
   const stopOnce = async (graceMs) => {
     stopped = true;

@@ -254,6 +254,28 @@ test('a plain gRPC server registered for push is called by the broker with each 
     }
   });
 
+test('a Node agent served for push answers the broker\'s calls, with no session of its own',
+  async () => {
+    await assert.rejects(serveAgent({ broker: BROKER, agentId: 'NodePushed',
+      deliveryMode: 'SIDEWAYS', handler: async () => ({}) }), TypeError);
+    const agent = await serveAgent({ broker: BROKER, agentId: 'NodePushed',
+      deliveryMode: 'PUSH', handler: async (message) => ({ doubled: message.content.n * 2 }) });
+    const client = new MeshClient(BROKER, { agentId: 'NodePushCaller' });
+    try {
+      const answer = await client.request('NodePushed', { action: 'double', n: 21 });
+      assert.equal(answer.type, 'RESPONSE');
+      assert.equal(answer.from, 'NodePushed');
+      assert.deepEqual(answer.content, { action: 'double', doubled: 42 });
+      const [listed] = (await client.listAgents()).filter((a) => a.agentId === 'NodePushed');
+      assert.equal(listed.deliveryMode, 'PUSH');
+      const { agents } = await client.queueStats('NodePushed');
+      assert.equal(agents[0].subscribers, 1); // the broker's push, no session of the agent's
+    } finally {
+      await agent.stop();
+      client.close();
+    }
+  });
+
 test('a Node agent says NOT_SERVING as it stops, and finishes what it was handling',
   async () => {
     const grpc = require('@grpc/grpc-js');
