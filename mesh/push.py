@@ -60,6 +60,9 @@ RETRY_DELAYS = (0.1, 0.5, 2.0)
 """RT-011 retry_backoff_ms: the waits before a delivery that failed for a moment is tried
 again, and before subscribing again for an instance whose server could not be reached (the
 last repeated)."""
+CONNECT_PATIENCE = 1.0
+"""Seconds a server has to accept the broker's connection before its instance is said to be
+out of reach (as long as it stays so)."""
 CALL_SHARE_OF_LEASE = 0.9
 """A call's deadline, as a share of its delivery's lease: it ends, and its delivery is
 settled, before the lease would hand the message to another instance."""
@@ -178,34 +181,59 @@ class InstancePush:
         failures = 0
         try:
             while True:
-                await channel.channel_ready()
+                await self._until_connected(channel)
                 try:
                     sub = await self.broker.subscribe(self.agent_id, withdrawals=True)
                 except MeshError as error:  # (left a moment ago: the reconcile stops this)
                     logger.debug("push to %s: %s", self.agent_id, error.message)
                     await asyncio.sleep(RECONCILE_SECONDS)
                     continue
-                reached = await self._serve(sub, stub)
+                reached = await self._serve(sub, stub, channel)
+                self.broker.instance_unreachable(self.agent_id, self.address)
                 failures = 0 if reached else failures + 1
                 await asyncio.sleep(RETRY_DELAYS[min(failures, len(RETRY_DELAYS) - 1)])
         finally:
+            self.broker.instance_reachable(self.agent_id, self.address)  # (pushed no more)
             await channel.close()
 
-    async def _serve(self, sub: Subscription, stub: agent_pb2_grpc.AgentServiceAsyncStub) -> bool:
-        """Calls the instance with each delivery until its server cannot be reached (returns
-        whether any call reached it) or this push is stopped."""
+    async def _until_connected(self, channel: grpc.aio.Channel) -> None:
+        """Waits until the server answers; one that does not within CONNECT_PATIENCE is said
+        to be out of reach (gathers leave the agent out, a request's timeout says why) until
+        it does."""
+        try:
+            async with asyncio.timeout(CONNECT_PATIENCE):
+                await channel.channel_ready()
+        except TimeoutError:
+            self.broker.instance_unreachable(self.agent_id, self.address)
+            logger.warning(
+                "push to %s: its server at %s cannot be reached", self.agent_id, self.address
+            )
+            await channel.channel_ready()
+        self.broker.instance_reachable(self.agent_id, self.address)
+
+    async def _serve(
+        self,
+        sub: Subscription,
+        stub: agent_pb2_grpc.AgentServiceAsyncStub,
+        channel: grpc.aio.Channel,
+    ) -> bool:
+        """Calls the instance with each delivery until its server cannot be reached (a call
+        finds it gone, or the connection fails while no call is in flight; returns whether any
+        call reached it) or this push is stopped."""
         self._unreachable.clear()
         self.reached = False
         pump = asyncio.create_task(self._pump(sub, stub))
         unreachable = asyncio.create_task(self._unreachable.wait())
+        watch = asyncio.create_task(_until_failed(channel))
         try:
-            await asyncio.wait({pump, unreachable}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({pump, unreachable, watch}, return_when=asyncio.FIRST_COMPLETED)
             if pump.done() and not pump.cancelled() and pump.exception() is not None:
                 logger.warning(
                     "push to %s at %s stopped: %s", self.agent_id, self.address, pump.exception()
                 )
         finally:
             unreachable.cancel()
+            watch.cancel()
             await cancel_and_wait(pump)
             # The calls in flight may have reached the agent: each counts its attempt. The
             # others (refused UNAVAILABLE, or leased as the server went away) go back as if
@@ -331,6 +359,15 @@ class InstancePush:
             )
             if _awaited(message):  # (after: an answer would settle the delivery as handled)
                 await self.broker.send(error_to(message, self.agent_id, error))
+
+
+async def _until_failed(channel: grpc.aio.Channel) -> None:
+    """Keeps the channel connected (an idle one connects again at once) and returns when a
+    connection attempt fails: the server is gone, though no call was there to find it."""
+    state = channel.get_state(try_to_connect=True)
+    while state is not grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+        await channel.wait_for_state_change(state)
+        state = channel.get_state(try_to_connect=True)
 
 
 def _reply_from_pb(response: agent_pb2.HandleMessageResponse) -> Message:

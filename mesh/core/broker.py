@@ -17,6 +17,7 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
 from mesh.config import BrokerConfig
 from mesh.core import workflows
@@ -366,6 +367,9 @@ class Broker:
         self._held_before_until = 0.0
         self._replicas_gone: set[str] = set()
         """Replicas found dead whose subscriptions' instances are still to be taken off."""
+        self._unreachable: dict[str, dict[str, datetime]] = {}
+        """Instances of agents taking their messages by push whose server cannot be reached,
+        as the push delivery finds them: agent id -> address -> since when."""
         self.registry_watchers: list[Callable[[], None]] = []
         """Called when an agent registered, left or changed (here or through another replica):
         what follows the registry (push delivery) looks again."""
@@ -1404,14 +1408,36 @@ class Broker:
             await self.store.save_agent(self.registry.hold(agent_id, address, held_by))
         await self.store.sync()
 
+    def instance_unreachable(self, agent_id: str, address: str) -> None:
+        """The push delivery cannot reach the server of this instance (see :meth:`_no_instance`)."""
+        self._unreachable.setdefault(agent_id, {}).setdefault(address, utc_now())
+
+    def instance_reachable(self, agent_id: str, address: str) -> None:
+        """The instance's server answers again (or is pushed to no more)."""
+        found = self._unreachable.get(agent_id)
+        if found is not None:
+            found.pop(address, None)
+            if not found:
+                del self._unreachable[agent_id]
+
     def _no_instance(self, agent_id: str) -> str:
-        """Why nobody can answer, when the registry knows: every instance of the agent died
-        (none came back since). Empty otherwise."""
+        """Why nobody can answer, when the broker knows: every instance of the agent died
+        (none came back since), or the server of every instance of an agent taking its
+        messages by push cannot be reached. Empty otherwise."""
         info = self.registry.get(agent_id)
-        if info is None or info.lost_at is None or info.instances:
+        if info is None:
             return ""
-        lost_at = info.lost_at.isoformat(timespec="seconds")
-        return f"no instance of {agent_id} is serving: its last was lost at {lost_at}"
+        if info.lost_at is not None and not info.instances:
+            lost_at = info.lost_at.isoformat(timespec="seconds")
+            return f"no instance of {agent_id} is serving: its last was lost at {lost_at}"
+        away = self._unreachable.get(agent_id, {})
+        if info.instances and all(address in away for address in info.instances):
+            since = min(away[address] for address in info.instances)
+            return (
+                f"no instance of {agent_id} can be reached: no answer from "
+                f"{', '.join(info.instances)} since {since.isoformat(timespec='seconds')}"
+            )
+        return ""
 
     def _refuse_if_no_instance(self, agent_id: str) -> None:
         """A gather does not wait for an agent whose every instance died: it has nobody to

@@ -28,11 +28,13 @@ from mesh import (
     MessageType,
     MessageValidationError,
     Priority,
+    RequestTimeoutError,
     agent,
     on,
 )
 from mesh._status import from_rpc_error
 from mesh.certs import write_dev_certificates
+from mesh.client import GatherResult, MeshClient
 from mesh.config import BrokerConfig, SecurityConfig
 from mesh.v1 import agent_pb2_grpc, broker_pb2, broker_pb2_grpc, message_pb2
 from tests.helpers.plain_agent import PlainAgent, echo, start_plain
@@ -335,6 +337,48 @@ async def test_nothing_is_lost_or_counted_while_the_agents_server_is_away(
     assert dead == []
     view = stats.for_agent("LedgerAgent")
     assert view is not None and view.depth == 0 and view.in_flight == 0
+
+
+async def test_an_agent_whose_server_is_gone_is_left_out_of_gathers_and_said_so(
+    mesh: LocalMesh,
+) -> None:
+    agent = PlainAgent(echo)
+    server, address = await start_plain(agent)
+    port = int(address.rpartition(":")[2])
+    await register_push(mesh, "LedgerAgent", address)
+    async with mesh.client("Cashier") as client:
+        await client.request("LedgerAgent", {"action": "post", "parameters": {}}, timeout=10)
+        await server.stop(None)  # no call in flight: the broker finds it gone by itself
+        # A gather leaves it out at once, saying why, as soon as the broker knows.
+        async with asyncio.timeout(15):
+            while True:
+                (item,) = await gathered(client, "LedgerAgent", timeout=0.5)
+                if item.error is not None and item.error.reason == "NO_INSTANCE":
+                    break
+        assert "no instance of LedgerAgent can be reached" in item.error.message
+        assert address in item.error.message
+        with pytest.raises(RequestTimeoutError, match="LedgerAgent can be reached"):
+            await client.request("LedgerAgent", {"action": "post"}, timeout=0.3)
+        # Back on its address: served again, the request sent meanwhile with it.
+        server, _ = await start_plain(agent, port)
+        try:
+            answer = await client.request(
+                "LedgerAgent", {"action": "post", "parameters": {"n": 2}}, timeout=10
+            )
+            again = await gathered(client, "LedgerAgent", timeout=5)
+        finally:
+            await server.stop(None)
+    assert answer.content["echo"] == {"n": 2}
+    assert [(item.agent_id, item.error) for item in again] == [("LedgerAgent", None)]
+
+
+async def gathered(client: MeshClient, agent_id: str, timeout: float) -> list[GatherResult]:
+    return [
+        item
+        async for item in client.gather(
+            {"action": "quote", "parameters": {}}, agent_ids=[agent_id], timeout=timeout
+        )
+    ]
 
 
 async def test_an_agent_that_leaves_is_pushed_nothing_more(mesh: LocalMesh) -> None:
