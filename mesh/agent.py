@@ -490,6 +490,9 @@ class AgentRuntime:
         await self.register()
         if self.delivery_mode is DeliveryMode.PUSH:
             self.subscribed.set()  # (the broker holds the queue's end: it calls this server)
+            self._consumer = asyncio.create_task(
+                self._keep_registered(), name=f"agent-{self.agent.agent_id}-registration"
+            )
             return
         self._consumer = asyncio.create_task(self._consume(), name=f"agent-{self.agent.agent_id}")
         self._keeper = asyncio.create_task(
@@ -572,6 +575,20 @@ class AgentRuntime:
                 self.subscribed.clear()
                 attempt += 1
                 await asyncio.sleep(_RECONNECT_DELAYS[-1])
+
+    async def _keep_registered(self) -> None:
+        """Push: no stream of this process's reaches the broker, the broker's calls come to
+        its server; when the broker is back after it was lost (a restart forgets every agent
+        on the memory store), the agent registers again."""
+        async for _ in self.client.serving_again():
+            try:
+                await self.register()
+            except MeshError as error:
+                logger.warning(
+                    "%s could not register again: %s", self.agent.agent_id, error.message
+                )
+            else:
+                logger.info("%s registered again for push delivery", self.agent.agent_id)
 
     def _done(self, received: Received, _: asyncio.Task[None]) -> None:
         del self._in_flight[received]

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.trace import SpanKind, get_current_span
 
 from mesh import codec
@@ -884,6 +885,26 @@ class MeshClient:
     def closed(self) -> bool:
         """Whether :meth:`close` was called: the client sends nothing more."""
         return self._closed
+
+    async def serving_again(self) -> AsyncIterator[None]:
+        """Yields each time the broker is serving again after its health watch was lost (it
+        restarted, or the connection went away): when a process that keeps no stream of its
+        own to the broker (an agent taking its messages by push) registers again, since a
+        broker restarted on the memory store forgot it. Runs until closed or cancelled."""
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        lost, attempt = False, 0
+        while not self._closed:
+            try:
+                async for reply in stub.Watch(health_pb2.HealthCheckRequest()):
+                    attempt = 0
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING and lost:
+                        lost = False
+                        yield
+            except grpc.RpcError:
+                pass  # (away: watched again below)
+            lost = True
+            await self._sleep(_RECONNECT_DELAYS[min(attempt, len(_RECONNECT_DELAYS) - 1)])
+            attempt += 1
 
     def _refuse_if_closed(self) -> None:
         if self._closed:

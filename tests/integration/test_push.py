@@ -30,14 +30,24 @@ from mesh import (
     Priority,
     RequestTimeoutError,
     agent,
+    connect,
     on,
 )
 from mesh._status import from_rpc_error
+from mesh.agent import serve
 from mesh.certs import write_dev_certificates
-from mesh.client import GatherResult, MeshClient
+from mesh.client import NO_RETRY, GatherResult, MeshClient
 from mesh.config import BrokerConfig, SecurityConfig
 from mesh.v1 import agent_pb2_grpc, broker_pb2, broker_pb2_grpc, message_pb2
 from tests.helpers.plain_agent import PlainAgent, echo, start_plain
+from tests.helpers.processes import (
+    BROKER_READY,
+    free_port,
+    request_once_back,
+    start,
+    stop,
+    wait_killed,
+)
 
 
 async def register_push(mesh: LocalMesh, agent_id: str, address: str) -> message_pb2.AgentInfo:
@@ -513,3 +523,30 @@ async def test_the_broker_pushes_over_mutual_tls_with_its_client_certificate(
         await server.stop(None)
     assert answer.content["echo"] == {"n": 7}
     assert len(agent.seen) == 1
+
+
+@pytest.mark.processes
+async def test_an_sdk_push_agent_registers_again_when_the_broker_comes_back() -> None:
+    """A push agent keeps no stream to the broker; a broker restarted on the memory store
+    forgets it. It watches the broker's health and registers again once it serves."""
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    broker = await start("broker", "--port", str(port), ready=BROKER_READY)
+    try:
+        served = await serve(tax_desk, address, delivery_mode="push")
+        try:
+            async with connect(address, agent_id="Shop", retry=NO_RETRY) as client:
+                first = await client.request("TaxDesk", {"action": "rate", "item": "book"})
+                assert first.content["rate"] == 0.2
+                await wait_killed(broker)
+                broker = await start("broker", "--port", str(port), ready=BROKER_READY)
+                again = await request_once_back(
+                    client, "TaxDesk", {"action": "rate", "item": "pen"}
+                )
+                listed = {a.agent_id: a for a in await client.list_agents()}
+        finally:
+            await served.stop()
+    finally:
+        await stop(broker)
+    assert again.content["rate"] == 0.1 and again.from_agent == "TaxDesk"
+    assert listed["TaxDesk"].delivery_mode is DeliveryMode.PUSH
