@@ -550,3 +550,40 @@ async def test_an_sdk_push_agent_registers_again_when_the_broker_comes_back() ->
         await stop(broker)
     assert again.content["rate"] == 0.1 and again.from_agent == "TaxDesk"
     assert listed["TaxDesk"].delivery_mode is DeliveryMode.PUSH
+
+
+@pytest.mark.processes
+@pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
+async def test_a_node_push_agent_registers_again_when_the_broker_comes_back() -> None:
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    broker = await start("broker", "--port", str(port), ready=BROKER_READY)
+    node = await asyncio.create_subprocess_exec(
+        "node",
+        "examples/echo-agent.js",
+        "NodePushEcho",
+        "push",
+        cwd=NODE_DIR,
+        env={**os.environ, "AGENTMESH_BROKER": address},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    try:
+        assert node.stdout is not None
+        async with asyncio.timeout(30):
+            line = (await node.stdout.readline()).decode()
+        assert "NodePushEcho serving on" in line, line
+        async with connect(address, agent_id="Shop", retry=NO_RETRY) as client:
+            first = await client.request("NodePushEcho", {"action": "echo", "n": 1})
+            assert first.content["echo"] == {"action": "echo", "n": 1}
+            await wait_killed(broker)
+            broker = await start("broker", "--port", str(port), ready=BROKER_READY)
+            again = await request_once_back(client, "NodePushEcho", {"action": "echo", "n": 2})
+            listed = {a.agent_id: a for a in await client.list_agents()}
+    finally:
+        if node.returncode is None:
+            node.terminate()
+        await node.wait()
+        await stop(broker)
+    assert again.content["echo"] == {"action": "echo", "n": 2}
+    assert listed["NodePushEcho"].delivery_mode is DeliveryMode.PUSH

@@ -1,7 +1,9 @@
 'use strict';
-// A Node.js agent in a few lines: `node examples/echo-agent.js AGENT_ID` serves it against the
-// broker named by AGENTMESH_BROKER (default 127.0.0.1:50051) until SIGTERM or Ctrl-C. It
-// answers every request with what it was sent, and stays in service across broker restarts.
+// A Node.js agent in a few lines: `node examples/echo-agent.js AGENT_ID [pull|push]` serves it
+// against the broker named by AGENTMESH_BROKER (default 127.0.0.1:50051) until SIGTERM or
+// Ctrl-C. It answers every request with what it was sent, and stays in service across broker
+// restarts. With `push` the broker calls its server with each message instead of its taking
+// them on a session.
 
 const { serveAgent } = require('../lib/mesh');
 
@@ -11,6 +13,7 @@ async function main() {
     broker: process.env.AGENTMESH_BROKER || '127.0.0.1:50051',
     agentId,
     agentTypes: ['echo'],
+    deliveryMode: (process.argv[3] || 'pull').toUpperCase(),
     handler: async (message) => ({ echo: message.content, servedBy: agentId, pid: process.pid }),
   });
   console.log(`${agentId} serving on ${agent.address}`);

@@ -8,7 +8,7 @@ const util = require('node:util');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
 const protobuf = require('protobufjs');
-const { HealthImplementation } = require('grpc-health-check');
+const { HealthImplementation, service: healthService } = require('grpc-health-check');
 const { ReflectionService } = require('@grpc/reflection');
 const { FileDescriptorProto } = require('protobufjs/ext/descriptor');
 
@@ -20,6 +20,7 @@ const definition = protoLoader.loadSync(
     oneofs: true },
 );
 const meshV1 = grpc.loadPackageDefinition(definition).mesh.v1;
+const HealthClient = grpc.makeGenericClientConstructor(healthService, 'Health');
 
 // -- google.protobuf.Struct <-> plain JSON ---------------------------------------------------
 
@@ -1867,8 +1868,41 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
       attempt += 1;
     }
   };
-  // Push: the broker calls HandleMessage above with each message; no session to keep.
-  const running = deliveryMode === 'PUSH' ? Promise.resolve() : keepSubscribed();
+  // Push: the broker calls HandleMessage above with each message; no session to keep, but
+  // a watch of the broker's health: a broker restarted on the memory store forgot the agent,
+  // which registers again once it serves.
+  let watch = null;
+  const keepRegistered = async () => {
+    const { credentials, channelOptions } = security(options);
+    const healthClient = new HealthClient(broker, credentials,
+      { ...channelOptions, channelOverride: client.broker.getChannel() });
+    let lost = false;
+    let attempt = 0;
+    while (!stopped) {
+      await new Promise((resolve) => {
+        wake = resolve;
+        watch = healthClient.Watch({ service: '' });
+        watch.on('data', (reply) => {
+          attempt = 0;
+          if (reply.status !== 'SERVING' || !lost) return;
+          lost = false;
+          client.register({ agentTypes, address, capabilities, deliveryMode }).catch((err) => {
+            console.warn(`${agentId}: could not register again: ${err.message}`);
+          });
+        });
+        watch.on('error', resolve);
+        watch.on('end', resolve);
+      });
+      if (stopped) return;
+      lost = true;
+      await new Promise((resolve) => {
+        wake = resolve;
+        setTimeout(resolve, delays[Math.min(attempt, delays.length - 1)]);
+      });
+      attempt += 1;
+    }
+  };
+  const running = deliveryMode === 'PUSH' ? keepRegistered() : keepSubscribed();
   let stopping = null;
   const stopOnce = async (graceMs) => {
     stopped = true;
@@ -1876,6 +1910,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     health.setStatus('', 'NOT_SERVING');
     health.setStatus('mesh.v1.AgentService', 'NOT_SERVING');
     if (subscription) await subscription.close(graceMs);
+    if (watch) watch.cancel();
     if (wake) wake();
     await running;
     // Once, without retries: a broker that is away forgets it by itself. Only this
