@@ -322,6 +322,33 @@ async def test_a_go_agent_is_back_in_service_after_a_broker_restart(
         await stop(broker)
 
 
+async def test_a_go_push_agent_registers_again_when_the_broker_comes_back(
+    meshgo: Path, go_agents: list[GoAgent]
+) -> None:
+    from mesh.client import NO_RETRY
+
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    broker = await start("broker", "--port", str(port), ready=BROKER_READY)
+    try:
+        agent = await start_go_agent(meshgo, go_agents, address, "GoPushEcho", "-push")
+        async with connect(address, agent_id="Caller", retry=NO_RETRY) as client:
+            first = await client.request("GoPushEcho", {"action": "echo", "n": 1}, timeout=5)
+            assert first.content["echo"] == {"action": "echo", "n": 1}
+            # No session to lose: it watches the broker's health, and registers again.
+            await wait_killed(broker)
+            broker = await start("broker", "--port", str(port), ready=BROKER_READY)
+            again = await request_once_back(client, "GoPushEcho", {"action": "echo", "n": 2})
+            assert again.content["echo"] == {"action": "echo", "n": 2}
+            listed = {a.agent_id: a for a in await client.list_agents()}
+            assert listed["GoPushEcho"].delivery_mode is DeliveryMode.PUSH
+        code, said = await agent.stop()
+        assert code == 0
+        assert said.endswith("GoPushEcho stopped\n")
+    finally:
+        await stop(broker)
+
+
 async def test_go_speaks_tls_with_a_token_and_is_held_to_its_identity(
     tmp_path: Path, meshgo: Path, go_agents: list[GoAgent]
 ) -> None:

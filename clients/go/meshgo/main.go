@@ -372,28 +372,8 @@ func runAgent(args []string) error {
 
 	announced := false
 	var lost time.Time
-	for delay := 100 * time.Millisecond; *push; {
-		// Push: registered once, the broker calls the server; nothing more to keep up.
-		_, err := brokerClient.RegisterAgent(ctx, &meshv1.RegisterAgentRequest{Agent: &meshv1.AgentInfo{
-			AgentId: a.id, AgentTypes: a.types, Address: a.address,
-			DeliveryMode: meshv1.DeliveryMode_DELIVERY_MODE_PUSH,
-		}})
-		if err == nil {
-			fmt.Printf("%s serving on %s\n", a.id, a.address) // (taking its messages by push)
-			<-ctx.Done()
-			break
-		}
-		if ctx.Err() != nil {
-			break
-		}
-		fmt.Fprintf(os.Stderr, "%s: could not register (%s); again in %s\n", a.id, describe(err), delay)
-		select {
-		case <-time.After(delay):
-		case <-ctx.Done():
-		}
-		if delay < 5*time.Second {
-			delay *= 2
-		}
+	if *push {
+		a.keepRegistered(ctx, brokerClient, healthpb.NewHealthClient(conn))
 	}
 	for delay := 100 * time.Millisecond; !*push; {
 		err := a.serveSession(ctx, brokerClient, func() {
@@ -435,6 +415,51 @@ func runAgent(args []string) error {
 	server.GracefulStop()
 	fmt.Printf("%s stopped\n", a.id)
 	return nil
+}
+
+// keepRegistered registers the agent for push delivery (the broker calls its server's
+// HandleMessage) and watches the broker's health until ctx is done: the process keeps no
+// other stream to the broker, and a broker restarted on the memory store forgot the agent,
+// which registers again once the broker serves.
+func (a *agent) keepRegistered(
+	ctx context.Context, broker meshv1.BrokerServiceClient, health healthpb.HealthClient,
+) {
+	registered, announced := false, false
+	for delay := 100 * time.Millisecond; ctx.Err() == nil; {
+		if !registered {
+			_, err := broker.RegisterAgent(ctx, &meshv1.RegisterAgentRequest{Agent: &meshv1.AgentInfo{
+				AgentId: a.id, AgentTypes: a.types, Address: a.address,
+				DeliveryMode: meshv1.DeliveryMode_DELIVERY_MODE_PUSH,
+			}})
+			if err == nil {
+				registered = true
+				delay = 100 * time.Millisecond
+				if !announced {
+					announced = true
+					fmt.Printf("%s serving on %s\n", a.id, a.address) // (taking its messages by push)
+				}
+			} else if ctx.Err() == nil {
+				fmt.Fprintf(os.Stderr, "%s: could not register (%s); again in %s\n", a.id, describe(err), delay)
+			}
+		}
+		if registered {
+			watch, err := health.Watch(ctx, &healthpb.HealthCheckRequest{})
+			for err == nil {
+				_, err = watch.Recv()
+			}
+			if ctx.Err() != nil {
+				return
+			}
+			registered = false // the broker went away: a restarted one may have forgotten us
+		}
+		select {
+		case <-time.After(delay):
+		case <-ctx.Done():
+		}
+		if delay < 5*time.Second {
+			delay *= 2
+		}
+	}
 }
 
 // serveSession registers the agent, subscribes it on a Connect session and answers its

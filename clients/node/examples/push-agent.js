@@ -12,6 +12,7 @@
 const path = require('node:path');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
+const { service: healthService } = require('grpc-health-check');
 
 const definition = protoLoader.loadSync(['mesh/v1/broker.proto', 'mesh/v1/agent.proto'], {
   includeDirs: [path.resolve(__dirname, '..', '..', '..', 'proto')],
@@ -62,13 +63,31 @@ async function main() {
       (err, p) => (err ? reject(err) : resolve(p)));
   });
   const address = `127.0.0.1:${bound}`;
-  const broker = new v1.BrokerService(process.env.AGENTMESH_BROKER || '127.0.0.1:50051',
-    grpc.credentials.createInsecure());
-  await call(broker, 'RegisterAgent', {
+  const brokerAddress = process.env.AGENTMESH_BROKER || '127.0.0.1:50051';
+  const broker = new v1.BrokerService(brokerAddress, grpc.credentials.createInsecure());
+  const register = () => call(broker, 'RegisterAgent', {
     agent: { agent_id: agentId, address, delivery_mode: 'DELIVERY_MODE_PUSH' },
   });
+  await register();
   console.log(`${agentId} serving on ${address}`);
+  // Nothing else flows from here to the broker: a watch of its health tells when it went
+  // away, and the agent registers again once it is back (a restarted broker may have
+  // forgotten it).
+  const Health = grpc.makeGenericClientConstructor(healthService, 'Health');
+  const health = new Health(brokerAddress, grpc.credentials.createInsecure());
+  let stopping = false;
+  let watch = null;
+  const keepRegistered = () => {
+    watch = health.Watch({ service: '' });
+    watch.on('data', () => {});
+    watch.on('error', () => setTimeout(() => {
+      if (!stopping) register().catch(() => {}).finally(keepRegistered);
+    }, 1000));
+  };
+  keepRegistered();
   const stop = async () => {
+    stopping = true;
+    watch.cancel();
     // This instance leaves; what is queued for the agent stays for the next one.
     await call(broker, 'DeregisterAgent', { agent_id: agentId, address }).catch(() => {});
     server.tryShutdown(() => process.exit(0));
