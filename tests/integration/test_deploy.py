@@ -28,12 +28,14 @@ def check(*overlays: Path) -> subprocess.CompletedProcess[str]:
 def test_every_overlay_renders_and_validates() -> None:
     result = check()
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "dev: 32 objects rendered and valid" in result.stdout
-    assert "prod: 33 objects rendered and valid" in result.stdout
-    assert "replicas: 37 objects rendered and valid" in result.stdout
+    assert "dev: 33 objects rendered and valid" in result.stdout
+    assert "prod: 34 objects rendered and valid" in result.stdout
+    assert "replicas: 38 objects rendered and valid" in result.stdout
 
 
 def test_rendered_manifests_have_grpc_probes_and_locked_down_pods() -> None:
+    import yaml
+
     rendered = subprocess.run(
         ["kubectl", "kustomize", str(ROOT / "deploy/overlays/prod")],
         capture_output=True,
@@ -47,7 +49,16 @@ def test_rendered_manifests_have_grpc_probes_and_locked_down_pods() -> None:
     assert rendered.count("readOnlyRootFilesystem: true") == 7
     assert "kind: PodDisruptionBudget" in rendered
     assert rendered.count("kind: HorizontalPodAutoscaler") == 6
-    assert rendered.count("kind: NetworkPolicy") == 7
+    assert rendered.count("kind: NetworkPolicy") == 8
+    # The broker may call the agents' servers (push delivery), on their ports alone.
+    policies = {
+        o["metadata"]["name"]: o["spec"]
+        for o in yaml.safe_load_all(rendered)
+        if o and o["kind"] == "NetworkPolicy"
+    }
+    [push] = policies["agentmesh-broker-egress-to-agents"]["egress"]
+    assert push["to"][0]["podSelector"]["matchLabels"] == {"app.kubernetes.io/component": "agent"}
+    assert push["ports"] == [{"port": 7000, "endPort": 7009, "protocol": "TCP"}]
     # Production queues are durable: SQLite on a persistent volume mounted by the broker.
     assert "value: sqlite:///var/lib/agentmesh/queues.db" in rendered
     assert "claimName: agentmesh-broker-queues" in rendered
