@@ -12,8 +12,8 @@ import grpc
 import pytest
 
 from gateway.embedded import EmbeddedMesh
+from tests.helpers.node import NODE_DIR, start_node_example
 
-NODE_DIR = Path(__file__).resolve().parents[2] / "clients" / "node"
 NODE_TESTS = (
     "a Node agent takes part in a group chat beside the Python agents",
     "runs every gateway pattern from plain objects",
@@ -47,27 +47,7 @@ NODE_TESTS = (
 async def start_echo_agent(agent_id: str, broker: str) -> tuple[asyncio.subprocess.Process, str]:
     """clients/node/examples/echo-agent.js serving agent_id against broker, in a process of
     its own; the process and the address of the agent's server once it serves."""
-    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").exists():
-        pytest.fail("clients/node dependencies are missing: run `make setup`")
-    node = await asyncio.create_subprocess_exec(
-        "node",
-        "examples/echo-agent.js",
-        agent_id,
-        cwd=NODE_DIR,
-        env={**os.environ, "AGENTMESH_BROKER": broker},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    assert node.stdout is not None
-    try:
-        async with asyncio.timeout(30):
-            line = (await node.stdout.readline()).decode()
-        assert f"{agent_id} serving on 127.0.0.1:" in line, line
-    except BaseException:
-        node.kill()
-        await node.wait()
-        raise
-    return node, line.rsplit(" ", 1)[-1].strip()
+    return await start_node_example("echo-agent.js", agent_id, broker)
 
 
 async def stop_echo_agent(node: asyncio.subprocess.Process) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import os
 import shutil
 import sys
 from collections.abc import AsyncIterator
@@ -39,6 +38,7 @@ from mesh.certs import write_dev_certificates
 from mesh.client import NO_RETRY, GatherResult, MeshClient
 from mesh.config import BrokerConfig, SecurityConfig
 from mesh.v1 import agent_pb2_grpc, broker_pb2, broker_pb2_grpc, message_pb2
+from tests.helpers.node import start_node_example
 from tests.helpers.plain_agent import PlainAgent, echo, start_plain
 from tests.helpers.processes import (
     BROKER_READY,
@@ -409,36 +409,12 @@ async def test_an_agent_that_leaves_is_pushed_nothing_more(mesh: LocalMesh) -> N
     assert [m.content["action"] for m in received] == ["later"]
 
 
-NODE_DIR = Path(__file__).resolve().parents[2] / "clients" / "node"
-
-
 async def start_node_push_agent(
     agent_id: str, broker: str, port: int = 0
 ) -> tuple[asyncio.subprocess.Process, str]:
     """clients/node/examples/push-agent.js (plain @grpc/grpc-js, no agentmesh library) in a
     process of its own; the process and its server's address once it has registered."""
-    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").exists():
-        pytest.fail("clients/node dependencies are missing: run `make setup`")
-    node = await asyncio.create_subprocess_exec(
-        "node",
-        "examples/push-agent.js",
-        agent_id,
-        str(port),
-        cwd=NODE_DIR,
-        env={**os.environ, "AGENTMESH_BROKER": broker},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    assert node.stdout is not None
-    try:
-        async with asyncio.timeout(30):
-            line = (await node.stdout.readline()).decode()
-        assert f"{agent_id} serving on 127.0.0.1:" in line, line
-    except BaseException:
-        node.kill()
-        await node.wait()
-        raise
-    return node, line.rsplit(" ", 1)[-1].strip()
+    return await start_node_example("push-agent.js", agent_id, broker, str(port))
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
@@ -558,32 +534,21 @@ async def test_a_node_push_agent_registers_again_when_the_broker_comes_back() ->
     port = free_port()
     address = f"127.0.0.1:{port}"
     broker = await start("broker", "--port", str(port), ready=BROKER_READY)
-    node = await asyncio.create_subprocess_exec(
-        "node",
-        "examples/echo-agent.js",
-        "NodePushEcho",
-        "push",
-        cwd=NODE_DIR,
-        env={**os.environ, "AGENTMESH_BROKER": address},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
     try:
-        assert node.stdout is not None
-        async with asyncio.timeout(30):
-            line = (await node.stdout.readline()).decode()
-        assert "NodePushEcho serving on" in line, line
-        async with connect(address, agent_id="Shop", retry=NO_RETRY) as client:
-            first = await client.request("NodePushEcho", {"action": "echo", "n": 1})
-            assert first.content["echo"] == {"action": "echo", "n": 1}
-            await wait_killed(broker)
-            broker = await start("broker", "--port", str(port), ready=BROKER_READY)
-            again = await request_once_back(client, "NodePushEcho", {"action": "echo", "n": 2})
-            listed = {a.agent_id: a for a in await client.list_agents()}
+        node, _ = await start_node_example("echo-agent.js", "NodePushEcho", address, "push")
+        try:
+            async with connect(address, agent_id="Shop", retry=NO_RETRY) as client:
+                first = await client.request("NodePushEcho", {"action": "echo", "n": 1})
+                assert first.content["echo"] == {"action": "echo", "n": 1}
+                await wait_killed(broker)
+                broker = await start("broker", "--port", str(port), ready=BROKER_READY)
+                again = await request_once_back(client, "NodePushEcho", {"action": "echo", "n": 2})
+                listed = {a.agent_id: a for a in await client.list_agents()}
+        finally:
+            if node.returncode is None:
+                node.terminate()
+            await node.wait()
     finally:
-        if node.returncode is None:
-            node.terminate()
-        await node.wait()
         await stop(broker)
     assert again.content["echo"] == {"action": "echo", "n": 2}
     assert listed["NodePushEcho"].delivery_mode is DeliveryMode.PUSH
