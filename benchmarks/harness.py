@@ -1009,16 +1009,22 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
             "handoff", lambda: client.request_message(handoff_message()), n, w, meter
         )
 
-        # Polyglot: the same roundtrip to the echo agent in Node.js, and from the Node.js
-        # client to the Python echo agent (timed in Node).
-        if mesh.node_agent is not None:
-            out["node_agent.roundtrip"] = await measured(
-                "node_agent.roundtrip",
-                lambda: client.request("node-echo", PAYLOAD),
-                n // 2,
-                w // 2,
-                CpuMeter({"broker": [mesh.broker.pid], "agents": [mesh.node_agent.pid]}),
-            )
+        # Polyglot: the same roundtrip to echo agents of other kinds (in Node.js, in Go on
+        # plain gRPC, and a raw grpc.aio server taking its messages by push), and from the
+        # Node.js client to the Python echo agent (timed in Node).
+        for name, agent_id, proc in (
+            ("node_agent.roundtrip", "node-echo", mesh.node_agent),
+            ("go_agent.roundtrip", "go-echo", mesh.go_agent),
+            ("push_agent.roundtrip", "push-0", mesh.push_agent),
+        ):
+            if proc is not None:
+                out[name] = await measured(
+                    name,
+                    functools.partial(client.request, agent_id, PAYLOAD),
+                    n // 2,
+                    w // 2,
+                    CpuMeter({"broker": [mesh.broker.pid], "agents": [proc.pid]}),
+                )
         if mesh.node_driver is not None:
             out["node_client.roundtrip"] = await mesh.node_driver.measure(
                 n // 2,
@@ -1030,23 +1036,6 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
                         "agents": [mesh.agents[0].pid],  # (echo-0's process)
                     }
                 ),
-            )
-        if mesh.go_agent is not None:
-            out["go_agent.roundtrip"] = await measured(
-                "go_agent.roundtrip",
-                lambda: client.request("go-echo", PAYLOAD),
-                n // 2,
-                w // 2,
-                CpuMeter({"broker": [mesh.broker.pid], "agents": [mesh.go_agent.pid]}),
-            )
-
-        if mesh.push_agent is not None:
-            out["push_agent.roundtrip"] = await measured(
-                "push_agent.roundtrip",
-                lambda: client.request("push-0", PAYLOAD),
-                n // 2,
-                w // 2,
-                CpuMeter({"broker": [mesh.broker.pid], "agents": [mesh.push_agent.pid]}),
             )
 
         # A broadcast's latency is the time until the last of its agents has it: each agent
