@@ -17,6 +17,9 @@ from typing import Any
 import grpc
 import pytest
 
+from agents import sample_agents
+from gateway.client import GatewayClient
+from gateway.server import serve_gateway
 from mesh import (
     Agent,
     AgentContext,
@@ -192,6 +195,30 @@ async def test_an_sdk_agent_served_for_push_takes_its_messages_from_the_brokers_
     view = stats.for_agent("QuoteDesk")
     assert view is not None and view.subscribers == 1  # the broker's push, no stream of its own
     assert after == ["TaxDesk"]  # stopping deregistered it
+
+
+async def test_a_group_chat_through_the_gateway_runs_on_push_agents() -> None:
+    experts = ["IndustryExpertAgent", "TechnicalAnalysisAgent", "FundamentalAnalysisAgent"]
+    async with LocalMesh() as local:
+        for one in sample_agents():
+            if one.agent_id in experts:
+                await local.add_agent(one, delivery_mode="push")
+        gateway = await serve_gateway(local.address)
+        try:
+            async with GatewayClient(gateway.address) as client:
+                events = await client.collect(
+                    client.group_chat(
+                        agent_ids=experts, query="What stock should I buy?", option_label="stocks"
+                    )
+                )
+            async with local.client("Shop") as shop:
+                modes = {a.agent_id: a.delivery_mode for a in await shop.list_agents()}
+        finally:
+            await gateway.stop(0.5)
+    assert modes == dict.fromkeys(experts, DeliveryMode.PUSH)
+    result = events[-1]
+    assert result["kind"] == "RESULT" and result["data"]["status"] == "COMPLETED"
+    assert sorted(result["data"]["answered"]) == sorted(experts)
 
 
 async def test_pushes_come_in_priority_order_one_at_a_time() -> None:
