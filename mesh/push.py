@@ -49,6 +49,7 @@ from mesh.core.model import (
 )
 from mesh.core.tasks import cancel_and_wait
 from mesh.security import open_channel
+from mesh.tracing import TRACE_HEADERS
 from mesh.v1 import agent_pb2, agent_pb2_grpc, message_pb2
 
 logger = logging.getLogger("mesh.push")
@@ -276,8 +277,11 @@ class InstancePush:
         message = delivery.message
         request = agent_pb2.HandleMessageRequest()
         codec.message_to_pb(message, request.message)
+        # The trace context travels in the call's metadata too, where a server's own gRPC
+        # instrumentation (OpenTelemetry's, any language's) looks for it.
+        metadata = tuple((k, v) for k, v in message.headers.items() if k in TRACE_HEADERS)
         try:
-            response = await stub.HandleMessage(request, timeout=deadline)
+            response = await stub.HandleMessage(request, timeout=deadline, metadata=metadata)
         except grpc.aio.AioRpcError as error:
             self._pushed.labels(error.code().name).inc()
             if error.code() is grpc.StatusCode.UNAVAILABLE and not self._connected():

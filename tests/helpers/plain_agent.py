@@ -22,6 +22,8 @@ class PlainAgent(agent_pb2_grpc.AgentServiceServicer):
         self.seen: list[message_pb2.Message] = []
         self.called_at: list[float] = []
         """When (loop time) each call came."""
+        self.metadata: list[dict[str, str]] = []
+        """Each call's metadata."""
         self._arrived = asyncio.Condition()
 
     async def until_seen(self, count: int, timeout: float = 15.0) -> None:
@@ -35,6 +37,7 @@ class PlainAgent(agent_pb2_grpc.AgentServiceServicer):
         async with self._arrived:
             self.seen.append(request.message)
             self.called_at.append(asyncio.get_running_loop().time())
+            self.metadata.append(dict(context.invocation_metadata() or ()))
             self._arrived.notify_all()
         answer = await self.handler(request.message, context)
         response = agent_pb2.HandleMessageResponse()

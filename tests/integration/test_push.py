@@ -68,6 +68,9 @@ async def register_push(mesh: LocalMesh, agent_id: str, address: str) -> message
     return response.agent
 
 
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
 @pytest.fixture
 async def mesh() -> AsyncIterator[LocalMesh]:
     async with LocalMesh(config=BrokerConfig(lease_seconds=5)) as local:
@@ -86,6 +89,7 @@ async def test_a_plain_grpc_server_answers_requests_pushed_to_it(mesh: LocalMesh
                 "LedgerAgent",
                 {"action": "post", "parameters": {"amount": 450, "account": "A-1"}},
                 timeout=10,
+                headers={"traceparent": f"00-{TRACE_ID}-00f067aa0ba902b7-01"},
             )
             await client.register("Cashier")
             listed = {a.agent_id: a for a in await client.list_agents()}
@@ -95,6 +99,10 @@ async def test_a_plain_grpc_server_answers_requests_pushed_to_it(mesh: LocalMesh
         assert answer.content["echo"] == {"amount": 450, "account": "A-1"}
         (pushed,) = agent.seen
         assert pushed.to_agent == "LedgerAgent" and pushed.from_agent == "Cashier"
+        # The request's trace context, in the message and in the call's metadata alike.
+        (metadata,) = agent.metadata
+        assert metadata["traceparent"] == pushed.headers["traceparent"]
+        assert metadata["traceparent"].split("-")[1] == TRACE_ID
         assert answer.correlation_id == pushed.message_id
         assert listed["LedgerAgent"].delivery_mode.value == "PUSH"
         assert listed["Cashier"].delivery_mode.value == "PULL"
