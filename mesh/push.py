@@ -18,8 +18,9 @@ ones do), with at-least-once delivery as any subscription has it:
   back to the queue, counting no attempt the agent never saw) and opened again once the
   server answers, after the RT-011 backoff (100 ms, 500 ms, then 2 s).
 
-A call has its delivery's lease to finish in (``BrokerConfig.lease_seconds``): past it the
-call is given up (DEADLINE_EXCEEDED) and the message delivered again.
+While a call runs, its delivery's lease is extended every third of a lease (a handler may
+take minutes), for up to an hour: past that the call is given up (DEADLINE_EXCEEDED) and the
+message delivered again.
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ from mesh.core.model import (
     DeliveryMode,
     Message,
     MessageType,
-    utc_now,
 )
 from mesh.core.tasks import cancel_and_wait
 from mesh.security import open_channel
@@ -64,9 +64,10 @@ last repeated)."""
 CONNECT_PATIENCE = 1.0
 """Seconds a server has to accept the broker's connection before its instance is said to be
 out of reach (as long as it stays so)."""
-CALL_SHARE_OF_LEASE = 0.9
-"""A call's deadline, as a share of its delivery's lease: it ends, and its delivery is
-settled, before the lease would hand the message to another instance."""
+MAX_CALL_SECONDS = 3600.0
+"""How long a call may run (its delivery's lease extended meanwhile, as the SDKs' agents
+extend theirs while a handler works, for up to an hour); past it the call is given up
+(DEADLINE_EXCEEDED) and the message delivered again."""
 TRANSIENT = frozenset(
     {
         grpc.StatusCode.UNAVAILABLE,
@@ -226,6 +227,7 @@ class InstancePush:
         pump = asyncio.create_task(self._pump(sub, stub))
         unreachable = asyncio.create_task(self._unreachable.wait())
         watch = asyncio.create_task(_until_failed(channel))
+        keeper = asyncio.create_task(self._keep_leases(sub))
         try:
             await asyncio.wait({pump, unreachable, watch}, return_when=asyncio.FIRST_COMPLETED)
             if pump.done() and not pump.cancelled() and pump.exception() is not None:
@@ -235,6 +237,7 @@ class InstancePush:
         finally:
             unreachable.cancel()
             watch.cancel()
+            keeper.cancel()
             await cancel_and_wait(pump)
             # The calls in flight may have reached the agent: each counts its attempt. The
             # others (refused UNAVAILABLE, or leased as the server went away) go back as if
@@ -248,8 +251,18 @@ class InstancePush:
             await asyncio.shield(sub.close(seen=seen))  # (done even when stopped meanwhile)
         return self.reached
 
+    async def _keep_leases(self, sub: Subscription) -> None:
+        """Every third of a lease, extends the leases of the deliveries whose call still runs
+        (or waits to be made again), so that a slow handler is not run twice."""
+        while True:
+            await asyncio.sleep(sub.lease_seconds / 3)
+            if self._calls:
+                with contextlib.suppress(MeshError):
+                    await self.broker.extend_lease(
+                        self.agent_id, list(self._calls), sub.lease_seconds
+                    )
+
     async def _pump(self, sub: Subscription, stub: agent_pb2_grpc.AgentServiceAsyncStub) -> None:
-        deadline = sub.lease_seconds * CALL_SHARE_OF_LEASE
         while True:
             batch = await sub.next_batch(sub.max_in_flight)
             for message_id in sub.take_withdrawn():
@@ -257,7 +270,7 @@ class InstancePush:
                     call.cancel()  # its requester gave up: the agent's call is cancelled too
             for delivery in batch:
                 message_id = delivery.message.message_id
-                call = asyncio.create_task(self._push(delivery, stub, deadline))
+                call = asyncio.create_task(self._push(delivery, stub))
                 self._calls[message_id] = call
                 call.add_done_callback(functools.partial(self._forget, message_id))
 
@@ -271,9 +284,7 @@ class InstancePush:
         if self._calls.get(message_id) is call:
             del self._calls[message_id]
 
-    async def _push(
-        self, delivery: Delivery, stub: agent_pb2_grpc.AgentServiceAsyncStub, deadline: float
-    ) -> None:
+    async def _push(self, delivery: Delivery, stub: agent_pb2_grpc.AgentServiceAsyncStub) -> None:
         message = delivery.message
         request = agent_pb2.HandleMessageRequest()
         codec.message_to_pb(message, request.message)
@@ -281,7 +292,9 @@ class InstancePush:
         # instrumentation (OpenTelemetry's, any language's) looks for it.
         metadata = tuple((k, v) for k, v in message.headers.items() if k in TRACE_HEADERS)
         try:
-            response = await stub.HandleMessage(request, timeout=deadline, metadata=metadata)
+            response = await stub.HandleMessage(
+                request, timeout=MAX_CALL_SECONDS, metadata=metadata
+            )
         except grpc.aio.AioRpcError as error:
             self._pushed.labels(error.code().name).inc()
             if error.code() is grpc.StatusCode.UNAVAILABLE and not self._connected():
@@ -341,14 +354,11 @@ class InstancePush:
 
     async def _retry_later(self, delivery: Delivery) -> None:
         """A transient failure: the delivery goes back for another attempt after RT-011's
-        backoff (100 ms, 500 ms, 2 s; held meanwhile, its place in flight taken, so that a
-        server busy a moment is not called again at once), or to the dead-letter queue at
-        once after the last attempt."""
+        backoff (100 ms, 500 ms, 2 s; held meanwhile, its lease kept, its place in flight
+        taken, so that a server busy a moment is not called again at once), or to the
+        dead-letter queue at once after the last attempt."""
         if delivery.attempt < self.broker.config.delivery_attempts:
-            wait = RETRY_DELAYS[min(delivery.attempt, len(RETRY_DELAYS)) - 1]
-            if delivery.lease_expires_at is not None:  # (the lease's end gives it back anyway)
-                wait = min(wait, (delivery.lease_expires_at - utc_now()).total_seconds())
-            await asyncio.sleep(max(wait, 0.0))
+            await asyncio.sleep(RETRY_DELAYS[min(delivery.attempt, len(RETRY_DELAYS)) - 1])
         with contextlib.suppress(MeshError):
             await self.broker.nack(self.agent_id, (delivery.message.message_id,))
 

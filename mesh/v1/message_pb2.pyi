@@ -106,7 +106,8 @@ class _DeliveryModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Delivery
     DELIVERY_MODE_PUSH: _DeliveryMode.ValueType  # 2
     """The broker takes them to the agent: it calls AgentService.HandleMessage on each
     instance's server, as many calls in flight per instance as a subscription's default
-    (BrokerConfig.default_max_in_flight), each within a lease. A HandleMessageResponse's
+    (BrokerConfig.default_max_in_flight), each for up to an hour, its delivery's lease
+    extended while it runs. A HandleMessageResponse's
     message answers a REQUEST (correlated as any answer) and acknowledges the delivery; a
     status of UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED, CANCELLED,
     INTERNAL or UNKNOWN hands it back for another attempt after RT-011's backoff (100 ms,
@@ -128,7 +129,8 @@ DELIVERY_MODE_PULL: DeliveryMode.ValueType  # 1
 DELIVERY_MODE_PUSH: DeliveryMode.ValueType  # 2
 """The broker takes them to the agent: it calls AgentService.HandleMessage on each
 instance's server, as many calls in flight per instance as a subscription's default
-(BrokerConfig.default_max_in_flight), each within a lease. A HandleMessageResponse's
+(BrokerConfig.default_max_in_flight), each for up to an hour, its delivery's lease
+extended while it runs. A HandleMessageResponse's
 message answers a REQUEST (correlated as any answer) and acknowledges the delivery; a
 status of UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED, CANCELLED,
 INTERNAL or UNKNOWN hands it back for another attempt after RT-011's backoff (100 ms,

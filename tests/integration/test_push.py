@@ -319,6 +319,32 @@ async def test_a_failing_agent_gets_each_message_again_then_dead_letters_it(
     assert letter.attempts == 4
 
 
+async def test_a_handler_slower_than_its_lease_is_called_once() -> None:
+    async def slow(message: message_pb2.Message, context: Any) -> message_pb2.Message:
+        await asyncio.sleep(1.5)  # five leases of 0.3 s
+        return await echo(message, context)
+
+    agent = PlainAgent(slow)
+    server, address = await start_plain(agent)
+    try:
+        async with (
+            LocalMesh(config=BrokerConfig(lease_seconds=0.3, sweep_interval=0.05)) as mesh,
+            mesh.client("Cashier") as client,
+        ):
+            await register_push(mesh, "LedgerAgent", address)
+            answer = await client.request(
+                "LedgerAgent", {"action": "post", "parameters": {"n": 5}}, timeout=10
+            )
+            await asyncio.sleep(0.5)
+            stats = await client.queue_stats("LedgerAgent")
+    finally:
+        await server.stop(None)
+    assert answer.content["echo"] == {"n": 5}
+    assert len(agent.seen) == 1  # its lease kept while the call ran: not delivered again
+    view = stats.for_agent("LedgerAgent")
+    assert view is not None and view.depth == 0 and view.in_flight == 0
+
+
 async def test_a_server_busy_with_one_message_keeps_the_others_going(mesh: LocalMesh) -> None:
     release = asyncio.Event()
     tried: list[str] = []
