@@ -484,6 +484,8 @@ class AgentRuntime:
             address=self.address,
             capabilities=self.agent.card().capabilities,
             delivery_mode=self.delivery_mode,
+            # (pushed: the broker's calls to this server at once, as many as it would handle)
+            max_in_flight=self.max_in_flight if self.delivery_mode is DeliveryMode.PUSH else 0,
         )
 
     async def start(self) -> None:

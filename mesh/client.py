@@ -1561,17 +1561,24 @@ class MeshClient:
         address: str = "",
         capabilities: Iterable[str] = (),
         delivery_mode: DeliveryMode | str = DeliveryMode.PULL,
+        max_in_flight: int = 0,
     ) -> AgentInfo:
         """Registers an agent (or one more instance of it, at ``address``). With
         ``delivery_mode="PUSH"`` the broker calls ``HandleMessage`` on the server at
         ``address`` with each message queued for the agent (any gRPC server of the Agent
-        service: no subscription needed); by default the agent takes its messages itself."""
+        service: no subscription needed), at most ``max_in_flight`` calls at once (0: the
+        broker's default); by default the agent takes its messages itself."""
+        if not 0 <= max_in_flight < 2**32:  # (the broker says how many it allows)
+            raise MessageValidationError.for_field(
+                "max_in_flight", "max_in_flight must not be negative"
+            )
         info = AgentInfo(
             agent_id=agent_id or self.agent_id,
             agent_types=tuple(agent_types),
             address=address,
             capabilities=tuple(capabilities),
             delivery_mode=_named(DeliveryMode, delivery_mode, "delivery_mode"),
+            max_in_flight=max_in_flight,
         )
         request = broker_pb2.RegisterAgentRequest()
         codec.agent_to_pb(info, request.agent)

@@ -576,6 +576,7 @@ def agent_from_pb(pb: message_pb2.AgentInfo) -> AgentInfo:
         instances=tuple(pb.instances),
         lost_at=timestamp_to_datetime(pb.lost_at, "lost_at") if pb.HasField("lost_at") else None,
         delivery_mode=delivery_mode,
+        max_in_flight=pb.max_in_flight,
     )
 
 
@@ -591,6 +592,7 @@ def agent_to_pb(info: AgentInfo, out: message_pb2.AgentInfo | None = None) -> me
     if info.lost_at is not None:
         datetime_to_timestamp(info.lost_at, pb.lost_at)
     pb.delivery_mode = _DELIVERY_TO_PB[info.delivery_mode]
+    pb.max_in_flight = info.max_in_flight
     return pb
 
 

@@ -112,7 +112,7 @@ class Pusher:
     def __init__(self, broker: Broker, security: SecurityConfig | None = None) -> None:
         self.broker = broker
         self.security = client_security(security)
-        self._pushes: dict[tuple[str, str], InstancePush] = {}
+        self._pushes: dict[tuple[str, str, int], InstancePush] = {}
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -140,28 +140,35 @@ class Pusher:
         wanted = set(_pushed_instances(self.broker))
         gone = [key for key in self._pushes if key not in wanted]
         await asyncio.gather(*(self._pushes.pop(key).stop() for key in gone))
-        for agent_id, address in wanted - self._pushes.keys():
-            push = InstancePush(self.broker, agent_id, address, self.security)
-            self._pushes[agent_id, address] = push
+        for key in wanted - self._pushes.keys():
+            push = self._pushes[key] = InstancePush(self.broker, *key, self.security)
             push.start()
 
 
-def _pushed_instances(broker: Broker) -> Iterable[tuple[str, str]]:
+def _pushed_instances(broker: Broker) -> Iterable[tuple[str, str, int]]:
+    """Agent id, instance address and calls in flight at most (a change of which starts the
+    instance's push again), for each instance of the agents taking their messages by push."""
     for info in broker.list_agents():
         if info.delivery_mode is DeliveryMode.PUSH:
             for address in info.instances:
-                yield info.agent_id, address
+                yield info.agent_id, address, info.max_in_flight
 
 
 class InstancePush:
     """Takes one agent's messages to one instance's server, as a subscription of its own."""
 
     def __init__(
-        self, broker: Broker, agent_id: str, address: str, security: SecurityConfig
+        self,
+        broker: Broker,
+        agent_id: str,
+        address: str,
+        max_in_flight: int,
+        security: SecurityConfig,
     ) -> None:
         self.broker = broker
         self.agent_id = agent_id
         self.address = address
+        self.max_in_flight = max_in_flight
         self.security = security
         self._calls: dict[str, asyncio.Task[None]] = {}
         self._unreachable = asyncio.Event()
@@ -185,7 +192,9 @@ class InstancePush:
             while True:
                 await self._until_connected(channel)
                 try:
-                    sub = await self.broker.subscribe(self.agent_id, withdrawals=True)
+                    sub = await self.broker.subscribe(
+                        self.agent_id, max_in_flight=self.max_in_flight, withdrawals=True
+                    )
                 except MeshError as error:  # (left a moment ago: the reconcile stops this)
                     logger.debug("push to %s: %s", self.agent_id, error.message)
                     await asyncio.sleep(RECONCILE_SECONDS)

@@ -320,7 +320,9 @@ class Broker:
     ) -> None:
         self.config = config or BrokerConfig()
         self.metrics = metrics or BrokerMetrics()
-        self.registry = AgentRegistry(self.config.max_agents, self.config.max_id_length)
+        self.registry = AgentRegistry(
+            self.config.max_agents, self.config.max_id_length, self.config.max_in_flight_limit
+        )
         self.memory: MemoryPool = SharedMemoryPool()
         self.state: StateStore = SharedState()
         if store is None:

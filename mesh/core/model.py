@@ -434,6 +434,8 @@ class AgentInfo:
     instance serves it since; None otherwise (also for an agent that never named one)."""
     delivery_mode: DeliveryMode = DeliveryMode.PULL
     """PUSH: the broker calls ``HandleMessage`` on each instance's server (``instances``)."""
+    max_in_flight: int = 0
+    """PUSH: the calls in flight to one instance at most (0: a subscription's default)."""
 
     def to_dict(self) -> dict[str, JSON]:
         """The JSON form (the durable and Redis stores keep registrations this way)."""
@@ -447,6 +449,7 @@ class AgentInfo:
             "subscribed": dict(self.subscribed),
             "lost_at": self.lost_at.isoformat() if self.lost_at else None,
             "delivery_mode": self.delivery_mode.value,
+            "max_in_flight": self.max_in_flight,
         }
 
     @classmethod
@@ -464,6 +467,7 @@ class AgentInfo:
             else {},
             lost_at=datetime.fromisoformat(str(lost)) if (lost := data.get("lost_at")) else None,
             delivery_mode=DeliveryMode(data.get("delivery_mode") or DeliveryMode.PULL),
+            max_in_flight=int(str(data.get("max_in_flight") or 0)),
         )
 
 

@@ -22,10 +22,13 @@ MAX_INSTANCES = 64
 class AgentRegistry:
     """Registered agents by id; bounded by ``max_agents``."""
 
-    def __init__(self, max_agents: int = 10_000, max_id_length: int = 256) -> None:
+    def __init__(
+        self, max_agents: int = 10_000, max_id_length: int = 256, max_in_flight: int = 10_000
+    ) -> None:
         self._agents: dict[str, AgentInfo] = {}
         self.max_agents = max_agents
         self.max_id_length = max_id_length
+        self.max_in_flight = max_in_flight
 
     def register(self, info: AgentInfo, *, restore: bool = False) -> AgentInfo:
         """Registers an instance of an agent: the agent's types, capabilities and address
@@ -71,6 +74,12 @@ class AgentRegistry:
                     "push delivery needs the address of the agent's server (host:port)",
                 )
             )
+        if not 0 <= info.max_in_flight <= self.max_in_flight:
+            violations.append(
+                FieldViolation(
+                    "agent.max_in_flight", f"max_in_flight must be within 0..{self.max_in_flight}"
+                )
+            )
         if violations:
             raise MessageValidationError.from_violations(violations)
         if info.agent_id not in self._agents and len(self._agents) >= self.max_agents:
@@ -101,6 +110,7 @@ class AgentRegistry:
             subscribed={a: s for a, s in subscribed.items() if a in instances},
             lost_at=None if instances else lost_at,
             delivery_mode=info.delivery_mode,
+            max_in_flight=info.max_in_flight,
         )
         self._agents[info.agent_id] = registered
         return registered

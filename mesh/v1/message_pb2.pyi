@@ -105,8 +105,8 @@ class _DeliveryModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Delivery
     """The agent takes its messages: a Subscribe or Connect stream, or ReceiveMessages."""
     DELIVERY_MODE_PUSH: _DeliveryMode.ValueType  # 2
     """The broker takes them to the agent: it calls AgentService.HandleMessage on each
-    instance's server, as many calls in flight per instance as a subscription's default
-    (BrokerConfig.default_max_in_flight), each for up to an hour, its delivery's lease
+    instance's server, at most AgentInfo.max_in_flight calls in flight per instance, each
+    for up to an hour, its delivery's lease
     extended while it runs. A HandleMessageResponse's
     message answers a REQUEST (correlated as any answer) and acknowledges the delivery; a
     status of UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED, CANCELLED,
@@ -128,8 +128,8 @@ DELIVERY_MODE_PULL: DeliveryMode.ValueType  # 1
 """The agent takes its messages: a Subscribe or Connect stream, or ReceiveMessages."""
 DELIVERY_MODE_PUSH: DeliveryMode.ValueType  # 2
 """The broker takes them to the agent: it calls AgentService.HandleMessage on each
-instance's server, as many calls in flight per instance as a subscription's default
-(BrokerConfig.default_max_in_flight), each for up to an hour, its delivery's lease
+instance's server, at most AgentInfo.max_in_flight calls in flight per instance, each
+for up to an hour, its delivery's lease
 extended while it runs. A HandleMessageResponse's
 message answers a REQUEST (correlated as any answer) and acknowledges the delivery; a
 status of UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED, CANCELLED,
@@ -314,6 +314,7 @@ class AgentInfo(_message.Message):
     INSTANCES_FIELD_NUMBER: _builtins.int
     LOST_AT_FIELD_NUMBER: _builtins.int
     DELIVERY_MODE_FIELD_NUMBER: _builtins.int
+    MAX_IN_FLIGHT_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     """Unique id of the agent, e.g. "PaymentAgent"."""
     address: _builtins.str
@@ -321,6 +322,11 @@ class AgentInfo(_message.Message):
     delivery_mode: Global___DeliveryMode.ValueType
     """How the agent takes its messages: PULL (unset) or PUSH, where the broker calls
     AgentService.HandleMessage on each instance's `address` (which PUSH requires).
+    """
+    max_in_flight: _builtins.int
+    """PUSH: the calls in flight to one instance at most (0: a subscription's default,
+    BrokerConfig.default_max_in_flight; at most BrokerConfig.max_in_flight_limit), what one
+    server takes at once; the others wait in the queue.
     """
     @_builtins.property
     def agent_types(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -359,10 +365,11 @@ class AgentInfo(_message.Message):
         instances: _abc.Iterable[_builtins.str] | None = ...,
         lost_at: _timestamp_pb2.Timestamp | None = ...,
         delivery_mode: Global___DeliveryMode.ValueType = ...,
+        max_in_flight: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lost_at", b"lost_at", "registered_at", b"registered_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_id", b"agent_id", "agent_types", b"agent_types", "capabilities", b"capabilities", "delivery_mode", b"delivery_mode", "instances", b"instances", "lost_at", b"lost_at", "registered_at", b"registered_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_id", b"agent_id", "agent_types", b"agent_types", "capabilities", b"capabilities", "delivery_mode", b"delivery_mode", "instances", b"instances", "lost_at", b"lost_at", "max_in_flight", b"max_in_flight", "registered_at", b"registered_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -191,7 +191,8 @@ async def test_an_sdk_agent_served_for_push_takes_its_messages_from_the_brokers_
             await client.request("QuoteDesk", {"action": "quote", "item": item}, timeout=10)
             for item in ("book", "pen")
         ]
-        listed = {a.agent_id: a.delivery_mode for a in await client.list_agents()}
+        agents = {a.agent_id: a for a in await client.list_agents()}
+        listed = {agent_id: a.delivery_mode for agent_id, a in agents.items()}
         stats = await client.queue_stats("QuoteDesk")
         await mesh.stop_agent("QuoteDesk")
         after = [a.agent_id for a in await client.list_agents()]
@@ -200,6 +201,7 @@ async def test_an_sdk_agent_served_for_push_takes_its_messages_from_the_brokers_
         ("QuoteDesk", 0.1),
     ]
     assert listed == {"QuoteDesk": DeliveryMode.PUSH, "TaxDesk": DeliveryMode.PULL}
+    assert agents["QuoteDesk"].max_in_flight == 16  # serve's max_in_flight, for the broker's calls
     view = stats.for_agent("QuoteDesk")
     assert view is not None and view.subscribers == 1  # the broker's push, no stream of its own
     assert after == ["TaxDesk"]  # stopping deregistered it
@@ -266,6 +268,49 @@ async def test_pushes_come_in_priority_order_one_at_a_time() -> None:
     # A REQUEST is always answered: with nothing returned, an empty RESPONSE, correlated.
     assert [a.message_type for a in answers] == [MessageType.RESPONSE] * 4
     assert {a.correlation_id for a in answers} == {m.message_id for m in agent.seen}
+
+
+async def test_an_agent_says_how_many_calls_its_server_takes_at_once(mesh: LocalMesh) -> None:
+    release = asyncio.Event()
+    running = 0
+    most = 0
+
+    async def hold(message: message_pb2.Message, context: Any) -> None:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        await release.wait()
+        running -= 1
+
+    agent = PlainAgent(hold)
+    server, address = await start_plain(agent)
+    try:
+        async with mesh.client("Cashier") as client:
+            with pytest.raises(MessageValidationError):
+                await client.register("LedgerAgent", address=address, max_in_flight=-1)
+            with pytest.raises(MessageValidationError) as refused:
+                await client.register(
+                    "LedgerAgent", address=address, delivery_mode="push", max_in_flight=10**6
+                )
+            assert [v.field for v in refused.value.field_violations] == ["agent.max_in_flight"]
+            info = await client.register(
+                "LedgerAgent", address=address, delivery_mode="push", max_in_flight=2
+            )
+            assert info.max_in_flight == 2
+            for n in range(5):
+                await client.send(
+                    "LedgerAgent", {"action": "note", "n": n}, message_type="BROADCAST"
+                )
+            await agent.until_seen(2)
+            await asyncio.sleep(0.3)  # (time for a third call, were it let through)
+            stats = await client.queue_stats("LedgerAgent")
+            release.set()
+            await agent.until_seen(5)
+    finally:
+        await server.stop(None)
+    view = stats.for_agent("LedgerAgent")
+    assert view is not None and (view.in_flight, view.depth) == (2, 3)
+    assert most == 2
 
 
 async def test_a_refusal_dead_letters_at_once_and_tells_the_requester(mesh: LocalMesh) -> None:

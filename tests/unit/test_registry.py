@@ -145,14 +145,23 @@ def test_push_delivery_needs_an_address_and_is_kept_with_the_registration() -> N
     assert [v.field for v in refused.value.field_violations] == ["agent.address"]
     assert "Ledger" not in registry
     pushed = registry.register(
-        AgentInfo(agent_id="Ledger", address="10.0.0.1:7000", delivery_mode=DeliveryMode.PUSH)
+        AgentInfo(
+            agent_id="Ledger",
+            address="10.0.0.1:7000",
+            delivery_mode=DeliveryMode.PUSH,
+            max_in_flight=4,
+        )
     )
     assert pushed.delivery_mode is DeliveryMode.PUSH
     # As the durable and Redis stores keep it, and as a registration from before it was kept.
     kept = AgentInfo.from_dict(pushed.to_dict())
     assert kept.delivery_mode is DeliveryMode.PUSH and kept.instances == ("10.0.0.1:7000",)
-    older = {k: v for k, v in pushed.to_dict().items() if k != "delivery_mode"}
+    assert kept.max_in_flight == 4
+    older = {
+        k: v for k, v in pushed.to_dict().items() if k not in ("delivery_mode", "max_in_flight")
+    }
     assert AgentInfo.from_dict(older).delivery_mode is DeliveryMode.PULL
+    assert AgentInfo.from_dict(older).max_in_flight == 0
     # The latest registration says how the agent takes its messages.
     pulled = registry.register(AgentInfo(agent_id="Ledger", address="10.0.0.2:7000"))
     assert pulled.delivery_mode is DeliveryMode.PULL

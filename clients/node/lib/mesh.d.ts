@@ -206,6 +206,8 @@ export interface AgentInfo {
   lostAt: string | null;
   /** PUSH: the broker calls HandleMessage on each instance's server; PULL: the agent takes them. */
   deliveryMode: DeliveryMode;
+  /** PUSH: the broker's calls in flight to one instance at most (0: the broker's default). */
+  maxInFlight: number;
 }
 
 export type DeliveryMode = 'PULL' | 'PUSH';
@@ -217,6 +219,8 @@ export interface Registration {
   capabilities?: string[];
   /** 'PUSH' needs address: the broker calls HandleMessage there. Default 'PULL'. */
   deliveryMode?: DeliveryMode;
+  /** PUSH: the broker's calls in flight to one instance at most (0, the default: its own). */
+  maxInFlight?: number;
 }
 
 export interface HandoffOptions {

@@ -163,7 +163,8 @@ function readAgent(pb) {
     capabilities: pb.capabilities, registeredAt: isoTime(pb.registered_at),
     instances: pb.instances || [], lostAt: pb.lost_at ? isoTime(pb.lost_at) : null,
     deliveryMode: String(pb.delivery_mode || 'DELIVERY_MODE_PULL').replace('DELIVERY_MODE_', '')
-      .replace('UNSPECIFIED', 'PULL') };
+      .replace('UNSPECIFIED', 'PULL'),
+    maxInFlight: pb.max_in_flight || 0 };
 }
 
 const DELIVERY_MODES = ['PULL', 'PUSH'];
@@ -609,14 +610,17 @@ class MeshClient {
    * agent (any gRPC server of the Agent service); by default ('PULL') the agent takes them.
    */
   async register({ agentId = this.agentId, agentTypes = [], address = '', capabilities = [],
-    deliveryMode = 'PULL' } = {}) {
+    deliveryMode = 'PULL', maxInFlight = 0 } = {}) {
     if (!DELIVERY_MODES.includes(deliveryMode)) {
       throw new TypeError(`deliveryMode ${JSON.stringify(deliveryMode)} is not one of `
         + DELIVERY_MODES.join(', '));
     }
+    if (!Number.isInteger(maxInFlight) || maxInFlight < 0) {
+      throw new TypeError(`maxInFlight must be a whole number, not negative: ${maxInFlight}`);
+    }
     const res = await this._withRetry(() => unary(this.broker, 'RegisterAgent', {
       agent: { agent_id: agentId, agent_types: agentTypes, address, capabilities,
-        delivery_mode: `DELIVERY_MODE_${deliveryMode}` },
+        delivery_mode: `DELIVERY_MODE_${deliveryMode}`, max_in_flight: maxInFlight },
     }));
     return readAgent(res.agent);
   }

@@ -235,9 +235,12 @@ test('a plain gRPC server registered for push is called by the broker with each 
       await assert.rejects(client.register({ agentId: 'NodePushDesk', deliveryMode: 'PUSH' }),
         (err) => err.codeName === 'INVALID_ARGUMENT'
           && err.fieldViolations[0].field === 'agent.address');
+      await assert.rejects(client.register({ agentId: 'NodePushDesk', address,
+        deliveryMode: 'PUSH', maxInFlight: -1 }), TypeError);
       const info = await client.register({ agentId: 'NodePushDesk', address,
-        deliveryMode: 'PUSH' });
+        deliveryMode: 'PUSH', maxInFlight: 4 });
       assert.equal(info.deliveryMode, 'PUSH');
+      assert.equal(info.maxInFlight, 4);
       const answer = await client.request('NodePushDesk', { action: 'quote', item: 'tea' });
       assert.equal(answer.type, 'RESPONSE');
       assert.equal(answer.from, 'NodePushDesk');
