@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Iterator
 
 import grpc
 
@@ -42,6 +42,7 @@ from mesh.core.errors import AgentError, MeshError
 from mesh.core.model import (
     ANSWER_TYPES,
     MAX_DEAD_LETTER_REASON,
+    AgentInfo,
     Delivery,
     DeliveryMode,
     Message,
@@ -113,42 +114,67 @@ class Pusher:
         self.broker = broker
         self.security = client_security(security)
         self._pushes: dict[tuple[str, str, int], InstancePush] = {}
-        self._changed = asyncio.Event()
+        self._changed: set[str] = set()
+        """Agents registered, left or changed since the last look (a look at each alone: an
+        agent registering costs no walk through the registry)."""
+        self._woken = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self.broker.registry_watchers.append(self._changed.set)
+        self.broker.registry_watchers.append(self._agent_changed)
         self._task = asyncio.create_task(self._follow(), name="push-delivery")
 
     async def stop(self) -> None:
         with contextlib.suppress(ValueError):
-            self.broker.registry_watchers.remove(self._changed.set)
+            self.broker.registry_watchers.remove(self._agent_changed)
         await cancel_and_wait(self._task)
         self._task = None
         await asyncio.gather(*(push.stop() for push in self._pushes.values()))
         self._pushes.clear()
 
-    async def _follow(self) -> None:
-        while True:
-            self._changed.clear()
-            await self._reconcile()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(RECONCILE_SECONDS):
-                    await self._changed.wait()
+    def _agent_changed(self, agent_id: str) -> None:
+        self._changed.add(agent_id)
+        self._woken.set()
 
-    async def _reconcile(self) -> None:
-        wanted = set(_pushed_instances(self.broker))
-        gone = [key for key in self._pushes if key not in wanted]
+    async def _follow(self) -> None:
+        """Looks at each agent that changed as it changes, and at the whole registry every
+        RECONCILE_SECONDS (an instance lost, a registration restored from the store)."""
+        loop = asyncio.get_running_loop()
+        next_walk = 0.0
+        while True:
+            self._woken.clear()
+            changed, self._changed = self._changed, set()
+            if loop.time() >= next_walk:
+                await self._reconcile(_pushed_instances(self.broker.registry))
+                next_walk = loop.time() + RECONCILE_SECONDS
+            elif changed:
+                await self._reconcile(
+                    _pushed_instances(
+                        info for a in changed if (info := self.broker.registry.get(a)) is not None
+                    ),
+                    of=changed,
+                )
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, next_walk - loop.time())):
+                    await self._woken.wait()
+
+    async def _reconcile(
+        self, pushed: Iterable[tuple[str, str, int]], of: Collection[str] | None = None
+    ) -> None:
+        """Starts the pushes ``pushed`` names and stops the others: of every agent, or of the
+        agents ``of`` alone."""
+        wanted = set(pushed)
+        gone = [key for key in self._pushes if key not in wanted and (of is None or key[0] in of)]
         await asyncio.gather(*(self._pushes.pop(key).stop() for key in gone))
         for key in wanted - self._pushes.keys():
             push = self._pushes[key] = InstancePush(self.broker, *key, self.security)
             push.start()
 
 
-def _pushed_instances(broker: Broker) -> Iterable[tuple[str, str, int]]:
+def _pushed_instances(agents: Iterable[AgentInfo]) -> Iterator[tuple[str, str, int]]:
     """Agent id, instance address and calls in flight at most (a change of which starts the
     instance's push again), for each instance of the agents taking their messages by push."""
-    for info in broker.list_agents():
+    for info in agents:
         if info.delivery_mode is DeliveryMode.PUSH:
             for address in info.instances:
                 yield info.agent_id, address, info.max_in_flight

@@ -372,9 +372,9 @@ class Broker:
         self._unreachable: dict[str, dict[str, datetime]] = {}
         """Instances of agents taking their messages by push whose server cannot be reached,
         as the push delivery finds them: agent id -> address -> since when."""
-        self.registry_watchers: list[Callable[[], None]] = []
-        """Called when an agent registered, left or changed (here or through another replica):
-        what follows the registry (push delivery) looks again."""
+        self.registry_watchers: list[Callable[[str], None]] = []
+        """Called with an agent's id when it registered, left or changed (here or through
+        another replica): what follows the registry (push delivery) looks at it again."""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -555,7 +555,7 @@ class Broker:
                 }
             },
         )
-        self._registry_changed()
+        self._registry_changed(registered.agent_id)
         return registered
 
     async def deregister(self, agent_id: str, address: str = "") -> None:
@@ -578,7 +578,7 @@ class Broker:
             else:
                 await self.store.save_agent(remaining)
         await self.store.sync()
-        self._registry_changed()
+        self._registry_changed(agent_id)
         if remaining is not None:
             logger.info(
                 "agent %s: the instance at %s left, %d serve it still",
@@ -1646,11 +1646,11 @@ class Broker:
                     self.registry.deregister(agent_id)
             else:
                 self.registry.register(info, restore=True)
-        self._registry_changed()
+        self._registry_changed(agent_id)
 
-    def _registry_changed(self) -> None:
+    def _registry_changed(self, agent_id: str) -> None:
         for watcher in self.registry_watchers:
-            watcher()
+            watcher(agent_id)
 
     def on_answer(self, message: Message) -> None:
         """An answer another replica forwarded to a request waiting here."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from mesh.core.errors import (
     AgentNotFoundError,
@@ -197,6 +197,10 @@ class AgentRegistry:
 
     def __len__(self) -> int:
         return len(self._agents)
+
+    def __iter__(self) -> Iterator[AgentInfo]:
+        """The registered agents, in registration order (unsorted: :meth:`agents` sorts)."""
+        return iter(list(self._agents.values()))
 
     def ids(self) -> list[str]:
         """The registered agents' ids, in registration order."""
