@@ -32,7 +32,7 @@ from opentelemetry.trace import SpanKind, get_current_span
 
 from mesh import codec
 from mesh._status import from_rpc_error, has_rich_status
-from mesh.config import DEFAULT_LEASE_SECONDS, MAX_TTL, SecurityConfig
+from mesh.config import DEFAULT_LEASE_SECONDS, MAX_TTL, RETRY_BACKOFF_SECONDS, SecurityConfig
 from mesh.core import negotiation, workflows
 from mesh.core.errors import (
     AgentError,
@@ -115,7 +115,7 @@ CLIENT_OPTIONS = [
 class RetryPolicy:
     """Waits between attempts (RT-011 retry_backoff_ms) and the status codes worth retrying."""
 
-    delays: tuple[float, ...] = (0.1, 0.5, 2.0)
+    delays: tuple[float, ...] = RETRY_BACKOFF_SECONDS
     retry_on: frozenset[str] = frozenset({"RESOURCE_EXHAUSTED", "UNAVAILABLE"})
 
     def __post_init__(self) -> None:

@@ -41,6 +41,8 @@ MAX_TTL = 86_400
 """The longest ttl a message may ask for by default, in seconds (a day)."""
 DEFAULT_LEASE_SECONDS = 30.0
 """How long a delivery stays leased unless acknowledged, by default."""
+RETRY_BACKOFF_SECONDS = (0.1, 0.5, 2.0)
+"""RT-011 retry_backoff_ms: the waits before the retries of something refused for a moment."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

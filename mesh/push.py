@@ -36,7 +36,8 @@ import grpc
 from mesh import codec
 from mesh._status import from_rpc_error
 from mesh.agent import answer_to, asked_broadcast, error_to, forward_of, forwards
-from mesh.config import SecurityConfig
+from mesh.client import CLIENT_OPTIONS
+from mesh.config import RETRY_BACKOFF_SECONDS, SecurityConfig
 from mesh.core.broker import Broker, Subscription
 from mesh.core.errors import AgentError, MeshError
 from mesh.core.model import (
@@ -58,10 +59,6 @@ logger = logging.getLogger("mesh.push")
 RECONCILE_SECONDS = 1.0
 """How often the instances pushed to are checked against the registry besides its changes
 (an instance lost, a registration restored from the store)."""
-RETRY_DELAYS = (0.1, 0.5, 2.0)
-"""RT-011 retry_backoff_ms: the waits before a delivery that failed for a moment is tried
-again, and before subscribing again for an instance whose server could not be reached (the
-last repeated)."""
 CONNECT_PATIENCE = 1.0
 """Seconds a server has to accept the broker's connection before its instance is said to be
 out of reach (as long as it stays so)."""
@@ -81,11 +78,6 @@ TRANSIENT = frozenset(
     }
 )
 """Statuses after which a delivery is tried again; any other refuses the message for good."""
-CHANNEL_OPTIONS = (
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-)
 
 
 def client_security(config: SecurityConfig | None) -> SecurityConfig:
@@ -211,7 +203,7 @@ class InstancePush:
         await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
-        channel = self._channel = open_channel(self.address, self.security, CHANNEL_OPTIONS)
+        channel = self._channel = open_channel(self.address, self.security, CLIENT_OPTIONS)
         stub = agent_pb2_grpc.AgentServiceStub(channel)
         failures = 0
         try:
@@ -228,7 +220,9 @@ class InstancePush:
                 reached = await self._serve(sub, stub, channel)
                 self.broker.instance_unreachable(self.agent_id, self.address)
                 failures = 0 if reached else failures + 1
-                await asyncio.sleep(RETRY_DELAYS[min(failures, len(RETRY_DELAYS) - 1)])
+                await asyncio.sleep(
+                    RETRY_BACKOFF_SECONDS[min(failures, len(RETRY_BACKOFF_SECONDS) - 1)]
+                )
         finally:
             self.broker.instance_reachable(self.agent_id, self.address)  # (pushed no more)
             await channel.close()
@@ -393,7 +387,9 @@ class InstancePush:
         taken, so that a server busy a moment is not called again at once), or to the
         dead-letter queue at once after the last attempt."""
         if delivery.attempt < self.broker.config.delivery_attempts:
-            await asyncio.sleep(RETRY_DELAYS[min(delivery.attempt, len(RETRY_DELAYS)) - 1])
+            await asyncio.sleep(
+                RETRY_BACKOFF_SECONDS[min(delivery.attempt, len(RETRY_BACKOFF_SECONDS)) - 1]
+            )
         with contextlib.suppress(MeshError):
             await self.broker.nack(self.agent_id, (delivery.message.message_id,))
 
@@ -408,6 +404,11 @@ class InstancePush:
             )
             if _awaited(message):  # (after: an answer would settle the delivery as handled)
                 await self.broker.send(error_to(message, self.agent_id, error))
+
+
+def _backoff(retry: int) -> float:
+    """The wait before retry number ``retry`` (from 0): RT-011's backoff, its last repeated."""
+    return RETRY_BACKOFF_SECONDS[min(retry, len(RETRY_BACKOFF_SECONDS) - 1)]
 
 
 async def _until_failed(channel: grpc.aio.Channel) -> None:
