@@ -7,7 +7,7 @@ from collections.abc import Iterator, Mapping
 from datetime import UTC, date, datetime, timedelta
 from datetime import time as dt_time
 from decimal import Decimal
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from google.protobuf import duration_pb2, struct_pb2, timestamp_pb2
 
@@ -62,6 +62,8 @@ _DELIVERY_TO_PB: dict[DeliveryMode, Any] = {
     DeliveryMode.PUSH: message_pb2.DELIVERY_MODE_PUSH,
 }
 _DELIVERY_FROM_PB: dict[int, DeliveryMode] = {v: k for k, v in _DELIVERY_TO_PB.items()}
+
+K = TypeVar("K")
 
 _MAX_SAFE_INT = 2**53
 
@@ -518,14 +520,18 @@ def gather_message_from_pb(
 
 def priority_from_pb(value: int) -> Priority:
     """A priority taken in by a server: unset is MEDIUM, an undefined number is refused."""
-    priority = _PRIORITY_FROM_PB.get(value)
-    if priority is not None:
-        return priority
-    if value:
-        raise MessageValidationError.from_violations(
-            [_undefined("priority", value, _PRIORITY_FROM_PB)]
-        )
-    return Priority.MEDIUM
+    return _defined(value, _PRIORITY_FROM_PB, "priority", Priority.MEDIUM)
+
+
+def _defined(number: int, known: Mapping[int, K], field_name: str, unset: K) -> K:
+    """An enum's value taken in by a server: ``unset`` for 0, an undefined number refused
+    (MessageValidationError on ``field_name``)."""
+    found = known.get(number)
+    if found is not None:
+        return found
+    if number:
+        raise MessageValidationError.from_violations([_undefined(field_name, number, known)])
+    return unset
 
 
 def priority_to_pb(priority: Priority) -> int:
@@ -560,11 +566,9 @@ def handoff_to_pb(handoff: Handoff, out: message_pb2.Handoff) -> message_pb2.Han
 
 
 def agent_from_pb(pb: message_pb2.AgentInfo) -> AgentInfo:
-    delivery_mode = _DELIVERY_FROM_PB.get(pb.delivery_mode, DeliveryMode.PULL)
-    if pb.delivery_mode and pb.delivery_mode not in _DELIVERY_FROM_PB:
-        raise MessageValidationError.from_violations(
-            [_undefined("agent.delivery_mode", pb.delivery_mode, _DELIVERY_FROM_PB)]
-        )
+    delivery_mode = _defined(
+        pb.delivery_mode, _DELIVERY_FROM_PB, "agent.delivery_mode", DeliveryMode.PULL
+    )
     return AgentInfo(
         agent_id=pb.agent_id,
         agent_types=tuple(pb.agent_types),
