@@ -70,6 +70,14 @@ async def _contract_echo(requests: AsyncIterator[bytes], context: Any) -> AsyncI
         yield frame.SerializeToString()
 
 
+async def _register(channel: grpc.aio.Channel, agent: message_pb2.AgentInfo) -> None:
+    await channel.unary_unary(
+        "/mesh.v1.BrokerService/RegisterAgent",
+        request_serializer=broker_pb2.RegisterAgentRequest.SerializeToString,
+        response_deserializer=broker_pb2.RegisterAgentResponse.FromString,
+    )(broker_pb2.RegisterAgentRequest(agent=agent))
+
+
 async def serve_raw_agent(
     broker: str, agent_id: str, ready: Any, agent_types: tuple[str, ...] = ()
 ) -> None:
@@ -77,14 +85,7 @@ async def serve_raw_agent(
     with the request's content and ``received_at``, the wall-clock time it read the delivery
     (for a broadcast's latency, as the SDK's echo agent answers)."""
     async with grpc.aio.insecure_channel(broker) as channel:
-        register = broker_pb2.RegisterAgentRequest()
-        register.agent.agent_id = agent_id
-        register.agent.agent_types.extend(agent_types)
-        await channel.unary_unary(
-            "/mesh.v1.BrokerService/RegisterAgent",
-            request_serializer=broker_pb2.RegisterAgentRequest.SerializeToString,
-            response_deserializer=broker_pb2.RegisterAgentResponse.FromString,
-        )(register)
+        await _register(channel, message_pb2.AgentInfo(agent_id=agent_id, agent_types=agent_types))
         call = channel.stream_stream(
             "/mesh.v1.BrokerService/Connect",
             request_serializer=broker_pb2.ConnectRequest.SerializeToString,
@@ -330,15 +331,14 @@ async def serve_push_agent(broker: str, agent_id: str, ready: Any) -> None:
     await server.start()
     try:
         async with grpc.aio.insecure_channel(broker) as channel:
-            register = broker_pb2.RegisterAgentRequest()
-            register.agent.agent_id = agent_id
-            register.agent.address = f"127.0.0.1:{port}"
-            register.agent.delivery_mode = message_pb2.DELIVERY_MODE_PUSH
-            await channel.unary_unary(
-                "/mesh.v1.BrokerService/RegisterAgent",
-                request_serializer=broker_pb2.RegisterAgentRequest.SerializeToString,
-                response_deserializer=broker_pb2.RegisterAgentResponse.FromString,
-            )(register)
+            await _register(
+                channel,
+                message_pb2.AgentInfo(
+                    agent_id=agent_id,
+                    address=f"127.0.0.1:{port}",
+                    delivery_mode=message_pb2.DELIVERY_MODE_PUSH,
+                ),
+            )
         ready()
         await server.wait_for_termination()
     finally:
