@@ -295,8 +295,21 @@ async def test_a_go_agent_registered_for_push_is_called_by_the_broker(
     assert view is not None and view.subscribers == 1 and view.depth == 0
 
 
+@pytest.mark.parametrize(
+    ("flags", "mode", "said_on_restart"),
+    [
+        # Pulling: its session ends with the broker; it registers and subscribes again.
+        ((), DeliveryMode.PULL, "session ended"),
+        # Pushed to: no session to lose; it watches the broker's health, registers again.
+        (("-push",), DeliveryMode.PUSH, ""),
+    ],
+)
 async def test_a_go_agent_is_back_in_service_after_a_broker_restart(
-    meshgo: Path, go_agents: list[GoAgent]
+    meshgo: Path,
+    go_agents: list[GoAgent],
+    flags: tuple[str, ...],
+    mode: DeliveryMode,
+    said_on_restart: str,
 ) -> None:
     from mesh.client import NO_RETRY
 
@@ -304,47 +317,22 @@ async def test_a_go_agent_is_back_in_service_after_a_broker_restart(
     address = f"127.0.0.1:{port}"
     broker = await start("broker", "--port", str(port), ready=BROKER_READY)
     try:
-        agent = await start_go_agent(meshgo, go_agents, address, "GoEchoAgent")
+        agent = await start_go_agent(meshgo, go_agents, address, "GoEchoAgent", *flags)
         async with connect(address, agent_id="Caller", retry=NO_RETRY) as client:
             first = await client.request("GoEchoAgent", {"action": "echo", "n": 1}, timeout=5)
             assert first.content["echo"] == {"action": "echo", "n": 1}
 
             # The broker dies and comes back on its port, remembering nothing (memory store):
-            # the Go agent registers and subscribes again by itself.
+            # the Go agent is back in service by itself.
             await wait_killed(broker)
             broker = await start("broker", "--port", str(port), ready=BROKER_READY)
             again = await request_once_back(client, "GoEchoAgent", {"action": "echo", "n": 2})
             assert again.content["echo"] == {"action": "echo", "n": 2}
-        code, said = await agent.stop()
-        assert code == 0
-        assert "session ended" in said and said.endswith("GoEchoAgent stopped\n")
-    finally:
-        await stop(broker)
-
-
-async def test_a_go_push_agent_registers_again_when_the_broker_comes_back(
-    meshgo: Path, go_agents: list[GoAgent]
-) -> None:
-    from mesh.client import NO_RETRY
-
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    broker = await start("broker", "--port", str(port), ready=BROKER_READY)
-    try:
-        agent = await start_go_agent(meshgo, go_agents, address, "GoPushEcho", "-push")
-        async with connect(address, agent_id="Caller", retry=NO_RETRY) as client:
-            first = await client.request("GoPushEcho", {"action": "echo", "n": 1}, timeout=5)
-            assert first.content["echo"] == {"action": "echo", "n": 1}
-            # No session to lose: it watches the broker's health, and registers again.
-            await wait_killed(broker)
-            broker = await start("broker", "--port", str(port), ready=BROKER_READY)
-            again = await request_once_back(client, "GoPushEcho", {"action": "echo", "n": 2})
-            assert again.content["echo"] == {"action": "echo", "n": 2}
             listed = {a.agent_id: a for a in await client.list_agents()}
-            assert listed["GoPushEcho"].delivery_mode is DeliveryMode.PUSH
+            assert listed["GoEchoAgent"].delivery_mode is mode
         code, said = await agent.stop()
         assert code == 0
-        assert said.endswith("GoPushEcho stopped\n")
+        assert said_on_restart in said and said.endswith("GoEchoAgent stopped\n")
     finally:
         await stop(broker)
 
