@@ -225,6 +225,17 @@ def wait_seconds(timeout: float | None, default: float, field: str = "timeout") 
     return seconds
 
 
+def in_flight_count(value: int, field: str = "max_in_flight") -> int:
+    """A count of messages in flight a caller gives: a whole number from 0 (the broker's
+    default) within what the contract's uint32 carries (the broker says how many it allows);
+    MessageValidationError on ``field`` otherwise, before anything is sent."""
+    if not isinstance(value, int) or not 0 <= value < 2**32:
+        raise MessageValidationError.for_field(
+            field, f"{field} must be a whole number, not negative (got {value!r})"
+        )
+    return value
+
+
 def _named(kind: type[E], value: str, field: str) -> E:
     try:
         return kind(value)
@@ -548,12 +559,7 @@ class ClientSubscription:
         self.on_withdrawn = on_withdrawn
         """Called with a delivery the application has (handed on, not settled) when the
         broker withdraws it: its requester gave up, so the work on it may stop."""
-        if not isinstance(max_in_flight, int) or max_in_flight < 0:
-            raise MessageValidationError.for_field(
-                "max_in_flight",
-                f"max_in_flight must be a whole number, not negative (got {max_in_flight!r})",
-            )
-        self.max_in_flight = max_in_flight
+        self.max_in_flight = in_flight_count(max_in_flight)
         self.lease_seconds = wait_seconds(lease_seconds, 0, "lease_seconds")
         self.reconnect = reconnect
         self.ack_linger = wait_seconds(ack_linger, 0, "ack_linger")
@@ -1568,17 +1574,13 @@ class MeshClient:
         ``address`` with each message queued for the agent (any gRPC server of the Agent
         service: no subscription needed), at most ``max_in_flight`` calls at once (0: the
         broker's default); by default the agent takes its messages itself."""
-        if not 0 <= max_in_flight < 2**32:  # (the broker says how many it allows)
-            raise MessageValidationError.for_field(
-                "max_in_flight", "max_in_flight must not be negative"
-            )
         info = AgentInfo(
             agent_id=agent_id or self.agent_id,
             agent_types=tuple(agent_types),
             address=address,
             capabilities=tuple(capabilities),
             delivery_mode=_named(DeliveryMode, delivery_mode, "delivery_mode"),
-            max_in_flight=max_in_flight,
+            max_in_flight=in_flight_count(max_in_flight),
         )
         request = broker_pb2.RegisterAgentRequest()
         codec.agent_to_pb(info, request.agent)
