@@ -29,7 +29,7 @@ from mesh.client import (
     MeshClient,
     Received,
     RetryPolicy,
-    _named,
+    member_named,
     wait_seconds,
 )
 from mesh.config import DEFAULT_LEASE_SECONDS, BrokerConfig, SecurityConfig
@@ -933,7 +933,7 @@ async def serve(
             max_in_flight=max_in_flight,
             lease_seconds=lease_seconds,
             max_lease_extension=max_lease_extension,
-            delivery_mode=_named(DeliveryMode, delivery_mode, "delivery_mode"),
+            delivery_mode=member_named(DeliveryMode, delivery_mode, "delivery_mode"),
         )
         servicer = AgentServicer(runtime)
         server = await start_server(

@@ -236,7 +236,9 @@ def in_flight_count(value: int, field: str = "max_in_flight") -> int:
     return value
 
 
-def _named(kind: type[E], value: str, field: str) -> E:
+def member_named(kind: type[E], value: str, field: str) -> E:
+    """The member of ``kind`` a caller names (in any case); MessageValidationError on
+    ``field`` naming the known ones otherwise, before anything is sent."""
     try:
         return kind(value)
     except ValueError:
@@ -1030,13 +1032,13 @@ class MeshClient:
             to_agent=to_agent,
             content=content,
             message_type=(
-                _named(MessageType, message_type, "message_type")
+                member_named(MessageType, message_type, "message_type")
                 if message_type is not None
                 else MessageType.BROADCAST
                 if to_agent == BROADCAST_TARGET
                 else MessageType.REQUEST
             ),
-            priority=_named(Priority, priority, "priority"),
+            priority=member_named(Priority, priority, "priority"),
             ttl=ttl,
             correlation_id=correlation_id,
             reply_to=reply_to,
@@ -1579,7 +1581,7 @@ class MeshClient:
             agent_types=tuple(agent_types),
             address=address,
             capabilities=tuple(capabilities),
-            delivery_mode=_named(DeliveryMode, delivery_mode, "delivery_mode"),
+            delivery_mode=member_named(DeliveryMode, delivery_mode, "delivery_mode"),
             max_in_flight=in_flight_count(max_in_flight),
         )
         request = broker_pb2.RegisterAgentRequest()
