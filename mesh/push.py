@@ -32,6 +32,8 @@ import logging
 from collections.abc import Collection, Iterable, Iterator
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from mesh import codec
 from mesh._status import from_rpc_error
@@ -51,7 +53,14 @@ from mesh.core.model import (
 )
 from mesh.core.tasks import cancel_and_wait
 from mesh.security import open_channel
-from mesh.tracing import TRACE_HEADERS
+from mesh.tracing import (
+    TRACE_HEADERS,
+    extract,
+    headers_for,
+    records_under,
+    tracer,
+    without_trace,
+)
 from mesh.v1 import agent_pb2, agent_pb2_grpc, message_pb2
 
 logger = logging.getLogger("mesh.push")
@@ -78,6 +87,8 @@ TRANSIENT = frozenset(
     }
 )
 """Statuses after which a delivery is tried again; any other refuses the message for good."""
+HANDLE_MESSAGE = "mesh.v1.AgentService/HandleMessage"
+"""The call's span name, as OpenTelemetry's gRPC instrumentation names a call's span."""
 
 
 def client_security(config: SecurityConfig | None) -> SecurityConfig:
@@ -315,16 +326,23 @@ class InstancePush:
 
     async def _push(self, delivery: Delivery, stub: agent_pb2_grpc.AgentServiceAsyncStub) -> None:
         message = delivery.message
+        span = self._call_span(message)
+        sent = (
+            message
+            if span is None
+            else message.evolve(headers=headers_for(span, without_trace(message.headers)))
+        )
         request = agent_pb2.HandleMessageRequest()
-        codec.message_to_pb(message, request.message)
+        codec.message_to_pb(sent, request.message)
         # The trace context travels in the call's metadata too, where a server's own gRPC
         # instrumentation (OpenTelemetry's, any language's) looks for it.
-        metadata = tuple((k, v) for k, v in message.headers.items() if k in TRACE_HEADERS)
+        metadata = tuple((k, v) for k, v in sent.headers.items() if k in TRACE_HEADERS)
         try:
             response = await stub.HandleMessage(
                 request, timeout=MAX_CALL_SECONDS, metadata=metadata
             )
         except grpc.aio.AioRpcError as error:
+            _end_call(span, error.code(), error.details())
             self._pushed.labels(error.code().name).inc()
             if error.code() is grpc.StatusCode.UNAVAILABLE and not self._connected():
                 # The server cannot be reached: the subscription ends (the other calls would
@@ -338,6 +356,10 @@ class InstancePush:
             else:
                 await self._refused(message, from_rpc_error(error))
             return
+        except asyncio.CancelledError:  # withdrawn by its requester, or the push stopped
+            _end_call(span, grpc.StatusCode.CANCELLED, "the call was cancelled")
+            raise
+        _end_call(span, grpc.StatusCode.OK)
         self._pushed.labels("OK").inc()
         self.reached = True
         try:
@@ -347,6 +369,27 @@ class InstancePush:
             await self._refused(message, refused)
             return
         await self._settle(message, reply)
+
+    def _call_span(self, message: Message) -> trace.Span | None:
+        """A client span for the call when this process records the message's trace (its
+        ``broker.queue`` span the parent): the hop to the agent's server shows in the trace,
+        and the agent's own spans hang below it."""
+        parent = extract(message.headers)
+        if parent is None or not records_under(parent):
+            return None
+        return tracer().start_span(
+            HANDLE_MESSAGE,
+            context=parent,
+            kind=SpanKind.CLIENT,
+            attributes={
+                "rpc.system": "grpc",
+                "rpc.service": "mesh.v1.AgentService",
+                "rpc.method": "HandleMessage",
+                "agent": self.agent_id,
+                "address": self.address,
+                "message_id": message.message_id,
+            },
+        )
 
     async def _settle(self, message: Message, reply: Message | None) -> None:
         """What the SDK's agents do with a handler's return value (mesh.agent): a forward is
@@ -418,6 +461,17 @@ async def _until_failed(channel: grpc.aio.Channel) -> None:
     while state is not grpc.ChannelConnectivity.TRANSIENT_FAILURE:
         await channel.wait_for_state_change(state)
         state = channel.get_state(try_to_connect=True)
+
+
+def _end_call(span: trace.Span | None, code: grpc.StatusCode, details: str | None = None) -> None:
+    """Ends a call's span with its status (any other than OK an error, as OpenTelemetry's gRPC
+    conventions have it for a client)."""
+    if span is None:
+        return
+    span.set_attribute("rpc.grpc.status_code", code.value[0])
+    if code is not grpc.StatusCode.OK:
+        span.set_status(Status(StatusCode.ERROR, f"{code.name}: {details or ''}".rstrip(": ")))
+    span.end()
 
 
 def _reply_from_pb(response: agent_pb2.HandleMessageResponse) -> Message:

@@ -8,6 +8,10 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from gateway.embedded import EmbeddedMesh, start_embedded
 from mesh.config import BrokerConfig
@@ -97,3 +101,16 @@ def redis_url(redis_server: str) -> str:
         client.delete(*keys)
     client.close()
     return redis_server
+
+
+@pytest.fixture(scope="session")
+def span_exporter() -> InMemorySpanExporter:
+    """An SDK tracer provider that keeps spans in memory (installed once per process, for the
+    rest of the session: a test that wants no provider runs in a process of its own)."""
+    exporter = InMemorySpanExporter()
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):  # another test may have installed one
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return exporter

@@ -756,23 +756,6 @@ async def test_scenario_18_parallel_patterns(gw: GatewayClient) -> None:
     assert [k for k, _ in kinds[:first_result]].count("BROADCAST_SENT") == 2
 
 
-@pytest.fixture(scope="session")
-def span_exporter() -> Any:
-    """An SDK tracer provider that keeps spans in memory (installed once per process)."""
-    from opentelemetry import trace
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    exporter = InMemorySpanExporter()
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):  # another test may have installed one
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return exporter
-
-
 async def test_scenario_19_pattern_tracing(recorded: Any, span_exporter: Any) -> None:
     _, client, _ = recorded
     span_exporter.clear()

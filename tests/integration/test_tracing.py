@@ -1,5 +1,6 @@
 """One trace across processes: client -> gateway -> broker -> agents -> broker -> gateway, with
-the time messages waited in queues, exported as JSON lines and read back by `agentmesh trace`."""
+the time messages waited in queues, exported as JSON lines and read back by `agentmesh trace`;
+the broker's calls to push agents' servers as hops of it."""
 
 from __future__ import annotations
 
@@ -10,13 +11,21 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 from opentelemetry import trace
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
 
 from gateway.client import GatewayClient
+from mesh import AgentContext, LocalMesh, MeshError, Message, agent
 from mesh.logs import JsonFormatter
+from mesh.push import HANDLE_MESSAGE
 from mesh.tracing import configure_tracing, load_spans
+from mesh.v1 import message_pb2
+from tests.helpers.plain_agent import PlainAgent, echo, start_plain
 from tests.integration.test_processes import ROOT, start, stop
 
 pytestmark = pytest.mark.processes
@@ -123,3 +132,64 @@ def test_json_log_lines_carry_the_trace_id() -> None:
         assert line["trace_id"] == f"{context.trace_id:032x}"
         assert line["span_id"] == f"{context.span_id:016x}"
     assert line["message"] == "hello x"
+
+
+async def test_a_push_to_an_agents_server_is_a_client_span_of_the_trace(
+    span_exporter: InMemorySpanExporter,
+) -> None:
+    """The broker's call to a push agent's server is a hop of the trace: a client span below
+    the message's time in the queue, whose context the call carries (in its metadata and in
+    the message), so the agent's own work hangs below it."""
+
+    async def refuse(message: message_pb2.Message, context: Any) -> None:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no such account")
+
+    @agent("QuoteDesk")
+    async def quotes(message: Message, ctx: AgentContext) -> dict[str, Any]:
+        return {"price": 100}
+
+    span_exporter.clear()
+    ledger, refuser = PlainAgent(echo), PlainAgent(refuse)
+    servers = [await start_plain(ledger), await start_plain(refuser)]
+    try:
+        async with LocalMesh() as mesh, mesh.client("Cashier") as client:
+            await mesh.add_agent(quotes, delivery_mode="push")
+            for agent_id, (_, address) in zip(("LedgerAgent", "Refuser"), servers, strict=True):
+                await client.register(agent_id, address=address, delivery_mode="push")
+            with trace.get_tracer("test").start_as_current_span("user.asks") as root:
+                await client.request("LedgerAgent", {"action": "post", "parameters": {}})
+                await client.request("QuoteDesk", {"action": "quote"})
+                with pytest.raises(MeshError, match="no such account"):
+                    await client.request("Refuser", {"action": "post"})
+    finally:
+        for server, _ in servers:
+            await server.stop(None)
+    trace_id = root.get_span_context().trace_id
+    spans = [s for s in span_exporter.get_finished_spans() if s.context.trace_id == trace_id]
+    by_id = {s.context.span_id: s for s in spans}
+    calls = {s.attributes["agent"]: s for s in spans if s.name == HANDLE_MESSAGE}
+    assert sorted(calls) == ["LedgerAgent", "QuoteDesk", "Refuser"]
+    for agent_id, call in calls.items():
+        assert call.kind is SpanKind.CLIENT
+        assert call.attributes["rpc.system"] == "grpc"
+        assert call.attributes["rpc.service"] == "mesh.v1.AgentService"
+        assert call.attributes["rpc.method"] == "HandleMessage"
+        assert call.parent is not None
+        queued = by_id[call.parent.span_id]
+        assert queued.name == "broker.queue" and queued.attributes["agent"] == agent_id
+    assert calls["LedgerAgent"].attributes["rpc.grpc.status_code"] == 0
+    assert calls["LedgerAgent"].status.status_code is StatusCode.UNSET
+    refused = calls["Refuser"]
+    assert refused.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert refused.status.status_code is StatusCode.ERROR
+    assert refused.status.description == "INVALID_ARGUMENT: no such account"
+    # A plain server finds the call's span in the metadata and in the message alike.
+    ledger_call = calls["LedgerAgent"].context
+    flags = int(ledger_call.trace_flags)
+    traceparent = f"00-{ledger_call.trace_id:032x}-{ledger_call.span_id:016x}-{flags:02x}"
+    assert [m["traceparent"] for m in ledger.metadata] == [traceparent]
+    assert [m.headers["traceparent"] for m in ledger.seen] == [traceparent]
+    # The SDK's push agent works below it.
+    [handled] = [s for s in spans if s.name == "quote_desk.handle"]
+    assert handled.parent is not None
+    assert handled.parent.span_id == calls["QuoteDesk"].context.span_id
