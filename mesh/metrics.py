@@ -219,6 +219,9 @@ class QueueGauges:
         self.held = 0
         self.watches = 0
         self.watches_ended: Mapping[str, int] = {}
+        self.unreachable: Mapping[str, int] = {}
+        """Per agent taking its messages by push, its instances whose server the broker
+        cannot reach."""
         self.refresh: Callable[[], Coroutine[Any, Any, None]] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         registry.register(self)
@@ -248,6 +251,15 @@ class QueueGauges:
             "Watches of the shared state open on this broker (WatchState; at most 1000).",
             value=self.watches,
         )
+        unreachable = GaugeMetricFamily(
+            "agentmesh_push_instances_unreachable",
+            "Instances of an agent taking its messages by push whose server the broker cannot"
+            " reach (its messages wait for it; gathers leave it out once none can be reached).",
+            labels=["agent"],
+        )
+        for agent_id, count in sorted(self.unreachable.items()):
+            unreachable.add_metric([agent_id], count)
+        yield unreachable
         ended = CounterMetricFamily(
             "agentmesh_state_watches_ended",
             "Watches the broker ended, by reason: WATCH_BEHIND (the watcher read too slowly),"

@@ -45,6 +45,7 @@ from mesh.core.model import (
     AgentInfo,
     DeadLetter,
     Delivery,
+    DeliveryMode,
     Handoff,
     Message,
     MessageType,
@@ -514,7 +515,8 @@ class Broker:
         """Reads every queue's depth, and the messages held, into the gauges (as /metrics is
         scraped: in one pass over the store, queues changed through other replicas
         included). Every registered agent has a depth, 0 when nothing waits for it; an
-        agent that left has one while messages still wait for it."""
+        agent that left has one while messages still wait for it. Every agent taking its
+        messages by push has a count of its instances this broker cannot reach."""
         depths = dict.fromkeys(self.registry.ids(), 0)
         held = 0
         for queue in await self.store.stats():
@@ -525,6 +527,12 @@ class Broker:
         gauges.depths, gauges.held = depths, held
         gauges.watches = len(self.state.watchers)
         gauges.watches_ended = dict(self.state.watchers.ended)  # (read by another thread)
+        unreachable: dict[str, int] = {}
+        for info in self.registry:
+            if info.delivery_mode is DeliveryMode.PUSH:
+                away = self._unreachable.get(info.agent_id, {})
+                unreachable[info.agent_id] = sum(1 for a in info.instances if a in away)
+        gauges.unreachable = unreachable
 
     # -- registry ----------------------------------------------------------------------------
 

@@ -473,6 +473,7 @@ async def test_an_agent_whose_server_is_gone_is_left_out_of_gathers_and_said_so(
                     break
         assert "no instance of LedgerAgent can be reached" in item.error.message
         assert address in item.error.message
+        assert await unreachable(mesh, "LedgerAgent") == 1
         with pytest.raises(RequestTimeoutError, match="LedgerAgent can be reached"):
             await client.request("LedgerAgent", {"action": "post"}, timeout=0.3)
         # Back on its address: served again, the request sent meanwhile with it.
@@ -482,10 +483,22 @@ async def test_an_agent_whose_server_is_gone_is_left_out_of_gathers_and_said_so(
                 "LedgerAgent", {"action": "post", "parameters": {"n": 2}}, timeout=10
             )
             again = await gathered(client, "LedgerAgent", timeout=5)
+            reached_again = await unreachable(mesh, "LedgerAgent")
         finally:
             await server.stop(None)
     assert answer.content["echo"] == {"n": 2}
     assert [(item.agent_id, item.error) for item in again] == [("LedgerAgent", None)]
+    assert reached_again == 0
+
+
+async def unreachable(mesh: LocalMesh, agent_id: str) -> float | None:
+    """The agent's ``agentmesh_push_instances_unreachable``, scraped as /metrics scrapes it
+    (from another thread)."""
+    assert mesh.broker is not None
+    registry = mesh.broker.metrics.registry
+    return await asyncio.to_thread(
+        registry.get_sample_value, "agentmesh_push_instances_unreachable", {"agent": agent_id}
+    )
 
 
 async def gathered(client: MeshClient, agent_id: str, timeout: float) -> list[GatherResult]:
