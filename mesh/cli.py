@@ -25,7 +25,6 @@ from mesh.core.errors import MeshError, MessageValidationError
 from mesh.core.model import (
     BROADCAST_TARGET,
     AgentInfo,
-    DeliveryMode,
     Message,
     MessageType,
     Priority,
@@ -395,6 +394,7 @@ async def _agents(args: argparse.Namespace) -> int:
                         "capabilities": list(a.capabilities),
                         "lost_at": a.lost_at.isoformat() if a.lost_at else None,
                         "delivery_mode": a.delivery_mode.value,
+                        "push_instances": list(a.push_instances),
                     }
                     for a in agents
                 ],
@@ -426,8 +426,14 @@ def _where(info: AgentInfo) -> str:
     if info.lost_at is not None and not info.instances:
         return f"- (none since {info.lost_at.astimezone(UTC):%Y-%m-%d %H:%M:%S}Z)"
     more = f" (+{len(info.instances) - 1} more)" if len(info.instances) > 1 else ""
-    pushed = " (push)" if info.delivery_mode is DeliveryMode.PUSH else ""
-    return (info.address or "-") + more + pushed
+    pushed = len(info.push_instances)
+    if pushed and pushed == len(info.instances):
+        how = " (push)"
+    elif pushed:
+        how = f" (push: {pushed} of {len(info.instances)})"
+    else:
+        how = ""
+    return (info.address or "-") + more + how
 
 
 def _table(rows: Sequence[Sequence[str]]) -> None:

@@ -581,6 +581,8 @@ def agent_from_pb(pb: message_pb2.AgentInfo) -> AgentInfo:
         lost_at=timestamp_to_datetime(pb.lost_at, "lost_at") if pb.HasField("lost_at") else None,
         delivery_mode=delivery_mode,
         max_in_flight=pb.max_in_flight,
+        # (each one's calls in flight at most are the broker's to know: 0 here)
+        pushed=dict.fromkeys(pb.push_instances, 0),
     )
 
 
@@ -597,6 +599,7 @@ def agent_to_pb(info: AgentInfo, out: message_pb2.AgentInfo | None = None) -> me
         datetime_to_timestamp(info.lost_at, pb.lost_at)
     pb.delivery_mode = _DELIVERY_TO_PB[info.delivery_mode]
     pb.max_in_flight = info.max_in_flight
+    pb.push_instances.extend(info.push_instances)
     return pb
 
 

@@ -47,7 +47,6 @@ from mesh.core.model import (
     MAX_DEAD_LETTER_REASON,
     AgentInfo,
     Delivery,
-    DeliveryMode,
     Message,
     MessageType,
 )
@@ -176,11 +175,10 @@ class Pusher:
 
 def _pushed_instances(agents: Iterable[AgentInfo]) -> Iterator[tuple[str, str, int]]:
     """Agent id, instance address and calls in flight at most (a change of which starts the
-    instance's push again), for each instance of the agents taking their messages by push."""
+    instance's push again), for each instance registered to take its messages by push."""
     for info in agents:
-        if info.delivery_mode is DeliveryMode.PUSH:
-            for address in info.instances:
-                yield info.agent_id, address, info.max_in_flight
+        for address in info.push_instances:
+            yield info.agent_id, address, info.pushed[address]
 
 
 class InstancePush:

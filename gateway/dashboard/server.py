@@ -269,6 +269,8 @@ class Dashboard:
                     "health": status,
                     "lost_at": info.lost_at.isoformat() if info.lost_at else None,
                     "delivery_mode": info.delivery_mode.value,
+                    "instances": len(info.instances),
+                    "push_instances": len(info.push_instances),
                     "high": q.high if q else 0,
                     "medium": q.medium if q else 0,
                     "low": q.low if q else 0,

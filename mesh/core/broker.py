@@ -45,7 +45,6 @@ from mesh.core.model import (
     AgentInfo,
     DeadLetter,
     Delivery,
-    DeliveryMode,
     Handoff,
     Message,
     MessageType,
@@ -529,9 +528,9 @@ class Broker:
         gauges.watches_ended = dict(self.state.watchers.ended)  # (read by another thread)
         unreachable: dict[str, int] = {}
         for info in self.registry:
-            if info.delivery_mode is DeliveryMode.PUSH:
+            if pushed := info.push_instances:
                 away = self._unreachable.get(info.agent_id, {})
-                unreachable[info.agent_id] = sum(1 for a in info.instances if a in away)
+                unreachable[info.agent_id] = sum(1 for a in pushed if a in away)
         gauges.unreachable = unreachable
 
     # -- registry ----------------------------------------------------------------------------

@@ -433,9 +433,20 @@ class AgentInfo:
     """When its last instance was lost (its process died without deregistering), while no
     instance serves it since; None otherwise (also for an agent that never named one)."""
     delivery_mode: DeliveryMode = DeliveryMode.PULL
-    """PUSH: the broker calls ``HandleMessage`` on each instance's server (``instances``)."""
+    """The latest registration's: PUSH, the broker calls ``HandleMessage`` on the server of
+    the instance it registered (each instance keeps its own: ``pushed``)."""
     max_in_flight: int = 0
     """PUSH: the calls in flight to one instance at most (0: a subscription's default)."""
+    pushed: Mapping[str, int] = field(default_factory=dict)
+    """Instance address -> its calls in flight at most (0: a subscription's default), for
+    each instance registered with PUSH: the broker calls their servers, the other instances
+    pull. Kept by the registry (an instance registering to pull does not stop the pushes to
+    the others); the contract shows the addresses (``push_instances``)."""
+
+    @property
+    def push_instances(self) -> tuple[str, ...]:
+        """The instances the broker pushes to, in the order of ``instances``."""
+        return tuple(a for a in self.instances if a in self.pushed)
 
     def to_dict(self) -> dict[str, JSON]:
         """The JSON form (the durable and Redis stores keep registrations this way)."""
@@ -450,24 +461,33 @@ class AgentInfo:
             "lost_at": self.lost_at.isoformat() if self.lost_at else None,
             "delivery_mode": self.delivery_mode.value,
             "max_in_flight": self.max_in_flight,
+            "pushed": dict(self.pushed),
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, JSON]) -> AgentInfo:
         when = data.get("registered_at")
+        instances = tuple(str(i) for i in data.get("instances") or ())
+        mode = DeliveryMode(data.get("delivery_mode") or DeliveryMode.PULL)
+        most = int(str(data.get("max_in_flight") or 0))
+        if isinstance(kept := data.get("pushed"), dict):
+            pushed = {str(a): int(str(n)) for a, n in kept.items()}
+        else:  # (kept before each instance had its own delivery: the agent's, for all)
+            pushed = dict.fromkeys(instances, most) if mode is DeliveryMode.PUSH else {}
         return cls(
             agent_id=str(data["agent_id"]),
             agent_types=tuple(str(t) for t in data.get("agent_types") or ()),
             address=str(data.get("address") or ""),
             capabilities=tuple(str(c) for c in data.get("capabilities") or ()),
             registered_at=datetime.fromisoformat(str(when)) if when else None,
-            instances=tuple(str(i) for i in data.get("instances") or ()),
+            instances=instances,
             subscribed={str(a): str(s) for a, s in subscribed.items()}
             if isinstance(subscribed := data.get("subscribed"), dict)
             else {},
             lost_at=datetime.fromisoformat(str(lost)) if (lost := data.get("lost_at")) else None,
-            delivery_mode=DeliveryMode(data.get("delivery_mode") or DeliveryMode.PULL),
-            max_in_flight=int(str(data.get("max_in_flight") or 0)),
+            delivery_mode=mode,
+            max_in_flight=most,
+            pushed=pushed,
         )
 
 

@@ -91,6 +91,7 @@ class AgentRegistry:
             since = info.registered_at
             subscribed = info.subscribed
             lost_at = info.lost_at
+            pushed = dict(info.pushed)
         else:
             earlier = previous.instances if previous else ()
             instances = tuple(a for a in earlier if a != info.address)
@@ -99,6 +100,12 @@ class AgentRegistry:
             since = previous.registered_at if previous else None
             subscribed = previous.subscribed if previous else {}
             lost_at = previous.lost_at if previous else None
+            # Each instance keeps the delivery it registered with: one registering to pull
+            # (an old process of a rolling update) does not stop the pushes to the others.
+            pushed = dict(previous.pushed) if previous else {}
+            pushed.pop(info.address, None)
+            if info.delivery_mode is DeliveryMode.PUSH:
+                pushed[info.address] = info.max_in_flight
         instances = instances[-MAX_INSTANCES:]
         registered = AgentInfo(
             agent_id=info.agent_id,
@@ -111,6 +118,7 @@ class AgentRegistry:
             lost_at=None if instances else lost_at,
             delivery_mode=info.delivery_mode,
             max_in_flight=info.max_in_flight,
+            pushed={a: n for a, n in pushed.items() if a in instances},
         )
         self._agents[info.agent_id] = registered
         return registered
@@ -154,7 +162,8 @@ class AgentRegistry:
             held = dataclasses.replace(info, address=address, instances=instances)
         subscribed = {a: s for a, s in info.subscribed.items() if a in held.instances}
         subscribed[address] = subscription_id
-        held = dataclasses.replace(held, subscribed=subscribed, lost_at=None)
+        pushed = {a: n for a, n in info.pushed.items() if a in held.instances}
+        held = dataclasses.replace(held, subscribed=subscribed, lost_at=None, pushed=pushed)
         self._agents[agent_id] = held
         return held
 
@@ -178,6 +187,7 @@ class AgentRegistry:
             instances=others,
             subscribed={a: s for a, s in info.subscribed.items() if a != address},
             lost_at=utc_now() if lost and not others else info.lost_at,
+            pushed={a: n for a, n in info.pushed.items() if a != address},
         )
         self._agents[info.agent_id] = remaining
         return remaining

@@ -315,18 +315,22 @@ class AgentInfo(_message.Message):
     LOST_AT_FIELD_NUMBER: _builtins.int
     DELIVERY_MODE_FIELD_NUMBER: _builtins.int
     MAX_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    PUSH_INSTANCES_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     """Unique id of the agent, e.g. "PaymentAgent"."""
     address: _builtins.str
     """host:port of the agent's own gRPC server (Agent service), if it runs one."""
     delivery_mode: Global___DeliveryMode.ValueType
-    """How the agent takes its messages: PULL (unset) or PUSH, where the broker calls
-    AgentService.HandleMessage on each instance's `address` (which PUSH requires).
+    """How the instance registering takes its messages: PULL (unset) or PUSH, where the broker
+    calls AgentService.HandleMessage on its `address` (which PUSH requires). Each instance
+    keeps the delivery it registered with (see push_instances); an agent listed shows its
+    latest registration's.
     """
     max_in_flight: _builtins.int
-    """PUSH: the calls in flight to one instance at most (0: a subscription's default,
-    BrokerConfig.default_max_in_flight; at most BrokerConfig.max_in_flight_limit), what one
-    server takes at once; the others wait in the queue.
+    """PUSH: the calls in flight to the instance at most (0: a subscription's default,
+    BrokerConfig.default_max_in_flight; at most BrokerConfig.max_in_flight_limit), what its
+    server takes at once; the others wait in the queue. An agent listed shows its latest
+    registration's.
     """
     @_builtins.property
     def agent_types(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -354,6 +358,13 @@ class AgentInfo(_message.Message):
         is sent to it, and gathers leave it out. Unset otherwise. Set by the broker.
         """
 
+    @_builtins.property
+    def push_instances(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The instances the broker pushes to (those registered with DELIVERY_MODE_PUSH), in the
+        order of `instances`; the others pull. Set by the broker: what a registration sends here
+        is not read.
+        """
+
     def __init__(
         self,
         *,
@@ -366,10 +377,11 @@ class AgentInfo(_message.Message):
         lost_at: _timestamp_pb2.Timestamp | None = ...,
         delivery_mode: Global___DeliveryMode.ValueType = ...,
         max_in_flight: _builtins.int = ...,
+        push_instances: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lost_at", b"lost_at", "registered_at", b"registered_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_id", b"agent_id", "agent_types", b"agent_types", "capabilities", b"capabilities", "delivery_mode", b"delivery_mode", "instances", b"instances", "lost_at", b"lost_at", "max_in_flight", b"max_in_flight", "registered_at", b"registered_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_id", b"agent_id", "agent_types", b"agent_types", "capabilities", b"capabilities", "delivery_mode", b"delivery_mode", "instances", b"instances", "lost_at", b"lost_at", "max_in_flight", b"max_in_flight", "push_instances", b"push_instances", "registered_at", b"registered_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

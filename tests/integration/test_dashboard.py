@@ -528,27 +528,26 @@ def test_an_agent_taking_its_messages_by_push_is_shown_so(
 ) -> None:
     from selenium.webdriver.common.by import By
 
-    async def register() -> None:
+    async def register(address: str, delivery_mode: str) -> None:
         async with connect(mesh_up["broker"], retry=NO_RETRY) as client:
-            await client.register("PushDesk", address="127.0.0.1:7101", delivery_mode="push")
+            await client.register("PushDesk", address=address, delivery_mode=delivery_mode)
 
     async def deregister() -> None:
         async with connect(mesh_up["broker"], retry=NO_RETRY) as client:
             await client.deregister("PushDesk")
 
-    asyncio.run(register())
+    def shown(d: Any) -> str | bool:
+        found = d.find_elements(By.CSS_SELECTOR, '#agents tr[data-agent="PushDesk"]')
+        return found[0].find_elements(By.TAG_NAME, "td")[-1].text if found else False
+
+    asyncio.run(register("127.0.0.1:7101", "push"))
     try:
         driver = browser
         driver.get(mesh_up["dashboard"])  # type: ignore[attr-defined]
-        cell = wait_for(
-            driver,
-            lambda d: (
-                found[0]
-                if (found := d.find_elements(By.CSS_SELECTOR, '#agents tr[data-agent="PushDesk"]'))
-                else False
-            ),
-        )
-        address = cell.find_elements(By.TAG_NAME, "td")[-1].text  # type: ignore[attr-defined]
+        address = wait_for(driver, shown)
+        asyncio.run(register("127.0.0.1:7102", "pull"))  # another instance, pulling
+        mixed = wait_for(driver, lambda d: (text := shown(d)) != address and text)
     finally:
         asyncio.run(deregister())
     assert address == "127.0.0.1:7101 (push)"
+    assert mixed == "127.0.0.1:7102 (push: 1 of 2)"

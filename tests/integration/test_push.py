@@ -528,6 +528,45 @@ async def test_an_agent_that_leaves_is_pushed_nothing_more(mesh: LocalMesh) -> N
     assert [m.content["action"] for m in received] == ["later"]
 
 
+async def test_each_instance_keeps_the_delivery_it_registered_with(mesh: LocalMesh) -> None:
+    """A rolling update from pulling processes to pushed ones (or back): an instance that
+    registers to pull does not stop the pushes to the others, and once the pulling ones have
+    left, the pushed ones still get every message."""
+    agent = PlainAgent(echo)
+    server, address = await start_plain(agent)
+    puller = "10.0.0.9:7000"
+    try:
+        await register_push(mesh, "LedgerAgent", address)
+        async with mesh.client("Cashier") as client:
+            info = await client.register("LedgerAgent", address=puller)  # (an old process)
+            assert list(info.instances) == [address, puller]
+            assert info.push_instances == (address,)
+            listings = []
+            for json_too in (("--json",), ()):
+                listing = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "mesh.cli", "agents", "--broker", mesh.address,
+                    *json_too, stdout=asyncio.subprocess.PIPE,
+                )  # fmt: skip
+                listings.append((await listing.communicate())[0].decode())
+            # Pushed to while the other instance pulls: the queue is shared.
+            answer = await client.request(
+                "LedgerAgent", {"action": "post", "parameters": {"n": 1}}, timeout=10
+            )
+            await client.deregister("LedgerAgent", address=puller)  # the old process leaves
+            [after] = [a for a in await client.list_agents() if a.agent_id == "LedgerAgent"]
+            again = await client.request(
+                "LedgerAgent", {"action": "post", "parameters": {"n": 2}}, timeout=10
+            )
+    finally:
+        await server.stop(None)
+    [listed] = json.loads(listings[0])
+    assert listed["push_instances"] == [address]
+    assert f"{puller} (+1 more) (push: 1 of 2)" in listings[1]
+    assert [answer.content["echo"], again.content["echo"]] == [{"n": 1}, {"n": 2}]
+    assert (list(after.instances), after.push_instances) == ([address], (address,))
+    assert len(agent.seen) == 2
+
+
 async def start_node_push_agent(
     agent_id: str, broker: str, port: int = 0
 ) -> tuple[asyncio.subprocess.Process, str]:

@@ -156,13 +156,46 @@ def test_push_delivery_needs_an_address_and_is_kept_with_the_registration() -> N
     # As the durable and Redis stores keep it, and as a registration from before it was kept.
     kept = AgentInfo.from_dict(pushed.to_dict())
     assert kept.delivery_mode is DeliveryMode.PUSH and kept.instances == ("10.0.0.1:7000",)
-    assert kept.max_in_flight == 4
+    assert kept.max_in_flight == 4 and kept.pushed == {"10.0.0.1:7000": 4}
+    before_instances = {k: v for k, v in pushed.to_dict().items() if k != "pushed"}
+    assert AgentInfo.from_dict(before_instances).pushed == {"10.0.0.1:7000": 4}
     older = {
-        k: v for k, v in pushed.to_dict().items() if k not in ("delivery_mode", "max_in_flight")
+        k: v
+        for k, v in pushed.to_dict().items()
+        if k not in ("delivery_mode", "max_in_flight", "pushed")
     }
     assert AgentInfo.from_dict(older).delivery_mode is DeliveryMode.PULL
     assert AgentInfo.from_dict(older).max_in_flight == 0
-    # The latest registration says how the agent takes its messages.
-    pulled = registry.register(AgentInfo(agent_id="Ledger", address="10.0.0.2:7000"))
-    assert pulled.delivery_mode is DeliveryMode.PULL
-    assert pulled.instances == ("10.0.0.1:7000", "10.0.0.2:7000")
+    assert AgentInfo.from_dict(older).push_instances == ()
+
+
+def test_each_instance_keeps_the_delivery_it_registered_with() -> None:
+    registry = AgentRegistry()
+    registry.register(
+        AgentInfo(agent_id="Ledger", address="a:7000", delivery_mode=DeliveryMode.PUSH)
+    )
+    registry.register(
+        AgentInfo(
+            agent_id="Ledger", address="b:7000", delivery_mode=DeliveryMode.PUSH, max_in_flight=2
+        )
+    )
+    # An instance pulling (an old process of a rolling update) stops no push to the others.
+    mixed = registry.register(AgentInfo(agent_id="Ledger", address="c:7000"))
+    assert mixed.delivery_mode is DeliveryMode.PULL  # (the latest registration's)
+    assert mixed.push_instances == ("a:7000", "b:7000")
+    assert mixed.pushed == {"a:7000": 0, "b:7000": 2}
+    # One registering again with another delivery changes its own alone.
+    changed = registry.register(AgentInfo(agent_id="Ledger", address="a:7000"))
+    assert changed.push_instances == ("b:7000",)
+    assert AgentInfo.from_dict(changed.to_dict()).push_instances == ("b:7000",)
+    # A registration with no address (a client reading the queue) changes none of them.
+    assert registry.register(AgentInfo(agent_id="Ledger")).push_instances == ("b:7000",)
+    # Leaving, lost, held again: the pushed ones left keep theirs.
+    left = registry.leave("Ledger", "c:7000")
+    assert left is not None and left.push_instances == ("b:7000",)
+    held = registry.hold("Ledger", "d:7000", "sub-1")
+    assert held.push_instances == ("b:7000",) and held.instances[-1] == "d:7000"
+    lost = registry.lose("Ledger", "b:7000", "sub-x")  # (not its holder: no change)
+    assert lost is None
+    assert registry.leave("Ledger", "b:7000") is not None
+    assert registry.require("Ledger").push_instances == ()

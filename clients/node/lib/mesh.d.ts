@@ -204,10 +204,13 @@ export interface AgentInfo {
   instances: string[];
   /** ISO 8601: when its last instance died, while none serves it since; null otherwise. */
   lostAt: string | null;
-  /** PUSH: the broker calls HandleMessage on each instance's server; PULL: the agent takes them. */
+  /** The latest registration's: PUSH, the broker calls HandleMessage on its instance's server;
+   * PULL, the instance takes them. Each instance keeps its own: pushInstances. */
   deliveryMode: DeliveryMode;
   /** PUSH: the broker's calls in flight to one instance at most (0: the broker's default). */
   maxInFlight: number;
+  /** The instances the broker pushes to (registered with PUSH); the others pull. */
+  pushInstances: string[];
 }
 
 export type DeliveryMode = 'PULL' | 'PUSH';

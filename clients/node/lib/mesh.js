@@ -164,7 +164,7 @@ function readAgent(pb) {
     instances: pb.instances || [], lostAt: pb.lost_at ? isoTime(pb.lost_at) : null,
     deliveryMode: String(pb.delivery_mode || 'DELIVERY_MODE_PULL').replace('DELIVERY_MODE_', '')
       .replace('UNSPECIFIED', 'PULL'),
-    maxInFlight: pb.max_in_flight || 0 };
+    maxInFlight: pb.max_in_flight || 0, pushInstances: pb.push_instances || [] };
 }
 
 const DELIVERY_MODES = ['PULL', 'PUSH'];

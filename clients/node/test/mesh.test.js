@@ -250,6 +250,7 @@ test('a plain gRPC server registered for push is called by the broker with each 
       assert.equal(answer.correlationId, seen[0].message_id);
       const [listed] = (await client.listAgents()).filter((a) => a.agentId === 'NodePushDesk');
       assert.equal(listed.deliveryMode, 'PUSH');
+      assert.deepEqual(listed.pushInstances, [address]);
     } finally {
       await client.deregister('NodePushDesk').catch(() => {});
       client.close();

@@ -135,12 +135,19 @@ function Agents({ agents }) {
             <td class=${`health ${a.health}`}>${a.health}</td>
             <td>${a.high}</td><td>${a.medium}</td><td>${a.low}</td>
             <td>${a.in_flight}</td><td>${a.dead_letters}</td>
-            <td class="addr">${a.address}${a.delivery_mode === "PUSH" ? " (push)" : ""}</td>
+            <td class="addr">${a.address}${pushLabel(a)}</td>
           </tr>`,
         )}
       </tbody>
     </table>
   </section>`;
+}
+
+// " (push)" when the broker calls every instance's server, " (push: 1 of 2)" when some pull.
+function pushLabel(a) {
+  if (!a.push_instances) return "";
+  if (a.push_instances === a.instances) return " (push)";
+  return ` (push: ${a.push_instances} of ${a.instances})`;
 }
 
 // The hand-off workflows, as their status in the shared state says (workflow/<id>): the one
