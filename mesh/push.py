@@ -115,7 +115,8 @@ class Pusher:
     def __init__(self, broker: Broker, security: SecurityConfig | None = None) -> None:
         self.broker = broker
         self.security = client_security(security)
-        self._pushes: dict[tuple[str, str, int], InstancePush] = {}
+        self._pushes: dict[tuple[str, str], InstancePush] = {}
+        """By agent id and instance address."""
         self._changed: set[str] = set()
         """Agents registered, left or changed since the last look (a look at each alone: an
         agent registering costs no walk through the registry)."""
@@ -164,18 +165,22 @@ class Pusher:
         self, pushed: Iterable[tuple[str, str, int]], of: Collection[str] | None = None
     ) -> None:
         """Starts the pushes ``pushed`` names and stops the others: of every agent, or of the
-        agents ``of`` alone."""
-        wanted = set(pushed)
+        agents ``of`` alone. A push whose calls in flight at most changed goes on with the new
+        count (the calls running are not cancelled)."""
+        wanted = {(agent_id, address): most for agent_id, address, most in pushed}
         gone = [key for key in self._pushes if key not in wanted and (of is None or key[0] in of)]
         await asyncio.gather(*(self._pushes.pop(key).stop() for key in gone))
-        for key in wanted - self._pushes.keys():
-            push = self._pushes[key] = InstancePush(self.broker, *key, self.security)
-            push.start()
+        for key, most in wanted.items():
+            if (push := self._pushes.get(key)) is not None:
+                push.resize(most)
+            else:
+                push = self._pushes[key] = InstancePush(self.broker, *key, most, self.security)
+                push.start()
 
 
 def _pushed_instances(agents: Iterable[AgentInfo]) -> Iterator[tuple[str, str, int]]:
-    """Agent id, instance address and calls in flight at most (a change of which starts the
-    instance's push again), for each instance registered to take its messages by push."""
+    """Agent id, instance address and calls in flight at most, for each instance registered
+    to take its messages by push."""
     for info in agents:
         for address in info.push_instances:
             yield info.agent_id, address, info.pushed[address]
@@ -201,12 +206,24 @@ class InstancePush:
         self._unreachable = asyncio.Event()
         self._channel: grpc.aio.Channel | None = None
         self._task: asyncio.Task[None] | None = None
+        self._sub: Subscription | None = None
+        """The subscription open, while one is."""
         self._pushed = broker.metrics.pushes
         self.reached = False
         """Whether a call reached the server since the subscription opened."""
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"push-{self.agent_id}@{self.address}")
+
+    def resize(self, max_in_flight: int) -> None:
+        """The instance registered again with another count of calls in flight at most: the
+        subscription takes it at once (fewer: no new call until those running are fewer)."""
+        if max_in_flight == self.max_in_flight:
+            return
+        self.max_in_flight = max_in_flight
+        if (sub := self._sub) is not None and not sub.closed:
+            sub.max_in_flight = max_in_flight or self.broker.config.default_max_in_flight
+            sub.wake()
 
     async def stop(self) -> None:
         await cancel_and_wait(self._task)
@@ -226,7 +243,11 @@ class InstancePush:
                     logger.debug("push to %s: %s", self.agent_id, error.message)
                     await asyncio.sleep(RECONCILE_SECONDS)
                     continue
-                reached = await self._serve(sub, stub, channel)
+                self._sub = sub
+                try:
+                    reached = await self._serve(sub, stub, channel)
+                finally:
+                    self._sub = None
                 self.broker.instance_unreachable(self.agent_id, self.address)
                 failures = 0 if reached else failures + 1
                 await asyncio.sleep(

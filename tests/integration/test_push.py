@@ -304,13 +304,22 @@ async def test_an_agent_says_how_many_calls_its_server_takes_at_once(mesh: Local
             await agent.until_seen(2)
             await asyncio.sleep(0.3)  # (time for a third call, were it let through)
             stats = await client.queue_stats("LedgerAgent")
+            # Registered again with room for one more: the calls running go on.
+            await client.register(
+                "LedgerAgent", address=address, delivery_mode="push", max_in_flight=3
+            )
+            await agent.until_seen(3)
+            await asyncio.sleep(0.3)
+            during = [int(m.content["n"]) for m in agent.seen]
             release.set()
             await agent.until_seen(5)
     finally:
         await server.stop(None)
     view = stats.for_agent("LedgerAgent")
     assert view is not None and (view.in_flight, view.depth) == (2, 3)
-    assert most == 2
+    assert during == [0, 1, 2]  # none called again: the first two were not cancelled
+    assert sorted(int(m.content["n"]) for m in agent.seen) == [0, 1, 2, 3, 4]
+    assert most == 3
 
 
 async def test_a_refusal_dead_letters_at_once_and_tells_the_requester(mesh: LocalMesh) -> None:
