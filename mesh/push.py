@@ -222,8 +222,7 @@ class InstancePush:
             return
         self.max_in_flight = max_in_flight
         if (sub := self._sub) is not None and not sub.closed:
-            sub.max_in_flight = max_in_flight or self.broker.config.default_max_in_flight
-            sub.wake()
+            sub.resize(max_in_flight)
 
     async def stop(self) -> None:
         await cancel_and_wait(self._task)

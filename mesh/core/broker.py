@@ -177,7 +177,7 @@ class Subscription:
         server), when it named one: the subscription keeps it among the agent's instances."""
         # Unique across replicas sharing a store: leases name their subscriber.
         self.subscription_id = f"{agent_id}#{broker.instance}-{next(self._ids)}"
-        self.max_in_flight = max_in_flight
+        self.max_in_flight = self._or_default(max_in_flight)
         self.lease_seconds = lease_seconds
         self.in_flight: set[str] = set()
         self.leased = 0
@@ -195,6 +195,15 @@ class Subscription:
 
     def wake(self) -> None:
         self._wake.set()
+
+    def resize(self, max_in_flight: int) -> None:
+        """Takes another count of deliveries unacked at most (0: the broker's default) at
+        once: more leases as soon as there is room; fewer, none until those held are fewer."""
+        self.max_in_flight = self._or_default(max_in_flight)
+        self.wake()
+
+    def _or_default(self, max_in_flight: int) -> int:
+        return max_in_flight or self.broker.config.default_max_in_flight
 
     async def next(self) -> Delivery:
         """Waits for the next message and leases it to this subscription (withdrawals are
@@ -1395,7 +1404,7 @@ class Broker:
         sub = Subscription(
             self,
             agent_id,
-            max_in_flight or self.config.default_max_in_flight,
+            max_in_flight,
             lease_seconds or self.config.lease_seconds,
             withdrawals=withdrawals,
             instance=instance,
