@@ -17,10 +17,12 @@ import pytest
 from benchmarks import harness
 from benchmarks.harness import (
     CpuMeter,
+    Settings,
     combine,
     compare,
     cpu_table,
     evaluate,
+    jit_warmup,
     measured_in_turns,
     memory_by_role,
     memory_lines,
@@ -361,3 +363,15 @@ async def test_a_process_whose_start_is_given_up_is_not_left_running(
         await starting
     with pytest.raises(ProcessLookupError):  # killed and reaped: no such process any more
         os.kill(int(pid_file.read_text()), 0)
+
+
+def test_a_node_process_is_warmed_up_for_its_jit_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BENCH_QUICK", raising=False)
+    full = Settings.from_env()
+    warm: set[str] = set()
+    # The first repetition: as many requests as V8 takes to compile the hot code.
+    assert jit_warmup(warm, "node_agent.roundtrip", full) == full.jit_warmup == 5_000
+    assert jit_warmup(warm, "node_client.roundtrip", full) == 5_000
+    # The later ones: the warm-up of every other polyglot figure.
+    assert jit_warmup(warm, "node_agent.roundtrip", full) == full.warmup // 2 == 100
+    assert jit_warmup(warm, "node_client.roundtrip", full) == 100
