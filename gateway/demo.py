@@ -246,9 +246,10 @@ async def run_demo(gateway: str, out: Printer = print) -> int:
         stats = await client.pattern_stats()
     out("")
     out("== Summary")
-    out(f"   {'pattern run':<64} {'status':<10} {'ms':>8}")
+    width = max(len("pattern run"), *(len(row["title"]) for row in summary))
+    out(f"   {'pattern run':<{width}} {'status':<10} {'ms':>8}")
     for row in summary:
-        out(f"   {row['title']:<64} {row['status']!s:<10} {row['ms']:8.1f}")
+        out(f"   {row['title']:<{width}} {row['status']!s:<10} {row['ms']:8.1f}")
     out("")
     out(
         f"   {'pattern':<26} {'runs':>5} {'completed':>9} {'avg ms':>8} {'completion':>10} "
@@ -258,9 +259,11 @@ async def run_demo(gateway: str, out: Printer = print) -> int:
         if s["runs"]:
             avg_ms = s["duration_avg_seconds"] * 1000
             accuracy = f"{s['accuracy']:8.2f}" if s["rated"] else f"{'-':>8}"  # nobody rated
+            # (unanimous runs: a group chat's figure alone)
+            consensus = f"{s['consensus_rate']:9.2f}" if name == "GROUP_CHAT" else f"{'-':>9}"
             out(
                 f"   {name:<26} {s['runs']:>5} {s['completed']:>9} {avg_ms:8.1f} "
-                f"{s['completion_rate']:10.2f} {s['consensus_rate']:9.2f} {accuracy}"
+                f"{s['completion_rate']:10.2f} {consensus} {accuracy}"
             )
     for row in summary:  # (other data, --data-dir, may decide otherwise: said, not failed)
         if row["status"] != row["expect"]:

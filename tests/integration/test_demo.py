@@ -28,6 +28,13 @@ async def test_every_pattern_run_ends_as_the_demo_expects(
         assert row.split()[:1] == scenario.title.split()[:1], row
         assert f" {scenario.expect} " in row, row
     assert not [line for line in lines if "note:" in line]  # each ended as the data says
+    # Per pattern: the share of unanimous runs is a group chat's figure, not the others'.
+    stats = {
+        row.split()[0]: row.split()
+        for row in lines
+        if row.split()[:1] in (["GROUP_CHAT"], ["HAND_OFF"])
+    }
+    assert stats["GROUP_CHAT"][5] == "1.00" and stats["HAND_OFF"][5] == "-"
     assert (tmp_path / "reports" / "demo-research.md").exists()
     # The one run that fails on purpose: the payment agent refuses order 12347.
     assert [s.name for s in SCENARIOS if s.expect != "COMPLETED"] == ["handoff_failed"]
