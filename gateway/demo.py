@@ -160,7 +160,7 @@ def _result_lines(result: dict[str, Any]) -> list[str]:
         )
         if result.get("error_reason"):
             lines.append(
-                f"failed_at_step: {result.get('failed_at_step')}   "
+                f"failed_at_step: {result.get('failed_at_step')} (from 0)   "
                 f"error_reason: {result['error_reason']}"
             )
         final = result.get("notification") or result.get("final_result")
