@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.client import GatewayClient
+from gateway.patterns.research import conflict_summary
 
 Printer = Callable[[str], None]
 
@@ -198,7 +199,7 @@ def _result_lines(result: dict[str, Any]) -> list[str]:
             f"stopped: {result['stopped_because']}"
         )
         for c in result.get("conflicts") or []:
-            lines.append(f"conflict on {c['topic']}: {c['resolution']}")
+            lines.append(f"conflict on {conflict_summary(c)}")
         for gap in result.get("gaps") or []:
             lines.append(f"open gap: {gap}")
         for path in result["report"].get("files") or []:

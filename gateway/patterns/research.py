@@ -152,6 +152,16 @@ def stopping_reason(
     return None
 
 
+def conflict_summary(conflict: Mapping[str, Any]) -> str:
+    """A conflict in a line: its topic, how it was resolved, and between which two sources
+    (a topic may hold several conflicts, between different pairs)."""
+    line = f"{conflict.get('topic')}: {conflict.get('resolution')}"
+    sources = conflict.get("sources")
+    if isinstance(sources, list) and len(sources) == 2:
+        line += f" ({sources[0]} vs {sources[1]})"
+    return line
+
+
 async def run_research(spec: ResearchSpec, dispatcher: Dispatcher, emit: Emit) -> dict[str, JSON]:
     from agents.research.analysis import claim_key, dedupe
 
@@ -358,9 +368,7 @@ async def run_research(spec: ResearchSpec, dispatcher: Dispatcher, emit: Emit) -
             break
 
     for conflict in synthesis.get("conflicts") or []:
-        await event(
-            EventKind.CONFLICT, f"{conflict['topic']}: {conflict['resolution']}", data=conflict
-        )
+        await event(EventKind.CONFLICT, conflict_summary(conflict), data=conflict)
     open_gaps = list(dict.fromkeys([*(synthesis.get("gaps") or []), *extra_gaps]))
     report = await ask(
         REPORT,

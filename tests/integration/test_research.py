@@ -150,6 +150,12 @@ async def test_conflicts_are_detected_and_each_policy_applied(research: Research
     assert ("recycling_rate", "A_PREFERRED") in by or ("recycling_rate", "B_PREFERRED") in by
     assert ("collection_target", "NEWEST_CURRENT") in by
     assert ("economic_viability", "BOTH_SHOWN") in by
+    # Each event says between which sources: a topic's conflicts are told apart.
+    summaries = [e["summary"] for e in kinds(events, "CONFLICT")]
+    assert len(set(summaries)) == len(summaries) == len(conflicts)
+    for conflict, summary in zip(conflicts, summaries, strict=True):
+        first, second = conflict["sources"]
+        assert summary == f"{conflict['topic']}: {conflict['resolution']} ({first} vs {second})"
     official = [
         c for c in conflicts if c["topic"] == "recycling_rate" and "official" in c.get("note", "")
     ]
