@@ -506,6 +506,7 @@ class RedisQueueStore:
     cluster."""
 
     durable = True
+    group_commit = False  # (each put has run in Redis when it returns)
     shared = True
 
     def __init__(

@@ -16,7 +16,7 @@ import grpc
 from mesh import codec
 from mesh._status import abort
 from mesh.config import BrokerConfig, SecurityConfig, ServerConfig
-from mesh.core.broker import Broker, Subscription
+from mesh.core.broker import Broker, SendOutcome, Subscription
 from mesh.core.errors import (
     LimitExceededError,
     MeshError,
@@ -373,6 +373,11 @@ class _Session:
         """The reader is handling the frames of a batch frame."""
         self.reader: asyncio.Task[Any] | None = None
         """The task reading the stream (the handler's own)."""
+        self.unconfirmed: list[tuple[int, SendOutcome]] = []
+        """Sends taken in and not yet committed by a store that commits them in groups (their
+        seq, their outcome): confirmed together, after the commit they share."""
+        self.confirming: asyncio.Task[None] | None = None
+        """The task confirming them (one at a time, in the order they came)."""
 
     async def write(self, frame: broker_pb2.ConnectResponse) -> None:
         await self.writer.write(frame)
@@ -399,12 +404,16 @@ class _Session:
             async for frame in frames:
                 await self._dispatch(frame)
             # The client finished sending: let requests in flight answer, then end the stream.
+            if self.confirming is not None:
+                await self.confirming
             if self.tasks:
                 await asyncio.gather(*list(self.tasks), return_exceptions=True)
             await self.writer.flush()  # answers posted and not yet written
         finally:
             for task in self.tasks:
                 task.cancel()
+            if self.confirming is not None:
+                self.confirming.cancel()  # (committed all the same; their sender sends again)
             # Those not unsubscribed are lost: the client died, lost its connection, or ended
             # the stream while still subscribed (a handler of grpc.aio sees a client's cancel
             # as the end of its frames too, as it sees a half-close: they are one here).
@@ -438,17 +447,17 @@ class _Session:
             if not self.principal.admin:
                 check_frame(self.principal, frame)
             if kind == "send":
-                outcome = await self.broker.send(
+                outcome = await self.broker.accept(
                     _inbound(self.broker, frame.send),
                     size_bytes=frame.send.ByteSize(),
                 )
-                if not seq:
-                    return  # fire-and-forget: nobody waits for `accepted`
-                out = broker_pb2.ConnectResponse(seq=seq)
-                accepted = out.accepted
-                accepted.message_id = outcome.message.message_id
-                accepted.recipients.extend(outcome.recipients)
-                await self._answer(out)
+                if self.broker.group_commit:
+                    # The next frames are read meanwhile: the sends of a moment share a commit.
+                    await self._confirm_later(seq, outcome)
+                    return
+                await self.broker.commit()
+                if seq:  # (seq 0: fire-and-forget, nobody waits for `accepted`)
+                    await self._answer(_accepted(seq, outcome))
             elif kind == "request":
                 self._spawn(seq, self._request(seq, frame.request))
             elif kind == "broadcast":
@@ -497,6 +506,31 @@ class _Session:
                 raise _invalid("frame", "the frame carries nothing")
         except MeshError as error:
             await self._error(seq, error)
+
+    async def _confirm_later(self, seq: int, outcome: SendOutcome) -> None:
+        """Confirms a send once the store has committed it, with the sends taken in before
+        the commit; the reader waits only while MAX_POSTED are still to be confirmed."""
+        self.unconfirmed.append((seq, outcome))
+        if self.confirming is None:
+            self.confirming = asyncio.create_task(self._confirm())
+        elif len(self.unconfirmed) >= MAX_POSTED:
+            await self.confirming
+
+    async def _confirm(self) -> None:
+        try:
+            while self.unconfirmed:
+                sends, self.unconfirmed = self.unconfirmed, []
+                try:
+                    await self.broker.commit()
+                except MeshError as error:  # not accepted: each sender hears it
+                    for seq, _ in sends:
+                        await self._error(seq, error)
+                    continue
+                for seq, outcome in sends:
+                    if seq:
+                        await self._answer(_accepted(seq, outcome))
+        finally:
+            self.confirming = None
 
     async def _batch(self, frames: Iterable[broker_pb2.ConnectRequest | Malformed]) -> None:
         self.in_batch = True
@@ -727,6 +761,14 @@ def _takes_batches(context: Any) -> bool:
     return any(
         key == BATCH_HEADER and value == "1" for key, value in context.invocation_metadata() or ()
     )
+
+
+def _accepted(seq: int, outcome: SendOutcome) -> broker_pb2.ConnectResponse:
+    out = broker_pb2.ConnectResponse(seq=seq)
+    accepted = out.accepted
+    accepted.message_id = outcome.message.message_id
+    accepted.recipients.extend(outcome.recipients)
+    return out
 
 
 def _response_batch(frames: list[broker_pb2.ConnectResponse]) -> broker_pb2.ConnectResponse:

@@ -671,6 +671,25 @@ class Broker:
         await self.store.sync()
         return outcome
 
+    async def accept(
+        self, message: Message, *, size_bytes: int = 0, lifetime: float | None = None
+    ) -> SendOutcome:
+        """Takes one message in as :meth:`send` does, but returns before a durable store has
+        committed it: a caller taking messages in one after another (a session's sends, in
+        their order) lets them share one commit, and awaits :meth:`commit` before it tells
+        any sender its message was accepted."""
+        return await self._send(message, size_bytes, lifetime)
+
+    async def commit(self) -> None:
+        """Returns once every message taken in so far outlives a crash (see :meth:`accept`)."""
+        await self.store.sync()
+
+    @property
+    def group_commit(self) -> bool:
+        """Whether :meth:`commit` waits for a commit that the messages taken in before it
+        share (``QueueStore.group_commit``)."""
+        return self.store.group_commit
+
     async def _send(
         self, message: Message, size_bytes: int, lifetime: float | None = None
     ) -> SendOutcome:

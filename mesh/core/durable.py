@@ -305,6 +305,7 @@ class SqliteQueueStore(InMemoryQueueStore):
     """The in-memory store with an SQLite journal: accepted messages survive a crash."""
 
     durable = True
+    group_commit = True
 
     def __init__(self, path: str | Path, **options: Any) -> None:
         flush_interval = options.pop("flush_interval", 0.05)

@@ -109,6 +109,9 @@ class QueueStore(Protocol):
     listener: StoreListener | None
     durable: bool
     """Whether what the store holds outlives the process."""
+    group_commit: bool
+    """Whether :meth:`sync` waits for a commit that every put before it shares (the SQLite
+    journal): a caller taking several messages in puts them all, then syncs once."""
     shared: bool
     """Whether several broker replicas share the store (and need the replica methods)."""
     replica_id: str
@@ -402,6 +405,7 @@ class InMemoryQueueStore:
     """The embedded queue store: bounded heaps in memory, O(log n) per operation."""
 
     durable = False
+    group_commit = False
     shared = False
     replica_id = ""
 
