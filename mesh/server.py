@@ -534,8 +534,20 @@ class _Session:
 
     async def _batch(self, frames: Iterable[broker_pb2.ConnectRequest | Malformed]) -> None:
         self.in_batch = True
+        sends: list[broker_pb2.ConnectRequest] = []
+        """Consecutive sends, taken in together on a store shared over the network."""
         try:
             for inner in frames:
+                if (
+                    self.broker.pipelines_sends
+                    and not isinstance(inner, Malformed)
+                    and inner.WhichOneof("frame") == "send"
+                ):
+                    sends.append(inner)
+                    continue
+                if sends:
+                    await self._sends(sends)
+                    sends = []
                 if isinstance(inner, Malformed):
                     self.broker.refused_unreadable()
                     await self._error(_frame_parts(inner.data)[0], inner.to_error())
@@ -543,8 +555,33 @@ class _Session:
                     await self._error(inner.seq, _invalid("batch", "a batch cannot hold a batch"))
                 else:
                     await self._dispatch(inner)
+            if sends:
+                await self._sends(sends)
         finally:
             self.in_batch = False
+
+    async def _sends(self, frames: list[broker_pb2.ConnectRequest]) -> None:
+        """The send frames of a batch in one go (``Broker.send_many``: on a store shared over
+        the network, their puts travel together, in order, where one after another each
+        would wait for its own round trip); each is answered as it would be alone."""
+        for start in range(0, len(frames), self.broker.config.max_batch_size):
+            part = frames[start : start + self.broker.config.max_batch_size]
+            messages: list[Message | MeshError] = []
+            for frame in part:
+                try:
+                    if not self.principal.admin:
+                        check_frame(self.principal, frame)
+                    messages.append(_inbound(self.broker, frame.send))
+                except MeshError as error:
+                    messages.append(error)
+            outcomes = await self.broker.send_many(
+                messages, [frame.send.ByteSize() for frame in part]
+            )
+            for frame, outcome in zip(part, outcomes, strict=True):
+                if isinstance(outcome, MeshError):
+                    await self._error(frame.seq, outcome)
+                elif frame.seq:
+                    await self._answer(_accepted(frame.seq, outcome))
 
     def _spawn(self, seq: int, work: Any) -> None:
         if len(self.tasks) >= MAX_SESSION_REQUESTS:

@@ -685,6 +685,13 @@ class Broker:
         await self.store.sync()
 
     @property
+    def pipelines_sends(self) -> bool:
+        """Whether :meth:`send_many` takes its messages in together (a store shared over the
+        network pipelines their puts, in order), where one by one each would wait for its own
+        round trip."""
+        return self.store.shared
+
+    @property
     def group_commit(self) -> bool:
         """Whether :meth:`commit` waits for a commit that the messages taken in before it
         share (``QueueStore.group_commit``)."""

@@ -1,6 +1,7 @@
-"""Sends on one Connect session to a broker on the durable (SQLite) store: those in flight
-together share a commit, each is accepted only once it is on disk, and they stay in the order
-they were sent. A commit that fails is said to each of its senders."""
+"""The sends one Connect session has in flight, on the stores where each would otherwise wait
+on its own: on SQLite they share a commit (each accepted only once it is on disk; a commit that
+fails is said to each of its senders), on Redis their puts travel together; in the order they
+were sent."""
 
 from __future__ import annotations
 
@@ -70,3 +71,31 @@ async def test_a_commit_that_fails_is_said_to_each_of_its_senders(tmp_path: Path
             assert isinstance(outcome, BrokerUnavailableError), outcome
             assert outcome.code == "UNAVAILABLE"
         assert on_disk(db, "Sink") == set()
+
+
+async def test_a_sessions_sends_travel_together_to_a_shared_store(redis_url: str) -> None:
+    """On Redis, each put is a round trip: the sends a session has in flight (batch frames,
+    as the SDK writes them while a write is under way) take theirs together."""
+    import redis.asyncio as aioredis
+
+    redis = aioredis.from_url(redis_url)
+    async with LocalMesh(BrokerConfig(store=redis_url)) as mesh:
+        sender = mesh.client("Sender")
+        await sender.register("Sink")
+        await redis.config_resetstat()
+        ids = [f"m{i:02d}" for i in range(64)]
+
+        accepted = await asyncio.gather(
+            *(
+                sender.send("Sink", {"action": "record", "parameters": {"i": i}}, message_id=id_)
+                for i, id_ in enumerate(ids)
+            )
+        )
+
+        assert [m.message_id for m in accepted] == ids
+        # Each group of puts takes its places in the broker-wide count with one INCRBY.
+        groups = (await redis.info("commandstats"))["cmdstat_incrby"]["calls"]
+        assert groups <= 16
+        received = await sender.receive("Sink")
+        assert [m.message_id for m in received] == ids
+    await redis.aclose()
