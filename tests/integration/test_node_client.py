@@ -38,6 +38,7 @@ NODE_TESTS = (
     "content travels as JSON.stringify reads it; what JSON cannot carry is a TypeError",
     "a closed client says so on every call, a MeshError like every other",
     "a resumed watch that fell behind catches up by itself",
+    "sends written together go out together, in order, never past what a frame may carry",
     "a plain gRPC server registered for push is called by the broker with each message",
     "a Node agent served for push answers the broker's calls, with no session of its own",
 )

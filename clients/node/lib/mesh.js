@@ -20,6 +20,10 @@ const definition = protoLoader.loadSync(
     oneofs: true },
 );
 const meshV1 = grpc.loadPackageDefinition(definition).mesh.v1;
+const encodeConnectFrame = definition['mesh.v1.BrokerService'].Connect.requestSerialize;
+/** The most bytes of frames the client sends together as one batch frame (the broker reads
+ * up to 8 MiB a frame; each message is at most 1 MiB). */
+const BATCH_BYTES = 3 * 1024 * 1024;
 const HealthClient = grpc.makeGenericClientConstructor(healthService, 'Health');
 
 // -- google.protobuf.Struct <-> plain JSON ---------------------------------------------------
@@ -547,8 +551,41 @@ class MeshClient {
   _connect() {
     if (this._session && !this._session.closed) return this._session;
     if (isClosed(this.broker)) throw closedClient();
-    const call = this.broker.Connect(this.broker.meshMetadata || new grpc.Metadata());
+    // With agentmesh-batch the broker writes the answers ready at one moment as one batch frame.
+    const metadata = (this.broker.meshMetadata || new grpc.Metadata()).clone();
+    metadata.set('agentmesh-batch', '1');
+    const call = this.broker.Connect(metadata);
     const session = { call, pending: new Map(), seq: 0, closed: false };
+    // The frames written in one turn of the event loop (the sends of a Promise.all, the next
+    // sends of those answered together) go out together too, as batch frames of up to
+    // BATCH_BYTES: the broker reads them together, where one by one it would write each
+    // answer before reading the next frame.
+    let queued = [];
+    const flush = () => {
+      const frames = queued;
+      queued = [];
+      if (call.writableEnded || call.destroyed) return;
+      if (frames.length === 1) {
+        call.write(frames[0]);
+        return;
+      }
+      let batch = [];
+      let bytes = 0;
+      for (const frame of frames) {
+        const size = encodeConnectFrame(frame).length;
+        if (batch.length && bytes + size > BATCH_BYTES) {
+          call.write(batch.length === 1 ? batch[0] : { batch: { frames: batch } });
+          batch = [];
+          bytes = 0;
+        }
+        batch.push(frame);
+        bytes += size;
+      }
+      call.write(batch.length === 1 ? batch[0] : { batch: { frames: batch } });
+    };
+    session.write = (frame) => {
+      if (queued.push(frame) === 1) queueMicrotask(flush);
+    };
     const fail = (err) => {
       if (session.closed) return;
       session.closed = true;
@@ -556,7 +593,7 @@ class MeshClient {
       session.pending.clear();
       if (this._session === session) this._session = null;
     };
-    call.on('data', (frame) => {
+    const answer = (frame) => {
       const waiting = session.pending.get(Number(frame.seq));
       if (!waiting) return;
       session.pending.delete(Number(frame.seq));
@@ -565,6 +602,10 @@ class MeshClient {
       } else {
         waiting.resolve(frame);
       }
+    };
+    call.on('data', (frame) => {
+      if (frame.frame === 'batch') frame.batch.frames.forEach(answer);
+      else answer(frame);
     });
     call.on('error', (err) => fail(new MeshError(err)));
     call.on('end', () => fail(new MeshError({ code: grpc.status.UNAVAILABLE,
@@ -588,7 +629,7 @@ class MeshClient {
         if (!session.pending.delete(seq)) return;
         clearTimeout(timer);
         signal?.removeEventListener('abort', onAbort);
-        if (cancellable && !session.closed) session.call.write({ cancel: { seq } });
+        if (cancellable && !session.closed) session.write({ cancel: { seq } });
         reject(err);
       };
       const timer = setTimeout(() => giveUp(new MeshError({ code: grpc.status.DEADLINE_EXCEEDED,
@@ -600,7 +641,7 @@ class MeshClient {
         resolve: (answer) => { settled(); resolve(answer); },
         reject: (err) => { settled(); reject(err); },
       });
-      session.call.write({ seq, ...frame });
+      session.write({ seq, ...frame });
     });
   }
 

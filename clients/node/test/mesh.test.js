@@ -510,6 +510,29 @@ test('requests in flight together on one session each get their own answer', asy
   }
 });
 
+test('sends written together go out together, in order, never past what a frame may carry',
+  async () => {
+    const client = new MeshClient(BROKER, { agentId: 'NodeBurstSender' });
+    try {
+      await client.register({ agentId: 'NodeBurstSink' });
+      const sent = await Promise.all(Array.from({ length: 100 },
+        (_, i) => client.send('NodeBurstSink', { action: 'record', parameters: { i } })));
+      const got = await client.receive('NodeBurstSink');
+      assert.deepEqual(got.map((m) => m.messageId), sent.map((m) => m.messageId));
+      // Ten of 900 kB at once: 9 MB, more than the broker reads in one frame (8 MiB).
+      const big = 'x'.repeat(900 * 1024);
+      const large = await Promise.all(Array.from({ length: 10 },
+        (_, i) => client.send('NodeBurstSink', { action: 'record', parameters: { i, big } })));
+      const taken = [];
+      while (taken.length < 10) taken.push(...await client.receive('NodeBurstSink'));
+      assert.deepEqual(taken.map((m) => m.messageId), large.map((m) => m.messageId));
+      assert.ok(taken.every((m) => m.content.parameters.big.length === big.length));
+      assert.deepEqual(client.stats.retries, {}); // (none refused on the way, to be sent again)
+    } finally {
+      client.close();
+    }
+  });
+
 test('a request nobody answers ends with DEADLINE_EXCEEDED, and the session goes on', async () => {
   const client = new MeshClient(BROKER, { agentId: 'NodeImpatient' });
   try {
