@@ -561,27 +561,44 @@ class MeshClient {
     // BATCH_BYTES: the broker reads them together, where one by one it would write each
     // answer before reading the next frame.
     let queued = [];
+    const refuse = (frame, err) => { // a frame that cannot be written fails its call alone
+      const waiting = session.pending.get(Number(frame.seq));
+      if (!waiting) return;
+      session.pending.delete(Number(frame.seq));
+      waiting.reject(err);
+    };
     const flush = () => {
       const frames = queued;
       queued = [];
       if (call.writableEnded || call.destroyed) return;
       if (frames.length === 1) {
-        call.write(frames[0]);
+        try {
+          call.write(frames[0]);
+        } catch (err) {
+          refuse(frames[0], err);
+        }
         return;
       }
       let batch = [];
       let bytes = 0;
+      const out = () => {
+        call.write(batch.length === 1 ? batch[0] : { batch: { frames: batch } });
+        batch = [];
+        bytes = 0;
+      };
       for (const frame of frames) {
-        const size = encodeConnectFrame(frame).length;
-        if (batch.length && bytes + size > BATCH_BYTES) {
-          call.write(batch.length === 1 ? batch[0] : { batch: { frames: batch } });
-          batch = [];
-          bytes = 0;
+        let size;
+        try {
+          size = encodeConnectFrame(frame).length;
+        } catch (err) {
+          refuse(frame, err);
+          continue;
         }
+        if (batch.length && bytes + size > BATCH_BYTES) out();
         batch.push(frame);
         bytes += size;
       }
-      call.write(batch.length === 1 ? batch[0] : { batch: { frames: batch } });
+      if (batch.length) out();
     };
     session.write = (frame) => {
       if (queued.push(frame) === 1) queueMicrotask(flush);
