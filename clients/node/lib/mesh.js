@@ -24,6 +24,56 @@ const encodeConnectFrame = definition['mesh.v1.BrokerService'].Connect.requestSe
 /** The most bytes of frames the client sends together as one batch frame (the broker reads
  * up to 8 MiB a frame; each message is at most 1 MiB). */
 const BATCH_BYTES = 3 * 1024 * 1024;
+
+/**
+ * Writes the frames of a Connect stream: those written in one turn of the event loop go out
+ * together, as batch frames of up to BATCH_BYTES, so that the broker reads them together
+ * (one by one, it answers each before it reads the next). A frame that cannot be encoded is
+ * left out and handed to refuse with the error; the others go. flush() writes what waits now
+ * (before the stream is ended).
+ */
+function frameWriter(call, refuse) {
+  let queued = [];
+  const flush = () => {
+    const frames = queued;
+    queued = [];
+    if (!frames.length || call.writableEnded || call.destroyed) return;
+    if (frames.length === 1) {
+      try {
+        call.write(frames[0]);
+      } catch (err) {
+        refuse(frames[0], err);
+      }
+      return;
+    }
+    let batch = [];
+    let bytes = 0;
+    const out = () => {
+      call.write(batch.length === 1 ? batch[0] : { batch: { frames: batch } });
+      batch = [];
+      bytes = 0;
+    };
+    for (const frame of frames) {
+      let size;
+      try {
+        size = encodeConnectFrame(frame).length;
+      } catch (err) {
+        refuse(frame, err);
+        continue;
+      }
+      if (batch.length && bytes + size > BATCH_BYTES) out();
+      batch.push(frame);
+      bytes += size;
+    }
+    if (batch.length) out();
+  };
+  return {
+    write(frame) {
+      if (queued.push(frame) === 1) queueMicrotask(flush);
+    },
+    flush,
+  };
+}
 const HealthClient = grpc.makeGenericClientConstructor(healthService, 'Health');
 
 // -- google.protobuf.Struct <-> plain JSON ---------------------------------------------------
@@ -556,53 +606,14 @@ class MeshClient {
     metadata.set('agentmesh-batch', '1');
     const call = this.broker.Connect(metadata);
     const session = { call, pending: new Map(), seq: 0, closed: false };
-    // The frames written in one turn of the event loop (the sends of a Promise.all, the next
-    // sends of those answered together) go out together too, as batch frames of up to
-    // BATCH_BYTES: the broker reads them together, where one by one it would write each
-    // answer before reading the next frame.
-    let queued = [];
-    const refuse = (frame, err) => { // a frame that cannot be written fails its call alone
+    // The frames of one moment (the sends of a Promise.all, the next sends of those answered
+    // together) go out together too. One that cannot be written fails its own call alone.
+    session.write = frameWriter(call, (frame, err) => {
       const waiting = session.pending.get(Number(frame.seq));
       if (!waiting) return;
       session.pending.delete(Number(frame.seq));
       waiting.reject(err);
-    };
-    const flush = () => {
-      const frames = queued;
-      queued = [];
-      if (call.writableEnded || call.destroyed) return;
-      if (frames.length === 1) {
-        try {
-          call.write(frames[0]);
-        } catch (err) {
-          refuse(frames[0], err);
-        }
-        return;
-      }
-      let batch = [];
-      let bytes = 0;
-      const out = () => {
-        call.write(batch.length === 1 ? batch[0] : { batch: { frames: batch } });
-        batch = [];
-        bytes = 0;
-      };
-      for (const frame of frames) {
-        let size;
-        try {
-          size = encodeConnectFrame(frame).length;
-        } catch (err) {
-          refuse(frame, err);
-          continue;
-        }
-        if (batch.length && bytes + size > BATCH_BYTES) out();
-        batch.push(frame);
-        bytes += size;
-      }
-      if (batch.length) out();
-    };
-    session.write = (frame) => {
-      if (queued.push(frame) === 1) queueMicrotask(flush);
-    };
+    }).write;
     const fail = (err) => {
       if (session.closed) return;
       session.closed = true;
@@ -1234,9 +1245,11 @@ class MeshClient {
     metadata.set('agentmesh-batch', '1');
     if (isClosed(this.broker)) throw closedClient();
     const call = this.broker.Connect(metadata);
-    const write = (frame) => {
-      if (!call.writableEnded && !call.destroyed) call.write(frame);
-    };
+    // Answers and acks of one moment (the deliveries of a frame, handled at once) go out
+    // together; one that cannot be written is said as a refusal.
+    const writer = frameWriter(call, (frame, err) => call.emit('refused', new MeshError({
+      code: grpc.status.INVALID_ARGUMENT, details: `a frame could not be written: ${err.message}` })));
+    const { write } = writer;
     const inFlight = new Map(); // handling -> {id, started}
     const keeper = keepLeases(inFlight, leaseMs, maxLeaseExtensionMs, (ids) => write({
       extend_lease: { agent_id: agentId, message_ids: ids, lease: toDuration(leaseMs) } }));
@@ -1319,6 +1332,7 @@ class MeshClient {
       write({ seq: 2, unsubscribe: { agent_id: agentId, release_unseen: true,
         seen_message_ids: [...inFlight.values()].map((work) => work.id) } });
       const over = new Promise((resolve) => { call.on('status', resolve); call.on('error', resolve); });
+      writer.flush();
       if (!call.writableEnded) call.end();
       await waited(over);
       call.cancel();

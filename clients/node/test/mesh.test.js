@@ -1173,8 +1173,10 @@ function handleWork(client, agentId, count, options) {
 function ackFrames(session) {
   const acked = [];
   const write = session.write.bind(session);
-  session.write = (frame) => {
-    if (frame.ack) acked.push(frame.ack.message_ids.length);
+  session.write = (frame) => { // (a frame, or the frames of one moment in a batch frame)
+    for (const each of frame.batch ? frame.batch.frames : [frame]) {
+      if (each.ack) acked.push(each.ack.message_ids.length);
+    }
     return write(frame);
   };
   return acked;
