@@ -534,8 +534,8 @@ class _Session:
 
     async def _batch(self, frames: Iterable[broker_pb2.ConnectRequest | Malformed]) -> None:
         self.in_batch = True
+        # Consecutive sends, taken in together on a store shared over the network.
         sends: list[broker_pb2.ConnectRequest] = []
-        """Consecutive sends, taken in together on a store shared over the network."""
         try:
             for inner in frames:
                 if (
