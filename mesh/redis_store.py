@@ -195,8 +195,8 @@ local seq = redis.call('INCR', seqkey)
 local member = string.format('%020d', seq) .. ':' .. id
 redis.call('ZADD', ready, score, member)
 redis.call('HSET', msgs, id, body)
-redis.call('HSET', meta, id,
-  cjson.encode({e = expires, a = 0, c = now, m = member, p = score, s = ''}))
+redis.call('HSET', meta, id, cjson.encode(
+  {e = expires, a = 0, c = now, m = member, p = score, s = '', r = tonumber(ARGV[9])}))
 redis.call('ZADD', expiry, expires, id)
 redis.call('PUBLISH', ARGV[7], ARGV[8])
 -- the third answer: the queue's first message (ever, or since it was forgotten)
@@ -391,10 +391,28 @@ _STATS = """
 local out = {}
 expire_due(tonumber(ARGV[1]), out)
 local span = tonumber(ARGV[2])
+local counts
+if ARGV[3] == '1' then
+  -- In arrival order every score is 0: the priorities are counted from each message's meta.
+  counts = {0, 0, 0}
+  for _, member in ipairs(redis.call('ZRANGE', ready, 0, -1)) do
+    local m = redis.call('HGET', meta, string.sub(member, 22))
+    if m then
+      local rank = cjson.decode(m).r or 1
+      counts[rank + 1] = counts[rank + 1] + 1
+    end
+  end
+else
+  counts = {
+    redis.call('ZCOUNT', ready, 0, '(' .. span),
+    redis.call('ZCOUNT', ready, span, '(' .. (2 * span)),
+    redis.call('ZCOUNT', ready, 2 * span, '+inf'),
+  }
+end
 return {
-  redis.call('ZCOUNT', ready, 0, '(' .. span),
-  redis.call('ZCOUNT', ready, span, '(' .. (2 * span)),
-  redis.call('ZCOUNT', ready, 2 * span, '+inf'),
+  counts[1],
+  counts[2],
+  counts[3],
   redis.call('ZCARD', leased),
   redis.call('LLEN', dead),
   redis.call('HLEN', msgs),
@@ -879,6 +897,7 @@ class RedisQueueStore:
             per_agent,
             WAKE,
             self._wake_for(agent_id),
+            message.priority.rank,
         ]
         result = await self._put(agent_id, args, total)
         if int(result[0]) == -2:
@@ -888,6 +907,10 @@ class RedisQueueStore:
         status = int(result[0])
         for_low = " for LOW priority" if low else ""
         if status == -2:
+            # Refused by the broker-wide count before the script looked: a retry of a message
+            # already held is the harmless duplicate it is, not a send refused.
+            if await self._call("hexists", _keys(agent_id)[2], message.message_id):
+                return False
             raise MessageQueueFullError(
                 f"{agent_id} queue full: the brokers hold {int(result[2])} of their "
                 f"{self.max_total_messages} messages{for_low}",
@@ -1270,7 +1293,7 @@ class RedisQueueStore:
 
     async def _stats(self, agent_id: str | None) -> list[tuple[str, list[Any]]]:
         agents = await self._agents(agent_id)
-        args = [self._now_ms(), RANK_SPAN]
+        args = [self._now_ms(), RANK_SPAN, "1" if self.fifo else "0"]
         _, results = await self._run_many("stats", [(aid, args) for aid in agents])
         out = []
         for aid, result in zip(agents, results, strict=True):

@@ -226,6 +226,18 @@ async def test_sweep_expires_without_a_reader(
     assert stats.depth == 0
 
 
+async def test_a_fifo_queue_still_counts_its_messages_by_priority(
+    fifo_store: QueueStore,
+) -> None:
+    await fifo_store.put(msg("msg_001", priority=Priority.LOW), 3600)
+    await fifo_store.put(msg("msg_002", priority=Priority.HIGH), 3600)
+    await fifo_store.put(msg("msg_003", priority=Priority.MEDIUM), 3600)
+    await fifo_store.put(msg("msg_004", priority=Priority.MEDIUM), 3600)
+    await fifo_store.lease("PaymentAgent", "sub-1", 30)  # msg_001, the first in
+    [stats] = await fifo_store.stats("PaymentAgent")
+    assert (stats.high, stats.medium, stats.low, stats.in_flight) == (1, 2, 0, 1)
+
+
 async def test_capacity_per_agent(store: QueueStore) -> None:
     for i in range(5):
         await store.put(msg(f"m{i}"), 3600)
@@ -262,6 +274,24 @@ async def test_duplicate_message_id_is_accepted_once(store: QueueStore) -> None:
     assert await store.put(msg("same"), 3600)
     assert not await store.put(msg("same"), 3600)
     assert await ids(store) == ["same"]
+
+
+async def test_a_retried_send_of_a_held_message_is_a_duplicate_even_when_full(
+    store: QueueStore,
+) -> None:
+    """A sender whose answer was lost sends again: the message is held, so the retry is
+    the harmless duplicate it is, however full the queues are (not a refusal the sender
+    would take for a lost message)."""
+    for i in range(5):
+        await store.put(msg(f"p{i}"), 3600)  # PaymentAgent full
+    for i in range(3):
+        await store.put(msg(f"a{i}", to="AuditAgent"), 3600)  # the broker full
+    assert await store.put(msg("p0"), 3600) is False
+    assert await store.put(msg("a0", to="AuditAgent"), 3600) is False
+    assert await store.put(msg("a1", to="AuditAgent", priority=Priority.LOW), 3600) is False
+    with pytest.raises(MessageQueueFullError):
+        await store.put(msg("a3", to="AuditAgent"), 3600)
+    assert await store.held() == 8
 
 
 async def test_lease_ack_releases_capacity(store: QueueStore, recorder: Recorder) -> None:
