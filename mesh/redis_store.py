@@ -954,7 +954,8 @@ class RedisQueueStore:
         one pipeline, in submission order; places not used (refused, duplicates) are given
         back. Far from the limit (by the count last seen) the reservation travels in the same
         pipeline as the puts: one round trip. Near it, the places are reserved first and only
-        the puts that fit run, so the limit holds exactly however many replicas share it."""
+        the puts that fit run (another round trip when some did not add a message and those
+        after them may fit now), so the limit holds exactly however many replicas share it."""
         calls = [(p.agent_id, p.args) for p in puts]
         new_queues = sorted({p.agent_id for p in puts} - self._queues_known)
         extra = [("SADD", QUEUES, *new_queues)] if new_queues else []
@@ -980,31 +981,39 @@ class RedisQueueStore:
                 if not put.future.done():
                     put.future.set_exception(error)
             return
+        # The puts run in rounds, each the longest run of them that fits were every one to
+        # add a message, so that each is judged by what those before it did (a duplicate, or
+        # a put its agent's queue refused, adds nothing), as if they had run one by one; a
+        # place that will not be used goes back as soon as that is known.
         held = reserved_to - len(puts)
-        admitted: list[_Put] = []
-        refused: list[_Put] = []
-        for put in puts:
-            if held < put.total_limit:
-                admitted.append(put)
-                held += 1
-            else:
-                refused.append(put)
         self._seen_total = held
-        self._release(len(refused))  # before their senders hear of it
-        for put in refused:
-            if not put.future.done():
-                put.future.set_result([-2, [], held])
-        if not admitted:
-            return
-        try:
-            _, results = await self._run_many(
-                "put", [(p.agent_id, p.args) for p in admitted], extra
-            )
-            self._queues_known.update(new_queues)
-        except BrokerUnavailableError as error:
-            results = [error] * len(admitted)
-        await self._name_first_queues(admitted, results, new_queues)
-        self._settle_puts(admitted, results, 0)
+        remaining = puts
+        while remaining:
+            run: list[_Put] = []
+            later: list[_Put] = []
+            for index, put in enumerate(remaining):
+                if held + len(run) < put.total_limit:
+                    run.append(put)
+                elif run:  # it may fit once those before it have run
+                    later = remaining[index:]
+                    break
+                else:  # no room whatever the others do: its place goes back at once
+                    self._release(1)
+                    if not put.future.done():
+                        put.future.set_result([-2, [], held])
+            remaining = later
+            if not run:
+                break
+            try:
+                _, results = await self._run_many("put", [(p.agent_id, p.args) for p in run], extra)
+                self._queues_known.update(new_queues)
+            except BrokerUnavailableError as error:
+                results = [error] * len(run)
+            await self._name_first_queues(run, results, new_queues)
+            took = sum(1 for r in results if not isinstance(r, BaseException) and int(r[0]) == 1)
+            held += took
+            self._seen_total = held
+            self._settle_puts(run, results, 0)  # (the places of those that added nothing)
 
     async def _name_first_queues(
         self, puts: list[_Put], results: list[Any], named: list[str]
@@ -1067,13 +1076,16 @@ class RedisQueueStore:
                     taken += 1
         return taken
 
-    def _settle_puts(self, puts: list[_Put], results: list[Any], unused: int) -> None:
+    def _settle_puts(
+        self, puts: list[_Put], results: list[Any], unused: int, *, release: bool = True
+    ) -> None:
         """Gives back the places of the puts that did not add a message (refused, duplicates,
-        not run), then answers each."""
+        not run) unless told not to (the caller hands them on), then answers each."""
         for result in results:
             if isinstance(result, BaseException) or int(result[0]) != 1:
                 unused += 1
-        self._release(unused)
+        if release:
+            self._release(unused)
         for put, result in zip(puts, results, strict=True):
             if put.future.done():
                 continue

@@ -294,6 +294,22 @@ async def test_a_retried_send_of_a_held_message_is_a_duplicate_even_when_full(
     assert await store.held() == 8
 
 
+async def test_retried_sends_near_the_limit_take_no_place_from_new_ones(
+    store: QueueStore,
+) -> None:
+    """Senders retrying a held message while others send new ones, three places left: the
+    retries add nothing and take no place, so the three new messages fit."""
+    for i in range(4):
+        await store.put(msg(f"a{i}", to="AuditAgent"), 3600)
+    await store.put(msg("p0"), 3600)
+    together = [msg("p0"), msg("p0"), msg("p0"), msg("p1"), msg("p2"), msg("p3")]
+    results = await asyncio.gather(*(store.put(m, 3600) for m in together))
+    assert results == [False, False, False, True, True, True]
+    assert await store.held() == 8
+    with pytest.raises(MessageQueueFullError):
+        await store.put(msg("p4"), 3600)
+
+
 async def test_lease_ack_releases_capacity(store: QueueStore, recorder: Recorder) -> None:
     await store.put(msg("m1"), 3600)
     lease = await store.lease("PaymentAgent", "sub-1", 30)
