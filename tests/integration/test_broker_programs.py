@@ -1,0 +1,155 @@
+"""Random programs of client calls, through a broker on each store side by side.
+
+Hypothesis writes programs of what clients do over gRPC: sends one at a time and many at
+once on one session (ids sent again, as retries are; every priority), SendMessages batches,
+receives, queue statistics and broadcasts to every agent or to one type. A broker on the
+in-memory store and one on SQLite or Redis run each program, and every answer (what was
+accepted, refused and why, what each agent received and in which order, the queue counts)
+must be the same: a client cannot tell the stores apart. Capacities are small so that
+programs fill them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from pathlib import Path
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mesh import LocalMesh, Message, connect
+from mesh.client import NO_RETRY
+from mesh.config import BrokerConfig
+from mesh.core.errors import MultiAgentCommunicationError
+from mesh.core.model import Priority
+
+AGENTS = {"a": "worker", "b": "worker", "c": "auditor"}
+IDS = tuple(f"m{i}" for i in range(6))
+LIMITS: dict[str, Any] = {"max_messages_per_agent": 4, "max_total_messages": 7}
+
+targets = st.sampled_from(["a", "a", "b", "c", "nobody"])
+one = st.tuples(targets, st.sampled_from(IDS))
+operations = st.one_of(
+    st.tuples(st.just("send"), one),
+    st.tuples(st.just("send"), one),
+    st.tuples(st.just("parallel"), st.lists(one, min_size=2, max_size=6)),
+    st.tuples(st.just("batch"), st.lists(one, min_size=1, max_size=6)),
+    st.tuples(st.just("receive"), st.sampled_from(list(AGENTS)), st.integers(0, 3)),
+    st.tuples(st.just("stats")),
+    st.tuples(st.just("broadcast"), st.sampled_from([(), ("worker",), ("auditor",)])),
+)
+programs = st.lists(operations, min_size=5, max_size=25)
+
+
+def message(to: str, mid: str, number: int) -> Message:
+    """A message sent again has the same id and priority (what a client's retry sends)."""
+    return Message(
+        message_id=mid,
+        from_agent="sender",
+        to_agent=to,
+        content={"action": "work", "parameters": {"n": number}},
+        priority=list(Priority)[(ord(to[0]) + IDS.index(mid)) % 3],
+    )
+
+
+def outcome(result: Any) -> Any:
+    if isinstance(result, MultiAgentCommunicationError):
+        return (type(result).__name__, result.reason)
+    assert isinstance(result, Message)
+    return ("accepted", result.message_id)
+
+
+def received(m: Message) -> tuple[Any, ...]:
+    """What a receiver can compare: a broadcast's copies have ids of their own."""
+    copy = m.message_type.value == "BROADCAST"
+    return ("copy" if copy else m.message_id, m.from_agent, m.priority.value, dict(m.content))
+
+
+async def run(program: list[tuple[Any, ...]], address: str) -> list[Any]:
+    """Runs the program against the broker at ``address``; what its clients saw, step by step."""
+    seen: list[Any] = []
+    async with connect(address, agent_id="sender", retry=NO_RETRY) as client:
+        for agent_id, agent_type in AGENTS.items():
+            await client.register(agent_id, agent_types=[agent_type])
+        await client.register("sender", agent_types=["sender"])
+        for number, (kind, *args) in enumerate(program):
+            try:
+                if kind == "send":
+                    seen.append(outcome(await client.send_message(message(*args[0], number))))
+                elif kind == "parallel":  # one session: its frames in the order written
+                    results = await client.send_parallel(
+                        [message(*m, number) for m in args[0]], return_exceptions=True
+                    )
+                    seen.append([outcome(r) for r in results])
+                elif kind == "batch":
+                    results = await client.send_batch([message(*m, number) for m in args[0]])
+                    seen.append([outcome(r) for r in results])
+                elif kind == "receive":
+                    got = await client.receive(args[0], args[1])
+                    seen.append([received(m) for m in got])
+                elif kind == "stats":
+                    report = await client.queue_stats()
+                    seen.append(
+                        sorted(
+                            (q.agent_id, q.high, q.medium, q.low, q.in_flight, q.dead_letters)
+                            for q in report.agents
+                            if q.depth or q.in_flight or q.dead_letters
+                        )
+                    )
+                else:
+                    result = await client.broadcast(
+                        {"action": "notice", "parameters": {"n": number}}, agent_types=args[0]
+                    )
+                    seen.append((sorted(result.recipients), sorted(f[0] for f in result.failures)))
+            except MultiAgentCommunicationError as error:
+                seen.append(outcome(error))
+    return seen
+
+
+async def compare(program: list[tuple[Any, ...]], store: str) -> None:
+    meshes = [
+        await LocalMesh(BrokerConfig(**LIMITS)).start(),
+        await LocalMesh(BrokerConfig(store=store, **LIMITS)).start(),
+    ]
+    try:
+        expected = await run(program, meshes[0].address)
+        got = await run(program, meshes[1].address)
+    finally:
+        for mesh in meshes:
+            await mesh.stop()
+    for number, (want, have) in enumerate(zip(expected, got, strict=True)):
+        assert have == want, f"step {number} {program[number]} of {program}: {have} != {want}"
+
+
+FUZZ = settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+
+@FUZZ
+@given(program=programs)
+def test_a_broker_on_sqlite_answers_clients_as_one_in_memory_does(
+    program: list[tuple[Any, ...]], tmp_path: Path
+) -> None:
+    path = tmp_path / f"queues-{secrets.token_hex(6)}.db"
+    asyncio.run(compare(program, f"sqlite:///{path}"))
+
+
+@FUZZ
+@given(program=programs)
+def test_a_broker_on_redis_answers_clients_as_one_in_memory_does(
+    program: list[tuple[Any, ...]], redis_server: str
+) -> None:
+    import redis
+
+    client = redis.Redis.from_url(redis_server)
+    try:
+        for key in client.scan_iter(match="mesh:*"):
+            client.delete(key)
+    finally:
+        client.close()
+    asyncio.run(compare(program, redis_server))
