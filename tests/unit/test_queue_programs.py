@@ -3,13 +3,13 @@
 Hypothesis writes programs of puts (two agents, reused ids, every priority, timestamps out
 of order, short and long TTLs), leases, acks, nacks, dead-lettering, withdrawals, departures,
 pops and the passing of time. The in-memory store runs each program next to the Redis store
-(one server, two replicas sharing one, and a three-node cluster), and every answer and every queue's state after each
-step must be the same in both: the stores are one contract. Each store's answers are also
-held to rules of their own: what one lease or pop hands out comes in priority order (in
-arrival order for a FIFO queue), no attempt is counted past the limit, and every message
-accepted is accounted for (taken, expired, dead-lettered or still held). The SQLite store,
-closed and opened again after a program, must give back every message it held, in order,
-with its attempts.
+(one server, two replicas sharing one, and a three-node cluster), and every answer and every
+queue's state after each step must be the same in both: the stores are one contract. Each
+store's answers are also held to rules of their own: what one lease or pop hands out comes
+in priority order (in arrival order for a FIFO queue), no attempt is counted past the limit,
+and every message accepted is accounted for (taken, expired, dead-lettered or still held).
+The SQLite store, closed and opened again after a program, must give back every message it
+held, in order, with its attempts.
 """
 
 from __future__ import annotations
