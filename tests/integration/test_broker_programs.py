@@ -2,7 +2,8 @@
 
 Hypothesis writes programs of what clients do over gRPC: sends one at a time and many at
 once on one session (ids sent again, as retries are; every priority), SendMessages batches,
-receives, queue statistics and broadcasts to every agent or to one type. A broker on the
+receives, queue statistics, broadcasts to every agent or to one type, agents leaving and
+coming back, hand-offs of a workflow, its ending and its status. A broker on the
 in-memory store and one on SQLite or Redis run each program, and every answer (what was
 accepted, refused and why, what each agent received and in which order, the queue counts)
 must be the same: a client cannot tell the stores apart. Capacities are small so that
@@ -39,6 +40,11 @@ operations = st.one_of(
     st.tuples(st.just("receive"), st.sampled_from(list(AGENTS)), st.integers(0, 3)),
     st.tuples(st.just("stats")),
     st.tuples(st.just("broadcast"), st.sampled_from([(), ("worker",), ("auditor",)])),
+    st.tuples(st.just("deregister"), st.sampled_from(list(AGENTS))),
+    st.tuples(st.just("register"), st.sampled_from(list(AGENTS))),
+    st.tuples(st.just("handoff"), targets, st.integers(1, 3)),
+    st.tuples(st.just("end"), st.sampled_from(["COMPLETED", "FAILED"])),
+    st.tuples(st.just("workflow")),
 )
 programs = st.lists(operations, min_size=5, max_size=25)
 
@@ -62,9 +68,19 @@ def outcome(result: Any) -> Any:
 
 
 def received(m: Message) -> tuple[Any, ...]:
-    """What a receiver can compare: a broadcast's copies have ids of their own."""
-    copy = m.message_type.value == "BROADCAST"
-    return ("copy" if copy else m.message_id, m.from_agent, m.priority.value, dict(m.content))
+    """What a receiver can compare: broadcast copies and hand-offs have ids of their own."""
+    named = m.message_id if m.message_id in IDS else m.message_type.value
+    return (named, m.from_agent, m.priority.value, dict(m.content))
+
+
+def status(value: Any) -> dict[str, Any]:
+    """A workflow's status, but for its times and the hand-off's message id."""
+    assert isinstance(value, dict)
+    return {
+        k: v
+        for k, v in value.items()
+        if k not in ("handed_off_at", "finished_at", "message_id", "updated_at")
+    }
 
 
 async def run(program: list[tuple[Any, ...]], address: str) -> list[Any]:
@@ -98,6 +114,23 @@ async def run(program: list[tuple[Any, ...]], address: str) -> list[Any]:
                             if q.depth or q.in_flight or q.dead_letters
                         )
                     )
+                elif kind == "deregister":
+                    await client.deregister(args[0])
+                    seen.append("deregistered")
+                elif kind == "register":
+                    await client.register(args[0], agent_types=[AGENTS[args[0]]])
+                    seen.append("registered")
+                elif kind == "handoff":
+                    sent = await client.handoff(
+                        args[0], f"step {args[1]}", workflow_id="w1", step_number=args[1]
+                    )
+                    seen.append(("accepted", sent.to_agent))
+                elif kind == "end":
+                    ending = await client.end_workflow("w1", args[0])
+                    seen.append(None if ending is None else status(ending.value))
+                elif kind == "workflow":
+                    entry = await client.get_state("workflow/w1")
+                    seen.append(None if entry is None else status(entry.value))
                 else:
                     result = await client.broadcast(
                         {"action": "notice", "parameters": {"n": number}}, agent_types=args[0]
