@@ -3,7 +3,9 @@
 Hypothesis writes programs of what clients do over gRPC: sends one at a time and many at
 once on one session (ids sent again, as retries are; every priority), SendMessages batches,
 receives, queue statistics, broadcasts to every agent or to one type, agents leaving and
-coming back, hand-offs of a workflow, its ending and its status. A broker on the
+coming back, hand-offs of a workflow, its ending and its status, subscriptions that take
+what is waiting and ack, nack, reject or keep each delivery, dead letters listed and
+requeued. A broker on the
 in-memory store and one on SQLite or Redis run each program, and every answer (what was
 accepted, refused and why, what each agent received and in which order, the queue counts)
 must be the same: a client cannot tell the stores apart. Capacities are small so that
@@ -32,10 +34,15 @@ LIMITS: dict[str, Any] = {"max_messages_per_agent": 4, "max_total_messages": 7}
 
 targets = st.sampled_from(["a", "a", "b", "c", "nobody"])
 one = st.tuples(targets, st.sampled_from(IDS))
-operations = st.one_of(
-    st.tuples(st.just("send"), one),
+sends = st.one_of(
     st.tuples(st.just("send"), one),
     st.tuples(st.just("parallel"), st.lists(one, min_size=2, max_size=6)),
+)
+operations = st.one_of(  # (sends more often than the rest: the queues fill)
+    sends,
+    sends,
+    sends,
+    sends,
     st.tuples(st.just("batch"), st.lists(one, min_size=1, max_size=6)),
     st.tuples(st.just("receive"), st.sampled_from(list(AGENTS)), st.integers(0, 3)),
     st.tuples(st.just("stats")),
@@ -45,8 +52,16 @@ operations = st.one_of(
     st.tuples(st.just("handoff"), targets, st.integers(1, 3)),
     st.tuples(st.just("end"), st.sampled_from(["COMPLETED", "FAILED"])),
     st.tuples(st.just("workflow")),
+    st.tuples(
+        st.just("take"),
+        st.sampled_from(list(AGENTS)),
+        st.lists(st.sampled_from(["ack", "nack", "reject", "keep"]), min_size=1, max_size=3),
+    ),
+    st.tuples(st.just("take"), st.sampled_from(list(AGENTS)), st.just(["ack", "ack", "ack"])),
+    st.tuples(st.just("dead_letters")),
+    st.tuples(st.just("requeue"), st.sampled_from(list(AGENTS))),
 )
-programs = st.lists(operations, min_size=5, max_size=25)
+programs = st.lists(operations, min_size=8, max_size=30)
 
 
 def message(to: str, mid: str, number: int) -> Message:
@@ -71,6 +86,36 @@ def received(m: Message) -> tuple[Any, ...]:
     """What a receiver can compare: broadcast copies and hand-offs have ids of their own."""
     named = m.message_id if m.message_id in IDS else m.message_type.value
     return (named, m.from_agent, m.priority.value, dict(m.content))
+
+
+async def take(client: Any, agent_id: str, verdicts: list[str]) -> list[Any]:
+    """Subscribes as the agent, takes as many deliveries as there are verdicts (or as are
+    waiting), acks, nacks, rejects or keeps each as told, and leaves (what it kept goes back);
+    the deliveries, in the order they came."""
+    [queue] = [q for q in (await client.queue_stats(agent_id)).agents if q.agent_id == agent_id]
+    want = min(len(verdicts), queue.depth)
+    if not want:
+        return []
+    subscription = await client.subscribe(
+        agent_id, max_in_flight=len(verdicts), reconnect=False
+    ).start()
+    got = []
+    try:
+        async with asyncio.timeout(10):
+            async for delivery in subscription:
+                got.append((received(delivery.message), delivery.attempt))
+                verdict = verdicts[len(got) - 1]
+                if verdict == "ack":
+                    await delivery.ack()
+                elif verdict == "nack":
+                    await delivery.nack()
+                elif verdict == "reject":
+                    await delivery.reject("poison")
+                if len(got) == want:
+                    break
+    finally:
+        await subscription.close()
+    return got
 
 
 def status(value: Any) -> dict[str, Any]:
@@ -114,6 +159,21 @@ async def run(program: list[tuple[Any, ...]], address: str) -> list[Any]:
                             if q.depth or q.in_flight or q.dead_letters
                         )
                     )
+                elif kind == "take":
+                    seen.append(await take(client, args[0], args[1]))
+                elif kind == "dead_letters":
+                    seen.append(
+                        sorted(
+                            (
+                                (d.message.to_agent, received(d.message), d.reason, d.attempts)
+                                for d in await client.dead_letters()
+                            ),
+                            key=repr,
+                        )
+                    )
+                elif kind == "requeue":
+                    requeued = await client.requeue_dead_letters(args[0])
+                    seen.append((requeued.requeued, requeued.left))
                 elif kind == "deregister":
                     await client.deregister(args[0])
                     seen.append("deregistered")
