@@ -5,11 +5,10 @@ once on one session (ids sent again, as retries are; every priority), SendMessag
 receives, queue statistics, broadcasts to every agent or to one type, agents leaving and
 coming back, hand-offs of a workflow, its ending and its status, subscriptions that take
 what is waiting and ack, nack, reject or keep each delivery, dead letters listed and
-requeued. A broker on the
-in-memory store and one on SQLite or Redis run each program, and every answer (what was
-accepted, refused and why, what each agent received and in which order, the queue counts)
-must be the same: a client cannot tell the stores apart. Capacities are small so that
-programs fill them.
+requeued. A broker on the in-memory store and one on SQLite, Redis or a Redis Cluster run
+each program, and every answer (what was accepted, refused and why, what each agent
+received and in which order, the queue counts) must be the same: a client cannot tell the
+stores apart. Capacities are small so that programs fill them.
 """
 
 from __future__ import annotations
@@ -246,3 +245,12 @@ def test_a_broker_on_redis_answers_clients_as_one_in_memory_does(
     finally:
         client.close()
     asyncio.run(compare(program, redis_server))
+
+
+@settings(FUZZ, max_examples=30)
+@given(program=programs)
+def test_a_broker_on_a_redis_cluster_answers_clients_as_one_in_memory_does(
+    program: list[tuple[Any, ...]], local_redis_cluster: Any
+) -> None:
+    local_redis_cluster.flush()
+    asyncio.run(compare(program, local_redis_cluster.urls[0]))
