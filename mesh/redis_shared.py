@@ -32,6 +32,8 @@ from mesh.core.memory import (
     as_stored,
     check_insight_delete,
     check_insight_read,
+    insight_from_record,
+    insight_record,
     pool_full,
 )
 from mesh.core.model import JSON
@@ -420,19 +422,7 @@ class RedisMemoryPool:
         now = self._now_ms()
         stored = as_stored(insight, seq, _at(now))
         expires = stored.expires_at
-        record = {
-            "seq": seq,
-            "insight_id": stored.insight_id,
-            "agent_id": stored.agent_id,
-            "content": stored.content,
-            "tags": list(stored.tags),
-            "importance": stored.importance,
-            "segment": stored.segment,
-            "metadata": stored.metadata,
-            "created_at": stored.created_at.isoformat() if stored.created_at else "",
-            "ttl": stored.ttl,
-            "expires_at": expires.isoformat() if expires else "",
-        }
+        record = {"seq": seq, **insight_record(stored)}
         written = await self._eval(
             _WRITE_INSIGHT, now, self.capacity, stored.insight_id,
             json.dumps(record, default=str),
@@ -456,7 +446,7 @@ class RedisMemoryPool:
             _READ_INSIGHTS, self._now_ms(), repr(float(min_importance)), agent_id,
             limit if limit > 0 else DEFAULT_READ_LIMIT, segment, *dict.fromkeys(tags),
         )  # fmt: skip
-        return [_insight(json.loads(_text(raw))) for raw in found]
+        return [insight_from_record(json.loads(_text(raw))) for raw in found]
 
     async def delete(
         self,
@@ -484,23 +474,6 @@ class RedisMemoryPool:
             },
             capacity=self.capacity,
         )
-
-
-def _insight(record: dict[str, Any]) -> Insight:
-    created = record.get("created_at")
-    expires = record.get("expires_at")
-    return Insight(
-        agent_id=record["agent_id"],
-        content=record["content"],
-        tags=tuple(record["tags"]),
-        importance=float(record["importance"]),
-        segment=record["segment"],
-        metadata=record.get("metadata") or {},
-        insight_id=record["insight_id"],
-        created_at=datetime.fromisoformat(created) if created else None,
-        ttl=float(record.get("ttl") or 0.0),
-        expires_at=datetime.fromisoformat(expires) if expires else None,
-    )
 
 
 class RedisSharedState:

@@ -348,7 +348,7 @@ class Broker:
         self.store = store
         store.listener = self
         shared = getattr(store, "shared_memory", None)
-        if shared is not None:  # a store that replicas share keeps these for all of them
+        if shared is not None:  # a store that keeps these (for every replica, or on disk)
             self.memory, self.state = shared()
         self._pending: dict[tuple[str, str], asyncio.Future[Message] | _Gathering] = {}
         self._ended_at: collections.OrderedDict[tuple[str, str], float] = collections.OrderedDict()

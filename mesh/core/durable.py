@@ -12,6 +12,10 @@ Commits are grouped: whatever was recorded while the previous commit ran goes in
 one, so a burst of senders shares commits instead of queueing behind one commit each.
 On start, the store is rebuilt from the database: waiting and leased messages come back
 queued, in their places, with their delivery attempts and what remains of their TTL.
+
+The same database keeps the broker's shared state and shared memory pool
+(:meth:`SqliteQueueStore.shared_memory`): each write is committed before it is answered, and
+a restarted broker starts from what they held.
 """
 
 from __future__ import annotations
@@ -27,8 +31,16 @@ from pathlib import Path
 from typing import Any
 
 from mesh.core.errors import BrokerUnavailableError
+from mesh.core.memory import (
+    Insight,
+    MemoryPool,
+    SharedMemoryPool,
+    insight_from_record,
+    insight_record,
+)
 from mesh.core.model import AgentInfo, DeadLetter, Message
 from mesh.core.queue import InMemoryQueueStore, QueueStore, StoredEntry
+from mesh.core.state import SharedState, StateEntry, StateStore, entry_from_record, entry_record
 
 logger = logging.getLogger("mesh.store")
 
@@ -44,6 +56,15 @@ CREATE TABLE IF NOT EXISTS messages (
 );
 CREATE TABLE IF NOT EXISTS agents (
     agent_id TEXT PRIMARY KEY,
+    body TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS state (
+    key TEXT PRIMARY KEY,
+    body TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS insights (
+    insight_id TEXT PRIMARY KEY,
+    seq INTEGER NOT NULL,
     body TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS dead_letters (
@@ -105,6 +126,16 @@ class SqliteJournal:
             for (body,) in self._db.execute("SELECT body FROM agents ORDER BY agent_id")
         ]
 
+    def load_state(self) -> list[StateEntry]:
+        return [entry_from_record(body) for (body,) in self._db.execute("SELECT body FROM state")]
+
+    def load_insights(self) -> list[Insight]:
+        """The insights kept, oldest first."""
+        return [
+            insight_from_record(json.loads(body))
+            for (body,) in self._db.execute("SELECT body FROM insights ORDER BY seq")
+        ]
+
     def load(self) -> tuple[list[StoredEntry], list[tuple[str, DeadLetter]]]:
         """What the database holds: messages in acceptance order, and the dead letters."""
         entries = [
@@ -156,6 +187,20 @@ class SqliteJournal:
 
     def agent_gone(self, agent_id: str) -> None:
         self._record(("agent_gone", agent_id))
+
+    def state_written(self, entry: StateEntry) -> None:
+        self._record(("state", entry.key, entry_record(entry)))
+
+    def state_gone(self, key: str) -> None:
+        self._record(("state_gone", key))
+
+    def insight_written(self, insight: Insight) -> None:
+        number = insight.insight_id.removeprefix("insight_")
+        body = json.dumps(insight_record(insight), default=str, separators=(",", ":"))
+        self._record(("insight", insight.insight_id, int(number) if number.isdigit() else 0, body))
+
+    def insights_gone(self, insight_ids: list[str]) -> None:
+        self._record(("insights_gone", insight_ids))
 
     def _record(self, op: Op) -> None:
         with self._lock:
@@ -275,6 +320,16 @@ class SqliteJournal:
                         "(SELECT MAX(id) FROM dead_letters) - ?",
                         (self.max_dead_letters,),
                     )
+                elif kind == "state":
+                    db.execute("INSERT OR REPLACE INTO state VALUES (?, ?)", (op[1], op[2]))
+                elif kind == "state_gone":
+                    db.execute("DELETE FROM state WHERE key = ?", (op[1],))
+                elif kind == "insight":
+                    db.execute("INSERT OR REPLACE INTO insights VALUES (?, ?, ?)", op[1:])
+                elif kind == "insights_gone":
+                    db.executemany(
+                        "DELETE FROM insights WHERE insight_id = ?", [(i,) for i in op[1]]
+                    )
                 elif kind == "undead":
                     db.executemany(
                         "DELETE FROM dead_letters WHERE agent_id = ? "
@@ -329,6 +384,14 @@ class SqliteQueueStore(InMemoryQueueStore):
 
     async def sync(self) -> None:
         await self.journal.sync()
+
+    def shared_memory(self) -> tuple[MemoryPool, StateStore]:
+        """The shared memory pool and shared state, kept in the same database: what was
+        written survives a restart, as the queues do (a lock, a lease, does not)."""
+        return (
+            SharedMemoryPool(journal=self.journal, restored=self.journal.load_insights()),
+            SharedState(journal=self.journal, restored=self.journal.load_state()),
+        )
 
     async def saved_agents(self) -> list[AgentInfo]:
         return list(self._agents)

@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
 from mesh.core.errors import FieldViolation, LimitExceededError, MessageValidationError
 from mesh.core.model import JSON, utc_now
@@ -67,6 +67,52 @@ def as_stored(insight: Insight, seq: int, now: datetime | None = None) -> Insigh
         ttl=insight.ttl,
         expires_at=created + timedelta(seconds=insight.ttl) if insight.ttl > 0 else None,
     )
+
+
+def insight_record(insight: Insight) -> dict[str, JSON]:
+    """An insight as JSON, as a pool that keeps it outside the process writes it."""
+    return {
+        "insight_id": insight.insight_id,
+        "agent_id": insight.agent_id,
+        "content": insight.content,
+        "tags": list(insight.tags),
+        "importance": insight.importance,
+        "segment": insight.segment,
+        "metadata": insight.metadata,
+        "created_at": insight.created_at.isoformat() if insight.created_at else "",
+        "ttl": insight.ttl,
+        "expires_at": insight.expires_at.isoformat() if insight.expires_at else "",
+    }
+
+
+def insight_from_record(record: dict[str, Any]) -> Insight:
+    """The insight :func:`insight_record` wrote."""
+    created = record.get("created_at")
+    expires = record.get("expires_at")
+    return Insight(
+        agent_id=record["agent_id"],
+        content=record["content"],
+        tags=tuple(record["tags"]),
+        importance=float(record["importance"]),
+        segment=record["segment"],
+        metadata=record.get("metadata") or {},
+        insight_id=record["insight_id"],
+        created_at=datetime.fromisoformat(created) if created else None,
+        ttl=float(record.get("ttl") or 0.0),
+        expires_at=datetime.fromisoformat(expires) if expires else None,
+    )
+
+
+class PoolJournal(Protocol):
+    """Where a pool that outlives its process records its changes (the SQLite store)."""
+
+    def insight_written(self, insight: Insight) -> None: ...
+
+    def insights_gone(self, insight_ids: list[str]) -> None: ...
+
+    async def sync(self) -> None:
+        """Returns once what was recorded is on disk."""
+        ...
 
 
 def check_insight_read(min_importance: float, limit: int) -> None:
@@ -138,7 +184,11 @@ class SharedMemoryPool:
         max_tags: int = 32,
         max_name_length: int = 256,
         clock: Callable[[], float] | None = None,
+        journal: PoolJournal | None = None,
+        restored: Iterable[Insight] = (),
     ) -> None:
+        """``journal``: where the changes go to outlive the process; ``restored``: the
+        insights it kept (oldest first), the pool's to start with."""
         self.capacity = capacity
         self.max_content_bytes = max_content_bytes
         self.max_tags = max_tags
@@ -154,6 +204,15 @@ class SharedMemoryPool:
         self._expiry: list[tuple[float, str]] = []
         """(when it leaves, id) of the insights with a ttl; a deleted one stays until then."""
         self._ids = itertools.count(1)
+        self._journal = journal
+        last = 0
+        for insight in restored:
+            self._add(insight)
+            if insight.expires_at is not None:
+                heapq.heappush(self._expiry, (insight.expires_at.timestamp(), insight.insight_id))
+            number = insight.insight_id.removeprefix("insight_")
+            last = max(last, int(number) if number.isdigit() else 0)
+        self._ids = itertools.count(last + 1)
 
     def _add(self, insight: Insight) -> None:
         key = insight.insight_id
@@ -180,8 +239,14 @@ class SharedMemoryPool:
     def _purge(self, now: datetime) -> None:
         """Removes the insights whose ttl has ended."""
         moment = now.timestamp()
+        gone = []
         while self._expiry and self._expiry[0][0] <= moment:
-            self._remove(heapq.heappop(self._expiry)[1])
+            key = heapq.heappop(self._expiry)[1]
+            if key in self._insights:
+                self._remove(key)
+                gone.append(key)
+        if gone and self._journal:
+            self._journal.insights_gone(gone)
 
     def check(self, insight: Insight) -> None:
         """An insight's validation (a store in Redis shares it)."""
@@ -235,11 +300,15 @@ class SharedMemoryPool:
             raise pool_full(self.capacity)
         stored = as_stored(insight, next(self._ids), now)
         self._add(stored)
+        if self._journal:
+            self._journal.insight_written(stored)
         if stored.expires_at is not None:
             if len(self._expiry) > 2 * len(self._insights) + 1024:  # deleted ones pile up
                 self._expiry = [e for e in self._expiry if e[1] in self._insights]
                 heapq.heapify(self._expiry)
             heapq.heappush(self._expiry, (stored.expires_at.timestamp(), stored.insight_id))
+        if self._journal:
+            await self._journal.sync()  # kept before it is said to be
         return stored
 
     async def read(
@@ -312,6 +381,9 @@ class SharedMemoryPool:
         )
         for insight in found:
             self._remove(insight.insight_id)
+        if found and self._journal:
+            self._journal.insights_gone([insight.insight_id for insight in found])
+            await self._journal.sync()
         return len(found)
 
     async def stats(self) -> MemoryStats:

@@ -352,6 +352,49 @@ class StateStore(Protocol):
     async def unlock(self, key: str, token: str) -> None: ...
 
 
+class StateJournal(Protocol):
+    """Where a shared state that outlives its process records its changes (the SQLite
+    store). Locks are not recorded: a lock is a lease, and ends with the broker."""
+
+    def state_written(self, entry: StateEntry) -> None: ...
+
+    def state_gone(self, key: str) -> None: ...
+
+    async def sync(self) -> None:
+        """Returns once what was recorded is on disk."""
+        ...
+
+
+def entry_record(entry: StateEntry) -> str:
+    """An entry as JSON, as a store that keeps it outside the process writes it."""
+    return json.dumps(
+        {
+            "key": entry.key,
+            "value": entry.value,
+            "version": entry.version,
+            "updated_by": entry.updated_by,
+            "updated_at": entry.updated_at.isoformat(),
+            "expires_at": entry.expires_at.isoformat() if entry.expires_at else "",
+        },
+        default=str,
+        separators=(",", ":"),
+    )
+
+
+def entry_from_record(record: str) -> StateEntry:
+    """The entry :func:`entry_record` wrote."""
+    fields = json.loads(record)
+    expires = fields.get("expires_at")
+    return StateEntry(
+        key=fields["key"],
+        value=fields["value"],
+        version=int(fields["version"]),
+        updated_by=fields["updated_by"],
+        updated_at=datetime.fromisoformat(fields["updated_at"]),
+        expires_at=datetime.fromisoformat(expires) if expires else None,
+    )
+
+
 class SharedState:
     def __init__(
         self,
@@ -361,7 +404,12 @@ class SharedState:
         capacity: int = 10_000,
         max_value_bytes: int = 64 * 1024,
         max_watches: int = MAX_WATCHES,
+        journal: StateJournal | None = None,
+        restored: Iterable[StateEntry] = (),
     ) -> None:
+        """``journal``: where the changes go to outlive the process; ``restored``: the
+        entries it kept, the state's to start with (those whose ttl ran out meanwhile
+        left out)."""
         self.lock_timeout = lock_timeout
         self.max_writers = max_writers
         self.capacity = capacity
@@ -380,6 +428,17 @@ class SharedState:
         self._timer: asyncio.TimerHandle | None = None
         """While anyone watches: set for the next lapse, so that it is told when it happens."""
         self._timer_at = math.inf
+        self._journal = journal
+        wall, now = time.time(), time.monotonic()
+        for entry in restored:
+            if entry.expires_at is None:
+                self._entries[entry.key] = entry
+                continue
+            left = entry.expires_at.timestamp() - wall
+            if left > 0:
+                self._entries[entry.key] = entry
+                self._expiry[entry.key] = now + left
+                heapq.heappush(self._lapsing, (now + left, entry.key))
 
     # -- reading and writing -----------------------------------------------------------------
 
@@ -451,7 +510,8 @@ class SharedState:
             self.watchers.publish(ChangeKind.LAPSE, entry)
 
     def _drop(self, key: str) -> None:
-        self._entries.pop(key, None)
+        if self._entries.pop(key, None) is not None and self._journal:
+            self._journal.state_gone(key)
         self._expiry.pop(key, None)
 
     def _purge(self) -> None:
@@ -497,6 +557,9 @@ class SharedState:
             self.watchers.publish(ChangeKind.PUT, entry)
             if ttl is not None:
                 self._schedule_lapses()
+        if self._journal:
+            self._journal.state_written(entry)
+            await self._journal.sync()  # kept before it is said to be
         return entry
 
     async def delete(
@@ -514,6 +577,8 @@ class SharedState:
         self._drop(key)
         if self.watchers:
             self.watchers.publish(ChangeKind.DELETE, current)
+        if self._journal:
+            await self._journal.sync()
         return current
 
     def _may_write(

@@ -6,7 +6,8 @@ receives, queue statistics, broadcasts to every agent or to one type, agents lea
 coming back, hand-offs of a workflow, its ending and its status, subscriptions that take
 what is waiting and ack, nack, reject or keep each delivery, dead letters listed and
 requeued. A broker on the in-memory store and one on SQLite, Redis or a Redis Cluster run
-each program, and every answer (what was accepted, refused and why, what each agent
+each program (the second stopped and started again now and then: its store keeps it all),
+and every answer (what was accepted, refused and why, what each agent
 received and in which order, the queue counts) must be the same: a client cannot tell the
 stores apart. Capacities are small so that programs fill them.
 """
@@ -14,6 +15,7 @@ stores apart. Capacities are small so that programs fill them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 from pathlib import Path
 from typing import Any
@@ -61,6 +63,9 @@ operations = st.one_of(  # (sends more often than the rest: the queues fill)
     st.tuples(st.just("requeue"), st.sampled_from(list(AGENTS))),
 )
 programs = st.lists(operations, min_size=8, max_size=30)
+restarting = st.lists(  # (a durable store's broker is also stopped and started again)
+    st.one_of(*[operations] * 8, st.just(("restart",))), min_size=8, max_size=30
+)
 
 
 def message(to: str, mid: str, number: int) -> Message:
@@ -127,16 +132,51 @@ def status(value: Any) -> dict[str, Any]:
     }
 
 
-async def run(program: list[tuple[Any, ...]], address: str) -> list[Any]:
-    """Runs the program against the broker at ``address``; what its clients saw, step by step."""
+class Broker:
+    """A broker for a program: its address, and what a restart does (by default nothing:
+    a broker in memory keeps what it holds only while it runs)."""
+
+    def __init__(self, config: BrokerConfig, *, restarts: bool = False) -> None:
+        self.config, self.restarts = config, restarts
+        self.mesh: LocalMesh | None = None
+
+    async def start(self) -> str:
+        self.mesh = await LocalMesh(self.config).start()
+        return self.mesh.address
+
+    async def restart(self) -> str:
+        assert self.mesh is not None
+        if self.restarts:
+            await self.mesh.stop()
+            return await self.start()
+        return self.mesh.address
+
+    async def stop(self) -> None:
+        if self.mesh is not None:
+            await self.mesh.stop()
+
+
+async def run(program: list[tuple[Any, ...]], broker: Broker) -> list[Any]:
+    """Runs the program against the broker; what its clients saw, step by step."""
     seen: list[Any] = []
-    async with connect(address, agent_id="sender", retry=NO_RETRY) as client:
+    address = await broker.start()
+    async with contextlib.AsyncExitStack() as stack:
+        client = await stack.enter_async_context(
+            connect(address, agent_id="sender", retry=NO_RETRY)
+        )
         for agent_id, agent_type in AGENTS.items():
             await client.register(agent_id, agent_types=[agent_type])
         await client.register("sender", agent_types=["sender"])
         for number, (kind, *args) in enumerate(program):
             try:
-                if kind == "send":
+                if kind == "restart":
+                    await stack.aclose()
+                    address = await broker.restart()
+                    client = await stack.enter_async_context(
+                        connect(address, agent_id="sender", retry=NO_RETRY)
+                    )
+                    seen.append("restarted")
+                elif kind == "send":
                     seen.append(outcome(await client.send_message(message(*args[0], number))))
                 elif kind == "parallel":  # one session: its frames in the order written
                     results = await client.send_parallel(
@@ -201,29 +241,31 @@ async def run(program: list[tuple[Any, ...]], address: str) -> list[Any]:
 
 
 async def compare(program: list[tuple[Any, ...]], store: str) -> None:
-    meshes = [
-        await LocalMesh(BrokerConfig(**LIMITS)).start(),
-        await LocalMesh(BrokerConfig(store=store, **LIMITS)).start(),
+    """Runs the program on a broker in memory and on one on ``store`` (restarted where the
+    program says), and compares what their clients saw."""
+    brokers = [
+        Broker(BrokerConfig(**LIMITS)),
+        Broker(BrokerConfig(store=store, **LIMITS), restarts=True),
     ]
     try:
-        expected = await run(program, meshes[0].address)
-        got = await run(program, meshes[1].address)
+        expected = await run(program, brokers[0])
+        got = await run(program, brokers[1])
     finally:
-        for mesh in meshes:
-            await mesh.stop()
+        for broker in brokers:
+            await broker.stop()
     for number, (want, have) in enumerate(zip(expected, got, strict=True)):
         assert have == want, f"step {number} {program[number]} of {program}: {have} != {want}"
 
 
 FUZZ = settings(
-    max_examples=60,
+    max_examples=400,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 
 
 @FUZZ
-@given(program=programs)
+@given(program=restarting)
 def test_a_broker_on_sqlite_answers_clients_as_one_in_memory_does(
     program: list[tuple[Any, ...]], tmp_path: Path
 ) -> None:
@@ -232,7 +274,7 @@ def test_a_broker_on_sqlite_answers_clients_as_one_in_memory_does(
 
 
 @FUZZ
-@given(program=programs)
+@given(program=restarting)
 def test_a_broker_on_redis_answers_clients_as_one_in_memory_does(
     program: list[tuple[Any, ...]], redis_server: str
 ) -> None:
@@ -248,7 +290,7 @@ def test_a_broker_on_redis_answers_clients_as_one_in_memory_does(
 
 
 @settings(FUZZ, max_examples=30)
-@given(program=programs)
+@given(program=restarting)
 def test_a_broker_on_a_redis_cluster_answers_clients_as_one_in_memory_does(
     program: list[tuple[Any, ...]], local_redis_cluster: Any
 ) -> None:

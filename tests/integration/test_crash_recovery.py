@@ -227,3 +227,53 @@ async def test_agents_and_subscriptions_reconnect_by_themselves_after_a_broker_r
     finally:
         await stop(agent)
         await stop(broker)
+
+
+async def test_shared_state_and_memory_of_a_sigkilled_durable_broker_survive(
+    tmp_path: Path,
+) -> None:
+    """On SQLite the shared state (a workflow's status among it) and the memory pool are kept
+    with the queues: what a write was acknowledged for is there after SIGKILL and a restart,
+    at its version; what was deleted or lapsed stays gone; a lock does not outlive the
+    broker; new insights go on from the last one's number."""
+    port = free_port()
+    db = tmp_path / "queues.db"
+    address = f"127.0.0.1:{port}"
+    broker = await start_durable_broker(port, db)
+    try:
+        async with connect(address, agent_id="Planner", retry=NO_RETRY) as client:
+            await client.register("Planner")
+            await client.register("Booker")
+            await client.put_state("plan/trip", {"city": "Lisbon"})
+            second = await client.put_state("plan/trip", {"city": "Porto"}, expected_version=1)
+            await client.put_state("plan/gone", 1)
+            await client.delete_state("plan/gone")
+            await client.put_state("plan/short", "brief", ttl=0.5)
+            await client.put_state("plan/kept", [1, 2], ttl=3600)
+            await client.lock_state("plan/kept")
+            await client.handoff("Booker", "book it", workflow_id="trip-1", step_number=2)
+            kept = await client.write_insight({"fare": 120}, tags=["fares"], importance=0.9)
+            dropped = await client.write_insight({"fare": 999}, tags=["fares"])
+            await client.delete_insights(insight_ids=[dropped.insight_id])
+            await client.write_insight({"fare": 1}, tags=["brief"], ttl=0.5)
+        await wait_killed(broker)
+        await asyncio.sleep(0.6)  # the short-lived ones lapse meanwhile
+        broker = await start_durable_broker(port, db)
+        async with connect(address, agent_id="Planner", retry=NO_RETRY) as client:
+            trip = await client.get_state("plan/trip")
+            assert trip is not None
+            assert (trip.value, trip.version, trip.updated_by) == ({"city": "Porto"}, 2, "Planner")
+            assert trip.updated_at == second.updated_at
+            assert await client.get_state("plan/gone") is None
+            assert await client.get_state("plan/short") is None
+            assert (await client.get_state("plan/kept")).value == [1, 2]  # type: ignore[union-attr]
+            await client.put_state("plan/kept", [3], agent_id="Planner")  # the lock went
+            status = await client.get_state("workflow/trip-1")
+            assert status is not None and status.value["step"] == 2  # type: ignore[index]
+            fares = await client.read_insights(tags=["fares"])
+            assert [(i.insight_id, i.content) for i in fares] == [(kept.insight_id, {"fare": 120})]
+            assert await client.read_insights(tags=["brief"]) == []
+            newer = await client.write_insight({"fare": 80}, tags=["fares"])
+            assert newer.insight_id not in (kept.insight_id, dropped.insight_id)
+    finally:
+        await stop(broker)
