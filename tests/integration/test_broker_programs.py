@@ -258,7 +258,7 @@ async def compare(program: list[tuple[Any, ...]], store: str) -> None:
 
 
 FUZZ = settings(
-    max_examples=400,
+    max_examples=60,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
