@@ -5,11 +5,11 @@ once on one session (ids sent again, as retries are; every priority), SendMessag
 receives, queue statistics, broadcasts to every agent or to one type, agents leaving and
 coming back, hand-offs of a workflow, its ending and its status, subscriptions that take
 what is waiting and ack, nack, reject or keep each delivery, dead letters listed and
-requeued. A broker on the in-memory store and one on SQLite, Redis or a Redis Cluster run
-each program (the second stopped and started again now and then: its store keeps it all),
-and every answer (what was accepted, refused and why, what each agent
-received and in which order, the queue counts) must be the same: a client cannot tell the
-stores apart. Capacities are small so that programs fill them.
+requeued, insights written, read and deleted. A broker on the in-memory store and one on
+SQLite, Redis or a Redis Cluster run each program (the second stopped and started again now
+and then: its store keeps it all), and every answer (what was accepted, refused and why,
+what each agent received and in which order, the queue counts) must be the same: a client
+cannot tell the stores apart. Capacities are small so that programs fill them.
 """
 
 from __future__ import annotations
@@ -60,6 +60,9 @@ operations = st.one_of(  # (sends more often than the rest: the queues fill)
     ),
     st.tuples(st.just("take"), st.sampled_from(list(AGENTS)), st.just(["ack", "ack", "ack"])),
     st.tuples(st.just("dead_letters")),
+    st.tuples(st.just("insight"), st.sampled_from(["fares", "hotels"]), st.integers(0, 9)),
+    st.tuples(st.just("insights"), st.sampled_from(["fares", "hotels"])),
+    st.tuples(st.just("forget"), st.sampled_from(["fares", "hotels"])),
     st.tuples(st.just("requeue"), st.sampled_from(list(AGENTS))),
 )
 programs = st.lists(operations, min_size=8, max_size=30)
@@ -210,6 +213,13 @@ async def run(program: list[tuple[Any, ...]], broker: Broker) -> list[Any]:
                             key=repr,
                         )
                     )
+                elif kind == "insight":
+                    await client.write_insight({"n": args[1]}, tags=[args[0]], importance=0.5)
+                    seen.append("written")
+                elif kind == "insights":
+                    seen.append([i.content for i in await client.read_insights(tags=[args[0]])])
+                elif kind == "forget":
+                    seen.append(await client.delete_insights(tags=[args[0]]))
                 elif kind == "requeue":
                     requeued = await client.requeue_dead_letters(args[0])
                     seen.append((requeued.requeued, requeued.left))
