@@ -5,11 +5,12 @@ once on one session (ids sent again, as retries are; every priority), SendMessag
 receives, queue statistics, broadcasts to every agent or to one type, agents leaving and
 coming back, hand-offs of a workflow, its ending and its status, subscriptions that take
 what is waiting and ack, nack, reject or keep each delivery, dead letters listed and
-requeued, insights written, read and deleted. A broker on the in-memory store and one on
-SQLite, Redis or a Redis Cluster run each program (the second stopped and started again now
-and then: its store keeps it all), and every answer (what was accepted, refused and why,
-what each agent received and in which order, the queue counts) must be the same: a client
-cannot tell the stores apart. Capacities are small so that programs fill them.
+requeued, insights written, read and deleted, shared state written (at a version or blind),
+deleted and listed. A broker on the in-memory store and one on SQLite, Redis or a Redis
+Cluster run each program (the second stopped and started again now and then: its store
+keeps it all), and every answer (what was accepted, refused and why, what each agent
+received and in which order, the queue counts) must be the same: a client cannot tell the
+stores apart. Capacities are small so that programs fill them.
 """
 
 from __future__ import annotations
@@ -63,6 +64,14 @@ operations = st.one_of(  # (sends more often than the rest: the queues fill)
     st.tuples(st.just("insight"), st.sampled_from(["fares", "hotels"]), st.integers(0, 9)),
     st.tuples(st.just("insights"), st.sampled_from(["fares", "hotels"])),
     st.tuples(st.just("forget"), st.sampled_from(["fares", "hotels"])),
+    st.tuples(
+        st.just("put_state"),
+        st.sampled_from(["plan/a", "plan/b", "other"]),
+        st.integers(0, 9),
+        st.sampled_from([None, 0, 1, 2]),
+    ),
+    st.tuples(st.just("delete_state"), st.sampled_from(["plan/a", "plan/b", "other"])),
+    st.tuples(st.just("list_state"), st.sampled_from(["", "plan/"])),
     st.tuples(st.just("requeue"), st.sampled_from(list(AGENTS))),
 )
 programs = st.lists(operations, min_size=8, max_size=30)
@@ -125,9 +134,11 @@ async def take(client: Any, agent_id: str, verdicts: list[str]) -> list[Any]:
     return got
 
 
-def status(value: Any) -> dict[str, Any]:
-    """A workflow's status, but for its times and the hand-off's message id."""
-    assert isinstance(value, dict)
+def status(value: Any) -> Any:
+    """A workflow's status, but for its times and the hand-off's message id (any other
+    value as it is)."""
+    if not isinstance(value, dict):
+        return value
     return {
         k: v
         for k, v in value.items()
@@ -220,6 +231,19 @@ async def run(program: list[tuple[Any, ...]], broker: Broker) -> list[Any]:
                     seen.append([i.content for i in await client.read_insights(tags=[args[0]])])
                 elif kind == "forget":
                     seen.append(await client.delete_insights(tags=[args[0]]))
+                elif kind == "put_state":
+                    entry = await client.put_state(args[0], args[1], expected_version=args[2])
+                    seen.append((entry.key, entry.value, entry.version))
+                elif kind == "delete_state":
+                    await client.delete_state(args[0])
+                    seen.append("deleted")
+                elif kind == "list_state":
+                    seen.append(
+                        [
+                            (e.key, status(e.value), e.version, e.updated_by)
+                            async for e in client.state_entries(args[0])
+                        ]
+                    )
                 elif kind == "requeue":
                     requeued = await client.requeue_dead_letters(args[0])
                     seen.append((requeued.requeued, requeued.left))
