@@ -6,17 +6,19 @@ receives, queue statistics, broadcasts to every agent or to one type, agents lea
 coming back, hand-offs of a workflow, its ending and its status, subscriptions that take
 what is waiting and ack, nack, reject or keep each delivery, dead letters listed and
 requeued, insights written, read and deleted, shared state written (at a version or blind),
-deleted and listed. A broker on the in-memory store and one on SQLite, Redis or a Redis
-Cluster run each program (the second stopped and started again now and then: its store
-keeps it all), and every answer (what was accepted, refused and why, what each agent
-received and in which order, the queue counts) must be the same: a client cannot tell the
-stores apart. Capacities are small so that programs fill them.
+deleted and listed. A broker on the in-memory store and one on SQLite, Redis (alone, or two
+replicas sharing it, each call to either) or a Redis Cluster run each program (the second
+stopped and started again now and then: its store keeps it all), and every answer (what was
+accepted, refused and why, what each agent received and in which order, the queue counts)
+must be the same: a client cannot tell the stores apart. Capacities are small so that
+programs fill them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import secrets
 from pathlib import Path
 from typing import Any
@@ -147,48 +149,62 @@ def status(value: Any) -> Any:
 
 
 class Broker:
-    """A broker for a program: its address, and what a restart does (by default nothing:
-    a broker in memory keeps what it holds only while it runs)."""
+    """A broker for a program, or several replicas of one sharing its store (each call goes
+    to one of them, as ``turns`` says): their addresses, and what a restart does (by
+    default nothing: a broker in memory keeps what it holds only while it runs)."""
 
-    def __init__(self, config: BrokerConfig, *, restarts: bool = False) -> None:
-        self.config, self.restarts = config, restarts
-        self.mesh: LocalMesh | None = None
+    def __init__(
+        self,
+        config: BrokerConfig,
+        *,
+        restarts: bool = False,
+        replicas: int = 1,
+        turns: random.Random | None = None,
+    ) -> None:
+        self.config, self.restarts, self.replicas = config, restarts, replicas
+        self.turns = turns or random.Random(0)
+        self.meshes: list[LocalMesh] = []
 
-    async def start(self) -> str:
-        self.mesh = await LocalMesh(self.config).start()
-        return self.mesh.address
+    async def start(self) -> list[str]:
+        self.meshes = [await LocalMesh(self.config).start() for _ in range(self.replicas)]
+        return [mesh.address for mesh in self.meshes]
 
-    async def restart(self) -> str:
-        assert self.mesh is not None
+    async def restart(self) -> list[str]:
         if self.restarts:
-            await self.mesh.stop()
+            await self.stop()
             return await self.start()
-        return self.mesh.address
+        return [mesh.address for mesh in self.meshes]
+
+    def turn(self) -> int:
+        return self.turns.randrange(self.replicas)
 
     async def stop(self) -> None:
-        if self.mesh is not None:
-            await self.mesh.stop()
+        for mesh in self.meshes:
+            await mesh.stop()
 
 
 async def run(program: list[tuple[Any, ...]], broker: Broker) -> list[Any]:
     """Runs the program against the broker; what its clients saw, step by step."""
     seen: list[Any] = []
-    address = await broker.start()
+
+    async def connected(stack: contextlib.AsyncExitStack, addresses: list[str]) -> list[Any]:
+        return [
+            await stack.enter_async_context(connect(a, agent_id="sender", retry=NO_RETRY))
+            for a in addresses
+        ]
+
     async with contextlib.AsyncExitStack() as stack:
-        client = await stack.enter_async_context(
-            connect(address, agent_id="sender", retry=NO_RETRY)
-        )
+        clients = await connected(stack, await broker.start())
+        client = clients[0]
         for agent_id, agent_type in AGENTS.items():
             await client.register(agent_id, agent_types=[agent_type])
         await client.register("sender", agent_types=["sender"])
         for number, (kind, *args) in enumerate(program):
+            client = clients[broker.turn()]
             try:
                 if kind == "restart":
                     await stack.aclose()
-                    address = await broker.restart()
-                    client = await stack.enter_async_context(
-                        connect(address, agent_id="sender", retry=NO_RETRY)
-                    )
+                    clients = await connected(stack, await broker.restart())
                     seen.append("restarted")
                 elif kind == "send":
                     seen.append(outcome(await client.send_message(message(*args[0], number))))
@@ -277,15 +293,16 @@ async def run(program: list[tuple[Any, ...]], broker: Broker) -> list[Any]:
 async def compare(program: list[tuple[Any, ...]], store: str) -> None:
     """Runs the program on a broker in memory and on one on ``store`` (restarted where the
     program says), and compares what their clients saw."""
-    brokers = [
-        Broker(BrokerConfig(**LIMITS)),
-        Broker(BrokerConfig(store=store, **LIMITS), restarts=True),
-    ]
+    await compare_with(program, Broker(BrokerConfig(store=store, **LIMITS), restarts=True))
+
+
+async def compare_with(program: list[tuple[Any, ...]], other: Broker) -> None:
+    reference = Broker(BrokerConfig(**LIMITS))
     try:
-        expected = await run(program, brokers[0])
-        got = await run(program, brokers[1])
+        expected = await run(program, reference)
+        got = await run(program, other)
     finally:
-        for broker in brokers:
+        for broker in (reference, other):
             await broker.stop()
     for number, (want, have) in enumerate(zip(expected, got, strict=True)):
         assert have == want, f"step {number} {program[number]} of {program}: {have} != {want}"
@@ -321,6 +338,30 @@ def test_a_broker_on_redis_answers_clients_as_one_in_memory_does(
     finally:
         client.close()
     asyncio.run(compare(program, redis_server))
+
+
+@FUZZ
+@given(program=restarting, seed=st.integers(0, 2**32))
+def test_two_broker_replicas_on_one_redis_answer_clients_as_one_broker_does(
+    program: list[tuple[Any, ...]], seed: int, redis_server: str
+) -> None:
+    """Each call reaches one of two replicas sharing the Redis, as a client's calls behind
+    a load balancer do."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server)
+    try:
+        for key in client.scan_iter(match="mesh:*"):
+            client.delete(key)
+    finally:
+        client.close()
+    other = Broker(
+        BrokerConfig(store=redis_server, **LIMITS),
+        restarts=True,
+        replicas=2,
+        turns=random.Random(seed),
+    )
+    asyncio.run(compare_with(program, other))
 
 
 @settings(FUZZ, max_examples=30)
