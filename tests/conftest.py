@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from gateway.embedded import EmbeddedMesh, start_embedded
 from mesh.config import BrokerConfig
 from mesh.testing import LocalMesh, LocalRedis
+from tests.helpers.programs import flush_mesh_keys
 
 _exit_status = 0
 
@@ -93,13 +94,7 @@ def redis_cluster_url(redis_cluster: list[str]) -> str:
 @pytest.fixture
 def redis_url(redis_server: str) -> str:
     """The session's Redis, emptied of mesh keys before the test."""
-    import redis
-
-    client = redis.Redis.from_url(redis_server)
-    keys = list(client.scan_iter(match="mesh:*"))
-    if keys:
-        client.delete(*keys)
-    client.close()
+    flush_mesh_keys(redis_server)
     return redis_server
 
 

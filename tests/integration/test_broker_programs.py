@@ -23,7 +23,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from mesh import LocalMesh, Message, connect
@@ -31,6 +31,7 @@ from mesh.client import NO_RETRY
 from mesh.config import BrokerConfig
 from mesh.core.errors import MultiAgentCommunicationError
 from mesh.core.model import Priority
+from tests.helpers.programs import flush_mesh_keys, programs_settings
 
 AGENTS = {"a": "worker", "b": "worker", "c": "auditor"}
 IDS = tuple(f"m{i}" for i in range(6))
@@ -308,11 +309,7 @@ async def compare_with(program: list[tuple[Any, ...]], other: Broker) -> None:
         assert have == want, f"step {number} {program[number]} of {program}: {have} != {want}"
 
 
-FUZZ = settings(
-    max_examples=60,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+FUZZ = programs_settings(60)
 
 
 @FUZZ
@@ -329,14 +326,7 @@ def test_a_broker_on_sqlite_answers_clients_as_one_in_memory_does(
 def test_a_broker_on_redis_answers_clients_as_one_in_memory_does(
     program: list[tuple[Any, ...]], redis_server: str
 ) -> None:
-    import redis
-
-    client = redis.Redis.from_url(redis_server)
-    try:
-        for key in client.scan_iter(match="mesh:*"):
-            client.delete(key)
-    finally:
-        client.close()
+    flush_mesh_keys(redis_server)
     asyncio.run(compare(program, redis_server))
 
 
@@ -347,14 +337,7 @@ def test_two_broker_replicas_on_one_redis_answer_clients_as_one_broker_does(
 ) -> None:
     """Each call reaches one of two replicas sharing the Redis, as a client's calls behind
     a load balancer do."""
-    import redis
-
-    client = redis.Redis.from_url(redis_server)
-    try:
-        for key in client.scan_iter(match="mesh:*"):
-            client.delete(key)
-    finally:
-        client.close()
+    flush_mesh_keys(redis_server)
     other = Broker(
         BrokerConfig(store=redis_server, **LIMITS),
         restarts=True,
@@ -364,7 +347,7 @@ def test_two_broker_replicas_on_one_redis_answer_clients_as_one_broker_does(
     asyncio.run(compare_with(program, other))
 
 
-@settings(FUZZ, max_examples=30)
+@programs_settings(30)
 @given(program=restarting)
 def test_a_broker_on_a_redis_cluster_answers_clients_as_one_in_memory_does(
     program: list[tuple[Any, ...]], local_redis_cluster: Any

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from mesh import LocalMesh, Message, connect
@@ -26,6 +26,7 @@ from mesh.config import BrokerConfig
 from mesh.core.errors import MultiAgentCommunicationError
 from mesh.core.model import Priority
 from tests.helpers.node import NODE_DIR
+from tests.helpers.programs import programs_settings
 
 pytestmark = pytest.mark.processes
 
@@ -185,11 +186,7 @@ async def side_by_side(program: list[list[Any]], node: NodeRunner) -> None:
         assert have == want, f"step {number} {program[number]} of {program}: {have} != {want}"
 
 
-@settings(
-    max_examples=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@programs_settings(40)
 @given(program=programs)
 def test_the_nodejs_client_is_answered_as_the_python_sdk_is(
     program: list[list[Any]], node: NodeRunner

@@ -16,12 +16,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.client import GatewayClient
 from gateway.server import serve_gateway
 from mesh import AgentContext, LocalMesh, Message, agent, connect
+from tests.helpers.programs import programs_settings
 
 WORKERS = ("W0", "W1", "W2", "W3")
 BEHAVIOURS = ("done", "done", "next:W0", "next:W2", "end", "fail", "raise")
@@ -124,11 +125,7 @@ async def run(workflow: dict[str, Any]) -> None:
         assert not told
 
 
-@settings(
-    max_examples=25,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+@programs_settings(25)
 @given(workflow=workflows)
 def test_a_workflow_stream_and_its_recorded_status_agree_whatever_the_agents_do(
     workflow: dict[str, Any],

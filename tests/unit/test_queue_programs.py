@@ -23,13 +23,14 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from mesh.core.durable import SqliteQueueStore
 from mesh.core.errors import MessageQueueFullError
 from mesh.core.model import DeadLetter, Message, Priority
 from mesh.core.queue import InMemoryQueueStore, QueueStore, Released
+from tests.helpers.programs import flush_mesh_keys, programs_settings
 
 BASE = datetime(2025, 11, 16, 10, 0, 0, tzinfo=UTC)
 AGENTS = ("a", "b")
@@ -272,24 +273,11 @@ async def compare(program: list[tuple[Any, ...]], open_other: Opener, **options:
     await reference.close()
 
 
-def flush(urls: list[str]) -> None:
-    """Takes the mesh's keys out of a Redis server, or out of each node of a cluster."""
-    import redis
-
-    for url in urls:
-        client = redis.Redis.from_url(url)
-        try:
-            for key in client.scan_iter(match="mesh:*"):
-                client.delete(key)
-        finally:
-            client.close()
-
-
 def redis_opener(urls: list[str]) -> Opener:
     async def open_redis(clock: Clock, events: Events, options: dict[str, Any]) -> QueueStore:
         from mesh.redis_store import RedisQueueStore
 
-        flush(urls)
+        flush_mesh_keys(*urls)
         made = RedisQueueStore(urls[0], **options, wall_clock=clock.wall)
         made.listener = events
         return made
@@ -320,7 +308,7 @@ def replicas_opener(url: str, seed: int) -> Opener:
     async def open_replicas(clock: Clock, events: Events, options: dict[str, Any]) -> QueueStore:
         from mesh.redis_store import RedisQueueStore
 
-        flush([url])
+        flush_mesh_keys(url)
         made = [RedisQueueStore(url, **options, wall_clock=clock.wall) for _ in range(2)]
         for store in made:
             store.listener = events
@@ -350,15 +338,7 @@ def beating(program: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     return [("advance", 1.5) if op[0] == "advance" and op[1] >= 3 else op for op in program]
 
 
-def fuzz(examples: int) -> Callable[[Any], Any]:
-    return settings(
-        max_examples=examples,
-        deadline=None,
-        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-    )
-
-
-@fuzz(300)
+@programs_settings(300)
 @given(program=programs, fifo=st.booleans())
 def test_the_redis_store_answers_as_the_memory_store_does(
     program: list[tuple[Any, ...]], fifo: bool, redis_server: str
@@ -366,7 +346,7 @@ def test_the_redis_store_answers_as_the_memory_store_does(
     asyncio.run(compare(program, redis_opener([redis_server]), fifo=fifo))
 
 
-@fuzz(150)
+@programs_settings(150)
 @given(program=programs.map(beating), seed=st.integers(0, 2**32))
 def test_two_replicas_on_one_redis_answer_as_the_memory_store_does(
     program: list[tuple[Any, ...]], seed: int, redis_server: str
@@ -377,7 +357,7 @@ def test_two_replicas_on_one_redis_answer_as_the_memory_store_does(
     asyncio.run(compare(program, replicas_opener(redis_server, seed)))
 
 
-@fuzz(40)
+@programs_settings(40)
 @given(program=programs)
 def test_a_redis_cluster_answers_as_the_memory_store_does(
     program: list[tuple[Any, ...]], local_redis_cluster: Any
@@ -385,7 +365,7 @@ def test_a_redis_cluster_answers_as_the_memory_store_does(
     asyncio.run(compare(program, redis_opener(local_redis_cluster.urls)))
 
 
-@fuzz(150)
+@programs_settings(150)
 @given(program=programs)
 def test_the_sqlite_store_gives_back_after_a_restart_what_it_held(
     program: list[tuple[Any, ...]], tmp_path: Path

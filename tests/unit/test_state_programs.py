@@ -16,12 +16,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from mesh.core.errors import MultiAgentCommunicationError
 from mesh.core.memory import Insight, MemoryPool, SharedMemoryPool
 from mesh.core.state import SharedState, StateEntry, StateStore
+from tests.helpers.programs import flush_mesh_keys, programs_settings
 
 KEYS = ("k1", "k2", "p/a", "p/b")
 AGENTS = ("A", "B", "C")
@@ -115,22 +116,7 @@ async def compare(program: list[tuple[Any, ...]], url: str) -> None:
         await store.close()
 
 
-def flush(url: str) -> None:
-    import redis
-
-    client = redis.Redis.from_url(url)
-    try:
-        for key in client.scan_iter(match="mesh:*"):
-            client.delete(key)
-    finally:
-        client.close()
-
-
-FUZZ = settings(
-    max_examples=200,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+FUZZ = programs_settings(200)
 
 
 @FUZZ
@@ -138,7 +124,7 @@ FUZZ = settings(
 def test_the_shared_state_in_redis_answers_as_the_brokers_own_does(
     program: list[tuple[Any, ...]], redis_server: str
 ) -> None:
-    flush(redis_server)
+    flush_mesh_keys(redis_server)
     asyncio.run(compare(program, redis_server))
 
 
@@ -246,5 +232,5 @@ async def compare_pools(program: list[tuple[Any, ...]], url: str) -> None:
 def test_the_memory_pool_in_redis_answers_as_the_brokers_own_does(
     program: list[tuple[Any, ...]], redis_server: str
 ) -> None:
-    flush(redis_server)
+    flush_mesh_keys(redis_server)
     asyncio.run(compare_pools(program, redis_server))
