@@ -218,6 +218,7 @@ async def run_workflow(spec: WorkflowSpec, dispatcher: Dispatcher, emit: Emit) -
                 previous_result,
                 dispatcher,
                 event,
+                hops,
             )
         else:
             outcome = await _agent_step(
@@ -231,6 +232,7 @@ async def run_workflow(spec: WorkflowSpec, dispatcher: Dispatcher, emit: Emit) -
                 previous_result,
                 dispatcher,
                 event,
+                hops,
             )
         last_outcome = outcome
         path.append(step.name)
@@ -306,7 +308,7 @@ async def run_workflow(spec: WorkflowSpec, dispatcher: Dispatcher, emit: Emit) -
         )
         if spec.failure_agent and spec.failure_agent != failure["agent_id"]:
             result["notification"] = await _notify_failure(
-                spec, workflow_id, failure, accumulated, dispatcher, event, highest_step
+                spec, workflow_id, failure, accumulated, dispatcher, event, highest_step, hops
             )
     await _record_ending(dispatcher, workflow_id, failure)
     result["duration_ms"] = clock.ms
@@ -390,6 +392,7 @@ async def _agent_step(
     previous_result: JSON,
     dispatcher: Dispatcher,
     event: Any,
+    hop: int,
 ) -> StepOutcome:
     handoff = Handoff(
         task_description=task,
@@ -404,7 +407,7 @@ async def _agent_step(
         to_agent=step.agent_id,
         message_type=MessageType.HANDOFF,
         content=handoff.to_content(),
-        metadata=handoff.to_metadata(),
+        metadata={**handoff.to_metadata(), "hop": hop},
         reply_to=GATEWAY_ID,
     )
     await event(
@@ -451,6 +454,7 @@ async def _parallel_step(
     previous_result: JSON,
     dispatcher: Dispatcher,
     event: Any,
+    hop: int,
 ) -> StepOutcome:
     """Hands the task to every agent of the step at once and merges their outcomes: the
     data by agent, the status theirs when they agree (else MIXED), FAILED if any failed."""
@@ -471,6 +475,7 @@ async def _parallel_step(
                 previous_result,
                 dispatcher,
                 event,
+                hop,
             )
             for branch in branches
         )
@@ -588,6 +593,7 @@ async def _notify_failure(
     dispatcher: Dispatcher,
     event: Any,
     highest_step: int,
+    hops: int,
 ) -> JSON:
     """The error hand-off of RF-010 scenario 10: the notification agent tells the customer.
     Its step comes after the failed one and after every step handed off before (a workflow
@@ -612,7 +618,7 @@ async def _notify_failure(
         to_agent=spec.failure_agent,
         message_type=MessageType.HANDOFF,
         content=handoff.to_content(),
-        metadata={**handoff.to_metadata(), "error_handoff": True},
+        metadata={**handoff.to_metadata(), "error_handoff": True, "hop": hops + 1},
         reply_to=GATEWAY_ID,
     )
     await event(

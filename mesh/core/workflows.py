@@ -67,10 +67,29 @@ def step_of(status: JSON) -> int:
     return step if isinstance(step, int) else 0
 
 
+def hop_of(status: JSON) -> int:
+    """The hand-off count a recorded status is at (0 when its hand-off did not say)."""
+    hop = status.get("hop") if isinstance(status, dict) else None
+    return hop if isinstance(hop, int) else 0
+
+
+def comes_after(kept: JSON, new: JSON) -> bool:
+    """Whether a kept status is the later one: by the hand-offs' count when both say it (a
+    workflow the gateway runs may go back to an earlier step), else by step."""
+    kept_hop, new_hop = hop_of(kept), hop_of(new)
+    if kept_hop and new_hop:
+        return kept_hop > new_hop
+    return step_of(kept) > step_of(new)
+
+
 def handed_off(message: Message) -> dict[str, JSON]:
-    """The status a HANDOFF message gives its workflow."""
+    """The status a HANDOFF message gives its workflow (with the ``hop`` its metadata
+    counts, when it does)."""
     handoff = Handoff.from_message(message)
+    hop = message.metadata.get("hop")
+    counted: dict[str, JSON] = {"hop": hop} if isinstance(hop, int) and hop > 0 else {}
     return {
+        **counted,
         "workflow_id": handoff.workflow_id,
         "status": IN_PROGRESS,
         "current_agent": message.to_agent,
@@ -119,7 +138,7 @@ async def record_hand_off(state: StatusStore, message: Message, ttl: float) -> N
     key = key_of(str(status["workflow_id"]))
     for _ in range(TRIES):
         current = await _read(state, key)
-        if current is not None and step_of(current.value) > step_of(status):
+        if current is not None and comes_after(current.value, status):
             return
         try:
             await state.put(

@@ -6,9 +6,10 @@ failure agent. Whatever they do, the stream a client reads and the workflow's st
 shared state (RT-011 hand-off protocol) must agree: one RESULT, last; the steps the stream
 reports are the agents handed to, in order; a workflow fails exactly when an agent on its
 path failed, raised or chose an agent that is not a step (or it looped past its hops), at
-the step the stream names, and the
-status says FAILED there, with the same reason (COMPLETED otherwise); a failure agent is
-handed the error and is the status's current agent.
+the step the stream names, and the status says FAILED there, with the same reason
+(COMPLETED otherwise); the status's current agent is the last one handed to, the failure
+agent when there is one (it is handed the error), however often the workflow went back to
+an earlier step.
 """
 
 from __future__ import annotations
@@ -119,10 +120,13 @@ async def run(workflow: dict[str, Any]) -> None:
             assert status.value["current_agent"] == "Notifier"
         else:
             assert not told
+            assert status.value["current_agent"] == steps[-1]
     else:
         assert result["status"] == "COMPLETED", result
         assert status.value["status"] == "COMPLETED"
         assert not told
+        # the last agent handed to, however the workflow went back and forth
+        assert status.value["current_agent"] == steps[-1]
 
 
 @programs_settings(25)

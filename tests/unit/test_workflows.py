@@ -27,14 +27,36 @@ from mesh.core.workflows import (
 )
 
 
-def hand_off(to_agent: str, step: int, workflow_id: str = "wf_1") -> Message:
+def hand_off(to_agent: str, step: int, workflow_id: str = "wf_1", hop: int = 0) -> Message:
     return Message(
         from_agent="Seller",
         to_agent=to_agent,
         message_type=MessageType.HANDOFF,
         content={"action": "execute_handoff", "parameters": {"task_description": "Refund"}},
-        metadata={"workflow_id": workflow_id, "handoff_step": step},
+        metadata={
+            "workflow_id": workflow_id,
+            "handoff_step": step,
+            **({"hop": hop} if hop else {}),
+        },
     )
+
+
+async def test_a_workflow_gone_back_to_an_earlier_step_moves_its_status_by_hop() -> None:
+    """The gateway counts its hand-offs: a reviewer that sends the work back to step 1 makes
+    the writer current again; a late hand-off, by that count, still does not."""
+    state = SharedState()
+    await record_hand_off(state, hand_off("Writer", 1, hop=1), ttl=3600)
+    await record_hand_off(state, hand_off("Reviewer", 2, hop=2), ttl=3600)
+    await record_hand_off(state, hand_off("Writer", 1, hop=3), ttl=3600)
+    status = await state.get(key_of("wf_1"))
+    assert (status.value["current_agent"], status.value["step"]) == ("Writer", 1)
+    await record_hand_off(state, hand_off("Reviewer", 2, hop=2), ttl=3600)  # late
+    assert (await state.get(key_of("wf_1"))).value["current_agent"] == "Writer"
+    # Without a count (agents handing off by themselves), the step decides, as before.
+    await record_hand_off(state, hand_off("Writer", 1, "wf_2"), ttl=3600)
+    await record_hand_off(state, hand_off("Reviewer", 2, "wf_2"), ttl=3600)
+    await record_hand_off(state, hand_off("Writer", 1, "wf_2"), ttl=3600)
+    assert (await state.get(key_of("wf_2"))).value["current_agent"] == "Reviewer"
 
 
 async def test_an_ending_is_added_to_the_status_the_hand_offs_left() -> None:
