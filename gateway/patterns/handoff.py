@@ -180,8 +180,6 @@ async def run_workflow(spec: WorkflowSpec, dispatcher: Dispatcher, emit: Emit) -
     index: int | None = 0
     hops = 0
     current_step = 0
-    highest_step = 0
-    """The highest step number handed off so far (a workflow may go back to a step)."""
     failure: dict[str, JSON] | None = None
     last_outcome: StepOutcome | None = None
 
@@ -196,7 +194,6 @@ async def run_workflow(spec: WorkflowSpec, dispatcher: Dispatcher, emit: Emit) -
             break
         hops += 1
         step_number = index + 1
-        highest_step = max(highest_step, step_number)
         step_task = step.task_description or task
         context: dict[str, JSON] = {
             **spec.context,
@@ -308,7 +305,7 @@ async def run_workflow(spec: WorkflowSpec, dispatcher: Dispatcher, emit: Emit) -
         )
         if spec.failure_agent and spec.failure_agent != failure["agent_id"]:
             result["notification"] = await _notify_failure(
-                spec, workflow_id, failure, accumulated, dispatcher, event, highest_step, hops
+                spec, workflow_id, failure, accumulated, dispatcher, event, hops
             )
     await _record_ending(dispatcher, workflow_id, failure)
     result["duration_ms"] = clock.ms
@@ -592,12 +589,11 @@ async def _notify_failure(
     accumulated: dict[str, JSON],
     dispatcher: Dispatcher,
     event: Any,
-    highest_step: int,
     hops: int,
 ) -> JSON:
     """The error hand-off of RF-010 scenario 10: the notification agent tells the customer.
-    Its step comes after the failed one and after every step handed off before (a workflow
-    that went back to an earlier step, then failed, has its status moved on too)."""
+    It counts as the hop after the workflow's last (``hops``): the status moves on to it
+    whatever step the workflow had gone back to."""
     failed_agent = str(failure["agent_id"])
     handoff = Handoff(
         task_description=f"Notify failure: {failure['error_reason']}",
@@ -611,7 +607,7 @@ async def _notify_failure(
         previous_result={"status": "FAILED", "error": failure["error_reason"]},
         constraints=spec.constraints,
         workflow_id=workflow_id,
-        step_number=max(int(failure["failed_at_step"]) + 2, highest_step + 1),
+        step_number=int(failure["failed_at_step"]) + 2,
     )
     message = Message(
         from_agent=failed_agent,

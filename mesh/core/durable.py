@@ -36,6 +36,7 @@ from mesh.core.memory import (
     MemoryPool,
     SharedMemoryPool,
     insight_from_record,
+    insight_number,
     insight_record,
 )
 from mesh.core.model import AgentInfo, DeadLetter, Message
@@ -195,9 +196,8 @@ class SqliteJournal:
         self._record(("state_gone", key))
 
     def insight_written(self, insight: Insight) -> None:
-        number = insight.insight_id.removeprefix("insight_")
         body = json.dumps(insight_record(insight), default=str, separators=(",", ":"))
-        self._record(("insight", insight.insight_id, int(number) if number.isdigit() else 0, body))
+        self._record(("insight", insight.insight_id, insight_number(insight.insight_id), body))
 
     def insights_gone(self, insight_ids: list[str]) -> None:
         self._record(("insights_gone", insight_ids))

@@ -69,6 +69,12 @@ def as_stored(insight: Insight, seq: int, now: datetime | None = None) -> Insigh
     )
 
 
+def insight_number(insight_id: str) -> int:
+    """The number in an id :func:`as_stored` gave (0 for another id)."""
+    number = insight_id.removeprefix("insight_")
+    return int(number) if number.isdigit() else 0
+
+
 def insight_record(insight: Insight) -> dict[str, JSON]:
     """An insight as JSON, as a pool that keeps it outside the process writes it."""
     return {
@@ -203,15 +209,13 @@ class SharedMemoryPool:
         self._writers: Counter[str] = Counter()
         self._expiry: list[tuple[float, str]] = []
         """(when it leaves, id) of the insights with a ttl; a deleted one stays until then."""
-        self._ids = itertools.count(1)
         self._journal = journal
         last = 0
         for insight in restored:
             self._add(insight)
             if insight.expires_at is not None:
                 heapq.heappush(self._expiry, (insight.expires_at.timestamp(), insight.insight_id))
-            number = insight.insight_id.removeprefix("insight_")
-            last = max(last, int(number) if number.isdigit() else 0)
+            last = max(last, insight_number(insight.insight_id))
         self._ids = itertools.count(last + 1)
 
     def _add(self, insight: Insight) -> None:
