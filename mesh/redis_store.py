@@ -1066,6 +1066,7 @@ class RedisQueueStore:
         except BrokerUnavailableError:
             return 0  # they stay accepted
         taken = 0
+        taken_back: set[tuple[str, str]] = set()
         for agent_id, ids in zip(agents, removed, strict=True):
             if isinstance(ids, BaseException):
                 continue
@@ -1074,6 +1075,13 @@ class RedisQueueStore:
                 if puts[i].args[0] in gone:
                     results[i] = [-2, [], held]
                     taken += 1
+                    taken_back.add((agent_id, puts[i].args[0]))
+        # A put of the group that found one of those held (a retry sent with it) is refused
+        # with it: what it would be told was accepted is no longer there.
+        for i, (put, result) in enumerate(zip(puts, results, strict=True)):
+            duplicate = not isinstance(result, BaseException) and int(result[0]) == 0
+            if duplicate and (put.agent_id, put.args[0]) in taken_back:
+                results[i] = [-2, [], held]
         return taken
 
     def _settle_puts(

@@ -907,6 +907,32 @@ async def test_redis_total_limit_holds_across_replicas_with_a_stale_count(
         await b.close()
 
 
+async def test_redis_a_retry_sent_with_a_put_taken_back_is_refused_with_it(
+    redis_store_url: str,
+) -> None:
+    """Replica A, its count stale, sends a message and its retry together past the limit:
+    the message is taken back, and the retry, which had found it held, is refused too
+    (it was answered accepted for a message no longer there)."""
+    from mesh.redis_store import RedisQueueStore
+
+    a = RedisQueueStore(redis_store_url, **OPTIONS)
+    b = RedisQueueStore(redis_store_url, **OPTIONS)
+    try:
+        assert await a.put(msg("a0", to="A"), 3600)  # replica A last saw 1 message held
+        for i in range(7):  # replica B fills the broker-wide limit of 8 meanwhile
+            assert await b.put(msg(f"b{i}", to=f"B{i % 2}"), 3600)
+        results = await asyncio.gather(
+            a.put(msg("a1", to="A"), 3600),
+            a.put(msg("a1", to="A"), 3600),
+            return_exceptions=True,
+        )
+        assert all(isinstance(r, MessageQueueFullError) for r in results), results
+        assert [p.message.message_id for p in await b.pop("A")] == ["a0"]
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_reopened_store_has_every_accepted_message_in_order_with_its_state(
     tmp_path: Path, clock: FakeClock
 ) -> None:
