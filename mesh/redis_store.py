@@ -474,6 +474,12 @@ def _message(body: Any) -> Message:
     return Message.from_dict(json.loads(body))
 
 
+def _added(result: Any) -> bool:
+    """Whether a put script's result says it added its message (1; 0 is a duplicate, a
+    negative number a refusal; an exception, a put that did not run)."""
+    return not isinstance(result, BaseException) and int(result[0]) == 1
+
+
 def _score(message: Message) -> str:
     micros = int(message.timestamp.timestamp() * 1_000_000) - BASE_US
     return str(message.priority.rank * RANK_SPAN + min(max(micros, 0), RANK_SPAN - 1))
@@ -1010,7 +1016,7 @@ class RedisQueueStore:
             except BrokerUnavailableError as error:
                 results = [error] * len(run)
             await self._name_first_queues(run, results, new_queues)
-            took = sum(1 for r in results if not isinstance(r, BaseException) and int(r[0]) == 1)
+            took = sum(1 for r in results if _added(r))
             held += took
             self._seen_total = held
             self._settle_puts(run, results, 0)  # (the places of those that added nothing)
@@ -1025,7 +1031,7 @@ class RedisQueueStore:
         first = {
             put.agent_id
             for put, result in zip(puts, results, strict=True)
-            if not isinstance(result, BaseException) and int(result[0]) == 1 and int(result[2])
+            if _added(result) and int(result[2])
         }
         if not first:
             return
@@ -1050,7 +1056,7 @@ class RedisQueueStore:
         held = counted - len(puts)
         over: dict[str, list[int]] = {}
         for i, (put, result) in enumerate(zip(puts, results, strict=True)):
-            if isinstance(result, BaseException) or int(result[0]) != 1:
+            if not _added(result):
                 continue
             if held < put.total_limit:
                 held += 1
@@ -1084,16 +1090,11 @@ class RedisQueueStore:
                 results[i] = [-2, [], held]
         return taken
 
-    def _settle_puts(
-        self, puts: list[_Put], results: list[Any], unused: int, *, release: bool = True
-    ) -> None:
+    def _settle_puts(self, puts: list[_Put], results: list[Any], unused: int) -> None:
         """Gives back the places of the puts that did not add a message (refused, duplicates,
-        not run) unless told not to (the caller hands them on), then answers each."""
-        for result in results:
-            if isinstance(result, BaseException) or int(result[0]) != 1:
-                unused += 1
-        if release:
-            self._release(unused)
+        not run), then answers each."""
+        unused += sum(1 for result in results if not _added(result))
+        self._release(unused)
         for put, result in zip(puts, results, strict=True):
             if put.future.done():
                 continue
