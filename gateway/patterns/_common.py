@@ -60,6 +60,16 @@ def unit_value(value: JSON, default: float, field: str) -> float:
     return float(value)
 
 
+def pick(value: JSON, field: str) -> str:
+    """An agent's pick (a recommendation): a string that names something. None, "" or a
+    list, object, number or boolean in its place makes the answer unusable:
+    MessageValidationError on ``field`` (the agent is reported missing, with that reason),
+    rather than an empty or made-up option taking part in the vote."""
+    if not isinstance(value, str) or not value.strip():
+        raise invalid(field, f"{field} must be a non-empty string, got {value!r}")
+    return value
+
+
 def clean(value: float) -> float:
     """Rounds away binary noise (0.7600000000000001 -> 0.76) for reporting."""
     return round(value, 9)

@@ -19,6 +19,7 @@ from gateway.patterns._common import (
     invalid,
     new_id,
     nobody_answered,
+    pick,
     unit_value,
 )
 from gateway.tracing import now_ns, record_span, span_name, tracer
@@ -50,19 +51,31 @@ class AgentOpinion:
         }
 
 
-def opinion_from(agent_id: str, weight_key: str, content: Mapping[str, JSON]) -> AgentOpinion:
+def opinion_from(
+    agent_id: str, weight_key: str, content: Mapping[str, JSON], method: str = "weighted"
+) -> AgentOpinion:
+    """An agent's answer as an opinion; MessageValidationError when the answer gives the
+    method nothing to aggregate (no scores to weigh, or no pick to count), so that the agent
+    is reported missing with that reason."""
     raw = content.get("scores")
     scores = (
         {str(k): unit_value(v, 0.0, f"scores.{k}") for k, v in raw.items()}
         if isinstance(raw, dict)
         else {}
     )
-    recommendation = str(content.get("recommendation") or "")
-    if not recommendation and scores:
-        recommendation = max(sorted(scores), key=lambda o: scores[o])
+    given = content.get("recommendation")
+    if given is None or given == "":
+        # (no pick of its own: the option it scored highest, the first by name of equals)
+        recommendation = max(sorted(scores), key=lambda o: scores[o]) if scores else ""
+    else:
+        recommendation = pick(given, "recommendation")
     confidence = unit_value(
         content.get("confidence"), scores.get(recommendation, 0.5), "confidence"
     )
+    if method == "weighted" and not scores:
+        raise invalid("scores", "the answer has no scores to weigh")
+    if not recommendation:
+        raise invalid("recommendation", "the answer has neither a recommendation nor scores")
     return AgentOpinion(
         agent_id=agent_id,
         weight_key=weight_key,
@@ -163,6 +176,8 @@ def decide(
         votes = confidence_votes(opinions)
         key = {o: float(v["avg_confidence"]) for o, v in votes.items()}
         breakdown = votes
+    if not key:  # (opinions without scores, or without picks: opinion_from refuses those)
+        return {"recommendation": None, "method": method, "note": "no option to choose from"}
     best = max(key.values())
     tied = [o for o, s in key.items() if abs(s - best) <= TIE_EPSILON]
     result: dict[str, JSON] = {"method": method, "breakdown": breakdown}
@@ -270,7 +285,9 @@ async def run_filtering(spec: FilteringSpec, dispatcher: Dispatcher, emit: Emit)
             )
             try:
                 answer = item.answer()
-                opinion = opinion_from(item.agent_id, keys[item.agent_id], answer.content or {})
+                opinion = opinion_from(
+                    item.agent_id, keys[item.agent_id], answer.content or {}, spec.method
+                )
             except MeshError as error:  # none, an ERROR, or scores the aggregation cannot use
                 missing[item.agent_id] = error.message
                 await event(

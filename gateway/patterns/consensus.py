@@ -233,9 +233,15 @@ async def run_consensus(spec: ConsensusSpec, dispatcher: Dispatcher, emit: Emit)
             reason=error.reason,
         ) from None
     proposal = dict(answer.content or {})
-    if answer.message_type is MessageType.ERROR or not proposal.get("proposal_id"):
+    if answer.message_type is MessageType.ERROR:
         raise MeshError(
-            f"the proposer {spec.proposer_id} failed: {proposal.get('error')}",
+            f"the proposer {spec.proposer_id} failed: {proposal.get('error') or 'agent error'}",
+            code="ABORTED",
+            reason="PROPOSAL_FAILED",
+        )
+    if not isinstance(proposal.get("proposal_id"), str) or not proposal["proposal_id"]:
+        raise MeshError(
+            f"the proposer {spec.proposer_id} answered without a proposal_id",
             code="ABORTED",
             reason="PROPOSAL_FAILED",
         )
@@ -329,6 +335,19 @@ async def run_consensus(spec: ConsensusSpec, dispatcher: Dispatcher, emit: Emit)
             reason=error.reason,
         ) from None
     decision = dict(answer.content or {})
+    if answer.message_type is MessageType.ERROR:
+        raise MeshError(
+            f"the facilitator {spec.facilitator_id} failed: "
+            f"{decision.get('error') or 'agent error'}",
+            code="ABORTED",
+            reason="DECISION_FAILED",
+        )
+    if not isinstance(decision.get("decision"), str) or not decision["decision"]:
+        raise MeshError(
+            f"the facilitator {spec.facilitator_id} answered without a decision",
+            code="ABORTED",
+            reason="DECISION_FAILED",
+        )
     decision.pop("action", None)
     if skipped:
         decision["early_termination"] = (

@@ -21,6 +21,7 @@ from gateway.patterns._common import (
     invalid,
     new_id,
     nobody_answered,
+    pick,
     unit_value,
 )
 from gateway.tracing import span_name, tracer
@@ -75,12 +76,13 @@ class Contribution:
 
 
 def contribution_from(agent_id: str, content: Mapping[str, JSON], **extra: Any) -> Contribution:
-    """Reads an agent's answer: recommendation, confidence (0 to 1, default 0.5) and
-    reasoning; MessageValidationError for a confidence that is not."""
-    recommendation = content.get("recommendation", content.get("result", ""))
+    """Reads an agent's answer: recommendation (or result), confidence (0 to 1, default 0.5)
+    and reasoning; MessageValidationError when there is no recommendation to count or the
+    confidence is not one."""
+    recommendation = content.get("recommendation", content.get("result"))
     return Contribution(
         agent_id=agent_id,
-        recommendation=str(recommendation),
+        recommendation=pick(recommendation, "recommendation"),
         confidence=unit_value(content.get("confidence"), DEFAULT_CONFIDENCE, "confidence"),
         reasoning=str(content.get("reasoning", "")),
         **extra,

@@ -130,7 +130,9 @@ class GatewayServiceServicer:
 
     def RunConsensus(self, request, context):
         """Consensus building: a proposer proposes, reviewers vote in parallel, a facilitator
-        decides (ACCEPT, REJECT, REQUEST_REVISION, or NO_QUORUM).
+        decides (ACCEPT, REJECT, REQUEST_REVISION, or NO_QUORUM). The stream ends ABORTED
+        (reason PROPOSAL_FAILED or DECISION_FAILED) when the proposer gives no proposal_id or the
+        facilitator no decision; reviewers who fail are reported missing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

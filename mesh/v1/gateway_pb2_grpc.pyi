@@ -54,7 +54,9 @@ class GatewayServiceStub:
     """Runs several patterns at once; the result combines theirs."""
     RunConsensus: _grpc.UnaryStreamMultiCallable[_gateway_pb2.RunConsensusRequest, _gateway_pb2.RunConsensusResponse]
     """Consensus building: a proposer proposes, reviewers vote in parallel, a facilitator
-    decides (ACCEPT, REJECT, REQUEST_REVISION, or NO_QUORUM).
+    decides (ACCEPT, REJECT, REQUEST_REVISION, or NO_QUORUM). The stream ends ABORTED
+    (reason PROPOSAL_FAILED or DECISION_FAILED) when the proposer gives no proposal_id or the
+    facilitator no decision; reviewers who fail are reported missing.
     """
     RunResearch: _grpc.UnaryStreamMultiCallable[_gateway_pb2.RunResearchRequest, _gateway_pb2.RunResearchResponse]
     """Research: a coordinator plans, runs subagents with bounded tools, synthesizes with
@@ -98,7 +100,9 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     """Runs several patterns at once; the result combines theirs."""
     RunConsensus: _aio.UnaryStreamMultiCallable[_gateway_pb2.RunConsensusRequest, _gateway_pb2.RunConsensusResponse]  # type: ignore[assignment]
     """Consensus building: a proposer proposes, reviewers vote in parallel, a facilitator
-    decides (ACCEPT, REJECT, REQUEST_REVISION, or NO_QUORUM).
+    decides (ACCEPT, REJECT, REQUEST_REVISION, or NO_QUORUM). The stream ends ABORTED
+    (reason PROPOSAL_FAILED or DECISION_FAILED) when the proposer gives no proposal_id or the
+    facilitator no decision; reviewers who fail are reported missing.
     """
     RunResearch: _aio.UnaryStreamMultiCallable[_gateway_pb2.RunResearchRequest, _gateway_pb2.RunResearchResponse]  # type: ignore[assignment]
     """Research: a coordinator plans, runs subagents with bounded tools, synthesizes with
@@ -175,7 +179,9 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_gateway_pb2.RunConsensusResponse], _abc.AsyncIterator[_gateway_pb2.RunConsensusResponse]]:
         """Consensus building: a proposer proposes, reviewers vote in parallel, a facilitator
-        decides (ACCEPT, REJECT, REQUEST_REVISION, or NO_QUORUM).
+        decides (ACCEPT, REJECT, REQUEST_REVISION, or NO_QUORUM). The stream ends ABORTED
+        (reason PROPOSAL_FAILED or DECISION_FAILED) when the proposer gives no proposal_id or the
+        facilitator no decision; reviewers who fail are reported missing.
         """
 
     @_abc_1.abstractmethod

@@ -18,7 +18,7 @@ from agents.reasoning import ChatCompletionsReasoner, RuleReasoner
 from gateway.client import GatewayClient
 from gateway.embedded import EmbeddedMesh
 from gateway.server import serve_gateway
-from mesh import LocalMesh, connect
+from mesh import AgentContext, LocalMesh, Message, agent, connect
 from mesh.core.errors import MeshError
 
 
@@ -254,3 +254,59 @@ async def test_a_reviewer_backed_by_a_chat_completions_model(chat_server: str) -
     assert call["body"]["model"] == "test-model"
     assert call["auth"] == "Bearer secret-key"
     assert "microservices" in call["body"]["messages"][1]["content"]
+
+
+@pytest.mark.parametrize(
+    ("who", "answer", "said", "reason"),
+    [
+        (
+            "proposer",
+            {"proposal": "Migrate"},
+            "answered without a proposal_id",
+            "PROPOSAL_FAILED",
+        ),
+        ("proposer", RuntimeError("model offline"), "failed: model offline", "PROPOSAL_FAILED"),
+        (
+            "facilitator",
+            {"rationale": "?"},
+            "answered without a decision",
+            "DECISION_FAILED",
+        ),
+        ("facilitator", RuntimeError("model offline"), "failed: model offline", "DECISION_FAILED"),
+    ],
+    ids=["proposal without id", "proposer raises", "no decision", "facilitator raises"],
+)
+async def test_a_proposer_or_facilitator_that_fails_aborts_the_round(
+    who: str, answer: object, said: str, reason: str
+) -> None:
+    """A facilitator that raised or answered without a decision was reported as the round's
+    decision ({"error": ...}, status COMPLETED). Without a proposal or a decision there is no
+    round: the stream ends ABORTED, naming the agent and what it did."""
+
+    @agent(who)
+    async def broken(message: Message, ctx: AgentContext) -> object:
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    async with LocalMesh() as local:
+        await local.add_agent(broken)
+        if who == "facilitator":
+            await local.add_agent(ProposerAgent())
+        await local.add_agent(ReviewerAgent("voter_0", reasoner=fixed("approve")))
+        gateway = await serve_gateway(local.address)
+        try:
+            async with GatewayClient(gateway.address) as client:
+                events: list[dict[str, Any]] = []
+                with pytest.raises(MeshError) as info:
+                    async for event in client.consensus(
+                        problem="Migrate?", reviewer_ids=["voter_0"]
+                    ):
+                        events.append(event)
+        finally:
+            await gateway.stop(0.5)
+    assert (info.value.code, info.value.reason) == ("ABORTED", reason)
+    assert info.value.message == f"the {who} {who} {said}"
+    assert not [e for e in events if e["kind"] in ("DECISION", "RESULT")]
+    if who == "facilitator":  # (the votes were asked for and reported before it failed)
+        assert [e["agent_id"] for e in events if e["kind"] == "VOTE"] == ["voter_0"]

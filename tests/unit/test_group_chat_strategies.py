@@ -126,6 +126,47 @@ def test_a_score_that_is_not_a_share_cannot_count() -> None:
     assert opinion.recommendation == "Hotel A" and opinion.confidence == 0.9
 
 
+@pytest.mark.parametrize(
+    "content",
+    [
+        {},
+        {"recommendation": None},
+        {"recommendation": ""},
+        {"recommendation": "  "},
+        {"recommendation": {"ticker": "AAPL"}},
+        {"result": ["AAPL"]},
+        {"recommendation": 5.0},
+        {"recommendation": True},
+        {"confidence": 0.9},
+    ],
+)
+def test_an_answer_without_a_pick_cannot_count(content: dict[str, object]) -> None:
+    """An answer with no recommendation took part in the vote as the option "" (three of
+    them were an "unanimous expert consensus" on nothing) and a list or None became the option
+    "['AAPL']" or "None". Such an answer is refused, saying why: the agent is missing."""
+    with pytest.raises(MessageValidationError, match="recommendation must be a non-empty string"):
+        contribution_from("A", content)  # type: ignore[arg-type]
+    if content:  # (collaborative filtering, by confidence: a pick or scores to take one from)
+        with pytest.raises(MessageValidationError, match="recommendation"):
+            opinion_from("A", "price", content, "confidence")  # type: ignore[arg-type]
+    assert contribution_from("A", {"result": "Buy AAPL"}).recommendation == "Buy AAPL"
+
+
+def test_collaborative_answers_must_give_the_method_something_to_aggregate() -> None:
+    """Weighing needs scores, counting picks needs a pick: an answer with neither failed the
+    whole run (max() of nothing, INTERNAL); now its agent is reported missing."""
+    with pytest.raises(MessageValidationError, match="no scores to weigh"):
+        opinion_from("A", "price", {"recommendation": "Hotel A", "confidence": 0.9})
+    with pytest.raises(MessageValidationError, match="neither a recommendation nor scores"):
+        opinion_from("A", "price", {"confidence": 0.9}, "confidence")
+    picked = opinion_from(
+        "A", "price", {"recommendation": "Hotel A", "confidence": 0.9}, "confidence"
+    )
+    assert (picked.recommendation, picked.confidence, picked.scores) == ("Hotel A", 0.9, {})
+    derived = opinion_from("A", "price", {"scores": {"B": 0.4, "A": 0.4}}, "confidence")
+    assert derived.recommendation == "A"  # (its best score; the first by name of equals)
+
+
 @pytest.mark.parametrize("weight", [-0.1, 1.5, float("nan"), float("inf")])
 def test_collaborative_weights_must_be_shares(weight: float) -> None:
     """A NaN weight passed (NaN is neither negative nor off 1.0 in a sum) and failed the run
