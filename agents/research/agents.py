@@ -78,7 +78,7 @@ class _Researcher(Agent):
         content = message.content or {}
         return (
             str(content.get("query") or ""),
-            list(content.get("prior_findings") or []),
+            [f for f in content.get("prior_findings") or [] if analysis.is_finding(f)],
             dict(content.get("constraints") or {}),
         )
 
@@ -309,7 +309,7 @@ class ReportAgent(_Researcher):
     async def handle(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
         query, _, constraints = self.context(message)
         synthesis = dict((message.content or {}).get("synthesis") or {})
-        findings = list(synthesis.get("findings") or [])
+        findings = [f for f in synthesis.get("findings") or [] if analysis.is_finding(f)]
         citations, refs = [], {}
         for i, finding in enumerate(findings, start=1):
             ref = f"ref-{i}"
@@ -345,31 +345,32 @@ class ReportAgent(_Researcher):
         ]
         body += [f"- {cite(f['claim'])} ({f.get('confidence')} confidence)" for f in findings]
         body += ["", "## Conflicts", ""]
-        for c in synthesis.get("conflicts") or []:
+        conflicts = [c for c in synthesis.get("conflicts") or [] if is_conflict(c)]
+        for c in conflicts:
             if c["resolution"] == "NEWEST_CURRENT":
                 body.append(
-                    f"- **{c['topic']}** (temporal): current ({c['current_date']}): "
-                    f"{cite(c['current'])}; earlier ({c['previous_date']}): "
+                    f"- **{c.get('topic')}** (temporal): current ({c.get('current_date')}): "
+                    f"{cite(c['current'])}; earlier ({c.get('previous_date')}): "
                     f"{cite(c['previous'])}"
                 )
             elif c["resolution"] == "BOTH_SHOWN":
                 body.append(
-                    f"- **{c['topic']}** (interpretive, both perspectives shown): "
+                    f"- **{c.get('topic')}** (interpretive, both perspectives shown): "
                     f"{cite(c['claim_a'])} — versus — {cite(c['claim_b'])}"
                 )
             elif c["resolution"] == "UNRESOLVED":
                 body.append(
-                    f"- **{c['topic']}** (factual, UNRESOLVED: {c['note']}): "
+                    f"- **{c.get('topic')}** (factual, UNRESOLVED: {c.get('note')}): "
                     f"{cite(c['claim_a'])} — versus — {cite(c['claim_b'])}"
                 )
             else:
                 body.append(
-                    f"- **{c['topic']}** (factual, resolved by source tier: "
-                    f"{c['note']}): {cite(c['preferred'])}"
+                    f"- **{c.get('topic')}** (factual, resolved by source tier: "
+                    f"{c.get('note')}): {cite(c['preferred'])}"
                 )
-        if not synthesis.get("conflicts"):
+        if not conflicts:
             body.append("- none")
-        gaps = list(constraints.get("open_gaps") or synthesis.get("gaps") or [])
+        gaps = [str(g) for g in constraints.get("open_gaps") or synthesis.get("gaps") or []]
         body += ["", "## Open gaps", ""] + ([f"- {g}" for g in gaps] or ["- none"])
         body += ["", "## Sources", ""] + [f"[{c['id']}] {c['source']}" for c in citations]
         text = "\n".join(body) + "\n"
@@ -394,6 +395,25 @@ class ReportAgent(_Researcher):
                     ),
                 }
         return {**report, "files": files}
+
+
+CONFLICT_FIELDS = {
+    "NEWEST_CURRENT": ("current", "previous"),
+    "BOTH_SHOWN": ("claim_a", "claim_b"),
+    "UNRESOLVED": ("claim_a", "claim_b"),
+    "A_PREFERRED": ("preferred",),
+    "B_PREFERRED": ("preferred",),
+}
+"""Per resolution (analysis.resolve), the claims a report shows for a conflict."""
+
+
+def is_conflict(value: Any) -> bool:
+    """Whether the report can show ``value`` as a conflict: an object with a known
+    resolution and, as strings, the claims that resolution shows."""
+    if not isinstance(value, dict):
+        return False
+    claims = CONFLICT_FIELDS.get(str(value.get("resolution")))
+    return claims is not None and all(isinstance(value.get(k), str) for k in claims)
 
 
 def research_agents() -> list[Agent]:

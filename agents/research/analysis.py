@@ -94,6 +94,18 @@ def extract_claims(
     return found
 
 
+def is_finding(value: Any) -> bool:
+    """Whether the analysis can use ``value`` as a finding: an object whose claim is a
+    non-empty string and whose topic, when it names one, is a string (findings come from
+    other agents, maybe in other languages)."""
+    return (
+        isinstance(value, dict)
+        and isinstance(value.get("claim"), str)
+        and bool(value["claim"].strip())
+        and isinstance(value.get("topic", ""), str)
+    )
+
+
 def source_of(finding: Finding) -> str:
     if "source_url" in finding:
         return str(finding["source_url"])

@@ -71,6 +71,94 @@ class ResearchSpec:
             raise invalid("timeout", "timeouts must be positive")
 
 
+ACTIONS = ("retry_with_other_agent", "skip", "report_gap")
+"""What a subagent's escalation may suggest; anything else is taken as report_gap."""
+
+
+@dataclass(slots=True)
+class Answers:
+    """The subagents' answers as the coordinator can use them, and what had to be set aside.
+
+    Subagents are other processes, maybe in other languages. The spec's rule for an
+    unexpected format is to parse or normalize it rather than escalate: so the coordinator
+    keeps what it can read (findings and conflicts that are objects, gaps and files that are
+    strings) and notes the rest, per agent, in the run's result (``malformed_answers``)."""
+
+    problems: list[str] = field(default_factory=list)
+
+    def objects(self, agent_id: str, content: Mapping[str, Any], key: str) -> list[dict[str, Any]]:
+        return [v for v in self._list(agent_id, content, key, "objects") if isinstance(v, dict)]
+
+    def findings(self, agent_id: str, content: Mapping[str, Any], key: str) -> list[dict[str, Any]]:
+        """Findings: objects with a claim that is a non-empty string (and a topic, when they
+        name one, that is a string)."""
+        from agents.research.analysis import is_finding
+
+        objects = self.objects(agent_id, content, key)
+        kept = [f for f in objects if is_finding(f)]
+        if len(kept) < len(objects):
+            left_out = [f for f in objects if not is_finding(f)]
+            self.problems.append(
+                f"{agent_id}: a finding needs a claim that is a non-empty string (and a topic,"
+                f" if any, that is a string); left out {left_out!r}"
+            )
+        return kept
+
+    def strings(self, agent_id: str, content: Mapping[str, Any], key: str) -> list[str]:
+        return [v for v in self._list(agent_id, content, key, "strings") if isinstance(v, str)]
+
+    def _list(self, agent_id: str, content: Mapping[str, Any], key: str, kind: str) -> list[Any]:
+        value = content.get(key)
+        if value is None:
+            return []
+        wanted = dict if kind == "objects" else str
+        if not isinstance(value, list):
+            self.problems.append(f"{agent_id}: {key} must be a list of {kind}, got {value!r}")
+            return []
+        dropped = [v for v in value if not isinstance(v, wanted)]
+        if dropped:
+            self.problems.append(
+                f"{agent_id}: {key} must be a list of {kind}; left out {dropped!r}"
+            )
+        return value
+
+    def text(self, agent_id: str, content: Mapping[str, Any], key: str) -> str:
+        value = content.get(key)
+        if value is None or isinstance(value, str):
+            return value or ""
+        self.problems.append(f"{agent_id}: {key} must be a string, got {value!r}")
+        return ""
+
+    def escalation(
+        self, agent_id: str, content: Mapping[str, Any], query: str, findings: int
+    ) -> dict[str, Any] | None:
+        """A subagent's escalation (the spec's EscalationMessage), or None: a suggested action
+        the coordinator does not know is taken as report_gap, so the gap is documented."""
+        raw = content.get("escalation")
+        if not raw:
+            return None
+        if not isinstance(raw, dict):
+            self.problems.append(f"{agent_id}: escalation must be an object, got {raw!r}")
+            raw = {}
+        action = raw.get("suggested_action")
+        if action not in ACTIONS:
+            self.problems.append(
+                f"{agent_id}: suggested_action must be one of {', '.join(ACTIONS)},"
+                f" got {action!r}: taken as report_gap"
+            )
+            action = "report_gap"
+        failure = raw.get("failure_type")
+        attempted = raw.get("attempted_query")
+        return {
+            **raw,
+            "agent_id": agent_id,
+            "failure_type": failure if isinstance(failure, str) and failure else "unknown",
+            "attempted_query": attempted if isinstance(attempted, str) and attempted else query,
+            "partial_results": findings,
+            "suggested_action": action,
+        }
+
+
 def load_topics(path: Path = TOPICS_FILE) -> dict[str, Any]:
     data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
     return data
@@ -168,7 +256,8 @@ async def run_research(spec: ResearchSpec, dispatcher: Dispatcher, emit: Emit) -
     spec.validate()
     run_id = spec.run_id or new_id("research")
     clock = Stopwatch()
-    lexicon = load_topics()
+    lexicon = await asyncio.to_thread(load_topics)
+    answers = Answers()
 
     async def event(kind: EventKind, summary: str, **fields: Any) -> None:
         await emit(
@@ -235,9 +324,22 @@ async def run_research(spec: ResearchSpec, dispatcher: Dispatcher, emit: Emit) -
         answer = await dispatcher.ask(message, spec.subagent_timeout)
         if answer.message_type is MessageType.ERROR:
             raise MeshError(
-                str((answer.content or {}).get("error")), code="ABORTED", reason="AGENT_ERROR"
+                f"{agent_id} failed: {(answer.content or {}).get('error') or 'agent error'}",
+                code="ABORTED",
+                reason="AGENT_ERROR",
             )
         return dict(answer.content or {})
+
+    async def synthesize(agent_id: str, content: dict[str, JSON]) -> dict[str, Any]:
+        """The synthesis agent's answer, normalized (see Answers)."""
+        said = await ask(agent_id, content)
+        return {
+            **said,
+            "summary": answers.text(agent_id, said, "summary"),
+            "findings": answers.findings(agent_id, said, "findings"),
+            "conflicts": answers.objects(agent_id, said, "conflicts"),
+            "gaps": answers.strings(agent_id, said, "gaps"),
+        }
 
     async def research(
         agent_id: str, focus: str, prior: list[dict[str, Any]], tried: set[str]
@@ -270,10 +372,12 @@ async def run_research(spec: ResearchSpec, dispatcher: Dispatcher, emit: Emit) -
                 },
             )
             return []
-        got = list(result.get("findings") or [])
-        if result.get("partial"):
+        got = answers.findings(agent_id, result, "findings")
+        partial = result.get("partial") is True
+        if partial:
             partial_agents.add(agent_id)
-        up = result.get("escalation")
+        errors = result.get("errors")
+        up = answers.escalation(agent_id, result, spec.query, len(got))
         if up:
             escalations.append(up)
             await event(
@@ -293,13 +397,17 @@ async def run_research(spec: ResearchSpec, dispatcher: Dispatcher, emit: Emit) -
                 return got + await research(other, focus, prior, tried)
         await event(
             EventKind.FINDINGS,
-            f"{agent_id}: {len(got)} findings" + (" (partial)" if result.get("partial") else ""),
+            f"{agent_id}: {len(got)} findings" + (" (partial)" if partial else ""),
             agent_id=agent_id,
             data={
                 "agent_id": agent_id,
                 "findings": got,
-                "partial": bool(result.get("partial")),
-                "errors": result.get("errors", []),
+                "partial": partial,
+                "errors": errors
+                if isinstance(errors, list)
+                else []
+                if errors is None
+                else [errors],
             },
         )
         return got
@@ -328,7 +436,7 @@ async def run_research(spec: ResearchSpec, dispatcher: Dispatcher, emit: Emit) -
             findings.extend(got)
         findings = dedupe(findings)
         new_claims = len({claim_key(f) for f in findings[before:]} - known)
-        synthesis = await ask(
+        synthesis = await synthesize(
             SYNTHESIS,
             {
                 "action": "synthesize",
@@ -370,7 +478,7 @@ async def run_research(spec: ResearchSpec, dispatcher: Dispatcher, emit: Emit) -
     for conflict in synthesis.get("conflicts") or []:
         await event(EventKind.CONFLICT, conflict_summary(conflict), data=conflict)
     open_gaps = list(dict.fromkeys([*(synthesis.get("gaps") or []), *extra_gaps]))
-    report = await ask(
+    said = await ask(
         REPORT,
         {
             "action": "report",
@@ -384,14 +492,20 @@ async def run_research(spec: ResearchSpec, dispatcher: Dispatcher, emit: Emit) -
             "synthesis": synthesis,
         },
     )
+    report = {
+        **said,
+        "title": answers.text(REPORT, said, "title"),
+        "files": answers.strings(REPORT, said, "files"),
+        "citations": answers.objects(REPORT, said, "citations"),
+    }
     await event(
         EventKind.REPORT,
-        f"report written: {', '.join(report.get('files') or [])}",
+        f"report written: {', '.join(report['files'])}",
         agent_id=REPORT,
         data={
-            "title": report.get("title"),
-            "files": report.get("files") or [],
-            "citations": len(report.get("citations") or []),
+            "title": report["title"],
+            "files": report["files"],
+            "citations": len(report["citations"]),
         },
     )
     result: dict[str, JSON] = {
@@ -409,6 +523,7 @@ async def run_research(spec: ResearchSpec, dispatcher: Dispatcher, emit: Emit) -
         "partial_agents": sorted(partial_agents),
         "defaults_used": sorted(defaults),
         "report": report,
+        "malformed_answers": answers.problems,
         "duration_ms": clock.ms,
     }
     await event(

@@ -7,6 +7,11 @@ answer, a group chat, a collaborative filtering run and a consensus round end in
 defined ways: one RESULT, last, that counts exactly the answers the pattern can use and
 names every other agent as missing; or, for a consensus round without a proposal or a
 decision, ABORTED with the reason. Never INTERNAL, and the gateway goes on serving.
+
+A research run's researchers likewise answer anything (findings of any shape, escalations
+with unknown actions, ...): the coordinator keeps what it can read, notes the rest, and the
+sample synthesis and report agents take what it passes on; the run completes, its report
+written, citing only findings the researchers gave.
 """
 
 from __future__ import annotations
@@ -15,16 +20,22 @@ import asyncio
 import math
 import threading
 from collections.abc import Coroutine, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from agents.research import RESEARCH_POLICY, research_tools
+from agents.research.agents import ReportAgent, SynthesisAgent
+from agents.research.analysis import claim_key, is_finding, source_of
+from agents.research.corpus import DocumentFolder
 from gateway.client import GatewayClient
 from gateway.server import serve_gateway
 from mesh import AgentContext, LocalMesh, Message, agent
 from mesh.core.errors import MeshError
+from mesh.core.tools import ToolHost
 from tests.helpers.programs import programs_settings
 
 T = TypeVar("T")
@@ -139,9 +150,12 @@ def counts(rpc: str, method: str, content: dict[str, Any]) -> bool:
 
 class World:
     """One mesh and one gateway for every program: the agents read their parts from
-    ``behaviour``, set before each run."""
+    ``behaviour``, set before each run; ``sample`` agents are the real ones."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, agent_ids: tuple[str, ...], sample: tuple[Any, ...] = (), tools: Any = None
+    ) -> None:
+        self.agent_ids, self.sample, self.tools = agent_ids, sample, tools
         self.behaviour: dict[str, tuple[str, Any]] = {}
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -162,10 +176,12 @@ class World:
         return handle
 
     async def _start(self) -> None:
-        self.mesh = LocalMesh()
+        self.mesh = LocalMesh(tool_host=self.tools)
         await self.mesh.start()
-        for agent_id in (*GROUP, *ROLES):
+        for agent_id in self.agent_ids:
             await self.mesh.add_agent(self._agent(agent_id))
+        for sample in self.sample:
+            await self.mesh.add_agent(sample)
         self.gateway = await serve_gateway(self.mesh.address)
         self.client = GatewayClient(self.gateway.address, timeout=30)
 
@@ -185,7 +201,7 @@ class World:
 
 @pytest.fixture(scope="module")
 def world() -> Iterator[World]:
-    running = World()
+    running = World((*GROUP, *ROLES))
     try:
         yield running
     finally:
@@ -268,3 +284,101 @@ def test_whatever_the_agents_answer_a_pattern_ends_defined_and_counts_what_it_ca
     if rpc == "RunGroupChat" and answered:
         picks = {c["recommendation"] for c in result["contributions"]}
         assert all(is_pick(p) for p in picks)
+
+
+RESEARCHERS = ("web-search-agent", "document-analysis-agent")
+TOPICS = ["recycling_rate", "collection_target", "economic_viability"]
+findings = st.fixed_dictionaries(
+    {
+        "claim": st.sampled_from(["Rate is 5%", "Rate is 50%", ""]) | values,
+        "topic": st.sampled_from(TOPICS) | values,
+        "value": st.sampled_from(["5", "50"]) | values,
+        "source_url": st.sampled_from(["https://a.example", "https://b.example"]) | values,
+    },
+    optional={
+        "kind": st.sampled_from(["factual", "temporal", "interpretive"]) | values,
+        "tier": st.sampled_from(["official", "article", "blog"]) | values,
+        "confidence": st.sampled_from(["high", "low"]) | values,
+        "date": st.sampled_from(["2024-01-01", "2025-06-01"]) | values,
+    },
+)
+researcher_answers = st.one_of(
+    st.fixed_dictionaries(
+        {"findings": st.lists(findings, min_size=1, max_size=4)},
+        optional={"partial": st.booleans() | values, "errors": values},
+    ),
+    st.fixed_dictionaries(
+        {"findings": st.lists(findings | values, max_size=3) | values},
+        optional={
+            "partial": values,
+            "escalation": st.fixed_dictionaries(
+                {},
+                optional={
+                    "failure_type": st.sampled_from(["access_denied", "timeout_complete"]) | values,
+                    "suggested_action": st.sampled_from(
+                        ["retry_with_other_agent", "skip", "report_gap", "panic"]
+                    )
+                    | values,
+                    "attempted_query": values,
+                },
+            )
+            | values,
+        },
+    ),
+    values,
+).map(lambda content: ("answer", content)) | st.just(("raise", None))
+
+
+@pytest.fixture(scope="module")
+def research_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    output = tmp_path_factory.mktemp("reports")
+    tools = ToolHost(research_tools(docs=DocumentFolder(), output=output), RESEARCH_POLICY)
+    running = World(RESEARCHERS, (SynthesisAgent(), ReportAgent()), tools)
+    running.output = output  # type: ignore[attr-defined]
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@programs_settings(40)
+@given(
+    parts=st.fixed_dictionaries({a: researcher_answers for a in RESEARCHERS}),
+    iterations=st.integers(1, 3),
+)
+def test_whatever_the_researchers_answer_the_research_completes_with_what_it_could_read(
+    research_world: World, parts: dict[str, tuple[str, Any]], iterations: int
+) -> None:
+    research_world.behaviour = parts
+    request = {
+        "query": "latest: compare the recycling rate, the collection target and the viability",
+        "documents": True,
+        "max_iterations": iterations,
+        "subagent_timeout": "5s",
+        "report_name": "programs",
+    }
+    events = research_world.call(research_world.collect("RunResearch", request))
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("RESULT") == 1 and kinds[-1] == "RESULT", kinds
+    result = events[-1]["data"]
+    given = [
+        f
+        for kind, content in parts.values()
+        if kind == "answer"
+        and isinstance(content, dict)
+        and isinstance(content.get("findings"), list)
+        for f in content["findings"]
+        if is_finding(f)
+    ]
+    # (by claim: a source_url of 0.0 comes back as 0, a Struct's whole number)
+    assert all(is_finding(f) for f in result["findings"])
+    assert {claim_key(f) for f in result["findings"]} <= {claim_key(f) for f in given}
+    for agent_id, (kind, _) in parts.items():
+        if kind == "raise":
+            assert agent_id in result["partial_agents"]
+    report = result["report"]
+    cited = {(c["source"], c["claim"]) for c in report["citations"]}
+    assert cited == {(source_of(f), f["claim"]) for f in result["findings"]}
+    assert [Path(f).name for f in report["files"]] == ["programs.md", "programs.json"]
+    text = (research_world.output / "programs.md").read_text(encoding="utf-8")  # type: ignore[attr-defined]
+    assert all(f["claim"] in text for f in result["findings"])

@@ -4,8 +4,21 @@ from __future__ import annotations
 
 import pytest
 
-from agents.research.analysis import detect_conflicts, extract_claims, gaps_of, resolve, topics_of
-from gateway.patterns.research import analyze_query, detect_cycle, load_topics, stopping_reason
+from agents.research.analysis import (
+    detect_conflicts,
+    extract_claims,
+    gaps_of,
+    is_finding,
+    resolve,
+    topics_of,
+)
+from gateway.patterns.research import (
+    Answers,
+    analyze_query,
+    detect_cycle,
+    load_topics,
+    stopping_reason,
+)
 
 LEXICON = load_topics()
 
@@ -162,3 +175,52 @@ def test_refinement_goes_on_while_gaps_remain() -> None:
         )
         is None
     )
+
+
+def test_a_researchers_answer_is_kept_as_far_as_it_can_be_read() -> None:
+    """The spec's rule for an unexpected format: normalize, do not escalate. Findings that
+    are objects with a claim are kept, the rest left out and noted; so are gaps that are not
+    strings. (A findings value of 5 or a topic that is an object failed the whole run.)"""
+    answers = Answers()
+    good = finding("Rate is 5%")
+    content = {"findings": [good, "Rate is 50%", {"claim": ""}, {"claim": "x", "topic": {}}]}
+    assert answers.findings("web", content, "findings") == [good]
+    assert answers.findings("web", {"findings": 5}, "findings") == []
+    assert answers.findings("web", {}, "findings") == []
+    assert answers.strings("synthesis", {"gaps": ["a", 1, None]}, "gaps") == ["a"]
+    assert answers.text("synthesis", {"summary": ["x"]}, "summary") == ""
+    assert answers.problems == [
+        "web: findings must be a list of objects; left out ['Rate is 50%']",
+        "web: a finding needs a claim that is a non-empty string (and a topic, if any, that is"
+        " a string); left out [{'claim': ''}, {'claim': 'x', 'topic': {}}]",
+        "web: findings must be a list of objects, got 5",
+        "synthesis: gaps must be a list of strings; left out [1, None]",
+        "synthesis: summary must be a string, got ['x']",
+    ]
+    assert is_finding(good) and not is_finding({"claim": "  "}) and not is_finding([good])
+
+
+@pytest.mark.parametrize(
+    ("raw", "action", "failure"),
+    [
+        (
+            {"suggested_action": "skip", "failure_type": "timeout_complete"},
+            "skip",
+            "timeout_complete",
+        ),
+        ({"suggested_action": "panic"}, "report_gap", "unknown"),
+        ("timed out", "report_gap", "unknown"),
+    ],
+)
+def test_an_escalation_the_coordinator_cannot_read_documents_the_gap(
+    raw: object, action: str, failure: str
+) -> None:
+    """An escalation without a suggested action the coordinator knows (KeyError: the run
+    failed INTERNAL) is taken as report_gap, so what could not be done is in the report."""
+    answers = Answers()
+    up = answers.escalation("web", {"escalation": raw}, "the query", 2)
+    assert up is not None
+    assert (up["suggested_action"], up["failure_type"]) == (action, failure)
+    assert (up["agent_id"], up["attempted_query"], up["partial_results"]) == ("web", "the query", 2)
+    assert bool(answers.problems) == (action != "skip")
+    assert answers.escalation("web", {"escalation": None}, "q", 0) is None
