@@ -6,7 +6,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 
-from mesh.core.errors import MessageValidationError
+from mesh.core.errors import MessageValidationError, shown
 from mesh.core.model import JSON
 
 Clock = Callable[[], float]
@@ -56,7 +56,7 @@ def unit_value(value: JSON, default: float, field: str) -> float:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
-        raise invalid(field, f"{field} must be a number from 0 to 1, got {value!r}")
+        raise invalid(field, f"{field} must be a number from 0 to 1, got {shown(value)}")
     return float(value)
 
 
@@ -66,7 +66,7 @@ def pick(value: JSON, field: str) -> str:
     MessageValidationError on ``field`` (the agent is reported missing, with that reason),
     rather than an empty or made-up option taking part in the vote."""
     if not isinstance(value, str) or not value.strip():
-        raise invalid(field, f"{field} must be a non-empty string, got {value!r}")
+        raise invalid(field, f"{field} must be a non-empty string, got {shown(value)}")
     return value
 
 

@@ -23,7 +23,7 @@ from gateway.patterns._common import (
     new_id,
     unit_value,
 )
-from mesh.core.errors import MeshError
+from mesh.core.errors import MeshError, shown
 from mesh.core.model import JSON, Message, MessageType
 
 VOTE_WEIGHTS = {"approve": 1.0, "modify": 0.5, "reject": 0.0}
@@ -50,7 +50,7 @@ class Vote:
 def vote_from(reviewer_id: str, content: Mapping[str, JSON]) -> Vote:
     kind = str(content.get("vote", "")).lower()
     if kind not in VOTE_WEIGHTS:
-        raise invalid("vote", f"vote must be approve, reject or modify, got {kind!r}")
+        raise invalid("vote", f"vote must be approve, reject or modify, got {shown(kind)}")
     return Vote(
         reviewer_id=reviewer_id,
         vote=kind,

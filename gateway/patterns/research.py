@@ -15,7 +15,7 @@ from typing import Any
 from gateway.dispatch import Dispatcher
 from gateway.events import Emit, EventKind, Pattern, PatternEvent
 from gateway.patterns._common import GATEWAY_ID, Stopwatch, invalid, new_id
-from mesh.core.errors import MeshError
+from mesh.core.errors import MeshError, shown
 from mesh.core.model import JSON, Message, MessageType
 
 WEB, DOCS, SYNTHESIS, REPORT = (
@@ -100,7 +100,7 @@ class Answers:
             left_out = [f for f in objects if not is_finding(f)]
             self.problems.append(
                 f"{agent_id}: a finding needs a claim that is a non-empty string (and a topic,"
-                f" if any, that is a string); left out {left_out!r}"
+                f" if any, that is a string); left out {shown(left_out)}"
             )
         return kept
 
@@ -113,12 +113,12 @@ class Answers:
             return []
         wanted = dict if kind == "objects" else str
         if not isinstance(value, list):
-            self.problems.append(f"{agent_id}: {key} must be a list of {kind}, got {value!r}")
+            self.problems.append(f"{agent_id}: {key} must be a list of {kind}, got {shown(value)}")
             return []
         dropped = [v for v in value if not isinstance(v, wanted)]
         if dropped:
             self.problems.append(
-                f"{agent_id}: {key} must be a list of {kind}; left out {dropped!r}"
+                f"{agent_id}: {key} must be a list of {kind}; left out {shown(dropped)}"
             )
         return value
 
@@ -126,7 +126,7 @@ class Answers:
         value = content.get(key)
         if value is None or isinstance(value, str):
             return value or ""
-        self.problems.append(f"{agent_id}: {key} must be a string, got {value!r}")
+        self.problems.append(f"{agent_id}: {key} must be a string, got {shown(value)}")
         return ""
 
     def escalation(
@@ -138,13 +138,13 @@ class Answers:
         if not raw:
             return None
         if not isinstance(raw, dict):
-            self.problems.append(f"{agent_id}: escalation must be an object, got {raw!r}")
+            self.problems.append(f"{agent_id}: escalation must be an object, got {shown(raw)}")
             raw = {}
         action = raw.get("suggested_action")
         if action not in ACTIONS:
             self.problems.append(
                 f"{agent_id}: suggested_action must be one of {', '.join(ACTIONS)},"
-                f" got {action!r}: taken as report_gap"
+                f" got {shown(action)}: taken as report_gap"
             )
             action = "report_gap"
         failure = raw.get("failure_type")

@@ -8,7 +8,19 @@ back into the same class by its reason, so callers never see a raw gRPC error.
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass
+from typing import Any
+
+_SHOWN = reprlib.Repr()  # (Python 3.11 takes no limits as arguments)
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxdict = 3, 5, 5
+_SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 80, 80, 40
+
+
+def shown(value: Any) -> str:
+    """``value`` as an error message quotes what an agent or a caller sent: its repr, cut
+    short (an answer of a megabyte must not come back in every event that names it)."""
+    return _SHOWN.repr(value)
 
 
 @dataclass(frozen=True, slots=True)

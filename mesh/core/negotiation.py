@@ -13,7 +13,7 @@ import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from mesh.core.errors import FieldViolation, MessageValidationError
+from mesh.core.errors import FieldViolation, MessageValidationError, shown
 from mesh.core.model import JSON
 
 MAX_PEERS = 10
@@ -135,7 +135,7 @@ def read_reply(peer: str, content: Mapping[str, JSON] | None) -> Reply:
     try:
         decision = Decision(str(raw).lower())
     except ValueError:
-        return Reply(peer, Decision.REJECT, reason=f"unreadable decision {raw!r}")
+        return Reply(peer, Decision.REJECT, reason=f"unreadable decision {shown(raw)}")
     terms = content.get("proposal")
     if decision is Decision.COUNTER and not isinstance(terms, dict):
         return Reply(peer, Decision.REJECT, reason="a counter without a proposal object")

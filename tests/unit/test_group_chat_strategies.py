@@ -175,3 +175,17 @@ def test_collaborative_weights_must_be_shares(weight: float) -> None:
     with pytest.raises(MessageValidationError, match="weights must be numbers from 0 to 1"):
         validate_weights(weights)
     validate_weights({"price": 0.2, "quality": 0.4, "location": 0.3, "reviews": 0.1})
+
+
+def test_a_refusal_quotes_an_answer_cut_short() -> None:
+    """Each refusal is in an AGENT_MISSING event and in the result's missing_reasons: an answer
+    of 400 KB quoted whole made every run that named it megabytes long."""
+    with pytest.raises(MessageValidationError) as info:
+        contribution_from("A", {"recommendation": {"report": "x" * 400_000}})
+    assert len(info.value.message) < 200
+    assert info.value.message.startswith(
+        "recommendation must be a non-empty string, got {'report': 'xxx"
+    )
+    with pytest.raises(MessageValidationError) as info:
+        vote_from("A", {"vote": "y" * 400_000})
+    assert len(info.value.message) < 200
