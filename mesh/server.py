@@ -235,6 +235,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         answer = await self.broker.request(
             _inbound(self.broker, request.message),
             context.time_remaining(),
+            size_bytes=request.message.ByteSize(),
         )
         response = broker_pb2.SendRequestResponse()
         codec.message_to_pb(answer, response.response)
@@ -259,6 +260,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
             agent_types=list(request.agent_types),
             timeout=timeout,
             all_or_none=request.all_or_none,
+            size_bytes=request.message.ByteSize(),
         )
         try:
             async for item in items:
@@ -613,6 +615,7 @@ class _Session:
             agent_types=list(request.agent_types),
             timeout=timeout,
             all_or_none=request.all_or_none,
+            size_bytes=request.message.ByteSize(),
         )
         # Answers are posted, not awaited one by one: those that come while a write is in
         # flight go in the next one. At most MAX_POSTED wait to be written.
@@ -724,7 +727,11 @@ class _Session:
     async def _request(self, seq: int, request: broker_pb2.SessionRequest) -> None:
         try:
             timeout = codec.timeout_seconds(request)
-            answer = await self.broker.request(_inbound(self.broker, request.message), timeout)
+            answer = await self.broker.request(
+                _inbound(self.broker, request.message),
+                timeout,
+                size_bytes=request.message.ByteSize(),
+            )
         except MeshError as error:
             await self._error(seq, error)
             return
@@ -779,7 +786,11 @@ async def _broadcast(
     named ``where`` + field in a refusal) into ``out``."""
     if not request.HasField("message"):
         raise _invalid(f"{where}message", "message is required")
-    outcome = await broker.broadcast(_inbound(broker, request.message), request.agent_types)
+    outcome = await broker.broadcast(
+        _inbound(broker, request.message),
+        request.agent_types,
+        size_bytes=request.message.ByteSize(),
+    )
     out.message_id = outcome.message.message_id
     out.recipients.extend(outcome.recipients)
     for agent_id, error in outcome.failures:

@@ -25,7 +25,7 @@ from gateway.patterns._common import (
     unit_value,
 )
 from gateway.tracing import span_name, tracer
-from mesh.core.errors import MeshError
+from mesh.core.errors import MeshError, MessageTooLargeError
 from mesh.core.model import JSON, Message, MessageType
 from mesh.core.workflows import MAX_WORKFLOW_ID, workflow_id_problem
 from mesh.tracing import inject
@@ -390,6 +390,7 @@ async def _run(
     )
     missing: dict[str, str] = {}
     contributions: list[Contribution] = []
+    stopped_early, rounds_run = "", 0
     for round_number in range(1, spec.rounds + 1):
         content: dict[str, JSON] = {"query": spec.query}
         if spec.rounds > 1 or history:
@@ -441,43 +442,62 @@ async def _run(
         sent_at = clock.ms
         this_round: list[Contribution] = []
         items = dispatcher.gather(message, spec.agent_ids, spec.agent_timeout)
-        async with contextlib.aclosing(items):  # left early: the gather is given up
-            async for item in items:
-                try:
-                    answer = item.answer()
-                    contribution = contribution_from(
-                        item.agent_id,
-                        answer.content or {},
-                        round=round_number,
-                        timestamp=answer.timestamp.isoformat(),
-                        latency_ms=round(clock.ms - sent_at, 3),
+        try:
+            async with contextlib.aclosing(items):  # left early: the gather is given up
+                async for item in items:
+                    try:
+                        answer = item.answer()
+                        contribution = contribution_from(
+                            item.agent_id,
+                            answer.content or {},
+                            round=round_number,
+                            timestamp=answer.timestamp.isoformat(),
+                            latency_ms=round(clock.ms - sent_at, 3),
+                        )
+                    except MeshError as error:  # none, an ERROR, or one the aggregation cannot use
+                        missing[item.agent_id] = error.message
+                        await event(
+                            EventKind.AGENT_MISSING,
+                            f"{item.agent_id} gave no answer: {error.message}",
+                            agent_id=item.agent_id,
+                            round=round_number,
+                            data={"agent_id": item.agent_id, "reason": error.message},
+                        )
+                        continue
+                    this_round.append(contribution)
+                    history.append(
+                        {
+                            "from_agent": item.agent_id,
+                            "message_type": "RESPONSE",
+                            **contribution.to_dict(),
+                        }
                     )
-                except MeshError as error:  # none, an ERROR, or one the aggregation cannot use
-                    missing[item.agent_id] = error.message
                     await event(
-                        EventKind.AGENT_MISSING,
-                        f"{item.agent_id} gave no answer: {error.message}",
+                        EventKind.CONTRIBUTION,
+                        f"{item.agent_id}: {contribution.recommendation} "
+                        f"(confidence {contribution.confidence:g})",
                         agent_id=item.agent_id,
                         round=round_number,
-                        data={"agent_id": item.agent_id, "reason": error.message},
+                        data=contribution.to_dict(),
                     )
-                    continue
-                this_round.append(contribution)
-                history.append(
-                    {
-                        "from_agent": item.agent_id,
-                        "message_type": "RESPONSE",
-                        **contribution.to_dict(),
-                    }
-                )
-                await event(
-                    EventKind.CONTRIBUTION,
-                    f"{item.agent_id}: {contribution.recommendation} "
-                    f"(confidence {contribution.confidence:g})",
-                    agent_id=item.agent_id,
-                    round=round_number,
-                    data=contribution.to_dict(),
-                )
+        except MessageTooLargeError as error:
+            if round_number == 1:
+                raise  # (the query and context alone: the caller's to shorten)
+            # The shared history outgrew the broker's message limit: the rounds run so far
+            # stand, and the chat says why it stopped.
+            history.pop()  # (this round's broadcast, which no agent got)
+            stopped_early = (
+                f"round {round_number} was not run: its broadcast, with the shared history, "
+                f"was refused ({error.message})"
+            )
+            await event(
+                EventKind.FAILURE,
+                stopped_early,
+                round=round_number,
+                data={"round": round_number, "reason": error.message},
+            )
+            break
+        rounds_run = round_number
         # Aggregation reads contributions in the group's order, not in arrival order.
         order = {agent_id: i for i, agent_id in enumerate(spec.agent_ids)}
         this_round.sort(key=lambda c: order.get(c.agent_id, len(order)))
@@ -511,7 +531,9 @@ async def _run(
         *([span_name(slowest.agent_id, "analyze")] if slowest else []),
         "group_chat.aggregate",
     ]
-    status = "COMPLETED" if not missing else ("PARTIAL" if contributions else "FAILED")
+    status = (
+        "FAILED" if not contributions else "PARTIAL" if missing or stopped_early else "COMPLETED"
+    )
     final: dict[str, JSON] = {
         "group_id": group_id,
         "status": status,
@@ -525,6 +547,8 @@ async def _run(
         "aggregate": result,
         "unanimous": bool(result.get("unanimous")),
         "critical_path": critical_path,
+        "rounds_run": rounds_run,
+        **({"stopped_early": stopped_early} if stopped_early else {}),
         "duration_ms": clock.ms,
     }
     await event(EventKind.RESULT, f"group chat {status.lower()}: {outcome}", data=final)

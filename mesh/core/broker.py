@@ -952,11 +952,12 @@ class Broker:
                 )
 
     async def broadcast(
-        self, message: Message, agent_types: Iterable[str] = ()
+        self, message: Message, agent_types: Iterable[str] = (), *, size_bytes: int = 0
     ) -> BroadcastOutcome:
         """A copy to every registered agent but the sender, or to the agents of given types.
 
-        Every copy keeps the message id and differs only in ``to_agent``.
+        Every copy keeps the message id and differs only in ``to_agent``. ``size_bytes``, as
+        for :meth:`send`: the message's size on the wire, for its limit.
         """
         started = time.perf_counter()
         if self.draining:
@@ -965,7 +966,7 @@ class Broker:
         message = message.evolve(message_type=MessageType.BROADCAST)
         if not message.to_agent:
             message = message.evolve(to_agent=BROADCAST_TARGET)
-        self._validate(message, 0)
+        self._validate(message, size_bytes)
         targets = self.registry.of_types(types) if types else self.registry.agents()
         recipients: list[str] = []
         failures: list[tuple[str, MeshError]] = []
@@ -1029,11 +1030,14 @@ class Broker:
 
     # -- request / response ------------------------------------------------------------------
 
-    async def request(self, message: Message, timeout: float | None = None) -> Message:
+    async def request(
+        self, message: Message, timeout: float | None = None, *, size_bytes: int = 0
+    ) -> Message:
         """Sends a REQUEST and waits for the RESPONSE (or ERROR) with its correlation id.
 
         The answer reaches only this caller: waiters are keyed by (requester, correlation id).
         Raises RequestTimeoutError when no answer arrives within ``timeout`` seconds.
+        ``size_bytes``, as for :meth:`send`: the message's size on the wire, for its limit.
         """
         timeout = self.config.default_request_timeout if timeout is None else timeout
         if timeout <= 0:
@@ -1056,7 +1060,7 @@ class Broker:
             if self.store.shared:
                 await self.store.claim_route(key, timeout)
             self._forwards[key] = []
-            await self.send(message, lifetime=lifetime)
+            await self.send(message, size_bytes=size_bytes, lifetime=lifetime)
             sent = True
             if lifetime <= 0:
                 raise self._expired_question(message)
@@ -1119,6 +1123,7 @@ class Broker:
         agent_types: Sequence[str] = (),
         timeout: float | None = None,
         all_or_none: bool = False,
+        size_bytes: int = 0,
     ) -> AsyncGenerator[GatherItem, None]:
         """Asks several agents at once and yields each one's answer as it arrives.
 
@@ -1126,6 +1131,7 @@ class Broker:
         within ``timeout`` seconds, are yielded with an error. Scatter-gather for patterns
         such as group chat and collaborative filtering. With ``all_or_none``, an agent of
         ``agent_ids`` that is not registered raises AgentNotFoundError before anyone is asked.
+        ``size_bytes``, as for :meth:`send`: the message's size on the wire, for its limit.
         """
         timeout = self.config.default_request_timeout if timeout is None else timeout
         correlation_id = message.correlation_id or message.message_id
@@ -1141,7 +1147,7 @@ class Broker:
             ttl=ttl,
             to_agent=message.to_agent or BROADCAST_TARGET,
         )
-        self._validate(message, 0)
+        self._validate(message, size_bytes)
         if agent_ids:
             targets = list(dict.fromkeys(agent_ids))
             if all_or_none:

@@ -17,7 +17,7 @@ from mesh.agent import agent
 from mesh.client import NO_RETRY
 from mesh.config import BrokerConfig
 from mesh.core.errors import LimitExceededError, MessageTooLargeError
-from mesh.v1 import broker_pb2, broker_pb2_grpc
+from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
 
 
 @pytest.fixture
@@ -41,6 +41,62 @@ async def test_message_size(small: LocalMesh) -> None:
         await client.send("Sink", {"action": "big", "parameters": {"blob": "x" * 5000}})
     assert info.value.code == "INVALID_ARGUMENT"
     assert await held(small) == 0
+
+
+async def test_every_way_of_sending_keeps_to_the_message_size(small: LocalMesh) -> None:
+    """A request, a broadcast and a gather were measured by nothing: messages far above the
+    limit went out (up to gRPC's own 8 MB frame), on the session and on the unary calls
+    alike. Each is refused like a send now, and no agent gets anything."""
+    got: list[str] = []
+
+    @agent("Sink", agent_types=["sink"])
+    async def sink(message: Any, ctx: Any) -> dict[str, Any]:
+        got.append(message.message_id)
+        return {"ok": True}
+
+    await small.add_agent(sink)
+    big = {"action": "big", "parameters": {"blob": "x" * 5000}}
+    client = small.client("sender", retry=NO_RETRY)
+
+    async def gather() -> None:
+        async for _ in client.gather(big, agent_ids=["Sink"], timeout=2):
+            pass
+
+    attempts: list[Callable[[], Awaitable[Any]]] = [
+        lambda: client.request("Sink", big, timeout=2),
+        lambda: client.broadcast(big),
+        lambda: client.broadcast(big, agent_types=["sink"]),
+        gather,
+    ]
+    for attempt in attempts:
+        with pytest.raises(MessageTooLargeError, match="the limit is 4096 bytes") as info:
+            await attempt()
+        assert info.value.code == "INVALID_ARGUMENT"
+    async with grpc.aio.insecure_channel(small.address) as channel:
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        message = message_pb2.Message(from_agent="sender", to_agent="Sink")
+        message.content.update(big)
+        calls: list[Callable[[], Awaitable[Any]]] = [
+            lambda: stub.SendRequest(broker_pb2.SendRequestRequest(message=message), timeout=2),
+            lambda: stub.Broadcast(broker_pb2.BroadcastRequest(message=message), timeout=2),
+            lambda: _drain(
+                stub.Gather(broker_pb2.GatherRequest(message=message, agent_ids=["Sink"]))
+            ),
+        ]
+        for call in calls:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call()
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "the limit is 4096 bytes" in (refused.value.details() or "")
+    assert await held(small) == 0
+    assert got == []
+    # (and within the limit, each goes through)
+    assert (await client.request("Sink", {"action": "small"}, timeout=5)).content["ok"] is True
+
+
+async def _drain(call: Any) -> None:
+    async for _ in call:
+        pass
 
 
 async def test_handoff_context_size(small: LocalMesh) -> None:
@@ -470,3 +526,35 @@ async def test_a_subscriptions_window_and_lengths_are_checked_before_it_opens() 
             await client.receive("Desk", max_messages=-1)
         assert [m.content["action"] for m in await client.receive("Desk")] == ["keep"]
         assert (await client.memory_stats()).total_insights == 0
+
+
+async def test_a_group_chat_whose_history_outgrows_the_message_limit_ends_with_its_rounds(
+    small: LocalMesh,
+) -> None:
+    """Round 2 shows every agent the history; with long answers that broadcast is above the
+    broker's message limit. The chat failed INVALID_ARGUMENT, as if the caller had erred, and
+    lost round 1; now it ends there, PARTIAL, saying why."""
+    for agent_id in ("A", "B", "C"):
+
+        @agent(agent_id)
+        async def expert(message: Any, ctx: Any) -> dict[str, Any]:
+            return {"recommendation": "Buy AAPL", "confidence": 0.8, "reasoning": "r" * 1500}
+
+        await small.add_agent(expert)
+    gateway = await serve_gateway(small.address)
+    try:
+        async with GatewayClient(gateway.address) as client:
+            events = await client.collect(
+                client.group_chat(agent_ids=["A", "B", "C"], query="Which stock?", rounds=3)
+            )
+    finally:
+        await gateway.stop(0.5)
+    kinds = [(e["kind"], e["round"]) for e in events]
+    assert kinds[-3:] == [("FAILURE", 2), ("AGGREGATION", 0), ("RESULT", 0)], kinds
+    assert [r for k, r in kinds if k == "CONTRIBUTION"] == [1, 1, 1]
+    result = events[-1]["data"]
+    assert (result["status"], result["rounds_run"]) == ("PARTIAL", 1)
+    assert result["stopped_early"].startswith("round 2 was not run: its broadcast, with the")
+    assert "the limit is 4096 bytes" in result["stopped_early"]
+    assert result["aggregate"]["consensus"] == "Buy AAPL"
+    assert [h["round"] for h in result["message_history"]] == [1, 1, 1, 1]  # (no round 2)
