@@ -518,6 +518,7 @@ class Received:
         the broker takes it as the acknowledgement (when it answers this message's id), and
         it arrives before the stream ends, so closing the subscription right after loses
         nothing. Falls back to the client's session when the subscription's is gone."""
+        codec.check_depth(answer.content)  # (a frame too deep to read would tell nobody)
         frame = broker_pb2.ConnectRequest()
         codec.message_to_pb(with_trace(answer), frame.send)
         session = self._subscription._session

@@ -112,6 +112,37 @@ def _not_exact(number: int) -> MessageValidationError:
     )
 
 
+MAX_ANSWER_DEPTH = 25
+"""How deep an agent's answer may nest (objects and lists in one another). The broker reads a
+frame to 84 of protobuf's levels and an object takes three: deeper content is a frame it
+cannot read, and an answer it cannot read reaches nobody. The SDK refuses it first, so that
+the requester is told why (the Node.js client keeps the same limit)."""
+
+
+def check_depth(content: JSON, field: str = "content", limit: int = MAX_ANSWER_DEPTH) -> None:
+    """MessageValidationError when ``content`` nests more than ``limit`` levels (a circular
+    one does too): objects and lists count, whatever they hold."""
+    level = [content]
+    for _ in range(limit):
+        level = [
+            item
+            for value in level
+            for item in (
+                value.values()
+                if isinstance(value, dict)
+                else value
+                if isinstance(value, list | tuple)
+                else ()
+            )
+            if isinstance(item, dict | list | tuple)
+        ]
+        if not level:
+            return
+    raise MessageValidationError.for_field(
+        field, f"{field} nests more than {limit} levels deep (is it circular?)"
+    )
+
+
 def python_to_value(data: JSON, out: struct_pb2.Value) -> None:
     # The exact types JSON decodes to are told apart by identity (one test each, bool apart
     # from int); subclasses and other sequences take the general path. NaN and Infinity are

@@ -41,6 +41,7 @@ NODE_TESTS = (
     "sends written together go out together, in order, never past what a frame may carry",
     "a plain gRPC server registered for push is called by the broker with each message",
     "a Node agent served for push answers the broker's calls, with no session of its own",
+    "an answer JSON cannot carry reaches the requester as an ERROR at once, saying why",
 )
 """Tests of clients/node/test/ whose names the run must show."""
 

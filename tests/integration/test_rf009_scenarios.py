@@ -10,6 +10,7 @@ import socket
 import urllib.request
 import uuid
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import grpc
 import pytest
@@ -1134,6 +1135,19 @@ async def test_an_integer_json_would_round_is_refused_before_it_travels(mesh: Lo
             await shop.request("Ledger", {"action": "look_up"}, timeout=20)
 
 
+def _nested(levels: int) -> dict[str, Any]:
+    content: dict[str, Any] = {"leaf": True}
+    for _ in range(levels - 1):
+        content = {"n": content}
+    return content
+
+
+def _circular() -> dict[str, Any]:
+    content: dict[str, Any] = {"action": "loop"}
+    content["self"] = content
+    return content
+
+
 @pytest.mark.parametrize(
     ("reply", "said", "reason"),
     [
@@ -1148,8 +1162,11 @@ async def test_an_integer_json_would_round_is_refused_before_it_travels(mesh: Lo
             "content is required",
             "VALIDATION_FAILED",
         ),
+        # (a frame too deep for the broker to read told nobody: the SDK refuses it first)
+        (_nested(40), r"content nests more than 25 levels deep \(is it circular", "AGENT_ERROR"),
+        (_circular(), r"content nests more than 25 levels deep", "AGENT_ERROR"),
     ],
-    ids=["too large", "no content"],
+    ids=["too large", "no content", "too deep", "circular"],
 )
 async def test_an_answer_the_broker_refuses_reaches_the_requester_as_an_error(
     mesh: LocalMesh, reply: object, said: str, reason: str

@@ -888,7 +888,11 @@ export function serveAgent(options: AgentOptions): Promise<ServedAgent>;
 
 // -- helpers ------------------------------------------------------------------------------------
 
-/** A mesh.v1.Message from its fields; a type or priority the contract lacks is a TypeError. */
+/**
+ * A mesh.v1.Message from its fields; a type or priority the contract lacks is a TypeError, and
+ * so is content JSON cannot carry (NaN or Infinity, a BigInt, a function, a Map or a Set,
+ * nesting past 25 levels, or circular).
+ */
 export function buildMessage(fields: MessageFields): WireMessage;
 /** A message as the client reads it, from a mesh.v1.Message. */
 export function readMessage(pb: object): Message;

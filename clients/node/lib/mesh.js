@@ -79,39 +79,63 @@ const HealthClient = grpc.makeGenericClientConstructor(healthService, 'Health');
 // -- google.protobuf.Struct <-> plain JSON ---------------------------------------------------
 
 /**
+ * How deep JSON content may nest (objects and arrays in one another): the broker reads a
+ * frame to 84 protobuf levels, and an object takes three of them, so content nests about 25
+ * levels (as the Python SDK's documentation says). Deeper (or circular) content is a
+ * TypeError here rather than a frame grpc-js cannot write, which ends the whole session.
+ */
+const MAX_JSON_DEPTH = 25;
+
+/**
  * A google.protobuf.Value from a JSON value, read as JSON.stringify reads it (a Date, or
  * anything with toJSON, as what toJSON gives: a Date's ISO 8601 text). What JSON cannot carry
- * is a TypeError rather than something else arriving: a BigInt (a JSON number is a double;
- * send it as a string), a function or a symbol.
+ * is a TypeError rather than something else arriving: NaN or Infinity (JSON has no way to
+ * write them), a BigInt (a JSON number is a double; send it as a string), a function or a
+ * symbol, nesting past MAX_JSON_DEPTH.
  */
-function toValue(v) {
+function toValue(v, depth = 0) {
   if (v === null || v === undefined) return { nullValue: 'NULL_VALUE' };
   if (typeof v === 'boolean') return { boolValue: v };
-  if (typeof v === 'number') return { numberValue: v };
+  if (typeof v === 'number') {
+    if (!Number.isFinite(v)) {
+      throw new TypeError(`${v} is not a number JSON can write (NaN and Infinity are not)`);
+    }
+    return { numberValue: v };
+  }
   if (typeof v === 'string') return { stringValue: v };
-  if (Array.isArray(v)) return { listValue: { values: v.map(toValue) } };
+  if (Array.isArray(v)) {
+    return { listValue: { values: v.map((item) => toValue(item, nested(depth))) } };
+  }
   if (typeof v === 'bigint') {
     throw new TypeError(`the BigInt ${v} cannot travel as a JSON number (a double): `
       + 'send it as a string, or as a Number when it is within Number.MAX_SAFE_INTEGER');
   }
   if (typeof v !== 'object') throw new TypeError(`a ${typeof v} is not a JSON value`);
-  if (typeof v.toJSON === 'function') return toValue(v.toJSON());
+  if (typeof v.toJSON === 'function') return toValue(v.toJSON(), depth);
   if (v instanceof Map || v instanceof Set) {
     // (JSON.stringify writes either as {}: all that was in it lost)
     throw new TypeError(`a ${v.constructor.name} is not a JSON value: send `
       + (v instanceof Map ? 'an object (Object.fromEntries)' : 'an array'));
   }
-  return { structValue: toStruct(v) };
+  return { structValue: toStruct(v, 'a JSON object', nested(depth)) };
+}
+
+function nested(depth) {
+  if (depth + 1 >= MAX_JSON_DEPTH) {
+    throw new TypeError(`JSON content may nest at most ${MAX_JSON_DEPTH} levels deep `
+      + '(is it circular?)');
+  }
+  return depth + 1;
 }
 
 /** A google.protobuf.Struct from a JSON object (null or undefined: an empty one). */
-function toStruct(obj, field = 'a JSON object') {
+function toStruct(obj, field = 'a JSON object', depth = 0) {
   if (obj !== null && obj !== undefined && (typeof obj !== 'object' || Array.isArray(obj))) {
     throw new TypeError(`${field} must be an object, not ${
       Array.isArray(obj) ? 'an array' : `a ${typeof obj}`}`);
   }
   const fields = {};
-  for (const [k, v] of Object.entries(obj || {})) fields[k] = toValue(v);
+  for (const [k, v] of Object.entries(obj || {})) fields[k] = toValue(v, depth);
   return { fields };
 }
 
@@ -1847,7 +1871,17 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     const fields = typeof content === 'object' && !Array.isArray(content) ? content
       : { result: content };
     const reply = { action: (message.content && message.content.action) || 'response', ...fields };
-    return buildMessage({ from: agentId, to, type: 'RESPONSE', content: reply, correlationId });
+    try {
+      return buildMessage({ from: agentId, to, type: 'RESPONSE', content: reply, correlationId });
+    } catch (err) {
+      // An answer JSON cannot carry (NaN, a BigInt, a Map, nested too deep or circular):
+      // whoever waits hears why now, as from the Python agents, not at its deadline; the
+      // delivery is settled (no attempt would go otherwise).
+      if (!(err instanceof TypeError)) throw err;
+      return buildMessage({ from: agentId, to, type: 'ERROR', correlationId,
+        content: { action: 'error', reason: 'AGENT_ERROR',
+          error: `${agentId}'s answer was refused: content: ${err.message}` } });
+    }
   };
   // A forward is sent as any send (waiting for the broker to take it, tried again under
   // backpressure); one refused (the next agent unknown, its queue full) is said to the

@@ -95,6 +95,10 @@ test('content travels as JSON.stringify reads it; what JSON cannot carry is a Ty
     [{ content: { action: 'a' }, metadata: [1] }, /^metadata must be an object, not an array$/],
     [{ content: { action: 'a', m: new Map([['k', 1]]) } }, /a Map is not a JSON value: send an object/],
     [{ content: { action: 'a', s: new Set([1]) } }, /a Set is not a JSON value: send an array/],
+    [{ content: { action: 'a', x: [NaN] } }, /^NaN is not a number JSON can write/],
+    [{ content: { action: 'a', x: Infinity } }, /^Infinity is not a number JSON can write/],
+    [{ content: { action: 'a', n: JSON.parse(`${'{"n":'.repeat(30)}1${'}'.repeat(30)}`) } },
+      /^JSON content may nest at most 25 levels deep/],
     [{ content: { action: 'a' }, ttl: 1.5 }, /^ttl must be a whole number of seconds, not 1.5$/],
     [{ content: { action: 'a' }, ttl: '5' }, /^ttl must be a whole number of seconds, not "5"$/],
   ]) {

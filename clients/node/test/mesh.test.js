@@ -820,6 +820,49 @@ test('a Node agent answers a request it fails with an ERROR, and finishes its wo
     }
   });
 
+test('an answer JSON cannot carry reaches the requester as an ERROR at once, saying why',
+  async () => {
+    // A NaN went out and the broker refused the frame (nobody could tell the requester); a
+    // BigInt, a Map or a circular answer failed to encode and the request was redelivered
+    // until dead-lettered; content nested past what a frame may hold ended the session.
+    // Each requester waited out its deadline. Now each hears why at once.
+    const circular = {};
+    circular.self = circular;
+    let deep = {};
+    const root = deep;
+    for (let i = 0; i < 40; i += 1) { deep.n = {}; deep = deep.n; }
+    const answers = { nan: { x: NaN }, inf: { x: [1, -Infinity] }, bigint: { x: 10n },
+      map: { m: new Map() }, circular, deep: root, fine: { ok: true } };
+    let calls = 0;
+    const agent = await serveAgent({ broker: BROKER, agentId: 'NodeOddAgent',
+      handler: async (message) => { calls += 1; return answers[message.content.action]; } });
+    const client = new MeshClient(BROKER, { agentId: 'NodeOddCaller' });
+    try {
+      const said = {};
+      for (const action of Object.keys(answers)) {
+        const answer = await client.request('NodeOddAgent', { action }, { timeoutMs: 5000 });
+        said[action] = answer.type === 'ERROR' ? answer.content.error : answer.content;
+      }
+      const refused = "NodeOddAgent's answer was refused: content: ";
+      assert.equal(said.nan, `${refused}NaN is not a number JSON can write (NaN and Infinity are not)`);
+      assert.equal(said.inf, `${refused}-Infinity is not a number JSON can write (NaN and Infinity are not)`);
+      assert.match(said.bigint, /the BigInt 10 cannot travel as a JSON number/);
+      assert.match(said.map, /a Map is not a JSON value/);
+      assert.equal(said.circular, `${refused}JSON content may nest at most 25 levels deep (is it circular?)`);
+      assert.equal(said.deep, said.circular);
+      assert.deepEqual(said.fine, { action: 'fine', ok: true });
+      assert.equal(calls, 7); // (each handled once: none redelivered)
+      // The same content is the caller's mistake when sent: a TypeError, nothing sent.
+      await assert.rejects(client.send('NodeOddAgent', { action: 'x', r: root }),
+        (err) => err instanceof TypeError && /nest at most 25 levels/.test(err.message));
+      await assert.rejects(client.send('NodeOddAgent', { action: 'x', n: NaN }),
+        (err) => err instanceof TypeError && /NaN is not a number JSON can write/.test(err.message));
+    } finally {
+      client.close();
+      await agent.stop();
+    }
+  });
+
 test('a handler that throws Reject sends the message to the dead-letter queue at once',
   async () => {
     const seen = [];
