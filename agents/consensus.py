@@ -12,6 +12,7 @@ from agents.reasoning import Reasoner, reasoner_from_env
 from gateway.patterns._common import as_float
 from gateway.patterns.consensus import decide, vote_from
 from mesh import Agent, AgentContext, Message, on
+from mesh.core.errors import MessageValidationError
 
 
 class ProposerAgent(Agent):
@@ -150,7 +151,14 @@ class FacilitatorAgent(Agent):
         for insight in reversed(insights):  # oldest first, so a later vote wins
             if isinstance(insight.content, dict):
                 latest[str(insight.content.get("reviewer_id"))] = insight.content
-        votes = [vote_from(r, v) for r, v in sorted(latest.items()) if not counted or r in counted]
+        votes, unreadable = [], []
+        for reviewer, said in sorted(latest.items()):
+            if counted and reviewer not in counted:
+                continue
+            try:  # (the pool is anyone's to write: a vote that cannot count is left out)
+                votes.append(vote_from(reviewer, said))
+            except MessageValidationError:
+                unreadable.append(reviewer)
         decision = decide(
             votes,
             threshold=float(content.get("threshold") or 0.67),
@@ -169,6 +177,7 @@ class FacilitatorAgent(Agent):
         stats = await ctx.client.memory_stats()
         return {
             **decision,
+            **({"unreadable_votes": unreadable} if unreadable else {}),
             "proposal_id": proposal_id,
             "memory_stats": {
                 "total_insights": stats.total_insights,

@@ -310,3 +310,44 @@ async def test_a_proposer_or_facilitator_that_fails_aborts_the_round(
     assert not [e for e in events if e["kind"] in ("DECISION", "RESULT")]
     if who == "facilitator":  # (the votes were asked for and reported before it failed)
         assert [e["agent_id"] for e in events if e["kind"] == "VOTE"] == ["voter_0"]
+
+
+async def test_a_vote_in_the_pool_that_cannot_count_is_left_out_not_fatal() -> None:
+    """The facilitator reads the votes from the shared memory pool, which any agent may write.
+    A vote there that is no vote (here: "maybe") failed the facilitator, and so the round;
+    now it is left out, named, and the others decide."""
+
+    @agent("rogue")
+    async def rogue(message: Message, ctx: AgentContext) -> dict[str, Any]:
+        proposal_id = str(message.content["proposal_id"])
+        await ctx.client.write_insight(
+            {"reviewer_id": "rogue", "vote": "maybe"},
+            tags=["vote", "rogue", proposal_id],
+            segment="votes",
+            agent_id="rogue",
+        )
+        return {"vote": "approve", "confidence": 0.9}
+
+    async with LocalMesh() as local:
+        await local.add_agent(ProposerAgent())
+        await local.add_agent(FacilitatorAgent())
+        await local.add_agent(rogue)
+        for i in range(2):
+            await local.add_agent(ReviewerAgent(f"voter_{i}", reasoner=fixed("approve")))
+        gateway = await serve_gateway(local.address)
+        try:
+            async with GatewayClient(gateway.address) as client:
+                events = await client.collect(
+                    client.consensus(
+                        problem="Migrate?",
+                        reviewer_ids=["voter_0", "voter_1", "rogue"],
+                        wait_for_all_votes=True,
+                    )
+                )
+        finally:
+            await gateway.stop(0.5)
+    result = decision_of(events)
+    assert result["decision"] == "ACCEPT"
+    assert result["unreadable_votes"] == ["rogue"]
+    assert result["votes_counted"] == 2
+    assert events[-1]["data"]["status"] == "COMPLETED"
