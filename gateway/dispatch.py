@@ -9,6 +9,7 @@ from typing import Protocol
 
 from gateway.patterns._common import GATEWAY_ID
 from mesh.client import MeshClient
+from mesh.codec import message_size
 from mesh.core import workflows
 from mesh.core.broker import Broker, GatherItem
 from mesh.core.model import AgentInfo, Message, utc_now
@@ -42,7 +43,9 @@ class Dispatcher(Protocol):
 
 
 class BrokerDispatcher:
-    """Dispatches straight into a broker core in this process (tests, embedded use)."""
+    """Dispatches straight into a broker core in this process (tests, embedded use). Each
+    message is measured as it would be on the wire, so that the broker's message limit holds
+    for a pattern here as it does for one whose gateway talks to the broker over gRPC."""
 
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
@@ -50,10 +53,12 @@ class BrokerDispatcher:
     def gather(
         self, message: Message, agent_ids: Sequence[str], timeout: float
     ) -> AsyncGenerator[GatherItem, None]:
-        return self.broker.gather(message, agent_ids=agent_ids, timeout=timeout)
+        return self.broker.gather(
+            message, agent_ids=agent_ids, timeout=timeout, size_bytes=message_size(message)
+        )
 
     async def ask(self, message: Message, timeout: float) -> Message:
-        return await self.broker.request(message, timeout)
+        return await self.broker.request(message, timeout, size_bytes=message_size(message))
 
     async def agents(self) -> list[AgentInfo]:
         return self.broker.list_agents()

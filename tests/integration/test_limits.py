@@ -11,8 +11,16 @@ import pytest
 from google.protobuf import struct_pb2
 
 from gateway.client import GatewayClient
+from gateway.dispatch import BrokerDispatcher
 from gateway.server import serve_gateway
-from mesh import LocalMesh, MessageQueueFullError, MessageValidationError, Priority, SecurityConfig
+from mesh import (
+    LocalMesh,
+    Message,
+    MessageQueueFullError,
+    MessageValidationError,
+    Priority,
+    SecurityConfig,
+)
 from mesh.agent import agent
 from mesh.client import NO_RETRY
 from mesh.config import BrokerConfig
@@ -558,3 +566,21 @@ async def test_a_group_chat_whose_history_outgrows_the_message_limit_ends_with_i
     assert "the limit is 4096 bytes" in result["stopped_early"]
     assert result["aggregate"]["consensus"] == "Buy AAPL"
     assert [h["round"] for h in result["message_history"]] == [1, 1, 1, 1]  # (no round 2)
+
+
+async def test_a_pattern_in_the_brokers_process_keeps_to_the_message_size(small: LocalMesh) -> None:
+    """The in-process dispatcher measures what it sends as the wire would: a pattern's
+    message above the limit is refused there as it is through a gateway over gRPC."""
+    assert small.broker is not None
+    client = small.client("sender", retry=NO_RETRY)
+    await client.register("Sink")
+    dispatcher = BrokerDispatcher(small.broker)
+    big = Message(
+        from_agent="gateway", to_agent="Sink", content={"action": "big", "blob": "x" * 5000}
+    )
+    with pytest.raises(MessageTooLargeError, match="the limit is 4096 bytes"):
+        await dispatcher.ask(big, 2)
+    items = dispatcher.gather(big.evolve(to_agent="group"), ["Sink"], 2)
+    with pytest.raises(MessageTooLargeError, match="the limit is 4096 bytes"):
+        await anext(items)
+    assert await held(small) == 0
