@@ -41,7 +41,7 @@ from mesh.agent import answer_to, asked_broadcast, error_to, forward_of, forward
 from mesh.client import CLIENT_OPTIONS
 from mesh.config import RETRY_BACKOFF_SECONDS, SecurityConfig
 from mesh.core.broker import Broker, Subscription
-from mesh.core.errors import AgentError, MeshError
+from mesh.core.errors import AgentError, MeshError, MessageValidationError
 from mesh.core.model import (
     ANSWER_TYPES,
     MAX_DEAD_LETTER_REASON,
@@ -51,6 +51,7 @@ from mesh.core.model import (
     MessageType,
 )
 from mesh.core.tasks import cancel_and_wait
+from mesh.headroom import NonFiniteError, non_finite_value
 from mesh.security import open_channel
 from mesh.tracing import (
     TRACE_HEADERS,
@@ -381,12 +382,12 @@ class InstancePush:
         self._pushed.labels("OK").inc()
         self.reached = True
         try:
-            reply = _reply_from_pb(response) if response.HasField("response") else None
+            reply = _reply_from_pb(response)
         except MeshError as error:
             refused = AgentError(f"{self.agent_id}'s answer could not be read: {error.message}")
             await self._refused(message, refused)
             return
-        await self._settle(message, reply)
+        await self._settle(message, reply, response.ByteSize() if response is not None else 0)
 
     def _call_span(self, message: Message) -> trace.Span | None:
         """A client span for the call when this process records the message's trace (its
@@ -409,10 +410,11 @@ class InstancePush:
             },
         )
 
-    async def _settle(self, message: Message, reply: Message | None) -> None:
+    async def _settle(self, message: Message, reply: Message | None, size_bytes: int = 0) -> None:
         """What the SDK's agents do with a handler's return value (mesh.agent): a forward is
         sent on, an answer is sent back (which acknowledges the delivery), and the delivery
-        is acknowledged."""
+        is acknowledged. ``size_bytes``: the answer's size as it came, for the message limit
+        (an answer too large reaches its requester as the broker's ERROR, as on a session)."""
         if reply is not None and forwards(message, reply):
             outgoing: Message | None = forward_of(message, self.agent_id, reply)
         elif reply is not None and reply.message_type in ANSWER_TYPES and _awaited(message):
@@ -427,7 +429,7 @@ class InstancePush:
             outgoing = answer_to(message, self.agent_id, reply)
         if outgoing is not None:
             try:
-                await self.broker.send(outgoing)
+                await self.broker.send(outgoing, size_bytes=size_bytes)
             except MeshError as error:
                 logger.warning(
                     "%s's answer to %s was not taken: %s",
@@ -462,6 +464,7 @@ class InstancePush:
                 self.agent_id,
                 (message.message_id,),
                 dead_letter_reason=reason[:MAX_DEAD_LETTER_REASON],
+                tell_requester=False,
             )
             if _awaited(message):  # (after: an answer would settle the delivery as handled)
                 await self.broker.send(error_to(message, self.agent_id, error))
@@ -492,9 +495,19 @@ def _end_call(span: trace.Span | None, code: grpc.StatusCode, details: str | Non
     span.end()
 
 
-def _reply_from_pb(response: agent_pb2.HandleMessageResponse) -> Message:
-    """The message an agent's server answered with; one that names no type is a RESPONSE."""
+def _reply_from_pb(response: agent_pb2.HandleMessageResponse | None) -> Message | None:
+    """The message an agent's server answered with (None for none); one that names no type
+    is a RESPONSE. MessageValidationError for one the mesh cannot carry: bytes gRPC could not
+    parse (nested past protobuf's limit), an undefined type, NaN or Infinity in its JSON."""
+    if response is None:  # (grpc.aio's answer when the bytes do not parse)
+        raise MessageValidationError.for_field(
+            "response", "the answer is not a mesh.v1.HandleMessageResponse (nested too deep?)"
+        )
+    if not response.HasField("response"):
+        return None
     pb = response.response
+    if where := non_finite_value(pb):
+        raise MessageValidationError.for_field(where, str(NonFiniteError(where)))
     if pb.message_type == message_pb2.MESSAGE_TYPE_UNSPECIFIED:
         pb.message_type = message_pb2.MESSAGE_TYPE_RESPONSE
     return codec.message_from_pb(pb, strict=True)

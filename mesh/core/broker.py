@@ -358,6 +358,9 @@ class Broker:
         self._forwards: dict[tuple[str, str], list[tuple[str, str]]] = {}
         """For a request sent and not yet answered: where its agents handed it on (agent id,
         message id), so that giving it up withdraws the forwards too."""
+        self._refusing: set[str] = set()
+        """Ids of messages being dead-lettered now by a side that tells their requesters
+        itself (a push agent's refusal, in the agent's own words)."""
         self._subscriptions: dict[str, list[Subscription]] = {}
         self._by_subscription: dict[str, Subscription] = {}
         self._sweeper: asyncio.Task[None] | None = None
@@ -1627,17 +1630,34 @@ class Broker:
         return extended
 
     async def nack(
-        self, agent_id: str, message_ids: Iterable[str], *, dead_letter_reason: str = ""
+        self,
+        agent_id: str,
+        message_ids: Iterable[str],
+        *,
+        dead_letter_reason: str = "",
+        tell_requester: bool = True,
     ) -> tuple[int, int]:
         """Hands deliveries back for another attempt; with ``dead_letter_reason`` (a message
-        its agent can never process) they are dead-lettered at once with that reason."""
+        its agent can never process) they are dead-lettered at once with that reason. A
+        dead-lettered message's requester, waiting here, is told so at once, unless
+        ``tell_requester`` is False (the refusing side tells it in its own words)."""
         named(agent_id)
         if len(dead_letter_reason) > MAX_DEAD_LETTER_REASON:
             raise MessageValidationError.for_field(
                 "dead_letter_reason",
                 f"dead_letter_reason must be at most {MAX_DEAD_LETTER_REASON} characters",
             )
-        return await self.store.nack(agent_id, message_ids, dead_letter_reason=dead_letter_reason)
+        if not dead_letter_reason or tell_requester:
+            return await self.store.nack(
+                agent_id, message_ids, dead_letter_reason=dead_letter_reason
+            )
+        ids = list(message_ids)
+        marked = [i for i in ids if i not in self._refusing]
+        self._refusing.update(marked)
+        try:
+            return await self.store.nack(agent_id, ids, dead_letter_reason=dead_letter_reason)
+        finally:
+            self._refusing.difference_update(marked)
 
     # -- store listener ----------------------------------------------------------------------
 
@@ -1675,6 +1695,26 @@ class Broker:
                 }
             },
         )
+        message = dead.message
+        if message.message_type in _ASKING_TYPES and message.message_id not in self._refusing:
+            # Its agent took it and will not answer (it refused it, failed every attempt, or
+            # its subscriber left): whoever waits here for the answer hears so now, not at
+            # its deadline. (One waiting on another replica waits for its deadline.)
+            self._offer_answer(
+                Message(
+                    from_agent=message.to_agent,
+                    to_agent=message.reply_target,
+                    message_type=MessageType.ERROR,
+                    content={
+                        "action": "error",
+                        "error": f"{message.to_agent} did not answer: the message was "
+                        f"dead-lettered ({dead.reason})"[:MAX_REFUSAL_TEXT],
+                        "reason": "DEAD_LETTERED",
+                    },
+                    correlation_id=message.correlation_id or message.message_id,
+                    priority=Priority.HIGH,
+                )
+            )
 
     def on_redelivery(self, message: Message, attempt: int) -> None:
         self.metrics.redelivery()

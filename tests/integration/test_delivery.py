@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import grpc
@@ -15,6 +16,7 @@ from mesh import (
     AgentError,
     BrokerConfig,
     LocalMesh,
+    MeshError,
     Message,
     MessageTooLargeError,
     MessageType,
@@ -117,6 +119,48 @@ async def test_nack_redelivers_with_attempt_count(mesh: LocalMesh) -> None:
                     break
         assert seen == [1, 2]
         assert (await client.queue_stats("Worker")).agents[0].in_flight == 0
+
+
+async def test_a_request_and_a_gather_hear_when_their_message_is_dead_lettered() -> None:
+    """An agent that takes a request and hands it back every time: after the last attempt
+    the request is dead-lettered, and its requester (a gather too, for that agent) hears so
+    at once instead of at its deadline; so does one whose agent rejects it."""
+    config = BrokerConfig(max_delivery_attempts=2)
+    async with LocalMesh(config) as local, local.client("Asker") as asker:
+        await asker.register("Worker", agent_types=["worker"])
+
+        async def hand_back() -> None:
+            async with local.client("Worker") as worker, worker.subscribe("Worker") as sub:
+                async for received in sub:
+                    if received.message.content.get("action") == "refuse":
+                        await received.reject("not mine")
+                    else:
+                        await received.nack()
+
+        handing = asyncio.create_task(hand_back())
+        try:
+            with pytest.raises(MeshError) as failed:
+                await asker.request("Worker", {"action": "work"}, timeout=30)
+            assert failed.value.reason == "DEAD_LETTERED"
+            assert failed.value.message == (
+                "Worker did not answer: the message was dead-lettered "
+                "(nacked after 2 delivery attempts)"
+            )
+            [result] = [
+                r async for r in asker.gather({"action": "work"}, agent_ids=["Worker"], timeout=30)
+            ]
+            assert result.response is not None  # (an agent's ERROR, as a gather gives it)
+            assert result.response.message_type is MessageType.ERROR
+            assert result.response.content["reason"] == "DEAD_LETTERED"
+            with pytest.raises(MeshError) as refused:
+                await asker.request("Worker", {"action": "refuse"}, timeout=30)
+            assert refused.value.reason == "DEAD_LETTERED"
+            assert refused.value.message.endswith("dead-lettered (not mine)")
+        finally:
+            handing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await handing
+        assert len(await asker.dead_letters("Worker")) == 3
 
 
 async def test_at_most_once_never_delivers_a_message_twice() -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 import pytest
+from google.protobuf import struct_pb2
 
 from agents import sample_agents
 from gateway.client import GatewayClient
@@ -371,6 +372,103 @@ async def test_a_failing_agent_gets_each_message_again_then_dead_letters_it(
     (letter,) = dead
     assert letter.message.content["action"] == "post"
     assert letter.attempts == 4
+
+
+async def test_a_request_that_fails_every_attempt_tells_its_requester_when_it_is_dead_lettered(
+    mesh: LocalMesh,
+) -> None:
+    """The requester waited out its deadline for a request already dead-lettered: now it
+    hears, the moment the last attempt fails, that no answer will come, and why."""
+
+    async def crash(message: message_pb2.Message, context: Any) -> None:
+        raise RuntimeError("disk full")
+
+    agent = PlainAgent(crash)
+    server, address = await start_plain(agent)
+    try:
+        await register_push(mesh, "LedgerAgent", address)
+        async with mesh.client("Cashier") as client:
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(MeshError) as failed:
+                await client.request("LedgerAgent", {"action": "post"}, timeout=30)
+            waited = asyncio.get_running_loop().time() - started
+    finally:
+        await server.stop(None)
+    assert len(agent.seen) == 4
+    assert failed.value.reason == "DEAD_LETTERED"
+    assert failed.value.message == (
+        "LedgerAgent did not answer: the message was dead-lettered "
+        "(nacked after 4 delivery attempts)"
+    )
+    assert waited < 20  # (the backoff's 2.6 s, not the request's 30 s)
+
+
+def _nan_answer() -> message_pb2.Message:
+    answer = message_pb2.Message()
+    answer.content.update({"action": "post"})
+    answer.content.fields["total"].number_value = float("nan")
+    return answer
+
+
+def _deep_answer() -> message_pb2.Message:
+    value = struct_pb2.Value(string_value="bottom")
+    for _ in range(40):  # (three protobuf levels each: past the 100 gRPC parses)
+        outer = struct_pb2.Value()
+        outer.struct_value.fields["n"].CopyFrom(value)
+        value = outer
+    answer = message_pb2.Message()
+    answer.content.update({"action": "post"})
+    answer.content.fields["deep"].CopyFrom(value)
+    return answer
+
+
+def _large_answer() -> message_pb2.Message:
+    answer = message_pb2.Message()
+    answer.content.update({"action": "post", "report": "x" * 1_100_000})
+    return answer
+
+
+@pytest.mark.parametrize(
+    ("answer", "said", "reason"),
+    [
+        (
+            _nan_answer,
+            "LedgerAgent's answer could not be read: content.total is NaN or Infinity",
+            "AGENT_ERROR",
+        ),
+        (
+            _deep_answer,
+            "LedgerAgent's answer could not be read: the answer is not a mesh.v1.",
+            "AGENT_ERROR",
+        ),
+        (_large_answer, "LedgerAgent's answer was refused: message is 11", "MESSAGE_TOO_LARGE"),
+    ],
+    ids=["NaN", "too deep", "too large"],
+)
+async def test_an_answer_the_mesh_cannot_carry_reaches_the_requester_as_an_error(
+    mesh: LocalMesh, answer: Any, said: str, reason: str
+) -> None:
+    """A NaN was taken and broke the requester's session as it was written out; an answer too
+    deep for gRPC to parse stopped the push task; one above the message limit was delivered
+    whole. Each now reaches the requester at once as an ERROR saying why, handled once."""
+
+    async def reply(message: message_pb2.Message, context: Any) -> message_pb2.Message:
+        return answer()  # type: ignore[no-any-return]
+
+    agent = PlainAgent(reply)
+    server, address = await start_plain(agent)
+    try:
+        await register_push(mesh, "LedgerAgent", address)
+        async with mesh.client("Cashier") as client:
+            with pytest.raises(MeshError) as failed:
+                await client.request("LedgerAgent", {"action": "post"}, timeout=10)
+            assert failed.value.message.startswith(said), failed.value.message
+            assert failed.value.reason == reason
+            # (and the session goes on)
+            assert await client.list_agents()
+    finally:
+        await server.stop(None)
+    assert len(agent.seen) == 1
 
 
 async def test_a_handler_slower_than_its_lease_is_called_once() -> None:
