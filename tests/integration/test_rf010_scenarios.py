@@ -28,6 +28,7 @@ from mesh import (
     MessageValidationError,
     agent,
     connect,
+    on,
 )
 from mesh.core.errors import MeshError
 
@@ -506,6 +507,40 @@ async def test_handoff_loop_protection_stops_with_a_clear_error() -> None:
     assert result["status"] == "FAILED"
     assert result["hops"] == 5
     assert result["error_reason"] == "workflow exceeded 5 hand-offs (loop protection)"
+
+
+async def test_a_step_whose_agent_cannot_take_the_hand_off_fails_at_once_saying_why() -> None:
+    """The agent has no handler for a hand-off: it dead-letters it. The workflow waited the
+    step's timeout for an answer that could not come; now it fails at once, with the reason."""
+
+    class PickyAgent(Agent):
+        agent_id = "PickyAgent"
+
+        @on("something_else")
+        async def other(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
+            return {"status": "DONE"}
+
+    async with LocalMesh() as local:
+        await local.add_agent(PickyAgent())
+        gateway = await serve_gateway(local.address)
+        try:
+            async with GatewayClient(gateway.address) as client:
+                started = asyncio.get_running_loop().time()
+                events = await client.collect(
+                    client.handoff_workflow(
+                        steps=[{"agent_id": "PickyAgent"}], task="do it", step_timeout="30s"
+                    )
+                )
+                waited = asyncio.get_running_loop().time() - started
+        finally:
+            await gateway.stop(0.5)
+    result = result_of(events)
+    assert result["status"] == "FAILED"
+    assert result["error_reason"] == (
+        "PickyAgent did not answer: the message was dead-lettered "
+        "(PickyAgent does not handle action 'execute_handoff')"
+    )
+    assert waited < 15  # (not the step's 30 s)
 
 
 # -- collaborative filtering ------------------------------------------------------------------
