@@ -159,7 +159,11 @@ class Dashboard:
         record.events.append(data)
         if event.kind.value in _END:
             status = str(event.data.get("status") or "COMPLETED")
-            record.status = "FAILED" if event.kind.value == "FAILURE" else status
+            # (a workflow's FAILURE is its end; a group chat's, a round it could not run,
+            # is not: its RESULT says how it ended)
+            failed = event.kind.value == "FAILURE" and event.pattern.value == "HAND_OFF"
+            if event.kind.value != "FAILURE" or failed:
+                record.status = "FAILED" if failed else status
         self.publish("event", {"run": record.summary(), "event": data})
 
     def publish(self, kind: str, payload: Any) -> None:

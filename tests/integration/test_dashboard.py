@@ -551,3 +551,25 @@ def test_an_agent_taking_its_messages_by_push_is_shown_so(
         asyncio.run(deregister())
     assert address == "127.0.0.1:7101 (push)"
     assert mixed == "127.0.0.1:7102 (push: 1 of 2)"
+
+
+def test_a_run_shows_failed_only_when_it_failed() -> None:
+    """A workflow's FAILURE is its end; a group chat's (a round it could not run) is not, and
+    the run showed FAILED until its RESULT said PARTIAL."""
+    from types import SimpleNamespace
+
+    from gateway.dashboard.server import Dashboard
+    from gateway.events import EventKind, Pattern, PatternEvent
+
+    board = Dashboard(None, SimpleNamespace(servicer=None))  # type: ignore[arg-type]
+
+    def say(run_id: str, pattern: Pattern, kind: EventKind, **data: Any) -> str:
+        board.on_event(
+            PatternEvent(run_id=run_id, pattern=pattern, kind=kind, summary=kind.value, data=data)
+        )
+        return board.runs[run_id].status
+
+    assert say("chat", Pattern.GROUP_CHAT, EventKind.FAILURE, round=2) == "RUNNING"
+    assert say("chat", Pattern.GROUP_CHAT, EventKind.RESULT, status="PARTIAL") == "PARTIAL"
+    assert say("flow", Pattern.HAND_OFF, EventKind.FAILURE) == "FAILED"
+    assert say("flow", Pattern.HAND_OFF, EventKind.RESULT, status="FAILED") == "FAILED"
