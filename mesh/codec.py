@@ -489,6 +489,10 @@ def message_to_pb(message: Message, out: message_pb2.Message | None = None) -> m
                 ) from None
     except (TypeError, ValueError, AttributeError, KeyError, OverflowError):
         raise _misfilled(message) from None
+    except RecursionError:  # (content that holds itself, or nests past Python's own limit)
+        raise MessageValidationError.for_field(
+            "content", "content nests too deep to encode (is it circular?)"
+        ) from None
     return pb
 
 

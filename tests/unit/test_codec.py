@@ -460,3 +460,15 @@ def test_deliveries_leased_together_are_written_with_their_own_deadlines() -> No
     assert [d.delivery_attempt for d in written] == [1, 2, 1, 3]
     alone = codec.delivery_to_pb(Delivery(message, 1, later), broker_pb2.Delivery())
     assert alone == written[2]
+
+
+def test_content_that_holds_itself_is_refused_saying_so() -> None:
+    """A circular dict raised Python's RecursionError out of a send; it is the caller's
+    mistake like any other content JSON cannot carry."""
+    content: dict[str, object] = {"action": "loop"}
+    content["self"] = content
+    with pytest.raises(MessageValidationError, match=r"content nests too deep to encode \(is it"):
+        codec.message_to_pb(Message(from_agent="A", to_agent="B", content=content))
+    with pytest.raises(MessageValidationError, match="content nests more than 25 levels deep"):
+        codec.check_depth(content)
+    codec.check_depth({"action": "flat", "list": [[[1]]], "object": {"a": {"b": 1}}})
