@@ -5,6 +5,13 @@ The pieces most programs need::
     from mesh import connect, Agent, agent, serve, Message, Priority
 """
 
+import os as _os
+
+# gRPC's core writes some INFO lines of its own to stderr ("Got goaway" when a peer closes a
+# connection): not JSON, they break the mesh's JSON-lines log for whatever reads it. Errors
+# only, unless the environment says otherwise; it must be set before grpc is first imported.
+_os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 from mesh.agent import Agent, AgentContext, AgentServer, ServedAgents, agent, on, serve, serve_all
 from mesh.client import AgentClient, MeshClient, Received, RetryPolicy, connect
 from mesh.config import BrokerConfig, SecurityConfig, ServerConfig
