@@ -145,6 +145,14 @@ async def _demo(args: argparse.Namespace) -> int:
         await mesh.stop()
 
 
+def _folder(value: str) -> str:
+    """A flag naming a folder to read from: refused at once, saying so, when it is none (the
+    mesh would otherwise start and find nothing there, or fail on each request)."""
+    if not Path(value).is_dir():
+        raise argparse.ArgumentTypeError(f"{value} is not a folder")
+    return value
+
+
 def add_commands(sub: Any, broker_default: str) -> None:
     from mesh.cli import add_security_flags
 
@@ -166,12 +174,14 @@ def add_commands(sub: Any, broker_default: str) -> None:
     )
     p.add_argument(
         "--data-dir",
+        type=_folder,
         default=_env("DATA_DIR", "") or None,
         help="folder of the sample agents' JSON data",
     )
     p.add_argument("--ready-file", help="write the addresses as JSON here once ready")
     p.add_argument(
         "--docs",
+        type=_folder,
         default=_env("DOCS_DIR", "") or None,
         help="local documents for research (default: the shipped sample documents)",
     )
@@ -211,6 +221,7 @@ def add_commands(sub: Any, broker_default: str) -> None:
     p.add_argument("query")
     p.add_argument(
         "--docs",
+        type=_folder,
         help="folder of local documents (.txt, .md; pages split by form "
         "feeds) to search besides the web snapshot",
     )
@@ -235,5 +246,5 @@ def add_commands(sub: Any, broker_default: str) -> None:
         default=_env("GATEWAY", "") or None,
         help="address of a running gateway; without it an embedded mesh is started",
     )
-    p.add_argument("--data-dir", default=_env("DATA_DIR", "") or None)
+    p.add_argument("--data-dir", type=_folder, default=_env("DATA_DIR", "") or None)
     p.set_defaults(run=_demo)

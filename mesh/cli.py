@@ -227,7 +227,10 @@ def load_tool_host(spec: str) -> ToolHost:
     Tool service runs for agents, and which agent may use which)."""
     target = import_spec(spec, "--tools")
     if not isinstance(target, ToolHost) and callable(target):
-        target = target()
+        try:
+            target = target()
+        except (ValueError, OSError) as error:  # (e.g. a folder it was told of that is none)
+            raise UsageError(f"--tools {spec}: {error}") from None
     if not isinstance(target, ToolHost):
         raise UsageError(f"--tools {spec} is not a ToolHost (nor a factory of one)")
     return target

@@ -86,10 +86,12 @@ class DocumentFolder:
     "Date:" and "Tier:" describe a document. Indexed with SQLite FTS5."""
 
     def __init__(self, folder: Path = DATA / "docs") -> None:
+        if not folder.is_dir():  # (searched, it would find nothing, and say nothing of why)
+            raise ValueError(f"{folder} is not a folder of documents")
         self.folder = folder
         self.documents: dict[str, dict[str, Any]] = {}
         self.index = _FtsIndex()
-        for path in sorted(folder.glob("*")) if folder.is_dir() else []:
+        for path in sorted(folder.glob("*")):
             if not path.is_file() or path.suffix.lower() not in {".txt", ".md"}:
                 continue
             text = path.read_text(encoding="utf-8", errors="replace")

@@ -58,6 +58,36 @@ def test_a_spec_that_names_nothing_is_a_usage_error(
 
 
 @pytest.mark.parametrize(
+    "args",
+    [
+        ["up", "--docs", "/nonexistent/docs"],
+        ["up", "--data-dir", "/nonexistent/data"],
+        ["research", "a question", "--docs", "/nonexistent/docs"],
+        ["demo", "--data-dir", "/nonexistent/data"],
+    ],
+)
+def test_a_folder_that_is_none_is_refused_before_anything_starts(
+    args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The mesh started, and research found no documents (or each sample agent failed on
+    its data) without saying why."""
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    assert exited.value.code == 2
+    assert f"{args[-1]} is not a folder" in capsys.readouterr().err
+
+
+def test_tools_told_of_a_documents_folder_that_is_none_are_refused_at_start(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("AGENTMESH_DOCS_DIR", "/nonexistent/docs")
+    with pytest.raises(SystemExit) as exited:
+        main(["broker", "--tools", "agents.research:tool_host"])
+    assert exited.value.code == 2
+    assert "/nonexistent/docs is not a folder of documents" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
     ("argv", "expected"),
     [
         (["broker"], ("WARNING", None, None, 30)),
