@@ -111,12 +111,18 @@ class SqliteJournal:
     def _open(self) -> sqlite3.Connection:
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        db.execute("PRAGMA journal_mode=WAL")
-        # NORMAL in WAL mode: a commit survives the process being killed (it is in the WAL
-        # file once written); only a power cut can lose the last commits.
-        db.execute("PRAGMA synchronous=NORMAL")
-        db.executescript(_SCHEMA)
+        try:
+            db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            db.execute("PRAGMA journal_mode=WAL")
+            # NORMAL in WAL mode: a commit survives the process being killed (it is in the
+            # WAL file once written); only a power cut can lose the last commits.
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as error:  # (not a database, or not one of ours)
+            raise BrokerUnavailableError(
+                f"the SQLite queue store {self.path} cannot be used: {error}",
+                reason="STORE_UNAVAILABLE",
+            ) from None
         return db
 
     # -- reading back --------------------------------------------------------------------

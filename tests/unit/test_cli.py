@@ -5,6 +5,7 @@ process logs may stand."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -109,3 +110,17 @@ def test_how_a_process_logs_is_taken_before_or_after_the_command(
         monkeypatch.delenv(f"AGENTMESH_{name}", raising=False)
     parsed = build_parser().parse_args(argv)
     assert (parsed.log_level, parsed.trace_dir, parsed.event_log, parsed.event_log_days) == expected
+
+
+def test_a_store_file_that_is_no_database_is_said_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was a traceback ending in sqlite3.DatabaseError."""
+    junk = tmp_path / "queues.db"
+    junk.write_text("these are not the queues\n" * 100)
+    assert main(["broker", "--port", "0", "--store", f"sqlite:///{junk}"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"error: UNAVAILABLE: the SQLite queue store /{junk} cannot be used: file is not a" in err
+    )
+    assert "Traceback" not in err
