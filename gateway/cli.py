@@ -154,22 +154,22 @@ def _folder(value: str) -> str:
 
 
 def add_commands(sub: Any, broker_default: str) -> None:
-    from mesh.cli import add_security_flags
+    from mesh.cli import add_security_flags, port, port_or_off
 
     p = sub.add_parser("up", help="run broker, gateway and the sample agents on localhost")
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(_env("PORT", "50051")), help="broker port")
-    p.add_argument("--gateway-port", type=int, default=int(_env("GATEWAY_PORT", "50052")))
+    p.add_argument("--port", type=port, default=_env("PORT", "50051"), help="broker port")
+    p.add_argument("--gateway-port", type=port, default=_env("GATEWAY_PORT", "50052"))
     p.add_argument(
         "--dashboard-port",
-        type=int,
-        default=int(_env("DASHBOARD_PORT", "8080")),
+        type=port_or_off,
+        default=_env("DASHBOARD_PORT", "8080"),
         help="HTTP port of the live dashboard (-1 off, 0 any free port)",
     )
     p.add_argument(
         "--metrics-port",
-        type=int,
-        default=int(_env("METRICS_PORT", "9464")),
+        type=port_or_off,
+        default=_env("METRICS_PORT", "9464"),
         help="HTTP port of /metrics (-1 off, 0 any free port)",
     )
     p.add_argument(
@@ -195,8 +195,8 @@ def add_commands(sub: Any, broker_default: str) -> None:
     p = sub.add_parser("gateway", help="run the gateway against a broker")
     p.add_argument("--broker", default=broker_default)
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(_env("GATEWAY_PORT", "50052")))
-    p.add_argument("--metrics-port", type=int, default=int(_env("GATEWAY_METRICS_PORT", "-1")))
+    p.add_argument("--port", type=port, default=_env("GATEWAY_PORT", "50052"))
+    p.add_argument("--metrics-port", type=port_or_off, default=_env("GATEWAY_METRICS_PORT", "-1"))
     p.add_argument(
         "--routes",
         default=_env("ROUTES", "") or None,
@@ -204,8 +204,8 @@ def add_commands(sub: Any, broker_default: str) -> None:
     )
     p.add_argument(
         "--dashboard-port",
-        type=int,
-        default=int(_env("DASHBOARD_PORT", "-1")),
+        type=port_or_off,
+        default=_env("DASHBOARD_PORT", "-1"),
         help="HTTP port of the live dashboard (-1 off, 0 any free port)",
     )
     p.add_argument(

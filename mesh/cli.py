@@ -51,6 +51,26 @@ def _env(name: str, default: str) -> str:
     return os.environ.get(f"AGENTMESH_{name}", default)
 
 
+def port(value: str) -> int:
+    """A port flag (or its AGENTMESH_* variable): 0 to 65535, 0 for any free one."""
+    return _port(value, 0)
+
+
+def port_or_off(value: str) -> int:
+    """A port flag of a server that may be off: -1 (off), or 0 to 65535."""
+    return _port(value, -1)
+
+
+def _port(value: str, least: int) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = None
+    if number is None or not least <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a port ({least}..65535)")
+    return number
+
+
 # CPython's full collection walks every object alive, the event loop standing still until
 # it is done. It runs once ten younger collections have run and a quarter more objects have
 # come to stay: while a broker's queues fill (seven objects a queued message), every second
@@ -757,11 +777,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("broker", help="run the broker")
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(_env("PORT", "50051")))
+    p.add_argument("--port", type=port, default=_env("PORT", "50051"))
     p.add_argument(
         "--metrics-port",
-        type=int,
-        default=int(_env("METRICS_PORT", "-1")),
+        type=port_or_off,
+        default=_env("METRICS_PORT", "-1"),
         help="HTTP port of /metrics (-1 off, 0 any free port)",
     )
     p.add_argument(
@@ -787,8 +807,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
     p.add_argument(
         "--port",
-        type=int,
-        default=int(_env("AGENT_PORT", "0")),
+        type=port,
+        default=_env("AGENT_PORT", "0"),
         help="port of the first agent, the next ones count up (0: free ports)",
     )
     p.add_argument(

@@ -124,3 +124,31 @@ def test_a_store_file_that_is_no_database_is_said_in_one_line(
         f"error: UNAVAILABLE: the SQLite queue store /{junk} cannot be used: file is not a" in err
     )
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "said"),
+    [
+        (["broker", "--port", "99999"], {}, "argument --port: '99999' is not a port (0..65535)"),
+        (["up", "--dashboard-port", "-2"], {}, "'-2' is not a port (-1..65535)"),
+        (["gateway", "--metrics-port", "x"], {}, "argument --metrics-port: 'x' is not a port"),
+        (["broker"], {"AGENTMESH_PORT": "abc"}, "argument --port: 'abc' is not a port"),
+    ],
+)
+def test_a_port_that_is_none_is_a_usage_error(
+    args: list[str],
+    env: dict[str, str],
+    said: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A port out of range was a ValueError's traceback; a bad AGENTMESH_PORT one for every
+    command, even those that take no port."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    assert exited.value.code == 2
+    assert said in capsys.readouterr().err
+    if env:  # (a command without the flag does not read it)
+        assert build_parser().parse_args(["agents"]).command == "agents"
