@@ -155,6 +155,23 @@ def settled(
     return None
 
 
+def needed(answer: Message, role: str, agent_id: str, key: str, reason: str) -> dict[str, JSON]:
+    """The content of an answer the round cannot go on without (the proposer's, the
+    facilitator's): MeshError ABORTED with ``reason`` when it is an ERROR, or when ``key`` is
+    not a non-empty string in it."""
+    content = dict(answer.content or {})
+    if answer.message_type is MessageType.ERROR:
+        said = content.get("error") or "agent error"
+        raise MeshError(f"the {role} {agent_id} failed: {said}", code="ABORTED", reason=reason)
+    value = content.get(key)
+    if not isinstance(value, str) or not value:
+        raise MeshError(
+            f"the {role} {agent_id} answered without a {key}", code="ABORTED", reason=reason
+        )
+    content.pop("action", None)
+    return content
+
+
 DEFAULT_INSIGHT_TTL = 86_400.0
 """A day: what every run writes to the shared memory pool leaves it then, so that a mesh
 that runs consensus rounds for months does not fill the pool (which then refuses writes)."""
@@ -232,20 +249,7 @@ async def run_consensus(spec: ConsensusSpec, dispatcher: Dispatcher, emit: Emit)
             code=error.code,
             reason=error.reason,
         ) from None
-    proposal = dict(answer.content or {})
-    if answer.message_type is MessageType.ERROR:
-        raise MeshError(
-            f"the proposer {spec.proposer_id} failed: {proposal.get('error') or 'agent error'}",
-            code="ABORTED",
-            reason="PROPOSAL_FAILED",
-        )
-    if not isinstance(proposal.get("proposal_id"), str) or not proposal["proposal_id"]:
-        raise MeshError(
-            f"the proposer {spec.proposer_id} answered without a proposal_id",
-            code="ABORTED",
-            reason="PROPOSAL_FAILED",
-        )
-    proposal.pop("action", None)
+    proposal = needed(answer, "proposer", spec.proposer_id, "proposal_id", "PROPOSAL_FAILED")
     proposal_id = str(proposal["proposal_id"])
     await event(
         EventKind.PROPOSAL,
@@ -334,21 +338,7 @@ async def run_consensus(spec: ConsensusSpec, dispatcher: Dispatcher, emit: Emit)
             code=error.code,
             reason=error.reason,
         ) from None
-    decision = dict(answer.content or {})
-    if answer.message_type is MessageType.ERROR:
-        raise MeshError(
-            f"the facilitator {spec.facilitator_id} failed: "
-            f"{decision.get('error') or 'agent error'}",
-            code="ABORTED",
-            reason="DECISION_FAILED",
-        )
-    if not isinstance(decision.get("decision"), str) or not decision["decision"]:
-        raise MeshError(
-            f"the facilitator {spec.facilitator_id} answered without a decision",
-            code="ABORTED",
-            reason="DECISION_FAILED",
-        )
-    decision.pop("action", None)
+    decision = needed(answer, "facilitator", spec.facilitator_id, "decision", "DECISION_FAILED")
     if skipped:
         decision["early_termination"] = (
             f"decided after {len(votes)} of "

@@ -317,6 +317,21 @@ def _replica_of(subscription_id: str) -> str:
     return subscription_id.rpartition("#")[2].rpartition("-")[0]
 
 
+def _said_for(
+    agent_id: str, requester: str, correlation_id: str, error: str, reason: str
+) -> Message:
+    """The ERROR the broker gives a requester in the place of an answer that will not come
+    (refused, or dead-lettered), as from the agent it asked."""
+    return Message(
+        from_agent=agent_id,
+        to_agent=requester,
+        message_type=MessageType.ERROR,
+        content={"action": "error", "error": error[:MAX_REFUSAL_TEXT], "reason": reason},
+        correlation_id=correlation_id,
+        priority=Priority.HIGH,
+    )
+
+
 class Broker:
     """Routes messages between agents (RF-009)."""
 
@@ -752,18 +767,12 @@ class Broker:
         deadline for an answer that was sent and lost."""
         if not answer.correlation_id or answer.to_agent == BROADCAST_TARGET:
             return
-        said = Message(
-            from_agent=answer.from_agent,
-            to_agent=answer.to_agent,
-            message_type=MessageType.ERROR,
-            content={
-                "action": "error",
-                "error": f"{answer.from_agent or 'the agent'}'s answer was refused: "
-                f"{error.message}"[:MAX_REFUSAL_TEXT],
-                "reason": error.reason,
-            },
-            correlation_id=answer.correlation_id,
-            priority=Priority.HIGH,
+        said = _said_for(
+            answer.from_agent,
+            answer.to_agent,
+            answer.correlation_id,
+            f"{answer.from_agent or 'the agent'}'s answer was refused: {error.message}",
+            error.reason,
         )
         try:
             validate_message(said, self.config, 0)  # (an envelope that cannot carry it)
@@ -1701,18 +1710,13 @@ class Broker:
             # its subscriber left): whoever waits here for the answer hears so now, not at
             # its deadline. (One waiting on another replica waits for its deadline.)
             self._offer_answer(
-                Message(
-                    from_agent=message.to_agent,
-                    to_agent=message.reply_target,
-                    message_type=MessageType.ERROR,
-                    content={
-                        "action": "error",
-                        "error": f"{message.to_agent} did not answer: the message was "
-                        f"dead-lettered ({dead.reason})"[:MAX_REFUSAL_TEXT],
-                        "reason": "DEAD_LETTERED",
-                    },
-                    correlation_id=message.correlation_id or message.message_id,
-                    priority=Priority.HIGH,
+                _said_for(
+                    message.to_agent,
+                    message.reply_target,
+                    message.correlation_id or message.message_id,
+                    f"{message.to_agent} did not answer: the message was dead-lettered "
+                    f"({dead.reason})",
+                    "DEAD_LETTERED",
                 )
             )
 

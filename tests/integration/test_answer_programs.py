@@ -32,6 +32,7 @@ from agents.research.agents import ReportAgent, SynthesisAgent
 from agents.research.analysis import claim_key, is_finding, source_of
 from agents.research.corpus import DocumentFolder
 from gateway.client import GatewayClient
+from gateway.patterns.group_chat import STRATEGIES
 from gateway.server import serve_gateway
 from mesh import AgentContext, LocalMesh, Message, agent
 from mesh.core.errors import MeshError
@@ -87,17 +88,7 @@ runs = st.one_of(
     st.fixed_dictionaries(
         {
             "rpc": st.just("RunGroupChat"),
-            "strategy": st.sampled_from(
-                [
-                    "consensus",
-                    "weighted_voting",
-                    "highest_confidence",
-                    "majority",
-                    "unanimous",
-                    "hierarchy",
-                    "expertise_weighted",
-                ]
-            ),
+            "strategy": st.sampled_from(STRATEGIES),
         }
     ),
     st.fixed_dictionaries(
