@@ -450,6 +450,21 @@ REQUEUE_STATUS = {"PERMISSION_DENIED": 403, "UNAUTHENTICATED": 401, "UNAVAILABLE
 """How the broker's refusals of a requeue read over HTTP (the rest: 400)."""
 
 
+REQUEUE_BODY = 'the body must be {"agent_id": "...", "message_ids": ["...", ...]}'
+FEEDBACK_BODY = 'the body must be {"satisfied": true or false}'
+
+
+async def json_body(request: web.Request, shape: str = "the body must be a JSON object") -> Any:
+    """The request's body as JSON, or 400: not JSON (saying ``shape``), or nested past what
+    the parser can read."""
+    try:
+        return await request.json()
+    except ValueError:
+        raise web.HTTPBadRequest(text=shape) from None
+    except RecursionError:
+        raise web.HTTPBadRequest(text=f"the body nests too deep to read; {shape}") from None
+
+
 def make_app(dashboard: Dashboard) -> web.Application:
     app = web.Application(client_max_size=256 * 1024)
     routes = web.RouteTableDef()
@@ -498,10 +513,7 @@ def make_app(dashboard: Dashboard) -> web.Application:
     @routes.post("/api/dead-letters/requeue")
     async def requeue(request: web.Request) -> web.Response:
         dashboard._authorize_run(request)  # an action, as starting a pattern is
-        try:
-            body = await request.json()
-        except ValueError:
-            body = None
+        body = await json_body(request, REQUEUE_BODY)
         ids = body.get("message_ids", []) if isinstance(body, dict) else None
         if (
             not isinstance(body, dict)
@@ -509,9 +521,7 @@ def make_app(dashboard: Dashboard) -> web.Application:
             or not isinstance(ids, list)
             or not all(isinstance(i, str) for i in ids)
         ):
-            raise web.HTTPBadRequest(
-                text='the body must be {"agent_id": "...", "message_ids": ["...", ...]}'
-            )
+            raise web.HTTPBadRequest(text=REQUEUE_BODY)
         try:
             result = await dashboard.client.requeue_dead_letters(body["agent_id"], ids)
         except MeshError as error:
@@ -522,10 +532,7 @@ def make_app(dashboard: Dashboard) -> web.Application:
     @routes.post("/api/patterns/{name}")
     async def start(request: web.Request) -> web.Response:
         security = dashboard._authorize_run(request)
-        try:
-            body = await request.json()
-        except ValueError:
-            raise web.HTTPBadRequest(text="the body must be a JSON object") from None
+        body = await json_body(request)
         if not isinstance(body, dict):
             raise web.HTTPBadRequest(text="the body must be a JSON object")
         try:
@@ -540,12 +547,9 @@ def make_app(dashboard: Dashboard) -> web.Application:
     @routes.post("/api/runs/{run_id}/feedback")
     async def feedback(request: web.Request) -> web.Response:
         security = dashboard._authorize_run(request)
-        try:
-            body = await request.json()
-        except ValueError:
-            raise web.HTTPBadRequest(text="the body must be a JSON object") from None
+        body = await json_body(request, FEEDBACK_BODY)
         if not isinstance(body, dict) or not isinstance(body.get("satisfied"), bool):
-            raise web.HTTPBadRequest(text='the body must be {"satisfied": true or false}')
+            raise web.HTTPBadRequest(text=FEEDBACK_BODY)
         run_id = request.match_info["run_id"]
         try:
             stats = await dashboard.rate_run(run_id, body["satisfied"], security)
