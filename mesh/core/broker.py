@@ -72,6 +72,10 @@ handoff_logger = logging.getLogger("mesh.handoff")
 
 MAX_REFUSAL_TEXT = 2048
 """How much of an answer's refusal the ERROR that takes its place says."""
+MAX_TELLING = 1000
+"""Dead letters whose requesters, waiting on other replicas, are being told at once (each a
+look-up of the replica and a publish on the shared store); past that, such a requester waits
+for its deadline."""
 _ASKING_TYPES = (MessageType.REQUEST, MessageType.HANDOFF, MessageType.BROADCAST)
 _SETTLING_TYPES = (*ANSWER_TYPES, MessageType.ACK)
 """What a draining broker still takes: answers, and acknowledgements of the work it holds."""
@@ -376,6 +380,8 @@ class Broker:
         self._refusing: set[str] = set()
         """Ids of messages being dead-lettered now by a side that tells their requesters
         itself (a push agent's refusal, in the agent's own words)."""
+        self._telling: set[asyncio.Task[None]] = set()
+        """Dead letters' ERRORs on their way to requesters waiting on other replicas."""
         self._subscriptions: dict[str, list[Subscription]] = {}
         self._by_subscription: dict[str, Subscription] = {}
         self._sweeper: asyncio.Task[None] | None = None
@@ -427,6 +433,8 @@ class Broker:
         for subs in list(self._subscriptions.values()):
             for sub in list(subs):
                 await sub.close()
+        for telling in list(self._telling):
+            await cancel_and_wait(telling)
         for future in self._pending.values():
             if isinstance(future, asyncio.Future) and not future.done():
                 future.set_exception(SessionClosedError("the broker is shutting down"))
@@ -1707,18 +1715,33 @@ class Broker:
         message = dead.message
         if message.message_type in _ASKING_TYPES and message.message_id not in self._refusing:
             # Its agent took it and will not answer (it refused it, failed every attempt, or
-            # its subscriber left): whoever waits here for the answer hears so now, not at
-            # its deadline. (One waiting on another replica waits for its deadline.)
-            self._offer_answer(
-                _said_for(
-                    message.to_agent,
-                    message.reply_target,
-                    message.correlation_id or message.message_id,
-                    f"{message.to_agent} did not answer: the message was dead-lettered "
-                    f"({dead.reason})",
-                    "DEAD_LETTERED",
-                )
+            # its subscriber left): whoever waits for the answer, here or on another replica,
+            # hears so now, not at its deadline.
+            said = _said_for(
+                message.to_agent,
+                message.reply_target,
+                message.correlation_id or message.message_id,
+                f"{message.to_agent} did not answer: the message was dead-lettered ({dead.reason})",
+                "DEAD_LETTERED",
             )
+            if not self._offer_answer(said) and self.store.shared:
+                self._tell_elsewhere(said)
+
+    def _tell_elsewhere(self, said: Message) -> None:
+        """Hands ``said`` to the replica whose requester waits for it, if one does."""
+        if len(self._telling) >= MAX_TELLING or self._stopping:
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._forward_to_waiter(said), name=f"tell-{said.to_agent}"
+        )
+        self._telling.add(task)
+        task.add_done_callback(self._telling.discard)
+
+    async def _forward_to_waiter(self, said: Message) -> None:
+        with contextlib.suppress(MeshError):
+            replica = await self.store.route_of((said.to_agent, said.correlation_id))
+            if replica and replica not in (GIVEN_UP_ROUTE, self.store.replica_id):
+                await self.store.forward_answer(replica, said)
 
     def on_redelivery(self, message: Message, attempt: int) -> None:
         self.metrics.redelivery()

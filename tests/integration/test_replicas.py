@@ -436,3 +436,50 @@ async def test_the_instances_a_dead_replica_held_are_taken_off_by_the_other(
         await store.close()
         await stop(a)
         await stop(b)
+
+
+async def test_a_requester_on_one_replica_hears_at_once_of_its_request_dead_lettered_on_another(
+    one_redis: str,
+) -> None:
+    """The agent's subscriber is on replica B; the request, and a gather, wait on replica A.
+    B dead-letters the message (the agent rejects it, or hands it back on its last attempt):
+    A's requester hears so at once, as one on B would, not at its deadline."""
+    async with running(replica(one_redis), replica(one_redis)) as (a, b):
+        await b.register(AgentInfo(agent_id="Worker", agent_types=("worker",)))
+        sub = await b.subscribe("Worker")
+
+        async def refuse() -> None:
+            while True:
+                delivery = await sub.next()
+                if delivery.message.action == "reject":
+                    await b.nack("Worker", [delivery.message.message_id], dead_letter_reason="no")
+                else:  # handed back until its attempts are spent
+                    await b.nack("Worker", [delivery.message.message_id])
+
+        refusing = asyncio.create_task(refuse())
+        try:
+            for action, why in (("reject", "(no)"), ("work", "(nacked after 4 delivery attempts)")):
+                asking = a.request(
+                    Message(from_agent="Asker", to_agent="Worker", content={"action": action}),
+                    timeout=60,
+                )
+                answer = await asyncio.wait_for(asking, 10)  # (before: the 60 s deadline)
+                assert answer.message_type.value == "ERROR"
+                assert answer.content["reason"] == "DEAD_LETTERED"
+                assert answer.content["error"].endswith(f"dead-lettered {why}")
+            gathering = a.gather(
+                Message(from_agent="Asker", to_agent="broadcast", content={"action": "reject"}),
+                agent_types=["worker"],
+                timeout=60,
+            )
+            [item] = await asyncio.wait_for(_all(gathering), 10)
+            assert item.response is not None and item.response.content["reason"] == "DEAD_LETTERED"
+        finally:
+            refusing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await refusing
+            await sub.close()
+
+
+async def _all(items: Any) -> list[Any]:
+    return [item async for item in items]
