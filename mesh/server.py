@@ -125,7 +125,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         if not request.HasField("message"):
             raise _invalid("message", "message is required")
         outcome = await self.broker.send(
-            _inbound(self.broker, request.message),
+            await _inbound_sent(self.broker, request.message),
             size_bytes=request.message.ByteSize(),
         )
         response = broker_pb2.SendMessageResponse(recipients=outcome.recipients)
@@ -136,7 +136,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     async def SendMessages(
         self, request: broker_pb2.SendMessagesRequest, context: Any
     ) -> broker_pb2.SendMessagesResponse:
-        messages = [_decoded(self.broker, pb) for pb in request.messages]
+        messages = [await _decoded(self.broker, pb) for pb in request.messages]
         sizes = [pb.ByteSize() for pb in request.messages]
         results = await self.broker.send_many(messages, sizes)
         response = broker_pb2.SendMessagesResponse()
@@ -429,6 +429,25 @@ class _Session:
         codec.error_to_pb(error, frame.error)
         await self._answer(frame)
 
+    async def _unreadable(self, seq: int, frame: Malformed) -> None:
+        """Refuses a frame that does not decode; one that, as far as it can be read, sends
+        an answer the session may send also tells the answer's requester why, at once."""
+        self.broker.refused_unreadable()
+        error = frame.to_error()
+        answer = _answer_envelope(frame.data)
+        if answer is not None and self._may_send_as(answer[0]):
+            await self.broker.refuse_unreadable_answer(*answer, error)
+        await self._error(seq, error)
+
+    def _may_send_as(self, agent_id: str) -> bool:
+        if self.principal.admin:
+            return True
+        try:
+            self.principal.require_agent(agent_id, "send")
+        except MeshError:
+            return False
+        return True
+
     async def _dispatch(self, frame: broker_pb2.ConnectRequest | Malformed) -> None:
         if isinstance(frame, Malformed):
             # Refused under its own seq, so that whoever waits on it hears at once; a
@@ -437,8 +456,7 @@ class _Session:
             if frames:
                 await self._batch([_read_frame(raw) for raw in frames])
             else:
-                self.broker.refused_unreadable()
-                await self._error(seq, frame.to_error())
+                await self._unreadable(seq, frame)
             return
         kind = frame.WhichOneof("frame")
         seq = frame.seq
@@ -450,7 +468,7 @@ class _Session:
                 check_frame(self.principal, frame)
             if kind == "send":
                 outcome = await self.broker.accept(
-                    _inbound(self.broker, frame.send),
+                    await _inbound_sent(self.broker, frame.send),
                     size_bytes=frame.send.ByteSize(),
                 )
                 if self.broker.group_commit:
@@ -551,8 +569,7 @@ class _Session:
                     await self._sends(sends)
                     sends = []
                 if isinstance(inner, Malformed):
-                    self.broker.refused_unreadable()
-                    await self._error(_frame_parts(inner.data)[0], inner.to_error())
+                    await self._unreadable(_frame_parts(inner.data)[0], inner)
                 elif inner.WhichOneof("frame") == "batch":
                     await self._error(inner.seq, _invalid("batch", "a batch cannot hold a batch"))
                 else:
@@ -573,7 +590,7 @@ class _Session:
                 try:
                     if not self.principal.admin:
                         check_frame(self.principal, frame)
-                    messages.append(_inbound(self.broker, frame.send))
+                    messages.append(await _inbound_sent(self.broker, frame.send))
                 except MeshError as error:
                     messages.append(error)
             outcomes = await self.broker.send_many(
@@ -762,6 +779,37 @@ def _frame_parts(data: bytes) -> tuple[int, list[bytes] | None]:
 
 SEQ_FIELD = broker_pb2.ConnectRequest.DESCRIPTOR.fields_by_name["seq"].number
 BATCH_FIELD = broker_pb2.ConnectRequest.DESCRIPTOR.fields_by_name["batch"].number
+SEND_FIELD = broker_pb2.ConnectRequest.DESCRIPTOR.fields_by_name["send"].number
+ANSWER_TYPE_NUMBERS = (message_pb2.MESSAGE_TYPE_RESPONSE, message_pb2.MESSAGE_TYPE_ERROR)
+_ENVELOPE = {
+    message_pb2.Message.DESCRIPTOR.fields_by_name[name].number: name
+    for name in ("from_agent", "to_agent", "message_type", "correlation_id")
+}
+
+
+def _answer_envelope(data: bytes) -> tuple[str, str, str] | None:
+    """(from_agent, to_agent, correlation_id) of a session frame that does not decode, when
+    what can be read of it sends an answer (a RESPONSE or an ERROR); None otherwise."""
+    sent = next((v for n, v in wire_fields(data) if n == SEND_FIELD), None)
+    if not isinstance(sent, bytes):
+        return None
+    envelope: dict[str, Any] = {}
+    for number, value in wire_fields(sent):
+        name = _ENVELOPE.get(number)
+        if name == "message_type":
+            envelope[name] = value
+        elif name is not None and isinstance(value, bytes):
+            try:
+                envelope[name] = value.decode()
+            except UnicodeDecodeError:
+                return None
+    if envelope.get("message_type") not in ANSWER_TYPE_NUMBERS:
+        return None
+    return (
+        envelope.get("from_agent", ""),
+        envelope.get("to_agent", ""),
+        envelope.get("correlation_id", ""),
+    )
 
 
 def _inbound(broker: Broker, pb: message_pb2.Message, *, gather: bool = False) -> Message:
@@ -797,10 +845,23 @@ async def _broadcast(
         codec.error_to_pb(error, out.failures.add(agent_id=agent_id).error)
 
 
-def _decoded(broker: Broker, pb: message_pb2.Message) -> Message | MeshError:
-    """A message of a batch, or why it cannot be read (the others go on)."""
+async def _inbound_sent(broker: Broker, pb: message_pb2.Message) -> Message:
+    """:func:`_inbound` for a message sent (not a request or a gather): an answer refused
+    here (an undefined priority, a time out of range) also tells its requester why."""
     try:
         return _inbound(broker, pb)
+    except MessageValidationError as error:
+        if pb.message_type in ANSWER_TYPE_NUMBERS:
+            await broker.refuse_unreadable_answer(
+                pb.from_agent, pb.to_agent, pb.correlation_id, error
+            )
+        raise
+
+
+async def _decoded(broker: Broker, pb: message_pb2.Message) -> Message | MeshError:
+    """A message of a batch, or why it cannot be read (the others go on)."""
+    try:
+        return await _inbound_sent(broker, pb)
     except MeshError as error:
         return error
 

@@ -768,7 +768,26 @@ class Broker:
         self.metrics.sent(message.message_type.value, time.perf_counter() - started)
         return SendOutcome(message, (message.to_agent,))
 
-    async def _answer_refused(self, answer: Message, error: MessageValidationError) -> None:
+    async def refuse_unreadable_answer(
+        self, from_agent: str, to_agent: str, correlation_id: str, error: MeshError
+    ) -> None:
+        """An answer (RESPONSE or ERROR) whose frame could not be read into a message (a
+        value JSON cannot hold, an undefined priority, a time out of range: what a client
+        that is no SDK may send): its requester hears why at once, as for an answer refused
+        by validation, instead of waiting for its deadline. The envelope is what could be
+        read of the frame."""
+        if not (from_agent and to_agent and correlation_id):
+            return
+        answer = Message(
+            from_agent=from_agent,
+            to_agent=to_agent,
+            message_type=MessageType.RESPONSE,
+            content={},
+            correlation_id=correlation_id,
+        )
+        await self._answer_refused(answer, error)
+
+    async def _answer_refused(self, answer: Message, error: MeshError) -> None:
         """An answer refused (too large, no content, ...) still tells whoever waits for it
         why, at once: an ERROR in its place from the broker, routed as any answer (and
         settling the answering agent's delivery as one), instead of a wait until the

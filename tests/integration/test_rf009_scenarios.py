@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import math
 import re
 import socket
 import urllib.request
@@ -1190,6 +1192,166 @@ async def test_an_answer_the_broker_refuses_reaches_the_requester_as_an_error(
         assert len(handled) == 1
         view = (await editor.queue_stats("Writer")).for_agent("Writer")
         assert view is not None and (view.depth, view.in_flight) == (0, 0)
+
+
+def _nan_content(answer: message_pb2.Message) -> None:
+    answer.content["score"] = math.nan
+
+
+def _nan_metadata(answer: message_pb2.Message) -> None:
+    answer.metadata["weight"] = math.inf
+
+
+def _undefined_priority(answer: message_pb2.Message) -> None:
+    answer.priority = 99  # type: ignore[assignment]
+
+
+def _time_out_of_range(answer: message_pb2.Message) -> None:
+    answer.timestamp.seconds = 10**12
+
+
+def _too_deep(answer: message_pb2.Message) -> None:
+    answer.content.update(_nested(40))
+
+
+def _length_delimited(number: int, payload: bytes) -> bytes:
+    """A protobuf field of wire type 2 (what a batch frame wraps its frames in)."""
+
+    def varint(value: int) -> bytes:
+        out = bytearray()
+        while value > 0x7F:
+            out.append(value & 0x7F | 0x80)
+            value >>= 7
+        return bytes([*out, value])
+
+    return varint(number << 3 | 2) + varint(len(payload)) + payload
+
+
+BATCH = broker_pb2.ConnectRequest.DESCRIPTOR.fields_by_name["batch"].number
+BATCH_FRAMES = broker_pb2.ConnectRequestBatch.DESCRIPTOR.fields_by_name["frames"].number
+
+
+async def _raw_answering_agent(
+    address: str, agent_id: str, spoil: Any, batched: bool, refusals: list[str]
+) -> None:
+    """An agent on a plain Connect session (as a client in any language writes one): it
+    answers each delivery with ``spoil`` applied to its answer, in a batch frame or not,
+    and keeps the broker's refusals of its frames."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        session = channel.stream_stream(
+            "/mesh.v1.BrokerService/Connect",
+            request_serializer=bytes,
+            response_deserializer=broker_pb2.ConnectResponse.FromString,
+        )()
+        subscribe = broker_pb2.ConnectRequest(seq=1)
+        subscribe.subscribe.agent_id = agent_id
+        await session.write(subscribe.SerializeToString())
+        seq = 1
+        async for frame in session:
+            inner = frame.batch.frames if frame.WhichOneof("frame") == "batch" else [frame]
+            for each in inner:
+                if each.WhichOneof("frame") == "error":
+                    refusals.append(each.error.message)
+                if each.WhichOneof("frame") != "delivery":
+                    continue
+                request = each.delivery.message
+                seq += 1
+                out = broker_pb2.ConnectRequest(seq=seq)
+                answer = out.send
+                answer.from_agent, answer.to_agent = agent_id, request.from_agent
+                answer.message_type = message_pb2.MESSAGE_TYPE_RESPONSE
+                answer.correlation_id = request.message_id
+                answer.content.update({"action": "answer", "score": 0.5})
+                spoil(answer)
+                data = out.SerializeToString()
+                if batched:  # (by hand: this protobuf copies no message nested so deep)
+                    data = _length_delimited(BATCH, _length_delimited(BATCH_FRAMES, data))
+                await session.write(data)
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["frame", "batch"])
+@pytest.mark.parametrize(
+    ("spoil", "said"),
+    [
+        (_nan_content, "send.content.score is NaN or Infinity"),
+        (_nan_metadata, "send.metadata.weight is NaN or Infinity"),
+        (_undefined_priority, "priority 99 is not defined"),
+        (_time_out_of_range, "timestamp must be from 0001-01-01"),
+        (_too_deep, "it nests more than 84 levels deep"),
+    ],
+    ids=["NaN content", "NaN metadata", "undefined priority", "time out of range", "too deep"],
+)
+async def test_an_answer_the_broker_cannot_read_reaches_the_requester_as_an_error(
+    mesh: LocalMesh, spoil: Any, said: str, batched: bool
+) -> None:
+    """An agent that is no SDK answers with a frame the broker cannot read into a message:
+    the agent hears why, and so does its requester, at once (an AgentError, not a timeout at
+    its deadline); the request is settled, not delivered again."""
+    refusals: list[str] = []
+    async with mesh.client("Asker") as asker:
+        await asker.register("Raw")
+        answering = asyncio.create_task(
+            _raw_answering_agent(mesh.address, "Raw", spoil, batched, refusals)
+        )
+        try:
+            with pytest.raises(AgentError) as info:
+                await asker.request("Raw", {"action": "score"}, timeout=30)
+            assert info.value.message.startswith("Raw's answer was refused: ")
+            assert said in info.value.message
+            assert info.value.reason == "VALIDATION_FAILED"
+            assert len(refusals) == 1 and said in refusals[0]
+            view = (await asker.queue_stats("Raw")).for_agent("Raw")
+            assert view is not None and (view.depth, view.in_flight) == (0, 0)
+        finally:
+            answering.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await answering
+
+
+@pytest.mark.parametrize(
+    ("spoil", "said"),
+    [
+        (_undefined_priority, "priority 99 is not defined"),
+        (_time_out_of_range, "timestamp must be from 0001-01-01"),
+    ],
+    ids=["undefined priority", "time out of range"],
+)
+@pytest.mark.parametrize("rpc", ["SendMessage", "SendMessages"])
+async def test_an_answer_sent_by_a_unary_call_that_is_refused_reaches_the_requester(
+    mesh: LocalMesh, spoil: Any, said: str, rpc: str
+) -> None:
+    """The same for an agent that takes its request by ReceiveMessages and answers with a
+    unary call: the call is refused, and the requester hears why at once."""
+    async with mesh.client("Asker") as asker, grpc.aio.insecure_channel(mesh.address) as channel:
+        await asker.register("Raw")
+        asking = asyncio.create_task(asker.request("Raw", {"action": "score"}, timeout=30))
+        broker = broker_pb2_grpc.BrokerServiceStub(channel)
+        taken: list[message_pb2.Message] = []
+        while not taken:
+            taken = list(
+                (
+                    await broker.ReceiveMessages(broker_pb2.ReceiveMessagesRequest(agent_id="Raw"))
+                ).messages
+            )
+        answer = message_pb2.Message(
+            from_agent="Raw",
+            to_agent="Asker",
+            message_type=message_pb2.MESSAGE_TYPE_RESPONSE,
+            correlation_id=taken[0].message_id,
+        )
+        answer.content.update({"action": "answer"})
+        spoil(answer)
+        if rpc == "SendMessage":
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await broker.SendMessage(broker_pb2.SendMessageRequest(message=answer))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        else:
+            sent = await broker.SendMessages(broker_pb2.SendMessagesRequest(messages=[answer]))
+            assert said in sent.results[0].error.message
+        with pytest.raises(AgentError) as info:
+            await asking
+        assert info.value.message.startswith("Raw's answer was refused: ")
+        assert said in info.value.message
 
 
 async def test_a_cancellation_from_inside_a_handler_answers_with_an_error(

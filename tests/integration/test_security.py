@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from mesh import (
     AgentContext,
     LocalMesh,
     Message,
+    MessageType,
     PermissionDeniedError,
     SecurityConfig,
     UnauthenticatedError,
@@ -31,7 +33,7 @@ from mesh import (
 from mesh.certs import write_dev_certificates
 from mesh.client import NO_RETRY
 from mesh.core.errors import BrokerUnavailableError
-from mesh.v1 import broker_pb2, broker_pb2_grpc
+from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
 
 PAYMENT_TOKEN = "payment-token-0123456789"
 GATEWAY_TOKEN = "gateway-token-0123456789"
@@ -263,3 +265,39 @@ def test_security_settings_are_checked_and_describe_themselves() -> None:
     with pytest.raises(ValueError, match="go together"):
         SecurityConfig(tls_cert="c")
     assert "token" not in repr(SecurityConfig(token="secret-secret-secret"))
+
+
+async def test_an_unreadable_answer_spoofing_another_agent_tells_its_requester_nothing(
+    token_mesh: LocalMesh,
+) -> None:
+    """A frame the broker cannot read, that would answer a request as an agent the session
+    may not act as: refused, and the request goes on waiting for its own agent's answer (an
+    unreadable answer tells its requester why only when its sender may send as its agent)."""
+    admin = as_(token_mesh, "gateway", GATEWAY_TOKEN)
+    hotel = as_(token_mesh, "HotelAgent", HOTEL_TOKEN)
+    await hotel.register("HotelAgent")
+    asking = asyncio.create_task(admin.request("HotelAgent", {"action": "book"}, timeout=30))
+    taken: list[Message] = []
+    while not taken:
+        taken = await hotel.receive("HotelAgent")
+    spoofed = broker_pb2.ConnectRequest(seq=2)
+    spoofed.send.from_agent, spoofed.send.to_agent = "HotelAgent", "gateway"
+    spoofed.send.message_type = message_pb2.MESSAGE_TYPE_RESPONSE
+    spoofed.send.correlation_id = taken[0].message_id
+    spoofed.send.content.update({"action": "answer", "price": math.nan})
+    as_payment = (("authorization", f"Bearer {PAYMENT_TOKEN}"),)
+    async with grpc.aio.insecure_channel(token_mesh.address) as channel:
+        session = broker_pb2_grpc.BrokerServiceStub(channel).Connect(metadata=as_payment)
+        await session.write(spoofed)
+        refused = await asyncio.wait_for(session.read(), 5)
+        assert (refused.seq, refused.error.code) == (2, grpc.StatusCode.INVALID_ARGUMENT.value[0])
+        session.cancel()
+    await asyncio.sleep(0.2)
+    assert not asking.done()
+    await hotel.send(
+        "gateway",
+        {"action": "booked"},
+        message_type=MessageType.RESPONSE,
+        correlation_id=taken[0].message_id,
+    )
+    assert (await asyncio.wait_for(asking, 5)).content["action"] == "booked"
