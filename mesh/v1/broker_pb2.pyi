@@ -1606,6 +1606,9 @@ class ConnectRequest(_message.Message):
     def send(self) -> _message_pb2.Message:
         """Enqueue a message; answered with `accepted` or `error`. With seq 0 the send is
         fire-and-forget: no `accepted` comes back, only an `error` (with seq 0) if it fails.
+        An answer (RESPONSE or ERROR with a correlation_id) that is refused, too large or
+        unreadable (a NaN, an undefined enum number), reaches its requester as an ERROR that
+        says why.
         """
 
     @_builtins.property
