@@ -223,7 +223,7 @@ def add_commands(sub: Any, broker_default: str) -> None:
         "--docs",
         type=_folder,
         help="folder of local documents (.txt, .md; pages split by form "
-        "feeds) to search besides the web snapshot",
+        "feeds, and every 16,000 characters at most) to search besides the web snapshot",
     )
     p.add_argument(
         "--out",

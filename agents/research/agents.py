@@ -19,6 +19,11 @@ from mesh.core.errors import MeshError
 from mesh.core.model import JSON
 from mesh.core.tools import ToolFailedError, ToolPermissionError, ToolTimeoutError
 
+MAX_FINDINGS = 100
+"""Findings a researcher's answer carries at most (the first found, each claim once per
+source); how many more it found is ``findings_left_out``. An answer stays well under the
+mesh's message limit whatever the documents hold."""
+
 
 def _lexicon(path: Path = DATA / "topics.json") -> dict[str, Any]:
     data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
@@ -136,8 +141,10 @@ class _SourceResearcher(_Researcher):
                 ),
                 "errors": errors,
             }
+        findings = analysis.distinct(findings)
         return {
-            "findings": findings,
+            "findings": findings[:MAX_FINDINGS],
+            "findings_left_out": max(0, len(findings) - MAX_FINDINGS),
             "partial": bool(timeouts),
             "errors": errors,
             "used_prior_findings": len(prior),

@@ -9,6 +9,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 Finding = dict[str, Any]
+MAX_CLAIM_CHARS = 1_000
+"""A claim is a sentence; one longer than this (text without full stops) is cut, as its
+excerpt is at 400: a finding stays small whatever the document."""
 TIER_PRIORITY = {"official": 3, "article": 2, "blog": 1, "unknown": 0}
 _SENTENCE = re.compile(r"(?<=[.!?])\s+")
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)?\s*%?")
@@ -81,7 +84,7 @@ def extract_claims(
             excerpt = " ".join(parts[max(0, index - 1) : index + 2])
             found.append(
                 {
-                    "claim": sentence,
+                    "claim": sentence[:MAX_CLAIM_CHARS],
                     "topic": topic,
                     "kind": kind,
                     "value": value_of(sentence, kind),
@@ -92,6 +95,22 @@ def extract_claims(
             )
             break
     return found
+
+
+def distinct(findings: Iterable[Finding]) -> list[Finding]:
+    """The findings in order, each claim once per source (a document says the same thing on
+    many pages, a page many times: one finding is its provenance; the first is kept)."""
+    seen: set[tuple[str, str]] = set()
+    kept = []
+    for finding in findings:
+        key = (
+            str(finding.get("claim")),
+            str(finding.get("source_url") or finding.get("document_id") or ""),
+        )
+        if key not in seen:
+            seen.add(key)
+            kept.append(finding)
+    return kept
 
 
 def is_finding(value: Any) -> bool:

@@ -81,9 +81,34 @@ class SnapshotSearch:
         return {key: page[key] for key in ("url", "title", "published", "tier", "text")}
 
 
+MAX_PAGE_CHARS = 16_000
+"""A page longer than this (a document without form feeds: a log, a book) is split further,
+at a line break (else a space) before the bound: every page is one row of the index and one
+tool answer, each found, read and cited in bounded time and size."""
+
+
+def split_pages(text: str, most: int = MAX_PAGE_CHARS) -> list[str]:
+    """A document's pages: split by form feeds, then each into pieces of at most ``most``
+    characters, ending at a line break where there is one, else at a space."""
+    pages: list[str] = []
+    for page in text.split("\f"):
+        start = 0
+        while len(page) - start > most:
+            end = start + most
+            cut = page.rfind("\n", start + most // 2, end)
+            if cut < 0:
+                cut = page.rfind(" ", start + most // 2, end)
+            cut = end if cut < 0 else cut + 1
+            pages.append(page[start:cut])
+            start = cut
+        pages.append(page[start:])
+    return pages
+
+
 class DocumentFolder:
-    """Plain-text documents, pages split by form feeds; optional header lines "Title:",
-    "Date:" and "Tier:" describe a document. Indexed with SQLite FTS5."""
+    """Plain-text documents, pages split by form feeds (and a page past MAX_PAGE_CHARS
+    further); optional header lines "Title:", "Date:" and "Tier:" describe a document.
+    Indexed with SQLite FTS5."""
 
     def __init__(self, folder: Path = DATA / "docs") -> None:
         if not folder.is_dir():  # (searched, it would find nothing, and say nothing of why)
@@ -98,7 +123,7 @@ class DocumentFolder:
             meta = dict(re.findall(r"^(Title|Date|Tier):\s*(.+)$", text, flags=re.MULTILINE))
             pages = [
                 re.sub(r"^(Title|Date|Tier):.*$", "", p, flags=re.MULTILINE).strip()
-                for p in text.split("\f")
+                for p in split_pages(text)
             ]
             doc_id = path.stem
             self.documents[doc_id] = {

@@ -40,10 +40,15 @@ def kinds(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 
 
 async def research_mesh(
-    tmp_path: Path, *, web: Any = None, policy: dict[str, list[str]] | None = None
+    tmp_path: Path,
+    *,
+    web: Any = None,
+    policy: dict[str, list[str]] | None = None,
+    docs: DocumentFolder | None = None,
 ) -> AsyncIterator[Research]:
     host = ToolHost(
-        research_tools(web=web, docs=DocumentFolder(), output=tmp_path), policy or RESEARCH_POLICY
+        research_tools(web=web, docs=docs or DocumentFolder(), output=tmp_path),
+        policy or RESEARCH_POLICY,
     )
     async with LocalMesh(tool_host=host) as local:
         for agent in research_agents():
@@ -320,3 +325,30 @@ async def test_subagents_get_explicit_context_only(tmp_path: Path) -> None:
     assert set(content) == {"action", "query", "prior_findings", "constraints"}
     assert content["constraints"]["language"] == "en"
     assert content["constraints"]["topics"] == ["recycling_rate"]
+
+
+async def test_a_large_document_is_searched_in_pages_and_cited_once(tmp_path: Path) -> None:
+    """A document of 4 MB with no form feeds (a log, an export) beside the shipped ones: it
+    is read in pages of bounded size, so a search takes no longer than in small ones, and
+    its claim, said on every line, is one finding (before: the search ran past the tool's
+    timeout, and a page's findings made an answer larger than a message may be)."""
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for shipped in (DATA / "docs").glob("*.txt"):
+        (folder / shipped.name).write_text(shipped.read_text())
+    line = "The recycling rate of lithium-ion batteries was 40% in this export. " * 10
+    (folder / "export.txt").write_text("Tier: blog\n" + (line + "\n") * 6_000)
+    docs = DocumentFolder(folder)
+    assert len(docs.documents["export"]["pages"]) > 200
+    assert max(len(p) for p in docs.documents["export"]["pages"]) <= 16_000
+    async for r in research_mesh(tmp_path / "out", docs=docs):
+        events = await r.run(
+            query="What is the lithium-ion battery recycling rate according to the documents?",
+            documents=True,
+        )
+        assert kinds(events, "PLAN")[0]["data"]["agents"][0] == "document-analysis-agent"
+        result = events[-1]["data"]
+        assert result["status"] == "COMPLETED" and not result["gaps"]
+        [found] = kinds(events, "FINDINGS")
+        exported = [f for f in found["data"]["findings"] if f["document_id"] == "export"]
+        assert len(exported) == 1 and exported[0]["claim"].startswith("The recycling rate")

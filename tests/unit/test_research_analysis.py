@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from agents.research.analysis import (
+    MAX_CLAIM_CHARS,
     detect_conflicts,
+    distinct,
     extract_claims,
     gaps_of,
     is_finding,
     resolve,
     topics_of,
 )
+from agents.research.corpus import split_pages
 from gateway.patterns.research import (
     Answers,
     analyze_query,
@@ -224,3 +229,38 @@ def test_an_escalation_the_coordinator_cannot_read_documents_the_gap(
     assert (up["agent_id"], up["attempted_query"], up["partial_results"]) == ("web", "the query", 2)
     assert bool(answers.problems) == (action != "skip")
     assert answers.escalation("web", {"escalation": None}, "q", 0) is None
+
+
+def test_a_long_page_is_split_at_line_breaks_then_spaces() -> None:
+    assert split_pages("one\ftwo") == ["one", "two"]
+    lines = "".join(f"line {i:04d}\n" for i in range(100))  # 10 characters a line
+    pages = split_pages(lines, most=95)
+    assert all(len(p) <= 95 and p.endswith("\n") for p in pages)
+    assert "".join(pages) == lines
+    words = "word " * 40
+    assert [len(p) for p in split_pages(words, most=48)][:3] == [45, 45, 45]
+    assert split_pages("x" * 100, most=48) == ["x" * 48, "x" * 48, "x" * 4]
+
+
+@given(st.text(alphabet="ab \n\f", max_size=400), st.integers(min_value=2, max_value=60))
+def test_splitting_pages_keeps_every_character_in_order(text: str, most: int) -> None:
+    pages = split_pages(text, most)
+    assert all(len(p) <= most for p in pages)
+    assert "".join(pages) == text.replace("\f", "")
+    assert len(pages) >= text.count("\f") + 1
+
+
+def test_a_claim_said_again_by_its_source_is_one_finding() -> None:
+    source = {"document_id": "survey", "page": 1, "tier": "article"}
+    text = "The recycling rate was 40% last year. " * 50
+    found = extract_claims(text, ["recycling_rate"], LEXICON, source)
+    assert len(found) == 50
+    elsewhere = extract_claims(text, ["recycling_rate"], LEXICON, {**source, "document_id": "b"})
+    kept = distinct([*found, *elsewhere])
+    assert [f["document_id"] for f in kept] == ["survey", "b"]
+
+
+def test_a_sentence_without_full_stops_is_cut_to_a_claim() -> None:
+    text = "The recycling rate was 40% " + "and more " * 500
+    [claim] = extract_claims(text, ["recycling_rate"], LEXICON, {"tier": "blog"})
+    assert len(claim["claim"]) == MAX_CLAIM_CHARS
