@@ -20,8 +20,15 @@ def data_dir(override: str | Path | None = None) -> Path:
 def load(name: str, directory: str | Path | None = None) -> dict[str, Any]:
     """Reads data/<name>; read on every call so that edits show up without a restart."""
     path = data_dir(directory) / name
-    with path.open(encoding="utf-8") as handle:
-        data: dict[str, Any] = json.load(handle)
+    try:
+        with path.open(encoding="utf-8") as handle:
+            data = json.load(handle)
+    except json.JSONDecodeError as error:  # (an edit half done: say where)
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"cannot read {path}: {error}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, not {type(data).__name__}")
     return data
 
 

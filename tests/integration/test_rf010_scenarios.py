@@ -16,12 +16,14 @@ import pytest
 from agents import sample_agents
 from agents._data import DEFAULT_DATA_DIR
 from agents.refund import PaymentAgent
+from agents.stocks import IndustryExpertAgent
 from gateway.client import GatewayClient
 from gateway.embedded import EmbeddedMesh, start_embedded
 from gateway.server import serve_gateway
 from mesh import (
     Agent,
     AgentContext,
+    AgentError,
     LocalMesh,
     Message,
     MessageType,
@@ -200,6 +202,25 @@ async def test_scenario_05_group_chat_with_disagreement(tmp_path: Path) -> None:
     assert aggregate["scores"] == {"Buy AAPL": 0.8, "Buy MSFT": 0.9, "Buy GOOGL": 0.7}
     assert aggregate["recommendation"] == "Buy MSFT (highest confidence)"
     assert aggregate["note"] == "Disagreement detected: 3 different stocks recommended"
+
+
+async def test_a_data_file_edited_into_bad_json_is_named_in_the_agents_answer(
+    tmp_path: Path,
+) -> None:
+    """The sample agents read their data file on every message (edit it and see): an edit
+    that leaves it no JSON, or no object, is said with the file's path and where it broke."""
+    folder = data_copy(tmp_path, "stocks.json", lambda data: None)
+    (folder / "stocks.json").write_text('{"sectors": {\n')
+    async with LocalMesh() as local:
+        await local.add_agent(IndustryExpertAgent(data_dir=folder))
+        async with local.client("Asker") as asker:
+            with pytest.raises(AgentError) as broken:
+                await asker.request("IndustryExpertAgent", {"action": "analyze"}, timeout=10)
+            assert f"{folder / 'stocks.json'} is not valid JSON: Expecting" in broken.value.message
+            assert "line 2 column 1" in broken.value.message
+            (folder / "stocks.json").write_text("[1, 2]")
+            with pytest.raises(AgentError, match="must hold a JSON object, not list"):
+                await asker.request("IndustryExpertAgent", {"action": "analyze"}, timeout=10)
 
 
 async def test_answers_whose_confidence_or_scores_are_not_shares_are_left_out_saying_why() -> None:
