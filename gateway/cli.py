@@ -57,10 +57,13 @@ async def _up(args: argparse.Namespace) -> int:
 async def _gateway(args: argparse.Namespace) -> int:
     from gateway.patterns.orchestrator import Router
     from gateway.server import serve_gateway
-    from mesh.cli import _print, _stop_on_signals, _until_signalled, security_config
+    from mesh.cli import UsageError, _print, _stop_on_signals, _until_signalled, security_config
 
+    try:
+        router = Router.from_file(Path(args.routes)) if args.routes else None
+    except ValueError as error:
+        raise UsageError(f"--routes: {error}") from None
     stop = _stop_on_signals()
-    router = Router.from_file(Path(args.routes)) if args.routes else None
     gateway = await serve_gateway(
         args.broker,
         host=args.host,

@@ -50,19 +50,17 @@ class Router:
 
     @classmethod
     def from_file(cls, path: Path = ROUTES_FILE) -> Router:
-        """Reads {"request_type": {"pattern": ..., "reason": ..., "preset": {...}}, ...}."""
-        data = json.loads(path.read_text(encoding="utf-8"))
-        return cls(
-            {
-                name: Route(
-                    request_type=name,
-                    pattern=Pattern(entry["pattern"]),
-                    reason=entry["reason"],
-                    preset=dict(entry.get("preset", {})),
-                )
-                for name, entry in data.items()
-            }
-        )
+        """Reads {"request_type": {"pattern": ..., "reason": ..., "preset": {...}}, ...};
+        a file that is not such a table raises ValueError saying where and what is wrong."""
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} is not valid JSON: {error}") from None
+        except (OSError, UnicodeDecodeError) as error:
+            raise ValueError(f"cannot read {path}: {error}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} must hold a JSON object of routes by request type")
+        return cls({name: _route(path, name, entry) for name, entry in data.items()})
 
     def determine_pattern(self, request_type: str) -> Route:
         route = self.routes.get(request_type)
@@ -72,6 +70,29 @@ class Router:
                 f"no pattern for request type {request_type!r}; known types: {known}"
             )
         return route
+
+
+ROUTABLE = (Pattern.GROUP_CHAT, Pattern.HAND_OFF, Pattern.COLLABORATIVE_FILTERING)
+"""The patterns a route may run (from a preset of its request)."""
+
+
+def _route(path: Path, name: str, entry: Any) -> Route:
+    def wrong(what: str) -> ValueError:
+        return ValueError(f"{path}: route {name!r}: {what}")
+
+    if not isinstance(entry, dict):
+        raise wrong('must be an object: {"pattern": ..., "reason": ..., "preset": {...}}')
+    names = ", ".join(p.value for p in ROUTABLE)
+    if entry.get("pattern") not in names.split(", "):
+        raise wrong(f"pattern must be one of {names}, got {entry.get('pattern')!r}")
+    if not isinstance(entry.get("reason"), str) or not entry["reason"]:
+        raise wrong("reason must be a non-empty string")
+    preset = entry.get("preset", {})
+    if not isinstance(preset, dict):
+        raise wrong("preset must be an object (the fields of the pattern's request)")
+    return Route(
+        request_type=name, pattern=Pattern(entry["pattern"]), reason=entry["reason"], preset=preset
+    )
 
 
 async def routed(route: Route, started: float, emit: Emit, run_id: str) -> None:

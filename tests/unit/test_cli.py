@@ -152,3 +152,43 @@ def test_a_port_that_is_none_is_a_usage_error(
     assert said in capsys.readouterr().err
     if env:  # (a command without the flag does not read it)
         assert build_parser().parse_args(["agents"]).command == "agents"
+
+
+@pytest.mark.parametrize(
+    ("table", "said"),
+    [
+        ('{"refund": {"pattern": ', "is not valid JSON: Expecting value: line 1 column 24"),
+        ("[1]", "must hold a JSON object of routes by request type"),
+        ('{"refund": "HAND_OFF"}', "route 'refund': must be an object"),
+        (
+            '{"refund": {"pattern": "CONSENSUS", "reason": "r"}}',
+            "route 'refund': pattern must be one of GROUP_CHAT, HAND_OFF, COLLABORATIVE_FILTERING,"
+            " got 'CONSENSUS'",
+        ),
+        ('{"refund": {"pattern": "HAND_OFF"}}', "route 'refund': reason must be a non-empty"),
+        (
+            '{"refund": {"pattern": "HAND_OFF", "reason": "r", "preset": [1]}}',
+            "route 'refund': preset must be an object",
+        ),
+    ],
+)
+def test_a_routing_table_that_is_none_is_refused_at_start(
+    table: str, said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A gateway's --routes file with a mistake: said, with the file and the route, before
+    the gateway starts (a traceback before; a pattern no route runs was run as another)."""
+    routes = tmp_path / "routes.json"
+    routes.write_text(table)
+    with pytest.raises(SystemExit) as exited:
+        main(["gateway", "--routes", str(routes), "--dashboard-port", "-1"])
+    assert exited.value.code == 2
+    assert f"--routes: {routes}" in (err := capsys.readouterr().err)
+    assert said in err
+
+
+def test_the_shipped_routing_table_is_read() -> None:
+    from gateway.patterns.orchestrator import Router
+
+    routes = Router.from_file().routes
+    assert routes["stock_recommendation"].pattern.value == "GROUP_CHAT"
+    assert routes["refund_request"].preset["failure_agent"] == "NotificationAgent"
