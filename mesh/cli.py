@@ -34,6 +34,7 @@ from mesh.core.tools import ToolHost
 from mesh.core.workflows import WORKFLOW_KEY_PREFIX
 from mesh.logs import EVENT_LOG_DAYS, configure_logging, stop_logging
 from mesh.loop import run as run_loop
+from mesh.security import authenticator_for
 
 DEFAULT_BROKER = "127.0.0.1:50051"
 TRACED = {
@@ -181,9 +182,13 @@ def security_config(args: argparse.Namespace) -> SecurityConfig:
         except OSError as error:
             raise SystemExit(f"cannot read --token-file {token_file}: {error.strerror}") from None
     try:
-        return config.evolve(**changes)
+        config = config.evolve(**changes)
+        # A credentials file that cannot be used (not JSON, a principal without its list of
+        # agents): said in a line before anything starts.
+        authenticator_for(config)
     except ValueError as error:
         raise SystemExit(f"security settings: {error}") from None
+    return config
 
 
 class UsageError(Exception):

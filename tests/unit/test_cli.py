@@ -192,3 +192,28 @@ def test_the_shipped_routing_table_is_read() -> None:
     routes = Router.from_file().routes
     assert routes["stock_recommendation"].pattern.value == "GROUP_CHAT"
     assert routes["refund_request"].preset["failure_agent"] == "NotificationAgent"
+
+
+@pytest.mark.parametrize(
+    ("credentials", "said"),
+    [
+        ('{"principals": [', "cannot read the credentials file {path}: Expecting value"),
+        (
+            '{"principals": [{"name": "x", "token": "t", "agents": "A"}]}',
+            "principals[0].agents must be a list of agent ids",
+        ),
+    ],
+)
+@pytest.mark.parametrize(
+    "command", [["broker", "--port", "0"], ["agent", "agents.stocks:IndustryExpertAgent"]]
+)
+def test_a_credentials_file_that_cannot_be_used_is_said_in_a_line(
+    credentials: str, said: str, command: list[str], tmp_path: Path
+) -> None:
+    """A server given a credentials file it cannot use stops before it starts, saying why
+    in one line (a traceback before)."""
+    path = tmp_path / "credentials.json"
+    path.write_text(credentials)
+    with pytest.raises(SystemExit) as exited:
+        main([*command, "--credentials-file", str(path)])
+    assert str(exited.value.code).startswith(f"security settings: {said.format(path=path)}")
