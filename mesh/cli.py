@@ -34,7 +34,7 @@ from mesh.core.tools import ToolHost
 from mesh.core.workflows import WORKFLOW_KEY_PREFIX
 from mesh.logs import EVENT_LOG_DAYS, configure_logging, stop_logging
 from mesh.loop import run as run_loop
-from mesh.security import authenticator_for
+from mesh.security import authenticator_for, check_tls_files
 
 DEFAULT_BROKER = "127.0.0.1:50051"
 TRACED = {
@@ -184,8 +184,9 @@ def security_config(args: argparse.Namespace) -> SecurityConfig:
     try:
         config = config.evolve(**changes)
         # A credentials file that cannot be used (not JSON, a principal without its list of
-        # agents): said in a line before anything starts.
+        # agents), a certificate or key that is none: said in a line before anything starts.
         authenticator_for(config)
+        check_tls_files(config)
     except ValueError as error:
         raise SystemExit(f"security settings: {error}") from None
     return config

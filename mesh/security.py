@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import ssl
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,6 +208,43 @@ def _read(path: str) -> bytes:
         return Path(path).read_bytes()
     except OSError as error:
         raise ValueError(f"cannot read {path}: {error.strerror}") from None
+
+
+def check_tls_files(config: SecurityConfig) -> None:
+    """Raises ValueError naming a certificate, key or CA file of ``config`` that cannot be
+    read or is not what TLS can use (not PEM, a key that is not the certificate's): said
+    before a server or client starts, where gRPC would fail later with less to go on."""
+    pairs = (
+        ("--tls-cert", config.tls_cert, "--tls-key", config.tls_key, ssl.PROTOCOL_TLS_SERVER),
+        (
+            "--tls-client-cert",
+            config.tls_client_cert,
+            "--tls-client-key",
+            config.tls_client_key,
+            ssl.PROTOCOL_TLS_CLIENT,
+        ),
+    )
+    for cert_flag, cert, key_flag, key, protocol in pairs:
+        if not cert:
+            continue
+        for path in (cert, key):
+            _read(path)
+        try:
+            ssl.SSLContext(protocol).load_cert_chain(cert, key)
+        except ssl.SSLError as error:
+            raise ValueError(
+                f"{cert_flag} {cert} and {key_flag} {key} are not a PEM certificate and its "
+                f"private key: {error.reason or 'unreadable as PEM'}"
+            ) from None
+    if config.tls_ca:
+        _read(config.tls_ca)
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=config.tls_ca)
+        except ssl.SSLError as error:
+            raise ValueError(
+                f"--tls-ca {config.tls_ca} is not a PEM certificate: "
+                f"{error.reason or 'unreadable as PEM'}"
+            ) from None
 
 
 def server_credentials(config: SecurityConfig) -> grpc.ServerCredentials | None:

@@ -369,6 +369,7 @@ async def start_server(
         raise OSError(
             f"cannot listen on {host}:{port}: the port is in use (another mesh?) or the "
             "address is not one of this machine's (port 0 takes any free port)"
+            + (", or its TLS certificate and key are not usable" if credentials else "")
         )
     await server.start()
     mesh_server = MeshServer(server, health_servicer, host, bound, list(service_names))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from mesh.certs import write_dev_certificates
 from mesh.cli import _content, build_parser, main
 
 
@@ -217,3 +218,42 @@ def test_a_credentials_file_that_cannot_be_used_is_said_in_a_line(
     with pytest.raises(SystemExit) as exited:
         main([*command, "--credentials-file", str(path)])
     assert str(exited.value.code).startswith(f"security settings: {said.format(path=path)}")
+
+
+def test_certificates_that_cannot_be_used_are_said_in_a_line(tmp_path: Path) -> None:
+    """A missing file, one that is no PEM, a key that is not the certificate's, a CA that is
+    no certificate: each said in a line, naming the flags, before the server starts (before:
+    a traceback, or "the port is in use" from gRPC's failure to listen)."""
+    certs = write_dev_certificates(tmp_path / "certs", clients=["gateway"])
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate")
+    cases = [
+        (
+            ["--tls-cert", "/nonexistent.pem", "--tls-key", str(certs["server_key"])],
+            "cannot read /nonexistent.pem: No such file or directory",
+        ),
+        (
+            ["--tls-cert", str(junk), "--tls-key", str(junk)],
+            f"--tls-cert {junk} and --tls-key {junk} are not a PEM certificate and its private key",
+        ),
+        (
+            ["--tls-cert", str(certs["server"]), "--tls-key", str(certs["gateway_key"])],
+            "are not a PEM certificate and its private key: KEY_VALUES_MISMATCH",
+        ),
+        (
+            [
+                "--tls-cert",
+                str(certs["server"]),
+                "--tls-key",
+                str(certs["server_key"]),
+                "--tls-ca",
+                str(junk),
+            ],
+            f"--tls-ca {junk} is not a PEM certificate",
+        ),
+    ]
+    for flags, said in cases:
+        with pytest.raises(SystemExit) as exited:
+            main(["broker", "--port", "0", *flags])
+        assert str(exited.value.code).startswith("security settings: "), flags
+        assert said in str(exited.value.code), (flags, exited.value.code)
