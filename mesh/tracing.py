@@ -378,13 +378,51 @@ def shutdown_tracing() -> None:
 # -- reading traces back ------------------------------------------------------------------------
 
 
+_SPAN_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "trace_id": str,
+    "span_id": str,
+    "parent_span_id": (str, type(None)),
+    "name": str,
+    "service": str,
+    "start_ns": int,
+    "end_ns": int,
+    "duration_ms": (int, float),
+    "attributes": dict,
+    "status": str,
+}
+"""What a span line of the files holds, as :func:`span_record` writes it."""
+
+
 def load_spans(folder: str | Path) -> list[dict[str, Any]]:
+    """The spans of a folder's span files. A line that is not a span (the last one a process
+    killed in the middle of writing it left cut short, or anything else) is skipped, and how
+    many were is logged: one such line does not take every trace of the folder with it."""
     spans = []
     for path in sorted(Path(folder).glob("spans-*.jsonl")):
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                spans.append(json.loads(line))
+        skipped = 0
+        for line in path.read_bytes().splitlines():
+            if not line.strip():
+                continue
+            span = _span_of(line)
+            if span is None:
+                skipped += 1
+            else:
+                spans.append(span)
+        if skipped:
+            logger.warning("skipped %d lines of %s that are not spans", skipped, path)
     return spans
+
+
+def _span_of(line: bytes) -> dict[str, Any] | None:
+    try:
+        span = json.loads(line)
+    except ValueError:  # (not JSON, or not UTF-8)
+        return None
+    if not isinstance(span, dict) or not all(
+        isinstance(span.get(name), kind) for name, kind in _SPAN_FIELDS.items()
+    ):
+        return None
+    return span
 
 
 def find_trace(spans: Sequence[dict[str, Any]], wanted: str) -> list[dict[str, Any]]:

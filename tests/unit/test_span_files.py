@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
+import pytest
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -72,3 +74,21 @@ def test_every_attribute_a_span_may_carry_is_written_as_it_was(tmp_path: Path) -
     }
     assert spans[1]["service"] == "broker"
     assert spans[1]["status"] == "UNSET"
+
+
+def test_lines_that_are_not_spans_are_skipped_and_counted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A process killed while it wrote a span leaves the line cut short; other writers may
+    leave anything. The spans around such lines are read (before: one such line failed
+    `agentmesh trace` and the dashboard's waterfall for every trace of the folder)."""
+    path = tmp_path / "spans-broker-7.jsonl"
+    write_spans(JsonlSpanExporter(path), 2)
+    with path.open("ab") as out:
+        out.write(b'{"trace_id": "ab", "span_id": \n')  # cut short by a kill
+        out.write(b"\xff\xfe not text\n[1, 2]\n")
+        out.write(b'{"trace_id": "ab", "span_id": "cd", "start_ns": "soon"}\n')
+    write_spans(JsonlSpanExporter(path), 1)  # the process started again
+    with caplog.at_level(logging.WARNING, logger="mesh.tracing"):
+        assert [s["name"] for s in load_spans(tmp_path)] == ["span-0", "span-1", "span-0"]
+    assert f"skipped 4 lines of {path} that are not spans" in caplog.messages
