@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+from mesh.core.errors import shown
 from mesh.core.model import JSON
 from mesh.core.tools import Tool, ToolFailedError, ToolHost
 
@@ -177,6 +178,30 @@ class ReportFolder:
         return {"path": str(path.resolve()), "bytes": len(content.encode())}
 
 
+MAX_HITS = 100
+"""Hits a search returns at most, whatever limit its caller asks for."""
+
+
+def _text(args: dict[str, JSON], name: str, *, empty: bool = False) -> str:
+    """A tool's string argument, or a refusal naming it (a business error: asking again
+    the same way will not help)."""
+    value = args.get(name)
+    if not isinstance(value, str) or not (value or empty):
+        what = "a string" if empty else "a non-empty string"
+        raise ToolFailedError(f"{name} must be {what}, got {shown(value)}")
+    return value
+
+
+def _count(args: dict[str, JSON], name: str, default: int, *, most: int | None = MAX_HITS) -> int:
+    """A tool's whole-number argument from 1 (``default`` when absent), at most ``most``."""
+    value = args.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        raise ToolFailedError(f"{name} must be a whole number, got {shown(value)}")
+    if value < 1:
+        raise ToolFailedError(f"{name} must be at least 1, got {shown(value)}")
+    return int(value) if most is None else min(int(value), most)
+
+
 def research_tools(
     *,
     web: SearchProvider | None = None,
@@ -188,20 +213,20 @@ def research_tools(
     reports = ReportFolder(output)
 
     async def web_search(args: dict[str, JSON]) -> JSON:
-        return await web.search(str(args.get("query", "")), int(args.get("limit") or 5))
+        return await web.search(_text(args, "query"), _count(args, "limit", 5))
 
     async def web_fetch(args: dict[str, JSON]) -> JSON:
-        page = await web.fetch(str(args["url"]))
+        page = await web.fetch(_text(args, "url"))
         return {**page, "date_accessed": datetime.now(UTC).date().isoformat()}
 
     async def grep(args: dict[str, JSON]) -> JSON:
-        return await docs.grep(str(args.get("pattern", "")), int(args.get("limit") or 20))
+        return await docs.grep(_text(args, "pattern"), _count(args, "limit", 20))
 
     async def read(args: dict[str, JSON]) -> JSON:
-        return await docs.read(str(args["document_id"]), int(args.get("page") or 1))
+        return await docs.read(_text(args, "document_id"), _count(args, "page", 1, most=None))
 
     async def write(args: dict[str, JSON]) -> JSON:
-        return await reports.write(str(args["filename"]), str(args["content"]))
+        return await reports.write(_text(args, "filename"), _text(args, "content", empty=True))
 
     return [
         Tool("web_search", "Searches the web (a local snapshot by default)", web_search),

@@ -105,6 +105,40 @@ async def test_a_tool_outside_the_allow_list_is_refused(research: Research) -> N
         assert [t.name for t in allowed.tools] == ["web_fetch", "web_search"]
 
 
+@pytest.mark.parametrize(
+    ("agent_id", "tool", "arguments", "said"),
+    [
+        ("document-analysis-agent", "read", {"page": 1}, "document_id must be a non-empty string"),
+        (
+            "document-analysis-agent",
+            "read",
+            {"document_id": "industry-survey-2024", "page": "two"},
+            "page must be a whole number, got 'two'",
+        ),
+        ("document-analysis-agent", "grep", {"pattern": "rate", "limit": -5}, "at least 1"),
+        ("web-search-agent", "web_fetch", {}, "url must be a non-empty string, got None"),
+        ("web-search-agent", "web_search", {"query": "x", "limit": 2.5}, "whole number"),
+        ("report-agent", "write", {"filename": "a.md", "content": {"a": 1}}, "content must be a"),
+    ],
+)
+async def test_a_tool_called_with_arguments_it_cannot_take_says_which(
+    research: Research, agent_id: str, tool: str, arguments: dict[str, Any], said: str
+) -> None:
+    """An agent in any language may call a tool with what it has: an argument missing or of
+    the wrong kind is refused naming it (a business error: not worth a retry), not with the
+    bare name of a Python exception; a search's limit counts from 1 (SQLite took -5 as no
+    limit at all) and stops at 100."""
+    async with research.local.client(agent_id) as client:
+        with pytest.raises(MeshError) as refused:
+            await client.call_tool(tool, arguments)
+        assert refused.value.code == "FAILED_PRECONDITION"
+        assert said in refused.value.message
+        hits = await client.call_tool(
+            "grep", {"pattern": "the", "limit": 10**9}, agent_id=("document-analysis-agent")
+        )
+        assert isinstance(hits, list) and len(hits) <= 100
+
+
 async def test_a_tool_asked_of_a_broker_that_runs_none_is_said_so() -> None:
     async with LocalMesh() as local, local.client("web-search-agent") as client:
         with pytest.raises(UnknownToolError, match="the broker runs no tools"):
