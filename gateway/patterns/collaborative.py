@@ -216,15 +216,23 @@ class FilteringSpec:
 def weight_keys(
     agent_ids: Sequence[str], weights: Mapping[str, float], types: Mapping[str, Sequence[str]]
 ) -> dict[str, str]:
-    """Each agent's weight: keyed by its id, or by one of its agent types."""
+    """Each agent's weight: keyed by its id, or by one of its agent types (``types``: of
+    the registered agents; one not registered has no key unless its id is one, and will be
+    named missing when asked)."""
     keys = {}
     for agent_id in agent_ids:
         if agent_id in weights:
             keys[agent_id] = agent_id
             continue
-        match = next((t for t in types.get(agent_id, ()) if t in weights), None)
+        if agent_id not in types:
+            continue  # not registered: it will be missing, its weight with it
+        match = next((t for t in types[agent_id] if t in weights), None)
         if match is None:
-            raise invalid("weights", f"no weight for agent {agent_id} (by id or agent type)")
+            raise invalid(
+                "weights",
+                f"no weight for agent {agent_id}: by id, or by one of its agent types "
+                f"({', '.join(types[agent_id]) or 'none'})",
+            )
         keys[agent_id] = match
     return keys
 
@@ -285,9 +293,10 @@ async def run_filtering(spec: FilteringSpec, dispatcher: Dispatcher, emit: Emit)
             )
             try:
                 answer = item.answer()
-                opinion = opinion_from(
-                    item.agent_id, keys[item.agent_id], answer.content or {}, spec.method
-                )
+                key = keys.get(item.agent_id)
+                if key is None:  # (it registered while the run began)
+                    raise MeshError(f"{item.agent_id} was not registered when the run began")
+                opinion = opinion_from(item.agent_id, key, answer.content or {}, spec.method)
             except MeshError as error:  # none, an ERROR, or scores the aggregation cannot use
                 missing[item.agent_id] = error.message
                 await event(

@@ -587,6 +587,41 @@ async def test_scenario_11_collaborative_filtering_setup(gw: GatewayClient) -> N
     assert info.value.code == "INVALID_ARGUMENT"
 
 
+async def test_an_agent_weighed_by_type_that_is_not_registered_is_missing_not_a_refusal() -> None:
+    """Weights by agent type, and one of the agents asked not registered: its type, and so
+    its weight, is unknown; it is named missing, as in every pattern, and the weights of
+    those that answered are scaled back to 1.0 (before: the whole run was refused,
+    INVALID_ARGUMENT "no weight for agent")."""
+    scores = {"PriceAgent": 0.9, "QualityAgent": 0.7, "LocationAgent": 0.8}
+
+    def make(name: str) -> Agent:
+        async def handler(message: Message, ctx: AgentContext) -> dict[str, Any]:
+            return {"scores": {"Hotel A": scores[name]}, "confidence": scores[name]}
+
+        return agent(name, agent_types=["hotel", name.removesuffix("Agent").lower()])(handler)
+
+    async with LocalMesh() as local:
+        for name in scores:
+            await local.add_agent(make(name))
+        gateway = await serve_gateway(local.address)
+        try:
+            async with GatewayClient(gateway.address) as client:
+                events = await client.collect(
+                    client.collaborative_filtering(
+                        agent_ids=HOTEL_AGENTS, weights=HOTEL_WEIGHTS, query="Hotel in Paris"
+                    )
+                )
+        finally:
+            await gateway.stop(0.5)
+    [missing] = of_kind(events, "AGENT_MISSING")
+    assert missing["agent_id"] == "ReviewsAgent"
+    assert missing["data"]["reason"] == "agent ReviewsAgent is not registered"
+    result = result_of(events)
+    assert result["status"] == "PARTIAL"  # (as with any agent missing)
+    # (0.2 x 0.9 + 0.4 x 0.7 + 0.3 x 0.8) / 0.9, the weights that answered
+    assert result["score"] == pytest.approx(0.7 / 0.9)
+
+
 async def test_scenario_12_parallel_recommendations() -> None:
     """All four agents must be working at the same moment: a barrier that only opens when all
     four have started proves the calls run in parallel."""
