@@ -587,15 +587,17 @@ async def test_scenario_11_collaborative_filtering_setup(gw: GatewayClient) -> N
     assert info.value.code == "INVALID_ARGUMENT"
 
 
-async def test_an_agent_weighed_by_type_that_is_not_registered_is_missing_not_a_refusal() -> None:
-    """Weights by agent type, and one of the agents asked not registered: its type, and so
-    its weight, is unknown; it is named missing, as in every pattern, and the weights of
-    those that answered are scaled back to 1.0 (before: the whole run was refused,
-    INVALID_ARGUMENT "no weight for agent")."""
-    scores = {"PriceAgent": 0.9, "QualityAgent": 0.7, "LocationAgent": 0.8}
+async def filter_hotels(
+    scores: dict[str, float], agent_ids: list[str], before: Any = None
+) -> list[dict[str, Any]]:
+    """A collaborative filtering over HOTEL_WEIGHTS (by agent type) of hotel agents that
+    score "Hotel A" as ``scores`` says (each awaiting ``before()`` first, when given), asked
+    of ``agent_ids``: its events."""
 
     def make(name: str) -> Agent:
         async def handler(message: Message, ctx: AgentContext) -> dict[str, Any]:
+            if before is not None:
+                await before()
             return {"scores": {"Hotel A": scores[name]}, "confidence": scores[name]}
 
         return agent(name, agent_types=["hotel", name.removesuffix("Agent").lower()])(handler)
@@ -606,13 +608,22 @@ async def test_an_agent_weighed_by_type_that_is_not_registered_is_missing_not_a_
         gateway = await serve_gateway(local.address)
         try:
             async with GatewayClient(gateway.address) as client:
-                events = await client.collect(
+                return await client.collect(
                     client.collaborative_filtering(
-                        agent_ids=HOTEL_AGENTS, weights=HOTEL_WEIGHTS, query="Hotel in Paris"
+                        agent_ids=agent_ids, weights=HOTEL_WEIGHTS, query="Hotel in Paris"
                     )
                 )
         finally:
             await gateway.stop(0.5)
+
+
+async def test_an_agent_weighed_by_type_that_is_not_registered_is_missing_not_a_refusal() -> None:
+    """Weights by agent type, and one of the agents asked not registered: its type, and so
+    its weight, is unknown; it is named missing, as in every pattern, and the weights of
+    those that answered are scaled back to 1.0 (before: the whole run was refused,
+    INVALID_ARGUMENT "no weight for agent")."""
+    scores = {"PriceAgent": 0.9, "QualityAgent": 0.7, "LocationAgent": 0.8}
+    events = await filter_hotels(scores, HOTEL_AGENTS)
     [missing] = of_kind(events, "AGENT_MISSING")
     assert missing["agent_id"] == "ReviewsAgent"
     assert missing["data"]["reason"] == "agent ReviewsAgent is not registered"
@@ -628,27 +639,11 @@ async def test_scenario_12_parallel_recommendations() -> None:
     barrier = asyncio.Barrier(4)
     scores = {"PriceAgent": 0.9, "QualityAgent": 0.7, "LocationAgent": 0.8, "ReviewsAgent": 0.6}
 
-    def make(name: str) -> Agent:
-        async def handler(message: Message, ctx: AgentContext) -> dict[str, Any]:
-            async with asyncio.timeout(3):
-                await barrier.wait()
-            return {"scores": {"Hotel A": scores[name]}, "confidence": scores[name]}
+    async def all_four_started() -> None:
+        async with asyncio.timeout(3):
+            await barrier.wait()
 
-        return agent(name, agent_types=["hotel", name.removesuffix("Agent").lower()])(handler)
-
-    async with LocalMesh() as local:
-        for name in scores:
-            await local.add_agent(make(name))
-        gateway = await serve_gateway(local.address)
-        try:
-            async with GatewayClient(gateway.address) as client:
-                events = await client.collect(
-                    client.collaborative_filtering(
-                        agent_ids=list(scores), weights=HOTEL_WEIGHTS, query="Hotel in Paris"
-                    )
-                )
-        finally:
-            await gateway.stop(0.5)
+    events = await filter_hotels(scores, list(scores), all_four_started)
     result = result_of(events)
     assert result["status"] == "COMPLETED"
     assert sorted(result["agent_durations_ms"]) == sorted(scores)
