@@ -36,7 +36,7 @@ from mesh.core.errors import MeshError
 from mesh.core.model import AgentInfo
 from mesh.core.state import ChangeKind, StateEntry
 from mesh.core.workflows import WORKFLOW_KEY_PREFIX
-from mesh.security import authenticator_for
+from mesh.security import authenticator_for, open_channel
 
 logger = logging.getLogger("gateway.dashboard")
 
@@ -49,6 +49,8 @@ MAX_WORKFLOWS = 100
 """Hand-off workflows shown: those handed off most recently."""
 REWATCH_SECONDS = 1.0
 MAX_EVENTS_PER_RUN = 500
+HEALTH_CHECKS_AT_ONCE = 32
+"""Agents asked for their health at the same moment, at most, each sample."""
 MAX_CLIENTS = 64
 CLIENT_QUEUE = 256
 RPCS = {
@@ -141,6 +143,8 @@ class Dashboard:
         self._sampler: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._health: dict[str, grpc.aio.Channel] = {}
+        """A channel to each agent address the registry names now (closed as it leaves)."""
+        self._health_checks = asyncio.Semaphore(HEALTH_CHECKS_AT_ONCE)
         if gateway.servicer is not None:
             gateway.servicer.observers.append(self.on_event)
 
@@ -238,6 +242,12 @@ class Dashboard:
                 logger.exception("dashboard sample failed")
             await asyncio.sleep(SAMPLE_SECONDS)
 
+    async def _forget_addresses(self, live: set[str]) -> None:
+        """Closes the channels to addresses no agent has any more (agents come and go, on
+        new addresses: a pod's, a port of the moment), so that they do not pile up."""
+        for address in [a for a in self._health if a not in live]:
+            await self._health.pop(address).close()
+
     async def _health_of(self, info: AgentInfo) -> str:
         """What the agent's latest instance says (grpc.health.v1); NO_INSTANCE while none
         serves it since its last died; UNKNOWN when it never named one."""
@@ -247,12 +257,13 @@ class Dashboard:
         if not address:
             return "UNKNOWN"
         channel = self._health.get(address)
-        if channel is None:
-            channel = self._health[address] = grpc.aio.insecure_channel(address)
+        if channel is None:  # (with the mesh's TLS and credentials: agents serve with them)
+            channel = self._health[address] = open_channel(address, self.security)
         try:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=0.5
-            )
+            async with self._health_checks:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=0.5
+                )
         except grpc.RpcError:
             return "UNREACHABLE"
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
@@ -261,6 +272,7 @@ class Dashboard:
         agents = await self.client.list_agents()
         stats = await self.client.queue_stats()
         health = await asyncio.gather(*(self._health_of(a) for a in agents))
+        await self._forget_addresses({a.address for a in agents})
         queues = {q.agent_id: q for q in stats.agents}
         rows = []
         for info, status in zip(agents, health, strict=True):

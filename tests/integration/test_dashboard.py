@@ -578,3 +578,42 @@ def test_a_run_shows_failed_only_when_it_failed() -> None:
     assert say("chat", Pattern.GROUP_CHAT, EventKind.RESULT, status="PARTIAL") == "PARTIAL"
     assert say("flow", Pattern.HAND_OFF, EventKind.FAILURE) == "FAILED"
     assert say("flow", Pattern.HAND_OFF, EventKind.RESULT, status="FAILED") == "FAILED"
+
+
+def test_the_health_of_agents_that_left_holds_no_channel() -> None:
+    """The dashboard asks each agent's server for its health every second, on a channel per
+    address. Agents come and go on new addresses (a pod's, a port of the moment): the
+    channel of an address no agent has any more is closed (before: kept for good, one more
+    for every agent that ever came)."""
+    from gateway.dashboard.server import Dashboard
+    from gateway.server import serve_gateway
+    from mesh import AgentContext, LocalMesh, Message, agent
+
+    async def run() -> None:
+        async with LocalMesh() as local:
+
+            def echo(name: str) -> Any:
+                async def handler(message: Message, ctx: AgentContext) -> dict[str, Any]:
+                    return {}
+
+                return agent(name)(handler)
+
+            gateway = await serve_gateway(local.address)
+            try:
+                board = Dashboard(gateway.client, gateway)
+                served = {n: await local.add_agent(echo(n)) for n in ("Stays", "Goes")}
+                sample = await board.sample()
+                assert {a["agent_id"]: a["health"] for a in sample["agents"]} == {
+                    "Stays": "SERVING",
+                    "Goes": "SERVING",
+                }
+                assert set(board._health) == {s.address for s in served.values()}
+                await local.stop_agent("Goes")  # (its last instance leaves, and it with it)
+                sample = await board.sample()
+                assert [a["agent_id"] for a in sample["agents"]] == ["Stays"]
+                assert set(board._health) == {served["Stays"].address}
+                await board.stop()
+            finally:
+                await gateway.stop(0.5)
+
+    asyncio.run(run())

@@ -301,3 +301,45 @@ async def test_an_unreadable_answer_spoofing_another_agent_tells_its_requester_n
         correlation_id=taken[0].message_id,
     )
     assert (await asyncio.wait_for(asking, 5)).content["action"] == "booked"
+
+
+async def test_the_dashboard_reads_the_health_of_agents_serving_over_mutual_tls(
+    certs: dict[str, Path], credentials: Path
+) -> None:
+    """Agents serve with the mesh's TLS (a server that has a CA asks its callers for their
+    certificates): the dashboard asks for their health with the same settings as the rest
+    of the gateway (before: a plaintext channel, and every agent showed UNREACHABLE)."""
+    from gateway.dashboard.server import Dashboard
+
+    tls = {"tls_cert": str(certs["server"]), "tls_key": str(certs["server_key"])}
+    tls["tls_ca"] = str(certs["ca"])
+    async with LocalMesh(security=SecurityConfig(**tls, credentials_file=str(credentials))) as mesh:
+
+        @agent("PaymentAgent")
+        async def payment(message: Message, ctx: AgentContext) -> dict:
+            return {"status": "PAID"}
+
+        await mesh.add_agent(
+            payment,
+            security=SecurityConfig(
+                **tls,
+                tls_client_cert=str(certs["PaymentAgent"]),
+                tls_client_key=str(certs["PaymentAgent_key"]),
+            ),
+        )
+        as_gateway = SecurityConfig(
+            **tls,
+            tls_client_cert=str(certs["gateway"]),
+            tls_client_key=str(certs["gateway_key"]),
+            token=GATEWAY_TOKEN,
+        )
+        gateway = await serve_gateway(mesh.address, security=as_gateway)
+        try:
+            board = Dashboard(gateway.client, gateway, security=as_gateway)
+            sample = await board.sample()
+            assert [(a["agent_id"], a["health"]) for a in sample["agents"]] == [
+                ("PaymentAgent", "SERVING")
+            ]
+            await board.stop()
+        finally:
+            await gateway.stop(0.5)
