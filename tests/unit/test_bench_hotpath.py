@@ -15,7 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 async def test_every_path_completes_its_operations_and_costs_more_than_the_bare_loop() -> None:
-    figures = await asyncio.wait_for(hotpath.measure(200, repetitions=1), 60)
+    # The least of three runs: a busy moment of the machine only ever adds time, and one
+    # run of the bare loop caught by one (29.5 us where it takes 5) was above a batch's.
+    figures = await asyncio.wait_for(hotpath.measure(200, repetitions=3), 90)
     assert set(figures) == {
         "broker_roundtrip_us",
         "broker_gather5_us",
