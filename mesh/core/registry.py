@@ -19,6 +19,21 @@ MAX_INSTANCES = 64
 """Instances kept per agent: past it, the one registered longest ago is forgotten."""
 
 
+_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+
+
+def address_problem(address: str) -> str | None:
+    """What is wrong with a server's address for gRPC to dial it as meant, or None: it is
+    empty, or a host:port whose port is past 65535 (gRPC would wrap it round to another)."""
+    if not address.strip():
+        return "an address is required: host:port (or any gRPC target)"
+    if not address.startswith(_SCHEMES) and "://" not in address:
+        port = address.rpartition(":")[2]
+        if port.isdigit() and not 0 < int(port) < 65536:
+            return f"{address}: a port is from 1 to 65535"
+    return None
+
+
 class AgentRegistry:
     """Registered agents by id; bounded by ``max_agents``."""
 
@@ -67,6 +82,8 @@ class AgentRegistry:
                     "agent.address", f"address must be at most {self.max_id_length} characters"
                 )
             )
+        if info.address and (problem := address_problem(info.address)):
+            violations.append(FieldViolation("agent.address", problem))
         if info.delivery_mode is DeliveryMode.PUSH and not info.address:
             violations.append(
                 FieldViolation(

@@ -257,3 +257,19 @@ def test_certificates_that_cannot_be_used_are_said_in_a_line(tmp_path: Path) -> 
             main(["broker", "--port", "0", *flags])
         assert str(exited.value.code).startswith("security settings: "), flags
         assert said in str(exited.value.code), (flags, exited.value.code)
+
+
+@pytest.mark.parametrize(
+    ("broker", "said"),
+    [
+        ("", "INVALID_ARGUMENT: an address is required: host:port"),
+        ("127.0.0.1:99999", "INVALID_ARGUMENT: 127.0.0.1:99999: a port is from 1 to 65535"),
+    ],
+)
+def test_a_broker_address_grpc_cannot_dial_as_meant_is_said_so(
+    broker: str, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: an empty address was UNKNOWN "Failed to create channel" beside gRPC's own
+    lines, and port 99999 was dialled as 34463."""
+    assert main(["agents", "--broker", broker]) == 1
+    assert f"error: {said}" in capsys.readouterr().err

@@ -6,7 +6,7 @@ import pytest
 
 from mesh.core.errors import AgentNotFoundError, MessageValidationError
 from mesh.core.model import AgentInfo, DeliveryMode
-from mesh.core.registry import MAX_INSTANCES, AgentRegistry
+from mesh.core.registry import MAX_INSTANCES, AgentRegistry, address_problem
 
 
 def test_an_agent_stays_registered_until_its_last_instance_leaves() -> None:
@@ -199,3 +199,34 @@ def test_each_instance_keeps_the_delivery_it_registered_with() -> None:
     assert lost is None
     assert registry.leave("Ledger", "b:7000") is not None
     assert registry.require("Ledger").push_instances == ()
+
+
+@pytest.mark.parametrize(
+    ("address", "said"),
+    [
+        ("127.0.0.1:99999", "127.0.0.1:99999: a port is from 1 to 65535"),
+        ("10.0.0.1:0", "10.0.0.1:0: a port is from 1 to 65535"),
+        ("   ", "an address is required"),
+    ],
+)
+def test_an_address_grpc_would_dial_elsewhere_is_refused(address: str, said: str) -> None:
+    """gRPC takes port 99999 as 34463 (it wraps it round): an agent registered so would be
+    pushed to, and its health asked of, some other server."""
+    assert said in (address_problem(address) or "")
+    with pytest.raises(MessageValidationError) as refused:
+        AgentRegistry().register(
+            AgentInfo(agent_id="Ledger", address=address, delivery_mode=DeliveryMode.PUSH)
+        )
+    [violation] = refused.value.field_violations
+    assert violation.field == "agent.address" and said in violation.description
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["10.0.0.1:7000", "[::1]:50051", "ledger.svc:50051", "dns:///ledger:50051", "unix:/run/a.sock"],
+)
+def test_an_address_grpc_dials_as_meant_is_taken(address: str) -> None:
+    assert address_problem(address) is None
+    assert (
+        AgentRegistry().register(AgentInfo(agent_id="Ledger", address=address)).address == address
+    )
