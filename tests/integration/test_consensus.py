@@ -34,19 +34,31 @@ async def run(
     ballot: list[str], delays: list[float] | None = None, **request: Any
 ) -> list[dict[str, Any]]:
     delays = delays or [0.0] * len(ballot)
+    reviewers = [
+        ReviewerAgent(f"voter_{i}", reasoner=fixed(vote, delay))
+        for i, (vote, delay) in enumerate(zip(ballot, delays, strict=True))
+    ]
+    return await run_with(reviewers, **request)
+
+
+async def run_with(
+    reviewers: list[Any], problem: str = "Should we migrate to microservices?", **request: Any
+) -> list[dict[str, Any]]:
+    """A round of the sample proposer and facilitator with ``reviewers`` (asked in their
+    order), through the gateway: its events."""
     async with LocalMesh() as local:
         await local.add_agent(ProposerAgent())
         await local.add_agent(FacilitatorAgent())
-        ids = []
-        for i, (vote, delay) in enumerate(zip(ballot, delays, strict=True)):
-            ids.append(f"voter_{i}")
-            await local.add_agent(ReviewerAgent(f"voter_{i}", reasoner=fixed(vote, delay)))
+        for reviewer in reviewers:
+            await local.add_agent(reviewer)
         gateway = await serve_gateway(local.address)
         try:
             async with GatewayClient(gateway.address) as client:
                 return await client.collect(
                     client.consensus(
-                        problem="Should we migrate to microservices?", reviewer_ids=ids, **request
+                        problem=problem,
+                        reviewer_ids=[r.agent_id for r in reviewers],
+                        **request,
                     )
                 )
         finally:
@@ -226,21 +238,7 @@ def chat_server() -> AsyncIterator[str]:
 async def test_a_reviewer_backed_by_a_chat_completions_model(chat_server: str) -> None:
     ChatServer.seen.clear()
     reasoner = ChatCompletionsReasoner(chat_server, "test-model", "secret-key")
-    async with LocalMesh() as local:
-        await local.add_agent(ProposerAgent())
-        await local.add_agent(FacilitatorAgent())
-        await local.add_agent(ReviewerAgent("model_reviewer", reasoner=reasoner))
-        gateway = await serve_gateway(local.address)
-        try:
-            async with GatewayClient(gateway.address) as client:
-                events = await client.collect(
-                    client.consensus(
-                        problem="Should we migrate to microservices?",
-                        reviewer_ids=["model_reviewer"],
-                    )
-                )
-        finally:
-            await gateway.stop(0.5)
+    events = await run_with([ReviewerAgent("model_reviewer", reasoner=reasoner)])
     [vote] = [e["data"] for e in events if e["kind"] == "VOTE"]
     assert vote == {
         "reviewer_id": "model_reviewer",
@@ -328,24 +326,8 @@ async def test_a_vote_in_the_pool_that_cannot_count_is_left_out_not_fatal() -> N
         )
         return {"vote": "approve", "confidence": 0.9}
 
-    async with LocalMesh() as local:
-        await local.add_agent(ProposerAgent())
-        await local.add_agent(FacilitatorAgent())
-        await local.add_agent(rogue)
-        for i in range(2):
-            await local.add_agent(ReviewerAgent(f"voter_{i}", reasoner=fixed("approve")))
-        gateway = await serve_gateway(local.address)
-        try:
-            async with GatewayClient(gateway.address) as client:
-                events = await client.collect(
-                    client.consensus(
-                        problem="Migrate?",
-                        reviewer_ids=["voter_0", "voter_1", "rogue"],
-                        wait_for_all_votes=True,
-                    )
-                )
-        finally:
-            await gateway.stop(0.5)
+    voters = [ReviewerAgent(f"voter_{i}", reasoner=fixed("approve")) for i in range(2)]
+    events = await run_with([*voters, rogue], problem="Migrate?", wait_for_all_votes=True)
     result = decision_of(events)
     assert result["decision"] == "ACCEPT"
     assert result["unreadable_votes"] == ["rogue"]

@@ -6,6 +6,7 @@ against a message while the agent's server is away."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import shutil
@@ -327,19 +328,13 @@ async def test_a_refusal_dead_letters_at_once_and_tells_the_requester(mesh: Loca
     async def refuse(message: message_pb2.Message, context: Any) -> None:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no such account")
 
-    agent = PlainAgent(refuse)
-    server, address = await start_plain(agent)
-    try:
-        await register_push(mesh, "LedgerAgent", address)
-        async with mesh.client("Cashier") as client:
-            with pytest.raises(MeshError) as failed:
-                await client.request("LedgerAgent", {"action": "post"}, timeout=10)
-            await client.send("LedgerAgent", {"action": "note"})
-            await agent.until_seen(2)
-            await asyncio.sleep(0.1)  # (the dead letter is written after the call returns)
-            dead = await client.dead_letters("LedgerAgent")
-    finally:
-        await server.stop(None)
+    async with push_ledger(mesh, refuse) as agent, mesh.client("Cashier") as client:
+        with pytest.raises(MeshError) as failed:
+            await client.request("LedgerAgent", {"action": "post"}, timeout=10)
+        await client.send("LedgerAgent", {"action": "note"})
+        await agent.until_seen(2)
+        await asyncio.sleep(0.1)  # (the dead letter is written after the call returns)
+        dead = await client.dead_letters("LedgerAgent")
     assert "no such account" in str(failed.value)
     assert len(agent.seen) == 2  # each once: a refusal is not tried again
     assert sorted(d.message.content["action"] for d in dead) == ["note", "post"]
@@ -347,23 +342,36 @@ async def test_a_refusal_dead_letters_at_once_and_tells_the_requester(mesh: Loca
     assert all(d.attempts == 1 for d in dead)
 
 
-async def test_a_failing_agent_gets_each_message_again_then_dead_letters_it(
-    mesh: LocalMesh,
-) -> None:
-    async def crash(message: message_pb2.Message, context: Any) -> None:
-        raise RuntimeError("disk full")
-
-    agent = PlainAgent(crash)
+@contextlib.asynccontextmanager
+async def push_ledger(mesh: LocalMesh, handle: Any) -> AsyncIterator[PlainAgent]:
+    """LedgerAgent by push: a plain AgentService server whose calls ``handle`` answers;
+    stopped at the end."""
+    agent = PlainAgent(handle)
     server, address = await start_plain(agent)
     try:
         await register_push(mesh, "LedgerAgent", address)
-        async with mesh.client("Cashier") as client:
-            await client.send("LedgerAgent", {"action": "post"})
-            await agent.until_seen(4)
-            await asyncio.sleep(0.3)
-            dead = await client.dead_letters("LedgerAgent")
+        yield agent
     finally:
         await server.stop(None)
+
+
+def crashing_ledger(mesh: LocalMesh) -> contextlib.AbstractAsyncContextManager[PlainAgent]:
+    """LedgerAgent by push, every call of which fails ("disk full")."""
+
+    async def crash(message: message_pb2.Message, context: Any) -> None:
+        raise RuntimeError("disk full")
+
+    return push_ledger(mesh, crash)
+
+
+async def test_a_failing_agent_gets_each_message_again_then_dead_letters_it(
+    mesh: LocalMesh,
+) -> None:
+    async with crashing_ledger(mesh) as agent, mesh.client("Cashier") as client:
+        await client.send("LedgerAgent", {"action": "post"})
+        await agent.until_seen(4)
+        await asyncio.sleep(0.3)
+        dead = await client.dead_letters("LedgerAgent")
     assert len(agent.seen) == mesh.config.max_delivery_attempts == 4
     assert len({m.message_id for m in agent.seen}) == 1
     # Tried again after RT-011's backoff: 100 ms, 500 ms, 2 s (at least).
@@ -380,20 +388,11 @@ async def test_a_request_that_fails_every_attempt_tells_its_requester_when_it_is
     """The requester waited out its deadline for a request already dead-lettered: now it
     hears, the moment the last attempt fails, that no answer will come, and why."""
 
-    async def crash(message: message_pb2.Message, context: Any) -> None:
-        raise RuntimeError("disk full")
-
-    agent = PlainAgent(crash)
-    server, address = await start_plain(agent)
-    try:
-        await register_push(mesh, "LedgerAgent", address)
-        async with mesh.client("Cashier") as client:
-            started = asyncio.get_running_loop().time()
-            with pytest.raises(MeshError) as failed:
-                await client.request("LedgerAgent", {"action": "post"}, timeout=30)
-            waited = asyncio.get_running_loop().time() - started
-    finally:
-        await server.stop(None)
+    async with crashing_ledger(mesh) as agent, mesh.client("Cashier") as client:
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(MeshError) as failed:
+            await client.request("LedgerAgent", {"action": "post"}, timeout=30)
+        waited = asyncio.get_running_loop().time() - started
     assert len(agent.seen) == 4
     assert failed.value.reason == "DEAD_LETTERED"
     assert failed.value.message == (
@@ -455,19 +454,13 @@ async def test_an_answer_the_mesh_cannot_carry_reaches_the_requester_as_an_error
     async def reply(message: message_pb2.Message, context: Any) -> message_pb2.Message:
         return answer()  # type: ignore[no-any-return]
 
-    agent = PlainAgent(reply)
-    server, address = await start_plain(agent)
-    try:
-        await register_push(mesh, "LedgerAgent", address)
-        async with mesh.client("Cashier") as client:
-            with pytest.raises(MeshError) as failed:
-                await client.request("LedgerAgent", {"action": "post"}, timeout=10)
-            assert failed.value.message.startswith(said), failed.value.message
-            assert failed.value.reason == reason
-            # (and the session goes on)
-            assert await client.list_agents()
-    finally:
-        await server.stop(None)
+    async with push_ledger(mesh, reply) as agent, mesh.client("Cashier") as client:
+        with pytest.raises(MeshError) as failed:
+            await client.request("LedgerAgent", {"action": "post"}, timeout=10)
+        assert failed.value.message.startswith(said), failed.value.message
+        assert failed.value.reason == reason
+        # (and the session goes on)
+        assert await client.list_agents()
     assert len(agent.seen) == 1
 
 
