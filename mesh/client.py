@@ -1664,7 +1664,7 @@ class MeshClient:
 
         timeout = wait_seconds(timeout, 10.0)
         request = tools_pb2.InvokeToolRequest(agent_id=agent_id or self.agent_id, tool=tool)
-        codec.dict_to_struct(dict(arguments or {}), request.arguments)
+        codec.encode_struct(dict(arguments or {}), request.arguments, "arguments")
         codec.seconds_to_duration(timeout, request.timeout)
         self._refuse_if_closed()
         try:
@@ -1904,7 +1904,7 @@ class MeshClient:
         request = memory_pb2.PutStateRequest(
             key=key, agent_id=agent_id or self.agent_id, lock_token=lock.token if lock else ""
         )
-        codec.python_to_value(value, request.value)
+        codec.encode_value(value, request.value, "value")
         if expected_version is not None:
             request.expected_version = expected_version
         if ttl is not None:

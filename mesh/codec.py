@@ -96,6 +96,24 @@ def struct_to_dict(struct: struct_pb2.Struct) -> dict[str, JSON]:
     return {key: value_to_python(fields[key]) for key in fields}
 
 
+def encode_value(data: JSON, out: struct_pb2.Value, field: str) -> None:
+    """:func:`python_to_value` for a JSON value a caller gives (a state entry's value): text
+    UTF-8 cannot write is a MessageValidationError that says where."""
+    try:
+        python_to_value(data, out)
+    except UnicodeEncodeError:
+        raise _not_text(_not_text_within(data, field) or field) from None
+
+
+def encode_struct(data: Mapping[str, JSON], out: struct_pb2.Struct, field: str) -> None:
+    """:func:`dict_to_struct` for a JSON object a caller gives (a tool's arguments), as
+    :func:`encode_value`."""
+    try:
+        dict_to_struct(data, out)
+    except UnicodeEncodeError:
+        raise _not_text(_not_text_within(data, field) or field) from None
+
+
 def _not_json(number: float | Decimal) -> MessageValidationError:
     return MessageValidationError.for_field(
         "content", f"{number!r} is not a number JSON can write (NaN and Infinity are not)"
@@ -531,7 +549,57 @@ def _misfilled(message: Message) -> MessageValidationError:
             return MessageValidationError.for_field(
                 name, f"{name} must be one of {', '.join(map(str, known))}, not {value!r:.60}"
             )
+    for name in ("message_id", "from_agent", "to_agent", "correlation_id", "reply_to"):
+        if not _is_text(getattr(message, name)):
+            return _not_text(name)
+    for name in ("headers", "content", "metadata"):
+        where = _not_text_within(getattr(message, name), name)
+        if where:
+            return _not_text(where)
     return MessageValidationError("the message could not be encoded: one of its fields is wrong")
+
+
+def _is_text(value: str) -> bool:
+    """False for a str that UTF-8 cannot write: a lone surrogate (``"\\ud800"``, what
+    ``json.loads`` makes of an unpaired ``\\ud800`` escape, or a file read with
+    ``errors="surrogateescape"``)."""
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _not_text_within(value: object, path: str) -> str:
+    """Where in a JSON value a key or a string is not text protobuf can write ("" for
+    nowhere); looked for only once encoding failed."""
+    pending: list[tuple[object, str]] = [(value, path)]
+    seen: set[int] = set()  # (content that holds itself is walked once)
+    while pending:
+        value, path = pending.pop()
+        if isinstance(value, str):
+            if not _is_text(value):
+                return path
+            continue
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                if isinstance(key, str) and not _is_text(key):
+                    return f"{path} (a key)"
+                pending.append((item, f"{path}.{key}"))
+        elif isinstance(value, (list, tuple)):
+            pending.extend((item, f"{path}.{i}") for i, item in enumerate(value))
+    return ""
+
+
+def _not_text(where: str) -> MessageValidationError:
+    field = where.split(" ", 1)[0].split(".", 1)[0]
+    return MessageValidationError.for_field(
+        field,
+        f"{where} is not text UTF-8 can write (it holds a lone surrogate, such as \\ud800)",
+    )
 
 
 def _an_object(value: Any, field_name: str) -> Mapping[str, JSON]:

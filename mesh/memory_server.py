@@ -40,11 +40,11 @@ def insight_from_pb(pb: memory_pb2.Insight) -> Insight:
 def insight_to_pb(insight: Insight, out: memory_pb2.Insight) -> memory_pb2.Insight:
     out.insight_id = insight.insight_id
     out.agent_id = insight.agent_id
-    codec.python_to_value(insight.content, out.content)
+    codec.encode_value(insight.content, out.content, "content")
     out.tags.extend(insight.tags)
     out.importance = insight.importance
     out.segment = insight.segment
-    codec.dict_to_struct(insight.metadata, out.metadata)
+    codec.encode_struct(insight.metadata, out.metadata, "metadata")
     if insight.created_at is not None:
         codec.datetime_to_timestamp(insight.created_at, out.created_at)
     if insight.ttl:

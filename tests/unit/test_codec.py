@@ -366,8 +366,26 @@ def test_an_integer_a_json_number_would_round_is_refused(
         ({"content": {"action": "a", "tags": {"x"}}}, "set is not a JSON value: send a list"),
         ({"headers": {"attempt": 3}}, "headers must map strings to strings, not 'attempt': 3"),
         ({"headers": {1: "x"}}, "headers must map strings to strings, not 1: 'x'"),
+        (
+            {"content": {"action": "a", "notes": ["ok", {"name": "caf\udce9"}]}},
+            "content.notes.1.name is not text UTF-8 can write (it holds a lone surrogate",
+        ),
+        ({"content": {"action": "a", "\ud800": 1}}, "content (a key) is not text UTF-8"),
+        ({"reply_to": "Pay\ud800"}, "reply_to is not text UTF-8 can write"),
+        ({"headers": {"trace": "\udfff"}}, "headers.trace is not text UTF-8 can write"),
     ],
-    ids=["content a list", "metadata a string", "bytes", "a set", "a header's value", "a key"],
+    ids=[
+        "content a list",
+        "metadata a string",
+        "bytes",
+        "a set",
+        "a header's value",
+        "a key",
+        "a lone surrogate in a value",
+        "in a key",
+        "in reply_to",
+        "in a header",
+    ],
 )
 def test_what_json_or_the_envelope_cannot_carry_is_a_validation_error(
     fields: dict[str, object], said: str
@@ -472,3 +490,16 @@ def test_content_that_holds_itself_is_refused_saying_so() -> None:
     with pytest.raises(MessageValidationError, match="content nests more than 25 levels deep"):
         codec.check_depth(content)
     codec.check_depth({"action": "flat", "list": [[[1]]], "object": {"a": {"b": 1}}})
+
+
+def test_a_json_value_a_caller_gives_with_text_utf8_cannot_write_names_where() -> None:
+    """A state entry's value, a tool's arguments, an insight: a lone surrogate (what
+    ``json.loads`` makes of an unpaired ``\\ud800`` escape) raised protobuf's bare
+    UnicodeEncodeError; it is the caller's mistake, named like any other."""
+    with pytest.raises(MessageValidationError, match=r"^value\.plan\.0 is not text UTF-8"):
+        codec.encode_value({"plan": ["caf\udce9"]}, struct_pb2.Value(), "value")
+    with pytest.raises(MessageValidationError, match=r"^arguments \(a key\) is not text"):
+        codec.encode_struct({"\ud800": 1}, struct_pb2.Struct(), "arguments")
+    out = struct_pb2.Value()
+    codec.encode_value({"plan": ["café"]}, out, "value")
+    assert codec.value_to_python(out) == {"plan": ["café"]}
