@@ -741,6 +741,11 @@ class AgentRuntime:
                         f"the handler of {message.action!r} returned a coroutine, not its"
                         " result: an await is missing"
                     )
+                if isinstance(reply, asyncio.Future):  # a task or future, not awaited
+                    raise TypeError(
+                        f"the handler of {message.action!r} returned a"
+                        f" {type(reply).__name__}, not its result: an await is missing"
+                    )
                 if inspect.isgenerator(reply) or inspect.isasyncgen(reply):
                     # (its text, "<generator object ...>", would have gone as the answer)
                     raise TypeError(

@@ -1127,6 +1127,10 @@ async def test_a_plain_function_handler_runs_off_the_event_loop(mesh: LocalMesh)
         async def forget(self, message: Message, ctx: AgentContext) -> Any:
             return asyncio.sleep(0, {"never": "sent"})
 
+        @on("spawn")  # a task made and not awaited: its text would have been the answer
+        async def spawn(self, message: Message, ctx: AgentContext) -> Any:
+            return asyncio.ensure_future(asyncio.sleep(0, {"never": "sent"}))
+
     await mesh.add_agent(Overridden())
     await mesh.add_agent(Forgetful())
     async with mesh.client("asker") as client:
@@ -1137,6 +1141,8 @@ async def test_a_plain_function_handler_runs_off_the_event_loop(mesh: LocalMesh)
         assert not slow.done()
         with pytest.raises(AgentError, match="returned a coroutine, not its result"):
             await client.request("Forgetful", {"action": "forget"}, timeout=3)
+        with pytest.raises(AgentError, match="returned a Task, not its result: an await is"):
+            await client.request("Forgetful", {"action": "spawn"}, timeout=3)
         other = await client.request("Overridden", {"action": "any"}, timeout=3)
         assert other.content == {"action": "any", "overridden": True}
         release.set()
