@@ -67,6 +67,9 @@ class BrokerConfig:
     max_agents: int = 10_000
     max_pending_requests: int = 10_000
     max_dead_letters: int = 10_000
+    max_insights: int = 10_000
+    """Insights the shared memory pool holds at most. When it is full, a write takes out the
+    insight with a ttl nearest its end; with none that has a ttl, it is refused."""
     max_batch_size: int = 1000
     retry_after_seconds: float = 0.1
     low_priority_share: float = 0.8
@@ -106,6 +109,7 @@ class BrokerConfig:
             "max_agents",
             "max_pending_requests",
             "max_dead_letters",
+            "max_insights",
             "max_batch_size",
             "sweep_interval",
             "default_request_timeout",

@@ -24,6 +24,7 @@ from mesh.core.errors import (
     BrokerUnavailableError,
     StateConflictError,
 )
+from mesh.core.logthrottle import LogThrottle
 from mesh.core.memory import (
     DEFAULT_READ_LIMIT,
     Insight,
@@ -32,6 +33,7 @@ from mesh.core.memory import (
     as_stored,
     check_insight_delete,
     check_insight_read,
+    evicted,
     insight_from_record,
     insight_record,
     pool_full,
@@ -135,12 +137,20 @@ local function purge(now)
 end
 """
 
-# ARGV: now, capacity, id, record JSON, expiry ('' for none).
+# ARGV: now, capacity, id, record JSON, expiry ('' for none). Returns 0 (full: refused), 1
+# (written) or the id of the insight a full pool took out to make room: the one with a ttl
+# nearest its end.
 _WRITE_INSIGHT = (
     _INSIGHTS_COMMON
     + """
 purge(tonumber(ARGV[1]))
-if redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
+local made_room = 1
+if redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[2]) then
+  local nearest = redis.call('ZRANGE', KEYS[5], 0, 0)
+  if #nearest == 0 then return 0 end
+  remove_insight(nearest[1])
+  made_room = nearest[1]
+end
 local record = cjson.decode(ARGV[4])
 redis.call('HSET', KEYS[1], ARGV[3], ARGV[4])
 for _, tag in ipairs(record.tags) do
@@ -151,7 +161,7 @@ redis.call('SADD', 'mesh:{shared}:segment:' .. record.segment, ARGV[3])
 redis.call('HINCRBY', KEYS[3], record.segment, 1)
 redis.call('HINCRBY', KEYS[4], record.agent_id, 1)
 if ARGV[5] ~= '' then redis.call('ZADD', KEYS[5], ARGV[5], ARGV[3]) end
-return 1
+return made_room
 """
 )
 
@@ -409,6 +419,7 @@ class RedisMemoryPool:
         self.store = store
         self.rules = SharedMemoryPool(capacity=capacity)  # the validation and the limits
         self.capacity = capacity
+        self._evictions = LogThrottle(60.0)
 
     def _now_ms(self) -> int:
         return int(self.store.now() * 1000)
@@ -428,8 +439,10 @@ class RedisMemoryPool:
             json.dumps(record, default=str),
             int(expires.timestamp() * 1000) if expires else "",
         )  # fmt: skip
-        if not int(written):
+        if written == 0:
             raise pool_full(self.capacity)
+        if written != 1:
+            evicted(self._evictions, _text(written), stored.agent_id, self.capacity)
         return stored
 
     async def read(

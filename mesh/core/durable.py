@@ -391,11 +391,15 @@ class SqliteQueueStore(InMemoryQueueStore):
     async def sync(self) -> None:
         await self.journal.sync()
 
-    def shared_memory(self) -> tuple[MemoryPool, StateStore]:
+    def shared_memory(self, *, max_insights: int = 10_000) -> tuple[MemoryPool, StateStore]:
         """The shared memory pool and shared state, kept in the same database: what was
         written survives a restart, as the queues do (a lock, a lease, does not)."""
         return (
-            SharedMemoryPool(journal=self.journal, restored=self.journal.load_insights()),
+            SharedMemoryPool(
+                capacity=max_insights,
+                journal=self.journal,
+                restored=self.journal.load_insights(),
+            ),
             SharedState(journal=self.journal, restored=self.journal.load_state()),
         )
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
+import logging
 import math
 import operator
 from collections import Counter
@@ -15,6 +16,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
 from mesh.core.errors import FieldViolation, LimitExceededError, MessageValidationError
+from mesh.core.logthrottle import LogThrottle
 from mesh.core.model import JSON, utc_now
 
 DEFAULT_READ_LIMIT = 100
@@ -44,6 +46,24 @@ class MemoryStats:
     tag_distribution: dict[str, int]
     segment_distribution: dict[str, int]
     capacity: int
+
+
+logger = logging.getLogger("mesh.memory")
+
+
+def evicted(throttle: LogThrottle, key: str, writer: str, capacity: int) -> None:
+    """Says (once a minute, counting the rest) that a full pool took an insight out to make
+    room for a write."""
+    throttle.warning(
+        logger,
+        "pool",
+        "the shared memory pool is full (%d insights): %s, the one with a ttl nearest its"
+        " end, was taken out for a write by %s",
+        capacity,
+        key,
+        writer,
+        event={"category": "memory_pool", "evicted": key, "capacity": capacity},
+    )
 
 
 def pool_full(capacity: int) -> LimitExceededError:
@@ -210,6 +230,7 @@ class SharedMemoryPool:
         self._expiry: list[tuple[float, str]] = []
         """(when it leaves, id) of the insights with a ttl; a deleted one stays until then."""
         self._journal = journal
+        self._evictions = LogThrottle(60.0)
         last = 0
         for insight in restored:
             self._add(insight)
@@ -251,6 +272,20 @@ class SharedMemoryPool:
                 gone.append(key)
         if gone and self._journal:
             self._journal.insights_gone(gone)
+
+    def _make_room(self, insight: Insight) -> None:
+        """A full pool takes out the insight with a ttl nearest its end (as Redis's
+        volatile-ttl: what its writer said may go, the first to go anyway); with none that
+        has a ttl, the write is refused."""
+        while self._expiry:
+            key = heapq.heappop(self._expiry)[1]
+            if key in self._insights:
+                self._remove(key)
+                if self._journal:
+                    self._journal.insights_gone([key])
+                evicted(self._evictions, key, insight.agent_id, self.capacity)
+                return
+        raise pool_full(self.capacity)
 
     def check(self, insight: Insight) -> None:
         """An insight's validation (a store in Redis shares it)."""
@@ -301,7 +336,7 @@ class SharedMemoryPool:
         now = self._now()
         self._purge(now)
         if len(self._insights) >= self.capacity:
-            raise pool_full(self.capacity)
+            self._make_room(insight)
         stored = as_stored(insight, next(self._ids), now)
         self._add(stored)
         if self._journal:

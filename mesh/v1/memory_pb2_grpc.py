@@ -99,7 +99,8 @@ class MemoryServiceServicer:
     """
 
     def WriteInsight(self, request, context):
-        """Writes one insight; returns it with its id and time.
+        """Writes one insight; returns it with its id and time. A full pool takes out the insight
+        with a ttl nearest its end, or, with none that has a ttl, refuses it (RESOURCE_EXHAUSTED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

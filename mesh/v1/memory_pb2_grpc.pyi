@@ -36,7 +36,9 @@ class MemoryServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> MemoryServiceAsyncStub: ...
     WriteInsight: _grpc.UnaryUnaryMultiCallable[_memory_pb2.WriteInsightRequest, _memory_pb2.WriteInsightResponse]
-    """Writes one insight; returns it with its id and time."""
+    """Writes one insight; returns it with its id and time. A full pool takes out the insight
+    with a ttl nearest its end, or, with none that has a ttl, refuses it (RESOURCE_EXHAUSTED).
+    """
     ReadInsights: _grpc.UnaryUnaryMultiCallable[_memory_pb2.ReadInsightsRequest, _memory_pb2.ReadInsightsResponse]
     """Reads insights: all of the given tags, in a segment, at or above an importance;
     most important first, then newest first.
@@ -88,7 +90,9 @@ class MemoryServiceAsyncStub(MemoryServiceStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     WriteInsight: _aio.UnaryUnaryMultiCallable[_memory_pb2.WriteInsightRequest, _memory_pb2.WriteInsightResponse]  # type: ignore[assignment]
-    """Writes one insight; returns it with its id and time."""
+    """Writes one insight; returns it with its id and time. A full pool takes out the insight
+    with a ttl nearest its end, or, with none that has a ttl, refuses it (RESOURCE_EXHAUSTED).
+    """
     ReadInsights: _aio.UnaryUnaryMultiCallable[_memory_pb2.ReadInsightsRequest, _memory_pb2.ReadInsightsResponse]  # type: ignore[assignment]
     """Reads insights: all of the given tags, in a segment, at or above an importance;
     most important first, then newest first.
@@ -143,7 +147,9 @@ class MemoryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _memory_pb2.WriteInsightRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_memory_pb2.WriteInsightResponse, _abc.Awaitable[_memory_pb2.WriteInsightResponse]]:
-        """Writes one insight; returns it with its id and time."""
+        """Writes one insight; returns it with its id and time. A full pool takes out the insight
+        with a ttl nearest its end, or, with none that has a ttl, refuses it (RESOURCE_EXHAUSTED).
+        """
 
     @_abc_1.abstractmethod
     def ReadInsights(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from datetime import timedelta
+from pathlib import Path
 
 import grpc
 import pytest
@@ -153,3 +154,47 @@ async def test_an_insight_over_its_limits_is_refused_whole(broker: str) -> None:
             assert info.value.code == "INVALID_ARGUMENT"
             assert [v.field for v in info.value.field_violations] == [field]
         assert (await client.memory_stats()).total_insights == 0
+
+
+@pytest.mark.parametrize("store", ["memory", "sqlite", "redis", "redis-cluster"])
+async def test_a_full_pool_makes_room_by_the_ttl_nearest_its_end_on_every_store(
+    store: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """``--max-insights 3``: a write to a full pool takes out the insight with a ttl nearest
+    its end (a consensus run's proposal and votes, kept a day, leave before the pool refuses
+    the next run), and one with no such insight left is refused RESOURCE_EXHAUSTED; on SQLite
+    what was taken out stays out after a restart."""
+    url = {
+        "memory": "memory://",
+        "sqlite": f"sqlite:///{tmp_path / 'mesh.db'}",
+        "redis": request.getfixturevalue("redis_url") if store == "redis" else "",
+        "redis-cluster": (
+            request.getfixturevalue("redis_cluster_url") if store == "redis-cluster" else ""
+        ),
+    }[store]
+    args = ("broker", "--port", "0", "--store", url, "--max-insights", "3")
+    process = await start(*args, ready=BROKER_READY)
+    try:
+        async with connect(process.address, agent_id="reviewer", retry=NO_RETRY) as client:
+            later = await client.write_insight("approve", tags=["vote", "p1"], ttl=600)
+            kept = await client.write_insight("modify", tags=["vote", "p1"])
+            sooner = await client.write_insight("reject", tags=["vote", "p2"], ttl=300)
+            fourth = await client.write_insight("approve", tags=["vote", "p3"])
+            fifth = await client.write_insight("approve", tags=["vote", "p4"])
+            left = [i.insight_id for i in await client.read_insights(tags=["vote"])]
+            assert sorted(left) == sorted([kept.insight_id, fourth.insight_id, fifth.insight_id])
+            assert {later.insight_id, sooner.insight_id}.isdisjoint(left)
+            with pytest.raises(MeshError, match="limit of 3 insights") as info:
+                await client.write_insight("approve", tags=["vote", "p5"], ttl=60)
+            assert info.value.code == "RESOURCE_EXHAUSTED"
+            stats = await client.memory_stats()
+            assert (stats.total_insights, stats.capacity) == (3, 3)
+            assert stats.tag_distribution == {"vote": 3, "p1": 1, "p3": 1, "p4": 1}
+        if store == "sqlite":
+            await stop(process)
+            process = await start(*args, ready=BROKER_READY)
+            async with connect(process.address, agent_id="reviewer", retry=NO_RETRY) as client:
+                again = [i.insight_id for i in await client.read_insights(tags=["vote"])]
+                assert sorted(again) == sorted(left)
+    finally:
+        await stop(process)

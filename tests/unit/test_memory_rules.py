@@ -1,5 +1,6 @@
 """The shared memory pool's rules: insights kept for their ttl, deleted by what they are, and
-a pool that holds its limit taking writes again once insights leave."""
+a full pool making room by the ttl nearest its end, else taking writes again once insights
+leave."""
 
 from __future__ import annotations
 
@@ -52,26 +53,38 @@ async def test_an_insight_with_a_ttl_leaves_the_pool_when_it_ends() -> None:
     assert stats.tag_distribution["p1"] == 1
 
 
-async def test_a_full_pool_refuses_writes_until_insights_leave() -> None:
+async def test_a_full_pool_makes_room_by_the_ttl_nearest_its_end_else_refuses() -> None:
+    """Full, a pool takes out the insight with a ttl nearest its end to take a write (what
+    its writer said may go, and would go first anyway: a consensus run's proposal and votes
+    of a day ago, so that a gateway running rounds all day keeps running them); without any
+    ttl left, a write is refused until insights leave."""
     clock = Clock()
     pool = SharedMemoryPool(capacity=3, clock=clock)
-    await pool.write(vote("reviewer_1", "p1", ttl=10))
+    later = await pool.write(vote("reviewer_1", "p1", ttl=600))
     await pool.write(vote("reviewer_2", "p1"))
-    await pool.write(vote("reviewer_3", "p2"))
+    sooner = await pool.write(vote("reviewer_3", "p2", ttl=300))
+    await pool.write(vote("reviewer_4", "p2"))  # sooner's place
+    assert [i.agent_id for i in await pool.read(tags=["vote"])] == [
+        "reviewer_4",
+        "reviewer_2",
+        "reviewer_1",
+    ]
+    await pool.write(vote("reviewer_5", "p3"))  # later's
+    assert {sooner.insight_id, later.insight_id}.isdisjoint(
+        i.insight_id for i in await pool.read(tags=["vote"])
+    )
     with pytest.raises(LimitExceededError, match="limit of 3 insights") as info:
-        await pool.write(vote("reviewer_4", "p2"))
+        await pool.write(vote("reviewer_6", "p3", ttl=60))  # none left with a ttl
     assert info.value.code == "RESOURCE_EXHAUSTED"
+    stats = await pool.stats()
+    assert (stats.total_insights, stats.tag_distribution["p1"], stats.agents_involved) == (3, 1, 3)
 
-    clock.now += 10  # the first one's ttl ends
-    await pool.write(vote("reviewer_4", "p2"))
-    with pytest.raises(LimitExceededError):
-        await pool.write(vote("reviewer_5", "p3"))
     assert await pool.delete(tags=["vote", "p1"]) == 1  # reviewer_2's
-    await pool.write(vote("reviewer_5", "p3"))
+    await pool.write(vote("reviewer_6", "p3", ttl=60))
     assert sorted(i.agent_id for i in await pool.read(tags=["vote"])) == [
-        "reviewer_3",
         "reviewer_4",
         "reviewer_5",
+        "reviewer_6",
     ]
 
 
