@@ -70,6 +70,10 @@ class BrokerConfig:
     max_insights: int = 10_000
     """Insights the shared memory pool holds at most. When it is full, a write takes out the
     insight with a ttl nearest its end; with none that has a ttl, it is refused."""
+    max_state_entries: int = 10_000
+    """Entries the shared state holds at most. When it is full, a write of a new entry takes
+    out the entry with a ttl nearest its end that nobody holds a lock on (a workflow's status
+    of a day ago, say); with none, it is refused."""
     max_batch_size: int = 1000
     retry_after_seconds: float = 0.1
     low_priority_share: float = 0.8
@@ -110,6 +114,7 @@ class BrokerConfig:
             "max_pending_requests",
             "max_dead_letters",
             "max_insights",
+            "max_state_entries",
             "max_batch_size",
             "sweep_interval",
             "default_request_timeout",

@@ -33,7 +33,7 @@ from mesh.core.memory import (
     as_stored,
     check_insight_delete,
     check_insight_read,
-    evicted,
+    insight_evicted,
     insight_from_record,
     insight_record,
     pool_full,
@@ -55,6 +55,7 @@ from mesh.core.state import (
     check_key,
     check_prefix,
     check_write,
+    entry_evicted,
     full,
     listing_terms,
     lock_not_held,
@@ -302,7 +303,25 @@ if ARGV[9] == 'delete' then
   tell('delete', key, meta, old)
   return {'OK', meta, old}
 end
-if not meta and redis.call('HLEN', KEYS[2]) >= tonumber(ARGV[6]) then return {'FULL'} end
+local made_room = ''
+if not meta and redis.call('HLEN', KEYS[2]) >= tonumber(ARGV[6]) then
+  -- Full: the entry with a ttl nearest its end that nobody holds a lock on goes, told as
+  -- its lapse (early); with none of those among the nearest 100, the write is refused.
+  for _, nearest in ipairs(redis.call('ZRANGE', KEYS[4], 0, 99)) do
+    local its = redis.call('HGET', KEYS[3], nearest)
+    if not its or cjson.decode(its).expires <= now then
+      local gone_meta = redis.call('HGET', KEYS[2], nearest)
+      local gone = redis.call('HGET', KEYS[1], nearest)
+      redis.call('HDEL', KEYS[1], nearest)
+      redis.call('HDEL', KEYS[2], nearest)
+      redis.call('ZREM', KEYS[4], nearest)
+      if gone_meta and gone then tell('lapse', nearest, gone_meta, gone) end
+      made_room = nearest
+      break
+    end
+  end
+  if made_room == '' then return {'FULL'} end
+end
 local record = {version = version + 1, updated_by = ARGV[3], updated_at = ARGV[8]}
 if ARGV[10] ~= '' then
   record.expires = now + tonumber(ARGV[10])
@@ -314,7 +333,7 @@ local fresh = cjson.encode(record)
 redis.call('HSET', KEYS[1], key, ARGV[7])
 redis.call('HSET', KEYS[2], key, fresh)
 tell('put', key, fresh, ARGV[7])
-return {'OK', fresh, ARGV[7]}
+return {'OK', fresh, ARGV[7], made_room}
 """
 )
 
@@ -442,7 +461,7 @@ class RedisMemoryPool:
         if written == 0:
             raise pool_full(self.capacity)
         if written != 1:
-            evicted(self._evictions, _text(written), stored.agent_id, self.capacity)
+            insight_evicted(self._evictions, _text(written), stored.agent_id, self.capacity)
         return stored
 
     async def read(
@@ -520,6 +539,7 @@ class RedisSharedState:
         self._sweeper: asyncio.Task[None] | None = None
         store.follow(STATE_CHANGES, self._changed)
         store.on_gap(self._missed_changes)
+        self._evictions = LogThrottle(60.0)
 
     def _now_ms(self) -> int:
         """Milliseconds since the epoch by the clock the replicas agree on (lock leases are
@@ -696,6 +716,8 @@ class RedisSharedState:
         )  # fmt: skip
         outcome = _text(answer[0])
         if outcome == "OK":
+            if len(answer) > 3 and answer[3]:  # (a full state took an entry out for it)
+                entry_evicted(self._evictions, _text(answer[3]), key, agent_id, self.capacity)
             return _entry(key, answer[1], answer[2])
         if outcome == "LOCK_NOT_HELD":
             raise lock_not_held(key)

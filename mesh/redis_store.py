@@ -614,12 +614,17 @@ class RedisQueueStore:
         once more: what was published on the channels it follows in between was not heard."""
         self._refollowed.append(hook)
 
-    def shared_memory(self, *, max_insights: int = 10_000) -> tuple[Any, Any]:
+    def shared_memory(
+        self, *, max_insights: int = 10_000, max_state_entries: int = 10_000
+    ) -> tuple[Any, Any]:
         """The shared memory pool and shared state, in this Redis: every replica sees the
         same insights, entries and locks."""
         from mesh.redis_shared import RedisMemoryPool, RedisSharedState
 
-        return RedisMemoryPool(self, capacity=max_insights), RedisSharedState(self)
+        return (
+            RedisMemoryPool(self, capacity=max_insights),
+            RedisSharedState(self, capacity=max_state_entries),
+        )
 
     # -- plumbing --------------------------------------------------------------------------
 

@@ -352,7 +352,7 @@ class Broker:
             self.config.max_agents, self.config.max_id_length, self.config.max_in_flight_limit
         )
         self.memory: MemoryPool = SharedMemoryPool(capacity=self.config.max_insights)
-        self.state: StateStore = SharedState()
+        self.state: StateStore = SharedState(capacity=self.config.max_state_entries)
         if store is None:
             store = open_store(
                 self.config.store,
@@ -368,7 +368,10 @@ class Broker:
         store.listener = self
         shared = getattr(store, "shared_memory", None)
         if shared is not None:  # a store that keeps these (for every replica, or on disk)
-            self.memory, self.state = shared(max_insights=self.config.max_insights)
+            self.memory, self.state = shared(
+                max_insights=self.config.max_insights,
+                max_state_entries=self.config.max_state_entries,
+            )
         self._pending: dict[tuple[str, str], asyncio.Future[Message] | _Gathering] = {}
         self._ended_at: collections.OrderedDict[tuple[str, str], float] = collections.OrderedDict()
         """Requests and gathers that ended (answered, past their deadline, given up) and until

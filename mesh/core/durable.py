@@ -391,7 +391,9 @@ class SqliteQueueStore(InMemoryQueueStore):
     async def sync(self) -> None:
         await self.journal.sync()
 
-    def shared_memory(self, *, max_insights: int = 10_000) -> tuple[MemoryPool, StateStore]:
+    def shared_memory(
+        self, *, max_insights: int = 10_000, max_state_entries: int = 10_000
+    ) -> tuple[MemoryPool, StateStore]:
         """The shared memory pool and shared state, kept in the same database: what was
         written survives a restart, as the queues do (a lock, a lease, does not)."""
         return (
@@ -400,7 +402,11 @@ class SqliteQueueStore(InMemoryQueueStore):
                 journal=self.journal,
                 restored=self.journal.load_insights(),
             ),
-            SharedState(journal=self.journal, restored=self.journal.load_state()),
+            SharedState(
+                capacity=max_state_entries,
+                journal=self.journal,
+                restored=self.journal.load_state(),
+            ),
         )
 
     async def saved_agents(self) -> list[AgentInfo]:

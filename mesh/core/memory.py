@@ -51,7 +51,7 @@ class MemoryStats:
 logger = logging.getLogger("mesh.memory")
 
 
-def evicted(throttle: LogThrottle, key: str, writer: str, capacity: int) -> None:
+def insight_evicted(throttle: LogThrottle, key: str, writer: str, capacity: int) -> None:
     """Says (once a minute, counting the rest) that a full pool took an insight out to make
     room for a write."""
     throttle.warning(
@@ -196,7 +196,8 @@ class MemoryPool(Protocol):
 
 
 class SharedMemoryPool:
-    """Bounded: writes over ``capacity`` are refused (RESOURCE_EXHAUSTED), and each insight's
+    """Bounded: a write to a full pool takes out the insight with a ttl nearest its end, or is
+    refused (RESOURCE_EXHAUSTED) when none has a ttl; each insight's
     content and metadata are limited to ``max_content_bytes`` of JSON each, its writer's id,
     tags and segment to ``max_name_length`` characters. Indexed by tag and segment, with
     its statistics kept as insights come and go: a read goes through the insights of its
@@ -283,7 +284,7 @@ class SharedMemoryPool:
                 self._remove(key)
                 if self._journal:
                     self._journal.insights_gone([key])
-                evicted(self._evictions, key, insight.agent_id, self.capacity)
+                insight_evicted(self._evictions, key, insight.agent_id, self.capacity)
                 return
         raise pool_full(self.capacity)
 

@@ -8,7 +8,9 @@ read and write, with locks for the writes that must not interleave.
   writes (or deletes) the entry until the lock is released or its lease runs out. Acquiring
   waits at most ``lock_timeout`` (RT-011: 1 s), and at most ``max_writers`` agents (RT-011: 5)
   hold locks at once: a sixth waits for one of them to finish.
-- Bounded: at most ``capacity`` entries, each value at most ``max_value_bytes`` of JSON.
+- Bounded: at most ``capacity`` entries, each value at most ``max_value_bytes`` of JSON. A new
+  entry written to a full state takes out the unlocked entry with a ttl nearest its end (a
+  lapse, early); with none, it is refused.
 - A write may give its entry a ttl: past it the entry is read as absent, its place free (each
   write sets the entry's lifetime anew; one without a ttl keeps it until deleted).
 - Entries are listed by key prefix, in key order, a page at a time: a page ends at
@@ -29,6 +31,7 @@ import collections
 import enum
 import heapq
 import json
+import logging
 import math
 import secrets
 import time
@@ -47,7 +50,10 @@ from mesh.core.errors import (
     NotFoundError,
     StateConflictError,
 )
+from mesh.core.logthrottle import LogThrottle
 from mesh.core.model import JSON, utc_now
+
+logger = logging.getLogger("mesh.state")
 
 LOCK_TIMEOUT = 1.0
 """RT-011 shared_state lock_timeout: the longest wait for a lock, in seconds."""
@@ -429,6 +435,7 @@ class SharedState:
         """While anyone watches: set for the next lapse, so that it is told when it happens."""
         self._timer_at = math.inf
         self._journal = journal
+        self._evictions = LogThrottle(60.0)
         wall, now = time.time(), time.monotonic()
         for entry in restored:
             if entry.expires_at is None:
@@ -522,6 +529,28 @@ class SharedState:
             if self._expiry.get(key) == at:
                 self._lapse(key)
 
+    def _make_room(self, key: str, agent_id: str) -> None:
+        """A full state takes out the entry with a ttl nearest its end that nobody holds a
+        lock on (told to watchers as its lapse, which it is, early: as Redis's volatile-ttl,
+        what its writer said may go goes first): a workflow's status of a day ago, say,
+        before the next workflow's is refused. With none, the write is refused."""
+        locked: list[tuple[float, str]] = []
+        try:
+            while self._lapsing:
+                at, nearest = heapq.heappop(self._lapsing)
+                if self._expiry.get(nearest) != at:
+                    continue  # (written again since)
+                if self._lock_of(nearest) is not None:
+                    locked.append((at, nearest))
+                    continue
+                self._lapse(nearest)
+                entry_evicted(self._evictions, nearest, key, agent_id, self.capacity)
+                return
+            raise full(self.capacity)
+        finally:
+            for item in locked:
+                heapq.heappush(self._lapsing, item)
+
     def _lapse_after(self, key: str, ttl: float | None) -> datetime | None:
         if ttl is None:
             self._expiry.pop(key, None)
@@ -548,7 +577,7 @@ class SharedState:
         self._purge()
         current = self._may_write(key, agent_id, expected_version, lock_token)
         if current is None and len(self._entries) >= self.capacity:
-            raise full(self.capacity)
+            self._make_room(key, agent_id)
         version = (current.version if current else 0) + 1
         expires_at = self._lapse_after(key, ttl)
         entry = StateEntry(key, value, version, agent_id, utc_now(), expires_at)
@@ -858,6 +887,24 @@ def check_delete(key: str, agent_id: str) -> None:
 
 def not_found(key: str) -> NotFoundError:
     return NotFoundError(f"no shared state named {key!r}", reason="STATE_NOT_FOUND")
+
+
+def entry_evicted(
+    throttle: LogThrottle, key: str, written: str, writer: str, capacity: int
+) -> None:
+    """Says (once a minute, counting the rest) that a full shared state took an entry out to
+    make room for a write."""
+    throttle.warning(
+        logger,
+        "state",
+        "the shared state is full (%d entries): %s, the one with a ttl nearest its end, was"
+        " taken out for %s's write of %s",
+        capacity,
+        key,
+        writer,
+        written,
+        event={"category": "shared_state", "evicted": key, "capacity": capacity},
+    )
 
 
 def full(capacity: int) -> LimitExceededError:

@@ -162,7 +162,9 @@ class MemoryServiceServicer:
     def PutState(self, request, context):
         """Writes an entry (a new version of it). ABORTED when the entry is locked by another
         writer (reason STATE_LOCKED) or is not at expected_version (VERSION_CONFLICT);
-        FAILED_PRECONDITION when lock_token holds no lock on it (LOCK_NOT_HELD).
+        FAILED_PRECONDITION when lock_token holds no lock on it (LOCK_NOT_HELD). A new entry
+        written to a full state takes out the unlocked entry with a ttl nearest its end (told
+        to watchers as a lapse), or, with none, is refused (RESOURCE_EXHAUSTED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

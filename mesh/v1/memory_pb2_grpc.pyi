@@ -70,7 +70,9 @@ class MemoryServiceStub:
     PutState: _grpc.UnaryUnaryMultiCallable[_memory_pb2.PutStateRequest, _memory_pb2.PutStateResponse]
     """Writes an entry (a new version of it). ABORTED when the entry is locked by another
     writer (reason STATE_LOCKED) or is not at expected_version (VERSION_CONFLICT);
-    FAILED_PRECONDITION when lock_token holds no lock on it (LOCK_NOT_HELD).
+    FAILED_PRECONDITION when lock_token holds no lock on it (LOCK_NOT_HELD). A new entry
+    written to a full state takes out the unlocked entry with a ttl nearest its end (told
+    to watchers as a lapse), or, with none, is refused (RESOURCE_EXHAUSTED).
     """
     DeleteState: _grpc.UnaryUnaryMultiCallable[_memory_pb2.DeleteStateRequest, _memory_pb2.DeleteStateResponse]
     """Removes an entry, under the same rules as a write."""
@@ -124,7 +126,9 @@ class MemoryServiceAsyncStub(MemoryServiceStub):
     PutState: _aio.UnaryUnaryMultiCallable[_memory_pb2.PutStateRequest, _memory_pb2.PutStateResponse]  # type: ignore[assignment]
     """Writes an entry (a new version of it). ABORTED when the entry is locked by another
     writer (reason STATE_LOCKED) or is not at expected_version (VERSION_CONFLICT);
-    FAILED_PRECONDITION when lock_token holds no lock on it (LOCK_NOT_HELD).
+    FAILED_PRECONDITION when lock_token holds no lock on it (LOCK_NOT_HELD). A new entry
+    written to a full state takes out the unlocked entry with a ttl nearest its end (told
+    to watchers as a lapse), or, with none, is refused (RESOURCE_EXHAUSTED).
     """
     DeleteState: _aio.UnaryUnaryMultiCallable[_memory_pb2.DeleteStateRequest, _memory_pb2.DeleteStateResponse]  # type: ignore[assignment]
     """Removes an entry, under the same rules as a write."""
@@ -223,7 +227,9 @@ class MemoryServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_memory_pb2.PutStateResponse, _abc.Awaitable[_memory_pb2.PutStateResponse]]:
         """Writes an entry (a new version of it). ABORTED when the entry is locked by another
         writer (reason STATE_LOCKED) or is not at expected_version (VERSION_CONFLICT);
-        FAILED_PRECONDITION when lock_token holds no lock on it (LOCK_NOT_HELD).
+        FAILED_PRECONDITION when lock_token holds no lock on it (LOCK_NOT_HELD). A new entry
+        written to a full state takes out the unlocked entry with a ttl nearest its end (told
+        to watchers as a lapse), or, with none, is refused (RESOURCE_EXHAUSTED).
         """
 
     @_abc_1.abstractmethod

@@ -24,7 +24,9 @@ from mesh import (
     connect,
 )
 from mesh.client import NO_RETRY
+from mesh.core.errors import LimitExceededError
 from mesh.v1 import memory_pb2, memory_pb2_grpc
+from tests.helpers.processes import BROKER_READY, start, stop
 
 
 @pytest.fixture
@@ -326,3 +328,64 @@ async def test_a_resumed_watch_that_was_never_in_place_fails_at_once() -> None:
     async with connect(address, agent_id="Watcher", reconnect_timeout=30) as gone:
         with pytest.raises(BrokerUnavailableError):
             await asyncio.wait_for(anext(gone.watch_state("k/", resume=True)), 10)
+
+
+@pytest.mark.parametrize("store", ["memory", "sqlite", "redis", "redis-cluster"])
+async def test_a_full_state_makes_room_for_new_workflows_on_every_store(
+    store: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """``--max-state-entries 3``: each hand-off of a workflow records its status, kept a day.
+    A state full of them takes out the oldest status for the next workflow's (told to a
+    watcher as its lapse) and for an agent's own entry, where every write of a new entry was
+    refused once as many workflows had run; entries without a ttl are never taken out, and
+    with nothing else left a write is refused RESOURCE_EXHAUSTED."""
+    url = {
+        "memory": "memory://",
+        "sqlite": f"sqlite:///{tmp_path / 'mesh.db'}",
+        "redis": request.getfixturevalue("redis_url") if store == "redis" else "",
+        "redis-cluster": (
+            request.getfixturevalue("redis_cluster_url") if store == "redis-cluster" else ""
+        ),
+    }[store]
+    process = await start(
+        "broker", "--port", "0", "--store", url, "--max-state-entries", "3", ready=BROKER_READY
+    )
+    try:
+        async with (
+            connect(process.address, agent_id="CustomerAgent", retry=NO_RETRY) as actor,
+            connect(process.address, agent_id="Dashboard", retry=NO_RETRY) as watcher,
+        ):
+            await actor.register("SellerAgent")
+            changes = watcher.watch_state("workflow/")
+            assert (await anext(changes)).kind is ChangeKind.SYNCED
+            for n in range(1, 5):
+                await actor.handoff("SellerAgent", "Review", workflow_id=f"wf_{n}", step_number=1)
+            seen = []
+            for _ in range(5):
+                change = await asyncio.wait_for(anext(changes), 5)
+                assert change.entry is not None
+                seen.append((change.kind, change.entry.key))
+            assert seen == [
+                (ChangeKind.PUT, "workflow/wf_1"),
+                (ChangeKind.PUT, "workflow/wf_2"),
+                (ChangeKind.PUT, "workflow/wf_3"),
+                (ChangeKind.LAPSE, "workflow/wf_1"),
+                (ChangeKind.PUT, "workflow/wf_4"),
+            ]
+            await actor.put_state("plan", "v1")  # wf_2's place
+            await actor.put_state("budget", 100)  # wf_3's
+            await actor.handoff("SellerAgent", "Review", workflow_id="wf_5", step_number=1)
+            keys = [e.key async for e in actor.state_entries()]
+            assert keys == ["budget", "plan", "workflow/wf_5"]
+            await actor.put_state("notes", "n")  # wf_5's
+            # Nothing with a ttl left: a hand-off is still taken (its status not recorded),
+            # a new entry is refused.
+            await actor.handoff("SellerAgent", "Review", workflow_id="wf_6", step_number=1)
+            with pytest.raises(LimitExceededError, match="limit of 3 entries") as info:
+                await actor.put_state("extra", "x")
+            assert info.value.code == "RESOURCE_EXHAUSTED"
+            keys = [e.key async for e in actor.state_entries()]
+            assert keys == ["budget", "notes", "plan"]
+            await changes.aclose()
+    finally:
+        await stop(process)

@@ -33,9 +33,10 @@ agents = st.sampled_from(AGENTS)
 tokens = st.sampled_from(["", "held", "wrong"])  # none, the key's last lock's, a made-up one
 versions = st.sampled_from([None, 0, 1, 2])
 values = st.sampled_from([1, "text", {"nested": [1, 2.5, None, True]}, [], None])
+lifetimes = st.sampled_from([False, False, True])  # a ttl of its own per key, or none
 operations = st.one_of(
-    st.tuples(st.just("put"), keys, values, agents, versions, tokens),
-    st.tuples(st.just("put"), keys, values, agents, versions, tokens),
+    st.tuples(st.just("put"), keys, values, agents, versions, tokens, lifetimes),
+    st.tuples(st.just("put"), keys, values, agents, versions, tokens, lifetimes),
     st.tuples(st.just("delete"), keys, agents, versions, tokens),
     st.tuples(st.just("get"), keys),
     st.tuples(st.just("lock"), keys, agents),
@@ -45,7 +46,9 @@ programs = st.lists(operations, min_size=5, max_size=30)
 
 
 def seen(entry: StateEntry) -> tuple[Any, ...]:
-    return (entry.key, entry.value, entry.version, entry.updated_by, entry.expires_at)
+    """(Whether it lapses, not when: each store reads its own clock.)"""
+    lapses = entry.expires_at is not None
+    return (entry.key, entry.value, entry.version, entry.updated_by, lapses)
 
 
 async def step(state: StateStore, op: tuple[Any, ...], locks: dict[str, str]) -> Any:
@@ -55,10 +58,13 @@ async def step(state: StateStore, op: tuple[Any, ...], locks: dict[str, str]) ->
     token = {"": "", "held": locks.get(key, "none taken"), "wrong": "not-a-token"}
     try:
         if kind == "put":
-            value, agent_id, version, lock = args
+            # A key's ttl is its own and minutes apart from the others': which one lapses
+            # first (and so goes first from a full state) is the same in both stores.
+            value, agent_id, version, lock, lapses = args
+            ttl = 100.0 * (KEYS.index(key) + 1) if lapses else None
             return seen(
                 await state.put(
-                    key, value, agent_id, expected_version=version, lock_token=token[lock]
+                    key, value, agent_id, expected_version=version, lock_token=token[lock], ttl=ttl
                 )
             )
         if kind == "delete":

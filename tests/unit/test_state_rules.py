@@ -177,16 +177,43 @@ async def test_an_entry_with_a_ttl_lapses_and_frees_its_place() -> None:
     kept = await state.put("kept", 1, "A")
     assert kept.expires_at is None
     assert (await state.get("brief")).value == {"hold": True}
-    with pytest.raises(LimitExceededError):
-        await state.put("third", 1, "A")
     await asyncio.sleep(0.08)
     with pytest.raises(NotFoundError):
         await state.get("brief")
+    assert len((await state.entries()).entries) == 1
     assert (await state.put("third", 1, "A")).version == 1  # its place is free again
     # A lapsed entry is absent to a compare-and-set too: written anew, from version 1.
     await state.delete("third", "A")
     again = await state.put("brief", 2, "A", expected_version=0)
     assert again.version == 1 and again.expires_at is None
+
+
+async def test_a_full_state_makes_room_by_the_unlocked_entry_nearest_its_lapse() -> None:
+    """Full, the state takes out for a new entry the one with a ttl nearest its end that
+    nobody holds a lock on, told to watchers as its lapse (a workflow's status of a day ago
+    goes before a new one, or an agent's own entry, is refused); with none, a write is
+    refused until an entry leaves. A new version of an entry there still fits."""
+    state = SharedState(capacity=3)
+    watch = await state.watch("workflow/")
+    assert await next_change(watch) == ("synced", None, None)
+    await state.put("workflow/wf_1", {"step": 4}, "A", ttl=3600)
+    await state.put("workflow/wf_2", {"step": 1}, "A", ttl=7200)
+    await state.put("budget", 100, "A")
+    lock = await state.lock("workflow/wf_1", "A")
+    await state.put("plan", "v1", "B")  # wf_1 is locked: wf_2 goes
+    assert [await next_change(watch) for _ in range(3)] == [
+        ("put", "workflow/wf_1", {"step": 4}),
+        ("put", "workflow/wf_2", {"step": 1}),
+        ("lapse", "workflow/wf_2", {"step": 1}),
+    ]
+    with pytest.raises(LimitExceededError, match="limit of 3 entries") as info:
+        await state.put("notes", "n", "B", ttl=60)
+    assert info.value.code == "RESOURCE_EXHAUSTED"
+    assert (await state.put("budget", 90, "A")).version == 2
+    await state.unlock("workflow/wf_1", lock.token)
+    await state.put("notes", "n", "B")  # wf_1 goes now
+    assert await next_change(watch) == ("lapse", "workflow/wf_1", {"step": 4})
+    assert [e.key for e in (await state.entries()).entries] == ["budget", "notes", "plan"]
 
 
 async def test_each_write_sets_an_entrys_lifetime_anew() -> None:
