@@ -321,6 +321,15 @@ def _replica_of(subscription_id: str) -> str:
     return subscription_id.rpartition("#")[2].rpartition("-")[0]
 
 
+EXPIRED_REASON = "REQUEST_EXPIRED"
+"""The reason of the ERROR that tells a requester its request expired in the queue."""
+
+
+def _expired_in_queue(answer: Message) -> bool:
+    content = answer.content
+    return content is not None and content.get("reason") == EXPIRED_REASON
+
+
 def _said_for(
     agent_id: str, requester: str, correlation_id: str, error: str, reason: str
 ) -> Message:
@@ -1119,6 +1128,9 @@ class Broker:
                 ) from None
             finally:
                 timer.cancel()
+            if answer.message_type is MessageType.ERROR and _expired_in_queue(answer):
+                self.metrics.request("timeout")
+                raise RequestTimeoutError(str((answer.content or {}).get("error", "")))
             self.metrics.request(
                 "error" if answer.message_type is MessageType.ERROR else "ok",
                 time.perf_counter() - started,
@@ -1254,6 +1266,10 @@ class Broker:
                     answer = await answers.get()
                     if answer is None:
                         break  # the deadline passed
+                    if answer.message_type is MessageType.ERROR and _expired_in_queue(answer):
+                        error = RequestTimeoutError(str((answer.content or {}).get("error", "")))
+                        yield GatherItem(answer.from_agent, error=error)
+                        continue
                     yield GatherItem(answer.from_agent, response=answer)
             finally:
                 timer.cancel()
@@ -1702,6 +1718,21 @@ class Broker:
 
     def on_expired(self, message: Message) -> None:
         self.metrics.expired()
+        if message.message_type in _ASKING_TYPES and message.correlation_id:
+            # A request (or a gather's copy) whose ttl ended before its agent took it: its
+            # requester, waiting here or on another replica, hears so now, not at its
+            # deadline (a request is then timed out: DEADLINE_EXCEEDED).
+            said = _said_for(
+                message.to_agent,
+                message.reply_target,
+                message.correlation_id,
+                f"{message.to_agent} did not take {message.message_type.value.lower()}"
+                f" {message.message_id} within its ttl of"
+                f" {message.ttl or self.config.default_ttl} s: it expired in the queue",
+                EXPIRED_REASON,
+            )
+            if not self._offer_answer(said) and self.store.shared:
+                self._tell_elsewhere(said)
         logger.warning(
             "message %s to %s expired (ttl %s s)",
             message.message_id,

@@ -25,6 +25,7 @@ from mesh.client import NO_RETRY
 from mesh.config import BrokerConfig
 from mesh.core import broker as broker_module
 from mesh.core.broker import Broker
+from mesh.core.errors import RequestTimeoutError
 from mesh.core.model import AgentInfo
 from mesh.redis_store import RedisQueueStore
 from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
@@ -479,6 +480,29 @@ async def test_a_requester_on_one_replica_hears_at_once_of_its_request_dead_lett
             with contextlib.suppress(asyncio.CancelledError):
                 await refusing
             await sub.close()
+
+
+async def test_a_request_that_expires_in_a_queue_shared_by_replicas_is_timed_out_then(
+    one_redis: str,
+) -> None:
+    """The agent is registered through replica B and nobody consumes its queue; a request
+    and a gather with a ttl of 1 s wait on replica A, with a deadline of 60 s: whichever
+    replica finds the copy expired, A's requester is timed out as the ttl ends."""
+    async with running(replica(one_redis), replica(one_redis)) as (a, b):
+        await b.register(AgentInfo(agent_id="Worker", agent_types=("worker",)))
+        asking = a.request(
+            Message(from_agent="Asker", to_agent="Worker", content={"action": "x"}, ttl=1),
+            timeout=60,
+        )
+        with pytest.raises(RequestTimeoutError, match=r"Worker did not take request .* ttl of 1 s"):
+            await asyncio.wait_for(asking, 10)  # (before: the 60 s deadline)
+        gathering = a.gather(
+            Message(from_agent="Asker", to_agent="broadcast", content={"action": "x"}, ttl=1),
+            agent_types=["worker"],
+            timeout=60,
+        )
+        [item] = await asyncio.wait_for(_all(gathering), 10)
+        assert isinstance(item.error, RequestTimeoutError) and item.agent_id == "Worker"
 
 
 async def _all(items: Any) -> list[Any]:

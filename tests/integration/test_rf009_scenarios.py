@@ -9,6 +9,7 @@ import logging
 import math
 import re
 import socket
+import time
 import urllib.request
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -437,6 +438,40 @@ async def test_a_request_or_gather_older_than_its_ttl_is_refused_at_once(
     assert answer.content["status"] == "PAID"
     assert [m.content["action"] for m in collector.got] == ["process_payment"]
     assert collector.got[0].message_id == answer.correlation_id
+    assert report.totals["expired_count"] == 2
+
+
+async def test_a_request_or_gather_that_expires_in_the_queue_is_timed_out_then(
+    mesh: LocalMesh,
+) -> None:
+    """A request with a ttl shorter than its caller's timeout, to an agent that does not take
+    it (registered, nobody consuming): the caller hears DEADLINE_EXCEEDED as the ttl ends,
+    not at its own deadline; a gather's copy likewise, beside the agents that answered."""
+    collector = Collector()
+    await mesh.add_agent(
+        collector.make("PaymentAgent", reply={"status": "PAID"}, agent_types=["payment"])
+    )
+    async with mesh.client("HotelAgent") as hotel, mesh.client("LedgerAgent") as ledger:
+        await ledger.register(agent_types=["payment"])  # and never consumes
+        started = time.monotonic()
+        with pytest.raises(RequestTimeoutError, match=r"did not take request .* within its ttl"):
+            await hotel.request("LedgerAgent", {"action": "record"}, ttl=1, timeout=20)
+        assert time.monotonic() - started < 10
+        started = time.monotonic()
+        results = [
+            r
+            async for r in hotel.gather(
+                {"action": "quote"}, agent_types=["payment"], ttl=1, timeout=20
+            )
+        ]
+        assert time.monotonic() - started < 10
+        report = await hotel.queue_stats()
+    assert [(r.agent_id, type(r.error).__name__) for r in results] == [
+        ("PaymentAgent", "NoneType"),
+        ("LedgerAgent", "RequestTimeoutError"),
+    ]
+    assert results[0].response is not None and results[0].response.content["status"] == "PAID"
+    assert "LedgerAgent did not take broadcast" in str(results[1].error)
     assert report.totals["expired_count"] == 2
 
 
