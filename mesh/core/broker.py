@@ -1267,8 +1267,8 @@ class Broker:
                     if answer is None:
                         break  # the deadline passed
                     if answer.message_type is MessageType.ERROR and _expired_in_queue(answer):
-                        error = RequestTimeoutError(str((answer.content or {}).get("error", "")))
-                        yield GatherItem(answer.from_agent, error=error)
+                        said = str((answer.content or {}).get("error", ""))
+                        yield GatherItem(answer.from_agent, error=RequestTimeoutError(said))
                         continue
                     yield GatherItem(answer.from_agent, response=answer)
             finally:
