@@ -69,6 +69,24 @@ class ResearchSpec:
             raise invalid("max_iterations", "max_iterations must be within 1..10")
         if self.subagent_timeout <= 0 or self.tool_timeout <= 0:
             raise invalid("timeout", "timeouts must be positive")
+        if self.report_name and (problem := report_name_problem(self.report_name)):
+            raise invalid("report_name", problem)
+
+
+MAX_REPORT_NAME_BYTES = 200
+"""A report's name in UTF-8 at most: with ".json" after it, within the 255 bytes a file name
+may have."""
+
+
+def report_name_problem(name: str) -> str:
+    """Why ``name`` cannot name a report's files ("" when it can): the report agent writes
+    ``<name>.md`` and ``<name>.json`` into its folder and nowhere else, so a path, a hidden
+    name or one too long for a file would have the whole run end in an escalation."""
+    if "/" in name or "\\" in name or name.startswith(".") or not name.isprintable():
+        return f"report_name must be a plain file name (no path, not hidden), not {name!r:.80}"
+    if len(name.encode()) > MAX_REPORT_NAME_BYTES:
+        return f"report_name must be at most {MAX_REPORT_NAME_BYTES} bytes of UTF-8"
+    return ""
 
 
 ACTIONS = ("retry_with_other_agent", "skip", "report_gap")

@@ -974,7 +974,10 @@ class RunResearchRequest(_message.Message):
     fail_on_cycle: _builtins.bool
     """When true, a dependency cycle fails the run (FAILED_PRECONDITION) instead of being broken."""
     report_name: _builtins.str
-    """Base name of the report files; default the run id."""
+    """Base name of the report files (<report_name>.md and .json in the report agent's
+    folder); default the run id. A plain file name of at most 200 bytes: a path, a hidden
+    name (a leading ".") or an unprintable character is refused with INVALID_ARGUMENT.
+    """
     @_builtins.property
     def subagent_timeout(self) -> _duration_pb2.Duration:
         """How long each subagent may take; default 10 s."""

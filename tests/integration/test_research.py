@@ -233,6 +233,26 @@ async def test_a_cycle_is_detected_named_and_broken_or_refused(research: Researc
     assert result["status"] == "COMPLETED" and result["findings"]
 
 
+async def test_a_report_name_that_is_no_plain_file_name_is_refused_before_any_work(
+    research: Research,
+) -> None:
+    """A path, a hidden name or one too long for a file: INVALID_ARGUMENT naming
+    report_name at once, where the whole run went ahead and ended in an escalation (the
+    report agent's write refused) with no report written."""
+    for name in ("../../escape", "a/b", ".hidden", "x" * 300, "tab\there"):
+        with pytest.raises(MeshError) as info:
+            await research.run(query=FULL_QUERY, report_name=name)
+        assert info.value.code == "INVALID_ARGUMENT"
+        assert [v.field for v in info.value.field_violations] == ["report_name"]
+    assert list(research.out.iterdir()) == []
+    events = await research.run(query=FULL_QUERY, documents=False, report_name="batteries q3")
+    assert events[-1]["data"]["status"] == "COMPLETED"
+    assert sorted(p.name for p in research.out.iterdir()) == [
+        "batteries q3.json",
+        "batteries q3.md",
+    ]
+
+
 class SlowSnapshot(SnapshotSearch):
     """The snapshot, with one slow site and one link to a page that does not exist."""
 
