@@ -102,7 +102,7 @@ function toValue(v, depth = 0) {
     }
     return { numberValue: v };
   }
-  if (typeof v === 'string') return { stringValue: v };
+  if (typeof v === 'string') return { stringValue: wellFormed(v, 'a string') };
   if (Array.isArray(v)) {
     return { listValue: { values: v.map((item) => toValue(item, nested(depth))) } };
   }
@@ -135,8 +135,23 @@ function toStruct(obj, field = 'a JSON object', depth = 0) {
       Array.isArray(obj) ? 'an array' : `a ${typeof obj}`}`);
   }
   const fields = {};
-  for (const [k, v] of Object.entries(obj || {})) fields[k] = toValue(v, depth);
+  for (const [k, v] of Object.entries(obj || {})) {
+    fields[wellFormed(k, `a key of ${field}`)] = toValue(v, depth);
+  }
   return { fields };
+}
+
+/**
+ * `value`, when UTF-8 can write it. A string holding a lone surrogate ('\ud800', what
+ * JSON.parse makes of an unpaired escape) is a TypeError: the broker refuses a frame with
+ * bad UTF-8 in it whole, and with it every frame of its batch.
+ */
+function wellFormed(value, what) {
+  if (!value.isWellFormed()) {
+    throw new TypeError(`${what}, ${JSON.stringify(value).slice(0, 60)}, is not text UTF-8 `
+      + 'can write (it holds a lone surrogate)');
+  }
+  return value;
 }
 
 function fromValue(v) {
@@ -183,6 +198,11 @@ function buildMessage(m) {
   }
   if (m.ttl !== undefined && !Number.isInteger(m.ttl)) {
     throw new TypeError(`ttl must be a whole number of seconds, not ${JSON.stringify(m.ttl)}`);
+  }
+  for (const [field, value] of [['from', m.from], ['to', m.to], ['messageId', m.messageId],
+    ['correlationId', m.correlationId], ['replyTo', m.replyTo],
+    ...Object.entries(m.headers || {}).flatMap(([k, v]) => [['a header', k], ['a header', v]])]) {
+    if (typeof value === 'string') wellFormed(value, field);
   }
   return {
     message_id: m.messageId || crypto.randomUUID(),

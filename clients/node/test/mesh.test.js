@@ -832,7 +832,8 @@ test('an answer JSON cannot carry reaches the requester as an ERROR at once, say
     const root = deep;
     for (let i = 0; i < 40; i += 1) { deep.n = {}; deep = deep.n; }
     const answers = { nan: { x: NaN }, inf: { x: [1, -Infinity] }, bigint: { x: 10n },
-      map: { m: new Map() }, circular, deep: root, fine: { ok: true } };
+      map: { m: new Map() }, circular, deep: root, lone: { name: 'caf\udce9' },
+      fine: { ok: true } };
     let calls = 0;
     const agent = await serveAgent({ broker: BROKER, agentId: 'NodeOddAgent',
       handler: async (message) => { calls += 1; return answers[message.content.action]; } });
@@ -850,13 +851,25 @@ test('an answer JSON cannot carry reaches the requester as an ERROR at once, say
       assert.match(said.map, /a Map is not a JSON value/);
       assert.equal(said.circular, `${refused}JSON content may nest at most 25 levels deep (is it circular?)`);
       assert.equal(said.deep, said.circular);
+      assert.equal(said.lone, `${refused}a string, "caf\\udce9", is not text UTF-8 can write `
+        + '(it holds a lone surrogate)');
       assert.deepEqual(said.fine, { action: 'fine', ok: true });
-      assert.equal(calls, 7); // (each handled once: none redelivered)
+      assert.equal(calls, 8); // (each handled once: none redelivered)
       // The same content is the caller's mistake when sent: a TypeError, nothing sent.
       await assert.rejects(client.send('NodeOddAgent', { action: 'x', r: root }),
         (err) => err instanceof TypeError && /nest at most 25 levels/.test(err.message));
       await assert.rejects(client.send('NodeOddAgent', { action: 'x', n: NaN }),
         (err) => err instanceof TypeError && /NaN is not a number JSON can write/.test(err.message));
+      // A lone surrogate went out as bad UTF-8, and the broker refused its frame whole: every
+      // request of the same batch frame with it. Now it is refused alone, before it is sent.
+      const [bad, good] = await Promise.allSettled([
+        client.request('NodeOddAgent', { action: 'fine', note: 'a\ud800' }, { timeoutMs: 5000 }),
+        client.request('NodeOddAgent', { action: 'fine' }, { timeoutMs: 5000 })]);
+      assert.ok(bad.status === 'rejected' && bad.reason instanceof TypeError, String(bad.reason));
+      assert.match(bad.reason.message, /is not text UTF-8 can write/);
+      assert.deepEqual(good.value.content, { action: 'fine', ok: true });
+      await assert.rejects(client.send('Node\udfffAgent', { action: 'x' }),
+        (err) => err instanceof TypeError && err.message.startsWith('to, "Node\\udfffAgent", is not'));
     } finally {
       client.close();
       await agent.stop();
