@@ -89,6 +89,13 @@ def from_rpc_error(error: grpc.RpcError) -> MeshError:
                 retry = error_details_pb2.RetryInfo()
                 detail.Unpack(retry)
                 retry_after = retry.retry_delay.seconds + retry.retry_delay.nanos / 1e9
+    if code is grpc.StatusCode.UNIMPLEMENTED and status is None:
+        # gRPC's own "Method not found!": the address is of a server without that service.
+        message = (
+            f"{message or code.name}: the server at this address does not serve this call;"
+            " is it the right address? (the broker, the gateway and each agent serve"
+            " different services)"
+        )
     cls = error_class_for(reason, code.name)
     return cls(
         message or code.name,

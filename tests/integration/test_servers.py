@@ -19,7 +19,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 from grpc_status import rpc_status
 
-from mesh import Agent, AgentClient, AgentContext, LocalMesh, MeshError, Message, Tool, agent, on
+from mesh import (
+    Agent,
+    AgentClient,
+    AgentContext,
+    LocalMesh,
+    MeshError,
+    Message,
+    Tool,
+    agent,
+    connect,
+    on,
+)
 from mesh.client import NO_RETRY
 from mesh.config import BrokerConfig
 from mesh.core.model import MessageType
@@ -198,6 +209,30 @@ async def test_health_is_serving_on_broker_and_agents(mesh: LocalMesh) -> None:
         await health_of(served.address, "mesh.v1.AgentService")
         == health_pb2.HealthCheckResponse.SERVING
     )
+
+
+async def test_a_client_given_the_address_of_another_server_is_told_to_check_it(
+    mesh: LocalMesh,
+) -> None:
+    """The SDK pointed at the gateway, the gateway client at the broker (their ports mixed
+    up): gRPC's bare "Method not found!" was all either said."""
+    from gateway.client import GatewayClient
+    from gateway.server import serve_gateway
+
+    gateway = await serve_gateway(mesh.address)
+    try:
+        async with connect(gateway.address, agent_id="Mixed", retry=NO_RETRY) as client:
+            with pytest.raises(MeshError) as info:
+                await client.send("PaymentAgent", {"action": "pay"})
+        async with GatewayClient(mesh.address) as wrong:
+            with pytest.raises(MeshError) as other:
+                await wrong.collect(wrong.run("Route", {"request_type": "refund_request"}))
+    finally:
+        await gateway.stop(0.5)
+    for error in (info.value, other.value):
+        assert error.code == "UNIMPLEMENTED"
+        assert error.message.startswith("Method not found!: the server at this address does not")
+        assert "is it the right address?" in error.message
 
 
 async def test_agent_service_describes_and_handles_directly(mesh: LocalMesh) -> None:
