@@ -20,7 +20,7 @@ from typing import Any
 
 from mesh.agent import Agent, serve_all
 from mesh.client import connect
-from mesh.config import BrokerConfig, SecurityConfig, ServerConfig
+from mesh.config import BrokerConfig, SecurityConfig, ServerConfig, check_environment
 from mesh.core.errors import MeshError, MessageValidationError
 from mesh.core.model import (
     BROADCAST_TARGET,
@@ -33,6 +33,7 @@ from mesh.core.state import StateEntry
 from mesh.core.tools import ToolHost
 from mesh.core.workflows import WORKFLOW_KEY_PREFIX
 from mesh.logs import EVENT_LOG_DAYS, configure_logging, stop_logging
+from mesh.loop import loop_name
 from mesh.loop import run as run_loop
 from mesh.security import authenticator_for, check_tls_files
 
@@ -1007,11 +1008,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("mesh.cli").warning(
             "no event log: cannot write %s (%s); --event-log names another", event_log, error
         )
+    try:
+        loop_name()
+        check_environment()
+    except ValueError as error:
+        parser.error(str(error))
     if args.command in TRACED:
         from mesh.tracing import configure_tracing
 
         trace_dir = args.trace_dir or ("traces" if args.command == "up" else None)
-        configure_tracing(TRACED[args.command], trace_dir)
+        try:
+            configure_tracing(TRACED[args.command], trace_dir)
+        except OSError as error:
+            parser.error(f"cannot write traces to {trace_dir}: {error}")
     try:
         return int(run_loop(args.run(args)) or 0)
     except MeshError as error:

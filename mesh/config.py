@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -242,3 +243,29 @@ class SecurityConfig:
 
     def evolve(self, **changes: Any) -> Self:
         return dataclasses.replace(self, **changes)
+
+
+ENV_PROBLEMS: list[str] = []
+"""What is wrong with the AGENTMESH_* settings read as the mesh loads (the command line
+refuses to start with any; :func:`check_environment` says them to a program as it starts a
+server or opens a channel)."""
+
+
+def seconds_from_env(name: str, default: float) -> int:
+    """Milliseconds (100 at least) from a positive number of seconds in the environment; the
+    default, and a problem noted, for anything else."""
+    raw = os.environ.get(name, "")
+    try:
+        seconds = float(raw) if raw else default
+    except ValueError:
+        seconds = math.nan
+    if not (seconds > 0 and math.isfinite(seconds)):  # (NaN, an infinity, 0, negative)
+        ENV_PROBLEMS.append(f"{name} must be a positive number of seconds, got {raw!r}")
+        seconds = default
+    return max(100, int(seconds * 1000))
+
+
+def check_environment() -> None:
+    """ValueError naming each AGENTMESH_* setting the mesh could not take."""
+    if ENV_PROBLEMS:
+        raise ValueError("; ".join(ENV_PROBLEMS))

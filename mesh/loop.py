@@ -14,8 +14,16 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+LOOPS = ("uvloop", "asyncio")
+
+
 def loop_name() -> str:
-    if os.environ.get("AGENTMESH_EVENT_LOOP", "") == "asyncio":
+    """The loop AGENTMESH_EVENT_LOOP names (ValueError for one it does not), else uvloop when
+    it is installed."""
+    wanted = os.environ.get("AGENTMESH_EVENT_LOOP", "")
+    if wanted and wanted not in LOOPS:
+        raise ValueError(f"AGENTMESH_EVENT_LOOP must be uvloop or asyncio, got {wanted!r}")
+    if wanted == "asyncio":
         return "asyncio"
     try:
         import uvloop  # noqa: F401

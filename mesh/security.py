@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 
 from mesh._status import abort
-from mesh.config import SecurityConfig
+from mesh.config import SecurityConfig, check_environment
 from mesh.core.auth import ANONYMOUS, Authenticator, Principal
 from mesh.core.errors import MeshError
 from mesh.core.registry import address_problem
@@ -315,6 +315,7 @@ def open_channel(
 ) -> grpc.aio.Channel:
     """A channel to ``target``: TLS when a CA is configured (with the client certificate, for
     mutual TLS, when one is), and the bearer token on every call when one is."""
+    check_environment()
     problem = address_problem(target)  # (gRPC dials port 99999 as 34463; "" fails UNKNOWN)
     if problem is not None:
         raise MeshError(problem, code="INVALID_ARGUMENT", reason="BAD_ADDRESS")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -17,7 +16,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 from prometheus_client import CollectorRegistry, start_http_server
 
 from mesh._status import abort
-from mesh.config import SecurityConfig
+from mesh.config import SecurityConfig, check_environment, seconds_from_env
 from mesh.core.errors import MessageValidationError
 from mesh.headroom import parser_for
 from mesh.security import AuthInterceptor, authenticator_for, server_credentials
@@ -67,20 +66,11 @@ def page_offset(token: str) -> int:
     return int(token)
 
 
-def _seconds_from_env(name: str, default: float) -> int:
-    raw = os.environ.get(name, "")
-    try:
-        seconds = float(raw) if raw else default
-    except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
-    return max(100, int(seconds * 1000))
-
-
-KEEPALIVE_MS = _seconds_from_env("AGENTMESH_KEEPALIVE_SECONDS", 20.0)
+KEEPALIVE_MS = seconds_from_env("AGENTMESH_KEEPALIVE_SECONDS", 20.0)
 """How often each side pings an idle connection; a peer that does not answer within
 AGENTMESH_KEEPALIVE_TIMEOUT_SECONDS is gone: its streams end, its leases go back to the
 queue (broker side), its client reconnects (agent side)."""
-KEEPALIVE_TIMEOUT_MS = _seconds_from_env("AGENTMESH_KEEPALIVE_TIMEOUT_SECONDS", 10.0)
+KEEPALIVE_TIMEOUT_MS = seconds_from_env("AGENTMESH_KEEPALIVE_TIMEOUT_SECONDS", 10.0)
 
 GRPC_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
@@ -345,6 +335,7 @@ async def start_server(
     -1 serves no /metrics, 0 picks a free port. ``on_malformed`` counts each request
     refused because it could not be read.
     """
+    check_environment()
     open_files_to_the_hard_limit()
     security = security or SecurityConfig()
     chain: list[grpc.aio.ServerInterceptor] = [ContractInterceptor(on_malformed), *interceptors]

@@ -5,6 +5,9 @@ process logs may stand."""
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -153,6 +156,40 @@ def test_a_port_that_is_none_is_a_usage_error(
     assert said in capsys.readouterr().err
     if env:  # (a command without the flag does not read it)
         assert build_parser().parse_args(["agents"]).command == "agents"
+
+
+@pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        (
+            {"AGENTMESH_KEEPALIVE_SECONDS": "abc"},
+            "AGENTMESH_KEEPALIVE_SECONDS must be a positive number of seconds, got 'abc'",
+        ),
+        (
+            {"AGENTMESH_KEEPALIVE_TIMEOUT_SECONDS": "nan"},
+            "AGENTMESH_KEEPALIVE_TIMEOUT_SECONDS must be a positive number of seconds",
+        ),
+        ({"AGENTMESH_EVENT_LOOP": "tokio"}, "AGENTMESH_EVENT_LOOP must be uvloop or asyncio"),
+        ({"AGENTMESH_TRACE_DIR": "/proc/none"}, "cannot write traces to /proc/none: [Errno 2]"),
+    ],
+)
+def test_a_setting_of_the_environment_that_is_none_is_a_usage_error(
+    env: dict[str, str], said: str, tmp_path: Path
+) -> None:
+    """Each was a traceback (ValueError as the mesh was imported, FileNotFoundError), or, for
+    an event loop nobody has, quietly uvloop; a keepalive of 0 or NaN became 100 ms or a
+    traceback."""
+    ran = subprocess.run(
+        [sys.executable, "-m", "mesh.cli", "broker", "--port", "0"],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), **env},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert ran.returncode == 2
+    assert f"agentmesh: error: {said}" in ran.stderr
+    assert "Traceback" not in ran.stderr
 
 
 @pytest.mark.parametrize(
