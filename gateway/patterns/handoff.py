@@ -132,10 +132,28 @@ def read_outcome(answer: Message) -> StepOutcome:
     )
 
 
+CANCELLED_REASON = "the run was cancelled: its caller stopped waiting, or the gateway stopped"
+"""The error_reason recorded for a workflow whose run the gateway did not finish."""
+
+
 async def run_workflow(spec: WorkflowSpec, dispatcher: Dispatcher, emit: Emit) -> dict[str, JSON]:
-    """Executes the workflow step by step through real hand-off messages; returns the result."""
+    """Executes the workflow step by step through real hand-off messages; returns the result.
+    A run cancelled part way (its caller gone) records its workflow FAILED at the step it was
+    at, rather than leaving its status IN_PROGRESS for good."""
     spec.validate()
     workflow_id = spec.workflow_id or new_id("wf")
+    at_step = [0]  # the index of the step the run is at
+    try:
+        return await _run_steps(spec, workflow_id, dispatcher, emit, at_step)
+    except asyncio.CancelledError:
+        failure: dict[str, JSON] = {"failed_at_step": at_step[0], "error_reason": CANCELLED_REASON}
+        await _record_ending(dispatcher, workflow_id, failure)
+        raise
+
+
+async def _run_steps(
+    spec: WorkflowSpec, workflow_id: str, dispatcher: Dispatcher, emit: Emit, at_step: list[int]
+) -> dict[str, JSON]:
     clock = Stopwatch()
 
     async def event(kind: EventKind, summary: str, **fields: Any) -> None:
@@ -185,6 +203,7 @@ async def run_workflow(spec: WorkflowSpec, dispatcher: Dispatcher, emit: Emit) -
 
     while index is not None and index < len(spec.steps):
         step = spec.steps[index]
+        at_step[0] = index
         if hops >= spec.max_hops:
             failure = {
                 "failed_at_step": index,

@@ -24,6 +24,7 @@ from mesh import (
     Agent,
     AgentContext,
     AgentError,
+    ChangeKind,
     LocalMesh,
     Message,
     MessageType,
@@ -528,6 +529,57 @@ async def test_handoff_loop_protection_stops_with_a_clear_error() -> None:
     assert result["status"] == "FAILED"
     assert result["hops"] == 5
     assert result["error_reason"] == "workflow exceeded 5 hand-offs (loop protection)"
+
+
+async def test_a_workflow_whose_caller_gives_up_is_recorded_failed_where_it_was() -> None:
+    """The caller stops reading while step 2 is under way: the gateway stops the run, and the
+    workflow's status says FAILED at that step, cancelled, where it stayed IN_PROGRESS (for
+    `agentmesh workflows`, a dashboard, a watcher) until its ttl ran out a day later."""
+    started = asyncio.Event()
+
+    @agent("IntakeAgent")
+    async def intake(message: Message, ctx: AgentContext) -> dict[str, Any]:
+        return {"status": "APPROVED"}
+
+    @agent("ReviewAgent")
+    async def review(message: Message, ctx: AgentContext) -> dict[str, Any]:
+        started.set()
+        await asyncio.sleep(30)
+        return {"status": "APPROVED"}
+
+    async with LocalMesh() as local:
+        await local.add_agent(intake)
+        await local.add_agent(review)
+        gateway = await serve_gateway(local.address)
+        try:
+            async with GatewayClient(gateway.address) as client, local.client("Desk") as desk:
+                changes = desk.watch_state("workflow/wf_given_up")
+                assert (await anext(changes)).kind is ChangeKind.SYNCED
+                stream = client.handoff_workflow(
+                    steps=[{"agent_id": "IntakeAgent"}, {"agent_id": "ReviewAgent"}],
+                    task="review claim 7",
+                    workflow_id="wf_given_up",
+                )
+                async for event in stream:
+                    if event["kind"] == "HANDOFF" and event["data"]["to_agent"] == "ReviewAgent":
+                        break
+                await asyncio.wait_for(started.wait(), 10)  # step 2 under way
+                await stream.aclose()
+                statuses = []
+                while not statuses or statuses[-1]["status"] == "IN_PROGRESS":
+                    change = await asyncio.wait_for(anext(changes), 10)
+                    assert change.entry is not None
+                    statuses.append(change.entry.value)
+                await changes.aclose()
+        finally:
+            await gateway.stop(0.5)
+    assert [(s["status"], s["current_agent"]) for s in statuses] == [
+        ("IN_PROGRESS", "IntakeAgent"),
+        ("IN_PROGRESS", "ReviewAgent"),
+        ("FAILED", "ReviewAgent"),
+    ]
+    assert statuses[-1]["failed_at_step"] == 1
+    assert statuses[-1]["error_reason"].startswith("the run was cancelled: its caller stopped")
 
 
 async def test_a_step_whose_agent_cannot_take_the_hand_off_fails_at_once_saying_why() -> None:
