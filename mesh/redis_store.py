@@ -52,7 +52,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError
 
-from mesh.core.errors import BrokerUnavailableError, MessageQueueFullError
+from mesh.core.errors import BrokerUnavailableError, MessageQueueFullError, message_id_taken
 from mesh.core.model import AgentInfo, DeadLetter, Message, Priority
 from mesh.core.queue import (
     GIVEN_UP_ROUTE,
@@ -185,7 +185,14 @@ return {gone, result}
 _PUT = """
 local id, body, score, expires, now, limit = ARGV[1], ARGV[2], ARGV[3],
   tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-if redis.call('HEXISTS', msgs, id) == 1 then return {0, {}} end
+local held = redis.call('HGET', msgs, id)
+if held then
+  -- A retried send of the message held (the same sender): taken once. Another sender's
+  -- message with this id: refused, with who sent the one held.
+  local holder = cjson.decode(held).from_agent
+  if holder ~= ARGV[10] then return {-3, {}, holder} end
+  return {0, {}}
+end
 local out = {}
 if redis.call('HLEN', msgs) >= limit then
   expire_due(now, out)
@@ -909,6 +916,7 @@ class RedisQueueStore:
             WAKE,
             self._wake_for(agent_id),
             message.priority.rank,
+            message.from_agent,
         ]
         result = await self._put(agent_id, args, total)
         if int(result[0]) == -2:
@@ -916,6 +924,8 @@ class RedisQueueStore:
             result = await self._put(agent_id, args, total)
         self._report(agent_id, result[1])
         status = int(result[0])
+        if status == -3:
+            raise message_id_taken(agent_id, message.message_id, _text(result[2]))
         for_low = " for LOW priority" if low else ""
         if status == -2:
             # Refused by the broker-wide count before the script looked: a retry of a message

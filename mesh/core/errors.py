@@ -154,6 +154,21 @@ class SessionClosedError(MultiAgentCommunicationError):
     reason = "SESSION_CLOSED"
 
 
+class MessageIdTakenError(MultiAgentCommunicationError):
+    """Another sender's message with the same id is in the agent's queue: the id is no retry
+    of this sender's (which would be accepted once), and taking it would lose one of the two."""
+
+    code = "ALREADY_EXISTS"
+    reason = "MESSAGE_ID_TAKEN"
+
+
+def message_id_taken(agent_id: str, message_id: str, holder: str) -> MessageIdTakenError:
+    return MessageIdTakenError(
+        f"{agent_id}'s queue holds a message {message_id!r} from {holder}: a message id must"
+        " be unique (leave it empty, and one is assigned, or make it a UUID)"
+    )
+
+
 class LimitExceededError(MultiAgentCommunicationError):
     """A bounded resource (pending requests, subscriptions) is at its limit."""
 
@@ -220,6 +235,7 @@ _BY_REASON: dict[str, type[MultiAgentCommunicationError]] = {
         NotFoundError,
         StateConflictError,
         LockNotHeldError,
+        MessageIdTakenError,
     )
 }
 # Reasons that say more than their class's own.
@@ -241,6 +257,7 @@ _BY_CODE: dict[str, type[MultiAgentCommunicationError]] = {
     "CANCELLED": SessionClosedError,
     "UNAUTHENTICATED": UnauthenticatedError,
     "PERMISSION_DENIED": PermissionDeniedError,
+    "ALREADY_EXISTS": MessageIdTakenError,
 }
 
 

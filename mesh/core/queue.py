@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol, TypeVar
 
-from mesh.core.errors import MessageQueueFullError
+from mesh.core.errors import MessageQueueFullError, message_id_taken
 from mesh.core.model import AgentInfo, DeadLetter, Message, Priority, utc_now
 
 Clock = Callable[[], float]
@@ -451,8 +451,10 @@ class InMemoryQueueStore:
         queue = self._queues.get(agent_id)
         if queue is None:
             queue = self._queues[agent_id] = _AgentQueue()
-        elif message.message_id in queue.by_id:
-            return False
+        elif (held := queue.by_id.get(message.message_id)) is not None:
+            if held.message.from_agent != message.from_agent:
+                raise message_id_taken(agent_id, message.message_id, held.message.from_agent)
+            return False  # a retried send of a message the queue already holds
         low = message.priority is Priority.LOW
         per_agent, total = self._low_limits if low else self._limits
         if queue.held >= per_agent or self._total >= total:

@@ -25,6 +25,7 @@ from mesh import (
     BrokerConfig,
     LocalMesh,
     Message,
+    MessageIdTakenError,
     MessageQueueFullError,
     MessageType,
     MessageValidationError,
@@ -694,6 +695,51 @@ class RecordingSleep:
         hook = self.on_call.get(len(self.delays))
         if hook is not None:
             await hook()  # type: ignore[operator]
+
+
+async def test_a_message_id_another_sender_holds_in_the_queue_is_refused(
+    mesh: LocalMesh,
+) -> None:
+    """Clients that number their own messages ("1", "2", ...): a second sender's "1" to an
+    agent whose queue holds the first sender's "1" was taken for a retry of it and silently
+    dropped, though the sender was told it was accepted. It is refused ALREADY_EXISTS,
+    naming the holder; the same sender's retry is still taken once, and once the first is
+    taken from the queue the id is free again."""
+    async with mesh.client("Desk") as desk:
+        await desk.register()
+        async with grpc.aio.insecure_channel(mesh.address) as channel:
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)
+
+            def numbered(sender: str, n: str) -> broker_pb2.SendMessageRequest:
+                pb = message_pb2.Message(
+                    message_id=n,
+                    from_agent=sender,
+                    to_agent="Desk",
+                    message_type=message_pb2.MESSAGE_TYPE_REQUEST,
+                )
+                pb.content.update({"action": "file", "by": sender})
+                return broker_pb2.SendMessageRequest(message=pb)
+
+            await stub.SendMessage(numbered("ClientA", "1"))
+            await stub.SendMessage(numbered("ClientA", "1"))  # a retry: taken once
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.SendMessage(numbered("ClientB", "1"))
+            assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            assert "Desk's queue holds a message '1' from ClientA" in str(info.value.details())
+            async with mesh.client("ClientB") as b:
+                with pytest.raises(MessageIdTakenError, match="a message id must be unique"):
+                    await b.send(
+                        Message(
+                            message_id="1",
+                            from_agent="ClientB",
+                            to_agent="Desk",
+                            content={"action": "file", "by": "ClientB"},
+                        )
+                    )
+            taken = await desk.receive()
+            assert [(m.message_id, m.content["by"]) for m in taken] == [("1", "ClientA")]
+            await stub.SendMessage(numbered("ClientB", "1"))  # free again
+            assert [m.content["by"] for m in await desk.receive()] == ["ClientB"]
 
 
 async def test_scenario_12_message_queue_full() -> None:

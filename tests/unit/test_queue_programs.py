@@ -27,7 +27,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mesh.core.durable import SqliteQueueStore
-from mesh.core.errors import MessageQueueFullError
+from mesh.core.errors import MessageIdTakenError, MessageQueueFullError
 from mesh.core.model import DeadLetter, Message, Priority
 from mesh.core.queue import InMemoryQueueStore, QueueStore, Released
 from tests.helpers.programs import flush_mesh_keys, programs_settings
@@ -88,6 +88,7 @@ puts = st.tuples(
     st.sampled_from(list(Priority)),
     st.sampled_from([0.0, 1.0, 2.0]),  # the message's timestamp, seconds after BASE
     st.sampled_from([1.0, 5.0, 1000.0]),  # ttl
+    st.sampled_from(("Sender", "Sender", "Other")),  # (an id reused by another: refused)
 )
 leases = st.tuples(
     st.just("lease"),
@@ -116,10 +117,10 @@ operations = st.one_of(  # (puts and leases more often than the rest)
 programs = st.lists(operations, min_size=10, max_size=40)
 
 
-def message(mid: str, to: str, priority: Priority, at: float) -> Message:
+def message(mid: str, to: str, priority: Priority, at: float, sender: str = "Sender") -> Message:
     return Message(
         message_id=mid,
-        from_agent="Sender",
+        from_agent=sender,
         to_agent=to,
         content={"action": "work", "parameters": {"id": mid}},
         priority=priority,
@@ -133,11 +134,13 @@ async def step(store: QueueStore, op: tuple[Any, ...], last: dict[str, list[str]
     kind, *args = op
     args = [last.get(args[0], []) if arg == "last" else arg for arg in args]
     if kind == "put":
-        agent_id, mid, priority, at, ttl = args
+        agent_id, mid, priority, at, ttl, sender = args
         try:
-            return await store.put(message(mid, agent_id, priority, at), ttl)
+            return await store.put(message(mid, agent_id, priority, at, sender), ttl)
         except MessageQueueFullError:
             return "full"
+        except MessageIdTakenError as error:
+            return ("taken", error.message)
     if kind == "lease":
         agent_id, subscriber, seconds, most = args
         leases = await store.lease_many(agent_id, subscriber, seconds, most)
