@@ -30,6 +30,7 @@ from mesh.core.errors import (
     HandoffError,
     LimitExceededError,
     MeshError,
+    MessageIdTakenError,
     MessageQueueFullError,
     MessageValidationError,
     RequestTimeoutError,
@@ -1894,6 +1895,8 @@ class Broker:
                 await self._enqueue(message, float(message.ttl or self.config.default_ttl))
             except MessageQueueFullError:
                 break
+            except MessageIdTakenError:
+                continue  # (another sender's message has its id now: it stays a dead letter)
             requeued.append(message.message_id)
         await self.store.sync()  # queued for good before they stop being dead letters
         if requeued:
@@ -1904,7 +1907,9 @@ class Broker:
             "%d dead letters of %s requeued%s",
             len(requeued),
             agent_id,
-            f", {left} left (the queue is full)" if left else "",
+            f", {left} left (the queue is full, or another sender's message has its id)"
+            if left
+            else "",
             extra={
                 "event": {
                     "category": "dead_letters_requeued",
