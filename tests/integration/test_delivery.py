@@ -1061,28 +1061,31 @@ async def test_a_dead_letter_whose_id_another_senders_message_took_stays_dead() 
     """Requeued while the queue holds another sender's message with the same id, a dead letter
     was taken for a retry of it: counted as requeued and dropped from the dead letters, in
     the queue nowhere. It stays a dead letter, counted as left, and the others go back."""
-    async with LocalMesh() as local:
-        async with local.client("sender") as client, local.client("other") as other:
-            await client.register("Worker")
-            first = await client.send("Worker", {"action": "x", "n": 1})
-            second = await client.send("Worker", {"action": "x", "n": 2})
-            await reject_all(client, "Worker", 2)
-            await other.send(
-                Message(
-                    message_id=first.message_id,
-                    from_agent="other",
-                    to_agent="Worker",
-                    content={"action": "y"},
-                )
+    async with (
+        LocalMesh() as local,
+        local.client("sender") as client,
+        local.client("other") as other,
+    ):
+        await client.register("Worker")
+        first = await client.send("Worker", {"action": "x", "n": 1})
+        second = await client.send("Worker", {"action": "x", "n": 2})
+        await reject_all(client, "Worker", 2)
+        await other.send(
+            Message(
+                message_id=first.message_id,
+                from_agent="other",
+                to_agent="Worker",
+                content={"action": "y"},
             )
-            done = await client.requeue_dead_letters("Worker")
-            assert (done.requeued, done.left) == (1, 1)
-            dead = await client.dead_letters("Worker")
-            assert [d.message.message_id for d in dead] == [first.message_id]
-            got = await client.receive("Worker")
-            assert sorted((m.message_id, m.from_agent) for m in got) == sorted(
-                [(first.message_id, "other"), (second.message_id, "sender")]
-            )
+        )
+        done = await client.requeue_dead_letters("Worker")
+        assert (done.requeued, done.left) == (1, 1)
+        dead = await client.dead_letters("Worker")
+        assert [d.message.message_id for d in dead] == [first.message_id]
+        got = await client.receive("Worker")
+        assert sorted((m.message_id, m.from_agent) for m in got) == sorted(
+            [(first.message_id, "other"), (second.message_id, "sender")]
+        )
 
 
 async def test_an_agent_on_the_brokers_default_lease_keeps_it_without_spinning(
