@@ -39,6 +39,9 @@ logger = logging.getLogger("gateway.server")
 GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 EVENT_BUFFER = 256
 Run = Callable[[Emit], Awaitable[dict[str, JSON]]]
+SETTLE_SECONDS = 2.0
+"""How long a stopping gateway waits, past its grace, for the runs it cancelled to record how
+they ended before it closes its broker client."""
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
@@ -63,6 +66,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.draining = True
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(grace):
+                await self._idle.wait()
+
+    async def settle(self, most: float) -> None:
+        """Waits, ``most`` seconds at most, for the runs still winding up to end."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(most):
                 await self._idle.wait()
 
     # -- plumbing ----------------------------------------------------------------------------
@@ -387,6 +396,10 @@ class GatewayServer:
 
     async def stop(self, grace: float = 5.0) -> None:
         await self.server.stop(grace)
+        if self.servicer is not None:
+            # Runs the stop cancelled still record how they ended (a workflow's status)
+            # through the broker client: it closes once they have.
+            await self.servicer.settle(SETTLE_SECONDS)
         await self.client.close()
 
 

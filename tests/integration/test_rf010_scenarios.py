@@ -582,6 +582,47 @@ async def test_a_workflow_whose_caller_gives_up_is_recorded_failed_where_it_was(
     assert statuses[-1]["error_reason"].startswith("the run was cancelled: its caller stopped")
 
 
+async def test_a_workflow_its_gateway_stops_is_recorded_failed_where_it_was() -> None:
+    """The gateway stops while step 2 is under way: the run it cancels records its ending
+    before the gateway's broker client closes (it was closed first: the ending was lost, and
+    the status stayed IN_PROGRESS)."""
+    started = asyncio.Event()
+
+    @agent("IntakeAgent")
+    async def intake(message: Message, ctx: AgentContext) -> dict[str, Any]:
+        return {"status": "APPROVED"}
+
+    @agent("ReviewAgent")
+    async def review(message: Message, ctx: AgentContext) -> dict[str, Any]:
+        started.set()
+        await asyncio.sleep(30)
+        return {"status": "APPROVED"}
+
+    async with LocalMesh() as local:
+        await local.add_agent(intake)
+        await local.add_agent(review)
+        gateway = await serve_gateway(local.address)
+        async with GatewayClient(gateway.address) as client:
+            running = asyncio.create_task(
+                client.collect(
+                    client.handoff_workflow(
+                        steps=[{"agent_id": "IntakeAgent"}, {"agent_id": "ReviewAgent"}],
+                        task="review claim 8",
+                        workflow_id="wf_stopped",
+                    )
+                )
+            )
+            await asyncio.wait_for(started.wait(), 10)
+            await gateway.stop(0.2)
+            with pytest.raises(MeshError):
+                await running
+        async with local.client("Desk") as desk:
+            status = await desk.get_state("workflow/wf_stopped")
+    assert status is not None
+    assert (status.value["status"], status.value["failed_at_step"]) == ("FAILED", 1)
+    assert status.value["error_reason"].startswith("the run was cancelled")
+
+
 async def test_a_step_whose_agent_cannot_take_the_hand_off_fails_at_once_saying_why() -> None:
     """The agent has no handler for a hand-off: it dead-letters it. The workflow waited the
     step's timeout for an answer that could not come; now it fails at once, with the reason."""
