@@ -1,10 +1,26 @@
-"""Queue stores that count what the broker asks of them."""
+"""Queue stores that count what the broker asks of them, and the URL of each kind of store a
+broker process may be started on."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import pytest
+
 from mesh.core.queue import InMemoryQueueStore
+
+BROKER_STORES = ["memory", "sqlite", "redis", "redis-cluster"]
+
+
+def store_url(kind: str, request: pytest.FixtureRequest, folder: Path) -> str:
+    """The ``--store`` of a broker on a store of ``kind`` (one of BROKER_STORES): SQLite in
+    ``folder``, Redis and the Redis Cluster the session's, emptied for the test."""
+    if kind == "memory":
+        return "memory://"
+    if kind == "sqlite":
+        return f"sqlite:///{folder / 'mesh.db'}"
+    return str(request.getfixturevalue("redis_url" if kind == "redis" else "redis_cluster_url"))
 
 
 class CountingLeases:

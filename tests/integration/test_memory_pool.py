@@ -17,6 +17,7 @@ from mesh.client import NO_RETRY
 from mesh.testing import LocalMesh
 from mesh.v1 import memory_pb2, memory_pb2_grpc
 from tests.helpers.processes import BROKER_READY, start, stop
+from tests.helpers.stores import BROKER_STORES, store_url
 
 
 @pytest.fixture(params=["memory", "redis", "redis-cluster"])
@@ -156,7 +157,7 @@ async def test_an_insight_over_its_limits_is_refused_whole(broker: str) -> None:
         assert (await client.memory_stats()).total_insights == 0
 
 
-@pytest.mark.parametrize("store", ["memory", "sqlite", "redis", "redis-cluster"])
+@pytest.mark.parametrize("store", BROKER_STORES)
 async def test_a_full_pool_makes_room_by_the_ttl_nearest_its_end_on_every_store(
     store: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
@@ -164,14 +165,7 @@ async def test_a_full_pool_makes_room_by_the_ttl_nearest_its_end_on_every_store(
     its end (a consensus run's proposal and votes, kept a day, leave before the pool refuses
     the next run), and one with no such insight left is refused RESOURCE_EXHAUSTED; on SQLite
     what was taken out stays out after a restart."""
-    url = {
-        "memory": "memory://",
-        "sqlite": f"sqlite:///{tmp_path / 'mesh.db'}",
-        "redis": request.getfixturevalue("redis_url") if store == "redis" else "",
-        "redis-cluster": (
-            request.getfixturevalue("redis_cluster_url") if store == "redis-cluster" else ""
-        ),
-    }[store]
+    url = store_url(store, request, tmp_path)
     args = ("broker", "--port", "0", "--store", url, "--max-insights", "3")
     process = await start(*args, ready=BROKER_READY)
     try:

@@ -531,10 +531,10 @@ async def test_handoff_loop_protection_stops_with_a_clear_error() -> None:
     assert result["error_reason"] == "workflow exceeded 5 hand-offs (loop protection)"
 
 
-async def test_a_workflow_whose_caller_gives_up_is_recorded_failed_where_it_was() -> None:
-    """The caller stops reading while step 2 is under way: the gateway stops the run, and the
-    workflow's status says FAILED at that step, cancelled, where it stayed IN_PROGRESS (for
-    `agentmesh workflows`, a dashboard, a watcher) until its ttl ran out a day later."""
+async def cut_short(workflow_id: str, *, gateway_stops: bool) -> list[dict[str, Any]]:
+    """Runs IntakeAgent, then ReviewAgent (30 s at it), through a gateway; with step 2 under
+    way, the caller stops reading (or the gateway stops). The workflow's statuses as a
+    watcher saw them, up to the first that is not IN_PROGRESS."""
     started = asyncio.Event()
 
     @agent("IntakeAgent")
@@ -547,32 +547,48 @@ async def test_a_workflow_whose_caller_gives_up_is_recorded_failed_where_it_was(
         await asyncio.sleep(30)
         return {"status": "APPROVED"}
 
+    statuses: list[dict[str, Any]] = []
     async with LocalMesh() as local:
         await local.add_agent(intake)
         await local.add_agent(review)
         gateway = await serve_gateway(local.address)
         try:
             async with GatewayClient(gateway.address) as client, local.client("Desk") as desk:
-                changes = desk.watch_state("workflow/wf_given_up")
+                changes = desk.watch_state(f"workflow/{workflow_id}")
                 assert (await anext(changes)).kind is ChangeKind.SYNCED
                 stream = client.handoff_workflow(
                     steps=[{"agent_id": "IntakeAgent"}, {"agent_id": "ReviewAgent"}],
                     task="review claim 7",
-                    workflow_id="wf_given_up",
+                    workflow_id=workflow_id,
                 )
                 async for event in stream:
                     if event["kind"] == "HANDOFF" and event["data"]["to_agent"] == "ReviewAgent":
                         break
                 await asyncio.wait_for(started.wait(), 10)  # step 2 under way
-                await stream.aclose()
-                statuses = []
+                if gateway_stops:
+                    await gateway.stop(0.2)
+                    with pytest.raises(MeshError):
+                        async for _ in stream:
+                            pass
+                else:
+                    await stream.aclose()
                 while not statuses or statuses[-1]["status"] == "IN_PROGRESS":
                     change = await asyncio.wait_for(anext(changes), 10)
                     assert change.entry is not None
-                    statuses.append(change.entry.value)
+                    statuses.append(dict(change.entry.value))
                 await changes.aclose()
         finally:
-            await gateway.stop(0.5)
+            await gateway.stop(0.2)
+    return statuses
+
+
+@pytest.mark.parametrize("gateway_stops", [False, True], ids=["caller gives up", "gateway stops"])
+async def test_a_workflow_cut_short_is_recorded_failed_where_it_was(gateway_stops: bool) -> None:
+    """The caller stops reading, or the gateway stops, while step 2 is under way: the run is
+    cancelled, and the workflow's status says FAILED at that step, where it stayed IN_PROGRESS
+    (for `agentmesh workflows`, a dashboard, a watcher) until its ttl ran out a day later. (A
+    stopping gateway closed its broker client before the run could record its ending.)"""
+    statuses = await cut_short("wf_cut_short", gateway_stops=gateway_stops)
     assert [(s["status"], s["current_agent"]) for s in statuses] == [
         ("IN_PROGRESS", "IntakeAgent"),
         ("IN_PROGRESS", "ReviewAgent"),
@@ -580,47 +596,6 @@ async def test_a_workflow_whose_caller_gives_up_is_recorded_failed_where_it_was(
     ]
     assert statuses[-1]["failed_at_step"] == 1
     assert statuses[-1]["error_reason"].startswith("the run was cancelled: its caller stopped")
-
-
-async def test_a_workflow_its_gateway_stops_is_recorded_failed_where_it_was() -> None:
-    """The gateway stops while step 2 is under way: the run it cancels records its ending
-    before the gateway's broker client closes (it was closed first: the ending was lost, and
-    the status stayed IN_PROGRESS)."""
-    started = asyncio.Event()
-
-    @agent("IntakeAgent")
-    async def intake(message: Message, ctx: AgentContext) -> dict[str, Any]:
-        return {"status": "APPROVED"}
-
-    @agent("ReviewAgent")
-    async def review(message: Message, ctx: AgentContext) -> dict[str, Any]:
-        started.set()
-        await asyncio.sleep(30)
-        return {"status": "APPROVED"}
-
-    async with LocalMesh() as local:
-        await local.add_agent(intake)
-        await local.add_agent(review)
-        gateway = await serve_gateway(local.address)
-        async with GatewayClient(gateway.address) as client:
-            running = asyncio.create_task(
-                client.collect(
-                    client.handoff_workflow(
-                        steps=[{"agent_id": "IntakeAgent"}, {"agent_id": "ReviewAgent"}],
-                        task="review claim 8",
-                        workflow_id="wf_stopped",
-                    )
-                )
-            )
-            await asyncio.wait_for(started.wait(), 10)
-            await gateway.stop(0.2)
-            with pytest.raises(MeshError):
-                await running
-        async with local.client("Desk") as desk:
-            status = await desk.get_state("workflow/wf_stopped")
-    assert status is not None
-    assert (status.value["status"], status.value["failed_at_step"]) == ("FAILED", 1)
-    assert status.value["error_reason"].startswith("the run was cancelled")
 
 
 async def test_a_step_whose_agent_cannot_take_the_hand_off_fails_at_once_saying_why() -> None:

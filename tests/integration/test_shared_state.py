@@ -27,6 +27,7 @@ from mesh.client import NO_RETRY
 from mesh.core.errors import LimitExceededError
 from mesh.v1 import memory_pb2, memory_pb2_grpc
 from tests.helpers.processes import BROKER_READY, start, stop
+from tests.helpers.stores import BROKER_STORES, store_url
 
 
 @pytest.fixture
@@ -330,7 +331,7 @@ async def test_a_resumed_watch_that_was_never_in_place_fails_at_once() -> None:
             await asyncio.wait_for(anext(gone.watch_state("k/", resume=True)), 10)
 
 
-@pytest.mark.parametrize("store", ["memory", "sqlite", "redis", "redis-cluster"])
+@pytest.mark.parametrize("store", BROKER_STORES)
 async def test_a_full_state_makes_room_for_new_workflows_on_every_store(
     store: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
@@ -339,14 +340,7 @@ async def test_a_full_state_makes_room_for_new_workflows_on_every_store(
     watcher as its lapse) and for an agent's own entry, where every write of a new entry was
     refused once as many workflows had run; entries without a ttl are never taken out, and
     with nothing else left a write is refused RESOURCE_EXHAUSTED."""
-    url = {
-        "memory": "memory://",
-        "sqlite": f"sqlite:///{tmp_path / 'mesh.db'}",
-        "redis": request.getfixturevalue("redis_url") if store == "redis" else "",
-        "redis-cluster": (
-            request.getfixturevalue("redis_cluster_url") if store == "redis-cluster" else ""
-        ),
-    }[store]
+    url = store_url(store, request, tmp_path)
     process = await start(
         "broker", "--port", "0", "--store", url, "--max-state-entries", "3", ready=BROKER_READY
     )
