@@ -326,9 +326,12 @@ EXPIRED_REASON = "REQUEST_EXPIRED"
 """The reason of the ERROR that tells a requester its request expired in the queue."""
 
 
-def _expired_in_queue(answer: Message) -> bool:
+def _expired_in_queue(answer: Message) -> RequestTimeoutError | None:
+    """The timeout an ERROR answer stands for when it says the request expired in the queue."""
     content = answer.content
-    return content is not None and content.get("reason") == EXPIRED_REASON
+    if content is None or content.get("reason") != EXPIRED_REASON:
+        return None
+    return RequestTimeoutError(str(content.get("error", "")))
 
 
 def _said_for(
@@ -1129,9 +1132,9 @@ class Broker:
                 ) from None
             finally:
                 timer.cancel()
-            if answer.message_type is MessageType.ERROR and _expired_in_queue(answer):
+            if answer.message_type is MessageType.ERROR and (late := _expired_in_queue(answer)):
                 self.metrics.request("timeout")
-                raise RequestTimeoutError(str((answer.content or {}).get("error", "")))
+                raise late
             self.metrics.request(
                 "error" if answer.message_type is MessageType.ERROR else "ok",
                 time.perf_counter() - started,
@@ -1267,9 +1270,10 @@ class Broker:
                     answer = await answers.get()
                     if answer is None:
                         break  # the deadline passed
-                    if answer.message_type is MessageType.ERROR and _expired_in_queue(answer):
-                        said = str((answer.content or {}).get("error", ""))
-                        yield GatherItem(answer.from_agent, error=RequestTimeoutError(said))
+                    if answer.message_type is MessageType.ERROR and (
+                        late := _expired_in_queue(answer)
+                    ):
+                        yield GatherItem(answer.from_agent, error=late)
                         continue
                     yield GatherItem(answer.from_agent, response=answer)
             finally:
