@@ -440,13 +440,26 @@ function invalidArgument(violations) {
  */
 class MeshError extends Error {
   constructor(grpcError) {
-    super(grpcError.details || grpcError.message);
+    super(MeshError.said(grpcError));
     this.code = grpcError.code;
     this.codeName = Object.keys(grpc.status).find((k) => grpc.status[k] === grpcError.code);
     const rich = richStatus(grpcError.metadata);
     this.reason = grpcError.reason || rich.reason;
     this.fieldViolations = grpcError.fieldViolations || rich.fieldViolations;
     this.retryAfterMs = grpcError.retryAfterMs ?? rich.retryAfterMs;
+  }
+
+  /**
+   * The error's text. gRPC's own bare "Method not found!" (no rich status: no server of the
+   * mesh sent it) means the address is of a server without that service: said so.
+   */
+  static said(grpcError) {
+    const text = grpcError.details || grpcError.message;
+    const [rich] = (grpcError.metadata && typeof grpcError.metadata.get === 'function')
+      ? grpcError.metadata.get('grpc-status-details-bin') : [];
+    if (grpcError.code !== grpc.status.UNIMPLEMENTED || rich || grpcError.reason) return text;
+    return `${text}: the server at this address does not serve this call; is it the right `
+      + 'address? (the broker, the gateway and each agent serve different services)';
   }
 }
 

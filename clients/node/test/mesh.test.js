@@ -43,6 +43,23 @@ test('sends and receives messages in priority order', async () => {
   }
 });
 
+test('a client given the address of another server is told to check it', async () => {
+  // The broker client at the gateway, the gateway client at the broker: gRPC's bare
+  // "Method not found!" was all either said.
+  const client = new MeshClient(GATEWAY, { agentId: 'NodeMixedUp' });
+  const gateway = new GatewayClient(BROKER);
+  try {
+    const told = (err) => err instanceof MeshError && err.codeName === 'UNIMPLEMENTED'
+      && err.message.startsWith('Method not found!: the server at this address does not')
+      && err.message.includes('is it the right address?');
+    await assert.rejects(client.listAgents(), told);
+    await assert.rejects(gateway.route({ requestType: 'refund_request' }), told);
+  } finally {
+    client.close();
+    gateway.close();
+  }
+});
+
 test('sends a batch in one call: each message goes in or is refused on its own', async () => {
   const client = new MeshClient(BROKER, { agentId: 'NodeBatcher' });
   try {
