@@ -39,6 +39,8 @@ logger = logging.getLogger("gateway.server")
 GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 EVENT_BUFFER = 256
 Run = Callable[[Emit], Awaitable[dict[str, JSON]]]
+CANCELLED = "cancelled: its caller stopped waiting, or the gateway stopped"
+"""How a run its caller gave up (or a stopping gateway cut short) ended, for its observers."""
 SETTLE_SECONDS = 2.0
 """How long a stopping gateway waits, past its grace, for the runs it cancelled to record how
 they ended before it closes its broker client."""
@@ -76,7 +78,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     # -- plumbing ----------------------------------------------------------------------------
 
-    def _observed(self, emit: Emit) -> Emit:
+    def _observed(self, emit: Emit, open_runs: dict[str, PatternEvent]) -> Emit:
+        """``emit``, the metrics, the ledger and the observers told of each event first;
+        ``open_runs``: each run begun and not ended by its RESULT, by run id (its first
+        event)."""
+
         async def observe(event: PatternEvent) -> None:
             data = event.data
             if event.kind is EventKind.AGGREGATION:
@@ -84,12 +90,34 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 self.metrics.aggregation(float(data.get("aggregation_ms", 0.0)) / 1000, conflict)
             elif event.kind is EventKind.ROUTED:
                 self.metrics.routed(float(data["routing_latency_ms"]) / 1000)
-            self.ledger.observe(event)
-            for observer in self.observers:
-                observer(event)
+            begun = open_runs.setdefault(event.run_id, event)
+            if event.kind is EventKind.RESULT and event.pattern is begun.pattern:
+                del open_runs[event.run_id]
+            self._tell(event)
             await emit(event)
 
         return observe
+
+    def _tell(self, event: PatternEvent) -> None:
+        self.ledger.observe(event)
+        for observer in self.observers:
+            observer(event)
+
+    def _ended_without_result(self, open_runs: dict[str, PatternEvent], why: str) -> None:
+        """Runs that ended with an error, at the deadline or with their caller gone have no
+        RESULT: the ledger and the observers (the dashboard, which showed them running) are
+        told how they ended. (Their caller has its status.)"""
+        status = "CANCELLED" if why == CANCELLED else "FAILED"
+        for run_id, first in open_runs.items():
+            self._tell(
+                PatternEvent(
+                    run_id=run_id,
+                    pattern=first.pattern,
+                    kind=EventKind.RESULT,
+                    summary=f"{first.pattern.value.lower()} run ended without a result: {why}",
+                    data={"status": status, "error": why},
+                )
+            )
 
     async def _events(
         self, pattern: Pattern, run: Run, context: Any
@@ -118,7 +146,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self, pattern: Pattern, run: Run, context: Any
     ) -> AsyncIterator[gateway_pb2.PatternEvent]:
         queue: asyncio.Queue[PatternEvent | None] = asyncio.Queue(EVENT_BUFFER)
-        emit = self._observed(queue.put)
+        open_runs: dict[str, PatternEvent] = {}
+        emit = self._observed(queue.put, open_runs)
         outcome: dict[str, Any] = {}
 
         carrier = {
@@ -166,6 +195,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            if open_runs:
+                error = outcome.get("error")
+                self._ended_without_result(open_runs, error.message if error else CANCELLED)
         if "error" in outcome:
             await abort(context, outcome["error"])
 

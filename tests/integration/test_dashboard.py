@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from mesh import connect
+from mesh import MeshError, connect
 from mesh.client import NO_RETRY
 from tests.helpers.processes import Proc, start, stop
 
@@ -237,6 +237,33 @@ def test_bad_pattern_requests_get_clear_errors(mesh_up: dict[str, str]) -> None:
         assert status == 400
         assert json.loads(text)["code"] == "INVALID_ARGUMENT"
         assert "not a valid mesh.v1.RunGroupChatRequest" in json.loads(text)["message"]
+
+
+def test_a_run_that_ends_with_an_error_is_shown_failed_not_running(
+    mesh_up: dict[str, str],
+) -> None:
+    """A consensus round whose facilitator is not registered ends NOT_FOUND, with no RESULT
+    event: the page listed the run as RUNNING for as long as it kept it."""
+    from gateway.client import GatewayClient
+
+    async def fail() -> tuple[str, str]:
+        async with GatewayClient(mesh_up["gateway"]) as gateway:
+            run_id = ""
+            with pytest.raises(MeshError) as info:
+                async for event in gateway.consensus(
+                    problem="Adopt gRPC for the mesh?", facilitator_id="GhostFacilitator"
+                ):
+                    run_id = run_id or event["run_id"]
+            return run_id, info.value.code
+
+    run_id, code = asyncio.run(fail())
+    assert run_id and code == "NOT_FOUND"
+    with urllib.request.urlopen(f"{mesh_up['dashboard']}api/runs/{run_id}", timeout=10) as reply:
+        recorded = json.load(reply)
+    assert recorded["status"] == "FAILED"
+    last = recorded["events"][-1]
+    assert last["kind"] == "RESULT"
+    assert "GhostFacilitator" in last["data"]["error"]
 
 
 def test_rating_a_run_gets_clear_errors(mesh_up: dict[str, str]) -> None:

@@ -531,10 +531,13 @@ async def test_handoff_loop_protection_stops_with_a_clear_error() -> None:
     assert result["error_reason"] == "workflow exceeded 5 hand-offs (loop protection)"
 
 
-async def cut_short(workflow_id: str, *, gateway_stops: bool) -> list[dict[str, Any]]:
+async def cut_short(
+    workflow_id: str, *, gateway_stops: bool
+) -> tuple[list[dict[str, Any]], list[Any]]:
     """Runs IntakeAgent, then ReviewAgent (30 s at it), through a gateway; with step 2 under
     way, the caller stops reading (or the gateway stops). The workflow's statuses as a
-    watcher saw them, up to the first that is not IN_PROGRESS."""
+    watcher saw them, up to the first that is not IN_PROGRESS, and the run's events as the
+    gateway's observers (the dashboard, the feedback ledger) were told them."""
     started = asyncio.Event()
 
     @agent("IntakeAgent")
@@ -552,6 +555,9 @@ async def cut_short(workflow_id: str, *, gateway_stops: bool) -> list[dict[str, 
         await local.add_agent(intake)
         await local.add_agent(review)
         gateway = await serve_gateway(local.address)
+        told: list[Any] = []
+        assert gateway.servicer is not None
+        gateway.servicer.observers.append(told.append)
         try:
             async with GatewayClient(gateway.address) as client, local.client("Desk") as desk:
                 changes = desk.watch_state(f"workflow/{workflow_id}")
@@ -579,7 +585,7 @@ async def cut_short(workflow_id: str, *, gateway_stops: bool) -> list[dict[str, 
                 await changes.aclose()
         finally:
             await gateway.stop(0.2)
-    return statuses
+    return statuses, told
 
 
 @pytest.mark.parametrize("gateway_stops", [False, True], ids=["caller gives up", "gateway stops"])
@@ -588,7 +594,7 @@ async def test_a_workflow_cut_short_is_recorded_failed_where_it_was(gateway_stop
     cancelled, and the workflow's status says FAILED at that step, where it stayed IN_PROGRESS
     (for `agentmesh workflows`, a dashboard, a watcher) until its ttl ran out a day later. (A
     stopping gateway closed its broker client before the run could record its ending.)"""
-    statuses = await cut_short("wf_cut_short", gateway_stops=gateway_stops)
+    statuses, told = await cut_short("wf_cut_short", gateway_stops=gateway_stops)
     assert [(s["status"], s["current_agent"]) for s in statuses] == [
         ("IN_PROGRESS", "IntakeAgent"),
         ("IN_PROGRESS", "ReviewAgent"),
@@ -596,6 +602,14 @@ async def test_a_workflow_cut_short_is_recorded_failed_where_it_was(gateway_stop
     ]
     assert statuses[-1]["failed_at_step"] == 1
     assert statuses[-1]["error_reason"].startswith("the run was cancelled: its caller stopped")
+    # The dashboard and the ledger are told it ended (they showed it running for good).
+    ended = told[-1]
+    assert (ended.run_id, ended.kind.value, ended.data["status"]) == (
+        "wf_cut_short",
+        "RESULT",
+        "CANCELLED",
+    )
+    assert ended.summary.startswith("hand_off run ended without a result: cancelled")
 
 
 async def test_a_step_whose_agent_cannot_take_the_hand_off_fails_at_once_saying_why() -> None:
