@@ -19,7 +19,7 @@ from gateway.dispatch import Dispatcher, MeshDispatcher
 from gateway.events import Emit, EventKind, Pattern, PatternEvent
 from gateway.feedback import RunLedger
 from gateway.metrics import PatternMetrics
-from gateway.patterns._common import invalid, new_id
+from gateway.patterns._common import CANCELLED_WHY, invalid, new_id
 from gateway.patterns.consensus import run_consensus
 from gateway.patterns.group_chat import GroupChatSpec
 from gateway.patterns.handoff import WorkflowSpec
@@ -39,8 +39,6 @@ logger = logging.getLogger("gateway.server")
 GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 EVENT_BUFFER = 256
 Run = Callable[[Emit], Awaitable[dict[str, JSON]]]
-CANCELLED = "cancelled: its caller stopped waiting, or the gateway stopped"
-"""How a run its caller gave up (or a stopping gateway cut short) ended, for its observers."""
 SETTLE_SECONDS = 2.0
 """How long a stopping gateway waits, past its grace, for the runs it cancelled to record how
 they ended before it closes its broker client."""
@@ -103,11 +101,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         for observer in self.observers:
             observer(event)
 
-    def _ended_without_result(self, open_runs: dict[str, PatternEvent], why: str) -> None:
+    def _ended_without_result(
+        self, open_runs: dict[str, PatternEvent], status: str, why: str
+    ) -> None:
         """Runs that ended with an error, at the deadline or with their caller gone have no
         RESULT: the ledger and the observers (the dashboard, which showed them running) are
         told how they ended. (Their caller has its status.)"""
-        status = "CANCELLED" if why == CANCELLED else "FAILED"
         for run_id, first in open_runs.items():
             self._tell(
                 PatternEvent(
@@ -197,7 +196,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 await task
             if open_runs:
                 error = outcome.get("error")
-                self._ended_without_result(open_runs, error.message if error else CANCELLED)
+                if error is None:  # (the runner was cancelled)
+                    self._ended_without_result(
+                        open_runs, "CANCELLED", f"cancelled: {CANCELLED_WHY}"
+                    )
+                else:
+                    self._ended_without_result(open_runs, "FAILED", error.message)
         if "error" in outcome:
             await abort(context, outcome["error"])
 

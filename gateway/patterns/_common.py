@@ -24,6 +24,8 @@ MAX_AGENTS = 50
 """RT-011 orchestrator max_agents: the most agents one pattern run may involve."""
 MAX_PARALLEL = 16
 """The most patterns one RunParallel call may run at once."""
+CANCELLED_WHY = "its caller stopped waiting, or the gateway stopped"
+"""Why a run the gateway did not finish ended (its workflow status, its observers say so)."""
 
 
 def check_group(field: str, agent_ids: list[str], what: str) -> None:

@@ -12,7 +12,14 @@ from typing import Any
 
 from gateway.dispatch import Dispatcher
 from gateway.events import Emit, EventKind, Pattern, PatternEvent
-from gateway.patterns._common import GATEWAY_ID, MAX_AGENTS, Stopwatch, invalid, new_id
+from gateway.patterns._common import (
+    CANCELLED_WHY,
+    GATEWAY_ID,
+    MAX_AGENTS,
+    Stopwatch,
+    invalid,
+    new_id,
+)
 from gateway.patterns.group_chat import GroupChatSpec, run_group_chat
 from gateway.tracing import tracer
 from mesh.core.errors import MeshError
@@ -132,7 +139,7 @@ def read_outcome(answer: Message) -> StepOutcome:
     )
 
 
-CANCELLED_REASON = "the run was cancelled: its caller stopped waiting, or the gateway stopped"
+CANCELLED_REASON = f"the run was cancelled: {CANCELLED_WHY}"
 """The error_reason recorded for a workflow whose run the gateway did not finish."""
 
 
