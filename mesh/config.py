@@ -94,6 +94,12 @@ class BrokerConfig:
     """RT-011 hand-off protocol: each hand-off of a workflow records its status (the agent that
     has it now, its step) in the shared state as ``workflow/<workflow_id>``, kept this many
     seconds after the workflow's last hand-off; 0 records none."""
+    forget_lost_after: float = 86_400.0
+    """An agent no process has served for this many seconds (its last instance died, or its
+    connection was lost, and none came back) is taken off the registry, as a deregistration
+    would; what waits in its queue stays there until its ttl ends, for an instance that
+    registers again. 0 keeps such agents for good. Agents that come and go under new ids (a
+    pod's name, a process's) would otherwise fill the registry over weeks."""
     delivery_guarantee: str = "at_least_once"
     """RT-011 delivery guarantee: at_least_once (a delivery not acknowledged is delivered
     again, max_delivery_attempts in all, then dead-lettered) or at_most_once (never delivered
@@ -127,6 +133,8 @@ class BrokerConfig:
             raise ValueError("low_priority_share must be within (0, 1]")
         if not 0 <= self.workflow_status_ttl <= 365 * 86_400:
             raise ValueError("workflow_status_ttl must be within 0 and 365 days, in seconds")
+        if not 0 <= self.forget_lost_after <= 365 * 86_400:
+            raise ValueError("forget_lost_after must be within 0 and 365 days, in seconds")
         if not self.store.startswith(
             ("memory://", "sqlite://", "redis://", "rediss://")
         ) and not self.store.endswith((".db", ".sqlite", ".sqlite3")):

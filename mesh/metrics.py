@@ -108,6 +108,10 @@ class LoopCounter:
             child = self._children[values] = self.Child()
         return child
 
+    def remove(self, *values: str) -> None:
+        """Drops the series of these label values (what it counted is gone for good)."""
+        self._children.pop(values, None)
+
     def inc(self, amount: float = 1) -> None:
         assert self._own is not None, f"{self.name} has labels"
         self._own.value += amount
@@ -340,6 +344,11 @@ class BrokerMetrics:
             " deregistering (a process killed or out of memory, its connection gone).",
             ["agent"],
         )
+        self.agents_forgotten = loop.counter(
+            "agentmesh_agents_forgotten",
+            "Agents taken off the registry because no instance had served them for"
+            " forget_lost_after seconds.",
+        )
         self.leases_extended = loop.counter(
             "agentmesh_leases_extended",
             "Leases extended while their handler still worked (ExtendLease).",
@@ -430,6 +439,13 @@ class BrokerMetrics:
     def dropped(self, reason: str, count: int = 1) -> None:
         self.totals.dropped += count
         self.messages_dropped.labels(reason).inc(count)
+
+    def agent_gone(self, agent_id: str, *, forgotten: bool = False) -> None:
+        """The agent left the registry: its own series go with it (agents that come and go
+        under new ids would otherwise grow them without end)."""
+        self.instances_lost.remove(agent_id)
+        if forgotten:
+            self.agents_forgotten.inc()
 
     def expired(self) -> None:
         self.totals.expired += 1

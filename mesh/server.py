@@ -419,10 +419,15 @@ class _Session:
             # Those not unsubscribed are lost: the client died, lost its connection, or ended
             # the stream while still subscribed (a handler of grpc.aio sees a client's cancel
             # as the end of its frames too, as it sees a half-close: they are one here).
-            for sub, pump in self.subscriptions.values():
+            for _, pump in self.subscriptions.values():
                 pump.cancel()
-                await sub.close(lost=True)
-            self.writer.close()
+            # Each ends in a task the broker keeps (Subscription.end), not in this handler.
+            ending = {sub.end(lost=True) for sub, _ in self.subscriptions.values()}
+            try:
+                if ending:
+                    await asyncio.wait(ending)
+            finally:
+                self.writer.close()
 
     async def _error(self, seq: int, error: MeshError) -> None:
         frame = broker_pb2.ConnectResponse(seq=seq)

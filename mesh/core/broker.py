@@ -15,9 +15,10 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import AsyncGenerator, Callable, Collection, Iterable, Sequence
+from collections.abc import AsyncGenerator, Callable, Collection, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
+from typing import Any
 
 from mesh.config import BrokerConfig
 from mesh.core import workflows
@@ -149,10 +150,16 @@ class AgentQueueStats:
 
 STORE_RETRY_SECONDS = 0.5
 """How soon a subscription tries its queue again while the store cannot be reached."""
+STOP_WAIT_SECONDS = 5.0
+"""How long a stopping broker waits for the subscriptions still ending (their leases handed
+back, their instances taken off) before it closes its store."""
 CREDIT_CHECK_SECONDS = 10.0
 """How often, with replicas, each subscription's places in flight are checked against the
 store's leases: a release another replica published while this one was not listening (its
 connection to Redis down a moment) would otherwise keep a place taken."""
+LOST_CHECK_SECONDS = 60.0
+"""How often the registry is looked through for agents nobody has served for
+``forget_lost_after`` (at least four times within that time, when it is shorter)."""
 
 
 def _expire(waiter: asyncio.Future[Message]) -> None:
@@ -194,6 +201,7 @@ class Subscription:
         """Deliveries withdrawn (their requester gave up) that the subscriber is yet to be
         told of: at most what it held in flight (none is leased while any waits here)."""
         self.closed = False
+        self._ending: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._drained = False
         """The last lease took fewer messages than it asked for: every ready one."""
@@ -271,10 +279,22 @@ class Subscription:
         those count their delivery attempt; the others go back as if never delivered.
         ``lost``: the subscriber did not end it (its stream broke: its process died, or its
         connection), so the instance it named is taken off its agent's."""
-        if not self.closed:
+        await asyncio.shield(self.end(seen=seen, lost=lost))
+
+    def end(self, *, seen: Collection[str] | None = None, lost: bool = False) -> asyncio.Task[None]:
+        """Starts ending the subscription (see :meth:`close`) and returns the task that does
+        it. The broker keeps that task to its end, whatever becomes of whoever awaits it:
+        ended in the handler of a stream whose client went, on a store that must be waited
+        on (SQLite, Redis), it was cut short (grpc.aio keeps no hold on a handler it has
+        cancelled), and the subscription, half closed, kept its instance named for good."""
+        if self._ending is None:
             self.closed = True
             self._wake.set()
-            await self.broker._unsubscribe(self, seen, lost=lost)
+            self._ending = self.broker.outlive(
+                self.broker._unsubscribe(self, seen, lost=lost),
+                f"ending-{self.subscription_id}",
+            )
+        return self._ending
 
     def __aiter__(self) -> Subscription:
         return self
@@ -349,6 +369,12 @@ def _said_for(
     )
 
 
+def _lost_before(info: AgentInfo, cutoff: datetime) -> bool:
+    """Whether no instance has served the agent since before ``cutoff``: its last was lost
+    then (one that registered or subscribed since would have cleared ``lost_at``)."""
+    return not info.instances and info.lost_at is not None and info.lost_at <= cutoff
+
+
 class Broker:
     """Routes messages between agents (RF-009)."""
 
@@ -398,6 +424,8 @@ class Broker:
         itself (a push agent's refusal, in the agent's own words)."""
         self._telling: set[asyncio.Task[None]] = set()
         """Dead letters' ERRORs on their way to requesters waiting on other replicas."""
+        self._outliving: set[asyncio.Task[None]] = set()
+        """Work that must end even when whoever started it is cancelled (:meth:`outlive`)."""
         self._subscriptions: dict[str, list[Subscription]] = {}
         self._by_subscription: dict[str, Subscription] = {}
         self._sweeper: asyncio.Task[None] | None = None
@@ -411,6 +439,7 @@ class Broker:
         self._workflow_log_at = -math.inf
         """When a workflow status that could not be written was last logged."""
         self._credit_checked = time.monotonic()
+        self._lost_checked = time.monotonic()
         self._held_before: list[tuple[str, str, str]] = []
         """Instances that subscriptions held before this broker restarted on its durable
         store (agent id, address, subscription): each that no subscription holds again within
@@ -451,11 +480,26 @@ class Broker:
                 await sub.close()
         for telling in list(self._telling):
             await cancel_and_wait(telling)
+        if self._outliving:
+            await asyncio.wait(set(self._outliving), timeout=STOP_WAIT_SECONDS)
         for future in self._pending.values():
             if isinstance(future, asyncio.Future) and not future.done():
                 future.set_exception(SessionClosedError("the broker is shutting down"))
         await self.state.close()
         await self.store.close()
+
+    def outlive(self, work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        """Runs ``work`` in a task of its own, kept until it ends (stopping waits for it), so
+        that cancelling whoever awaits it does not cut it short; a failure is logged."""
+        task = asyncio.get_running_loop().create_task(work, name=name)
+        self._outliving.add(task)
+        task.add_done_callback(self._outlived)
+        return task
+
+    def _outlived(self, task: asyncio.Task[None]) -> None:
+        self._outliving.discard(task)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            logger.error("%s failed: %r", task.get_name(), error, exc_info=error)
 
     def _refuse_new_work(self) -> None:
         raise BrokerUnavailableError(
@@ -524,7 +568,8 @@ class Broker:
 
     async def sweep(self) -> None:
         """Expires messages and reclaims ended leases (and, with replicas, every
-        CREDIT_CHECK_SECONDS, checks the subscriptions' places in flight)."""
+        CREDIT_CHECK_SECONDS, checks the subscriptions' places in flight; every
+        LOST_CHECK_SECONDS, forgets the agents nobody has served for long)."""
         await self.store.sweep()
         while self._held_before and time.monotonic() >= self._held_before_until:
             agent_id, address, held_by = self._held_before[-1]
@@ -540,6 +585,62 @@ class Broker:
         if self.store.shared and time.monotonic() - self._credit_checked >= CREDIT_CHECK_SECONDS:
             self._credit_checked = time.monotonic()
             await self._check_credit()
+        if (forget_after := self.config.forget_lost_after) and time.monotonic() - (
+            self._lost_checked
+        ) >= min(LOST_CHECK_SECONDS, forget_after / 4):
+            self._lost_checked = time.monotonic()
+            await self._forget_long_lost(utc_now() - timedelta(seconds=forget_after))
+
+    async def _forget_long_lost(self, cutoff: datetime) -> None:
+        """Takes off the registry every agent whose last instance was lost before ``cutoff``
+        and that no instance has served since (``forget_lost_after``)."""
+        known = await self.store.saved_agents() if self.store.shared else list(self.registry)
+        for info in known:
+            if _lost_before(info, cutoff) and not self._subscriptions.get(info.agent_id):
+                await self._forget(info.agent_id, cutoff)
+
+    async def _forget(self, agent_id: str, cutoff: datetime) -> None:
+        forgotten: list[AgentInfo] = []
+        if self.store.shared:
+
+            def forget(saved: AgentInfo | None) -> AgentInfo | None:
+                forgotten.clear()
+                if saved is not None and _lost_before(saved, cutoff):
+                    forgotten.append(saved)
+                    self.registry.discard(agent_id)
+                    return None
+                self._as_kept(agent_id, saved)
+                return saved
+
+            await self.store.update_agent(agent_id, forget)
+        else:
+            info = self.registry.get(agent_id)
+            if info is not None and _lost_before(info, cutoff):
+                forgotten.append(self.registry.deregister(agent_id))
+                await self.store.forget_agent(agent_id)
+        if not forgotten:
+            return  # (it came back meanwhile, or another replica forgot it first)
+        await self.store.sync()
+        self._unreachable.pop(agent_id, None)
+        self._registry_changed(agent_id)
+        self.metrics.agent_gone(agent_id, forgotten=True)
+        lost_at = forgotten[0].lost_at
+        assert lost_at is not None
+        logger.warning(
+            "agent %s forgotten: no instance has served it since %s (forget_lost_after %g s);"
+            " what waits in its queue stays until its ttl ends, for one that registers again",
+            agent_id,
+            lost_at.isoformat(timespec="seconds"),
+            self.config.forget_lost_after,
+            extra={
+                "event": {
+                    "category": "registry",
+                    "agent_id": agent_id,
+                    "forgotten": True,
+                    "lost_at": lost_at.isoformat(),
+                }
+            },
+        )
 
     async def _check_credit(self) -> None:
         """Gives each subscription back the places in flight whose leases ended without this
@@ -653,6 +754,7 @@ class Broker:
                 },
             )
             return
+        self.metrics.agent_gone(agent_id)
         logger.info(
             "agent deregistered: %s",
             agent_id,

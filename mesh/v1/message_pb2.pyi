@@ -358,7 +358,8 @@ class AgentInfo(_message.Message):
     def lost_at(self) -> _timestamp_pb2.Timestamp:
         """When the agent's last instance was lost (its process died without deregistering, see
         SubscribeRequest.instance), while no instance has served it since: its queue keeps what
-        is sent to it, and gathers leave it out. Unset otherwise. Set by the broker.
+        is sent to it, and gathers leave it out. Unset otherwise. Set by the broker. An agent
+        lost for the broker's forget_lost_after (a day by default) is taken off the registry.
         """
 
     @_builtins.property

@@ -30,7 +30,8 @@ from mesh.redis_store import RedisQueueStore
 from mesh.server import serve_broker
 from mesh.testing import LocalMesh
 from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
-from tests.helpers.processes import instances_become
+from tests.helpers.processes import BROKER_READY, instances_become, start, stop
+from tests.helpers.stores import BROKER_STORES, store_url
 
 
 def payment(tag: str, handled: Counter[str]) -> Any:
@@ -403,3 +404,178 @@ async def test_a_gather_leaves_out_at_once_an_agent_whose_every_instance_died() 
             assert delivered.delivery.message.to_agent == "Quiet"
             back.cancel()
             asking.cancel()
+
+
+@pytest.mark.parametrize("store", BROKER_STORES)
+async def test_an_agent_no_process_served_for_long_is_forgotten_its_queue_kept(
+    store: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """``--forget-lost-after 1``: an agent whose only process died and did not come back
+    (agents named after their pod or process, restarted under new ids, left one such entry
+    each, until the registry refused every new agent) is taken off the registry a second
+    later, as a deregistration would, on every store; one that never named an instance is
+    kept. What was sent to it meanwhile stays in its queue, for a process that registers
+    again under its id; on SQLite it stays forgotten after a restart."""
+    url = store_url(store, request, tmp_path)
+    args = ("broker", "--port", "0", "--store", url, "--forget-lost-after", "1")
+    args += ("--sweep-interval", "0.05")
+    broker = await start(*args, ready=BROKER_READY)
+    worker = message_pb2.AgentInfo(agent_id="worker-7f3a", address="10.0.0.7:7000")
+    subscribe = broker_pb2.ConnectRequest(
+        seq=1,
+        subscribe=broker_pb2.SubscribeRequest(agent_id="worker-7f3a", instance=worker.address),
+    )
+    try:
+        async with grpc.aio.insecure_channel(broker.address) as channel:
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)
+            await stub.RegisterAgent(broker_pb2.RegisterAgentRequest(agent=worker))
+            inbox = message_pb2.AgentInfo(agent_id="inbox")  # polls; names no instance
+            await stub.RegisterAgent(broker_pb2.RegisterAgentRequest(agent=inbox))
+            session = stub.Connect()
+            await session.write(subscribe)
+            assert (await session.read()).HasField("accepted")
+            session.cancel()  # its process dies, and no process of it comes back
+
+            async def registered() -> list[str]:
+                listed = await stub.ListAgents(broker_pb2.ListAgentsRequest())
+                return [a.agent_id for a in listed.agents]
+
+            content = struct_pb2.Struct()
+            content.update({"action": "work"})
+            sent = await stub.SendMessage(
+                broker_pb2.SendMessageRequest(
+                    message=message_pb2.Message(
+                        message_id="m-1",
+                        from_agent="inbox",
+                        to_agent="worker-7f3a",
+                        message_type=message_pb2.MESSAGE_TYPE_REQUEST,
+                        content=content,
+                        ttl=600,
+                    )
+                )
+            )
+            # (lost, not forgotten yet: a process may come back)
+            assert list(sent.recipients) == ["worker-7f3a"]
+            async with asyncio.timeout(15):
+                while "worker-7f3a" in await registered():  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+            assert await registered() == ["inbox"]
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.SendMessage(
+                    broker_pb2.SendMessageRequest(
+                        message=message_pb2.Message(
+                            from_agent="inbox",
+                            to_agent="worker-7f3a",
+                            message_type=message_pb2.MESSAGE_TYPE_REQUEST,
+                            content=content,
+                        )
+                    )
+                )
+            assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+        async with asyncio.timeout(10):  # (its log line read from its output)
+            while not any(
+                "agent worker-7f3a forgotten: no instance has" in x for x in broker.output
+            ):
+                await asyncio.sleep(0.02)
+        if store == "sqlite":
+            await stop(broker)
+            broker = await start(*args, ready=BROKER_READY)
+        async with grpc.aio.insecure_channel(broker.address) as channel:
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)
+            assert "worker-7f3a" not in [
+                a.agent_id for a in (await stub.ListAgents(broker_pb2.ListAgentsRequest())).agents
+            ]
+            # A process of it registers again: what was sent to it is there.
+            await stub.RegisterAgent(broker_pb2.RegisterAgentRequest(agent=worker))
+            session = stub.Connect()
+            await session.write(subscribe)
+            assert (await session.read()).HasField("accepted")
+            delivered = await session.read()
+            assert delivered.delivery.message.message_id == "m-1"
+            session.cancel()
+    finally:
+        await stop(broker)
+
+
+async def test_an_agent_back_in_time_is_not_forgotten_and_0_forgets_none() -> None:
+    """The time counts from the last instance lost: a process subscribing again meanwhile
+    keeps the agent; with ``forget_lost_after=0`` a lost agent stays registered for good. An
+    agent that leaves takes its own metric series along."""
+    from mesh.core.broker import Broker
+    from mesh.core.model import AgentInfo
+
+    async def lost(broker: Broker, agent_id: str) -> None:
+        address = f"10.0.0.1:{7000 + len(broker.list_agents())}"
+        await broker.register(AgentInfo(agent_id=agent_id, address=address))
+        sub = await broker.subscribe(agent_id, instance=address)
+        await sub.close(lost=True)
+        assert broker.registry.require(agent_id).lost_at is not None
+
+    forgetting = Broker(BrokerConfig(forget_lost_after=0.6, sweep_interval=0.05))
+    keeping = Broker(BrokerConfig(forget_lost_after=0, sweep_interval=0.05))
+    for broker in (forgetting, keeping):
+        await broker.start()
+    try:
+        await lost(forgetting, "gone")
+        await lost(forgetting, "back")
+        await lost(keeping, "gone")
+        samples = forgetting.metrics.registry.get_sample_value
+        assert samples("agentmesh_agent_instances_lost_total", {"agent": "gone"}) == 1
+        await asyncio.sleep(0.3)
+        address = forgetting.registry.require("back").address or "10.0.0.1:7999"
+        await forgetting.subscribe("back", instance=address)  # served again, in time
+        async with asyncio.timeout(10):
+            while "gone" in forgetting.registry:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)
+        assert [a.agent_id for a in forgetting.list_agents()] == ["back"]
+        assert [a.agent_id for a in keeping.list_agents()] == ["gone"]
+        assert samples("agentmesh_agent_instances_lost_total", {"agent": "gone"}) is None
+        assert samples("agentmesh_agents_forgotten_total") == 1
+    finally:
+        for broker in (forgetting, keeping):
+            await broker.stop()
+
+
+@pytest.mark.parametrize("store", BROKER_STORES)
+async def test_processes_dying_as_they_subscribe_are_taken_off_on_every_store(
+    store: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """Eight instances' sessions end the moment their subscription is accepted (processes
+    killed as they start, as a crash loop does): each instance is taken off. On SQLite and
+    Redis the broker's clean-up of a dead session waits on its store, and grpc.aio cancels
+    the session's handler again meanwhile: the instance stayed named for good, its
+    subscription half closed."""
+    url = store_url(store, request, tmp_path)
+    broker = await start("broker", "--port", "0", "--store", url, ready=BROKER_READY)
+    addresses = [f"10.0.0.{n}:7000" for n in range(1, 9)]
+    try:
+        async with grpc.aio.insecure_channel(broker.address) as channel:
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)
+            for address in addresses:
+                await stub.RegisterAgent(
+                    broker_pb2.RegisterAgentRequest(
+                        agent=message_pb2.AgentInfo(agent_id="Crashing", address=address)
+                    )
+                )
+
+            async def dies_as_it_subscribes(address: str) -> None:
+                session = stub.Connect()
+                subscribe = broker_pb2.SubscribeRequest(agent_id="Crashing", instance=address)
+                await session.write(broker_pb2.ConnectRequest(seq=1, subscribe=subscribe))
+                assert (await session.read()).HasField("accepted")
+                session.cancel()
+
+            await asyncio.gather(*(dies_as_it_subscribes(a) for a in addresses))
+            async with asyncio.timeout(10):
+                while True:
+                    listed = await stub.ListAgents(broker_pb2.ListAgentsRequest())
+                    [crashing] = listed.agents
+                    if not crashing.instances:
+                        break
+                    await asyncio.sleep(0.05)
+            stats = await stub.GetQueueStats(broker_pb2.GetQueueStatsRequest(agent_id="Crashing"))
+            assert [a.subscribers for a in stats.agents] == [0]
+        assert not [line for line in broker.output if "Task was destroyed" in line]
+    finally:
+        await stop(broker)
