@@ -593,7 +593,19 @@ class Broker:
 
     async def _forget_long_lost(self, cutoff: datetime) -> None:
         """Takes off the registry every agent whose last instance was lost before ``cutoff``
-        and that no instance has served since (``forget_lost_after``)."""
+        and that no instance has served since (``forget_lost_after``); first, every instance
+        taking its messages by push whose server has not answered since before ``cutoff``
+        is lost, as of when it stopped answering."""
+        for agent_id, away in list(self._unreachable.items()):
+            for address, since in list(away.items()):
+                if since <= cutoff:
+                    await self._lose_instance(
+                        agent_id,
+                        address,
+                        "",
+                        f"its server has not answered since {since.isoformat(timespec='seconds')}",
+                        since=since,
+                    )
         known = await self.store.saved_agents() if self.store.shared else list(self.registry)
         for info in known:
             if _lost_before(info, cutoff) and not self._subscriptions.get(info.agent_id):
@@ -1674,9 +1686,19 @@ class Broker:
                     )
         self._replicas_gone -= gone
 
-    async def _lose_instance(self, agent_id: str, address: str, held_by: str, why: str) -> None:
+    async def _lose_instance(
+        self, agent_id: str, address: str, held_by: str, why: str, *, since: datetime | None = None
+    ) -> None:
         """The subscription that held an instance ended: the instance goes (see
-        :meth:`AgentRegistry.lose`) unless it left already or another subscription holds it."""
+        :meth:`AgentRegistry.lose`) unless it left already or another subscription holds it.
+        With ``since`` (and no ``held_by``), a push instance nobody could reach since then
+        goes (:meth:`AgentRegistry.lose_unreachable`)."""
+
+        def take_off(registry: AgentRegistry) -> AgentInfo | None:
+            if since is not None:
+                return registry.lose_unreachable(agent_id, address, since)
+            return registry.lose(agent_id, address, held_by)
+
         lost: AgentInfo | None
         if self.store.shared:
             changed: list[AgentInfo] = []
@@ -1685,7 +1707,7 @@ class Broker:
                 changed.clear()
                 if saved is None:
                     return None
-                remaining = self._as_kept(agent_id, saved).lose(agent_id, address, held_by)
+                remaining = take_off(self._as_kept(agent_id, saved))
                 if remaining is not None:
                     changed.append(remaining)
                 return remaining or saved
@@ -1693,12 +1715,13 @@ class Broker:
             await self.store.update_agent(agent_id, lose)
             lost = changed[0] if changed else None
         else:
-            lost = self.registry.lose(agent_id, address, held_by)
+            lost = take_off(self.registry)
             if lost is not None:
                 await self.store.save_agent(lost)
         if lost is None:
             return
         await self.store.sync()
+        self._registry_changed(agent_id)  # (a push instance taken off is pushed to no more)
         self.metrics.instances_lost.labels(agent_id).inc()
         logger.warning(
             "agent %s: the instance at %s is gone (%s); %d serve it still",

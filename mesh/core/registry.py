@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator
+from datetime import datetime
 
 from mesh.core.errors import (
     AgentNotFoundError,
@@ -196,14 +197,25 @@ class AgentRegistry:
             return None
         return self._without(info, address, lost=True)
 
-    def _without(self, info: AgentInfo, address: str, *, lost: bool = False) -> AgentInfo:
+    def lose_unreachable(self, agent_id: str, address: str, since: datetime) -> AgentInfo | None:
+        """The instance at ``address``, taking its messages by push, has not answered since
+        ``since``: it is taken off as :meth:`lose` takes off one whose subscription ended (a
+        last one lost then). Returns the agent as changed, or None when nothing changed."""
+        info = self._agents.get(agent_id)
+        if info is None or address not in info.instances:
+            return None
+        return self._without(info, address, lost=True, lost_at=since)
+
+    def _without(
+        self, info: AgentInfo, address: str, *, lost: bool = False, lost_at: datetime | None = None
+    ) -> AgentInfo:
         others = tuple(a for a in info.instances if a != address)
         remaining = dataclasses.replace(
             info,
             address=others[-1] if others else "",
             instances=others,
             subscribed={a: s for a, s in info.subscribed.items() if a != address},
-            lost_at=utc_now() if lost and not others else info.lost_at,
+            lost_at=(lost_at or utc_now()) if lost and not others else info.lost_at,
             pushed={a: n for a, n in info.pushed.items() if a != address},
         )
         self._agents[info.agent_id] = remaining

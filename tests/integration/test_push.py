@@ -25,6 +25,7 @@ from gateway.server import serve_gateway
 from mesh import (
     Agent,
     AgentContext,
+    AgentNotFoundError,
     DeliveryMode,
     LocalMesh,
     MeshError,
@@ -858,3 +859,41 @@ async def test_the_brokers_log_stays_json_lines_when_a_push_server_goes_away_mid
         if not line.startswith("{") and not line.startswith("agentmesh broker")
     ]
     assert stray == []
+
+
+async def test_a_pushed_server_gone_for_long_is_taken_off_and_its_agent_forgotten() -> None:
+    """``forget_lost_after``: a push instance whose server has not answered for that long
+    (a pod gone, its agent named after it) is taken off as lost as of when it stopped
+    answering, its agent then forgotten, and the broker stops dialling it; the queue keeps
+    what was sent meanwhile for a server that registers again. (It was dialled, and listed,
+    for good.)"""
+    config = BrokerConfig(lease_seconds=5, forget_lost_after=2, sweep_interval=0.05)
+    agent = PlainAgent(echo)
+    server, address = await start_plain(agent)
+    port = int(address.rpartition(":")[2])
+    async with LocalMesh(config=config) as mesh, mesh.client("Cashier") as client:
+        await register_push(mesh, "Ledger-7f3a", address)
+        await client.request("Ledger-7f3a", {"action": "post", "parameters": {}}, timeout=10)
+        await server.stop(None)
+        async with asyncio.timeout(15):
+            while await unreachable(mesh, "Ledger-7f3a") != 1:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        await client.send("Ledger-7f3a", {"action": "later"}, ttl=600)
+        async with asyncio.timeout(15):
+            while "Ledger-7f3a" in [a.agent_id for a in await client.list_agents()]:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        assert mesh.broker is not None
+        samples = mesh.broker.metrics.registry.get_sample_value
+        assert await asyncio.to_thread(samples, "agentmesh_agents_forgotten_total") == 1
+        assert await unreachable(mesh, "Ledger-7f3a") is None  # pushed to no more
+        with pytest.raises(AgentNotFoundError):
+            await client.send("Ledger-7f3a", {"action": "post"})
+        # Its server back, registered again: what was sent meanwhile reaches it.
+        server, _ = await start_plain(agent, port)
+        try:
+            await register_push(mesh, "Ledger-7f3a", address)
+            async with asyncio.timeout(15):
+                while [m.content["action"] for m in agent.seen][-1:] != ["later"]:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+        finally:
+            await server.stop(None)
