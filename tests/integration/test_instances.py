@@ -473,9 +473,8 @@ async def test_an_agent_no_process_served_for_long_is_forgotten_its_queue_kept(
                 )
             assert refused.value.code() == grpc.StatusCode.NOT_FOUND
         async with asyncio.timeout(10):  # (its log line read from its output)
-            while not any(
-                "agent worker-7f3a forgotten: no instance has" in x for x in broker.output
-            ):
+            said = "agent worker-7f3a forgotten: no instance has"
+            while not any(said in line for line in broker.output):  # noqa: ASYNC110
                 await asyncio.sleep(0.02)
         if store == "sqlite":
             await stop(broker)
