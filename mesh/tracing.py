@@ -238,6 +238,44 @@ under load would otherwise fill its disk with spans, and every reader of the fol
 them all."""
 
 
+TRACE_FILE_DAYS = 30
+"""Days a span file of a process that is gone is kept after its last write (as long as the
+event log keeps its days): restarts over weeks would otherwise pile files up in the folder,
+and every reader of the folder reads them all."""
+_SPAN_FILE = re.compile(r"spans-.+-(\d+)(?:\.\d+)?\.jsonl")
+
+
+def prune_span_files(folder: Path, days: float = TRACE_FILE_DAYS) -> list[Path]:
+    """Deletes the folder's span files last written over ``days`` ago by processes no longer
+    running (a process that runs still, however quiet, keeps its files); returns them."""
+    cutoff = datetime.now(UTC).timestamp() - days * 86_400
+    pruned = []
+    for path in folder.glob("spans-*.jsonl"):
+        named = _SPAN_FILE.fullmatch(path.name)
+        with contextlib.suppress(OSError):  # (gone meanwhile: another process pruned it)
+            if named is None or path.stat().st_mtime >= cutoff or _running(int(named[1])):
+                continue
+            path.unlink()
+            pruned.append(path)
+    if pruned:
+        logger.info(
+            "deleted %d span files of processes gone, last written over %g days ago",
+            len(pruned),
+            days,
+        )
+    return pruned
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # (another user's; no pid at all: left be)
+        return True
+    return True
+
+
 class JsonlSpanExporter(SpanExporter):
     """Writes each finished span as one JSON object per line (from the exporter's thread),
     to ``spans-<service>-<pid>.jsonl``; past ``max_bytes`` that file becomes ``...-<pid>.1.jsonl``
@@ -351,6 +389,8 @@ def configure_tracing(
     )
     if folder:
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", service)
+        if Path(folder).is_dir():
+            prune_span_files(Path(folder))
         exporter = JsonlSpanExporter(Path(folder) / f"spans-{safe}-{os.getpid()}.jsonl")
         provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200))
     if otlp:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +15,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from mesh.tracing import JsonlSpanExporter, load_spans
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def write_spans(exporter: JsonlSpanExporter, count: int) -> None:
@@ -92,3 +98,31 @@ def test_lines_that_are_not_spans_are_skipped_and_counted(
     with caplog.at_level(logging.WARNING, logger="mesh.tracing"):
         assert [s["name"] for s in load_spans(tmp_path)] == ["span-0", "span-1", "span-0"]
     assert f"skipped 4 lines of {path} that are not spans" in caplog.messages
+
+
+def test_span_files_of_processes_long_gone_are_deleted_as_tracing_starts(tmp_path: Path) -> None:
+    """A mesh restarted every day for weeks leaves a span file (or several) per process: those
+    of processes that are gone, last written over 30 days ago, are deleted as a process starts
+    tracing to the folder; a running process's, however old, and recent ones stay."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    month_ago = time.time() - 31 * 86_400
+    files = {
+        "old": f"spans-broker-{gone.pid}.jsonl",
+        "old_rotated": f"spans-agent-Planner-{gone.pid}.2.jsonl",
+        "recent": f"spans-gateway-{gone.pid + 1_000_000}.jsonl",
+        "running": f"spans-broker-{os.getpid()}.jsonl",
+        "not_spans": "notes.jsonl",
+    }
+    for name in files.values():
+        (tmp_path / name).write_text("{}\n")
+    for key in ("old", "old_rotated", "running", "not_spans"):
+        os.utime(tmp_path / files[key], (month_ago, month_ago))
+    starts = (
+        "import sys; from mesh.tracing import configure_tracing;"
+        " configure_tracing('gateway', sys.argv[1])"
+    )
+    subprocess.run([sys.executable, "-c", starts, str(tmp_path)], check=True, cwd=ROOT)
+    left = {p.name for p in tmp_path.iterdir()}
+    assert left >= {files["recent"], files["running"], files["not_spans"]}
+    assert files["old"] not in left and files["old_rotated"] not in left
