@@ -929,8 +929,13 @@ class RedisQueueStore:
         for_low = " for LOW priority" if low else ""
         if status == -2:
             # Refused by the broker-wide count before the script looked: a retry of a message
-            # already held is the harmless duplicate it is, not a send refused.
-            if await self._call("hexists", _keys(agent_id)[2], message.message_id):
+            # already held is the harmless duplicate it is, not a send refused; another
+            # sender's message under that id is refused as the script refuses it.
+            held = await self._call("hget", _keys(agent_id)[2], message.message_id)
+            if held is not None:
+                holder = str(json.loads(held).get("from_agent", ""))
+                if holder != message.from_agent:
+                    raise message_id_taken(agent_id, message.message_id, holder)
                 return False
             raise MessageQueueFullError(
                 f"{agent_id} queue full: the brokers hold {int(result[2])} of their "

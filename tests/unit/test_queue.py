@@ -19,7 +19,7 @@ import pytest
 
 from mesh.codec import message_size
 from mesh.core.durable import SqliteQueueStore, open_store
-from mesh.core.errors import MessageQueueFullError
+from mesh.core.errors import MessageIdTakenError, MessageQueueFullError
 from mesh.core.model import AgentInfo, DeadLetter, Message, Priority
 from mesh.core.queue import InMemoryQueueStore, QueueStore, Released
 
@@ -292,6 +292,27 @@ async def test_a_retried_send_of_a_held_message_is_a_duplicate_even_when_full(
     with pytest.raises(MessageQueueFullError):
         await store.put(msg("a3", to="AuditAgent"), 3600)
     assert await store.held() == 8
+
+
+async def test_another_senders_message_under_a_held_id_is_refused_even_when_full(
+    store: QueueStore,
+) -> None:
+    """The broker full, a message from another sender under an id the queue holds is refused
+    for its id, as it is when there is room: not taken for a retry and dropped unsaid."""
+    for i in range(5):
+        await store.put(msg(f"p{i}"), 3600)
+    for i in range(3):
+        await store.put(msg(f"a{i}", to="AuditAgent"), 3600)  # the broker full
+    for full, to in (("PaymentAgent", "PaymentAgent"), ("the broker", "AuditAgent")):
+        other = replace(msg("p0" if to == "PaymentAgent" else "a0", to=to), from_agent="Other")
+        with pytest.raises(MessageIdTakenError, match="from FlightAgent: a message id must"):
+            await store.put(other, 3600)
+        assert await store.put(replace(other, from_agent="FlightAgent"), 3600) is False, full
+    assert await store.held() == 8
+    popped = [p.message for p in await store.pop("AuditAgent")]
+    assert [(m.message_id, m.from_agent) for m in popped] == [
+        (f"a{i}", "FlightAgent") for i in range(3)
+    ]
 
 
 async def test_retried_sends_near_the_limit_take_no_place_from_new_ones(
