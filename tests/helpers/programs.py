@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from hypothesis import HealthCheck, settings
 
 
 def programs_settings(examples: int) -> Any:
-    """Settings for a test of random programs: ``examples`` programs, no deadline (each runs
+    """Settings for a test of random programs: ``examples`` programs (times
+    AGENTMESH_PROGRAMS_SCALE, for a longer search than the suite's), no deadline (each runs
     real servers), and the fixture a test receives shared by its programs."""
     return settings(
-        max_examples=examples,
+        max_examples=examples * int(os.environ.get("AGENTMESH_PROGRAMS_SCALE", "1")),
         deadline=None,
         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     )
