@@ -50,7 +50,7 @@ from mesh.core.model import (
     Message,
     MessageType,
 )
-from mesh.core.tasks import cancel_and_wait
+from mesh.core.tasks import cancel_and_wait, stop_if_cancelled
 from mesh.headroom import NonFiniteError, non_finite_value
 from mesh.security import open_channel
 from mesh.tracing import (
@@ -146,6 +146,7 @@ class Pusher:
         loop = asyncio.get_running_loop()
         next_walk = 0.0
         while True:
+            stop_if_cancelled()
             self._woken.clear()
             changed, self._changed = self._changed, set()
             if loop.time() >= next_walk:
@@ -314,6 +315,7 @@ class InstancePush:
         """Every third of a lease, extends the leases of the deliveries whose call still runs
         (or waits to be made again), so that a slow handler is not run twice."""
         while True:
+            stop_if_cancelled()
             await asyncio.sleep(sub.lease_seconds / 3)
             if self._calls:
                 with contextlib.suppress(MeshError):

@@ -64,7 +64,7 @@ from mesh.core.queue import (
     Released,
     capacity_limits,
 )
-from mesh.core.tasks import cancel_and_wait
+from mesh.core.tasks import cancel_and_wait, stop_if_cancelled
 
 logger = logging.getLogger("mesh.store.redis")
 
@@ -1498,6 +1498,7 @@ class RedisQueueStore:
 
     async def _beat_forever(self) -> None:
         while True:
+            stop_if_cancelled()
             with contextlib.suppress(BrokerUnavailableError):
                 await self._beat_once()
                 # Measured again once a beat has gone through (a host's clock may be
@@ -1547,6 +1548,7 @@ class RedisQueueStore:
     async def _follow(self, listener: Any) -> None:
         failures = 0  # in a row: the first is a warning, the rest of an outage is quiet
         while True:
+            stop_if_cancelled()
             try:
                 while self._early:
                     await self._handle(self._early.pop(0), listener)

@@ -247,7 +247,7 @@ class MeshServer:
         loop = asyncio.get_running_loop()
         started = loop.time()
         for drain in self._on_drain:
-            await drain(grace or 0.0)
+            await _stopping_step(drain, grace or 0.0)
         if grace is not None and self._on_drain:
             # Drained: what remains open are idle streams (sessions, subscriptions), which
             # would otherwise hold the server for the whole grace period.
@@ -258,12 +258,21 @@ class MeshServer:
             self._metrics_http.server_close()
             self._metrics_http = None
         for callback in self._on_stop:
-            result = callback()
-            if hasattr(result, "__await__"):
-                await result
+            await _stopping_step(callback)
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()
+
+
+async def _stopping_step(step: Callable[..., Any], *args: Any) -> None:
+    """Runs one step of stopping a server; a step that fails is logged, and the steps after
+    it still run (a broker whose store is away stops all the same)."""
+    try:
+        result = step(*args)
+        if hasattr(result, "__await__"):
+            await result
+    except Exception:
+        logger.exception("stopping: %s failed", getattr(step, "__qualname__", step))
 
 
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"

@@ -64,7 +64,7 @@ from mesh.core.queue import (
 )
 from mesh.core.registry import AgentRegistry, named
 from mesh.core.state import SharedState, StateStore
-from mesh.core.tasks import cancel_and_wait
+from mesh.core.tasks import cancel_and_wait, stop_if_cancelled
 from mesh.core.validation import handoff_violations, validate_message
 from mesh.metrics import BrokerMetrics, Totals
 from mesh.tracing import extract, headers_for, records_under, tracer, without_trace
@@ -507,21 +507,31 @@ class Broker:
             reason="SHUTTING_DOWN",
         )
 
-    async def drain(self, grace: float) -> int:
+    async def drain(self, grace: float) -> int | None:
         """Graceful shutdown, first half: refuses new work (UNAVAILABLE) but still takes
         answers and acknowledgements, and waits up to ``grace`` seconds for subscribed agents
         to empty their queues and for requests in flight to be answered.
 
         Returns how many messages are still held when it ends (they stay in a durable store;
-        the in-memory store loses them, which is logged).
+        the in-memory store loses them, which is logged); None when the store cannot be
+        reached, which ends the wait (nothing can be delivered meanwhile): what it holds
+        stays in it.
         """
         self.draining = True
         await self.state.close()  # (a watch is no work in flight: its watcher goes elsewhere)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
-        while loop.time() < deadline and await self._busy():  # noqa: ASYNC110 - polls state
-            await asyncio.sleep(0.02)
-        held = await self.store.held()
+        try:
+            while loop.time() < deadline and await self._busy():  # noqa: ASYNC110 - polls
+                await asyncio.sleep(0.02)
+            held = await self.store.held()
+        except BrokerUnavailableError as error:
+            logger.warning(
+                "shutting down without counting the messages held, which stay in the store: %s",
+                error,
+                extra={"event": {"category": "shutdown", "store": "unavailable"}},
+            )
+            return None
         if held:
             logger.warning(
                 "shutting down with %d messages held (%s)",
@@ -551,6 +561,7 @@ class Broker:
     async def _sweep_forever(self) -> None:
         unavailable = False  # said once per outage of the store, not every pass
         while not self._stopping:
+            stop_if_cancelled()
             await asyncio.sleep(self.config.sweep_interval)
             try:
                 await self.sweep()

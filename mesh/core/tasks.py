@@ -4,7 +4,9 @@ On Python 3.11 a cancellation can be lost: ``asyncio.wait_for`` returns the inne
 the inner future completes in the same loop iteration as the cancel (CPython gh-86296, fixed
 in 3.12), and libraries built on it (redis-py sends a command through it) then return
 normally from a cancelled call. A loop such as a sweeper goes round again, and whoever awaits
-it after ``cancel()`` waits forever. :func:`cancel_and_wait` cancels again until the task ends.
+it after ``cancel()`` waits forever. :func:`cancel_and_wait` cancels again until the task ends;
+:func:`stop_if_cancelled`, called at the top of such a loop, ends it on the first cancel
+(``asyncio.run`` and test runners cancel what is left once, and then wait for it).
 """
 
 from __future__ import annotations
@@ -35,3 +37,11 @@ async def cancel_and_wait(
             return
     if not task.cancelled() and task.exception() is not None:
         logger.debug("task %s ended with %r", task.get_name(), task.exception())
+
+
+def stop_if_cancelled() -> None:
+    """Raises CancelledError when the running task was cancelled and the cancellation was
+    swallowed on the way (the task still counts it as requested, see above)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

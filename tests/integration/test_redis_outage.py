@@ -102,3 +102,26 @@ async def test_two_brokers_ride_out_a_redis_crash(
         logging.getLogger("mesh").removeHandler(followed_again)
         await server_a.stop(0)
         await server_b.stop(0)
+
+
+async def test_a_broker_whose_redis_is_away_stops_all_the_same(
+    own_redis: LocalRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Stopping while the store is away: the server and the broker stop (its sweeper and its
+    store's connections too), saying it could not count what the store holds."""
+    caplog.set_level(logging.WARNING, logger="mesh")
+    broker, server = await serve_broker(broker_config=BrokerConfig(store=own_redis.url))
+    try:
+        async with connect(server.address, agent_id="alice", retry=NO_RETRY) as client:
+            await client.register("Worker")
+            await client.send("Worker", {"action": "kept"})
+        own_redis.kill()
+    finally:
+        await server.stop(0)  # before, this raised UNAVAILABLE and left the broker running
+    assert broker._sweeper is None
+    said = [r.getMessage() for r in caplog.records]
+    assert any(
+        m.startswith("shutting down without counting the messages held, which stay in the store")
+        for m in said
+    ), said
+    assert not any(r.levelno >= logging.ERROR for r in caplog.records), said

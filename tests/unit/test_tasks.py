@@ -130,6 +130,23 @@ async def test_a_broker_stops_even_when_its_store_swallows_the_sweepers_cancella
     assert broker._sweeper is None
 
 
+async def test_a_sweeper_whose_store_swallowed_its_cancellation_ends_on_that_one_cancel() -> None:
+    """A loop closing (asyncio.run, a test runner) cancels what is left once, then waits for
+    it: a broker never stopped, its store swallowing that cancel, still lets the loop close."""
+    store = SwallowingStore()
+    broker = Broker(BrokerConfig(sweep_interval=0.01), store=store)
+    await broker.start()
+    try:
+        await store.sweeping.wait()
+        sweeper = broker._sweeper
+        assert sweeper is not None
+        sweeper.cancel()
+        await asyncio.wait({sweeper}, timeout=5)
+        assert sweeper.cancelled()
+    finally:
+        await broker.stop()
+
+
 async def test_following_the_other_replicas_again_wakes_every_subscription() -> None:
     """A wake-up lost while a replica's connection to the others was down: the message was
     queued (by another replica) without this one hearing of it. Following again wakes every
