@@ -3,8 +3,9 @@
 //
 //   node benchmarks/node_driver.js BROKER AGENT
 //
-// Reads one line per measurement from stdin, "WARMUP COUNT": makes WARMUP requests to AGENT,
-// prints "warm", waits for a line "go", makes COUNT more, each timed, and prints one JSON line
+// Reads one line per measurement from stdin, "WARMUP COUNT IN_FLIGHT": makes WARMUP requests
+// to AGENT, IN_FLIGHT at a time (V8 counts calls, not how far apart they come), prints
+// "warm", waits for a line "go", makes COUNT more, each timed, and prints one JSON line
 // {"samples": [seconds, ...]}. Between "warm" and the samples the harness reads the CPU the
 // processes spend. Ends at the end of stdin.
 
@@ -26,8 +27,15 @@ async function main() {
   for (;;) {
     const { value, done } = await lines.next();
     if (done) break;
-    const [warmup, count] = value.trim().split(/\s+/).map(Number);
-    for (let i = 0; i < warmup; i += 1) await ask();
+    const [warmup, count, inFlight = 1] = value.trim().split(/\s+/).map(Number);
+    let left = warmup;
+    const worker = async () => {
+      while (left > 0) {
+        left -= 1;
+        await ask();
+      }
+    };
+    await Promise.all(Array.from({ length: Math.min(inFlight, warmup) }, worker));
     console.log('warm');
     await lines.next(); // "go"
     const samples = [];

@@ -32,6 +32,7 @@ from benchmarks.harness import (
     spawn,
     timed,
     to_markdown,
+    warm_up,
     with_ratios,
 )
 
@@ -204,6 +205,27 @@ async def test_an_operation_may_report_the_latency_it_measured_itself() -> None:
     assert await timed(op, 3, 2, own_latency=True) == [0.25, 0.25, 0.25]
     assert calls == 5  # the warm-up is run, not sampled
     assert all(0 <= s < 0.25 for s in await timed(op, 2, 0))  # otherwise: its duration
+
+
+async def test_a_warm_up_runs_every_operation_so_many_at_a_time() -> None:
+    running = most = calls = 0
+
+    async def op() -> None:
+        nonlocal running, most, calls
+        calls += 1
+        running += 1
+        most = max(most, running)
+        await asyncio.sleep(0.001)
+        running -= 1
+
+    await warm_up(op, 50, 16)
+    assert (calls, most) == (50, 16)
+    calls = most = 0
+    await warm_up(op, 3, 16)  # no more workers than operations
+    assert (calls, most) == (3, 3)
+    calls = most = 0
+    await warm_up(op, 0, 16)
+    assert calls == 0
 
 
 async def test_operations_measured_side_by_side_take_turns_in_blocks() -> None:
