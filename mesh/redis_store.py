@@ -50,6 +50,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import NoScriptError, RedisError
 
 from mesh.core.errors import BrokerUnavailableError, MessageQueueFullError, message_id_taken
@@ -502,10 +504,19 @@ def _with_address(url: str, host: str, port: int) -> str:
     return f"{scheme}://{at}{host}:{port}/0" + (f"?{query}" if query else "")
 
 
+def _retry() -> Retry:
+    """How a call on a connection Redis has closed (a restart, a failover, a client timeout)
+    is made again on a new one: up to 3 times, a few ms apart, so that what a caller sees of
+    an outage is its length, not a failure on each pooled connection after it. (redis-py's
+    constructor retries by default, ``from_url`` does not; the cluster client retries on its
+    own.)"""
+    return Retry(ExponentialWithJitterBackoff(cap=0.1, base=0.01), 3)
+
+
 async def connect(url: str) -> Any:
     """A client for the Redis the URL names: a cluster client when that Redis is a node of a
     Redis Cluster (asked with ``INFO cluster``), the plain client otherwise."""
-    plain = aioredis.from_url(url, decode_responses=False)
+    plain = aioredis.from_url(url, decode_responses=False, retry=_retry())
     try:
         info = await plain.info("cluster")
     except BaseException:
@@ -1508,6 +1519,7 @@ class RedisQueueStore:
 
     async def _subscribe(self) -> None:
         client = await self._client()
+        url = self.url
         if isinstance(client, RedisCluster):
             # Every node of a cluster hears every PUBLISH: any one will do, on a connection
             # of the watcher's own (the cluster client drops its nodes' connections each time
@@ -1517,15 +1529,16 @@ class RedisQueueStore:
             nodes = client.get_nodes()
             node = nodes[self._pubsub_turn % len(nodes)]
             self._pubsub_turn += 1
-            if self._pubsub_client is not None:
-                with contextlib.suppress(Exception):
-                    await self._pubsub_client.aclose()
-            self._pubsub_client = aioredis.from_url(
-                _with_address(self.url, node.host, int(node.port)), decode_responses=False
-            )
-            self._pubsub = self._pubsub_client.pubsub(ignore_subscribe_messages=True)
-        else:
-            self._pubsub = client.pubsub(ignore_subscribe_messages=True)
+            url = _with_address(self.url, node.host, int(node.port))
+        if self._pubsub_client is not None:
+            with contextlib.suppress(Exception):
+                await self._pubsub_client.aclose()
+        # A client of its own, without the store's retries: on a lost connection redis-py
+        # would subscribe again on a new one unseen, and what was published in between
+        # would be lost to this replica without a word. The watcher has to see the cut
+        # (and end the watches it failed).
+        self._pubsub_client = aioredis.from_url(url, decode_responses=False)
+        self._pubsub = self._pubsub_client.pubsub(ignore_subscribe_messages=True)
         await self._pubsub.subscribe(
             WAKE,
             REGISTRY,

@@ -16,6 +16,8 @@ import pytest
 from mesh import BrokerUnavailableError, connect
 from mesh.client import NO_RETRY
 from mesh.config import BrokerConfig
+from mesh.core.model import Message
+from mesh.redis_store import RedisQueueStore
 from mesh.server import serve_broker
 from mesh.testing import LocalRedis
 
@@ -125,3 +127,48 @@ async def test_a_broker_whose_redis_is_away_stops_all_the_same(
         for m in said
     ), said
     assert not any(r.levelno >= logging.ERROR for r in caplog.records), said
+
+
+async def test_after_a_redis_restart_the_store_answers_on_new_connections(
+    own_redis: LocalRedis, tmp_path: Path
+) -> None:
+    """A restart closes every connection the store keeps open: the next call on each is made
+    again on a new one, not answered with UNAVAILABLE."""
+    store = RedisQueueStore(own_redis.url)
+    try:
+        assert await store.put(Message(from_agent="a", to_agent="q", content={"n": 1}), 60)
+        # Five calls at once: five connections in the store's pool.
+        assert await asyncio.gather(*(store.depth("q") for _ in range(5))) == [1] * 5
+
+        own_redis.kill()  # (nothing is saved: the queue is gone with it)
+        own_redis.restart(tmp_path / "redis")
+
+        assert await store.held() == 0  # a pipeline of scripts
+        assert await asyncio.gather(*(store.depth("q") for _ in range(5))) == [0] * 5
+        assert await store.put(Message(from_agent="a", to_agent="q", content={"n": 2}), 60)
+        assert await store.depth("q") == 1
+    finally:
+        await store.close()
+
+
+async def test_a_client_sees_nothing_of_a_redis_restart_that_ended_before_its_call(
+    own_redis: LocalRedis, tmp_path: Path
+) -> None:
+    """Through a broker, with no retry in the client: the call after each restart is answered
+    (before, most were UNAVAILABLE: "Connection closed by server")."""
+    _, server = await serve_broker(broker_config=BrokerConfig(store=own_redis.url))
+    try:
+        async with connect(server.address, agent_id="alice", retry=NO_RETRY) as client:
+            for round_ in range(3):
+                await client.register("Worker")
+                sent = [{"action": "before", "n": n} for n in range(8)]
+                await asyncio.gather(*(client.send("Worker", content) for content in sent))
+                own_redis.kill()
+                own_redis.restart(tmp_path / "redis")
+                # (the restart emptied Redis: the agent registers again, as it would)
+                await client.register("Worker")
+                await client.send("Worker", {"action": "after", "round": round_})
+                [got] = await client.receive("Worker")
+                assert got.content == {"action": "after", "round": round_}
+    finally:
+        await server.stop(0)
