@@ -205,6 +205,7 @@ class Subscription:
         self._wake = asyncio.Event()
         self._drained = False
         """The last lease took fewer messages than it asked for: every ready one."""
+        self._leasing = False
 
     def wake(self) -> None:
         self._wake.set()
@@ -250,7 +251,7 @@ class Subscription:
                 continue
             asked = min(most, credit)
             try:
-                batch = await self.broker._lease_many(self, asked)
+                batch = await self._lease(asked)
             except BrokerUnavailableError:
                 # The store is away (the sweeper says so): the subscription stays, and
                 # looks again at the next wake-up or in a moment.
@@ -262,6 +263,13 @@ class Subscription:
             if batch:
                 return batch
 
+    async def _lease(self, most: int) -> list[Delivery]:
+        self._leasing = True
+        try:
+            return await self.broker._lease_many(self, most)
+        finally:
+            self._leasing = False
+
     def take_withdrawn(self) -> list[str]:
         """The deliveries withdrawn since the last call, for the subscriber to hear of."""
         withdrawn, self.withdrawn = self.withdrawn, []
@@ -269,8 +277,10 @@ class Subscription:
 
     def credit_freed(self) -> None:
         """One of its leases ended (settled, expired, handed back): worth a look at the queue
-        unless the subscription had emptied it (a message that comes wakes it anyway)."""
-        if not self._drained:
+        unless the subscription had emptied it (a message that comes wakes it anyway), or is
+        leasing now: that lease either empties the queue, or takes all it asked for and the
+        next looks without waiting (either way with the credit counted as it is then)."""
+        if not self._drained and not self._leasing:
             self._wake.set()
 
     async def close(self, *, seen: Collection[str] | None = None, lost: bool = False) -> None:

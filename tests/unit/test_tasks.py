@@ -214,6 +214,60 @@ async def test_a_subscription_that_took_every_ready_message_leases_again_only_wh
         await tight.close()
 
 
+class GatedLeases(CountingStore):
+    """Counts its leases; each waits for ``gate`` once it is closed (a slow store)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.leasing = asyncio.Event()
+
+    async def lease_many(self, *args: Any, **kwargs: Any) -> Any:
+        self.leasing.set()
+        await self.gate.wait()
+        return await super().lease_many(*args, **kwargs)
+
+
+async def test_a_place_given_back_while_a_lease_is_out_costs_no_lease_more() -> None:
+    """A delivery settled while the subscription's lease is on its way: that lease counts the
+    place as it is when it runs, so when it comes back empty the subscription waits for a
+    message instead of asking the store once more for nothing."""
+    store = GatedLeases()
+    async with Broker(BrokerConfig(), store=store) as broker:
+        await broker.register(AgentInfo(agent_id="Listener"))
+        sub = await broker.subscribe("Listener", max_in_flight=10)
+        await broker.send(note("first"))
+        [first] = await sub.next_batch(5)
+        assert store.leases == 1
+        await broker.send(note("second"))  # (a wake-up: the next lease goes out at once)
+        [second] = await sub.next_batch(5)
+        assert store.leases == 2
+        store.gate.clear()
+        store.leasing.clear()
+        await broker.send(note("third"))
+        waiting = asyncio.create_task(sub.next_batch(5))
+        await asyncio.wait_for(store.leasing.wait(), 5)
+        await broker.ack("Listener", [first.message.message_id])  # while the lease is out
+        store.gate.set()
+        [third] = await asyncio.wait_for(waiting, 5)
+        waiting = asyncio.create_task(sub.next_batch(5))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        assert store.leases == 3  # the lease took every ready message: no look more
+        await broker.send(note("fourth"))
+        [fourth] = await asyncio.wait_for(waiting, 5)
+        assert [d.message.action for d in (first, second, third, fourth)] == [
+            "first",
+            "second",
+            "third",
+            "fourth",
+        ]
+        assert store.leases == 4
+        await broker.ack("Listener", [d.message.message_id for d in (second, third, fourth)])
+        await sub.close()
+
+
 class SlowCheckStore(InMemoryQueueStore):
     """A store whose answer to still_leased comes when the test says, and names nothing."""
 
