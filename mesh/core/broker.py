@@ -264,6 +264,8 @@ class Subscription:
                 return batch
 
     async def _lease(self, most: int) -> list[Delivery]:
+        """Up to ``most`` ready messages, leased to this subscription (while the store is
+        asked, a place given back wakes nothing: see :meth:`credit_freed`)."""
         self._leasing = True
         try:
             return await self.broker._lease_many(self, most)
