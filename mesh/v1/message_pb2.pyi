@@ -181,9 +181,10 @@ class Message(_message.Message):
     ACK_REQUIRED_FIELD_NUMBER: _builtins.int
     HEADERS_FIELD_NUMBER: _builtins.int
     message_id: _builtins.str
-    """Unique id of the message, a UUID. The broker assigns one when empty. A message sent
-    again with the id of one the agent's queue holds is taken once (a retry); from another
-    sender it is refused with ALREADY_EXISTS (MESSAGE_ID_TAKEN).
+    """Unique id of the message: any text (e.g. "msg_001"; at most 256 characters by default),
+    a UUID assigned by the broker when empty. A message sent again with the id of one the
+    agent's queue holds is taken once (a retry); from another sender it is refused with
+    ALREADY_EXISTS (MESSAGE_ID_TAKEN).
     """
     from_agent: _builtins.str
     """Id of the sending agent. Required."""
