@@ -16,6 +16,7 @@ import grpc
 from mesh import codec
 from mesh._status import abort
 from mesh.config import BrokerConfig, SecurityConfig, ServerConfig
+from mesh.core.auth import Principal
 from mesh.core.broker import Broker, SendOutcome, Subscription
 from mesh.core.errors import (
     LimitExceededError,
@@ -122,6 +123,10 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     async def SendMessage(
         self, request: broker_pb2.SendMessageRequest, context: Any
     ) -> broker_pb2.SendMessageResponse:
+        if isinstance(request, Malformed):
+            raise await _unreadable_sends(
+                self.broker, request, SEND_MESSAGE_FIELD, current_principal.get()
+            )
         if not request.HasField("message"):
             raise _invalid("message", "message is required")
         outcome = await self.broker.send(
@@ -136,6 +141,10 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     async def SendMessages(
         self, request: broker_pb2.SendMessagesRequest, context: Any
     ) -> broker_pb2.SendMessagesResponse:
+        if isinstance(request, Malformed):
+            raise await _unreadable_sends(
+                self.broker, request, SEND_MESSAGES_FIELD, current_principal.get()
+            )
         messages = [await _decoded(self.broker, pb) for pb in request.messages]
         sizes = [pb.ByteSize() for pb in request.messages]
         results = await self.broker.send_many(messages, sizes)
@@ -437,21 +446,8 @@ class _Session:
     async def _unreadable(self, seq: int, frame: Malformed) -> None:
         """Refuses a frame that does not decode; one that, as far as it can be read, sends
         an answer the session may send also tells the answer's requester why, at once."""
-        self.broker.refused_unreadable()
-        error = frame.to_error()
-        answer = _answer_envelope(frame.data)
-        if answer is not None and self._may_send_as(answer[0]):
-            await self.broker.refuse_unreadable_answer(*answer, error)
+        error = await _unreadable_sends(self.broker, frame, SEND_FIELD, self.principal)
         await self._error(seq, error)
-
-    def _may_send_as(self, agent_id: str) -> bool:
-        if self.principal.admin:
-            return True
-        try:
-            self.principal.require_agent(agent_id, "send")
-        except MeshError:
-            return False
-        return True
 
     async def _dispatch(self, frame: broker_pb2.ConnectRequest | Malformed) -> None:
         if isinstance(frame, Malformed):
@@ -792,12 +788,48 @@ _ENVELOPE = {
 }
 
 
-def _answer_envelope(data: bytes) -> tuple[str, str, str] | None:
-    """(from_agent, to_agent, correlation_id) of a session frame that does not decode, when
-    what can be read of it sends an answer (a RESPONSE or an ERROR); None otherwise."""
-    sent = next((v for n, v in wire_fields(data) if n == SEND_FIELD), None)
-    if not isinstance(sent, bytes):
-        return None
+SEND_MESSAGE_FIELD = broker_pb2.SendMessageRequest.DESCRIPTOR.fields_by_name["message"].number
+SEND_MESSAGES_FIELD = broker_pb2.SendMessagesRequest.DESCRIPTOR.fields_by_name["messages"].number
+READS_MALFORMED = (
+    "/mesh.v1.BrokerService/SendMessage",
+    "/mesh.v1.BrokerService/SendMessages",
+)
+"""The unary methods that refuse a call that does not decode themselves: it may carry an
+agent's answer, whose requester should hear why it will not come (see _unreadable_sends)."""
+
+
+async def _unreadable_sends(
+    broker: Broker, request: Malformed, field: int, principal: Principal
+) -> MeshError:
+    """The refusal of a request (a Connect frame, a SendMessage or SendMessages call) that does
+    not decode, counted with the validation errors. Each answer (RESPONSE or ERROR) it sends,
+    as far as its bytes (in ``field``) can be read, tells its requester why at once, when the
+    caller (``principal``) may send as its agent: no answer from it would come before the
+    deadline."""
+    broker.refused_unreadable()
+    error = request.to_error()
+    for number, sent in wire_fields(request.data):
+        if number != field or not isinstance(sent, bytes):
+            continue
+        answer = _answer_envelope(sent)
+        if answer is not None and _may_send_as(principal, answer[0]):
+            await broker.refuse_unreadable_answer(*answer, error)
+    return error
+
+
+def _may_send_as(principal: Principal, agent_id: str) -> bool:
+    if principal.admin:
+        return True
+    try:
+        principal.require_agent(agent_id, "send")
+    except MeshError:
+        return False
+    return True
+
+
+def _answer_envelope(sent: bytes) -> tuple[str, str, str] | None:
+    """(from_agent, to_agent, correlation_id) of a message's bytes that do not decode, when
+    what can be read of them is an answer (a RESPONSE or an ERROR); None otherwise."""
     envelope: dict[str, Any] = {}
     for number, value in wire_fields(sent):
         name = _ENVELOPE.get(number)
@@ -934,6 +966,7 @@ async def serve_broker(
             metrics_port=config.metrics_port,
             security=security,
             on_malformed=broker.refused_unreadable,
+            reads_malformed=READS_MALFORMED,
         )
     except BaseException:
         await broker.stop()  # (its sweeper and store, started above)

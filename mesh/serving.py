@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -164,11 +164,19 @@ def lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], An
 
 class ContractInterceptor(grpc.aio.ServerInterceptor):
     """Answers undecodable requests with INVALID_ARGUMENT. Streams receive
-    :class:`Malformed` items and answer them one by one (the Connect session does).
-    ``on_malformed`` counts the refusals of unary calls (the broker's validation errors)."""
+    :class:`Malformed` items and answer them one by one (the Connect session does), and so
+    do the unary methods named in ``reads_malformed`` (full names, "/package.Service/Method":
+    what can still be read of such a call matters to someone, and they refuse it
+    themselves). ``on_malformed`` counts the refusals of the other unary calls (the broker's
+    validation errors)."""
 
-    def __init__(self, on_malformed: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        on_malformed: Callable[[], None] | None = None,
+        reads_malformed: Collection[str] = (),
+    ) -> None:
         self.on_malformed = on_malformed
+        self.reads_malformed = frozenset(reads_malformed)
 
     async def intercept_service(
         self,
@@ -178,7 +186,7 @@ class ContractInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or details.method.startswith(("/grpc.health.", "/grpc.reflection.")):
             return handler
-        if handler.request_streaming:
+        if handler.request_streaming or details.method in self.reads_malformed:
             return handler._replace(request_deserializer=lenient(handler.request_deserializer))
         decode = lenient(handler.request_deserializer)
         if handler.unary_unary:
@@ -336,18 +344,23 @@ async def start_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     security: SecurityConfig | None = None,
     on_malformed: Callable[[], None] | None = None,
+    reads_malformed: Collection[str] = (),
 ) -> MeshServer:
     """Starts a grpc.aio server with the given services, health and reflection (and the
     process's soft limit of open files raised to its hard limit, for its connections).
 
     ``port`` 0 picks a free port; the chosen one is on the returned server. ``metrics_port``
     -1 serves no /metrics, 0 picks a free port. ``on_malformed`` counts each request
-    refused because it could not be read.
+    refused because it could not be read; the unary methods in ``reads_malformed`` are given
+    such a request as a :class:`Malformed` and refuse it themselves.
     """
     check_environment()
     open_files_to_the_hard_limit()
     security = security or SecurityConfig()
-    chain: list[grpc.aio.ServerInterceptor] = [ContractInterceptor(on_malformed), *interceptors]
+    chain: list[grpc.aio.ServerInterceptor] = [
+        ContractInterceptor(on_malformed, reads_malformed),
+        *interceptors,
+    ]
     authenticator = authenticator_for(security)
     if authenticator is not None:
         chain.insert(1, AuthInterceptor(authenticator))

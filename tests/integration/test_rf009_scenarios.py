@@ -1435,6 +1435,72 @@ async def test_an_answer_sent_by_a_unary_call_that_is_refused_reaches_the_reques
         assert said in info.value.message
 
 
+MESSAGES = broker_pb2.SendMessagesRequest.DESCRIPTOR.fields_by_name["messages"].number
+
+
+@pytest.mark.parametrize(
+    ("spoil", "said"),
+    [
+        (_nan_content, "content.score is NaN or Infinity"),
+        (_too_deep, "it nests more than 84 levels deep"),
+    ],
+    ids=["NaN content", "too deep"],
+)
+@pytest.mark.parametrize("rpc", ["SendMessage", "SendMessages"])
+async def test_an_answer_in_a_unary_call_that_does_not_decode_reaches_the_requester(
+    mesh: LocalMesh, spoil: Any, said: str, rpc: str
+) -> None:
+    """The same when the call's bytes do not decode at all (a value no JSON holds, content
+    nested past what the broker reads): the call is refused INVALID_ARGUMENT, and what can
+    be read of it (who answers whom, under which correlation id) tells the requester why at
+    once, instead of leaving it to its deadline."""
+    async with mesh.client("Asker") as asker, grpc.aio.insecure_channel(mesh.address) as channel:
+        await asker.register("Raw")
+        await asker.register("Other")
+        asking = asyncio.create_task(asker.request("Raw", {"action": "score"}, timeout=30))
+        broker = broker_pb2_grpc.BrokerServiceStub(channel)
+        taken: list[message_pb2.Message] = []
+        while not taken:
+            taken = list(
+                (
+                    await broker.ReceiveMessages(broker_pb2.ReceiveMessagesRequest(agent_id="Raw"))
+                ).messages
+            )
+        answer = message_pb2.Message(
+            from_agent="Raw",
+            to_agent="Asker",
+            message_type=message_pb2.MESSAGE_TYPE_RESPONSE,
+            correlation_id=taken[0].message_id,
+        )
+        answer.content.update({"action": "answer"})
+        spoil(answer)
+        # By hand, as a client that checks nothing writes it (this protobuf writes no
+        # message nested so deep inside another).
+        field = 1 if rpc == "SendMessage" else MESSAGES
+        fine = message_pb2.Message(
+            from_agent="Other", to_agent="Raw", message_type=message_pb2.MESSAGE_TYPE_REQUEST
+        )
+        fine.content.update({"action": "note"})
+        data = _length_delimited(field, answer.SerializeToString())
+        if rpc == "SendMessages":
+            data += _length_delimited(field, fine.SerializeToString())
+        call = channel.unary_unary(
+            f"/mesh.v1.BrokerService/{rpc}",
+            request_serializer=bytes,
+            response_deserializer=bytes,
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await call(data)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(AgentError) as info:
+            await asking
+        assert info.value.message.startswith("Raw's answer was refused: ")
+        assert said in info.value.message
+        # Nothing else of the call was taken: the whole call is refused.
+        view = (await asker.queue_stats("Raw")).for_agent("Raw")
+        assert view is not None and view.depth == 0
+
+
 async def test_a_cancellation_from_inside_a_handler_answers_with_an_error(
     mesh: LocalMesh,
 ) -> None:

@@ -267,12 +267,14 @@ def test_security_settings_are_checked_and_describe_themselves() -> None:
     assert "token" not in repr(SecurityConfig(token="secret-secret-secret"))
 
 
+@pytest.mark.parametrize("rpc", ["Connect", "SendMessage"])
 async def test_an_unreadable_answer_spoofing_another_agent_tells_its_requester_nothing(
-    token_mesh: LocalMesh,
+    token_mesh: LocalMesh, rpc: str
 ) -> None:
-    """A frame the broker cannot read, that would answer a request as an agent the session
-    may not act as: refused, and the request goes on waiting for its own agent's answer (an
-    unreadable answer tells its requester why only when its sender may send as its agent)."""
+    """A frame or a call the broker cannot read, that would answer a request as an agent
+    the caller may not act as: refused, and the request goes on waiting for its own agent's
+    answer (an unreadable answer tells its requester why only when its sender may send as
+    its agent)."""
     admin = as_(token_mesh, "gateway", GATEWAY_TOKEN)
     hotel = as_(token_mesh, "HotelAgent", HOTEL_TOKEN)
     await hotel.register("HotelAgent")
@@ -287,11 +289,22 @@ async def test_an_unreadable_answer_spoofing_another_agent_tells_its_requester_n
     spoofed.send.content.update({"action": "answer", "price": math.nan})
     as_payment = (("authorization", f"Bearer {PAYMENT_TOKEN}"),)
     async with grpc.aio.insecure_channel(token_mesh.address) as channel:
-        session = broker_pb2_grpc.BrokerServiceStub(channel).Connect(metadata=as_payment)
-        await session.write(spoofed)
-        refused = await asyncio.wait_for(session.read(), 5)
-        assert (refused.seq, refused.error.code) == (2, grpc.StatusCode.INVALID_ARGUMENT.value[0])
-        session.cancel()
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        if rpc == "Connect":
+            session = stub.Connect(metadata=as_payment)
+            await session.write(spoofed)
+            refused = await asyncio.wait_for(session.read(), 5)
+            assert (refused.seq, refused.error.code) == (
+                2,
+                grpc.StatusCode.INVALID_ARGUMENT.value[0],
+            )
+            session.cancel()
+        else:
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await stub.SendMessage(
+                    broker_pb2.SendMessageRequest(message=spoofed.send), metadata=as_payment
+                )
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     await asyncio.sleep(0.2)
     assert not asking.done()
     await hotel.send(
