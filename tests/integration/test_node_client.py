@@ -315,3 +315,74 @@ async def test_a_node_agent_whose_process_dies_is_taken_off_its_agents_instances
                 if node.returncode is None:
                     node.kill()
                     await node.wait()
+
+
+PACKED_PROGRAM = """
+const { MeshClient, PROTO_ROOT } = require('agentmesh-client');
+(async () => {
+  const client = new MeshClient(process.env.AGENTMESH_BROKER, { agentId: 'PackedApp' });
+  await client.register();
+  await client.send('PackedApp', { action: 'note', parameters: { n: 1 } });
+  const got = await client.receive();
+  console.log(JSON.stringify({ protoRoot: PROTO_ROOT, got: got.map((m) => m.content) }));
+  await client.close();
+})().catch((error) => { console.error(error); process.exit(1); });
+"""
+
+
+@pytest.mark.skipif(shutil.which("npm") is None, reason="npm is not installed")
+async def test_the_packed_node_client_carries_the_contract_and_runs_from_it(
+    embedded: EmbeddedMesh, tmp_path: Path
+) -> None:
+    """`npm pack` bundles proto/mesh/v1 into the package (and takes the copy away after):
+    installed from its tarball in a program of no repository, the client reads the contract
+    from the package and talks to the mesh."""
+    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").exists():
+        pytest.fail("clients/node dependencies are missing: run `make setup`")
+    # Packed from a copy, as the repository lays it out: the tests running beside this one
+    # read clients/node itself.
+    repo = tmp_path / "repo"
+    package = repo / "clients" / "node"
+    for part in ("lib", "scripts"):
+        shutil.copytree(NODE_DIR / part, package / part)
+    shutil.copy(NODE_DIR / "package.json", package)
+    shutil.copytree(NODE_DIR.parents[1] / "proto" / "mesh", repo / "proto" / "mesh")
+    pack = await asyncio.create_subprocess_exec(
+        "npm", "pack", "--json", "--pack-destination", str(tmp_path), cwd=package,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    async with asyncio.timeout(120):
+        out, err = await pack.communicate()
+    assert pack.returncode == 0, err.decode()
+    [packed] = json.loads(out)
+    files = {f["path"] for f in packed["files"]}
+    protos = sorted(p.name for p in (repo / "proto" / "mesh" / "v1").glob("*.proto"))
+    assert {f"proto/mesh/v1/{name}" for name in protos} <= files
+    assert {"lib/mesh.js", "lib/mesh.d.ts", "package.json"} <= files
+    assert not (package / "proto").exists()  # (the copy is gone again)
+    # Installed where no repository is: node_modules/agentmesh-client from the tarball, its
+    # dependencies found on NODE_PATH.
+    app = tmp_path / "app"
+    installed = app / "node_modules" / "agentmesh-client"
+    installed.mkdir(parents=True)
+    untar = await asyncio.create_subprocess_exec(
+        "tar", "-xzf", str(tmp_path / packed["filename"]), "--strip-components=1",
+        cwd=installed,
+    )  # fmt: skip
+    assert await untar.wait() == 0
+    (app / "main.js").write_text(PACKED_PROGRAM)
+    env = {
+        **os.environ,
+        "AGENTMESH_BROKER": embedded.broker.address,
+        "NODE_PATH": str(NODE_DIR / "node_modules"),
+    }
+    run = await asyncio.create_subprocess_exec(
+        "node", "main.js", cwd=app, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    async with asyncio.timeout(60):
+        out, err = await run.communicate()
+    assert run.returncode == 0, err.decode()
+    result = json.loads(out)
+    assert result["protoRoot"] == str(installed / "proto")
+    assert result["got"] == [{"action": "note", "parameters": {"n": 1}}]

@@ -2,6 +2,7 @@
 // A Node.js client and agent for agentmesh. It loads the same proto/mesh/v1/*.proto files as
 // the Python code, with @grpc/proto-loader, and talks plain gRPC to the broker and gateway.
 
+const fs = require('node:fs');
 const path = require('node:path');
 const crypto = require('node:crypto');
 const util = require('node:util');
@@ -12,7 +13,11 @@ const { HealthImplementation, service: healthService } = require('grpc-health-ch
 const { ReflectionService } = require('@grpc/reflection');
 const { FileDescriptorProto } = require('protobufjs/ext/descriptor');
 
-const PROTO_ROOT = path.resolve(__dirname, '..', '..', '..', 'proto');
+/** Where the contract's .proto files are read from: the package's own copy when it was
+ * installed from a packed tarball (`npm pack` bundles them), else the repository's proto/. */
+const PROTO_ROOT = [path.resolve(__dirname, '..', 'proto'), path.resolve(__dirname, '..', '..', '..', 'proto')]
+  .find((root) => fs.existsSync(path.join(root, 'mesh', 'v1', 'broker.proto')))
+  ?? path.resolve(__dirname, '..', '..', '..', 'proto');
 const definition = protoLoader.loadSync(
   ['mesh/v1/broker.proto', 'mesh/v1/agent.proto', 'mesh/v1/gateway.proto', 'mesh/v1/memory.proto',
     'mesh/v1/tools.proto'],
@@ -500,7 +505,6 @@ class Reject extends Error {
  */
 function security(options = {}) {
   const env = process.env;
-  const fs = require('node:fs');
   const tlsCa = options.tlsCa ?? env.AGENTMESH_TLS_CA;
   const cert = options.tlsClientCert ?? env.AGENTMESH_TLS_CLIENT_CERT;
   const key = options.tlsClientKey ?? env.AGENTMESH_TLS_CLIENT_KEY;
