@@ -1389,6 +1389,28 @@ async def test_an_answer_the_broker_cannot_read_reaches_the_requester_as_an_erro
                 await answering
 
 
+async def _asked_of_raw(
+    asker: MeshClient, broker: broker_pb2_grpc.BrokerServiceStub
+) -> tuple[asyncio.Task[Message], message_pb2.Message]:
+    """``asker`` asks the agent Raw (registered here), which takes the request with
+    ReceiveMessages, as a client that is no SDK does: the request waiting, and an answer to
+    it (a RESPONSE under its correlation id) for the test to spoil and send."""
+    await asker.register("Raw")
+    asking = asyncio.create_task(asker.request("Raw", {"action": "score"}, timeout=30))
+    taken: list[message_pb2.Message] = []
+    while not taken:
+        received = await broker.ReceiveMessages(broker_pb2.ReceiveMessagesRequest(agent_id="Raw"))
+        taken = list(received.messages)
+    answer = message_pb2.Message(
+        from_agent="Raw",
+        to_agent="Asker",
+        message_type=message_pb2.MESSAGE_TYPE_RESPONSE,
+        correlation_id=taken[0].message_id,
+    )
+    answer.content.update({"action": "answer"})
+    return asking, answer
+
+
 @pytest.mark.parametrize(
     ("spoil", "said"),
     [
@@ -1404,23 +1426,8 @@ async def test_an_answer_sent_by_a_unary_call_that_is_refused_reaches_the_reques
     """The same for an agent that takes its request by ReceiveMessages and answers with a
     unary call: the call is refused, and the requester hears why at once."""
     async with mesh.client("Asker") as asker, grpc.aio.insecure_channel(mesh.address) as channel:
-        await asker.register("Raw")
-        asking = asyncio.create_task(asker.request("Raw", {"action": "score"}, timeout=30))
         broker = broker_pb2_grpc.BrokerServiceStub(channel)
-        taken: list[message_pb2.Message] = []
-        while not taken:
-            taken = list(
-                (
-                    await broker.ReceiveMessages(broker_pb2.ReceiveMessagesRequest(agent_id="Raw"))
-                ).messages
-            )
-        answer = message_pb2.Message(
-            from_agent="Raw",
-            to_agent="Asker",
-            message_type=message_pb2.MESSAGE_TYPE_RESPONSE,
-            correlation_id=taken[0].message_id,
-        )
-        answer.content.update({"action": "answer"})
+        asking, answer = await _asked_of_raw(asker, broker)
         spoil(answer)
         if rpc == "SendMessage":
             with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -1455,24 +1462,9 @@ async def test_an_answer_in_a_unary_call_that_does_not_decode_reaches_the_reques
     be read of it (who answers whom, under which correlation id) tells the requester why at
     once, instead of leaving it to its deadline."""
     async with mesh.client("Asker") as asker, grpc.aio.insecure_channel(mesh.address) as channel:
-        await asker.register("Raw")
         await asker.register("Other")
-        asking = asyncio.create_task(asker.request("Raw", {"action": "score"}, timeout=30))
         broker = broker_pb2_grpc.BrokerServiceStub(channel)
-        taken: list[message_pb2.Message] = []
-        while not taken:
-            taken = list(
-                (
-                    await broker.ReceiveMessages(broker_pb2.ReceiveMessagesRequest(agent_id="Raw"))
-                ).messages
-            )
-        answer = message_pb2.Message(
-            from_agent="Raw",
-            to_agent="Asker",
-            message_type=message_pb2.MESSAGE_TYPE_RESPONSE,
-            correlation_id=taken[0].message_id,
-        )
-        answer.content.update({"action": "answer"})
+        asking, answer = await _asked_of_raw(asker, broker)
         spoil(answer)
         # By hand, as a client that checks nothing writes it (this protobuf writes no
         # message nested so deep inside another).
