@@ -1359,15 +1359,19 @@ async def local_redis(folder: str) -> Any:
     if LocalRedis.unavailable():
         yield None, None
         return
-    single = await asyncio.to_thread(LocalRedis.start, Path(folder) / "redis")
+    # (started together: each waits on its servers' start-up, not on the CPU)
+    starting = [
+        asyncio.create_task(asyncio.to_thread(LocalRedis.start, Path(folder) / "redis")),
+        asyncio.create_task(asyncio.to_thread(LocalRedis.start_cluster, Path(folder) / "cluster")),
+    ]
+    await asyncio.wait(starting)
     try:
-        cluster = await asyncio.to_thread(LocalRedis.start_cluster, Path(folder) / "cluster")
-        try:
-            yield single.url, cluster.url
-        finally:
-            await asyncio.to_thread(cluster.stop)
+        single, cluster = (task.result() for task in starting)
+        yield single.url, cluster.url
     finally:
-        await asyncio.to_thread(single.stop)
+        for task in starting:
+            if not task.cancelled() and task.exception() is None:
+                await asyncio.to_thread(task.result().stop)
 
 
 def store_urls(folder: str, redis_url: str | None, cluster_url: str | None) -> dict[str, str]:
@@ -1463,39 +1467,54 @@ async def _send_one(client: Any) -> int:
 
 
 async def _measure_stores(s: Settings, urls: dict[str, str]) -> dict[str, Any]:
+    """Each store's broker, measured one at a time; they start together (their start-ups
+    overlap on the two cores), and each stops once measured."""
     out: dict[str, Any] = {}
     n, w = max(200, s.operations // 2), s.warmup
-    for name, url in urls.items():
-        broker = await spawn_broker(url)
-        try:
-            async with connect(broker.address, agent_id="driver") as client:
-                await client.register("sink")
+    starting = {name: asyncio.create_task(spawn_broker(url)) for name, url in urls.items()}
+    await asyncio.wait(starting.values())
+    brokers = {
+        name: task.result()
+        for name, task in starting.items()
+        if not task.cancelled() and task.exception() is None
+    }
+    try:
+        for task in starting.values():
+            task.result()  # (a broker that did not start fails the run, the others stopped)
+        for name, broker in brokers.items():
+            try:
+                async with connect(broker.address, agent_id="driver") as client:
+                    await client.register("sink")
 
-                async def send() -> int:
-                    await client.send("sink", {"action": "sink", "parameters": {"i": 1}})
-                    return 1
+                    async def send() -> int:
+                        await client.send("sink", {"action": "sink", "parameters": {"i": 1}})
+                        return 1
 
-                out[f"store.{name}.send"] = stats(await timed(send, n, w))
-                await drain(client, "sink")
-                out[f"store.{name}.oneway_16"] = {
-                    "throughput": await rate(send, 16, s.throughput_seconds)
-                }
-                await drain(client, "sink")
+                    out[f"store.{name}.send"] = stats(await timed(send, n, w))
+                    await drain(client, "sink")
+                    out[f"store.{name}.oneway_16"] = {
+                        "throughput": await rate(send, 16, s.throughput_seconds)
+                    }
+                    await drain(client, "sink")
 
-                async def batch_op() -> int:
-                    fresh = [
-                        Message(from_agent="driver", to_agent="sink", content={"action": "sink"})
-                        for _ in range(100)
-                    ]
-                    results = await client.send_batch(fresh)
-                    return sum(isinstance(r, Message) for r in results)
+                    async def batch_op() -> int:
+                        fresh = [
+                            Message(
+                                from_agent="driver", to_agent="sink", content={"action": "sink"}
+                            )
+                            for _ in range(100)
+                        ]
+                        results = await client.send_batch(fresh)
+                        return sum(isinstance(r, Message) for r in results)
 
-                out[f"store.{name}.batch100"] = {
-                    "throughput": await rate(batch_op, 4, s.throughput_seconds)
-                }
-                await drain(client, "sink")
-        finally:
-            await stop_all([broker])
+                    out[f"store.{name}.batch100"] = {
+                        "throughput": await rate(batch_op, 4, s.throughput_seconds)
+                    }
+                    await drain(client, "sink")
+            finally:
+                await stop_all([broker])
+    finally:
+        await stop_all(list(brokers.values()))  # (those a failure left running)
     return out
 
 
@@ -2009,15 +2028,14 @@ async def measure_all(settings: Settings) -> tuple[dict[str, Any], dict[str, Any
     return figures, ({"after_each_repetition": memory} if all(memory) else None)
 
 
-async def measure_hotpath(count: int) -> dict[str, float]:
+async def measure_hotpath(count: int, repetitions: int = 5) -> dict[str, float]:
     """benchmarks.hotpath in a process of its own: this one has tracing set up by now (and a
     heap of results), which would be measured with the mesh's code."""
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "benchmarks.hotpath",
-        "--count",
-        str(count),
+        *("--count", str(count), "--repetitions", str(repetitions)),
         "--json",
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -2086,7 +2104,7 @@ async def main(args: argparse.Namespace) -> int:
             print(f"the processes' logs are in {_logs[0]}", file=sys.stderr)
         raise
     print("python per operation, without gRPC ...", flush=True)
-    python_cost = await measure_hotpath(500 if settings.quick else 20_000)
+    python_cost = await measure_hotpath(*((500, 2) if settings.quick else (20_000, 5)))
     if _logs:
         shutil.rmtree(_logs[0], ignore_errors=True)
     ratios = with_ratios(figures)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks import hotpath
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +40,7 @@ async def test_every_path_completes_its_operations_and_costs_more_than_the_bare_
 
 def test_the_command_prints_the_figures_as_json() -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.hotpath", "--count", "100", "--json"],
+        [sys.executable, "-m", "benchmarks.hotpath", "--json", "--count=100", "--repetitions=2"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -48,3 +50,16 @@ def test_the_command_prints_the_figures_as_json() -> None:
     figures = json.loads(run.stdout)
     assert figures["broker_roundtrip_us"] > figures["raw_loop_us"] > 0
     assert "Task was destroyed" not in run.stderr
+
+
+@pytest.mark.parametrize("flag", ["--count", "--repetitions"])
+def test_the_command_refuses_a_count_of_no_runs(flag: str) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.hotpath", flag, "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2
+    assert "--count and --repetitions must be at least 1" in run.stderr
