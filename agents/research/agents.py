@@ -19,6 +19,8 @@ from mesh.core.errors import MeshError
 from mesh.core.model import JSON
 from mesh.core.tools import ToolFailedError, ToolPermissionError, ToolTimeoutError
 
+_CONFIDENCE = {"high": 0, "medium": 1, "low": 2}
+"""A finding's confidence, as the order in which a summary cites them."""
 MAX_FINDINGS = 100
 """Findings a researcher's answer carries at most (the first found, each claim once per
 source); how many more it found is ``findings_left_out``. An answer stays well under the
@@ -79,6 +81,12 @@ class _Researcher(Agent):
                 return None
         return None
 
+    async def lexicon(self, query: str) -> dict[str, Any]:
+        """The topics file, with the query's own topic when it names none of the file's (as
+        the coordinator planned it: see analysis.plan_topics)."""
+        base = await asyncio.to_thread(_lexicon, self.topics_file)
+        return analysis.plan_topics(query, base)[1]
+
     def context(self, message: Message) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
         content = message.content or {}
         return (
@@ -108,7 +116,7 @@ class _SourceResearcher(_Researcher):
     async def handle(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
         query, prior, constraints = self.context(message)
         topics = list(constraints.get("topics") or [])
-        lexicon = await asyncio.to_thread(_lexicon, self.topics_file)
+        lexicon = await self.lexicon(query)
         if not topics:
             return escalation(
                 self.agent_id,
@@ -206,7 +214,11 @@ class DocumentAnalysisAgent(_SourceResearcher):
             [
                 query,
                 str(constraints.get("focus") or ""),
-                *(" ".join(lexicon[t]["keywords"]) for t in constraints.get("topics") or []),
+                *(
+                    " ".join(lexicon[t]["keywords"])
+                    for t in constraints.get("topics") or []
+                    if t in lexicon
+                ),
             ]
         )
         hits = await self.tool(ctx, "grep", {"pattern": words, "limit": 20}, timeout, errors) or []
@@ -252,14 +264,23 @@ class SynthesisAgent(_Researcher):
     async def handle(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
         query, prior, constraints = self.context(message)
         topics = list(constraints.get("topics") or [])
-        lexicon = await asyncio.to_thread(_lexicon, self.topics_file)
+        lexicon = await self.lexicon(query)
         findings = analysis.dedupe(prior)
         conflicts = analysis.detect_conflicts(findings)
         gaps = analysis.gaps_of(topics, findings, lexicon)
         lines = []
         for topic in topics:
             on_topic = [f for f in findings if f.get("topic") == topic]
-            if not on_topic:
+            if not on_topic or topic not in lexicon:
+                continue
+            if lexicon[topic]["kind"] == "general":
+                # Claims that compare to nothing: the surest three, most confident first.
+                surest = sorted(
+                    on_topic, key=lambda f: _CONFIDENCE.get(str(f.get("confidence")), 3)
+                )
+                lines.append(
+                    f"{lexicon[topic]['label']}: " + " ".join(f["claim"] for f in surest[:3])
+                )
                 continue
             settled = next(
                 (

@@ -1,6 +1,11 @@
 """Research analysis without I/O: topics of a query, claims in a text, conflicts between
 findings and the resolution policy (factual by source tier, interpretive both shown, temporal
-newest marked current), and gaps."""
+newest marked current), and gaps.
+
+A query that names none of the lexicon's topics is researched on its own words: one topic,
+:data:`QUERY_TOPIC` (kind "general"), whose claims are the sentences that hold most of them.
+General claims are kept with their sources but never compared: nothing says two of them speak
+of the same thing."""
 
 from __future__ import annotations
 
@@ -21,6 +26,14 @@ _STOP_WORDS = (
     "what when where which who why will with about tell me us you"
 )
 _STOP = frozenset(_STOP_WORDS.split())
+QUERY_TOPIC = "_query"
+"""The topic of a query that names none of the lexicon's: the query's own words."""
+_VAGUE_WORDS = (
+    "latest current today news recent now online web new there that these those thing things "
+    "some any more most much many know explain find give list show please"
+)
+_VAGUE = frozenset(_VAGUE_WORDS.split())
+"""Words that ask for something without saying what: a query of only these is ambiguous."""
 
 
 def query_terms(query: str) -> list[str]:
@@ -41,12 +54,71 @@ def topics_of(query: str, lexicon: Mapping[str, Mapping[str, Any]]) -> list[str]
     return found
 
 
+def _stem(term: str) -> str:
+    """What a word's other forms share: a short word itself ("pumps" and "pump" are "pump",
+    which a plural "s" or "es" may follow), a longer one its start, marked "*" ("batteries"
+    and "battery" start "batter*", "recycling" and "recycled" "recycl*")."""
+    if len(term) > 3 and term.endswith("s") and not term.endswith("ss"):
+        term = term[:-1]
+    return term if len(term) <= 5 else term[: max(5, len(term) - 3)] + "*"
+
+
+def _word_pattern(stem: str) -> str:
+    """The regular expression of the words a :func:`_stem` stands for."""
+    if stem.endswith("*"):
+        return rf"\b{re.escape(stem[:-1])}"
+    return rf"\b{re.escape(stem)}(?:s|es)?\b"
+
+
+def query_topic(query: str) -> dict[str, Any] | None:
+    """The lexicon entry of :data:`QUERY_TOPIC` for ``query``: its label the query, its
+    keywords the stems of its words (stop words, vague words and bare numbers left out); a
+    sentence speaks to it when it holds more than half of them (three will do), as words.
+    None for a query with no word of its own ("what about the latest news on that?"): its
+    scope is ambiguous."""
+    terms = [t for t in query_terms(query) if t not in _VAGUE and not t.isdigit()]
+    stems = list(dict.fromkeys(_stem(t) for t in terms))
+    if not stems:
+        return None
+    return {
+        "label": query.strip().rstrip("?!.").strip(),
+        "kind": "general",
+        "keywords": stems,
+        "min_hits": min(3, len(stems) // 2 + 1),
+    }
+
+
+def plan_topics(
+    query: str, lexicon: Mapping[str, Mapping[str, Any]]
+) -> tuple[list[str], dict[str, Mapping[str, Any]]]:
+    """The topics ``query`` asks about, and the lexicon that defines them: the lexicon's own
+    topics it names; else its own words as :data:`QUERY_TOPIC`; else none (the lexicon as
+    given). The coordinator and the subagents, given the same query, find the same."""
+    topics = topics_of(query, lexicon)
+    entry = None if topics else query_topic(query)
+    if entry is None:
+        return topics, dict(lexicon)
+    return [QUERY_TOPIC], {**lexicon, QUERY_TOPIC: entry}
+
+
+def _speaks_to(lowered: str, entry: Mapping[str, Any]) -> bool:
+    """Whether a sentence (lower case) speaks to a lexicon entry: a keyword of a lexicon topic
+    anywhere in it; for the general topic, enough of its stems, as words."""
+    if entry.get("kind") != "general":
+        return any(k in lowered for k in entry["keywords"])
+    hits = sum(1 for k in entry["keywords"] if re.search(_word_pattern(k), lowered))
+    return hits >= int(entry.get("min_hits") or 1)
+
+
 def sentences(text: str) -> list[str]:
     return [s.strip() for s in _SENTENCE.split(text.replace("\n", " ")) if s.strip()]
 
 
 def value_of(sentence: str, kind: str) -> str:
-    """What a claim asserts, to compare claims of one topic: a number, or a stance."""
+    """What a claim asserts, to compare claims of one topic: a number, or a stance (a general
+    claim asserts nothing comparable: "")."""
+    if kind == "general":
+        return ""
     if kind == "interpretive":
         return "negative" if _NEGATION.search(sentence) else "positive"
     numbers = _NUMBER.findall(sentence)
@@ -69,12 +141,12 @@ def extract_claims(
     for index, sentence in enumerate(parts):
         lowered = sentence.lower()
         for topic in topics:
-            entry = lexicon[topic]
-            if not any(k in lowered for k in entry["keywords"]):
-                continue
+            entry = lexicon.get(topic)
+            if entry is None or not _speaks_to(lowered, entry):
+                continue  # (a topic another lexicon has: not this one's to find)
             kind = str(entry["kind"])
             has_number = bool(_NUMBER.search(sentence))
-            if kind != "interpretive" and not has_number:
+            if kind not in ("interpretive", "general") and not has_number:
                 continue  # a factual or temporal sentence without a figure asserts nothing
             confidence = (
                 "high"
@@ -191,12 +263,16 @@ def resolve(a: Finding, b: Finding) -> dict[str, Any]:
 
 
 def detect_conflicts(findings: Sequence[Finding]) -> list[dict[str, Any]]:
-    """Pairs of findings on one topic that assert different values."""
+    """Pairs of findings on one topic that assert different values (general findings
+    assert none that compare)."""
     conflicts = []
     for i, a in enumerate(findings):
+        if a.get("kind") == "general":
+            continue
         for b in findings[i + 1 :]:
             if (
                 a.get("topic") == b.get("topic")
+                and b.get("kind") != "general"
                 and a.get("value") != b.get("value")
                 and source_of(a) != source_of(b)
             ):
@@ -208,4 +284,4 @@ def gaps_of(
     topics: Iterable[str], findings: Iterable[Finding], lexicon: Mapping[str, Mapping[str, Any]]
 ) -> list[str]:
     covered = {f.get("topic") for f in findings}
-    return [str(lexicon[t]["label"]) for t in topics if t not in covered]
+    return [str(lexicon[t]["label"]) for t in topics if t not in covered and t in lexicon]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -185,12 +186,12 @@ def load_topics(path: Path = TOPICS_FILE) -> dict[str, Any]:
 def analyze_query(query: str, documents: bool, lexicon: Mapping[str, Any]) -> dict[str, Any]:
     """Which subagents a query needs: current data -> web; documents -> document analysis;
     a comparison or many topics -> every source in parallel; neither -> synthesis alone."""
-    from agents.research.analysis import topics_of
+    from agents.research.analysis import plan_topics
 
-    text = query.lower()
-    topics = topics_of(query, lexicon)
-    needs_web = any(word in text for word in CURRENT_DATA_WORDS)
-    complex_query = "compare" in text or len(topics) >= 3
+    words = set(re.findall(r"[a-z0-9]+", query.lower()))
+    topics, _ = plan_topics(query, lexicon)
+    needs_web = not words.isdisjoint(CURRENT_DATA_WORDS)  # (whole words: "know" is not "now")
+    complex_query = "compare" in words or len(topics) >= 3
     use_web = needs_web or complex_query
     use_docs = documents
     kind = "all" if use_web and use_docs else "web" if use_web else "docs" if use_docs else "simple"

@@ -406,3 +406,70 @@ async def test_a_large_document_is_searched_in_pages_and_cited_once(tmp_path: Pa
         [found] = kinds(events, "FINDINGS")
         exported = [f for f in found["data"]["findings"] if f["document_id"] == "export"]
         assert len(exported) == 1 and exported[0]["claim"].startswith("The recycling rate")
+
+
+HEAT_PUMPS = """Title: Heat pumps in cold climates
+Date: 2025-05-01
+Tier: article
+
+Air-source heat pumps keep working in cold climates down to -25 C. Their efficiency falls as
+the outdoor air gets colder.
+Ground-source heat pumps are more efficient in cold climates but cost more to install.
+\fMany households in cold climates pair a heat pump with a backup boiler.
+The weather was fine in May.
+"""
+
+
+async def test_documents_on_any_topic_are_researched_on_the_querys_own_words(
+    tmp_path: Path,
+) -> None:
+    """A folder of the user's own documents, on a topic the shipped lexicon does not know:
+    the query's own words make its topic, the sentences that hold most of them are its
+    findings, with their provenance, and the report cites each. General claims are not
+    compared with one another (no conflicts), and nothing is left as a gap once found."""
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "heat-pumps.txt").write_text(HEAT_PUMPS)
+    async for r in research_mesh(tmp_path / "out", docs=DocumentFolder(folder)):
+        events = await r.run(
+            query="What do we know about heat pumps in cold climates?",
+            documents=True,
+            report_name="heat-pumps",
+        )
+        [plan] = kinds(events, "PLAN")
+        assert plan["data"]["kind"] == "docs"  # ("know" asks for no current data)
+        assert plan["data"]["topics"] == ["_query"]
+        result = events[-1]["data"]
+        assert result["status"] == "COMPLETED"
+        found = sorted((f["document_id"], f["page"], f["claim"]) for f in result["findings"])
+        assert found == [
+            (
+                "heat-pumps",
+                1,
+                "Air-source heat pumps keep working in cold climates down to -25 C.",
+            ),
+            (
+                "heat-pumps",
+                1,
+                "Ground-source heat pumps are more efficient in cold climates but cost more"
+                " to install.",
+            ),
+            (
+                "heat-pumps",
+                2,
+                "Many households in cold climates pair a heat pump with a backup boiler.",
+            ),
+        ]
+        assert result["conflicts"] == [] and result["gaps"] == []
+        assert result["summary"].startswith("What do we know about heat pumps in cold climates: ")
+        assert "Air-source heat pumps keep working" in result["summary"]
+        body = (r.out / "heat-pumps.md").read_text()
+        cited = re.findall(r"^\[ref-\d+\] (.+)$", body, flags=re.MULTILINE)
+        assert sorted(cited) == ["heat-pumps:p1", "heat-pumps:p1", "heat-pumps:p2"]
+        assert "The weather" not in body
+
+        # A query of no words of its own is still an ambiguous scope, escalated as a gap.
+        events = await r.run(query="What about the latest news on that?", documents=True)
+        assert {e["data"]["failure_type"] for e in kinds(events, "ESCALATION")} == {
+            "ambiguous_scope"
+        }

@@ -8,11 +8,14 @@ from hypothesis import strategies as st
 
 from agents.research.analysis import (
     MAX_CLAIM_CHARS,
+    QUERY_TOPIC,
     detect_conflicts,
     distinct,
     extract_claims,
     gaps_of,
     is_finding,
+    plan_topics,
+    query_topic,
     resolve,
     topics_of,
 )
@@ -56,6 +59,10 @@ def finding(
         ("What is the lithium-ion battery recycling rate?", True, "docs"),
         ("What is the latest lithium-ion battery recycling rate?", False, "web"),
         ("Compare the latest recycling rate with the EU collection target", True, "all"),
+        # Current data is asked for in whole words: "know" holds "now" and asks for nothing.
+        ("What do we know about heat pumps in cold climates?", True, "docs"),
+        ("What do we know about heat pumps in cold climates?", False, "simple"),
+        ("Heat pumps in cold climates: the latest figures", False, "web"),
     ],
 )
 def test_routing_by_query_kind(query: str, documents: bool, kind: str) -> None:
@@ -66,6 +73,56 @@ def test_topics_and_gaps() -> None:
     topics = topics_of("recycling rate and cost per tonne of lithium", LEXICON)
     assert topics == ["recycling_rate", "recovery_cost"]
     assert gaps_of(topics, [finding("x")], LEXICON) == ["cost of recovering lithium per tonne"]
+
+
+def test_a_query_naming_no_topic_of_the_lexicon_is_researched_on_its_own_words() -> None:
+    topics, lexicon = plan_topics("How do heat pumps perform in cold climates?", LEXICON)
+    assert topics == [QUERY_TOPIC]
+    entry = lexicon[QUERY_TOPIC]
+    assert entry["label"] == "How do heat pumps perform in cold climates"
+    assert entry["kind"] == "general"
+    # Stop words left out; plurals and endings cut to what the word's forms share.
+    assert entry["keywords"] == ["heat", "pump", "perfo*", "cold", "clima*"]
+    assert entry["min_hits"] == 3  # more than half, three will do
+    assert {k: v for k, v in lexicon.items() if k != QUERY_TOPIC} == LEXICON
+    # A query naming a topic of the lexicon keeps to the lexicon.
+    assert plan_topics("the recycling rate in Europe", LEXICON) == (["recycling_rate"], LEXICON)
+    # A query of no words of its own has no topic: its scope is ambiguous.
+    assert query_topic("What about the latest news on that?") is None
+    assert plan_topics("What about the latest news on that?", LEXICON) == ([], LEXICON)
+    assert query_topic("the CAP theorem")["min_hits"] == 2  # type: ignore[index]
+
+
+def test_a_general_claim_is_a_sentence_holding_most_of_the_querys_words() -> None:
+    topics, lexicon = plan_topics("How do heat pumps perform in cold climates?", LEXICON)
+    text = (
+        "Air-source heat pumps keep working in cold climates down to -25 C. "
+        "A heat pump performs worse in the cold. "  # heat, pump, perfo, cold: a claim
+        "Heat pumps are popular. "  # two of five: not enough
+        "Pumpkins grow in cold climates with heat. "  # heat, cold, clima: three of five
+        "The weather was fine."
+    )
+    found = extract_claims(text, topics, lexicon, {"source_url": "u", "tier": "blog"})
+    assert [f["claim"] for f in found] == [
+        "Air-source heat pumps keep working in cold climates down to -25 C.",
+        "A heat pump performs worse in the cold.",
+        "Pumpkins grow in cold climates with heat.",
+    ]
+    assert {(f["topic"], f["kind"], f["value"]) for f in found} == {(QUERY_TOPIC, "general", "")}
+    # A figure makes a blog's claim of medium confidence, as for any topic.
+    assert [f["confidence"] for f in found] == ["medium", "low", "low"]
+    # A short word is a word: "cap" is not "capacity".
+    cap_topics, cap_lexicon = plan_topics("the CAP theorem", LEXICON)
+    text = "Battery capacity and the theorem of Pythagoras. The CAP theorem trades consistency."
+    found = extract_claims(text, cap_topics, cap_lexicon, {"source_url": "u"})
+    assert [f["claim"] for f in found] == ["The CAP theorem trades consistency."]
+
+
+def test_general_claims_are_never_taken_for_conflicts() -> None:
+    a = finding("Heat pumps work at -25 C.", topic=QUERY_TOPIC, kind="general", value="")
+    b = finding("Heat pumps do not work at -25 C.", topic=QUERY_TOPIC, kind="general", value="")
+    assert detect_conflicts([a, b]) == []
+    assert gaps_of([QUERY_TOPIC], [a], {}) == []  # (a topic no lexicon defines: no gap named)
 
 
 def test_claims_keep_their_provenance() -> None:
