@@ -911,5 +911,6 @@ export function toDuration(value: Duration): { seconds: number; nanos: number };
 export function security(options?: SecurityOptions): Security;
 /** The message types, in the contract's order. */
 export const TYPES: MessageType[];
-/** The directory of the .proto files the client loads. */
+/** The directory of the .proto files the client loads: the package's own copy when it was
+ * installed from a packed tarball, else the repository's `proto/`. */
 export const PROTO_ROOT: string;
