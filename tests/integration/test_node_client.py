@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -50,6 +51,18 @@ async def start_echo_agent(agent_id: str, broker: str) -> tuple[asyncio.subproce
     """clients/node/examples/echo-agent.js serving agent_id against broker, in a process of
     its own; the process and the address of the agent's server once it serves."""
     return await start_node_example("echo-agent.js", agent_id, broker)
+
+
+async def node_program(script: str, cwd: Path, env: dict[str, str]) -> Any:
+    """``node SCRIPT`` in ``cwd``: what it printed, read as JSON, once it ended with status 0."""
+    run = await asyncio.create_subprocess_exec(
+        "node", script, cwd=cwd, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    async with asyncio.timeout(60):
+        out, err = await run.communicate()
+    assert run.returncode == 0, err.decode()
+    return json.loads(out)
 
 
 async def stop_echo_agent(node: asyncio.subprocess.Process) -> None:
@@ -114,14 +127,7 @@ async def test_a_typescript_program_compiles_against_the_declarations_and_runs(
         "AGENTMESH_BROKER": embedded.broker.address,
         "AGENTMESH_GATEWAY": embedded.gateway.address,
     }
-    tour = await asyncio.create_subprocess_exec(
-        "node", "tour.js", cwd=build, env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    async with asyncio.timeout(60):
-        out, err = await tour.communicate()
-    assert tour.returncode == 0, err.decode()
-    assert json.loads(out) == {
+    assert await node_program("tour.js", build, env) == {
         "received": ["now", "later"],
         "sum": 6,
         "unknownAgent": "NOT_FOUND",
@@ -376,13 +382,6 @@ async def test_the_packed_node_client_carries_the_contract_and_runs_from_it(
         "AGENTMESH_BROKER": embedded.broker.address,
         "NODE_PATH": str(NODE_DIR / "node_modules"),
     }
-    run = await asyncio.create_subprocess_exec(
-        "node", "main.js", cwd=app, env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    async with asyncio.timeout(60):
-        out, err = await run.communicate()
-    assert run.returncode == 0, err.decode()
-    result = json.loads(out)
+    result = await node_program("main.js", app, env)
     assert result["protoRoot"] == str(installed / "proto")
     assert result["got"] == [{"action": "note", "parameters": {"n": 1}}]
