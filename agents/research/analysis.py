@@ -57,7 +57,7 @@ def topics_of(query: str, lexicon: Mapping[str, Mapping[str, Any]]) -> list[str]
 def _stem(term: str) -> str:
     """What a word's other forms share: a short word itself ("pumps" and "pump" are "pump",
     which a plural "s" or "es" may follow), a longer one its start, marked "*" ("batteries"
-    and "battery" start "batter*", "recycling" and "recycled" "recycl*")."""
+    and "battery" start "batte*", "recycling" and "recycled" "recycl*")."""
     if len(term) > 3 and term.endswith("s") and not term.endswith("ss"):
         term = term[:-1]
     return term if len(term) <= 5 else term[: max(5, len(term) - 3)] + "*"
