@@ -1384,8 +1384,10 @@ def store_urls(folder: str, redis_url: str | None, cluster_url: str | None) -> d
     return urls
 
 
-async def spawn_broker(url: str) -> Proc:
-    return await spawn(
+async def spawn_broker(url: str, procs: list[Proc]) -> Proc:
+    """A broker on the queue store at ``url``, added to ``procs`` (see :func:`spawn_into`)."""
+    return await spawn_into(
+        procs,
         "-m",
         "mesh.cli",
         "broker",
@@ -1423,14 +1425,10 @@ async def _measure_replicas(s: Settings, redis_url: str) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     brokers: list[Proc] = []
-
-    async def replica() -> None:
-        brokers.append(await spawn_broker(redis_url))
-
     try:
         async with asyncio.TaskGroup() as group:  # (the two start together)
-            group.create_task(replica())
-            group.create_task(replica())
+            group.create_task(spawn_broker(redis_url, brokers))
+            group.create_task(spawn_broker(redis_url, brokers))
         for name, targets in (
             ("replicas1", [brokers[0].address, brokers[0].address]),
             ("replicas2", [brokers[0].address, brokers[1].address]),
@@ -1471,17 +1469,14 @@ async def _measure_stores(s: Settings, urls: dict[str, str]) -> dict[str, Any]:
     overlap on the two cores), and each stops once measured."""
     out: dict[str, Any] = {}
     n, w = max(200, s.operations // 2), s.warmup
-    starting = {name: asyncio.create_task(spawn_broker(url)) for name, url in urls.items()}
-    await asyncio.wait(starting.values())
-    brokers = {
-        name: task.result()
-        for name, task in starting.items()
-        if not task.cancelled() and task.exception() is None
-    }
+    brokers: list[Proc] = []  # (every one that came up, stopped at the end whatever happens)
     try:
-        for task in starting.values():
-            task.result()  # (a broker that did not start fails the run, the others stopped)
-        for name, broker in brokers.items():
+        async with asyncio.TaskGroup() as group:
+            starting = {
+                name: group.create_task(spawn_broker(url, brokers)) for name, url in urls.items()
+            }
+        for name, task in starting.items():
+            broker = task.result()
             try:
                 async with connect(broker.address, agent_id="driver") as client:
                     await client.register("sink")
@@ -1514,7 +1509,7 @@ async def _measure_stores(s: Settings, urls: dict[str, str]) -> dict[str, Any]:
             finally:
                 await stop_all([broker])
     finally:
-        await stop_all(list(brokers.values()))  # (those a failure left running)
+        await stop_all(brokers)
     return out
 
 
