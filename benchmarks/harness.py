@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -201,13 +201,42 @@ def build_meshgo(work: Path) -> Path:
     return binary
 
 
-def go_agent_program() -> Path | None:
-    """``meshgo``, built for the run when :func:`go_available`; None when Go is not here or
-    the build fails (said, and the run goes on without the go_agent figure)."""
+BENCH_GO = ROOT / "benchmarks" / "results" / "tmp" / "go"
+"""Where a run builds ``meshgo`` (its ``meshgo``, and the build's work in ``build/``)."""
+
+
+def current_meshgo(
+    candidates: Sequence[Path] = (BENCH_GO / "meshgo", GO_CLIENT / "bin" / "meshgo"),
+    sources: Sequence[Path] = (GO_CLIENT / "meshgo", GO_CLIENT / "build.sh", ROOT / "proto"),
+) -> Path | None:
+    """The first of ``candidates`` built since any of ``sources`` (files, or every file in
+    a folder) last changed: what a run built, then what `make go-client` built; else None."""
+    files = [f for s in sources for f in ([s] if s.is_file() else s.rglob("*")) if f.is_file()]
+    changed = max((f.stat().st_mtime for f in files), default=0.0)
+    for program in candidates:
+        if program.is_file() and program.stat().st_mtime >= changed:
+            return program
+    return None
+
+
+def go_agent_program(build: bool = True) -> Path | None:
+    """``meshgo``: built for the run when :func:`go_available` (None when Go is not here or
+    the build fails: said, and the run goes on without the go_agent figure); with ``build``
+    False (a quick run), one already built and current, if any (:func:`current_meshgo`): a
+    first build compiles gRPC's Go packages, some 30 s of CPU on the run's two cores, which
+    would take a quick run past its minute."""
+    if not build:
+        program = current_meshgo()
+        if program is None:
+            print(
+                "(no go_agent figure: a quick run builds no meshgo, and none is built since "
+                "clients/go or proto/ last changed; `make go-client` or a full run builds it)"
+            )
+        return program
     if not go_available():
         return None
     try:
-        return build_meshgo(ROOT / "benchmarks" / "results" / "tmp" / "go")
+        return build_meshgo(BENCH_GO)
     except (OSError, RuntimeError, subprocess.TimeoutExpired) as error:
         print(f"{error}\n(no go_agent figure)")
         return None
@@ -356,10 +385,11 @@ class Mesh:
         )
 
 
-async def start_mesh() -> Mesh:
+async def start_mesh(build_go: bool = True) -> Mesh:
     """Every process of the run, started together where one does not need another's address
     (the broker's dependents once it listens, each raw relay once its echo does): on two cores
-    the processes' imports overlap instead of following one another."""
+    the processes' imports overlap instead of following one another. ``build_go``: see
+    :func:`go_agent_program`."""
     procs: list[Proc] = []  # in the order they came up (stop_all stops the last first)
     drivers: list[NodeDriver] = []
 
@@ -368,7 +398,7 @@ async def start_mesh() -> Mesh:
     async def node_driver(broker: str) -> None:
         drivers.append(await NodeDriver.start(broker, "echo-0"))
 
-    go_build = asyncio.create_task(asyncio.to_thread(go_agent_program))
+    go_build = asyncio.create_task(asyncio.to_thread(go_agent_program, build_go))
 
     async def go_echo(broker: str) -> Proc | None:
         program = await go_build
@@ -2005,7 +2035,7 @@ def compare(report: dict[str, Any], earlier: dict[str, Any]) -> list[str]:
 async def measure_all(settings: Settings) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Every figure, and the memory of the mesh's processes after each repetition (None
     where /proc cannot be read)."""
-    mesh = await start_mesh()
+    mesh = await start_mesh(build_go=not settings.quick)
     try:
         runs, memory = [], []
         for i in range(settings.repetitions):

@@ -3,7 +3,10 @@
 # protoc-gen-go and protoc-gen-go-grpc (run through grpcio-tools' protoc, whose well-known
 # types it includes), compiled in GOPATH mode against the Go packages of GO_DEPS (Debian's
 # golang-google-grpc-dev, with the golang-google-genproto-dev it depends on, and
-# golang-google-protobuf-dev install them in /usr/share/gocode).
+# golang-google-protobuf-dev install them in /usr/share/gocode). The compiled packages go to
+# Go's own build cache (GOCACHE, by default in the user's cache folder), which every build of
+# it shares: compiling gRPC's Go packages takes some 30 s of CPU the first time; each build
+# after compiles only what changed. Without a user cache folder it can write to, WORK/cache.
 #
 #   clients/go/build.sh [OUTPUT]      (default clients/go/bin/meshgo)
 set -eu
@@ -13,6 +16,9 @@ out=${1:-$here/bin/meshgo}
 work=${GO_BUILD_DIR:-$here/.build}
 python=${PYTHON:-$root/.venv/bin/python}
 deps=${GO_DEPS:-/usr/share/gocode}
+cache=$(go env GOCACHE 2>/dev/null || true)
+case "$cache" in "" | off) cache="$work/cache" ;; esac
+mkdir -p "$cache" 2>/dev/null && [ -w "$cache" ] || cache="$work/cache"
 
 gen="$work/src/agentmesh/gen"
 rm -rf "$work/src/agentmesh"
@@ -29,5 +35,5 @@ wkt=$("$python" -c 'import grpc_tools, os; print(os.path.join(os.path.dirname(gr
   "$root"/proto/mesh/v1/*.proto
 cp -R "$here/meshgo" "$work/src/agentmesh/meshgo"
 cd "$work/src/agentmesh/meshgo"
-GOPATH="$work:$deps" GO111MODULE=off GOFLAGS= GOCACHE="$work/cache" go vet .
-GOPATH="$work:$deps" GO111MODULE=off GOFLAGS= GOCACHE="$work/cache" go build -o "$out" .
+GOPATH="$work:$deps" GO111MODULE=off GOFLAGS= GOCACHE="$cache" go vet .
+GOPATH="$work:$deps" GO111MODULE=off GOFLAGS= GOCACHE="$cache" go build -o "$out" .

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from subprocess import PIPE
 from typing import Any
 
@@ -21,6 +22,7 @@ from benchmarks.harness import (
     combine,
     compare,
     cpu_table,
+    current_meshgo,
     evaluate,
     jit_warmup,
     measured_in_turns,
@@ -397,3 +399,41 @@ def test_a_node_process_is_warmed_up_for_its_jit_once(monkeypatch: pytest.Monkey
     # The later ones: the warm-up of every other polyglot figure.
     assert jit_warmup(warm, "node_agent.roundtrip", full) == full.warmup // 2 == 100
     assert jit_warmup(warm, "node_client.roundtrip", full) == 100
+
+
+def test_a_quick_run_takes_the_meshgo_built_since_its_sources_last_changed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = tmp_path / "meshgo" / "main.go"
+    proto = tmp_path / "proto" / "mesh" / "v1" / "broker.proto"
+    for f in (source, proto):
+        f.parent.mkdir(parents=True)
+        f.write_text("")
+    ran, made = tmp_path / "run" / "meshgo", tmp_path / "bin" / "meshgo"
+    sources = (source.parent, tmp_path / "proto")
+
+    def built(program: Path, at: float) -> None:
+        program.parent.mkdir(exist_ok=True)
+        program.write_text("")
+        os.utime(program, (at, at))
+
+    def edited(f: Path, at: float) -> None:
+        os.utime(f, (at, at))
+
+    edited(source, 1_000)
+    edited(proto, 1_000)
+    assert current_meshgo((ran, made), sources) is None  # nothing built
+    built(made, 2_000)
+    assert current_meshgo((ran, made), sources) == made  # `make go-client`'s
+    built(ran, 3_000)
+    assert current_meshgo((ran, made), sources) == ran  # a run's own comes first
+    edited(proto, 2_500)  # the contract changed after make go-client, before the run
+    assert current_meshgo((made, ran), sources) == ran
+    edited(source, 4_000)  # the Go code changed after both
+    assert current_meshgo((ran, made), sources) is None
+
+    # A quick run then builds none and says so; the go_agent figure is left out.
+    monkeypatch.setattr(harness, "current_meshgo", lambda: None)
+    monkeypatch.setattr(harness, "build_meshgo", lambda work: pytest.fail("quick run built it"))
+    assert harness.go_agent_program(build=False) is None
+    assert "no go_agent figure" in capsys.readouterr().out
