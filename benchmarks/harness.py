@@ -653,22 +653,31 @@ class CpuMeter:
 # -- measuring --------------------------------------------------------------------------------
 
 
+def percentile_ms(ordered: Sequence[float], p: float) -> float:
+    """The ``p``th percentile (nearest rank) in milliseconds of sorted samples in seconds:
+    the 0th is the least, the 100th the greatest."""
+    n = len(ordered)
+    return ordered[min(n - 1, max(0, round(p / 100 * n + 0.5) - 1))] * 1000
+
+
 def stats(samples: list[float]) -> dict[str, float]:
     """p50/p95/p99/max/mean in milliseconds of samples in seconds."""
     ordered = sorted(samples)
-    n = len(ordered)
-
-    def pct(p: float) -> float:
-        return ordered[min(n - 1, max(0, round(p / 100 * n + 0.5) - 1))] * 1000
-
     return {
-        "p50_ms": pct(50),
-        "p95_ms": pct(95),
-        "p99_ms": pct(99),
+        "p50_ms": percentile_ms(ordered, 50),
+        "p95_ms": percentile_ms(ordered, 95),
+        "p99_ms": percentile_ms(ordered, 99),
         "max_ms": ordered[-1] * 1000,
         "mean_ms": statistics.fmean(ordered) * 1000,
-        "n": n,
+        "n": len(ordered),
     }
+
+
+def quantiles_ms(samples: list[float]) -> list[float]:
+    """The 0th to 100th percentiles of samples in seconds, in milliseconds: the whole
+    distribution in 101 numbers (``latest.png`` draws it)."""
+    ordered = sorted(samples)
+    return [percentile_ms(ordered, p) for p in range(101)]
 
 
 async def timed(
@@ -847,6 +856,7 @@ async def measured_in_turns(
     figures = {}
     for name in ops:
         figure: dict[str, Any] = stats(samples[name])
+        figure["quantiles_ms"] = quantiles_ms(samples[name])
         figure["cpu_us_per_op"] = CpuMeter.per_op(spent[name], count)
         figures[name] = figure
     return figures
@@ -1548,7 +1558,8 @@ SPREAD = ("p50_ms", "throughput", "throughput_64", "x_relay2_p50", "x_relay2_p95
 
 
 def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median of each figure over the repetitions, with the spread (min, max) of the medians."""
+    """Median of each figure over the repetitions, with the spread (min, max) of the medians;
+    of a distribution's quantiles, the median of each."""
     combined: dict[str, Any] = {}
     for name in runs[0]:
         combined[name] = {}
@@ -1556,6 +1567,9 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
             values = [run[name][key] for run in runs]
             if key.startswith("cpu_us_per_op"):
                 combined[name][key] = median_cost(values)
+                continue
+            if key == "quantiles_ms":
+                combined[name][key] = [statistics.median(q) for q in zip(*values, strict=True)]
                 continue
             combined[name][key] = statistics.median(values)
             if len(values) > 1 and key in SPREAD:
@@ -1976,7 +1990,12 @@ def cpu_table(figures: dict[str, Any]) -> list[str]:
     return lines
 
 
+SIDE_BY_SIDE = ("baseline.relay2", "roundtrip_raw_ends", "roundtrip")
+"""The figures measured in turns (:func:`measured_in_turns`), drawn whole in ``latest.png``."""
+
+
 def plot(report: dict[str, Any], path: Path) -> bool:
+    """``latest.png`` (:func:`draw`); False without matplotlib (the bench extra)."""
     try:
         import matplotlib
 
@@ -1984,25 +2003,66 @@ def plot(report: dict[str, Any], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    figures = {k: v for k, v in report["figures"].items() if "p50_ms" in v}
-    names = list(figures)
-    fig, ax = plt.subplots(figsize=(10, 0.5 * len(names) + 1.5))
+    fig = draw(report)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def draw(report: dict[str, Any]) -> Any:
+    """The latency distributions: on top, as cumulative distributions, the roundtrip beside
+    the relay and the broker between raw ends (measured side by side, when their quantiles
+    are there), with the ratio targets marked; below, p50, p95 and p99 of every figure."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    plain = FuncFormatter(lambda x, _: f"{x:g}")  # (0.6, 1, 2: not 6x10^-1)
+    f = report["figures"]
+    names = [name for name, v in f.items() if "p50_ms" in v]
+    whole = {n: f[n]["quantiles_ms"] for n in SIDE_BY_SIDE if "quantiles_ms" in f.get(n, {})}
+    height = 0.5 * len(names) + 1.5
+    if whole:
+        fig, (cdf, ax) = plt.subplots(2, 1, figsize=(10, height + 5), height_ratios=[4.5, height])
+        levels = [p / 100 for p in range(101)]
+        for name, quantiles in whole.items():
+            cdf.step(quantiles, levels, where="post", label=name)
+        relay = f["baseline.relay2"]
+        targets = {p: limit for name, p, limit, _ in RATIO_TARGETS if name == "roundtrip"}
+        cdf.scatter(
+            [targets[p] * relay[f"{p}_ms"] for p in targets],
+            [int(p.removeprefix("p")) / 100 for p in targets],
+            marker="x",
+            color="black",
+            zorder=3,
+            label="roundtrip targets: "
+            + ", ".join(f"{p} <= {limit:g}x the relay's" for p, limit in targets.items()),
+        )
+        cdf.set_xscale("log")
+        cdf.xaxis.set_major_formatter(plain)
+        cdf.xaxis.set_minor_formatter(plain)
+        cdf.set_ylim(0, 1.01)
+        cdf.set_xlabel("latency (ms, log scale)")
+        cdf.set_ylabel("share of requests at most")
+        cdf.set_title("A request/response roundtrip beside the raw gRPC relay, side by side")
+        cdf.legend(loc="lower right", fontsize="small")
+        cdf.grid(True, which="both", alpha=0.3)
+    else:
+        fig, ax = plt.subplots(figsize=(10, height))
     for i, name in enumerate(names):
-        v = figures[name]
+        v = f[name]
         ax.plot([v["p50_ms"], v["p95_ms"], v["p99_ms"]], [i, i, i], "-", color="0.7")
         ax.scatter([v["p50_ms"]], [i], color="tab:blue", label="p50" if i == 0 else None)
         ax.scatter([v["p95_ms"]], [i], color="tab:orange", label="p95" if i == 0 else None)
         ax.scatter([v["p99_ms"]], [i], color="tab:red", label="p99" if i == 0 else None)
     ax.set_yticks(range(len(names)), names)
     ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(plain)
     ax.set_xlabel("latency (ms, log scale)")
-    ax.set_title("agentmesh latency distributions vs raw gRPC baseline")
+    ax.set_title("p50, p95 and p99 of every figure (the raw gRPC baselines at the bottom)")
     ax.legend(loc="lower right")
     ax.grid(True, axis="x", which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return fig
 
 
 def compare(report: dict[str, Any], earlier: dict[str, Any]) -> list[str]:

@@ -77,6 +77,9 @@ def test_a_quick_run_writes_every_figure_and_compares_with_an_earlier_result(
         relay = figures["baseline.relay2"]
         assert f["x_relay2_p50"] == pytest.approx(f["p50_ms"] / relay["p50_ms"]), name
         assert f["x_relay2_p95"] == pytest.approx(f["p95_ms"] / relay["p95_ms"]), name
+    for name in ("baseline.relay2", "roundtrip_raw_ends", "roundtrip"):  # drawn whole
+        q = figures[name]["quantiles_ms"]
+        assert len(q) == 101 and q == sorted(q) and q[50] == figures[name]["p50_ms"], name
     # The backlog beside roundtrip_filling grew while it was measured, and the report says how.
     assert figures["roundtrip_filling"]["fill_throughput"] > 0
     assert (

@@ -17,12 +17,14 @@ import pytest
 
 from benchmarks import harness
 from benchmarks.harness import (
+    SIDE_BY_SIDE,
     CpuMeter,
     Settings,
     combine,
     compare,
     cpu_table,
     current_meshgo,
+    draw,
     evaluate,
     jit_warmup,
     measured_in_turns,
@@ -163,6 +165,13 @@ def test_repetitions_combine_to_the_median_of_each_role() -> None:
     assert unread["roundtrip"]["cpu_us_per_op"] is None
 
 
+def test_the_quantiles_of_repetitions_combine_to_the_median_of_each() -> None:
+    runs = [
+        {"roundtrip": {"quantiles_ms": [q, q + d, q + 2 * d]}} for q, d in ((1, 1), (3, 5), (2, 2))
+    ]
+    assert combine(runs)["roundtrip"]["quantiles_ms"] == [2, 4, 6]
+
+
 def test_the_cpu_table_sets_each_figure_beside_the_relay_at_the_same_load() -> None:
     figures = {
         "baseline.relay2": {
@@ -254,6 +263,15 @@ async def test_operations_measured_side_by_side_take_turns_in_blocks() -> None:
     ]
     assert figures["relay"]["n"] == figures["mesh"]["n"] == 5
     assert 1 <= figures["relay"]["p50_ms"] < figures["mesh"]["p50_ms"]
+    for figure in figures.values():  # each distribution whole, as percentiles 0 to 100
+        q = figure["quantiles_ms"]
+        assert len(q) == 101 and q == sorted(q)
+        assert (q[50], q[95], q[99], q[100]) == (
+            figure["p50_ms"],
+            figure["p95_ms"],
+            figure["p99_ms"],
+            figure["max_ms"],
+        )
     for figure in figures.values():
         cost = figure["cpu_us_per_op"]
         assert cost is not None and set(cost) == {"driver", "total"}
@@ -437,3 +455,25 @@ def test_a_quick_run_takes_the_meshgo_built_since_its_sources_last_changed(
     monkeypatch.setattr(harness, "build_meshgo", lambda work: pytest.fail("quick run built it"))
     assert harness.go_agent_program(build=False) is None
     assert "no go_agent figure" in capsys.readouterr().out
+
+
+def test_the_plot_draws_the_roundtrip_beside_the_relay_whole_with_its_targets() -> None:
+    figures = repetition(0.4, 0.8)
+    for name, low in (("baseline.relay2", 0.3), ("roundtrip_raw_ends", 0.5), ("roundtrip", 0.7)):
+        figures.setdefault(name, {"p50_ms": 2 * low, "p95_ms": 3 * low, "p99_ms": 4 * low})
+        figures[name]["quantiles_ms"] = [low + i / 100 for i in range(101)]
+    report = {"figures": with_ratios(figures)}
+
+    fig = draw(report)
+
+    whole, every = fig.axes
+    assert [line.get_label() for line in whole.get_lines()] == list(SIDE_BY_SIDE)
+    assert list(whole.get_lines()[0].get_xdata()) == figures["baseline.relay2"]["quantiles_ms"]
+    [targets] = whole.collections  # p50 <= 1.5x and p95 <= 2x the relay's
+    assert targets.get_offsets().tolist() == [[1.5 * 0.4, 0.5], [2 * 0.8, 0.95]]
+    labels = [t.get_text() for t in every.get_yticklabels()]
+    assert labels == [name for name, v in report["figures"].items() if "p50_ms" in v]
+    # An earlier report, without the quantiles: the percentiles alone.
+    for name in SIDE_BY_SIDE:
+        del figures[name]["quantiles_ms"]
+    assert len(draw({"figures": with_ratios(figures)}).axes) == 1
