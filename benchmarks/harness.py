@@ -2017,6 +2017,8 @@ def draw(report: dict[str, Any]) -> Any:
     from matplotlib.ticker import FuncFormatter
 
     plain = FuncFormatter(lambda x, _: f"{x:g}")  # (0.6, 1, 2: not 6x10^-1)
+    # Between powers of ten, 2, 3 and 5 times one (more would run into one another).
+    some = FuncFormatter(lambda x, _: f"{x:g}" if f"{x:.0e}"[0] in "235" else "")
     f = report["figures"]
     names = [name for name, v in f.items() if "p50_ms" in v]
     whole = {n: f[n]["quantiles_ms"] for n in SIDE_BY_SIDE if "quantiles_ms" in f.get(n, {})}
@@ -2039,7 +2041,7 @@ def draw(report: dict[str, Any]) -> Any:
         )
         cdf.set_xscale("log")
         cdf.xaxis.set_major_formatter(plain)
-        cdf.xaxis.set_minor_formatter(plain)
+        cdf.xaxis.set_minor_formatter(some)
         cdf.set_ylim(0, 1.01)
         cdf.set_xlabel("latency (ms, log scale)")
         cdf.set_ylabel("share of requests at most")
