@@ -2067,8 +2067,25 @@ def draw(report: dict[str, Any]) -> Any:
     return fig
 
 
+MACHINE_MOVED = 0.2
+"""How far the relay's p50 moves between two results before the comparison says that the
+machine differs (on one machine, run to run, it moves by about a tenth)."""
+
+
 def compare(report: dict[str, Any], earlier: dict[str, Any]) -> list[str]:
+    """What got faster or slower (p50, throughput), cheaper or dearer (CPU per operation)
+    by 5% or more since ``earlier``; and each latency's ratio to the relay of its own run
+    (``x_relay2_p50``), which is what to read when the two ran on different machines."""
     lines = []
+    relay, old_relay = (
+        r.get("figures", {}).get("baseline.relay2", {}).get("p50_ms") for r in (report, earlier)
+    )
+    if relay and old_relay and abs(relay - old_relay) / old_relay >= MACHINE_MOVED:
+        lines.append(
+            f"the raw relay itself moved {(relay - old_relay) / old_relay:+.0%} "
+            f"(baseline.relay2.p50_ms {old_relay:.3f} -> {relay:.3f}): another machine, or a "
+            "busier one; the x_relay2_p50 lines set the mesh beside the relay of each run"
+        )
     for name, v in report["figures"].items():
         old = earlier.get("figures", {}).get(name)
         if not old:
@@ -2083,6 +2100,14 @@ def compare(report: dict[str, Any], earlier: dict[str, Any]) -> list[str]:
                 f"{name}.{key}: {old[key]:.3f} -> {v[key]:.3f} "
                 f"({change:+.0%}, {'faster' if better else 'slower'})"
             )
+        ratio, old_ratio = v.get("x_relay2_p50"), old.get("x_relay2_p50")
+        if name != "baseline.relay2" and ratio and old_ratio:
+            change = (ratio - old_ratio) / old_ratio
+            if abs(change) >= 0.05:
+                lines.append(
+                    f"{name}.x_relay2_p50: {old_ratio:.2f} -> {ratio:.2f} ({change:+.0%}, "
+                    f"{'faster' if change < 0 else 'slower'} beside the relay)"
+                )
         cost, old_cost = v.get("cpu_us_per_op"), old.get("cpu_us_per_op")
         if cost and old_cost and old_cost.get("total"):
             change = (cost["total"] - old_cost["total"]) / old_cost["total"]

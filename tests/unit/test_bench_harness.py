@@ -204,6 +204,24 @@ def test_the_comparison_names_what_got_cheaper_or_dearer() -> None:
     assert same == ["no figure moved by 5% or more"]
 
 
+def test_a_comparison_across_machines_reads_each_latency_beside_its_own_relay() -> None:
+    earlier = {"figures": with_ratios(repetition(0.4, 0.88))}  # 2.2x its relay
+    slower_machine = {"figures": with_ratios(repetition(0.8, 1.6))}  # 2x its relay
+    lines = compare(slower_machine, earlier)
+    assert lines[0] == (
+        "the raw relay itself moved +100% (baseline.relay2.p50_ms 0.400 -> 0.800): another "
+        "machine, or a busier one; the x_relay2_p50 lines set the mesh beside the relay of "
+        "each run"
+    )
+    assert "roundtrip.p50_ms: 0.880 -> 1.600 (+82%, slower)" in lines
+    assert "roundtrip.x_relay2_p50: 2.20 -> 2.00 (-9%, faster beside the relay)" in lines
+    assert not [line for line in lines if line.startswith("baseline.relay2.x_relay2")]
+    # On one machine, a relay within a fifth of the earlier one's is not remarked upon.
+    near = compare({"figures": with_ratios(repetition(0.44, 0.88))}, earlier)
+    assert not [line for line in near if "the raw relay itself" in line]
+    assert "roundtrip.x_relay2_p50: 2.20 -> 2.00 (-9%, faster beside the relay)" in near
+
+
 async def test_an_operation_may_report_the_latency_it_measured_itself() -> None:
     calls = 0
 
