@@ -250,6 +250,7 @@ class NodeDriver:
     def __init__(self, process: asyncio.subprocess.Process, log: Path) -> None:
         self.process = process
         self.log = log
+        self._count = 0
 
     @property
     def pid(self) -> int:
@@ -296,14 +297,20 @@ class NodeDriver:
         self.process.stdin.write(f"{line}\n".encode())
         await self.process.stdin.drain()
 
-    async def measure(self, count: int, warmup: int, meter: CpuMeter) -> dict[str, Any]:
+    async def warm(self, count: int, warmup: int) -> None:
+        """Makes ``warmup`` requests (:data:`JIT_WARMUP_IN_FLIGHT` at a time) and waits, ready
+        to time ``count`` more when :meth:`measure` says go."""
         await self._say(f"{warmup} {count} {JIT_WARMUP_IN_FLIGHT}")
         await self._expect("warm")
+        self._count = count
+
+    async def measure(self, meter: CpuMeter) -> dict[str, Any]:
+        """The figure of the requests :meth:`warm` readied, timed in Node."""
         before = meter.read()
         await self._say("go")
         samples = json.loads(await self._line())["samples"]
         figure: dict[str, Any] = stats(samples)
-        figure["cpu_us_per_op"] = CpuMeter.cost(before, meter.read(), count)
+        figure["cpu_us_per_op"] = CpuMeter.cost(before, meter.read(), self._count)
         return figure
 
     async def close(self) -> None:
@@ -760,12 +767,10 @@ async def measured(
     meter: CpuMeter,
     *,
     own_latency: bool = False,
-    warmup_in_flight: int = 1,
 ) -> dict[str, Any]:
-    """The latency figures of ``count`` operations after ``warmup`` (``warmup_in_flight`` of
-    them at a time), with their CPU cost (and a profile of one process when ``BENCH_PROFILE``
-    asks for one)."""
-    await warm_up(op, warmup, warmup_in_flight)
+    """The latency figures of ``count`` operations after ``warmup``, with their CPU cost (and
+    a profile of one process when ``BENCH_PROFILE`` asks for one)."""
+    await warm_up(op, warmup, 1)
     async with profiled(name, meter):
         before = meter.read()
         samples = await timed(op, count, 0, own_latency=own_latency)
@@ -1092,25 +1097,32 @@ async def run_once(mesh: Mesh, s: Settings) -> dict[str, Any]:
 
         # Polyglot: the same roundtrip to echo agents of other kinds (in Node.js, in Go on
         # plain gRPC, and a raw grpc.aio server taking its messages by push), and from the
-        # Node.js client to the Python echo agent (timed in Node).
-        for name, agent_id, proc, jit in (
-            ("node_agent.roundtrip", "node-echo", mesh.node_agent, True),
-            ("go_agent.roundtrip", "go-echo", mesh.go_agent, False),
-            ("push_agent.roundtrip", "push-0", mesh.push_agent, False),
+        # Node.js client to the Python echo agent (timed in Node). The two Node.js processes
+        # warm up together (nothing is measured meanwhile), then each is measured alone.
+        warming = []
+        if mesh.node_agent is not None:
+            to_node = functools.partial(client.request, "node-echo", PAYLOAD)
+            jit = jit_warmup(mesh.jit_warm, "node_agent.roundtrip", s)
+            warming.append(warm_up(to_node, jit, JIT_WARMUP_IN_FLIGHT))
+        if mesh.node_driver is not None:
+            jit = jit_warmup(mesh.jit_warm, "node_client.roundtrip", s)
+            warming.append(mesh.node_driver.warm(n // 2, jit))
+        await asyncio.gather(*warming)
+        for name, agent_id, proc, warmup in (
+            ("node_agent.roundtrip", "node-echo", mesh.node_agent, 0),
+            ("go_agent.roundtrip", "go-echo", mesh.go_agent, w // 2),
+            ("push_agent.roundtrip", "push-0", mesh.push_agent, w // 2),
         ):
             if proc is not None:
                 out[name] = await measured(
                     name,
                     functools.partial(client.request, agent_id, PAYLOAD),
                     n // 2,
-                    jit_warmup(mesh.jit_warm, name, s) if jit else w // 2,
+                    warmup,
                     CpuMeter({"broker": [mesh.broker.pid], "agents": [proc.pid]}),
-                    warmup_in_flight=JIT_WARMUP_IN_FLIGHT if jit else 1,
                 )
         if mesh.node_driver is not None:
             out["node_client.roundtrip"] = await mesh.node_driver.measure(
-                n // 2,
-                jit_warmup(mesh.jit_warm, "node_client.roundtrip", s),
                 CpuMeter(
                     {
                         "driver": [mesh.node_driver.pid],
