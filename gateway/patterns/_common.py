@@ -24,6 +24,9 @@ MAX_AGENTS = 50
 """RT-011 orchestrator max_agents: the most agents one pattern run may involve."""
 MAX_PARALLEL = 16
 """The most patterns one RunParallel call may run at once."""
+MAX_WAIT_SECONDS = 30.0
+"""RT-011 orchestrator aggregation_timeout ("30s max to aggregate results"): the longest a
+pattern waits for its agents' answers (a round's, a step's, a subagent's)."""
 CANCELLED_WHY = "its caller stopped waiting, or the gateway stopped"
 """Why a run the gateway did not finish ended (its workflow status, its observers say so)."""
 
@@ -36,6 +39,17 @@ def check_group(field: str, agent_ids: list[str], what: str) -> None:
         raise invalid(field, f"{what} takes at most {MAX_AGENTS} agents")
     if len(set(agent_ids)) != len(agent_ids):
         raise invalid(field, f"{field} must not repeat")
+
+
+def check_wait(field: str, seconds: float) -> None:
+    """How long a pattern waits for an agent's answer: more than nothing, at most
+    :data:`MAX_WAIT_SECONDS`."""
+    if not 0 < seconds <= MAX_WAIT_SECONDS:
+        raise invalid(
+            field,
+            f"{field} must be more than 0 and at most {MAX_WAIT_SECONDS:g} s (RT-011's "
+            f"aggregation timeout), got {seconds:g} s",
+        )
 
 
 def nobody_answered(missing: Mapping[str, str]) -> str:

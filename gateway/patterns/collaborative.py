@@ -15,6 +15,7 @@ from gateway.patterns._common import (
     GATEWAY_ID,
     Stopwatch,
     check_group,
+    check_wait,
     clean,
     invalid,
     new_id,
@@ -209,8 +210,7 @@ class FilteringSpec:
         validate_weights(self.weights)
         if self.method not in METHODS:
             raise invalid("method", f"method must be one of {', '.join(METHODS)}")
-        if self.agent_timeout <= 0:
-            raise invalid("agent_timeout", "agent_timeout must be positive")
+        check_wait("agent_timeout", self.agent_timeout)
 
 
 def weight_keys(

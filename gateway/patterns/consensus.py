@@ -19,6 +19,7 @@ from gateway.patterns._common import (
     GATEWAY_ID,
     Stopwatch,
     check_group,
+    check_wait,
     invalid,
     new_id,
     unit_value,
@@ -207,8 +208,7 @@ class ConsensusSpec:
             raise invalid("quorum", "quorum must be within 0 and the number of reviewers")
         if any(not 0 < w < math.inf for w in self.weights.values()):  # (NaN is not either)
             raise invalid("reviewer_weights", "reviewer weights must be positive numbers")
-        if self.agent_timeout <= 0:
-            raise invalid("agent_timeout", "agent_timeout must be positive")
+        check_wait("agent_timeout", self.agent_timeout)
         if self.insight_ttl < 0:
             raise invalid("insight_ttl", "insight_ttl must not be negative")
 

@@ -17,6 +17,7 @@ from gateway.patterns._common import (
     GATEWAY_ID,
     Stopwatch,
     check_group,
+    check_wait,
     clean,
     invalid,
     new_id,
@@ -331,8 +332,7 @@ class GroupChatSpec:
             raise invalid("rounds", f"rounds must be within 1..{MAX_ROUNDS}")
         if self.strategy not in STRATEGIES:
             raise invalid("strategy", f"strategy must be one of {', '.join(STRATEGIES)}")
-        if self.agent_timeout <= 0:
-            raise invalid("agent_timeout", "agent_timeout must be positive")
+        check_wait("agent_timeout", self.agent_timeout)
 
 
 async def run_group_chat(

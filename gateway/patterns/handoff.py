@@ -17,6 +17,7 @@ from gateway.patterns._common import (
     GATEWAY_ID,
     MAX_AGENTS,
     Stopwatch,
+    check_wait,
     invalid,
     new_id,
 )
@@ -97,8 +98,7 @@ class WorkflowSpec:
                 step.group_chat.validate()
         if not 1 <= self.max_hops <= 1000:
             raise invalid("max_hops", "max_hops must be within 1..1000")
-        if self.step_timeout <= 0:
-            raise invalid("step_timeout", "step_timeout must be positive")
+        check_wait("step_timeout", self.step_timeout)
 
     def index_of(self, agent_id: str, after: int) -> int | None:
         """The next step run by ``agent_id`` after position ``after``, else its first step."""

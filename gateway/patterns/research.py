@@ -15,7 +15,7 @@ from typing import Any
 
 from gateway.dispatch import Dispatcher
 from gateway.events import Emit, EventKind, Pattern, PatternEvent
-from gateway.patterns._common import GATEWAY_ID, Stopwatch, invalid, new_id
+from gateway.patterns._common import GATEWAY_ID, Stopwatch, check_wait, invalid, new_id
 from mesh.core.errors import MeshError, shown
 from mesh.core.model import JSON, Message, MessageType
 
@@ -68,8 +68,9 @@ class ResearchSpec:
             raise invalid("query", "query is required")
         if not 1 <= self.max_iterations <= 10:
             raise invalid("max_iterations", "max_iterations must be within 1..10")
-        if self.subagent_timeout <= 0 or self.tool_timeout <= 0:
-            raise invalid("timeout", "timeouts must be positive")
+        check_wait("subagent_timeout", self.subagent_timeout)
+        if self.tool_timeout <= 0:
+            raise invalid("tool_timeout", "tool_timeout must be positive")
         if self.report_name and (problem := report_name_problem(self.report_name)):
             raise invalid("report_name", problem)
 

@@ -320,7 +320,7 @@ class RunGroupChatRequest(_message.Message):
 
     @_builtins.property
     def agent_timeout(self) -> _duration_pb2.Duration:
-        """How long to wait for each round's answers; default 10 s."""
+        """How long to wait for each round's answers; default 10 s, at most 30 s (RT-011)."""
 
     @_builtins.property
     def context(self) -> _struct_pb2.Struct:
@@ -495,7 +495,7 @@ class RunHandoffWorkflowRequest(_message.Message):
 
     @_builtins.property
     def step_timeout(self) -> _duration_pb2.Duration:
-        """How long each step may take; default 10 s."""
+        """How long each step may take; default 10 s, at most 30 s (RT-011)."""
 
     def __init__(
         self,
@@ -590,7 +590,7 @@ class RunCollaborativeFilteringRequest(_message.Message):
 
     @_builtins.property
     def agent_timeout(self) -> _duration_pb2.Duration:
-        """How long to wait for the agents; default 5 s."""
+        """How long to wait for the agents; default 5 s, at most 30 s (RT-011)."""
 
     @_builtins.property
     def parameters(self) -> _struct_pb2.Struct:
@@ -851,7 +851,7 @@ class RunConsensusRequest(_message.Message):
 
     @_builtins.property
     def agent_timeout(self) -> _duration_pb2.Duration:
-        """How long each agent may take; default 10 s."""
+        """How long each agent may take; default 10 s, at most 30 s (RT-011)."""
 
     @_builtins.property
     def insight_ttl(self) -> _duration_pb2.Duration:
@@ -980,7 +980,7 @@ class RunResearchRequest(_message.Message):
     """
     @_builtins.property
     def subagent_timeout(self) -> _duration_pb2.Duration:
-        """How long each subagent may take; default 10 s."""
+        """How long each subagent may take; default 10 s, at most 30 s (RT-011)."""
 
     @_builtins.property
     def tool_timeout(self) -> _duration_pb2.Duration:

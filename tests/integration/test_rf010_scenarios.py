@@ -331,6 +331,35 @@ async def test_group_chat_where_no_agent_answers_fails_and_says_why(gw: GatewayC
     )
 
 
+@pytest.mark.parametrize(
+    ("rpc", "request_", "field"),
+    [
+        ("RunGroupChat", {"agent_ids": EXPERTS, "query": "Buy?"}, "agent_timeout"),
+        ("RunHandoffWorkflow", {"steps": REFUND_STEPS, "task": "refund"}, "step_timeout"),
+        (
+            "RunCollaborativeFiltering",
+            {"agent_ids": HOTEL_AGENTS, "weights": HOTEL_WEIGHTS, "query": "Hotel in Paris"},
+            "agent_timeout",
+        ),
+        ("RunConsensus", {"problem": "Adopt it?"}, "agent_timeout"),
+        ("RunResearch", {"query": "battery recycling"}, "subagent_timeout"),
+    ],
+)
+async def test_a_pattern_waits_for_its_agents_at_most_rt011s_30_s(
+    gw: GatewayClient, rpc: str, request_: dict[str, Any], field: str
+) -> None:
+    for wait in ("31s", "86400s", "0s", "-1s"):
+        with pytest.raises(MessageValidationError) as refused:
+            await gw.collect(gw.run(rpc, {**request_, field: wait}))
+        assert refused.value.code == "INVALID_ARGUMENT"
+        assert str(refused.value) == (
+            f"{field} must be more than 0 and at most 30 s (RT-011's aggregation timeout), "
+            f"got {float(wait.removesuffix('s')):g} s"
+        )
+    events = await gw.collect(gw.run(rpc, {**request_, field: "30s"}))
+    assert events[-1]["kind"] == "RESULT"
+
+
 # -- hand-off ---------------------------------------------------------------------------------
 
 
