@@ -56,13 +56,19 @@ async def _up(args: argparse.Namespace) -> int:
 
 async def _gateway(args: argparse.Namespace) -> int:
     from gateway.patterns.orchestrator import Router
-    from gateway.server import serve_gateway
+    from gateway.server import check_routes, serve_gateway
     from mesh.cli import UsageError, _print, _stop_on_signals, _until_signalled, security_config
 
-    try:
-        router = Router.from_file(Path(args.routes)) if args.routes else None
-    except ValueError as error:
-        raise UsageError(f"--routes: {error}") from None
+    router = None
+    if args.routes:
+        try:
+            router = Router.from_file(Path(args.routes))
+        except ValueError as error:
+            raise UsageError(f"--routes: {error}") from None
+        try:
+            check_routes(router)
+        except ValueError as error:
+            raise UsageError(f"--routes: {args.routes}: {error}") from None
     stop = _stop_on_signals()
     gateway = await serve_gateway(
         args.broker,

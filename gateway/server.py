@@ -23,7 +23,15 @@ from gateway.patterns._common import CANCELLED_WHY, invalid, new_id
 from gateway.patterns.consensus import run_consensus
 from gateway.patterns.group_chat import GroupChatSpec
 from gateway.patterns.handoff import WorkflowSpec
-from gateway.patterns.orchestrator import Router, Spec, pattern_of, routed, run_parallel, run_spec
+from gateway.patterns.orchestrator import (
+    Route,
+    Router,
+    Spec,
+    pattern_of,
+    routed,
+    run_parallel,
+    run_spec,
+)
 from gateway.patterns.research import run_research
 from mesh._status import abort
 from mesh.client import MeshClient
@@ -207,39 +215,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def _spec_of_route(self, request: gateway_pb2.RouteRequest) -> tuple[Any, Spec]:
         route = self.router.determine_pattern(request.request_type)
-        preset = dict(route.preset)
-        parameters = struct_to_dict(request.parameters)
-        spec: Spec
-        try:
-            if route.pattern is Pattern.GROUP_CHAT:
-                pb = codec.preset_request(preset, gateway_pb2.RunGroupChatRequest)
-                spec = codec.group_chat_spec(pb)  # type: ignore[arg-type]
-                spec.query = request.query or spec.query
-                spec.context.update(parameters)
-            elif route.pattern is Pattern.HAND_OFF:
-                pb = codec.preset_request(preset, gateway_pb2.RunHandoffWorkflowRequest)
-                spec = codec.workflow_spec(pb)  # type: ignore[arg-type]
-                spec.task = request.query or spec.task
-                spec.context.update(parameters)
-            else:
-                pb = codec.preset_request(preset, gateway_pb2.RunCollaborativeFilteringRequest)
-                spec = codec.filtering_spec(pb)  # type: ignore[arg-type]
-                spec.query = request.query or spec.query
-                spec.parameters.update(parameters)
-        except json_format.ParseError as error:
-            raise MeshError(
-                f"the preset of {route.request_type} is invalid: {error}",
-                code="FAILED_PRECONDITION",
-                reason="BAD_PRESET",
-            ) from None
-        if isinstance(spec, GroupChatSpec):
-            spec.group_id = spec.group_id or new_id("group")
-        elif isinstance(spec, WorkflowSpec):
-            spec.workflow_id = spec.workflow_id or new_id("wf")
-        else:
-            spec.run_id = spec.run_id or new_id("cf")
-        spec.validate()
-        return route, spec
+        return route, route_spec(route, request.query, struct_to_dict(request.parameters))
 
     # -- RPCs --------------------------------------------------------------------------------
 
@@ -439,6 +415,54 @@ class GatewayServer:
         await self.client.close()
 
 
+def route_spec(route: Route, query: str, parameters: dict[str, Any]) -> Spec:
+    """The pattern a route runs, from its preset, the caller's query (when one is given) and
+    parameters, validated; a preset that is not its pattern's request: FAILED_PRECONDITION."""
+    preset = dict(route.preset)
+    spec: Spec
+    try:
+        if route.pattern is Pattern.GROUP_CHAT:
+            pb = codec.preset_request(preset, gateway_pb2.RunGroupChatRequest)
+            spec = codec.group_chat_spec(pb)  # type: ignore[arg-type]
+            spec.query = query or spec.query
+            spec.context.update(parameters)
+        elif route.pattern is Pattern.HAND_OFF:
+            pb = codec.preset_request(preset, gateway_pb2.RunHandoffWorkflowRequest)
+            spec = codec.workflow_spec(pb)  # type: ignore[arg-type]
+            spec.task = query or spec.task
+            spec.context.update(parameters)
+        else:
+            pb = codec.preset_request(preset, gateway_pb2.RunCollaborativeFilteringRequest)
+            spec = codec.filtering_spec(pb)  # type: ignore[arg-type]
+            spec.query = query or spec.query
+            spec.parameters.update(parameters)
+    except json_format.ParseError as error:
+        raise MeshError(
+            f"the preset of {route.request_type} is invalid: {error}",
+            code="FAILED_PRECONDITION",
+            reason="BAD_PRESET",
+        ) from None
+    if isinstance(spec, GroupChatSpec):
+        spec.group_id = spec.group_id or new_id("group")
+    elif isinstance(spec, WorkflowSpec):
+        spec.workflow_id = spec.workflow_id or new_id("wf")
+    else:
+        spec.run_id = spec.run_id or new_id("cf")
+    spec.validate()
+    return spec
+
+
+def check_routes(router: Router) -> None:
+    """Each route's preset run as a request that brings a query would run it: ValueError
+    naming the route and what is wrong, as the gateway starts rather than at a caller's
+    request (which could not mend it)."""
+    for route in router.routes.values():
+        try:
+            route_spec(route, "a caller's query", {})
+        except MeshError as error:
+            raise ValueError(f"route {route.request_type!r}: {error}") from None
+
+
 async def serve_gateway(
     broker: str,
     *,
@@ -453,9 +477,11 @@ async def serve_gateway(
 
     Pass the broker's registry to export pattern metrics beside the broker's on one /metrics.
     """
+    router = router or Router.from_file()
+    check_routes(router)
     client = MeshClient(broker, agent_id="gateway", security=security)
     metrics = PatternMetrics(registry)
-    servicer = GatewayServicer(MeshDispatcher(client), router or Router.from_file(), metrics)
+    servicer = GatewayServicer(MeshDispatcher(client), router, metrics)
     server = await start_server(
         lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
         [GATEWAY_SERVICE],

@@ -208,6 +208,22 @@ def test_a_setting_of_the_environment_that_is_none_is_a_usage_error(
             '{"refund": {"pattern": "HAND_OFF", "reason": "r", "preset": [1]}}',
             "route 'refund': preset must be an object",
         ),
+        # A preset its pattern would refuse, each time a caller asked for the route.
+        (
+            '{"refund": {"pattern": "HAND_OFF", "reason": "r", "preset": {"steps": []}}}',
+            "route 'refund': a workflow needs at least one step",
+        ),
+        (
+            '{"hotel": {"pattern": "COLLABORATIVE_FILTERING", "reason": "r", "preset": '
+            '{"agent_ids": ["PriceAgent"], "weights": {"price": 1}, "agent_timeout": "60s"}}}',
+            "route 'hotel': agent_timeout must be more than 0 and at most 30 s (RT-011's "
+            "aggregation timeout), got 60 s",
+        ),
+        (
+            '{"chat": {"pattern": "GROUP_CHAT", "reason": "r", "preset": {"agents": ["A"]}}}',
+            "route 'chat': the preset of chat is invalid: Message type "
+            '"mesh.v1.RunGroupChatRequest" has no field named "agents"',
+        ),
     ],
 )
 def test_a_routing_table_that_is_none_is_refused_at_start(
