@@ -33,6 +33,7 @@ import json
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -384,6 +385,33 @@ async def measure(count: int, repetitions: int = 5) -> dict[str, float]:
     return {f"{name}_us": round(min(values), 2) for name, values in runs.items()}
 
 
+PROFILES = Path(__file__).resolve().parent / "results" / "profiles"
+
+
+async def profile(name: str, count: int) -> Any:
+    """One run of path ``name`` under pyinstrument, after one to warm it: the profiler that
+    watched it (:func:`save_profile`)."""
+    from pyinstrument import Profiler
+
+    path = PATHS[name]
+    count = max(count // SHARE.get(name, 1), 10)
+    await path(count)
+    profiler = Profiler(interval=0.0001, async_mode="enabled")
+    profiler.start()
+    await path(count)
+    profiler.stop()
+    return profiler
+
+
+def save_profile(profiler: Any, name: str, folder: Path) -> tuple[str, Path]:
+    """A path's profile: its call tree as text, and the page to browse it in
+    (``hotpath.NAME.html`` in ``folder``), written."""
+    folder.mkdir(parents=True, exist_ok=True)
+    page = folder / f"hotpath.{name}.html"
+    page.write_text(profiler.output_html())
+    return profiler.output_text(unicode=True, color=False), page
+
+
 async def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.hotpath", description=__doc__)
     parser.add_argument("--count", type=int, default=20_000, help="operations per run")
@@ -391,9 +419,29 @@ async def main(argv: list[str]) -> int:
         "--repetitions", type=int, default=5, help="runs of each path; the least is kept"
     )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument(
+        "--profile",
+        choices=list(PATHS),
+        metavar="PATH",
+        help="instead, profile one path with pyinstrument: its call tree printed, and a page "
+        f"to browse it in written to --profile-dir ({', '.join(PATHS)})",
+    )
+    parser.add_argument(
+        "--profile-dir",
+        type=Path,
+        default=PROFILES,
+        metavar="DIR",
+        help="where --profile writes hotpath.PATH.html (default: benchmarks/results/profiles)",
+    )
     args = parser.parse_args(argv)
     if args.count < 1 or args.repetitions < 1:
         parser.error("--count and --repetitions must be at least 1")
+    if args.profile:
+        profiler = await profile(args.profile, args.count)
+        tree, page = await asyncio.to_thread(save_profile, profiler, args.profile, args.profile_dir)
+        print(tree)
+        print(f"wrote {page}")
+        return 0
     figures = await measure(args.count, args.repetitions)
     if args.json:
         print(json.dumps(figures))

@@ -63,3 +63,29 @@ def test_the_command_refuses_a_count_of_no_runs(flag: str) -> None:
     )
     assert run.returncode == 2
     assert "--count and --repetitions must be at least 1" in run.stderr
+
+
+def test_one_path_is_profiled_with_its_call_tree_and_a_page(tmp_path: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.hotpath", "--profile", "client_request"]
+        + ["--count", "300", "--profile-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    page = tmp_path / "hotpath.client_request.html"
+    assert run.stdout.rstrip().endswith(f"wrote {page}")
+    # The SDK's request() and what it calls, with their share of the time.
+    assert "MeshClient.request  mesh/client.py" in run.stdout
+    assert "message_to_pb  mesh/codec.py" in run.stdout
+    assert "<html" in page.read_text()[:1000].lower()
+    unknown = subprocess.run(
+        [sys.executable, "-m", "benchmarks.hotpath", "--profile", "broker"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert unknown.returncode == 2 and "invalid choice: 'broker'" in unknown.stderr
