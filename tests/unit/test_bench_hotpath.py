@@ -66,9 +66,9 @@ def test_the_command_refuses_a_count_of_no_runs(flag: str) -> None:
 
 
 def test_one_path_is_profiled_with_its_call_tree_and_a_page(tmp_path: Path) -> None:
+    command = ["-m", "benchmarks.hotpath", "--profile", "client_request", "--count", "300"]
     run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.hotpath", "--profile", "client_request"]
-        + ["--count", "300", "--profile-dir", str(tmp_path)],
+        [sys.executable, *command, "--profile-dir", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
