@@ -55,29 +55,26 @@ async def _up(args: argparse.Namespace) -> int:
 
 
 async def _gateway(args: argparse.Namespace) -> int:
-    from gateway.patterns.orchestrator import Router
-    from gateway.server import check_routes, serve_gateway
+    from gateway.patterns.orchestrator import ROUTES_FILE, Router
+    from gateway.server import RoutesError, serve_gateway
     from mesh.cli import UsageError, _print, _stop_on_signals, _until_signalled, security_config
 
-    router = None
-    if args.routes:
-        try:
-            router = Router.from_file(Path(args.routes))
-        except ValueError as error:
-            raise UsageError(f"--routes: {error}") from None
-        try:
-            check_routes(router)
-        except ValueError as error:
-            raise UsageError(f"--routes: {args.routes}: {error}") from None
+    try:
+        router = Router.from_file(Path(args.routes)) if args.routes else None
+    except ValueError as error:
+        raise UsageError(f"--routes: {error}") from None
     stop = _stop_on_signals()
-    gateway = await serve_gateway(
-        args.broker,
-        host=args.host,
-        port=args.port,
-        router=router,
-        metrics_port=args.metrics_port,
-        security=security_config(args),
-    )
+    try:
+        gateway = await serve_gateway(
+            args.broker,
+            host=args.host,
+            port=args.port,
+            router=router,
+            metrics_port=args.metrics_port,
+            security=security_config(args),
+        )
+    except RoutesError as error:
+        raise UsageError(f"--routes: {args.routes or ROUTES_FILE}: {error}") from None
     dashboard = None
     if args.dashboard_port >= 0:
         from gateway.dashboard import serve_dashboard

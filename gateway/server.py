@@ -452,15 +452,19 @@ def route_spec(route: Route, query: str, parameters: dict[str, Any]) -> Spec:
     return spec
 
 
+class RoutesError(ValueError):
+    """A route whose preset its pattern would refuse (:func:`check_routes`)."""
+
+
 def check_routes(router: Router) -> None:
-    """Each route's preset run as a request that brings a query would run it: ValueError
+    """Each route's preset run as a request that brings a query would run it: RoutesError
     naming the route and what is wrong, as the gateway starts rather than at a caller's
     request (which could not mend it)."""
     for route in router.routes.values():
         try:
             route_spec(route, "a caller's query", {})
         except MeshError as error:
-            raise ValueError(f"route {route.request_type!r}: {error}") from None
+            raise RoutesError(f"route {route.request_type!r}: {error}") from None
 
 
 async def serve_gateway(
@@ -473,7 +477,8 @@ async def serve_gateway(
     metrics_port: int = -1,
     security: SecurityConfig | None = None,
 ) -> GatewayServer:
-    """Starts the gateway on host:port (0 picks one), talking to the broker at ``broker``.
+    """Starts the gateway on host:port (0 picks one), talking to the broker at ``broker``;
+    RoutesError, before anything starts, for a route no request could run.
 
     Pass the broker's registry to export pattern metrics beside the broker's on one /metrics.
     """
