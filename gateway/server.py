@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from google.protobuf import json_format
+from grpc_health.v1 import health_pb2
 from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanKind
 from prometheus_client import CollectorRegistry
@@ -39,6 +40,7 @@ from mesh.codec import struct_to_dict
 from mesh.config import SecurityConfig
 from mesh.core.errors import MeshError
 from mesh.core.model import JSON
+from mesh.core.tasks import cancel_and_wait
 from mesh.serving import MeshServer, start_server
 from mesh.tracing import extract, tracer
 from mesh.v1 import gateway_pb2, gateway_pb2_grpc
@@ -47,6 +49,9 @@ logger = logging.getLogger("gateway.server")
 GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 EVENT_BUFFER = 256
 Run = Callable[[Emit], Awaitable[dict[str, JSON]]]
+FIRST_BROKER_ANSWER_SECONDS = 2.0
+"""How long a starting gateway waits for the broker's health to answer before it says
+NOT_SERVING for its service (and goes on following it)."""
 SETTLE_SECONDS = 2.0
 """How long a stopping gateway waits, past its grace, for the runs it cancelled to record how
 they ended before it closes its broker client."""
@@ -388,7 +393,12 @@ def run_id_of(spec: Spec) -> str:
 
 
 class GatewayServer:
-    """A running gateway: its gRPC server and its broker client."""
+    """A running gateway: its gRPC server and its broker client.
+
+    Its health for ``mesh.v1.GatewayService`` follows the broker's: NOT_SERVING while the
+    broker cannot be reached or is stopping (every pattern needs it), so a readiness probe takes
+    the gateway out of rotation meanwhile; the server's overall health ("") says only that the
+    process serves (liveness)."""
 
     def __init__(
         self,
@@ -401,12 +411,53 @@ class GatewayServer:
         self.client = client
         self.metrics = metrics
         self.servicer = servicer
+        self.broker_serving: bool | None = None
+        """What the broker's health said last (None: not heard yet)."""
+        self._following: asyncio.Task[None] | None = None
 
     @property
     def address(self) -> str:
         return self.server.address
 
+    async def follow_broker(self, first_answer: float = FIRST_BROKER_ANSWER_SECONDS) -> None:
+        """Starts following the broker's health; returns once it answered (or could not be
+        reached), or after ``first_answer`` seconds, NOT_SERVING until it does."""
+        heard = asyncio.Event()
+
+        async def follow() -> None:
+            async for serving in self.client.broker_serving():
+                await self._broker_said(serving)
+                heard.set()
+
+        self._following = asyncio.create_task(follow(), name="gateway-follows-broker")
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(first_answer):
+                await heard.wait()
+        if not heard.is_set():
+            await self._broker_said(False)
+
+    async def _broker_said(self, serving: bool) -> None:
+        if serving is self.broker_serving:
+            return
+        if serving:
+            if self.broker_serving is not None:
+                logger.info("the broker at %s serves again: the gateway too", self.client.target)
+        else:
+            logger.warning(
+                "the broker at %s cannot be reached or is stopping: %s NOT_SERVING until it serves",
+                self.client.target,
+                GATEWAY_SERVICE,
+            )
+        self.broker_serving = serving
+        await self.server.health.set(
+            GATEWAY_SERVICE,
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING,
+        )
+
     async def stop(self, grace: float = 5.0) -> None:
+        await cancel_and_wait(self._following)
         await self.server.stop(grace)
         if self.servicer is not None:
             # Runs the stop cancelled still record how they ended (a workflow's status)
@@ -497,4 +548,6 @@ async def serve_gateway(
         security=security,
     )
     server._on_drain.append(servicer.drain)
-    return GatewayServer(server, client, metrics, servicer)
+    gateway = GatewayServer(server, client, metrics, servicer)
+    await gateway.follow_broker()
+    return gateway

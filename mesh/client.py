@@ -91,6 +91,8 @@ from mesh.v1 import (
 )
 
 logger = logging.getLogger("mesh.client")
+
+BROKER_SERVICE = broker_pb2.DESCRIPTOR.services_by_name["BrokerService"].full_name
 T = TypeVar("T")
 E = TypeVar("E", MessageType, Priority, DeliveryMode)
 
@@ -896,22 +898,38 @@ class MeshClient:
         return self._closed
 
     async def serving_again(self) -> AsyncIterator[None]:
-        """Yields each time the broker is serving again after its health watch was lost (it
-        restarted, or the connection went away): when a process that keeps no stream of its
-        own to the broker (an agent taking its messages by push) registers again, since a
-        broker restarted on the memory store forgot it. Runs until closed or cancelled."""
+        """Yields each time the broker is serving again after it was lost (it restarted, or the
+        connection went away): when a process that keeps no stream of its own to the broker
+        (an agent taking its messages by push) registers again, since a broker restarted on the
+        memory store forgot it. Runs until closed or cancelled."""
+        lost = False
+        async for serving in self.broker_serving():
+            if serving and lost:
+                yield
+            lost = not serving
+
+    async def broker_serving(self, service: str = BROKER_SERVICE) -> AsyncIterator[bool]:
+        """Whether the broker serves: yielded once it answers (or cannot be reached), then at
+        each change. Follows the broker's health (``grpc.health.v1`` Watch of ``service``):
+        False while it cannot be reached or says anything but SERVING (it is draining to
+        stop), True again when it serves. Runs until closed or cancelled."""
         stub = health_pb2_grpc.HealthStub(self._channel)
-        lost, attempt = False, 0
+        request = health_pb2.HealthCheckRequest(service=service)
+        said: bool | None = None
+        attempt = 0
         while not self._closed:
             try:
-                async for reply in stub.Watch(health_pb2.HealthCheckRequest()):
+                async for reply in stub.Watch(request):
                     attempt = 0
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING and lost:
-                        lost = False
-                        yield
+                    serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+                    if serving is not said:
+                        said = serving
+                        yield serving
             except grpc.RpcError:
                 pass  # (away: watched again below)
-            lost = True
+            if said is not False:
+                said = False
+                yield False
             await self._sleep(_RECONNECT_DELAYS[min(attempt, len(_RECONNECT_DELAYS) - 1)])
             attempt += 1
 

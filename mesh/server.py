@@ -15,6 +15,7 @@ import grpc
 
 from mesh import codec
 from mesh._status import abort
+from mesh.client import BROKER_SERVICE
 from mesh.config import BrokerConfig, SecurityConfig, ServerConfig
 from mesh.core.auth import Principal
 from mesh.core.broker import Broker, SendOutcome, Subscription
@@ -44,7 +45,6 @@ from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
 
 logger = logging.getLogger("mesh.server")
 
-BROKER_SERVICE = broker_pb2.DESCRIPTOR.services_by_name["BrokerService"].full_name
 MAX_SESSION_REQUESTS = 10_000
 MAX_SESSION_SUBSCRIPTIONS = 1_000
 MAX_BATCH = 256

@@ -486,3 +486,70 @@ async def test_gateway_shutdown_lets_a_running_pattern_finish_and_refuses_new_on
         await stopping
     assert events[-1]["kind"] == "RESULT"
     assert events[-1]["data"]["status"] == "COMPLETED"
+
+
+async def statuses_until(watch: Any, wanted: int) -> list[int]:
+    """The statuses a Health.Watch stream says, up to the first ``wanted`` one."""
+    seen: list[int] = []
+    async with asyncio.timeout(10):
+        async for reply in watch:
+            seen.append(reply.status)
+            if reply.status == wanted:
+                return seen
+    raise AssertionError(f"the watch ended after {seen}")
+
+
+async def test_the_gateway_is_ready_only_while_its_broker_serves() -> None:
+    from gateway.server import GATEWAY_SERVICE, serve_gateway
+    from mesh import SecurityConfig
+    from mesh.config import ServerConfig
+    from mesh.server import serve_broker
+
+    serving = health_pb2.HealthCheckResponse.SERVING
+    _, broker = await serve_broker(server_config=ServerConfig(port=0))
+    gateway = await serve_gateway(broker.address, security=SecurityConfig())
+    try:
+        assert await health_of(gateway.address, GATEWAY_SERVICE) == serving
+        async with grpc.aio.insecure_channel(gateway.address) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(
+                health_pb2.HealthCheckRequest(service=GATEWAY_SERVICE)
+            )
+            assert await statuses_until(watch, serving) == [serving]
+            await broker.stop(0)
+            assert await statuses_until(watch, NOT_SERVING) == [NOT_SERVING]
+            # The process itself still serves: a liveness probe on "" leaves it running.
+            assert await health_of(gateway.address) == serving
+            _, broker = await serve_broker(server_config=ServerConfig(port=broker.port))
+            assert await statuses_until(watch, serving) == [serving]
+            watch.cancel()
+    finally:
+        await gateway.stop(0)
+        await broker.stop(0)
+
+
+async def test_a_gateway_started_before_its_broker_is_not_ready() -> None:
+    from gateway.server import GATEWAY_SERVICE, serve_gateway
+    from mesh import SecurityConfig
+    from mesh.config import ServerConfig
+    from mesh.server import serve_broker
+
+    _, placeholder = await serve_broker(server_config=ServerConfig(port=0))
+    port = placeholder.port
+    await placeholder.stop(0)  # (a port nothing listens on, for now)
+    gateway = await serve_gateway(f"127.0.0.1:{port}", security=SecurityConfig())
+    try:
+        assert await health_of(gateway.address, GATEWAY_SERVICE) == NOT_SERVING
+        assert await health_of(gateway.address) == health_pb2.HealthCheckResponse.SERVING
+        _, broker = await serve_broker(server_config=ServerConfig(port=port))
+        try:
+            async with grpc.aio.insecure_channel(gateway.address) as channel:
+                watch = health_pb2_grpc.HealthStub(channel).Watch(
+                    health_pb2.HealthCheckRequest(service=GATEWAY_SERVICE)
+                )
+                seen = await statuses_until(watch, health_pb2.HealthCheckResponse.SERVING)
+                watch.cancel()
+            assert seen[-1] == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            await broker.stop(0)
+    finally:
+        await gateway.stop(0)
