@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from google.protobuf import json_format
-from grpc_health.v1 import health_pb2
 from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanKind
 from prometheus_client import CollectorRegistry
@@ -449,12 +448,7 @@ class GatewayServer:
                 GATEWAY_SERVICE,
             )
         self.broker_serving = serving
-        await self.server.health.set(
-            GATEWAY_SERVICE,
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING,
-        )
+        await self.server.set_service_serving(GATEWAY_SERVICE, serving)
 
     async def stop(self, grace: float = 5.0) -> None:
         await cancel_and_wait(self._following)

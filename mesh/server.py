@@ -975,6 +975,12 @@ async def serve_broker(
     # stops (after its drain: a push is one more subscriber that empties its queue).
     pusher = Pusher(broker, security)
     pusher.start()
+    # While the queue store cannot be reached (Redis away), the broker's services say
+    # NOT_SERVING, so readiness takes it out of rotation and gateways follow; the server as a
+    # whole (liveness) still serves.
+    broker.store_watchers.append(
+        server.follow([BROKER_SERVICE, MEMORY_SERVICE], lambda: broker.store_answers)
+    )
     server._on_drain.append(broker.drain)
     server._on_stop.append(pusher.stop)
     server._on_stop.append(broker.stop)

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from mesh._status import abort
 from mesh.config import SecurityConfig, check_environment, seconds_from_env
 from mesh.core.errors import MessageValidationError
+from mesh.core.tasks import cancel_and_wait
 from mesh.headroom import parser_for
 from mesh.security import AuthInterceptor, authenticator_for, server_credentials
 
@@ -246,6 +247,37 @@ class MeshServer:
         )
         for name in ("", *self.service_names):
             await self.health.set(name, status)
+
+    async def set_service_serving(self, name: str, serving: bool) -> None:
+        """The health of one service of this server (not of the server as a whole, service
+        "", which liveness probes ask); ignored once the server is stopping."""
+        await self.health.set(
+            name,
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING,
+        )
+
+    def follow(self, names: Sequence[str], serving: Callable[[], bool]) -> Callable[[], None]:
+        """Ties the health of the services ``names`` to ``serving()``, what they need from
+        outside this process (the broker's queue store): call the function returned when it
+        may have changed, and their health follows, in order, until the server stops."""
+        changed = asyncio.Event()
+
+        async def follow() -> None:
+            said: bool | None = None
+            while True:
+                await changed.wait()
+                changed.clear()
+                now = serving()
+                if now is not said:
+                    said = now
+                    for name in names:
+                        await self.set_service_serving(name, now)
+
+        task = asyncio.create_task(follow(), name=f"health-follows-{'+'.join(names)}")
+        self._on_stop.append(lambda: cancel_and_wait(task))
+        return changed.set
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """NOT_SERVING first, so balancers stop sending; then the services drain (refusing new

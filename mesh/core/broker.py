@@ -465,6 +465,11 @@ class Broker:
         self.registry_watchers: list[Callable[[str], None]] = []
         """Called with an agent's id when it registered, left or changed (here or through
         another replica): what follows the registry (push delivery) looks at it again."""
+        self.store_answers = True
+        """Whether the queue store answered the last sweep: a store in another process
+        (Redis) can be away, and while it is, nothing can be sent or delivered."""
+        self.store_watchers: list[Callable[[], None]] = []
+        """Called when ``store_answers`` changed (the server's health follows it)."""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -571,23 +576,27 @@ class Broker:
         await self.stop()
 
     async def _sweep_forever(self) -> None:
-        unavailable = False  # said once per outage of the store, not every pass
         while not self._stopping:
             stop_if_cancelled()
             await asyncio.sleep(self.config.sweep_interval)
             try:
                 await self.sweep()
             except BrokerUnavailableError as error:
-                if not unavailable:
+                if self.store_answers:  # (said once per outage of the store, not every pass)
                     logger.warning("queue sweeps fail until the store is back: %s", error)
-                unavailable = True
+                    self._store_answered(False)
                 continue
             except Exception:  # the sweeper must outlive any one bad pass
                 logger.exception("queue sweep failed")
                 continue
-            if unavailable:
+            if not self.store_answers:
                 logger.info("queue sweeps work again: the store is back")
-                unavailable = False
+                self._store_answered(True)
+
+    def _store_answered(self, answers: bool) -> None:
+        self.store_answers = answers
+        for watcher in self.store_watchers:
+            watcher()
 
     async def sweep(self) -> None:
         """Expires messages and reclaims ended leases (and, with replicas, every

@@ -17,9 +17,11 @@ from mesh import BrokerUnavailableError, connect
 from mesh.client import NO_RETRY
 from mesh.config import BrokerConfig
 from mesh.core.model import Message
+from mesh.memory_server import MEMORY_SERVICE
 from mesh.redis_store import RedisQueueStore
-from mesh.server import serve_broker
+from mesh.server import BROKER_SERVICE, serve_broker
 from mesh.testing import LocalRedis
+from tests.helpers.health import NOT_SERVING, SERVING, health_of, watching
 
 
 class Heard(logging.Handler):
@@ -104,6 +106,41 @@ async def test_two_brokers_ride_out_a_redis_crash(
         logging.getLogger("mesh").removeHandler(followed_again)
         await server_a.stop(0)
         await server_b.stop(0)
+
+
+async def test_while_redis_is_away_the_broker_and_its_gateway_are_not_ready(
+    own_redis: LocalRedis, tmp_path: Path
+) -> None:
+    """Readiness follows the store: a broker whose Redis is away says NOT_SERVING for its
+    services (and the gateway on it for its own), while each server as a whole, which
+    liveness asks, still serves; both are ready again once Redis is back."""
+    from gateway.server import GATEWAY_SERVICE, serve_gateway
+    from mesh import SecurityConfig
+
+    _, broker = await serve_broker(broker_config=BrokerConfig(store=own_redis.url))
+    gateway = await serve_gateway(broker.address, security=SecurityConfig())
+    try:
+        async with (
+            watching(broker.address, BROKER_SERVICE) as broker_watch,
+            watching(broker.address, MEMORY_SERVICE) as memory_watch,
+            watching(gateway.address, GATEWAY_SERVICE) as gateway_watch,
+        ):
+            for watch in (broker_watch, memory_watch, gateway_watch):
+                assert await watch.until(SERVING) == [SERVING]
+            own_redis.kill()
+            for watch in (broker_watch, memory_watch, gateway_watch):
+                assert await watch.until(NOT_SERVING) == [NOT_SERVING]
+            assert await health_of(broker.address) == SERVING
+            assert await health_of(gateway.address) == SERVING
+            own_redis.restart(tmp_path / "redis")
+            for watch in (broker_watch, memory_watch, gateway_watch):
+                assert await watch.until(SERVING) == [SERVING]
+        async with connect(broker.address, agent_id="alice", retry=NO_RETRY) as client:
+            await client.register("Worker")
+            await client.send("Worker", {"action": "after"})
+    finally:
+        await gateway.stop(0)
+        await broker.stop(0)
 
 
 async def test_a_broker_whose_redis_is_away_stops_all_the_same(

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from google.protobuf import descriptor_pb2, struct_pb2
 from google.rpc import error_details_pb2
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 from grpc_status import rpc_status
 
@@ -35,9 +35,9 @@ from mesh.client import NO_RETRY
 from mesh.config import BrokerConfig
 from mesh.core.model import MessageType
 from mesh.v1 import agent_pb2, agent_pb2_grpc, message_pb2
+from tests.helpers.health import NOT_SERVING, SERVING, health_of, watching
 
 ROOT = Path(__file__).resolve().parents[2]
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 BUF = shutil.which("buf") or str(Path(sys.executable).parent / "buf")
 
 
@@ -189,13 +189,6 @@ async def test_every_listed_service_is_described(mesh: LocalMesh) -> None:
             assert any(
                 f.package == package and service in [s.name for s in f.service] for f in files
             ), name
-
-
-async def health_of(address: str, service: str = "") -> int:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
-        return int(reply.status)
 
 
 async def test_health_is_serving_on_broker_and_agents(mesh: LocalMesh) -> None:
@@ -488,40 +481,24 @@ async def test_gateway_shutdown_lets_a_running_pattern_finish_and_refuses_new_on
     assert events[-1]["data"]["status"] == "COMPLETED"
 
 
-async def statuses_until(watch: Any, wanted: int) -> list[int]:
-    """The statuses a Health.Watch stream says, up to the first ``wanted`` one."""
-    seen: list[int] = []
-    async with asyncio.timeout(10):
-        async for reply in watch:
-            seen.append(reply.status)
-            if reply.status == wanted:
-                return seen
-    raise AssertionError(f"the watch ended after {seen}")
-
-
 async def test_the_gateway_is_ready_only_while_its_broker_serves() -> None:
     from gateway.server import GATEWAY_SERVICE, serve_gateway
     from mesh import SecurityConfig
     from mesh.config import ServerConfig
     from mesh.server import serve_broker
 
-    serving = health_pb2.HealthCheckResponse.SERVING
     _, broker = await serve_broker(server_config=ServerConfig(port=0))
     gateway = await serve_gateway(broker.address, security=SecurityConfig())
     try:
-        assert await health_of(gateway.address, GATEWAY_SERVICE) == serving
-        async with grpc.aio.insecure_channel(gateway.address) as channel:
-            watch = health_pb2_grpc.HealthStub(channel).Watch(
-                health_pb2.HealthCheckRequest(service=GATEWAY_SERVICE)
-            )
-            assert await statuses_until(watch, serving) == [serving]
+        assert await health_of(gateway.address, GATEWAY_SERVICE) == SERVING
+        async with watching(gateway.address, GATEWAY_SERVICE) as watch:
+            assert await watch.until(SERVING) == [SERVING]
             await broker.stop(0)
-            assert await statuses_until(watch, NOT_SERVING) == [NOT_SERVING]
+            assert await watch.until(NOT_SERVING) == [NOT_SERVING]
             # The process itself still serves: a liveness probe on "" leaves it running.
-            assert await health_of(gateway.address) == serving
+            assert await health_of(gateway.address) == SERVING
             _, broker = await serve_broker(server_config=ServerConfig(port=broker.port))
-            assert await statuses_until(watch, serving) == [serving]
-            watch.cancel()
+            assert await watch.until(SERVING) == [SERVING]
     finally:
         await gateway.stop(0)
         await broker.stop(0)
@@ -539,16 +516,11 @@ async def test_a_gateway_started_before_its_broker_is_not_ready() -> None:
     gateway = await serve_gateway(f"127.0.0.1:{port}", security=SecurityConfig())
     try:
         assert await health_of(gateway.address, GATEWAY_SERVICE) == NOT_SERVING
-        assert await health_of(gateway.address) == health_pb2.HealthCheckResponse.SERVING
+        assert await health_of(gateway.address) == SERVING
         _, broker = await serve_broker(server_config=ServerConfig(port=port))
         try:
-            async with grpc.aio.insecure_channel(gateway.address) as channel:
-                watch = health_pb2_grpc.HealthStub(channel).Watch(
-                    health_pb2.HealthCheckRequest(service=GATEWAY_SERVICE)
-                )
-                seen = await statuses_until(watch, health_pb2.HealthCheckResponse.SERVING)
-                watch.cancel()
-            assert seen[-1] == health_pb2.HealthCheckResponse.SERVING
+            async with watching(gateway.address, GATEWAY_SERVICE) as watch:
+                assert (await watch.until(SERVING))[-1] == SERVING
         finally:
             await broker.stop(0)
     finally:
