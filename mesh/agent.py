@@ -476,6 +476,10 @@ class AgentRuntime:
         self._keeper: asyncio.Task[None] | None = None
         self._stopping = False
         self.subscribed = asyncio.Event()
+        """Set while the agent takes its messages: subscribed to its queue (pull), or
+        registered for the broker's calls (push)."""
+        self.subscribed_watchers: list[Callable[[], None]] = []
+        """Called when ``subscribed`` changed (the agent's health follows it)."""
 
     async def register(self) -> None:
         await self.client.register(
@@ -491,7 +495,7 @@ class AgentRuntime:
     async def start(self) -> None:
         await self.register()
         if self.delivery_mode is DeliveryMode.PUSH:
-            self.subscribed.set()  # (the broker holds the queue's end: it calls this server)
+            self._mark_subscribed(True)  # (the broker holds the queue's end: it calls us)
             self._consumer = asyncio.create_task(
                 self._keep_registered(), name=f"agent-{self.agent.agent_id}-registration"
             )
@@ -547,7 +551,7 @@ class AgentRuntime:
                 )
                 await sub.start()
                 self._subscription = sub
-                self.subscribed.set()
+                self._mark_subscribed(True)
                 attempt = 0
                 async for received in sub:
                     # (taken as the agent stops: handled with the work in flight, within
@@ -569,20 +573,35 @@ class AgentRuntime:
                     error.message,
                     delay,
                 )
-                self.subscribed.clear()
+                self._mark_subscribed(False)
                 attempt += 1
                 await asyncio.sleep(delay)
             except MeshError as error:
                 logger.error("%s cannot subscribe: %s", self.agent.agent_id, error.message)
-                self.subscribed.clear()
+                self._mark_subscribed(False)
                 attempt += 1
                 await asyncio.sleep(_RECONNECT_DELAYS[-1])
+
+    def _mark_subscribed(self, subscribed: bool) -> None:
+        if subscribed is self.subscribed.is_set():
+            return
+        if subscribed:
+            self.subscribed.set()
+        else:
+            self.subscribed.clear()
+        for watcher in self.subscribed_watchers:
+            watcher()
 
     async def _keep_registered(self) -> None:
         """Push: no stream of this process's reaches the broker, the broker's calls come to
         its server; when the broker is back after it was lost (a restart forgets every agent
-        on the memory store), the agent registers again."""
-        async for _ in self.client.serving_again():
+        on the memory store), the agent registers again. Meanwhile it is not subscribed."""
+        async for serving in self.client.broker_serving():
+            if not serving:
+                self._mark_subscribed(False)
+                continue
+            if self.subscribed.is_set():
+                continue  # (the first answer: registered as it started)
             try:
                 await self.register()
             except MeshError as error:
@@ -590,6 +609,7 @@ class AgentRuntime:
                     "%s could not register again: %s", self.agent.agent_id, error.message
                 )
             else:
+                self._mark_subscribed(True)
                 logger.info("%s registered again for push delivery", self.agent.agent_id)
 
     def _done(self, received: Received, _: asyncio.Task[None]) -> None:
@@ -888,7 +908,7 @@ class AgentServer:
 
     async def stop(self, grace: float = 5.0) -> None:
         """Graceful shutdown: NOT_SERVING, finish or return work, deregister, stop."""
-        await self.server.set_serving(False)
+        await self.server.health.enter_graceful_shutdown()  # (for good: no watcher undoes it)
         await self.runtime.stop(grace)
         await self.server.stop(grace)
         if self.owns_client:
@@ -953,6 +973,12 @@ async def serve(
             await client.close()
         raise
     runtime.address = advertise or server.address
+    # Its service says SERVING only while the agent takes its messages: from its first
+    # subscription (or registration, for push) on, and NOT_SERVING while it has lost its queue
+    # (the broker cannot be reached, or forgot it). Readiness takes it out of rotation then
+    # (and a rolling update waits for it); its server as a whole, which liveness asks, serves.
+    await server.set_service_serving(AGENT_SERVICE, False)
+    runtime.subscribed_watchers.append(server.follow([AGENT_SERVICE], runtime.subscribed.is_set))
     try:
         await runtime.start()
         async with asyncio.timeout(client.default_timeout):

@@ -897,17 +897,6 @@ class MeshClient:
         """Whether :meth:`close` was called: the client sends nothing more."""
         return self._closed
 
-    async def serving_again(self) -> AsyncIterator[None]:
-        """Yields each time the broker is serving again after it was lost (it restarted, or the
-        connection went away): when a process that keeps no stream of its own to the broker
-        (an agent taking its messages by push) registers again, since a broker restarted on the
-        memory store forgot it. Runs until closed or cancelled."""
-        lost = False
-        async for serving in self.broker_serving():
-            if serving and lost:
-                yield
-            lost = not serving
-
     async def broker_serving(self, service: str = BROKER_SERVICE) -> AsyncIterator[bool]:
         """Whether the broker serves: yielded once it answers (or cannot be reached), then at
         each change. Follows the broker's health (``grpc.health.v1`` Watch of ``service``):

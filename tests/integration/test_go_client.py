@@ -22,6 +22,7 @@ from mesh import (
     connect,
 )
 from mesh.testing import LocalMesh
+from tests.helpers.health import NOT_SERVING, SERVING, health_of, watching
 from tests.helpers.processes import (
     BROKER_READY,
     free_port,
@@ -318,14 +319,22 @@ async def test_a_go_agent_is_back_in_service_after_a_broker_restart(
     broker = await start("broker", "--port", str(port), ready=BROKER_READY)
     try:
         agent = await start_go_agent(meshgo, go_agents, address, "GoEchoAgent", *flags)
-        async with connect(address, agent_id="Caller", retry=NO_RETRY) as client:
+        async with (
+            connect(address, agent_id="Caller", retry=NO_RETRY) as client,
+            watching(agent.address, "mesh.v1.AgentService") as readiness,
+        ):
             first = await client.request("GoEchoAgent", {"action": "echo", "n": 1}, timeout=5)
             assert first.content["echo"] == {"action": "echo", "n": 1}
+            assert await readiness.until(SERVING) == [SERVING]
 
             # The broker dies and comes back on its port, remembering nothing (memory store):
-            # the Go agent is back in service by itself.
+            # the Go agent is back in service by itself. Meanwhile it is not ready, though
+            # its process serves (liveness).
             await wait_killed(broker)
+            assert await readiness.until(NOT_SERVING) == [NOT_SERVING]
+            assert await health_of(agent.address) == SERVING
             broker = await start("broker", "--port", str(port), ready=BROKER_READY)
+            assert await readiness.until(SERVING) == [SERVING]
             again = await request_once_back(client, "GoEchoAgent", {"action": "echo", "n": 2})
             assert again.content["echo"] == {"action": "echo", "n": 2}
             listed = {a.agent_id: a for a in await client.list_agents()}

@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from gateway.embedded import EmbeddedMesh
+from tests.helpers.health import NOT_SERVING, SERVING, health_of, watching
 from tests.helpers.node import NODE_DIR, start_node_example
 
 NODE_TESTS = (
@@ -202,15 +203,23 @@ async def test_a_node_agent_is_back_in_service_after_a_broker_restart() -> None:
     broker = await start("broker", "--port", str(port), ready=BROKER_READY)
     node = None
     try:
-        node, _ = await start_echo_agent("NodeEchoAgent", address)
-        async with connect(address, agent_id="Caller", retry=NO_RETRY) as client:
+        node, node_at = await start_echo_agent("NodeEchoAgent", address)
+        async with (
+            connect(address, agent_id="Caller", retry=NO_RETRY) as client,
+            watching(node_at, "mesh.v1.AgentService") as readiness,
+        ):
             first = await client.request("NodeEchoAgent", {"action": "echo", "n": 1}, timeout=5)
             assert first.content["echo"] == {"action": "echo", "n": 1}
+            assert await readiness.until(SERVING) == [SERVING]
 
             # The broker dies and comes back on its port, remembering nothing (memory store):
-            # the Node agent registers and subscribes again by itself.
+            # the Node agent registers and subscribes again by itself. Meanwhile it is not
+            # ready, though its process serves (liveness).
             await wait_killed(broker)
+            assert await readiness.until(NOT_SERVING) == [NOT_SERVING]
+            assert await health_of(node_at) == SERVING
             broker = await start("broker", "--port", str(port), ready=BROKER_READY)
+            assert await readiness.until(SERVING) == [SERVING]
             again = await request_once_back(client, "NodeEchoAgent", {"action": "echo", "n": 2})
             assert again.content["echo"] == {"action": "echo", "n": 2}
             assert again.content["pid"] == node.pid  # the same process, never restarted

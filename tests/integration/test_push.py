@@ -44,6 +44,7 @@ from mesh.certs import write_dev_certificates
 from mesh.client import NO_RETRY, GatherResult, MeshClient
 from mesh.config import BrokerConfig, SecurityConfig
 from mesh.v1 import agent_pb2_grpc, broker_pb2, broker_pb2_grpc, message_pb2
+from tests.helpers.health import NOT_SERVING, SERVING, watching
 from tests.helpers.node import start_node_example
 from tests.helpers.plain_agent import PlainAgent, echo, start_plain
 from tests.helpers.processes import (
@@ -770,11 +771,18 @@ async def test_an_sdk_push_agent_registers_again_when_the_broker_comes_back() ->
     try:
         served = await serve(tax_desk, address, delivery_mode="push")
         try:
-            async with connect(address, agent_id="Shop", retry=NO_RETRY) as client:
+            async with (
+                connect(address, agent_id="Shop", retry=NO_RETRY) as client,
+                watching(served.address, "mesh.v1.AgentService") as readiness,
+            ):
                 first = await client.request("TaxDesk", {"action": "rate", "item": "book"})
                 assert first.content["rate"] == 0.2
+                assert await readiness.until(SERVING) == [SERVING]
                 await wait_killed(broker)
+                # Not ready while the broker is away; ready once registered again.
+                assert await readiness.until(NOT_SERVING) == [NOT_SERVING]
                 broker = await start("broker", "--port", str(port), ready=BROKER_READY)
+                assert await readiness.until(SERVING) == [SERVING]
                 again = await request_once_back(
                     client, "TaxDesk", {"action": "rate", "item": "pen"}
                 )
@@ -794,13 +802,20 @@ async def test_a_node_push_agent_registers_again_when_the_broker_comes_back() ->
     address = f"127.0.0.1:{port}"
     broker = await start("broker", "--port", str(port), ready=BROKER_READY)
     try:
-        node, _ = await start_node_example("echo-agent.js", "NodePushEcho", address, "push")
+        node, node_at = await start_node_example("echo-agent.js", "NodePushEcho", address, "push")
         try:
-            async with connect(address, agent_id="Shop", retry=NO_RETRY) as client:
+            async with (
+                connect(address, agent_id="Shop", retry=NO_RETRY) as client,
+                watching(node_at, "mesh.v1.AgentService") as readiness,
+            ):
                 first = await client.request("NodePushEcho", {"action": "echo", "n": 1})
                 assert first.content["echo"] == {"action": "echo", "n": 1}
+                assert await readiness.until(SERVING) == [SERVING]
                 await wait_killed(broker)
+                # Not ready while the broker is away; ready once registered again.
+                assert await readiness.until(NOT_SERVING) == [NOT_SERVING]
                 broker = await start("broker", "--port", str(port), ready=BROKER_READY)
+                assert await readiness.until(SERVING) == [SERVING]
                 again = await request_once_back(client, "NodePushEcho", {"action": "echo", "n": 2})
                 listed = {a.agent_id: a for a in await client.list_agents()}
         finally:

@@ -525,3 +525,33 @@ async def test_a_gateway_started_before_its_broker_is_not_ready() -> None:
             await broker.stop(0)
     finally:
         await gateway.stop(0)
+
+
+@pytest.mark.parametrize("delivery", ["pull", "push"])
+async def test_an_agent_is_ready_only_while_it_takes_its_messages(delivery: str) -> None:
+    from mesh.agent import AGENT_SERVICE, serve
+    from mesh.config import ServerConfig
+    from mesh.server import serve_broker
+
+    @agent("Echo")
+    async def echo(message: Message, ctx: AgentContext) -> dict:
+        return {"echo": message.content["action"]}
+
+    _, broker = await serve_broker(server_config=ServerConfig(port=0))
+    served = await serve(echo, broker.address, delivery_mode=delivery)
+    try:
+        async with watching(served.address, AGENT_SERVICE) as watch:
+            assert await watch.until(SERVING) == [SERVING]
+            await broker.stop(0)
+            assert await watch.until(NOT_SERVING) == [NOT_SERVING]
+            assert await health_of(served.address) == SERVING  # (liveness: the process serves)
+            # A broker on the memory store comes back knowing nobody: the agent registers
+            # (and subscribes) again before it says SERVING.
+            _, broker = await serve_broker(server_config=ServerConfig(port=broker.port))
+            assert await watch.until(SERVING) == [SERVING]
+        async with connect(broker.address, agent_id="caller", retry=NO_RETRY) as client:
+            answer = await client.request("Echo", {"action": "again"}, timeout=10)
+        assert answer.content["echo"] == "again"
+    finally:
+        await served.stop(0)
+        await broker.stop(0)

@@ -9,8 +9,9 @@
 // that address with the broker, takes its deliveries on a Connect session and answers each
 // REQUEST, HANDOFF and asked BROADCAST (a gather's copy, a group chat's question) with a
 // RESPONSE under the message's correlation; everything else it acknowledges. It subscribes
-// again when the broker goes away, for up to a minute, and on SIGTERM or SIGINT says
-// NOT_SERVING, ends its session (what it did not answer goes back to the queue), leaves the
+// again when the broker goes away, for up to a minute (its health for mesh.v1.AgentService,
+// which readiness asks, says NOT_SERVING meanwhile; "" says the process serves), and on
+// SIGTERM or SIGINT says NOT_SERVING, ends its session (what it did not answer goes back to the queue), leaves the
 // registry and exits 0.
 //
 // TLS and credentials come from the variables every client of the mesh reads:
@@ -49,6 +50,12 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/types/known/structpb"
+)
+
+// The services whose health the agent reports (its own) and follows (the broker's).
+const (
+	agentService  = "mesh.v1.AgentService"
+	brokerService = "mesh.v1.BrokerService"
 )
 
 func main() {
@@ -356,8 +363,19 @@ func runAgent(args []string) error {
 	}
 	server := grpc.NewServer(options...)
 	meshv1.RegisterAgentServiceServer(server, &agentServer{agent: a})
+	// The server as a whole ("", which liveness asks) serves until it stops; the Agent
+	// service (readiness) only while the agent takes its messages: subscribed on a session,
+	// or registered for push with a broker that serves.
 	healthy := health.NewServer()
+	healthy.SetServingStatus(agentService, healthpb.HealthCheckResponse_NOT_SERVING)
 	healthpb.RegisterHealthServer(server, healthy)
+	ready := func(yes bool) {
+		status := healthpb.HealthCheckResponse_NOT_SERVING
+		if yes {
+			status = healthpb.HealthCheckResponse_SERVING
+		}
+		healthy.SetServingStatus(agentService, status)
+	}
 	reflection.Register(server)
 	go server.Serve(listener)
 
@@ -373,10 +391,11 @@ func runAgent(args []string) error {
 	announced := false
 	var lost time.Time
 	if *push {
-		a.keepRegistered(ctx, brokerClient, healthpb.NewHealthClient(conn))
+		a.keepRegistered(ctx, brokerClient, healthpb.NewHealthClient(conn), ready)
 	}
 	for delay := 100 * time.Millisecond; !*push; {
 		err := a.serveSession(ctx, brokerClient, func() {
+			ready(true)
 			lost = time.Time{}
 			delay = 100 * time.Millisecond
 			if !announced {
@@ -387,6 +406,7 @@ func runAgent(args []string) error {
 		if ctx.Err() != nil {
 			break
 		}
+		ready(false)
 		if lost.IsZero() {
 			lost = time.Now()
 		}
@@ -420,9 +440,10 @@ func runAgent(args []string) error {
 // keepRegistered registers the agent for push delivery (the broker calls its server's
 // HandleMessage) and watches the broker's health until ctx is done: the process keeps no
 // other stream to the broker, and a broker restarted on the memory store forgot the agent,
-// which registers again once the broker serves.
+// which registers again once the broker serves. ready says whether it takes its messages.
 func (a *agent) keepRegistered(
 	ctx context.Context, broker meshv1.BrokerServiceClient, health healthpb.HealthClient,
+	ready func(bool),
 ) {
 	registered, announced := false, false
 	for delay := 100 * time.Millisecond; ctx.Err() == nil; {
@@ -433,6 +454,7 @@ func (a *agent) keepRegistered(
 			}})
 			if err == nil {
 				registered = true
+				ready(true)
 				delay = 100 * time.Millisecond
 				if !announced {
 					announced = true
@@ -443,14 +465,21 @@ func (a *agent) keepRegistered(
 			}
 		}
 		if registered {
-			watch, err := health.Watch(ctx, &healthpb.HealthCheckRequest{})
+			// Until the broker goes away or says it does not serve (stopping, or its store
+			// away): then the agent registers again once it can.
+			watch, err := health.Watch(ctx, &healthpb.HealthCheckRequest{Service: brokerService})
 			for err == nil {
-				_, err = watch.Recv()
+				var reply *healthpb.HealthCheckResponse
+				if reply, err = watch.Recv(); err == nil &&
+					reply.Status != healthpb.HealthCheckResponse_SERVING {
+					err = fmt.Errorf("the broker says %s", reply.Status)
+				}
 			}
 			if ctx.Err() != nil {
 				return
 			}
-			registered = false // the broker went away: a restarted one may have forgotten us
+			registered = false // a restarted broker may have forgotten us
+			ready(false)
 		}
 		select {
 		case <-time.After(delay):

@@ -1969,9 +1969,20 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
         description, actions },
     }),
   });
-  // As every server of the mesh: grpc.health.v1 (SERVING until it stops) and server
-  // reflection, so that plain gRPC tools (buf curl, grpcurl, probes) find their way.
-  const health = new HealthImplementation({ '': 'SERVING', 'mesh.v1.AgentService': 'SERVING' });
+  // As every server of the mesh: grpc.health.v1 and server reflection, so that plain gRPC
+  // tools (buf curl, grpcurl, probes) find their way. The server as a whole ('', which
+  // liveness asks) serves until it stops; mesh.v1.AgentService (readiness) only while the
+  // agent takes its messages: subscribed (pull), or registered with a broker that serves
+  // (push).
+  const health = new HealthImplementation(
+    { '': 'SERVING', 'mesh.v1.AgentService': 'NOT_SERVING' });
+  let stopped = false;
+  let ready = false;
+  const takesMessages = (yes) => {
+    if (stopped || yes === ready) return; // (a watcher is told each setStatus, same or not)
+    ready = yes;
+    health.setStatus('mesh.v1.AgentService', yes ? 'SERVING' : 'NOT_SERVING');
+  };
   health.addToServer(server);
   new ReflectionService(REFLECTED, { services: ['mesh.v1.AgentService'] }).addToServer(server);
   const boundPort = await new Promise((resolve, reject) => {
@@ -1985,7 +1996,6 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
   // The subscription lives as long as the agent: when its stream ends or fails (the broker
   // restarted, the network went away), the agent registers again (a restarted broker may
   // have forgotten it) and subscribes again, waiting a little longer after each failure.
-  let stopped = false;
   let subscription = null;
   let wake = null;
   const delays = [100, 500, 1000, 2000, 5000];
@@ -2001,13 +2011,14 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
         await new Promise((resolve) => {
           subscription.on('error', resolve);
           subscription.on('end', resolve);
-          subscription.on('subscribed', () => { attempt = 0; });
+          subscription.on('subscribed', () => { attempt = 0; takesMessages(true); });
           wake = resolve;
         });
       } catch (err) {
         // not registered: the broker is away; try again below
       }
       if (stopped) return;
+      takesMessages(false);
       await new Promise((resolve) => {
         wake = resolve;
         setTimeout(resolve, delays[Math.min(attempt, delays.length - 1)]);
@@ -2028,20 +2039,29 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     while (!stopped) {
       await new Promise((resolve) => {
         wake = resolve;
-        watch = healthClient.Watch({ service: '' });
+        watch = healthClient.Watch({ service: 'mesh.v1.BrokerService' });
         watch.on('data', (reply) => {
           attempt = 0;
-          if (reply.status !== 'SERVING' || !lost) return;
+          if (reply.status !== 'SERVING') {
+            lost = true;
+            takesMessages(false);
+            return;
+          }
+          if (!lost) return;
           lost = false;
-          client.register({ agentTypes, address, capabilities, deliveryMode }).catch((err) => {
-            console.warn(`${agentId}: could not register again: ${err.message}`);
-          });
+          client.register({ agentTypes, address, capabilities, deliveryMode })
+            .then(() => takesMessages(true))
+            .catch((err) => {
+              lost = true; // (registered on the broker's next change, or its next watch)
+              console.warn(`${agentId}: could not register again: ${err.message}`);
+            });
         });
         watch.on('error', resolve);
         watch.on('end', resolve);
       });
       if (stopped) return;
       lost = true;
+      takesMessages(false);
       await new Promise((resolve) => {
         wake = resolve;
         setTimeout(resolve, delays[Math.min(attempt, delays.length - 1)]);
@@ -2049,6 +2069,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
       attempt += 1;
     }
   };
+  if (deliveryMode === 'PUSH') takesMessages(true); // (registered above: the broker calls us)
   const running = deliveryMode === 'PUSH' ? keepRegistered() : keepSubscribed();
   let stopping = null;
   const stopOnce = async (graceMs) => {
