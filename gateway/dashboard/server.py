@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.client import GatewayClient
 from gateway.events import PatternEvent
 from gateway.server import GatewayServer
+from mesh.agent import AGENT_SERVICE
 from mesh.client import MeshClient
 from mesh.config import SecurityConfig
 from mesh.core.auth import Authenticator
@@ -249,8 +250,10 @@ class Dashboard:
             await self._health.pop(address).close()
 
     async def _health_of(self, info: AgentInfo) -> str:
-        """What the agent's latest instance says (grpc.health.v1); NO_INSTANCE while none
-        serves it since its last died; UNKNOWN when it never named one."""
+        """What the agent's latest instance says (grpc.health.v1) for its Agent service, its
+        readiness: NOT_SERVING while it has lost its queue (the whole server's, "", for a
+        server that reports no service of its own); NO_INSTANCE while none serves it since
+        its last died; UNKNOWN when it never named one."""
         if info.lost_at is not None and not info.instances:
             return "NO_INSTANCE"
         address = info.address
@@ -259,11 +262,17 @@ class Dashboard:
         channel = self._health.get(address)
         if channel is None:  # (with the mesh's TLS and credentials: agents serve with them)
             channel = self._health[address] = open_channel(address, self.security)
+        stub = health_pb2_grpc.HealthStub(channel)
         try:
             async with self._health_checks:
-                reply = await health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(), timeout=0.5
-                )
+                try:
+                    reply = await stub.Check(
+                        health_pb2.HealthCheckRequest(service=AGENT_SERVICE), timeout=0.5
+                    )
+                except grpc.RpcError as error:
+                    if error.code() != grpc.StatusCode.NOT_FOUND:
+                        raise
+                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
         except grpc.RpcError:
             return "UNREACHABLE"
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))

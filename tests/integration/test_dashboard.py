@@ -644,3 +644,32 @@ def test_the_health_of_agents_that_left_holds_no_channel() -> None:
                 await gateway.stop(0.5)
 
     asyncio.run(run())
+
+
+def test_an_agent_that_lost_its_queue_reads_not_serving() -> None:
+    """The health column is the agent's readiness (its Agent service): NOT_SERVING while it
+    does not take its messages, though its server as a whole serves."""
+    from gateway.dashboard.server import Dashboard
+    from gateway.server import serve_gateway
+    from mesh import AgentContext, LocalMesh, Message, agent
+    from mesh.agent import AGENT_SERVICE
+
+    @agent("Cut")
+    async def cut(message: Message, ctx: AgentContext) -> dict[str, Any]:
+        return {}
+
+    async def run() -> None:
+        async with LocalMesh() as local:
+            gateway = await serve_gateway(local.address)
+            try:
+                board = Dashboard(gateway.client, gateway)
+                served = await local.add_agent(cut)
+                assert (await board.sample())["agents"][0]["health"] == "SERVING"
+                # (what its runtime says when its subscription is lost)
+                await served.server.set_service_serving(AGENT_SERVICE, False)
+                assert (await board.sample())["agents"][0]["health"] == "NOT_SERVING"
+                await board.stop()
+            finally:
+                await gateway.stop(0.5)
+
+    asyncio.run(run())
