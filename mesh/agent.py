@@ -983,6 +983,8 @@ async def serve(
         await runtime.start()
         async with asyncio.timeout(client.default_timeout):
             await runtime.subscribed.wait()
+        # (said here too, not only by the follower task: ready as this returns)
+        await server.set_service_serving(AGENT_SERVICE, runtime.subscribed.is_set())
     except BaseException:
         await server.stop(0)
         with contextlib.suppress(Exception):

@@ -883,7 +883,11 @@ export interface ServedAgent {
   stop(graceMs?: number): Promise<void>;
 }
 
-/** Serves an agent: its own gRPC server, registered with the broker, taking deliveries. */
+/**
+ * Serves an agent: its own gRPC server, registered with the broker, taking deliveries.
+ * Resolves once it takes its messages (its health for mesh.v1.AgentService says SERVING then,
+ * and NOT_SERVING while it has lost the broker), or after 10 s, still trying.
+ */
 export function serveAgent(options: AgentOptions): Promise<ServedAgent>;
 
 // -- helpers ------------------------------------------------------------------------------------

@@ -1858,7 +1858,10 @@ const REFLECTED = reflectable(definition);
  * request's). client is the agent's own MeshClient (its messages come from the agent), for
  * the handler's own sends, requests and gathers.
  * onRefused(err) hears of an answer the broker refused (a warning on the console by
- * default).
+ * default). Resolves once the agent takes its messages (subscribed, or registered for push):
+ * its health for mesh.v1.AgentService says SERVING from then on, and NOT_SERVING while it has
+ * lost the broker (after 10 s without a subscription it resolves all the same, and goes on
+ * trying).
  */
 async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [], handler,
   description = 'A Node.js agent', actions = [], host = '127.0.0.1', port = 0,
@@ -1978,7 +1981,10 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     { '': 'SERVING', 'mesh.v1.AgentService': 'NOT_SERVING' });
   let stopped = false;
   let ready = false;
+  let tookFirst;
+  const firstTake = new Promise((resolve) => { tookFirst = resolve; });
   const takesMessages = (yes) => {
+    if (yes) tookFirst();
     if (stopped || yes === ready) return; // (a watcher is told each setStatus, same or not)
     ready = yes;
     health.setStatus('mesh.v1.AgentService', yes ? 'SERVING' : 'NOT_SERVING');
@@ -2088,6 +2094,11 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     client.close();
     await new Promise((resolve) => server.tryShutdown(resolve));
   };
+  // Resolved once the agent takes its messages, as its readiness says SERVING; a broker that
+  // lets it not subscribe within 10 s leaves it trying on its own (NOT_SERVING meanwhile).
+  let waited;
+  await Promise.race([firstTake, new Promise((resolve) => { waited = setTimeout(resolve, 10000); })]);
+  clearTimeout(waited);
   return {
     address,
     /** Stops serving (once: a second call waits for the first). */

@@ -327,6 +327,7 @@ test('a Node agent says NOT_SERVING as it stops, and finishes what it was handli
       release();
       probe.close();
       client.close();
+      await agent.stop(); // (whatever failed above: a server left running holds the process)
     }
   });
 
