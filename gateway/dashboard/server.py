@@ -252,8 +252,9 @@ class Dashboard:
     async def _health_of(self, info: AgentInfo) -> str:
         """What the agent's latest instance says (grpc.health.v1) for its Agent service, its
         readiness: NOT_SERVING while it has lost its queue (the whole server's, "", for a
-        server that reports no service of its own); NO_INSTANCE while none serves it since
-        its last died; UNKNOWN when it never named one."""
+        server that reports no service of its own); NO_HEALTH for a server that answers but
+        has no health service; NO_INSTANCE while none serves it since its last died; UNKNOWN
+        when it never named one."""
         if info.lost_at is not None and not info.instances:
             return "NO_INSTANCE"
         address = info.address
@@ -273,7 +274,9 @@ class Dashboard:
                     if error.code() != grpc.StatusCode.NOT_FOUND:
                         raise
                     reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
-        except grpc.RpcError:
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return "NO_HEALTH"  # (it answers: a plain server without grpc.health.v1)
             return "UNREACHABLE"
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 

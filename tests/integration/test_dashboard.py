@@ -646,13 +646,15 @@ def test_the_health_of_agents_that_left_holds_no_channel() -> None:
     asyncio.run(run())
 
 
-def test_an_agent_that_lost_its_queue_reads_not_serving() -> None:
+def test_the_health_column_is_each_agents_readiness() -> None:
     """The health column is the agent's readiness (its Agent service): NOT_SERVING while it
-    does not take its messages, though its server as a whole serves."""
+    does not take its messages, though its server as a whole serves; NO_HEALTH for a server
+    that answers without a health service, UNREACHABLE once it is gone."""
     from gateway.dashboard.server import Dashboard
     from gateway.server import serve_gateway
     from mesh import AgentContext, LocalMesh, Message, agent
     from mesh.agent import AGENT_SERVICE
+    from tests.helpers.plain_agent import PlainAgent, echo, start_plain
 
     @agent("Cut")
     async def cut(message: Message, ctx: AgentContext) -> dict[str, Any]:
@@ -668,6 +670,18 @@ def test_an_agent_that_lost_its_queue_reads_not_serving() -> None:
                 # (what its runtime says when its subscription is lost)
                 await served.server.set_service_serving(AGENT_SERVICE, False)
                 assert (await board.sample())["agents"][0]["health"] == "NOT_SERVING"
+                # A plain gRPC server without grpc.health.v1 answers: not UNREACHABLE.
+                plain, address = await start_plain(PlainAgent(echo))
+                try:
+                    async with local.client("Admin") as admin:
+                        await admin.register("PlainDesk", address=address)
+                    health = {a["agent_id"]: a["health"] for a in (await board.sample())["agents"]}
+                    assert health == {"Cut": "NOT_SERVING", "PlainDesk": "NO_HEALTH"}
+                finally:
+                    await plain.stop(None)
+                assert {a["agent_id"]: a["health"] for a in (await board.sample())["agents"]}[
+                    "PlainDesk"
+                ] == "UNREACHABLE"
                 await board.stop()
             finally:
                 await gateway.stop(0.5)
