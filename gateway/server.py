@@ -37,7 +37,7 @@ from mesh._status import abort
 from mesh.client import MeshClient
 from mesh.codec import struct_to_dict
 from mesh.config import SecurityConfig
-from mesh.core.errors import MeshError
+from mesh.core.errors import BrokerUnavailableError, MeshError
 from mesh.core.model import JSON
 from mesh.core.tasks import cancel_and_wait
 from mesh.serving import MeshServer, start_server
@@ -68,6 +68,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.ledger = RunLedger()
         """The recent runs, which users may rate (RecordFeedback)."""
         self.draining = False
+        self.broker_away: str | None = None
+        """Why new runs are refused while the broker does not serve (None: it serves)."""
         self._active = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -143,6 +145,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     reason="SHUTTING_DOWN",
                 ),
             )
+        if self.broker_away is not None:  # (refused whole, rather than failing mid-run)
+            await abort(context, BrokerUnavailableError(self.broker_away))
         self._active += 1
         self._idle.clear()
         try:
@@ -448,6 +452,13 @@ class GatewayServer:
                 GATEWAY_SERVICE,
             )
         self.broker_serving = serving
+        if self.servicer is not None:
+            self.servicer.broker_away = (
+                None
+                if serving
+                else f"the broker at {self.client.target} cannot be reached or is not serving"
+                " (stopping, or its store away): retry later"
+            )
         await self.server.set_service_serving(GATEWAY_SERVICE, serving)
 
     async def stop(self, grace: float = 5.0) -> None:

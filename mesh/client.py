@@ -908,7 +908,9 @@ class MeshClient:
         attempt = 0
         while not self._closed:
             try:
-                async for reply in stub.Watch(request):
+                # Once it was lost, the watch waits for the connection to come back (at the
+                # channel's own reconnect pace), so SERVING is heard as soon as it can be.
+                async for reply in stub.Watch(request, wait_for_ready=said is not None):
                     attempt = 0
                     serving = reply.status == health_pb2.HealthCheckResponse.SERVING
                     if serving is not said:

@@ -482,6 +482,7 @@ async def test_gateway_shutdown_lets_a_running_pattern_finish_and_refuses_new_on
 
 
 async def test_the_gateway_is_ready_only_while_its_broker_serves() -> None:
+    from gateway.client import GatewayClient
     from gateway.server import GATEWAY_SERVICE, serve_gateway
     from mesh import SecurityConfig
     from mesh.config import ServerConfig
@@ -491,14 +492,26 @@ async def test_the_gateway_is_ready_only_while_its_broker_serves() -> None:
     gateway = await serve_gateway(broker.address, security=SecurityConfig())
     try:
         assert await health_of(gateway.address, GATEWAY_SERVICE) == SERVING
-        async with watching(gateway.address, GATEWAY_SERVICE) as watch:
+        async with (
+            watching(gateway.address, GATEWAY_SERVICE) as watch,
+            GatewayClient(gateway.address, security=SecurityConfig()) as client,
+        ):
             assert await watch.until(SERVING) == [SERVING]
             await broker.stop(0)
             assert await watch.until(NOT_SERVING) == [NOT_SERVING]
             # The process itself still serves: a liveness probe on "" leaves it running.
             assert await health_of(gateway.address) == SERVING
+            # A run is refused whole, before any event, rather than failing midway.
+            events: list[dict] = []
+            with pytest.raises(MeshError) as refused:
+                async for event in client.group_chat(agent_ids=["Anyone"], query="q"):
+                    events.append(event)
+            assert refused.value.code == "UNAVAILABLE" and events == []
+            assert f"the broker at {broker.address} cannot be reached" in refused.value.message
             _, broker = await serve_broker(server_config=ServerConfig(port=broker.port))
             assert await watch.until(SERVING) == [SERVING]
+            ran = await client.collect(client.group_chat(agent_ids=["Anyone"], query="q"))
+            assert ran[0]["kind"] == "GROUP_CREATED" and ran[-1]["kind"] == "RESULT"
     finally:
         await gateway.stop(0)
         await broker.stop(0)
