@@ -399,9 +399,9 @@ class GatewayServer:
     """A running gateway: its gRPC server and its broker client.
 
     Its health for ``mesh.v1.GatewayService`` follows the broker's: NOT_SERVING while the
-    broker cannot be reached or is stopping (every pattern needs it), so a readiness probe takes
-    the gateway out of rotation meanwhile; the server's overall health ("") says only that the
-    process serves (liveness)."""
+    broker cannot be reached or does not serve (every pattern needs it), so a readiness probe
+    takes the gateway out of rotation meanwhile, and new runs are refused with UNAVAILABLE;
+    the server's overall health ("") says only that the process serves (liveness)."""
 
     def __init__(
         self,
@@ -447,7 +447,8 @@ class GatewayServer:
                 logger.info("the broker at %s serves again: the gateway too", self.client.target)
         else:
             logger.warning(
-                "the broker at %s cannot be reached or is stopping: %s NOT_SERVING until it serves",
+                "the broker at %s cannot be reached or is not serving (stopping, or its store"
+                " away): %s NOT_SERVING, and new runs refused, until it serves",
                 self.client.target,
                 GATEWAY_SERVICE,
             )
