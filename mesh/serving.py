@@ -240,17 +240,13 @@ class MeshServer:
         return f"{self.host}:{self.port}"
 
     async def set_serving(self, serving: bool) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
+        """The health of the server as a whole (service "") and of every service of it."""
         for name in ("", *self.service_names):
-            await self.health.set(name, status)
+            await self.set_service_serving(name, serving)
 
     async def set_service_serving(self, name: str, serving: bool) -> None:
-        """The health of one service of this server (not of the server as a whole, service
-        "", which liveness probes ask); ignored once the server is stopping."""
+        """The health of one service of this server ("": the server as a whole, which
+        liveness probes ask); ignored once the server is stopping."""
         await self.health.set(
             name,
             health_pb2.HealthCheckResponse.SERVING

@@ -15,7 +15,6 @@ import grpc
 import pytest
 from google.protobuf import descriptor_pb2, struct_pb2
 from google.rpc import error_details_pb2
-from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 from grpc_status import rpc_status
 
@@ -193,15 +192,9 @@ async def test_every_listed_service_is_described(mesh: LocalMesh) -> None:
 
 async def test_health_is_serving_on_broker_and_agents(mesh: LocalMesh) -> None:
     served = await mesh.add_agent(Weather())
-    assert await health_of(mesh.address) == health_pb2.HealthCheckResponse.SERVING
-    assert (
-        await health_of(mesh.address, "mesh.v1.BrokerService")
-        == health_pb2.HealthCheckResponse.SERVING
-    )
-    assert (
-        await health_of(served.address, "mesh.v1.AgentService")
-        == health_pb2.HealthCheckResponse.SERVING
-    )
+    assert await health_of(mesh.address) == SERVING
+    assert await health_of(mesh.address, "mesh.v1.BrokerService") == SERVING
+    assert await health_of(served.address, "mesh.v1.AgentService") == SERVING
 
 
 async def test_a_client_given_the_address_of_another_server_is_told_to_check_it(
