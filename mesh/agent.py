@@ -54,7 +54,7 @@ from mesh.core.model import (
 )
 from mesh.core.state import StateEntry
 from mesh.core.tasks import cancel_and_wait
-from mesh.core.validation import validate_message
+from mesh.core.validation import missing_fields, validate_message
 from mesh.serving import MeshServer, start_server
 from mesh.tracing import current_span, extract, inject, span_name, without_trace
 from mesh.v1 import agent_pb2, agent_pb2_grpc
@@ -249,6 +249,10 @@ class Agent:
     capabilities: tuple[str, ...] = ()
     tools: tuple[Tool, ...] = ()
     description: str = ""
+    required_fields: tuple[str, ...] = ()
+    """Content keys every REQUEST and HANDOFF sent to the agent must carry, e.g.
+    ``("action", "parameters")``: the broker refuses, to its sender, a message that lacks one
+    (RF-009 scenario 18), so that the handler never sees it."""
 
     def __init__(
         self,
@@ -258,6 +262,7 @@ class Agent:
         capabilities: Iterable[str] | None = None,
         tools: Iterable[Tool] | None = None,
         description: str | None = None,
+        required_fields: Iterable[str] | None = None,
     ) -> None:
         if agent_id is not None:
             self.agent_id = agent_id
@@ -271,6 +276,8 @@ class Agent:
             self.tools = tuple(tools)
         if description is not None:
             self.description = description
+        if required_fields is not None:
+            self.required_fields = tuple(required_fields)
         self._actions: dict[str, Callable[..., Awaitable[Reply]]] = {}
         for _, member in inspect.getmembers(self, inspect.ismethod):
             action = getattr(member, "__mesh_action__", None)
@@ -324,6 +331,7 @@ def agent(
     capabilities: Iterable[str] = (),
     tools: Iterable[Tool] = (),
     description: str | None = None,
+    required_fields: Iterable[str] = (),
 ) -> Callable[[HandlerFn], FunctionAgent]:
     """Turns ``async def fn(message, ctx)`` into an agent::
 
@@ -340,6 +348,7 @@ def agent(
             capabilities=capabilities,
             tools=tools,
             description=description,
+            required_fields=required_fields,
         )
 
     return wrap
@@ -487,6 +496,7 @@ class AgentRuntime:
             agent_types=self.agent.agent_types,
             address=self.address,
             capabilities=self.agent.card().capabilities,
+            required_fields=self.agent.required_fields,
             delivery_mode=self.delivery_mode,
             # (pushed: the broker's calls to this server at once, as many as it would handle)
             max_in_flight=self.max_in_flight if self.delivery_mode is DeliveryMode.PUSH else 0,
@@ -716,13 +726,18 @@ class AgentRuntime:
 
     def check_direct(self, message: Message, size_bytes: int) -> None:
         """A message called to the agent's own server directly is held to the format the
-        broker holds every message to (RT-011's limits), and must be for this agent: raises
-        MessageValidationError otherwise, before any handler runs."""
+        broker holds every message to (RT-011's limits) and to the content fields the agent
+        requires, and must be for this agent: raises MessageValidationError otherwise, before
+        any handler runs."""
         validate_message(message, DIRECT_LIMITS, size_bytes)
         if message.to_agent != self.agent.agent_id:
             raise MessageValidationError.for_field(
                 "to_agent", f"this server serves {self.agent.agent_id}, not {message.to_agent}"
             )
+        if self.agent.required_fields and (
+            found := missing_fields(message, self.agent.required_fields)
+        ):
+            raise MessageValidationError.from_violations(found)
 
     async def run_handler(
         self, message: Message, received: Received | None = None

@@ -718,6 +718,7 @@ class ClientSubscription:
                         agent_types=known.agent_types,
                         address=known.address,
                         capabilities=known.capabilities,
+                        required_fields=known.required_fields,
                     )
             except MeshError as error:
                 if error.code != "UNAVAILABLE":
@@ -1580,12 +1581,20 @@ class MeshClient:
         capabilities: Iterable[str] = (),
         delivery_mode: DeliveryMode | str = DeliveryMode.PULL,
         max_in_flight: int = 0,
+        required_fields: Iterable[str] = (),
     ) -> AgentInfo:
         """Registers an agent (or one more instance of it, at ``address``). With
         ``delivery_mode="PUSH"`` the broker calls ``HandleMessage`` on the server at
         ``address`` with each message queued for the agent (any gRPC server of the Agent
         service: no subscription needed), at most ``max_in_flight`` calls at once (0: the
-        broker's default); by default the agent takes its messages itself."""
+        broker's default); by default the agent takes its messages itself.
+        ``required_fields``: content keys every REQUEST and HANDOFF sent to the agent must
+        carry (e.g. ``["action", "parameters"]``); the broker refuses one that lacks any
+        with :class:`MessageValidationError`."""
+        if isinstance(required_fields, str):
+            raise MessageValidationError.for_field(
+                "agent.required_fields", "required_fields is a list of content keys, not one"
+            )
         info = AgentInfo(
             agent_id=agent_id or self.agent_id,
             agent_types=tuple(agent_types),
@@ -1593,6 +1602,7 @@ class MeshClient:
             capabilities=tuple(capabilities),
             delivery_mode=member_named(DeliveryMode, delivery_mode, "delivery_mode"),
             max_in_flight=in_flight_count(max_in_flight),
+            required_fields=tuple(required_fields),
         )
         request = broker_pb2.RegisterAgentRequest()
         codec.agent_to_pb(info, request.agent)

@@ -686,6 +686,7 @@ def agent_from_pb(pb: message_pb2.AgentInfo) -> AgentInfo:
         max_in_flight=pb.max_in_flight,
         # (each one's calls in flight at most are the broker's to know: 0 here)
         pushed=dict.fromkeys(pb.push_instances, 0),
+        required_fields=tuple(pb.required_fields),
     )
 
 
@@ -703,6 +704,7 @@ def agent_to_pb(info: AgentInfo, out: message_pb2.AgentInfo | None = None) -> me
     pb.delivery_mode = _DELIVERY_TO_PB[info.delivery_mode]
     pb.max_in_flight = info.max_in_flight
     pb.push_instances.extend(info.push_instances)
+    pb.required_fields.extend(info.required_fields)
     return pb
 
 

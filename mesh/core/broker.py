@@ -65,7 +65,7 @@ from mesh.core.queue import (
 from mesh.core.registry import AgentRegistry, named
 from mesh.core.state import SharedState, StateStore
 from mesh.core.tasks import cancel_and_wait, stop_if_cancelled
-from mesh.core.validation import handoff_violations, validate_message
+from mesh.core.validation import handoff_violations, missing_fields, validate_message
 from mesh.metrics import BrokerMetrics, Totals
 from mesh.tracing import extract, headers_for, records_under, tracer, without_trace
 
@@ -838,6 +838,13 @@ class Broker:
         request), with the validation errors."""
         self.metrics.invalid()
 
+    def _require_fields(self, message: Message, required: tuple[str, ...]) -> None:
+        """Refuses a message that lacks a content key its agent requires (RF-009 scenario
+        18), counted with the validation errors."""
+        if found := missing_fields(message, required):
+            self.metrics.invalid()
+            raise MessageValidationError.from_violations(found)
+
     def _validate(self, message: Message, size_bytes: int) -> None:
         try:
             validate_message(message, self.config, size_bytes)
@@ -920,10 +927,13 @@ class Broker:
                 return SendOutcome(message, (message.to_agent,))
             if self._late(message, given_up=given_up):
                 return SendOutcome(message, ())
-        if message.to_agent not in self.registry and not await self._load_registration(
-            message.to_agent
-        ):
+        registered = self.registry.get(message.to_agent)
+        if registered is None and await self._load_registration(message.to_agent):
+            registered = self.registry.get(message.to_agent)
+        if registered is None:
             raise AgentNotFoundError(f"agent {message.to_agent} is not registered")
+        if registered.required_fields:
+            self._require_fields(message, registered.required_fields)
         if message.reply_to and message.message_type in _ASKING_TYPES:
             await self._note_forward(message, lifetime)
         await self._enqueue(message, lifetime)

@@ -442,6 +442,9 @@ class AgentInfo:
     each instance registered with PUSH: the broker calls their servers, the other instances
     pull. Kept by the registry (an instance registering to pull does not stop the pushes to
     the others); the contract shows the addresses (``push_instances``)."""
+    required_fields: tuple[str, ...] = ()
+    """Content keys every REQUEST and HANDOFF sent to the agent must carry (besides
+    ``action``): the broker refuses one that lacks any (RF-009 scenario 18)."""
 
     @property
     def push_instances(self) -> tuple[str, ...]:
@@ -462,6 +465,7 @@ class AgentInfo:
             "delivery_mode": self.delivery_mode.value,
             "max_in_flight": self.max_in_flight,
             "pushed": dict(self.pushed),
+            "required_fields": list(self.required_fields),
         }
 
     @classmethod
@@ -488,6 +492,7 @@ class AgentInfo:
             delivery_mode=mode,
             max_in_flight=most,
             pushed=pushed,
+            required_fields=tuple(str(f) for f in data.get("required_fields") or ()),
         )
 
 

@@ -16,6 +16,7 @@ from mesh.core.model import BROADCAST_TARGET, AgentInfo, DeliveryMode, utc_now
 
 MAX_TYPES = 32
 MAX_CAPABILITIES = 128
+MAX_REQUIRED_FIELDS = 32
 MAX_INSTANCES = 64
 """Instances kept per agent: past it, the one registered longest ago is forgotten."""
 
@@ -65,9 +66,14 @@ class AgentRegistry:
             )
         if any(not t for t in info.agent_types):
             violations.append(FieldViolation("agent.agent_types", "agent types must not be empty"))
+        if any(not f for f in info.required_fields):
+            violations.append(
+                FieldViolation("agent.required_fields", "required fields must not be empty")
+            )
         for name, values, most in (
             ("agent_types", info.agent_types, MAX_TYPES),
             ("capabilities", info.capabilities, MAX_CAPABILITIES),
+            ("required_fields", info.required_fields, MAX_REQUIRED_FIELDS),
         ):
             if len(values) > most:
                 violations.append(FieldViolation(f"agent.{name}", f"at most {most} {name}"))
@@ -137,6 +143,7 @@ class AgentRegistry:
             delivery_mode=info.delivery_mode,
             max_in_flight=info.max_in_flight,
             pushed={a: n for a, n in pushed.items() if a in instances},
+            required_fields=tuple(dict.fromkeys(info.required_fields)),
         )
         self._agents[info.agent_id] = registered
         return registered

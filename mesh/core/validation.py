@@ -85,6 +85,28 @@ def message_violations(message: Message, config: BrokerConfig) -> list[FieldViol
     return found
 
 
+_WORK_TYPES = (MessageType.REQUEST, MessageType.HANDOFF)
+"""What an agent's ``required_fields`` hold to: the messages that give it work (an alert or a
+group's query goes to every agent alike, and an answer or ack is the sender's to shape)."""
+
+
+def missing_fields(message: Message, required: tuple[str, ...]) -> list[FieldViolation]:
+    """The content keys of ``required`` (the receiving agent's ``required_fields``) that a
+    REQUEST or HANDOFF lacks or holds null at, one violation each."""
+    content = message.content
+    if content is None or message.message_type not in _WORK_TYPES:
+        return []  # (no content: refused already, as content is required)
+    if content.__class__ is not dict and isinstance(content, EncodedContent):
+        kind = content.value_kind  # (read in place: nothing decoded)
+        lacking = [key for key in required if kind(key) in (None, "null")]
+    else:
+        lacking = [key for key in required if content.get(key) is None]
+    return [
+        FieldViolation(f"content.{key}", f"content.{key} is required by {message.to_agent}")
+        for key in lacking
+    ]
+
+
 def handoff_violations(
     handoff: Handoff,
     prefix: str = "handoff.",

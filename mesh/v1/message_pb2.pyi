@@ -320,6 +320,7 @@ class AgentInfo(_message.Message):
     DELIVERY_MODE_FIELD_NUMBER: _builtins.int
     MAX_IN_FLIGHT_FIELD_NUMBER: _builtins.int
     PUSH_INSTANCES_FIELD_NUMBER: _builtins.int
+    REQUIRED_FIELDS_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     """Unique id of the agent, e.g. "PaymentAgent"."""
     address: _builtins.str
@@ -370,6 +371,16 @@ class AgentInfo(_message.Message):
         is not read.
         """
 
+    @_builtins.property
+    def required_fields(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Content keys every REQUEST and HANDOFF sent to the agent must carry, besides `action`
+        (RF-009 scenario 18: e.g. ["action", "parameters"]). A message whose content lacks one (or
+        holds null there) is refused with INVALID_ARGUMENT and a field violation per key
+        ("content.parameters is required by PaymentAgent"), and nothing is enqueued. Answers,
+        acknowledgements and broadcasts are not held to it. At most 32 keys, each of 1 to 256
+        characters. An agent listed shows its latest registration's.
+        """
+
     def __init__(
         self,
         *,
@@ -383,10 +394,11 @@ class AgentInfo(_message.Message):
         delivery_mode: Global___DeliveryMode.ValueType = ...,
         max_in_flight: _builtins.int = ...,
         push_instances: _abc.Iterable[_builtins.str] | None = ...,
+        required_fields: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lost_at", b"lost_at", "registered_at", b"registered_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_id", b"agent_id", "agent_types", b"agent_types", "capabilities", b"capabilities", "delivery_mode", b"delivery_mode", "instances", b"instances", "lost_at", b"lost_at", "max_in_flight", b"max_in_flight", "push_instances", b"push_instances", "registered_at", b"registered_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_id", b"agent_id", "agent_types", b"agent_types", "capabilities", b"capabilities", "delivery_mode", b"delivery_mode", "instances", b"instances", "lost_at", b"lost_at", "max_in_flight", b"max_in_flight", "push_instances", b"push_instances", "registered_at", b"registered_at", "required_fields", b"required_fields"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -53,7 +53,11 @@ operations = st.one_of(  # (sends more often than the rest: the queues fill)
     st.tuples(st.just("stats")),
     st.tuples(st.just("broadcast"), st.sampled_from([(), ("worker",), ("auditor",)])),
     st.tuples(st.just("deregister"), st.sampled_from(list(AGENTS))),
-    st.tuples(st.just("register"), st.sampled_from(list(AGENTS))),
+    st.tuples(  # (what its senders' content must carry: a hand-off's has no "deadline")
+        st.just("register"),
+        st.sampled_from(list(AGENTS)),
+        st.sampled_from([(), ("parameters",), ("deadline",)]),
+    ),
     st.tuples(st.just("handoff"), targets, st.integers(1, 3)),
     st.tuples(st.just("end"), st.sampled_from(["COMPLETED", "FAILED"])),
     st.tuples(st.just("workflow")),
@@ -268,7 +272,9 @@ async def run(program: list[tuple[Any, ...]], broker: Broker) -> list[Any]:
                     await client.deregister(args[0])
                     seen.append("deregistered")
                 elif kind == "register":
-                    await client.register(args[0], agent_types=[AGENTS[args[0]]])
+                    await client.register(
+                        args[0], agent_types=[AGENTS[args[0]]], required_fields=args[1]
+                    )
                     seen.append("registered")
                 elif kind == "handoff":
                     sent = await client.handoff(

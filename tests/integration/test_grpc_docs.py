@@ -78,7 +78,10 @@ async def test_every_documented_call_works(embedded: EmbeddedMesh) -> None:
     for command, out in ran:
         match = re.search(r"/([\w.]+/\w+)\s*$", command.strip())
         by_rpc[match.group(1) if match else command] = out
-    [first_receive, *_] = [o for c, o in ran if c.rstrip().endswith("/ReceiveMessages")]
+    receives = [(c, o) for c, o in ran if c.rstrip().endswith("/ReceiveMessages")]
+    [invoiced] = [json.loads(o)["messages"] for c, o in receives if "InvoiceDesk" in c]
+    assert [m["content"]["parameters"] for m in invoiced] == [{"amount": 450}]
+    [first_receive, *_] = [o for c, o in receives if "PaymentDesk" in c]
     received = json.loads(first_receive)["messages"]
     assert [m["fromAgent"] for m in received] == ["HotelAgent", "CarAgent", "FlightAgent"]
     # The dead letter, requeued, is in the queue again (and no longer a dead letter).

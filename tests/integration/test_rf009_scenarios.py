@@ -13,6 +13,7 @@ import time
 import urllib.request
 import uuid
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -20,6 +21,7 @@ import pytest
 
 from mesh import (
     Agent,
+    AgentClient,
     AgentContext,
     AgentError,
     BrokerConfig,
@@ -977,6 +979,133 @@ async def test_scenario_18_content_structure_validation(mesh: LocalMesh) -> None
         with pytest.raises(MessageValidationError, match=r"content\.parameters must be an object"):
             await flight.send("PaymentAgent", {"action": "x", "parameters": [1, 2]})
         assert await flight.receive("PaymentAgent") == []
+
+
+async def test_scenario_18_an_agent_requires_the_content_fields_it_names(
+    mesh: LocalMesh,
+) -> None:
+    """PaymentAgent requires ["action", "parameters"]: a message with both reaches it, one
+    without "parameters" is refused to its sender, over the SDK and over plain gRPC, and
+    never reaches the handler; an alert to every agent is not held to it."""
+    payments = Collector()
+    served = await mesh.add_agent(
+        payments.make(
+            "PaymentAgent", reply={"status": "PAID"}, required_fields=["action", "parameters"]
+        )
+    )
+    async with mesh.client("FlightAgent") as flight:
+        await flight.register(agent_types=["booking"])
+        [listed] = [a for a in await flight.list_agents() if a.agent_id == "PaymentAgent"]
+        assert listed.required_fields == ("action", "parameters")
+
+        paid = await flight.request(
+            "PaymentAgent",
+            {"action": "process_payment", "parameters": {"amount": 450, "flight": "Flight A"}},
+            timeout=10,
+        )
+        assert paid.content == {"status": "PAID", "action": "process_payment"}
+        for content in (
+            {"action": "process_payment"},
+            {"action": "process_payment", "parameters": None},
+        ):
+            with pytest.raises(MessageValidationError) as refused:
+                await flight.send("PaymentAgent", content)
+            assert refused.value.code == "INVALID_ARGUMENT"
+            assert refused.value.message == "content.parameters is required by PaymentAgent"
+            assert [v.field for v in refused.value.field_violations] == ["content.parameters"]
+        with pytest.raises(MessageValidationError, match=r"content\.parameters is required"):
+            await flight.request("PaymentAgent", {"action": "process_payment"}, timeout=10)
+        [sent, refused_in_batch] = await flight.send_batch(
+            [
+                Message(
+                    from_agent="FlightAgent",
+                    to_agent="PaymentAgent",
+                    content={"action": "process_payment", "parameters": {"amount": 1}},
+                ),
+                Message(
+                    from_agent="FlightAgent",
+                    to_agent="PaymentAgent",
+                    content={"action": "process_payment"},
+                ),
+            ]
+        )
+        assert isinstance(sent, Message)
+        assert isinstance(refused_in_batch, MessageValidationError)
+        await flight.broadcast({"alert": "System maintenance in 10 minutes"})
+
+        async with grpc.aio.insecure_channel(mesh.address) as channel:
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)
+            bare = message_pb2.Message(
+                from_agent="FlightAgent", to_agent="PaymentAgent", message_type=1
+            )
+            bare.content.update({"action": "process_payment"})
+            with pytest.raises(grpc.aio.AioRpcError) as plain:
+                await stub.SendMessage(broker_pb2.SendMessageRequest(message=bare))
+            assert plain.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert plain.value.details() == "content.parameters is required by PaymentAgent"
+        async with AgentClient(served.address) as direct:  # (its own server holds it too)
+            with pytest.raises(MessageValidationError) as refused:
+                await direct.handle(
+                    Message(
+                        from_agent="FlightAgent",
+                        to_agent="PaymentAgent",
+                        content={"action": "process_payment"},
+                    )
+                )
+            assert refused.value.message == "content.parameters is required by PaymentAgent"
+
+        got = await payments.wait(3)
+        assert [(m.message_type, m.content.get("parameters")) for m in got] == [
+            (MessageType.REQUEST, {"amount": 450, "flight": "Flight A"}),
+            (MessageType.REQUEST, {"amount": 1}),
+            (MessageType.BROADCAST, None),
+        ]
+        await asyncio.sleep(0.2)  # (nothing else arrives)
+        assert len(payments.got) == 3
+        stats = await flight.queue_stats()
+        assert stats.totals["validation_errors"] == 5
+
+
+async def test_the_required_fields_an_agent_names_are_checked_as_it_registers(
+    mesh: LocalMesh,
+) -> None:
+    async with mesh.client("PaymentAgent") as payment:
+        for required, said in (
+            ([""], "required fields must not be empty"),
+            ([f"f{i}" for i in range(33)], "at most 32 required_fields"),
+            (["x" * 257], "required_fields must be at most 256 characters"),
+            ("parameters", "required_fields is a list of content keys, not one"),
+        ):
+            with pytest.raises(MessageValidationError) as refused:
+                await payment.register(required_fields=required)
+            assert refused.value.message == said
+            assert [v.field for v in refused.value.field_violations] == ["agent.required_fields"]
+        assert await payment.list_agents() == []
+        # The latest registration's hold; repeated keys count once.
+        await payment.register(required_fields=["parameters", "parameters", "context"])
+        await payment.register(required_fields=["parameters", "context"])
+        [listed] = await payment.list_agents()
+        assert listed.required_fields == ("parameters", "context")
+        with pytest.raises(MessageValidationError) as refused:
+            await payment.send("PaymentAgent", {"action": "pay"})
+        assert [v.field for v in refused.value.field_violations] == [
+            "content.parameters",
+            "content.context",
+        ]
+        await payment.register()
+        await payment.send("PaymentAgent", {"action": "pay"})
+        assert [m.action for m in await payment.receive()] == ["pay"]
+
+
+async def test_a_durable_broker_keeps_the_fields_an_agent_requires(tmp_path: Path) -> None:
+    config = BrokerConfig(store=f"sqlite:///{tmp_path / 'queues.db'}")
+    async with LocalMesh(config) as before, before.client("FlightAgent") as flight:
+        await flight.register("PaymentAgent", required_fields=["parameters"])
+    async with LocalMesh(config) as after, after.client("FlightAgent") as flight:
+        [listed] = await flight.list_agents()
+        assert listed.required_fields == ("parameters",)
+        with pytest.raises(MessageValidationError, match=r"content\.parameters is required"):
+            await flight.send("PaymentAgent", {"action": "process_payment"})
 
 
 async def test_scenario_19_handoff_with_constraints(

@@ -12,7 +12,15 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from mesh import ChangeKind, LocalMesh, LockNotHeldError, StateConflictError, connect, redis_shared
+from mesh import (
+    ChangeKind,
+    LocalMesh,
+    LockNotHeldError,
+    MessageValidationError,
+    StateConflictError,
+    connect,
+    redis_shared,
+)
 from mesh.client import NO_RETRY, MeshClient
 from mesh.config import BrokerConfig
 from mesh.core.broker import Broker
@@ -523,3 +531,30 @@ async def test_a_resumed_watch_goes_on_through_its_replica_losing_redis(
         assert all("is cut off from Redis" in line for line in said[1:]), said
     finally:
         await writer.stop()
+
+
+async def test_the_fields_an_agent_requires_hold_through_either_replica(
+    replicas: tuple[Proc, Proc],
+) -> None:
+    a, b = replicas
+    async with (
+        connect(a.address, agent_id="PaymentAgent", retry=NO_RETRY) as via_a,
+        connect(b.address, agent_id="FlightAgent", retry=NO_RETRY) as via_b,
+    ):
+        await via_a.register(required_fields=["parameters"])
+        [listed] = [x for x in await via_b.list_agents() if x.agent_id == "PaymentAgent"]
+        assert listed.required_fields == ("parameters",)
+        with pytest.raises(MessageValidationError, match=r"content\.parameters is required"):
+            await via_b.send("PaymentAgent", {"action": "process_payment"})
+        # Changed through one, it changes through the other as soon as that one hears of it
+        # (on a Redis Cluster the notice may come a moment after the registration's answer).
+        await via_a.register(required_fields=[])
+        async with asyncio.timeout(10):
+            while True:
+                try:
+                    await via_b.send("PaymentAgent", {"action": "process_payment"})
+                    break
+                except MessageValidationError:
+                    await asyncio.sleep(0.01)
+        assert [m.action for m in await via_a.receive()] == ["process_payment"]
+        await via_a.deregister()

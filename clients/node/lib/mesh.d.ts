@@ -211,6 +211,9 @@ export interface AgentInfo {
   maxInFlight: number;
   /** The instances the broker pushes to (registered with PUSH); the others pull. */
   pushInstances: string[];
+  /** Content keys every REQUEST and HANDOFF sent to the agent must carry (the latest
+   * registration's). */
+  requiredFields: string[];
 }
 
 export type DeliveryMode = 'PULL' | 'PUSH';
@@ -224,6 +227,10 @@ export interface Registration {
   deliveryMode?: DeliveryMode;
   /** PUSH: the broker's calls in flight to one instance at most (0, the default: its own). */
   maxInFlight?: number;
+  /** Content keys every REQUEST and HANDOFF sent to the agent must carry, e.g.
+   * ['action', 'parameters']: the broker refuses one that lacks any (INVALID_ARGUMENT, a field
+   * violation per key). At most 32. */
+  requiredFields?: string[];
 }
 
 export interface HandoffOptions {
@@ -849,6 +856,8 @@ export interface AgentOptions extends SecurityOptions {
   agentId: string;
   agentTypes?: string[];
   capabilities?: string[];
+  /** Content keys every REQUEST and HANDOFF sent to the agent must carry (see Registration). */
+  requiredFields?: string[];
   /**
    * The response's content (its action is the request's unless it names one), or null/undefined
    * for none; a throw answers a request with an ERROR and hands anything else back (a Reject:

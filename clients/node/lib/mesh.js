@@ -267,7 +267,8 @@ function readAgent(pb) {
     instances: pb.instances || [], lostAt: pb.lost_at ? isoTime(pb.lost_at) : null,
     deliveryMode: String(pb.delivery_mode || 'DELIVERY_MODE_PULL').replace('DELIVERY_MODE_', '')
       .replace('UNSPECIFIED', 'PULL'),
-    maxInFlight: pb.max_in_flight || 0, pushInstances: pb.push_instances || [] };
+    maxInFlight: pb.max_in_flight || 0, pushInstances: pb.push_instances || [],
+    requiredFields: pb.required_fields || [] };
 }
 
 const DELIVERY_MODES = ['PULL', 'PUSH'];
@@ -392,10 +393,10 @@ function richStatus(metadata) {
 
 /**
  * What keeps a message called to an agent's own server from being handled, as the broker
- * would refuse it ([field, description] pairs): RT-011's required fields, and an agent id
- * other than the one the server serves.
+ * would refuse it ([field, description] pairs): RT-011's required fields, the content keys the
+ * agent requires (of a REQUEST or HANDOFF), and an agent id other than the one the server serves.
  */
-function directViolations(message, agentId) {
+function directViolations(message, agentId, requiredFields = []) {
   const found = [];
   if (!message.from) found.push(['from_agent', 'from_agent is required']);
   if (!message.to) found.push(['to_agent', 'to_agent is required']);
@@ -410,6 +411,14 @@ function directViolations(message, agentId) {
     }
     if (message.type === 'HANDOFF' && !(parameters && parameters.task_description)) {
       found.push(['content.parameters.task_description', 'task_description is required for handoff']);
+    }
+    if (message.type === 'REQUEST' || message.type === 'HANDOFF') {
+      for (const key of requiredFields) {
+        const value = Object.hasOwn(message.content, key) ? message.content[key] : undefined;
+        if (value === undefined || value === null) {
+          found.push([`content.${key}`, `content.${key} is required by ${agentId}`]);
+        }
+      }
     }
   }
   if (message.to && message.to !== agentId) {
@@ -738,9 +747,11 @@ class MeshClient {
    * Registers an agent (or one more instance of it, at address). With deliveryMode 'PUSH' the
    * broker calls HandleMessage on the server at address with each message queued for the
    * agent (any gRPC server of the Agent service); by default ('PULL') the agent takes them.
+   * requiredFields: content keys every REQUEST and HANDOFF sent to the agent must carry
+   * (e.g. ['action', 'parameters']); the broker refuses one that lacks any (INVALID_ARGUMENT).
    */
   async register({ agentId = this.agentId, agentTypes = [], address = '', capabilities = [],
-    deliveryMode = 'PULL', maxInFlight = 0 } = {}) {
+    deliveryMode = 'PULL', maxInFlight = 0, requiredFields = [] } = {}) {
     if (!DELIVERY_MODES.includes(deliveryMode)) {
       throw new TypeError(`deliveryMode ${JSON.stringify(deliveryMode)} is not one of `
         + DELIVERY_MODES.join(', '));
@@ -748,9 +759,14 @@ class MeshClient {
     if (!Number.isInteger(maxInFlight) || maxInFlight < 0) {
       throw new TypeError(`maxInFlight must be a whole number, not negative: ${maxInFlight}`);
     }
+    if (!Array.isArray(requiredFields) || requiredFields.some((f) => typeof f !== 'string')) {
+      throw new TypeError(
+        `requiredFields is a list of content keys: ${JSON.stringify(requiredFields)}`);
+    }
     const res = await this._withRetry(() => unary(this.broker, 'RegisterAgent', {
       agent: { agent_id: agentId, agent_types: agentTypes, address, capabilities,
-        delivery_mode: `DELIVERY_MODE_${deliveryMode}`, max_in_flight: maxInFlight },
+        delivery_mode: `DELIVERY_MODE_${deliveryMode}`, max_in_flight: maxInFlight,
+        required_fields: requiredFields },
     }));
     return readAgent(res.agent);
   }
@@ -1863,8 +1879,9 @@ const REFLECTED = reflectable(definition);
  * lost the broker (after 10 s without a subscription it resolves all the same, and goes on
  * trying).
  */
-async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [], handler,
-  description = 'A Node.js agent', actions = [], host = '127.0.0.1', port = 0,
+async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
+  requiredFields = [], handler, description = 'A Node.js agent', actions = [],
+  host = '127.0.0.1', port = 0,
   onRefused = (err) => console.warn(
     `${agentId}: the broker refused a frame: ${err.codeName}: ${err.message}`),
   leaseMs, maxLeaseExtensionMs, deliveryMode = 'PULL', ...options }) {
@@ -1953,7 +1970,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
       call.on('cancelled', () => aborting.abort(new MeshError({ code: grpc.status.CANCELLED,
         details: 'the caller cancelled the call' })));
       const message = readMessage(call.request.message);
-      const violations = directViolations(message, agentId);
+      const violations = directViolations(message, agentId, requiredFields);
       if (violations.length) {
         callback(invalidArgument(violations));
         return;
@@ -1997,7 +2014,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
   });
   const address = `${host}:${boundPort}`;
   const client = new MeshClient(broker, { agentId, ...options });
-  await client.register({ agentTypes, address, capabilities, deliveryMode });
+  await client.register({ agentTypes, address, capabilities, deliveryMode, requiredFields });
   const onDelivery = (message, attempt, context) => answer(message, context);
   // The subscription lives as long as the agent: when its stream ends or fails (the broker
   // restarted, the network went away), the agent registers again (a restarted broker may
@@ -2009,7 +2026,10 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     let attempt = 0;
     while (!stopped) {
       try {
-        if (attempt) await client.register({ agentTypes, address, capabilities, deliveryMode });
+        if (attempt) {
+          await client.register(
+            { agentTypes, address, capabilities, deliveryMode, requiredFields });
+        }
         // (Naming its instance: should this process die, the broker takes it off.)
         subscription = client.session(onDelivery,
           { leaseMs, maxLeaseExtensionMs, instance: address });
@@ -2055,7 +2075,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
           }
           if (!lost) return;
           lost = false;
-          client.register({ agentTypes, address, capabilities, deliveryMode })
+          client.register({ agentTypes, address, capabilities, deliveryMode, requiredFields })
             .then(() => takesMessages(true))
             .catch((err) => {
               lost = true; // (registered on the broker's next change, or its next watch)

@@ -43,6 +43,43 @@ test('sends and receives messages in priority order', async () => {
   }
 });
 
+test('an agent names the content fields it requires: a message without one is refused',
+  async () => {
+    // RF-009 scenario 18: PaymentAgent requires ["action", "parameters"].
+    const client = new MeshClient(BROKER, { agentId: 'NodeFieldsSender' });
+    const got = [];
+    const agent = await serveAgent({ broker: BROKER, agentId: 'NodeFieldsPayment',
+      requiredFields: ['action', 'parameters'],
+      handler: async (message) => { got.push(message.content); return { status: 'PAID' }; } });
+    const direct = new AgentClient(agent.address, { agentId: 'NodeFieldsSender' });
+    try {
+      const [listed] = (await client.listAgents()).filter(
+        (a) => a.agentId === 'NodeFieldsPayment');
+      assert.deepEqual(listed.requiredFields, ['action', 'parameters']);
+      const paid = await client.request('NodeFieldsPayment',
+        { action: 'process_payment', parameters: { amount: 450 } }, { timeoutMs: 10000 });
+      assert.equal(paid.content.status, 'PAID');
+      await assert.rejects(client.send('NodeFieldsPayment', { action: 'process_payment' }),
+        (err) => err.codeName === 'INVALID_ARGUMENT'
+          && err.message === 'content.parameters is required by NodeFieldsPayment'
+          && err.fieldViolations.map((v) => v.field).join() === 'content.parameters');
+      await assert.rejects(client.request('NodeFieldsPayment', { action: 'process_payment' }),
+        (err) => err.codeName === 'INVALID_ARGUMENT');
+      await assert.rejects(client.register({ agentId: 'NodeFieldsOther', requiredFields: 'x' }),
+        (err) => err instanceof TypeError && err.message.startsWith('requiredFields is a list'));
+      // Its own server holds a direct call to them too.
+      await assert.rejects(direct.handle('NodeFieldsPayment', { action: 'process_payment' }),
+        (err) => err.codeName === 'INVALID_ARGUMENT'
+          && err.message === 'content.parameters is required by NodeFieldsPayment');
+      assert.deepEqual(got, [{ action: 'process_payment', parameters: { amount: 450 } }]);
+    } finally {
+      direct.close();
+      await agent.stop();
+      await client.deregister('NodeFieldsPayment').catch(() => {});
+      client.close();
+    }
+  });
+
 test('a client given the address of another server is told to check it', async () => {
   // The broker client at the gateway, the gateway client at the broker: gRPC's bare
   // "Method not found!" was all either said.
