@@ -273,6 +273,44 @@ async def test_a_go_agent_answers_python_asks_go_and_leaves_when_stopped(
         assert "GoDeskAgent" not in [a.agent_id for a in await client.list_agents()]
 
 
+@pytest.mark.parametrize("push", [False, True], ids=["pull", "push"])
+async def test_a_go_agent_names_the_content_fields_it_requires(
+    embedded: EmbeddedMesh, meshgo: Path, go_agents: list[GoAgent], push: bool
+) -> None:
+    """RF-009 scenario 18 from Go: the broker refuses a request without "parameters" to its
+    sender, and the agent's own server a direct call without it."""
+    broker = embedded.broker.address
+    flags = ("-require", "action,parameters", *(("-push",) if push else ()))
+    agent = await start_go_agent(meshgo, go_agents, broker, "GoLedgerAgent", *flags)
+    async with connect(broker, agent_id="PyCaller") as client:
+        await client.register()
+        [listed] = [a for a in await client.list_agents() if a.agent_id == "GoLedgerAgent"]
+        assert listed.required_fields == ("action", "parameters")
+        answer = await client.request(
+            "GoLedgerAgent", {"action": "book", "parameters": {"amount": 450}}, timeout=10
+        )
+        assert answer.content["echo"] == {"action": "book", "parameters": {"amount": 450}}
+        with pytest.raises(MessageValidationError) as refused:
+            await client.request("GoLedgerAgent", {"action": "book"}, timeout=10)
+        assert refused.value.message == "content.parameters is required by GoLedgerAgent"
+        async with AgentClient(agent.address) as direct:
+            for content in ({"action": "book"}, {"action": "book", "parameters": None}):
+                with pytest.raises(MessageValidationError) as refused:
+                    await direct.handle(
+                        Message(from_agent="PyCaller", to_agent="GoLedgerAgent", content=content)
+                    )
+                assert refused.value.message == "content.parameters is required by GoLedgerAgent"
+                assert [v.field for v in refused.value.field_violations] == ["content.parameters"]
+            alert = Message(
+                from_agent="PyCaller",
+                to_agent="GoLedgerAgent",
+                message_type=MessageType.BROADCAST,
+                content={"alert": "maintenance at noon"},
+            )
+            await direct.handle(alert)  # (an alert is not held to them)
+    await agent.stop()
+
+
 async def test_a_go_agent_registered_for_push_is_called_by_the_broker(
     embedded: EmbeddedMesh, meshgo: Path, go_agents: list[GoAgent]
 ) -> None:

@@ -169,6 +169,7 @@ func serverOptions() ([]grpc.ServerOption, error) {
 type agent struct {
 	id             string
 	types          []string
+	required       []string // content keys every REQUEST and HANDOFF to it must carry
 	recommendation string
 	confidence     float64
 	address        string
@@ -301,6 +302,15 @@ func (a *agent) directViolations(m *meshv1.Message) []*errdetails.BadRequest_Fie
 			parameters.GetFields()["task_description"].GetStringValue() == "" {
 			add("content.parameters.task_description", "task_description is required for handoff")
 		}
+		if kind == meshv1.MessageType_MESSAGE_TYPE_REQUEST ||
+			kind == meshv1.MessageType_MESSAGE_TYPE_HANDOFF {
+			for _, key := range a.required {
+				value, present := m.GetContent().GetFields()[key]
+				if _, isNull := value.GetKind().(*structpb.Value_NullValue); !present || isNull {
+					add("content."+key, fmt.Sprintf("content.%s is required by %s", key, a.id))
+				}
+			}
+		}
 	}
 	if m.GetToAgent() != "" && m.GetToAgent() != a.id {
 		add("to_agent", fmt.Sprintf("this server serves %s, not %s", a.id, m.GetToAgent()))
@@ -341,6 +351,8 @@ func runAgent(args []string) error {
 	broker := flags.String("broker", envOr("AGENTMESH_BROKER", "127.0.0.1:50051"), "broker host:port")
 	id := flags.String("id", "GoAgent", "agent id")
 	types := flags.String("types", "", "agent types, comma-separated")
+	require := flags.String("require", "",
+		"content keys every request and hand-off to the agent must carry, comma-separated")
 	recommendation := flags.String("recommendation", "Buy AAPL", "what the agent recommends")
 	confidence := flags.Float64("confidence", 0.7, "how sure it is (0 to 1)")
 	host := flags.String("host", "127.0.0.1", "host of the agent's own server")
@@ -351,6 +363,9 @@ func runAgent(args []string) error {
 	a := &agent{id: *id, recommendation: *recommendation, confidence: *confidence}
 	if *types != "" {
 		a.types = strings.Split(*types, ",")
+	}
+	if *require != "" {
+		a.required = strings.Split(*require, ",")
 	}
 	listener, err := net.Listen("tcp", net.JoinHostPort(*host, "0"))
 	if err != nil {
@@ -449,7 +464,7 @@ func (a *agent) keepRegistered(
 	for delay := 100 * time.Millisecond; ctx.Err() == nil; {
 		if !registered {
 			_, err := broker.RegisterAgent(ctx, &meshv1.RegisterAgentRequest{Agent: &meshv1.AgentInfo{
-				AgentId: a.id, AgentTypes: a.types, Address: a.address,
+				AgentId: a.id, AgentTypes: a.types, Address: a.address, RequiredFields: a.required,
 				DeliveryMode: meshv1.DeliveryMode_DELIVERY_MODE_PUSH,
 			}})
 			if err == nil {
@@ -497,7 +512,7 @@ func (a *agent) serveSession(
 	ctx context.Context, broker meshv1.BrokerServiceClient, subscribed func(),
 ) error {
 	if _, err := broker.RegisterAgent(ctx, &meshv1.RegisterAgentRequest{Agent: &meshv1.AgentInfo{
-		AgentId: a.id, AgentTypes: a.types, Address: a.address,
+		AgentId: a.id, AgentTypes: a.types, Address: a.address, RequiredFields: a.required,
 	}}); err != nil {
 		return err
 	}
