@@ -29,6 +29,7 @@ from mesh.client import (
     MeshClient,
     Received,
     RetryPolicy,
+    content_keys,
     member_named,
     wait_seconds,
 )
@@ -277,7 +278,7 @@ class Agent:
         if description is not None:
             self.description = description
         if required_fields is not None:
-            self.required_fields = tuple(required_fields)
+            self.required_fields = content_keys(required_fields)
         self._actions: dict[str, Callable[..., Awaitable[Reply]]] = {}
         for _, member in inspect.getmembers(self, inspect.ismethod):
             action = getattr(member, "__mesh_action__", None)

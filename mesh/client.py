@@ -238,6 +238,16 @@ def in_flight_count(value: int, field: str = "max_in_flight") -> int:
     return value
 
 
+def content_keys(values: Iterable[str], field: str = "agent.required_fields") -> tuple[str, ...]:
+    """The content keys a caller names (an agent's ``required_fields``); a bare string, which
+    would read as a list of its letters, is a MessageValidationError on ``field``."""
+    if isinstance(values, str):
+        raise MessageValidationError.for_field(
+            field, "required_fields is a list of content keys, not one"
+        )
+    return tuple(values)
+
+
 def member_named(kind: type[E], value: str, field: str) -> E:
     """The member of ``kind`` a caller names (in any case); MessageValidationError on
     ``field`` naming the known ones otherwise, before anything is sent."""
@@ -1591,10 +1601,6 @@ class MeshClient:
         ``required_fields``: content keys every REQUEST and HANDOFF sent to the agent must
         carry (e.g. ``["action", "parameters"]``); the broker refuses one that lacks any
         with :class:`MessageValidationError`."""
-        if isinstance(required_fields, str):
-            raise MessageValidationError.for_field(
-                "agent.required_fields", "required_fields is a list of content keys, not one"
-            )
         info = AgentInfo(
             agent_id=agent_id or self.agent_id,
             agent_types=tuple(agent_types),
@@ -1602,7 +1608,7 @@ class MeshClient:
             capabilities=tuple(capabilities),
             delivery_mode=member_named(DeliveryMode, delivery_mode, "delivery_mode"),
             max_in_flight=in_flight_count(max_in_flight),
-            required_fields=tuple(required_fields),
+            required_fields=content_keys(required_fields),
         )
         request = broker_pb2.RegisterAgentRequest()
         codec.agent_to_pb(info, request.agent)

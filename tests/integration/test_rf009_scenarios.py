@@ -1081,6 +1081,8 @@ async def test_the_required_fields_an_agent_names_are_checked_as_it_registers(
             assert refused.value.message == said
             assert [v.field for v in refused.value.field_violations] == ["agent.required_fields"]
         assert await payment.list_agents() == []
+        with pytest.raises(MessageValidationError, match="a list of content keys, not one"):
+            Agent("PaymentAgent", required_fields="parameters")  # (not its letters)
         # The latest registration's hold; repeated keys count once.
         await payment.register(required_fields=["parameters", "parameters", "context"])
         await payment.register(required_fields=["parameters", "context"])
