@@ -36,6 +36,7 @@ from mesh.client import (
 from mesh.config import DEFAULT_LEASE_SECONDS, BrokerConfig, SecurityConfig
 from mesh.core import negotiation
 from mesh.core.errors import (
+    DEREGISTERED,
     AgentError,
     BrokerUnavailableError,
     MeshError,
@@ -588,6 +589,17 @@ class AgentRuntime:
                 attempt += 1
                 await asyncio.sleep(delay)
             except MeshError as error:
+                if error.reason == DEREGISTERED:
+                    # Taken off the mesh on purpose (`agentmesh deregister`): not registered
+                    # again behind the back of whoever did it. The process stays (its server
+                    # answers, its readiness says it takes no messages) until it is stopped.
+                    logger.warning(
+                        "%s was deregistered: it takes no more messages (start it again to"
+                        " register it again)",
+                        self.agent.agent_id,
+                    )
+                    self._mark_subscribed(False)
+                    return
                 logger.error("%s cannot subscribe: %s", self.agent.agent_id, error.message)
                 self._mark_subscribed(False)
                 attempt += 1

@@ -97,6 +97,17 @@ T = TypeVar("T")
 E = TypeVar("E", MessageType, Priority, DeliveryMode)
 
 _CLOSED = object()
+
+
+class _Ended:
+    """What a subscription's queue ends with when the broker ended it: why."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: MeshError) -> None:
+        self.error = error
+
+
 _RECONNECT_DELAYS = (0.1, 0.25, 0.5, 1.0, 2.0)
 ACK_LINGER = 0.002
 """Seconds an ack or nack waits for others to share its frame, when the one before it came less
@@ -350,6 +361,8 @@ class _Session:
             withdrawn = self.withdrawals.get(frame.withdrawn.agent_id)
             if withdrawn is not None:
                 withdrawn(frame.withdrawn.message_ids)
+        elif frame.HasField("ended"):
+            self._end_subscription(frame.ended.agent_id, codec.error_from_pb(frame.ended.error))
         elif frame.HasField("error"):
             error = codec.error_from_pb(frame.error)
             logger.warning("the broker refused a frame: %s: %s", error.code, error.message)
@@ -361,6 +374,18 @@ class _Session:
         queue = self.deliveries.get(delivery.message.to_agent)
         if queue is not None:
             await queue.put(delivery)
+
+    def _end_subscription(self, agent_id: str, error: MeshError) -> None:
+        """The broker ended the subscription of ``agent_id`` (its agent was deregistered):
+        what is buffered for it goes (the broker took its leases back), and its iteration
+        ends with ``error``; the session goes on."""
+        queue = self.deliveries.pop(agent_id, None)
+        self.withdrawals.pop(agent_id, None)
+        if queue is None:
+            return
+        while not queue.empty():
+            queue.get_nowait()
+        queue.put_nowait(_Ended(error))
 
     def _fail(self, failure: MeshError) -> None:
         self.closed = True
@@ -658,6 +683,9 @@ class ClientSubscription:
                 await self.start()
             assert self._session is not None and self._queue is not None
             item = await self._queue.get()
+            if type(item) is _Ended:
+                await self._ended()
+                raise item.error
             if item is _CLOSED:
                 pass
             elif item.message.message_id in self._withdrawn:
@@ -679,6 +707,15 @@ class ClientSubscription:
             # expiry (their application never acked them), not held.
             del taken[next(iter(taken))]
         return received
+
+    async def _ended(self) -> None:
+        """The broker ended this subscription: iterating again subscribes anew (refused while
+        the agent is not registered); acks of what the application still has go nowhere (the
+        broker took those leases back as it ended it)."""
+        session, self._session, self._queue = self._session, None, None
+        self._taken.clear()
+        if self._own_session and session is not None:
+            await session.close()
 
     def _withdraw(self, message_ids: Iterable[str]) -> None:
         """The broker withdrew these deliveries: those handed on are marked (and reported to

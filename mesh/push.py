@@ -249,6 +249,8 @@ class InstancePush:
                     reached = await self._serve(sub, stub, channel)
                 finally:
                     self._sub = None
+                if sub.ended_by is not None:
+                    return  # (the agent left the registry: the reconcile forgets this push)
                 self.broker.instance_unreachable(self.agent_id, self.address)
                 failures = 0 if reached else failures + 1
                 await asyncio.sleep(
@@ -325,7 +327,12 @@ class InstancePush:
 
     async def _pump(self, sub: Subscription, stub: agent_pb2_grpc.AgentServiceAsyncStub) -> None:
         while True:
-            batch = await sub.next_batch(sub.max_in_flight)
+            try:
+                batch = await sub.next_batch(sub.max_in_flight)
+            except MeshError:
+                if sub.ended_by is not None:
+                    return
+                raise
             for message_id in sub.take_withdrawn():
                 if (call := self._calls.get(message_id)) is not None:
                     call.cancel()  # its requester gave up: the agent's call is cancelled too

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import collections
+import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -191,6 +192,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
                     batch = await sub.next_batch(MAX_BATCH)
                 except SessionClosedError:
                     return
+                except MeshError as error:  # the broker ended it: the agent was deregistered
+                    await abort(context, error)
                 if sub.withdrawn:
                     response = broker_pb2.SubscribeResponse()
                     _withdrawn_to_pb(sub, response.withdrawn)
@@ -666,7 +669,8 @@ class _Session:
         raise _invalid("agent_id", "agent_id is required (unless the session has one subscription)")
 
     async def _subscribe(self, seq: int, request: broker_pb2.SubscribeRequest) -> None:
-        if request.agent_id in self.subscriptions:
+        held = self.subscriptions.get(request.agent_id)
+        if held is not None and not held[0].closed:  # (closed: ended by the broker)
             raise _invalid(
                 "subscribe.agent_id", f"the session is already subscribed to {request.agent_id}"
             )
@@ -716,6 +720,15 @@ class _Session:
             try:
                 batch = await sub.next_batch(max_batch if max_batch > 1 else MAX_BATCH)
             except SessionClosedError:
+                return
+            except MeshError as error:  # the broker ended it: its agent was deregistered
+                frame = broker_pb2.ConnectResponse()
+                frame.ended.agent_id = sub.agent_id
+                codec.error_to_pb(error, frame.ended.error)
+                with contextlib.suppress(Exception):  # (a stream ended meanwhile: nobody to tell)
+                    await self.write(frame)
+                if self.subscriptions.get(sub.agent_id, (None,))[0] is sub:
+                    del self.subscriptions[sub.agent_id]
                 return
             if sub.withdrawn:  # (after the deliveries it names, as this writes them all)
                 frame = broker_pb2.ConnectResponse()

@@ -37,6 +37,7 @@ from mesh.core.errors import (
     RequestTimeoutError,
     RoutingError,
     SessionClosedError,
+    deregistered,
 )
 from mesh.core.logthrottle import LogThrottle
 from mesh.core.memory import MemoryPool, SharedMemoryPool
@@ -201,6 +202,9 @@ class Subscription:
         """Deliveries withdrawn (their requester gave up) that the subscriber is yet to be
         told of: at most what it held in flight (none is leased while any waits here)."""
         self.closed = False
+        self.ended_by: MeshError | None = None
+        """Why the broker ended the subscription, when it did (its agent was deregistered):
+        what :meth:`next_batch` raises then, for the subscriber to be told."""
         self._ending: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._drained = False
@@ -244,7 +248,9 @@ class Subscription:
             self._drained = False
             self._wake.clear()
             if self.closed:
-                raise SessionClosedError(f"subscription {self.subscription_id} is closed")
+                raise self.ended_by or SessionClosedError(
+                    f"subscription {self.subscription_id} is closed"
+                )
             credit = self.max_in_flight - len(self.in_flight)
             if credit <= 0:
                 await self._wake.wait()  # a settled delivery gives a place back
@@ -1989,8 +1995,29 @@ class Broker:
         self._registry_changed(agent_id)
 
     def _registry_changed(self, agent_id: str) -> None:
+        if agent_id not in self.registry:
+            self._end_subscriptions(agent_id)
         for watcher in self.registry_watchers:
             watcher(agent_id)
+
+    def _end_subscriptions(self, agent_id: str) -> None:
+        """The agent left the registry (deregistered here or through another replica, or
+        forgotten): the subscriptions still open on it here end, each telling its subscriber
+        why, and what they held unacknowledged goes back to its queue. Left open, they would
+        hold a subscriber that believes it serves an agent nobody can send to."""
+        subs = self._subscriptions.get(agent_id)
+        if not subs:
+            return
+        error, ended = deregistered(agent_id), list(subs)
+        for sub in ended:
+            sub.ended_by = error
+            sub.end()
+        logger.info(
+            "agent %s left the registry: its %d subscriptions here ended",
+            agent_id,
+            len(ended),
+            extra={"event": {"category": "registry", "agent_id": agent_id, "ended": len(ended)}},
+        )
 
     def on_answer(self, message: Message) -> None:
         """An answer another replica forwarded to a request waiting here."""

@@ -96,6 +96,18 @@ class AgentNotFoundError(RoutingError):
     reason = "AGENT_NOT_FOUND"
 
 
+DEREGISTERED = "AGENT_DEREGISTERED"
+"""The reason of the AgentNotFoundError that ends an agent's subscriptions when it is
+deregistered: not a broker that forgot it (which an SDK agent answers by registering again),
+but someone who took it off the mesh on purpose."""
+
+
+def deregistered(agent_id: str) -> AgentNotFoundError:
+    return AgentNotFoundError(
+        f"agent {agent_id} was deregistered: its subscription ended", reason=DEREGISTERED
+    )
+
+
 class HandoffError(MultiAgentCommunicationError):
     """Hand-off between agents failed."""
 
@@ -241,6 +253,7 @@ _BY_REASON: dict[str, type[MultiAgentCommunicationError]] = {
 # Reasons that say more than their class's own.
 _BY_REASON.update(
     NO_INSTANCE=RoutingError,
+    AGENT_DEREGISTERED=AgentNotFoundError,
     STATE_NOT_FOUND=NotFoundError,
     RUN_NOT_FOUND=NotFoundError,
     STATE_LOCKED=StateConflictError,

@@ -1758,6 +1758,7 @@ class ConnectResponse(_message.Message):
     BATCH_FIELD_NUMBER: _builtins.int
     BROADCASTED_FIELD_NUMBER: _builtins.int
     WITHDRAWN_FIELD_NUMBER: _builtins.int
+    ENDED_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """The seq of the client frame this answers; 0 on deliveries."""
     @_builtins.property
@@ -1806,6 +1807,12 @@ class ConnectResponse(_message.Message):
         subscription that asked for withdrawals): its handler may stop, no ack is due.
         """
 
+    @_builtins.property
+    def ended(self) -> Global___SubscriptionEnded:
+        """A subscription of this session that the broker ended: its agent was deregistered.
+        The session goes on (its other subscriptions, its calls).
+        """
+
     def __init__(
         self,
         *,
@@ -1820,16 +1827,48 @@ class ConnectResponse(_message.Message):
         batch: Global___ConnectResponseBatch | None = ...,
         broadcasted: Global___BroadcastResponse | None = ...,
         withdrawn: Global___Withdrawn | None = ...,
+        ended: Global___SubscriptionEnded | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "batch", b"batch", "broadcasted", b"broadcasted", "deliveries", b"deliveries", "delivery", b"delivery", "error", b"error", "frame", b"frame", "gathered", b"gathered", "received", b"received", "response", b"response", "withdrawn", b"withdrawn"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "batch", b"batch", "broadcasted", b"broadcasted", "deliveries", b"deliveries", "delivery", b"delivery", "ended", b"ended", "error", b"error", "frame", b"frame", "gathered", b"gathered", "received", b"received", "response", b"response", "withdrawn", b"withdrawn"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "batch", b"batch", "broadcasted", b"broadcasted", "deliveries", b"deliveries", "delivery", b"delivery", "error", b"error", "frame", b"frame", "gathered", b"gathered", "received", b"received", "response", b"response", "seq", b"seq", "withdrawn", b"withdrawn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "batch", b"batch", "broadcasted", b"broadcasted", "deliveries", b"deliveries", "delivery", b"delivery", "ended", b"ended", "error", b"error", "frame", b"frame", "gathered", b"gathered", "received", b"received", "response", b"response", "seq", b"seq", "withdrawn", b"withdrawn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["accepted", "delivery", "response", "error", "received", "gathered", "deliveries", "batch", "broadcasted", "withdrawn"]  # noqa: Y015
+    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["accepted", "delivery", "response", "error", "received", "gathered", "deliveries", "batch", "broadcasted", "withdrawn", "ended"]  # noqa: Y015
     _WhichOneofArgType_frame: _TypeAlias = _typing.Literal["frame", b"frame"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_frame) -> _WhichOneofReturnType_frame | None: ...
 
 Global___ConnectResponse: _TypeAlias = ConnectResponse  # noqa: Y015
+
+@_typing.final
+class SubscriptionEnded(_message.Message):
+    """SubscriptionEnded says that the broker ended a subscription of a Connect session: no more
+    deliveries come for its agent on it, and those it held unacknowledged went back to the
+    agent's queue (for an instance that registers again).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """The agent the subscription was for."""
+    @_builtins.property
+    def error(self) -> Global___Error:
+        """Why it ended: NOT_FOUND, reason AGENT_DEREGISTERED, when the agent was deregistered."""
+
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+        error: Global___Error | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "error", b"error"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubscriptionEnded: _TypeAlias = SubscriptionEnded  # noqa: Y015
 
 @_typing.final
 class ConnectResponseBatch(_message.Message):

@@ -144,7 +144,8 @@ class BrokerServiceServicer:
 
     def DeregisterAgent(self, request, context):
         """Removes an agent from the registry. Messages already queued for it are kept until
-        their TTL, so that its next instance receives them.
+        their TTL, so that its next instance receives them. Its open subscriptions end with
+        NOT_FOUND (reason AGENT_DEREGISTERED), what they held unacknowledged back in its queue.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -180,7 +181,8 @@ class BrokerServiceServicer:
 
     def Subscribe(self, request, context):
         """Pushes an agent's messages as they arrive. Each delivery stays leased until acked;
-        a nack or an expired lease redelivers it.
+        a nack or an expired lease redelivers it. Ends with NOT_FOUND (reason
+        AGENT_DEREGISTERED) when the agent is deregistered.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

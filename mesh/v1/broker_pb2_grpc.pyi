@@ -40,7 +40,8 @@ class BrokerServiceStub:
     """Registers an agent, or updates it when the id is already registered."""
     DeregisterAgent: _grpc.UnaryUnaryMultiCallable[_broker_pb2.DeregisterAgentRequest, _broker_pb2.DeregisterAgentResponse]
     """Removes an agent from the registry. Messages already queued for it are kept until
-    their TTL, so that its next instance receives them.
+    their TTL, so that its next instance receives them. Its open subscriptions end with
+    NOT_FOUND (reason AGENT_DEREGISTERED), what they held unacknowledged back in its queue.
     """
     ListAgents: _grpc.UnaryUnaryMultiCallable[_broker_pb2.ListAgentsRequest, _broker_pb2.ListAgentsResponse]
     """Lists registered agents, optionally only those of one type."""
@@ -52,7 +53,8 @@ class BrokerServiceStub:
     """Removes and returns an agent's queued messages: HIGH, MEDIUM, LOW, then oldest first."""
     Subscribe: _grpc.UnaryStreamMultiCallable[_broker_pb2.SubscribeRequest, _broker_pb2.SubscribeResponse]
     """Pushes an agent's messages as they arrive. Each delivery stays leased until acked;
-    a nack or an expired lease redelivers it.
+    a nack or an expired lease redelivers it. Ends with NOT_FOUND (reason
+    AGENT_DEREGISTERED) when the agent is deregistered.
     """
     Ack: _grpc.UnaryUnaryMultiCallable[_broker_pb2.AckRequest, _broker_pb2.AckResponse]
     """Acknowledges delivered messages, releasing them for good."""
@@ -100,7 +102,8 @@ class BrokerServiceAsyncStub(BrokerServiceStub):
     """Registers an agent, or updates it when the id is already registered."""
     DeregisterAgent: _aio.UnaryUnaryMultiCallable[_broker_pb2.DeregisterAgentRequest, _broker_pb2.DeregisterAgentResponse]  # type: ignore[assignment]
     """Removes an agent from the registry. Messages already queued for it are kept until
-    their TTL, so that its next instance receives them.
+    their TTL, so that its next instance receives them. Its open subscriptions end with
+    NOT_FOUND (reason AGENT_DEREGISTERED), what they held unacknowledged back in its queue.
     """
     ListAgents: _aio.UnaryUnaryMultiCallable[_broker_pb2.ListAgentsRequest, _broker_pb2.ListAgentsResponse]  # type: ignore[assignment]
     """Lists registered agents, optionally only those of one type."""
@@ -112,7 +115,8 @@ class BrokerServiceAsyncStub(BrokerServiceStub):
     """Removes and returns an agent's queued messages: HIGH, MEDIUM, LOW, then oldest first."""
     Subscribe: _aio.UnaryStreamMultiCallable[_broker_pb2.SubscribeRequest, _broker_pb2.SubscribeResponse]  # type: ignore[assignment]
     """Pushes an agent's messages as they arrive. Each delivery stays leased until acked;
-    a nack or an expired lease redelivers it.
+    a nack or an expired lease redelivers it. Ends with NOT_FOUND (reason
+    AGENT_DEREGISTERED) when the agent is deregistered.
     """
     Ack: _aio.UnaryUnaryMultiCallable[_broker_pb2.AckRequest, _broker_pb2.AckResponse]  # type: ignore[assignment]
     """Acknowledges delivered messages, releasing them for good."""
@@ -169,7 +173,8 @@ class BrokerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_broker_pb2.DeregisterAgentResponse, _abc.Awaitable[_broker_pb2.DeregisterAgentResponse]]:
         """Removes an agent from the registry. Messages already queued for it are kept until
-        their TTL, so that its next instance receives them.
+        their TTL, so that its next instance receives them. Its open subscriptions end with
+        NOT_FOUND (reason AGENT_DEREGISTERED), what they held unacknowledged back in its queue.
         """
 
     @_abc_1.abstractmethod
@@ -211,7 +216,8 @@ class BrokerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_broker_pb2.SubscribeResponse], _abc.AsyncIterator[_broker_pb2.SubscribeResponse]]:
         """Pushes an agent's messages as they arrive. Each delivery stays leased until acked;
-        a nack or an expired lease redelivers it.
+        a nack or an expired lease redelivers it. Ends with NOT_FOUND (reason
+        AGENT_DEREGISTERED) when the agent is deregistered.
         """
 
     @_abc_1.abstractmethod

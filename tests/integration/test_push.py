@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import logging
 import shutil
 import sys
 from collections.abc import AsyncIterator
@@ -612,7 +613,10 @@ async def gathered(client: MeshClient, agent_id: str, timeout: float) -> list[Ga
     ]
 
 
-async def test_an_agent_that_leaves_is_pushed_nothing_more(mesh: LocalMesh) -> None:
+async def test_an_agent_that_leaves_is_pushed_nothing_more(
+    mesh: LocalMesh, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="mesh")
     agent = PlainAgent(echo)
     server, address = await start_plain(agent)
     try:
@@ -628,6 +632,8 @@ async def test_an_agent_that_leaves_is_pushed_nothing_more(mesh: LocalMesh) -> N
         await server.stop(None)
     assert len(agent.seen) == 1
     assert [m.content["action"] for m in received] == ["later"]
+    # Its push ended with its subscription, quietly: nothing failed.
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 async def test_each_instance_keeps_the_delivery_it_registered_with(mesh: LocalMesh) -> None:

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from mesh import (
+    AgentNotFoundError,
     ChangeKind,
     LocalMesh,
     LockNotHeldError,
@@ -558,3 +559,28 @@ async def test_the_fields_an_agent_requires_hold_through_either_replica(
                     await asyncio.sleep(0.01)
         assert [m.action for m in await via_a.receive()] == ["process_payment"]
         await via_a.deregister()
+
+
+async def test_an_agent_deregistered_through_one_replica_ends_its_subscription_on_the_other(
+    replicas: tuple[Proc, Proc],
+) -> None:
+    a, b = replicas
+    async with (
+        connect(a.address, agent_id="admin", retry=NO_RETRY) as via_a,
+        connect(b.address, agent_id="worker", retry=NO_RETRY) as via_b,
+    ):
+        await via_b.register("Payment")
+        sent = await via_a.send("Payment", {"action": "pay"})
+        async with via_b.subscribe("Payment") as payment:
+            held = await anext(payment)  # (not acknowledged: it goes back to the queue)
+            assert held.message.message_id == sent.message_id
+            await via_a.deregister("Payment")
+            with pytest.raises(AgentNotFoundError) as ended:
+                async with asyncio.timeout(10):
+                    await anext(payment)
+            assert ended.value.reason == "AGENT_DEREGISTERED"
+            await via_b.register("Payment")
+            again = await asyncio.wait_for(anext(payment), 10)
+            assert (again.message.message_id, again.attempt) == (sent.message_id, 2)
+            await again.ack()
+        await via_b.deregister("Payment")
