@@ -551,6 +551,10 @@ export interface AgentSession extends EventEmitter {
   on(event: 'refused', listener: (error: MeshError) => void): this;
   /** The broker withdrew these deliveries: their requester gave up. */
   on(event: 'withdrawn', listener: (messageIds: string[]) => void): this;
+  /**
+   * The session is over: a MeshError of reason AGENT_DEREGISTERED (NOT_FOUND) when the broker
+   * ended the subscription because the agent was deregistered.
+   */
   on(event: 'error', listener: (error: Error) => void): this;
   on(event: 'end', listener: () => void): this;
   on(event: string | symbol, listener: (...args: any[]) => void): this;
@@ -895,7 +899,9 @@ export interface ServedAgent {
 /**
  * Serves an agent: its own gRPC server, registered with the broker, taking deliveries.
  * Resolves once it takes its messages (its health for mesh.v1.AgentService says SERVING then,
- * and NOT_SERVING while it has lost the broker), or after 10 s, still trying.
+ * and NOT_SERVING while it has lost the broker), or after 10 s, still trying. Deregistered
+ * (agentmesh deregister), a pulling agent takes no more messages and stays NOT_SERVING: it
+ * does not register itself again.
  */
 export function serveAgent(options: AgentOptions): Promise<ServedAgent>;
 

@@ -1308,9 +1308,11 @@ class MeshClient {
    * may stop; its outcome is neither sent nor acknowledged (the broker dropped it). The returned
    * stream emits 'subscribed' once the broker took the subscription, 'refused' (a
    * MeshError) when the broker refuses an answer it was sent, and 'error' / 'end'
-   * when the session is over. instance: the address this agent's process registered; the
-   * session then holds that instance among the agent's, and its loss (the process dies)
-   * takes it off.
+   * when the session is over ('error' with reason AGENT_DEREGISTERED when the broker
+   * ended the subscription: the agent was deregistered; the signal of each handling aborts
+   * then, as what it held went back to the queue). instance: the address this agent's
+   * process registered; the session then holds that instance among the agent's, and its
+   * loss (the process dies) takes it off.
    */
   session(handle, { agentId = this.agentId, maxInFlight = 16, maxBatch = 16,
     ackLingerMs = 2, leaseMs: askedLeaseMs, maxLeaseExtensionMs = 3600000,
@@ -1420,6 +1422,14 @@ class MeshClient {
         case 'delivery': settle(frame.delivery); break;
         case 'deliveries': frame.deliveries.deliveries.forEach(settle); break;
         case 'withdrawn': withdraw(frame.withdrawn); break;
+        case 'ended':
+          // The broker ended the subscription: the agent was deregistered (NOT_FOUND, reason
+          // AGENT_DEREGISTERED). What it held went back to the queue; the session is over.
+          closing = true;
+          for (const aborting of working.values()) aborting.abort(errorFrom(frame.ended.error));
+          call.emit('error', errorFrom(frame.ended.error));
+          call.cancel();
+          break;
         case 'accepted': if (Number(frame.seq) === 1) call.emit('subscribed'); break;
         case 'error':
           if (Number(frame.seq) === 1) {
@@ -2034,12 +2044,20 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
         subscription = client.session(onDelivery,
           { leaseMs, maxLeaseExtensionMs, instance: address });
         subscription.on('refused', onRefused);
-        await new Promise((resolve) => {
+        const ended = await new Promise((resolve) => {
           subscription.on('error', resolve);
           subscription.on('end', resolve);
           subscription.on('subscribed', () => { attempt = 0; takesMessages(true); });
           wake = resolve;
         });
+        if (ended && ended.reason === 'AGENT_DEREGISTERED') {
+          // Taken off the mesh on purpose (agentmesh deregister): not registered again
+          // behind the back of whoever did it. The server stays, not ready, until stopped.
+          takesMessages(false);
+          console.warn(`${agentId} was deregistered: it takes no more messages `
+            + '(start it again to register it again)');
+          return;
+        }
       } catch (err) {
         // not registered: the broker is away; try again below
       }

@@ -368,6 +368,57 @@ test('a Node agent says NOT_SERVING as it stops, and finishes what it was handli
     }
   });
 
+test('a deregistered Node agent stops taking messages and does not register itself again',
+  async () => {
+    const health = require('grpc-health-check');
+    const agent = await serveAgent({ broker: BROKER, agentId: 'NodeDeregisteredAgent',
+      handler: async () => ({ paid: true }) });
+    const Health = grpc.makeGenericClientConstructor(health.service, 'Health');
+    const probe = new Health(agent.address, grpc.credentials.createInsecure());
+    const check = () => new Promise((resolve, reject) => {
+      probe.Check({ service: 'mesh.v1.AgentService' },
+        (err, res) => (err ? reject(err) : resolve(res.status)));
+    });
+    const client = new MeshClient(BROKER, { agentId: 'NodeDeregistering' });
+    const warned = [];
+    const warn = console.warn;
+    console.warn = (line) => { warned.push(line); };
+    // A session of a client's own on another agent: the broker ends it, and says why.
+    await client.register({ agentId: 'NodeEndedDesk' });
+    const session = client.session(async () => null, { agentId: 'NodeEndedDesk' });
+    const sessionEnded = new Promise((resolve) => { session.on('error', resolve); });
+    await new Promise((resolve) => { session.on('subscribed', resolve); });
+    try {
+      const paid = await client.request('NodeDeregisteredAgent', { action: 'pay' },
+        { timeoutMs: 10000 });
+      assert.equal(paid.content.paid, true);
+      await client.deregister('NodeDeregisteredAgent');
+      await client.deregister('NodeEndedDesk');
+      const ended = await sessionEnded;
+      assert.equal(ended.codeName, 'NOT_FOUND');
+      assert.equal(ended.reason, 'AGENT_DEREGISTERED');
+      assert.equal(ended.message, 'agent NodeEndedDesk was deregistered: its subscription ended');
+      const deadline = Date.now() + 10000;
+      while (await check() !== 'NOT_SERVING' && Date.now() < deadline) {
+        await new Promise((resolve) => { setTimeout(resolve, 20); });
+      }
+      assert.equal(await check(), 'NOT_SERVING');
+      // Past its first delay before registering and subscribing again: still off the mesh.
+      await new Promise((resolve) => { setTimeout(resolve, 1000); });
+      const ids = (await client.listAgents()).map((a) => a.agentId);
+      assert.ok(!ids.includes('NodeDeregisteredAgent'), ids.join());
+      await assert.rejects(client.send('NodeDeregisteredAgent', { action: 'pay' }),
+        (err) => err.codeName === 'NOT_FOUND');
+      assert.deepEqual(warned, ['NodeDeregisteredAgent was deregistered: it takes no more '
+        + 'messages (start it again to register it again)']);
+    } finally {
+      console.warn = warn;
+      probe.close();
+      client.close();
+      await agent.stop();
+    }
+  });
+
 test('two Node processes serve one agent id: one stopping leaves the agent to the other',
   async () => {
     const first = await serveAgent({ broker: BROKER, agentId: 'NodeTwinAgent',
