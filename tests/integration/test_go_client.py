@@ -311,6 +311,33 @@ async def test_a_go_agent_names_the_content_fields_it_requires(
     await agent.stop()
 
 
+async def test_a_deregistered_go_agent_stops_taking_messages_and_says_so(
+    embedded: EmbeddedMesh, meshgo: Path, go_agents: list[GoAgent]
+) -> None:
+    """Its session's subscription ended by the broker (AGENT_DEREGISTERED), the Go agent goes
+    NOT_SERVING and stays off the mesh until stopped, rather than registering again."""
+    broker = embedded.broker.address
+    agent = await start_go_agent(meshgo, go_agents, broker, "GoLeavingDesk")
+    async with (
+        connect(broker, agent_id="PyAdmin") as admin,
+        watching(agent.address, "mesh.v1.AgentService") as readiness,
+    ):
+        await readiness.until(SERVING)
+        answer = await admin.request("GoLeavingDesk", {"action": "book"}, timeout=10)
+        assert answer.content["echo"] == {"action": "book"}
+        await admin.deregister("GoLeavingDesk")
+        await readiness.until(NOT_SERVING)
+        await asyncio.sleep(1.0)  # (past its first delay before registering again)
+        assert "GoLeavingDesk" not in [a.agent_id for a in await admin.list_agents()]
+        assert await health_of(agent.address) == SERVING  # (the process itself: alive)
+    code, said = await agent.stop()
+    assert code == 0
+    assert said == (
+        "GoLeavingDesk was deregistered: it takes no more messages (start it again to register"
+        " it again)\nGoLeavingDesk stopped\n"
+    )
+
+
 async def test_a_go_agent_registered_for_push_is_called_by_the_broker(
     embedded: EmbeddedMesh, meshgo: Path, go_agents: list[GoAgent]
 ) -> None:

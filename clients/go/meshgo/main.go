@@ -403,7 +403,7 @@ func runAgent(args []string) error {
 	defer conn.Close()
 	brokerClient := meshv1.NewBrokerServiceClient(conn)
 
-	announced := false
+	announced, gone := false, false // gone: deregistered, by someone else
 	var lost time.Time
 	if *push {
 		a.keepRegistered(ctx, brokerClient, healthpb.NewHealthClient(conn), ready)
@@ -422,6 +422,15 @@ func runAgent(args []string) error {
 			break
 		}
 		ready(false)
+		var off *deregistered
+		if errors.As(err, &off) {
+			// Taken off the mesh on purpose (agentmesh deregister): not registered again
+			// behind the back of whoever did it. The server stays, not ready, until stopped.
+			fmt.Fprintf(os.Stderr, "%s was deregistered: it takes no more messages (start it again to register it again)\n", a.id)
+			gone = true
+			<-ctx.Done()
+			break
+		}
 		if lost.IsZero() {
 			lost = time.Now()
 		}
@@ -438,14 +447,17 @@ func runAgent(args []string) error {
 		}
 	}
 
-	// Stopping: not serving first, then out of the registry, then the server.
+	// Stopping: not serving first, then out of the registry (unless out already), then the
+	// server.
 	healthy.Shutdown()
 	leave, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	if _, err := brokerClient.DeregisterAgent(leave, &meshv1.DeregisterAgentRequest{
-		AgentId: a.id, Address: a.address,
-	}); err != nil {
-		fmt.Fprintf(os.Stderr, "%s: could not deregister: %s\n", a.id, describe(err))
+	if !gone {
+		if _, err := brokerClient.DeregisterAgent(leave, &meshv1.DeregisterAgentRequest{
+			AgentId: a.id, Address: a.address,
+		}); err != nil {
+			fmt.Fprintf(os.Stderr, "%s: could not deregister: %s\n", a.id, describe(err))
+		}
 	}
 	server.GracefulStop()
 	fmt.Printf("%s stopped\n", a.id)
@@ -506,6 +518,12 @@ func (a *agent) keepRegistered(
 	}
 }
 
+// deregistered is why a session ended when the broker ended its subscription: the agent was
+// deregistered (NOT_FOUND, reason AGENT_DEREGISTERED).
+type deregistered struct{ said string }
+
+func (d *deregistered) Error() string { return d.said }
+
 // serveSession registers the agent, subscribes it on a Connect session and answers its
 // deliveries until the session ends (the error says why) or ctx is done.
 func (a *agent) serveSession(
@@ -553,6 +571,9 @@ func (a *agent) serveSession(
 			}
 			// A frame sent without waiting (an answer) was refused: say so, go on.
 			fmt.Fprintf(os.Stderr, "%s: the broker refused a frame: %s\n", a.id, f.Error.GetMessage())
+		case *meshv1.ConnectResponse_Ended:
+			// The broker ended the subscription: the agent was deregistered.
+			return &deregistered{f.Ended.GetError().GetMessage()}
 		case *meshv1.ConnectResponse_Delivery:
 			if err := a.settle(f.Delivery.GetMessage(), write); err != nil {
 				return err
