@@ -2013,7 +2013,7 @@ class Broker:
             sub.ended_by = error
             sub.end()
         logger.info(
-            "agent %s left the registry: its %d subscriptions here ended",
+            "agent %s left the registry: the subscriptions open on it here ended (%d)",
             agent_id,
             len(ended),
             extra={"event": {"category": "registry", "agent_id": agent_id, "ended": len(ended)}},
