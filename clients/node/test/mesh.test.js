@@ -12,6 +12,20 @@ const {
 const BROKER = process.env.AGENTMESH_BROKER;
 const GATEWAY = process.env.AGENTMESH_GATEWAY;
 
+/** Checks of an agent's readiness (its health for mesh.v1.AgentService) at its address. */
+function readinessProbe(address) {
+  const health = require('grpc-health-check');
+  const Health = grpc.makeGenericClientConstructor(health.service, 'Health');
+  const probe = new Health(address, grpc.credentials.createInsecure());
+  return {
+    check: () => new Promise((resolve, reject) => {
+      probe.Check({ service: 'mesh.v1.AgentService' },
+        (err, res) => (err ? reject(err) : resolve(res.status)));
+    }),
+    close: () => probe.close(),
+  };
+}
+
 test('sends and receives messages in priority order', async () => {
   const client = new MeshClient(BROKER, { agentId: 'NodeFlightAgent' });
   try {
@@ -336,20 +350,14 @@ test('a Node agent served for push answers the broker\'s calls, with no session 
 
 test('a Node agent says NOT_SERVING as it stops, and finishes what it was handling',
   async () => {
-    const grpc = require('@grpc/grpc-js');
-    const health = require('grpc-health-check');
     let release;
     const released = new Promise((resolve) => { release = resolve; });
     let started;
     const handling = new Promise((resolve) => { started = resolve; });
     const agent = await serveAgent({ broker: BROKER, agentId: 'NodeStoppingAgent',
       handler: async () => { started(); await released; return { finished: true }; } });
-    const Health = grpc.makeGenericClientConstructor(health.service, 'Health');
-    const probe = new Health(agent.address, grpc.credentials.createInsecure());
-    const check = () => new Promise((resolve, reject) => {
-      probe.Check({ service: 'mesh.v1.AgentService' },
-        (err, res) => (err ? reject(err) : resolve(res.status)));
-    });
+    const probe = readinessProbe(agent.address);
+    const { check } = probe;
     const client = new MeshClient(BROKER, { agentId: 'NodeStopCaller' });
     try {
       assert.equal(await check(), 'SERVING');
@@ -370,15 +378,10 @@ test('a Node agent says NOT_SERVING as it stops, and finishes what it was handli
 
 test('a deregistered Node agent stops taking messages and does not register itself again',
   async () => {
-    const health = require('grpc-health-check');
     const agent = await serveAgent({ broker: BROKER, agentId: 'NodeDeregisteredAgent',
       handler: async () => ({ paid: true }) });
-    const Health = grpc.makeGenericClientConstructor(health.service, 'Health');
-    const probe = new Health(agent.address, grpc.credentials.createInsecure());
-    const check = () => new Promise((resolve, reject) => {
-      probe.Check({ service: 'mesh.v1.AgentService' },
-        (err, res) => (err ? reject(err) : resolve(res.status)));
-    });
+    const probe = readinessProbe(agent.address);
+    const { check } = probe;
     const client = new MeshClient(BROKER, { agentId: 'NodeDeregistering' });
     const warned = [];
     const warn = console.warn;
