@@ -966,6 +966,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "deregister",
         help="take an agent off the mesh (every instance), or with --address one instance of it",
+        description="Takes an agent off the mesh (every instance), or with --address one"
+        " instance of it. What waits in its queue stays there until its ttl ends. A process"
+        " of the agent still subscribed learns of it as its subscription ends: it takes no more"
+        " messages and says NOT_SERVING until it is started again.",
     )
     p.add_argument("agent")
     p.add_argument(
