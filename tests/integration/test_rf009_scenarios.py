@@ -1444,7 +1444,7 @@ BATCH_FRAMES = broker_pb2.ConnectRequestBatch.DESCRIPTOR.fields_by_name["frames"
 
 
 async def _raw_answering_agent(
-    address: str, agent_id: str, spoil: Any, batched: bool, refusals: list[str]
+    address: str, agent_id: str, spoil: Any, batched: bool, refusals: asyncio.Queue[str]
 ) -> None:
     """An agent on a plain Connect session (as a client in any language writes one): it
     answers each delivery with ``spoil`` applied to its answer, in a batch frame or not,
@@ -1463,7 +1463,7 @@ async def _raw_answering_agent(
             inner = frame.batch.frames if frame.WhichOneof("frame") == "batch" else [frame]
             for each in inner:
                 if each.WhichOneof("frame") == "error":
-                    refusals.append(each.error.message)
+                    refusals.put_nowait(each.error.message)
                 if each.WhichOneof("frame") != "delivery":
                     continue
                 request = each.delivery.message
@@ -1499,7 +1499,7 @@ async def test_an_answer_the_broker_cannot_read_reaches_the_requester_as_an_erro
     """An agent that is no SDK answers with a frame the broker cannot read into a message:
     the agent hears why, and so does its requester, at once (an AgentError, not a timeout at
     its deadline); the request is settled, not delivered again."""
-    refusals: list[str] = []
+    refusals: asyncio.Queue[str] = asyncio.Queue()
     async with mesh.client("Asker") as asker:
         await asker.register("Raw")
         answering = asyncio.create_task(
@@ -1511,9 +1511,11 @@ async def test_an_answer_the_broker_cannot_read_reaches_the_requester_as_an_erro
             assert info.value.message.startswith("Raw's answer was refused: ")
             assert said in info.value.message
             assert info.value.reason == "VALIDATION_FAILED"
-            assert len(refusals) == 1 and said in refusals[0]
+            # (the two hear it on two streams: the agent's may come in after the requester's)
+            assert said in await asyncio.wait_for(refusals.get(), 10)
             view = (await asker.queue_stats("Raw")).for_agent("Raw")
             assert view is not None and (view.depth, view.in_flight) == (0, 0)
+            assert refusals.empty()  # refused once, not delivered and answered again
         finally:
             answering.cancel()
             with contextlib.suppress(asyncio.CancelledError):
