@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncGenerator, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from gateway.patterns._common import GATEWAY_ID
-from mesh.client import MeshClient
 from mesh.codec import message_size
 from mesh.core import workflows
 from mesh.core.broker import Broker, GatherItem
 from mesh.core.model import AgentInfo, Message, utc_now
+
+if TYPE_CHECKING:  # (the patterns import this module: they are not to load gRPC)
+    from mesh.client import MeshClient
 
 
 class Dispatcher(Protocol):

@@ -3,59 +3,168 @@
 The pieces most programs need::
 
     from mesh import connect, Agent, agent, serve, Message, Priority
+
+Each is imported when first asked for (PEP 562), so that importing the pure core
+(``mesh.core``) or the gateway's patterns does not load gRPC and the SDK with them.
 """
 
+import importlib as _importlib
 import os as _os
+import sys as _sys
+import types as _types
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
 
 # gRPC's core writes some INFO lines of its own to stderr ("Got goaway" when a peer closes a
 # connection): not JSON, they break the mesh's JSON-lines log for whatever reads it. Errors
 # only, unless the environment says otherwise; it must be set before grpc is first imported.
 _os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
-from mesh.agent import Agent, AgentContext, AgentServer, ServedAgents, agent, on, serve, serve_all
-from mesh.client import AgentClient, MeshClient, Received, RetryPolicy, connect
-from mesh.config import BrokerConfig, SecurityConfig, ServerConfig
-from mesh.core import (
-    BROADCAST_TARGET,
-    AgentCard,
-    AgentError,
-    AgentInfo,
-    AgentNotFoundError,
-    Broker,
-    BrokerUnavailableError,
-    ChangeKind,
-    ConflictResolutionError,
-    DeadLetter,
-    Delivery,
-    DeliveryMode,
-    Handoff,
-    HandoffError,
-    LockNotHeldError,
-    MeshError,
-    Message,
-    MessageIdTakenError,
-    MessageQueueFullError,
-    MessageTooLargeError,
-    MessageType,
-    MessageValidationError,
-    MultiAgentCommunicationError,
-    NotFoundError,
-    PermissionDeniedError,
-    Priority,
-    RequestTimeoutError,
-    RoutingError,
-    StateChange,
-    StateConflictError,
-    StateEntry,
-    StateLock,
-    StatePage,
-    Tool,
-    UnauthenticatedError,
-    UnhandledActionError,
-    negotiation,
-)
-from mesh.server import serve_broker
-from mesh.testing import LocalMesh
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "mesh.agent": (
+        "Agent",
+        "AgentContext",
+        "AgentServer",
+        "ServedAgents",
+        "agent",
+        "on",
+        "serve",
+        "serve_all",
+    ),
+    "mesh.client": ("AgentClient", "MeshClient", "Received", "RetryPolicy", "connect"),
+    "mesh.config": ("BrokerConfig", "SecurityConfig", "ServerConfig"),
+    "mesh.core": (
+        "BROADCAST_TARGET",
+        "AgentCard",
+        "AgentError",
+        "AgentInfo",
+        "AgentNotFoundError",
+        "Broker",
+        "BrokerUnavailableError",
+        "ChangeKind",
+        "ConflictResolutionError",
+        "DeadLetter",
+        "Delivery",
+        "DeliveryMode",
+        "Handoff",
+        "HandoffError",
+        "LockNotHeldError",
+        "MeshError",
+        "Message",
+        "MessageIdTakenError",
+        "MessageQueueFullError",
+        "MessageTooLargeError",
+        "MessageType",
+        "MessageValidationError",
+        "MultiAgentCommunicationError",
+        "NotFoundError",
+        "PermissionDeniedError",
+        "Priority",
+        "RequestTimeoutError",
+        "RoutingError",
+        "StateChange",
+        "StateConflictError",
+        "StateEntry",
+        "StateLock",
+        "StatePage",
+        "Tool",
+        "UnauthenticatedError",
+        "UnhandledActionError",
+        "negotiation",
+    ),
+    "mesh.server": ("serve_broker",),
+    "mesh.testing": ("LocalMesh",),
+}
+"""Where each name of the package lives, by module."""
+_HOME = {name: module for module, names in _EXPORTS.items() for name in names}
+
+if _TYPE_CHECKING:
+    from mesh.agent import (
+        Agent,
+        AgentContext,
+        AgentServer,
+        ServedAgents,
+        agent,
+        on,
+        serve,
+        serve_all,
+    )
+    from mesh.client import AgentClient, MeshClient, Received, RetryPolicy, connect
+    from mesh.config import BrokerConfig, SecurityConfig, ServerConfig
+    from mesh.core import (
+        BROADCAST_TARGET,
+        AgentCard,
+        AgentError,
+        AgentInfo,
+        AgentNotFoundError,
+        Broker,
+        BrokerUnavailableError,
+        ChangeKind,
+        ConflictResolutionError,
+        DeadLetter,
+        Delivery,
+        DeliveryMode,
+        Handoff,
+        HandoffError,
+        LockNotHeldError,
+        MeshError,
+        Message,
+        MessageIdTakenError,
+        MessageQueueFullError,
+        MessageTooLargeError,
+        MessageType,
+        MessageValidationError,
+        MultiAgentCommunicationError,
+        NotFoundError,
+        PermissionDeniedError,
+        Priority,
+        RequestTimeoutError,
+        RoutingError,
+        StateChange,
+        StateConflictError,
+        StateEntry,
+        StateLock,
+        StatePage,
+        Tool,
+        UnauthenticatedError,
+        UnhandledActionError,
+        negotiation,
+    )
+    from mesh.server import serve_broker
+    from mesh.testing import LocalMesh
+
+
+def __getattr__(name: str) -> _Any:
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    owner = _importlib.import_module(module)
+    value = (
+        getattr(owner, name)
+        if hasattr(owner, name)
+        else _importlib.import_module(f"{module}.{name}")  # a submodule (negotiation)
+    )
+    globals()[name] = value  # (asked once: the next lookup finds it here)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOME})
+
+
+class _Package(_types.ModuleType):
+    """The package, whose names win over its submodules of the same name: ``mesh.agent`` is
+    the decorator, not the module ``mesh.agent``, whichever import loads that module (the
+    import system binds a submodule onto its package as it loads it)."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if isinstance(value, _types.ModuleType) and _HOME.get(name) == value.__name__:
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Package
+
 
 __all__ = [
     "BROADCAST_TARGET",
