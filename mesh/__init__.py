@@ -20,64 +20,6 @@ from typing import Any as _Any
 # only, unless the environment says otherwise; it must be set before grpc is first imported.
 _os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
-_EXPORTS: dict[str, tuple[str, ...]] = {
-    "mesh.agent": (
-        "Agent",
-        "AgentContext",
-        "AgentServer",
-        "ServedAgents",
-        "agent",
-        "on",
-        "serve",
-        "serve_all",
-    ),
-    "mesh.client": ("AgentClient", "MeshClient", "Received", "RetryPolicy", "connect"),
-    "mesh.config": ("BrokerConfig", "SecurityConfig", "ServerConfig"),
-    "mesh.core": (
-        "BROADCAST_TARGET",
-        "AgentCard",
-        "AgentError",
-        "AgentInfo",
-        "AgentNotFoundError",
-        "Broker",
-        "BrokerUnavailableError",
-        "ChangeKind",
-        "ConflictResolutionError",
-        "DeadLetter",
-        "Delivery",
-        "DeliveryMode",
-        "Handoff",
-        "HandoffError",
-        "LockNotHeldError",
-        "MeshError",
-        "Message",
-        "MessageIdTakenError",
-        "MessageQueueFullError",
-        "MessageTooLargeError",
-        "MessageType",
-        "MessageValidationError",
-        "MultiAgentCommunicationError",
-        "NotFoundError",
-        "PermissionDeniedError",
-        "Priority",
-        "RequestTimeoutError",
-        "RoutingError",
-        "StateChange",
-        "StateConflictError",
-        "StateEntry",
-        "StateLock",
-        "StatePage",
-        "Tool",
-        "UnauthenticatedError",
-        "UnhandledActionError",
-        "negotiation",
-    ),
-    "mesh.server": ("serve_broker",),
-    "mesh.testing": ("LocalMesh",),
-}
-"""Where each name of the package lives, by module."""
-_HOME = {name: module for module, names in _EXPORTS.items() for name in names}
-
 if _TYPE_CHECKING:
     from mesh.agent import (
         Agent,
@@ -134,22 +76,24 @@ if _TYPE_CHECKING:
     from mesh.testing import LocalMesh
 
 
+_HOMES = ("mesh.core", "mesh.config", "mesh.client", "mesh.agent", "mesh.server", "mesh.testing")
+"""Where the names of ``__all__`` live, in the order they are looked for: the pure core's
+first, whose names load no gRPC."""
+
+
 def __getattr__(name: str) -> _Any:
-    module = _HOME.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    owner = _importlib.import_module(module)
-    value = (
-        getattr(owner, name)
-        if hasattr(owner, name)
-        else _importlib.import_module(f"{module}.{name}")  # a submodule (negotiation)
-    )
-    globals()[name] = value  # (asked once: the next lookup finds it here)
-    return value
+    if name in __all__:
+        for home in _HOMES:
+            module = _importlib.import_module(home)
+            if name in vars(module):
+                value = vars(module)[name]
+                globals()[name] = value  # (found once: the next lookup finds it here)
+                return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOME})
+    return sorted({*globals(), *__all__})
 
 
 class _Package(_types.ModuleType):
@@ -158,7 +102,11 @@ class _Package(_types.ModuleType):
     import system binds a submodule onto its package as it loads it)."""
 
     def __setattr__(self, name: str, value: object) -> None:
-        if isinstance(value, _types.ModuleType) and _HOME.get(name) == value.__name__:
+        if (
+            name in __all__
+            and isinstance(value, _types.ModuleType)
+            and value.__name__ == f"{__name__}.{name}"
+        ):
             value = getattr(value, name)
         super().__setattr__(name, value)
 

@@ -4,6 +4,7 @@ Nothing here imports gRPC; the transport in :mod:`mesh.server` and :mod:`mesh.cl
 translates to and from it.
 """
 
+from mesh.core import negotiation
 from mesh.core.broker import BroadcastOutcome, Broker, SendOutcome, Subscription
 from mesh.core.errors import (
     AgentError,
@@ -90,4 +91,5 @@ __all__ = [
     "Tool",
     "UnauthenticatedError",
     "UnhandledActionError",
+    "negotiation",
 ]

@@ -3,9 +3,12 @@ name `mesh` offers, each from where it lives."""
 
 from __future__ import annotations
 
+import ast
+import importlib
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -46,42 +49,43 @@ def test_the_pure_core_and_the_patterns_load_no_grpc(module: str) -> None:
     assert "mesh.client" not in loaded and "mesh.server" not in loaded
 
 
-def test_every_name_mesh_offers_is_the_one_of_its_module() -> None:
-    import mesh.agent
-    import mesh.client
-    import mesh.core
-    import mesh.core.negotiation
-    import mesh.server
-    import mesh.testing
+def _declared() -> dict[str, str]:
+    """Each name `mesh` declares (its imports for type checkers), by the module it names."""
+    tree = ast.parse(Path(mesh.__file__).read_text())
+    declared = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mesh."):
+            declared.update({alias.name: node.module for alias in node.names if node.module})
+    return declared
 
-    assert mesh.connect is mesh.client.connect
-    assert mesh.Agent is sys.modules["mesh.agent"].Agent
-    assert mesh.Message is mesh.core.Message
-    assert mesh.serve_broker is mesh.server.serve_broker
-    assert mesh.LocalMesh is mesh.testing.LocalMesh
-    assert mesh.negotiation is mesh.core.negotiation
-    for name in mesh.__all__:
-        assert getattr(mesh, name) is not None
+
+def test_every_name_mesh_offers_is_the_one_it_declares() -> None:
+    declared = _declared()
+    assert sorted(declared) == sorted(mesh.__all__)
+    for name, module in declared.items():
+        assert getattr(mesh, name) is getattr(importlib.import_module(module), name), name
     assert set(mesh.__all__) <= set(dir(mesh))
 
 
 def test_mesh_agent_is_the_decorator_whoever_loaded_the_module() -> None:
     """``mesh.agent`` names a module and the decorator both: the decorator it is, in a fresh
-    interpreter whichever way the module ``mesh.agent`` was loaded."""
+    interpreter whichever way the module ``mesh.agent`` was loaded; every other submodule is
+    itself."""
     for first in ("import mesh.agent", "from mesh import LocalMesh", "from mesh import Agent", ""):
         out = subprocess.run(
             [
                 sys.executable,
                 "-c",
                 f"{first}\nimport sys, mesh\nfrom mesh import agent\n"
-                "m = sys.modules['mesh.agent']\n"
-                "print(agent is mesh.agent is m.agent, type(agent).__name__)",
+                "m = sys.modules['mesh.agent']\nimport mesh.redis_store, mesh.codec\n"
+                "print(agent is mesh.agent is m.agent, type(agent).__name__,"
+                " mesh.redis_store.__name__, mesh.codec.__name__)",
             ],
             check=True,
             capture_output=True,
             text=True,
         )
-        assert out.stdout.split() == ["True", "function"], first
+        assert out.stdout.split() == ["True", "function", "mesh.redis_store", "mesh.codec"], first
 
 
 def test_a_name_mesh_does_not_offer_is_an_attribute_error() -> None:
