@@ -833,6 +833,14 @@ class Broker:
         self._as_kept(agent_id, saved)
         return True
 
+    async def _require_registered(self, agent_id: str) -> AgentInfo:
+        """The agent's registration, one made through another replica a moment ago included;
+        AgentNotFoundError when it has none."""
+        named(agent_id)
+        if agent_id not in self.registry:
+            await self._load_registration(agent_id)
+        return self.registry.require(agent_id)
+
     def list_agents(self, agent_type: str = "") -> list[AgentInfo]:
         return self.registry.agents(agent_type)
 
@@ -1647,7 +1655,7 @@ class Broker:
         subscriber's own server, as it registered it), the subscription holds that instance
         among the agent's instances: if it ends while the broker still runs and the instance
         has not left (its process died, its connection was lost), the instance is taken off."""
-        self.registry.require(agent_id)
+        await self._require_registered(agent_id)
         if max_in_flight < 0 or max_in_flight > self.config.max_in_flight_limit:
             raise MessageValidationError(
                 f"max_in_flight must be within 0..{self.config.max_in_flight_limit}",
@@ -2049,7 +2057,11 @@ class Broker:
     # -- reading -----------------------------------------------------------------------------
 
     async def queue_stats(self, agent_id: str = "") -> tuple[list[AgentQueueStats], Totals]:
-        if agent_id and agent_id not in self.registry:
+        if (
+            agent_id
+            and agent_id not in self.registry
+            and not await self._load_registration(agent_id)
+        ):
             stats = [s for s in await self.store.stats(agent_id) if s.depth or s.in_flight]
             if not stats:
                 raise AgentNotFoundError(f"agent {agent_id} is not registered")

@@ -25,7 +25,7 @@ from mesh.client import NO_RETRY
 from mesh.config import BrokerConfig
 from mesh.core import broker as broker_module
 from mesh.core.broker import Broker
-from mesh.core.errors import RequestTimeoutError
+from mesh.core.errors import AgentNotFoundError, RequestTimeoutError
 from mesh.core.model import AgentInfo
 from mesh.redis_store import RedisQueueStore
 from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
@@ -391,6 +391,28 @@ async def test_a_release_the_subscriptions_replica_never_heard_of_frees_its_plac
             b.on_followed_again()  # (as its store calls it once subscribed again)
         assert (await asyncio.wait_for(second, 5)).message.action == "two"
         await sub.close()
+
+
+async def test_a_replica_that_has_not_heard_of_a_registration_finds_it_in_redis(
+    one_redis: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent registered through replica A a moment ago, before B heard of it (here B
+    hears nothing of the registry at all): through B it is registered all the same, as Redis
+    keeps it, for its queue's stats, a subscription and a send. Before, B said it was not
+    registered to the first two. An agent nobody registered is still not found."""
+    async with running(replica(one_redis), replica(one_redis)) as (a, b):
+        monkeypatch.setattr(b, "on_agent_changed", lambda agent_id, info: None)
+        await a.register(AgentInfo(agent_id="Fresh"))
+        [stats], _ = await b.queue_stats("Fresh")
+        assert (stats.queue.agent_id, stats.queue.depth, stats.subscribers) == ("Fresh", 0, 0)
+        sub = await b.subscribe("Fresh")
+        await b.send(Message(from_agent="S", to_agent="Fresh", content={"action": "hello"}))
+        assert (await asyncio.wait_for(sub.next(), 5)).message.action == "hello"
+        await sub.close()
+        with pytest.raises(AgentNotFoundError, match="agent Nobody is not registered"):
+            await b.queue_stats("Nobody")
+        with pytest.raises(AgentNotFoundError, match="agent Nobody is not registered"):
+            await b.subscribe("Nobody")
 
 
 async def test_the_instances_a_dead_replica_held_are_taken_off_by_the_other(
