@@ -183,6 +183,25 @@ class Broker:
     def turn(self) -> int:
         return self.turns.randrange(self.replicas)
 
+    async def heard(self, clients: list[Any], agent_id: str, required: Any = None) -> None:
+        """Waits for every replica to have heard that the agent registered (requiring
+        ``required``) or, with ``required`` None, left: a change made through one replica
+        holds through the others once they hear of it, a moment later (the client that
+        made it is told before they do)."""
+        if self.replicas == 1:
+            return
+
+        def holds(agents: list[Any]) -> bool:
+            found = [a for a in agents if a.agent_id == agent_id]
+            if required is None:
+                return not found
+            return bool(found) and found[0].required_fields == tuple(required)
+
+        async with asyncio.timeout(10):
+            for client in clients:
+                while not holds(await client.list_agents()):  # noqa: ASYNC110
+                    await asyncio.sleep(0.005)
+
     async def stop(self) -> None:
         for mesh in self.meshes:
             await mesh.stop()
@@ -204,6 +223,8 @@ async def run(program: list[tuple[Any, ...]], broker: Broker) -> list[Any]:
         for agent_id, agent_type in AGENTS.items():
             await client.register(agent_id, agent_types=[agent_type])
         await client.register("sender", agent_types=["sender"])
+        for agent_id in [*AGENTS, "sender"]:
+            await broker.heard(clients, agent_id, ())
         for number, (kind, *args) in enumerate(program):
             client = clients[broker.turn()]
             try:
@@ -270,11 +291,13 @@ async def run(program: list[tuple[Any, ...]], broker: Broker) -> list[Any]:
                     seen.append((requeued.requeued, requeued.left))
                 elif kind == "deregister":
                     await client.deregister(args[0])
+                    await broker.heard(clients, args[0])
                     seen.append("deregistered")
                 elif kind == "register":
                     await client.register(
                         args[0], agent_types=[AGENTS[args[0]]], required_fields=args[1]
                     )
+                    await broker.heard(clients, args[0], args[1])
                     seen.append("registered")
                 elif kind == "handoff":
                     sent = await client.handoff(
