@@ -833,12 +833,16 @@ class Broker:
         self._as_kept(agent_id, saved)
         return True
 
+    async def _is_registered(self, agent_id: str) -> bool:
+        """Whether the agent is registered, through another replica a moment ago included
+        (looked up in the store only when this replica does not know it)."""
+        return agent_id in self.registry or await self._load_registration(agent_id)
+
     async def _require_registered(self, agent_id: str) -> AgentInfo:
-        """The agent's registration, one made through another replica a moment ago included;
-        AgentNotFoundError when it has none."""
+        """The agent's registration (see :meth:`_is_registered`); AgentNotFoundError when it
+        has none."""
         named(agent_id)
-        if agent_id not in self.registry:
-            await self._load_registration(agent_id)
+        await self._is_registered(agent_id)
         return self.registry.require(agent_id)
 
     def list_agents(self, agent_type: str = "") -> list[AgentInfo]:
@@ -1379,11 +1383,7 @@ class Broker:
         if agent_ids:
             targets = list(dict.fromkeys(agent_ids))
             if all_or_none:
-                unknown = [
-                    a
-                    for a in targets
-                    if a not in self.registry and not await self._load_registration(a)
-                ]
+                unknown = [a for a in targets if not await self._is_registered(a)]
                 if unknown:
                     raise AgentNotFoundError(
                         f"agent {unknown[0]} is not registered"
@@ -1405,8 +1405,7 @@ class Broker:
             refused: list[GatherItem] = []
             for agent_id in targets:
                 try:
-                    known = agent_id in self.registry or await self._load_registration(agent_id)
-                    if not known:
+                    if not await self._is_registered(agent_id):
                         raise AgentNotFoundError(f"agent {agent_id} is not registered")
                     self._refuse_if_no_instance(agent_id)
                     await self._enqueue(message.copy_to(agent_id), lifetime)
@@ -2057,11 +2056,7 @@ class Broker:
     # -- reading -----------------------------------------------------------------------------
 
     async def queue_stats(self, agent_id: str = "") -> tuple[list[AgentQueueStats], Totals]:
-        if (
-            agent_id
-            and agent_id not in self.registry
-            and not await self._load_registration(agent_id)
-        ):
+        if agent_id and not await self._is_registered(agent_id):
             stats = [s for s in await self.store.stats(agent_id) if s.depth or s.in_flight]
             if not stats:
                 raise AgentNotFoundError(f"agent {agent_id} is not registered")
