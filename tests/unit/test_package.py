@@ -29,15 +29,18 @@ PURE = [
 ]
 
 
+def _fresh(code: str) -> str:
+    """What a fresh interpreter running ``code`` prints."""
+    return subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    ).stdout
+
+
 def _loaded_after(module: str) -> list[str]:
     """The modules a fresh interpreter holds once it imported ``module``."""
-    out = subprocess.run(
-        [sys.executable, "-c", f"import json, sys, {module}; print(json.dumps(list(sys.modules)))"],
-        check=True,
-        capture_output=True,
-        text=True,
+    loaded: list[str] = json.loads(
+        _fresh(f"import json, sys, {module}; print(json.dumps(list(sys.modules)))")
     )
-    loaded: list[str] = json.loads(out.stdout)
     return loaded
 
 
@@ -55,7 +58,7 @@ def _declared() -> dict[str, str]:
     declared = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mesh."):
-            declared.update({alias.name: node.module for alias in node.names if node.module})
+            declared.update({alias.name: node.module for alias in node.names})
     return declared
 
 
@@ -72,20 +75,13 @@ def test_mesh_agent_is_the_decorator_whoever_loaded_the_module() -> None:
     interpreter whichever way the module ``mesh.agent`` was loaded; every other submodule is
     itself."""
     for first in ("import mesh.agent", "from mesh import LocalMesh", "from mesh import Agent", ""):
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                f"{first}\nimport sys, mesh\nfrom mesh import agent\n"
-                "m = sys.modules['mesh.agent']\nimport mesh.redis_store, mesh.codec\n"
-                "print(agent is mesh.agent is m.agent, type(agent).__name__,"
-                " mesh.redis_store.__name__, mesh.codec.__name__)",
-            ],
-            check=True,
-            capture_output=True,
-            text=True,
+        out = _fresh(
+            f"{first}\nimport sys, mesh\nfrom mesh import agent\n"
+            "m = sys.modules['mesh.agent']\nimport mesh.redis_store, mesh.codec\n"
+            "print(agent is mesh.agent is m.agent, type(agent).__name__,"
+            " mesh.redis_store.__name__, mesh.codec.__name__)"
         )
-        assert out.stdout.split() == ["True", "function", "mesh.redis_store", "mesh.codec"], first
+        assert out.split() == ["True", "function", "mesh.redis_store", "mesh.codec"], first
 
 
 def test_a_name_mesh_does_not_offer_is_an_attribute_error() -> None:
