@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -19,7 +21,7 @@ from agents.research.analysis import (
     resolve,
     topics_of,
 )
-from agents.research.corpus import split_pages
+from agents.research.corpus import snippet, split_pages
 from gateway.patterns.research import (
     Answers,
     analyze_query,
@@ -305,6 +307,47 @@ def test_splitting_pages_keeps_every_character_in_order(text: str, most: int) ->
     assert all(len(p) <= most for p in pages)
     assert "".join(pages) == text.replace("\f", "")
     assert len(pages) >= text.count("\f") + 1
+
+
+def test_a_snippet_shows_the_sentence_with_most_of_the_searched_words() -> None:
+    text = (
+        "Batteries were mentioned once here. "
+        + "Filler words go on and on. " * 10
+        + "The recycling rate of lithium batteries rose. "
+        + "More filler follows. " * 10
+    )
+    shown = snippet(text, ["recycling", "rate", "lithium", "batteries"], size=12)
+    assert shown.startswith("... The recycling rate of lithium batteries rose. More filler")
+    assert shown.endswith(" ...") and len(shown.split()) == 1 + 12 + 1
+    # A text shorter than the run is shown whole; none of the words: its beginning.
+    assert snippet("Lithium, mostly.", ["lithium"]) == "Lithium, mostly."
+    assert snippet("one two three four", ["five"], size=2) == "one two ..."
+    assert snippet(" .. ", ["x"]) == ""
+
+
+@given(
+    st.text(alphabet="abAB .\n", max_size=200),
+    st.sets(st.sampled_from(["a", "b", "ab", "ba", "aa"]), min_size=1),
+    st.integers(min_value=1, max_value=8),
+)
+def test_a_snippet_holds_as_many_searched_words_as_any_run_of_its_length(
+    text: str, words: set[str], size: int
+) -> None:
+    shown = snippet(text, words, size)
+    tokens = re.findall(r"[^\W_]+", text)
+    if not tokens:
+        assert shown == ""
+        return
+    cut = shown.removeprefix("... ").removesuffix(" ...")
+    assert cut in text
+    runs = [tokens[i : i + size] for i in range(max(1, len(tokens) - size + 1))]
+    most = max(len({t.lower() for t in run} & words) for run in runs)
+    assert re.findall(r"[^\W_]+", cut) in runs
+    assert len({t.lower() for t in re.findall(r"[^\W_]+", cut)} & words) == most
+    if not shown.startswith("... "):  # (where no "..." is shown, the text does not go on)
+        assert text.lstrip(" .\n").startswith(cut)
+    if not shown.endswith(" ..."):
+        assert text.rstrip(" .\n").endswith(cut.rstrip(" .\n"))
 
 
 def test_a_claim_said_again_by_its_source_is_one_finding() -> None:
