@@ -91,6 +91,9 @@ class MemoryStream:
     def cancel(self) -> bool:
         return True
 
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        """(The stream never ends with a status: nothing to call back.)"""
+
     async def done_writing(self) -> None:
         self.inbox.put_nowait(grpc.aio.EOF)  # the other side ends the stream in turn
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import NoReturn
+from collections.abc import Awaitable, Callable
+from typing import Any, NoReturn
 
 import grpc
 from google.protobuf import any_pb2
@@ -51,6 +52,70 @@ def _pack(detail: object) -> any_pb2.Any:
 async def abort(context: grpc.aio.ServicerContext, error: MeshError) -> NoReturn:  # type: ignore[type-arg]
     await context.abort_with_status(rpc_status.to_status(to_rpc_status(error)))
     raise AssertionError("unreachable")  # abort_with_status always raises
+
+
+CORE_INTERNAL = "Internal error from Core"
+"""The details of the status grpc.aio gives a call itself when an operation of it fails."""
+
+
+def _is_core_internal(error: grpc.RpcError) -> bool:
+    return bool(error.code() is grpc.StatusCode.INTERNAL and error.details() == CORE_INTERNAL)
+
+
+def _status_now(call: Any) -> grpc.aio.AioRpcError | None:
+    """The status of a grpc.aio call that has one, read at once (its accessors are coroutines
+    that return without waiting once it is set); None when it has none, or it is OK."""
+    readers: tuple[Callable[[], Awaitable[Any]], ...] = (
+        call.code,
+        call.details,
+        call.initial_metadata,
+        call.trailing_metadata,
+        call.debug_error_string,
+    )
+    values: list[Any] = []
+    for read in readers:
+        step: Any = read()
+        try:
+            step.send(None)
+        except StopIteration as done:
+            values.append(done.value)
+            continue
+        except Exception:
+            return None
+        step.close()  # (it would wait: the status is not there)
+        return None
+    code, details, initial, trailing, debug = values
+    if code is grpc.StatusCode.OK:
+        return None
+    return grpc.aio.AioRpcError(code, initial, trailing, details, debug)
+
+
+class PeerStatus:
+    """The status a streaming grpc.aio call ended with, as its peer sent it.
+
+    When a write fails because the call has just ended, grpc.aio replaces the status the peer
+    sent with INTERNAL "Internal error from Core" (grpc/grpc#36066): a broker's refusal of a
+    session as it opens (UNAUTHENTICATED, say) would read as a broken stream. This keeps the
+    status as it is first set (from the call's done-callback) and :meth:`of` gives it in place
+    of grpc's own."""
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self.first: grpc.aio.AioRpcError | None = None
+        call.add_done_callback(self._set)
+
+    def _set(self, call: Any) -> None:
+        if self.first is None:
+            self.first = _status_now(call)
+
+    def of(self, error: grpc.RpcError) -> grpc.RpcError:
+        """``error``, or the peer's status when ``error`` is grpc's stand-in for it."""
+        if not _is_core_internal(error):
+            return error
+        for status in (self.first, _status_now(self.call)):  # (as first set; as it is now)
+            if status is not None and not _is_core_internal(status):
+                return status
+        return error
 
 
 def has_rich_status(error: grpc.RpcError) -> bool:

@@ -31,7 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.trace import SpanKind, get_current_span
 
 from mesh import codec
-from mesh._status import from_rpc_error, has_rich_status
+from mesh._status import PeerStatus, from_rpc_error, has_rich_status
 from mesh.config import DEFAULT_LEASE_SECONDS, MAX_TTL, RETRY_BACKOFF_SECONDS, SecurityConfig
 from mesh.core import negotiation, workflows
 from mesh.core.errors import (
@@ -300,6 +300,7 @@ class _Session:
         # has ready while a write is in flight go out together as one `batch` frame too.
         call: Any = stub.Connect(metadata=((BATCH_HEADER, "1"),))  # type: ignore[call-arg]
         self._call = call
+        self._status = PeerStatus(call)
         self._writer: FrameWriter[broker_pb2.ConnectRequest] = FrameWriter(
             call.write,
             _request_batch,
@@ -329,7 +330,8 @@ class _Session:
                         await self._take(inner)
                 else:
                     await self._take(frame)
-        except grpc.RpcError as error:
+        except grpc.RpcError as raised:
+            error = self._status.of(raised)
             failure = from_rpc_error(error)
             if failure.code == "CANCELLED" and self.closed:
                 failure = SessionClosedError("the session was closed")
@@ -407,7 +409,7 @@ class _Session:
         try:
             await self._writer.write(frame)
         except grpc.RpcError as error:
-            raise from_rpc_error(error) from None
+            raise from_rpc_error(self._status.of(error)) from None
         except asyncio.InvalidStateError:
             await asyncio.sleep(0)  # let the reader record why the stream ended
             raise self.failure or BrokerUnavailableError("the session ended") from None

@@ -8,9 +8,11 @@ handshake fails. Health and reflection stay open, as balancers and tools expect.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -31,8 +33,8 @@ from mesh import (
     agent,
 )
 from mesh.certs import write_dev_certificates
-from mesh.client import NO_RETRY
-from mesh.core.errors import BrokerUnavailableError
+from mesh.client import NO_RETRY, _Session
+from mesh.core.errors import BrokerUnavailableError, MeshError
 from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
 
 PAYMENT_TOKEN = "payment-token-0123456789"
@@ -107,6 +109,29 @@ async def test_calls_without_a_valid_credential_are_unauthenticated(
     logged = "\n".join(r.getMessage() + json.dumps(getattr(r, "event", {})) for r in caplog.records)
     assert "refused" in logged
     assert "not-the-token-at-all-123" not in logged and PAYMENT_TOKEN not in logged
+
+
+async def test_a_session_refused_while_it_writes_reports_the_brokers_status(
+    token_mesh: LocalMesh,
+) -> None:
+    """The broker refuses a session without a valid credential as it opens, while the client
+    may still be writing its first frames. grpc.aio then reports INTERNAL "Internal error from
+    Core" in place of the status the broker sent (grpc/grpc#36066); the SDK's session reports
+    the broker's, UNAUTHENTICATED, not a broken stream (which it would try again)."""
+    failures: Counter[str] = Counter()
+    async with grpc.aio.insecure_channel(token_mesh.address) as channel:
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        for _ in range(100):
+            session = _Session(stub)
+            with contextlib.suppress(MeshError):
+                for seq in range(1, 6):  # (as frames follow one another on a busy session)
+                    await session.write(broker_pb2.ConnectRequest(seq=seq))
+            await asyncio.wait([session._reader], timeout=10)
+            assert session.failure is not None
+            failures[f"{session.failure.code}: {session.failure.message}"] += 1
+    assert failures == {
+        "UNAUTHENTICATED: credentials required: a bearer token in the authorization metadata": 100
+    }
 
 
 async def test_an_agent_acts_only_as_itself(token_mesh: LocalMesh) -> None:
