@@ -16,7 +16,6 @@ import contextvars
 import logging
 import ssl
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -269,45 +268,55 @@ def authenticator_for(config: SecurityConfig) -> Authenticator | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class _Token:
-    token: str
+class _WithToken:
+    """A channel's multi-callable that adds the bearer token to the metadata of each call."""
 
-    def metadata(self, call_details: Any) -> Any:
-        extra = [("authorization", f"Bearer {self.token}")]
-        return [*(call_details.metadata or ()), *extra]
+    def __init__(self, call: Any, token: tuple[str, str]) -> None:
+        self._call = call
+        self._token = token
 
-
-class _UU(grpc.aio.UnaryUnaryClientInterceptor):
-    def __init__(self, token: _Token) -> None:
-        self.token = token
-
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(details._replace(metadata=self.token.metadata(details)), request)
+    def __call__(self, *args: Any, metadata: Any = None, **kwargs: Any) -> Any:
+        return self._call(*args, metadata=(*(metadata or ()), self._token), **kwargs)
 
 
-class _US(grpc.aio.UnaryStreamClientInterceptor):
-    def __init__(self, token: _Token) -> None:
-        self.token = token
+class _TokenChannel(grpc.aio.Channel):
+    """A channel that sends the bearer token with every call. (Client interceptors would do
+    it through grpc.aio's interceptor machinery, which puts a task and a queue between a
+    stream and its writes, and leaves them pending behind a call refused as it opens.)"""
 
-    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(details._replace(metadata=self.token.metadata(details)), request)
+    def __init__(self, channel: grpc.aio.Channel, token: str) -> None:
+        self._channel = channel
+        self._token = ("authorization", f"Bearer {token}")
 
+    async def __aenter__(self) -> _TokenChannel:
+        return self
 
-class _SU(grpc.aio.StreamUnaryClientInterceptor):
-    def __init__(self, token: _Token) -> None:
-        self.token = token
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._channel.close()
 
-    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return await continuation(details._replace(metadata=self.token.metadata(details)), requests)
+    async def close(self, grace: float | None = None) -> None:
+        await self._channel.close(grace)
 
+    def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
+        return self._channel.get_state(try_to_connect)
 
-class _SS(grpc.aio.StreamStreamClientInterceptor):
-    def __init__(self, token: _Token) -> None:
-        self.token = token
+    async def wait_for_state_change(self, last_observed_state: grpc.ChannelConnectivity) -> None:
+        await self._channel.wait_for_state_change(last_observed_state)
 
-    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return await continuation(details._replace(metadata=self.token.metadata(details)), requests)
+    async def channel_ready(self) -> None:
+        await self._channel.channel_ready()
+
+    def unary_unary(self, *args: Any, **kwargs: Any) -> Any:
+        return _WithToken(self._channel.unary_unary(*args, **kwargs), self._token)
+
+    def unary_stream(self, *args: Any, **kwargs: Any) -> Any:
+        return _WithToken(self._channel.unary_stream(*args, **kwargs), self._token)
+
+    def stream_unary(self, *args: Any, **kwargs: Any) -> Any:
+        return _WithToken(self._channel.stream_unary(*args, **kwargs), self._token)
+
+    def stream_stream(self, *args: Any, **kwargs: Any) -> Any:
+        return _WithToken(self._channel.stream_stream(*args, **kwargs), self._token)
 
 
 def open_channel(
@@ -320,10 +329,6 @@ def open_channel(
     if problem is not None:
         raise MeshError(problem, code="INVALID_ARGUMENT", reason="BAD_ADDRESS")
     config = config or SecurityConfig()
-    interceptors: list[Any] = []
-    if config.token:
-        token = _Token(config.token)
-        interceptors = [_UU(token), _US(token), _SU(token), _SS(token)]
     opts = list(options)
     if config.tls_server_name:
         opts.append(("grpc.ssl_target_name_override", config.tls_server_name))
@@ -333,7 +338,7 @@ def open_channel(
             private_key=_read(config.tls_client_key) if config.tls_client_key else None,
             certificate_chain=_read(config.tls_client_cert) if config.tls_client_cert else None,
         )
-        return grpc.aio.secure_channel(
-            target, credentials, options=opts, interceptors=interceptors or None
-        )
-    return grpc.aio.insecure_channel(target, options=opts, interceptors=interceptors or None)
+        channel = grpc.aio.secure_channel(target, credentials, options=opts)
+    else:
+        channel = grpc.aio.insecure_channel(target, options=opts)
+    return _TokenChannel(channel, config.token) if config.token else channel

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -132,6 +133,26 @@ async def test_a_session_refused_while_it_writes_reports_the_brokers_status(
     assert failures == {
         "UNAUTHENTICATED: credentials required: a bearer token in the authorization metadata": 100
     }
+
+
+async def test_a_refused_client_leaves_no_task_or_stream_behind(token_mesh: LocalMesh) -> None:
+    """A client with a token the broker refuses gets UNAUTHENTICATED and, once closed, leaves
+    nothing running: no pending task, no unretrieved error for asyncio to complain of."""
+    complaints: list[str] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, context: complaints.append(context["message"]))
+    try:
+        for _ in range(20):
+            wrong = as_(token_mesh, "PaymentAgent", token="not-the-token-at-all-123")
+            with pytest.raises(UnauthenticatedError, match="token is not valid"):
+                await wrong.send("PaymentAgent", {"action": "pay"})
+            await wrong.close()
+        await asyncio.sleep(0.1)
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(None)
+    assert complaints == []
 
 
 async def test_an_agent_acts_only_as_itself(token_mesh: LocalMesh) -> None:
