@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
@@ -80,7 +81,7 @@ def _status_now(call: Any) -> grpc.aio.AioRpcError | None:
         except StopIteration as done:
             values.append(done.value)
             continue
-        except Exception:
+        except (Exception, asyncio.CancelledError):
             return None
         step.close()  # (it would wait: the status is not there)
         return None
