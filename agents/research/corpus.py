@@ -58,24 +58,23 @@ def snippet(text: str, words: Collection[str], size: int = SNIPPET_TOKENS) -> st
     if not tokens:
         return ""
     wanted = set(words)
-    hits = [i for i, token in enumerate(tokens) if token[0].lower() in wanted]
+    hits = [(i, word) for i, token in enumerate(tokens) if (word := token[0].lower()) in wanted]
     best, most = 0, 0
     within: dict[str, int] = {}  # the hits in the run from `first`: word -> count
     end = 0
-    for first in hits:
-        while end < len(hits) and hits[end] < first + size:
-            word = tokens[hits[end]][0].lower()
+    for first, first_word in hits:
+        while end < len(hits) and hits[end][0] < first + size:
+            word = hits[end][1]
             within[word] = within.get(word, 0) + 1
             end += 1
         if len(within) > most:
             best, most = first, len(within)
-        word = tokens[first][0].lower()
-        within[word] -= 1
-        if not within[word]:
-            del within[word]
+        within[first_word] -= 1
+        if not within[first_word]:
+            del within[first_word]
     # The run starts at the beginning of the sentence its first hit is in, when its last
     # hit still falls in it; otherwise a little before its first hit.
-    last = max((i for i in hits if best <= i < best + size), default=best)
+    last = max((i for i, _ in hits if best <= i < best + size), default=best)
     start = max(0, best - (size - 1 - (last - best)) // 2)
     for i in range(best, max(0, last - size + 1) - 1, -1):
         if i == 0 or _SENTENCE_END.search(text, tokens[i - 1].end(), tokens[i].start()):
