@@ -14,6 +14,12 @@ ones do), with at-least-once delivery as any subscription has it:
   (100 ms, 500 ms, 2 s), the dead-letter queue after the last; any other status (the
   agent refused the message: INVALID_ARGUMENT, UNIMPLEMENTED, ...) dead-letters it at once,
   its requester told why with an ERROR;
+- a server that refuses a message as not for the agent it serves (INVALID_ARGUMENT on
+  ``to_agent``, as the SDKs' servers answer) is not this instance's: the address it
+  registered with went to another agent (a pod's address given to another pod, a port to
+  another process). Nothing is dead-lettered and no attempt counted: what the subscription
+  held goes back to the queue for an instance of the agent, and this one is out of reach until
+  the server at its address takes the agent's messages again (tried after the backoff below);
 - while an instance's server cannot be reached, its subscription is closed (what it held goes
   back to the queue, counting no attempt the agent never saw) and opened again once the
   server answers, after the RT-011 backoff (100 ms, 500 ms, then 2 s).
@@ -213,6 +219,8 @@ class InstancePush:
         self._pushed = broker.metrics.pushes
         self.reached = False
         """Whether a call reached the server since the subscription opened."""
+        self.stranger: str | None = None
+        """While the server at the address serves another agent: what it said."""
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"push-{self.agent_id}@{self.address}")
@@ -252,7 +260,7 @@ class InstancePush:
                 if sub.ended_by is not None:
                     return  # (the agent left the registry: the reconcile forgets this push)
                 self.broker.instance_unreachable(self.agent_id, self.address)
-                failures = 0 if reached else failures + 1
+                failures = 0 if reached and self.stranger is None else failures + 1
                 await asyncio.sleep(
                     RETRY_BACKOFF_SECONDS[min(failures, len(RETRY_BACKOFF_SECONDS) - 1)]
                 )
@@ -273,7 +281,8 @@ class InstancePush:
                 "push to %s: its server at %s cannot be reached", self.agent_id, self.address
             )
             await channel.channel_ready()
-        self.broker.instance_reachable(self.agent_id, self.address)
+        if self.stranger is None:  # (otherwise, once it takes this agent's messages again)
+            self.broker.instance_reachable(self.agent_id, self.address)
 
     async def _serve(
         self,
@@ -301,6 +310,10 @@ class InstancePush:
             watch.cancel()
             keeper.cancel()
             await cancel_and_wait(pump)
+            if self.stranger is not None and self._calls:
+                # The server serves another agent: it refuses the calls in flight at once,
+                # and each goes back counting no attempt.
+                await asyncio.wait(list(self._calls.values()), timeout=CONNECT_PATIENCE)
             # The calls in flight may have reached the agent: each counts its attempt. The
             # others (refused UNAVAILABLE, or leased as the server went away) go back as if
             # never delivered.
@@ -378,18 +391,24 @@ class InstancePush:
                 self._calls.pop(message.message_id, None)
                 self._unreachable.set()
                 return
-            self.reached = True
             if error.code() in TRANSIENT:
+                self._reached_it()
                 await self._retry_later(delivery)
-            else:
-                await self._refused(message, from_rpc_error(error))
+                return
+            refused = from_rpc_error(error)
+            if _serves_another(refused):
+                self._calls.pop(message.message_id, None)  # (back counting no attempt)
+                self._met_stranger(refused.message)
+                return
+            self._reached_it()
+            await self._refused(message, refused)
             return
         except asyncio.CancelledError:  # withdrawn by its requester, or the push stopped
             _end_call(span, grpc.StatusCode.CANCELLED, "the call was cancelled")
             raise
         _end_call(span, grpc.StatusCode.OK)
         self._pushed.labels("OK").inc()
-        self.reached = True
+        self._reached_it()
         try:
             reply = _reply_from_pb(response)
         except MeshError as error:
@@ -397,6 +416,27 @@ class InstancePush:
             await self._refused(message, refused)
             return
         await self._settle(message, reply, response.ByteSize() if response is not None else 0)
+
+    def _reached_it(self) -> None:
+        """A call reached the agent's server (whatever it answered)."""
+        self.reached = True
+        if self.stranger is not None:
+            self.stranger = None
+            self.broker.instance_reachable(self.agent_id, self.address)
+            logger.info("push to %s: the server at %s serves it again", self.agent_id, self.address)
+
+    def _met_stranger(self, said: str) -> None:
+        """The server at the address refused a message as not for the agent it serves."""
+        if self.stranger is None:
+            logger.warning(
+                "push to %s: the server at %s is not its own (%s): the agent's messages wait in"
+                " its queue for an instance of it",
+                self.agent_id,
+                self.address,
+                said,
+            )
+        self.stranger = said
+        self._unreachable.set()
 
     def _call_span(self, message: Message) -> trace.Span | None:
         """A client span for the call when this process records the message's trace (its
@@ -520,6 +560,13 @@ def _reply_from_pb(response: agent_pb2.HandleMessageResponse | None) -> Message 
     if pb.message_type == message_pb2.MESSAGE_TYPE_UNSPECIFIED:
         pb.message_type = message_pb2.MESSAGE_TYPE_RESPONSE
     return codec.message_from_pb(pb, strict=True)
+
+
+def _serves_another(error: MeshError) -> bool:
+    """Whether a server's refusal says the message is not for the agent it serves."""
+    return error.code == "INVALID_ARGUMENT" and any(
+        violation.field == "to_agent" for violation in error.field_violations
+    )
 
 
 def _awaited(message: Message) -> bool:

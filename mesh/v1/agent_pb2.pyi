@@ -26,7 +26,11 @@ class HandleMessageRequest(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def message(self) -> _message_pb2.Message:
-        """The message; to_agent should be this agent's id."""
+        """The message; to_agent should be this agent's id. A server that serves another agent
+        answers INVALID_ARGUMENT with a google.rpc.BadRequest field violation on `to_agent` (in
+        the grpc-status-details-bin trailer), as the SDKs' servers do: the broker then keeps a
+        pushed message in the queue for an instance of its agent rather than dead-lettering it.
+        """
 
     def __init__(
         self,

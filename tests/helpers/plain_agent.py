@@ -4,7 +4,9 @@ broker pushes messages to it (DELIVERY_MODE_PUSH)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+import socket
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -52,6 +54,19 @@ async def start_plain(agent: PlainAgent, port: int = 0) -> tuple[grpc.aio.Server
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     return server, f"127.0.0.1:{bound}"
+
+
+@contextlib.contextmanager
+def port_kept(address: str) -> Iterator[int]:
+    """Around a server stopped to be started again on its port: keeps the port from being
+    handed to a server another test binds to port 0 meanwhile (the kernel gives out no port a
+    socket is bound to), by a socket bound beside the server's. It shares the port as gRPC's
+    servers do (SO_REUSEPORT), so the server binds it again beside it; it never listens."""
+    host, _, port = address.rpartition(":")
+    with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        held.bind((host, int(port)))
+        yield int(port)
 
 
 async def echo(message: message_pb2.Message, context: Any) -> message_pb2.Message:

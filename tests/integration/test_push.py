@@ -47,7 +47,7 @@ from mesh.config import BrokerConfig, SecurityConfig
 from mesh.v1 import agent_pb2_grpc, broker_pb2, broker_pb2_grpc, message_pb2
 from tests.helpers.health import NOT_SERVING, SERVING, watching
 from tests.helpers.node import start_node_example
-from tests.helpers.plain_agent import PlainAgent, echo, start_plain
+from tests.helpers.plain_agent import PlainAgent, echo, port_kept, start_plain
 from tests.helpers.processes import (
     BROKER_READY,
     free_port,
@@ -532,19 +532,19 @@ async def test_nothing_is_lost_or_counted_while_the_agents_server_is_away(
 ) -> None:
     agent = PlainAgent(echo)
     server, address = await start_plain(agent)
-    port = int(address.rpartition(":")[2])
     await register_push(mesh, "LedgerAgent", address)
     async with mesh.client("Cashier") as client:
         first = await client.request(
             "LedgerAgent", {"action": "post", "parameters": {"n": 0}}, timeout=10
         )
         assert first.content["echo"] == {"n": 0}
-        await server.stop(None)
-        for n in range(1, 4):
-            await client.send("LedgerAgent", {"action": "post", "parameters": {"n": n}})
-        await asyncio.sleep(3)  # the broker tries the server again, and again
-        assert len(agent.seen) == 1
-        server, _ = await start_plain(agent, port)
+        with port_kept(address) as port:
+            await server.stop(None)
+            for n in range(1, 4):
+                await client.send("LedgerAgent", {"action": "post", "parameters": {"n": n}})
+            await asyncio.sleep(3)  # the broker tries the server again, and again
+            assert len(agent.seen) == 1
+            server, _ = await start_plain(agent, port)
         try:
             await agent.until_seen(4)
             await asyncio.sleep(0.2)
@@ -558,29 +558,86 @@ async def test_nothing_is_lost_or_counted_while_the_agents_server_is_away(
     assert view is not None and view.depth == 0 and view.in_flight == 0
 
 
-async def test_an_agent_whose_server_is_gone_is_left_out_of_gathers_and_said_so(
-    mesh: LocalMesh,
+async def test_a_server_that_serves_another_agent_is_left_none_of_its_messages(
+    mesh: LocalMesh, caplog: pytest.LogCaptureFixture
 ) -> None:
-    agent = PlainAgent(echo)
-    server, address = await start_plain(agent)
-    port = int(address.rpartition(":")[2])
-    await register_push(mesh, "LedgerAgent", address)
+    """The address an instance registered with now serves another agent (the pod's address
+    given to another pod, the port to another process): its server refuses the agent's
+    messages as not its own. They wait in the queue for an instance of their agent, none
+    dead-lettered, and the instance is out of reach until its address serves it again."""
+    handled: list[Message] = []
+
+    @agent("TaxDesk")
+    async def taxes(message: Message, ctx: AgentContext) -> dict[str, Any]:
+        handled.append(message)
+        return {"rate": 0.2}
+
+    stranger = (await mesh.add_agent(taxes, delivery_mode="push")).address
+    await register_push(mesh, "LedgerAgent", stranger)
     async with mesh.client("Cashier") as client:
-        await client.request("LedgerAgent", {"action": "post", "parameters": {}}, timeout=10)
-        await server.stop(None)  # no call in flight: the broker finds it gone by itself
-        # A gather leaves it out at once, saying why, as soon as the broker knows.
+        for n in range(3):
+            await client.send("LedgerAgent", {"action": "post", "parameters": {"n": n}})
         async with asyncio.timeout(15):
             while True:
                 (item,) = await gathered(client, "LedgerAgent", timeout=0.5)
                 if item.error is not None and item.error.reason == "NO_INSTANCE":
                     break
-        assert "no instance of LedgerAgent can be reached" in item.error.message
-        assert address in item.error.message
-        assert await unreachable(mesh, "LedgerAgent") == 1
-        with pytest.raises(RequestTimeoutError, match="LedgerAgent can be reached"):
-            await client.request("LedgerAgent", {"action": "post"}, timeout=0.3)
-        # Back on its address: served again, the request sent meanwhile with it.
-        server, _ = await start_plain(agent, port)
+        await asyncio.sleep(2.5)  # (the broker tries that server again, and again)
+        waiting = await client.queue_stats("LedgerAgent")
+        dead_meanwhile = await client.dead_letters("LedgerAgent")
+        away = await unreachable(mesh, "LedgerAgent")
+        # LedgerAgent's own server is back at that address: it gets them all, each once.
+        ledger = PlainAgent(echo)
+        await mesh.stop_agent("TaxDesk")
+        server, _ = await start_plain(ledger, int(stranger.rpartition(":")[2]))
+        try:
+            await ledger.until_seen(3)
+            await asyncio.sleep(0.3)
+            dead = await client.dead_letters("LedgerAgent")
+            back = await unreachable(mesh, "LedgerAgent")
+        finally:
+            await server.stop(None)
+    assert item.error is not None and "no instance of LedgerAgent can be reached" in (
+        item.error.message
+    )
+    view = waiting.for_agent("LedgerAgent")
+    assert view is not None and view.depth == 3
+    assert dead_meanwhile == [] and dead == []
+    assert away == 1 and back == 0
+    assert sorted(m.content["parameters"]["n"] for m in ledger.seen) == [0, 1, 2]
+    assert len(ledger.seen) == 3
+    assert handled == []
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any(
+        f"the server at {stranger} is not its own (this server serves TaxDesk, not LedgerAgent)"
+        in w
+        for w in warned
+    ), warned
+
+
+async def test_an_agent_whose_server_is_gone_is_left_out_of_gathers_and_said_so(
+    mesh: LocalMesh,
+) -> None:
+    agent = PlainAgent(echo)
+    server, address = await start_plain(agent)
+    await register_push(mesh, "LedgerAgent", address)
+    async with mesh.client("Cashier") as client:
+        await client.request("LedgerAgent", {"action": "post", "parameters": {}}, timeout=10)
+        with port_kept(address) as port:
+            await server.stop(None)  # no call in flight: the broker finds it gone by itself
+            # A gather leaves it out at once, saying why, as soon as the broker knows.
+            async with asyncio.timeout(15):
+                while True:
+                    (item,) = await gathered(client, "LedgerAgent", timeout=0.5)
+                    if item.error is not None and item.error.reason == "NO_INSTANCE":
+                        break
+            assert "no instance of LedgerAgent can be reached" in item.error.message
+            assert address in item.error.message
+            assert await unreachable(mesh, "LedgerAgent") == 1
+            with pytest.raises(RequestTimeoutError, match="LedgerAgent can be reached"):
+                await client.request("LedgerAgent", {"action": "post"}, timeout=0.3)
+            # Back on its address: served again, the request sent meanwhile with it.
+            server, _ = await start_plain(agent, port)
         try:
             answer = await client.request(
                 "LedgerAgent", {"action": "post", "parameters": {"n": 2}}, timeout=10
@@ -891,26 +948,26 @@ async def test_a_pushed_server_gone_for_long_is_taken_off_and_its_agent_forgotte
     config = BrokerConfig(lease_seconds=5, forget_lost_after=2, sweep_interval=0.05)
     agent = PlainAgent(echo)
     server, address = await start_plain(agent)
-    port = int(address.rpartition(":")[2])
     async with LocalMesh(config=config) as mesh, mesh.client("Cashier") as client:
         await register_push(mesh, "Ledger-7f3a", address)
         await client.request("Ledger-7f3a", {"action": "post", "parameters": {}}, timeout=10)
-        await server.stop(None)
-        async with asyncio.timeout(15):
-            while await unreachable(mesh, "Ledger-7f3a") != 1:  # noqa: ASYNC110
-                await asyncio.sleep(0.05)
-        await client.send("Ledger-7f3a", {"action": "later"}, ttl=600)
-        async with asyncio.timeout(15):
-            while "Ledger-7f3a" in [a.agent_id for a in await client.list_agents()]:  # noqa: ASYNC110
-                await asyncio.sleep(0.05)
-        assert mesh.broker is not None
-        samples = mesh.broker.metrics.registry.get_sample_value
-        assert await asyncio.to_thread(samples, "agentmesh_agents_forgotten_total") == 1
-        assert await unreachable(mesh, "Ledger-7f3a") is None  # pushed to no more
-        with pytest.raises(AgentNotFoundError):
-            await client.send("Ledger-7f3a", {"action": "post"})
-        # Its server back, registered again: what was sent meanwhile reaches it.
-        server, _ = await start_plain(agent, port)
+        with port_kept(address) as port:
+            await server.stop(None)
+            async with asyncio.timeout(15):
+                while await unreachable(mesh, "Ledger-7f3a") != 1:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+            await client.send("Ledger-7f3a", {"action": "later"}, ttl=600)
+            async with asyncio.timeout(15):
+                while "Ledger-7f3a" in [a.agent_id for a in await client.list_agents()]:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+            assert mesh.broker is not None
+            samples = mesh.broker.metrics.registry.get_sample_value
+            assert await asyncio.to_thread(samples, "agentmesh_agents_forgotten_total") == 1
+            assert await unreachable(mesh, "Ledger-7f3a") is None  # pushed to no more
+            with pytest.raises(AgentNotFoundError):
+                await client.send("Ledger-7f3a", {"action": "post"})
+            # Its server back, registered again: what was sent meanwhile reaches it.
+            server, _ = await start_plain(agent, port)
         try:
             await register_push(mesh, "Ledger-7f3a", address)
             async with asyncio.timeout(15):
