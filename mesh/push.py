@@ -259,7 +259,7 @@ class InstancePush:
                     self._sub = None
                 if sub.ended_by is not None:
                     return  # (the agent left the registry: the reconcile forgets this push)
-                self.broker.instance_unreachable(self.agent_id, self.address)
+                self.broker.instance_unreachable(self.agent_id, self.address, self.stranger or "")
                 failures = 0 if reached and self.stranger is None else failures + 1
                 await asyncio.sleep(
                     RETRY_BACKOFF_SECONDS[min(failures, len(RETRY_BACKOFF_SECONDS) - 1)]

@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncGenerator, Callable, Collection, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from mesh.config import BrokerConfig
 from mesh.core import workflows
@@ -117,6 +117,14 @@ class GatherItem:
             content = (response.content if response is not None else None) or {}
             raise AgentError(str(content.get("error") or "agent error"))
         return response
+
+
+class _Away(NamedTuple):
+    """An instance taking its messages by push whose server the push delivery cannot reach."""
+
+    since: datetime
+    serves_another: str = ""
+    """What its server said, when it answered as another agent's."""
 
 
 class _Gathering:
@@ -465,9 +473,9 @@ class Broker:
         self._held_before_until = 0.0
         self._replicas_gone: set[str] = set()
         """Replicas found dead whose subscriptions' instances are still to be taken off."""
-        self._unreachable: dict[str, dict[str, datetime]] = {}
+        self._unreachable: dict[str, dict[str, _Away]] = {}
         """Instances of agents taking their messages by push whose server cannot be reached,
-        as the push delivery finds them: agent id -> address -> since when."""
+        as the push delivery finds them: agent id -> address -> since when, and why."""
         self.registry_watchers: list[Callable[[str], None]] = []
         """Called with an agent's id when it registered, left or changed (here or through
         another replica): what follows the registry (push delivery) looks at it again."""
@@ -635,13 +643,14 @@ class Broker:
         taking its messages by push whose server has not answered since before ``cutoff``
         is lost, as of when it stopped answering."""
         for agent_id, away in list(self._unreachable.items()):
-            for address, since in list(away.items()):
+            for address, (since, serves_another) in list(away.items()):
                 if since <= cutoff:
+                    how = "served another agent" if serves_another else "not answered"
                     await self._lose_instance(
                         agent_id,
                         address,
                         "",
-                        f"its server has not answered since {since.isoformat(timespec='seconds')}",
+                        f"its server has {how} since {since.isoformat(timespec='seconds')}",
                         since=since,
                     )
         known = await self.store.saved_agents() if self.store.shared else list(self.registry)
@@ -1690,9 +1699,12 @@ class Broker:
             await self.store.save_agent(self.registry.hold(agent_id, address, held_by))
         await self.store.sync()
 
-    def instance_unreachable(self, agent_id: str, address: str) -> None:
-        """The push delivery cannot reach the server of this instance (see :meth:`_no_instance`)."""
-        self._unreachable.setdefault(agent_id, {}).setdefault(address, utc_now())
+    def instance_unreachable(self, agent_id: str, address: str, serves_another: str = "") -> None:
+        """The push delivery cannot reach the server of this instance (see :meth:`_no_instance`):
+        it does not answer, or (``serves_another``, what it said) it serves another agent."""
+        away = self._unreachable.setdefault(agent_id, {})
+        since = away[address].since if address in away else utc_now()
+        away[address] = _Away(since, serves_another)
 
     def instance_reachable(self, agent_id: str, address: str) -> None:
         """The instance's server answers again (or is pushed to no more)."""
@@ -1714,10 +1726,17 @@ class Broker:
             return f"no instance of {agent_id} is serving: its last was lost at {lost_at}"
         away = self._unreachable.get(agent_id, {})
         if info.instances and all(address in away for address in info.instances):
-            since = min(away[address] for address in info.instances)
+            since = min(away[address].since for address in info.instances)
+            silent = [address for address in info.instances if not away[address].serves_another]
+            why = [f"no answer from {', '.join(silent)}"] if silent else []
+            why.extend(
+                f"the server at {address} is another agent's ({away[address].serves_another})"
+                for address in info.instances
+                if away[address].serves_another
+            )
             return (
-                f"no instance of {agent_id} can be reached: no answer from "
-                f"{', '.join(info.instances)} since {since.isoformat(timespec='seconds')}"
+                f"no instance of {agent_id} can be reached: {'; '.join(why)}"
+                f" since {since.isoformat(timespec='seconds')}"
             )
         return ""
 

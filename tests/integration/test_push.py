@@ -597,8 +597,9 @@ async def test_a_server_that_serves_another_agent_is_left_none_of_its_messages(
             back = await unreachable(mesh, "LedgerAgent")
         finally:
             await server.stop(None)
-    assert item.error is not None and "no instance of LedgerAgent can be reached" in (
-        item.error.message
+    assert item.error is not None and item.error.message.startswith(
+        f"no instance of LedgerAgent can be reached: the server at {stranger} is another"
+        " agent's (this server serves TaxDesk, not LedgerAgent) since "
     )
     view = waiting.for_agent("LedgerAgent")
     # (in flight while the broker tries that address again: back in the queue at once)
