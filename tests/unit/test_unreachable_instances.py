@@ -1,0 +1,73 @@
+"""What the broker's core says of an agent taking its messages by push while none of its
+instances can be reached: each instance's server silent, or serving another agent (its
+address given to another pod or process), and since when."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+
+from mesh.config import BrokerConfig
+from mesh.core.broker import Broker
+from mesh.core.model import AgentInfo, DeliveryMode, Message
+
+TAX = "this server serves Tax, not Ledger"
+
+
+async def ledger(*addresses: str) -> Broker:
+    broker = Broker(BrokerConfig())
+    for address in addresses:
+        await broker.register(
+            AgentInfo(agent_id="Ledger", address=address, delivery_mode=DeliveryMode.PUSH)
+        )
+    await broker.register(AgentInfo(agent_id="Cashier"))
+    return broker
+
+
+async def why_left_out(broker: Broker) -> str:
+    asked = Message(from_agent="Cashier", to_agent="", content={"action": "balance"})
+    (item,) = [i async for i in broker.gather(asked, agent_ids=("Ledger",), timeout=5)]
+    assert item.error is not None and item.error.reason == "NO_INSTANCE"
+    return item.error.message
+
+
+async def test_each_instance_says_why_it_cannot_be_reached_and_the_earliest_since_counts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    broker = await ledger("a:7000", "b:7000", "c:7000")
+    hours = iter(range(9, 24))
+    monkeypatch.setattr(
+        "mesh.core.broker.utc_now", lambda: datetime(2026, 11, 29, next(hours), tzinfo=UTC)
+    )
+    broker.instance_unreachable("Ledger", "b:7000", TAX)
+    broker.instance_unreachable("Ledger", "a:7000")
+    broker.instance_unreachable("Ledger", "c:7000")
+    assert await why_left_out(broker) == (
+        "no instance of Ledger can be reached: no answer from a:7000, c:7000; the server at"
+        f" b:7000 is another agent's ({TAX}) since 2026-11-29T09:00:00+00:00"
+    )
+    # Its server goes silent, another answers as another agent's: each away since it first was.
+    broker.instance_unreachable("Ledger", "b:7000")
+    broker.instance_unreachable("Ledger", "a:7000", TAX)
+    assert await why_left_out(broker) == (
+        "no instance of Ledger can be reached: no answer from b:7000, c:7000; the server at"
+        f" a:7000 is another agent's ({TAX}) since 2026-11-29T09:00:00+00:00"
+    )
+    broker.instance_reachable("Ledger", "b:7000")  # (b, away again, since now)
+    broker.instance_unreachable("Ledger", "b:7000")
+    assert await why_left_out(broker) == (
+        "no instance of Ledger can be reached: no answer from b:7000, c:7000; the server at"
+        f" a:7000 is another agent's ({TAX}) since 2026-11-29T10:00:00+00:00"
+    )
+
+
+async def test_an_instance_reached_again_takes_the_agent_back_into_gathers() -> None:
+    broker = await ledger("a:7000", "b:7000")
+    broker.instance_unreachable("Ledger", "a:7000", TAX)
+    broker.instance_unreachable("Ledger", "b:7000")
+    assert "can be reached" in await why_left_out(broker)
+    broker.instance_reachable("Ledger", "a:7000")
+    asked = Message(from_agent="Cashier", to_agent="", content={"action": "balance"})
+    (item,) = [i async for i in broker.gather(asked, agent_ids=("Ledger",), timeout=0.05)]
+    assert item.error is not None and item.error.reason != "NO_INSTANCE"  # asked, no answer
