@@ -783,6 +783,37 @@ async def test_a_plain_node_server_is_an_agent_and_loses_nothing_when_killed(
     assert dead == []
 
 
+async def test_a_plain_node_server_says_a_message_is_not_for_the_agent_it_serves(
+    mesh: LocalMesh,
+) -> None:
+    """The plain Node.js example refuses another agent's message the way the SDKs' servers
+    do (a field violation on ``to_agent`` in gRPC's rich status), so that its address, given
+    to an instance of another agent, loses that agent nothing."""
+    node, address = await start_node_push_agent("NodeTax", mesh.address)
+    try:
+        await register_push(mesh, "LedgerAgent", address)
+        async with mesh.client("Cashier") as client:
+            for n in range(2):
+                await client.send("LedgerAgent", {"action": "post", "parameters": {"n": n}})
+            async with asyncio.timeout(15):
+                while True:
+                    (item,) = await gathered(client, "LedgerAgent", timeout=0.5)
+                    if item.error is not None and item.error.reason == "NO_INSTANCE":
+                        break
+            dead = await client.dead_letters("LedgerAgent")
+            stats = await client.queue_stats("LedgerAgent")
+    finally:
+        node.terminate()
+        await node.wait()
+    assert item.error is not None and (
+        f"the server at {address} is another agent's (this server serves NodeTax, not"
+        " LedgerAgent)" in item.error.message
+    )
+    assert dead == []
+    view = stats.for_agent("LedgerAgent")
+    assert view is not None and view.depth + view.in_flight == 2
+
+
 async def test_the_broker_pushes_over_mutual_tls_with_its_client_certificate(
     tmp_path: Path,
 ) -> None:

@@ -12,6 +12,7 @@
 const path = require('node:path');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
+const protobuf = require('protobufjs');
 const { service: healthService } = require('grpc-health-check');
 
 const definition = protoLoader.loadSync(['mesh/v1/broker.proto', 'mesh/v1/agent.proto'], {
@@ -21,6 +22,39 @@ const definition = protoLoader.loadSync(['mesh/v1/broker.proto', 'mesh/v1/agent.
   defaults: true,
 });
 const { v1 } = grpc.loadPackageDefinition(definition).mesh;
+
+// gRPC's rich error model (google.rpc.Status in the grpc-status-details-bin trailer), the
+// part of it this agent sends.
+const RPC = protobuf.Root.fromJSON({ nested: { google: { nested: {
+  protobuf: { nested: { Any: { fields: {
+    type_url: { type: 'string', id: 1 }, value: { type: 'bytes', id: 2 } } } } },
+  rpc: { nested: {
+    Status: { fields: { code: { type: 'int32', id: 1 }, message: { type: 'string', id: 2 },
+      details: { rule: 'repeated', type: 'google.protobuf.Any', id: 3 } } },
+    BadRequest: {
+      fields: { field_violations: { rule: 'repeated', type: 'FieldViolation', id: 1 } },
+      nested: { FieldViolation: { fields: {
+        field: { type: 'string', id: 1 }, description: { type: 'string', id: 2 } } } },
+    },
+  } },
+} } } });
+
+// INVALID_ARGUMENT with a field violation on to_agent: "this message is not for the agent I
+// serve". The broker reads it as its instance's address having gone to another agent's server
+// (a pod's address given to another pod) and keeps the message for an instance of its agent;
+// a plain INVALID_ARGUMENT would send it to the dead-letter queue.
+function notThisAgent(description) {
+  const badRequest = RPC.lookupType('google.rpc.BadRequest')
+    .encode({ field_violations: [{ field: 'to_agent', description }] }).finish();
+  const status = RPC.lookupType('google.rpc.Status').encode({
+    code: grpc.status.INVALID_ARGUMENT,
+    message: description,
+    details: [{ type_url: 'type.googleapis.com/google.rpc.BadRequest', value: badRequest }],
+  }).finish();
+  const metadata = new grpc.Metadata();
+  metadata.add('grpc-status-details-bin', Buffer.from(status));
+  return { code: grpc.status.INVALID_ARGUMENT, details: description, metadata };
+}
 
 function call(stub, method, request) {
   return new Promise((resolve, reject) => {
@@ -36,7 +70,7 @@ async function main() {
     HandleMessage({ request }, callback) {
       const { message } = request;
       if (message.to_agent !== agentId) {
-        callback({ code: grpc.status.INVALID_ARGUMENT, details: `this server serves ${agentId}` });
+        callback(notThisAgent(`this server serves ${agentId}, not ${message.to_agent}`));
         return;
       }
       // The broker fills in the envelope of an answer: who it is from and for, and the
