@@ -14,12 +14,14 @@ ones do), with at-least-once delivery as any subscription has it:
   (100 ms, 500 ms, 2 s), the dead-letter queue after the last; any other status (the
   agent refused the message: INVALID_ARGUMENT, UNIMPLEMENTED, ...) dead-letters it at once,
   its requester told why with an ERROR;
-- a server that refuses a message as not for the agent it serves (INVALID_ARGUMENT on
-  ``to_agent``, as the SDKs' servers answer) is not this instance's: the address it
-  registered with went to another agent (a pod's address given to another pod, a port to
-  another process). Nothing is dead-lettered and no attempt counted: what the subscription
-  held goes back to the queue for an instance of the agent, and this one is out of reach until
-  the server at its address takes the agent's messages again (tried after the backoff below);
+- two refusals are of the instance, not of the message: a server that refuses a message as
+  not for the agent it serves (INVALID_ARGUMENT on ``to_agent``, as the SDKs' servers
+  answer: the address the instance registered with went to another agent, a pod's address
+  given to another pod, a port to another process), and one that refuses the broker's own
+  credentials (UNAUTHENTICATED: its token or certificate is not the one the server knows).
+  Nothing is dead-lettered and no attempt counted: what the subscription held goes back to
+  the queue for an instance of the agent, and this one is out of reach until the server at its
+  address takes the agent's messages again (tried after the backoff below);
 - while an instance's server cannot be reached, its subscription is closed (what it held goes
   back to the queue, counting no attempt the agent never saw) and opened again once the
   server answers, after the RT-011 backoff (100 ms, 500 ms, then 2 s).
@@ -219,8 +221,8 @@ class InstancePush:
         self._pushed = broker.metrics.pushes
         self.reached = False
         """Whether a call reached the server since the subscription opened."""
-        self.stranger: str | None = None
-        """While the server at the address serves another agent: what it said."""
+        self.refusing: str | None = None
+        """While the server at the address refuses the agent's messages as a whole, why."""
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"push-{self.agent_id}@{self.address}")
@@ -259,8 +261,8 @@ class InstancePush:
                     self._sub = None
                 if sub.ended_by is not None:
                     return  # (the agent left the registry: the reconcile forgets this push)
-                self.broker.instance_unreachable(self.agent_id, self.address, self.stranger or "")
-                failures = 0 if reached and self.stranger is None else failures + 1
+                self.broker.instance_unreachable(self.agent_id, self.address, self.refusing or "")
+                failures = 0 if reached and self.refusing is None else failures + 1
                 await asyncio.sleep(
                     RETRY_BACKOFF_SECONDS[min(failures, len(RETRY_BACKOFF_SECONDS) - 1)]
                 )
@@ -281,7 +283,7 @@ class InstancePush:
                 "push to %s: its server at %s cannot be reached", self.agent_id, self.address
             )
             await channel.channel_ready()
-        if self.stranger is None:  # (otherwise, once it takes this agent's messages again)
+        if self.refusing is None:  # (otherwise, once it takes this agent's messages again)
             self.broker.instance_reachable(self.agent_id, self.address)
 
     async def _serve(
@@ -310,9 +312,9 @@ class InstancePush:
             watch.cancel()
             keeper.cancel()
             await cancel_and_wait(pump)
-            if self.stranger is not None and self._calls:
-                # The server serves another agent: it refuses the calls in flight at once,
-                # and each goes back counting no attempt.
+            if self.refusing is not None and self._calls:
+                # The server refuses the agent's messages as a whole: it refuses the calls in
+                # flight at once, and each goes back counting no attempt.
                 await asyncio.wait(list(self._calls.values()), timeout=CONNECT_PATIENCE)
             # The calls in flight may have reached the agent: each counts its attempt. The
             # others (refused UNAVAILABLE, or leased as the server went away) go back as if
@@ -396,9 +398,9 @@ class InstancePush:
                 await self._retry_later(delivery)
                 return
             refused = from_rpc_error(error)
-            if _serves_another(refused):
+            if why := _refusal_of_instance(refused):
                 self._calls.pop(message.message_id, None)  # (back counting no attempt)
-                self._met_stranger(refused.message)
+                self._refused_whole(why)
                 return
             self._reached_it()
             await self._refused(message, refused)
@@ -420,22 +422,22 @@ class InstancePush:
     def _reached_it(self) -> None:
         """A call reached the agent's server (whatever it answered)."""
         self.reached = True
-        if self.stranger is not None:
-            self.stranger = None
+        if self.refusing is not None:
+            self.refusing = None
             self.broker.instance_reachable(self.agent_id, self.address)
             logger.info("push to %s: the server at %s serves it again", self.agent_id, self.address)
 
-    def _met_stranger(self, said: str) -> None:
-        """The server at the address refused a message as not for the agent it serves."""
-        if self.stranger is None:
+    def _refused_whole(self, why: str) -> None:
+        """The server at the address refuses the agent's messages as a whole (``why``, see
+        :func:`_refusal_of_instance`)."""
+        if self.refusing is None:
             logger.warning(
-                "push to %s: the server at %s is not its own (%s): the agent's messages wait in"
-                " its queue for an instance of it",
+                "push to %s: the server at %s %s: the agent's messages wait in its queue",
                 self.agent_id,
                 self.address,
-                said,
+                why,
             )
-        self.stranger = said
+        self.refusing = why
         self._unreachable.set()
 
     def _call_span(self, message: Message) -> trace.Span | None:
@@ -562,11 +564,17 @@ def _reply_from_pb(response: agent_pb2.HandleMessageResponse | None) -> Message 
     return codec.message_from_pb(pb, strict=True)
 
 
-def _serves_another(error: MeshError) -> bool:
-    """Whether a server's refusal says the message is not for the agent it serves."""
-    return error.code == "INVALID_ARGUMENT" and any(
+def _refusal_of_instance(error: MeshError) -> str:
+    """Why a server's refusal is of every message of the agent rather than of this one, if it
+    is: the message is not for the agent it serves, or the broker is not a caller it knows.
+    Empty otherwise."""
+    if error.code == "INVALID_ARGUMENT" and any(
         violation.field == "to_agent" for violation in error.field_violations
-    )
+    ):
+        return f"is another agent's ({error.message})"
+    if error.code == "UNAUTHENTICATED":
+        return f"refuses the broker's credentials ({error.message})"
+    return ""
 
 
 def _awaited(message: Message) -> bool:

@@ -123,8 +123,9 @@ class _Away(NamedTuple):
     """An instance taking its messages by push whose server the push delivery cannot reach."""
 
     since: datetime
-    serves_another: str = ""
-    """What its server said, when it answered as another agent's."""
+    refuses: str = ""
+    """When its server answers but refuses the agent's messages as a whole, why: "is another
+    agent's (...)", "refuses the broker's credentials (...)". Empty: it does not answer."""
 
 
 class _Gathering:
@@ -643,14 +644,14 @@ class Broker:
         taking its messages by push whose server has not answered since before ``cutoff``
         is lost, as of when it stopped answering."""
         for agent_id, away in list(self._unreachable.items()):
-            for address, (since, serves_another) in list(away.items()):
+            for address, (since, refuses) in list(away.items()):
                 if since <= cutoff:
-                    how = "served another agent" if serves_another else "not answered"
+                    how = refuses or "has not answered"
                     await self._lose_instance(
                         agent_id,
                         address,
                         "",
-                        f"its server has {how} since {since.isoformat(timespec='seconds')}",
+                        f"its server {how} since {since.isoformat(timespec='seconds')}",
                         since=since,
                     )
         known = await self.store.saved_agents() if self.store.shared else list(self.registry)
@@ -1699,12 +1700,13 @@ class Broker:
             await self.store.save_agent(self.registry.hold(agent_id, address, held_by))
         await self.store.sync()
 
-    def instance_unreachable(self, agent_id: str, address: str, serves_another: str = "") -> None:
+    def instance_unreachable(self, agent_id: str, address: str, refuses: str = "") -> None:
         """The push delivery cannot reach the server of this instance (see :meth:`_no_instance`):
-        it does not answer, or (``serves_another``, what it said) it serves another agent."""
+        it does not answer, or it refuses the agent's messages as a whole (``refuses``, why:
+        "is another agent's (...)")."""
         away = self._unreachable.setdefault(agent_id, {})
         since = away[address].since if address in away else utc_now()
-        away[address] = _Away(since, serves_another)
+        away[address] = _Away(since, refuses)
 
     def instance_reachable(self, agent_id: str, address: str) -> None:
         """The instance's server answers again (or is pushed to no more)."""
@@ -1727,12 +1729,12 @@ class Broker:
         away = self._unreachable.get(agent_id, {})
         if info.instances and all(address in away for address in info.instances):
             since = min(away[address].since for address in info.instances)
-            silent = [address for address in info.instances if not away[address].serves_another]
+            silent = [address for address in info.instances if not away[address].refuses]
             why = [f"no answer from {', '.join(silent)}"] if silent else []
             why.extend(
-                f"the server at {address} is another agent's ({away[address].serves_another})"
+                f"the server at {address} {away[address].refuses}"
                 for address in info.instances
-                if away[address].serves_another
+                if away[address].refuses
             )
             return (
                 f"no instance of {agent_id} can be reached: {'; '.join(why)}"

@@ -115,9 +115,10 @@ class _DeliveryModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Delivery
     unless the connection itself was lost; any other status
     dead-letters it at once, and a REQUEST's requester gets an ERROR saying why. While an
     instance's server cannot be reached, nothing is taken from the queue for it; so too while
-    the server at its address serves another agent, refusing the agent's messages with
-    INVALID_ARGUMENT and a google.rpc.BadRequest field violation on `to_agent` (see
-    HandleMessageRequest): nothing is dead-lettered then and no attempt counted.
+    it refuses the instance rather than the message: UNAUTHENTICATED (the broker's credentials),
+    or INVALID_ARGUMENT with a google.rpc.BadRequest field violation on `to_agent` (the server
+    serves another agent: see HandleMessageRequest). Nothing is dead-lettered then and no
+    attempt counted.
     """
 
 class DeliveryMode(_DeliveryMode, metaclass=_DeliveryModeEnumTypeWrapper):
@@ -141,9 +142,10 @@ INTERNAL or UNKNOWN hands it back for another attempt after RT-011's backoff (10
 unless the connection itself was lost; any other status
 dead-letters it at once, and a REQUEST's requester gets an ERROR saying why. While an
 instance's server cannot be reached, nothing is taken from the queue for it; so too while
-the server at its address serves another agent, refusing the agent's messages with
-INVALID_ARGUMENT and a google.rpc.BadRequest field violation on `to_agent` (see
-HandleMessageRequest): nothing is dead-lettered then and no attempt counted.
+it refuses the instance rather than the message: UNAUTHENTICATED (the broker's credentials),
+or INVALID_ARGUMENT with a google.rpc.BadRequest field violation on `to_agent` (the server
+serves another agent: see HandleMessageRequest). Nothing is dead-lettered then and no
+attempt counted.
 """
 Global___DeliveryMode: _TypeAlias = DeliveryMode  # noqa: Y015
 

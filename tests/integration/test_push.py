@@ -611,8 +611,8 @@ async def test_a_server_that_serves_another_agent_is_left_none_of_its_messages(
     assert handled == []
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert any(
-        f"the server at {stranger} is not its own (this server serves TaxDesk, not LedgerAgent)"
-        in w
+        f"the server at {stranger} is another agent's (this server serves TaxDesk, not"
+        " LedgerAgent)" in w
         for w in warned
     ), warned
 
@@ -781,6 +781,49 @@ async def test_a_plain_node_server_is_an_agent_and_loses_nothing_when_killed(
     assert sorted(a.correlation_id for a in answers) == sorted(m.message_id for m in sent)
     assert all(f"pid {node.pid}" in a.content["served_by"] for a in answers)
     assert dead == []
+
+
+async def test_a_server_that_refuses_the_brokers_credentials_loses_the_agent_nothing(
+    mesh: LocalMesh,
+) -> None:
+    """An agent's server that does not know the broker's token (set on one side of a token
+    change and not yet on the other) refuses every call UNAUTHENTICATED: that is no refusal of
+    the messages. They wait in the queue, none dead-lettered, until it takes the broker's
+    calls again."""
+    wanted: dict[str, str | None] = {"authorization": "Bearer ledger-2"}
+
+    async def guarded(message: message_pb2.Message, context: Any) -> message_pb2.Message:
+        said = dict(context.invocation_metadata() or ()).get("authorization")
+        if wanted["authorization"] is not None and said != wanted["authorization"]:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "the token is not valid")
+        return await echo(message, context)
+
+    async with push_ledger(mesh, guarded) as ledger, mesh.client("Cashier") as client:
+        await client.register("Cashier")
+        asked = [
+            await client.send("LedgerAgent", {"action": "post", "parameters": {"n": n}})
+            for n in range(3)
+        ]
+        async with asyncio.timeout(15):
+            while True:
+                (item,) = await gathered(client, "LedgerAgent", timeout=0.5)
+                if item.error is not None and item.error.reason == "NO_INSTANCE":
+                    break
+        dead_meanwhile = await client.dead_letters("LedgerAgent")
+        refused = len(ledger.seen)
+        wanted["authorization"] = None  # the server takes any caller now
+        answers: list[Message] = []
+        async with asyncio.timeout(15):
+            while len(answers) < 3:
+                answers += await client.receive("Cashier")
+                await asyncio.sleep(0.05)
+        dead = await client.dead_letters("LedgerAgent")
+    assert item.error is not None and (
+        "refuses the broker's credentials (the token is not valid)" in item.error.message
+    )
+    assert refused >= 1 and dead_meanwhile == [] and dead == []
+    assert sorted(a.correlation_id for a in answers) == sorted(m.message_id for m in asked)
+    assert sorted(a.content["echo"]["n"] for a in answers) == [0, 1, 2]
 
 
 async def test_a_plain_node_server_says_a_message_is_not_for_the_agent_it_serves(

@@ -13,6 +13,7 @@ from mesh.core.broker import Broker
 from mesh.core.model import AgentInfo, DeliveryMode, Message
 
 TAX = "this server serves Tax, not Ledger"
+ANOTHERS = f"is another agent's ({TAX})"
 
 
 async def ledger(*addresses: str) -> Broker:
@@ -40,7 +41,7 @@ async def test_each_instance_says_why_it_cannot_be_reached_and_the_earliest_sinc
     monkeypatch.setattr(
         "mesh.core.broker.utc_now", lambda: datetime(2026, 11, 29, next(hours), tzinfo=UTC)
     )
-    broker.instance_unreachable("Ledger", "b:7000", TAX)
+    broker.instance_unreachable("Ledger", "b:7000", ANOTHERS)
     broker.instance_unreachable("Ledger", "a:7000")
     broker.instance_unreachable("Ledger", "c:7000")
     assert await why_left_out(broker) == (
@@ -49,7 +50,7 @@ async def test_each_instance_says_why_it_cannot_be_reached_and_the_earliest_sinc
     )
     # Its server goes silent, another answers as another agent's: each away since it first was.
     broker.instance_unreachable("Ledger", "b:7000")
-    broker.instance_unreachable("Ledger", "a:7000", TAX)
+    broker.instance_unreachable("Ledger", "a:7000", ANOTHERS)
     assert await why_left_out(broker) == (
         "no instance of Ledger can be reached: no answer from b:7000, c:7000; the server at"
         f" a:7000 is another agent's ({TAX}) since 2026-11-29T09:00:00+00:00"
@@ -64,7 +65,7 @@ async def test_each_instance_says_why_it_cannot_be_reached_and_the_earliest_sinc
 
 async def test_an_instance_reached_again_takes_the_agent_back_into_gathers() -> None:
     broker = await ledger("a:7000", "b:7000")
-    broker.instance_unreachable("Ledger", "a:7000", TAX)
+    broker.instance_unreachable("Ledger", "a:7000", ANOTHERS)
     broker.instance_unreachable("Ledger", "b:7000")
     assert "can be reached" in await why_left_out(broker)
     broker.instance_reachable("Ledger", "a:7000")
