@@ -11,7 +11,8 @@ ones do), with at-least-once delivery as any subscription has it:
   REQUEST answered with nothing gets an empty RESPONSE, as the SDK's agents do;
 - a transient status (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED, CANCELLED,
   INTERNAL, UNKNOWN) hands the delivery back for another attempt after the RT-011 backoff
-  (100 ms, 500 ms, 2 s), the dead-letter queue after the last; any other status (the
+  (100 ms, 500 ms, 2 s) or the longer wait the status asks for (google.rpc.RetryInfo, up to
+  a minute), the dead-letter queue after the last; any other status (the
   agent refused the message: INVALID_ARGUMENT, UNIMPLEMENTED, ...) dead-letters it at once,
   its requester told why with an ERROR;
 - two refusals are of the instance, not of the message: a server that refuses a message as
@@ -95,6 +96,8 @@ TRANSIENT = frozenset(
     }
 )
 """Statuses after which a delivery is tried again; any other refuses the message for good."""
+MAX_RETRY_DELAY = 60.0
+"""The longest wait before another attempt that an agent's server may ask for (RetryInfo)."""
 HANDLE_MESSAGE = "mesh.v1.AgentService/HandleMessage"
 """The call's span name, as OpenTelemetry's gRPC instrumentation names a call's span."""
 
@@ -395,7 +398,7 @@ class InstancePush:
                 return
             if error.code() in TRANSIENT:
                 self._reached_it()
-                await self._retry_later(delivery)
+                await self._retry_later(delivery, from_rpc_error(error).retry_after)
                 return
             refused = from_rpc_error(error)
             if why := _refusal_of_instance(refused):
@@ -495,15 +498,17 @@ class InstancePush:
         with contextlib.suppress(MeshError):
             await self.broker.ack(self.agent_id, (message.message_id,))
 
-    async def _retry_later(self, delivery: Delivery) -> None:
+    async def _retry_later(self, delivery: Delivery, asked: float | None = None) -> None:
         """A transient failure: the delivery goes back for another attempt after RT-011's
-        backoff (100 ms, 500 ms, 2 s; held meanwhile, its lease kept, its place in flight
-        taken, so that a server busy a moment is not called again at once), or to the
-        dead-letter queue at once after the last attempt."""
+        backoff (100 ms, 500 ms, 2 s), or after the wait the server asked for when longer
+        (``asked``: its status's google.rpc.RetryInfo, up to MAX_RETRY_DELAY); held meanwhile,
+        its lease kept, its place in flight taken, so that a server busy a moment is not
+        called again at once. To the dead-letter queue at once after the last attempt."""
         if delivery.attempt < self.broker.config.delivery_attempts:
-            await asyncio.sleep(
-                RETRY_BACKOFF_SECONDS[min(delivery.attempt, len(RETRY_BACKOFF_SECONDS)) - 1]
-            )
+            wait = RETRY_BACKOFF_SECONDS[min(delivery.attempt, len(RETRY_BACKOFF_SECONDS)) - 1]
+            if asked is not None:
+                wait = max(wait, min(asked, MAX_RETRY_DELAY))
+            await asyncio.sleep(wait)
         with contextlib.suppress(MeshError):
             await self.broker.nack(self.agent_id, (delivery.message.message_id,))
 

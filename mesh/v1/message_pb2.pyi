@@ -111,7 +111,8 @@ class _DeliveryModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Delivery
     message answers a REQUEST (correlated as any answer) and acknowledges the delivery; a
     status of UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED, CANCELLED,
     INTERNAL or UNKNOWN hands it back for another attempt after RT-011's backoff (100 ms,
-    500 ms, 2 s; at most BrokerConfig.max_delivery_attempts, then the dead-letter queue),
+    500 ms, 2 s), or the longer wait a google.rpc.RetryInfo in the status asks for (up to a
+    minute; at most BrokerConfig.max_delivery_attempts, then the dead-letter queue),
     unless the connection itself was lost; any other status
     dead-letters it at once, and a REQUEST's requester gets an ERROR saying why. While an
     instance's server cannot be reached, nothing is taken from the queue for it; so too while
@@ -138,7 +139,8 @@ extended while it runs. A HandleMessageResponse's
 message answers a REQUEST (correlated as any answer) and acknowledges the delivery; a
 status of UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED, CANCELLED,
 INTERNAL or UNKNOWN hands it back for another attempt after RT-011's backoff (100 ms,
-500 ms, 2 s; at most BrokerConfig.max_delivery_attempts, then the dead-letter queue),
+500 ms, 2 s), or the longer wait a google.rpc.RetryInfo in the status asks for (up to a
+minute; at most BrokerConfig.max_delivery_attempts, then the dead-letter queue),
 unless the connection itself was lost; any other status
 dead-letters it at once, and a REQUEST's requester gets an ERROR saying why. While an
 instance's server cannot be reached, nothing is taken from the queue for it; so too while

@@ -18,7 +18,9 @@ from typing import Any
 
 import grpc
 import pytest
-from google.protobuf import struct_pb2
+from google.protobuf import any_pb2, struct_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from agents import sample_agents
 from gateway.client import GatewayClient
@@ -383,6 +385,33 @@ async def test_a_failing_agent_gets_each_message_again_then_dead_letters_it(
     (letter,) = dead
     assert letter.message.content["action"] == "post"
     assert letter.attempts == 4
+
+
+async def test_a_busy_server_is_called_again_no_sooner_than_it_asked(mesh: LocalMesh) -> None:
+    """RESOURCE_EXHAUSTED with a google.rpc.RetryInfo of 1.5 s: the broker waits that long
+    before its next attempt, rather than RT-011's first backoff of 100 ms."""
+
+    async def busy_once(message: message_pb2.Message, context: Any) -> message_pb2.Message:
+        if len(ledger.seen) == 1:
+            retry = error_details_pb2.RetryInfo()
+            retry.retry_delay.FromMilliseconds(1500)
+            detail = any_pb2.Any()
+            detail.Pack(retry)
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED
+            await context.abort_with_status(
+                rpc_status.to_status(
+                    status_pb2.Status(code=code.value[0], message="busy", details=[detail])
+                )
+            )
+        return await echo(message, context)
+
+    async with push_ledger(mesh, busy_once) as ledger, mesh.client("Cashier") as client:
+        answer = await client.request(
+            "LedgerAgent", {"action": "post", "parameters": {"n": 1}}, timeout=15
+        )
+    assert answer.content["echo"] == {"n": 1}
+    first, second = ledger.called_at
+    assert second - first >= 1.5
 
 
 async def test_a_request_that_fails_every_attempt_tells_its_requester_when_it_is_dead_lettered(
