@@ -32,7 +32,13 @@ from opentelemetry.trace import SpanKind, get_current_span
 
 from mesh import codec
 from mesh._status import PeerStatus, from_rpc_error, has_rich_status
-from mesh.config import DEFAULT_LEASE_SECONDS, MAX_TTL, RETRY_BACKOFF_SECONDS, SecurityConfig
+from mesh.config import (
+    DEFAULT_LEASE_SECONDS,
+    MAX_TTL,
+    RETRY_BACKOFF_SECONDS,
+    SecurityConfig,
+    retry_wait,
+)
 from mesh.core import negotiation, workflows
 from mesh.core.errors import (
     AgentError,
@@ -1015,11 +1021,12 @@ class MeshClient:
             if failure.code not in self.retry.retry_on or attempt >= len(delays):
                 raise failure
             self.stats.retries[failure.code] = self.stats.retries.get(failure.code, 0) + 1
+            wait = retry_wait(delays[attempt], failure.retry_after)
             logger.info(
                 "retry %d/%d in %.0f ms after %s: %s",
                 attempt + 1,
                 len(delays),
-                delays[attempt] * 1000,
+                wait * 1000,
                 failure.code,
                 failure.message,
                 extra={
@@ -1027,11 +1034,11 @@ class MeshClient:
                         "category": "retry",
                         "attempt": attempt + 1,
                         "code": failure.code,
-                        "delay_ms": delays[attempt] * 1000,
+                        "delay_ms": wait * 1000,
                     }
                 },
             )
-            await self._sleep(delays[attempt])
+            await self._sleep(wait)
         raise AssertionError("unreachable")
 
     def _unary(

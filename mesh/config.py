@@ -44,6 +44,17 @@ DEFAULT_LEASE_SECONDS = 30.0
 """How long a delivery stays leased unless acknowledged, by default."""
 RETRY_BACKOFF_SECONDS = (0.1, 0.5, 2.0)
 """RT-011 retry_backoff_ms: the waits before the retries of something refused for a moment."""
+MAX_RETRY_DELAY = 60.0
+"""The longest wait before a retry that a refusal's google.rpc.RetryInfo is heeded for: a
+retry waits RT-011's backoff, or the wait the refusal asks for when longer, up to this."""
+
+
+def retry_wait(backoff: float, asked: float | None) -> float:
+    """The wait before a retry: ``backoff``, or the wait the refusal asked for (its RetryInfo)
+    when longer, up to MAX_RETRY_DELAY."""
+    if asked is None:
+        return backoff
+    return max(backoff, min(asked, MAX_RETRY_DELAY))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -48,7 +48,7 @@ from mesh import codec
 from mesh._status import from_rpc_error
 from mesh.agent import answer_to, asked_broadcast, error_to, forward_of, forwards
 from mesh.client import CLIENT_OPTIONS
-from mesh.config import RETRY_BACKOFF_SECONDS, SecurityConfig
+from mesh.config import RETRY_BACKOFF_SECONDS, SecurityConfig, retry_wait
 from mesh.core.broker import Broker, Subscription
 from mesh.core.errors import AgentError, MeshError, MessageValidationError
 from mesh.core.model import (
@@ -96,8 +96,6 @@ TRANSIENT = frozenset(
     }
 )
 """Statuses after which a delivery is tried again; any other refuses the message for good."""
-MAX_RETRY_DELAY = 60.0
-"""The longest wait before another attempt that an agent's server may ask for (RetryInfo)."""
 HANDLE_MESSAGE = "mesh.v1.AgentService/HandleMessage"
 """The call's span name, as OpenTelemetry's gRPC instrumentation names a call's span."""
 
@@ -505,10 +503,8 @@ class InstancePush:
         its lease kept, its place in flight taken, so that a server busy a moment is not
         called again at once. To the dead-letter queue at once after the last attempt."""
         if delivery.attempt < self.broker.config.delivery_attempts:
-            wait = RETRY_BACKOFF_SECONDS[min(delivery.attempt, len(RETRY_BACKOFF_SECONDS)) - 1]
-            if asked is not None:
-                wait = max(wait, min(asked, MAX_RETRY_DELAY))
-            await asyncio.sleep(wait)
+            backoff = RETRY_BACKOFF_SECONDS[min(delivery.attempt, len(RETRY_BACKOFF_SECONDS)) - 1]
+            await asyncio.sleep(retry_wait(backoff, asked))
         with contextlib.suppress(MeshError):
             await self.broker.nack(self.agent_id, (delivery.message.message_id,))
 

@@ -783,6 +783,21 @@ async def test_scenario_12_message_queue_full() -> None:
             assert messages[-1].message_id == sent.message_id
 
 
+async def test_a_sender_waits_no_less_than_the_broker_asks_before_trying_again() -> None:
+    """The refusal's google.rpc.RetryInfo (the broker's ``retry_after_seconds``) is heeded
+    where it asks for longer than RT-011's backoff."""
+    config = BrokerConfig(max_messages_per_agent=1, retry_after_seconds=1.0)
+    async with LocalMesh(config) as local:
+        waits = RecordingSleep()
+        async with local.client("FlightAgent", sleep=waits) as flight:
+            await register(flight, "PaymentAgent")
+            await flight.send("PaymentAgent", {"action": "process_payment"})
+            with pytest.raises(MessageQueueFullError) as refused:
+                await flight.send("PaymentAgent", {"action": "process_payment"})
+    assert refused.value.retry_after == 1.0
+    assert waits.delays == [1.0, 1.0, 2.0]
+
+
 async def test_scenario_13_acknowledge_receipt(mesh: LocalMesh) -> None:
     flight = Collector()
     await mesh.add_agent(flight.make("FlightAgent", reply={"status": "searching"}))

@@ -187,7 +187,11 @@ export interface RetryEvent {
 export interface MeshClientOptions extends SecurityOptions {
   /** The agent this client speaks as. */
   agentId?: string;
-  /** The waits before each retry (RT-011: [100, 500, 2000]); [] for none. */
+  /**
+   * The waits before each retry (RT-011: [100, 500, 2000]); [] for none. A refusal that asks
+   * for a longer wait (its google.rpc.RetryInfo, `MeshError.retryAfterMs`) gets it, up to a
+   * minute.
+   */
   retryDelaysMs?: number[];
   onRetry?: (retry: RetryEvent) => void;
 }

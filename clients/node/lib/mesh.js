@@ -611,6 +611,8 @@ async function allPages(client, method, request, field) {
 const RETRY_DELAYS_MS = [100, 500, 2000];
 /** What is worth trying again: a full queue (backpressure) and a broker out of reach. */
 const RETRY_ON = ['RESOURCE_EXHAUSTED', 'UNAVAILABLE'];
+/** The longest wait a refusal's google.rpc.RetryInfo is heeded for. */
+const MAX_RETRY_DELAY_MS = 60000;
 
 class MeshClient {
   /**
@@ -644,15 +646,20 @@ class MeshClient {
     this.broker.close();
   }
 
-  /** Runs operation, trying again after each of retryDelaysMs while it fails for a moment. */
+  /**
+   * Runs operation, trying again after each of retryDelaysMs while it fails for a moment (or
+   * after the longer wait the refusal asks for, its RetryInfo, up to a minute).
+   */
   async _withRetry(operation) {
     for (let attempt = 0; ; attempt += 1) {
       try {
         return await operation();
       } catch (err) {
-        const delayMs = this.retryDelaysMs[attempt];
+        const backoffMs = this.retryDelaysMs[attempt];
         if (!(err instanceof MeshError) || !RETRY_ON.includes(err.codeName)
-          || delayMs === undefined) throw err;
+          || backoffMs === undefined) throw err;
+        const delayMs = err.retryAfterMs == null ? backoffMs
+          : Math.max(backoffMs, Math.min(err.retryAfterMs, MAX_RETRY_DELAY_MS));
         this.stats.retries[err.codeName] = (this.stats.retries[err.codeName] || 0) + 1;
         if (this.onRetry) {
           this.onRetry({ attempt: attempt + 1, code: err.codeName, delayMs, error: err });

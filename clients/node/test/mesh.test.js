@@ -150,7 +150,9 @@ test('a send refused by a full queue is tried again (RT-011 backoff) and goes in
     const retried = [];
     const patient = new MeshClient(BROKER, { agentId: 'NodeRetrier',
       onRetry: (retry) => retried.push(retry) });
-    const brief = new MeshClient(BROKER, { agentId: 'NodeRetrier', retryDelaysMs: [10, 10] });
+    const briefly = [];
+    const brief = new MeshClient(BROKER, { agentId: 'NodeRetrier', retryDelaysMs: [10, 10],
+      onRetry: (retry) => briefly.push(retry.delayMs) });
     try {
       await client.register({ agentId: 'NodeBusyDesk' });
       const fill = await client.sendBatch(Array.from({ length: 1000 },
@@ -160,6 +162,8 @@ test('a send refused by a full queue is tried again (RT-011 backoff) and goes in
       await assert.rejects(brief.send('NodeBusyDesk', { action: 'late' }),
         (err) => err.reason === 'QUEUE_FULL');
       assert.deepEqual(brief.stats.retries, { RESOURCE_EXHAUSTED: 2 });
+      // The broker's refusal asks for 100 ms (its RetryInfo): longer than 10, so heeded.
+      assert.deepEqual(briefly, [100, 100]);
       // RT-011's schedule (100, 500, 2000 ms): room made meanwhile lets it in.
       const pending = patient.send('NodeBusyDesk', { action: 'late' });
       await new Promise((resolve) => { setTimeout(resolve, 150); });
