@@ -641,8 +641,8 @@ class Broker:
     async def _forget_long_lost(self, cutoff: datetime) -> None:
         """Takes off the registry every agent whose last instance was lost before ``cutoff``
         and that no instance has served since (``forget_lost_after``); first, every instance
-        taking its messages by push whose server has not answered since before ``cutoff``
-        is lost, as of when it stopped answering."""
+        taking its messages by push whose server has not answered (or has refused the agent's
+        messages as a whole) since before ``cutoff`` is lost, as of when it began."""
         for agent_id, away in list(self._unreachable.items()):
             for address, (since, refuses) in list(away.items()):
                 if since <= cutoff:
