@@ -4,6 +4,7 @@ address given to another pod or process), and since when."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime
 
 import pytest
@@ -72,3 +73,24 @@ async def test_an_instance_reached_again_takes_the_agent_back_into_gathers() -> 
     asked = Message(from_agent="Cashier", to_agent="", content={"action": "balance"})
     (item,) = [i async for i in broker.gather(asked, agent_ids=("Ledger",), timeout=0.05)]
     assert item.error is not None and item.error.reason != "NO_INSTANCE"  # asked, no answer
+
+
+async def test_an_instance_refusing_for_long_is_lost_and_its_agent_forgotten(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # (forget_lost_after 0.04 s: the sweeps look every 10 ms; the clock below says how long)
+    broker = Broker(BrokerConfig(forget_lost_after=0.04))
+    await broker.register(
+        AgentInfo(agent_id="Ledger", address="a:7000", delivery_mode=DeliveryMode.PUSH)
+    )
+    now = {"at": datetime(2026, 11, 29, 9, tzinfo=UTC)}
+    monkeypatch.setattr("mesh.core.broker.utc_now", lambda: now["at"])
+    broker.instance_unreachable("Ledger", "a:7000", ANOTHERS)
+    now["at"] = datetime(2026, 11, 29, 9, 2, tzinfo=UTC)
+    await asyncio.sleep(0.02)
+    await broker.sweep()
+    assert broker.registry.get("Ledger") is None
+    assert (
+        f"the instance at a:7000 is gone (its server {ANOTHERS} since 2026-11-29T09:00:00+00:00)"
+        in caplog.text
+    )
