@@ -39,6 +39,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Collection, Iterable, Iterator
+from typing import Any
 
 import grpc
 from opentelemetry import trace
@@ -224,6 +225,9 @@ class InstancePush:
         """Whether a call reached the server since the subscription opened."""
         self.refusing: str | None = None
         """While the server at the address refuses the agent's messages as a whole, why."""
+        self._stopping = asyncio.Event()
+        self._ending: asyncio.Task[None] | None = None
+        """The end of the latest subscription's serving (see :meth:`_give_back`)."""
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"push-{self.agent_id}@{self.address}")
@@ -238,7 +242,10 @@ class InstancePush:
             sub.resize(max_in_flight)
 
     async def stop(self) -> None:
+        self._stopping.set()
         await cancel_and_wait(self._task)
+        if self._ending is not None:
+            await asyncio.shield(self._ending)
 
     async def _run(self) -> None:
         channel = self._channel = open_channel(self.address, self.security, CLIENT_OPTIONS)
@@ -312,22 +319,36 @@ class InstancePush:
             unreachable.cancel()
             watch.cancel()
             keeper.cancel()
-            await cancel_and_wait(pump)
-            if self.refusing is not None and self._calls:
-                # The server refuses the agent's messages as a whole: it refuses the calls in
-                # flight at once, and each goes back counting no attempt.
-                await asyncio.wait(list(self._calls.values()), timeout=CONNECT_PATIENCE)
-            # The calls in flight may have reached the agent: each counts its attempt. The
-            # others (refused UNAVAILABLE, or leased as the server went away) go back as if
-            # never delivered.
-            seen = set(self._calls)
-            running = list(self._calls.values())
-            for call in running:
-                call.cancel()
-            await asyncio.gather(*running, return_exceptions=True)
-            self._calls.clear()
-            await asyncio.shield(sub.close(seen=seen))  # (done even when stopped meanwhile)
+            # Runs to its end even when this push is stopped meanwhile (its stop cancels this
+            # task again and again until it ends): the subscription must close.
+            self._ending = asyncio.create_task(self._give_back(sub, pump))
+            await asyncio.shield(self._ending)
         return self.reached
+
+    async def _give_back(self, sub: Subscription, pump: asyncio.Task[None]) -> None:
+        """Ends serving ``sub``: no more calls, those in flight ended, the subscription closed
+        with what it held given back to the queue."""
+        await cancel_and_wait(pump)
+        if self.refusing is not None and self._calls:
+            # The server refuses the agent's messages as a whole: it refuses the calls in
+            # flight at once, and each goes back counting no attempt.
+            stopped = asyncio.create_task(self._stopping.wait())
+            waits: set[asyncio.Future[Any]] = {
+                asyncio.gather(*self._calls.values(), return_exceptions=True),
+                stopped,
+            }
+            await asyncio.wait(waits, timeout=CONNECT_PATIENCE, return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+        # The calls in flight may have reached the agent: each counts its attempt. The
+        # others (refused UNAVAILABLE, or leased as the server went away) go back as if
+        # never delivered.
+        seen = set(self._calls)
+        running = list(self._calls.values())
+        for call in running:
+            call.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        self._calls.clear()
+        await sub.close(seen=seen)
 
     async def _keep_leases(self, sub: Subscription) -> None:
         """Every third of a lease, extends the leases of the deliveries whose call still runs

@@ -41,7 +41,7 @@ from mesh import (
     connect,
     on,
 )
-from mesh._status import from_rpc_error
+from mesh._status import abort, from_rpc_error
 from mesh.agent import serve
 from mesh.certs import write_dev_certificates
 from mesh.client import NO_RETRY, GatherResult, MeshClient
@@ -853,6 +853,45 @@ async def test_a_server_that_refuses_the_brokers_credentials_loses_the_agent_not
     assert refused >= 1 and dead_meanwhile == [] and dead == []
     assert sorted(a.correlation_id for a in answers) == sorted(m.message_id for m in asked)
     assert sorted(a.content["echo"]["n"] for a in answers) == [0, 1, 2]
+
+
+async def test_a_push_stopped_while_its_server_refuses_gives_back_what_it_held(
+    mesh: LocalMesh,
+) -> None:
+    """The instance registers again to pull (its process updated) just as the server at its
+    address refuses the agent's messages as a whole, some calls still on their way back: the
+    push ends with its subscription, and every message it held is in the queue at once, not
+    after its lease."""
+
+    async def refuse_slowly(message: message_pb2.Message, context: Any) -> None:
+        if len(stranger.seen) > 1:
+            await asyncio.sleep(2)
+        await abort(
+            context,
+            MessageValidationError.for_field("to_agent", "this server serves TaxDesk"),
+        )
+
+    stranger = PlainAgent(refuse_slowly)
+    server, address = await start_plain(stranger)
+    try:
+        await register_push(mesh, "LedgerAgent", address)
+        async with mesh.client("LedgerAgent") as ledger:
+            for n in range(3):
+                await ledger.send("LedgerAgent", {"action": "post", "parameters": {"n": n}})
+            await stranger.until_seen(3)
+            await asyncio.sleep(0.2)  # (the first refused, the push ends, two calls still out)
+            await ledger.register("LedgerAgent", address=address)  # to pull, from now on
+            async with asyncio.timeout(3.5):  # (its lease is 5 s)
+                taken: list[Message] = []
+                while len(taken) < 3:
+                    taken += await ledger.receive("LedgerAgent")
+                    await asyncio.sleep(0.05)
+            stats = await ledger.queue_stats("LedgerAgent")
+    finally:
+        await server.stop(None)
+    assert sorted(m.content["parameters"]["n"] for m in taken) == [0, 1, 2]
+    view = stats.for_agent("LedgerAgent")
+    assert view is not None and view.subscribers == 0
 
 
 async def test_a_plain_node_server_says_a_message_is_not_for_the_agent_it_serves(
