@@ -244,8 +244,10 @@ class InstancePush:
     async def stop(self) -> None:
         self._stopping.set()
         await cancel_and_wait(self._task)
-        if self._ending is not None:
-            await asyncio.shield(self._ending)
+        if (ending := self._ending) is not None:
+            await asyncio.wait({ending})
+            if not ending.cancelled() and (error := ending.exception()) is not None:
+                logger.warning("push to %s at %s: %r", self.agent_id, self.address, error)
 
     async def _run(self) -> None:
         channel = self._channel = open_channel(self.address, self.security, CLIENT_OPTIONS)
