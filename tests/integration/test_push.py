@@ -606,11 +606,7 @@ async def test_a_server_that_serves_another_agent_is_left_none_of_its_messages(
     async with mesh.client("Cashier") as client:
         for n in range(3):
             await client.send("LedgerAgent", {"action": "post", "parameters": {"n": n}})
-        async with asyncio.timeout(15):
-            while True:
-                (item,) = await gathered(client, "LedgerAgent", timeout=0.5)
-                if item.error is not None and item.error.reason == "NO_INSTANCE":
-                    break
+        item = await left_out(client, "LedgerAgent")
         await asyncio.sleep(2.5)  # (the broker tries that server again, and again)
         waiting = await client.queue_stats("LedgerAgent")
         dead_meanwhile = await client.dead_letters("LedgerAgent")
@@ -657,11 +653,7 @@ async def test_an_agent_whose_server_is_gone_is_left_out_of_gathers_and_said_so(
         with port_kept(address) as port:
             await server.stop(None)  # no call in flight: the broker finds it gone by itself
             # A gather leaves it out at once, saying why, as soon as the broker knows.
-            async with asyncio.timeout(15):
-                while True:
-                    (item,) = await gathered(client, "LedgerAgent", timeout=0.5)
-                    if item.error is not None and item.error.reason == "NO_INSTANCE":
-                        break
+            item = await left_out(client, "LedgerAgent")
             assert "no instance of LedgerAgent can be reached" in item.error.message
             assert address in item.error.message
             assert await unreachable(mesh, "LedgerAgent") == 1
@@ -690,6 +682,16 @@ async def unreachable(mesh: LocalMesh, agent_id: str) -> float | None:
     return await asyncio.to_thread(
         registry.get_sample_value, "agentmesh_push_instances_unreachable", {"agent": agent_id}
     )
+
+
+async def left_out(client: MeshClient, agent_id: str) -> GatherResult:
+    """A gather to the agent, once it leaves the agent out at once as none of its instances
+    can be reached (NO_INSTANCE: the broker found out), within 15 s."""
+    async with asyncio.timeout(15):
+        while True:
+            (item,) = await gathered(client, agent_id, timeout=0.5)
+            if item.error is not None and item.error.reason == "NO_INSTANCE":
+                return item
 
 
 async def gathered(client: MeshClient, agent_id: str, timeout: float) -> list[GatherResult]:
@@ -833,11 +835,7 @@ async def test_a_server_that_refuses_the_brokers_credentials_loses_the_agent_not
             await client.send("LedgerAgent", {"action": "post", "parameters": {"n": n}})
             for n in range(3)
         ]
-        async with asyncio.timeout(15):
-            while True:
-                (item,) = await gathered(client, "LedgerAgent", timeout=0.5)
-                if item.error is not None and item.error.reason == "NO_INSTANCE":
-                    break
+        item = await left_out(client, "LedgerAgent")
         dead_meanwhile = await client.dead_letters("LedgerAgent")
         refused = len(ledger.seen)
         wanted["authorization"] = None  # the server takes any caller now
@@ -906,11 +904,7 @@ async def test_a_plain_node_server_says_a_message_is_not_for_the_agent_it_serves
         async with mesh.client("Cashier") as client:
             for n in range(2):
                 await client.send("LedgerAgent", {"action": "post", "parameters": {"n": n}})
-            async with asyncio.timeout(15):
-                while True:
-                    (item,) = await gathered(client, "LedgerAgent", timeout=0.5)
-                    if item.error is not None and item.error.reason == "NO_INSTANCE":
-                        break
+            item = await left_out(client, "LedgerAgent")
             dead = await client.dead_letters("LedgerAgent")
             stats = await client.queue_stats("LedgerAgent")
     finally:
