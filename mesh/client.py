@@ -132,7 +132,8 @@ CLIENT_OPTIONS = [
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RetryPolicy:
-    """Waits between attempts (RT-011 retry_backoff_ms) and the status codes worth retrying."""
+    """Waits between attempts (RT-011 retry_backoff_ms) and the status codes worth retrying.
+    A refusal that asks for a longer wait (its RetryInfo) gets it, up to a minute."""
 
     delays: tuple[float, ...] = RETRY_BACKOFF_SECONDS
     retry_on: frozenset[str] = frozenset({"RESOURCE_EXHAUSTED", "UNAVAILABLE"})
