@@ -273,9 +273,7 @@ class InstancePush:
                     return  # (the agent left the registry: the reconcile forgets this push)
                 self.broker.instance_unreachable(self.agent_id, self.address, self.refusing or "")
                 failures = 0 if reached and self.refusing is None else failures + 1
-                await asyncio.sleep(
-                    RETRY_BACKOFF_SECONDS[min(failures, len(RETRY_BACKOFF_SECONDS) - 1)]
-                )
+                await asyncio.sleep(_backoff(failures))
         finally:
             self.broker.instance_reachable(self.agent_id, self.address)  # (pushed no more)
             await channel.close()
@@ -526,8 +524,7 @@ class InstancePush:
         its lease kept, its place in flight taken, so that a server busy a moment is not
         called again at once. To the dead-letter queue at once after the last attempt."""
         if delivery.attempt < self.broker.config.delivery_attempts:
-            backoff = RETRY_BACKOFF_SECONDS[min(delivery.attempt, len(RETRY_BACKOFF_SECONDS)) - 1]
-            await asyncio.sleep(retry_wait(backoff, asked))
+            await asyncio.sleep(retry_wait(_backoff(delivery.attempt - 1), asked))
         with contextlib.suppress(MeshError):
             await self.broker.nack(self.agent_id, (delivery.message.message_id,))
 
