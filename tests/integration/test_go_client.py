@@ -15,6 +15,7 @@ from benchmarks.harness import build_meshgo, go_available
 from gateway.embedded import EmbeddedMesh
 from mesh import (
     AgentClient,
+    BrokerConfig,
     DeliveryMode,
     Message,
     MessageType,
@@ -411,6 +412,71 @@ async def test_a_go_agent_is_back_in_service_after_a_broker_restart(
         await stop(broker)
 
 
+async def test_go_retries_a_request_while_the_queue_is_full(meshgo: Path) -> None:
+    """RF-009 scenarios 12 and 15 from Go: a request refused with RESOURCE_EXHAUSTED is made
+    again after RT-011's backoff (100, 500, 2000 ms), each wait at least the RetryInfo the
+    broker sent (0.3 s here); once the queue has room it goes through, and a queue that stays
+    full fails it after the third retry, with the broker's own words."""
+    config = BrokerConfig(max_messages_per_agent=1, retry_after_seconds=0.3)
+    async with (
+        LocalMesh(config) as mesh,
+        mesh.client("GoFullDesk") as full_desk,
+        mesh.client("GoRetryDesk") as desk,
+    ):
+        for client in (full_desk, desk):
+            await client.register()
+            await client.send(client.agent_id, {"action": "fill"})
+
+        code, out, err = await run(
+            meshgo, "request", "-broker", mesh.address, "-to", "GoFullDesk", "-action", "x"
+        )
+        full = "RESOURCE_EXHAUSTED: GoFullDesk queue full (1 of 1 messages)"
+        assert (code, out) == (1, "")
+        assert err.splitlines() == [
+            f"meshgo: retry 1/3 in 300 ms after {full}",
+            f"meshgo: retry 2/3 in 500 ms after {full}",
+            f"meshgo: retry 3/3 in 2000 ms after {full}",
+            f"meshgo: {full}",
+        ]
+        # Nothing of the refused request was kept: the queue holds the filler alone.
+        [kept] = await full_desk.receive()
+        assert kept.content == {"action": "fill"}
+
+        process = await asyncio.create_subprocess_exec(
+            str(meshgo), "request", "-broker", mesh.address, "-from", "GoCaller",
+            "-to", "GoRetryDesk", "-action", "book",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        assert process.stdout is not None and process.stderr is not None
+        async with asyncio.timeout(30):
+            first = (await process.stderr.readline()).decode()
+            assert first == f"meshgo: retry 1/3 in 300 ms after {full.replace('Full', 'Retry')}\n"
+            # The desk takes its queue now: the filler, then the request when it is retried.
+            async with desk.subscribe() as inbox:
+                async for delivery in inbox:
+                    asked = delivery.message
+                    if asked.from_agent != "GoCaller":
+                        await delivery.ack()
+                        continue
+                    await delivery.answer(
+                        Message(
+                            from_agent="GoRetryDesk",
+                            to_agent=asked.from_agent,
+                            message_type=MessageType.RESPONSE,
+                            correlation_id=asked.correlation_id,
+                            content={"action": asked.action, "status": "COMPLETED"},
+                        )
+                    )
+                    break
+            out, rest = await process.communicate()
+        assert process.returncode == 0, first + rest.decode()
+        answer = json.loads(out)
+        assert (answer["fromAgent"], answer["toAgent"]) == ("GoRetryDesk", "GoCaller")
+        assert answer["content"] == {"action": "book", "status": "COMPLETED"}
+        # One request, asked until it went through: the same id each time.
+        assert asked.correlation_id == asked.message_id == answer["correlationId"]
+
+
 async def test_go_speaks_tls_with_a_token_and_is_held_to_its_identity(
     tmp_path: Path, meshgo: Path, go_agents: list[GoAgent]
 ) -> None:
@@ -457,8 +523,15 @@ async def test_go_speaks_tls_with_a_token_and_is_held_to_its_identity(
             meshgo, *asking("GoSecureAgent"), env={**go_env, "AGENTMESH_TOKEN": ""}
         )
         assert (code, err.split(":")[:2]) == (1, ["meshgo", " UNAUTHENTICATED"]), err
+        # (UNAVAILABLE is retried, as the broker away would be, then given up.)
         code, _, err = await run(meshgo, *asking("GoSecureAgent"), env={"AGENTMESH_TLS_CA": ""})
-        assert (code, err.split(":")[:2]) == (1, ["meshgo", " UNAVAILABLE"]), err
+        *retries, last = err.splitlines()
+        assert (code, last.split(":")[:2]) == (1, ["meshgo", " UNAVAILABLE"]), err
+        assert [r.split(" after ")[0] for r in retries] == [
+            "meshgo: retry 1/3 in 100 ms",
+            "meshgo: retry 2/3 in 500 ms",
+            "meshgo: retry 3/3 in 2000 ms",
+        ], err
 
 
 async def test_a_go_agent_whose_process_dies_is_taken_off_its_agents_instances(

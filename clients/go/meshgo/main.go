@@ -14,6 +14,10 @@
 // SIGTERM or SIGINT says NOT_SERVING, ends its session (what it did not answer goes back to the queue), leaves the
 // registry and exits 0.
 //
+// request asks again while the broker refuses for now (RESOURCE_EXHAUSTED, UNAVAILABLE):
+// after RT-011's backoff of 100, 500 and 2000 ms, or the longer wait a refusal's RetryInfo
+// asks for.
+//
 // TLS and credentials come from the variables every client of the mesh reads:
 // AGENTMESH_TLS_CA, AGENTMESH_TLS_CLIENT_CERT and AGENTMESH_TLS_CLIENT_KEY,
 // AGENTMESH_TLS_SERVER_NAME, AGENTMESH_TOKEN (and AGENTMESH_TLS_CERT and AGENTMESH_TLS_KEY
@@ -22,8 +26,10 @@ package main
 
 import (
 	"context"
+	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -609,6 +615,66 @@ func (a *agent) settle(m *meshv1.Message, write func(*meshv1.ConnectRequest) err
 
 // ---- the client ---------------------------------------------------------------------------
 
+// retryBackoff is RT-011's retry_backoff_ms: the waits before the three retries of a call the
+// broker refused for now (RESOURCE_EXHAUSTED: a queue full; UNAVAILABLE: the broker away or
+// stopping). A refusal whose google.rpc.RetryInfo asks for longer gets that, up to
+// maxRetryDelay.
+var retryBackoff = []time.Duration{100 * time.Millisecond, 500 * time.Millisecond, 2 * time.Second}
+
+const maxRetryDelay = time.Minute
+
+// withRetry makes the call, and makes it again after each of retryBackoff's waits while the
+// broker refuses it for now; each retry is said on stderr. The last refusal is returned.
+func withRetry(ctx context.Context, call func() error) error {
+	for attempt := 0; ; attempt++ {
+		err := call()
+		code := status.Code(err)
+		if err == nil || (code != codes.ResourceExhausted && code != codes.Unavailable) ||
+			attempt >= len(retryBackoff) {
+			return err
+		}
+		wait := retryWait(retryBackoff[attempt], err)
+		fmt.Fprintf(os.Stderr, "meshgo: retry %d/%d in %d ms after %s\n",
+			attempt+1, len(retryBackoff), wait.Milliseconds(), describe(err))
+		select {
+		case <-time.After(wait):
+		case <-ctx.Done():
+			return err
+		}
+	}
+}
+
+// retryWait is the wait before a retry: the backoff, or what the refusal's RetryInfo asks
+// when that is longer, up to maxRetryDelay.
+func retryWait(backoff time.Duration, err error) time.Duration {
+	s, _ := status.FromError(err)
+	for _, detail := range s.Details() {
+		if info, ok := detail.(*errdetails.RetryInfo); ok && info.GetRetryDelay() != nil {
+			asked := info.GetRetryDelay().AsDuration()
+			if asked > maxRetryDelay {
+				asked = maxRetryDelay
+			}
+			if asked > backoff {
+				return asked
+			}
+			return backoff
+		}
+	}
+	return backoff
+}
+
+// newMessageID is a random UUID (version 4), the form of the ids the broker gives.
+func newMessageID() (string, error) {
+	var raw [16]byte
+	if _, err := rand.Read(raw[:]); err != nil {
+		return "", err
+	}
+	raw[6] = raw[6]&0x0f | 0x40 // version 4
+	raw[8] = raw[8]&0x3f | 0x80 // RFC 4122 variant
+	h := hex.EncodeToString(raw[:])
+	return h[:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:], nil
+}
+
 func runRequest(args []string) error {
 	flags := flag.NewFlagSet("request", flag.ExitOnError)
 	broker := flags.String("broker", envOr("AGENTMESH_BROKER", "127.0.0.1:50051"), "broker host:port")
@@ -627,20 +693,30 @@ func runRequest(args []string) error {
 	if err != nil {
 		return err
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), *timeout+5*time.Second)
-	defer cancel()
+	ctx := context.Background()
 	conn, err := dial(ctx, *broker)
 	if err != nil {
 		return err
 	}
 	defer conn.Close()
 	client := meshv1.NewBrokerServiceClient(conn)
-	asking, cancelAsk := context.WithTimeout(ctx, *timeout) // (the broker waits as long)
-	defer cancelAsk()
-	answer, err := client.SendRequest(asking, &meshv1.SendRequestRequest{Message: &meshv1.Message{
-		FromAgent: *from, ToAgent: *to, MessageType: meshv1.MessageType_MESSAGE_TYPE_REQUEST,
-		Content: content,
-	}})
+	// Every attempt is the same request (its id and correlation), so that a retry after a
+	// call whose fate is unknown cannot be taken for a second question.
+	id, err := newMessageID()
+	if err != nil {
+		return err
+	}
+	request := &meshv1.SendRequestRequest{Message: &meshv1.Message{
+		MessageId: id, CorrelationId: id, FromAgent: *from, ToAgent: *to,
+		MessageType: meshv1.MessageType_MESSAGE_TYPE_REQUEST, Content: content,
+	}}
+	var answer *meshv1.SendRequestResponse
+	err = withRetry(ctx, func() error {
+		asking, cancelAsk := context.WithTimeout(ctx, *timeout) // (the broker waits as long)
+		defer cancelAsk()
+		answer, err = client.SendRequest(asking, request)
+		return err
+	})
 	if err != nil {
 		return err
 	}
