@@ -590,20 +590,37 @@ class AgentRuntime:
                 await asyncio.sleep(delay)
             except MeshError as error:
                 if error.reason == DEREGISTERED:
-                    # Taken off the mesh on purpose (`agentmesh deregister`): not registered
-                    # again behind the back of whoever did it. The process stays (its server
-                    # answers, its readiness says it takes no messages) until it is stopped.
-                    logger.warning(
-                        "%s was deregistered: it takes no more messages (start it again to"
-                        " register it again)",
-                        self.agent.agent_id,
-                    )
-                    self._mark_subscribed(False)
+                    self._taken_off()
                     return
                 logger.error("%s cannot subscribe: %s", self.agent.agent_id, error.message)
                 self._mark_subscribed(False)
                 attempt += 1
                 await asyncio.sleep(_RECONNECT_DELAYS[-1])
+
+    def _taken_off(self) -> None:
+        """Taken off the mesh on purpose (`agentmesh deregister`): not registered again behind
+        the back of whoever did it. The process stays (its server answers, its readiness says
+        it takes no messages) until it is stopped."""
+        logger.warning(
+            "%s was deregistered: it takes no more messages (start it again to register it again)",
+            self.agent.agent_id,
+        )
+        self._mark_subscribed(False)
+
+    def deregistered(self, agent_id: str) -> None:
+        """The broker says the agent was deregistered (NotifyDeregistered). An instance
+        taking its messages by push stops registering again when the broker comes back and
+        says it takes no messages, as a pulling one does when its subscription ends (which
+        is what tells a pulling one: to it, this changes nothing)."""
+        if agent_id != self.agent.agent_id:
+            raise MessageValidationError.for_field(
+                "agent_id", f"this server serves {self.agent.agent_id}, not {agent_id}"
+            )
+        if self._stopping or self.delivery_mode is not DeliveryMode.PUSH:
+            return
+        if self._consumer is not None:
+            self._consumer.cancel()  # (registers no more)
+        self._taken_off()
 
     def _mark_subscribed(self, subscribed: bool) -> None:
         if subscribed is self.subscribed.is_set():
@@ -909,6 +926,15 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         response = agent_pb2.DescribeAgentResponse()
         codec.card_to_pb(self.runtime.agent.card(), response.card)
         return response
+
+    async def NotifyDeregistered(
+        self, request: agent_pb2.NotifyDeregisteredRequest, context: Any
+    ) -> agent_pb2.NotifyDeregisteredResponse:
+        try:
+            self.runtime.deregistered(request.agent_id)
+        except MeshError as error:
+            await abort(context, error)
+        return agent_pb2.NotifyDeregisteredResponse()
 
 
 class AgentServer:

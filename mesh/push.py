@@ -97,6 +97,8 @@ TRANSIENT = frozenset(
     }
 )
 """Statuses after which a delivery is tried again; any other refuses the message for good."""
+NOTICE_SECONDS = 5.0
+"""How long a server has to take the notice that its instance was deregistered."""
 HANDLE_MESSAGE = "mesh.v1.AgentService/HandleMessage"
 """The call's span name, as OpenTelemetry's gRPC instrumentation names a call's span."""
 
@@ -133,6 +135,7 @@ class Pusher:
         agent registering costs no walk through the registry)."""
         self._woken = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._notices: set[asyncio.Task[None]] = set()
 
     def start(self) -> None:
         self.broker.registry_watchers.append(self._agent_changed)
@@ -145,6 +148,39 @@ class Pusher:
         self._task = None
         await asyncio.gather(*(push.stop() for push in self._pushes.values()))
         self._pushes.clear()
+        await asyncio.gather(*(cancel_and_wait(notice) for notice in list(self._notices)))
+
+    def notify_deregistered(self, agent_id: str, instances: Iterable[str]) -> None:
+        """Tells each of the agent's ``instances`` (pushed to until the agent was
+        deregistered) that it was taken off the mesh, once, best effort, in the background:
+        a deregistration does not wait for its agent's servers."""
+        for instance in instances:
+            notice = asyncio.create_task(
+                self._notify(agent_id, instance), name=f"push-notice-{agent_id}"
+            )
+            self._notices.add(notice)
+            notice.add_done_callback(self._notices.discard)
+
+    async def _notify(self, agent_id: str, instance: str) -> None:
+        request = agent_pb2.NotifyDeregisteredRequest(agent_id=agent_id)
+        try:
+            async with open_channel(instance, self.security, CLIENT_OPTIONS) as channel:
+                stub = agent_pb2_grpc.AgentServiceStub(channel)
+                await stub.NotifyDeregistered(request, timeout=NOTICE_SECONDS)
+        except grpc.aio.AioRpcError as error:
+            if error.code() is grpc.StatusCode.UNIMPLEMENTED:  # (a server without it)
+                logger.debug("push: %s at %s takes no notices", agent_id, instance)
+                return
+            logger.info(
+                "push: could not tell %s at %s it was deregistered: %s",
+                agent_id,
+                instance,
+                from_rpc_error(error).message,
+            )
+        except MeshError as error:  # (an address no channel can be opened to)
+            logger.info("push: could not tell %s at %s: %s", agent_id, instance, error.message)
+        else:
+            logger.info("push: told %s at %s it was deregistered", agent_id, instance)
 
     def _agent_changed(self, agent_id: str) -> None:
         self._changed.add(agent_id)

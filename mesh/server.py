@@ -89,6 +89,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
 
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
+        self.pusher: Pusher | None = None
+        """Tells the pushed instances of an agent deregistered here (set as push starts)."""
 
     @translating
     async def RegisterAgent(
@@ -103,7 +105,11 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     async def DeregisterAgent(
         self, request: broker_pb2.DeregisterAgentRequest, context: Any
     ) -> broker_pb2.DeregisterAgentResponse:
-        await self.broker.deregister(request.agent_id, request.address)
+        pushed = await self.broker.deregister(request.agent_id, request.address)
+        # The whole agent taken off: its pushed instances are told. (One instance leaving by
+        # its address is most often that process, stopping.)
+        if pushed and not request.address and self.pusher is not None:
+            self.pusher.notify_deregistered(request.agent_id, pushed)
         return broker_pb2.DeregisterAgentResponse()
 
     @translating
@@ -986,7 +992,7 @@ async def serve_broker(
         raise
     # Agents that take their messages by push are called from here on, until the broker
     # stops (after its drain: a push is one more subscriber that empties its queue).
-    pusher = Pusher(broker, security)
+    pusher = servicer.pusher = Pusher(broker, security)
     pusher.start()
     # While the queue store cannot be reached (Redis away), the broker's services say
     # NOT_SERVING, so readiness takes it out of rotation and gateways follow; the server as a

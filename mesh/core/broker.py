@@ -777,20 +777,27 @@ class Broker:
         self._registry_changed(registered.agent_id)
         return registered
 
-    async def deregister(self, agent_id: str, address: str = "") -> None:
+    async def deregister(self, agent_id: str, address: str = "") -> tuple[str, ...]:
         """Takes an agent off the mesh; with ``address``, only that instance of it leaves,
         and the agent stays while other instances serve it (a rolling update, or one of
-        several processes stopping)."""
+        several processes stopping). Returns the addresses of the instances that left and
+        took their messages by push: they hold no subscription whose end would tell them."""
         remaining: AgentInfo | None = None
+        pushed: tuple[str, ...] = ()
         if not address:
             await self._load_registration(agent_id)  # (registered through another replica)
-            self.registry.deregister(agent_id)
+            pushed = self.registry.deregister(agent_id).push_instances
             await self.store.forget_agent(agent_id)
         elif self.store.shared:
-            remaining = await self.store.update_agent(
-                agent_id, lambda saved: self._as_kept(agent_id, saved).leave(agent_id, address)
-            )
+
+            def leave(saved: AgentInfo | None) -> AgentInfo | None:
+                nonlocal pushed
+                pushed = (address,) if saved is not None and address in saved.pushed else ()
+                return self._as_kept(agent_id, saved).leave(agent_id, address)
+
+            remaining = await self.store.update_agent(agent_id, leave)
         else:
+            pushed = (address,) if address in self.registry.require(agent_id).pushed else ()
             remaining = self.registry.leave(agent_id, address)
             if remaining is None:
                 await self.store.forget_agent(agent_id)
@@ -813,13 +820,14 @@ class Broker:
                     }
                 },
             )
-            return
+            return pushed
         self.metrics.agent_gone(agent_id)
         logger.info(
             "agent deregistered: %s",
             agent_id,
             extra={"event": {"category": "registry", "agent_id": agent_id}},
         )
+        return pushed
 
     def _as_kept(self, agent_id: str, saved: AgentInfo | None) -> AgentRegistry:
         """The registry, with the agent as the shared store keeps it (registered, changed or

@@ -109,3 +109,44 @@ class DescribeAgentResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DescribeAgentResponse: _TypeAlias = DescribeAgentResponse  # noqa: Y015
+
+@_typing.final
+class NotifyDeregisteredRequest(_message.Message):
+    """NotifyDeregisteredRequest names what left the mesh."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """The agent deregistered. A server that serves another agent answers INVALID_ARGUMENT
+    with a field violation on `agent_id`.
+    """
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NotifyDeregisteredRequest: _TypeAlias = NotifyDeregisteredRequest  # noqa: Y015
+
+@_typing.final
+class NotifyDeregisteredResponse(_message.Message):
+    """NotifyDeregisteredResponse says the notice was taken."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NotifyDeregisteredResponse: _TypeAlias = NotifyDeregisteredResponse  # noqa: Y015

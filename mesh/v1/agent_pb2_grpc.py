@@ -45,6 +45,11 @@ class AgentServiceStub:
                 request_serializer=mesh_dot_v1_dot_agent__pb2.DescribeAgentRequest.SerializeToString,
                 response_deserializer=mesh_dot_v1_dot_agent__pb2.DescribeAgentResponse.FromString,
                 _registered_method=True)
+        self.NotifyDeregistered = channel.unary_unary(
+                '/mesh.v1.AgentService/NotifyDeregistered',
+                request_serializer=mesh_dot_v1_dot_agent__pb2.NotifyDeregisteredRequest.SerializeToString,
+                response_deserializer=mesh_dot_v1_dot_agent__pb2.NotifyDeregisteredResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -66,6 +71,20 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def NotifyDeregistered(self, request, context):
+        """Tells the instances that take their messages by push (DELIVERY_MODE_PUSH) that their
+        agent was taken off the mesh on purpose (DeregisterAgent without an address:
+        `agentmesh deregister AGENT`). A pulling agent learns it as its subscription ends
+        (AGENT_DEREGISTERED); a pushed one holds no stream the broker could end, and without this
+        would go on saying it is ready, and register again when the broker comes back. The
+        broker that took the deregistration calls each such instance once, best effort; a server
+        without this method answers UNIMPLEMENTED, which the broker takes as heard. Not sent when
+        one instance leaves by its address (most often that process itself, stopping).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +97,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.DescribeAgent,
                     request_deserializer=mesh_dot_v1_dot_agent__pb2.DescribeAgentRequest.FromString,
                     response_serializer=mesh_dot_v1_dot_agent__pb2.DescribeAgentResponse.SerializeToString,
+            ),
+            'NotifyDeregistered': grpc.unary_unary_rpc_method_handler(
+                    servicer.NotifyDeregistered,
+                    request_deserializer=mesh_dot_v1_dot_agent__pb2.NotifyDeregisteredRequest.FromString,
+                    response_serializer=mesh_dot_v1_dot_agent__pb2.NotifyDeregisteredResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +159,33 @@ class AgentService:
             '/mesh.v1.AgentService/DescribeAgent',
             mesh_dot_v1_dot_agent__pb2.DescribeAgentRequest.SerializeToString,
             mesh_dot_v1_dot_agent__pb2.DescribeAgentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NotifyDeregistered(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mesh.v1.AgentService/NotifyDeregistered',
+            mesh_dot_v1_dot_agent__pb2.NotifyDeregisteredRequest.SerializeToString,
+            mesh_dot_v1_dot_agent__pb2.NotifyDeregisteredResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -39,6 +39,16 @@ class AgentServiceStub:
     """
     DescribeAgent: _grpc.UnaryUnaryMultiCallable[_agent_pb2.DescribeAgentRequest, _agent_pb2.DescribeAgentResponse]
     """Returns the agent's card: id, types, capabilities, tools."""
+    NotifyDeregistered: _grpc.UnaryUnaryMultiCallable[_agent_pb2.NotifyDeregisteredRequest, _agent_pb2.NotifyDeregisteredResponse]
+    """Tells the instances that take their messages by push (DELIVERY_MODE_PUSH) that their
+    agent was taken off the mesh on purpose (DeregisterAgent without an address:
+    `agentmesh deregister AGENT`). A pulling agent learns it as its subscription ends
+    (AGENT_DEREGISTERED); a pushed one holds no stream the broker could end, and without this
+    would go on saying it is ready, and register again when the broker comes back. The
+    broker that took the deregistration calls each such instance once, best effort; a server
+    without this method answers UNIMPLEMENTED, which the broker takes as heard. Not sent when
+    one instance leaves by its address (most often that process itself, stopping).
+    """
 
 @_typing.type_check_only
 class AgentServiceAsyncStub(AgentServiceStub):
@@ -51,6 +61,16 @@ class AgentServiceAsyncStub(AgentServiceStub):
     """
     DescribeAgent: _aio.UnaryUnaryMultiCallable[_agent_pb2.DescribeAgentRequest, _agent_pb2.DescribeAgentResponse]  # type: ignore[assignment]
     """Returns the agent's card: id, types, capabilities, tools."""
+    NotifyDeregistered: _aio.UnaryUnaryMultiCallable[_agent_pb2.NotifyDeregisteredRequest, _agent_pb2.NotifyDeregisteredResponse]  # type: ignore[assignment]
+    """Tells the instances that take their messages by push (DELIVERY_MODE_PUSH) that their
+    agent was taken off the mesh on purpose (DeregisterAgent without an address:
+    `agentmesh deregister AGENT`). A pulling agent learns it as its subscription ends
+    (AGENT_DEREGISTERED); a pushed one holds no stream the broker could end, and without this
+    would go on saying it is ready, and register again when the broker comes back. The
+    broker that took the deregistration calls each such instance once, best effort; a server
+    without this method answers UNIMPLEMENTED, which the broker takes as heard. Not sent when
+    one instance leaves by its address (most often that process itself, stopping).
+    """
 
 class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
     """AgentService is served by every agent on its own gRPC server."""
@@ -72,5 +92,21 @@ class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_agent_pb2.DescribeAgentResponse, _abc.Awaitable[_agent_pb2.DescribeAgentResponse]]:
         """Returns the agent's card: id, types, capabilities, tools."""
+
+    @_abc_1.abstractmethod
+    def NotifyDeregistered(
+        self,
+        request: _agent_pb2.NotifyDeregisteredRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_pb2.NotifyDeregisteredResponse, _abc.Awaitable[_agent_pb2.NotifyDeregisteredResponse]]:
+        """Tells the instances that take their messages by push (DELIVERY_MODE_PUSH) that their
+        agent was taken off the mesh on purpose (DeregisterAgent without an address:
+        `agentmesh deregister AGENT`). A pulling agent learns it as its subscription ends
+        (AGENT_DEREGISTERED); a pushed one holds no stream the broker could end, and without this
+        would go on saying it is ready, and register again when the broker comes back. The
+        broker that took the deregistration calls each such instance once, best effort; a server
+        without this method answers UNIMPLEMENTED, which the broker takes as heard. Not sent when
+        one instance leaves by its address (most often that process itself, stopping).
+        """
 
 def add_AgentServiceServicer_to_server(servicer: AgentServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

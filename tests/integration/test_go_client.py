@@ -312,13 +312,16 @@ async def test_a_go_agent_names_the_content_fields_it_requires(
     await agent.stop()
 
 
+@pytest.mark.parametrize("push", [False, True], ids=["pull", "push"])
 async def test_a_deregistered_go_agent_stops_taking_messages_and_says_so(
-    embedded: EmbeddedMesh, meshgo: Path, go_agents: list[GoAgent]
+    embedded: EmbeddedMesh, meshgo: Path, go_agents: list[GoAgent], push: bool
 ) -> None:
-    """Its session's subscription ended by the broker (AGENT_DEREGISTERED), the Go agent goes
-    NOT_SERVING and stays off the mesh until stopped, rather than registering again."""
+    """Told by the broker (its session's subscription ended, AGENT_DEREGISTERED; pushed to,
+    the broker's NotifyDeregistered call), the Go agent goes NOT_SERVING and stays off the
+    mesh until stopped, rather than registering again."""
     broker = embedded.broker.address
-    agent = await start_go_agent(meshgo, go_agents, broker, "GoLeavingDesk")
+    flags = ("-push",) if push else ()
+    agent = await start_go_agent(meshgo, go_agents, broker, "GoLeavingDesk", *flags)
     async with (
         connect(broker, agent_id="PyAdmin") as admin,
         watching(agent.address, "mesh.v1.AgentService") as readiness,

@@ -46,8 +46,8 @@ from mesh.agent import serve
 from mesh.certs import write_dev_certificates
 from mesh.client import NO_RETRY, GatherResult, MeshClient
 from mesh.config import BrokerConfig, SecurityConfig
-from mesh.v1 import agent_pb2_grpc, broker_pb2, broker_pb2_grpc, message_pb2
-from tests.helpers.health import NOT_SERVING, SERVING, watching
+from mesh.v1 import agent_pb2, agent_pb2_grpc, broker_pb2, broker_pb2_grpc, message_pb2
+from tests.helpers.health import NOT_SERVING, SERVING, health_of, watching
 from tests.helpers.node import start_node_example
 from tests.helpers.plain_agent import PlainAgent, echo, port_kept, start_plain
 from tests.helpers.processes import (
@@ -994,6 +994,122 @@ async def test_an_sdk_push_agent_registers_again_when_the_broker_comes_back() ->
         await stop(broker)
     assert again.content["rate"] == 0.1 and again.from_agent == "TaxDesk"
     assert listed["TaxDesk"].delivery_mode is DeliveryMode.PUSH
+
+
+@pytest.mark.processes
+async def test_an_sdk_push_agent_deregistered_on_purpose_is_told_and_stays_off(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pulling agent learns of its deregistration as its subscription ends; a pushed one
+    holds no stream, and went on saying it was ready and registered again when the broker
+    came back. The broker now tells each pushed instance (NotifyDeregistered): both stop
+    being ready, and neither registers again after a restart of the broker on its durable
+    store."""
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    args = ("broker", "--port", str(port), "--store", f"sqlite:///{tmp_path / 'q.db'}")
+    broker = await start(*args, ready=BROKER_READY)
+    try:
+        instances = [await serve(tax_desk, address, delivery_mode="push") for _ in range(2)]
+        try:
+            async with connect(address, agent_id="Shop", retry=NO_RETRY) as client:
+                answer = await client.request("TaxDesk", {"action": "rate", "item": "book"})
+                assert answer.content["rate"] == 0.2
+                with caplog.at_level(logging.WARNING, logger="mesh.agent"):
+                    async with contextlib.AsyncExitStack() as stack:
+                        readiness = [
+                            await stack.enter_async_context(
+                                watching(served.address, "mesh.v1.AgentService")
+                            )
+                            for served in instances
+                        ]
+                        for ready in readiness:
+                            assert await ready.until(SERVING) == [SERVING]
+                        await client.deregister("TaxDesk")
+                        for ready in readiness:
+                            assert await ready.until(NOT_SERVING) == [NOT_SERVING]
+                said = [r.getMessage() for r in caplog.records if r.name == "mesh.agent"]
+                gone = "TaxDesk was deregistered: it takes no more messages"
+                assert [line[: len(gone)] for line in said] == [gone, gone]
+
+                await wait_killed(broker)
+                broker = await start(*args, ready=BROKER_READY)
+                # Back, on the store that remembers the deregistration: neither instance
+                # registers again (each would within a second of the broker serving).
+                await asyncio.sleep(2)
+                assert "TaxDesk" not in [a.agent_id for a in await client.list_agents()]
+                for served in instances:
+                    assert await health_of(served.address, "mesh.v1.AgentService") == NOT_SERVING
+        finally:
+            for served in instances:
+                await served.stop()
+    finally:
+        await stop(broker)
+
+
+@pytest.mark.processes
+@pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
+async def test_a_node_push_agent_deregistered_on_purpose_is_told_and_stays_off(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    args = ("broker", "--port", str(port), "--store", f"sqlite:///{tmp_path / 'q.db'}")
+    broker = await start(*args, ready=BROKER_READY)
+    try:
+        node, node_at = await start_node_example("echo-agent.js", "NodePushEcho", address, "push")
+        try:
+            async with (
+                connect(address, agent_id="Shop", retry=NO_RETRY) as client,
+                watching(node_at, "mesh.v1.AgentService") as readiness,
+            ):
+                assert await readiness.until(SERVING) == [SERVING]
+                await client.deregister("NodePushEcho")
+                assert await readiness.until(NOT_SERVING) == [NOT_SERVING]
+                await wait_killed(broker)
+                broker = await start(*args, ready=BROKER_READY)
+                await asyncio.sleep(2)  # (it would register again within a second)
+                assert "NodePushEcho" not in [a.agent_id for a in await client.list_agents()]
+                assert await health_of(node_at, "mesh.v1.AgentService") == NOT_SERVING
+        finally:
+            if node.returncode is None:
+                node.terminate()
+            assert node.stdout is not None
+            said = (await node.stdout.read()).decode()
+            await node.wait()
+    finally:
+        await stop(broker)
+    assert "NodePushEcho was deregistered: it takes no more messages" in said, said
+
+
+async def test_an_sdk_agents_server_takes_only_the_notices_meant_for_it(mesh: LocalMesh) -> None:
+    """NotifyDeregistered called directly, as any client can: one for another agent is
+    refused as HandleMessage refuses its messages; one to an instance that pulls (its
+    subscription's end is what tells it) changes nothing."""
+    pushed = await mesh.add_agent(tax_desk, delivery_mode="push")
+    pulling = await mesh.add_agent(Quotes())
+    for served in (pushed, pulling):
+        async with grpc.aio.insecure_channel(served.address) as channel:
+            stub = agent_pb2_grpc.AgentServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.NotifyDeregistered(
+                    agent_pb2.NotifyDeregisteredRequest(agent_id="Nobody")
+                )
+            error = from_rpc_error(refused.value)
+            assert (error.code, error.message) == (
+                "INVALID_ARGUMENT",
+                f"this server serves {served.agent.agent_id}, not Nobody",
+            )
+            assert [v.field for v in error.field_violations] == ["agent_id"]
+        assert await health_of(served.address, "mesh.v1.AgentService") == SERVING
+    async with grpc.aio.insecure_channel(pulling.address) as channel:
+        await agent_pb2_grpc.AgentServiceStub(channel).NotifyDeregistered(
+            agent_pb2.NotifyDeregisteredRequest(agent_id=pulling.agent.agent_id)
+        )
+    assert await health_of(pulling.address, "mesh.v1.AgentService") == SERVING
+    async with mesh.client("Shop") as client:
+        quote = await client.request(pulling.agent.agent_id, {"action": "quote", "item": "book"})
+    assert (quote.content["price"], quote.content["tax"]) == (100, 0.2)
 
 
 @pytest.mark.processes

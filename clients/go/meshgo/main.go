@@ -12,7 +12,8 @@
 // again when the broker goes away, for up to a minute (its health for mesh.v1.AgentService,
 // which readiness asks, says NOT_SERVING meanwhile; "" says the process serves), and on
 // SIGTERM or SIGINT says NOT_SERVING, ends its session (what it did not answer goes back to the queue), leaves the
-// registry and exits 0.
+// registry and exits 0. Deregistered by someone else (its subscription ended; with -push,
+// the broker's NotifyDeregistered call), it says NOT_SERVING and registers no more.
 //
 // request asks again while the broker refuses for now (RESOURCE_EXHAUSTED, UNAVAILABLE):
 // after RT-011's backoff of 100, 500 and 2000 ms, or the longer wait a refusal's RetryInfo
@@ -179,6 +180,9 @@ type agent struct {
 	recommendation string
 	confidence     float64
 	address        string
+	push           bool          // takes its messages by push: the broker calls its server
+	off            chan struct{} // closed when the broker says the agent was deregistered
+	toldOff        sync.Once
 }
 
 // answer is the agent's work: what it says about a message. Its recommendation and
@@ -352,6 +356,31 @@ func (s *agentServer) DescribeAgent(
 	}}, nil
 }
 
+// NotifyDeregistered is the broker's notice that the agent was taken off the mesh, sent to
+// the instances it pushes to (they hold no session whose end would tell them). One that pulls
+// learns it as its subscription ends instead.
+func (s *agentServer) NotifyDeregistered(
+	ctx context.Context, req *meshv1.NotifyDeregisteredRequest,
+) (*meshv1.NotifyDeregisteredResponse, error) {
+	if req.GetAgentId() != s.agent.id {
+		return nil, invalidArgument([]*errdetails.BadRequest_FieldViolation{{
+			Field:       "agent_id",
+			Description: fmt.Sprintf("this server serves %s, not %s", s.agent.id, req.GetAgentId()),
+		}})
+	}
+	if s.agent.push {
+		s.agent.toldOff.Do(func() { close(s.agent.off) })
+	}
+	return &meshv1.NotifyDeregisteredResponse{}, nil
+}
+
+// takenOff says that the agent was taken off the mesh on purpose (agentmesh deregister): it
+// is not registered again behind the back of whoever did it, and its server stays, not ready,
+// until stopped.
+func (a *agent) takenOff() {
+	fmt.Fprintf(os.Stderr, "%s was deregistered: it takes no more messages (start it again to register it again)\n", a.id)
+}
+
 func runAgent(args []string) error {
 	flags := flag.NewFlagSet("agent", flag.ExitOnError)
 	broker := flags.String("broker", envOr("AGENTMESH_BROKER", "127.0.0.1:50051"), "broker host:port")
@@ -366,7 +395,8 @@ func runAgent(args []string) error {
 		"register for push delivery: the broker calls this server's HandleMessage, no session")
 	flags.Parse(args)
 
-	a := &agent{id: *id, recommendation: *recommendation, confidence: *confidence}
+	a := &agent{id: *id, recommendation: *recommendation, confidence: *confidence, push: *push,
+		off: make(chan struct{})}
 	if *types != "" {
 		a.types = strings.Split(*types, ",")
 	}
@@ -412,7 +442,22 @@ func runAgent(args []string) error {
 	announced, gone := false, false // gone: deregistered, by someone else
 	var lost time.Time
 	if *push {
-		a.keepRegistered(ctx, brokerClient, healthpb.NewHealthClient(conn), ready)
+		pushed, stopPushed := context.WithCancel(ctx)
+		go func() {
+			select {
+			case <-a.off: // (told it was deregistered)
+				stopPushed()
+			case <-pushed.Done():
+			}
+		}()
+		a.keepRegistered(pushed, brokerClient, healthpb.NewHealthClient(conn), ready)
+		stopPushed()
+		if ctx.Err() == nil {
+			ready(false)
+			a.takenOff()
+			gone = true
+			<-ctx.Done()
+		}
 	}
 	for delay := 100 * time.Millisecond; !*push; {
 		err := a.serveSession(ctx, brokerClient, func() {
@@ -430,9 +475,7 @@ func runAgent(args []string) error {
 		ready(false)
 		var off *deregistered
 		if errors.As(err, &off) {
-			// Taken off the mesh on purpose (agentmesh deregister): not registered again
-			// behind the back of whoever did it. The server stays, not ready, until stopped.
-			fmt.Fprintf(os.Stderr, "%s was deregistered: it takes no more messages (start it again to register it again)\n", a.id)
+			a.takenOff()
 			gone = true
 			<-ctx.Done()
 			break

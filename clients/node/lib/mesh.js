@@ -2005,6 +2005,22 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
       card: { agent_id: agentId, agent_types: agentTypes, capabilities, tools: [],
         description, actions },
     }),
+    // The broker's notice that the agent was deregistered: a pushed agent holds no session
+    // whose end would tell it. One that pulls learns it from its subscription instead.
+    NotifyDeregistered: (call, callback) => {
+      const named = call.request.agent_id;
+      if (named !== agentId) {
+        callback(invalidArgument([['agent_id', `this server serves ${agentId}, not ${named}`]]));
+        return;
+      }
+      callback(null, {});
+      if (deliveryMode === 'PUSH' && !stopped && !deregistered) {
+        deregistered = true;
+        if (watch) watch.cancel();
+        if (wake) wake();
+        takenOff();
+      }
+    },
   });
   // As every server of the mesh: grpc.health.v1 and server reflection, so that plain gRPC
   // tools (buf curl, grpcurl, probes) find their way. The server as a whole ('', which
@@ -2014,6 +2030,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
   const health = new HealthImplementation(
     { '': 'SERVING', 'mesh.v1.AgentService': 'NOT_SERVING' });
   let stopped = false;
+  let deregistered = false;
   let ready = false;
   let tookFirst;
   const firstTake = new Promise((resolve) => { tookFirst = resolve; });
@@ -2038,6 +2055,13 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
   // have forgotten it) and subscribes again, waiting a little longer after each failure.
   let subscription = null;
   let wake = null;
+  // Taken off the mesh on purpose (agentmesh deregister): not registered again behind the
+  // back of whoever did it. The server stays, not ready, until stopped.
+  const takenOff = () => {
+    takesMessages(false);
+    console.warn(`${agentId} was deregistered: it takes no more messages `
+      + '(start it again to register it again)');
+  };
   const delays = [100, 500, 1000, 2000, 5000];
   const keepSubscribed = async () => {
     let attempt = 0;
@@ -2058,11 +2082,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
           wake = resolve;
         });
         if (ended && ended.reason === 'AGENT_DEREGISTERED') {
-          // Taken off the mesh on purpose (agentmesh deregister): not registered again
-          // behind the back of whoever did it. The server stays, not ready, until stopped.
-          takesMessages(false);
-          console.warn(`${agentId} was deregistered: it takes no more messages `
-            + '(start it again to register it again)');
+          takenOff();
           return;
         }
       } catch (err) {
@@ -2087,7 +2107,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
       { ...channelOptions, channelOverride: client.broker.getChannel() });
     let lost = false;
     let attempt = 0;
-    while (!stopped) {
+    while (!stopped && !deregistered) {
       await new Promise((resolve) => {
         wake = resolve;
         watch = healthClient.Watch({ service: 'mesh.v1.BrokerService' });
@@ -2101,7 +2121,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
           if (!lost) return;
           lost = false;
           client.register({ agentTypes, address, capabilities, deliveryMode, requiredFields })
-            .then(() => takesMessages(true))
+            .then(() => { if (!deregistered) takesMessages(true); })
             .catch((err) => {
               lost = true; // (registered on the broker's next change, or its next watch)
               console.warn(`${agentId}: could not register again: ${err.message}`);
@@ -2110,7 +2130,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
         watch.on('error', resolve);
         watch.on('end', resolve);
       });
-      if (stopped) return;
+      if (stopped || deregistered) return;
       lost = true;
       takesMessages(false);
       await new Promise((resolve) => {
