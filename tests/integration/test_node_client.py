@@ -262,6 +262,7 @@ async def test_a_node_agent_serves_health_and_reflection_for_plain_grpc_tools() 
         assert methods == [
             "mesh.v1.AgentService/DescribeAgent",
             "mesh.v1.AgentService/HandleMessage",
+            "mesh.v1.AgentService/NotifyDeregistered",
         ]
         card = await buf_curl(f"http://{address}/mesh.v1.AgentService/DescribeAgent")
         assert '"agentId": "NodeToolsAgent"' in card, card
