@@ -1049,37 +1049,51 @@ async def test_an_sdk_push_agent_deregistered_on_purpose_is_told_and_stays_off(
 
 @pytest.mark.processes
 @pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
+@pytest.mark.parametrize("example", ["echo-agent.js", "push-agent.js"])
 async def test_a_node_push_agent_deregistered_on_purpose_is_told_and_stays_off(
-    tmp_path: Path,
+    tmp_path: Path, example: str
 ) -> None:
+    """The Node.js library's agent, and the plain @grpc/grpc-js one (which serves no health
+    of its own): each says it was deregistered and does not register again."""
     port = free_port()
     address = f"127.0.0.1:{port}"
     args = ("broker", "--port", str(port), "--store", f"sqlite:///{tmp_path / 'q.db'}")
     broker = await start(*args, ready=BROKER_READY)
+    sdk = example == "echo-agent.js"
     try:
-        node, node_at = await start_node_example("echo-agent.js", "NodePushEcho", address, "push")
+        node, node_at = await start_node_example(example, "NodePushEcho", address, *(
+            ("push",) if sdk else ()))  # fmt: skip
         try:
-            async with (
-                connect(address, agent_id="Shop", retry=NO_RETRY) as client,
-                watching(node_at, "mesh.v1.AgentService") as readiness,
-            ):
-                assert await readiness.until(SERVING) == [SERVING]
+            async with contextlib.AsyncExitStack() as stack:
+                client = await stack.enter_async_context(
+                    connect(address, agent_id="Shop", retry=NO_RETRY)
+                )
+                answer = await client.request("NodePushEcho", {"action": "echo", "n": 1})
+                assert answer.content["echo"] == {"action": "echo", "n": 1}
+                if sdk:
+                    readiness = await stack.enter_async_context(
+                        watching(node_at, "mesh.v1.AgentService")
+                    )
+                    assert await readiness.until(SERVING) == [SERVING]
                 await client.deregister("NodePushEcho")
-                assert await readiness.until(NOT_SERVING) == [NOT_SERVING]
+                assert node.stdout is not None
+                async with asyncio.timeout(10):
+                    said = (await node.stdout.readline()).decode()
+                assert said.startswith("NodePushEcho was deregistered: it takes no more messages")
+                if sdk:
+                    assert await readiness.until(NOT_SERVING) == [NOT_SERVING]
                 await wait_killed(broker)
                 broker = await start(*args, ready=BROKER_READY)
-                await asyncio.sleep(2)  # (it would register again within a second)
+                await asyncio.sleep(2.5)  # (it would register again within a second or so)
                 assert "NodePushEcho" not in [a.agent_id for a in await client.list_agents()]
-                assert await health_of(node_at, "mesh.v1.AgentService") == NOT_SERVING
+                if sdk:
+                    assert await health_of(node_at, "mesh.v1.AgentService") == NOT_SERVING
         finally:
             if node.returncode is None:
                 node.terminate()
-            assert node.stdout is not None
-            said = (await node.stdout.read()).decode()
             await node.wait()
     finally:
         await stop(broker)
-    assert "NodePushEcho was deregistered: it takes no more messages" in said, said
 
 
 async def test_an_sdk_agents_server_takes_only_the_notices_meant_for_it(mesh: LocalMesh) -> None:

@@ -1,8 +1,9 @@
 'use strict';
 // An agent in plain gRPC, without the agentmesh library: a server of mesh.v1.AgentService
-// (HandleMessage, DescribeAgent) registered with DELIVERY_MODE_PUSH, so that the broker calls
-// it with each message queued for the agent. No stream, lease or acknowledgement of its own:
-// answering the call settles the delivery, and a RESPONSE it returns answers the requester.
+// (HandleMessage, DescribeAgent, NotifyDeregistered) registered with DELIVERY_MODE_PUSH, so
+// that the broker calls it with each message queued for the agent. No stream, lease or
+// acknowledgement of its own: answering the call settles the delivery, and a RESPONSE it
+// returns answers the requester.
 //
 //   node examples/push-agent.js AGENT_ID [PORT]
 //
@@ -65,6 +66,9 @@ function call(stub, method, request) {
 async function main() {
   const agentId = process.argv[2] || 'PlainNodeAgent';
   const port = Number(process.argv[3] || 0);
+  let stopping = false;
+  let deregistered = false;
+  let watch = null;
   const server = new grpc.Server();
   server.addService(v1.AgentService.service, {
     HandleMessage({ request }, callback) {
@@ -91,6 +95,15 @@ async function main() {
     DescribeAgent(_, callback) {
       callback(null, { card: { agent_id: agentId, capabilities: ['echo'] } });
     },
+    // The broker's notice that the agent was taken off the mesh (agentmesh deregister): it is
+    // not registered again behind the back of whoever did it. The server stays until stopped.
+    NotifyDeregistered({ request }, callback) {
+      callback(null, {});
+      if (request.agent_id !== agentId || stopping || deregistered) return;
+      deregistered = true;
+      watch.cancel();
+      console.warn(`${agentId} was deregistered: it takes no more messages`);
+    },
   });
   const bound = await new Promise((resolve, reject) => {
     server.bindAsync(`127.0.0.1:${port}`, grpc.ServerCredentials.createInsecure(),
@@ -109,13 +122,11 @@ async function main() {
   // forgotten it).
   const Health = grpc.makeGenericClientConstructor(healthService, 'Health');
   const health = new Health(brokerAddress, grpc.credentials.createInsecure());
-  let stopping = false;
-  let watch = null;
   const keepRegistered = () => {
     watch = health.Watch({ service: '' });
     watch.on('data', () => {});
     watch.on('error', () => setTimeout(() => {
-      if (!stopping) register().catch(() => {}).finally(keepRegistered);
+      if (!stopping && !deregistered) register().catch(() => {}).finally(keepRegistered);
     }, 1000));
   };
   keepRegistered();
