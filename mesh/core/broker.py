@@ -1725,12 +1725,12 @@ class Broker:
                 del self._unreachable[agent_id]
 
     def _no_instance(self, agent_id: str) -> str:
-        """Why nobody can answer, when the broker knows: every instance of the agent died
-        (none came back since), or the server of every instance of an agent taking its
-        messages by push cannot be reached. Empty otherwise."""
+        """Why nobody can answer, when the broker knows: the agent left the registry, every
+        instance of it died (none came back since), or the server of every instance of an
+        agent taking its messages by push cannot be reached. Empty otherwise."""
         info = self.registry.get(agent_id)
         if info is None:
-            return ""
+            return f"{agent_id} is not registered: deregistered, or forgotten, since it was asked"
         if info.lost_at is not None and not info.instances:
             lost_at = info.lost_at.isoformat(timespec="seconds")
             return f"no instance of {agent_id} is serving: its last was lost at {lost_at}"

@@ -16,7 +16,15 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from mesh import AgentContext, AgentNotFoundError, Message, agent, serve
+from mesh import (
+    AgentContext,
+    AgentNotFoundError,
+    Message,
+    MessageType,
+    RequestTimeoutError,
+    agent,
+    serve,
+)
 from mesh.agent import AGENT_SERVICE
 from mesh.config import BrokerConfig
 from mesh.testing import LocalMesh
@@ -139,3 +147,45 @@ async def test_a_deregistered_sdk_agent_stops_taking_messages_and_says_so(
         "Payment was deregistered: it takes no more messages (start it again to register it again)",
     ) in said
     assert not [m for level, m in said if level == "ERROR"]
+
+
+async def test_a_request_to_an_agent_that_leaves_waits_and_its_timeout_says_why() -> None:
+    """A request waits in the queue while its agent is off the registry: a process that
+    deregistered as it stopped (the agent's last instance) registers again as it restarts,
+    and answers it. One whose agent stays away times out saying so."""
+    async with (
+        LocalMesh() as mesh,
+        mesh.client("admin") as admin,
+        mesh.client("Desk") as desk,
+    ):
+        await desk.register()
+        asking = asyncio.create_task(admin.request("Desk", {"action": "pay"}, timeout=1))
+        await asyncio.sleep(0.2)
+        await admin.deregister("Desk")
+        with pytest.raises(RequestTimeoutError) as timed_out:
+            await asking
+        assert timed_out.value.message == (
+            "no response from Desk within 1 s"
+            " (Desk is not registered: deregistered, or forgotten, since it was asked)"
+        )
+
+        await desk.register()
+        asking = asyncio.create_task(admin.request("Desk", {"action": "pay"}, timeout=10))
+        await asyncio.sleep(0.2)
+        await desk.deregister()  # (its process stopping; the next one starts)
+        await desk.register()
+        async with desk.subscribe() as inbox:
+            async for delivery in inbox:
+                asked = delivery.message
+                await delivery.answer(
+                    Message(
+                        from_agent="Desk",
+                        to_agent=asked.from_agent,
+                        message_type=MessageType.RESPONSE,
+                        correlation_id=asked.correlation_id,
+                        content={"action": "pay", "paid": "yes"},
+                    )
+                )
+                break
+        answer = await asking
+        assert answer.content == {"action": "pay", "paid": "yes"}
