@@ -1318,10 +1318,7 @@ class Broker:
                 answer = await waiter
             except TimeoutError:
                 self.metrics.request("timeout")
-                raise RequestTimeoutError(
-                    f"no response from {message.to_agent} within {timeout:.3g} s"
-                    + (f" ({why})" if (why := self._no_instance(message.to_agent)) else "")
-                ) from None
+                raise self._no_response(message.to_agent, timeout) from None
             finally:
                 timer.cancel()
             if answer.message_type is MessageType.ERROR and (late := _expired_in_queue(answer)):
@@ -1466,12 +1463,7 @@ class Broker:
             finally:
                 timer.cancel()
             for agent_id in sorted(gathering.expected):
-                yield GatherItem(
-                    agent_id,
-                    error=RequestTimeoutError(
-                        f"no response from {agent_id} within {timeout:.3g} s"
-                    ),
-                )
+                yield GatherItem(agent_id, error=self._no_response(agent_id, timeout))
             self.metrics.gathered(time.perf_counter() - started)
         finally:
             if self._pending.get(key) is gathering:
@@ -1749,6 +1741,14 @@ class Broker:
                 f" since {since.isoformat(timespec='seconds')}"
             )
         return ""
+
+    def _no_response(self, agent_id: str, timeout: float) -> RequestTimeoutError:
+        """A request's (or a gather's copy's) timeout, with why nobody answered when the
+        broker knows."""
+        why = self._no_instance(agent_id)
+        return RequestTimeoutError(
+            f"no response from {agent_id} within {timeout:.3g} s" + (f" ({why})" if why else "")
+        )
 
     def _refuse_if_no_instance(self, agent_id: str) -> None:
         """A gather does not wait for an agent whose every instance died: it has nobody to

@@ -26,6 +26,7 @@ from mesh import (
     serve,
 )
 from mesh.agent import AGENT_SERVICE
+from mesh.client import GatherResult
 from mesh.config import BrokerConfig
 from mesh.testing import LocalMesh
 from mesh.v1 import broker_pb2, broker_pb2_grpc
@@ -189,3 +190,43 @@ async def test_a_request_to_an_agent_that_leaves_waits_and_its_timeout_says_why(
                 break
         answer = await asking
         assert answer.content == {"action": "pay", "paid": "yes"}
+
+
+async def test_a_gather_says_why_an_agent_that_left_meanwhile_did_not_answer() -> None:
+    async with (
+        LocalMesh() as mesh,
+        mesh.client("admin") as admin,
+        mesh.client("Desk") as desk,
+        mesh.client("Till") as till,
+    ):
+        for client in (desk, till):
+            await client.register()
+
+        async def gather() -> list[GatherResult]:
+            asked = admin.gather({"action": "count"}, agent_ids=["Desk", "Till"], timeout=1)
+            return [result async for result in asked]
+
+        gathering = asyncio.create_task(gather())
+        await asyncio.sleep(0.2)
+        await admin.deregister("Till")
+        async with desk.subscribe() as inbox:
+            async for delivery in inbox:
+                asked = delivery.message
+                await delivery.answer(
+                    Message(
+                        from_agent="Desk",
+                        to_agent=asked.from_agent,
+                        message_type=MessageType.RESPONSE,
+                        correlation_id=asked.correlation_id,
+                        content={"action": "count", "n": 3},
+                    )
+                )
+                break
+        answered, left = await gathering
+    assert answered.agent_id == "Desk" and answered.response is not None
+    assert answered.response.content["n"] == 3
+    assert left.agent_id == "Till" and left.error is not None
+    assert left.error.message == (
+        "no response from Till within 1 s"
+        " (Till is not registered: deregistered, or forgotten, since it was asked)"
+    )
