@@ -20,7 +20,8 @@ from typing import Any
 import grpc
 import pytest
 
-from mesh import MeshError, Message, connect
+from mesh import AgentContext, MeshError, Message, agent, connect, serve
+from mesh.agent import AGENT_SERVICE
 from mesh.client import NO_RETRY
 from mesh.config import BrokerConfig
 from mesh.core import broker as broker_module
@@ -29,6 +30,7 @@ from mesh.core.errors import AgentNotFoundError, RequestTimeoutError
 from mesh.core.model import AgentInfo
 from mesh.redis_store import RedisQueueStore
 from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
+from tests.helpers.health import NOT_SERVING, SERVING, watching
 from tests.helpers.plain_agent import PlainAgent, echo, start_plain
 from tests.helpers.processes import BROKER_READY, Proc, start, stop, wait_killed
 from tests.helpers.stores import CountingLeases
@@ -529,3 +531,30 @@ async def test_a_request_that_expires_in_a_queue_shared_by_replicas_is_timed_out
 
 async def _all(items: Any) -> list[Any]:
     return [item async for item in items]
+
+
+async def test_a_pushed_agent_deregistered_through_the_other_replica_is_told(
+    replicas: tuple[Proc, Proc, str],
+) -> None:
+    """Registered for push through one replica, deregistered through the other: the one that
+    took the deregistration finds the agent's pushed instances in the store and tells them."""
+    a, b, _ = replicas
+
+    @agent("ReplicaDesk")
+    async def desk(message: Message, ctx: AgentContext) -> dict[str, str]:
+        return {"served": "yes"}
+
+    served = await serve(desk, a.address, delivery_mode="push")
+    try:
+        async with (
+            connect(b.address, agent_id="admin", retry=NO_RETRY) as admin,
+            watching(served.address, AGENT_SERVICE) as readiness,
+        ):
+            answer = await admin.request("ReplicaDesk", {"action": "ask"}, timeout=10)
+            assert answer.content["served"] == "yes"
+            assert await readiness.until(SERVING) == [SERVING]
+            await admin.deregister("ReplicaDesk")
+            assert await readiness.until(NOT_SERVING) == [NOT_SERVING]
+            assert "ReplicaDesk" not in [x.agent_id for x in await admin.list_agents()]
+    finally:
+        await served.stop()
