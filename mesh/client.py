@@ -1668,7 +1668,8 @@ class MeshClient:
     async def deregister(self, agent_id: str | None = None, *, address: str = "") -> None:
         """Takes the agent off the mesh; with ``address``, only the instance serving there
         leaves (the agent stays while other processes serve it: what an agent does as it
-        stops)."""
+        stops). Taken off whole, its processes hear of it: those that pull as their
+        subscriptions end, those pushed to through the broker's NotifyDeregistered call."""
         request = broker_pb2.DeregisterAgentRequest(
             agent_id=agent_id or self.agent_id, address=address
         )

@@ -146,6 +146,8 @@ class BrokerServiceServicer:
         """Removes an agent from the registry. Messages already queued for it are kept until
         their TTL, so that its next instance receives them. Its open subscriptions end with
         NOT_FOUND (reason AGENT_DEREGISTERED), what they held unacknowledged back in its queue.
+        Taken off whole (no address), the instances it pushes to are told through
+        AgentService.NotifyDeregistered, in the background.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

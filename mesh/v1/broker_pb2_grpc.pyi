@@ -42,6 +42,8 @@ class BrokerServiceStub:
     """Removes an agent from the registry. Messages already queued for it are kept until
     their TTL, so that its next instance receives them. Its open subscriptions end with
     NOT_FOUND (reason AGENT_DEREGISTERED), what they held unacknowledged back in its queue.
+    Taken off whole (no address), the instances it pushes to are told through
+    AgentService.NotifyDeregistered, in the background.
     """
     ListAgents: _grpc.UnaryUnaryMultiCallable[_broker_pb2.ListAgentsRequest, _broker_pb2.ListAgentsResponse]
     """Lists registered agents, optionally only those of one type."""
@@ -104,6 +106,8 @@ class BrokerServiceAsyncStub(BrokerServiceStub):
     """Removes an agent from the registry. Messages already queued for it are kept until
     their TTL, so that its next instance receives them. Its open subscriptions end with
     NOT_FOUND (reason AGENT_DEREGISTERED), what they held unacknowledged back in its queue.
+    Taken off whole (no address), the instances it pushes to are told through
+    AgentService.NotifyDeregistered, in the background.
     """
     ListAgents: _aio.UnaryUnaryMultiCallable[_broker_pb2.ListAgentsRequest, _broker_pb2.ListAgentsResponse]  # type: ignore[assignment]
     """Lists registered agents, optionally only those of one type."""
@@ -175,6 +179,8 @@ class BrokerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Removes an agent from the registry. Messages already queued for it are kept until
         their TTL, so that its next instance receives them. Its open subscriptions end with
         NOT_FOUND (reason AGENT_DEREGISTERED), what they held unacknowledged back in its queue.
+        Taken off whole (no address), the instances it pushes to are told through
+        AgentService.NotifyDeregistered, in the background.
         """
 
     @_abc_1.abstractmethod
