@@ -106,9 +106,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         self, request: broker_pb2.DeregisterAgentRequest, context: Any
     ) -> broker_pb2.DeregisterAgentResponse:
         pushed = await self.broker.deregister(request.agent_id, request.address)
-        # The whole agent taken off: its pushed instances are told. (One instance leaving by
-        # its address is most often that process, stopping.)
-        if pushed and not request.address and self.pusher is not None:
+        if pushed and self.pusher is not None:
             self.pusher.notify_deregistered(request.agent_id, pushed)
         return broker_pb2.DeregisterAgentResponse()
 

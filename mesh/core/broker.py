@@ -780,8 +780,9 @@ class Broker:
     async def deregister(self, agent_id: str, address: str = "") -> tuple[str, ...]:
         """Takes an agent off the mesh; with ``address``, only that instance of it leaves,
         and the agent stays while other instances serve it (a rolling update, or one of
-        several processes stopping). Returns the addresses of the instances that left and
-        took their messages by push: they hold no subscription whose end would tell them."""
+        several processes stopping). Taken off whole, returns the addresses of its instances
+        that took their messages by push: they hold no subscription whose end would tell
+        them (an instance leaving by its address is most often that process, stopping)."""
         remaining: AgentInfo | None = None
         pushed: tuple[str, ...] = ()
         if not address:
@@ -789,15 +790,10 @@ class Broker:
             pushed = self.registry.deregister(agent_id).push_instances
             await self.store.forget_agent(agent_id)
         elif self.store.shared:
-
-            def leave(saved: AgentInfo | None) -> AgentInfo | None:
-                nonlocal pushed
-                pushed = (address,) if saved is not None and address in saved.pushed else ()
-                return self._as_kept(agent_id, saved).leave(agent_id, address)
-
-            remaining = await self.store.update_agent(agent_id, leave)
+            remaining = await self.store.update_agent(
+                agent_id, lambda saved: self._as_kept(agent_id, saved).leave(agent_id, address)
+            )
         else:
-            pushed = (address,) if address in self.registry.require(agent_id).pushed else ()
             remaining = self.registry.leave(agent_id, address)
             if remaining is None:
                 await self.store.forget_agent(agent_id)
