@@ -94,3 +94,15 @@ async def test_an_instance_refusing_for_long_is_lost_and_its_agent_forgotten(
         f"the instance at a:7000 is gone (its server {ANOTHERS} since 2026-11-29T09:00:00+00:00)"
         in caplog.text
     )
+
+
+async def test_the_whole_agent_leaving_names_the_instances_to_tell_and_one_leaving_none() -> None:
+    """Deregistered whole, the core names the instances it pushed to (they hold no
+    subscription whose end would tell them); one instance leaving by its address names
+    none (most often that process, stopping), and a pulling instance is never named."""
+    broker = await ledger("a:7000", "b:7000", "c:7000")
+    await broker.register(AgentInfo(agent_id="Ledger", address="d:7000"))  # (pulls)
+    assert await broker.deregister("Ledger", "a:7000") == ()
+    assert await broker.deregister("Ledger") == ("b:7000", "c:7000")
+    assert await broker.deregister("Cashier") == ()
+    assert broker.list_agents() == []
