@@ -98,7 +98,7 @@ TRANSIENT = frozenset(
 )
 """Statuses after which a delivery is tried again; any other refuses the message for good."""
 NOTICE_SECONDS = 5.0
-"""How long a server has to take the notice that its instance was deregistered."""
+"""How long a server has to take the notice that its agent was deregistered."""
 HANDLE_MESSAGE = "mesh.v1.AgentService/HandleMessage"
 """The call's span name, as OpenTelemetry's gRPC instrumentation names a call's span."""
 
