@@ -450,6 +450,8 @@ class Broker:
         """Ids of messages being dead-lettered now by a side that tells their requesters
         itself (a push agent's refusal, in the agent's own words)."""
         self._telling: set[asyncio.Task[None]] = set()
+        self._catching_up: asyncio.Task[None] | None = None
+        """Reading the registry again after the news of the other replicas was lost."""
         """Dead letters' ERRORs on their way to requesters waiting on other replicas."""
         self._outliving: set[asyncio.Task[None]] = set()
         """Work that must end even when whoever started it is cancelled (:meth:`outlive`)."""
@@ -512,6 +514,7 @@ class Broker:
                 await sub.close()
         for telling in list(self._telling):
             await cancel_and_wait(telling)
+        await cancel_and_wait(self._catching_up)
         if self._outliving:
             await asyncio.wait(set(self._outliving), timeout=STOP_WAIT_SECONDS)
         for future in self._pending.values():
@@ -2057,12 +2060,39 @@ class Broker:
 
     def on_followed_again(self) -> None:
         """Back in touch with the other replicas after losing them: what they said meanwhile
-        was not heard. Every subscription looks at its queue, and the next sweep checks their
-        places in flight."""
+        was not heard. Every subscription looks at its queue, the next sweep checks their
+        places in flight, and the registry is read again."""
         for subs in self._subscriptions.values():
             for sub in subs:
                 sub.wake()
         self._credit_checked = -CREDIT_CHECK_SECONDS
+        if self._catching_up is not None:
+            self._catching_up.cancel()  # (its reading may be of before this loss)
+        if not self._stopping:
+            self._catching_up = asyncio.create_task(
+                self._catch_up_registry(), name="registry-catch-up"
+            )
+
+    async def _catch_up_registry(self) -> None:
+        """The agents registered, changed or deregistered through other replicas while this
+        one did not hear them: each that the store keeps otherwise than this replica's
+        registry is read again and taken as news of it (as the news would have been), so
+        that broadcasts, listings and subscriptions here follow the mesh again."""
+        try:
+            saved = {info.agent_id: info.to_dict() for info in await self.store.saved_agents()}
+            here = {info.agent_id: info.to_dict() for info in self.registry}
+            stale = sorted(a for a in here.keys() | saved.keys() if here.get(a) != saved.get(a))
+            for agent_id in stale:
+                self.on_agent_changed(agent_id, await self.store.saved_agent(agent_id))
+        except MeshError as error:  # (cut off again: the next time it follows, it reads again)
+            logger.warning("could not read the registry again: %s", error.message)
+            return
+        if stale:
+            logger.info(
+                "registry caught up with the other replicas: %d agents changed meanwhile",
+                len(stale),
+                extra={"event": {"category": "registry", "caught_up": stale[:100]}},
+            )
 
     def on_replicas_gone(self, replica_ids: Sequence[str]) -> None:
         """Replicas that died: the instances their subscriptions held go in the next sweep

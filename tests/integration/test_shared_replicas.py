@@ -8,7 +8,7 @@ import asyncio
 import json
 import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
@@ -25,6 +25,7 @@ from mesh import (
 from mesh.client import NO_RETRY, MeshClient
 from mesh.config import BrokerConfig
 from mesh.core.broker import Broker
+from mesh.core.registry import AgentRegistry
 from mesh.core.state import StateChange
 from mesh.redis_store import RedisQueueStore
 from tests.helpers.processes import BROKER_READY, ROOT, Proc, start, stop
@@ -584,3 +585,48 @@ async def test_an_agent_deregistered_through_one_replica_ends_its_subscription_o
             assert (again.message.message_id, again.attempt) == (sent.message_id, 2)
             await again.ack()
         await via_b.deregister("Payment")
+
+
+async def registry_becomes(broker: Broker, holds: Callable[[AgentRegistry], bool]) -> None:
+    """Waits (up to 10 s) until the broker's registry ``holds``, looked at as it changes."""
+    changed = asyncio.Event()
+    broker.registry_watchers.append(lambda _: changed.set())
+    async with asyncio.timeout(10):
+        while True:
+            changed.clear()
+            if holds(broker.registry):
+                return
+            await changed.wait()
+
+
+async def test_a_replica_cut_off_from_redis_catches_up_with_the_registry(redis_url: str) -> None:
+    """What registered and left through another replica while this one was cut off from
+    Redis's pub/sub (the news lost with its connection) is read again once it follows
+    again: before, it went on listing an agent deregistered meanwhile, with the subscription
+    still open on it, and its broadcasts left out the agent registered meanwhile, until
+    each changed again."""
+    from mesh.core.errors import DEREGISTERED
+    from mesh.core.model import AgentInfo, Message
+
+    other = Broker(BrokerConfig(), store=RedisQueueStore(redis_url))
+    cut = Broker(BrokerConfig(), store=RedisQueueStore(redis_url))
+    await other.start()
+    await cut.start()
+    try:
+        await other.register(AgentInfo(agent_id="Leaving"))
+        await other.register(AgentInfo(agent_id="Sender"))
+        await registry_becomes(cut, lambda r: "Leaving" in r)
+        held = await cut.subscribe("Leaving")
+        redis = await cut.store._client()  # type: ignore[attr-defined]
+        await redis.client_kill_filter(_type="pubsub")
+        await other.register(AgentInfo(agent_id="Arriving"))
+        await other.deregister("Leaving")
+        await registry_becomes(cut, lambda r: "Arriving" in r and "Leaving" not in r)
+        assert held.ended_by is not None and held.ended_by.reason == DEREGISTERED
+        told = await cut.broadcast(
+            Message(from_agent="Sender", to_agent="", content={"alert": "noon"})
+        )
+        assert told.recipients == ("Arriving",)
+    finally:
+        await other.stop()
+        await cut.stop()
