@@ -51,7 +51,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialWithJitterBackoff
+from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
 from mesh.core.errors import BrokerUnavailableError, MessageQueueFullError, message_id_taken
@@ -96,6 +96,11 @@ SUBSCRIBE_CHECK_SECONDS = 2.0
 REPLICAS = "mesh:replicas"
 REPLICA_TIMEOUT_MS = 3000
 """A replica that has not swept (and so beaten) for this long is gone."""
+FOLLOW_AGAIN_SECONDS = 0.5
+"""How soon a replica that lost its subscription to the others' news subscribes again."""
+ANSWER_PATIENCE_SECONDS = 2.0
+"""How long an answer for a replica that lives but does not listen (subscribing again after
+a lost connection) is offered to it again before it is given up."""
 RECONCILE_EVERY = 1.0
 """Seconds between two comparisons of ``mesh:total`` with what the queues hold."""
 CLOCK_RTT_SECONDS = 0.25
@@ -1479,9 +1484,19 @@ class RedisQueueStore:
 
     async def forward_answer(self, replica: str, message: Message) -> bool:
         """Sends an answer to the replica whose requester waits for it; False when that
-        replica is gone."""
+        replica is gone. One that lives but does not listen for a moment (it lost its
+        connection to Redis and subscribes again) would not hear it: it is offered again
+        until that replica listens, for up to ANSWER_PATIENCE_SECONDS."""
         body = json.dumps(message.to_dict(), separators=(",", ":"))
-        return bool(await self._call("publish", self._answers(replica), body))
+        patience = asyncio.get_running_loop().time() + ANSWER_PATIENCE_SECONDS
+        while True:
+            if await self._call("publish", self._answers(replica), body):
+                return True
+            beats_until = await self._call("hget", REPLICAS, replica)
+            alive = beats_until is not None and int(beats_until) > self._now_ms()
+            if not alive or asyncio.get_running_loop().time() >= patience:
+                return False
+            await asyncio.sleep(FOLLOW_AGAIN_SECONDS / 4)
 
     async def remember_forward(
         self, key: tuple[str, str], agent_id: str, message_id: str, ttl: float
@@ -1533,11 +1548,14 @@ class RedisQueueStore:
         if self._pubsub_client is not None:
             with contextlib.suppress(Exception):
                 await self._pubsub_client.aclose()
-        # A client of its own, without the store's retries: on a lost connection redis-py
-        # would subscribe again on a new one unseen, and what was published in between
-        # would be lost to this replica without a word. The watcher has to see the cut
-        # (and end the watches it failed).
-        self._pubsub_client = aioredis.from_url(url, decode_responses=False)
+        # A client of its own that never connects again by itself: on a lost connection
+        # redis-py would subscribe again on a new one unseen (its pub/sub reconnects, and
+        # subscribes again, before it raises, whatever its retries), and what was published
+        # in between would be lost to this replica without a word, read by nobody until that
+        # connection closed. The watcher has to see the cut (and end the watches it failed).
+        self._pubsub_client = aioredis.from_url(
+            url, decode_responses=False, retry=Retry(NoBackoff(), 0, supported_errors=())
+        )
         self._pubsub = self._pubsub_client.pubsub(ignore_subscribe_messages=True)
         await self._pubsub.subscribe(
             WAKE,
@@ -1583,7 +1601,7 @@ class RedisQueueStore:
                     "following the other replicas failed (%s); retrying every 0.5 s",
                     error,
                 )
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(FOLLOW_AGAIN_SECONDS)
                 with contextlib.suppress(Exception):
                     await self._pubsub.aclose()
                 with contextlib.suppress(Exception):

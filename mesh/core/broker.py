@@ -957,6 +957,8 @@ class Broker:
                 given_up = replica == GIVEN_UP_ROUTE
                 if replica and not given_up and replica != self.store.replica_id:
                     taken = await self.store.forward_answer(replica, message)
+                    # (Not taken: that replica is gone, and its requester with it.)
+                    given_up = not taken
             if taken:
                 self.metrics.sent(message.message_type.value, time.perf_counter() - started)
                 return SendOutcome(message, (message.to_agent,))

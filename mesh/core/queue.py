@@ -255,7 +255,8 @@ class QueueStore(Protocol):
         ...
 
     async def forward_answer(self, replica: str, message: Message) -> bool:
-        """Hands an answer to the replica waiting for it; False when it is gone."""
+        """Hands an answer to the replica waiting for it; False when it is gone (or does
+        not listen within a moment)."""
         ...
 
     async def remember_forward(

@@ -630,3 +630,58 @@ async def test_a_replica_cut_off_from_redis_catches_up_with_the_registry(redis_u
     finally:
         await other.stop()
         await cut.stop()
+
+
+async def test_an_answer_waits_a_moment_for_the_replica_where_its_requester_waits(
+    redis_url: str,
+) -> None:
+    """The requester waits on a replica that has just lost its subscription to the others'
+    news (it subscribes again within half a second): an answer through the other replica is
+    offered again until that replica listens. Before, it went into the requester's queue as
+    a message of its own, and the request timed out. An answer whose route names a replica
+    that is gone is dropped as late, not queued."""
+    from mesh.core.model import AgentInfo, Message, MessageType
+
+    other = Broker(BrokerConfig(), store=RedisQueueStore(redis_url))
+    cut = Broker(BrokerConfig(), store=RedisQueueStore(redis_url))
+    await other.start()
+    await cut.start()
+    try:
+        for agent_id in ("Shop", "Desk"):
+            await other.register(AgentInfo(agent_id=agent_id))
+        await registry_becomes(cut, lambda r: "Shop" in r and "Desk" in r)
+        question = Message(from_agent="Shop", to_agent="Desk", content={"action": "pay"})
+        asking = asyncio.create_task(cut.request(question, timeout=5))
+        async with asyncio.timeout(5):
+            taken = await other.receive("Desk")
+            while not taken:  # (queued through the other replica)
+                await asyncio.sleep(0.05)
+                taken = await other.receive("Desk")
+        [asked] = taken
+        gap = asyncio.Event()
+        cut.store.on_gap(gap.set)  # type: ignore[attr-defined]
+        redis = await cut.store._client()  # type: ignore[attr-defined]
+        await redis.client_kill_filter(_type="pubsub")
+        async with asyncio.timeout(5):
+            await gap.wait()  # (it knows it is cut off: not yet subscribed again)
+
+        def answer(correlation_id: str) -> Message:
+            return Message(
+                from_agent="Desk",
+                to_agent="Shop",
+                message_type=MessageType.RESPONSE,
+                correlation_id=correlation_id,
+                content={"action": "pay", "paid": True},
+            )
+
+        told = await other.send(answer(asked.correlation_id))
+        assert told.recipients == ("Shop",)
+        assert (await asking).content["paid"] is True
+
+        await redis.set("mesh:route:Shop:cor-ghost", "replica-gone", px=10_000)
+        late = await other.send(answer("cor-ghost"))
+        assert late.recipients == ()
+        assert await other.receive("Shop") == [] and await cut.receive("Shop") == []
+    finally:
+        await other.stop()
+        await cut.stop()
