@@ -60,7 +60,7 @@ def page_offset(token: str) -> int:
     offset."""
     if not token:
         return 0
-    if not token.isdigit():
+    if not (token.isascii() and token.isdigit()):  # ("¹" is a digit to isdigit)
         raise MessageValidationError.for_field(
             "page_token", "page_token is not a next_page_token of this listing"
         )

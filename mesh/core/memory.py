@@ -92,7 +92,7 @@ def as_stored(insight: Insight, seq: int, now: datetime | None = None) -> Insigh
 def insight_number(insight_id: str) -> int:
     """The number in an id :func:`as_stored` gave (0 for another id)."""
     number = insight_id.removeprefix("insight_")
-    return int(number) if number.isdigit() else 0
+    return int(number) if number.isascii() and number.isdigit() else 0
 
 
 def insight_record(insight: Insight) -> dict[str, JSON]:

@@ -31,7 +31,7 @@ def address_problem(address: str) -> str | None:
         return "an address is required: host:port (or any gRPC target)"
     if not address.startswith(_SCHEMES) and "://" not in address:
         port = address.rpartition(":")[2]
-        if port.isdigit() and not 0 < int(port) < 65536:
+        if port.isascii() and port.isdigit() and not 0 < int(port) < 65536:
             return f"{address}: a port is from 1 to 65535"
     return None
 

@@ -31,7 +31,16 @@ from mesh import AgentContext, LocalMesh, Message, SecurityConfig, agent, connec
 from mesh.client import NO_RETRY
 from mesh.config import BrokerConfig
 from mesh.core.tools import ToolHost
-from mesh.v1 import agent_pb2, broker_pb2, gateway_pb2, memory_pb2, tools_pb2
+from mesh.v1 import (
+    agent_pb2,
+    broker_pb2,
+    broker_pb2_grpc,
+    gateway_pb2,
+    memory_pb2,
+    memory_pb2_grpc,
+    message_pb2,
+    tools_pb2,
+)
 
 T = TypeVar("T")
 
@@ -378,3 +387,29 @@ def test_a_time_out_of_its_range_is_refused_as_the_callers_mistake(
         assert not [c for c in codes if c in FORBIDDEN_CODES], (
             f"{method.full_name} with {'.'.join(f.name for f in path)} = {value}: {codes}"
         )
+
+
+def test_digits_that_int_cannot_read_are_refused_as_bad_input(servers: Servers) -> None:
+    """Found by the fuzzing above: "¹" is a digit to str.isdigit, but int() cannot read it.
+    A page token, or an address's port, made of such characters failed the call with
+    INTERNAL; a page token is now refused as the argument it is, and an address whose port
+    is no number is taken as gRPC would take it (a target it resolves)."""
+    with grpc.insecure_channel(servers.addresses["mesh.v1.BrokerService"]) as channel:
+        broker = broker_pb2_grpc.BrokerServiceStub(channel)
+        for token in ("¹", "٣", "12a"):
+            with pytest.raises(grpc.RpcError) as refused:
+                broker.ListDeadLetters(broker_pb2.ListDeadLettersRequest(page_token=token))
+            assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert "page_token is not a next_page_token" in (refused.value.details() or "")
+        registered = broker.RegisterAgent(
+            broker_pb2.RegisterAgentRequest(
+                agent=message_pb2.AgentInfo(agent_id="SuperscriptPort", address="127.0.0.1:¹")
+            )
+        )
+        assert registered.agent.address == "127.0.0.1:¹"
+        broker.DeregisterAgent(broker_pb2.DeregisterAgentRequest(agent_id="SuperscriptPort"))
+    with grpc.insecure_channel(servers.addresses["mesh.v1.MemoryService"]) as channel:
+        memory = memory_pb2_grpc.MemoryServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            memory.ReadInsights(memory_pb2.ReadInsightsRequest(page_token="²"))
+        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
