@@ -26,8 +26,9 @@ from mesh import (
     serve,
 )
 from mesh.agent import AGENT_SERVICE
-from mesh.client import GatherResult
+from mesh.client import GatherResult, MeshClient
 from mesh.config import BrokerConfig
+from mesh.core.model import JSON
 from mesh.testing import LocalMesh
 from mesh.v1 import broker_pb2, broker_pb2_grpc
 from tests.helpers.health import NOT_SERVING, SERVING, watching
@@ -150,6 +151,23 @@ async def test_a_deregistered_sdk_agent_stops_taking_messages_and_says_so(
     assert not [m for level, m in said if level == "ERROR"]
 
 
+async def answer_next(agent: MeshClient, content: dict[str, JSON]) -> None:
+    """The agent (its client) takes the next message from its queue and answers it."""
+    async with agent.subscribe() as inbox:
+        async for delivery in inbox:
+            asked = delivery.message
+            await delivery.answer(
+                Message(
+                    from_agent=agent.agent_id,
+                    to_agent=asked.from_agent,
+                    message_type=MessageType.RESPONSE,
+                    correlation_id=asked.correlation_id,
+                    content=content,
+                )
+            )
+            return
+
+
 async def test_a_request_to_an_agent_that_leaves_waits_and_its_timeout_says_why() -> None:
     """A request waits in the queue while its agent is off the registry: a process that
     deregistered as it stopped (the agent's last instance) registers again as it restarts,
@@ -175,19 +193,7 @@ async def test_a_request_to_an_agent_that_leaves_waits_and_its_timeout_says_why(
         await asyncio.sleep(0.2)
         await desk.deregister()  # (its process stopping; the next one starts)
         await desk.register()
-        async with desk.subscribe() as inbox:
-            async for delivery in inbox:
-                asked = delivery.message
-                await delivery.answer(
-                    Message(
-                        from_agent="Desk",
-                        to_agent=asked.from_agent,
-                        message_type=MessageType.RESPONSE,
-                        correlation_id=asked.correlation_id,
-                        content={"action": "pay", "paid": "yes"},
-                    )
-                )
-                break
+        await answer_next(desk, {"action": "pay", "paid": "yes"})
         answer = await asking
         assert answer.content == {"action": "pay", "paid": "yes"}
 
@@ -209,19 +215,7 @@ async def test_a_gather_says_why_an_agent_that_left_meanwhile_did_not_answer() -
         gathering = asyncio.create_task(gather())
         await asyncio.sleep(0.2)
         await admin.deregister("Till")
-        async with desk.subscribe() as inbox:
-            async for delivery in inbox:
-                asked = delivery.message
-                await delivery.answer(
-                    Message(
-                        from_agent="Desk",
-                        to_agent=asked.from_agent,
-                        message_type=MessageType.RESPONSE,
-                        correlation_id=asked.correlation_id,
-                        content={"action": "count", "n": 3},
-                    )
-                )
-                break
+        await answer_next(desk, {"action": "count", "n": 3})
         answered, left = await gathering
     assert answered.agent_id == "Desk" and answered.response is not None
     assert answered.response.content["n"] == 3
