@@ -612,10 +612,7 @@ class AgentRuntime:
         taking its messages by push stops registering again when the broker comes back and
         says it takes no messages, as a pulling one does when its subscription ends (which
         is what tells a pulling one: to it, this changes nothing)."""
-        if agent_id != self.agent.agent_id:
-            raise MessageValidationError.for_field(
-                "agent_id", f"this server serves {self.agent.agent_id}, not {agent_id}"
-            )
+        self._require_served("agent_id", agent_id)
         if self._stopping or self.delivery_mode is not DeliveryMode.PUSH:
             return
         if self._consumer is not None:
@@ -754,16 +751,22 @@ class AgentRuntime:
                 await received.answer(error_to(message, self.agent.agent_id, failed))
         await received.ack()
 
+    def _require_served(self, field: str, agent_id: str) -> None:
+        """MessageValidationError on ``field`` unless ``agent_id`` is this server's agent (a
+        server serving another agent says so, and the broker reads that as its address
+        having gone to another agent's server)."""
+        if agent_id != self.agent.agent_id:
+            raise MessageValidationError.for_field(
+                field, f"this server serves {self.agent.agent_id}, not {agent_id}"
+            )
+
     def check_direct(self, message: Message, size_bytes: int) -> None:
         """A message called to the agent's own server directly is held to the format the
         broker holds every message to (RT-011's limits) and to the content fields the agent
         requires, and must be for this agent: raises MessageValidationError otherwise, before
         any handler runs."""
         validate_message(message, DIRECT_LIMITS, size_bytes)
-        if message.to_agent != self.agent.agent_id:
-            raise MessageValidationError.for_field(
-                "to_agent", f"this server serves {self.agent.agent_id}, not {message.to_agent}"
-            )
+        self._require_served("to_agent", message.to_agent)
         if self.agent.required_fields and (
             found := missing_fields(message, self.agent.required_fields)
         ):
