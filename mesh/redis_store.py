@@ -98,9 +98,24 @@ REPLICA_TIMEOUT_MS = 3000
 """A replica that has not swept (and so beaten) for this long is gone."""
 FOLLOW_AGAIN_SECONDS = 0.5
 """How soon a replica that lost its subscription to the others' news subscribes again."""
-ANSWER_PATIENCE_SECONDS = 2.0
-"""How long an answer for a replica that lives but does not listen (subscribing again after
-a lost connection) is offered to it again before it is given up."""
+HANDED_OVER = "mesh:handed-over:"
+"""Answers forwarded to a replica (``mesh:handed-over:<replica>``, message id to message),
+kept until it has taken them: pub/sub delivers at most once, and a subscription that dies
+after Redis counted a PUBLISH loses what it carried. The replica reads what is left here each
+time it follows the others again."""
+MAX_HANDED_OVER = 10_000
+"""Answers kept for one replica at most (more would be for requests it does not hold)."""
+HANDED_OVER_KEEP_MS = int(GIVEN_UP_SECONDS * 1000)
+"""How long answers kept for a replica outlive the last one forwarded to it: a replica that
+is gone (or long cut off) leaves nothing behind for good."""
+_HAND_OVER = """
+if redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[3]) then return -1 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return redis.call('PUBLISH', ARGV[5], ARGV[2])
+"""
+"""Keeps an answer for its replica and publishes it there, in one step: how many heard it, or
+-1 when that replica already has MAX_HANDED_OVER answers it has not taken."""
 RECONCILE_EVERY = 1.0
 """Seconds between two comparisons of ``mesh:total`` with what the queues hold."""
 CLOCK_RTT_SECONDS = 0.25
@@ -626,6 +641,11 @@ class RedisQueueStore:
         self.cut_off = False
         """Whether this replica has lost the others' channels (and not followed them again
         yet): what is published meanwhile is not heard here."""
+        self._catching_up: asyncio.Task[None] | None = None
+        """Reading the answers kept for this replica after it followed the others again."""
+        self._taken: list[str] = []
+        """Ids of answers forwarded to this replica and heard: to be no longer kept for it."""
+        self._forgetting: asyncio.Task[None] | None = None
 
     def follow(self, channel: str, handler: Callable[[bytes], None]) -> None:
         """Calls ``handler`` with what is published on ``channel`` once this replica watches
@@ -1484,19 +1504,77 @@ class RedisQueueStore:
 
     async def forward_answer(self, replica: str, message: Message) -> bool:
         """Sends an answer to the replica whose requester waits for it; False when that
-        replica is gone. One that lives but does not listen for a moment (it lost its
-        connection to Redis and subscribes again) would not hear it: it is offered again
-        until that replica listens, for up to ANSWER_PATIENCE_SECONDS."""
+        replica is gone (or holds MAX_HANDED_OVER answers it has not taken). It is kept in the
+        store until that replica takes it: a replica that lives but does not listen for a
+        moment (it lost its connection to Redis and subscribes again), or that lost the
+        connection the answer was on, reads it when it follows the others again."""
         body = json.dumps(message.to_dict(), separators=(",", ":"))
-        patience = asyncio.get_running_loop().time() + ANSWER_PATIENCE_SECONDS
+        kept = self._handed_over(replica)
+        client = await self._client()
+        try:
+            heard = await client.eval(
+                _HAND_OVER,
+                1,
+                kept,
+                message.message_id,
+                body,
+                MAX_HANDED_OVER,
+                HANDED_OVER_KEEP_MS,
+                self._answers(replica),
+            )
+        except (RedisError, OSError) as error:
+            raise _unavailable(error) from None
+        if heard == -1:
+            logger.warning(
+                "replica %s has not taken %d answers forwarded to it: answer %s dropped",
+                replica,
+                MAX_HANDED_OVER,
+                message.message_id,
+            )
+            return False
+        if heard:
+            return True
+        beats_until = await self._call("hget", REPLICAS, replica)
+        if beats_until is not None and int(beats_until) > self._now_ms():
+            return True  # (it reads the answer when it follows the others again)
+        with contextlib.suppress(BrokerUnavailableError):
+            await self._call("hdel", kept, message.message_id)
+        return False
+
+    def _handed_over(self, replica: str) -> str:
+        return f"{HANDED_OVER}{replica}"
+
+    def _took(self, message_id: str) -> None:
+        """An answer forwarded to this replica reached it: no longer kept for it."""
+        self._taken.append(message_id)
+        if self._forgetting is None or self._forgetting.done():
+            self._forgetting = asyncio.get_running_loop().create_task(
+                self._forget_taken(), name="redis-forget-taken"
+            )
+
+    async def _forget_taken(self) -> None:
+        while self._taken:
+            taken, self._taken = self._taken, []
+            with contextlib.suppress(BrokerUnavailableError):  # (kept a while, read again)
+                await self._call("hdel", self._handed_over(self.replica_id), *taken)
+
+    async def _take_handed_over(self, listener: Any) -> None:
+        """Answers forwarded to this replica that it did not hear (it was not listening, or
+        lost the connection they were on): each goes to its request, if that still waits.
+        Tried again until the store answers (a cluster failing over may still route the key
+        to a dead node)."""
+        kept = self._handed_over(self.replica_id)
         while True:
-            if await self._call("publish", self._answers(replica), body):
-                return True
-            beats_until = await self._call("hget", REPLICAS, replica)
-            alive = beats_until is not None and int(beats_until) > self._now_ms()
-            if not alive or asyncio.get_running_loop().time() >= patience:
-                return False
-            await asyncio.sleep(FOLLOW_AGAIN_SECONDS / 4)
+            try:
+                answers = await self._call("hgetall", kept)
+                for body in answers.values():
+                    listener.on_answer(_message(body))
+                if answers:
+                    await self._call("hdel", kept, *answers)
+                return
+            except BrokerUnavailableError as error:
+                logger.debug("could not read the answers kept for this replica: %s", error)
+            await asyncio.sleep(FOLLOW_AGAIN_SECONDS)
 
     async def remember_forward(
         self, key: tuple[str, str], agent_id: str, message_id: str, ttl: float
@@ -1610,6 +1688,11 @@ class RedisQueueStore:
                     failures = 0
                     self.cut_off = False
                     listener.on_followed_again()
+                    # (subscribed first: what is forwarded from now on is heard)
+                    await cancel_and_wait(self._catching_up)
+                    self._catching_up = asyncio.create_task(
+                        self._take_handed_over(listener), name="redis-take-handed-over"
+                    )
                     for hook in self._refollowed:
                         hook()
 
@@ -1625,7 +1708,9 @@ class RedisQueueStore:
             agent_id = _text(data)
             listener.on_agent_changed(agent_id, await self.saved_agent(agent_id))
         elif channel == self._answers(self.replica_id):
-            listener.on_answer(_message(data))
+            message = _message(data)
+            listener.on_answer(message)
+            self._took(message.message_id)
         elif channel == _released_channel(self.replica_id):
             notice = json.loads(data)
             listener.on_released(
@@ -1653,6 +1738,8 @@ class RedisQueueStore:
             await self._call("hdel", REPLICAS, self.replica_id)
         await cancel_and_wait(self._watcher)  # redis-py may swallow one cancellation
         self._watcher = None
+        await cancel_and_wait(self._catching_up)
+        await cancel_and_wait(self._forgetting)  # (what it did not forget expires)
         if self._pubsub is not None:
             with contextlib.suppress(Exception):
                 await self._pubsub.aclose()

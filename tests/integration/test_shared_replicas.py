@@ -632,14 +632,14 @@ async def test_a_replica_cut_off_from_redis_catches_up_with_the_registry(redis_u
         await cut.stop()
 
 
-async def test_an_answer_waits_a_moment_for_the_replica_where_its_requester_waits(
+async def test_an_answer_is_kept_for_the_replica_where_its_requester_waits(
     redis_url: str,
 ) -> None:
     """The requester waits on a replica that has just lost its subscription to the others'
     news (it subscribes again within half a second): an answer through the other replica is
-    offered again until that replica listens. Before, it went into the requester's queue as
-    a message of its own, and the request timed out. An answer whose route names a replica
-    that is gone is dropped as late, not queued."""
+    kept for that replica, which reads it when it listens again. Before, it went into the
+    requester's queue as a message of its own, and the request timed out. An answer whose
+    route names a replica that is gone is dropped as late, not queued."""
     from mesh.core.model import AgentInfo, Message, MessageType
 
     other = Broker(BrokerConfig(), store=RedisQueueStore(redis_url))
@@ -682,6 +682,71 @@ async def test_an_answer_waits_a_moment_for_the_replica_where_its_requester_wait
         late = await other.send(answer("cor-ghost"))
         assert late.recipients == ()
         assert await other.receive("Shop") == [] and await cut.receive("Shop") == []
+    finally:
+        await other.stop()
+        await cut.stop()
+
+
+async def test_an_answer_lost_with_its_replicas_connection_is_read_again(one_redis: str) -> None:
+    """Redis counted the answer's PUBLISH as heard, and the requester's replica lost it with
+    its connection (the answer was in flight to a subscription that died): the replica reads
+    it from the store when it follows the others again, and the request is answered. Before,
+    pub/sub delivered it at most once, and the request timed out. An answer heard is not kept:
+    nothing is read twice."""
+    from mesh.core.model import AgentInfo, Message, MessageType
+
+    other = Broker(BrokerConfig(), store=RedisQueueStore(one_redis))
+    cut = Broker(BrokerConfig(), store=RedisQueueStore(one_redis))
+    await other.start()
+    await cut.start()
+    store: RedisQueueStore = cut.store  # type: ignore[assignment]
+    handle, lost = store._handle, asyncio.Event()
+
+    async def losing_the_first_answer(event: dict[str, object], listener: object) -> None:
+        if not lost.is_set() and str(event.get("channel", b""), "utf-8").startswith(
+            "mesh:answer:"
+        ):
+            lost.set()
+            raise ConnectionError("connection lost with an answer on it")
+        await handle(event, listener)
+
+    store._handle = losing_the_first_answer  # type: ignore[method-assign]
+    try:
+        for agent_id in ("Shop", "Desk"):
+            await other.register(AgentInfo(agent_id=agent_id))
+        await registry_becomes(cut, lambda r: "Shop" in r and "Desk" in r)
+        answered = []
+        for n in (1, 2):
+            question = Message(
+                from_agent="Shop", to_agent="Desk", content={"action": "pay", "n": n}
+            )
+            asking = asyncio.create_task(cut.request(question, timeout=8))
+            async with asyncio.timeout(5):
+                taken = await other.receive("Desk")
+                while not taken:  # (queued through the other replica)
+                    await asyncio.sleep(0.05)
+                    taken = await other.receive("Desk")
+            [asked] = taken
+            told = await other.send(
+                Message(
+                    from_agent="Desk",
+                    to_agent="Shop",
+                    message_type=MessageType.RESPONSE,
+                    correlation_id=asked.correlation_id,
+                    content={"action": "pay", "n": n, "paid": True},
+                )
+            )
+            assert told.recipients == ("Shop",)
+            answered.append((await asking).content)
+        assert lost.is_set()
+        assert [(a["n"], a["paid"]) for a in answered] == [(1, True), (2, True)]
+        redis = await cut.store._client()  # type: ignore[attr-defined]
+        kept = f"mesh:handed-over:{store.replica_id}"
+        async with asyncio.timeout(5):
+            left = await redis.hlen(kept)
+            while left:  # (the one heard is forgotten in the background)
+                await asyncio.sleep(0.05)
+                left = await redis.hlen(kept)
     finally:
         await other.stop()
         await cut.stop()
