@@ -25,6 +25,7 @@ from mesh import (
 from mesh.client import NO_RETRY, MeshClient
 from mesh.config import BrokerConfig
 from mesh.core.broker import Broker
+from mesh.core.model import AgentInfo, Message, MessageType
 from mesh.core.registry import AgentRegistry
 from mesh.core.state import StateChange
 from mesh.redis_store import RedisQueueStore
@@ -606,7 +607,6 @@ async def test_a_replica_cut_off_from_redis_catches_up_with_the_registry(redis_u
     still open on it, and its broadcasts left out the agent registered meanwhile, until
     each changed again."""
     from mesh.core.errors import DEREGISTERED
-    from mesh.core.model import AgentInfo, Message
 
     other = Broker(BrokerConfig(), store=RedisQueueStore(redis_url))
     cut = Broker(BrokerConfig(), store=RedisQueueStore(redis_url))
@@ -632,6 +632,32 @@ async def test_a_replica_cut_off_from_redis_catches_up_with_the_registry(redis_u
         await cut.stop()
 
 
+async def ask_across(
+    asker: Broker, answerer: Broker, content: dict[str, object], *, timeout: float
+) -> tuple[asyncio.Task[Message], Message]:
+    """A request from Shop to Desk through ``asker`` (its task), and the request as Desk
+    takes it through ``answerer``."""
+    question = Message(from_agent="Shop", to_agent="Desk", content=content)
+    asking = asyncio.create_task(asker.request(question, timeout=timeout))
+    async with asyncio.timeout(5):
+        taken = await answerer.receive("Desk")
+        while not taken:  # (queued through the other replica)
+            await asyncio.sleep(0.05)
+            taken = await answerer.receive("Desk")
+    [asked] = taken
+    return asking, asked
+
+
+def desk_answers(correlation_id: str, content: dict[str, object]) -> Message:
+    return Message(
+        from_agent="Desk",
+        to_agent="Shop",
+        message_type=MessageType.RESPONSE,
+        correlation_id=correlation_id,
+        content=content,
+    )
+
+
 async def test_an_answer_is_kept_for_the_replica_where_its_requester_waits(
     redis_url: str,
 ) -> None:
@@ -640,8 +666,6 @@ async def test_an_answer_is_kept_for_the_replica_where_its_requester_waits(
     kept for that replica, which reads it when it listens again. Before, it went into the
     requester's queue as a message of its own, and the request timed out. An answer whose
     route names a replica that is gone is dropped as late, not queued."""
-    from mesh.core.model import AgentInfo, Message, MessageType
-
     other = Broker(BrokerConfig(), store=RedisQueueStore(redis_url))
     cut = Broker(BrokerConfig(), store=RedisQueueStore(redis_url))
     await other.start()
@@ -650,36 +674,19 @@ async def test_an_answer_is_kept_for_the_replica_where_its_requester_waits(
         for agent_id in ("Shop", "Desk"):
             await other.register(AgentInfo(agent_id=agent_id))
         await registry_becomes(cut, lambda r: "Shop" in r and "Desk" in r)
-        question = Message(from_agent="Shop", to_agent="Desk", content={"action": "pay"})
-        asking = asyncio.create_task(cut.request(question, timeout=5))
-        async with asyncio.timeout(5):
-            taken = await other.receive("Desk")
-            while not taken:  # (queued through the other replica)
-                await asyncio.sleep(0.05)
-                taken = await other.receive("Desk")
-        [asked] = taken
+        asking, asked = await ask_across(cut, other, {"action": "pay"}, timeout=5)
         gap = asyncio.Event()
         cut.store.on_gap(gap.set)  # type: ignore[attr-defined]
         redis = await cut.store._client()  # type: ignore[attr-defined]
         await redis.client_kill_filter(_type="pubsub")
         async with asyncio.timeout(5):
             await gap.wait()  # (it knows it is cut off: not yet subscribed again)
-
-        def answer(correlation_id: str) -> Message:
-            return Message(
-                from_agent="Desk",
-                to_agent="Shop",
-                message_type=MessageType.RESPONSE,
-                correlation_id=correlation_id,
-                content={"action": "pay", "paid": True},
-            )
-
-        told = await other.send(answer(asked.correlation_id))
+        told = await other.send(desk_answers(asked.correlation_id, {"action": "pay", "paid": True}))
         assert told.recipients == ("Shop",)
         assert (await asking).content["paid"] is True
 
         await redis.set("mesh:route:Shop:cor-ghost", "replica-gone", px=10_000)
-        late = await other.send(answer("cor-ghost"))
+        late = await other.send(desk_answers("cor-ghost", {"action": "pay", "paid": True}))
         assert late.recipients == ()
         assert await other.receive("Shop") == [] and await cut.receive("Shop") == []
     finally:
@@ -693,8 +700,6 @@ async def test_an_answer_lost_with_its_replicas_connection_is_read_again(one_red
     it from the store when it follows the others again, and the request is answered. Before,
     pub/sub delivered it at most once, and the request timed out. An answer heard is not kept:
     nothing is read twice."""
-    from mesh.core.model import AgentInfo, Message, MessageType
-
     other = Broker(BrokerConfig(), store=RedisQueueStore(one_redis))
     cut = Broker(BrokerConfig(), store=RedisQueueStore(one_redis))
     await other.start()
@@ -703,9 +708,7 @@ async def test_an_answer_lost_with_its_replicas_connection_is_read_again(one_red
     handle, lost = store._handle, asyncio.Event()
 
     async def losing_the_first_answer(event: dict[str, object], listener: object) -> None:
-        if not lost.is_set() and str(event.get("channel", b""), "utf-8").startswith(
-            "mesh:answer:"
-        ):
+        if not lost.is_set() and str(event.get("channel", b""), "utf-8").startswith("mesh:answer:"):
             lost.set()
             raise ConnectionError("connection lost with an answer on it")
         await handle(event, listener)
@@ -717,24 +720,9 @@ async def test_an_answer_lost_with_its_replicas_connection_is_read_again(one_red
         await registry_becomes(cut, lambda r: "Shop" in r and "Desk" in r)
         answered = []
         for n in (1, 2):
-            question = Message(
-                from_agent="Shop", to_agent="Desk", content={"action": "pay", "n": n}
-            )
-            asking = asyncio.create_task(cut.request(question, timeout=8))
-            async with asyncio.timeout(5):
-                taken = await other.receive("Desk")
-                while not taken:  # (queued through the other replica)
-                    await asyncio.sleep(0.05)
-                    taken = await other.receive("Desk")
-            [asked] = taken
+            asking, asked = await ask_across(cut, other, {"action": "pay", "n": n}, timeout=8)
             told = await other.send(
-                Message(
-                    from_agent="Desk",
-                    to_agent="Shop",
-                    message_type=MessageType.RESPONSE,
-                    correlation_id=asked.correlation_id,
-                    content={"action": "pay", "n": n, "paid": True},
-                )
+                desk_answers(asked.correlation_id, {"action": "pay", "n": n, "paid": True})
             )
             assert told.recipients == ("Shop",)
             answered.append((await asking).content)
