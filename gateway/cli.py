@@ -31,6 +31,7 @@ async def _up(args: argparse.Namespace) -> int:
         dashboard_port=args.dashboard_port,
         trace_dir=args.trace_dir or "traces",
         broker_config=BrokerConfig.from_env(),  # AGENTMESH_STORE and the other limits
+        max_runs=args.max_runs,
     )
     info = mesh.describe()
     _print(
@@ -72,6 +73,7 @@ async def _gateway(args: argparse.Namespace) -> int:
             router=router,
             metrics_port=args.metrics_port,
             security=security_config(args),
+            max_runs=args.max_runs,
         )
     except RoutesError as error:
         raise UsageError(f"--routes: {args.routes or ROUTES_FILE}: {error}") from None
@@ -159,6 +161,26 @@ def _folder(value: str) -> str:
     return value
 
 
+def _runs_limit(value: str) -> int:
+    """--max-runs (or AGENTMESH_GATEWAY_MAX_RUNS): a whole number of runs, at least 1."""
+    number = int(value) if value.isascii() and value.isdigit() else 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of runs (1 or more)")
+    return number
+
+
+def _add_max_runs(parser: argparse.ArgumentParser) -> None:
+    from gateway.server import MAX_RUNS
+
+    parser.add_argument(
+        "--max-runs",
+        type=_runs_limit,
+        default=_env("GATEWAY_MAX_RUNS", str(MAX_RUNS)),
+        help="pattern runs the gateway holds at once; more are refused with "
+        f"RESOURCE_EXHAUSTED (reason TOO_MANY_RUNS) to retry (default {MAX_RUNS})",
+    )
+
+
 def add_commands(sub: Any, broker_default: str) -> None:
     from mesh.cli import add_security_flags, port, port_or_off
 
@@ -185,6 +207,7 @@ def add_commands(sub: Any, broker_default: str) -> None:
         help="folder of the sample agents' JSON data",
     )
     p.add_argument("--ready-file", help="write the addresses as JSON here once ready")
+    _add_max_runs(p)
     p.add_argument(
         "--docs",
         type=_folder,
@@ -220,6 +243,7 @@ def add_commands(sub: Any, broker_default: str) -> None:
         help="let the dashboard start patterns (read-only otherwise; with security on, "
         "starting needs the gateway credential)",
     )
+    _add_max_runs(p)
     add_security_flags(p, server=True)
     p.set_defaults(run=_gateway)
 

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import grpc
 from google.protobuf import json_format
 
 from mesh._status import from_rpc_error
-from mesh.client import CLIENT_OPTIONS
+from mesh.client import CLIENT_OPTIONS, RetryPolicy
 from mesh.codec import struct_to_dict
-from mesh.config import SecurityConfig
-from mesh.core.errors import MessageValidationError
+from mesh.config import SecurityConfig, retry_wait
+from mesh.core.errors import TOO_MANY_RUNS, MessageValidationError
 from mesh.security import open_channel
 from mesh.tracing import inject
 from mesh.v1 import gateway_pb2, gateway_pb2_grpc
+
+logger = logging.getLogger("gateway.client")
 
 
 def event_dict(pb: gateway_pb2.PatternEvent) -> dict[str, Any]:
@@ -35,12 +40,25 @@ def event_dict(pb: gateway_pb2.PatternEvent) -> dict[str, Any]:
 
 
 class GatewayClient:
-    """``async with GatewayClient(address) as gw: async for event in gw.route(...)``."""
+    """``async with GatewayClient(address) as gw: async for event in gw.route(...)``.
+
+    A run the gateway refuses before it starts, because it already runs its limit
+    (RESOURCE_EXHAUSTED, reason TOO_MANY_RUNS), is started again after each of ``retry``'s
+    delays (RT-011's 100, 500 and 2000 ms, or the longer wait the refusal asks for);
+    ``NO_RETRY`` for none. Nothing else is tried again: a run that failed may have done part
+    of its work (sent hand-offs, asked agents).
+    """
 
     def __init__(
-        self, target: str, *, timeout: float = 60.0, security: SecurityConfig | None = None
+        self,
+        target: str,
+        *,
+        timeout: float = 60.0,
+        security: SecurityConfig | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         self.timeout = timeout
+        self.retry = retry if retry is not None else RetryPolicy()
         self._channel = open_channel(
             target, security if security is not None else SecurityConfig.from_env(), CLIENT_OPTIONS
         )
@@ -52,15 +70,31 @@ class GatewayClient:
     async def __aexit__(self, *exc: object) -> None:
         await self._channel.close()
 
-    async def _stream(self, call: Any) -> AsyncGenerator[dict[str, Any], None]:
-        try:
-            async for response in call:
-                yield event_dict(response.event)
-        except grpc.RpcError as error:
-            raise from_rpc_error(error) from None
-        finally:
-            # Closed before the end (the caller stopped reading): the gateway stops the run.
-            call.cancel()
+    async def _stream(self, start: Callable[[], Any]) -> AsyncGenerator[dict[str, Any], None]:
+        delays = self.retry.delays
+        for attempt in itertools.count():
+            call, started = start(), False
+            try:
+                async for response in call:
+                    started = True
+                    yield event_dict(response.event)
+                return
+            except grpc.RpcError as error:
+                failure = from_rpc_error(error)
+                if started or failure.reason != TOO_MANY_RUNS or attempt >= len(delays):
+                    raise failure from None
+            finally:
+                # Closed before the end (the caller stopped reading): the gateway stops the run.
+                call.cancel()
+            wait = retry_wait(delays[attempt], failure.retry_after)
+            logger.info(
+                "run refused (%s); starting it again in %.0f ms (%d/%d)",
+                failure.message,
+                wait * 1000,
+                attempt + 1,
+                len(delays),
+            )
+            await asyncio.sleep(wait)
 
     def run(self, rpc: str, request: dict[str, Any] | Any) -> AsyncIterator[dict[str, Any]]:
         """Calls a pattern RPC by name ("RunGroupChat", "Route", ...) with a dict or message."""
@@ -84,7 +118,9 @@ class GatewayClient:
                     f"the request is not a valid {request.DESCRIPTOR.full_name}: {error}",
                 ) from None
         metadata = tuple(inject().items())  # continue the caller's trace in the gateway
-        return self._stream(method(request, timeout=self.timeout, metadata=metadata or None))
+        return self._stream(
+            lambda: method(request, timeout=self.timeout, metadata=metadata or None)
+        )
 
     def group_chat(self, **request: Any) -> AsyncIterator[dict[str, Any]]:
         return self.run("RunGroupChat", request)

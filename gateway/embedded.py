@@ -9,7 +9,7 @@ from pathlib import Path
 from agents import sample_agents
 from agents.research import research_agents, research_tool_host
 from gateway.dashboard import DashboardServer, serve_dashboard
-from gateway.server import GatewayServer, serve_gateway
+from gateway.server import MAX_RUNS, GatewayServer, serve_gateway
 from mesh.agent import AgentServer, ServedAgents, serve_all
 from mesh.config import BrokerConfig, ServerConfig
 from mesh.server import serve_broker
@@ -62,6 +62,7 @@ async def start_embedded(
     reports_dir: str | Path = "research-reports",
     dashboard_port: int = -1,
     trace_dir: str | Path | None = None,
+    max_runs: int = MAX_RUNS,
 ) -> EmbeddedMesh:
     """Starts everything; each agent on its own gRPC server, all of them on one client (one
     stream to the broker). Pattern metrics are exported beside the broker's on the broker's
@@ -74,7 +75,11 @@ async def start_embedded(
     )
     try:
         gateway = await serve_gateway(
-            broker_server.address, host=host, port=gateway_port, registry=broker.metrics.registry
+            broker_server.address,
+            host=host,
+            port=gateway_port,
+            registry=broker.metrics.registry,
+            max_runs=max_runs,
         )
     except BaseException:
         await broker_server.stop(0)

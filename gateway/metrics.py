@@ -62,6 +62,17 @@ class PatternMetrics:
         self.runs = Counter(
             "agentmesh_pattern_runs", "Pattern runs by outcome.", ["pattern", "status"], registry=r
         )
+        self.active = Gauge(
+            "agentmesh_pattern_runs_active",
+            "Pattern runs in progress on this gateway (at most its --max-runs).",
+            registry=r,
+        )
+        self.refusals = Counter(
+            "agentmesh_pattern_runs_refused",
+            "Pattern runs refused before they started, by reason (TOO_MANY_RUNS).",
+            ["pattern", "reason"],
+            registry=r,
+        )
         self.consensus_rate = Gauge(
             "agentmesh_group_chat_consensus_rate",
             "Share of group chats that ended unanimous.",
@@ -133,6 +144,9 @@ class PatternMetrics:
             if result.get("unanimous"):
                 tally.unanimous += 1
             self.consensus_rate.set(tally.consensus_rate)
+
+    def refused(self, pattern: Pattern, reason: str) -> None:
+        self.refusals.labels(pattern.value, reason).inc()
 
     def feedback(self, rating: Rating, satisfied: bool) -> PatternTally:
         """Counts a user's rating of a run (replacing that run's earlier one)."""

@@ -37,7 +37,7 @@ from mesh._status import abort
 from mesh.client import MeshClient
 from mesh.codec import struct_to_dict
 from mesh.config import SecurityConfig
-from mesh.core.errors import BrokerUnavailableError, MeshError
+from mesh.core.errors import TOO_MANY_RUNS, BrokerUnavailableError, LimitExceededError, MeshError
 from mesh.core.model import JSON
 from mesh.core.tasks import cancel_and_wait
 from mesh.serving import MeshServer, start_server
@@ -51,6 +51,12 @@ Run = Callable[[Emit], Awaitable[dict[str, JSON]]]
 FIRST_BROKER_ANSWER_SECONDS = 2.0
 """How long a starting gateway waits for the broker's health to answer before it says
 NOT_SERVING for its service (and goes on following it)."""
+MAX_RUNS = 1000
+"""Pattern runs one gateway holds at once (``--max-runs``). Each holds tasks, an event buffer
+and requests pending at the broker; past it a new run is refused before it starts
+(RESOURCE_EXHAUSTED, reason TOO_MANY_RUNS) rather than slowing every run down."""
+RUNS_RETRY_AFTER_SECONDS = 0.5
+"""The wait a run refused for TOO_MANY_RUNS is told to take (its RetryInfo)."""
 SETTLE_SECONDS = 2.0
 """How long a stopping gateway waits, past its grace, for the runs it cancelled to record how
 they ended before it closes its broker client."""
@@ -59,7 +65,17 @@ they ended before it closes its broker client."""
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     """Translates pattern RPCs; the patterns themselves live in gateway.patterns."""
 
-    def __init__(self, dispatcher: Dispatcher, router: Router, metrics: PatternMetrics) -> None:
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        router: Router,
+        metrics: PatternMetrics,
+        *,
+        max_runs: int = MAX_RUNS,
+    ) -> None:
+        if max_runs < 1:
+            raise ValueError("max_runs must be at least 1")
+        self.max_runs = max_runs
         self.dispatcher = dispatcher
         self.router = router
         self.metrics = metrics
@@ -147,13 +163,26 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             )
         if self.broker_away is not None:  # (refused whole, rather than failing mid-run)
             await abort(context, BrokerUnavailableError(self.broker_away))
+        if self._active >= self.max_runs:
+            self.metrics.refused(pattern, TOO_MANY_RUNS)
+            await abort(
+                context,
+                LimitExceededError(
+                    f"the gateway already runs its limit of patterns at once ({self.max_runs}):"
+                    " this run did not start; retry later",
+                    reason=TOO_MANY_RUNS,
+                    retry_after=RUNS_RETRY_AFTER_SECONDS,
+                ),
+            )
         self._active += 1
+        self.metrics.active.set(self._active)
         self._idle.clear()
         try:
             async for event in self._run_events(pattern, run, context):
                 yield event
         finally:
             self._active -= 1
+            self.metrics.active.set(self._active)
             if not self._active:
                 self._idle.set()
 
@@ -533,17 +562,19 @@ async def serve_gateway(
     registry: CollectorRegistry | None = None,
     metrics_port: int = -1,
     security: SecurityConfig | None = None,
+    max_runs: int = MAX_RUNS,
 ) -> GatewayServer:
     """Starts the gateway on host:port (0 picks one), talking to the broker at ``broker``;
     RoutesError, before anything starts, for a route no request could run.
 
     Pass the broker's registry to export pattern metrics beside the broker's on one /metrics.
+    ``max_runs``: the pattern runs it holds at once (more are refused with TOO_MANY_RUNS).
     """
     router = router or Router.from_file()
     check_routes(router)
     client = MeshClient(broker, agent_id="gateway", security=security)
     metrics = PatternMetrics(registry)
-    servicer = GatewayServicer(MeshDispatcher(client), router, metrics)
+    servicer = GatewayServicer(MeshDispatcher(client), router, metrics, max_runs=max_runs)
     server = await start_server(
         lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
         [GATEWAY_SERVICE],

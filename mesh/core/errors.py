@@ -188,6 +188,12 @@ class LimitExceededError(MultiAgentCommunicationError):
     reason = "LIMIT_EXCEEDED"
 
 
+TOO_MANY_RUNS = "TOO_MANY_RUNS"
+"""The reason of the LimitExceededError (RESOURCE_EXHAUSTED, with a RetryInfo) that refuses a
+pattern run while the gateway already runs its limit: refused before anything of it ran, so
+that a client may always try it again."""
+
+
 class UnauthenticatedError(MultiAgentCommunicationError):
     """No credential, or one the mesh does not know."""
 
@@ -259,6 +265,7 @@ _BY_REASON.update(
     STATE_LOCKED=StateConflictError,
     VERSION_CONFLICT=StateConflictError,
     LOCK_TIMEOUT=StateConflictError,
+    TOO_MANY_RUNS=LimitExceededError,
 )
 
 _BY_CODE: dict[str, type[MultiAgentCommunicationError]] = {

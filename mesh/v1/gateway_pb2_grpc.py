@@ -28,7 +28,9 @@ if _version_not_supported:
 class GatewayServiceStub:
     """GatewayService runs the multi-agent patterns (RF-010) over the mesh and streams their
     progress: every pattern RPC emits typed events as they happen and ends with a RESULT (or
-    FAILURE then RESULT) event.
+    FAILURE then RESULT) event. A gateway already running its limit of runs at once refuses a
+    new one before anything of it runs: RESOURCE_EXHAUSTED, reason TOO_MANY_RUNS, with a
+    RetryInfo, and no event; that refusal is always safe to retry.
     """
 
     def __init__(self, channel):
@@ -87,7 +89,9 @@ class GatewayServiceStub:
 class GatewayServiceServicer:
     """GatewayService runs the multi-agent patterns (RF-010) over the mesh and streams their
     progress: every pattern RPC emits typed events as they happen and ends with a RESULT (or
-    FAILURE then RESULT) event.
+    FAILURE then RESULT) event. A gateway already running its limit of runs at once refuses a
+    new one before anything of it runs: RESOURCE_EXHAUSTED, reason TOO_MANY_RUNS, with a
+    RetryInfo, and no event; that refusal is always safe to retry.
     """
 
     def RunGroupChat(self, request, context):
@@ -224,7 +228,9 @@ def add_GatewayServiceServicer_to_server(servicer, server):
 class GatewayService:
     """GatewayService runs the multi-agent patterns (RF-010) over the mesh and streams their
     progress: every pattern RPC emits typed events as they happen and ends with a RESULT (or
-    FAILURE then RESULT) event.
+    FAILURE then RESULT) event. A gateway already running its limit of runs at once refuses a
+    new one before anything of it runs: RESOURCE_EXHAUSTED, reason TOO_MANY_RUNS, with a
+    RetryInfo, and no event; that refusal is always safe to retry.
     """
 
     @staticmethod

@@ -29,7 +29,9 @@ GRPC_VERSION: str
 class GatewayServiceStub:
     """GatewayService runs the multi-agent patterns (RF-010) over the mesh and streams their
     progress: every pattern RPC emits typed events as they happen and ends with a RESULT (or
-    FAILURE then RESULT) event.
+    FAILURE then RESULT) event. A gateway already running its limit of runs at once refuses a
+    new one before anything of it runs: RESOURCE_EXHAUSTED, reason TOO_MANY_RUNS, with a
+    RetryInfo, and no event; that refusal is always safe to retry.
     """
 
     @_typing.overload
@@ -78,7 +80,9 @@ class GatewayServiceStub:
 class GatewayServiceAsyncStub(GatewayServiceStub):
     """GatewayService runs the multi-agent patterns (RF-010) over the mesh and streams their
     progress: every pattern RPC emits typed events as they happen and ends with a RESULT (or
-    FAILURE then RESULT) event.
+    FAILURE then RESULT) event. A gateway already running its limit of runs at once refuses a
+    new one before anything of it runs: RESOURCE_EXHAUSTED, reason TOO_MANY_RUNS, with a
+    RetryInfo, and no event; that refusal is always safe to retry.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -123,7 +127,9 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
 class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
     """GatewayService runs the multi-agent patterns (RF-010) over the mesh and streams their
     progress: every pattern RPC emits typed events as they happen and ends with a RESULT (or
-    FAILURE then RESULT) event.
+    FAILURE then RESULT) event. A gateway already running its limit of runs at once refuses a
+    new one before anything of it runs: RESOURCE_EXHAUSTED, reason TOO_MANY_RUNS, with a
+    RetryInfo, and no event; that refusal is always safe to retry.
     """
 
     @_abc_1.abstractmethod

@@ -191,6 +191,31 @@ async def test_a_go_agent_takes_part_in_a_group_chat_beside_the_python_agents(
     assert "the group chat failed" in err
 
 
+async def test_meshgo_groupchat_starts_a_run_the_full_gateway_refused_again(
+    mesh: LocalMesh, meshgo: Path
+) -> None:
+    """The gateway runs its limit: `meshgo groupchat` is refused before its run starts
+    (TOO_MANY_RUNS), says so on stderr, and starts it again after the backoff (at least the
+    refusal's RetryInfo), which completes once a place frees. Before, it failed at once."""
+    from tests.helpers.gateways import SLOW_AGENT, full_gateway
+
+    async with full_gateway(mesh) as full:
+        chat = asyncio.create_task(
+            run(meshgo, "groupchat", "-gateway", full.address, "-agents", SLOW_AGENT,
+                "-query", "later")
+        )  # fmt: skip
+        await full.refused_at_least(1)
+        full.release.set()
+        code, out, err = await chat
+    assert code == 0, err
+    assert err.startswith(
+        "meshgo: retry 1/3 in 500 ms after RESOURCE_EXHAUSTED: the gateway already runs its"
+        " limit of patterns at once (1): this run did not start"
+    ), err
+    assert "RESULT group chat completed: AAPL (unanimous expert consensus)" in out.splitlines()
+    assert full.asked == ["held0", "later"]
+
+
 async def test_a_go_agent_answers_python_asks_go_and_leaves_when_stopped(
     embedded: EmbeddedMesh, meshgo: Path, go_agents: list[GoAgent]
 ) -> None:

@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from gateway.embedded import EmbeddedMesh
+from mesh import LocalMesh
 from tests.helpers.health import NOT_SERVING, SERVING, health_of, watching
 from tests.helpers.node import NODE_DIR, start_node_example
 
@@ -136,6 +137,60 @@ async def test_a_typescript_program_compiles_against_the_declarations_and_runs(
         "state": {"left": 2},
         "filtering": "COMPLETED",
     }
+
+
+FULL_GATEWAY_PROGRAM = """
+const { GatewayClient } = require(process.env.MESH_JS);
+const address = process.env.AGENTMESH_GATEWAY;
+const chat = (client, query) => client.groupChat({ agentIds: ['SlowExpert'], query });
+(async () => {
+  const impatient = new GatewayClient(address, { retryDelaysMs: [] });
+  const refusal = await chat(impatient, 'now').then(() => null, (err) => ({
+    code: err.codeName, reason: err.reason, retryAfterMs: err.retryAfterMs }));
+  impatient.close();
+  const retries = [];
+  const patient = new GatewayClient(address, { onRetry: ({ attempt, code, delayMs, error }) =>
+    retries.push({ attempt, code, delayMs, reason: error.reason }) });
+  const events = await chat(patient, 'later');
+  patient.close();
+  const result = events[events.length - 1];
+  console.log(JSON.stringify({ refusal, retries: retries.slice(0, 1), first: events[0].kind,
+    result: [result.kind, result.data.status] }));
+})().catch((err) => { console.error(err); process.exit(1); });
+"""
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
+async def test_a_node_gateway_client_starts_a_run_the_full_gateway_refused_again(
+    mesh: LocalMesh, tmp_path: Path
+) -> None:
+    """The gateway runs its limit: a Node GatewayClient's run is refused before it starts
+    (TOO_MANY_RUNS, with its RetryInfo), and started again after the backoff (onRetry hears
+    of it) until a place frees; with retryDelaysMs [] the caller gets the refusal."""
+    from tests.helpers.gateways import full_gateway
+
+    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").exists():
+        pytest.fail("clients/node dependencies are missing: run `make setup`")
+    (tmp_path / "full.js").write_text(FULL_GATEWAY_PROGRAM)
+    async with full_gateway(mesh) as full:
+        env = {
+            **os.environ,
+            "AGENTMESH_GATEWAY": full.address,
+            "MESH_JS": str(NODE_DIR / "lib" / "mesh.js"),
+        }
+        program = asyncio.create_task(node_program("full.js", tmp_path, env))
+        await full.refused_at_least(2)  # (the impatient client's, then the patient one's)
+        full.release.set()
+        told = await program
+    assert told == {
+        "refusal": {"code": "RESOURCE_EXHAUSTED", "reason": "TOO_MANY_RUNS", "retryAfterMs": 500},
+        "retries": [
+            {"attempt": 1, "code": "RESOURCE_EXHAUSTED", "delayMs": 500, "reason": "TOO_MANY_RUNS"}
+        ],
+        "first": "GROUP_CREATED",
+        "result": ["RESULT", "COMPLETED"],
+    }
+    assert full.asked == ["held0", "later"]
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")

@@ -474,6 +474,71 @@ async def test_gateway_shutdown_lets_a_running_pattern_finish_and_refuses_new_on
     assert events[-1]["data"]["status"] == "COMPLETED"
 
 
+async def test_a_gateway_at_its_limit_of_runs_refuses_a_new_one_before_it_starts(
+    mesh: LocalMesh,
+) -> None:
+    """A gateway already running its --max-runs patterns refuses another with
+    RESOURCE_EXHAUSTED (reason TOO_MANY_RUNS, a RetryInfo): nothing of it ran (no agent was
+    asked, no event streamed). The GatewayClient starts such a run again after its backoff,
+    and it completes once a place frees; without retries the caller gets the refusal."""
+    from gateway.client import GatewayClient
+    from gateway.events import Pattern
+    from gateway.server import RUNS_RETRY_AFTER_SECONDS
+    from mesh import SecurityConfig
+    from mesh.core.errors import LimitExceededError
+    from mesh.v1 import gateway_pb2, gateway_pb2_grpc
+    from tests.helpers.gateways import SLOW_AGENT, full_gateway
+
+    async with full_gateway(mesh, max_runs=2) as full:
+        metrics = full.gateway.metrics
+        assert metrics.active._value.get() == 2
+        async with grpc.aio.insecure_channel(full.address) as channel:
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+            call = stub.RunGroupChat(
+                gateway_pb2.RunGroupChatRequest(agent_ids=[SLOW_AGENT], query="raw")
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in call:
+                    pytest.fail("a refused run streamed an event")
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        status = rpc_status.from_call(refused.value)
+        assert status is not None
+        details = {d.type_url.rsplit(".", 1)[-1]: d for d in status.details}
+        info, retry = error_details_pb2.ErrorInfo(), error_details_pb2.RetryInfo()
+        details["ErrorInfo"].Unpack(info)
+        details["RetryInfo"].Unpack(retry)
+        assert info.reason == "TOO_MANY_RUNS"
+        assert retry.retry_delay.ToMilliseconds() == RUNS_RETRY_AFTER_SECONDS * 1000
+        assert status.message == (
+            "the gateway already runs its limit of patterns at once (2): this run did not"
+            " start; retry later"
+        )
+
+        async with GatewayClient(
+            full.address, security=SecurityConfig(), retry=NO_RETRY
+        ) as impatient:
+            with pytest.raises(LimitExceededError) as told:
+                await impatient.collect(impatient.group_chat(agent_ids=[SLOW_AGENT], query="now"))
+        assert told.value.reason == "TOO_MANY_RUNS"
+        assert told.value.retry_after == RUNS_RETRY_AFTER_SECONDS
+        assert full.refused() == 2
+        assert sorted(full.asked) == ["held0", "held1"]  # (the refused runs asked nobody)
+
+        async with GatewayClient(full.address, security=SecurityConfig()) as client:
+            patient = asyncio.create_task(
+                client.collect(client.group_chat(agent_ids=[SLOW_AGENT], query="later"))
+            )
+            await full.refused_at_least(3)
+            full.release.set()
+            later = await asyncio.wait_for(patient, 10)
+        held = await asyncio.gather(*full.held)
+        assert [events[-1]["data"]["status"] for events in held] == ["COMPLETED"] * 2
+        assert later[-1]["kind"] == "RESULT" and later[-1]["data"]["status"] == "COMPLETED"
+        assert full.asked[2:] == ["later"]
+        assert metrics.tallies[Pattern.GROUP_CHAT].runs == 3  # refusals are no runs
+        assert metrics.active._value.get() == 0
+
+
 async def test_the_gateway_is_ready_only_while_its_broker_serves() -> None:
     from gateway.client import GatewayClient
     from gateway.server import GATEWAY_SERVICE, serve_gateway

@@ -137,9 +137,11 @@ def test_a_store_file_that_is_no_database_is_said_in_one_line(
         (["up", "--dashboard-port", "-2"], {}, "'-2' is not a port (-1..65535)"),
         (["gateway", "--metrics-port", "x"], {}, "argument --metrics-port: 'x' is not a port"),
         (["broker"], {"AGENTMESH_PORT": "abc"}, "argument --port: 'abc' is not a port"),
+        (["gateway", "--max-runs", "0"], {}, "'0' is not a number of runs (1 or more)"),
+        (["up"], {"AGENTMESH_GATEWAY_MAX_RUNS": "¹"}, "'¹' is not a number of runs"),
     ],
 )
-def test_a_port_that_is_none_is_a_usage_error(
+def test_a_port_or_a_limit_that_is_none_is_a_usage_error(
     args: list[str],
     env: dict[str, str],
     said: str,

@@ -17,7 +17,8 @@
 //
 // request asks again while the broker refuses for now (RESOURCE_EXHAUSTED, UNAVAILABLE):
 // after RT-011's backoff of 100, 500 and 2000 ms, or the longer wait a refusal's RetryInfo
-// asks for.
+// asks for. groupchat starts its chat again, after the same waits, when the gateway refused
+// it before it started (it already runs its limit: reason TOO_MANY_RUNS).
 //
 // TLS and credentials come from the variables every client of the mesh reads:
 // AGENTMESH_TLS_CA, AGENTMESH_TLS_CLIENT_CERT and AGENTMESH_TLS_CLIENT_KEY,
@@ -666,14 +667,13 @@ var retryBackoff = []time.Duration{100 * time.Millisecond, 500 * time.Millisecon
 
 const maxRetryDelay = time.Minute
 
-// withRetry makes the call, and makes it again after each of retryBackoff's waits while the
-// broker refuses it for now; each retry is said on stderr. The last refusal is returned.
-func withRetry(ctx context.Context, call func() error) error {
+// withRetry makes the call, and makes it again after each of retryBackoff's waits while
+// refused says it was refused for now; each retry is said on stderr. The last refusal is
+// returned.
+func withRetry(ctx context.Context, refused func(error) bool, call func() error) error {
 	for attempt := 0; ; attempt++ {
 		err := call()
-		code := status.Code(err)
-		if err == nil || (code != codes.ResourceExhausted && code != codes.Unavailable) ||
-			attempt >= len(retryBackoff) {
+		if err == nil || !refused(err) || attempt >= len(retryBackoff) {
 			return err
 		}
 		wait := retryWait(retryBackoff[attempt], err)
@@ -685,6 +685,28 @@ func withRetry(ctx context.Context, call func() error) error {
 			return err
 		}
 	}
+}
+
+// brokerRefused says whether the broker refused a call for now: a queue full
+// (RESOURCE_EXHAUSTED) or the broker away or stopping (UNAVAILABLE).
+func brokerRefused(err error) bool {
+	code := status.Code(err)
+	return code == codes.ResourceExhausted || code == codes.Unavailable
+}
+
+// tooManyRuns is the reason of the gateway's refusal of a run before it started (it already
+// runs its limit): the one failure of a pattern run that is safe to try again.
+const tooManyRuns = "TOO_MANY_RUNS"
+
+// reasonOf is the reason of a failed call's google.rpc.ErrorInfo ("" without one).
+func reasonOf(err error) string {
+	s, _ := status.FromError(err)
+	for _, detail := range s.Details() {
+		if info, ok := detail.(*errdetails.ErrorInfo); ok {
+			return info.GetReason()
+		}
+	}
+	return ""
 }
 
 // retryWait is the wait before a retry: the backoff, or what the refusal's RetryInfo asks
@@ -754,7 +776,7 @@ func runRequest(args []string) error {
 		MessageType: meshv1.MessageType_MESSAGE_TYPE_REQUEST, Content: content,
 	}}
 	var answer *meshv1.SendRequestResponse
-	err = withRetry(ctx, func() error {
+	err = withRetry(ctx, brokerRefused, func() error {
 		asking, cancelAsk := context.WithTimeout(ctx, *timeout) // (the broker waits as long)
 		defer cancelAsk()
 		answer, err = client.SendRequest(asking, request)
@@ -786,35 +808,52 @@ func runGroupChat(args []string) error {
 		return err
 	}
 	defer conn.Close()
-	stream, err := meshv1.NewGatewayServiceClient(conn).RunGroupChat(ctx, &meshv1.RunGroupChatRequest{
+	client := meshv1.NewGatewayServiceClient(conn)
+	request := &meshv1.RunGroupChatRequest{
 		AgentIds: strings.Split(*agents, ","), Query: *query, OptionLabel: *label,
-	})
-	if err != nil {
-		return err
 	}
-	for {
-		answer, err := stream.Recv()
-		if err == io.EOF {
-			return nil
-		}
+	// A run the gateway refused before it started (it runs its limit) is started again; a
+	// run that failed once it streamed is not: it may have done part of its work.
+	streamed := false
+	refused := func(err error) bool { return !streamed && reasonOf(err) == tooManyRuns }
+	return withRetry(ctx, refused, func() error {
+		stream, err := client.RunGroupChat(ctx, request)
 		if err != nil {
 			return err
 		}
-		event := answer.GetEvent()
-		kind := strings.TrimPrefix(event.GetKind().String(), "EVENT_KIND_")
-		fmt.Printf("%s %s\n", kind, event.GetSummary())
-		if kind == "RESULT" {
-			result := event.GetData().AsMap()
-			data, err := json.Marshal(result["aggregate"])
+		for {
+			answer, err := stream.Recv()
+			if err == io.EOF {
+				return nil
+			}
 			if err != nil {
 				return err
 			}
-			fmt.Printf("AGGREGATE %s\n", data)
-			if result["status"] == "FAILED" { // (no agent answered: a script hears of it)
-				return fmt.Errorf("the group chat failed: %s", event.GetSummary())
+			streamed = true
+			if err := printEvent(answer.GetEvent()); err != nil {
+				return err
 			}
 		}
+	})
+}
+
+// printEvent prints a group chat's event as a line (and its aggregate after the RESULT); a
+// FAILED result is an error, so that a script hears of it.
+func printEvent(event *meshv1.PatternEvent) error {
+	kind := strings.TrimPrefix(event.GetKind().String(), "EVENT_KIND_")
+	fmt.Printf("%s %s\n", kind, event.GetSummary())
+	if kind == "RESULT" {
+		result := event.GetData().AsMap()
+		data, err := json.Marshal(result["aggregate"])
+		if err != nil {
+			return err
+		}
+		fmt.Printf("AGGREGATE %s\n", data)
+		if result["status"] == "FAILED" { // (no agent answered: a script hears of it)
+			return fmt.Errorf("the group chat failed: %s", event.GetSummary())
+		}
 	}
+	return nil
 }
 
 func envOr(name, otherwise string) string {

@@ -795,8 +795,20 @@ export interface PatternStats {
 }
 
 /** A client of the gateway: every multi-agent pattern as a stream of events. */
+export interface GatewayClientOptions extends SecurityOptions {
+  /**
+   * The waits before each start again of a run the gateway refused before it started
+   * (RESOURCE_EXHAUSTED, reason TOO_MANY_RUNS; RT-011: [100, 500, 2000]); [] for none. A
+   * refusal that asks for a longer wait (its google.rpc.RetryInfo) gets it, up to a minute.
+   */
+  retryDelaysMs?: number[];
+  onRetry?: (retry: RetryEvent) => void;
+}
+
 export class GatewayClient {
-  constructor(address: string, options?: SecurityOptions);
+  constructor(address: string, options?: GatewayClientOptions);
+  retryDelaysMs: number[];
+  onRetry: ((retry: RetryEvent) => void) | undefined;
   close(): void;
   /** Runs a pattern RPC; resolves with every event streamed, the RESULT last. */
   run<M extends keyof GatewayRequests>(method: M, request: RunRequest<GatewayRequests[M]>,

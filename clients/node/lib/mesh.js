@@ -611,8 +611,23 @@ async function allPages(client, method, request, field) {
 const RETRY_DELAYS_MS = [100, 500, 2000];
 /** What is worth trying again: a full queue (backpressure) and a broker out of reach. */
 const RETRY_ON = ['RESOURCE_EXHAUSTED', 'UNAVAILABLE'];
+/** The gateway's refusal of a run before it started (it runs its limit): safe to retry. */
+const TOO_MANY_RUNS = 'TOO_MANY_RUNS';
 /** The longest wait a refusal's google.rpc.RetryInfo is heeded for. */
 const MAX_RETRY_DELAY_MS = 60000;
+
+/**
+ * Waits before retry attempt + 1 of a refused call: backoffMs, or the longer wait the refusal
+ * asks for (its RetryInfo), up to a minute; the client's onRetry hears of it first.
+ */
+async function waitToRetry(client, attempt, backoffMs, err) {
+  const delayMs = err.retryAfterMs == null ? backoffMs
+    : Math.max(backoffMs, Math.min(err.retryAfterMs, MAX_RETRY_DELAY_MS));
+  if (client.onRetry) {
+    client.onRetry({ attempt: attempt + 1, code: err.codeName, delayMs, error: err });
+  }
+  await new Promise((resolve) => { setTimeout(resolve, delayMs); });
+}
 
 class MeshClient {
   /**
@@ -658,13 +673,8 @@ class MeshClient {
         const backoffMs = this.retryDelaysMs[attempt];
         if (!(err instanceof MeshError) || !RETRY_ON.includes(err.codeName)
           || backoffMs === undefined) throw err;
-        const delayMs = err.retryAfterMs == null ? backoffMs
-          : Math.max(backoffMs, Math.min(err.retryAfterMs, MAX_RETRY_DELAY_MS));
         this.stats.retries[err.codeName] = (this.stats.retries[err.codeName] || 0) + 1;
-        if (this.onRetry) {
-          this.onRetry({ attempt: attempt + 1, code: err.codeName, delayMs, error: err });
-        }
-        await new Promise((resolve) => { setTimeout(resolve, delayMs); });
+        await waitToRetry(this, attempt, backoffMs, err);
       }
     }
   }
@@ -1683,10 +1693,19 @@ function readPatternStats(pb) {
 }
 
 class GatewayClient {
-  constructor(address, options = {}) {
+  /**
+   * A client of the gateway at address. A run the gateway refuses before it starts, because it
+   * already runs its limit (RESOURCE_EXHAUSTED, reason TOO_MANY_RUNS), is started again after
+   * each of retryDelaysMs (RT-011: 100, 500 and 2000 ms, or the longer wait the refusal asks
+   * for; [] for none), and onRetry({attempt, code, delayMs, error}) hears of each. Nothing else
+   * is tried again: a run that failed may have done part of its work.
+   */
+  constructor(address, { retryDelaysMs = RETRY_DELAYS_MS, onRetry = undefined, ...options } = {}) {
     const { credentials, metadata, channelOptions } = security(options);
     this.gateway = new meshV1.GatewayService(address, credentials, channelOptions);
     this.metadata = metadata;
+    this.retryDelaysMs = retryDelaysMs;
+    this.onRetry = onRetry;
   }
 
   close() { this.gateway.close(); }
@@ -1705,9 +1724,25 @@ class GatewayClient {
       return Promise.reject(err);
     }
     if (isClosed(this.gateway)) return Promise.reject(closedClient());
+    return this._runRetrying(method, request, timeoutMs, onEvent);
+  }
+
+  async _runRetrying(method, request, timeoutMs, onEvent) {
+    for (let attempt = 0; ; attempt += 1) {
+      const events = [];
+      try {
+        return await this._runOnce(method, request, timeoutMs, onEvent, events);
+      } catch (err) {
+        const backoffMs = this.retryDelaysMs[attempt];
+        if (events.length || err.reason !== TOO_MANY_RUNS || backoffMs === undefined) throw err;
+        await waitToRetry(this, attempt, backoffMs, err);
+      }
+    }
+  }
+
+  _runOnce(method, request, timeoutMs, onEvent, events) {
     const call = this.gateway[method](request, this.metadata, { deadline: Date.now() + timeoutMs });
     return new Promise((resolve, reject) => {
-      const events = [];
       call.on('data', (res) => {
         const event = readEvent(res.event);
         events.push(event);
