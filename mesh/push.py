@@ -99,6 +99,16 @@ TRANSIENT = frozenset(
 """Statuses after which a delivery is tried again; any other refuses the message for good."""
 NOTICE_SECONDS = 5.0
 """How long a server has to take the notice that its agent was deregistered."""
+NOTICE_RETRY_SECONDS = (0.5, 2.0, 5.0)
+"""The waits before the notice is given again to a server that did not take it for now (out
+of reach, busy, too slow), while its agent stays off."""
+NOTICE_RETRY_ON = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
 HANDLE_MESSAGE = "mesh.v1.AgentService/HandleMessage"
 """The call's span name, as OpenTelemetry's gRPC instrumentation names a call's span."""
 
@@ -163,24 +173,32 @@ class Pusher:
 
     async def _notify(self, agent_id: str, instance: str) -> None:
         request = agent_pb2.NotifyDeregisteredRequest(agent_id=agent_id)
-        try:
-            async with open_channel(instance, self.security, CLIENT_OPTIONS) as channel:
-                stub = agent_pb2_grpc.AgentServiceStub(channel)
-                await stub.NotifyDeregistered(request, timeout=NOTICE_SECONDS)
-        except grpc.aio.AioRpcError as error:
-            if error.code() is grpc.StatusCode.UNIMPLEMENTED:  # (a server without it)
-                logger.debug("push: %s at %s takes no notices", agent_id, instance)
+        for retries_left in range(len(NOTICE_RETRY_SECONDS), -1, -1):
+            try:
+                async with open_channel(instance, self.security, CLIENT_OPTIONS) as channel:
+                    stub = agent_pb2_grpc.AgentServiceStub(channel)
+                    await stub.NotifyDeregistered(request, timeout=NOTICE_SECONDS)
+            except grpc.aio.AioRpcError as error:
+                if error.code() is grpc.StatusCode.UNIMPLEMENTED:  # (a server without it)
+                    logger.debug("push: %s at %s takes no notices", agent_id, instance)
+                    return
+                if not retries_left or error.code() not in NOTICE_RETRY_ON:
+                    logger.info(
+                        "push: could not tell %s at %s it was deregistered: %s",
+                        agent_id,
+                        instance,
+                        from_rpc_error(error).message,
+                    )
+                    return
+            except MeshError as error:  # (an address no channel can be opened to)
+                logger.info("push: could not tell %s at %s: %s", agent_id, instance, error.message)
                 return
-            logger.info(
-                "push: could not tell %s at %s it was deregistered: %s",
-                agent_id,
-                instance,
-                from_rpc_error(error).message,
-            )
-        except MeshError as error:  # (an address no channel can be opened to)
-            logger.info("push: could not tell %s at %s: %s", agent_id, instance, error.message)
-        else:
-            logger.info("push: told %s at %s it was deregistered", agent_id, instance)
+            else:
+                logger.info("push: told %s at %s it was deregistered", agent_id, instance)
+                return
+            await asyncio.sleep(NOTICE_RETRY_SECONDS[-retries_left])
+            if agent_id in self.broker.registry:  # (registered again meanwhile: not off now)
+                return
 
     def _agent_changed(self, agent_id: str) -> None:
         self._changed.add(agent_id)

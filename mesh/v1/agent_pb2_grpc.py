@@ -77,9 +77,11 @@ class AgentServiceServicer:
         `agentmesh deregister AGENT`). A pulling agent learns it as its subscription ends
         (AGENT_DEREGISTERED); a pushed one holds no stream the broker could end, and without this
         would go on saying it is ready, and register again when the broker comes back. The
-        broker that took the deregistration calls each such instance once, best effort; a server
-        without this method answers UNIMPLEMENTED, which the broker takes as heard. Not sent when
-        one instance leaves by its address (most often that process itself, stopping).
+        broker that took the deregistration calls each such instance, best effort: again after
+        0.5, 2 and 5 s while it answers UNAVAILABLE, DEADLINE_EXCEEDED or RESOURCE_EXHAUSTED and
+        the agent stays off. A server without this method answers UNIMPLEMENTED, which the
+        broker takes as heard. Not sent when one instance leaves by its address (most often that
+        process itself, stopping).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

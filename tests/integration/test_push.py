@@ -1096,6 +1096,56 @@ async def test_a_node_push_agent_deregistered_on_purpose_is_told_and_stays_off(
         await stop(broker)
 
 
+class BusyAtFirst(PlainAgent):
+    """A plain server whose first NotifyDeregistered is refused for now (UNAVAILABLE), as a
+    server busy or restarting would; it takes the next."""
+
+    def __init__(self) -> None:
+        super().__init__(echo)
+        self.notices: list[str] = []
+        self.noticed = asyncio.Event()
+
+    async def NotifyDeregistered(
+        self, request: agent_pb2.NotifyDeregisteredRequest, context: Any
+    ) -> agent_pb2.NotifyDeregisteredResponse:
+        self.notices.append(request.agent_id)
+        self.noticed.set()
+        if len(self.notices) == 1:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "busy for a moment")
+        return agent_pb2.NotifyDeregisteredResponse()
+
+
+async def test_a_notice_the_agents_server_did_not_take_for_now_is_given_again(
+    mesh: LocalMesh,
+) -> None:
+    """The server refused the deregistration notice for now: the broker gives it again
+    (after 0.5 s), and the server hears it. Before, it was given once, and the agent went on
+    serving, and registered again when the broker came back. An agent registered again
+    before the next try is not told: it is no longer off."""
+    for registered_again in (False, True):
+        plain = BusyAtFirst()
+        server, address = await start_plain(plain)
+        try:
+            await register_push(mesh, "Kiosk", address)
+            async with mesh.client("admin") as admin:
+                await admin.deregister("Kiosk")
+                async with asyncio.timeout(10):
+                    await plain.noticed.wait()
+                if registered_again:
+                    await register_push(mesh, "Kiosk", address)
+                    await asyncio.sleep(1.0)  # (past the first retry's 0.5 s)
+                    assert plain.notices == ["Kiosk"]
+                    await admin.deregister("Kiosk")
+                else:
+                    async with asyncio.timeout(10):
+                        while len(plain.notices) < 2:
+                            plain.noticed.clear()
+                            await plain.noticed.wait()
+                    assert plain.notices == ["Kiosk", "Kiosk"]
+        finally:
+            await server.stop(0)
+
+
 async def test_an_sdk_agents_server_takes_only_the_notices_meant_for_it(mesh: LocalMesh) -> None:
     """NotifyDeregistered called directly, as any client can: one for another agent is
     refused as HandleMessage refuses its messages; one to an instance that pulls (its
