@@ -1460,8 +1460,10 @@ async def measure_stores(s: Settings) -> dict[str, Any]:
     durability and sharing cost. The durable store commits before it acknowledges, so its
     latency includes a commit (concurrent and batched sends share commits); the Redis store
     runs a script in Redis per operation (on a single Redis, and on a three-node Redis
-    Cluster where each agent's queue lives on one node). Then one-way throughput with one
-    broker replica and with two on the same Redis."""
+    Cluster where each agent's queue lives on one node). Each store's roundtrip: a request
+    to an echo agent and its answer, the store's writes on its way (the request's put, its
+    lease, the answer's ack; with Redis, the request's route). Then one-way throughput with
+    one broker replica and with two on the same Redis."""
     folder = tempfile.mkdtemp(prefix="agentmesh-bench-store-")
     async with local_redis(folder) as (redis_url, cluster_url):
         out = await _measure_stores(s, store_urls(folder, redis_url, cluster_url))
@@ -1529,7 +1531,13 @@ async def _measure_stores(s: Settings, urls: dict[str, str]) -> dict[str, Any]:
             }
         for name, task in starting.items():
             broker = task.result()
+            echo: list[Proc] = []
             try:
+                await spawn_into(
+                    echo,
+                    *("-m", "benchmarks.agents", "--broker", broker.address, "--count", "1"),
+                    ready=r"agents ready",
+                )
                 async with connect(broker.address, agent_id="driver") as client:
                     await client.register("sink")
 
@@ -1538,6 +1546,13 @@ async def _measure_stores(s: Settings, urls: dict[str, str]) -> dict[str, Any]:
                         return 1
 
                     out[f"store.{name}.send"] = stats(await timed(send, n, w))
+
+                    async def ask() -> int:
+                        await client.request("echo-0", PAYLOAD)
+                        return 1
+
+                    # (a fresh agent process: its first requests pay for its cold start)
+                    out[f"store.{name}.roundtrip"] = stats(await timed(ask, n, max(w, 300)))
                     await drain(client, "sink")
                     out[f"store.{name}.oneway_16"] = {
                         "throughput": await rate(send, 16, s.throughput_seconds)
@@ -1559,7 +1574,7 @@ async def _measure_stores(s: Settings, urls: dict[str, str]) -> dict[str, Any]:
                     }
                     await drain(client, "sink")
             finally:
-                await stop_all([broker])
+                await stop_all([broker, *echo])
     finally:
         await stop_all(brokers)
     return out

@@ -1490,13 +1490,10 @@ class RedisQueueStore:
         route = f"mesh:route:{key[0]}:{key[1]}"
         await self._call("set", route, self.replica_id, px=int(ttl * 1000) + 1000)
 
-    async def drop_route(self, key: tuple[str, str], *, given_up: bool = False) -> None:
+    async def give_up_route(self, key: tuple[str, str]) -> None:
         route = f"mesh:route:{key[0]}:{key[1]}"
         with contextlib.suppress(BrokerUnavailableError):
-            if given_up:
-                await self._call("set", route, GIVEN_UP_ROUTE, px=int(GIVEN_UP_SECONDS * 1000))
-            else:
-                await self._call("delete", route)
+            await self._call("set", route, GIVEN_UP_ROUTE, px=int(GIVEN_UP_SECONDS * 1000))
 
     async def route_of(self, key: tuple[str, str]) -> str | None:
         raw = await self._call("get", f"mesh:route:{key[0]}:{key[1]}")

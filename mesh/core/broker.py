@@ -943,10 +943,13 @@ class Broker:
             outcome = await self.broadcast(message)
             return SendOutcome(outcome.message, outcome.recipients)
         if message.message_type in ANSWER_TYPES and message.correlation_id:
-            # An answer acknowledges the request it answers, when the answering agent holds
-            # it leased (its correlation id is the request's id): no separate ack frame.
-            await self.store.ack(message.from_agent, (message.correlation_id,))
+            # Given to its requester first, then acknowledged: an answer acknowledges the
+            # request it answers, when the answering agent holds it leased (its correlation
+            # id is the request's id), with no separate ack frame, and the requester need not
+            # wait for that write to the store (were the ack lost, the request would come back
+            # to the agent, and its second answer be dropped as late).
             taken = self._offer_answer(message)
+            await self.store.ack(message.from_agent, (message.correlation_id,))
             # Not taken though its request is still here: its deadline passed a moment ago
             # (the waiter is done, not yet gone), or the gather has this agent's answer.
             given_up = not taken and (message.to_agent, message.correlation_id) in self._pending
@@ -1336,8 +1339,10 @@ class Broker:
                 del self._pending[key]
                 answered = waiter.done() and not waiter.cancelled() and not waiter.exception()
                 self._ended(key)  # a second answer (after a redelivery), or one too late
-                if self.store.shared:
-                    await self.store.drop_route(key, given_up=not answered)
+                if self.store.shared and not answered:
+                    await self.store.give_up_route(key)
+                # (An answered request's route is left to expire with its deadline: a second
+                # answer through another replica still comes here, to be dropped as late.)
                 if sent and not answered:
                     if self.store.shared:
                         with contextlib.suppress(MeshError):  # (else they expire)
@@ -1470,8 +1475,8 @@ class Broker:
             if self._pending.get(key) is gathering:
                 del self._pending[key]
                 self._ended(key)
-                if self.store.shared:
-                    await self.store.drop_route(key, given_up=bool(gathering.expected))
+                if self.store.shared and gathering.expected:  # (else left to expire)
+                    await self.store.give_up_route(key)
                 if gathering.expected:
                     places = [(agent_id, message.message_id) for agent_id in gathering.expected]
                     await self._withdraw(message, sorted(places))
@@ -2057,8 +2062,10 @@ class Broker:
         )
 
     def on_answer(self, message: Message) -> None:
-        """An answer another replica forwarded to a request waiting here."""
-        self._offer_answer(message)
+        """An answer another replica forwarded to a request waiting here (or that waited
+        here: a second answer, or one too late, is dropped as late)."""
+        if not self._offer_answer(message):
+            self._late(message)
 
     def on_followed_again(self) -> None:
         """Back in touch with the other replicas after losing them: what they said meanwhile

@@ -94,7 +94,7 @@ class StoreListener(Protocol):
 
 
 GIVEN_UP_ROUTE = "given-up"
-"""What a route says once its request ended unanswered (see ``QueueStore.drop_route``)."""
+"""What a route says once its request ended unanswered (see ``QueueStore.give_up_route``)."""
 
 GIVEN_UP_SECONDS = 300.0
 """How long answers to a request or gather that ended unanswered count as late, not lost."""
@@ -242,12 +242,14 @@ class QueueStore(Protocol):
         ...
 
     async def claim_route(self, key: tuple[str, str], ttl: float) -> None:
-        """Records that this replica waits for the answer (requester, correlation id)."""
+        """Records that this replica waits for the answer (requester, correlation id), for
+        ``ttl`` seconds and a moment (an answered request's route is left to expire: a second
+        answer through another replica still finds its way here, to be dropped as late)."""
         ...
 
-    async def drop_route(self, key: tuple[str, str], *, given_up: bool = False) -> None:
-        """Forgets a route; ``given_up``: the request ended unanswered, and its route says
-        so (:data:`GIVEN_UP_ROUTE`) for a while, so that every replica knows a late answer."""
+    async def give_up_route(self, key: tuple[str, str]) -> None:
+        """The request ended unanswered: its route says so (:data:`GIVEN_UP_ROUTE`) for a
+        while, so that every replica knows a late answer."""
         ...
 
     async def route_of(self, key: tuple[str, str]) -> str | None:
@@ -255,8 +257,7 @@ class QueueStore(Protocol):
         ...
 
     async def forward_answer(self, replica: str, message: Message) -> bool:
-        """Hands an answer to the replica waiting for it; False when it is gone (or does
-        not listen within a moment)."""
+        """Hands an answer to the replica waiting for it; False when that replica is gone."""
         ...
 
     async def remember_forward(
@@ -571,7 +572,7 @@ class InMemoryQueueStore:
     async def claim_route(self, key: tuple[str, str], ttl: float) -> None:
         return None
 
-    async def drop_route(self, key: tuple[str, str], *, given_up: bool = False) -> None:
+    async def give_up_route(self, key: tuple[str, str]) -> None:
         return None
 
     async def route_of(self, key: tuple[str, str]) -> str | None:

@@ -738,3 +738,34 @@ async def test_an_answer_lost_with_its_replicas_connection_is_read_again(one_red
     finally:
         await other.stop()
         await cut.stop()
+
+
+async def test_a_second_answer_through_another_replica_is_dropped_as_late(
+    redis_url: str,
+) -> None:
+    """The request was answered (through the other replica) and ended; the agent answers it
+    again (a redelivered request answered twice): the second answer still finds the route to
+    the requester's replica, which drops it as late. It is not queued to the requester as a
+    message of its own (the route was deleted as the request ended, and the answer, finding
+    none, was queued)."""
+    other = Broker(BrokerConfig(), store=RedisQueueStore(redis_url))
+    cut = Broker(BrokerConfig(), store=RedisQueueStore(redis_url))
+    await other.start()
+    await cut.start()
+    try:
+        for agent_id in ("Shop", "Desk"):
+            await other.register(AgentInfo(agent_id=agent_id))
+        await registry_becomes(cut, lambda r: "Shop" in r and "Desk" in r)
+        asking, asked = await ask_across(cut, other, {"action": "pay"}, timeout=5)
+        first = await other.send(desk_answers(asked.correlation_id, {"action": "pay", "n": 1}))
+        assert first.recipients == ("Shop",)
+        assert (await asking).content["n"] == 1
+        second = await other.send(desk_answers(asked.correlation_id, {"action": "pay", "n": 2}))
+        assert second.recipients == ("Shop",)  # (handed to the replica that asked)
+        async with asyncio.timeout(5):
+            while not cut.metrics.totals.late_answers:  # noqa: ASYNC110 (a broker figure)
+                await asyncio.sleep(0.01)
+        assert await cut.receive("Shop") == [] and await other.receive("Shop") == []
+    finally:
+        await other.stop()
+        await cut.stop()
