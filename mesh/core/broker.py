@@ -943,13 +943,13 @@ class Broker:
             outcome = await self.broadcast(message)
             return SendOutcome(outcome.message, outcome.recipients)
         if message.message_type in ANSWER_TYPES and message.correlation_id:
-            # Given to its requester first, then acknowledged: an answer acknowledges the
-            # request it answers, when the answering agent holds it leased (its correlation
-            # id is the request's id), with no separate ack frame, and the requester need not
-            # wait for that write to the store (were the ack lost, the request would come back
-            # to the agent, and its second answer be dropped as late).
+            # Given to its requester (here, or handed to the replica it waits on) first, then
+            # acknowledged: an answer acknowledges the request it answers, when the answering
+            # agent holds it leased (its correlation id is the request's id), with no separate
+            # ack frame, and the requester need not wait for that write to the store (were the
+            # ack lost, the request would come back to the agent, and its second answer be
+            # dropped as late).
             taken = self._offer_answer(message)
-            await self.store.ack(message.from_agent, (message.correlation_id,))
             # Not taken though its request is still here: its deadline passed a moment ago
             # (the waiter is done, not yet gone), or the gather has this agent's answer.
             given_up = not taken and (message.to_agent, message.correlation_id) in self._pending
@@ -962,6 +962,7 @@ class Broker:
                     taken = await self.store.forward_answer(replica, message)
                     # (Not taken: that replica is gone, and its requester with it.)
                     given_up = not taken
+            await self.store.ack(message.from_agent, (message.correlation_id,))
             if taken:
                 self.metrics.sent(message.message_type.value, time.perf_counter() - started)
                 return SendOutcome(message, (message.to_agent,))
