@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -15,6 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from gateway.embedded import EmbeddedMesh, start_embedded
 from mesh.config import BrokerConfig
+from mesh.logs import stop_logging
 from mesh.testing import LocalMesh, LocalRedis
 from tests.helpers.programs import flush_mesh_keys
 
@@ -24,6 +26,20 @@ _exit_status = 0
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     global _exit_status
     _exit_status = int(exitstatus)
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_it_was() -> Iterator[None]:
+    """The root logger's handlers and level as before each test. A command run in-process
+    (``mesh.cli.main``) configures logging to the stderr pytest captured for that test: left
+    in place, every record later tests of the worker log at INFO meets a closed file, and
+    logging prints a traceback for each."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    stop_logging()
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.hookimpl(trylast=True)
