@@ -9,6 +9,7 @@ import json
 import os
 import signal
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 import pytest
 
@@ -632,6 +633,24 @@ async def test_a_replica_cut_off_from_redis_catches_up_with_the_registry(redis_u
         await cut.stop()
 
 
+@asynccontextmanager
+async def shop_and_desk(url: str) -> AsyncIterator[tuple[Broker, Broker]]:
+    """Two broker replicas on the Redis at ``url``, ``other`` and ``cut`` (the requester's,
+    whose link to the others a test cuts), Shop and Desk registered and known to both."""
+    other = Broker(BrokerConfig(), store=RedisQueueStore(url))
+    cut = Broker(BrokerConfig(), store=RedisQueueStore(url))
+    await other.start()
+    await cut.start()
+    try:
+        for agent_id in ("Shop", "Desk"):
+            await other.register(AgentInfo(agent_id=agent_id))
+        await registry_becomes(cut, lambda r: "Shop" in r and "Desk" in r)
+        yield other, cut
+    finally:
+        await other.stop()
+        await cut.stop()
+
+
 async def ask_across(
     asker: Broker, answerer: Broker, content: dict[str, object], *, timeout: float
 ) -> tuple[asyncio.Task[Message], Message]:
@@ -666,14 +685,7 @@ async def test_an_answer_is_kept_for_the_replica_where_its_requester_waits(
     kept for that replica, which reads it when it listens again. Before, it went into the
     requester's queue as a message of its own, and the request timed out. An answer whose
     route names a replica that is gone is dropped as late, not queued."""
-    other = Broker(BrokerConfig(), store=RedisQueueStore(redis_url))
-    cut = Broker(BrokerConfig(), store=RedisQueueStore(redis_url))
-    await other.start()
-    await cut.start()
-    try:
-        for agent_id in ("Shop", "Desk"):
-            await other.register(AgentInfo(agent_id=agent_id))
-        await registry_becomes(cut, lambda r: "Shop" in r and "Desk" in r)
+    async with shop_and_desk(redis_url) as (other, cut):
         asking, asked = await ask_across(cut, other, {"action": "pay"}, timeout=5)
         gap = asyncio.Event()
         cut.store.on_gap(gap.set)  # type: ignore[attr-defined]
@@ -689,9 +701,6 @@ async def test_an_answer_is_kept_for_the_replica_where_its_requester_waits(
         late = await other.send(desk_answers("cor-ghost", {"action": "pay", "paid": True}))
         assert late.recipients == ()
         assert await other.receive("Shop") == [] and await cut.receive("Shop") == []
-    finally:
-        await other.stop()
-        await cut.stop()
 
 
 async def test_an_answer_lost_with_its_replicas_connection_is_read_again(one_redis: str) -> None:
@@ -700,24 +709,18 @@ async def test_an_answer_lost_with_its_replicas_connection_is_read_again(one_red
     it from the store when it follows the others again, and the request is answered. Before,
     pub/sub delivered it at most once, and the request timed out. An answer heard is not kept:
     nothing is read twice."""
-    other = Broker(BrokerConfig(), store=RedisQueueStore(one_redis))
-    cut = Broker(BrokerConfig(), store=RedisQueueStore(one_redis))
-    await other.start()
-    await cut.start()
-    store: RedisQueueStore = cut.store  # type: ignore[assignment]
-    handle, lost = store._handle, asyncio.Event()
+    async with shop_and_desk(one_redis) as (other, cut):
+        store: RedisQueueStore = cut.store  # type: ignore[assignment]
+        handle, lost = store._handle, asyncio.Event()
 
-    async def losing_the_first_answer(event: dict[str, object], listener: object) -> None:
-        if not lost.is_set() and str(event.get("channel", b""), "utf-8").startswith("mesh:answer:"):
-            lost.set()
-            raise ConnectionError("connection lost with an answer on it")
-        await handle(event, listener)
+        async def losing_the_first_answer(event: dict[str, object], listener: object) -> None:
+            channel = str(event.get("channel", b""), "utf-8")
+            if not lost.is_set() and channel.startswith("mesh:answer:"):
+                lost.set()
+                raise ConnectionError("connection lost with an answer on it")
+            await handle(event, listener)
 
-    store._handle = losing_the_first_answer  # type: ignore[method-assign]
-    try:
-        for agent_id in ("Shop", "Desk"):
-            await other.register(AgentInfo(agent_id=agent_id))
-        await registry_becomes(cut, lambda r: "Shop" in r and "Desk" in r)
+        store._handle = losing_the_first_answer  # type: ignore[method-assign]
         answered = []
         for n in (1, 2):
             asking, asked = await ask_across(cut, other, {"action": "pay", "n": n}, timeout=8)
@@ -735,9 +738,6 @@ async def test_an_answer_lost_with_its_replicas_connection_is_read_again(one_red
             while left:  # (the one heard is forgotten in the background)
                 await asyncio.sleep(0.05)
                 left = await redis.hlen(kept)
-    finally:
-        await other.stop()
-        await cut.stop()
 
 
 async def test_a_second_answer_through_another_replica_is_dropped_as_late(
@@ -748,14 +748,7 @@ async def test_a_second_answer_through_another_replica_is_dropped_as_late(
     the requester's replica, which drops it as late. It is not queued to the requester as a
     message of its own (the route was deleted as the request ended, and the answer, finding
     none, was queued)."""
-    other = Broker(BrokerConfig(), store=RedisQueueStore(redis_url))
-    cut = Broker(BrokerConfig(), store=RedisQueueStore(redis_url))
-    await other.start()
-    await cut.start()
-    try:
-        for agent_id in ("Shop", "Desk"):
-            await other.register(AgentInfo(agent_id=agent_id))
-        await registry_becomes(cut, lambda r: "Shop" in r and "Desk" in r)
+    async with shop_and_desk(redis_url) as (other, cut):
         asking, asked = await ask_across(cut, other, {"action": "pay"}, timeout=5)
         first = await other.send(desk_answers(asked.correlation_id, {"action": "pay", "n": 1}))
         assert first.recipients == ("Shop",)
@@ -766,6 +759,3 @@ async def test_a_second_answer_through_another_replica_is_dropped_as_late(
             while not cut.metrics.totals.late_answers:  # noqa: ASYNC110 (a broker figure)
                 await asyncio.sleep(0.01)
         assert await cut.receive("Shop") == [] and await other.receive("Shop") == []
-    finally:
-        await other.stop()
-        await cut.stop()
