@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 from google.protobuf import json_format
 
 from mesh._status import from_rpc_error
-from mesh.client import CLIENT_OPTIONS, RetryPolicy
+from mesh.client import CLIENT_OPTIONS, RetryPolicy, with_retries
 from mesh.codec import struct_to_dict
 from mesh.config import SecurityConfig, retry_wait
 from mesh.core.errors import TOO_MANY_RUNS, MessageValidationError
@@ -45,8 +45,10 @@ class GatewayClient:
     A run the gateway refuses before it starts, because it already runs its limit
     (RESOURCE_EXHAUSTED, reason TOO_MANY_RUNS), is started again after each of ``retry``'s
     delays (RT-011's 100, 500 and 2000 ms, or the longer wait the refusal asks for);
-    ``NO_RETRY`` for none. Nothing else is tried again: a run that failed may have done part
-    of its work (sent hand-offs, asked agents).
+    ``NO_RETRY`` for none. Nothing else of a run is tried again: a run that failed may have
+    done part of its work (sent hand-offs, asked agents). ``pattern_stats`` and ``feedback``
+    are made again after the same delays while refused for now (RESOURCE_EXHAUSTED,
+    UNAVAILABLE).
     """
 
     def __init__(
@@ -152,23 +154,25 @@ class GatewayClient:
 
     async def pattern_stats(self) -> dict[str, dict[str, Any]]:
         """Each pattern's figures by name: runs, completion, consensus rate, accuracy, ..."""
-        try:
-            reply = await self.stub.GetPatternStats(
+        reply = await self._unary(
+            lambda: self.stub.GetPatternStats(
                 gateway_pb2.GetPatternStatsRequest(), timeout=self.timeout
             )
-        except grpc.RpcError as error:
-            raise from_rpc_error(error) from None
+        )
         return {_pattern_name(p.pattern): _stats_dict(p) for p in reply.patterns}
 
     async def feedback(self, run_id: str, satisfied: bool) -> dict[str, Any]:
         """Tells the gateway whether a finished run's outcome satisfied the user; returns the
         pattern's figures with it counted (``accuracy``: satisfied / rated)."""
         request = gateway_pb2.RecordFeedbackRequest(run_id=run_id, satisfied=satisfied)
-        try:
-            reply = await self.stub.RecordFeedback(request, timeout=self.timeout)
-        except grpc.RpcError as error:
-            raise from_rpc_error(error) from None
+        reply = await self._unary(lambda: self.stub.RecordFeedback(request, timeout=self.timeout))
         return {"pattern": _pattern_name(reply.pattern), **_stats_dict(reply.stats)}
+
+    async def _unary(self, call: Callable[[], Awaitable[Any]]) -> Any:
+        """A call that may be made again (reading the figures; a rating replaces the last):
+        made again after each of ``retry``'s delays while it is refused for now
+        (RESOURCE_EXHAUSTED, UNAVAILABLE: the gateway restarting, say)."""
+        return await with_retries(call, self.retry, log=logger)
 
 
 def _pattern_name(value: gateway_pb2.Pattern.ValueType) -> str:

@@ -150,6 +150,50 @@ class RetryPolicy:
 NO_RETRY = RetryPolicy(delays=())
 
 
+async def with_retries(
+    operation: Callable[[], Awaitable[T]],
+    policy: RetryPolicy,
+    *,
+    sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+    counted: dict[str, int] | None = None,
+    log: logging.Logger | None = None,
+) -> T:
+    """Runs ``operation``, and again after each of ``policy``'s delays while it is refused
+    with a code worth retrying (or the longer wait the refusal asks for); each retry logged,
+    and counted by code in ``counted``. The last refusal is raised as a MeshError."""
+    delays = policy.delays
+    for attempt in itertools.count():
+        try:
+            return await operation()
+        except grpc.RpcError as error:
+            failure = from_rpc_error(error)
+        except MeshError as error:
+            failure = error
+        if failure.code not in policy.retry_on or attempt >= len(delays):
+            raise failure
+        if counted is not None:
+            counted[failure.code] = counted.get(failure.code, 0) + 1
+        wait = retry_wait(delays[attempt], failure.retry_after)
+        (log or logger).info(
+            "retry %d/%d in %.0f ms after %s: %s",
+            attempt + 1,
+            len(delays),
+            wait * 1000,
+            failure.code,
+            failure.message,
+            extra={
+                "event": {
+                    "category": "retry",
+                    "attempt": attempt + 1,
+                    "code": failure.code,
+                    "delay_ms": wait * 1000,
+                }
+            },
+        )
+        await sleep(wait)
+    raise AssertionError("unreachable")
+
+
 @dataclass(slots=True)
 class ClientStats:
     """What a client did: retries by status code, and messages it sent."""
@@ -1011,36 +1055,9 @@ class MeshClient:
 
     async def _with_retry(self, operation: Callable[[], Awaitable[T]]) -> T:
         self._refuse_if_closed()
-        delays = self.retry.delays
-        for attempt in itertools.count():
-            try:
-                return await operation()
-            except grpc.RpcError as error:
-                failure = from_rpc_error(error)
-            except MeshError as error:
-                failure = error
-            if failure.code not in self.retry.retry_on or attempt >= len(delays):
-                raise failure
-            self.stats.retries[failure.code] = self.stats.retries.get(failure.code, 0) + 1
-            wait = retry_wait(delays[attempt], failure.retry_after)
-            logger.info(
-                "retry %d/%d in %.0f ms after %s: %s",
-                attempt + 1,
-                len(delays),
-                wait * 1000,
-                failure.code,
-                failure.message,
-                extra={
-                    "event": {
-                        "category": "retry",
-                        "attempt": attempt + 1,
-                        "code": failure.code,
-                        "delay_ms": wait * 1000,
-                    }
-                },
-            )
-            await self._sleep(wait)
-        raise AssertionError("unreachable")
+        return await with_retries(
+            operation, self.retry, sleep=self._sleep, counted=self.stats.retries
+        )
 
     def _unary(
         self, method: Callable[..., Any], request: Any, timeout: float | None = None

@@ -193,6 +193,59 @@ async def test_a_node_gateway_client_starts_a_run_the_full_gateway_refused_again
     assert full.asked == ["held0", "later"]
 
 
+STARTING_GATEWAY_PROGRAM = """
+const { GatewayClient } = require(process.env.MESH_JS);
+const address = process.env.AGENTMESH_GATEWAY;
+(async () => {
+  const once = new GatewayClient(address, { retryDelaysMs: [] });
+  const refused = await once.patternStats().then(() => null, (err) => err.codeName);
+  once.close();
+  const retries = [];
+  const client = new GatewayClient(address, { onRetry: ({ attempt, code }) => {
+    retries.push([attempt, code]);
+    if (attempt === 1) console.log('refused once');
+  } });
+  const stats = await client.patternStats();
+  client.close();
+  console.log(JSON.stringify({ refused, first: retries[0],
+    runs: stats.find((p) => p.pattern === 'GROUP_CHAT').runs }));
+})().catch((err) => { console.error(err); process.exit(1); });
+"""
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
+async def test_a_node_gateway_clients_figures_wait_for_a_gateway_that_is_starting(
+    mesh: LocalMesh, tmp_path: Path
+) -> None:
+    """Nothing listens at the gateway's address yet (it is restarting): the Node.js
+    GatewayClient's patternStats is refused (UNAVAILABLE), asked again after the backoff, and
+    answered once the gateway serves; with retryDelaysMs [] the caller gets the refusal."""
+    from gateway.server import serve_gateway
+    from mesh import SecurityConfig
+    from tests.helpers.processes import free_port
+
+    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").exists():
+        pytest.fail("clients/node dependencies are missing: run `make setup`")
+    (tmp_path / "starting.js").write_text(STARTING_GATEWAY_PROGRAM)
+    port = free_port()
+    node = await asyncio.create_subprocess_exec(
+        "node", "starting.js", cwd=tmp_path,
+        env={**os.environ, "AGENTMESH_GATEWAY": f"127.0.0.1:{port}",
+             "MESH_JS": str(NODE_DIR / "lib" / "mesh.js")},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert node.stdout is not None
+    async with asyncio.timeout(30):
+        assert await node.stdout.readline() == b"refused once\n"
+        gateway = await serve_gateway(mesh.address, port=port, security=SecurityConfig())
+        try:
+            out, err = await node.communicate()
+        finally:
+            await gateway.stop()
+    assert node.returncode == 0, err.decode()
+    assert json.loads(out) == {"refused": "UNAVAILABLE", "first": [1, "UNAVAILABLE"], "runs": 0}
+
+
 @pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
 async def test_node_client_speaks_tls_with_a_token_and_is_held_to_its_identity(
     tmp_path: Path,

@@ -539,6 +539,41 @@ async def test_a_gateway_at_its_limit_of_runs_refuses_a_new_one_before_it_starts
         assert metrics.active._value.get() == 0
 
 
+async def test_the_gateway_clients_figures_wait_for_a_gateway_that_is_starting(
+    mesh: LocalMesh, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing listens at the gateway's address yet (it is restarting): GetPatternStats is
+    refused (UNAVAILABLE) and asked again after the backoff, and answered once the gateway
+    serves. Without retries the caller gets the refusal."""
+    import logging
+
+    from gateway.client import GatewayClient
+    from gateway.server import serve_gateway
+    from mesh import SecurityConfig
+    from mesh.core.errors import BrokerUnavailableError
+    from tests.helpers.processes import free_port
+
+    caplog.set_level(logging.INFO, logger="gateway.client")
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    async with GatewayClient(address, security=SecurityConfig(), retry=NO_RETRY) as once:
+        with pytest.raises(BrokerUnavailableError):
+            await once.pattern_stats()
+    async with GatewayClient(address, security=SecurityConfig()) as client:
+        asking = asyncio.create_task(client.pattern_stats())
+        async with asyncio.timeout(10):
+            while not any("retry 1/3" in r.message for r in caplog.records):  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+        gateway = await serve_gateway(mesh.address, port=port, security=SecurityConfig())
+        try:
+            stats = await asyncio.wait_for(asking, 10)
+            assert stats["GROUP_CHAT"]["runs"] == 0
+        finally:
+            await gateway.stop()
+    [first, *_] = [r.message for r in caplog.records if r.name == "gateway.client"]
+    assert first.startswith("retry 1/3 in 100 ms after UNAVAILABLE")
+
+
 async def test_the_gateway_is_ready_only_while_its_broker_serves() -> None:
     from gateway.client import GatewayClient
     from gateway.server import GATEWAY_SERVICE, serve_gateway

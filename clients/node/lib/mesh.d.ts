@@ -798,8 +798,10 @@ export interface PatternStats {
 export interface GatewayClientOptions extends SecurityOptions {
   /**
    * The waits before each start again of a run the gateway refused before it started
-   * (RESOURCE_EXHAUSTED, reason TOO_MANY_RUNS; RT-011: [100, 500, 2000]); [] for none. A
-   * refusal that asks for a longer wait (its google.rpc.RetryInfo) gets it, up to a minute.
+   * (RESOURCE_EXHAUSTED, reason TOO_MANY_RUNS; RT-011: [100, 500, 2000]), and before each
+   * retry of patternStats and recordFeedback while refused for now (RESOURCE_EXHAUSTED,
+   * UNAVAILABLE); [] for none. A refusal that asks for a longer wait (its
+   * google.rpc.RetryInfo) gets it, up to a minute.
    */
   retryDelaysMs?: number[];
   onRetry?: (retry: RetryEvent) => void;

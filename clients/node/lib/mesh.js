@@ -617,17 +617,33 @@ const TOO_MANY_RUNS = 'TOO_MANY_RUNS';
 const MAX_RETRY_DELAY_MS = 60000;
 
 /**
- * Waits before retry attempt + 1 of a refused call: backoffMs, or the longer wait the refusal
- * asks for (its RetryInfo), up to a minute; the client's onRetry hears of it first.
+ * Runs operation, and again after each of the client's retryDelaysMs while it fails with a
+ * MeshError that refusedForNow says is worth another try: after the backoff, or the longer
+ * wait the refusal asks for (its RetryInfo), up to a minute. The client's onRetry hears of
+ * each retry first, and its stats.retries (when it keeps them) count them by code.
  */
-async function waitToRetry(client, attempt, backoffMs, err) {
-  const delayMs = err.retryAfterMs == null ? backoffMs
-    : Math.max(backoffMs, Math.min(err.retryAfterMs, MAX_RETRY_DELAY_MS));
-  if (client.onRetry) {
-    client.onRetry({ attempt: attempt + 1, code: err.codeName, delayMs, error: err });
+async function retrying(client, operation, refusedForNow) {
+  for (let attempt = 0; ; attempt += 1) {
+    try {
+      return await operation();
+    } catch (err) {
+      const backoffMs = client.retryDelaysMs[attempt];
+      if (!(err instanceof MeshError) || !refusedForNow(err) || backoffMs === undefined) throw err;
+      const delayMs = err.retryAfterMs == null ? backoffMs
+        : Math.max(backoffMs, Math.min(err.retryAfterMs, MAX_RETRY_DELAY_MS));
+      if (client.stats) {
+        client.stats.retries[err.codeName] = (client.stats.retries[err.codeName] || 0) + 1;
+      }
+      if (client.onRetry) {
+        client.onRetry({ attempt: attempt + 1, code: err.codeName, delayMs, error: err });
+      }
+      await new Promise((resolve) => { setTimeout(resolve, delayMs); });
+    }
   }
-  await new Promise((resolve) => { setTimeout(resolve, delayMs); });
 }
+
+/** A refusal for now: a full queue (backpressure), a server out of reach or stopping. */
+const refusedForNow = (err) => RETRY_ON.includes(err.codeName);
 
 class MeshClient {
   /**
@@ -665,18 +681,8 @@ class MeshClient {
    * Runs operation, trying again after each of retryDelaysMs while it fails for a moment (or
    * after the longer wait the refusal asks for, its RetryInfo, up to a minute).
    */
-  async _withRetry(operation) {
-    for (let attempt = 0; ; attempt += 1) {
-      try {
-        return await operation();
-      } catch (err) {
-        const backoffMs = this.retryDelaysMs[attempt];
-        if (!(err instanceof MeshError) || !RETRY_ON.includes(err.codeName)
-          || backoffMs === undefined) throw err;
-        this.stats.retries[err.codeName] = (this.stats.retries[err.codeName] || 0) + 1;
-        await waitToRetry(this, attempt, backoffMs, err);
-      }
-    }
+  _withRetry(operation) {
+    return retrying(this, operation, refusedForNow);
   }
 
   /**
@@ -1698,7 +1704,9 @@ class GatewayClient {
    * already runs its limit (RESOURCE_EXHAUSTED, reason TOO_MANY_RUNS), is started again after
    * each of retryDelaysMs (RT-011: 100, 500 and 2000 ms, or the longer wait the refusal asks
    * for; [] for none), and onRetry({attempt, code, delayMs, error}) hears of each. Nothing else
-   * is tried again: a run that failed may have done part of its work.
+   * of a run is tried again: a run that failed may have done part of its work. patternStats and
+   * recordFeedback are made again after the same waits while refused for now
+   * (RESOURCE_EXHAUSTED, UNAVAILABLE).
    */
   constructor(address, { retryDelaysMs = RETRY_DELAYS_MS, onRetry = undefined, ...options } = {}) {
     const { credentials, metadata, channelOptions } = security(options);
@@ -1727,17 +1735,12 @@ class GatewayClient {
     return this._runRetrying(method, request, timeoutMs, onEvent);
   }
 
-  async _runRetrying(method, request, timeoutMs, onEvent) {
-    for (let attempt = 0; ; attempt += 1) {
-      const events = [];
-      try {
-        return await this._runOnce(method, request, timeoutMs, onEvent, events);
-      } catch (err) {
-        const backoffMs = this.retryDelaysMs[attempt];
-        if (events.length || err.reason !== TOO_MANY_RUNS || backoffMs === undefined) throw err;
-        await waitToRetry(this, attempt, backoffMs, err);
-      }
-    }
+  _runRetrying(method, request, timeoutMs, onEvent) {
+    let events = [];
+    return retrying(this, () => {
+      events = [];
+      return this._runOnce(method, request, timeoutMs, onEvent, events);
+    }, (err) => !events.length && err.reason === TOO_MANY_RUNS);
   }
 
   _runOnce(method, request, timeoutMs, onEvent, events) {
@@ -1781,7 +1784,8 @@ class GatewayClient {
    * failed, durationAvgSeconds, completionRate, consensusRate, rated, satisfied, accuracy}].
    */
   async patternStats({ timeoutMs = 10000 } = {}) {
-    const res = await unary(this.gateway, 'GetPatternStats', {}, timeoutMs, this.metadata);
+    const res = await retrying(this,
+      () => unary(this.gateway, 'GetPatternStats', {}, timeoutMs, this.metadata), refusedForNow);
     return res.patterns.map(readPatternStats);
   }
 
@@ -1790,8 +1794,8 @@ class GatewayClient {
    * with {pattern, stats}, the pattern's figures with this rating counted.
    */
   async recordFeedback(runId, satisfied, { timeoutMs = 10000 } = {}) {
-    const res = await unary(this.gateway, 'RecordFeedback',
-      { run_id: runId, satisfied: Boolean(satisfied) }, timeoutMs, this.metadata);
+    const res = await retrying(this, () => unary(this.gateway, 'RecordFeedback',
+      { run_id: runId, satisfied: Boolean(satisfied) }, timeoutMs, this.metadata), refusedForNow);
     return { pattern: patternName(res.pattern), stats: readPatternStats(res.stats) };
   }
 }
