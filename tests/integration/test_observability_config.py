@@ -14,20 +14,6 @@ from gateway.client import GatewayClient
 from gateway.embedded import EmbeddedMesh
 
 OBS = Path(__file__).resolve().parents[2] / "deploy" / "base" / "observability"
-FUNCTIONS = {
-    "histogram_quantile",
-    "sum",
-    "by",
-    "rate",
-    "max",
-    "clamp_min",
-    "le",
-    "pattern",
-    "message_type",
-    "path",
-    "agent",
-    "bucket",
-}
 
 
 def metric_names(expr: str) -> set[str]:
@@ -65,6 +51,7 @@ async def test_rules_and_dashboard_use_exported_metrics(embedded: EmbeddedMesh) 
         "AgentmeshDropRateHigh",
         "AgentmeshAgentInstanceLost",
         "AgentmeshPushAgentUnreachable",
+        "AgentmeshGatewayRunsRefused",
     }
     thresholds = {
         a["alert"]: float(re.findall(r">\s*([\d.]+)\s*$", a["expr"].strip())[0]) for a in alerts
