@@ -173,7 +173,7 @@ class Pusher:
 
     async def _notify(self, agent_id: str, instance: str) -> None:
         request = agent_pb2.NotifyDeregisteredRequest(agent_id=agent_id)
-        for retries_left in range(len(NOTICE_RETRY_SECONDS), -1, -1):
+        for wait in (*NOTICE_RETRY_SECONDS, None):  # (None: the last try)
             try:
                 async with open_channel(instance, self.security, CLIENT_OPTIONS) as channel:
                     stub = agent_pb2_grpc.AgentServiceStub(channel)
@@ -182,7 +182,7 @@ class Pusher:
                 if error.code() is grpc.StatusCode.UNIMPLEMENTED:  # (a server without it)
                     logger.debug("push: %s at %s takes no notices", agent_id, instance)
                     return
-                if not retries_left or error.code() not in NOTICE_RETRY_ON:
+                if wait is None or error.code() not in NOTICE_RETRY_ON:
                     logger.info(
                         "push: could not tell %s at %s it was deregistered: %s",
                         agent_id,
@@ -196,7 +196,7 @@ class Pusher:
             else:
                 logger.info("push: told %s at %s it was deregistered", agent_id, instance)
                 return
-            await asyncio.sleep(NOTICE_RETRY_SECONDS[-retries_left])
+            await asyncio.sleep(wait)
             if agent_id in self.broker.registry:  # (registered again meanwhile: not off now)
                 return
 
