@@ -641,7 +641,7 @@ class RedisQueueStore:
         self.cut_off = False
         """Whether this replica has lost the others' channels (and not followed them again
         yet): what is published meanwhile is not heard here."""
-        self._catching_up: asyncio.Task[None] | None = None
+        self._taking_over: asyncio.Task[None] | None = None
         """Reading the answers kept for this replica after it followed the others again."""
         self._taken: list[str] = []
         """Ids of answers forwarded to this replica and heard: to be no longer kept for it."""
@@ -1686,8 +1686,8 @@ class RedisQueueStore:
                     self.cut_off = False
                     listener.on_followed_again()
                     # (subscribed first: what is forwarded from now on is heard)
-                    await cancel_and_wait(self._catching_up)
-                    self._catching_up = asyncio.create_task(
+                    await cancel_and_wait(self._taking_over)
+                    self._taking_over = asyncio.create_task(
                         self._take_handed_over(listener), name="redis-take-handed-over"
                     )
                     for hook in self._refollowed:
@@ -1735,7 +1735,7 @@ class RedisQueueStore:
             await self._call("hdel", REPLICAS, self.replica_id)
         await cancel_and_wait(self._watcher)  # redis-py may swallow one cancellation
         self._watcher = None
-        await cancel_and_wait(self._catching_up)
+        await cancel_and_wait(self._taking_over)
         await cancel_and_wait(self._forgetting)  # (what it did not forget expires)
         if self._pubsub is not None:
             with contextlib.suppress(Exception):

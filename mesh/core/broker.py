@@ -450,9 +450,9 @@ class Broker:
         """Ids of messages being dead-lettered now by a side that tells their requesters
         itself (a push agent's refusal, in the agent's own words)."""
         self._telling: set[asyncio.Task[None]] = set()
+        """Dead letters' ERRORs on their way to requesters waiting on other replicas."""
         self._catching_up: asyncio.Task[None] | None = None
         """Reading the registry again after the news of the other replicas was lost."""
-        """Dead letters' ERRORs on their way to requesters waiting on other replicas."""
         self._outliving: set[asyncio.Task[None]] = set()
         """Work that must end even when whoever started it is cancelled (:meth:`outlive`)."""
         self._subscriptions: dict[str, list[Subscription]] = {}
