@@ -52,7 +52,7 @@ async def start(
         *prefix,
         sys.executable,
         "-m",
-        "mesh.cli",
+        "mesh",
         *args,
         cwd=cwd,
         env=environ,

@@ -97,7 +97,7 @@ async def test_a_group_chat_across_processes_is_one_trace(tmp_path: Path) -> Non
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "mesh.cli",
+        "mesh",
         "trace",
         "wf_traced",
         "--dir",
