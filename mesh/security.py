@@ -12,11 +12,12 @@ to every call as ``authorization: Bearer <token>``.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import logging
-import ssl
+import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -26,6 +27,7 @@ from mesh.config import SecurityConfig, check_environment
 from mesh.core.auth import ANONYMOUS, Authenticator, Principal
 from mesh.core.errors import MeshError
 from mesh.core.registry import address_problem
+from mesh.tlsfiles import WatchedFiles, read_pair, read_roots, valid_until
 from mesh.v1 import broker_pb2, memory_pb2, tools_pb2
 
 logger = logging.getLogger("mesh.security")
@@ -36,6 +38,11 @@ current_principal: contextvars.ContextVar[Principal] = contextvars.ContextVar(
 """The caller of the RPC being served (ANONYMOUS when security is off)."""
 
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+RENEWAL_LOOK_SECONDS = 1.0
+"""How often, at most, a client looks at its TLS files again (a ``stat`` of each)."""
+RENEWED_KEPT = 4
+"""The channels a client keeps open for calls begun before its TLS files were renewed."""
 
 Acting = Callable[[Any], Iterable[tuple[str, str]]]
 
@@ -203,58 +210,83 @@ async def _refuse(context: Any, method: str, error: MeshError) -> None:
 # -- credentials -----------------------------------------------------------------------------
 
 
-def _read(path: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as error:
-        raise ValueError(f"cannot read {path}: {error.strerror}") from None
+@dataclass(frozen=True)
+class _ServerTls:
+    cert: bytes
+    key: bytes
+    roots: bytes | None
+
+    def configuration(self) -> grpc.ServerCertificateConfiguration:
+        return grpc.ssl_server_certificate_configuration([(self.key, self.cert)], self.roots)
+
+
+@dataclass(frozen=True)
+class _ClientTls:
+    roots: bytes
+    cert: bytes | None = None
+    key: bytes | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(self.roots, self.key, self.cert)
+
+
+def _server_tls(config: SecurityConfig) -> _ServerTls:
+    cert, key = read_pair(config.tls_cert, config.tls_key, "--tls-cert", "--tls-key")
+    return _ServerTls(cert, key, read_roots(config.tls_ca) if config.tls_ca else None)
+
+
+def _client_tls(config: SecurityConfig) -> _ClientTls:
+    roots = read_roots(config.tls_ca)
+    if not config.tls_client_cert:
+        return _ClientTls(roots)
+    cert, key = read_pair(
+        config.tls_client_cert, config.tls_client_key, "--tls-client-cert", "--tls-client-key"
+    )
+    return _ClientTls(roots, cert, key)
 
 
 def check_tls_files(config: SecurityConfig) -> None:
     """Raises ValueError naming a certificate, key or CA file of ``config`` that cannot be
     read or is not what TLS can use (not PEM, a key that is not the certificate's): said
     before a server or client starts, where gRPC would fail later with less to go on."""
-    pairs = (
-        ("--tls-cert", config.tls_cert, "--tls-key", config.tls_key, ssl.PROTOCOL_TLS_SERVER),
-        (
-            "--tls-client-cert",
-            config.tls_client_cert,
-            "--tls-client-key",
-            config.tls_client_key,
-            ssl.PROTOCOL_TLS_CLIENT,
-        ),
-    )
-    for cert_flag, cert, key_flag, key, protocol in pairs:
-        if not cert:
-            continue
-        for path in (cert, key):
-            _read(path)
-        try:
-            ssl.SSLContext(protocol).load_cert_chain(cert, key)
-        except ssl.SSLError as error:
-            raise ValueError(
-                f"{cert_flag} {cert} and {key_flag} {key} are not a PEM certificate and its "
-                f"private key: {error.reason or 'unreadable as PEM'}"
-            ) from None
-    if config.tls_ca:
-        _read(config.tls_ca)
-        try:
-            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=config.tls_ca)
-        except ssl.SSLError as error:
-            raise ValueError(
-                f"--tls-ca {config.tls_ca} is not a PEM certificate: "
-                f"{error.reason or 'unreadable as PEM'}"
-            ) from None
+    if config.tls_cert:
+        _server_tls(config)
+    elif config.tls_ca:
+        read_roots(config.tls_ca)
+    if config.tls_client_cert:
+        _client_tls(config)
 
 
 def server_credentials(config: SecurityConfig) -> grpc.ServerCredentials | None:
-    """TLS for a server when it has a certificate; mutual TLS when it also has a CA."""
+    """TLS for a server when it has a certificate; mutual TLS when it also has a CA. The
+    files are looked at again before each connection's handshake: a renewed certificate,
+    key or CA is used from the next connection on, without a restart."""
     if not config.tls_cert:
         return None
-    return grpc.ssl_server_credentials(
-        [(_read(config.tls_key), _read(config.tls_cert))],
-        root_certificates=_read(config.tls_ca) if config.tls_ca else None,
-        require_client_auth=bool(config.tls_ca),
+    paths = [config.tls_cert, config.tls_key, *([config.tls_ca] if config.tls_ca else [])]
+    files = WatchedFiles("the server's TLS files", paths, lambda: _server_tls(config))
+
+    def fetch() -> grpc.ServerCertificateConfiguration | None:
+        # (gRPC's own thread, before a handshake: a failure here would fail the handshake)
+        try:
+            renewed = files.changed()
+        except Exception:
+            logger.exception("could not look at %s", ", ".join(paths))
+            return None
+        if renewed is None:
+            return None
+        logger.info(
+            "the server's TLS certificate %s was renewed (valid until %s): new connections use it",
+            config.tls_cert,
+            valid_until(renewed.cert).isoformat(),
+            extra={"event": {"category": "tls", "files": paths}},
+        )
+        return renewed.configuration()
+
+    return grpc.dynamic_ssl_server_credentials(
+        files.current.configuration(),
+        fetch,  # type: ignore[arg-type]  # (None is "no change", as gRPC documents)
+        require_client_authentication=bool(config.tls_ca),
     )
 
 
@@ -319,6 +351,107 @@ class _TokenChannel(grpc.aio.Channel):
         return _WithToken(self._channel.stream_stream(*args, **kwargs), self._token)
 
 
+def _client_files(config: SecurityConfig) -> WatchedFiles[_ClientTls]:
+    paths = [config.tls_ca]
+    if config.tls_client_cert:
+        paths += [config.tls_client_cert, config.tls_client_key]
+    return WatchedFiles("the client's TLS files", paths, lambda: _client_tls(config))
+
+
+class _OnCurrent:
+    """A multi-callable of a :class:`_RenewingChannel`: each call goes over its current
+    channel."""
+
+    def __init__(self, owner: _RenewingChannel, kind: str, args: Any, kwargs: Any) -> None:
+        self._owner = owner
+        self._kind = kind
+        self._args = args
+        self._kwargs = kwargs
+        self._made: tuple[grpc.aio.Channel, Any] | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        channel = self._owner.current()
+        made = self._made
+        if made is None or made[0] is not channel:
+            call = getattr(channel, self._kind)(*self._args, **self._kwargs)
+            made = self._made = (channel, call)
+        return made[1](*args, **kwargs)
+
+
+class _RenewingChannel(grpc.aio.Channel):
+    """A TLS channel whose CA and client certificate files are looked at again (at most once
+    every RENEWAL_LOOK_SECONDS, as a call starts): once they changed, calls go over a new
+    channel made with them, while the calls open on the one before go on over it. (gRPC's
+    channel credentials are fixed when made; a renewed client certificate would otherwise
+    reach the server only after a restart, and an expired one would fail every reconnection.)
+    The RENEWED_KEPT channels before the current one are kept open; an older one closes."""
+
+    def __init__(
+        self, target: str, files: WatchedFiles[_ClientTls], options: list[tuple[str, Any]]
+    ) -> None:
+        self._target = target
+        self._files = files
+        self._options = options
+        self._channel = self._open(files.current)
+        self._before: list[grpc.aio.Channel] = []
+        self._looked = time.monotonic()
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def _open(self, tls: _ClientTls) -> grpc.aio.Channel:
+        return grpc.aio.secure_channel(self._target, tls.credentials(), options=self._options)
+
+    def current(self) -> grpc.aio.Channel:
+        now = time.monotonic()
+        if now - self._looked < RENEWAL_LOOK_SECONDS:
+            return self._channel
+        self._looked = now
+        renewed = self._files.changed()
+        if renewed is not None:
+            logger.info(
+                "the TLS files of the channel to %s were renewed: new calls use them",
+                self._target,
+                extra={"event": {"category": "tls", "files": list(self._files.paths)}},
+            )
+            self._before.append(self._channel)
+            self._channel = self._open(renewed)
+            if len(self._before) > RENEWED_KEPT:
+                task = asyncio.create_task(self._before.pop(0).close())
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+        return self._channel
+
+    async def __aenter__(self) -> _RenewingChannel:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self, grace: float | None = None) -> None:
+        channels, self._before = [*self._before, self._channel], []
+        await asyncio.gather(*(c.close(grace) for c in channels), *self._closing)
+
+    def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
+        return self.current().get_state(try_to_connect)
+
+    async def wait_for_state_change(self, last_observed_state: grpc.ChannelConnectivity) -> None:
+        await self.current().wait_for_state_change(last_observed_state)
+
+    async def channel_ready(self) -> None:
+        await self.current().channel_ready()
+
+    def unary_unary(self, *args: Any, **kwargs: Any) -> Any:
+        return _OnCurrent(self, "unary_unary", args, kwargs)
+
+    def unary_stream(self, *args: Any, **kwargs: Any) -> Any:
+        return _OnCurrent(self, "unary_stream", args, kwargs)
+
+    def stream_unary(self, *args: Any, **kwargs: Any) -> Any:
+        return _OnCurrent(self, "stream_unary", args, kwargs)
+
+    def stream_stream(self, *args: Any, **kwargs: Any) -> Any:
+        return _OnCurrent(self, "stream_stream", args, kwargs)
+
+
 def open_channel(
     target: str, config: SecurityConfig | None = None, options: Iterable[tuple[str, Any]] = ()
 ) -> grpc.aio.Channel:
@@ -333,12 +466,7 @@ def open_channel(
     if config.tls_server_name:
         opts.append(("grpc.ssl_target_name_override", config.tls_server_name))
     if config.tls_ca:
-        credentials = grpc.ssl_channel_credentials(
-            root_certificates=_read(config.tls_ca),
-            private_key=_read(config.tls_client_key) if config.tls_client_key else None,
-            certificate_chain=_read(config.tls_client_cert) if config.tls_client_cert else None,
-        )
-        channel = grpc.aio.secure_channel(target, credentials, options=opts)
+        channel: grpc.aio.Channel = _RenewingChannel(target, _client_files(config), opts)
     else:
         channel = grpc.aio.insecure_channel(target, options=opts)
     return _TokenChannel(channel, config.token) if config.token else channel

@@ -303,6 +303,137 @@ async def test_mutual_tls_identifies_agents_by_their_certificate(certs: dict[str
             await anonymous.list_agents()
 
 
+class SecretVolume:
+    """TLS files as a Kubernetes Secret's volume holds them, renewed as the kubelet renews
+    them: each file a symlink through ``..data``, which is swapped whole (one rename) to a
+    new folder of the files."""
+
+    def __init__(self, folder: Path, files: dict[str, Path]) -> None:
+        self.folder = folder
+        folder.mkdir()
+        self.versions = 0
+        self.write({name: source.read_bytes() for name, source in files.items()})
+        for name in files:
+            (folder / name).symlink_to(Path("..data") / name)
+
+    def __getitem__(self, name: str) -> str:
+        return str(self.folder / name)
+
+    def write(self, contents: dict[str, bytes]) -> None:
+        self.versions += 1
+        version = self.folder / f"..{self.versions}"
+        version.mkdir()
+        for name, data in contents.items():
+            (version / name).write_bytes(data)
+        (self.folder / "..data_tmp").symlink_to(version.name)
+        (self.folder / "..data_tmp").replace(self.folder / "..data")
+
+    def renew(self, files: dict[str, Path]) -> None:
+        self.write({name: source.read_bytes() for name, source in files.items()})
+
+
+async def test_a_renewed_server_certificate_serves_new_connections_without_a_restart(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The certificate is renewed in place (here by another CA's, so that which one a
+    connection got shows): connections made after it get it, the one open before keeps
+    working, and files renewed into junk leave the last good certificate in use."""
+    first, second = (write_dev_certificates(tmp_path / name) for name in ("first", "second"))
+    volume = SecretVolume(
+        tmp_path / "tls", {"tls.crt": first["server"], "tls.key": first["server_key"]}
+    )
+    server = SecurityConfig(tls_cert=volume["tls.crt"], tls_key=volume["tls.key"])
+    async with LocalMesh(security=server) as mesh:
+        before = as_(mesh, "PaymentAgent", tls_ca=str(first["ca"]))
+        await before.register("PaymentAgent")
+
+        volume.renew({"tls.crt": second["server"], "tls.key": second["server_key"]})
+        after = as_(mesh, "PaymentAgent", tls_ca=str(second["ca"]))
+        assert [a.agent_id for a in await after.list_agents()] == ["PaymentAgent"]
+        with pytest.raises(BrokerUnavailableError):
+            await as_(mesh, "PaymentAgent", tls_ca=str(first["ca"])).list_agents()
+        await before.send("PaymentAgent", {"action": "note"})  # (its connection stays)
+        assert len(await after.receive("PaymentAgent")) == 1
+
+        caplog.set_level(logging.INFO, logger="mesh.security")
+        volume.write({"tls.crt": b"half written", "tls.key": second["server_key"].read_bytes()})
+        again = as_(mesh, "PaymentAgent", tls_ca=str(second["ca"]))
+        assert [a.agent_id for a in await again.list_agents()] == ["PaymentAgent"]
+        said = [r.getMessage() for r in caplog.records if r.name == "mesh.security"]
+        assert any(
+            "the server's TLS files changed into what TLS cannot use, so the ones read before "
+            f"stay in use: --tls-cert {volume['tls.crt']} and --tls-key {volume['tls.key']} "
+            "are not a PEM certificate and its private key: the certificate is not PEM" in line
+            for line in said
+        ), said
+        for client in (before, after, again):
+            await client.close()
+
+
+async def test_a_renewed_client_certificate_is_presented_on_the_calls_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent's client certificate renewed in place is what its next calls present: here
+    renewed into another name's, so that the broker's answers show which one it saw. The
+    stream it opened before goes on as it was. (gRPC fixes a channel's credentials when it
+    is made: without renewal, an agent presents the certificate it started with until it
+    restarts, and once that expired, it could not connect again.)"""
+    import mesh.security
+
+    monkeypatch.setattr(mesh.security, "RENEWAL_LOOK_SECONDS", 0.0)
+    issued = write_dev_certificates(tmp_path / "ca", clients=["FlightAgent", "PaymentAgent"])
+    volume = SecretVolume(
+        tmp_path / "tls",
+        {
+            "ca.crt": issued["ca"],
+            "tls.crt": issued["PaymentAgent"],
+            "tls.key": issued["PaymentAgent_key"],
+        },
+    )
+    server = SecurityConfig(
+        tls_cert=str(issued["server"]), tls_key=str(issued["server_key"]), tls_ca=str(issued["ca"])
+    )
+    async with LocalMesh(security=server) as local:
+        payment = as_(
+            local,
+            "PaymentAgent",
+            tls_ca=volume["ca.crt"],
+            tls_client_cert=volume["tls.crt"],
+            tls_client_key=volume["tls.key"],
+        )
+        await payment.register("PaymentAgent")
+        subscription = payment.subscribe("PaymentAgent")
+        await subscription.start()
+
+        volume.renew(
+            {
+                "ca.crt": issued["ca"],
+                "tls.crt": issued["FlightAgent"],
+                "tls.key": issued["FlightAgent_key"],
+            }
+        )
+        with pytest.raises(PermissionDeniedError, match="FlightAgent may not register as"):
+            await payment.register("PaymentAgent")
+        await payment.register("FlightAgent")
+
+        flight = as_(
+            local,
+            "FlightAgent",
+            tls_ca=str(issued["ca"]),
+            tls_client_cert=str(issued["FlightAgent"]),
+            tls_client_key=str(issued["FlightAgent_key"]),
+        )
+        await flight.send("PaymentAgent", {"action": "pay", "amount": 450})
+        async with asyncio.timeout(10):
+            delivery = await anext(aiter(subscription))
+        assert delivery.message.from_agent == "FlightAgent"
+        assert delivery.message.content["amount"] == 450
+        await delivery.ack()
+        await subscription.close()
+        for client in (payment, flight):
+            await client.close()
+
+
 def test_security_settings_are_checked_and_describe_themselves() -> None:
     assert "insecure" in SecurityConfig().describe()
     assert (

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives import serialization
 
 from mesh.certs import write_dev_certificates
 from mesh.cli import _content, build_parser, main
@@ -282,6 +283,15 @@ def test_certificates_that_cannot_be_used_are_said_in_a_line(tmp_path: Path) -> 
     certs = write_dev_certificates(tmp_path / "certs", clients=["gateway"])
     junk = tmp_path / "junk.pem"
     junk.write_text("not a certificate")
+    encrypted = tmp_path / "encrypted-key.pem"
+    key = serialization.load_pem_private_key(certs["server_key"].read_bytes(), password=None)
+    encrypted.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"secret"),
+        )
+    )
     cases = [
         (
             ["--tls-cert", "/nonexistent.pem", "--tls-key", str(certs["server_key"])],
@@ -293,7 +303,11 @@ def test_certificates_that_cannot_be_used_are_said_in_a_line(tmp_path: Path) -> 
         ),
         (
             ["--tls-cert", str(certs["server"]), "--tls-key", str(certs["gateway_key"])],
-            "are not a PEM certificate and its private key: KEY_VALUES_MISMATCH",
+            "are not a PEM certificate and its private key: the key is not the certificate's",
+        ),
+        (
+            ["--tls-cert", str(certs["server"]), "--tls-key", str(encrypted)],
+            "its private key: the key is encrypted (TLS here takes an unencrypted key)",
         ),
         (
             [
