@@ -13,10 +13,11 @@ to every call as ``authorization: Bearer <token>``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,11 +25,11 @@ import grpc
 
 from mesh._status import abort
 from mesh.config import SecurityConfig, check_environment
-from mesh.core.auth import ANONYMOUS, Authenticator, Principal
-from mesh.core.errors import MeshError
+from mesh.core.auth import ANONYMOUS, Authenticates, Authenticator, Principal
+from mesh.core.errors import MeshError, UnauthenticatedError
 from mesh.core.registry import address_problem
-from mesh.tlsfiles import WatchedFiles, read_pair, read_roots, valid_until
 from mesh.v1 import broker_pb2, memory_pb2, tools_pb2
+from mesh.watched import WatchedFiles, read_pair, read_roots, valid_until
 
 logger = logging.getLogger("mesh.security")
 
@@ -122,10 +123,92 @@ def _certificate_names(context: Any) -> list[str]:
     return names
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Authenticates each call and checks what it acts as; sets :data:`current_principal`."""
+class _Held:
+    """A stream, with the credential and principal it was authenticated with."""
 
-    def __init__(self, authenticator: Authenticator) -> None:
+    __slots__ = ("names", "principal", "revoked", "task", "token")
+
+    def __init__(self, token: str | None, names: list[str], principal: Principal) -> None:
+        self.token = token
+        self.names = names
+        self.principal = principal
+        self.task: asyncio.Task[Any] | None = None
+        self.revoked: MeshError | None = None
+
+
+class CredentialsFile:
+    """The principals of a credentials file, read again when it changes: looked at, at most
+    once every RENEWAL_LOOK_SECONDS, as a call is authenticated, and every
+    RENEWAL_LOOK_SECONDS while a stream it authenticated is open. A principal added, or a
+    token taken out (leaked), counts from the next call on, without a restart; a stream whose
+    credential no longer names the same principal ends. A file changed into one that cannot
+    be read is said once, and the principals read before stay."""
+
+    def __init__(self, path: str, *, certificate_names: bool) -> None:
+        self.path = path
+        self._files = WatchedFiles(
+            f"the credentials file {path}",
+            [path],
+            lambda: Authenticator.from_file(path, certificate_names=certificate_names),
+        )
+        self._looked = time.monotonic()
+        self._held: set[_Held] = set()
+        self._looking: asyncio.Task[None] | None = None
+
+    def authenticate(self, token: str | None, certificate_names: Iterable[str] = ()) -> Principal:
+        if time.monotonic() - self._looked >= RENEWAL_LOOK_SECONDS:
+            self._look()
+        return self._files.current.authenticate(token, certificate_names)
+
+    def _look(self) -> None:
+        self._looked = time.monotonic()
+        renewed = self._files.changed()
+        if renewed is None:
+            return
+        ended = 0
+        for held in list(self._held):
+            try:
+                principal: Principal | None = renewed.authenticate(held.token, held.names)
+            except MeshError:
+                principal = None
+            if principal != held.principal and held.task is not None:
+                held.revoked = UnauthenticatedError(
+                    f"the credentials of {held.principal.name} changed: connect again"
+                )
+                held.task.cancel()
+                ended += 1
+        logger.info(
+            "the credentials file %s was read again: it counts from now on (%d streams whose "
+            "credential it changed ended)",
+            self.path,
+            ended,
+            extra={"event": {"category": "auth", "file": self.path, "ended": ended}},
+        )
+
+    def hold(self, held: _Held) -> None:
+        self._held.add(held)
+        if self._looking is None:
+            self._looking = asyncio.create_task(self._keep_looking(), name="credentials-look")
+
+    def release(self, held: _Held) -> None:
+        self._held.discard(held)
+        if not self._held and self._looking is not None:
+            self._looking.cancel()
+            self._looking = None
+
+    async def _keep_looking(self) -> None:
+        while True:
+            await asyncio.sleep(RENEWAL_LOOK_SECONDS)
+            self._look()
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Authenticates each call and checks what it acts as; sets :data:`current_principal`.
+    A stream authenticated by a :class:`CredentialsFile` is held by it while it lasts: when
+    the file is renewed and the stream's credential no longer names the same principal (a
+    token taken out, an agent's rights changed), the stream ends, UNAUTHENTICATED."""
+
+    def __init__(self, authenticator: Authenticates) -> None:
         self.authenticator = authenticator
 
     async def intercept_service(
@@ -140,12 +223,13 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         token = _bearer(details.invocation_metadata)
         authenticator = self.authenticator
 
-        def identify(request: Any, context: Any) -> Principal:
-            principal = authenticator.authenticate(token, _certificate_names(context))
+        def identify(request: Any, context: Any) -> _Held:
+            names = _certificate_names(context)
+            principal = authenticator.authenticate(token, names)
             if request is not None:
                 check(principal, request)
             current_principal.set(principal)
-            return principal
+            return _Held(token, names, principal)
 
         if handler.unary_unary:
             inner_uu = handler.unary_unary
@@ -165,11 +249,17 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary_stream(request: Any, context: Any) -> AsyncIterator[Any]:
                 try:
-                    identify(request, context)
+                    held = identify(request, context)
                 except MeshError as error:
                     await _refuse(context, method, error)
-                async for item in inner_us(request, context):
-                    yield item
+                with self._holding(held):
+                    try:
+                        async for item in inner_us(request, context):
+                            yield item
+                    except asyncio.CancelledError:
+                        if held.revoked is None:
+                            raise
+                await self._revoked(held, context, method)
 
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream, handler.request_deserializer, handler.response_serializer
@@ -179,21 +269,49 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
             async def stream_stream(requests: Any, context: Any) -> Any:
                 try:
-                    identify(None, context)
+                    held = identify(None, context)
                 except MeshError as error:
                     await _refuse(context, method, error)
                 # Connect checks each frame itself (see check_frame).
-                result = inner_ss(requests, context)
-                if hasattr(result, "__aiter__"):
-                    async for item in result:
-                        await context.write(item)
-                    return None
-                return await result
+                with self._holding(held):
+                    try:
+                        result = inner_ss(requests, context)
+                        if hasattr(result, "__aiter__"):
+                            async for item in result:
+                                await context.write(item)
+                            result = None
+                        else:
+                            result = await result
+                    except asyncio.CancelledError:
+                        if held.revoked is None:
+                            raise
+                await self._revoked(held, context, method)
+                return result
 
             return grpc.stream_stream_rpc_method_handler(
                 stream_stream, handler.request_deserializer, handler.response_serializer
             )
         return handler
+
+    @contextlib.contextmanager
+    def _holding(self, held: _Held) -> Iterator[None]:
+        if not isinstance(self.authenticator, CredentialsFile):
+            yield
+            return
+        held.task = asyncio.current_task()
+        self.authenticator.hold(held)
+        try:
+            yield
+        finally:
+            self.authenticator.release(held)
+
+    @staticmethod
+    async def _revoked(held: _Held, context: Any, method: str) -> None:
+        if held.revoked is not None:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                task.uncancel()
+            await _refuse(context, method, held.revoked)
 
 
 async def _refuse(context: Any, method: str, error: MeshError) -> None:
@@ -290,11 +408,11 @@ def server_credentials(config: SecurityConfig) -> grpc.ServerCredentials | None:
     )
 
 
-def authenticator_for(config: SecurityConfig) -> Authenticator | None:
+def authenticator_for(config: SecurityConfig) -> Authenticates | None:
     """Who may call a server: None (everyone) when it has neither credentials nor mTLS."""
     mutual = bool(config.tls_cert and config.tls_ca)
     if config.credentials_file:
-        return Authenticator.from_file(config.credentials_file, certificate_names=mutual)
+        return CredentialsFile(config.credentials_file, certificate_names=mutual)
     if mutual:
         return Authenticator(certificate_names=True)
     return None

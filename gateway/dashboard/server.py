@@ -32,7 +32,7 @@ from gateway.server import GatewayServer
 from mesh.agent import AGENT_SERVICE
 from mesh.client import MeshClient
 from mesh.config import SecurityConfig
-from mesh.core.auth import Authenticator
+from mesh.core.auth import Authenticates
 from mesh.core.errors import MeshError
 from mesh.core.model import AgentInfo
 from mesh.core.state import ChangeKind, StateEntry
@@ -132,7 +132,7 @@ class Dashboard:
         self.gateway = gateway
         self.trace_dir = Path(trace_dir) if trace_dir else None
         self.security = security or SecurityConfig()
-        self.authenticator: Authenticator | None = authenticator_for(self.security)
+        self.authenticator: Authenticates | None = authenticator_for(self.security)
         self.allow_runs = allow_runs
         self.runs: dict[str, RunRecord] = {}
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)

@@ -27,7 +27,7 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from mesh.core.errors import PermissionDeniedError, UnauthenticatedError
 
@@ -58,8 +58,18 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
+class Authenticates(Protocol):
+    """What authenticates a call: an :class:`Authenticator`, or one that a file renews."""
+
+    def authenticate(
+        self, token: str | None, certificate_names: Iterable[str] = ()
+    ) -> Principal: ...
+
+
 class Authenticator:
     """Maps credentials (bearer tokens, certificate names) to principals."""
+
+    __hash__ = None  # type: ignore[assignment]
 
     def __init__(
         self,
@@ -77,6 +87,14 @@ class Authenticator:
             if token:
                 self._by_token.append((_digest(token), principal))
         self.certificate_names = certificate_names
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Authenticator)
+            and self._by_token == other._by_token
+            and self._by_name == other._by_name
+            and self.certificate_names == other.certificate_names
+        )
 
     @classmethod
     def from_file(cls, path: str | Path, *, certificate_names: bool = False) -> Authenticator:

@@ -112,6 +112,64 @@ async def test_calls_without_a_valid_credential_are_unauthenticated(
     assert "not-the-token-at-all-123" not in logged and PAYMENT_TOKEN not in logged
 
 
+async def test_a_renewed_credentials_file_counts_from_the_next_call_and_ends_what_it_revoked(
+    credentials: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A token taken out of the credentials file (leaked) is refused from the next call on,
+    and the streams it opened end, UNAUTHENTICATED; a principal added is known at once; the
+    streams of a principal the change left as it was go on. Without a restart."""
+    import mesh.security
+
+    monkeypatch.setattr(mesh.security, "RENEWAL_LOOK_SECONDS", 0.05)
+    caplog.set_level(logging.INFO, logger="mesh.security")
+    async with LocalMesh(security=SecurityConfig(credentials_file=str(credentials))) as local:
+        payment = as_(local, "PaymentAgent", token=PAYMENT_TOKEN)
+        hotel = as_(local, "HotelAgent", token=HOTEL_TOKEN)
+        await payment.register("PaymentAgent")
+        await hotel.register("HotelAgent")
+        paying = payment.subscribe("PaymentAgent", reconnect=False)
+        staying = hotel.subscribe("HotelAgent", reconnect=False)
+        await paying.start()
+        await staying.start()
+
+        flight_token = "flight-token-0123456789ab"
+        principals = json.loads(await asyncio.to_thread(credentials.read_text))["principals"]
+        principals = [p for p in principals if p["name"] != "payment"]
+        principals.append({"name": "flight", "token": flight_token, "agents": ["FlightAgent"]})
+        await asyncio.to_thread(credentials.write_text, json.dumps({"principals": principals}))
+
+        with pytest.raises(UnauthenticatedError, match="the credentials of payment changed"):
+            async with asyncio.timeout(10):
+                async for _ in paying:
+                    pass
+        with pytest.raises(UnauthenticatedError, match="the token is not valid"):
+            await payment.list_agents()
+        flight = as_(local, "FlightAgent", token=flight_token)
+        await flight.send("HotelAgent", {"action": "book", "nights": 2})
+        async with asyncio.timeout(10):
+            delivery = await anext(aiter(staying))
+        assert delivery.message.content["nights"] == 2
+        await delivery.ack()
+
+        await asyncio.to_thread(credentials.write_text, '{"principals": [')  # (cut short)
+        await asyncio.sleep(0.2)
+        await flight.send("HotelAgent", {"action": "book", "nights": 3})
+        said = [r.getMessage() for r in caplog.records if r.name == "mesh.security"]
+        assert any(
+            f"the credentials file {credentials} changed into what cannot be used, so what was "
+            f"read before stays in use: cannot read the credentials file {credentials}" in line
+            for line in said
+        ), said
+        assert any(
+            f"the credentials file {credentials} was read again: it counts from now on (1 "
+            "streams whose credential it changed ended)" in line
+            for line in said
+        ), said
+        await staying.close()
+        for client in (payment, hotel, flight):
+            await client.close()
+
+
 async def test_a_session_refused_while_it_writes_reports_the_brokers_status(
     token_mesh: LocalMesh,
 ) -> None:
@@ -361,8 +419,8 @@ async def test_a_renewed_server_certificate_serves_new_connections_without_a_res
         assert [a.agent_id for a in await again.list_agents()] == ["PaymentAgent"]
         said = [r.getMessage() for r in caplog.records if r.name == "mesh.security"]
         assert any(
-            "the server's TLS files changed into what TLS cannot use, so the ones read before "
-            f"stay in use: --tls-cert {volume['tls.crt']} and --tls-key {volume['tls.key']} "
+            "the server's TLS files changed into what cannot be used, so what was read before "
+            f"stays in use: --tls-cert {volume['tls.crt']} and --tls-key {volume['tls.key']} "
             "are not a PEM certificate and its private key: the certificate is not PEM" in line
             for line in said
         ), said

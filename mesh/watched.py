@@ -1,11 +1,13 @@
-"""TLS files: read, checked, and read again when they change.
+"""Security files (TLS certificates, keys and CAs; the credentials file): read, checked, and
+read again when they change.
 
-A certificate is renewed in place: cert-manager rewrites a Kubernetes Secret, whose volume in
-each pod changes under its process; certbot or an operator replaces the files. Servers and
-clients keep their TLS files in a :class:`WatchedFiles`, which says when they changed and
-what they hold now, checked as TLS would use them; files that changed into something TLS
-cannot use (written halfway, a key that is not its certificate's) are said once, and what
-was read before stays in use. No gRPC here: :mod:`mesh.security` makes credentials of it.
+They are renewed in place: cert-manager rewrites a Kubernetes Secret, whose volume in each pod
+changes under its process; certbot or an operator replaces the files; a leaked token is taken
+out of the credentials file. Servers and clients keep them in a :class:`WatchedFiles`, which
+says when they changed and what they hold now, checked as they will be used; files that
+changed into something that cannot be used (written halfway, a key that is not its
+certificate's, JSON cut short) are said once, and what was read before stays in use. No gRPC
+here: :mod:`mesh.security` makes credentials of it.
 """
 
 from __future__ import annotations
@@ -130,10 +132,10 @@ class WatchedFiles(Generic[T]):
                 loaded = self.load()
             except ValueError as error:
                 logger.warning(
-                    "%s changed into what TLS cannot use, so the ones read before stay in use: %s",
+                    "%s changed into what cannot be used, so what was read before stays in use: %s",
                     self.what,
                     error,
-                    extra={"event": {"category": "tls", "files": list(self.paths)}},
+                    extra={"event": {"category": "security", "files": list(self.paths)}},
                 )
                 return None
             if loaded == self.current:  # (touched, or a look in the middle of a change)

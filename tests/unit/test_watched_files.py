@@ -1,4 +1,5 @@
-"""TLS files read again when they change: what a server or client takes, and what it says."""
+"""Security files read again when they change: what a server or client takes, and what it
+says."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mesh.certs import write_dev_certificates
-from mesh.tlsfiles import WatchedFiles, read_pair, valid_until
+from mesh.watched import WatchedFiles, read_pair, valid_until
 
 
 def test_files_are_taken_again_only_when_what_they_hold_changed_into_something_usable(
@@ -36,7 +37,7 @@ def test_files_are_taken_again_only_when_what_they_hold_changed_into_something_u
     assert files.changed() is None  # (said once)
     said = [r.getMessage() for r in caplog.records]
     assert said == [
-        "the test's TLS files changed into what TLS cannot use, so the ones read before stay in "
+        "the test's TLS files changed into what cannot be used, so what was read before stays in "
         f"use: --tls-cert {cert} and --tls-key {key} are not a PEM certificate and its private "
         "key: the key is not the certificate's"
     ]
