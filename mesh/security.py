@@ -26,7 +26,7 @@ import grpc
 from mesh._status import abort
 from mesh.config import SecurityConfig, check_environment
 from mesh.core.auth import ANONYMOUS, Authenticates, Authenticator, Principal
-from mesh.core.errors import MeshError, UnauthenticatedError
+from mesh.core.errors import BrokerUnavailableError, MeshError, UnauthenticatedError
 from mesh.core.registry import address_problem
 from mesh.v1 import broker_pb2, memory_pb2, tools_pb2
 from mesh.watched import WatchedFiles, read_pair, read_roots, valid_until
@@ -140,9 +140,11 @@ class CredentialsFile:
     """The principals of a credentials file, read again when it changes: looked at, at most
     once every RENEWAL_LOOK_SECONDS, as a call is authenticated, and every
     RENEWAL_LOOK_SECONDS while a stream it authenticated is open. A principal added, or a
-    token taken out (leaked), counts from the next call on, without a restart; a stream whose
-    credential no longer names the same principal ends. A file changed into one that cannot
-    be read is said once, and the principals read before stay."""
+    token taken out (leaked), counts from the next call on, without a restart. A stream whose
+    credential was taken out ends, UNAUTHENTICATED; one whose principal's rights changed
+    ends UNAVAILABLE, which clients take as a cue to connect again (with the rights they
+    have now). A file changed into one that cannot be read is said once, and the principals
+    read before stay."""
 
     def __init__(self, path: str, *, certificate_names: bool) -> None:
         self.path = path
@@ -167,16 +169,21 @@ class CredentialsFile:
             return
         ended = 0
         for held in list(self._held):
+            name = held.principal.name
             try:
-                principal: Principal | None = renewed.authenticate(held.token, held.names)
+                principal = renewed.authenticate(held.token, held.names)
             except MeshError:
-                principal = None
-            if principal != held.principal and held.task is not None:
-                held.revoked = UnauthenticatedError(
-                    f"the credentials of {held.principal.name} changed: connect again"
+                held.revoked = UnauthenticatedError(f"the credential of {name} was revoked")
+            else:
+                if principal == held.principal:
+                    continue
+                # (connecting again, it holds what the file gives it now)
+                held.revoked = BrokerUnavailableError(
+                    f"the rights of {name} changed: connect again"
                 )
+            if held.task is not None:
                 held.task.cancel()
-                ended += 1
+            ended += 1
         logger.info(
             "the credentials file %s was read again: it counts from now on (%d streams whose "
             "credential it changed ended)",
@@ -204,9 +211,8 @@ class CredentialsFile:
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Authenticates each call and checks what it acts as; sets :data:`current_principal`.
-    A stream authenticated by a :class:`CredentialsFile` is held by it while it lasts: when
-    the file is renewed and the stream's credential no longer names the same principal (a
-    token taken out, an agent's rights changed), the stream ends, UNAUTHENTICATED."""
+    A stream authenticated by a :class:`CredentialsFile` is held by it while it lasts, and
+    ends when the file is renewed and its credential no longer names the same principal."""
 
     def __init__(self, authenticator: Authenticates) -> None:
         self.authenticator = authenticator

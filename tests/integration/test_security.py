@@ -116,8 +116,9 @@ async def test_a_renewed_credentials_file_counts_from_the_next_call_and_ends_wha
     credentials: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A token taken out of the credentials file (leaked) is refused from the next call on,
-    and the streams it opened end, UNAUTHENTICATED; a principal added is known at once; the
-    streams of a principal the change left as it was go on. Without a restart."""
+    and the streams it opened end, UNAUTHENTICATED; a principal added is known at once; a
+    principal whose rights changed has its streams end UNAVAILABLE, so its SDK connects again
+    and goes on with the rights it has now. Without a restart."""
     import mesh.security
 
     monkeypatch.setattr(mesh.security, "RENEWAL_LOOK_SECONDS", 0.05)
@@ -128,17 +129,18 @@ async def test_a_renewed_credentials_file_counts_from_the_next_call_and_ends_wha
         await payment.register("PaymentAgent")
         await hotel.register("HotelAgent")
         paying = payment.subscribe("PaymentAgent", reconnect=False)
-        staying = hotel.subscribe("HotelAgent", reconnect=False)
+        staying = hotel.subscribe("HotelAgent")
         await paying.start()
         await staying.start()
 
         flight_token = "flight-token-0123456789ab"
         principals = json.loads(await asyncio.to_thread(credentials.read_text))["principals"]
         principals = [p for p in principals if p["name"] != "payment"]
+        principals[[p["name"] for p in principals].index("hotel")]["agents"].append("CarAgent")
         principals.append({"name": "flight", "token": flight_token, "agents": ["FlightAgent"]})
         await asyncio.to_thread(credentials.write_text, json.dumps({"principals": principals}))
 
-        with pytest.raises(UnauthenticatedError, match="the credentials of payment changed"):
+        with pytest.raises(UnauthenticatedError, match="the credential of payment was revoked"):
             async with asyncio.timeout(10):
                 async for _ in paying:
                     pass
@@ -150,6 +152,7 @@ async def test_a_renewed_credentials_file_counts_from_the_next_call_and_ends_wha
             delivery = await anext(aiter(staying))
         assert delivery.message.content["nights"] == 2
         await delivery.ack()
+        await hotel.register("CarAgent")  # (the rights it has now)
 
         await asyncio.to_thread(credentials.write_text, '{"principals": [')  # (cut short)
         await asyncio.sleep(0.2)
@@ -161,7 +164,7 @@ async def test_a_renewed_credentials_file_counts_from_the_next_call_and_ends_wha
             for line in said
         ), said
         assert any(
-            f"the credentials file {credentials} was read again: it counts from now on (1 "
+            f"the credentials file {credentials} was read again: it counts from now on (2 "
             "streams whose credential it changed ended)" in line
             for line in said
         ), said
