@@ -108,8 +108,15 @@ class Authenticator:
     def from_mapping(
         cls, data: Mapping[str, Any], *, certificate_names: bool = False
     ) -> Authenticator:
+        if not isinstance(data, Mapping):
+            raise ValueError('the credentials must be a JSON object, with "principals": a list')
+        principals = data.get("principals") or []
+        if not isinstance(principals, list):
+            raise ValueError("principals must be a list of objects")
         entries = []
-        for index, item in enumerate(data.get("principals") or []):
+        for index, item in enumerate(principals):
+            if not isinstance(item, Mapping):
+                raise ValueError(f"principals[{index}] must be an object")
             name = str(item.get("name") or "")
             if not name:
                 raise ValueError(f"principals[{index}] has no name")

@@ -259,6 +259,10 @@ def test_the_shipped_routing_table_is_read() -> None:
             '{"principals": [{"name": "x", "token": "t", "agents": "A"}]}',
             "principals[0].agents must be a list of agent ids",
         ),
+        # Each was a traceback (AttributeError).
+        ("[1]", 'the credentials must be a JSON object, with "principals": a list'),
+        ('{"principals": {"name": "x"}}', "principals must be a list of objects"),
+        ('{"principals": ["payment"]}', "principals[0] must be an object"),
     ],
 )
 @pytest.mark.parametrize(
