@@ -35,7 +35,7 @@ from mesh.core.workflows import WORKFLOW_KEY_PREFIX
 from mesh.logs import EVENT_LOG_DAYS, configure_logging, stop_logging
 from mesh.loop import loop_name
 from mesh.loop import run as run_loop
-from mesh.security import authenticator_for, check_tls_files
+from mesh.security import authenticator_for, check_security_files
 
 DEFAULT_BROKER = "127.0.0.1:50051"
 TRACED = {
@@ -156,8 +156,9 @@ def add_security_flags(parser: argparse.ArgumentParser, *, server: bool) -> None
     group.add_argument("--tls-server-name", help="name to expect in the server's certificate")
     group.add_argument(
         "--token-file",
-        help="file holding the bearer token to send (or AGENTMESH_TOKEN; never on the "
-        "command line, where other users could read it)",
+        help="file holding the bearer token to send, read again when it changes (or "
+        "AGENTMESH_TOKEN_FILE, AGENTMESH_TOKEN; never on the command line, where other users "
+        "could read it)",
     )
 
 
@@ -178,16 +179,14 @@ def security_config(args: argparse.Namespace) -> SecurityConfig:
     }
     token_file = getattr(args, "token_file", None)
     if token_file:
-        try:
-            changes["token"] = Path(token_file).read_text().strip()
-        except OSError as error:
-            raise SystemExit(f"cannot read --token-file {token_file}: {error.strerror}") from None
+        changes["token_file"] = token_file
     try:
         config = config.evolve(**changes)
         # A credentials file that cannot be used (not JSON, a principal without its list of
-        # agents), a certificate or key that is none: said in a line before anything starts.
+        # agents), a certificate, key or token file that is none: said in a line before
+        # anything starts.
         authenticator_for(config)
-        check_tls_files(config)
+        check_security_files(config)
     except ValueError as error:
         raise SystemExit(f"security settings: {error}") from None
     return config

@@ -214,8 +214,8 @@ class SecurityConfig:
     credential on every call when it has a ``credentials_file`` or uses mutual TLS. With none
     of these, it is the insecure embedded default and says so at start-up.
     A client uses TLS when it has ``tls_ca`` (the CA that signed the server's certificate),
-    presents ``tls_client_cert``/``tls_client_key`` for mutual TLS, and sends ``token`` as a
-    bearer token on every call.
+    presents ``tls_client_cert``/``tls_client_key`` for mutual TLS, and sends ``token`` (or
+    what ``token_file`` holds) as a bearer token on every call.
     """
 
     tls_cert: str = ""
@@ -227,6 +227,9 @@ class SecurityConfig:
     tls_server_name: str = ""
     """Overrides the name checked in the server's certificate (when dialling by IP)."""
     token: str = field(default="", repr=False)
+    token_file: str = ""
+    """A file holding the bearer token, read again when it changes (with it, ``token`` is
+    not sent)."""
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):

@@ -117,8 +117,8 @@ def client_security(config: SecurityConfig | None) -> SecurityConfig:
     """How the broker calls the agents' servers: as a client of the mesh with its own
     settings. TLS when it has a CA (``AGENTMESH_TLS_CA``, the one that signs the mesh's
     certificates), presenting its client certificate (``AGENTMESH_TLS_CLIENT_CERT`` and
-    ``_KEY``) to agents that require mutual TLS, and its token (``AGENTMESH_TOKEN``) to those
-    that require one."""
+    ``_KEY``) to agents that require mutual TLS, and its token (``AGENTMESH_TOKEN`` or
+    ``AGENTMESH_TOKEN_FILE``) to those that require one."""
     if config is None:
         return SecurityConfig()
     return SecurityConfig(
@@ -127,6 +127,7 @@ def client_security(config: SecurityConfig | None) -> SecurityConfig:
         tls_client_key=config.tls_client_key,
         tls_server_name=config.tls_server_name,
         token=config.token,
+        token_file=config.token_file,
     )
 
 

@@ -26,10 +26,10 @@ import grpc
 from mesh._status import abort
 from mesh.config import SecurityConfig, check_environment
 from mesh.core.auth import ANONYMOUS, Authenticates, Authenticator, Principal
-from mesh.core.errors import BrokerUnavailableError, MeshError, UnauthenticatedError
+from mesh.core.errors import BrokerUnavailableError, MeshError
 from mesh.core.registry import address_problem
 from mesh.v1 import broker_pb2, memory_pb2, tools_pb2
-from mesh.watched import WatchedFiles, read_pair, read_roots, valid_until
+from mesh.watched import WatchedFiles, read_file, read_pair, read_roots, valid_until
 
 logger = logging.getLogger("mesh.security")
 
@@ -140,11 +140,12 @@ class CredentialsFile:
     """The principals of a credentials file, read again when it changes: looked at, at most
     once every RENEWAL_LOOK_SECONDS, as a call is authenticated, and every
     RENEWAL_LOOK_SECONDS while a stream it authenticated is open. A principal added, or a
-    token taken out (leaked), counts from the next call on, without a restart. A stream whose
-    credential was taken out ends, UNAUTHENTICATED; one whose principal's rights changed
-    ends UNAVAILABLE, which clients take as a cue to connect again (with the rights they
-    have now). A file changed into one that cannot be read is said once, and the principals
-    read before stay."""
+    token taken out (rotated, or leaked), counts from the next call on, without a restart. A
+    stream whose credential no longer names the same principal (taken out, or its rights
+    changed) ends UNAVAILABLE, which clients take as a cue to connect again: with the
+    credential and rights they have now, or refused, UNAUTHENTICATED, if they have none. A
+    file changed into one that cannot be read is said once, and the principals read before
+    stay."""
 
     def __init__(self, path: str, *, certificate_names: bool) -> None:
         self.path = path
@@ -169,18 +170,16 @@ class CredentialsFile:
             return
         ended = 0
         for held in list(self._held):
-            name = held.principal.name
             try:
-                principal = renewed.authenticate(held.token, held.names)
-            except MeshError:
-                held.revoked = UnauthenticatedError(f"the credential of {name} was revoked")
-            else:
-                if principal == held.principal:
+                if renewed.authenticate(held.token, held.names) == held.principal:
                     continue
-                # (connecting again, it holds what the file gives it now)
-                held.revoked = BrokerUnavailableError(
-                    f"the rights of {name} changed: connect again"
-                )
+            except MeshError:
+                pass
+            # UNAVAILABLE: a client whose credential was rotated connects again with the one
+            # it has now; one whose credential was revoked is refused as it does.
+            held.revoked = BrokerUnavailableError(
+                f"the credentials of {held.principal.name} changed: connect again"
+            )
             if held.task is not None:
                 held.task.cancel()
             ended += 1
@@ -369,10 +368,23 @@ def _client_tls(config: SecurityConfig) -> _ClientTls:
     return _ClientTls(roots, cert, key)
 
 
-def check_tls_files(config: SecurityConfig) -> None:
-    """Raises ValueError naming a certificate, key or CA file of ``config`` that cannot be
-    read or is not what TLS can use (not PEM, a key that is not the certificate's): said
-    before a server or client starts, where gRPC would fail later with less to go on."""
+def _token_metadata(path: str) -> tuple[str, str]:
+    try:
+        token = read_file(path).decode().strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"--token-file {path} is not text") from None
+    if not token:
+        raise ValueError(f"--token-file {path} is empty")
+    return ("authorization", f"Bearer {token}")
+
+
+def check_security_files(config: SecurityConfig) -> None:
+    """Raises ValueError naming a certificate, key, CA or token file of ``config`` that
+    cannot be read or is not what it should be (not PEM, a key that is not the
+    certificate's, an empty token): said before a server or client starts, where gRPC would
+    fail later with less to go on."""
+    if config.token_file:
+        _token_metadata(config.token_file)
     if config.tls_cert:
         _server_tls(config)
     elif config.tls_ca:
@@ -424,15 +436,36 @@ def authenticator_for(config: SecurityConfig) -> Authenticates | None:
     return None
 
 
+class _TokenFile:
+    """The bearer token of a token file, read again when it changes (looked at, at most once
+    every RENEWAL_LOOK_SECONDS, as a call starts): a rotated token is sent from the next call
+    on, without a restart."""
+
+    def __init__(self, path: str) -> None:
+        self._files = WatchedFiles(f"the token file {path}", [path], lambda: _token_metadata(path))
+        self._looked = time.monotonic()
+
+    def __call__(self) -> tuple[str, str]:
+        if time.monotonic() - self._looked >= RENEWAL_LOOK_SECONDS:
+            self._looked = time.monotonic()
+            if self._files.changed() is not None:
+                logger.info(
+                    "the token file %s was renewed: new calls send its token",
+                    self._files.paths[0],
+                    extra={"event": {"category": "auth", "file": self._files.paths[0]}},
+                )
+        return self._files.current
+
+
 class _WithToken:
     """A channel's multi-callable that adds the bearer token to the metadata of each call."""
 
-    def __init__(self, call: Any, token: tuple[str, str]) -> None:
+    def __init__(self, call: Any, token: Callable[[], tuple[str, str]]) -> None:
         self._call = call
         self._token = token
 
     def __call__(self, *args: Any, metadata: Any = None, **kwargs: Any) -> Any:
-        return self._call(*args, metadata=(*(metadata or ()), self._token), **kwargs)
+        return self._call(*args, metadata=(*(metadata or ()), self._token()), **kwargs)
 
 
 class _TokenChannel(grpc.aio.Channel):
@@ -440,9 +473,9 @@ class _TokenChannel(grpc.aio.Channel):
     it through grpc.aio's interceptor machinery, which puts a task and a queue between a
     stream and its writes, and leaves them pending behind a call refused as it opens.)"""
 
-    def __init__(self, channel: grpc.aio.Channel, token: str) -> None:
+    def __init__(self, channel: grpc.aio.Channel, token: Callable[[], tuple[str, str]]) -> None:
         self._channel = channel
-        self._token = ("authorization", f"Bearer {token}")
+        self._token = token
 
     async def __aenter__(self) -> _TokenChannel:
         return self
@@ -593,4 +626,9 @@ def open_channel(
         channel: grpc.aio.Channel = _RenewingChannel(target, _client_files(config), opts)
     else:
         channel = grpc.aio.insecure_channel(target, options=opts)
-    return _TokenChannel(channel, config.token) if config.token else channel
+    if config.token_file:
+        return _TokenChannel(channel, _TokenFile(config.token_file))
+    if config.token:
+        metadata = ("authorization", f"Bearer {config.token}")
+        return _TokenChannel(channel, lambda: metadata)
+    return channel

@@ -13,6 +13,7 @@ import gc
 import json
 import logging
 import math
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -112,63 +113,78 @@ async def test_calls_without_a_valid_credential_are_unauthenticated(
     assert "not-the-token-at-all-123" not in logged and PAYMENT_TOKEN not in logged
 
 
-async def test_a_renewed_credentials_file_counts_from_the_next_call_and_ends_what_it_revoked(
-    credentials: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+async def test_tokens_are_rotated_and_revoked_without_a_restart(
+    credentials: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """A token taken out of the credentials file (leaked) is refused from the next call on,
-    and the streams it opened end, UNAUTHENTICATED; a principal added is known at once; a
-    principal whose rights changed has its streams end UNAVAILABLE, so its SDK connects again
-    and goes on with the rights it has now. Without a restart."""
+    """The credentials file and an agent's token file are read again when they change. A
+    token rotated (the new one added beside the old, the agent's token file renewed, the old
+    one taken out) keeps its agent going: its session ends UNAVAILABLE as the old token goes,
+    and its SDK connects again with the new one. A token revoked (leaked) is refused from
+    the next call on, and its session ends; connecting again, UNAUTHENTICATED. A principal
+    added is known at once. A credentials file renewed into junk leaves the last one in use."""
     import mesh.security
 
     monkeypatch.setattr(mesh.security, "RENEWAL_LOOK_SECONDS", 0.05)
     caplog.set_level(logging.INFO, logger="mesh.security")
+
+    def principals() -> list[dict[str, object]]:
+        return list(json.loads(credentials.read_text())["principals"])
+
+    def rewrite(path: Path, text: str) -> None:
+        path.write_text(text)
+        time.sleep(0.2)  # (looked at again, at most every 0.05 s, by the broker and client)
+
+    token_file = tmp_path / "payment.token"
+    token_file.write_text(PAYMENT_TOKEN + "\n")
+    rotated, flight_token = "payment-token-rotated-0123", "flight-token-0123456789ab"
     async with LocalMesh(security=SecurityConfig(credentials_file=str(credentials))) as local:
-        payment = as_(local, "PaymentAgent", token=PAYMENT_TOKEN)
+        # (the file's token is sent, in place of the one AGENTMESH_TOKEN would give)
+        settings = SecurityConfig(token="not-this-token-0123456789", token_file=str(token_file))
+        payment = local.client("PaymentAgent", security=settings)
         hotel = as_(local, "HotelAgent", token=HOTEL_TOKEN)
         await payment.register("PaymentAgent")
         await hotel.register("HotelAgent")
-        paying = payment.subscribe("PaymentAgent", reconnect=False)
+        paying = payment.subscribe("PaymentAgent")
         staying = hotel.subscribe("HotelAgent")
         await paying.start()
         await staying.start()
 
-        flight_token = "flight-token-0123456789ab"
-        principals = json.loads(await asyncio.to_thread(credentials.read_text))["principals"]
-        principals = [p for p in principals if p["name"] != "payment"]
-        principals[[p["name"] for p in principals].index("hotel")]["agents"].append("CarAgent")
-        principals.append({"name": "flight", "token": flight_token, "agents": ["FlightAgent"]})
-        await asyncio.to_thread(credentials.write_text, json.dumps({"principals": principals}))
+        both = [*principals(), {"name": "payment", "token": rotated, "agents": ["PaymentAgent"]}]
+        await asyncio.to_thread(rewrite, credentials, json.dumps({"principals": both}))
+        await asyncio.to_thread(rewrite, token_file, rotated)
+        after = [p for p in both if p.get("token") not in (PAYMENT_TOKEN, HOTEL_TOKEN)]
+        after.append({"name": "flight", "token": flight_token, "agents": ["FlightAgent"]})
+        await asyncio.to_thread(rewrite, credentials, json.dumps({"principals": after}))
 
-        with pytest.raises(UnauthenticatedError, match="the credential of payment was revoked"):
+        with pytest.raises(UnauthenticatedError, match="the token is not valid"):
             async with asyncio.timeout(10):
-                async for _ in paying:
+                async for _ in staying:
                     pass
         with pytest.raises(UnauthenticatedError, match="the token is not valid"):
-            await payment.list_agents()
+            await hotel.list_agents()
         flight = as_(local, "FlightAgent", token=flight_token)
-        await flight.send("HotelAgent", {"action": "book", "nights": 2})
+        await flight.send("PaymentAgent", {"action": "pay", "amount": 450})
         async with asyncio.timeout(10):
-            delivery = await anext(aiter(staying))
-        assert delivery.message.content["nights"] == 2
+            delivery = await anext(aiter(paying))
+        assert delivery.message.content["amount"] == 450
         await delivery.ack()
-        await hotel.register("CarAgent")  # (the rights it has now)
+        assert "PaymentAgent" in [a.agent_id for a in await payment.list_agents()]
 
-        await asyncio.to_thread(credentials.write_text, '{"principals": [')  # (cut short)
-        await asyncio.sleep(0.2)
-        await flight.send("HotelAgent", {"action": "book", "nights": 3})
+        await asyncio.to_thread(rewrite, credentials, '{"principals": [')  # (cut short)
+        await flight.send("PaymentAgent", {"action": "pay", "amount": 460})
         said = [r.getMessage() for r in caplog.records if r.name == "mesh.security"]
-        assert any(
-            f"the credentials file {credentials} changed into what cannot be used, so what was "
-            f"read before stays in use: cannot read the credentials file {credentials}" in line
-            for line in said
-        ), said
-        assert any(
+        for expected in (
+            f"the token file {token_file} was renewed: new calls send its token",
             f"the credentials file {credentials} was read again: it counts from now on (2 "
-            "streams whose credential it changed ended)" in line
-            for line in said
-        ), said
-        await staying.close()
+            "streams whose credential it changed ended)",
+            f"the credentials file {credentials} changed into what cannot be used, so what was "
+            f"read before stays in use: cannot read the credentials file {credentials}",
+        ):
+            assert any(expected in line for line in said), (expected, said)
+        await paying.close()
         for client in (payment, hotel, flight):
             await client.close()
 
@@ -502,7 +518,7 @@ def test_security_settings_are_checked_and_describe_themselves() -> None:
     )
     with pytest.raises(ValueError, match="go together"):
         SecurityConfig(tls_cert="c")
-    assert "token" not in repr(SecurityConfig(token="secret-secret-secret"))
+    assert "secret-secret-secret" not in repr(SecurityConfig(token="secret-secret-secret"))
 
 
 @pytest.mark.parametrize("rpc", ["Connect", "SendMessage"])

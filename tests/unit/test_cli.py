@@ -14,7 +14,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 
 from mesh.certs import write_dev_certificates
-from mesh.cli import _content, build_parser, main
+from mesh.cli import _content, build_parser, main, security_config
 
 
 def args(**flags: object) -> argparse.Namespace:
@@ -278,6 +278,38 @@ def test_a_credentials_file_that_cannot_be_used_is_said_in_a_line(
     with pytest.raises(SystemExit) as exited:
         main([*command, "--credentials-file", str(path)])
     assert str(exited.value.code).startswith(f"security settings: {said.format(path=path)}")
+
+
+def test_a_token_file_that_cannot_be_used_is_said_in_a_line(tmp_path: Path) -> None:
+    """Read as the command starts (an empty token file was sent as "Bearer ", and refused
+    by the broker later, UNAUTHENTICATED, with nothing said of the file)."""
+    empty = tmp_path / "empty.token"
+    empty.write_text("\n")
+    binary = tmp_path / "binary.token"
+    binary.write_bytes(b"\xff\xfe")
+    for path, said in (
+        (tmp_path / "missing.token", "cannot read {path}: No such file or directory"),
+        (empty, "--token-file {path} is empty"),
+        (binary, "--token-file {path} is not text"),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            main(["agents", "--token-file", str(path)])
+        assert str(exited.value.code) == f"security settings: {said.format(path=path)}"
+
+
+def test_a_token_file_is_what_the_command_sends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The flag, or AGENTMESH_TOKEN_FILE, names the file (read again when it changes), sent
+    in place of AGENTMESH_TOKEN."""
+    token = tmp_path / "agent.token"
+    token.write_text("a-token-of-the-agent-0123\n")
+    monkeypatch.setenv("AGENTMESH_TOKEN", "the-environments-token-0123")
+    config = security_config(build_parser().parse_args(["agents", "--token-file", str(token)]))
+    assert config.token_file == str(token)
+    monkeypatch.setenv("AGENTMESH_TOKEN_FILE", str(token))
+    config = security_config(build_parser().parse_args(["agents"]))
+    assert config.token_file == str(token)
 
 
 def test_certificates_that_cannot_be_used_are_said_in_a_line(tmp_path: Path) -> None:
