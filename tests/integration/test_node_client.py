@@ -248,13 +248,17 @@ async def test_a_node_gateway_clients_figures_wait_for_a_gateway_that_is_startin
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
 async def test_node_client_speaks_tls_with_a_token_and_is_held_to_its_identity(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """... and reads its token file again: a rotated token goes on, a revoked one is refused
+    (the broker reads its credentials file again, looking every 0.2 s here)."""
+    import mesh.security
     from mesh import LocalMesh, SecurityConfig
     from mesh.certs import write_dev_certificates
 
     if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").exists():
         pytest.fail("clients/node dependencies are missing: run `make setup`")
+    monkeypatch.setattr(mesh.security, "RENEWAL_LOOK_SECONDS", 0.2)
     certs = write_dev_certificates(tmp_path / "certs")
     token = "node-payment-token-0123456789"
     credentials = tmp_path / "credentials.json"
@@ -274,6 +278,7 @@ async def test_node_client_speaks_tls_with_a_token_and_is_held_to_its_identity(
             "AGENTMESH_SECURE_BROKER": mesh.address,
             "AGENTMESH_TLS_CA": str(certs["ca"]),
             "AGENTMESH_TOKEN": token,
+            "AGENTMESH_SECURE_CREDENTIALS": str(credentials),
         }
         process = await asyncio.create_subprocess_exec(
             "node",
@@ -290,7 +295,8 @@ async def test_node_client_speaks_tls_with_a_token_and_is_held_to_its_identity(
     text = out.decode()
     assert process.returncode == 0, text
     assert "talks TLS with a bearer token" in text
-    assert "pass 3\n" in text and "skipped 0\n" in text, text
+    assert "reads its token file again" in text
+    assert "pass 4\n" in text and "skipped 0\n" in text, text
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")

@@ -163,6 +163,11 @@ export interface SecurityOptions {
   tlsClientKey?: string;
   /** AGENTMESH_TOKEN: sent as `authorization: Bearer <token>` on every call. */
   token?: string;
+  /**
+   * AGENTMESH_TOKEN_FILE: a file holding the token (in place of token), looked at again every
+   * second: a rotated token is sent from then on.
+   */
+  tokenFile?: string;
   /** AGENTMESH_TLS_SERVER_NAME: the name the server's certificate is checked against. */
   tlsServerName?: string;
 }
@@ -171,6 +176,8 @@ export interface Security {
   credentials: grpc.ChannelCredentials;
   metadata: grpc.Metadata;
   channelOptions: grpc.ChannelOptions;
+  /** Stops looking at the token file (a no-op without one). */
+  stop(): void;
 }
 
 // -- the broker client --------------------------------------------------------------------------

@@ -506,18 +506,33 @@ class Reject extends Error {
 
 // -- TLS and credentials ----------------------------------------------------------------------
 
+/** How often a client looks at its token file for a new token (a stat). */
+const TOKEN_LOOK_MS = 1000;
+
+/** The token a token file holds (its text, trimmed); a TypeError when it holds none. */
+function readToken(path) {
+  const token = fs.readFileSync(path, 'utf8').trim();
+  if (!token) throw new TypeError(`the token file ${path} is empty`);
+  return token;
+}
+
 /**
  * Channel credentials and call metadata from options, else the same AGENTMESH_* variables the
  * Python SDK reads: tlsCa (AGENTMESH_TLS_CA) turns TLS on, tlsClientCert/tlsClientKey
  * (AGENTMESH_TLS_CLIENT_CERT/_KEY) add a client certificate for mutual TLS, token
- * (AGENTMESH_TOKEN) is sent as `authorization: Bearer <token>` on every call.
+ * (AGENTMESH_TOKEN) is sent as `authorization: Bearer <token>` on every call. tokenFile
+ * (AGENTMESH_TOKEN_FILE), in place of a token, names a file holding it, looked at again every
+ * TOKEN_LOOK_MS: a rotated token is sent from then on, without a restart (a file changed into
+ * one that holds none is said, and the token before stays). stop() ends the looking.
  */
 function security(options = {}) {
   const env = process.env;
   const tlsCa = options.tlsCa ?? env.AGENTMESH_TLS_CA;
   const cert = options.tlsClientCert ?? env.AGENTMESH_TLS_CLIENT_CERT;
   const key = options.tlsClientKey ?? env.AGENTMESH_TLS_CLIENT_KEY;
-  const token = options.token ?? env.AGENTMESH_TOKEN;
+  const tokenFile = options.tokenFile
+    ?? (options.token === undefined ? env.AGENTMESH_TOKEN_FILE : undefined);
+  const token = tokenFile ? readToken(tokenFile) : (options.token ?? env.AGENTMESH_TOKEN);
   const credentials = tlsCa
     ? grpc.credentials.createSsl(fs.readFileSync(tlsCa), key ? fs.readFileSync(key) : null,
       cert ? fs.readFileSync(cert) : null)
@@ -527,7 +542,28 @@ function security(options = {}) {
   const channelOptions = {};
   const serverName = options.tlsServerName ?? env.AGENTMESH_TLS_SERVER_NAME;
   if (serverName) channelOptions['grpc.ssl_target_name_override'] = serverName;
-  return { credentials, metadata, channelOptions };
+  let stop = () => {};
+  if (tokenFile) {
+    // The calls share this metadata (a session clones it as it opens): set in place, the
+    // new token goes with every call made after.
+    const look = (now, before) => {
+      if (now.mtimeMs === before.mtimeMs && now.size === before.size && now.ino === before.ino) {
+        return;
+      }
+      let renewed;
+      try {
+        renewed = readToken(tokenFile);
+      } catch (err) {
+        console.warn(`the token file ${tokenFile} changed into what cannot be used, so the `
+          + `token read before stays in use: ${err.message}`);
+        return;
+      }
+      metadata.set('authorization', `Bearer ${renewed}`);
+    };
+    fs.watchFile(tokenFile, { interval: TOKEN_LOOK_MS, persistent: false }, look);
+    stop = () => fs.unwatchFile(tokenFile, look);
+  }
+  return { credentials, metadata, channelOptions, stop };
 }
 
 /** What a call on a closed client gets: said plainly, a MeshError like every other. */
@@ -659,7 +695,8 @@ class MeshClient {
     this.retryDelaysMs = retryDelaysMs;
     this.onRetry = onRetry;
     this.stats = { retries: {} };
-    const { credentials, metadata, channelOptions } = security(options);
+    const { credentials, metadata, channelOptions, stop } = security(options);
+    this._stopLooking = stop;
     this.broker = new meshV1.BrokerService(address, credentials, channelOptions);
     this.broker.meshMetadata = metadata;
     // The shared state is served beside the broker, on the same channel.
@@ -674,6 +711,7 @@ class MeshClient {
 
   close() {
     if (this._session) this._session.call.cancel();
+    this._stopLooking();
     this.broker.close();
   }
 
@@ -1709,14 +1747,18 @@ class GatewayClient {
    * (RESOURCE_EXHAUSTED, UNAVAILABLE).
    */
   constructor(address, { retryDelaysMs = RETRY_DELAYS_MS, onRetry = undefined, ...options } = {}) {
-    const { credentials, metadata, channelOptions } = security(options);
+    const { credentials, metadata, channelOptions, stop } = security(options);
+    this._stopLooking = stop;
     this.gateway = new meshV1.GatewayService(address, credentials, channelOptions);
     this.metadata = metadata;
     this.retryDelaysMs = retryDelaysMs;
     this.onRetry = onRetry;
   }
 
-  close() { this.gateway.close(); }
+  close() {
+    this._stopLooking();
+    this.gateway.close();
+  }
 
   /**
    * Runs a pattern RPC (RunGroupChat, RunHandoffWorkflow, ...): the request is a plain object
@@ -1810,12 +1852,16 @@ class GatewayClient {
 class AgentClient {
   constructor(address, { agentId = '', ...options } = {}) {
     this.agentId = agentId;
-    const { credentials, metadata, channelOptions } = security(options);
+    const { credentials, metadata, channelOptions, stop } = security(options);
+    this._stopLooking = stop;
     this.agent = new meshV1.AgentService(address, credentials, channelOptions);
     this.agent.meshMetadata = metadata;
   }
 
-  close() { this.agent.close(); }
+  close() {
+    this._stopLooking();
+    this.agent.close();
+  }
 
   /** The agent's card: {agentId, agentTypes, capabilities, tools, description, actions}. */
   async describe({ timeoutMs = 10000 } = {}) {
@@ -2141,7 +2187,8 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
   // which registers again once it serves.
   let watch = null;
   const keepRegistered = async () => {
-    const { credentials, channelOptions } = security(options);
+    const { credentials, channelOptions, stop } = security(options);
+    stop(); // (health needs no token: nothing to look at)
     const healthClient = new HealthClient(broker, credentials,
       { ...channelOptions, channelOverride: client.broker.getChannel() });
     let lost = false;

@@ -1,10 +1,14 @@
 'use strict';
 // Runs against a broker with TLS and credentials: AGENTMESH_SECURE_BROKER names it,
-// AGENTMESH_TLS_CA and AGENTMESH_TOKEN are what a deployed Node agent would be given
+// AGENTMESH_TLS_CA and AGENTMESH_TOKEN are what a deployed Node agent would be given, and
+// AGENTMESH_SECURE_CREDENTIALS the broker's credentials file, which the last test rewrites
 // (tests/integration/test_node_client.py sets them). Skipped otherwise.
 
 const test = require('node:test');
 const assert = require('node:assert/strict');
+const fs = require('node:fs');
+const os = require('node:os');
+const path = require('node:path');
 const { MeshClient } = require('../lib/mesh');
 
 const BROKER = process.env.AGENTMESH_SECURE_BROKER;
@@ -43,3 +47,40 @@ test('is refused over plaintext by a TLS broker', { skip }, async () => {
     client.close();
   }
 });
+
+test('reads its token file again: a rotated token goes on, a revoked one is refused',
+  { skip: skip || (process.env.AGENTMESH_SECURE_CREDENTIALS ? false : 'no credentials file') },
+  async () => {
+    // Last: it rotates the token the tests above use, in the broker's credentials file.
+    const credentials = process.env.AGENTMESH_SECURE_CREDENTIALS;
+    const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'agentmesh-token-'));
+    const tokenFile = path.join(dir, 'token');
+    const old = process.env.AGENTMESH_TOKEN;
+    const rotated = 'node-payment-token-rotated-0123';
+    fs.writeFileSync(tokenFile, `${old}\n`);
+    const client = new MeshClient(BROKER, { agentId: 'NodePaymentAgent', tokenFile });
+    const revoked = new MeshClient(BROKER, { agentId: 'NodePaymentAgent', token: old });
+    const principal = (token) => ({ name: 'node', token, agents: ['NodePaymentAgent'] });
+    try {
+      await client.send('NodePaymentAgent', { action: 'before' }); // (its session opens)
+      fs.writeFileSync(credentials, JSON.stringify(
+        { principals: [principal(old), principal(rotated)] }));
+      fs.writeFileSync(tokenFile, rotated);
+      await new Promise((resolve) => { setTimeout(resolve, 2500); }); // (looked at every 1 s)
+      fs.writeFileSync(credentials, JSON.stringify({ principals: [principal(rotated)] }));
+      await new Promise((resolve) => { setTimeout(resolve, 1500); });
+
+      await assert.rejects(revoked.listAgents(), (err) => err.codeName === 'UNAUTHENTICATED');
+      await client.send('NodePaymentAgent', { action: 'after' }); // (a session opened again)
+      const got = await client.receive('NodePaymentAgent');
+      assert.deepEqual(got.map((m) => m.content.action).sort(), ['after', 'before']);
+
+      fs.writeFileSync(tokenFile, '\n'); // (emptied): the token before stays
+      await new Promise((resolve) => { setTimeout(resolve, 2500); });
+      assert.deepEqual(await client.listAgents().then((agents) => agents.length), 1);
+    } finally {
+      client.close();
+      revoked.close();
+      fs.rmSync(dir, { recursive: true, force: true });
+    }
+  });
