@@ -8,6 +8,12 @@ the broker's session with :func:`check_frame`, using the principal the intercept
 
 Clients: :func:`open_channel` makes a plaintext or TLS channel and, with a token, adds it
 to every call as ``authorization: Bearer <token>``.
+
+Every file of it is read again when it changes (:mod:`mesh.watched`), so that certificates
+are renewed and tokens rotated or revoked without a restart: a server's certificate, key and
+CA before each connection's handshake (:func:`server_credentials`), its credentials file as
+calls are authenticated (:class:`CredentialsFile`, which also ends the streams a change
+took the credential of), a client's CA, certificate and token file as its calls start.
 """
 
 from __future__ import annotations
