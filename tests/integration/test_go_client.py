@@ -9,7 +9,9 @@ import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from benchmarks.harness import build_meshgo, go_available
 from gateway.embedded import EmbeddedMesh
@@ -33,6 +35,7 @@ from tests.helpers.processes import (
     stop,
     wait_killed,
 )
+from tests.helpers.secrets import SecretVolume
 
 pytestmark = pytest.mark.skipif(
     not go_available(),
@@ -560,6 +563,93 @@ async def test_go_speaks_tls_with_a_token_and_is_held_to_its_identity(
             "meshgo: retry 2/3 in 500 ms",
             "meshgo: retry 3/3 in 2000 ms",
         ], err
+
+
+async def tls_health(address: str, ca: Path) -> int | str:
+    """The health of the server at ``address`` over TLS trusting ``ca`` (a new connection), or
+    the status code that refused it."""
+    credentials = grpc.ssl_channel_credentials(await asyncio.to_thread(ca.read_bytes))
+    async with grpc.aio.secure_channel(address, credentials) as channel:
+        try:
+            answer = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
+        except grpc.aio.AioRpcError as error:
+            return error.code().name
+    return int(answer.status)
+
+
+async def test_go_renews_its_certificate_and_its_token_without_a_restart(
+    tmp_path: Path, meshgo: Path, go_agents: list[GoAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Go agent's server certificate, renewed in place (by another CA's here, so that
+    which one a connection got shows), serves the connections made after; its token file,
+    rotated (the new token beside the old, the file renewed, the old one taken out), keeps it
+    in service: its session ends as the old token goes, and it subscribes again with the new
+    one, while the old token is refused."""
+    import mesh.security
+    from mesh import SecurityConfig
+    from mesh.certs import write_dev_certificates
+
+    monkeypatch.setattr(mesh.security, "RENEWAL_LOOK_SECONDS", 0.2)
+    first, second = (write_dev_certificates(tmp_path / name) for name in ("first", "second"))
+    volume = SecretVolume(
+        tmp_path / "tls", {"tls.crt": first["server"], "tls.key": first["server_key"]}
+    )
+    old, new, caller = (f"go-{name}-token-0123456789" for name in ("old", "new", "caller"))
+    credentials = tmp_path / "credentials.json"
+
+    def principals(*tokens: str) -> None:
+        go = [{"name": "go", "token": t, "agents": ["GoRenewingAgent"]} for t in tokens]
+        py = {"name": "py", "token": caller, "agents": ["PyCaller"]}
+        credentials.write_text(json.dumps({"principals": [*go, py]}))
+
+    principals(old)
+    token_file = tmp_path / "go.token"
+    token_file.write_text(old + "\n")
+    security = SecurityConfig(
+        tls_cert=str(first["server"]),
+        tls_key=str(first["server_key"]),
+        credentials_file=str(credentials),
+    )
+    go_env = {
+        "AGENTMESH_TLS_CA": str(first["ca"]),
+        "AGENTMESH_TOKEN_FILE": str(token_file),
+        "AGENTMESH_TLS_CERT": volume["tls.crt"],
+        "AGENTMESH_TLS_KEY": volume["tls.key"],
+    }
+    async with LocalMesh(security=security) as local:
+        agent = await start_go_agent(
+            meshgo, go_agents, local.address, "GoRenewingAgent", env=go_env
+        )
+        as_py = SecurityConfig(tls_ca=str(first["ca"]), token=caller)
+        async with connect(local.address, agent_id="PyCaller", security=as_py) as client:
+            answer = await client.request("GoRenewingAgent", {"action": "pay"}, timeout=10)
+            assert answer.content["served_by"] == "GoRenewingAgent"
+
+            assert await tls_health(agent.address, first["ca"]) == SERVING
+            volume.renew({"tls.crt": second["server"], "tls.key": second["server_key"]})
+            await asyncio.sleep(1.5)  # (Go looks at its files at most once a second)
+            assert await tls_health(agent.address, second["ca"]) == SERVING
+            assert await tls_health(agent.address, first["ca"]) == "UNAVAILABLE"
+
+            principals(old, new)
+            token_file.write_text(new)
+            await asyncio.sleep(2.5)
+            principals(new)
+            await asyncio.sleep(1.0)  # (the broker looks every 0.2 s here)
+            old_env = {**go_env, "AGENTMESH_TOKEN_FILE": "", "AGENTMESH_TOKEN": old}
+            code, _, err = await run(
+                meshgo, "request", "-broker", local.address, "-from", "GoRenewingAgent",
+                "-to", "GoRenewingAgent", "-action", "pay", env=old_env,
+            )  # fmt: skip
+            assert (code, err.split(":")[:2]) == (1, ["meshgo", " UNAUTHENTICATED"]), err
+            answer = await client.request("GoRenewingAgent", {"action": "pay"}, timeout=15)
+            assert answer.content["served_by"] == "GoRenewingAgent"
+        code, printed = await agent.stop()
+    assert code == 0, printed
+    assert f"meshgo: the certificate {volume['tls.crt']} was renewed" in printed, printed
+    assert f"meshgo: the token file {token_file} was renewed" in printed, printed
 
 
 async def test_a_go_agent_whose_process_dies_is_taken_off_its_agents_instances(

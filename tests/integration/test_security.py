@@ -38,6 +38,7 @@ from mesh.certs import write_dev_certificates
 from mesh.client import NO_RETRY, _Session
 from mesh.core.errors import BrokerUnavailableError, MeshError
 from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
+from tests.helpers.secrets import SecretVolume
 
 PAYMENT_TOKEN = "payment-token-0123456789"
 GATEWAY_TOKEN = "gateway-token-0123456789"
@@ -378,35 +379,6 @@ async def test_mutual_tls_identifies_agents_by_their_certificate(certs: dict[str
         anonymous = as_(mesh, "PaymentAgent", tls_ca=str(certs["ca"]))
         with pytest.raises(BrokerUnavailableError):
             await anonymous.list_agents()
-
-
-class SecretVolume:
-    """TLS files as a Kubernetes Secret's volume holds them, renewed as the kubelet renews
-    them: each file a symlink through ``..data``, which is swapped whole (one rename) to a
-    new folder of the files."""
-
-    def __init__(self, folder: Path, files: dict[str, Path]) -> None:
-        self.folder = folder
-        folder.mkdir()
-        self.versions = 0
-        self.write({name: source.read_bytes() for name, source in files.items()})
-        for name in files:
-            (folder / name).symlink_to(Path("..data") / name)
-
-    def __getitem__(self, name: str) -> str:
-        return str(self.folder / name)
-
-    def write(self, contents: dict[str, bytes]) -> None:
-        self.versions += 1
-        version = self.folder / f"..{self.versions}"
-        version.mkdir()
-        for name, data in contents.items():
-            (version / name).write_bytes(data)
-        (self.folder / "..data_tmp").symlink_to(version.name)
-        (self.folder / "..data_tmp").replace(self.folder / "..data")
-
-    def renew(self, files: dict[str, Path]) -> None:
-        self.write({name: source.read_bytes() for name, source in files.items()})
 
 
 async def test_a_renewed_server_certificate_serves_new_connections_without_a_restart(

@@ -22,8 +22,9 @@
 //
 // TLS and credentials come from the variables every client of the mesh reads:
 // AGENTMESH_TLS_CA, AGENTMESH_TLS_CLIENT_CERT and AGENTMESH_TLS_CLIENT_KEY,
-// AGENTMESH_TLS_SERVER_NAME, AGENTMESH_TOKEN (and AGENTMESH_TLS_CERT and AGENTMESH_TLS_KEY
-// for the agent's own server).
+// AGENTMESH_TLS_SERVER_NAME, AGENTMESH_TOKEN_FILE or AGENTMESH_TOKEN (and AGENTMESH_TLS_CERT
+// and AGENTMESH_TLS_KEY for the agent's own server). Certificates, keys and the token file
+// are read again when they change.
 package main
 
 import (
@@ -113,8 +114,9 @@ func canonical(name string) string {
 // dial connects as every client of the mesh does, from the same variables: TLS when
 // AGENTMESH_TLS_CA names the CA of the server's certificate (AGENTMESH_TLS_SERVER_NAME
 // overrides the name checked), a client certificate for mutual TLS from
-// AGENTMESH_TLS_CLIENT_CERT and AGENTMESH_TLS_CLIENT_KEY, and AGENTMESH_TOKEN as a bearer
-// token on every call.
+// AGENTMESH_TLS_CLIENT_CERT and AGENTMESH_TLS_CLIENT_KEY, and a bearer token on every call:
+// what AGENTMESH_TOKEN_FILE holds, else AGENTMESH_TOKEN. The client certificate and the token
+// file are read again when they change (renewed, rotated), without a restart.
 func dial(ctx context.Context, target string) (*grpc.ClientConn, error) {
 	var options []grpc.DialOption
 	if ca := os.Getenv("AGENTMESH_TLS_CA"); ca != "" {
@@ -128,17 +130,27 @@ func dial(ctx context.Context, target string) (*grpc.ClientConn, error) {
 		}
 		config := &tls.Config{RootCAs: roots, ServerName: os.Getenv("AGENTMESH_TLS_SERVER_NAME")}
 		if cert := os.Getenv("AGENTMESH_TLS_CLIENT_CERT"); cert != "" {
-			pair, err := tls.LoadX509KeyPair(cert, os.Getenv("AGENTMESH_TLS_CLIENT_KEY"))
+			pair, err := renewedPair(cert, os.Getenv("AGENTMESH_TLS_CLIENT_KEY"))
 			if err != nil {
 				return nil, err
 			}
-			config.Certificates = []tls.Certificate{pair}
+			config.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
+				return pair.get(), nil
+			}
 		}
 		options = append(options, grpc.WithTransportCredentials(credentials.NewTLS(config)))
 	} else {
 		options = append(options, grpc.WithInsecure())
 	}
-	if token := os.Getenv("AGENTMESH_TOKEN"); token != "" {
+	if file := os.Getenv("AGENTMESH_TOKEN_FILE"); file != "" {
+		token, err := newRenewed("the token file "+file, []string{file}, func() (string, error) {
+			return readToken(file)
+		})
+		if err != nil {
+			return nil, err
+		}
+		options = append(options, grpc.WithPerRPCCredentials(tokenFile{token}))
+	} else if token := os.Getenv("AGENTMESH_TOKEN"); token != "" {
 		options = append(options, grpc.WithPerRPCCredentials(bearer(token)))
 	}
 	// (Not blocking: a broker that cannot be reached fails the first call, UNAVAILABLE with
@@ -157,19 +169,121 @@ func (b bearer) GetRequestMetadata(ctx context.Context, uri ...string) (map[stri
 // credentials over plaintext on a private network).
 func (b bearer) RequireTransportSecurity() bool { return false }
 
+// tokenFile sends the token its file holds now on every call.
+type tokenFile struct{ token *renewed[string] }
+
+func (t tokenFile) GetRequestMetadata(ctx context.Context, uri ...string) (map[string]string, error) {
+	return bearer(t.token.get()).GetRequestMetadata(ctx, uri...)
+}
+
+func (t tokenFile) RequireTransportSecurity() bool { return false }
+
+// readToken: the token a token file holds (its text, trimmed).
+func readToken(path string) (string, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return "", err
+	}
+	token := strings.TrimSpace(string(data))
+	if token == "" {
+		return "", fmt.Errorf("the token file %s is empty", path)
+	}
+	return token, nil
+}
+
 // serverOptions: TLS for the agent's own server when AGENTMESH_TLS_CERT and
-// AGENTMESH_TLS_KEY name its certificate and key.
+// AGENTMESH_TLS_KEY name its certificate and key, read again when they change (renewed): the
+// connections made after use the new one.
 func serverOptions() ([]grpc.ServerOption, error) {
 	cert := os.Getenv("AGENTMESH_TLS_CERT")
 	if cert == "" {
 		return nil, nil
 	}
-	pair, err := tls.LoadX509KeyPair(cert, os.Getenv("AGENTMESH_TLS_KEY"))
+	pair, err := renewedPair(cert, os.Getenv("AGENTMESH_TLS_KEY"))
 	if err != nil {
 		return nil, err
 	}
-	config := &tls.Config{Certificates: []tls.Certificate{pair}}
+	config := &tls.Config{GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) {
+		return pair.get(), nil
+	}}
 	return []grpc.ServerOption{grpc.Creds(credentials.NewTLS(config))}, nil
+}
+
+// ---- files read again when they change ----------------------------------------------------
+
+// renewalLook: how often, at most, files are looked at again (a stat of each).
+const renewalLook = time.Second
+
+// renewed is what files make (a certificate, a token), read again when they change: looked
+// at, at most every renewalLook, as it is asked for. Files changed into what cannot be used
+// (written halfway, a key that is not the certificate's) are said, and what was read before
+// stays in use.
+type renewed[T any] struct {
+	what   string
+	paths  []string
+	load   func() (T, error)
+	mu     sync.Mutex
+	stamp  string
+	looked time.Time
+	value  T
+}
+
+func newRenewed[T any](what string, paths []string, load func() (T, error)) (*renewed[T], error) {
+	r := &renewed[T]{what: what, paths: paths, load: load, stamp: stampOf(paths), looked: time.Now()}
+	value, err := load()
+	if err != nil {
+		return nil, err
+	}
+	r.value = value
+	return r, nil
+}
+
+func (r *renewed[T]) get() T {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if time.Since(r.looked) < renewalLook {
+		return r.value
+	}
+	r.looked = time.Now()
+	stamp := stampOf(r.paths)
+	if stamp == r.stamp {
+		return r.value
+	}
+	r.stamp = stamp
+	value, err := r.load()
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "meshgo: %s changed into what cannot be used, so what was read before stays in use: %v\n", r.what, err)
+		return r.value
+	}
+	r.value = value
+	fmt.Fprintf(os.Stderr, "meshgo: %s was renewed\n", r.what)
+	return value
+}
+
+// stampOf: what changes when a file does (a Secret's volume swaps a symlink: a new inode).
+func stampOf(paths []string) string {
+	var b strings.Builder
+	for _, path := range paths {
+		info, err := os.Stat(path)
+		if err != nil {
+			b.WriteString("-;")
+			continue
+		}
+		var inode uint64
+		if st, ok := info.Sys().(*syscall.Stat_t); ok {
+			inode = st.Ino
+		}
+		fmt.Fprintf(&b, "%d:%d:%d;", inode, info.ModTime().UnixNano(), info.Size())
+	}
+	return b.String()
+}
+
+// renewedPair: a certificate and its key, read again when they change.
+func renewedPair(cert, key string) (*renewed[*tls.Certificate], error) {
+	return newRenewed("the certificate "+cert, []string{cert, key}, func() (*tls.Certificate, error) {
+		pair, err := tls.LoadX509KeyPair(cert, key)
+		return &pair, err
+	})
 }
 
 // ---- the agent ----------------------------------------------------------------------------
