@@ -732,6 +732,90 @@ async def _certs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _agents_named(item: str) -> list[str]:
+    """The agent ids ``NAME=ITEMS`` gives a principal: each item an agent id, or a
+    module:attribute spec of agents (the ids it serves)."""
+    ids: list[str] = []
+    for part in filter(None, (p.strip() for p in item.split(","))):
+        ids += [a.agent_id for a in load_agents(part)] if ":" in part else [part]
+    return ids
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Written whole (a server reading the file meanwhile sees the old or the new), 0600."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    spare = path.with_name(f".{path.name}.new")
+    spare.write_text(text)
+    spare.chmod(0o600)
+    spare.replace(path)
+
+
+async def _credentials(args: argparse.Namespace) -> int:
+    for line in await asyncio.to_thread(_write_credentials, args):
+        _print(line)
+    return 0
+
+
+def _write_credentials(args: argparse.Namespace) -> list[str]:
+    """Writes (or changes) DIR/credentials.json and DIR/tokens/NAME; what it did, said."""
+    from mesh.core.auth import Authenticator, new_token, principal_entry, retired, rotated
+
+    if not (args.principal or args.admin or args.rotate or args.retire):
+        raise UsageError("nothing to write: give --principal, --admin, --rotate or --retire")
+    folder = Path(args.dir)
+    path, tokens = folder / "credentials.json", folder / "tokens"
+    data: dict[str, Any] = {"principals": []}
+    if path.exists():
+        try:
+            data = json.loads(path.read_text())
+            Authenticator.from_mapping(data)
+        except (OSError, ValueError) as error:
+            raise UsageError(f"cannot read {path}: {error}") from None
+    elif args.rotate or args.retire:
+        raise UsageError(f"{path} does not exist: nothing to rotate or retire")
+    names = {str(p.get("name")) for p in data["principals"]}
+    written: dict[str, str] = {}
+    said: list[str] = []
+    for given, admin in [(p, False) for p in args.principal] + [(a, True) for a in args.admin]:
+        name, _, agents = given.partition("=") if not admin else (given, "", "")
+        if not name or (not admin and not agents):
+            raise UsageError(f"--principal must be NAME=AGENTS, got {given!r}")
+        if name in names:
+            raise UsageError(
+                f"{name} is a principal already (--rotate {name} gives it a new token)"
+            )
+        names.add(name)
+        written[name] = new_token()
+        entry = principal_entry(name, _agents_named(agents), admin=admin, token=written[name])
+        data = {**data, "principals": [*data["principals"], entry]}
+        said.append(f"{name}: a new principal" + (" (admin)" if admin else f" of {agents}"))
+    for name in args.rotate:
+        written[name] = new_token()
+        try:
+            data = rotated(data, name, written[name])
+        except KeyError:
+            raise UsageError(f"--rotate {name}: no principal is so named") from None
+        said.append(f"{name}: a new token beside the old (--retire {name} once its clients use it)")
+    for name in args.retire:
+        try:
+            keep = (tokens / name).read_text().strip()
+            data, gone = retired(data, name, keep)
+        except (OSError, KeyError):
+            raise UsageError(
+                f"--retire {name}: {tokens / name} does not hold one of its tokens"
+            ) from None
+        said.append(f"{name}: {gone} older token(s) taken out")
+    Authenticator.from_mapping(data)  # (what the servers will read)
+    for name, token in written.items():
+        _write_private(tokens / name, token + "\n")
+    _write_private(path, json.dumps(data, indent=2) + "\n")
+    return [
+        *said,
+        f"wrote {path} ({len(data['principals'])} tokens) and {len(written)} token file(s) "
+        f"in {tokens}",
+    ]
+
+
 # -- parser ------------------------------------------------------------------------------------
 
 
@@ -946,6 +1030,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--days", type=int, default=365)
     p.set_defaults(run=_certs)
+
+    p = sub.add_parser(
+        "credentials",
+        help="write a credentials file and a token file per principal; rotate or retire "
+        "a principal's tokens",
+    )
+    p.add_argument("dir", help="folder of credentials.json and tokens/NAME")
+    p.add_argument(
+        "--principal",
+        action="append",
+        default=[],
+        metavar="NAME=AGENTS",
+        help="a principal acting as these agents: agent ids or module:attribute specs, "
+        "comma-separated",
+    )
+    p.add_argument("--admin", action="append", default=[], metavar="NAME", help="an admin")
+    p.add_argument(
+        "--rotate", action="append", default=[], metavar="NAME", help="a new token beside the old"
+    )
+    p.add_argument(
+        "--retire",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="take out its tokens but the one tokens/NAME holds",
+    )
+    p.set_defaults(run=_credentials)
 
     p = sub.add_parser("stats", help="queue depths, counters and dead letters")
     p.add_argument("--broker", default=broker_default)

@@ -24,12 +24,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from mesh.core.errors import PermissionDeniedError, UnauthenticatedError
+
+JSONDict = dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,3 +160,44 @@ class Authenticator:
             "credentials required: a bearer token in the authorization metadata"
             + (" or a client certificate" if self.certificate_names else "")
         )
+
+
+# -- the credentials file, written -------------------------------------------------------------
+
+
+def new_token() -> str:
+    """A bearer token: 256 random bits, URL-safe text."""
+    return secrets.token_urlsafe(32)
+
+
+def principal_entry(name: str, agents: Iterable[str], *, admin: bool, token: str) -> JSONDict:
+    entry: JSONDict = {"name": name, "token": token, "agents": sorted(set(agents))}
+    if admin:
+        entry["admin"] = True
+    return entry
+
+
+def rotated(data: Mapping[str, Any], name: str, token: str) -> JSONDict:
+    """The credentials with ``token`` added for principal ``name`` beside the ones it has
+    (same agents, same admin): the first step of a rotation, while its clients still send
+    the old one. KeyError when no principal is so named."""
+    principals = list(data.get("principals") or [])
+    known = [p for p in principals if p.get("name") == name]
+    if not known:
+        raise KeyError(name)
+    latest = known[-1]
+    entry = principal_entry(
+        name, latest.get("agents") or [], admin=bool(latest.get("admin")), token=token
+    )
+    return {**data, "principals": [*principals, entry]}
+
+
+def retired(data: Mapping[str, Any], name: str, keep: str) -> tuple[JSONDict, int]:
+    """The credentials with every token of principal ``name`` but ``keep`` taken out (the
+    last step of a rotation, once its clients send the new one), and how many went. KeyError
+    when ``keep`` is not one of its tokens."""
+    principals = list(data.get("principals") or [])
+    if not any(p.get("name") == name and p.get("token") == keep for p in principals):
+        raise KeyError(name)
+    kept = [p for p in principals if p.get("name") != name or p.get("token") == keep]
+    return {**data, "principals": kept}, len(principals) - len(kept)

@@ -15,6 +15,8 @@ from cryptography.hazmat.primitives import serialization
 
 from mesh.certs import write_dev_certificates
 from mesh.cli import _content, build_parser, main, security_config
+from mesh.core.auth import Authenticator
+from mesh.core.errors import UnauthenticatedError
 
 
 def args(**flags: object) -> argparse.Namespace:
@@ -310,6 +312,73 @@ def test_a_token_file_is_what_the_command_sends(
     monkeypatch.setenv("AGENTMESH_TOKEN_FILE", str(token))
     config = security_config(build_parser().parse_args(["agents"]))
     assert config.token_file == str(token)
+
+
+def test_credentials_are_written_then_a_token_rotated_and_the_old_one_retired(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "credentials"
+    path, tokens = folder / "credentials.json", folder / "tokens"
+
+    def token(name: str) -> str:
+        return (tokens / name).read_text().strip()
+
+    principals = ["experts=agents.stocks:stock_experts", "payment=PaymentAgent,HotelAgent"]
+    flags = [flag for p in principals for flag in ("--principal", p)]
+    assert main(["credentials", str(folder), *flags, "--admin", "gateway"]) == 0
+    auth = Authenticator.from_file(path)
+    experts = auth.authenticate(token("experts"))
+    assert (experts.name, experts.agents) == (
+        "experts",
+        {"FundamentalAnalysisAgent", "IndustryExpertAgent", "TechnicalAnalysisAgent"},
+    )
+    assert auth.authenticate(token("payment")).agents == {"PaymentAgent", "HotelAgent"}
+    assert auth.authenticate(token("gateway")).admin
+    assert {p.name: p.stat().st_mode & 0o777 for p in [path, *tokens.iterdir()]} == {
+        "credentials.json": 0o600,
+        "experts": 0o600,
+        "payment": 0o600,
+        "gateway": 0o600,
+    }
+
+    old = token("payment")
+    assert main(["credentials", str(folder), "--rotate", "payment"]) == 0
+    new = token("payment")
+    auth = Authenticator.from_file(path)
+    assert new != old
+    assert auth.authenticate(old) == auth.authenticate(new)  # (both, while clients move)
+    assert main(["credentials", str(folder), "--retire", "payment"]) == 0
+    auth = Authenticator.from_file(path)
+    assert auth.authenticate(new).agents == {"PaymentAgent", "HotelAgent"}
+    with pytest.raises(UnauthenticatedError):
+        auth.authenticate(old)
+    assert auth.authenticate(token("experts")).name == "experts"  # (the others untouched)
+    said = capsys.readouterr().out
+    assert "payment: a new token beside the old (--retire payment once its clients use it)" in said
+    assert "payment: 1 older token(s) taken out" in said
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        ([], "nothing to write: give --principal, --admin, --rotate or --retire"),
+        (["--principal", "payment"], "--principal must be NAME=AGENTS, got 'payment'"),
+        (["--principal", "gateway=A"], "gateway is a principal already (--rotate gateway"),
+        (["--rotate", "nobody"], "--rotate nobody: no principal is so named"),
+        (["--retire", "nobody"], "--retire nobody: "),
+        (["--principal", "x=nowhere:agents"], "an agent spec nowhere:agents: No module named"),
+    ],
+)
+def test_credentials_it_cannot_write_are_said(
+    flags: list[str], said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "credentials"
+    assert main(["credentials", str(folder), "--admin", "gateway"]) == 0
+    before = (folder / "credentials.json").read_text()
+    with pytest.raises(SystemExit):
+        main(["credentials", str(folder), *flags])
+    assert said in capsys.readouterr().err
+    assert (folder / "credentials.json").read_text() == before  # (nothing changed)
 
 
 def test_certificates_that_cannot_be_used_are_said_in_a_line(tmp_path: Path) -> None:
