@@ -31,6 +31,7 @@ def test_every_overlay_renders_and_validates() -> None:
     assert "dev: 33 objects rendered and valid" in result.stdout
     assert "prod: 34 objects rendered and valid" in result.stdout
     assert "replicas: 38 objects rendered and valid" in result.stdout
+    assert "secured: 34 objects rendered and valid" in result.stdout
 
 
 def test_rendered_manifests_have_grpc_probes_and_locked_down_pods() -> None:
@@ -97,6 +98,72 @@ def test_replicas_overlay_runs_several_brokers_on_redis() -> None:
         "app.kubernetes.io/name": "agentmesh-broker"
     }
     assert ("NetworkPolicy", "agentmesh-broker-egress-to-redis") in objects
+
+
+def test_secured_overlay_mounts_the_credentials_that_its_documented_command_writes(
+    tmp_path: Path,
+) -> None:
+    """Every client of the secured overlay sends the token of its own key of Secret
+    agentmesh-tokens, and the broker and gateway read the credentials file; each is a volume
+    (a subPath mount would never see the Secret updated, so a token could not be rotated),
+    readable by the pod's user. The command deploy/README.md gives writes a token file for
+    every key mounted, and a principal for each agent group that names the agents its
+    Deployment serves."""
+    import shlex
+
+    import yaml
+
+    from mesh.cli import load_agents, main
+    from mesh.core.auth import Authenticator
+
+    rendered = subprocess.run(
+        ["kubectl", "kustomize", str(ROOT / "deploy/overlays/secured")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    deployments = {
+        o["metadata"]["name"]: o["spec"]["template"]["spec"]
+        for o in yaml.safe_load_all(rendered)
+        if o and o["kind"] == "Deployment"
+    }
+    keys: dict[str, str] = {}
+    for name, pod in deployments.items():
+        [container] = pod["containers"]
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        mounts = {m["name"]: m for m in container.get("volumeMounts", [])}
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        assert not any("subPath" in m for m in mounts.values()), name
+        if name in ("agentmesh-broker", "agentmesh-gateway"):
+            secret = volumes["credentials"]["secret"]
+            assert secret["secretName"] == "agentmesh-credentials"
+            path = mounts["credentials"]["mountPath"] + "/credentials.json"
+            assert env["AGENTMESH_CREDENTIALS_FILE"] == path
+        if name == "agentmesh-broker":
+            continue
+        secret = volumes["token"]["secret"]
+        [item] = secret["items"]
+        assert secret["secretName"] == "agentmesh-tokens"
+        assert item["key"] == name.removeprefix("agentmesh-")
+        assert env["AGENTMESH_TOKEN_FILE"] == f"{mounts['token']['mountPath']}/{item['path']}"
+        assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
+        keys[item["key"]] = name
+    assert len(keys) == 6  # the gateway and five agent groups
+
+    readme = (ROOT / "deploy" / "README.md").read_text().replace("\\\n", " ")
+    [command] = [line for line in readme.splitlines() if "--principal" in line]
+    argv = shlex.split(command.replace("creds/", f"{tmp_path}/creds/"))
+    assert main(argv[1:]) == 0
+    tokens = tmp_path / "creds" / "tokens"
+    auth = Authenticator.from_file(tmp_path / "creds" / "credentials.json")
+    for key, name in keys.items():
+        principal = auth.authenticate((tokens / key).read_text().strip())
+        if key == "gateway":
+            assert principal.admin
+            continue
+        args = deployments[name]["containers"][0]["args"]
+        served = {a.agent_id for spec in args if ":" in spec for a in load_agents(spec)}
+        assert served and principal.agents == served, (key, served, principal.agents)
 
 
 def test_a_broken_manifest_fails_the_check(tmp_path: Path) -> None:
