@@ -190,8 +190,8 @@ class CredentialsFile:
                 held.task.cancel()
             ended += 1
         logger.info(
-            "the credentials file %s was read again: it counts from now on (%d streams whose "
-            "credential it changed ended)",
+            "the credentials file %s was read again: it counts from now on (streams ended, "
+            "their credential changed: %d)",
             self.path,
             ended,
             extra={"event": {"category": "auth", "file": self.path, "ended": ended}},

@@ -179,8 +179,8 @@ async def test_tokens_are_rotated_and_revoked_without_a_restart(
         said = [r.getMessage() for r in caplog.records if r.name == "mesh.security"]
         for expected in (
             f"the token file {token_file} was renewed: new calls send its token",
-            f"the credentials file {credentials} was read again: it counts from now on (2 "
-            "streams whose credential it changed ended)",
+            f"the credentials file {credentials} was read again: it counts from now on (streams "
+            "ended, their credential changed: 2)",
             f"the credentials file {credentials} changed into what cannot be used, so what was "
             f"read before stays in use: cannot read the credentials file {credentials}",
         ):
