@@ -745,8 +745,9 @@ def _write_private(path: Path, text: str) -> None:
     """Written whole (a server reading the file meanwhile sees the old or the new), 0600."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     spare = path.with_name(f".{path.name}.new")
-    spare.write_text(text)
-    spare.chmod(0o600)
+    spare.unlink(missing_ok=True)
+    with os.fdopen(os.open(spare, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+        out.write(text)  # (0600 from its first byte: no moment others could read a token)
     spare.replace(path)
 
 
@@ -771,8 +772,14 @@ def _write_credentials(args: argparse.Namespace) -> list[str]:
             Authenticator.from_mapping(data)
         except (OSError, ValueError) as error:
             raise UsageError(f"cannot read {path}: {error}") from None
+        data = {**data, "principals": list(data.get("principals") or [])}
     elif args.rotate or args.retire:
         raise UsageError(f"{path} does not exist: nothing to rotate or retire")
+    if both := set(args.rotate) & set(args.retire):
+        raise UsageError(
+            f"--rotate and --retire {', '.join(sorted(both))}: one at a time (retire once its "
+            "clients send the new token)"
+        )
     names = {str(p.get("name")) for p in data["principals"]}
     written: dict[str, str] = {}
     said: list[str] = []
@@ -804,16 +811,13 @@ def _write_credentials(args: argparse.Namespace) -> list[str]:
             raise UsageError(
                 f"--retire {name}: {tokens / name} does not hold one of its tokens"
             ) from None
-        said.append(f"{name}: {gone} older token(s) taken out")
+        said.append(f"{name}: older tokens taken out: {gone}")
     Authenticator.from_mapping(data)  # (what the servers will read)
     for name, token in written.items():
         _write_private(tokens / name, token + "\n")
     _write_private(path, json.dumps(data, indent=2) + "\n")
-    return [
-        *said,
-        f"wrote {path} ({len(data['principals'])} tokens) and {len(written)} token file(s) "
-        f"in {tokens}",
-    ]
+    files = "".join(f", {tokens / name}" for name in written)
+    return [*said, f"wrote {path} (tokens: {len(data['principals'])}){files}"]
 
 
 # -- parser ------------------------------------------------------------------------------------

@@ -355,7 +355,7 @@ def test_credentials_are_written_then_a_token_rotated_and_the_old_one_retired(
     assert auth.authenticate(token("experts")).name == "experts"  # (the others untouched)
     said = capsys.readouterr().out
     assert "payment: a new token beside the old (--retire payment once its clients use it)" in said
-    assert "payment: 1 older token(s) taken out" in said
+    assert "payment: older tokens taken out: 1" in said
 
 
 @pytest.mark.parametrize(
@@ -366,6 +366,7 @@ def test_credentials_are_written_then_a_token_rotated_and_the_old_one_retired(
         (["--principal", "gateway=A"], "gateway is a principal already (--rotate gateway"),
         (["--rotate", "nobody"], "--rotate nobody: no principal is so named"),
         (["--retire", "nobody"], "--retire nobody: "),
+        (["--rotate", "gateway", "--retire", "gateway"], "--rotate and --retire gateway: one at"),
         (["--principal", "x=nowhere:agents"], "an agent spec nowhere:agents: No module named"),
     ],
 )
