@@ -73,6 +73,13 @@ class PatternMetrics:
             ["pattern", "reason"],
             registry=r,
         )
+        self.calls_refused = Counter(
+            "agentmesh_gateway_calls_refused",
+            "Gateway calls refused for their credential: UNAUTHENTICATED (none, or one not"
+            " valid: a revoked token still in use) or PERMISSION_DENIED.",
+            ["code"],
+            registry=r,
+        )
         self.consensus_rate = Gauge(
             "agentmesh_group_chat_consensus_rate",
             "Share of group chats that ended unanimous.",
@@ -144,6 +151,9 @@ class PatternMetrics:
             if result.get("unanimous"):
                 tally.unanimous += 1
             self.consensus_rate.set(tally.consensus_rate)
+
+    def refused_call(self, code: str) -> None:
+        self.calls_refused.labels(code).inc()
 
     def refused(self, pattern: Pattern, reason: str) -> None:
         self.refusals.labels(pattern.value, reason).inc()

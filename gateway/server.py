@@ -583,6 +583,7 @@ async def serve_gateway(
         metrics_registry=metrics.registry if registry is None else None,
         metrics_port=metrics_port,
         security=security,
+        on_refused=metrics.refused_call,
     )
     server._on_drain.append(servicer.drain)
     gateway = GatewayServer(server, client, metrics, servicer)

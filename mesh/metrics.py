@@ -327,6 +327,13 @@ class BrokerMetrics:
         self.validation_errors = loop.counter(
             "agentmesh_validation_errors", "Messages refused by validation."
         )
+        self.calls_refused = loop.counter(
+            "agentmesh_calls_refused",
+            "Calls and session frames refused for their credential: UNAUTHENTICATED (none, or"
+            " one not valid: a revoked token still in use) or PERMISSION_DENIED (acting as an"
+            " agent it may not).",
+            ["code"],
+        )
         self.dead_lettered = loop.counter(
             "agentmesh_messages_dead_lettered",
             "Messages moved to the dead-letter queue.",
@@ -450,6 +457,9 @@ class BrokerMetrics:
     def expired(self) -> None:
         self.totals.expired += 1
         self.messages_expired.inc()
+
+    def refused_call(self, code: str) -> None:
+        self.calls_refused.labels(code).inc()
 
     def invalid(self) -> None:
         self.totals.validation_errors += 1

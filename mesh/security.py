@@ -219,8 +219,13 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     A stream authenticated by a :class:`CredentialsFile` is held by it while it lasts, and
     ends when the file is renewed and its credential no longer names the same principal."""
 
-    def __init__(self, authenticator: Authenticates) -> None:
+    def __init__(
+        self, authenticator: Authenticates, on_refused: Callable[[str], None] | None = None
+    ) -> None:
         self.authenticator = authenticator
+        self.on_refused = on_refused
+        """Told of each call refused for its credential, by status code name
+        (UNAUTHENTICATED, PERMISSION_DENIED): the server's metrics count them."""
 
     async def intercept_service(
         self,
@@ -249,7 +254,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 try:
                     identify(request, context)
                 except MeshError as error:
-                    await _refuse(context, method, error)
+                    await self._refuse(context, method, error)
                 return await inner_uu(request, context)
 
             return grpc.unary_unary_rpc_method_handler(
@@ -262,7 +267,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 try:
                     held = identify(request, context)
                 except MeshError as error:
-                    await _refuse(context, method, error)
+                    await self._refuse(context, method, error)
                 with self._holding(held):
                     try:
                         async for item in inner_us(request, context):
@@ -282,7 +287,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 try:
                     held = identify(None, context)
                 except MeshError as error:
-                    await _refuse(context, method, error)
+                    await self._refuse(context, method, error)
                 # Connect checks each frame itself (see check_frame).
                 with self._holding(held):
                     try:
@@ -315,6 +320,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             yield
         finally:
             self.authenticator.release(held)
+
+    async def _refuse(self, context: Any, method: str, error: MeshError) -> None:
+        if self.on_refused is not None:
+            self.on_refused(error.code)
+        await _refuse(context, method, error)
 
     @staticmethod
     async def _revoked(held: _Held, context: Any, method: str) -> None:

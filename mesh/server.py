@@ -472,8 +472,7 @@ class _Session:
             await self._batch(frame.batch.frames)
             return
         try:
-            if not self.principal.admin:
-                check_frame(self.principal, frame)
+            self._check(frame)
             if kind == "send":
                 outcome = await self.broker.accept(
                     await _inbound_sent(self.broker, frame.send),
@@ -587,6 +586,17 @@ class _Session:
         finally:
             self.in_batch = False
 
+    def _check(self, frame: broker_pb2.ConnectRequest) -> None:
+        """Refuses a frame that acts as an agent the session's principal may not (counted
+        with the calls refused for their credential)."""
+        if self.principal.admin:
+            return
+        try:
+            check_frame(self.principal, frame)
+        except MeshError as error:
+            self.broker.metrics.refused_call(error.code)
+            raise
+
     async def _sends(self, frames: list[broker_pb2.ConnectRequest]) -> None:
         """The send frames of a batch in one go (``Broker.send_many``: on a store shared over
         the network, their puts travel together, in order, where one after another each
@@ -596,8 +606,7 @@ class _Session:
             messages: list[Message | MeshError] = []
             for frame in part:
                 try:
-                    if not self.principal.admin:
-                        check_frame(self.principal, frame)
+                    self._check(frame)
                     messages.append(await _inbound_sent(self.broker, frame.send))
                 except MeshError as error:
                     messages.append(error)
@@ -984,6 +993,7 @@ async def serve_broker(
             security=security,
             on_malformed=broker.refused_unreadable,
             reads_malformed=READS_MALFORMED,
+            on_refused=broker.metrics.refused_call,
         )
     except BaseException:
         await broker.stop()  # (its sweeper and store, started above)

@@ -373,6 +373,7 @@ async def start_server(
     security: SecurityConfig | None = None,
     on_malformed: Callable[[], None] | None = None,
     reads_malformed: Collection[str] = (),
+    on_refused: Callable[[str], None] | None = None,
 ) -> MeshServer:
     """Starts a grpc.aio server with the given services, health and reflection (and the
     process's soft limit of open files raised to its hard limit, for its connections).
@@ -380,7 +381,8 @@ async def start_server(
     ``port`` 0 picks a free port; the chosen one is on the returned server. ``metrics_port``
     -1 serves no /metrics, 0 picks a free port. ``on_malformed`` counts each request
     refused because it could not be read; the unary methods in ``reads_malformed`` are given
-    such a request as a :class:`Malformed` and refuse it themselves.
+    such a request as a :class:`Malformed` and refuse it themselves. ``on_refused`` counts
+    each call refused for its credential, by status code name.
     """
     check_environment()
     open_files_to_the_hard_limit()
@@ -391,7 +393,7 @@ async def start_server(
     ]
     authenticator = authenticator_for(security)
     if authenticator is not None:
-        chain.insert(1, AuthInterceptor(authenticator))
+        chain.insert(1, AuthInterceptor(authenticator, on_refused))
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=chain)
     register(server)
     health_servicer = health.aio.HealthServicer()

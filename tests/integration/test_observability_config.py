@@ -52,6 +52,7 @@ async def test_rules_and_dashboard_use_exported_metrics(embedded: EmbeddedMesh) 
         "AgentmeshAgentInstanceLost",
         "AgentmeshPushAgentUnreachable",
         "AgentmeshGatewayRunsRefused",
+        "AgentmeshCallsRefused",
     }
     thresholds = {
         a["alert"]: float(re.findall(r">\s*([\d.]+)\s*$", a["expr"].strip())[0]) for a in alerts

@@ -21,6 +21,8 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.client import GatewayClient
 from gateway.server import serve_gateway
@@ -318,6 +320,17 @@ async def test_agents_serve_and_answer_with_their_own_credentials(token_mesh: Lo
     assert answer.content == {"action": "pay", "status": "PAID"}
 
 
+def refused(registry: CollectorRegistry, name: str) -> dict[str, float]:
+    """The calls a server counted as refused for their credential, by status code."""
+    return {
+        sample.labels["code"]: sample.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        if family.name == name
+        for sample in family.samples
+        if sample.name == name + "_total"
+    }
+
+
 async def test_gateway_calls_need_a_credential(token_mesh: LocalMesh, credentials: Path) -> None:
     security = SecurityConfig(credentials_file=str(credentials), token=GATEWAY_TOKEN)
     gateway = await serve_gateway(token_mesh.address, security=security)
@@ -329,8 +342,36 @@ async def test_gateway_calls_need_a_credential(token_mesh: LocalMesh, credential
             gateway.address, security=SecurityConfig(token=HOTEL_TOKEN)
         ) as known:
             assert isinstance(await known.pattern_stats(), dict)
+        name = "agentmesh_gateway_calls_refused"
+        assert refused(gateway.metrics.registry, name) == {"UNAUTHENTICATED": 1.0}
     finally:
         await gateway.stop(0.5)
+
+
+async def test_calls_and_frames_refused_for_their_credential_are_counted(
+    token_mesh: LocalMesh,
+) -> None:
+    """What the AgentmeshCallsRefused alert reads: a call without a credential, one with a
+    token that is not valid (a revoked one still in use), one acting as another agent, and a
+    session's frame acting as another agent."""
+    assert token_mesh.broker is not None
+    registry = token_mesh.broker.metrics.registry
+    with pytest.raises(UnauthenticatedError):
+        await as_(token_mesh, "PaymentAgent").list_agents()
+    with pytest.raises(UnauthenticatedError):
+        await as_(token_mesh, "PaymentAgent", token="revoked-token-0123456789").list_agents()
+    payment = as_(token_mesh, "PaymentAgent", token=PAYMENT_TOKEN)
+    with pytest.raises(PermissionDeniedError):
+        await payment.register("HotelAgent")
+    await payment.register("PaymentAgent")
+    with pytest.raises(PermissionDeniedError):  # (a send travels on the session, as a frame)
+        await payment.send("PaymentAgent", {"action": "pay"}, from_agent="HotelAgent")
+    await payment.send("PaymentAgent", {"action": "pay"})
+    assert refused(registry, "agentmesh_calls_refused") == {
+        "UNAUTHENTICATED": 2.0,
+        "PERMISSION_DENIED": 2.0,
+    }
+    await payment.close()
 
 
 # -- TLS ----------------------------------------------------------------------------------------
