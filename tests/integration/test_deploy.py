@@ -25,6 +25,16 @@ def check(*overlays: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+def render(overlay: str) -> str:
+    """What ``kubectl kustomize deploy/overlays/OVERLAY`` renders."""
+    return subprocess.run(
+        ["kubectl", "kustomize", str(ROOT / "deploy" / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
 def test_every_overlay_renders_and_validates() -> None:
     result = check()
     assert result.returncode == 0, result.stdout + result.stderr
@@ -37,12 +47,7 @@ def test_every_overlay_renders_and_validates() -> None:
 def test_rendered_manifests_have_grpc_probes_and_locked_down_pods() -> None:
     import yaml
 
-    rendered = subprocess.run(
-        ["kubectl", "kustomize", str(ROOT / "deploy/overlays/prod")],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    rendered = render("prod")
     assert rendered.count("service: mesh.v1.BrokerService") == 1
     assert rendered.count("service: mesh.v1.GatewayService") == 1
     assert rendered.count("service: mesh.v1.AgentService") == 5
@@ -77,12 +82,7 @@ def test_rendered_manifests_have_grpc_probes_and_locked_down_pods() -> None:
 def test_replicas_overlay_runs_several_brokers_on_redis() -> None:
     import yaml
 
-    rendered = subprocess.run(
-        ["kubectl", "kustomize", str(ROOT / "deploy/overlays/replicas")],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    rendered = render("replicas")
     objects = {(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(rendered)}
     broker = objects[("Deployment", "agentmesh-broker")]["spec"]
     assert broker["replicas"] == 3
@@ -116,12 +116,7 @@ def test_secured_overlay_mounts_the_credentials_that_its_documented_command_writ
     from mesh.cli import load_agents, main
     from mesh.core.auth import Authenticator
 
-    rendered = subprocess.run(
-        ["kubectl", "kustomize", str(ROOT / "deploy/overlays/secured")],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    rendered = render("secured")
     deployments = {
         o["metadata"]["name"]: o["spec"]["template"]["spec"]
         for o in yaml.safe_load_all(rendered)
