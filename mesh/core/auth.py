@@ -3,8 +3,8 @@
 A principal is named by a bearer token or by the name in its client certificate. An agent's
 principal acts as its own agents only: it registers them, sends as them (``from_agent``) and
 receives from their queues. An admin principal (the gateway, an operator) may act as any
-agent. Tokens are kept as SHA-256 digests and compared in constant time; no credential is
-ever logged or put in an error message.
+agent. Tokens are kept as SHA-256 digests, and a token presented is looked up by its digest;
+no credential is ever logged or put in an error message.
 
 The credentials file (JSON)::
 
@@ -22,7 +22,6 @@ the name itself is the one agent it may act as.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import secrets
 from collections.abc import Iterable, Mapping
@@ -83,18 +82,21 @@ class Authenticator:
         """``principals``: each with its token, or None when known by certificate only.
         ``certificate_names``: whether a verified client certificate identifies its holder
         (mutual TLS)."""
-        self._by_token: list[tuple[bytes, Principal]] = []
+        # By the token's digest: a lookup costs the same however many principals there are
+        # (a scan comparing each in constant time cost 0.5 ms a call with 10,000), and a
+        # guess's timing tells nothing of a token, only of digests it cannot invert.
+        self._by_digest: dict[bytes, Principal] = {}
         self._by_name: dict[str, Principal] = {}
         for principal, token in principals:
             self._by_name[principal.name] = principal
             if token:
-                self._by_token.append((_digest(token), principal))
+                self._by_digest[_digest(token)] = principal
         self.certificate_names = certificate_names
 
     def __eq__(self, other: object) -> bool:
         return (
             isinstance(other, Authenticator)
-            and self._by_token == other._by_token
+            and self._by_digest == other._by_digest
             and self._by_name == other._by_name
             and self.certificate_names == other.certificate_names
         )
@@ -141,11 +143,7 @@ class Authenticator:
         certificate); otherwise the verified client certificate's names are looked up.
         """
         if token:
-            digest = _digest(token)
-            found: Principal | None = None
-            for expected, principal in self._by_token:
-                if hmac.compare_digest(expected, digest):
-                    found = principal
+            found = self._by_digest.get(_digest(token))
             if found is None:
                 raise UnauthenticatedError("the token is not valid")
             return found
