@@ -82,6 +82,10 @@ def _issue(
         .not_valid_after(now + datetime.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+            critical=False,
+        )
     )
     hosts = list(hosts)
     if hosts:
@@ -111,6 +115,11 @@ def write_dev_certificates(
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        # Key identifiers: a verifier trusting a bundle of CAs of one name (the old and the
+        # new of a rotation) finds which one signed a certificate.
+        .add_extension(
+            x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False
+        )
         .add_extension(
             x509.KeyUsage(
                 digital_signature=True,

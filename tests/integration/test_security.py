@@ -17,6 +17,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -458,6 +459,51 @@ async def test_a_renewed_server_certificate_serves_new_connections_without_a_res
         ), said
         for client in (before, after, again):
             await client.close()
+
+
+async def test_a_renewed_ca_bundle_admits_the_new_cas_clients_without_a_restart(
+    tmp_path: Path,
+) -> None:
+    """Mutual TLS across a CA rotation: the server's CA file renewed into a bundle of the old
+    CA and the new one admits the clients of both from the next connection on; renewed into
+    the new CA alone, the old CA's clients are refused."""
+    old, new = (
+        write_dev_certificates(tmp_path / name, clients=["PaymentAgent"]) for name in ("old", "new")
+    )
+    volume = SecretVolume(
+        tmp_path / "tls",
+        {"tls.crt": old["server"], "tls.key": old["server_key"], "ca.crt": old["ca"]},
+    )
+    server = SecurityConfig(
+        tls_cert=volume["tls.crt"], tls_key=volume["tls.key"], tls_ca=volume["ca.crt"]
+    )
+
+    def client_of(issued: dict[str, Path]) -> Any:
+        return as_(
+            local,
+            "PaymentAgent",
+            tls_ca=str(old["ca"]),  # (the server's certificate stays the old CA's)
+            tls_client_cert=str(issued["PaymentAgent"]),
+            tls_client_key=str(issued["PaymentAgent_key"]),
+        )
+
+    async with LocalMesh(security=server) as local:
+        with pytest.raises(BrokerUnavailableError):
+            await client_of(new).list_agents()
+        bundle = old["ca"].read_bytes() + new["ca"].read_bytes()
+        server_files = {
+            "tls.crt": old["server"].read_bytes(),
+            "tls.key": old["server_key"].read_bytes(),
+        }
+        volume.write({**server_files, "ca.crt": bundle})
+        for issued in (old, new):
+            client = client_of(issued)
+            await client.register("PaymentAgent")
+            await client.close()
+        volume.write({**server_files, "ca.crt": new["ca"].read_bytes()})
+        with pytest.raises(BrokerUnavailableError):
+            await client_of(old).list_agents()
+        assert await client_of(new).list_agents()
 
 
 async def test_a_renewed_client_certificate_is_presented_on_the_calls_after_it(
