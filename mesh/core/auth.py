@@ -9,12 +9,16 @@ no credential is ever logged or put in an error message.
 The credentials file (JSON)::
 
     {"principals": [
-        {"name": "payment", "token": "…", "agents": ["PaymentAgent"]},
+        {"name": "payment", "token_sha256": "<64 hex digits>", "agents": ["PaymentAgent"]},
+        {"name": "hotel", "token": "…", "agents": ["HotelAgent"]},
         {"name": "gateway", "token": "…", "admin": true},
         {"name": "HotelAgent", "agents": ["HotelAgent"]}
     ]}
 
-A principal without a token is known by its certificate only (the certificate's common name,
+A principal's token is given as itself (``token``) or as its SHA-256 digest in hex
+(``token_sha256``, what ``agentmesh credentials`` writes): a file of digests, on every server
+that reads it, holds no token anyone could send. A principal without a token is known by its
+certificate only (the certificate's common name,
 or a DNS name in it, equals ``name``). With mutual TLS and no entry for a certificate's name,
 the name itself is the one agent it may act as.
 """
@@ -75,11 +79,12 @@ class Authenticator:
 
     def __init__(
         self,
-        principals: Iterable[tuple[Principal, str | None]] = (),
+        principals: Iterable[tuple[Principal, str | bytes | None]] = (),
         *,
         certificate_names: bool = False,
     ) -> None:
-        """``principals``: each with its token, or None when known by certificate only.
+        """``principals``: each with its token (or that token's SHA-256 digest, as bytes), or
+        None when known by certificate only.
         ``certificate_names``: whether a verified client certificate identifies its holder
         (mutual TLS)."""
         # By the token's digest: a lookup costs the same however many principals there are
@@ -90,7 +95,7 @@ class Authenticator:
         for principal, token in principals:
             self._by_name[principal.name] = principal
             if token:
-                self._by_digest[_digest(token)] = principal
+                self._by_digest[token if isinstance(token, bytes) else _digest(token)] = principal
         self.certificate_names = certificate_names
 
     def __eq__(self, other: object) -> bool:
@@ -128,11 +133,20 @@ class Authenticator:
             agents = item.get("agents") or []
             if not isinstance(agents, list) or not all(isinstance(a, str) for a in agents):
                 raise ValueError(f"principals[{index}].agents must be a list of agent ids")
-            token = item.get("token")
+            token, digest = item.get("token"), item.get("token_sha256")
+            if token is not None and digest is not None:
+                raise ValueError(f"principals[{index}]: a token or its token_sha256, not both")
             if token is not None and (not isinstance(token, str) or len(token) < 16):
                 raise ValueError(f"principals[{index}].token must be at least 16 characters")
+            known: str | bytes | None = token
+            if digest is not None:
+                known = _from_hex(digest)
+                if known is None:
+                    raise ValueError(
+                        f"principals[{index}].token_sha256 must be a SHA-256 digest: 64 hex digits"
+                    )
             entries.append(
-                (Principal(name, frozenset(agents), bool(item.get("admin", False))), token)
+                (Principal(name, frozenset(agents), bool(item.get("admin", False))), known)
             )
         return cls(entries, certificate_names=certificate_names)
 
@@ -168,8 +182,34 @@ def new_token() -> str:
     return secrets.token_urlsafe(32)
 
 
+def token_sha256(token: str) -> str:
+    """What a credentials file keeps of a token (``token_sha256``): its digest, which
+    authenticates whoever sends the token but is no token itself."""
+    return _digest(token).hex()
+
+
+def _from_hex(digest: object) -> bytes | None:
+    if not isinstance(digest, str) or len(digest) != 64:
+        return None
+    try:
+        return bytes.fromhex(digest)
+    except ValueError:
+        return None
+
+
+def _holds(entry: Mapping[str, Any], token: str) -> bool:
+    """Whether a principal's entry is the one of ``token`` (kept as itself or its digest)."""
+    return entry.get("token") == token or entry.get("token_sha256") == token_sha256(token)
+
+
 def principal_entry(name: str, agents: Iterable[str], *, admin: bool, token: str) -> JSONDict:
-    entry: JSONDict = {"name": name, "token": token, "agents": sorted(set(agents))}
+    """A principal's entry of the credentials file, keeping the token's digest alone: the
+    file (on every server) holds no token a reader of it could send."""
+    entry: JSONDict = {
+        "name": name,
+        "token_sha256": token_sha256(token),
+        "agents": sorted(set(agents)),
+    }
     if admin:
         entry["admin"] = True
     return entry
@@ -195,7 +235,7 @@ def retired(data: Mapping[str, Any], name: str, keep: str) -> tuple[JSONDict, in
     last step of a rotation, once its clients send the new one), and how many went. KeyError
     when ``keep`` is not one of its tokens."""
     principals = list(data.get("principals") or [])
-    if not any(p.get("name") == name and p.get("token") == keep for p in principals):
+    if not any(p.get("name") == name and _holds(p, keep) for p in principals):
         raise KeyError(name)
-    kept = [p for p in principals if p.get("name") != name or p.get("token") == keep]
+    kept = [p for p in principals if p.get("name") != name or _holds(p, keep)]
     return {**data, "principals": kept}, len(principals) - len(kept)
