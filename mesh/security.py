@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import contextvars
 import logging
-import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -160,18 +159,15 @@ class CredentialsFile:
             [path],
             lambda: Authenticator.from_file(path, certificate_names=certificate_names),
         )
-        self._looked = time.monotonic()
         self._held: set[_Held] = set()
         self._looking: asyncio.Task[None] | None = None
 
     def authenticate(self, token: str | None, certificate_names: Iterable[str] = ()) -> Principal:
-        if time.monotonic() - self._looked >= RENEWAL_LOOK_SECONDS:
-            self._look()
+        self._look()
         return self._files.current.authenticate(token, certificate_names)
 
-    def _look(self) -> None:
-        self._looked = time.monotonic()
-        renewed = self._files.changed()
+    def _look(self, every: float | None = None) -> None:
+        renewed = self._files.changed(RENEWAL_LOOK_SECONDS if every is None else every)
         if renewed is None:
             return
         ended = 0
@@ -211,7 +207,7 @@ class CredentialsFile:
     async def _keep_looking(self) -> None:
         while True:
             await asyncio.sleep(RENEWAL_LOOK_SECONDS)
-            self._look()
+            self._look(every=0.0)  # (a look each time: the sleep is what spaces them)
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
@@ -459,17 +455,14 @@ class _TokenFile:
 
     def __init__(self, path: str) -> None:
         self._files = WatchedFiles(f"the token file {path}", [path], lambda: _token_metadata(path))
-        self._looked = time.monotonic()
 
     def __call__(self) -> tuple[str, str]:
-        if time.monotonic() - self._looked >= RENEWAL_LOOK_SECONDS:
-            self._looked = time.monotonic()
-            if self._files.changed() is not None:
-                logger.info(
-                    "the token file %s was renewed: new calls send its token",
-                    self._files.paths[0],
-                    extra={"event": {"category": "auth", "file": self._files.paths[0]}},
-                )
+        if self._files.changed(RENEWAL_LOOK_SECONDS) is not None:
+            logger.info(
+                "the token file %s was renewed: new calls send its token",
+                self._files.paths[0],
+                extra={"event": {"category": "auth", "file": self._files.paths[0]}},
+            )
         return self._files.current
 
 
@@ -567,18 +560,13 @@ class _RenewingChannel(grpc.aio.Channel):
         self._options = options
         self._channel = self._open(files.current)
         self._before: list[grpc.aio.Channel] = []
-        self._looked = time.monotonic()
         self._closing: set[asyncio.Task[None]] = set()
 
     def _open(self, tls: _ClientTls) -> grpc.aio.Channel:
         return grpc.aio.secure_channel(self._target, tls.credentials(), options=self._options)
 
     def current(self) -> grpc.aio.Channel:
-        now = time.monotonic()
-        if now - self._looked < RENEWAL_LOOK_SECONDS:
-            return self._channel
-        self._looked = now
-        renewed = self._files.changed()
+        renewed = self._files.changed(RENEWAL_LOOK_SECONDS)
         if renewed is not None:
             logger.info(
                 "the TLS files of the channel to %s were renewed: new calls use them",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -105,6 +106,7 @@ class WatchedFiles(Generic[T]):
         self.paths = tuple(paths)
         self.load = load
         self._lock = threading.Lock()
+        self._looked = time.monotonic()
         self._stamp = self._stamp_now()
         self.current: T = load()
 
@@ -120,10 +122,15 @@ class WatchedFiles(Generic[T]):
                 stamps.append((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size))
         return tuple(stamps)
 
-    def changed(self) -> T | None:
+    def changed(self, every: float = 0.0) -> T | None:
         """What the files hold, when they changed since the last look into something usable
-        and other than :attr:`current` (which it becomes); None otherwise."""
+        and other than :attr:`current` (which it becomes); None otherwise. With ``every``,
+        it looks (a stat of each file) only when the last look is that many seconds old: a
+        caller on a hot path asks at each call, and pays a clock read."""
+        if every and time.monotonic() - self._looked < every:
+            return None
         with self._lock:
+            self._looked = time.monotonic()
             stamp = self._stamp_now()
             if stamp == self._stamp:
                 return None

@@ -60,3 +60,13 @@ def test_a_chain_says_when_its_first_certificate_expires(tmp_path: Path) -> None
     chain = issued["server"].read_bytes() + issued["ca"].read_bytes()
     left = valid_until(chain) - datetime.now(UTC)
     assert timedelta(days=29, hours=23) < left <= timedelta(days=30)
+
+
+def test_asked_at_each_call_it_looks_only_as_often_as_told(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("first")
+    files = WatchedFiles("the test's token file", [str(token)], token.read_text)
+    token.write_text("second")
+    assert files.changed(every=60) is None  # (looked as it was made: not again for a minute)
+    assert files.current == "first"
+    assert files.changed() == "second"
