@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -19,6 +20,28 @@ async def health_of(address: str, service: str = "") -> int:
         stub = health_pb2_grpc.HealthStub(channel)
         reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
         return int(reply.status)
+
+
+async def tls_health(
+    address: str, ca: Path, cert: Path | None = None, key: Path | None = None
+) -> int | str:
+    """The health of the server at ``address`` over TLS trusting ``ca`` (a new connection),
+    presenting ``cert`` and ``key`` when given (mutual TLS), or the name of the status code
+    that refused it."""
+
+    def read(path: Path | None) -> bytes | None:
+        return path.read_bytes() if path is not None else None
+
+    roots, chain, private = await asyncio.to_thread(lambda: (read(ca), read(cert), read(key)))
+    credentials = grpc.ssl_channel_credentials(roots, private, chain)
+    async with grpc.aio.secure_channel(address, credentials) as channel:
+        try:
+            answer = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
+        except grpc.aio.AioRpcError as error:
+            return error.code().name
+    return int(answer.status)
 
 
 class Watch:

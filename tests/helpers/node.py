@@ -12,10 +12,10 @@ NODE_DIR = Path(__file__).resolve().parents[2] / "clients" / "node"
 
 
 async def start_node_example(
-    script: str, agent_id: str, broker: str, *args: str
+    script: str, agent_id: str, broker: str, *args: str, env: dict[str, str] | None = None
 ) -> tuple[asyncio.subprocess.Process, str]:
-    """``node examples/<script> AGENT_ID ARGS...`` against ``broker``: the process and the
-    address of the agent's server once it serves."""
+    """``node examples/<script> AGENT_ID ARGS...`` against ``broker`` (with ``env`` added to
+    its environment): the process and the address of the agent's server once it serves."""
     if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").exists():
         pytest.fail("clients/node dependencies are missing: run `make setup`")
     node = await asyncio.create_subprocess_exec(
@@ -24,7 +24,7 @@ async def start_node_example(
         agent_id,
         *args,
         cwd=NODE_DIR,
-        env={**os.environ, "AGENTMESH_BROKER": broker},
+        env={**os.environ, "AGENTMESH_BROKER": broker, **(env or {})},
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
     )
@@ -32,6 +32,8 @@ async def start_node_example(
     try:
         async with asyncio.timeout(30):
             line = (await node.stdout.readline()).decode()
+            while (line.startswith("(") and "Warning" in line) or line.startswith("(Use `node"):
+                line = (await node.stdout.readline()).decode()  # (Node's own warnings)
         assert f"{agent_id} serving on 127.0.0.1:" in line, line
     except BaseException:
         node.kill()

@@ -9,9 +9,7 @@ import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from benchmarks.harness import build_meshgo, go_available
 from gateway.embedded import EmbeddedMesh
@@ -25,7 +23,7 @@ from mesh import (
     connect,
 )
 from mesh.testing import LocalMesh
-from tests.helpers.health import NOT_SERVING, SERVING, health_of, watching
+from tests.helpers.health import NOT_SERVING, SERVING, health_of, tls_health, watching
 from tests.helpers.processes import (
     BROKER_READY,
     free_port,
@@ -563,20 +561,6 @@ async def test_go_speaks_tls_with_a_token_and_is_held_to_its_identity(
             "meshgo: retry 2/3 in 500 ms",
             "meshgo: retry 3/3 in 2000 ms",
         ], err
-
-
-async def tls_health(address: str, ca: Path) -> int | str:
-    """The health of the server at ``address`` over TLS trusting ``ca`` (a new connection), or
-    the status code that refused it."""
-    credentials = grpc.ssl_channel_credentials(await asyncio.to_thread(ca.read_bytes))
-    async with grpc.aio.secure_channel(address, credentials) as channel:
-        try:
-            answer = await health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=5
-            )
-        except grpc.aio.AioRpcError as error:
-            return error.code().name
-    return int(answer.status)
 
 
 async def test_go_renews_its_certificate_and_its_token_without_a_restart(

@@ -45,6 +45,7 @@ NODE_TESTS = (
     "a plain gRPC server registered for push is called by the broker with each message",
     "a Node agent served for push answers the broker's calls, with no session of its own",
     "an answer JSON cannot carry reaches the requester as an ERROR at once, saying why",
+    "TLS files that cannot be used are said as the client or server is made, naming them",
 )
 """Tests of clients/node/test/ whose names the run must show."""
 
@@ -509,3 +510,111 @@ async def test_the_packed_node_client_carries_the_contract_and_runs_from_it(
     result = await node_program("main.js", app, env)
     assert result["protoRoot"] == str(installed / "proto")
     assert result["got"] == [{"action": "note", "parameters": {"n": 1}}]
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
+async def test_a_node_agent_serves_tls_and_the_broker_pushes_to_it(tmp_path: Path) -> None:
+    """With AGENTMESH_TLS_CERT and _KEY alone a Node agent's own server speaks TLS, as a
+    Python agent's does, to callers without a certificate of their own; a broker with a CA
+    (AGENTMESH_TLS_CA, its client side) pushes each message to it over TLS."""
+    from mesh import SecurityConfig, connect
+    from mesh.certs import write_dev_certificates
+    from tests.helpers.health import tls_health
+
+    certs = write_dev_certificates(tmp_path / "certs")
+    tls = {
+        "AGENTMESH_TLS_CERT": str(certs["server"]),
+        "AGENTMESH_TLS_KEY": str(certs["server_key"]),
+    }
+    async with LocalMesh(security=SecurityConfig(tls_ca=str(certs["ca"]))) as mesh:
+        node, address = await start_node_example(
+            "echo-agent.js", "NodeTlsPushAgent", mesh.address, "push", env=tls
+        )
+        try:
+            async with connect(mesh.address, agent_id="Caller") as client:
+                answer = await client.request("NodeTlsPushAgent", {"action": "echo"}, timeout=10)
+            assert answer.content["servedBy"] == "NodeTlsPushAgent"
+            assert await tls_health(address, certs["ca"]) == SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as plaintext:
+                await health_of(address)
+            assert plaintext.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            await stop_echo_agent(node)
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
+async def test_a_node_agent_takes_renewed_certificates_without_a_restart(tmp_path: Path) -> None:
+    """A Node agent's TLS files, renewed in place as a Kubernetes Secret's volume is (by
+    another CA's here, so that which one a connection got shows): its server (mutual TLS, with
+    AGENTMESH_TLS_CA) uses the new certificate and the new CA from the next connection on, and
+    files renewed into junk leave the last good ones in use; after a CA rotation and a broker
+    restart its client connects again trusting the CA its file holds now, and serves."""
+    from mesh import SecurityConfig, connect
+    from mesh.certs import write_dev_certificates
+    from tests.helpers.health import tls_health
+    from tests.helpers.processes import BROKER_READY, free_port, request_once_back, start, stop
+    from tests.helpers.secrets import SecretVolume
+
+    first, second = (
+        write_dev_certificates(tmp_path / name, clients=["caller"]) for name in ("first", "second")
+    )
+
+    def tls_files(certs: dict[str, Path]) -> dict[str, Path]:
+        return {"ca.crt": certs["ca"], "tls.crt": certs["server"], "tls.key": certs["server_key"]}
+
+    broker_files = SecretVolume(tmp_path / "broker", tls_files(first))
+    agent_files = SecretVolume(tmp_path / "agent", tls_files(first))
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    tls = ("--tls-cert", broker_files["tls.crt"], "--tls-key", broker_files["tls.key"])
+    serve = ("broker", "--port", str(port), "--metrics-port", "-1", *tls)
+    broker = await start(*serve, ready=BROKER_READY)
+    node = None
+    try:
+        node, node_at = await start_node_example(
+            "echo-agent.js", "NodeRenewingAgent", address,
+            env={"AGENTMESH_TLS_CA": agent_files["ca.crt"],
+                 "AGENTMESH_TLS_CERT": agent_files["tls.crt"],
+                 "AGENTMESH_TLS_KEY": agent_files["tls.key"]},
+        )  # fmt: skip
+        assert node.stdout is not None
+
+        def caller(certs: dict[str, Path]) -> tuple[Path, Path, Path]:
+            return certs["ca"], certs["caller"], certs["caller_key"]
+
+        async def request(certs: dict[str, Path], n: int) -> Any:
+            security = SecurityConfig(tls_ca=str(certs["ca"]))
+            async with connect(address, agent_id="Caller", security=security) as client:
+                return await request_once_back(
+                    client, "NodeRenewingAgent", {"action": "echo", "n": n}
+                )
+
+        assert (await request(first, 1)).content["echo"] == {"action": "echo", "n": 1}
+        assert await tls_health(node_at, *caller(first)) == SERVING
+        assert await tls_health(node_at, first["ca"]) == "UNAVAILABLE"  # (no certificate)
+
+        agent_files.write({"ca.crt": b"junk", "tls.crt": b"junk", "tls.key": b"junk"})
+        async with asyncio.timeout(10):
+            line = (await node.stdout.readline()).decode()
+        assert "changed into what cannot be used, so what was read before stays in use" in line
+        assert await tls_health(node_at, *caller(first)) == SERVING
+
+        broker_files.renew(tls_files(second))
+        agent_files.renew(tls_files(second))
+        await asyncio.sleep(2.5)  # (Node looks at its files every second)
+        assert await tls_health(node_at, *caller(second)) == SERVING
+        assert await tls_health(node_at, *caller(first)) == "UNAVAILABLE"
+
+        # The agent's session to the broker is a connection made before: it goes on. A broker
+        # restarted (a pod rolled) takes the agent's next connection, made with the new CA.
+        await stop(broker)
+        broker = await start(*serve, ready=BROKER_READY)
+        answer = await request(second, 2)
+        assert answer.content["echo"] == {"action": "echo", "n": 2}
+        assert answer.content["pid"] == node.pid  # the same process, never restarted
+        await stop_echo_agent(node)
+    finally:
+        if node is not None and node.returncode is None:
+            node.kill()
+            await node.wait()
+        await stop(broker)

@@ -879,7 +879,21 @@ export interface AgentHandlerContext extends HandlerContext {
   client: MeshClient;
 }
 
-export interface AgentOptions extends SecurityOptions {
+/** TLS for an agent's own server; each falls back on its AGENTMESH_* environment variable. */
+export interface ServerSecurityOptions {
+  /**
+   * AGENTMESH_TLS_CERT: the server certificate's path (with tlsKey, TLS; with tlsCa as well,
+   * mutual TLS: callers must present a certificate the CA signed). Renewed files are used
+   * from the next connection on.
+   */
+  tlsCert?: string;
+  /** AGENTMESH_TLS_KEY: its key's path. */
+  tlsKey?: string;
+  /** AGENTMESH_TLS_CA: the CA that signs the callers' certificates. */
+  tlsCa?: string;
+}
+
+export interface AgentOptions extends SecurityOptions, ServerSecurityOptions {
   /** The broker's address. */
   broker: string;
   agentId: string;
@@ -953,6 +967,9 @@ export function toRequest(typeName: string, obj: Record<string, unknown>): Recor
 export function toDuration(value: Duration): { seconds: number; nanos: number };
 /** Channel credentials, call metadata and channel options from options and AGENTMESH_*. */
 export function security(options?: SecurityOptions): Security;
+/** Credentials for an agent's own server from options and AGENTMESH_*: plaintext, TLS, or
+ * mutual TLS (see ServerSecurityOptions). */
+export function serverCredentials(options?: ServerSecurityOptions): grpc.ServerCredentials;
 /** The message types, in the contract's order. */
 export const TYPES: MessageType[];
 /** The directory of the .proto files the client loads: the package's own copy when it was

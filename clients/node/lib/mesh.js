@@ -509,11 +509,159 @@ class Reject extends Error {
 /** How often a client looks at its token file for a new token (a stat). */
 const TOKEN_LOOK_MS = 1000;
 
+/** How often a client, or an agent's server, looks at its TLS files for renewed ones (stats). */
+const TLS_LOOK_MS = 1000;
+
 /** The token a token file holds (its text, trimmed); a TypeError when it holds none. */
 function readToken(path) {
   const token = fs.readFileSync(path, 'utf8').trim();
   if (!token) throw new TypeError(`the token file ${path} is empty`);
   return token;
+}
+
+const PEM_CERTIFICATE = /-----BEGIN CERTIFICATE-----[^-]+-----END CERTIFICATE-----/g;
+
+function readFile(path) {
+  try {
+    return fs.readFileSync(path);
+  } catch (err) {
+    throw new TypeError(`cannot read ${path}: ${err.code || err.message}`);
+  }
+}
+
+/** The certificates of a PEM text (none when it holds none it can read). */
+function certificatesOf(pem) {
+  try {
+    return (pem.toString('latin1').match(PEM_CERTIFICATE) || [])
+      .map((block) => new crypto.X509Certificate(block));
+  } catch {
+    return [];
+  }
+}
+
+/** Why cert and key are not a PEM certificate (or a chain, the certificate first) and its
+ * unencrypted private key; null when they are. */
+function pairProblem(cert, key) {
+  const [leaf] = certificatesOf(cert);
+  if (!leaf) return 'the certificate is not PEM';
+  if (/ENCRYPTED/.test(key.toString('latin1'))) {
+    return 'the key is encrypted (TLS here takes an unencrypted key)';
+  }
+  let privateKey;
+  try {
+    privateKey = crypto.createPrivateKey(key);
+  } catch {
+    return 'the key is not a PEM private key';
+  }
+  return leaf.checkPrivateKey(privateKey) ? null : "the key is not the certificate's";
+}
+
+/** A CA bundle, its certificate and key, read and checked as TLS will use them: a TypeError
+ * naming the file that cannot be read or is not what it should be. */
+function readTls({ ca, cert, key }) {
+  const files = {};
+  if (ca) {
+    files.ca = readFile(ca);
+    if (!certificatesOf(files.ca).length) throw new TypeError(`the CA ${ca} is not a PEM certificate`);
+  }
+  if (cert) {
+    files.cert = readFile(cert);
+    files.key = readFile(key);
+    const problem = pairProblem(files.cert, files.key);
+    if (problem) {
+      throw new TypeError(
+        `${cert} and ${key} are not a PEM certificate and its private key: ${problem}`);
+    }
+  }
+  return files;
+}
+
+/**
+ * TLS files renewed in place (cert-manager rewriting a Secret's volume, certbot, a copy by
+ * hand), as grpc-js's certificate providers give them to its channels and servers: a CA
+ * bundle (ca), a certificate and its key (cert, key), either or both. Read and checked as it
+ * is made (a TypeError naming what is wrong); looked at again every TLS_LOOK_MS while a
+ * channel or server listens, and what changed is checked as at start before it is handed on:
+ * the connections made after it use it, those already open keep theirs. Files changed into
+ * what TLS cannot use (written halfway, a key that is not the certificate's) are said once,
+ * and what was read before stays in use.
+ */
+class WatchedCertificates {
+  constructor({ ca, cert, key }, what = 'the TLS files') {
+    if (Boolean(cert) !== Boolean(key)) {
+      throw new TypeError(`${what}: a certificate needs its key, and a key its certificate `
+        + `(got ${cert ? `certificate ${cert}` : `key ${key}`} alone)`);
+    }
+    this.paths = { ca, cert, key };
+    this.what = what;
+    this.files = readTls(this.paths);
+    this.problem = null;
+    this.caListeners = new Set();
+    this.identityListeners = new Set();
+    this.look = () => this.lookAgain();
+  }
+
+  lookAgain() {
+    let files;
+    try {
+      files = readTls(this.paths);
+    } catch (err) {
+      if (err.message !== this.problem) {
+        this.problem = err.message;
+        console.warn(`${this.what} changed into what cannot be used, so what was read before `
+          + `stays in use: ${err.message}`);
+      }
+      return;
+    }
+    this.problem = null;
+    const same = (a, b) => (a && b ? a.equals(b) : a === b);
+    const was = this.files;
+    this.files = files;
+    if (!same(files.ca, was.ca)) this.caListeners.forEach((tell) => tell(this.caUpdate()));
+    if (!same(files.cert, was.cert) || !same(files.key, was.key)) {
+      this.identityListeners.forEach((tell) => tell(this.identityUpdate()));
+    }
+  }
+
+  caUpdate() {
+    return this.files.ca ? { caCertificate: this.files.ca } : null;
+  }
+
+  identityUpdate() {
+    return this.files.cert ? { certificate: this.files.cert, privateKey: this.files.key } : null;
+  }
+
+  listened(on) {
+    const listening = this.caListeners.size + this.identityListeners.size > 0;
+    const paths = Object.values(this.paths).filter(Boolean);
+    if (on && !listening) {
+      paths.forEach((p) => fs.watchFile(p, { interval: TLS_LOOK_MS, persistent: false }, this.look));
+    } else if (!on && !listening) {
+      paths.forEach((p) => fs.unwatchFile(p, this.look));
+    }
+  }
+
+  addCaCertificateListener(listener) {
+    this.listened(true);
+    this.caListeners.add(listener);
+    process.nextTick(() => listener(this.caUpdate()));
+  }
+
+  removeCaCertificateListener(listener) {
+    this.caListeners.delete(listener);
+    this.listened(false);
+  }
+
+  addIdentityCertificateListener(listener) {
+    this.listened(true);
+    this.identityListeners.add(listener);
+    process.nextTick(() => listener(this.identityUpdate()));
+  }
+
+  removeIdentityCertificateListener(listener) {
+    this.identityListeners.delete(listener);
+    this.listened(false);
+  }
 }
 
 /**
@@ -523,7 +671,9 @@ function readToken(path) {
  * (AGENTMESH_TOKEN) is sent as `authorization: Bearer <token>` on every call. tokenFile
  * (AGENTMESH_TOKEN_FILE), in place of a token, names a file holding it, looked at again every
  * TOKEN_LOOK_MS: a rotated token is sent from then on, without a restart (a file changed into
- * one that holds none is said, and the token before stays). stop() ends the looking.
+ * one that holds none is said, and the token before stays). stop() ends the looking. The CA
+ * and the client certificate are looked at again too, every TLS_LOOK_MS while the channel
+ * lives (WatchedCertificates): a connection made after their renewal uses them.
  */
 function security(options = {}) {
   const env = process.env;
@@ -533,10 +683,12 @@ function security(options = {}) {
   const tokenFile = options.tokenFile
     ?? (options.token === undefined ? env.AGENTMESH_TOKEN_FILE : undefined);
   const token = tokenFile ? readToken(tokenFile) : (options.token ?? env.AGENTMESH_TOKEN);
-  const credentials = tlsCa
-    ? grpc.credentials.createSsl(fs.readFileSync(tlsCa), key ? fs.readFileSync(key) : null,
-      cert ? fs.readFileSync(cert) : null)
-    : grpc.credentials.createInsecure();
+  let credentials = grpc.credentials.createInsecure();
+  if (tlsCa) {
+    const files = new WatchedCertificates({ ca: tlsCa, cert, key }, "the client's TLS files");
+    credentials = grpc.experimental.createCertificateProviderChannelCredentials(
+      files, cert ? files : null);
+  }
   const metadata = new grpc.Metadata();
   if (token) metadata.set('authorization', `Bearer ${token}`);
   const channelOptions = {};
@@ -564,6 +716,27 @@ function security(options = {}) {
     stop = () => fs.unwatchFile(tokenFile, look);
   }
   return { credentials, metadata, channelOptions, stop };
+}
+
+/**
+ * Credentials for an agent's own server, from options, else the variables a Python agent's
+ * server reads: TLS when tlsCert and tlsKey (AGENTMESH_TLS_CERT/_KEY) name its certificate
+ * and key, mutual TLS when tlsCa (AGENTMESH_TLS_CA) names the CA its callers' certificates
+ * must be signed by; plaintext without them. The files are looked at again every TLS_LOOK_MS
+ * (WatchedCertificates): a renewed certificate is used from the next connection on.
+ */
+function serverCredentials(options = {}) {
+  const env = process.env;
+  const cert = options.tlsCert ?? env.AGENTMESH_TLS_CERT;
+  const key = options.tlsKey ?? env.AGENTMESH_TLS_KEY;
+  if (!cert && !key) return grpc.ServerCredentials.createInsecure();
+  const ca = options.tlsCa ?? env.AGENTMESH_TLS_CA;
+  const files = new WatchedCertificates({ ca, cert, key }, "the agent's server TLS files");
+  // (grpc-js 1.14 takes this function's first provider for the certificate and its second
+  // for the CA, whatever its declaration calls them: the order here is the one it uses, and
+  // tests/integration/test_node_client.py serves TLS without a CA to hold it to that.)
+  return grpc.experimental.createCertificateProviderServerCredentials(
+    files, ca ? files : null, Boolean(ca));
 }
 
 /** What a call on a closed client gets: said plainly, a MeshError like every other. */
@@ -1992,6 +2165,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     throw new TypeError(`deliveryMode ${JSON.stringify(deliveryMode)} is not one of `
       + DELIVERY_MODES.join(', '));
   }
+  const serverTls = serverCredentials(options);
   const server = new grpc.Server();
   // What the handler returns for a delivery, or for a direct call (its forward returned
   // unsent then: askOnward below asks it through the broker).
@@ -2128,7 +2302,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
   health.addToServer(server);
   new ReflectionService(REFLECTED, { services: ['mesh.v1.AgentService'] }).addToServer(server);
   const boundPort = await new Promise((resolve, reject) => {
-    server.bindAsync(`${host}:${port}`, grpc.ServerCredentials.createInsecure(),
+    server.bindAsync(`${host}:${port}`, serverTls,
       (err, p) => (err ? reject(err) : resolve(p)));
   });
   const address = `${host}:${boundPort}`;
@@ -2262,5 +2436,5 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
 
 module.exports = {
   MeshClient, GatewayClient, AgentClient, MeshError, Reject, serveAgent, buildMessage, readMessage,
-  toStruct, fromStruct, toRequest, toDuration, security, TYPES, PROTO_ROOT,
+  toStruct, fromStruct, toRequest, toDuration, security, serverCredentials, TYPES, PROTO_ROOT,
 };

@@ -1707,3 +1707,29 @@ test('a Node agent negotiates with a peer directly (RT-011 peer-to-peer)', async
     await seller.stop();
   }
 });
+
+test('TLS files that cannot be used are said as the client or server is made, naming them',
+  () => {
+    const { security, serverCredentials } = require('../lib/mesh');
+    const fs = require('node:fs');
+    const os = require('node:os');
+    const path = require('node:path');
+    const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'agentmesh-tls-'));
+    const junk = path.join(dir, 'junk.pem');
+    fs.writeFileSync(junk, 'not a certificate\n');
+    const missing = path.join(dir, 'missing.pem');
+    assert.throws(() => security({ tlsCa: missing }),
+      { name: 'TypeError', message: `cannot read ${missing}: ENOENT` });
+    assert.throws(() => security({ tlsCa: junk }),
+      { name: 'TypeError', message: `the CA ${junk} is not a PEM certificate` });
+    assert.throws(() => security({ tlsCa: junk, tlsClientCert: junk }),
+      { name: 'TypeError', message: /a certificate needs its key/ });
+    assert.throws(() => serverCredentials({ tlsKey: junk }),
+      { name: 'TypeError', message: /a certificate needs its key, and a key its certificate/ });
+    assert.throws(() => serverCredentials({ tlsCert: junk, tlsKey: junk, tlsCa: '' }),
+      { name: 'TypeError',
+        message: `${junk} and ${junk} are not a PEM certificate and its private key: `
+          + 'the certificate is not PEM' });
+    // Without a certificate a server is plaintext, as a Python agent's is.
+    assert.equal(serverCredentials({ tlsCert: '', tlsKey: '' })._isSecure(), false);
+  });
