@@ -563,23 +563,35 @@ async def test_go_speaks_tls_with_a_token_and_is_held_to_its_identity(
         ], err
 
 
-async def test_go_renews_its_certificate_and_its_token_without_a_restart(
+async def test_go_renews_its_certificates_and_its_token_without_a_restart(
     tmp_path: Path, meshgo: Path, go_agents: list[GoAgent], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The Go agent's server certificate, renewed in place (by another CA's here, so that
-    which one a connection got shows), serves the connections made after; its token file,
-    rotated (the new token beside the old, the file renewed, the old one taken out), keeps it
-    in service: its session ends as the old token goes, and it subscribes again with the new
-    one, while the old token is refused."""
+    """The Go agent's TLS files, renewed in place (by another CA's here, so that which one a
+    connection got shows), serve the connections made after: its server's certificate and the
+    CA its callers' certificates must be signed by (mutual TLS, as AGENTMESH_TLS_CA is set),
+    and the CA it checks the broker with, the broker's certificate renewed with it. Its token
+    file, rotated (the new token beside the old, the file renewed, the old one taken out),
+    keeps it in service: its session ends as the old token goes, and it subscribes again with
+    the new one, while the old token is refused."""
     import mesh.security
     from mesh import SecurityConfig
     from mesh.certs import write_dev_certificates
 
     monkeypatch.setattr(mesh.security, "RENEWAL_LOOK_SECONDS", 0.2)
-    first, second = (write_dev_certificates(tmp_path / name) for name in ("first", "second"))
-    volume = SecretVolume(
-        tmp_path / "tls", {"tls.crt": first["server"], "tls.key": first["server_key"]}
+    first, second = (
+        write_dev_certificates(tmp_path / name, clients=["caller"]) for name in ("first", "second")
     )
+
+    def tls_files(certs: dict[str, Path]) -> dict[str, Path]:
+        return {"ca.crt": certs["ca"], "tls.crt": certs["server"], "tls.key": certs["server_key"]}
+
+    def caller_of(certs: dict[str, Path]) -> tuple[Path, Path, Path]:
+        return certs["ca"], certs["caller"], certs["caller_key"]
+
+    volume = SecretVolume(tmp_path / "tls", tls_files(first))
+    broker_files = SecretVolume(tmp_path / "broker", tls_files(first))
+    both_cas = tmp_path / "both-cas.pem"
+    both_cas.write_bytes(first["ca"].read_bytes() + second["ca"].read_bytes())
     old, new, caller = (f"go-{name}-token-0123456789" for name in ("old", "new", "caller"))
     credentials = tmp_path / "credentials.json"
 
@@ -592,12 +604,12 @@ async def test_go_renews_its_certificate_and_its_token_without_a_restart(
     token_file = tmp_path / "go.token"
     token_file.write_text(old + "\n")
     security = SecurityConfig(
-        tls_cert=str(first["server"]),
-        tls_key=str(first["server_key"]),
+        tls_cert=broker_files["tls.crt"],
+        tls_key=broker_files["tls.key"],
         credentials_file=str(credentials),
     )
     go_env = {
-        "AGENTMESH_TLS_CA": str(first["ca"]),
+        "AGENTMESH_TLS_CA": volume["ca.crt"],
         "AGENTMESH_TOKEN_FILE": str(token_file),
         "AGENTMESH_TLS_CERT": volume["tls.crt"],
         "AGENTMESH_TLS_KEY": volume["tls.key"],
@@ -606,16 +618,18 @@ async def test_go_renews_its_certificate_and_its_token_without_a_restart(
         agent = await start_go_agent(
             meshgo, go_agents, local.address, "GoRenewingAgent", env=go_env
         )
-        as_py = SecurityConfig(tls_ca=str(first["ca"]), token=caller)
+        as_py = SecurityConfig(tls_ca=str(both_cas), token=caller)
         async with connect(local.address, agent_id="PyCaller", security=as_py) as client:
             answer = await client.request("GoRenewingAgent", {"action": "pay"}, timeout=10)
             assert answer.content["served_by"] == "GoRenewingAgent"
 
-            assert await tls_health(agent.address, first["ca"]) == SERVING
-            volume.renew({"tls.crt": second["server"], "tls.key": second["server_key"]})
+            assert await tls_health(agent.address, *caller_of(first)) == SERVING
+            assert await tls_health(agent.address, first["ca"]) == "UNAVAILABLE"  # (no cert)
+            volume.renew(tls_files(second))
+            broker_files.renew(tls_files(second))
             await asyncio.sleep(1.5)  # (Go looks at its files at most once a second)
-            assert await tls_health(agent.address, second["ca"]) == SERVING
-            assert await tls_health(agent.address, first["ca"]) == "UNAVAILABLE"
+            assert await tls_health(agent.address, *caller_of(second)) == SERVING
+            assert await tls_health(agent.address, *caller_of(first)) == "UNAVAILABLE"
 
             principals(old, new)
             token_file.write_text(new)
@@ -633,7 +647,53 @@ async def test_go_renews_its_certificate_and_its_token_without_a_restart(
         code, printed = await agent.stop()
     assert code == 0, printed
     assert f"meshgo: the certificate {volume['tls.crt']} was renewed" in printed, printed
+    assert f"meshgo: the CA {volume['ca.crt']} was renewed" in printed, printed
     assert f"meshgo: the token file {token_file} was renewed" in printed, printed
+
+
+async def test_a_go_agent_trusts_its_renewed_ca_when_it_connects_again(
+    tmp_path: Path, meshgo: Path, go_agents: list[GoAgent]
+) -> None:
+    """A CA rotation: the broker's certificate and the Go agent's CA file renewed in place to
+    another CA's, then the broker restarted (a pod rolled). The agent's next connection checks
+    the broker against the CA its file holds now, and it is back in service, the same
+    process."""
+    from mesh import SecurityConfig
+    from mesh.certs import write_dev_certificates
+
+    first, second = (write_dev_certificates(tmp_path / name) for name in ("first", "second"))
+    broker_files = SecretVolume(
+        tmp_path / "broker", {"tls.crt": first["server"], "tls.key": first["server_key"]}
+    )
+    agent_files = SecretVolume(tmp_path / "agent", {"ca.crt": first["ca"]})
+    both_cas = tmp_path / "both-cas.pem"
+    both_cas.write_bytes(first["ca"].read_bytes() + second["ca"].read_bytes())
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    tls = ("--tls-cert", broker_files["tls.crt"], "--tls-key", broker_files["tls.key"])
+    serve = ("broker", "--port", str(port), "--metrics-port", "-1", *tls)
+    broker = await start(*serve, ready=BROKER_READY)
+    try:
+        agent = await start_go_agent(
+            meshgo, go_agents, address, "GoRotatingAgent",
+            env={"AGENTMESH_TLS_CA": agent_files["ca.crt"]},
+        )  # fmt: skip
+        as_py = SecurityConfig(tls_ca=str(both_cas))
+        async with connect(address, agent_id="PyCaller", security=as_py) as client:
+            answer = await client.request("GoRotatingAgent", {"action": "pay"}, timeout=10)
+            assert answer.content["served_by"] == "GoRotatingAgent"
+        broker_files.renew({"tls.crt": second["server"], "tls.key": second["server_key"]})
+        agent_files.renew({"ca.crt": second["ca"]})
+        await stop(broker)
+        broker = await start(*serve, ready=BROKER_READY)
+        async with connect(address, agent_id="PyCaller", security=as_py) as client:
+            answer = await request_once_back(client, "GoRotatingAgent", {"action": "pay"})
+            assert answer.content["served_by"] == "GoRotatingAgent"
+        code, printed = await agent.stop()
+        assert code == 0, printed
+        assert f"meshgo: the CA {agent_files['ca.crt']} was renewed" in printed, printed
+    finally:
+        await stop(broker)
 
 
 async def test_a_go_agent_whose_process_dies_is_taken_off_its_agents_instances(

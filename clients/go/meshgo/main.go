@@ -23,8 +23,8 @@
 // TLS and credentials come from the variables every client of the mesh reads:
 // AGENTMESH_TLS_CA, AGENTMESH_TLS_CLIENT_CERT and AGENTMESH_TLS_CLIENT_KEY,
 // AGENTMESH_TLS_SERVER_NAME, AGENTMESH_TOKEN_FILE or AGENTMESH_TOKEN (and AGENTMESH_TLS_CERT
-// and AGENTMESH_TLS_KEY for the agent's own server). Certificates, keys and the token file
-// are read again when they change.
+// and AGENTMESH_TLS_KEY for the agent's own server, mutual TLS with AGENTMESH_TLS_CA).
+// Certificates, keys, CAs and the token file are read again when they change.
 package main
 
 import (
@@ -115,20 +115,16 @@ func canonical(name string) string {
 // AGENTMESH_TLS_CA names the CA of the server's certificate (AGENTMESH_TLS_SERVER_NAME
 // overrides the name checked), a client certificate for mutual TLS from
 // AGENTMESH_TLS_CLIENT_CERT and AGENTMESH_TLS_CLIENT_KEY, and a bearer token on every call:
-// what AGENTMESH_TOKEN_FILE holds, else AGENTMESH_TOKEN. The client certificate and the token
-// file are read again when they change (renewed, rotated), without a restart.
+// what AGENTMESH_TOKEN_FILE holds, else AGENTMESH_TOKEN. The CA, the client certificate and
+// the token file are read again when they change (renewed, rotated), without a restart.
 func dial(ctx context.Context, target string) (*grpc.ClientConn, error) {
 	var options []grpc.DialOption
 	if ca := os.Getenv("AGENTMESH_TLS_CA"); ca != "" {
-		pem, err := os.ReadFile(ca)
+		roots, err := renewedRoots(ca)
 		if err != nil {
 			return nil, err
 		}
-		roots := x509.NewCertPool()
-		if !roots.AppendCertsFromPEM(pem) {
-			return nil, fmt.Errorf("%s holds no PEM certificate", ca)
-		}
-		config := &tls.Config{RootCAs: roots, ServerName: os.Getenv("AGENTMESH_TLS_SERVER_NAME")}
+		config := &tls.Config{ServerName: os.Getenv("AGENTMESH_TLS_SERVER_NAME")}
 		if cert := os.Getenv("AGENTMESH_TLS_CLIENT_CERT"); cert != "" {
 			pair, err := renewedPair(cert, os.Getenv("AGENTMESH_TLS_CLIENT_KEY"))
 			if err != nil {
@@ -138,7 +134,7 @@ func dial(ctx context.Context, target string) (*grpc.ClientConn, error) {
 				return pair.get(), nil
 			}
 		}
-		options = append(options, grpc.WithTransportCredentials(credentials.NewTLS(config)))
+		options = append(options, grpc.WithTransportCredentials(&renewingTLS{roots: roots, config: config}))
 	} else {
 		options = append(options, grpc.WithInsecure())
 	}
@@ -192,8 +188,9 @@ func readToken(path string) (string, error) {
 }
 
 // serverOptions: TLS for the agent's own server when AGENTMESH_TLS_CERT and
-// AGENTMESH_TLS_KEY name its certificate and key, read again when they change (renewed): the
-// connections made after use the new one.
+// AGENTMESH_TLS_KEY name its certificate and key, mutual TLS when AGENTMESH_TLS_CA names the
+// CA its callers' certificates must be signed by (as a Python agent's server), each read again
+// when it changes (renewed): the connections made after use the new one.
 func serverOptions() ([]grpc.ServerOption, error) {
 	cert := os.Getenv("AGENTMESH_TLS_CERT")
 	if cert == "" {
@@ -206,7 +203,69 @@ func serverOptions() ([]grpc.ServerOption, error) {
 	config := &tls.Config{GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) {
 		return pair.get(), nil
 	}}
+	if ca := os.Getenv("AGENTMESH_TLS_CA"); ca != "" {
+		roots, err := renewedRoots(ca)
+		if err != nil {
+			return nil, err
+		}
+		config.ClientAuth = tls.RequireAndVerifyClientCert
+		// (Each handshake's config is a clone of this one, not of the one gRPC makes of it:
+		// it names HTTP/2 for ALPN itself, as gRPC's would.)
+		config.NextProtos = []string{"h2"}
+		config.GetConfigForClient = func(*tls.ClientHelloInfo) (*tls.Config, error) {
+			each := config.Clone()
+			each.GetConfigForClient = nil
+			each.ClientCAs = roots.get()
+			return each, nil
+		}
+	}
 	return []grpc.ServerOption{grpc.Creds(credentials.NewTLS(config))}, nil
+}
+
+// renewingTLS is TLS that checks the server against the CA its file holds now: each
+// handshake goes through credentials made with the roots read last.
+type renewingTLS struct {
+	roots  *renewed[*x509.CertPool]
+	config *tls.Config // all but the roots
+	mu     sync.Mutex
+	made   *x509.CertPool
+	tls    credentials.TransportCredentials
+}
+
+func (r *renewingTLS) current() credentials.TransportCredentials {
+	roots := r.roots.get()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if roots != r.made {
+		config := r.config.Clone()
+		config.RootCAs = roots
+		r.tls, r.made = credentials.NewTLS(config), roots
+	}
+	return r.tls
+}
+
+func (r *renewingTLS) ClientHandshake(ctx context.Context, authority string, raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	return r.current().ClientHandshake(ctx, authority, raw)
+}
+
+func (r *renewingTLS) ServerHandshake(raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	return r.current().ServerHandshake(raw)
+}
+
+func (r *renewingTLS) Info() credentials.ProtocolInfo { return r.current().Info() }
+
+func (r *renewingTLS) Clone() credentials.TransportCredentials {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return &renewingTLS{roots: r.roots, config: r.config.Clone()}
+}
+
+// OverrideServerName: gRPC's deprecated way of setting the name checked.
+func (r *renewingTLS) OverrideServerName(name string) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.config.ServerName, r.made = name, nil
+	return nil
 }
 
 // ---- files read again when they change ----------------------------------------------------
@@ -276,6 +335,21 @@ func stampOf(paths []string) string {
 		fmt.Fprintf(&b, "%d:%d:%d;", inode, info.ModTime().UnixNano(), info.Size())
 	}
 	return b.String()
+}
+
+// renewedRoots: a CA bundle, read again when it changes.
+func renewedRoots(ca string) (*renewed[*x509.CertPool], error) {
+	return newRenewed("the CA "+ca, []string{ca}, func() (*x509.CertPool, error) {
+		pem, err := os.ReadFile(ca)
+		if err != nil {
+			return nil, err
+		}
+		roots := x509.NewCertPool()
+		if !roots.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("%s holds no PEM certificate", ca)
+		}
+		return roots, nil
+	})
 }
 
 // renewedPair: a certificate and its key, read again when they change.
