@@ -58,7 +58,14 @@ async def _up(args: argparse.Namespace) -> int:
 async def _gateway(args: argparse.Namespace) -> int:
     from gateway.patterns.orchestrator import ROUTES_FILE, Router
     from gateway.server import RoutesError, serve_gateway
-    from mesh.cli import UsageError, _print, _stop_on_signals, _until_signalled, security_config
+    from mesh.cli import (
+        UsageError,
+        _print,
+        _stop_on_signals,
+        _until_signalled,
+        security_config,
+        served_on,
+    )
 
     try:
         router = Router.from_file(Path(args.routes)) if args.routes else None
@@ -72,6 +79,7 @@ async def _gateway(args: argparse.Namespace) -> int:
             port=args.port,
             router=router,
             metrics_port=args.metrics_port,
+            health_port=args.health_port,
             security=security_config(args),
             max_runs=args.max_runs,
         )
@@ -89,10 +97,9 @@ async def _gateway(args: argparse.Namespace) -> int:
             allow_runs=args.dashboard_runs,
             security=security_config(args),
         )
-    metrics = gateway.server.metrics_port
-    where = f", metrics on http://{args.host}:{metrics}/metrics" if metrics else ""
     _print(
-        f"agentmesh gateway listening on {gateway.address}{where}, broker {args.broker} "
+        f"agentmesh gateway listening on {gateway.address}{served_on(args.host, gateway.server)}"
+        f", broker {args.broker} "
         f"({gateway.server.security})"
     )
     if dashboard is not None:
@@ -182,7 +189,7 @@ def _add_max_runs(parser: argparse.ArgumentParser) -> None:
 
 
 def add_commands(sub: Any, broker_default: str) -> None:
-    from mesh.cli import add_security_flags, port, port_or_off
+    from mesh.cli import add_health_port_flag, add_security_flags, port, port_or_off
 
     p = sub.add_parser("up", help="run broker, gateway and the sample agents on localhost")
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
@@ -226,6 +233,7 @@ def add_commands(sub: Any, broker_default: str) -> None:
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
     p.add_argument("--port", type=port, default=_env("GATEWAY_PORT", "50052"))
     p.add_argument("--metrics-port", type=port_or_off, default=_env("GATEWAY_METRICS_PORT", "-1"))
+    add_health_port_flag(p, "GATEWAY_HEALTH_PORT")
     p.add_argument(
         "--routes",
         default=_env("ROUTES", "") or None,

@@ -561,6 +561,7 @@ async def serve_gateway(
     router: Router | None = None,
     registry: CollectorRegistry | None = None,
     metrics_port: int = -1,
+    health_port: int = -1,
     security: SecurityConfig | None = None,
     max_runs: int = MAX_RUNS,
 ) -> GatewayServer:
@@ -569,6 +570,8 @@ async def serve_gateway(
 
     Pass the broker's registry to export pattern metrics beside the broker's on one /metrics.
     ``max_runs``: the pattern runs it holds at once (more are refused with TOO_MANY_RUNS).
+    ``health_port`` (-1: none, 0: any free one) serves its health alone in plaintext beside a
+    TLS server, for probes that cannot speak TLS.
     """
     router = router or Router.from_file()
     check_routes(router)
@@ -582,6 +585,7 @@ async def serve_gateway(
         port=port,
         metrics_registry=metrics.registry if registry is None else None,
         metrics_port=metrics_port,
+        health_port=health_port,
         security=security,
         on_refused=metrics.refused_call,
     )

@@ -992,11 +992,14 @@ async def serve(
     security: SecurityConfig | None = None,
     client: MeshClient | None = None,
     delivery_mode: DeliveryMode | str = DeliveryMode.PULL,
+    health_port: int = -1,
 ) -> AgentServer:
     """Serves ``agent``: its own gRPC server on host:port (0 picks one), registered with the
     broker at ``broker`` and subscribed to its queue. Returns once it is ready. With
     ``delivery_mode="push"`` it does not subscribe: the broker calls the agent's server with
     each message queued for it (the server must be reachable from the broker: ``advertise``).
+    ``health_port`` (-1: none, 0: any free one) serves its health alone in plaintext beside a
+    TLS server, for probes that cannot speak TLS.
 
     Agents of one process given one ``client`` (see :func:`serve_all`) share its stream to
     the broker: what is ready for several of them at once (a broadcast) travels in one
@@ -1024,6 +1027,7 @@ async def serve(
             host=host,
             port=port,
             security=security,
+            health_port=health_port,
         )
     except BaseException:  # (a lease that is no time; a port in use)
         if owns_client:
@@ -1095,10 +1099,12 @@ async def serve_all(
     security: SecurityConfig | None = None,
     ports: Sequence[int] = (),
     advertise: Sequence[str | None] = (),
+    health_ports: Sequence[int] = (),
     **options: Any,
 ) -> ServedAgents:
     """Serves several agents in this process, each on its own gRPC server (``ports[i]``, 0
-    or missing picks one), sharing one client and so one stream to the broker. ``options``
+    or missing picks one; ``health_ports[i]``, the port of its plaintext health server, -1 or
+    missing none), sharing one client and so one stream to the broker. ``options``
     are those of :func:`serve` (host, max_in_flight, lease_seconds, max_lease_extension,
     delivery_mode)."""
     client = MeshClient(broker, retry=retry, security=security)
@@ -1111,6 +1117,7 @@ async def serve_all(
                     broker,
                     port=ports[i] if i < len(ports) else 0,
                     advertise=advertise[i] if i < len(advertise) else None,
+                    health_port=health_ports[i] if i < len(health_ports) else -1,
                     security=security,
                     client=client,
                     **options,

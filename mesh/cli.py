@@ -63,6 +63,29 @@ def port_or_off(value: str) -> int:
     return _port(value, -1)
 
 
+def add_health_port_flag(parser: argparse.ArgumentParser, env: str, what: str = "") -> None:
+    """--health-port (AGENTMESH_<env>): a plaintext grpc.health.v1 server beside a TLS
+    one, for probes that cannot speak TLS."""
+    parser.add_argument(
+        "--health-port",
+        type=port_or_off,
+        default=_env(env, "-1"),
+        help="port of a plaintext server of grpc.health.v1 alone, for probes that cannot "
+        f"speak TLS (a kubelet's gRPC probe){what}: -1 none (default), 0 any free port "
+        f"(env AGENTMESH_{env})",
+    )
+
+
+def served_on(host: str, server: Any) -> str:
+    """What a start-up line says of a server's /metrics and health ports, if any."""
+    said = ""
+    if server.metrics_port:
+        said += f", metrics on http://{host}:{server.metrics_port}/metrics"
+    if server.health_port:
+        said += f", health on {host}:{server.health_port}"
+    return said
+
+
 def _port(value: str, least: int) -> int:
     try:
         number = int(value)
@@ -212,7 +235,12 @@ async def _run_broker(args: argparse.Namespace) -> int:
     from mesh.server import serve_broker
 
     stop = _stop_on_signals()
-    server_config = ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port)
+    server_config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        health_port=args.health_port,
+    )
     broker_config = _broker_config(args)
     tool_host = load_tool_host(args.tools) if args.tools else None
     _, server = await serve_broker(
@@ -221,14 +249,10 @@ async def _run_broker(args: argparse.Namespace) -> int:
         tool_host=tool_host,
         security=security_config(args),
     )
-    metrics = (
-        f", metrics on http://{args.host}:{server.metrics_port}/metrics"
-        if server.metrics_port
-        else ""
-    )
     tools = f"; tools {', '.join(sorted(tool_host.tools))}" if tool_host else ""
     _print(
-        f"agentmesh broker listening on {server.address}{metrics} ({server.security}; "
+        f"agentmesh broker listening on {server.address}{served_on(args.host, server)} "
+        f"({server.security}; "
         f"store {broker_config.store}{tools})"
     )
     await _until_signalled(stop)
@@ -292,12 +316,14 @@ async def _run_agent(args: argparse.Namespace) -> int:
     agents = [a for spec in args.spec for a in load_agents(spec, args.id)]
     security = security_config(args)
     ports = [args.port + i if args.port else 0 for i in range(len(agents))]
+    health = args.health_port
     # The agents of this process share one client, so one stream to the broker.
     served = await serve_all(
         agents,
         args.broker,
         host=args.host,
         ports=ports,
+        health_ports=[health + i if health > 0 else health for i in range(len(agents))],
         advertise=[
             f"{args.advertise_host}:{port}" if args.advertise_host and port else None
             for port in ports
@@ -308,8 +334,8 @@ async def _run_agent(args: argparse.Namespace) -> int:
     )
     for one in served:
         _print(
-            f"agentmesh agent {one.agent.agent_id} serving on {one.address}, "
-            f"broker {args.broker} ({one.server.security})"
+            f"agentmesh agent {one.agent.agent_id} serving on {one.address}"
+            f"{served_on(args.host, one.server)}, broker {args.broker} ({one.server.security})"
         )
     await _until_signalled(stop)
     await served.stop()
@@ -878,6 +904,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("METRICS_PORT", "-1"),
         help="HTTP port of /metrics (-1 off, 0 any free port)",
     )
+    add_health_port_flag(p, "HEALTH_PORT")
     p.add_argument(
         "--tools",
         default=_env("TOOLS", "") or None,
@@ -905,6 +932,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("AGENT_PORT", "0"),
         help="port of the first agent, the next ones count up (0: free ports)",
     )
+    add_health_port_flag(p, "AGENT_HEALTH_PORT", ", the first agent's; the next ones count up")
     p.add_argument(
         "--advertise-host",
         default=_env("ADVERTISE_HOST", "") or None,

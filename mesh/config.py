@@ -189,12 +189,17 @@ class ServerConfig:
     metrics_port: int = -1
     """HTTP port of /metrics: -1 disables it, 0 picks a free port."""
     grace_seconds: float = 5.0
+    health_port: int = -1
+    """Port of a plaintext grpc.health.v1 server beside it, for probes that cannot speak
+    TLS: -1 none, 0 a free port."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError("port must be within 0..65535")
         if not -1 <= self.metrics_port <= 65535:
             raise ValueError("metrics_port must be within -1..65535")
+        if not -1 <= self.health_port <= 65535:
+            raise ValueError("health_port must be within -1..65535")
 
     @property
     def address(self) -> str:

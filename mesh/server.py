@@ -990,6 +990,7 @@ async def serve_broker(
             port=config.port,
             metrics_registry=broker.metrics.registry,
             metrics_port=config.metrics_port,
+            health_port=config.health_port,
             security=security,
             on_malformed=broker.refused_unreadable,
             reads_malformed=READS_MALFORMED,

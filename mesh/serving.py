@@ -229,9 +229,12 @@ class MeshServer:
     port: int
     service_names: Sequence[str]
     metrics_port: int | None = None
+    health_port: int | None = None
+    """The port of its plaintext health server (:func:`start_server`'s ``health_port``)."""
     security: str = ""
     """What protects the server, for start-up lines."""
     _metrics_http: Any = field(default=None, repr=False)
+    _health_server: grpc.aio.Server | None = field(default=None, repr=False)
     _on_stop: list[Callable[[], Any]] = field(default_factory=list, repr=False)
     _on_drain: list[Callable[[float], Awaitable[Any]]] = field(default_factory=list, repr=False)
 
@@ -289,6 +292,9 @@ class MeshServer:
             # would otherwise hold the server for the whole grace period.
             grace = min(0.5, max(0.0, grace - (loop.time() - started)))
         await self.server.stop(grace)
+        if self._health_server is not None:
+            await self._health_server.stop(0)
+            self._health_server = None
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
@@ -374,6 +380,7 @@ async def start_server(
     on_malformed: Callable[[], None] | None = None,
     reads_malformed: Collection[str] = (),
     on_refused: Callable[[str], None] | None = None,
+    health_port: int = -1,
 ) -> MeshServer:
     """Starts a grpc.aio server with the given services, health and reflection (and the
     process's soft limit of open files raised to its hard limit, for its connections).
@@ -383,6 +390,11 @@ async def start_server(
     refused because it could not be read; the unary methods in ``reads_malformed`` are given
     such a request as a :class:`Malformed` and refuse it themselves. ``on_refused`` counts
     each call refused for its credential, by status code name.
+
+    ``health_port`` (-1: none, 0: any free port) serves grpc.health.v1 alone (and reflection
+    of it), in plaintext and without credentials, on a second port: the same statuses as the
+    server's own health service, for probes that cannot speak TLS (a kubelet's gRPC probe).
+    Nothing else is served there, and nothing said there is secret.
     """
     check_environment()
     open_files_to_the_hard_limit()
@@ -424,14 +436,44 @@ async def start_server(
             mesh_server.address,
         )
     await mesh_server.set_serving(True)
+    if health_port >= 0:
+        try:
+            mesh_server._health_server, mesh_server.health_port = await _serve_health(
+                health_servicer, host, health_port
+            )
+        except OSError:
+            await server.stop(0)
+            raise
     if metrics_registry is not None and metrics_port >= 0:
         try:
             httpd, _ = start_http_server(metrics_port, addr=host, registry=metrics_registry)
         except OSError as error:
             await server.stop(0)
+            if mesh_server._health_server is not None:
+                await mesh_server._health_server.stop(0)
             raise OSError(
                 f"cannot serve /metrics on {host}:{metrics_port}: {error.strerror or error}"
             ) from None
         mesh_server._metrics_http = httpd
         mesh_server.metrics_port = httpd.server_port
     return mesh_server
+
+
+async def _serve_health(
+    servicer: health.aio.HealthServicer, host: str, port: int
+) -> tuple[grpc.aio.Server, int]:
+    """A plaintext server of ``servicer`` alone (its statuses are the main server's) on
+    host:port, started; and the port it took."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    # (Reflection too, of health alone: buf curl and grpcurl call it as they call any server.)
+    name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    _enable_reflection([name, REFLECTION_V1, reflection.SERVICE_NAME], server)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise OSError(f"cannot serve health on {host}:{port}: the port is in use")
+    await server.start()
+    return server, bound

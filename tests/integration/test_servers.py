@@ -661,3 +661,94 @@ async def test_an_agent_is_ready_only_while_it_takes_its_messages(delivery: str)
     finally:
         await served.stop(0)
         await broker.stop(0)
+
+
+async def test_a_tls_server_says_its_health_in_plaintext_on_its_health_port(
+    tmp_path: Path,
+) -> None:
+    """A kubelet's gRPC probe cannot speak TLS: with a health port, the broker, the gateway
+    and an agent each serve grpc.health.v1 alone (and reflection of it) in plaintext beside
+    their TLS server, the same statuses as their own; nothing else is served there, and a
+    stopping server says NOT_SERVING there as it drains."""
+    from gateway.server import serve_gateway
+    from mesh import SecurityConfig, serve
+    from mesh.certs import write_dev_certificates
+    from mesh.config import ServerConfig
+    from mesh.server import serve_broker
+    from mesh.v1 import broker_pb2, broker_pb2_grpc
+
+    certs = write_dev_certificates(tmp_path / "certs")
+    tls = SecurityConfig(tls_cert=str(certs["server"]), tls_key=str(certs["server_key"]))
+    as_client = SecurityConfig(tls_ca=str(certs["ca"]))
+    _, broker = await serve_broker(server_config=ServerConfig(port=0, health_port=0), security=tls)
+    assert broker.health_port
+    health = f"127.0.0.1:{broker.health_port}"
+    gateway = agent = None
+    try:
+        assert await health_of(health) == SERVING
+        assert await health_of(health, "mesh.v1.BrokerService") == SERVING
+        async with grpc.aio.insecure_channel(health) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as elsewhere:
+                await broker_pb2_grpc.BrokerServiceStub(channel).ListAgents(
+                    broker_pb2.ListAgentsRequest(), timeout=5
+                )
+        assert elsewhere.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        with pytest.raises(grpc.aio.AioRpcError) as plaintext:
+            await health_of(broker.address)  # (the server itself speaks TLS alone)
+        assert plaintext.value.code() == grpc.StatusCode.UNAVAILABLE
+        listed = await abuf(
+            "curl", "--protocol", "grpc", "--http2-prior-knowledge", "--list-services",
+            f"http://{health}",
+        )  # fmt: skip
+        assert listed.stdout.split() == [
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection",
+        ], listed.stderr
+
+        served = tls.evolve(tls_ca=str(certs["ca"]))  # (its server: mutual TLS)
+        agent = await serve(Weather(), broker.address, security=served, health_port=0)
+        assert agent.server.health_port
+        agent_health = f"127.0.0.1:{agent.server.health_port}"
+        assert await health_of(agent_health, "mesh.v1.AgentService") == SERVING
+
+        gateway = await serve_gateway(broker.address, security=as_client, health_port=0)
+        assert gateway.server.health_port
+        assert await health_of(f"127.0.0.1:{gateway.server.health_port}") == SERVING
+
+        await agent.stop()
+        agent = None
+        async with watching(health, "mesh.v1.BrokerService") as watch:
+            assert await watch.until(SERVING) == [SERVING]
+            stopping = asyncio.create_task(broker.stop(1.0))
+            assert await watch.until(NOT_SERVING) == [NOT_SERVING]
+            await stopping
+        with pytest.raises(grpc.aio.AioRpcError):
+            await health_of(health)  # (gone with its server)
+    finally:
+        if agent is not None:
+            await agent.stop()
+        if gateway is not None:
+            await gateway.stop()
+        await broker.stop()
+
+
+async def test_agentmesh_agent_counts_its_health_ports_up_as_its_ports() -> None:
+    from tests.helpers.processes import BROKER_READY, free_port, start, stop
+
+    broker = await start("broker", "--port", "0", ready=BROKER_READY)
+    first = free_port()
+    agents = await start(
+        "agent", "agents.stocks:stock_experts", "--broker", broker.address,
+        "--health-port", str(first),
+        ready=r"FundamentalAnalysisAgent serving on (\S+?)[,\s]",  # (the third, the last)
+    )  # fmt: skip
+    try:
+        said = [line for line in agents.output if "serving on" in line]
+        assert len(said) == 3, agents.output
+        for i, line in enumerate(said):
+            assert f", health on 127.0.0.1:{first + i}, broker" in line, said
+            assert await health_of(f"127.0.0.1:{first + i}", "mesh.v1.AgentService") == SERVING
+    finally:
+        await stop(agents)
+        await stop(broker)
