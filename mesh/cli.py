@@ -165,6 +165,13 @@ def add_security_flags(parser: argparse.ArgumentParser, *, server: bool) -> None
         group.add_argument("--tls-cert", help="server certificate, PEM (AGENTMESH_TLS_CERT)")
         group.add_argument("--tls-key", help="its private key, PEM (AGENTMESH_TLS_KEY)")
         group.add_argument(
+            "--tls-client-auth",
+            choices=["require", "none"],
+            help="with --tls-ca, whether this server requires its callers' certificates "
+            "(require, the default: mutual TLS) or asks for none, its CA then only the one it "
+            "checks the servers it calls with (AGENTMESH_TLS_CLIENT_AUTH)",
+        )
+        group.add_argument(
             "--credentials-file",
             help="JSON of principals and tokens; calls then need a credential "
             "(AGENTMESH_CREDENTIALS_FILE)",
@@ -197,6 +204,7 @@ def security_config(args: argparse.Namespace) -> SecurityConfig:
             "tls_client_cert",
             "tls_client_key",
             "tls_server_name",
+            "tls_client_auth",
         )
         if getattr(args, name, None)
     }

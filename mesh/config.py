@@ -215,7 +215,9 @@ class SecurityConfig:
     """TLS and credentials, for servers and for clients (AGENTMESH_TLS_CERT and friends).
 
     A server uses TLS when it has ``tls_cert``/``tls_key``, and mutual TLS (client
-    certificates required and verified) when it also has ``tls_ca``; it requires a
+    certificates required and verified) when it also has ``tls_ca``, unless
+    ``tls_client_auth`` is ``"none"`` (a server that is also a client, such as the gateway,
+    has ``tls_ca`` to verify its own server); it requires a
     credential on every call when it has a ``credentials_file`` or uses mutual TLS. With none
     of these, it is the insecure embedded default and says so at start-up.
     A client uses TLS when it has ``tls_ca`` (the CA that signed the server's certificate),
@@ -235,8 +237,15 @@ class SecurityConfig:
     token_file: str = ""
     """A file holding the bearer token, read again when it changes (with it, ``token`` is
     not sent)."""
+    tls_client_auth: str = "require"
+    """Whether a server with ``tls_ca`` requires its callers' certificates (``"require"``)
+    or asks for none (``"none"``)."""
 
     def __post_init__(self) -> None:
+        if self.tls_client_auth not in ("require", "none"):
+            raise ValueError(
+                f"tls_client_auth must be require or none, not {self.tls_client_auth!r}"
+            )
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together")
         if bool(self.tls_client_cert) != bool(self.tls_client_key):
@@ -245,9 +254,14 @@ class SecurityConfig:
             raise ValueError("a client certificate needs tls_ca to verify the server")
 
     @property
+    def mutual(self) -> bool:
+        """Whether a server with this configuration requires client certificates."""
+        return bool(self.tls_cert and self.tls_ca and self.tls_client_auth == "require")
+
+    @property
     def secured(self) -> bool:
         """Whether a server with this configuration authenticates its callers."""
-        return bool(self.credentials_file or (self.tls_cert and self.tls_ca))
+        return bool(self.credentials_file or self.mutual)
 
     def describe(self) -> str:
         """For start-up lines: what protects the server (never a secret)."""
@@ -255,7 +269,7 @@ class SecurityConfig:
             return "insecure: plaintext, no credentials (localhost development only)"
         parts = []
         if self.tls_cert:
-            parts.append("mutual TLS" if self.tls_ca else "TLS")
+            parts.append("mutual TLS" if self.mutual else "TLS")
         else:
             parts.append("plaintext")
         if self.credentials_file:

@@ -367,7 +367,7 @@ class _ClientTls:
 
 def _server_tls(config: SecurityConfig) -> _ServerTls:
     cert, key = read_pair(config.tls_cert, config.tls_key, "--tls-cert", "--tls-key")
-    return _ServerTls(cert, key, read_roots(config.tls_ca) if config.tls_ca else None)
+    return _ServerTls(cert, key, read_roots(config.tls_ca) if config.mutual else None)
 
 
 def _client_tls(config: SecurityConfig) -> _ClientTls:
@@ -399,19 +399,20 @@ def check_security_files(config: SecurityConfig) -> None:
         _token_metadata(config.token_file)
     if config.tls_cert:
         _server_tls(config)
-    elif config.tls_ca:
+    if config.tls_ca:
         read_roots(config.tls_ca)
     if config.tls_client_cert:
         _client_tls(config)
 
 
 def server_credentials(config: SecurityConfig) -> grpc.ServerCredentials | None:
-    """TLS for a server when it has a certificate; mutual TLS when it also has a CA. The
+    """TLS for a server when it has a certificate; mutual TLS when it also has a CA (and
+    ``tls_client_auth`` is not ``"none"``). The
     files are looked at again before each connection's handshake: a renewed certificate,
     key or CA is used from the next connection on, without a restart."""
     if not config.tls_cert:
         return None
-    paths = [config.tls_cert, config.tls_key, *([config.tls_ca] if config.tls_ca else [])]
+    paths = [config.tls_cert, config.tls_key, *([config.tls_ca] if config.mutual else [])]
     files = WatchedFiles("the server's TLS files", paths, lambda: _server_tls(config))
 
     def fetch() -> grpc.ServerCertificateConfiguration | None:
@@ -434,16 +435,15 @@ def server_credentials(config: SecurityConfig) -> grpc.ServerCredentials | None:
     return grpc.dynamic_ssl_server_credentials(
         files.current.configuration(),
         fetch,  # type: ignore[arg-type]  # (None is "no change", as gRPC documents)
-        require_client_authentication=bool(config.tls_ca),
+        require_client_authentication=config.mutual,
     )
 
 
 def authenticator_for(config: SecurityConfig) -> Authenticates | None:
     """Who may call a server: None (everyone) when it has neither credentials nor mTLS."""
-    mutual = bool(config.tls_cert and config.tls_ca)
     if config.credentials_file:
-        return CredentialsFile(config.credentials_file, certificate_names=mutual)
-    if mutual:
+        return CredentialsFile(config.credentials_file, certificate_names=config.mutual)
+    if config.mutual:
         return Authenticator(certificate_names=True)
     return None
 

@@ -651,6 +651,34 @@ async def test_go_renews_its_certificates_and_its_token_without_a_restart(
     assert f"meshgo: the token file {token_file} was renewed" in printed, printed
 
 
+async def test_a_go_agents_server_asks_for_no_certificate_with_client_auth_none(
+    tmp_path: Path, meshgo: Path, go_agents: list[GoAgent]
+) -> None:
+    """With AGENTMESH_TLS_CLIENT_AUTH=none the Go agent's CA is its client's alone: its server
+    speaks TLS and asks its callers for no certificate (with the default it requires one)."""
+    from mesh import SecurityConfig
+    from mesh.certs import write_dev_certificates
+
+    certs = write_dev_certificates(tmp_path / "certs", clients=["caller"])
+    server, key, ca = (str(certs[name]) for name in ("server", "server_key", "ca"))
+    env = {"AGENTMESH_TLS_CA": ca, "AGENTMESH_TLS_CERT": server, "AGENTMESH_TLS_KEY": key}
+    async with LocalMesh(security=SecurityConfig(tls_cert=server, tls_key=key)) as local:
+        asks_none = await start_go_agent(
+            meshgo, go_agents, local.address, "GoOpenAgent",
+            env={**env, "AGENTMESH_TLS_CLIENT_AUTH": "none"},
+        )  # fmt: skip
+        requires = await start_go_agent(meshgo, go_agents, local.address, "GoMutualAgent", env=env)
+        assert await tls_health(asks_none.address, certs["ca"]) == SERVING
+        assert await tls_health(requires.address, certs["ca"]) == "UNAVAILABLE"
+        mutual = (certs["ca"], certs["caller"], certs["caller_key"])
+        assert await tls_health(requires.address, *mutual) == SERVING
+        code, _, err = await run(
+            meshgo, "agent", "-broker", local.address, "-id", "GoWrongAgent",
+            env={**env, "AGENTMESH_TLS_CLIENT_AUTH": "maybe"},
+        )  # fmt: skip
+    assert code != 0 and "AGENTMESH_TLS_CLIENT_AUTH must be require or none" in err, err
+
+
 async def test_a_go_agent_trusts_its_renewed_ca_when_it_connects_again(
     tmp_path: Path, meshgo: Path, go_agents: list[GoAgent]
 ) -> None:

@@ -514,24 +514,30 @@ async def test_the_packed_node_client_carries_the_contract_and_runs_from_it(
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
 async def test_a_node_agent_serves_tls_and_the_broker_pushes_to_it(tmp_path: Path) -> None:
-    """With AGENTMESH_TLS_CERT and _KEY alone a Node agent's own server speaks TLS, as a
-    Python agent's does, to callers without a certificate of their own; a broker with a CA
-    (AGENTMESH_TLS_CA, its client side) pushes each message to it over TLS."""
+    """A Node agent's own server speaks TLS from AGENTMESH_TLS_CERT and _KEY, as a Python
+    agent's does; with AGENTMESH_TLS_CLIENT_AUTH=none its CA is its client's alone, and it asks
+    its callers for no certificate. A broker with the CA (its client side) pushes each message
+    to it over TLS."""
     from mesh import SecurityConfig, connect
     from mesh.certs import write_dev_certificates
     from tests.helpers.health import tls_health
 
     certs = write_dev_certificates(tmp_path / "certs")
+    server, key, ca = (str(certs[name]) for name in ("server", "server_key", "ca"))
     tls = {
-        "AGENTMESH_TLS_CERT": str(certs["server"]),
-        "AGENTMESH_TLS_KEY": str(certs["server_key"]),
+        "AGENTMESH_TLS_CERT": server,
+        "AGENTMESH_TLS_KEY": key,
+        "AGENTMESH_TLS_CA": ca,
+        "AGENTMESH_TLS_CLIENT_AUTH": "none",
     }
-    async with LocalMesh(security=SecurityConfig(tls_ca=str(certs["ca"]))) as mesh:
+    broker = SecurityConfig(tls_cert=server, tls_key=key, tls_ca=ca, tls_client_auth="none")
+    async with LocalMesh(security=broker) as mesh:
         node, address = await start_node_example(
             "echo-agent.js", "NodeTlsPushAgent", mesh.address, "push", env=tls
         )
         try:
-            async with connect(mesh.address, agent_id="Caller") as client:
+            caller = SecurityConfig(tls_ca=ca)
+            async with connect(mesh.address, agent_id="Caller", security=caller) as client:
                 answer = await client.request("NodeTlsPushAgent", {"action": "echo"}, timeout=10)
             assert answer.content["servedBy"] == "NodeTlsPushAgent"
             assert await tls_health(address, certs["ca"]) == SERVING

@@ -423,6 +423,32 @@ async def test_mutual_tls_identifies_agents_by_their_certificate(certs: dict[str
             await anonymous.list_agents()
 
 
+async def test_a_gateway_with_a_ca_for_its_broker_asks_its_own_callers_for_no_certificate(
+    certs: dict[str, Path],
+) -> None:
+    """The gateway is a server and a client of the broker: its CA checks the broker's
+    certificate. With tls_client_auth "none" its own callers need no certificate of their own
+    (only the CA, to check the gateway's); with the default, "require", they do."""
+    server = SecurityConfig(tls_cert=str(certs["server"]), tls_key=str(certs["server_key"]))
+    caller = SecurityConfig(tls_ca=str(certs["ca"]))
+    async with LocalMesh(security=server) as mesh:
+        for auth, reached in (("none", True), ("require", False)):
+            gateway = await serve_gateway(
+                mesh.address, security=server.evolve(tls_ca=caller.tls_ca, tls_client_auth=auth)
+            )
+            try:
+                client = GatewayClient(gateway.address, security=caller, retry=NO_RETRY)
+                async with client:
+                    if reached:
+                        assert "GROUP_CHAT" in await client.pattern_stats()
+                    else:
+                        with pytest.raises(MeshError) as refused:
+                            await client.pattern_stats()
+                        assert refused.value.code == "UNAVAILABLE"
+            finally:
+                await gateway.stop()
+
+
 async def test_a_renewed_server_certificate_serves_new_connections_without_a_restart(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -575,6 +601,10 @@ def test_security_settings_are_checked_and_describe_themselves() -> None:
     assert (
         SecurityConfig(tls_cert="c", tls_key="k", tls_ca="ca").describe().startswith("mutual TLS")
     )
+    asks_none = SecurityConfig(tls_cert="c", tls_key="k", tls_ca="ca", tls_client_auth="none")
+    assert asks_none.describe() == "TLS"
+    with pytest.raises(ValueError, match="tls_client_auth must be require or none, not 'maybe'"):
+        SecurityConfig(tls_client_auth="maybe")
     with pytest.raises(ValueError, match="go together"):
         SecurityConfig(tls_cert="c")
     assert "secret-secret-secret" not in repr(SecurityConfig(token="secret-secret-secret"))

@@ -189,8 +189,9 @@ func readToken(path string) (string, error) {
 
 // serverOptions: TLS for the agent's own server when AGENTMESH_TLS_CERT and
 // AGENTMESH_TLS_KEY name its certificate and key, mutual TLS when AGENTMESH_TLS_CA names the
-// CA its callers' certificates must be signed by (as a Python agent's server), each read again
-// when it changes (renewed): the connections made after use the new one.
+// CA its callers' certificates must be signed by (as a Python agent's server; not with
+// AGENTMESH_TLS_CLIENT_AUTH=none), each read again when it changes (renewed): the connections
+// made after use the new one.
 func serverOptions() ([]grpc.ServerOption, error) {
 	cert := os.Getenv("AGENTMESH_TLS_CERT")
 	if cert == "" {
@@ -203,7 +204,11 @@ func serverOptions() ([]grpc.ServerOption, error) {
 	config := &tls.Config{GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) {
 		return pair.get(), nil
 	}}
-	if ca := os.Getenv("AGENTMESH_TLS_CA"); ca != "" {
+	auth := os.Getenv("AGENTMESH_TLS_CLIENT_AUTH")
+	if auth != "" && auth != "require" && auth != "none" {
+		return nil, fmt.Errorf("AGENTMESH_TLS_CLIENT_AUTH must be require or none, not %q", auth)
+	}
+	if ca := os.Getenv("AGENTMESH_TLS_CA"); ca != "" && auth != "none" {
 		roots, err := renewedRoots(ca)
 		if err != nil {
 			return nil, err

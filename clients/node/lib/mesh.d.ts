@@ -891,6 +891,11 @@ export interface ServerSecurityOptions {
   tlsKey?: string;
   /** AGENTMESH_TLS_CA: the CA that signs the callers' certificates. */
   tlsCa?: string;
+  /**
+   * AGENTMESH_TLS_CLIENT_AUTH: 'require' (the default) asks callers for a certificate the CA
+   * signed; 'none' asks for none (the CA is then the agent's client's alone).
+   */
+  tlsClientAuth?: 'require' | 'none';
 }
 
 export interface AgentOptions extends SecurityOptions, ServerSecurityOptions {

@@ -722,15 +722,21 @@ function security(options = {}) {
  * Credentials for an agent's own server, from options, else the variables a Python agent's
  * server reads: TLS when tlsCert and tlsKey (AGENTMESH_TLS_CERT/_KEY) name its certificate
  * and key, mutual TLS when tlsCa (AGENTMESH_TLS_CA) names the CA its callers' certificates
- * must be signed by; plaintext without them. The files are looked at again every TLS_LOOK_MS
- * (WatchedCertificates): a renewed certificate is used from the next connection on.
+ * must be signed by, unless tlsClientAuth (AGENTMESH_TLS_CLIENT_AUTH) is 'none' (the CA is
+ * then its client's alone); plaintext without them. The files are looked at again every
+ * TLS_LOOK_MS (WatchedCertificates): a renewed certificate is used from the next connection
+ * on.
  */
 function serverCredentials(options = {}) {
   const env = process.env;
   const cert = options.tlsCert ?? env.AGENTMESH_TLS_CERT;
   const key = options.tlsKey ?? env.AGENTMESH_TLS_KEY;
+  const clientAuth = options.tlsClientAuth ?? (env.AGENTMESH_TLS_CLIENT_AUTH || 'require');
+  if (!['require', 'none'].includes(clientAuth)) {
+    throw new TypeError(`tlsClientAuth must be require or none, not ${JSON.stringify(clientAuth)}`);
+  }
   if (!cert && !key) return grpc.ServerCredentials.createInsecure();
-  const ca = options.tlsCa ?? env.AGENTMESH_TLS_CA;
+  const ca = clientAuth === 'require' ? options.tlsCa ?? env.AGENTMESH_TLS_CA : undefined;
   const files = new WatchedCertificates({ ca, cert, key }, "the agent's server TLS files");
   // (grpc-js 1.14 takes this function's first provider for the certificate and its second
   // for the CA, whatever its declaration calls them: the order here is the one it uses, and

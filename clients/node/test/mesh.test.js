@@ -1730,6 +1730,8 @@ test('TLS files that cannot be used are said as the client or server is made, na
       { name: 'TypeError',
         message: `${junk} and ${junk} are not a PEM certificate and its private key: `
           + 'the certificate is not PEM' });
+    assert.throws(() => serverCredentials({ tlsClientAuth: 'maybe' }),
+      { name: 'TypeError', message: 'tlsClientAuth must be require or none, not "maybe"' });
     // Without a certificate a server is plaintext, as a Python agent's is.
     assert.equal(serverCredentials({ tlsCert: '', tlsKey: '' })._isSecure(), false);
   });
