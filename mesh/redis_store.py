@@ -64,6 +64,7 @@ from mesh.core.queue import (
     Popped,
     QueueStats,
     Released,
+    RouteClaim,
     capacity_limits,
 )
 from mesh.core.tasks import cancel_and_wait, stop_if_cancelled
@@ -561,6 +562,8 @@ class _Put:
     args: list[Any]
     total_limit: int
     future: asyncio.Future[Any]
+    route: tuple[Any, ...] | None = None
+    """The SET that records the route of the request this put queues, sent before it."""
 
 
 class RedisQueueStore:
@@ -937,7 +940,20 @@ class RedisQueueStore:
 
     # -- producing -------------------------------------------------------------------------
 
-    async def put(self, message: Message, ttl_seconds: float) -> bool:
+    async def put(
+        self, message: Message, ttl_seconds: float, claim: RouteClaim | None = None
+    ) -> bool:
+        route = None
+        if claim is not None:
+            await self._client()  # (whether it is a cluster is known once connected)
+            if self.cluster:
+                # The route's key is in another slot than the queue's, likely on another
+                # node: claimed first, so that no answer can come before it.
+                await self.claim_route(*claim)
+            else:
+                # One server takes a connection's commands in order: the route's SET goes in
+                # the pipeline of the put, before it.
+                route = self._route_command(*claim)
         agent_id = message.to_agent
         low = message.priority is Priority.LOW
         per_agent, total = self._low_limits if low else self._limits
@@ -954,7 +970,7 @@ class RedisQueueStore:
             message.priority.rank,
             message.from_agent,
         ]
-        result = await self._put(agent_id, args, total)
+        result = await self._put(agent_id, args, total, route)
         if int(result[0]) == -2:
             await self.sweep()  # expired messages elsewhere must not hold capacity
             result = await self._put(agent_id, args, total)
@@ -986,11 +1002,17 @@ class RedisQueueStore:
             )
         return status == 1
 
-    async def _put(self, agent_id: str, args: list[Any], total_limit: int) -> Any:
+    async def _put(
+        self,
+        agent_id: str,
+        args: list[Any],
+        total_limit: int,
+        route: tuple[Any, ...] | None = None,
+    ) -> Any:
         """Runs the put script, together with the other puts of this loop iteration: a batch
         (or concurrent senders) costs two round trips to Redis, whatever its size."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._puts.append(_Put(agent_id, args, total_limit, future))
+        self._puts.append(_Put(agent_id, args, total_limit, future, route))
         if len(self._puts) == 1:
             asyncio.get_running_loop().call_soon(self._flush_puts)
         return await future
@@ -1021,11 +1043,12 @@ class RedisQueueStore:
         calls = [(p.agent_id, p.args) for p in puts]
         new_queues = sorted({p.agent_id for p in puts} - self._queues_known)
         extra = [("SADD", QUEUES, *new_queues)] if new_queues else []
+        routes = [p.route for p in puts if p.route is not None]
         tightest = min(p.total_limit for p in puts)
         if self._seen_total + len(puts) <= tightest * FAST_SHARE:
             try:
                 (counted, *_), results = await self._run_many(
-                    "put", calls, [("INCRBY", TOTAL, len(puts)), *extra]
+                    "put", calls, [("INCRBY", TOTAL, len(puts)), *extra, *routes]
                 )
             except BrokerUnavailableError as error:
                 self._settle_puts(puts, [error] * len(puts), 0)
@@ -1037,7 +1060,7 @@ class RedisQueueStore:
             self._settle_puts(puts, results, -taken)
             return
         try:
-            reserved_to = int(await self._call("incrby", TOTAL, len(puts)))
+            reserved_to = int((await self._commands([("INCRBY", TOTAL, len(puts)), *routes]))[0])
         except BrokerUnavailableError as error:
             for put in puts:
                 if not put.future.done():
@@ -1487,8 +1510,25 @@ class RedisQueueStore:
 
     async def claim_route(self, key: tuple[str, str], ttl: float) -> None:
         """Records that this replica waits for the answer keyed (requester, correlation)."""
+        await self._commands([self._route_command(key, ttl)])
+
+    def _route_command(self, key: tuple[str, str], ttl: float) -> tuple[Any, ...]:
+        """The SET that records this replica as where the answer keyed (requester,
+        correlation id) is waited for, for ``ttl`` seconds and a moment."""
         route = f"mesh:route:{key[0]}:{key[1]}"
-        await self._call("set", route, self.replica_id, px=int(ttl * 1000) + 1000)
+        return ("SET", route, self.replica_id, "PX", int(ttl * 1000) + 1000)
+
+    async def _commands(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Plain commands in one pipeline, in order; their answers."""
+        client = await self._client()
+        try:
+            pipe = client.pipeline(transaction=False)
+            for command in commands:
+                pipe.execute_command(*command)
+            results: list[Any] = await pipe.execute()
+        except (RedisError, OSError) as error:
+            raise _unavailable(error) from None
+        return results
 
     async def give_up_route(self, key: tuple[str, str]) -> None:
         route = f"mesh:route:{key[0]}:{key[1]}"

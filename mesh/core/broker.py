@@ -62,6 +62,7 @@ from mesh.core.queue import (
     QueueStats,
     QueueStore,
     Released,
+    RouteClaim,
 )
 from mesh.core.registry import AgentRegistry, named
 from mesh.core.state import SharedState, StateStore
@@ -888,16 +889,22 @@ class Broker:
             raise
 
     async def send(
-        self, message: Message, *, size_bytes: int = 0, lifetime: float | None = None
+        self,
+        message: Message,
+        *,
+        size_bytes: int = 0,
+        lifetime: float | None = None,
+        claim: RouteClaim | None = None,
     ) -> SendOutcome:
         """Accepts one message: validates, routes an answer to its waiting requester, or enqueues.
 
         ``to_agent`` "broadcast" fans the message out to every other agent. Returns once the
         message is accepted for good (on disk, with a durable store). A message already past
         its ttl (see :meth:`_lifetime`; ``lifetime`` when the caller worked it out) is accepted
-        and expires at once: logged and counted, never delivered.
+        and expires at once: logged and counted, never delivered. ``claim``: the route of a
+        request sent to one agent, claimed as it is queued (:meth:`QueueStore.put`).
         """
-        outcome = await self._send(message, size_bytes, lifetime)
+        outcome = await self._send(message, size_bytes, lifetime, claim)
         await self.store.sync()
         return outcome
 
@@ -928,7 +935,11 @@ class Broker:
         return self.store.group_commit
 
     async def _send(
-        self, message: Message, size_bytes: int, lifetime: float | None = None
+        self,
+        message: Message,
+        size_bytes: int,
+        lifetime: float | None = None,
+        claim: RouteClaim | None = None,
     ) -> SendOutcome:
         started = time.perf_counter()
         try:
@@ -977,7 +988,7 @@ class Broker:
             self._require_fields(message, registered.required_fields)
         if message.reply_to and message.message_type in _ASKING_TYPES:
             await self._note_forward(message, lifetime)
-        await self._enqueue(message, lifetime)
+        await self._enqueue(message, lifetime, claim)
         self.metrics.sent(message.message_type.value, time.perf_counter() - started)
         return SendOutcome(message, (message.to_agent,))
 
@@ -1071,14 +1082,16 @@ class Broker:
             f"{message.timestamp.isoformat()}"
         )
 
-    async def _enqueue(self, message: Message, lifetime: float | None = None) -> None:
+    async def _enqueue(
+        self, message: Message, lifetime: float | None = None, claim: RouteClaim | None = None
+    ) -> None:
         if lifetime is None:
             lifetime = self._lifetime(message)
         if lifetime <= 0:
             self.on_expired(message)  # accepted, and already past its ttl: never delivered
             return
         try:
-            accepted = await self.store.put(message, lifetime)
+            accepted = await self.store.put(message, lifetime, claim)
         except MessageQueueFullError:
             self.metrics.dropped("queue_full")
             self._log_queue_full(message)
@@ -1309,10 +1322,14 @@ class Broker:
         started = time.perf_counter()
         sent = False
         try:
+            claim = None
             if self.store.shared:
-                await self.store.claim_route(key, timeout)
+                if message.to_agent == BROADCAST_TARGET:
+                    await self.store.claim_route(key, timeout)
+                else:  # (its queue's put claims it, in the same round trip where it can)
+                    claim = (key, timeout)
             self._forwards[key] = []
-            await self.send(message, size_bytes=size_bytes, lifetime=lifetime)
+            await self.send(message, size_bytes=size_bytes, lifetime=lifetime, claim=claim)
             sent = True
             if lifetime <= 0:
                 raise self._expired_question(message)

@@ -103,6 +103,11 @@ MAX_FORWARDS = 16
 """How many forwards of one request are remembered, to be withdrawn when it is given up."""
 
 
+RouteClaim = tuple[tuple[str, str], float]
+"""A request's route to record as its message is put: the (requester, correlation id) key
+and the seconds it waits (:meth:`QueueStore.claim_route`)."""
+
+
 class QueueStore(Protocol):
     """What the broker needs from a queue backend."""
 
@@ -116,11 +121,16 @@ class QueueStore(Protocol):
     """Whether several broker replicas share the store (and need the replica methods)."""
     replica_id: str
 
-    async def put(self, message: Message, ttl_seconds: float) -> bool:
+    async def put(
+        self, message: Message, ttl_seconds: float, claim: RouteClaim | None = None
+    ) -> bool:
         """Enqueues a message for ``message.to_agent``.
 
         Returns False when a message with the same id is already held for that agent (the
         send is then a harmless retry). Raises MessageQueueFullError over capacity.
+        ``claim`` (a shared store): the route of the request the message is, recorded as
+        :meth:`claim_route` records it and no later than the message is queued (so that the
+        answer, from whichever replica, finds it), in the same round trip where it can.
         """
         ...
 
@@ -448,7 +458,10 @@ class InMemoryQueueStore:
 
     # -- producing ---------------------------------------------------------------------------
 
-    async def put(self, message: Message, ttl_seconds: float) -> bool:
+    async def put(
+        self, message: Message, ttl_seconds: float, claim: RouteClaim | None = None
+    ) -> bool:
+        # (claim: no replica shares this store, so no route is ever looked for)
         agent_id = message.to_agent
         queue = self._queues.get(agent_id)
         if queue is None:

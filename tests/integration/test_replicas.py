@@ -27,7 +27,7 @@ from mesh.config import BrokerConfig
 from mesh.core import broker as broker_module
 from mesh.core.broker import Broker
 from mesh.core.errors import AgentNotFoundError, RequestTimeoutError
-from mesh.core.model import AgentInfo
+from mesh.core.model import AgentInfo, MessageType
 from mesh.redis_store import RedisQueueStore
 from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
 from tests.helpers.health import NOT_SERVING, SERVING, watching
@@ -461,6 +461,62 @@ async def test_the_instances_a_dead_replica_held_are_taken_off_by_the_other(
         await store.close()
         await stop(a)
         await stop(b)
+
+
+class RouteCountingStore(RedisQueueStore):
+    """The Redis store, counting how requests' routes are claimed: on their own, or in the
+    pipeline of a put."""
+
+    alone = 0
+    with_put = 0
+
+    async def claim_route(self, key: tuple[str, str], ttl: float) -> None:
+        self.alone += 1
+        await super().claim_route(key, ttl)
+
+    async def _run_many(self, name: str, calls: list[Any], before: list[Any] | None = None) -> Any:
+        routes = [c for c in before or () if c[0] == "SET" and c[1].startswith("mesh:route:")]
+        self.with_put += len(routes)
+        return await super()._run_many(name, calls, before)
+
+
+async def test_a_request_claims_its_route_in_the_round_trip_of_its_put(one_redis: str) -> None:
+    """On one Redis, which takes a connection's commands in order, the route of a request
+    (which replica waits for its answer) travels in the pipeline of the request's put, before
+    it: one round trip where there were two. On a cluster, whose route and queue are on
+    different nodes, it is claimed first, on its own. The answer, through the other replica,
+    finds its way either way."""
+    store = RouteCountingStore(one_redis)
+    async with running(replica(one_redis, store=store), replica(one_redis)) as (mine, other):
+        await other.register(AgentInfo(agent_id="Worker"))
+        sub = await other.subscribe("Worker")
+        for n in range(4):
+            if n == 1:  # (the first put reserves its place in the count first, on its own)
+                store.alone = store.with_put = 0
+            asking = asyncio.create_task(
+                mine.request(
+                    Message(from_agent="Asker", to_agent="Worker", content={"action": f"q{n}"}),
+                    timeout=10,
+                )
+            )
+            delivery = await asyncio.wait_for(sub.next(), 5)
+            question = delivery.message
+            key = ("Asker", question.correlation_id)
+            assert await other.store.route_of(key) == store.replica_id
+            await other.send(
+                Message(
+                    from_agent="Worker",
+                    to_agent="Asker",
+                    message_type=MessageType.RESPONSE,
+                    correlation_id=question.correlation_id,
+                    content={"action": f"q{n}", "n": n},
+                )
+            )
+            answer = await asyncio.wait_for(asking, 5)
+            assert answer.content["n"] == n
+        cluster = store.cluster
+        assert (store.alone, store.with_put) == ((3, 0) if cluster else (0, 3))
+        await sub.close()
 
 
 async def test_a_requester_on_one_replica_hears_at_once_of_its_request_dead_lettered_on_another(
