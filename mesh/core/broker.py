@@ -1104,6 +1104,30 @@ class Broker:
             self._log_handoff(message)
             await self._note_workflow(message)
 
+    async def _enqueue_all(
+        self, messages: Sequence[Message], lifetime: float
+    ) -> list[MeshError | None]:
+        """Queues each message (the copies of a broadcast or a gather); for each, the error
+        that refused it, or None. A networked store pipelines what is submitted together:
+        one round trip for them all instead of one per copy."""
+        refusals: list[MeshError | None] = []
+        if self.store.shared:
+            done = await asyncio.gather(
+                *(self._enqueue(m, lifetime) for m in messages), return_exceptions=True
+            )
+            for outcome in done:
+                if outcome is not None and not isinstance(outcome, MeshError):
+                    raise outcome
+                refusals.append(outcome)
+            return refusals
+        for message in messages:
+            try:
+                await self._enqueue(message, lifetime)
+                refusals.append(None)
+            except MeshError as error:
+                refusals.append(error)
+        return refusals
+
     def _log_queue_full(self, message: Message) -> None:
         """At most one warning per agent per second under overload, counting the refusals
         held back between."""
@@ -1236,14 +1260,12 @@ class Broker:
         recipients: list[str] = []
         failures: list[tuple[str, MeshError]] = []
         lifetime = self._lifetime(message)
-        for info in targets:
-            if info.agent_id == message.from_agent:
-                continue
-            try:
-                await self._enqueue(message.copy_to(info.agent_id), lifetime)
-                recipients.append(info.agent_id)
-            except MeshError as error:
-                failures.append((info.agent_id, error))
+        copies = [message.copy_to(a.agent_id) for a in targets if a.agent_id != message.from_agent]
+        for copy, error in zip(copies, await self._enqueue_all(copies, lifetime), strict=True):
+            if error is None:
+                recipients.append(copy.to_agent)
+            else:
+                failures.append((copy.to_agent, error))
         if recipients:
             await self.store.sync()
         elapsed = time.perf_counter() - started
@@ -1441,17 +1463,24 @@ class Broker:
         try:
             if self.store.shared:
                 await self.store.claim_route(key, timeout)
-            refused: list[GatherItem] = []
+            errors: dict[str, MeshError] = {}
+            copies = []
             for agent_id in targets:
                 try:
                     if not await self._is_registered(agent_id):
                         raise AgentNotFoundError(f"agent {agent_id} is not registered")
                     self._refuse_if_no_instance(agent_id)
-                    await self._enqueue(message.copy_to(agent_id), lifetime)
-                    self.metrics.sent(kind.value, 0.0)
+                    copies.append(message.copy_to(agent_id))
                 except MeshError as error:
-                    gathering.expected.discard(agent_id)
-                    refused.append(GatherItem(agent_id, error=error))
+                    errors[agent_id] = error
+            queued = await self._enqueue_all(copies, lifetime)
+            for copy, refusal in zip(copies, queued, strict=True):
+                if refusal is None:
+                    self.metrics.sent(kind.value, 0.0)
+                else:
+                    errors[copy.to_agent] = refusal
+            refused = [GatherItem(a, error=errors[a]) for a in targets if a in errors]
+            gathering.expected.difference_update(errors)
             if lifetime <= 0:
                 raise self._expired_question(message)
             await self.store.sync()

@@ -464,11 +464,14 @@ async def test_the_instances_a_dead_replica_held_are_taken_off_by_the_other(
 
 
 class RouteCountingStore(RedisQueueStore):
-    """The Redis store, counting how requests' routes are claimed: on their own, or in the
-    pipeline of a put."""
+    """The Redis store, counting how requests' routes are claimed (on their own, or in the
+    pipeline of a put) and the puts each of its put pipelines runs."""
 
-    alone = 0
-    with_put = 0
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.alone = 0
+        self.with_put = 0
+        self.put_pipelines: list[int] = []
 
     async def claim_route(self, key: tuple[str, str], ttl: float) -> None:
         self.alone += 1
@@ -477,6 +480,8 @@ class RouteCountingStore(RedisQueueStore):
     async def _run_many(self, name: str, calls: list[Any], before: list[Any] | None = None) -> Any:
         routes = [c for c in before or () if c[0] == "SET" and c[1].startswith("mesh:route:")]
         self.with_put += len(routes)
+        if name == "put":
+            self.put_pipelines.append(len(calls))
         return await super()._run_many(name, calls, before)
 
 
@@ -517,6 +522,60 @@ async def test_a_request_claims_its_route_in_the_round_trip_of_its_put(one_redis
         cluster = store.cluster
         assert (store.alone, store.with_put) == ((3, 0) if cluster else (0, 3))
         await sub.close()
+
+
+async def test_the_copies_of_a_broadcast_or_a_gather_go_to_redis_in_one_pipeline(
+    one_redis: str,
+) -> None:
+    """A broadcast to five agents, and a gather from three, put their copies in one
+    pipeline (on a cluster, one per node, side by side): one round trip where each copy took
+    one of its own, one after the other."""
+    store = RouteCountingStore(one_redis)
+    async with running(replica(one_redis, store=store), replica(one_redis)) as (mine, other):
+        workers = [f"Worker{n}" for n in range(5)]
+        subs = []
+        for agent_id in workers:
+            await other.register(AgentInfo(agent_id=agent_id, agent_types=("worker",)))
+            subs.append(await other.subscribe(agent_id))
+        await mine.send(Message(from_agent="S", to_agent="Worker0", content={"action": "warm"}))
+        await asyncio.wait_for(subs[0].next(), 5)
+        store.put_pipelines.clear()
+
+        sent = await mine.broadcast(
+            Message(from_agent="S", to_agent="broadcast", content={"action": "notice"}),
+            agent_types=["worker"],
+        )
+        assert sorted(sent.recipients) == workers
+        for sub in subs:
+            assert (await asyncio.wait_for(sub.next(), 5)).message.action == "notice"
+        assert store.put_pipelines == [5]
+
+        store.put_pipelines.clear()
+        asked = workers[:3]
+        gathering = mine.gather(
+            Message(from_agent="S", to_agent="broadcast", content={"action": "vote"}),
+            agent_ids=asked,
+            timeout=10,
+        )
+        first = asyncio.create_task(anext(gathering))
+        for sub in subs[:3]:
+            question = (await asyncio.wait_for(sub.next(), 5)).message
+            await other.send(
+                Message(
+                    from_agent=question.to_agent,
+                    to_agent="S",
+                    message_type=MessageType.RESPONSE,
+                    correlation_id=question.correlation_id,
+                    content={"action": "vote", "yes": True},
+                )
+            )
+        items = [await asyncio.wait_for(first, 5)]
+        items += [item async for item in gathering]
+        assert sorted(item.agent_id for item in items) == asked
+        assert all(item.response is not None for item in items)
+        assert store.put_pipelines == [3]
+        for sub in subs:
+            await sub.close()
 
 
 async def test_a_requester_on_one_replica_hears_at_once_of_its_request_dead_lettered_on_another(
