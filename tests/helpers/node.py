@@ -40,3 +40,10 @@ async def start_node_example(
         await node.wait()
         raise
     return node, line.rsplit(" ", 1)[-1].strip()
+
+
+async def kill_if_running(node: asyncio.subprocess.Process | None) -> None:
+    """SIGKILL for a Node process a test leaves running (it failed before stopping it)."""
+    if node is not None and node.returncode is None:
+        node.kill()
+        await node.wait()

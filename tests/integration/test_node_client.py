@@ -15,7 +15,7 @@ import pytest
 from gateway.embedded import EmbeddedMesh
 from mesh import LocalMesh
 from tests.helpers.health import NOT_SERVING, SERVING, health_of, watching
-from tests.helpers.node import NODE_DIR, start_node_example
+from tests.helpers.node import NODE_DIR, kill_if_running, start_node_example
 
 NODE_TESTS = (
     "a Node agent takes part in a group chat beside the Python agents",
@@ -340,9 +340,7 @@ async def test_a_node_agent_is_back_in_service_after_a_broker_restart() -> None:
             assert again.content["pid"] == node.pid  # the same process, never restarted
         await stop_echo_agent(node)
     finally:
-        if node is not None and node.returncode is None:
-            node.kill()
-            await node.wait()
+        await kill_if_running(node)
         await stop(broker)
 
 
@@ -395,9 +393,7 @@ async def test_a_node_agent_serves_health_and_reflection_for_plain_grpc_tools() 
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
         await stop_echo_agent(node)
     finally:
-        if node is not None and node.returncode is None:
-            node.kill()
-            await node.wait()
+        await kill_if_running(node)
         await stop(broker)
 
 
@@ -620,7 +616,5 @@ async def test_a_node_agent_takes_renewed_certificates_without_a_restart(tmp_pat
         assert answer.content["pid"] == node.pid  # the same process, never restarted
         await stop_echo_agent(node)
     finally:
-        if node is not None and node.returncode is None:
-            node.kill()
-            await node.wait()
+        await kill_if_running(node)
         await stop(broker)
