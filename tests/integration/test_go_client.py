@@ -655,7 +655,8 @@ async def test_a_go_agents_server_asks_for_no_certificate_with_client_auth_none(
     tmp_path: Path, meshgo: Path, go_agents: list[GoAgent]
 ) -> None:
     """With AGENTMESH_TLS_CLIENT_AUTH=none the Go agent's CA is its client's alone: its server
-    speaks TLS and asks its callers for no certificate (with the default it requires one)."""
+    speaks TLS and asks its callers for no certificate (with the default it requires one).
+    AGENTMESH_AGENT_HEALTH_PORT gives it a plaintext health port beside it."""
     from mesh import SecurityConfig
     from mesh.certs import write_dev_certificates
 
@@ -665,10 +666,16 @@ async def test_a_go_agents_server_asks_for_no_certificate_with_client_auth_none(
     async with LocalMesh(security=SecurityConfig(tls_cert=server, tls_key=key)) as local:
         asks_none = await start_go_agent(
             meshgo, go_agents, local.address, "GoOpenAgent",
-            env={**env, "AGENTMESH_TLS_CLIENT_AUTH": "none"},
+            env={**env, "AGENTMESH_TLS_CLIENT_AUTH": "none", "AGENTMESH_AGENT_HEALTH_PORT": "0"},
         )  # fmt: skip
         requires = await start_go_agent(meshgo, go_agents, local.address, "GoMutualAgent", env=env)
         assert await tls_health(asks_none.address, certs["ca"]) == SERVING
+        # Its health port: the same statuses in plaintext, for probes that cannot speak TLS.
+        assert asks_none.process.stdout is not None
+        said = (await asyncio.wait_for(asks_none.process.stdout.readline(), 10)).decode()
+        assert said.startswith("GoOpenAgent health on 127.0.0.1:"), said
+        health_at = said.rsplit(" ", 1)[-1].strip()
+        assert await health_of(health_at, "mesh.v1.AgentService") == SERVING
         assert await tls_health(requires.address, certs["ca"]) == "UNAVAILABLE"
         mutual = (certs["ca"], certs["caller"], certs["caller_key"])
         assert await tls_health(requires.address, *mutual) == SERVING
@@ -677,6 +684,8 @@ async def test_a_go_agents_server_asks_for_no_certificate_with_client_auth_none(
             env={**env, "AGENTMESH_TLS_CLIENT_AUTH": "maybe"},
         )  # fmt: skip
     assert code != 0 and "AGENTMESH_TLS_CLIENT_AUTH must be require or none" in err, err
+    code, _, err = await run(meshgo, "agent", "-health-port", "70000")
+    assert code != 0 and "-health-port must be a port, 0 for any free one, or -1" in err, err
 
 
 async def test_a_go_agent_trusts_its_renewed_ca_when_it_connects_again(

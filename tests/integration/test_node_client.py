@@ -46,6 +46,7 @@ NODE_TESTS = (
     "a Node agent served for push answers the broker's calls, with no session of its own",
     "an answer JSON cannot carry reaches the requester as an ERROR at once, saying why",
     "TLS files that cannot be used are said as the client or server is made, naming them",
+    "an agent's health port is a port, 0 for any free one, or -1 for none",
 )
 """Tests of clients/node/test/ whose names the run must show."""
 
@@ -512,8 +513,8 @@ async def test_the_packed_node_client_carries_the_contract_and_runs_from_it(
 async def test_a_node_agent_serves_tls_and_the_broker_pushes_to_it(tmp_path: Path) -> None:
     """A Node agent's own server speaks TLS from AGENTMESH_TLS_CERT and _KEY, as a Python
     agent's does; with AGENTMESH_TLS_CLIENT_AUTH=none its CA is its client's alone, and it asks
-    its callers for no certificate. A broker with the CA (its client side) pushes each message
-    to it over TLS."""
+    its callers for no certificate; AGENTMESH_AGENT_HEALTH_PORT gives it a plaintext health
+    port. A broker with the CA (its client side) pushes each message to it over TLS."""
     from mesh import SecurityConfig, connect
     from mesh.certs import write_dev_certificates
     from tests.helpers.health import tls_health
@@ -525,6 +526,7 @@ async def test_a_node_agent_serves_tls_and_the_broker_pushes_to_it(tmp_path: Pat
         "AGENTMESH_TLS_KEY": key,
         "AGENTMESH_TLS_CA": ca,
         "AGENTMESH_TLS_CLIENT_AUTH": "none",
+        "AGENTMESH_AGENT_HEALTH_PORT": "0",
     }
     broker = SecurityConfig(tls_cert=server, tls_key=key, tls_ca=ca, tls_client_auth="none")
     async with LocalMesh(security=broker) as mesh:
@@ -532,6 +534,12 @@ async def test_a_node_agent_serves_tls_and_the_broker_pushes_to_it(tmp_path: Pat
             "echo-agent.js", "NodeTlsPushAgent", mesh.address, "push", env=tls
         )
         try:
+            # Its health port: grpc.health.v1 in plaintext, for probes that cannot speak TLS.
+            assert node.stdout is not None
+            said = (await asyncio.wait_for(node.stdout.readline(), 10)).decode()
+            assert said.startswith("NodeTlsPushAgent health on 127.0.0.1:"), said
+            health_at = said.rsplit(" ", 1)[-1].strip()
+            assert await health_of(health_at, "mesh.v1.AgentService") == SERVING
             caller = SecurityConfig(tls_ca=ca)
             async with connect(mesh.address, agent_id="Caller", security=caller) as client:
                 answer = await client.request("NodeTlsPushAgent", {"action": "echo"}, timeout=10)

@@ -41,6 +41,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -374,6 +375,7 @@ type agent struct {
 	recommendation string
 	confidence     float64
 	address        string
+	healthAddress  string        // of its plaintext health server, if it has one
 	push           bool          // takes its messages by push: the broker calls its server
 	off            chan struct{} // closed when the broker says the agent was deregistered
 	toldOff        sync.Once
@@ -575,6 +577,14 @@ func (a *agent) takenOff() {
 	fmt.Fprintf(os.Stderr, "%s was deregistered: it takes no more messages (start it again to register it again)\n", a.id)
 }
 
+// announce says where the agent serves, once it takes its messages.
+func (a *agent) announce() {
+	fmt.Printf("%s serving on %s\n", a.id, a.address)
+	if a.healthAddress != "" {
+		fmt.Printf("%s health on %s\n", a.id, a.healthAddress)
+	}
+}
+
 func runAgent(args []string) error {
 	flags := flag.NewFlagSet("agent", flag.ExitOnError)
 	broker := flags.String("broker", envOr("AGENTMESH_BROKER", "127.0.0.1:50051"), "broker host:port")
@@ -587,7 +597,14 @@ func runAgent(args []string) error {
 	host := flags.String("host", "127.0.0.1", "host of the agent's own server")
 	push := flags.Bool("push", false,
 		"register for push delivery: the broker calls this server's HandleMessage, no session")
+	healthPort := flags.String("health-port", envOr("AGENTMESH_AGENT_HEALTH_PORT", "-1"),
+		"port of a plaintext server of grpc.health.v1 alone beside a TLS one, for probes that "+
+			"cannot speak TLS: 0 any free port, -1 none")
 	flags.Parse(args)
+	healthAt, err := strconv.Atoi(*healthPort)
+	if err != nil || healthAt < -1 || healthAt > 65535 {
+		return fmt.Errorf("-health-port must be a port, 0 for any free one, or -1 for none (got %q)", *healthPort)
+	}
 
 	a := &agent{id: *id, recommendation: *recommendation, confidence: *confidence, push: *push,
 		off: make(chan struct{})}
@@ -623,6 +640,20 @@ func runAgent(args []string) error {
 	}
 	reflection.Register(server)
 	go server.Serve(listener)
+	// A health port: the same statuses, in plaintext, for probes that cannot speak TLS (a
+	// kubelet's gRPC probe).
+	var healthServer *grpc.Server
+	if healthAt >= 0 {
+		healthListener, err := net.Listen("tcp", net.JoinHostPort(*host, strconv.Itoa(healthAt)))
+		if err != nil {
+			return err
+		}
+		healthServer = grpc.NewServer()
+		healthpb.RegisterHealthServer(healthServer, healthy)
+		reflection.Register(healthServer)
+		go healthServer.Serve(healthListener)
+		a.healthAddress = healthListener.Addr().String()
+	}
 
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
@@ -660,7 +691,7 @@ func runAgent(args []string) error {
 			delay = 100 * time.Millisecond
 			if !announced {
 				announced = true
-				fmt.Printf("%s serving on %s\n", a.id, a.address)
+				a.announce()
 			}
 		})
 		if ctx.Err() != nil {
@@ -703,6 +734,9 @@ func runAgent(args []string) error {
 		}
 	}
 	server.GracefulStop()
+	if healthServer != nil {
+		healthServer.GracefulStop()
+	}
 	fmt.Printf("%s stopped\n", a.id)
 	return nil
 }
@@ -728,7 +762,7 @@ func (a *agent) keepRegistered(
 				delay = 100 * time.Millisecond
 				if !announced {
 					announced = true
-					fmt.Printf("%s serving on %s\n", a.id, a.address) // (taking its messages by push)
+					a.announce() // (taking its messages by push)
 				}
 			} else if ctx.Err() == nil {
 				fmt.Fprintf(os.Stderr, "%s: could not register (%s); again in %s\n", a.id, describe(err), delay)

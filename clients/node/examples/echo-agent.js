@@ -17,6 +17,7 @@ async function main() {
     handler: async (message) => ({ echo: message.content, servedBy: agentId, pid: process.pid }),
   });
   console.log(`${agentId} serving on ${agent.address}`);
+  if (agent.healthAddress) console.log(`${agentId} health on ${agent.healthAddress}`);
   const stop = async () => {
     await agent.stop();
     process.exit(0);

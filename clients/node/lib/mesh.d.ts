@@ -929,6 +929,12 @@ export interface AgentOptions extends SecurityOptions, ServerSecurityOptions {
    * its server's HandleMessage with each one (the server must be reachable from the broker).
    */
   deliveryMode?: DeliveryMode;
+  /**
+   * AGENTMESH_AGENT_HEALTH_PORT: a plaintext server of grpc.health.v1 alone (the same
+   * statuses) beside a TLS one, for probes that cannot speak TLS; 0 any free port, -1 (the
+   * default) none.
+   */
+  healthPort?: number;
   retryDelaysMs?: number[];
   onRetry?: (retry: RetryEvent) => void;
 }
@@ -936,6 +942,8 @@ export interface AgentOptions extends SecurityOptions, ServerSecurityOptions {
 export interface ServedAgent {
   /** host:port of its own server. */
   address: string;
+  /** host:port of its plaintext health server (healthPort), or null. */
+  healthAddress: string | null;
   /** NOT_SERVING, then what it is handling is answered within graceMs (5,000), then gone. */
   stop(graceMs?: number): Promise<void>;
 }

@@ -2165,8 +2165,13 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
   host = '127.0.0.1', port = 0,
   onRefused = (err) => console.warn(
     `${agentId}: the broker refused a frame: ${err.codeName}: ${err.message}`),
-  leaseMs, maxLeaseExtensionMs, deliveryMode = 'PULL', ...options }) {
+  leaseMs, maxLeaseExtensionMs, deliveryMode = 'PULL',
+  healthPort = Number(process.env.AGENTMESH_AGENT_HEALTH_PORT || -1), ...options }) {
   checkSubscription({ leaseMs, maxLeaseExtensionMs });
+  if (!(Number.isInteger(healthPort) && healthPort >= -1 && healthPort <= 65535)) {
+    throw new TypeError(`healthPort must be a port, 0 for any free one, or -1 for none (got ${
+      healthPort})`);
+  }
   if (!DELIVERY_MODES.includes(deliveryMode)) {
     throw new TypeError(`deliveryMode ${JSON.stringify(deliveryMode)} is not one of `
       + DELIVERY_MODES.join(', '));
@@ -2312,6 +2317,19 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
       (err, p) => (err ? reject(err) : resolve(p)));
   });
   const address = `${host}:${boundPort}`;
+  // A health port: grpc.health.v1 alone (the same statuses), in plaintext beside a TLS server,
+  // for probes that cannot speak TLS (a kubelet's gRPC probe).
+  let healthServer = null;
+  let healthAddress = null;
+  if (healthPort >= 0) {
+    healthServer = new grpc.Server();
+    health.addToServer(healthServer);
+    const bound = await new Promise((resolve, reject) => {
+      healthServer.bindAsync(`${host}:${healthPort}`, grpc.ServerCredentials.createInsecure(),
+        (err, p) => (err ? reject(err) : resolve(p)));
+    });
+    healthAddress = `${host}:${bound}`;
+  }
   const client = new MeshClient(broker, { agentId, ...options });
   await client.register({ agentTypes, address, capabilities, deliveryMode, requiredFields });
   const onDelivery = (message, attempt, context) => answer(message, context);
@@ -2424,6 +2442,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
       .catch(() => {});
     client.close();
     await new Promise((resolve) => server.tryShutdown(resolve));
+    if (healthServer) await new Promise((resolve) => healthServer.tryShutdown(resolve));
   };
   // Resolved once the agent takes its messages, as its readiness says SERVING; a broker that
   // lets it not subscribe within 10 s leaves it trying on its own (NOT_SERVING meanwhile).
@@ -2432,6 +2451,8 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
   clearTimeout(waited);
   return {
     address,
+    /** host:port of its plaintext health server (healthPort), or null. */
+    healthAddress,
     /** Stops serving (once: a second call waits for the first). */
     stop(graceMs = 5000) {
       stopping = stopping || stopOnce(graceMs);

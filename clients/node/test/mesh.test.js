@@ -1735,3 +1735,11 @@ test('TLS files that cannot be used are said as the client or server is made, na
     // Without a certificate a server is plaintext, as a Python agent's is.
     assert.equal(serverCredentials({ tlsCert: '', tlsKey: '' })._isSecure(), false);
   });
+
+test('an agent\'s health port is a port, 0 for any free one, or -1 for none', async () => {
+  for (const healthPort of [70000, 1.5, '7100', -2]) {
+    await assert.rejects(
+      serveAgent({ broker: BROKER, agentId: 'NodeNoAgent', handler: () => null, healthPort }),
+      { name: 'TypeError', message: /^healthPort must be a port, 0 for any free one, or -1/ });
+  }
+});
