@@ -3,12 +3,14 @@ manifest fails the same check."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +43,7 @@ def test_every_overlay_renders_and_validates() -> None:
     assert "dev: 33 objects rendered and valid" in result.stdout
     assert "prod: 34 objects rendered and valid" in result.stdout
     assert "replicas: 38 objects rendered and valid" in result.stdout
-    assert "secured: 34 objects rendered and valid" in result.stdout
+    assert "secured: 35 objects rendered and valid" in result.stdout
 
 
 def test_rendered_manifests_have_grpc_probes_and_locked_down_pods() -> None:
@@ -173,3 +175,122 @@ def test_a_broken_manifest_fails_the_check(tmp_path: Path) -> None:
     result = check(overlay)
     assert result.returncode != 0
     assert "spec.replicas: 'two' is not of type 'integer'" in result.stdout + result.stderr
+
+
+async def test_the_secured_overlays_tls_settings_serve_a_mesh_of_processes(tmp_path: Path) -> None:
+    """The settings the secured overlay gives every pod (its ConfigMap, rendered), with the
+    certificate deploy/README.md makes, run as the broker, a group of agents taking their
+    messages by push and the gateway with its dashboard, in processes of their own: every
+    hop speaks TLS under the mesh's one name (a plaintext call is refused), what the probes
+    ask answers on each health port in plaintext, the broker pushes to the agents over TLS,
+    a pattern runs through the gateway, and the dashboard reads the agents' health."""
+    import json
+    import shlex
+    import urllib.request
+
+    import yaml
+
+    from gateway.client import GatewayClient
+    from mesh import SecurityConfig
+    from mesh.cli import main
+    from tests.helpers.health import SERVING, health_of
+    from tests.helpers.processes import BROKER_READY, free_port, start, stop
+
+    objects = [o for o in yaml.safe_load_all(render("secured")) if o]
+    [config] = [o["data"] for o in objects if o["metadata"]["name"] == "agentmesh-config"]
+    probed = {
+        o["metadata"]["name"]: o["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
+        for o in objects
+        if o["kind"] == "Deployment"
+    }
+    assert probed["agentmesh-broker"]["grpc"]["port"] == int(config["AGENTMESH_HEALTH_PORT"])
+    gateway_health = int(config["AGENTMESH_GATEWAY_HEALTH_PORT"])
+    assert probed["agentmesh-gateway"]["grpc"]["port"] == gateway_health
+    agent_health = int(config["AGENTMESH_AGENT_HEALTH_PORT"])
+    assert probed["agentmesh-stock-experts"]["grpc"]["port"] == agent_health
+
+    # The certificate, as deploy/README.md makes it, in the files the Secret's volume holds.
+    readme = (ROOT / "deploy" / "README.md").read_text().replace("\\\n", " ")
+    [command] = [line for line in readme.splitlines() if line.startswith("agentmesh certs ")]
+    argv = shlex.split(command.split("#")[0].replace("tls/", f"{tmp_path}/tls/"))
+    assert await asyncio.to_thread(main, argv[1:]) == 0
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    files = {"tls.crt": "server.pem", "tls.key": "server-key.pem", "ca.crt": "ca.pem"}
+    for key, written in files.items():
+        (secret / key).write_bytes((tmp_path / "tls" / written).read_bytes())
+    env = {
+        name: value.replace("/etc/agentmesh/tls", str(secret))
+        for name, value in config.items()
+        if name.startswith("AGENTMESH_TLS_")
+    }
+    # (Free ports in place of the fixed ones, the tests sharing this machine.)
+    ports = {name: free_port() for name in ("broker", "gateway", "broker_health", "gateway_health")}
+    agents_health = free_port()
+    procs = []
+    try:
+        broker = await start(
+            "broker", "--port", str(ports["broker"]), ready=BROKER_READY,
+            env={**env, "AGENTMESH_HEALTH_PORT": str(ports["broker_health"])},
+        )  # fmt: skip
+        procs.append(broker)
+        assert "(TLS; store memory://" in broker.output[-1], broker.output
+        address = f"127.0.0.1:{ports['broker']}"
+        # Reached at an address the certificate does not name, as an agent at its pod IP is.
+        agents = await start(
+            "agent", "agents.stocks:stock_experts", "--broker", address, "--delivery", "push",
+            "--host", "0.0.0.0", "--port", str(free_port()), "--advertise-host", "127.0.0.2",
+            ready=r"FundamentalAnalysisAgent serving on (\S+?)[,\s]",
+            env={**env, "AGENTMESH_AGENT_HEALTH_PORT": str(agents_health)},
+        )  # fmt: skip
+        procs.append(agents)
+        dashboard = free_port()
+        gateway = await start(
+            "gateway", "--broker", address, "--port", str(ports["gateway"]),
+            "--dashboard-port", str(dashboard), ready=r"listening on (\S+?)[,\s]",
+            env={**env, "AGENTMESH_GATEWAY_HEALTH_PORT": str(ports["gateway_health"])},
+        )  # fmt: skip
+        procs.append(gateway)
+        # What the kubelet asks, in plaintext, on each health port.
+        for at, service in (
+            (ports["broker_health"], "mesh.v1.BrokerService"),
+            (ports["gateway_health"], "mesh.v1.GatewayService"),
+            (agents_health, "mesh.v1.AgentService"),
+        ):
+            assert await health_of(f"127.0.0.1:{at}", service) == SERVING, service
+        with pytest.raises(grpc.aio.AioRpcError) as plaintext:
+            await health_of(address)
+        assert plaintext.value.code() == grpc.StatusCode.UNAVAILABLE
+
+        # A caller from outside: the CA, and the mesh's name (the port-forward's 127.0.0.1
+        # would do as well: the certificate names it too).
+        caller = SecurityConfig(tls_ca=str(secret / "ca.crt"), tls_server_name="agentmesh")
+        async with GatewayClient(f"127.0.0.1:{ports['gateway']}", security=caller) as client:
+            events = await client.collect(
+                client.group_chat(
+                    agent_ids=["IndustryExpertAgent", "TechnicalAnalysisAgent"],
+                    query="Should I buy AAPL?",
+                )
+            )
+        result = events[-1]["data"]
+        assert events[-1]["kind"] == "RESULT" and result["status"] == "COMPLETED", result
+
+        def agents_health_on_dashboard() -> dict[str, str]:
+            url = f"http://127.0.0.1:{dashboard}/api/state"
+            with urllib.request.urlopen(url, timeout=5) as reply:
+                state = json.load(reply)
+            return {a["agent_id"]: a["health"] for a in state.get("agents", [])}
+
+        seen: dict[str, str] = {}
+        for _ in range(100):  # (the dashboard samples the mesh every second or so)
+            seen = await asyncio.to_thread(agents_health_on_dashboard)
+            if len(seen) == 3:
+                break
+            await asyncio.sleep(0.1)
+        assert seen == dict.fromkeys(
+            ["FundamentalAnalysisAgent", "IndustryExpertAgent", "TechnicalAnalysisAgent"],
+            "SERVING",
+        )
+    finally:
+        for proc in reversed(procs):
+            assert await stop(proc) == 0
