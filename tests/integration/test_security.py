@@ -532,6 +532,42 @@ async def test_a_renewed_ca_bundle_admits_the_new_cas_clients_without_a_restart(
         assert await client_of(new).list_agents()
 
 
+async def test_a_client_keeps_a_few_channels_from_before_renewals_and_closes_the_older(
+    certs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each renewal of a client's TLS files opens a new channel for the calls after it; the
+    RENEWED_KEPT channels before it stay open (their calls go on), and an older one is
+    closed: a client renewed every day does not pile up connections."""
+    import mesh.security
+    from mesh.security import RENEWED_KEPT, open_channel
+
+    monkeypatch.setattr(mesh.security, "RENEWAL_LOOK_SECONDS", 0.0)
+    other = write_dev_certificates(tmp_path / "other")
+    ca = tmp_path / "ca.pem"
+    ca.write_bytes(certs["ca"].read_bytes())
+    server = SecurityConfig(tls_cert=str(certs["server"]), tls_key=str(certs["server_key"]))
+    async with LocalMesh(security=server) as mesh:
+        channel = open_channel(mesh.address, SecurityConfig(tls_ca=str(ca)))
+        async with channel:
+            check = health_pb2_grpc.HealthStub(channel).Check  # (made once, as clients do)
+            serving = health_pb2.HealthCheckResponse.SERVING
+            assert (await check(health_pb2.HealthCheckRequest(), timeout=5)).status == serving
+            used = [channel.current()]  # type: ignore[attr-defined]
+            for n in range(RENEWED_KEPT + 3):
+                # (a bundle with another CA beside, then without: changed each time)
+                extra = other["ca"].read_bytes() if n % 2 == 0 else b""
+                ca.write_bytes(certs["ca"].read_bytes() + extra)
+                reply = await check(health_pb2.HealthCheckRequest(), timeout=5)
+                assert reply.status == serving
+                used.append(channel.current())  # type: ignore[attr-defined]
+            assert len(set(map(id, used))) == RENEWED_KEPT + 4  # a channel per renewal
+            await asyncio.sleep(0.1)  # (the older ones close in a task of their own)
+            shutdown = grpc.ChannelConnectivity.SHUTDOWN
+            states = [c.get_state() for c in used]
+            assert states[:3] == [shutdown] * 3, states
+            assert shutdown not in states[3:], states
+
+
 async def test_a_renewed_client_certificate_is_presented_on_the_calls_after_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
