@@ -105,12 +105,12 @@ def test_replicas_overlay_runs_several_brokers_on_redis() -> None:
 def test_secured_overlay_mounts_the_credentials_that_its_documented_command_writes(
     tmp_path: Path,
 ) -> None:
-    """Every client of the secured overlay sends the token of its own key of Secret
-    agentmesh-tokens, and the broker and gateway read the credentials file; each is a volume
-    (a subPath mount would never see the Secret updated, so a token could not be rotated),
-    readable by the pod's user. The command deploy/README.md gives writes a token file for
-    every key mounted, and a principal for each agent group that names the agents its
-    Deployment serves."""
+    """Every client of the secured overlay (the broker too: it pushes) sends the token of its
+    own key of Secret agentmesh-tokens, and every server (each agent's too) reads the
+    credentials file; each is a volume (a subPath mount would never see the Secret updated,
+    so a token could not be rotated), readable by the pod's user. The command
+    deploy/README.md gives writes a token file for every key mounted, and a principal for
+    each agent group that names the agents its Deployment serves."""
     import shlex
 
     import yaml
@@ -131,13 +131,10 @@ def test_secured_overlay_mounts_the_credentials_that_its_documented_command_writ
         mounts = {m["name"]: m for m in container.get("volumeMounts", [])}
         volumes = {v["name"]: v for v in pod.get("volumes", [])}
         assert not any("subPath" in m for m in mounts.values()), name
-        if name in ("agentmesh-broker", "agentmesh-gateway"):
-            secret = volumes["credentials"]["secret"]
-            assert secret["secretName"] == "agentmesh-credentials"
-            path = mounts["credentials"]["mountPath"] + "/credentials.json"
-            assert env["AGENTMESH_CREDENTIALS_FILE"] == path
-        if name == "agentmesh-broker":
-            continue
+        secret = volumes["credentials"]["secret"]
+        assert secret["secretName"] == "agentmesh-credentials"
+        path = mounts["credentials"]["mountPath"] + "/credentials.json"
+        assert env["AGENTMESH_CREDENTIALS_FILE"] == path
         secret = volumes["token"]["secret"]
         [item] = secret["items"]
         assert secret["secretName"] == "agentmesh-tokens"
@@ -145,7 +142,7 @@ def test_secured_overlay_mounts_the_credentials_that_its_documented_command_writ
         assert env["AGENTMESH_TOKEN_FILE"] == f"{mounts['token']['mountPath']}/{item['path']}"
         assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
         keys[item["key"]] = name
-    assert len(keys) == 6  # the gateway and five agent groups
+    assert len(keys) == 7  # the broker, the gateway and five agent groups
 
     readme = (ROOT / "deploy" / "README.md").read_text().replace("\\\n", " ")
     [command] = [line for line in readme.splitlines() if "--principal" in line]
@@ -155,7 +152,7 @@ def test_secured_overlay_mounts_the_credentials_that_its_documented_command_writ
     auth = Authenticator.from_file(tmp_path / "creds" / "credentials.json")
     for key, name in keys.items():
         principal = auth.authenticate((tokens / key).read_text().strip())
-        if key == "gateway":
+        if key in ("gateway", "broker"):
             assert principal.admin
             continue
         args = deployments[name]["containers"][0]["args"]
@@ -177,13 +174,17 @@ def test_a_broken_manifest_fails_the_check(tmp_path: Path) -> None:
     assert "spec.replicas: 'two' is not of type 'integer'" in result.stdout + result.stderr
 
 
-async def test_the_secured_overlays_tls_settings_serve_a_mesh_of_processes(tmp_path: Path) -> None:
-    """The settings the secured overlay gives every pod (its ConfigMap, rendered), with the
-    certificate deploy/README.md makes, run as the broker, a group of agents taking their
-    messages by push and the gateway with its dashboard, in processes of their own: every
-    hop speaks TLS under the mesh's one name (a plaintext call is refused), what the probes
-    ask answers on each health port in plaintext, the broker pushes to the agents over TLS,
-    a pattern runs through the gateway, and the dashboard reads the agents' health."""
+async def test_the_secured_overlay_serves_a_mesh_of_processes_with_its_own_settings(
+    tmp_path: Path,
+) -> None:
+    """The settings the secured overlay gives each pod (its ConfigMap and its Deployments'
+    variables, rendered), with the certificate and the credentials deploy/README.md makes, run
+    as the broker, a group of agents taking their messages by push and the gateway with its
+    dashboard, in processes of their own: every hop speaks TLS under the mesh's one name (a
+    plaintext call is refused), every call needs a token (one without is refused), what the
+    probes ask answers on each health port in plaintext, the broker pushes to the agents
+    with its own token, a pattern runs through the gateway with the operator's, and the
+    dashboard reads the agents' health."""
     import json
     import shlex
     import urllib.request
@@ -191,87 +192,117 @@ async def test_the_secured_overlays_tls_settings_serve_a_mesh_of_processes(tmp_p
     import yaml
 
     from gateway.client import GatewayClient
-    from mesh import SecurityConfig
+    from mesh import MeshError, SecurityConfig
     from mesh.cli import main
     from tests.helpers.health import SERVING, health_of
     from tests.helpers.processes import BROKER_READY, free_port, start, stop
 
     objects = [o for o in yaml.safe_load_all(render("secured")) if o]
     [config] = [o["data"] for o in objects if o["metadata"]["name"] == "agentmesh-config"]
-    probed = {
-        o["metadata"]["name"]: o["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
+    pods = {
+        o["metadata"]["name"].removeprefix("agentmesh-"): o["spec"]["template"]["spec"]
         for o in objects
         if o["kind"] == "Deployment"
     }
-    assert probed["agentmesh-broker"]["grpc"]["port"] == int(config["AGENTMESH_HEALTH_PORT"])
-    gateway_health = int(config["AGENTMESH_GATEWAY_HEALTH_PORT"])
-    assert probed["agentmesh-gateway"]["grpc"]["port"] == gateway_health
-    agent_health = int(config["AGENTMESH_AGENT_HEALTH_PORT"])
-    assert probed["agentmesh-stock-experts"]["grpc"]["port"] == agent_health
+    health_ports = {
+        "broker": config["AGENTMESH_HEALTH_PORT"],
+        "gateway": config["AGENTMESH_GATEWAY_HEALTH_PORT"],
+        "stock-experts": config["AGENTMESH_AGENT_HEALTH_PORT"],
+    }
+    for name, port in health_ports.items():
+        [container] = pods[name]["containers"]
+        assert container["readinessProbe"]["grpc"]["port"] == int(port), name
+        assert container["livenessProbe"]["grpc"]["port"] == int(port), name
 
-    # The certificate, as deploy/README.md makes it, in the files the Secret's volume holds.
+    # The certificate and the credentials, as deploy/README.md makes them, in the files the
+    # Secrets' volumes hold.
     readme = (ROOT / "deploy" / "README.md").read_text().replace("\\\n", " ")
-    [command] = [line for line in readme.splitlines() if line.startswith("agentmesh certs ")]
-    argv = shlex.split(command.split("#")[0].replace("tls/", f"{tmp_path}/tls/"))
-    assert await asyncio.to_thread(main, argv[1:]) == 0
+    [certs] = [line for line in readme.splitlines() if line.startswith("agentmesh certs ")]
+    [creds] = [line for line in readme.splitlines() if "--principal" in line]
+    for command in (certs, creds):
+        argv = shlex.split(command.split("#")[0].replace(" tls/", f" {tmp_path}/tls/"))
+        argv = [a.replace("creds/", f"{tmp_path}/creds/") for a in argv]
+        assert await asyncio.to_thread(main, argv[1:]) == 0
     secret = tmp_path / "secret"
     secret.mkdir()
     files = {"tls.crt": "server.pem", "tls.key": "server-key.pem", "ca.crt": "ca.pem"}
     for key, written in files.items():
         (secret / key).write_bytes((tmp_path / "tls" / written).read_bytes())
-    env = {
-        name: value.replace("/etc/agentmesh/tls", str(secret))
-        for name, value in config.items()
-        if name.startswith("AGENTMESH_TLS_")
-    }
-    # (Free ports in place of the fixed ones, the tests sharing this machine.)
-    ports = {name: free_port() for name in ("broker", "gateway", "broker_health", "gateway_health")}
-    agents_health = free_port()
+
+    def env_of(name: str, health_variable: str) -> dict[str, str]:
+        """The variables of a pod of Deployment agentmesh-NAME, its files where this test
+        keeps them, and a free health port in place of the fixed one."""
+        [container] = pods[name]["containers"]
+        variables = {k: v for k, v in config.items() if k.startswith("AGENTMESH_TLS_")}
+        variables.update({e["name"]: e["value"] for e in container["env"] if "value" in e})
+        [token] = [
+            v["secret"]["items"][0]["key"] for v in pods[name]["volumes"] if v["name"] == "token"
+        ]
+        places = {
+            "/etc/agentmesh/tls": str(secret),
+            "/etc/agentmesh/credentials": str(tmp_path / "creds"),
+            "/etc/agentmesh/token/token": str(tmp_path / "creds" / "tokens" / token),
+        }
+        for variable in variables:
+            for inside, here in places.items():
+                variables[variable] = variables[variable].replace(inside, here)
+        variables.pop("AGENTMESH_STORE", None)  # (prod's SQLite volume: the memory store here)
+        variables.pop("AGENTMESH_EVENT_LOG", None)
+        variables[health_variable] = str(free_port())
+        return variables
+
+    broker_env = env_of("broker", "AGENTMESH_HEALTH_PORT")
+    agents_env = env_of("stock-experts", "AGENTMESH_AGENT_HEALTH_PORT")
+    gateway_env = env_of("gateway", "AGENTMESH_GATEWAY_HEALTH_PORT")
+    assert {"AGENTMESH_CREDENTIALS_FILE", "AGENTMESH_TOKEN_FILE"} <= set(broker_env)
+    assert {"AGENTMESH_CREDENTIALS_FILE", "AGENTMESH_TOKEN_FILE"} <= set(agents_env)
     procs = []
     try:
-        broker = await start(
-            "broker", "--port", str(ports["broker"]), ready=BROKER_READY,
-            env={**env, "AGENTMESH_HEALTH_PORT": str(ports["broker_health"])},
-        )  # fmt: skip
+        port = free_port()
+        broker = await start("broker", "--port", str(port), ready=BROKER_READY, env=broker_env)
         procs.append(broker)
-        assert "(TLS; store memory://" in broker.output[-1], broker.output
-        address = f"127.0.0.1:{ports['broker']}"
+        assert "(TLS, credentials required; store memory://" in broker.output[-1], broker.output
+        address = f"127.0.0.1:{port}"
         # Reached at an address the certificate does not name, as an agent at its pod IP is.
         agents = await start(
             "agent", "agents.stocks:stock_experts", "--broker", address, "--delivery", "push",
             "--host", "0.0.0.0", "--port", str(free_port()), "--advertise-host", "127.0.0.2",
-            ready=r"FundamentalAnalysisAgent serving on (\S+?)[,\s]",
-            env={**env, "AGENTMESH_AGENT_HEALTH_PORT": str(agents_health)},
+            ready=r"FundamentalAnalysisAgent serving on (\S+?)[,\s]", env=agents_env,
         )  # fmt: skip
         procs.append(agents)
+        assert "(TLS, credentials required)" in agents.output[-1], agents.output
         dashboard = free_port()
+        gateway_port = free_port()
         gateway = await start(
-            "gateway", "--broker", address, "--port", str(ports["gateway"]),
+            "gateway", "--broker", address, "--port", str(gateway_port),
             "--dashboard-port", str(dashboard), ready=r"listening on (\S+?)[,\s]",
-            env={**env, "AGENTMESH_GATEWAY_HEALTH_PORT": str(ports["gateway_health"])},
+            env=gateway_env,
         )  # fmt: skip
         procs.append(gateway)
         # What the kubelet asks, in plaintext, on each health port.
-        for at, service in (
-            (ports["broker_health"], "mesh.v1.BrokerService"),
-            (ports["gateway_health"], "mesh.v1.GatewayService"),
-            (agents_health, "mesh.v1.AgentService"),
+        for variables, service in (
+            (broker_env["AGENTMESH_HEALTH_PORT"], "mesh.v1.BrokerService"),
+            (gateway_env["AGENTMESH_GATEWAY_HEALTH_PORT"], "mesh.v1.GatewayService"),
+            (agents_env["AGENTMESH_AGENT_HEALTH_PORT"], "mesh.v1.AgentService"),
         ):
-            assert await health_of(f"127.0.0.1:{at}", service) == SERVING, service
+            assert await health_of(f"127.0.0.1:{variables}", service) == SERVING, service
         with pytest.raises(grpc.aio.AioRpcError) as plaintext:
             await health_of(address)
         assert plaintext.value.code() == grpc.StatusCode.UNAVAILABLE
 
-        # A caller from outside: the CA, and the mesh's name (the port-forward's 127.0.0.1
-        # would do as well: the certificate names it too).
-        caller = SecurityConfig(tls_ca=str(secret / "ca.crt"), tls_server_name="agentmesh")
-        async with GatewayClient(f"127.0.0.1:{ports['gateway']}", security=caller) as client:
-            events = await client.collect(
-                client.group_chat(
-                    agent_ids=["IndustryExpertAgent", "TechnicalAnalysisAgent"],
-                    query="Should I buy AAPL?",
-                )
-            )
+        # A caller from outside: the CA, the mesh's name (a port-forward's 127.0.0.1 would do
+        # as well: the certificate names it too), and the operator's token.
+        ca = str(secret / "ca.crt")
+        operator = (tmp_path / "creds" / "tokens" / "operator").read_text().strip()
+        caller = SecurityConfig(tls_ca=ca, tls_server_name="agentmesh", token=operator)
+        stranger = caller.evolve(token="")
+        chat = {"agent_ids": ["IndustryExpertAgent", "TechnicalAnalysisAgent"], "query": "AAPL?"}
+        async with GatewayClient(f"127.0.0.1:{gateway_port}", security=stranger) as client:
+            with pytest.raises(MeshError) as refused:
+                await client.collect(client.group_chat(**chat))
+            assert refused.value.code == "UNAUTHENTICATED"
+        async with GatewayClient(f"127.0.0.1:{gateway_port}", security=caller) as client:
+            events = await client.collect(client.group_chat(**chat))
         result = events[-1]["data"]
         assert events[-1]["kind"] == "RESULT" and result["status"] == "COMPLETED", result
 
