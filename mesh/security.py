@@ -33,7 +33,7 @@ from mesh.config import SecurityConfig, check_environment
 from mesh.core.auth import ANONYMOUS, Authenticates, Authenticator, Principal
 from mesh.core.errors import BrokerUnavailableError, MeshError
 from mesh.core.registry import address_problem
-from mesh.v1 import broker_pb2, memory_pb2, tools_pb2
+from mesh.v1 import agent_pb2, broker_pb2, memory_pb2, tools_pb2
 from mesh.watched import WatchedFiles, read_file, read_pair, read_roots, valid_until
 
 logger = logging.getLogger("mesh.security")
@@ -75,6 +75,11 @@ ACTING: dict[type, Acting] = {
     memory_pb2.LockStateRequest: lambda r: [(r.agent_id, "lock shared state")],
     tools_pb2.InvokeToolRequest: lambda r: [(r.agent_id, "call tools")],
     tools_pb2.ListToolsRequest: lambda r: [(r.agent_id, "list tools")],
+    # An agent's own server: a direct call is sent as its from_agent (the broker, pushing the
+    # messages of every sender, is an admin), and only the broker, or the agent's own
+    # principal, says it was deregistered.
+    agent_pb2.HandleMessageRequest: lambda r: [(r.message.from_agent, "send")],
+    agent_pb2.NotifyDeregisteredRequest: lambda r: [(r.agent_id, "deregister")],
 }
 """For each request type, the agents it acts as and what it does as them. Requests not
 listed (listing agents, queue statistics, reading insights and shared state, releasing a

@@ -321,6 +321,69 @@ async def test_agents_serve_and_answer_with_their_own_credentials(token_mesh: Lo
     assert answer.content == {"action": "pay", "status": "PAID"}
 
 
+async def test_an_agents_own_server_with_credentials_holds_direct_callers_to_their_agents(
+    token_mesh: LocalMesh, credentials: Path
+) -> None:
+    """An agent whose server reads the credentials file (as in the secured overlay) takes a
+    direct call only with a credential, and only sent as an agent the caller may act as (an
+    admin may act as any: the broker pushing, the gateway); only an admin or the agent's own
+    principal may tell it that it was deregistered."""
+    from google.protobuf.struct_pb2 import Struct, Value
+
+    from mesh.v1 import agent_pb2, agent_pb2_grpc
+
+    @agent("PaymentAgent")
+    async def payment(message: Message, ctx: AgentContext) -> dict:
+        return {"status": "PAID", "from": message.from_agent}
+
+    served = await token_mesh.add_agent(
+        payment,
+        security=SecurityConfig(token=PAYMENT_TOKEN, credentials_file=str(credentials)),
+    )
+
+    def handle(from_agent: str) -> agent_pb2.HandleMessageRequest:
+        return agent_pb2.HandleMessageRequest(
+            message=message_pb2.Message(
+                from_agent=from_agent,
+                to_agent="PaymentAgent",
+                content=Struct(fields={"action": Value(string_value="pay")}),
+            )
+        )
+
+    async with grpc.aio.insecure_channel(served.address) as channel:
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
+
+        async def code_of(call: Any) -> grpc.StatusCode:
+            try:
+                await call
+            except grpc.aio.AioRpcError as error:
+                return error.code()
+            return grpc.StatusCode.OK
+
+        def bearer(token: str) -> tuple[tuple[str, str]]:
+            return (("authorization", f"Bearer {token}"),)
+
+        assert await code_of(stub.HandleMessage(handle("HotelAgent"))) == (
+            grpc.StatusCode.UNAUTHENTICATED
+        )
+        as_hotel = bearer(HOTEL_TOKEN)
+        with pytest.raises(grpc.aio.AioRpcError) as spoofed:
+            await stub.HandleMessage(handle("PaymentAgent"), metadata=as_hotel)
+        assert spoofed.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert spoofed.value.details() == "hotel may not send as PaymentAgent"
+        answer = await stub.HandleMessage(handle("HotelAgent"), metadata=as_hotel)
+        assert answer.response.content["from"] == "HotelAgent"
+        answer = await stub.HandleMessage(handle("Anyone"), metadata=bearer(GATEWAY_TOKEN))
+        assert answer.response.content["from"] == "Anyone"
+
+        told = agent_pb2.NotifyDeregisteredRequest(agent_id="PaymentAgent")
+        assert await code_of(stub.NotifyDeregistered(told, metadata=as_hotel)) == (
+            grpc.StatusCode.PERMISSION_DENIED
+        )
+        # (health stays open: the probes need no credential)
+        assert await health(served.address) == health_pb2.HealthCheckResponse.SERVING
+
+
 def refused(registry: CollectorRegistry, name: str) -> dict[str, float]:
     """The calls a server counted as refused for their credential, by status code."""
     return {
