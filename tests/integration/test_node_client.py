@@ -626,3 +626,34 @@ async def test_a_node_agent_takes_renewed_certificates_without_a_restart(tmp_pat
     finally:
         await kill_if_running(node)
         await stop(broker)
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
+async def test_a_node_agents_own_server_holds_its_callers_to_the_credentials_file(
+    tmp_path: Path,
+) -> None:
+    """With AGENTMESH_CREDENTIALS_FILE (as the secured overlay gives each agent's pod) a Node
+    agent's server takes a direct call only with a token the file names, sent as an agent its
+    caller may act as, as a Python agent's does; it reads the file again when it changes."""
+    from tests.helpers.guarded import check_direct_calls_are_held_to_credentials, write_credentials
+
+    credentials = tmp_path / "credentials.json"
+    write_credentials(credentials)
+    async with LocalMesh() as mesh:
+        env = {"AGENTMESH_CREDENTIALS_FILE": str(credentials)}
+        node, address = await start_node_example(
+            "echo-agent.js", "NodeGuarded", mesh.address, env=env
+        )
+        try:
+            assert node.stdout is not None
+            stdout = node.stdout
+
+            async def warned() -> str:
+                return (await stdout.readline()).decode()
+
+            await check_direct_calls_are_held_to_credentials(
+                address, "NodeGuarded", credentials, warned
+            )
+            await stop_echo_agent(node)
+        finally:
+            await kill_if_running(node)

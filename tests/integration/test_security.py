@@ -384,6 +384,47 @@ async def test_an_agents_own_server_with_credentials_holds_direct_callers_to_the
         assert await health(served.address) == health_pb2.HealthCheckResponse.SERVING
 
 
+async def test_a_python_agents_own_server_holds_its_callers_as_the_other_sdks_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same direct calls, the same refusals, the same renewed file, as the Node.js and
+    Go agents' servers are held to (tests/helpers/guarded.py)."""
+    import mesh.security
+    from tests.helpers.guarded import check_direct_calls_are_held_to_credentials, write_credentials
+
+    monkeypatch.setattr(mesh.security, "RENEWAL_LOOK_SECONDS", 0.2)
+    credentials = tmp_path / "credentials.json"
+    write_credentials(credentials)
+    said: asyncio.Queue[str] = asyncio.Queue()
+
+    class Said(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.put_nowait(record.getMessage())
+
+    @agent("PyGuarded")
+    async def guarded(message: Message, ctx: AgentContext) -> dict:
+        return {"echo": message.content}
+
+    handler = Said(level=logging.WARNING)
+    logging.getLogger("mesh.security").addHandler(handler)
+    try:
+        async with LocalMesh() as local:
+            served = await local.add_agent(
+                guarded, security=SecurityConfig(credentials_file=str(credentials))
+            )
+
+            async def warned() -> str:  # (each refusal is said too, before)
+                while "changed into" not in (line := await said.get()):
+                    pass
+                return line
+
+            await check_direct_calls_are_held_to_credentials(
+                served.address, "PyGuarded", credentials, warned
+            )
+    finally:
+        logging.getLogger("mesh.security").removeHandler(handler)
+
+
 def refused(registry: CollectorRegistry, name: str) -> dict[str, float]:
     """The calls a server counted as refused for their credential, by status code."""
     return {

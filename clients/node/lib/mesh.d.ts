@@ -896,6 +896,12 @@ export interface ServerSecurityOptions {
    * signed; 'none' asks for none (the CA is then the agent's client's alone).
    */
   tlsClientAuth?: 'require' | 'none';
+  /**
+   * AGENTMESH_CREDENTIALS_FILE: the credentials file (the broker's format) the agent's server
+   * holds its callers to: a bearer token it names, and a message sent only as an agent the
+   * caller may act as. Read again when it changes.
+   */
+  credentialsFile?: string;
 }
 
 export interface AgentOptions extends SecurityOptions, ServerSecurityOptions {

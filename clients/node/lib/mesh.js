@@ -745,6 +745,103 @@ function serverCredentials(options = {}) {
     files, ca ? files : null, Boolean(ca));
 }
 
+/** How often an agent's server looks at its credentials file for a change (a stat). */
+const CREDENTIALS_LOOK_MS = 1000;
+
+/**
+ * The principals of a credentials file (the format the broker reads: {"principals": [{name,
+ * token or token_sha256, agents, admin}]}), by their token's SHA-256 digest in hex; a
+ * TypeError saying what is wrong with it.
+ */
+function readCredentials(path) {
+  let data;
+  try {
+    data = JSON.parse(fs.readFileSync(path, 'utf8'));
+  } catch (err) {
+    throw new TypeError(`cannot read the credentials file ${path}: ${err.message}`);
+  }
+  if (data === null || typeof data !== 'object' || Array.isArray(data)) {
+    throw new TypeError('the credentials must be a JSON object, with "principals": a list');
+  }
+  const principals = data.principals || [];
+  if (!Array.isArray(principals)) throw new TypeError('principals must be a list of objects');
+  const byDigest = new Map();
+  principals.forEach((item, index) => {
+    if (item === null || typeof item !== 'object' || Array.isArray(item)) {
+      throw new TypeError(`principals[${index}] must be an object`);
+    }
+    const name = String(item.name || '');
+    if (!name) throw new TypeError(`principals[${index}] has no name`);
+    const agents = item.agents || [];
+    if (!Array.isArray(agents) || !agents.every((a) => typeof a === 'string')) {
+      throw new TypeError(`principals[${index}].agents must be a list of agent ids`);
+    }
+    const { token, token_sha256: digest } = item;
+    if (token !== undefined && digest !== undefined) {
+      throw new TypeError(`principals[${index}]: a token or its token_sha256, not both`);
+    }
+    if (token !== undefined && !(typeof token === 'string' && token.length >= 16)) {
+      throw new TypeError(`principals[${index}].token must be at least 16 characters`);
+    }
+    if (digest !== undefined && !(typeof digest === 'string' && /^[0-9a-fA-F]{64}$/.test(digest))) {
+      throw new TypeError(
+        `principals[${index}].token_sha256 must be a SHA-256 digest: 64 hex digits`);
+    }
+    const known = digest !== undefined ? digest.toLowerCase()
+      : token !== undefined ? crypto.createHash('sha256').update(token).digest('hex') : null;
+    if (known) byDigest.set(known, { name, agents: new Set(agents), admin: Boolean(item.admin) });
+  });
+  return byDigest;
+}
+
+/**
+ * A credentials file an agent's server holds its callers to, as the broker does: a call needs
+ * a bearer token the file names (UNAUTHENTICATED otherwise), and a message is sent only as an
+ * agent its principal may act as (PERMISSION_DENIED otherwise; an admin may act as any: the
+ * broker pushing, the gateway). Read again when it changes (looked at every
+ * CREDENTIALS_LOOK_MS): a token taken out is refused from then on; a file changed into what
+ * cannot be used is said, and what was read before stays in use.
+ */
+class WatchedCredentials {
+  constructor(path) {
+    this.path = path;
+    this.principals = readCredentials(path);
+    this.look = (now, before) => {
+      if (now.mtimeMs === before.mtimeMs && now.size === before.size && now.ino === before.ino) {
+        return;
+      }
+      try {
+        this.principals = readCredentials(path);
+      } catch (err) {
+        console.warn(`the credentials file ${path} changed into what cannot be used, so what `
+          + `was read before stays in use: ${err.message}`);
+      }
+    };
+    fs.watchFile(path, { interval: CREDENTIALS_LOOK_MS, persistent: false }, this.look);
+  }
+
+  /** The gRPC error refusing a call of `metadata` acting as `agentId` to do `what` (none
+   * when agentId is undefined), or null when it may. */
+  refusal(metadata, agentId, what) {
+    const [header] = metadata.get('authorization');
+    const match = /^Bearer\s+(.+)$/i.exec(String(header || '').trim());
+    if (!match) {
+      return { code: grpc.status.UNAUTHENTICATED,
+        details: 'credentials required: a bearer token in the authorization metadata' };
+    }
+    const digest = crypto.createHash('sha256').update(match[1].trim()).digest('hex');
+    const principal = this.principals.get(digest);
+    if (!principal) return { code: grpc.status.UNAUTHENTICATED, details: 'the token is not valid' };
+    if (agentId === undefined || principal.admin || principal.agents.has(agentId)) return null;
+    return { code: grpc.status.PERMISSION_DENIED,
+      details: `${principal.name} may not ${what} as ${agentId || '(no agent)'}` };
+  }
+
+  stop() {
+    fs.unwatchFile(this.path, this.look);
+  }
+}
+
 /** What a call on a closed client gets: said plainly, a MeshError like every other. */
 function closedClient() {
   return new MeshError({ code: grpc.status.CANCELLED, reason: 'SESSION_CLOSED',
@@ -2177,6 +2274,12 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
       + DELIVERY_MODES.join(', '));
   }
   const serverTls = serverCredentials(options);
+  // Its callers held to the credentials file, when it has one (health and reflection stay
+  // open, for the probes).
+  const credentialsFile = options.credentialsFile ?? process.env.AGENTMESH_CREDENTIALS_FILE;
+  const credentials = credentialsFile ? new WatchedCredentials(credentialsFile) : null;
+  const refusal = (call, agentId, what) => (credentials
+    ? credentials.refusal(call.metadata, agentId, what) : null);
   const server = new grpc.Server();
   // What the handler returns for a delivery, or for a direct call (its forward returned
   // unsent then: askOnward below asks it through the broker).
@@ -2257,6 +2360,11 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
       call.on('cancelled', () => aborting.abort(new MeshError({ code: grpc.status.CANCELLED,
         details: 'the caller cancelled the call' })));
       const message = readMessage(call.request.message);
+      const refused = refusal(call, message.from, 'send');
+      if (refused) {
+        callback(refused);
+        return;
+      }
       const violations = directViolations(message, agentId, requiredFields);
       if (violations.length) {
         callback(invalidArgument(violations));
@@ -2271,7 +2379,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
           ? { code: err.code, details: err.message }
           : { code: grpc.status.INTERNAL, details: String(err) }));
     },
-    DescribeAgent: (call, callback) => callback(null, {
+    DescribeAgent: (call, callback) => callback(refusal(call), {
       card: { agent_id: agentId, agent_types: agentTypes, capabilities, tools: [],
         description, actions },
     }),
@@ -2279,6 +2387,11 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     // whose end would tell it. One that pulls learns it from its subscription instead.
     NotifyDeregistered: (call, callback) => {
       const named = call.request.agent_id;
+      const refused = refusal(call, named, 'deregister');
+      if (refused) {
+        callback(refused);
+        return;
+      }
       if (named !== agentId) {
         callback(invalidArgument([['agent_id', `this server serves ${agentId}, not ${named}`]]));
         return;
@@ -2441,6 +2554,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     await unary(client.broker, 'DeregisterAgent', { agent_id: agentId, address }, 2000)
       .catch(() => {});
     client.close();
+    if (credentials) credentials.stop();
     await new Promise((resolve) => server.tryShutdown(resolve));
     if (healthServer) await new Promise((resolve) => healthServer.tryShutdown(resolve));
   };
