@@ -688,6 +688,34 @@ async def test_a_go_agents_server_asks_for_no_certificate_with_client_auth_none(
     assert code != 0 and "-health-port must be a port, 0 for any free one, or -1" in err, err
 
 
+async def test_a_go_agents_own_server_holds_its_callers_to_the_credentials_file(
+    tmp_path: Path, meshgo: Path, go_agents: list[GoAgent]
+) -> None:
+    """With AGENTMESH_CREDENTIALS_FILE (as the secured overlay gives each agent's pod) the Go
+    agent's server takes a direct call only with a token the file names, sent as an agent its
+    caller may act as, as a Python agent's does; it reads the file again when it changes."""
+    from tests.helpers.guarded import check_direct_calls_are_held_to_credentials, write_credentials
+
+    credentials = tmp_path / "credentials.json"
+    write_credentials(credentials)
+    async with LocalMesh() as local:
+        agent = await start_go_agent(
+            meshgo, go_agents, local.address, "GoGuarded",
+            env={"AGENTMESH_CREDENTIALS_FILE": str(credentials)},
+        )  # fmt: skip
+        assert agent.process.stdout is not None
+        stdout = agent.process.stdout
+
+        async def warned() -> str:
+            return (await stdout.readline()).decode()
+
+        await check_direct_calls_are_held_to_credentials(
+            agent.address, "GoGuarded", credentials, warned
+        )
+        code, printed = await agent.stop()
+    assert code == 0, printed
+
+
 async def test_a_go_agent_trusts_its_renewed_ca_when_it_connects_again(
     tmp_path: Path, meshgo: Path, go_agents: list[GoAgent]
 ) -> None:

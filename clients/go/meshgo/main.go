@@ -23,13 +23,15 @@
 // TLS and credentials come from the variables every client of the mesh reads:
 // AGENTMESH_TLS_CA, AGENTMESH_TLS_CLIENT_CERT and AGENTMESH_TLS_CLIENT_KEY,
 // AGENTMESH_TLS_SERVER_NAME, AGENTMESH_TOKEN_FILE or AGENTMESH_TOKEN (and AGENTMESH_TLS_CERT
-// and AGENTMESH_TLS_KEY for the agent's own server, mutual TLS with AGENTMESH_TLS_CA).
-// Certificates, keys, CAs and the token file are read again when they change.
+// and AGENTMESH_TLS_KEY for the agent's own server, mutual TLS with AGENTMESH_TLS_CA; its
+// callers held to AGENTMESH_CREDENTIALS_FILE). Certificates, keys, CAs, the token file and
+// the credentials file are read again when they change.
 package main
 
 import (
 	"context"
 	"crypto/rand"
+	"crypto/sha256"
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/hex"
@@ -56,6 +58,7 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/reflection"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protojson"
@@ -272,6 +275,111 @@ func (r *renewingTLS) OverrideServerName(name string) error {
 	defer r.mu.Unlock()
 	r.config.ServerName, r.made = name, nil
 	return nil
+}
+
+// ---- credentials: the agent's server held to a credentials file -------------------------
+
+// principal is who a token names in a credentials file: the agents it may act as, or any
+// (admin: the broker pushing, the gateway).
+type principal struct {
+	name   string
+	agents map[string]bool
+	admin  bool
+}
+
+// readCredentials reads a credentials file (the broker's format: {"principals": [{name,
+// token or token_sha256, agents, admin}]}): its principals by their token's SHA-256 digest
+// in hex.
+func readCredentials(path string) (map[string]principal, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	var file struct {
+		Principals []struct {
+			Name   string   `json:"name"`
+			Token  *string  `json:"token"`
+			Digest *string  `json:"token_sha256"`
+			Agents []string `json:"agents"`
+			Admin  bool     `json:"admin"`
+		} `json:"principals"`
+	}
+	if err := json.Unmarshal(data, &file); err != nil {
+		return nil, fmt.Errorf("cannot read the credentials file %s: %v", path, err)
+	}
+	byDigest := map[string]principal{}
+	for i, entry := range file.Principals {
+		if entry.Name == "" {
+			return nil, fmt.Errorf("principals[%d] has no name", i)
+		}
+		var digest string
+		switch {
+		case entry.Token != nil && entry.Digest != nil:
+			return nil, fmt.Errorf("principals[%d]: a token or its token_sha256, not both", i)
+		case entry.Token != nil:
+			if len(*entry.Token) < 16 {
+				return nil, fmt.Errorf("principals[%d].token must be at least 16 characters", i)
+			}
+			sum := sha256.Sum256([]byte(*entry.Token))
+			digest = hex.EncodeToString(sum[:])
+		case entry.Digest != nil:
+			raw, err := hex.DecodeString(*entry.Digest)
+			if err != nil || len(raw) != sha256.Size {
+				return nil, fmt.Errorf("principals[%d].token_sha256 must be a SHA-256 digest: 64 hex digits", i)
+			}
+			digest = hex.EncodeToString(raw)
+		default:
+			continue // (known by its certificate alone: not here)
+		}
+		agents := map[string]bool{}
+		for _, agent := range entry.Agents {
+			agents[agent] = true
+		}
+		byDigest[digest] = principal{name: entry.Name, agents: agents, admin: entry.Admin}
+	}
+	return byDigest, nil
+}
+
+// guard holds the calls of the agent's server to its credentials file, as a Python agent's
+// server does: a bearer token the file names (UNAUTHENTICATED otherwise), and a message sent
+// only as an agent its principal may act as (PERMISSION_DENIED otherwise). Health and
+// reflection stay open, for the probes.
+func guard(principals *renewed[map[string]principal]) grpc.UnaryServerInterceptor {
+	return func(ctx context.Context, req interface{}, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (interface{}, error) {
+		if strings.HasPrefix(info.FullMethod, "/grpc.health.v1.Health/") || strings.HasPrefix(info.FullMethod, "/grpc.reflection.") {
+			return handler(ctx, req)
+		}
+		md, _ := metadata.FromIncomingContext(ctx)
+		var token string
+		if values := md.Get("authorization"); len(values) > 0 {
+			if fields := strings.Fields(values[0]); len(fields) == 2 && strings.EqualFold(fields[0], "bearer") {
+				token = fields[1]
+			}
+		}
+		if token == "" {
+			return nil, status.Error(codes.Unauthenticated, "credentials required: a bearer token in the authorization metadata")
+		}
+		sum := sha256.Sum256([]byte(token))
+		caller, known := principals.get()[hex.EncodeToString(sum[:])]
+		if !known {
+			return nil, status.Error(codes.Unauthenticated, "the token is not valid")
+		}
+		agent, what, acting := "", "", false
+		switch r := req.(type) {
+		case *meshv1.HandleMessageRequest:
+			agent, what, acting = r.GetMessage().GetFromAgent(), "send", true
+		case *meshv1.NotifyDeregisteredRequest:
+			agent, what, acting = r.GetAgentId(), "deregister", true
+		}
+		if acting && !caller.admin && !caller.agents[agent] {
+			shown := agent
+			if shown == "" {
+				shown = "(no agent)"
+			}
+			return nil, status.Errorf(codes.PermissionDenied, "%s may not %s as %s", caller.name, what, shown)
+		}
+		return handler(ctx, req)
+	}
 }
 
 // ---- files read again when they change ----------------------------------------------------
@@ -622,6 +730,15 @@ func runAgent(args []string) error {
 	options, err := serverOptions()
 	if err != nil {
 		return err
+	}
+	if file := os.Getenv("AGENTMESH_CREDENTIALS_FILE"); file != "" {
+		principals, err := newRenewed("the credentials file "+file, []string{file}, func() (map[string]principal, error) {
+			return readCredentials(file)
+		})
+		if err != nil {
+			return err
+		}
+		options = append(options, grpc.UnaryInterceptor(guard(principals)))
 	}
 	server := grpc.NewServer(options...)
 	meshv1.RegisterAgentServiceServer(server, &agentServer{agent: a})
