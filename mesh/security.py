@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import ssl
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -442,6 +443,46 @@ def server_credentials(config: SecurityConfig) -> grpc.ServerCredentials | None:
         fetch,  # type: ignore[arg-type]  # (None is "no change", as gRPC documents)
         require_client_authentication=config.mutual,
     )
+
+
+def https_context(config: SecurityConfig, what: str = "the dashboard") -> ssl.SSLContext | None:
+    """TLS for an HTTP server beside a gRPC one (the dashboard beside the gateway) when
+    ``config`` has a certificate: the same certificate and key, looked at again (at most
+    every RENEWAL_LOOK_SECONDS) as a connection's handshake begins, so that a renewed one
+    serves the connections made after it, as the gRPC server's does. Callers are asked for no
+    certificate: the dashboard's own credential, to start runs, is a token."""
+    if not config.tls_cert:
+        return None
+    cert, key = config.tls_cert, config.tls_key
+    files = WatchedFiles(
+        f"{what}'s TLS files", [cert, key], lambda: read_pair(cert, key, "--tls-cert", "--tls-key")
+    )
+
+    def made() -> ssl.SSLContext:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(cert, key)
+        return context
+
+    listening = current = made()
+
+    def renewed(connection: Any, server_name: str | None, context: ssl.SSLContext) -> None:
+        # (The handshake's first step, with or without a name the client asked for: the
+        # connection may still be handed another context, the one made of renewed files.)
+        nonlocal current
+        if files.changed(RENEWAL_LOOK_SECONDS) is not None:
+            try:
+                current = made()
+            except (OSError, ssl.SSLError) as error:  # (changed again since it was checked)
+                logger.warning("%s's renewed TLS files cannot be used: %s", what, error)
+            else:
+                logger.info(
+                    "%s's TLS certificate %s was renewed: new connections use it", what, cert
+                )
+        if current is not listening:
+            connection.context = current
+
+    listening.sni_callback = renewed
+    return listening
 
 
 def authenticator_for(config: SecurityConfig) -> Authenticates | None:

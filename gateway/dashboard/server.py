@@ -37,7 +37,7 @@ from mesh.core.errors import MeshError
 from mesh.core.model import AgentInfo
 from mesh.core.state import ChangeKind, StateEntry
 from mesh.core.workflows import WORKFLOW_KEY_PREFIX
-from mesh.security import authenticator_for, open_channel
+from mesh.security import authenticator_for, https_context, open_channel
 
 logger = logging.getLogger("gateway.dashboard")
 
@@ -622,7 +622,10 @@ async def serve_dashboard(
     allow_runs: bool = True,
     security: SecurityConfig | None = None,
 ) -> DashboardServer:
-    """Serves the dashboard of ``gateway`` on http://host:port/ (0 picks a free port)."""
+    """Serves the dashboard of ``gateway`` on http://host:port/ (0 picks a free port); on
+    https:// when ``security`` has a certificate (the gateway's), renewed in place as the
+    gateway's is."""
+    tls = https_context(security) if security is not None else None
     dashboard = Dashboard(
         gateway.client,
         gateway,
@@ -632,8 +635,8 @@ async def serve_dashboard(
     )
     runner = web.AppRunner(make_app(dashboard), access_log=None, shutdown_timeout=1.0)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=tls)
     await site.start()
     bound = int(runner.addresses[0][1])
     await dashboard.start()
-    return DashboardServer(dashboard, runner, f"http://{host}:{bound}/")
+    return DashboardServer(dashboard, runner, f"{'https' if tls else 'http'}://{host}:{bound}/")

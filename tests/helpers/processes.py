@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import re
 import signal
 import socket
@@ -125,6 +126,23 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def free_ports_in_a_row(count: int) -> int:
+    """The first of ``count`` ports in a row that are free now (for `agentmesh agent`, whose
+    agents' ports, and health ports, count up from the first), away from the ports the
+    kernel hands out for port 0, which a test's other servers take meanwhile."""
+    start = random.randrange(20000, 31000)  # (test processes side by side start apart)
+    for first in [*range(start, 32000 - count, count), *range(20000, start, count)]:
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(first, first + count):
+                    sock = held.enter_context(socket.socket())
+                    sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return first
+    raise RuntimeError(f"no {count} free ports in a row")
 
 
 BROKER_READY = r"listening on (\S+?)[,\s]"

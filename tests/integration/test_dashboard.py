@@ -687,3 +687,61 @@ def test_the_health_column_is_each_agents_readiness() -> None:
                 await gateway.stop(0.5)
 
     asyncio.run(run())
+
+
+async def test_a_gateway_with_a_certificate_serves_its_dashboard_over_https(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dashboard beside a gateway that serves TLS speaks HTTPS with the gateway's
+    certificate (reached by address or by name), not plaintext; renewed in place (by another
+    CA's here, so that which one a connection got shows), the certificate serves the
+    connections made after it, and files renewed into junk leave the last good ones in use."""
+    import ssl
+
+    import aiohttp
+
+    import mesh.security
+    from gateway.dashboard import serve_dashboard
+    from gateway.server import serve_gateway
+    from mesh import LocalMesh, SecurityConfig
+    from mesh.certs import write_dev_certificates
+    from tests.helpers.secrets import SecretVolume
+
+    monkeypatch.setattr(mesh.security, "RENEWAL_LOOK_SECONDS", 0.0)
+    first, second = (write_dev_certificates(tmp_path / name) for name in ("first", "second"))
+    volume = SecretVolume(
+        tmp_path / "tls", {"tls.crt": first["server"], "tls.key": first["server_key"]}
+    )
+    server = SecurityConfig(tls_cert=volume["tls.crt"], tls_key=volume["tls.key"])
+
+    async def state(url: str, ca: Path | None) -> int | str:
+        trusting = ssl.create_default_context(cafile=str(ca)) if ca else False
+        try:
+            async with (
+                aiohttp.ClientSession() as http,
+                http.get(url + "api/state", ssl=trusting) as reply,
+            ):
+                return reply.status
+        except aiohttp.ClientError as error:
+            return type(error).__name__
+
+    async with LocalMesh() as local:
+        gateway = await serve_gateway(local.address, security=server)
+        board = await serve_dashboard(gateway, allow_runs=False, security=server)
+        try:
+            assert board.url.startswith("https://127.0.0.1:")
+            by_name = board.url.replace("127.0.0.1", "localhost")
+            assert await state(board.url, first["ca"]) == 200
+            assert await state(by_name, first["ca"]) == 200
+            assert await state(board.url.replace("https", "http"), None) != 200
+
+            volume.renew({"tls.crt": second["server"], "tls.key": second["server_key"]})
+            assert await state(board.url, second["ca"]) == 200
+            assert await state(by_name, second["ca"]) == 200
+            assert await state(board.url, first["ca"]) == "ClientConnectorCertificateError"
+
+            volume.write({"tls.crt": b"junk", "tls.key": b"junk"})
+            assert await state(board.url, second["ca"]) == 200
+        finally:
+            await board.stop()
+            await gateway.stop()

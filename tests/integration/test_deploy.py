@@ -187,6 +187,7 @@ async def test_the_secured_overlay_serves_a_mesh_of_processes_with_its_own_setti
     dashboard reads the agents' health."""
     import json
     import shlex
+    import ssl
     import urllib.request
 
     import yaml
@@ -195,7 +196,13 @@ async def test_the_secured_overlay_serves_a_mesh_of_processes_with_its_own_setti
     from mesh import MeshError, SecurityConfig
     from mesh.cli import main
     from tests.helpers.health import SERVING, health_of
-    from tests.helpers.processes import BROKER_READY, free_port, start, stop
+    from tests.helpers.processes import (
+        BROKER_READY,
+        free_port,
+        free_ports_in_a_row,
+        start,
+        stop,
+    )
 
     objects = [o for o in yaml.safe_load_all(render("secured")) if o]
     [config] = [o["data"] for o in objects if o["metadata"]["name"] == "agentmesh-config"]
@@ -253,6 +260,7 @@ async def test_the_secured_overlay_serves_a_mesh_of_processes_with_its_own_setti
 
     broker_env = env_of("broker", "AGENTMESH_HEALTH_PORT")
     agents_env = env_of("stock-experts", "AGENTMESH_AGENT_HEALTH_PORT")
+    agents_env["AGENTMESH_AGENT_HEALTH_PORT"] = str(free_ports_in_a_row(3))  # (counting up)
     gateway_env = env_of("gateway", "AGENTMESH_GATEWAY_HEALTH_PORT")
     assert {"AGENTMESH_CREDENTIALS_FILE", "AGENTMESH_TOKEN_FILE"} <= set(broker_env)
     assert {"AGENTMESH_CREDENTIALS_FILE", "AGENTMESH_TOKEN_FILE"} <= set(agents_env)
@@ -266,7 +274,8 @@ async def test_the_secured_overlay_serves_a_mesh_of_processes_with_its_own_setti
         # Reached at an address the certificate does not name, as an agent at its pod IP is.
         agents = await start(
             "agent", "agents.stocks:stock_experts", "--broker", address, "--delivery", "push",
-            "--host", "0.0.0.0", "--port", str(free_port()), "--advertise-host", "127.0.0.2",
+            "--host", "0.0.0.0", "--port", str(free_ports_in_a_row(3)),
+            "--advertise-host", "127.0.0.2",
             ready=r"FundamentalAnalysisAgent serving on (\S+?)[,\s]", env=agents_env,
         )  # fmt: skip
         procs.append(agents)
@@ -307,8 +316,10 @@ async def test_the_secured_overlay_serves_a_mesh_of_processes_with_its_own_setti
         assert events[-1]["kind"] == "RESULT" and result["status"] == "COMPLETED", result
 
         def agents_health_on_dashboard() -> dict[str, str]:
-            url = f"http://127.0.0.1:{dashboard}/api/state"
-            with urllib.request.urlopen(url, timeout=5) as reply:
+            # (over HTTPS: the dashboard serves the gateway's certificate)
+            url = f"https://127.0.0.1:{dashboard}/api/state"
+            trusting = ssl.create_default_context(cafile=ca)
+            with urllib.request.urlopen(url, timeout=5, context=trusting) as reply:
                 state = json.load(reply)
             return {a["agent_id"]: a["health"] for a in state.get("agents", [])}
 

@@ -734,10 +734,10 @@ async def test_a_tls_server_says_its_health_in_plaintext_on_its_health_port(
 
 
 async def test_agentmesh_agent_counts_its_health_ports_up_as_its_ports() -> None:
-    from tests.helpers.processes import BROKER_READY, free_port, start, stop
+    from tests.helpers.processes import BROKER_READY, free_ports_in_a_row, start, stop
 
     broker = await start("broker", "--port", "0", ready=BROKER_READY)
-    first = free_port()
+    first = free_ports_in_a_row(3)
     agents = await start(
         "agent", "agents.stocks:stock_experts", "--broker", broker.address,
         "--health-port", str(first),
