@@ -411,11 +411,14 @@ def check_security_files(config: SecurityConfig) -> None:
         _client_tls(config)
 
 
-def server_credentials(config: SecurityConfig) -> grpc.ServerCredentials | None:
+def server_credentials(
+    config: SecurityConfig, on_served: Callable[[float], object] | None = None
+) -> grpc.ServerCredentials | None:
     """TLS for a server when it has a certificate; mutual TLS when it also has a CA (and
     ``tls_client_auth`` is not ``"none"``). The
     files are looked at again before each connection's handshake: a renewed certificate,
-    key or CA is used from the next connection on, without a restart."""
+    key or CA is used from the next connection on, without a restart. ``on_served`` hears
+    when the certificate served expires (Unix time), at start and at each renewal."""
     if not config.tls_cert:
         return None
     paths = [config.tls_cert, config.tls_key, *([config.tls_ca] if config.mutual else [])]
@@ -430,14 +433,19 @@ def server_credentials(config: SecurityConfig) -> grpc.ServerCredentials | None:
             return None
         if renewed is None:
             return None
+        until = valid_until(renewed.cert)
         logger.info(
             "the server's TLS certificate %s was renewed (valid until %s): new connections use it",
             config.tls_cert,
-            valid_until(renewed.cert).isoformat(),
+            until.isoformat(),
             extra={"event": {"category": "tls", "files": paths}},
         )
+        if on_served is not None:
+            on_served(until.timestamp())
         return renewed.configuration()
 
+    if on_served is not None:
+        on_served(valid_until(files.current.cert).timestamp())
     return grpc.dynamic_ssl_server_credentials(
         files.current.configuration(),
         fetch,  # type: ignore[arg-type]  # (None is "no change", as gRPC documents)

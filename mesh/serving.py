@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -13,7 +14,7 @@ import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, text_format
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from mesh._status import abort
 from mesh.config import SecurityConfig, check_environment, seconds_from_env
@@ -35,6 +36,26 @@ ANSWER_BYTES = 3 * 1024 * 1024
 frames, a ReceiveMessages answer, a page of a listing, a pattern event): under the 4 MiB a gRPC
 client takes by default (the Node.js client, grpcurl), so that every client takes it; over a
 limit, a frame fails in transit with all it carries. One message is at most 1 MiB."""
+
+
+_EXPIRY: weakref.WeakKeyDictionary[CollectorRegistry, Gauge] = weakref.WeakKeyDictionary()
+
+
+def certificate_expiry(registry: CollectorRegistry) -> Gauge:
+    """The gauge of when the TLS certificate each server of ``registry`` presents expires
+    (one per registry: servers sharing one, as the embedded mesh's do, share it): what the
+    AgentmeshCertificateExpiresSoon alert reads, so that a renewal that stopped working
+    is seen before clients are refused."""
+    gauge = _EXPIRY.get(registry)
+    if gauge is None:
+        gauge = _EXPIRY[registry] = Gauge(
+            "agentmesh_tls_certificate_expiry_timestamp_seconds",
+            "When the TLS certificate the server presents expires (Unix time); updated as it "
+            "is renewed",
+            ["server"],
+            registry=registry,
+        )
+    return gauge
 
 
 def fill_page(
@@ -412,7 +433,10 @@ async def start_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
     _enable_reflection([*names, REFLECTION_V1, reflection.SERVICE_NAME], server)
-    credentials = server_credentials(security)
+    expiry = None
+    if metrics_registry is not None:
+        expiry = certificate_expiry(metrics_registry).labels(server=service_names[0])
+    credentials = server_credentials(security, on_served=expiry.set if expiry else None)
     try:
         if credentials is None:
             bound = server.add_insecure_port(f"{host}:{port}")

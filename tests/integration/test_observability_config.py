@@ -53,9 +53,12 @@ async def test_rules_and_dashboard_use_exported_metrics(embedded: EmbeddedMesh) 
         "AgentmeshPushAgentUnreachable",
         "AgentmeshGatewayRunsRefused",
         "AgentmeshCallsRefused",
+        "AgentmeshCertificateExpiresSoon",
     }
     thresholds = {
-        a["alert"]: float(re.findall(r">\s*([\d.]+)\s*$", a["expr"].strip())[0]) for a in alerts
+        a["alert"]: float(found[0])
+        for a in alerts
+        if (found := re.findall(r">\s*([\d.]+)\s*$", a["expr"].strip()))
     }
     assert thresholds["AgentmeshSendLatencyHigh"] == 0.020
     assert thresholds["AgentmeshRoundtripLatencyHigh"] == 0.100

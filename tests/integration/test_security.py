@@ -558,19 +558,35 @@ async def test_a_renewed_server_certificate_serves_new_connections_without_a_res
 ) -> None:
     """The certificate is renewed in place (here by another CA's, so that which one a
     connection got shows): connections made after it get it, the one open before keeps
-    working, and files renewed into junk leave the last good certificate in use."""
-    first, second = (write_dev_certificates(tmp_path / name) for name in ("first", "second"))
+    working, and files renewed into junk leave the last good certificate in use. The server's
+    metrics say when the certificate it serves expires, the renewed one's from then on."""
+    from mesh.watched import valid_until
+
+    first = write_dev_certificates(tmp_path / "first", days=30)
+    second = write_dev_certificates(tmp_path / "second", days=90)
     volume = SecretVolume(
         tmp_path / "tls", {"tls.crt": first["server"], "tls.key": first["server_key"]}
     )
     server = SecurityConfig(tls_cert=volume["tls.crt"], tls_key=volume["tls.key"])
     async with LocalMesh(security=server) as mesh:
+        # What the AgentmeshCertificateExpiresSoon alert reads: when the served one expires.
+        def expiry() -> float | None:
+            return mesh.broker.metrics.registry.get_sample_value(
+                "agentmesh_tls_certificate_expiry_timestamp_seconds",
+                {"server": "mesh.v1.BrokerService"},
+            )
+
+        def until(certs: dict[str, Path]) -> float:
+            return valid_until(certs["server"].read_bytes()).timestamp()
+
+        assert expiry() == until(first)
         before = as_(mesh, "PaymentAgent", tls_ca=str(first["ca"]))
         await before.register("PaymentAgent")
 
         volume.renew({"tls.crt": second["server"], "tls.key": second["server_key"]})
         after = as_(mesh, "PaymentAgent", tls_ca=str(second["ca"]))
         assert [a.agent_id for a in await after.list_agents()] == ["PaymentAgent"]
+        assert expiry() == until(second)
         with pytest.raises(BrokerUnavailableError):
             await as_(mesh, "PaymentAgent", tls_ca=str(first["ca"])).list_agents()
         await before.send("PaymentAgent", {"action": "note"})  # (its connection stays)
