@@ -1462,8 +1462,9 @@ async def measure_stores(s: Settings) -> dict[str, Any]:
     runs a script in Redis per operation (on a single Redis, and on a three-node Redis
     Cluster where each agent's queue lives on one node). Each store's roundtrip: a request
     to an echo agent and its answer, the store's writes on its way (the request's put, its
-    lease, the answer's ack; with Redis, the request's route). Then one-way throughput with
-    one broker replica and with two on the same Redis."""
+    lease, the answer's ack; with Redis, the request's route). Each store's broadcast to 20
+    agents: its 20 puts (one pipeline on Redis). Then one-way throughput with one broker
+    replica and with two on the same Redis."""
     folder = tempfile.mkdtemp(prefix="agentmesh-bench-store-")
     async with local_redis(folder) as (redis_url, cluster_url):
         out = await _measure_stores(s, store_urls(folder, redis_url, cluster_url))
@@ -1554,6 +1555,20 @@ async def _measure_stores(s: Settings, urls: dict[str, str]) -> dict[str, Any]:
                     # (a fresh agent process: its first requests pay for its cold start)
                     out[f"store.{name}.roundtrip"] = stats(await timed(ask, n, max(w, 300)))
                     await drain(client, "sink")
+
+                    # A broadcast to 20 agents of a type (their queues, nobody consuming):
+                    # the broker takes the call once every copy is queued.
+                    fanned = [f"fan-{i}" for i in range(20)]
+                    for agent_id in fanned:
+                        await client.register(agent_id, agent_types=["fan"])
+
+                    async def broadcast() -> int:
+                        await client.broadcast({"action": "notice"}, agent_types=["fan"])
+                        return 1
+
+                    out[f"store.{name}.broadcast20"] = stats(await timed(broadcast, n // 2, w))
+                    for agent_id in fanned:
+                        await drain(client, agent_id)
                     out[f"store.{name}.oneway_16"] = {
                         "throughput": await rate(send, 16, s.throughput_seconds)
                     }
