@@ -657,3 +657,36 @@ async def test_a_node_agents_own_server_holds_its_callers_to_the_credentials_fil
             await stop_echo_agent(node)
         finally:
             await kill_if_running(node)
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
+async def test_npm_test_starts_a_mesh_of_its_own_when_given_none(tmp_path: Path) -> None:
+    """`npm test` in clients/node, with no AGENTMESH_BROKER and AGENTMESH_GATEWAY, starts
+    `agentmesh up` for the run (scripts/mesh-up.js) on free ports, outside the repository,
+    and stops it after."""
+    script = (
+        "require('./scripts/mesh-up').meshUp().then(async (mesh) => {"
+        " console.log(JSON.stringify([mesh.broker, mesh.gateway]));"
+        " await new Promise((resolve) => process.stdin.once('data', resolve));"
+        " await mesh.stop(); console.log('stopped'); process.exit(0); })"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTMESH_")}
+    node = await asyncio.create_subprocess_exec(
+        "node", "-e", script, cwd=NODE_DIR, env=env,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert node.stdin is not None and node.stdout is not None
+    try:
+        async with asyncio.timeout(90):
+            broker, gateway = json.loads(await node.stdout.readline())
+        assert await health_of(broker, "mesh.v1.BrokerService") == SERVING
+        assert await health_of(gateway, "mesh.v1.GatewayService") == SERVING
+        node.stdin.write(b"\n")
+        async with asyncio.timeout(30):
+            assert await node.stdout.readline() == b"stopped\n"
+            assert await node.wait() == 0
+        with pytest.raises(grpc.aio.AioRpcError):
+            await health_of(broker)
+        assert not (NODE_DIR / "traces").exists() and not (NODE_DIR / "logs").exists()
+    finally:
+        await kill_if_running(node)

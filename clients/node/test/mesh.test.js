@@ -1,6 +1,7 @@
 'use strict';
 // Runs against a real mesh: AGENTMESH_BROKER and AGENTMESH_GATEWAY name its addresses (the
-// Python test tests/integration/test_node_client.py starts it and runs these).
+// Python test tests/integration/test_node_client.py starts one and runs these); without them,
+// `npm test` starts `agentmesh up` for the run (scripts/mesh-up.js).
 
 const test = require('node:test');
 const assert = require('node:assert/strict');
@@ -8,9 +9,16 @@ const grpc = require('@grpc/grpc-js');
 const {
   MeshClient, GatewayClient, AgentClient, MeshError, Reject, serveAgent,
 } = require('../lib/mesh');
+const { meshUp } = require('../scripts/mesh-up');
 
-const BROKER = process.env.AGENTMESH_BROKER;
-const GATEWAY = process.env.AGENTMESH_GATEWAY;
+let BROKER;
+let GATEWAY;
+let mesh;
+test.before(async () => {
+  mesh = await meshUp();
+  ({ broker: BROKER, gateway: GATEWAY } = mesh);
+});
+test.after(() => mesh && mesh.stop());
 
 /** Checks of an agent's readiness (its health for mesh.v1.AgentService) at its address. */
 function readinessProbe(address) {
