@@ -116,3 +116,55 @@ async def check_direct_calls_are_held_to_credentials(
         assert code == grpc.StatusCode.UNAUTHENTICATED
         answer = await stub.HandleMessage(handle("Anyone"), metadata=as_admin)
         assert answer.response.to_agent == "Anyone"
+
+
+async def check_direct_calls_are_held_to_certificates(
+    address: str, agent_id: str, certs: dict[str, Path]
+) -> None:
+    """Direct calls to the agent ``agent_id`` serving mutual TLS at ``address``, its CA the
+    one of ``certs`` (written with a client certificate named PaymentAgent): the certificate
+    names who calls, acting as the agent of its name alone; a token no credentials file names
+    is refused; no certificate, no connection."""
+    roots, chain, key = (certs[n].read_bytes() for n in ("ca", "PaymentAgent", "PaymentAgent_key"))
+
+    def handle(from_agent: str) -> agent_pb2.HandleMessageRequest:
+        return agent_pb2.HandleMessageRequest(
+            message=message_pb2.Message(
+                from_agent=from_agent,
+                to_agent=agent_id,
+                message_type=message_pb2.MESSAGE_TYPE_REQUEST,
+                content=Struct(fields={"action": Value(string_value="echo")}),
+            )
+        )
+
+    async def outcome(call: Any) -> tuple[grpc.StatusCode, str]:
+        try:
+            await call
+        except grpc.aio.AioRpcError as error:
+            return error.code(), error.details() or ""
+        return grpc.StatusCode.OK, ""
+
+    mutual = grpc.ssl_channel_credentials(roots, key, chain)
+    async with grpc.aio.secure_channel(address, mutual) as channel:
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
+        answer = await stub.HandleMessage(handle("PaymentAgent"))
+        assert answer.response.to_agent == "PaymentAgent"
+        assert await outcome(stub.HandleMessage(handle("HotelAgent"))) == (
+            grpc.StatusCode.PERMISSION_DENIED,
+            "PaymentAgent may not send as HotelAgent",
+        )
+        told = agent_pb2.NotifyDeregisteredRequest(agent_id=agent_id)
+        assert await outcome(stub.NotifyDeregistered(told)) == (
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"PaymentAgent may not deregister as {agent_id}",
+        )
+        stranger = (("authorization", "Bearer " + "x" * 20),)
+        assert await outcome(stub.HandleMessage(handle("PaymentAgent"), metadata=stranger)) == (
+            grpc.StatusCode.UNAUTHENTICATED,
+            "the token is not valid",
+        )
+    anonymous = grpc.ssl_channel_credentials(roots)
+    async with grpc.aio.secure_channel(address, anonymous) as channel:
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
+        code, _ = await outcome(stub.HandleMessage(handle("PaymentAgent"), timeout=5))
+        assert code == grpc.StatusCode.UNAVAILABLE

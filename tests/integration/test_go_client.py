@@ -716,6 +716,29 @@ async def test_a_go_agents_own_server_holds_its_callers_to_the_credentials_file(
     assert code == 0, printed
 
 
+async def test_a_go_agents_mutual_tls_server_holds_callers_to_their_certificates(
+    tmp_path: Path, meshgo: Path, go_agents: list[GoAgent]
+) -> None:
+    """The Go agent's server with mutual TLS: a caller's certificate names who it is, acting
+    as the agent of its name alone, as a Python agent's server holds it."""
+    from mesh import SecurityConfig
+    from mesh.certs import write_dev_certificates
+    from tests.helpers.guarded import check_direct_calls_are_held_to_certificates
+
+    issued = write_dev_certificates(tmp_path / "certs", clients=["PaymentAgent"])
+    server, key = str(issued["server"]), str(issued["server_key"])
+    env = {
+        "AGENTMESH_TLS_CA": str(issued["ca"]),
+        "AGENTMESH_TLS_CERT": server,
+        "AGENTMESH_TLS_KEY": key,
+    }
+    async with LocalMesh(security=SecurityConfig(tls_cert=server, tls_key=key)) as local:
+        agent = await start_go_agent(meshgo, go_agents, local.address, "GoMutual", env=env)
+        await check_direct_calls_are_held_to_certificates(agent.address, "GoMutual", issued)
+        code, printed = await agent.stop()
+    assert code == 0, printed
+
+
 async def test_a_go_agent_trusts_its_renewed_ca_when_it_connects_again(
     tmp_path: Path, meshgo: Path, go_agents: list[GoAgent]
 ) -> None:

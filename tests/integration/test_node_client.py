@@ -690,3 +690,31 @@ async def test_npm_test_starts_a_mesh_of_its_own_when_given_none(tmp_path: Path)
         assert not (NODE_DIR / "traces").exists() and not (NODE_DIR / "logs").exists()
     finally:
         await kill_if_running(node)
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
+async def test_a_node_agents_mutual_tls_server_holds_callers_to_their_certificates(
+    tmp_path: Path,
+) -> None:
+    """A Node agent's server with mutual TLS: a caller's certificate names who it is, acting
+    as the agent of its name alone, as a Python agent's server holds it."""
+    from mesh import SecurityConfig
+    from mesh.certs import write_dev_certificates
+    from tests.helpers.guarded import check_direct_calls_are_held_to_certificates
+
+    issued = write_dev_certificates(tmp_path / "certs", clients=["PaymentAgent"])
+    server, key = str(issued["server"]), str(issued["server_key"])
+    env = {
+        "AGENTMESH_TLS_CA": str(issued["ca"]),
+        "AGENTMESH_TLS_CERT": server,
+        "AGENTMESH_TLS_KEY": key,
+    }
+    async with LocalMesh(security=SecurityConfig(tls_cert=server, tls_key=key)) as mesh:
+        node, address = await start_node_example(
+            "echo-agent.js", "NodeMutual", mesh.address, env=env
+        )
+        try:
+            await check_direct_calls_are_held_to_certificates(address, "NodeMutual", issued)
+            await stop_echo_agent(node)
+        finally:
+            await kill_if_running(node)

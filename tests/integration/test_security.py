@@ -425,6 +425,70 @@ async def test_a_python_agents_own_server_holds_its_callers_as_the_other_sdks_do
         logging.getLogger("mesh.security").removeHandler(handler)
 
 
+async def test_a_python_agents_mutual_tls_server_holds_callers_to_their_certificates(
+    tmp_path: Path,
+) -> None:
+    """An agent's server with mutual TLS: a caller's certificate names who it is, as the
+    broker's does, held to the same test as the Node.js and Go agents' servers."""
+    from tests.helpers.guarded import check_direct_calls_are_held_to_certificates
+
+    issued = write_dev_certificates(tmp_path / "certs", clients=["PaymentAgent"])
+    tls = {"tls_cert": str(issued["server"]), "tls_key": str(issued["server_key"])}
+
+    @agent("PyMutual")
+    async def mutual(message: Message, ctx: AgentContext) -> dict:
+        return {"echo": message.content}
+
+    async with LocalMesh(security=SecurityConfig(**tls)) as local:
+        served = await local.add_agent(
+            mutual, security=SecurityConfig(**tls, tls_ca=str(issued["ca"]))
+        )
+        await check_direct_calls_are_held_to_certificates(served.address, "PyMutual", issued)
+
+
+async def test_a_broker_pushes_to_a_mutual_tls_agent_whose_credentials_name_it_an_admin(
+    tmp_path: Path,
+) -> None:
+    """Under mutual TLS a certificate acts as the agent its name is; the broker, pushing the
+    messages of every sender, is one the agent's credentials file names an admin (a principal
+    with no token, known by its certificate). Without that entry the push is refused."""
+    issued = write_dev_certificates(tmp_path / "certs", clients=["broker", "PyPushed", "Caller"])
+    tls = {
+        "tls_cert": str(issued["server"]),
+        "tls_key": str(issued["server_key"]),
+        "tls_ca": str(issued["ca"]),
+    }
+
+    def as_client(name: str) -> SecurityConfig:
+        return SecurityConfig(
+            **tls, tls_client_cert=str(issued[name]), tls_client_key=str(issued[f"{name}_key"])
+        )
+
+    credentials = tmp_path / "agent-credentials.json"
+
+    @agent("PyPushed")
+    async def pushed(message: Message, ctx: AgentContext) -> dict:
+        return {"status": "DONE"}
+
+    for names_the_broker in (True, False):
+        principals = [{"name": "broker", "admin": True}] if names_the_broker else []
+        credentials.write_text(json.dumps({"principals": principals}))
+        async with LocalMesh(security=as_client("broker")) as mesh:
+            await mesh.add_agent(
+                pushed,
+                security=as_client("PyPushed").evolve(credentials_file=str(credentials)),
+                delivery_mode="push",
+            )
+            c = mesh.client("Caller", retry=NO_RETRY, security=as_client("Caller"))
+            async with c:
+                if names_the_broker:
+                    answer = await c.request("PyPushed", {"action": "go"}, timeout=10)
+                    assert answer.content == {"action": "go", "status": "DONE"}
+                else:
+                    with pytest.raises(MeshError, match="broker may not send as Caller"):
+                        await c.request("PyPushed", {"action": "go"}, timeout=3)
+
+
 def refused(registry: CollectorRegistry, name: str) -> dict[str, float]:
     """The calls a server counted as refused for their credential, by status code."""
     return {

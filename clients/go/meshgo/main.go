@@ -59,6 +59,7 @@ import (
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/reflection"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protojson"
@@ -287,13 +288,26 @@ type principal struct {
 	admin  bool
 }
 
+// credentialsFile is what a credentials file names: its principals by their token's SHA-256
+// digest in hex, and by name (a client certificate's).
+type credentialsFile struct {
+	byDigest map[string]principal
+	byName   map[string]principal
+}
+
+// mutualTLS: whether the agent's server requires its callers' certificates (serverOptions).
+func mutualTLS() bool {
+	return os.Getenv("AGENTMESH_TLS_CERT") != "" && os.Getenv("AGENTMESH_TLS_CA") != "" &&
+		os.Getenv("AGENTMESH_TLS_CLIENT_AUTH") != "none"
+}
+
 // readCredentials reads a credentials file (the broker's format: {"principals": [{name,
-// token or token_sha256, agents, admin}]}): its principals by their token's SHA-256 digest
-// in hex.
-func readCredentials(path string) (map[string]principal, error) {
+// token or token_sha256, agents, admin}]}).
+func readCredentials(path string) (credentialsFile, error) {
+	known := credentialsFile{byDigest: map[string]principal{}, byName: map[string]principal{}}
 	data, err := os.ReadFile(path)
 	if err != nil {
-		return nil, err
+		return known, err
 	}
 	var file struct {
 		Principals []struct {
@@ -305,49 +319,56 @@ func readCredentials(path string) (map[string]principal, error) {
 		} `json:"principals"`
 	}
 	if err := json.Unmarshal(data, &file); err != nil {
-		return nil, fmt.Errorf("cannot read the credentials file %s: %v", path, err)
+		return known, fmt.Errorf("cannot read the credentials file %s: %v", path, err)
 	}
-	byDigest := map[string]principal{}
 	for i, entry := range file.Principals {
 		if entry.Name == "" {
-			return nil, fmt.Errorf("principals[%d] has no name", i)
+			return known, fmt.Errorf("principals[%d] has no name", i)
 		}
 		var digest string
 		switch {
 		case entry.Token != nil && entry.Digest != nil:
-			return nil, fmt.Errorf("principals[%d]: a token or its token_sha256, not both", i)
+			return known, fmt.Errorf("principals[%d]: a token or its token_sha256, not both", i)
 		case entry.Token != nil:
 			if len(*entry.Token) < 16 {
-				return nil, fmt.Errorf("principals[%d].token must be at least 16 characters", i)
+				return known, fmt.Errorf("principals[%d].token must be at least 16 characters", i)
 			}
 			sum := sha256.Sum256([]byte(*entry.Token))
 			digest = hex.EncodeToString(sum[:])
 		case entry.Digest != nil:
 			raw, err := hex.DecodeString(*entry.Digest)
 			if err != nil || len(raw) != sha256.Size {
-				return nil, fmt.Errorf("principals[%d].token_sha256 must be a SHA-256 digest: 64 hex digits", i)
+				return known, fmt.Errorf("principals[%d].token_sha256 must be a SHA-256 digest: 64 hex digits", i)
 			}
 			digest = hex.EncodeToString(raw)
-		default:
-			continue // (known by its certificate alone: not here)
 		}
 		agents := map[string]bool{}
 		for _, agent := range entry.Agents {
 			agents[agent] = true
 		}
-		byDigest[digest] = principal{name: entry.Name, agents: agents, admin: entry.Admin}
+		who := principal{name: entry.Name, agents: agents, admin: entry.Admin}
+		if digest != "" {
+			known.byDigest[digest] = who
+		}
+		known.byName[entry.Name] = who
 	}
-	return byDigest, nil
+	return known, nil
 }
 
-// guard holds the calls of the agent's server to its credentials file, as a Python agent's
-// server does: a bearer token the file names (UNAUTHENTICATED otherwise), and a message sent
-// only as an agent its principal may act as (PERMISSION_DENIED otherwise). Health and
-// reflection stay open, for the probes.
-func guard(principals *renewed[map[string]principal]) grpc.UnaryServerInterceptor {
+// guard holds the calls of the agent's server as a Python agent's server does, with a
+// credentials file (principals, nil without one) or mutual TLS: a call needs a bearer token
+// the file names or, with mutual TLS, a client certificate (named as a principal of the file,
+// or acting as the agent its name is); UNAUTHENTICATED otherwise. A message is sent only as an
+// agent its principal may act as (PERMISSION_DENIED otherwise). Health and reflection stay
+// open, for the probes.
+func guard(principals *renewed[credentialsFile], mutual bool) grpc.UnaryServerInterceptor {
 	return func(ctx context.Context, req interface{}, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (interface{}, error) {
 		if strings.HasPrefix(info.FullMethod, "/grpc.health.v1.Health/") || strings.HasPrefix(info.FullMethod, "/grpc.reflection.") {
 			return handler(ctx, req)
+		}
+		var known credentialsFile
+		if principals != nil {
+			known = principals.get()
 		}
 		md, _ := metadata.FromIncomingContext(ctx)
 		var token string
@@ -356,13 +377,30 @@ func guard(principals *renewed[map[string]principal]) grpc.UnaryServerIntercepto
 				token = fields[1]
 			}
 		}
-		if token == "" {
-			return nil, status.Error(codes.Unauthenticated, "credentials required: a bearer token in the authorization metadata")
+		var caller principal
+		found := false
+		if token != "" {
+			sum := sha256.Sum256([]byte(token))
+			if caller, found = known.byDigest[hex.EncodeToString(sum[:])]; !found {
+				return nil, status.Error(codes.Unauthenticated, "the token is not valid")
+			}
+		} else if mutual {
+			names := certificateNames(ctx)
+			for _, name := range names {
+				if caller, found = known.byName[name]; found {
+					break
+				}
+			}
+			if !found && len(names) > 0 {
+				caller, found = principal{name: names[0], agents: map[string]bool{names[0]: true}}, true
+			}
 		}
-		sum := sha256.Sum256([]byte(token))
-		caller, known := principals.get()[hex.EncodeToString(sum[:])]
-		if !known {
-			return nil, status.Error(codes.Unauthenticated, "the token is not valid")
+		if !found {
+			wanted := "credentials required: a bearer token in the authorization metadata"
+			if mutual {
+				wanted += " or a client certificate"
+			}
+			return nil, status.Error(codes.Unauthenticated, wanted)
 		}
 		agent, what, acting := "", "", false
 		switch r := req.(type) {
@@ -380,6 +418,25 @@ func guard(principals *renewed[map[string]principal]) grpc.UnaryServerIntercepto
 		}
 		return handler(ctx, req)
 	}
+}
+
+// certificateNames: the names a call's verified client certificate carries, its subject's CN
+// then its DNS names (none without one).
+func certificateNames(ctx context.Context) []string {
+	caller, ok := peer.FromContext(ctx)
+	if !ok {
+		return nil
+	}
+	tlsInfo, ok := caller.AuthInfo.(credentials.TLSInfo)
+	if !ok || len(tlsInfo.State.PeerCertificates) == 0 {
+		return nil
+	}
+	leaf := tlsInfo.State.PeerCertificates[0]
+	var names []string
+	if leaf.Subject.CommonName != "" {
+		names = append(names, leaf.Subject.CommonName)
+	}
+	return append(names, leaf.DNSNames...)
 }
 
 // ---- files read again when they change ----------------------------------------------------
@@ -731,14 +788,17 @@ func runAgent(args []string) error {
 	if err != nil {
 		return err
 	}
+	var principals *renewed[credentialsFile]
 	if file := os.Getenv("AGENTMESH_CREDENTIALS_FILE"); file != "" {
-		principals, err := newRenewed("the credentials file "+file, []string{file}, func() (map[string]principal, error) {
+		principals, err = newRenewed("the credentials file "+file, []string{file}, func() (credentialsFile, error) {
 			return readCredentials(file)
 		})
 		if err != nil {
 			return err
 		}
-		options = append(options, grpc.UnaryInterceptor(guard(principals)))
+	}
+	if mutual := mutualTLS(); principals != nil || mutual {
+		options = append(options, grpc.UnaryInterceptor(guard(principals, mutual)))
 	}
 	server := grpc.NewServer(options...)
 	meshv1.RegisterAgentServiceServer(server, &agentServer{agent: a})

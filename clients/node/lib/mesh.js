@@ -718,6 +718,20 @@ function security(options = {}) {
   return { credentials, metadata, channelOptions, stop };
 }
 
+/** An agent's server's TLS files, from options, else AGENTMESH_*: its certificate and key,
+ * and the CA its callers' certificates must be signed by when it requires them (mutual). */
+function serverTlsFiles(options) {
+  const env = process.env;
+  const cert = options.tlsCert ?? env.AGENTMESH_TLS_CERT;
+  const key = options.tlsKey ?? env.AGENTMESH_TLS_KEY;
+  const clientAuth = options.tlsClientAuth ?? (env.AGENTMESH_TLS_CLIENT_AUTH || 'require');
+  if (!['require', 'none'].includes(clientAuth)) {
+    throw new TypeError(`tlsClientAuth must be require or none, not ${JSON.stringify(clientAuth)}`);
+  }
+  const ca = cert && clientAuth === 'require' ? options.tlsCa ?? env.AGENTMESH_TLS_CA : undefined;
+  return { cert, key, ca, mutual: Boolean(cert && ca) };
+}
+
 /**
  * Credentials for an agent's own server, from options, else the variables a Python agent's
  * server reads: TLS when tlsCert and tlsKey (AGENTMESH_TLS_CERT/_KEY) name its certificate
@@ -728,15 +742,8 @@ function security(options = {}) {
  * on.
  */
 function serverCredentials(options = {}) {
-  const env = process.env;
-  const cert = options.tlsCert ?? env.AGENTMESH_TLS_CERT;
-  const key = options.tlsKey ?? env.AGENTMESH_TLS_KEY;
-  const clientAuth = options.tlsClientAuth ?? (env.AGENTMESH_TLS_CLIENT_AUTH || 'require');
-  if (!['require', 'none'].includes(clientAuth)) {
-    throw new TypeError(`tlsClientAuth must be require or none, not ${JSON.stringify(clientAuth)}`);
-  }
+  const { cert, key, ca } = serverTlsFiles(options);
   if (!cert && !key) return grpc.ServerCredentials.createInsecure();
-  const ca = clientAuth === 'require' ? options.tlsCa ?? env.AGENTMESH_TLS_CA : undefined;
   const files = new WatchedCertificates({ ca, cert, key }, "the agent's server TLS files");
   // (grpc-js 1.14 takes this function's first provider for the certificate and its second
   // for the CA, whatever its declaration calls them: the order here is the one it uses, and
@@ -750,8 +757,8 @@ const CREDENTIALS_LOOK_MS = 1000;
 
 /**
  * The principals of a credentials file (the format the broker reads: {"principals": [{name,
- * token or token_sha256, agents, admin}]}), by their token's SHA-256 digest in hex; a
- * TypeError saying what is wrong with it.
+ * token or token_sha256, agents, admin}]}), by their token's SHA-256 digest in hex (byDigest)
+ * and by name (byName, for a client certificate's); a TypeError saying what is wrong with it.
  */
 function readCredentials(path) {
   let data;
@@ -766,6 +773,7 @@ function readCredentials(path) {
   const principals = data.principals || [];
   if (!Array.isArray(principals)) throw new TypeError('principals must be a list of objects');
   const byDigest = new Map();
+  const byName = new Map();
   principals.forEach((item, index) => {
     if (item === null || typeof item !== 'object' || Array.isArray(item)) {
       throw new TypeError(`principals[${index}] must be an object`);
@@ -789,9 +797,11 @@ function readCredentials(path) {
     }
     const known = digest !== undefined ? digest.toLowerCase()
       : token !== undefined ? crypto.createHash('sha256').update(token).digest('hex') : null;
-    if (known) byDigest.set(known, { name, agents: new Set(agents), admin: Boolean(item.admin) });
+    const principal = { name, agents: new Set(agents), admin: Boolean(item.admin) };
+    if (known) byDigest.set(known, principal);
+    byName.set(name, principal);
   });
-  return byDigest;
+  return { byDigest, byName };
 }
 
 /**
@@ -820,26 +830,66 @@ class WatchedCredentials {
     fs.watchFile(path, { interval: CREDENTIALS_LOOK_MS, persistent: false }, this.look);
   }
 
-  /** The gRPC error refusing a call of `metadata` acting as `agentId` to do `what` (none
-   * when agentId is undefined), or null when it may. */
-  refusal(metadata, agentId, what) {
-    const [header] = metadata.get('authorization');
-    const match = /^Bearer\s+(.+)$/i.exec(String(header || '').trim());
-    if (!match) {
-      return { code: grpc.status.UNAUTHENTICATED,
-        details: 'credentials required: a bearer token in the authorization metadata' };
-    }
-    const digest = crypto.createHash('sha256').update(match[1].trim()).digest('hex');
-    const principal = this.principals.get(digest);
-    if (!principal) return { code: grpc.status.UNAUTHENTICATED, details: 'the token is not valid' };
-    if (agentId === undefined || principal.admin || principal.agents.has(agentId)) return null;
-    return { code: grpc.status.PERMISSION_DENIED,
-      details: `${principal.name} may not ${what} as ${agentId || '(no agent)'}` };
+  /** The principal a bearer token names, or undefined. */
+  byToken(token) {
+    return this.principals.byDigest.get(crypto.createHash('sha256').update(token).digest('hex'));
+  }
+
+  /** The principal of that name (a client certificate's), or undefined. */
+  byName(name) {
+    return this.principals.byName.get(name);
   }
 
   stop() {
     fs.unwatchFile(this.path, this.look);
   }
+}
+
+/** The names a call's verified client certificate carries: its subject's CN, then its DNS
+ * names (none without one). */
+function certificateNames(call) {
+  const context = typeof call.getAuthContext === 'function' ? call.getAuthContext() : null;
+  const peer = context && context.sslPeerCertificate;
+  if (!peer || !peer.subject) return [];
+  const names = [].concat(peer.subject.CN || []);
+  for (const part of String(peer.subjectaltname || '').split(', ')) {
+    if (part.startsWith('DNS:')) names.push(part.slice(4));
+  }
+  return names;
+}
+
+/**
+ * How an agent's server holds its callers, as a Python agent's does: not at all without a
+ * credentials file or mutual TLS. With them, a call needs a bearer token the file names or,
+ * with mutual TLS, a client certificate (named as a principal of the file, or acting as the
+ * agent its name is); UNAUTHENTICATED otherwise. A message is sent only as an agent that
+ * principal may act as (an admin as any: the broker pushing, the gateway); PERMISSION_DENIED
+ * otherwise. check(call, agentId, what) answers the gRPC error refusing the call, or null;
+ * agentId undefined: the call acts as no agent.
+ */
+function callerCheck(credentials, mutual) {
+  if (!credentials && !mutual) return () => null;
+  const refuse = (code, details) => ({ code, details });
+  return (call, agentId, what) => {
+    const [header] = call.metadata.get('authorization');
+    const bearer = /^Bearer\s+(.+)$/i.exec(String(header || '').trim());
+    let principal;
+    if (bearer) {
+      principal = credentials && credentials.byToken(bearer[1].trim());
+      if (!principal) return refuse(grpc.status.UNAUTHENTICATED, 'the token is not valid');
+    } else if (mutual) {
+      const names = certificateNames(call);
+      principal = names.map((n) => credentials && credentials.byName(n)).find(Boolean)
+        || (names.length ? { name: names[0], agents: new Set([names[0]]), admin: false } : null);
+    }
+    if (!principal) {
+      return refuse(grpc.status.UNAUTHENTICATED, 'credentials required: a bearer token in the '
+        + `authorization metadata${mutual ? ' or a client certificate' : ''}`);
+    }
+    if (agentId === undefined || principal.admin || principal.agents.has(agentId)) return null;
+    return refuse(grpc.status.PERMISSION_DENIED,
+      `${principal.name} may not ${what} as ${agentId || '(no agent)'}`);
+  };
 }
 
 /** What a call on a closed client gets: said plainly, a MeshError like every other. */
@@ -2278,8 +2328,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
   // open, for the probes).
   const credentialsFile = options.credentialsFile ?? process.env.AGENTMESH_CREDENTIALS_FILE;
   const credentials = credentialsFile ? new WatchedCredentials(credentialsFile) : null;
-  const refusal = (call, agentId, what) => (credentials
-    ? credentials.refusal(call.metadata, agentId, what) : null);
+  const refusal = callerCheck(credentials, serverTlsFiles(options).mutual);
   const server = new grpc.Server();
   // What the handler returns for a delivery, or for a direct call (its forward returned
   // unsent then: askOnward below asks it through the broker).
