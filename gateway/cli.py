@@ -89,14 +89,18 @@ async def _gateway(args: argparse.Namespace) -> int:
     if args.dashboard_port >= 0:
         from gateway.dashboard import serve_dashboard
 
-        dashboard = await serve_dashboard(
-            gateway,
-            host=args.host,
-            port=args.dashboard_port,
-            trace_dir=args.trace_dir,
-            allow_runs=args.dashboard_runs,
-            security=security_config(args),
-        )
+        try:
+            dashboard = await serve_dashboard(
+                gateway,
+                host=args.host,
+                port=args.dashboard_port,
+                trace_dir=args.trace_dir,
+                allow_runs=args.dashboard_runs,
+                security=security_config(args),
+            )
+        except ValueError as error:
+            await gateway.stop(0)
+            raise UsageError(f"--dashboard-runs: {error}") from None
     _print(
         f"agentmesh gateway listening on {gateway.address}{served_on(args.host, gateway.server)}"
         f", broker {args.broker} "

@@ -407,6 +407,13 @@ class Dashboard:
             token=token,
         )
 
+    @property
+    def _gateway_target(self) -> str:
+        """Where this server calls its gateway: its address, or this machine's loopback
+        when it listens on every interface (0.0.0.0 is no name a certificate holds)."""
+        host, _, port = self.gateway.address.rpartition(":")
+        return f"127.0.0.1:{port}" if host in ("0.0.0.0", "[::]", "::") else self.gateway.address
+
     async def start_run(self, name: str, body: dict[str, Any], security: SecurityConfig) -> str:
         """Starts a pattern through the gateway; returns its run id once its first event
         arrives (validation errors come back before that, as MeshError)."""
@@ -417,7 +424,7 @@ class Dashboard:
 
         async def run() -> None:
             try:
-                async with GatewayClient(self.gateway.address, security=security) as gateway:
+                async with GatewayClient(self._gateway_target, security=security) as gateway:
                     events = gateway.run(rpc, body)
                     async for event in events:
                         if not first.done():
@@ -440,7 +447,7 @@ class Dashboard:
 
     async def rate_run(self, run_id: str, satisfied: bool, security: SecurityConfig) -> Any:
         """Tells the gateway whether a run's outcome satisfied the user (RecordFeedback)."""
-        async with GatewayClient(self.gateway.address, security=security) as gateway:
+        async with GatewayClient(self._gateway_target, security=security) as gateway:
             return await gateway.feedback(run_id, satisfied)
 
     async def stream(self) -> AsyncIterator[str]:
@@ -626,6 +633,13 @@ async def serve_dashboard(
     https:// when ``security`` has a certificate (the gateway's), renewed in place as the
     gateway's is."""
     tls = https_context(security) if security is not None else None
+    if allow_runs and security is not None and security.tls_cert and not security.tls_ca:
+        # (it starts them through the gateway, whose certificate it must be able to check)
+        raise ValueError(
+            "a dashboard that starts runs calls its gateway over TLS: give the CA of the "
+            "gateway's certificate too (--tls-ca; --tls-client-auth none if its callers "
+            "present no certificate)"
+        )
     dashboard = Dashboard(
         gateway.client,
         gateway,

@@ -745,3 +745,55 @@ async def test_a_gateway_with_a_certificate_serves_its_dashboard_over_https(
         finally:
             await board.stop()
             await gateway.stop()
+
+
+async def test_a_tls_gateways_dashboard_starts_runs_through_it_when_it_can_check_it(
+    tmp_path: Path,
+) -> None:
+    """A dashboard that starts runs calls its gateway over TLS, at the loopback address when
+    the gateway listens on every interface: with the CA of the gateway's certificate, a run
+    started from the page completes. Without one it could not check the gateway, and it
+    says so as it starts rather than failing each run."""
+    import ssl
+
+    import aiohttp
+
+    from gateway.dashboard import serve_dashboard
+    from gateway.server import serve_gateway
+    from mesh import AgentContext, LocalMesh, Message, SecurityConfig, agent
+    from mesh.certs import write_dev_certificates
+
+    certs = write_dev_certificates(tmp_path / "certs")
+    tls = SecurityConfig(tls_cert=str(certs["server"]), tls_key=str(certs["server_key"]))
+    with_ca = tls.evolve(tls_ca=str(certs["ca"]), tls_client_auth="none")
+
+    @agent("Expert")
+    async def expert(message: Message, ctx: AgentContext) -> dict:
+        return {"recommendation": "AAPL", "confidence": 0.9}
+
+    async with LocalMesh() as mesh:
+        await mesh.add_agent(expert)
+        gateway = await serve_gateway(mesh.address, host="0.0.0.0", security=tls)
+        try:
+            with pytest.raises(ValueError, match="give the CA of the gateway's certificate"):
+                await serve_dashboard(gateway, security=tls)
+            board = await serve_dashboard(gateway, security=with_ca)
+            trusting = ssl.create_default_context(cafile=str(certs["ca"]))
+            body = {"agent_ids": ["Expert"], "query": "What stock should I buy?"}
+            try:
+                async with aiohttp.ClientSession() as http:
+                    url = f"{board.url}api/patterns/group_chat"
+                    async with http.post(url, json=body, ssl=trusting) as reply:
+                        assert reply.status == 202, await reply.text()
+                        run_id = (await reply.json())["run_id"]
+                    for _ in range(100):
+                        async with http.get(f"{board.url}api/runs/{run_id}", ssl=trusting) as r:
+                            run = await r.json()
+                        if run.get("status") == "COMPLETED":
+                            break
+                        await asyncio.sleep(0.05)
+                    assert run["status"] == "COMPLETED", run
+            finally:
+                await board.stop()
+        finally:
+            await gateway.stop(0.5)
