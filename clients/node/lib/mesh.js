@@ -506,11 +506,63 @@ class Reject extends Error {
 
 // -- TLS and credentials ----------------------------------------------------------------------
 
-/** How often a client looks at its token file for a new token (a stat). */
-const TOKEN_LOOK_MS = 1000;
+/** How often a client or an agent's server looks at the files it reads again (a stat of
+ * each): its token file, its TLS files, its credentials file. */
+const LOOK_MS = 1000;
 
-/** How often a client, or an agent's server, looks at its TLS files for renewed ones (stats). */
-const TLS_LOOK_MS = 1000;
+/**
+ * Files, and what load() makes of them (a TypeError saying why it cannot), read again when
+ * they change, as the Python SDK's WatchedFiles: renewed in place (cert-manager rewriting a
+ * Secret's volume, a token rotated, a credentials file edited). Loaded as it is made (the
+ * error thrown); looked at every LOOK_MS while anyone listens (listen() returns the way to
+ * stop), and what changed is loaded, then handed to the listeners when it differs from what
+ * they had. Files changed into what cannot be used (written halfway, a key that is not the
+ * certificate's, JSON cut short) are said once, and what was read before stays in use.
+ */
+class WatchedFiles {
+  constructor(what, paths, load, same = (a, b) => a === b) {
+    this.what = what;
+    this.paths = paths.filter(Boolean);
+    this.load = load;
+    this.same = same;
+    this.current = load();
+    this.problem = null;
+    this.listeners = new Set();
+    this.look = () => this.lookAgain();
+  }
+
+  lookAgain() {
+    let loaded;
+    try {
+      loaded = this.load();
+    } catch (err) {
+      if (err.message !== this.problem) {
+        this.problem = err.message;
+        console.warn(`${this.what} changed into what cannot be used, so what was read before `
+          + `stays in use: ${err.message}`);
+      }
+      return;
+    }
+    this.problem = null;
+    if (this.same(loaded, this.current)) return;
+    const was = this.current;
+    this.current = loaded;
+    this.listeners.forEach((heard) => heard(loaded, was));
+  }
+
+  /** Calls heard(now, before) with what the files hold each time they change; returns the
+   * way to stop. (fs.watchFile compares each file's stat with the one before.) */
+  listen(heard) {
+    if (!this.listeners.size) {
+      this.paths.forEach((p) => fs.watchFile(p, { interval: LOOK_MS, persistent: false }, this.look));
+    }
+    this.listeners.add(heard);
+    return () => {
+      if (!this.listeners.delete(heard) || this.listeners.size) return;
+      this.paths.forEach((p) => fs.unwatchFile(p, this.look));
+    };
+  }
+}
 
 /** The token a token file holds (its text, trimmed); a TypeError when it holds none. */
 function readToken(path) {
@@ -577,14 +629,10 @@ function readTls({ ca, cert, key }) {
 }
 
 /**
- * TLS files renewed in place (cert-manager rewriting a Secret's volume, certbot, a copy by
- * hand), as grpc-js's certificate providers give them to its channels and servers: a CA
- * bundle (ca), a certificate and its key (cert, key), either or both. Read and checked as it
- * is made (a TypeError naming what is wrong); looked at again every TLS_LOOK_MS while a
- * channel or server listens, and what changed is checked as at start before it is handed on:
- * the connections made after it use it, those already open keep theirs. Files changed into
- * what TLS cannot use (written halfway, a key that is not the certificate's) are said once,
- * and what was read before stays in use.
+ * TLS files renewed in place, as grpc-js's certificate providers give them to its channels and
+ * servers: a CA bundle (ca), a certificate and its key (cert, key), either or both. Read and
+ * checked as TLS will use them (readTls) as it is made and again when they change
+ * (WatchedFiles): the connections made after use what changed, those already open keep theirs.
  */
 class WatchedCertificates {
   constructor({ ca, cert, key }, what = 'the TLS files') {
@@ -592,75 +640,50 @@ class WatchedCertificates {
       throw new TypeError(`${what}: a certificate needs its key, and a key its certificate `
         + `(got ${cert ? `certificate ${cert}` : `key ${key}`} alone)`);
     }
-    this.paths = { ca, cert, key };
-    this.what = what;
-    this.files = readTls(this.paths);
-    this.problem = null;
-    this.caListeners = new Set();
-    this.identityListeners = new Set();
-    this.look = () => this.lookAgain();
+    const bytes = (x, y) => (x && y ? x.equals(y) : x === y);
+    this.caChanged = (now, before) => !bytes(now.ca, before.ca);
+    this.identityChanged = (now, before) => !bytes(now.cert, before.cert)
+      || !bytes(now.key, before.key);
+    this.files = new WatchedFiles(what, [ca, cert, key], () => readTls({ ca, cert, key }),
+      (x, y) => !this.caChanged(x, y) && !this.identityChanged(x, y));
+    this.stops = new Map(); // (each listener's way to stop)
   }
 
-  lookAgain() {
-    let files;
-    try {
-      files = readTls(this.paths);
-    } catch (err) {
-      if (err.message !== this.problem) {
-        this.problem = err.message;
-        console.warn(`${this.what} changed into what cannot be used, so what was read before `
-          + `stays in use: ${err.message}`);
-      }
-      return;
-    }
-    this.problem = null;
-    const same = (a, b) => (a && b ? a.equals(b) : a === b);
-    const was = this.files;
-    this.files = files;
-    if (!same(files.ca, was.ca)) this.caListeners.forEach((tell) => tell(this.caUpdate()));
-    if (!same(files.cert, was.cert) || !same(files.key, was.key)) {
-      this.identityListeners.forEach((tell) => tell(this.identityUpdate()));
-    }
+  caUpdate(files = this.files.current) {
+    return files.ca ? { caCertificate: files.ca } : null;
   }
 
-  caUpdate() {
-    return this.files.ca ? { caCertificate: this.files.ca } : null;
+  identityUpdate(files = this.files.current) {
+    return files.cert ? { certificate: files.cert, privateKey: files.key } : null;
   }
 
-  identityUpdate() {
-    return this.files.cert ? { certificate: this.files.cert, privateKey: this.files.key } : null;
+  added(listener, update, changed) {
+    this.stops.set(listener, this.files.listen((now, before) => {
+      if (changed(now, before)) listener(update(now));
+    }));
+    process.nextTick(() => listener(update()));
   }
 
-  listened(on) {
-    const listening = this.caListeners.size + this.identityListeners.size > 0;
-    const paths = Object.values(this.paths).filter(Boolean);
-    if (on && !listening) {
-      paths.forEach((p) => fs.watchFile(p, { interval: TLS_LOOK_MS, persistent: false }, this.look));
-    } else if (!on && !listening) {
-      paths.forEach((p) => fs.unwatchFile(p, this.look));
-    }
+  removed(listener) {
+    const stop = this.stops.get(listener);
+    this.stops.delete(listener);
+    if (stop) stop();
   }
 
   addCaCertificateListener(listener) {
-    this.listened(true);
-    this.caListeners.add(listener);
-    process.nextTick(() => listener(this.caUpdate()));
+    this.added(listener, (f) => this.caUpdate(f), this.caChanged);
   }
 
   removeCaCertificateListener(listener) {
-    this.caListeners.delete(listener);
-    this.listened(false);
+    this.removed(listener);
   }
 
   addIdentityCertificateListener(listener) {
-    this.listened(true);
-    this.identityListeners.add(listener);
-    process.nextTick(() => listener(this.identityUpdate()));
+    this.added(listener, (f) => this.identityUpdate(f), this.identityChanged);
   }
 
   removeIdentityCertificateListener(listener) {
-    this.identityListeners.delete(listener);
-    this.listened(false);
+    this.removed(listener);
   }
 }
 
@@ -670,9 +693,9 @@ class WatchedCertificates {
  * (AGENTMESH_TLS_CLIENT_CERT/_KEY) add a client certificate for mutual TLS, token
  * (AGENTMESH_TOKEN) is sent as `authorization: Bearer <token>` on every call. tokenFile
  * (AGENTMESH_TOKEN_FILE), in place of a token, names a file holding it, looked at again every
- * TOKEN_LOOK_MS: a rotated token is sent from then on, without a restart (a file changed into
+ * LOOK_MS: a rotated token is sent from then on, without a restart (a file changed into
  * one that holds none is said, and the token before stays). stop() ends the looking. The CA
- * and the client certificate are looked at again too, every TLS_LOOK_MS while the channel
+ * and the client certificate are looked at again too, every LOOK_MS while the channel
  * lives (WatchedCertificates): a connection made after their renewal uses them.
  */
 function security(options = {}) {
@@ -682,7 +705,10 @@ function security(options = {}) {
   const key = options.tlsClientKey ?? env.AGENTMESH_TLS_CLIENT_KEY;
   const tokenFile = options.tokenFile
     ?? (options.token === undefined ? env.AGENTMESH_TOKEN_FILE : undefined);
-  const token = tokenFile ? readToken(tokenFile) : (options.token ?? env.AGENTMESH_TOKEN);
+  const watched = tokenFile
+    ? new WatchedFiles(`the token file ${tokenFile}`, [tokenFile], () => readToken(tokenFile))
+    : null;
+  const token = watched ? watched.current : (options.token ?? env.AGENTMESH_TOKEN);
   let credentials = grpc.credentials.createInsecure();
   if (tlsCa) {
     const files = new WatchedCertificates({ ca: tlsCa, cert, key }, "the client's TLS files");
@@ -694,27 +720,11 @@ function security(options = {}) {
   const channelOptions = {};
   const serverName = options.tlsServerName ?? env.AGENTMESH_TLS_SERVER_NAME;
   if (serverName) channelOptions['grpc.ssl_target_name_override'] = serverName;
-  let stop = () => {};
-  if (tokenFile) {
-    // The calls share this metadata (a session clones it as it opens): set in place, the
-    // new token goes with every call made after.
-    const look = (now, before) => {
-      if (now.mtimeMs === before.mtimeMs && now.size === before.size && now.ino === before.ino) {
-        return;
-      }
-      let renewed;
-      try {
-        renewed = readToken(tokenFile);
-      } catch (err) {
-        console.warn(`the token file ${tokenFile} changed into what cannot be used, so the `
-          + `token read before stays in use: ${err.message}`);
-        return;
-      }
-      metadata.set('authorization', `Bearer ${renewed}`);
-    };
-    fs.watchFile(tokenFile, { interval: TOKEN_LOOK_MS, persistent: false }, look);
-    stop = () => fs.unwatchFile(tokenFile, look);
-  }
+  // The calls share this metadata (a session clones it as it opens): set in place, the new
+  // token goes with every call made after.
+  const stop = watched
+    ? watched.listen((renewed) => metadata.set('authorization', `Bearer ${renewed}`))
+    : () => {};
   return { credentials, metadata, channelOptions, stop };
 }
 
@@ -738,7 +748,7 @@ function serverTlsFiles(options) {
  * and key, mutual TLS when tlsCa (AGENTMESH_TLS_CA) names the CA its callers' certificates
  * must be signed by, unless tlsClientAuth (AGENTMESH_TLS_CLIENT_AUTH) is 'none' (the CA is
  * then its client's alone); plaintext without them. The files are looked at again every
- * TLS_LOOK_MS (WatchedCertificates): a renewed certificate is used from the next connection
+ * LOOK_MS (WatchedCertificates): a renewed certificate is used from the next connection
  * on.
  */
 function serverCredentials(options = {}) {
@@ -751,9 +761,6 @@ function serverCredentials(options = {}) {
   return grpc.experimental.createCertificateProviderServerCredentials(
     files, ca ? files : null, Boolean(ca));
 }
-
-/** How often an agent's server looks at its credentials file for a change (a stat). */
-const CREDENTIALS_LOOK_MS = 1000;
 
 /**
  * The principals of a credentials file (the format the broker reads: {"principals": [{name,
@@ -809,39 +816,25 @@ function readCredentials(path) {
  * a bearer token the file names (UNAUTHENTICATED otherwise), and a message is sent only as an
  * agent its principal may act as (PERMISSION_DENIED otherwise; an admin may act as any: the
  * broker pushing, the gateway). Read again when it changes (looked at every
- * CREDENTIALS_LOOK_MS): a token taken out is refused from then on; a file changed into what
+ * LOOK_MS): a token taken out is refused from then on; a file changed into what
  * cannot be used is said, and what was read before stays in use.
  */
 class WatchedCredentials {
   constructor(path) {
-    this.path = path;
-    this.principals = readCredentials(path);
-    this.look = (now, before) => {
-      if (now.mtimeMs === before.mtimeMs && now.size === before.size && now.ino === before.ino) {
-        return;
-      }
-      try {
-        this.principals = readCredentials(path);
-      } catch (err) {
-        console.warn(`the credentials file ${path} changed into what cannot be used, so what `
-          + `was read before stays in use: ${err.message}`);
-      }
-    };
-    fs.watchFile(path, { interval: CREDENTIALS_LOOK_MS, persistent: false }, this.look);
+    this.file = new WatchedFiles(`the credentials file ${path}`, [path],
+      () => readCredentials(path));
+    this.stop = this.file.listen(() => {}); // (looked at while the server lives)
   }
 
   /** The principal a bearer token names, or undefined. */
   byToken(token) {
-    return this.principals.byDigest.get(crypto.createHash('sha256').update(token).digest('hex'));
+    const digest = crypto.createHash('sha256').update(token).digest('hex');
+    return this.file.current.byDigest.get(digest);
   }
 
   /** The principal of that name (a client certificate's), or undefined. */
   byName(name) {
-    return this.principals.byName.get(name);
-  }
-
-  stop() {
-    fs.unwatchFile(this.path, this.look);
+    return this.file.current.byName.get(name);
   }
 }
 
