@@ -32,6 +32,37 @@ def write_credentials(path: Path, *, payment: bool = True) -> None:
     path.write_text(json.dumps({"principals": principals}))
 
 
+def handle(from_agent: str, agent_id: str) -> agent_pb2.HandleMessageRequest:
+    """A direct call's request: an echo REQUEST from ``from_agent`` to ``agent_id``."""
+    return agent_pb2.HandleMessageRequest(
+        message=message_pb2.Message(
+            from_agent=from_agent,
+            to_agent=agent_id,
+            message_type=message_pb2.MESSAGE_TYPE_REQUEST,
+            content=Struct(fields={"action": Value(string_value="echo")}),
+        )
+    )
+
+
+async def outcome(call: Any) -> tuple[grpc.StatusCode, str]:
+    """The status a call ended with, and its details (OK and "" when it was answered)."""
+    try:
+        await call
+    except grpc.aio.AioRpcError as error:
+        return error.code(), error.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+def mutual_tls_env(issued: dict[str, Path]) -> dict[str, str]:
+    """The variables that have an agent (of any SDK) serve mutual TLS with ``issued``'s
+    server certificate and CA, and check the broker's with that CA."""
+    return {
+        "AGENTMESH_TLS_CA": str(issued["ca"]),
+        "AGENTMESH_TLS_CERT": str(issued["server"]),
+        "AGENTMESH_TLS_KEY": str(issued["server_key"]),
+    }
+
+
 async def check_direct_calls_are_held_to_credentials(
     address: str,
     agent_id: str,
@@ -44,50 +75,34 @@ async def check_direct_calls_are_held_to_credentials(
     without payment refuses its token from then on; renewed into junk, what was read before
     stays (``warned`` returns the line the agent said of it)."""
 
-    def handle(from_agent: str) -> agent_pb2.HandleMessageRequest:
-        return agent_pb2.HandleMessageRequest(
-            message=message_pb2.Message(
-                from_agent=from_agent,
-                to_agent=agent_id,
-                message_type=message_pb2.MESSAGE_TYPE_REQUEST,
-                content=Struct(fields={"action": Value(string_value="echo")}),
-            )
-        )
-
     def bearer(token: str) -> tuple[tuple[str, str]]:
         return (("authorization", f"Bearer {token}"),)
 
     async with grpc.aio.insecure_channel(address) as channel:
         stub = agent_pb2_grpc.AgentServiceStub(channel)
-
-        async def refused(call: Any) -> tuple[grpc.StatusCode, str]:
-            try:
-                await call
-            except grpc.aio.AioRpcError as error:
-                return error.code(), error.details() or ""
-            return grpc.StatusCode.OK, ""
-
         as_payment, as_admin = bearer(PAYMENT_TOKEN), bearer(ADMIN_TOKEN)
-        assert await refused(stub.HandleMessage(handle("PaymentAgent"))) == (
+        assert await outcome(stub.HandleMessage(handle("PaymentAgent", agent_id))) == (
             grpc.StatusCode.UNAUTHENTICATED,
             "credentials required: a bearer token in the authorization metadata",
         )
-        assert await refused(
-            stub.HandleMessage(handle("PaymentAgent"), metadata=bearer("x" * 20))
+        assert await outcome(
+            stub.HandleMessage(handle("PaymentAgent", agent_id), metadata=bearer("x" * 20))
         ) == (
             grpc.StatusCode.UNAUTHENTICATED,
             "the token is not valid",
         )
-        assert await refused(stub.HandleMessage(handle("HotelAgent"), metadata=as_payment)) == (
+        assert await outcome(
+            stub.HandleMessage(handle("HotelAgent", agent_id), metadata=as_payment)
+        ) == (
             grpc.StatusCode.PERMISSION_DENIED,
             "payment may not send as HotelAgent",
         )
-        answer = await stub.HandleMessage(handle("PaymentAgent"), metadata=as_payment)
+        answer = await stub.HandleMessage(handle("PaymentAgent", agent_id), metadata=as_payment)
         assert answer.response.to_agent == "PaymentAgent"
-        answer = await stub.HandleMessage(handle("Anyone"), metadata=as_admin)
+        answer = await stub.HandleMessage(handle("Anyone", agent_id), metadata=as_admin)
         assert answer.response.to_agent == "Anyone"
         told = agent_pb2.NotifyDeregisteredRequest(agent_id=agent_id)
-        assert await refused(stub.NotifyDeregistered(told, metadata=as_payment)) == (
+        assert await outcome(stub.NotifyDeregistered(told, metadata=as_payment)) == (
             grpc.StatusCode.PERMISSION_DENIED,
             f"payment may not deregister as {agent_id}",
         )
@@ -96,7 +111,7 @@ async def check_direct_calls_are_held_to_credentials(
         await asyncio.to_thread(credentials.write_text, "{not json")
         said = ""
         for _ in range(50):  # (calls go on meanwhile: a server may look as a call comes)
-            answer = await stub.HandleMessage(handle("PaymentAgent"), metadata=as_payment)
+            answer = await stub.HandleMessage(handle("PaymentAgent", agent_id), metadata=as_payment)
             assert answer.response.to_agent == "PaymentAgent"
             try:
                 said = await asyncio.wait_for(warned(), 0.2)
@@ -104,17 +119,19 @@ async def check_direct_calls_are_held_to_credentials(
             except TimeoutError:
                 continue
         assert "changed into what cannot be used, so what was read before stays in use" in said
-        answer = await stub.HandleMessage(handle("PaymentAgent"), metadata=as_payment)
+        answer = await stub.HandleMessage(handle("PaymentAgent", agent_id), metadata=as_payment)
         assert answer.response.to_agent == "PaymentAgent"
 
         await asyncio.to_thread(write_credentials, credentials, payment=False)
         for _ in range(50):  # (read again within a second or so)
-            code, _ = await refused(stub.HandleMessage(handle("PaymentAgent"), metadata=as_payment))
+            code, _ = await outcome(
+                stub.HandleMessage(handle("PaymentAgent", agent_id), metadata=as_payment)
+            )
             if code == grpc.StatusCode.UNAUTHENTICATED:
                 break
             await asyncio.sleep(0.1)
         assert code == grpc.StatusCode.UNAUTHENTICATED
-        answer = await stub.HandleMessage(handle("Anyone"), metadata=as_admin)
+        answer = await stub.HandleMessage(handle("Anyone", agent_id), metadata=as_admin)
         assert answer.response.to_agent == "Anyone"
 
 
@@ -127,29 +144,12 @@ async def check_direct_calls_are_held_to_certificates(
     is refused; no certificate, no connection."""
     roots, chain, key = (certs[n].read_bytes() for n in ("ca", "PaymentAgent", "PaymentAgent_key"))
 
-    def handle(from_agent: str) -> agent_pb2.HandleMessageRequest:
-        return agent_pb2.HandleMessageRequest(
-            message=message_pb2.Message(
-                from_agent=from_agent,
-                to_agent=agent_id,
-                message_type=message_pb2.MESSAGE_TYPE_REQUEST,
-                content=Struct(fields={"action": Value(string_value="echo")}),
-            )
-        )
-
-    async def outcome(call: Any) -> tuple[grpc.StatusCode, str]:
-        try:
-            await call
-        except grpc.aio.AioRpcError as error:
-            return error.code(), error.details() or ""
-        return grpc.StatusCode.OK, ""
-
     mutual = grpc.ssl_channel_credentials(roots, key, chain)
     async with grpc.aio.secure_channel(address, mutual) as channel:
         stub = agent_pb2_grpc.AgentServiceStub(channel)
-        answer = await stub.HandleMessage(handle("PaymentAgent"))
+        answer = await stub.HandleMessage(handle("PaymentAgent", agent_id))
         assert answer.response.to_agent == "PaymentAgent"
-        assert await outcome(stub.HandleMessage(handle("HotelAgent"))) == (
+        assert await outcome(stub.HandleMessage(handle("HotelAgent", agent_id))) == (
             grpc.StatusCode.PERMISSION_DENIED,
             "PaymentAgent may not send as HotelAgent",
         )
@@ -159,12 +159,14 @@ async def check_direct_calls_are_held_to_certificates(
             f"PaymentAgent may not deregister as {agent_id}",
         )
         stranger = (("authorization", "Bearer " + "x" * 20),)
-        assert await outcome(stub.HandleMessage(handle("PaymentAgent"), metadata=stranger)) == (
+        assert await outcome(
+            stub.HandleMessage(handle("PaymentAgent", agent_id), metadata=stranger)
+        ) == (
             grpc.StatusCode.UNAUTHENTICATED,
             "the token is not valid",
         )
     anonymous = grpc.ssl_channel_credentials(roots)
     async with grpc.aio.secure_channel(address, anonymous) as channel:
         stub = agent_pb2_grpc.AgentServiceStub(channel)
-        code, _ = await outcome(stub.HandleMessage(handle("PaymentAgent"), timeout=5))
+        code, _ = await outcome(stub.HandleMessage(handle("PaymentAgent", agent_id), timeout=5))
         assert code == grpc.StatusCode.UNAVAILABLE

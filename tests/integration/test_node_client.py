@@ -700,15 +700,11 @@ async def test_a_node_agents_mutual_tls_server_holds_callers_to_their_certificat
     as the agent of its name alone, as a Python agent's server holds it."""
     from mesh import SecurityConfig
     from mesh.certs import write_dev_certificates
-    from tests.helpers.guarded import check_direct_calls_are_held_to_certificates
+    from tests.helpers.guarded import check_direct_calls_are_held_to_certificates, mutual_tls_env
 
     issued = write_dev_certificates(tmp_path / "certs", clients=["PaymentAgent"])
     server, key = str(issued["server"]), str(issued["server_key"])
-    env = {
-        "AGENTMESH_TLS_CA": str(issued["ca"]),
-        "AGENTMESH_TLS_CERT": server,
-        "AGENTMESH_TLS_KEY": key,
-    }
+    env = mutual_tls_env(issued)
     async with LocalMesh(security=SecurityConfig(tls_cert=server, tls_key=key)) as mesh:
         node, address = await start_node_example(
             "echo-agent.js", "NodeMutual", mesh.address, env=env
