@@ -539,6 +539,10 @@ async def test_the_copies_of_a_broadcast_or_a_gather_go_to_redis_in_one_pipeline
             subs.append(await other.subscribe(agent_id))
         await mine.send(Message(from_agent="S", to_agent="Worker0", content={"action": "warm"}))
         await asyncio.wait_for(subs[0].next(), 5)
+        for _ in range(500):  # (this replica hears of the other's registrations, soon)
+            if len(mine.registry.of_types(["worker"])) == len(workers):
+                break
+            await asyncio.sleep(0.02)
         store.put_pipelines.clear()
 
         sent = await mine.broadcast(
