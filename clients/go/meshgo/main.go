@@ -196,28 +196,29 @@ func readToken(path string) (string, error) {
 // AGENTMESH_TLS_KEY name its certificate and key, mutual TLS when AGENTMESH_TLS_CA names the
 // CA its callers' certificates must be signed by (as a Python agent's server; not with
 // AGENTMESH_TLS_CLIENT_AUTH=none), each read again when it changes (renewed): the connections
-// made after use the new one.
-func serverOptions() ([]grpc.ServerOption, error) {
+// made after use the new one. mutual says whether it requires its callers' certificates.
+func serverOptions() (options []grpc.ServerOption, mutual bool, err error) {
 	cert := os.Getenv("AGENTMESH_TLS_CERT")
 	if cert == "" {
-		return nil, nil
+		return nil, false, nil
 	}
 	pair, err := renewedPair(cert, os.Getenv("AGENTMESH_TLS_KEY"))
 	if err != nil {
-		return nil, err
+		return nil, false, err
 	}
 	config := &tls.Config{GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) {
 		return pair.get(), nil
 	}}
 	auth := os.Getenv("AGENTMESH_TLS_CLIENT_AUTH")
 	if auth != "" && auth != "require" && auth != "none" {
-		return nil, fmt.Errorf("AGENTMESH_TLS_CLIENT_AUTH must be require or none, not %q", auth)
+		return nil, false, fmt.Errorf("AGENTMESH_TLS_CLIENT_AUTH must be require or none, not %q", auth)
 	}
 	if ca := os.Getenv("AGENTMESH_TLS_CA"); ca != "" && auth != "none" {
 		roots, err := renewedRoots(ca)
 		if err != nil {
-			return nil, err
+			return nil, false, err
 		}
+		mutual = true
 		config.ClientAuth = tls.RequireAndVerifyClientCert
 		// (Each handshake's config is a clone of this one, not of the one gRPC makes of it:
 		// it names HTTP/2 for ALPN itself, as gRPC's would.)
@@ -229,7 +230,7 @@ func serverOptions() ([]grpc.ServerOption, error) {
 			return each, nil
 		}
 	}
-	return []grpc.ServerOption{grpc.Creds(credentials.NewTLS(config))}, nil
+	return []grpc.ServerOption{grpc.Creds(credentials.NewTLS(config))}, mutual, nil
 }
 
 // renewingTLS is TLS that checks the server against the CA its file holds now: each
@@ -293,12 +294,6 @@ type principal struct {
 type credentialsFile struct {
 	byDigest map[string]principal
 	byName   map[string]principal
-}
-
-// mutualTLS: whether the agent's server requires its callers' certificates (serverOptions).
-func mutualTLS() bool {
-	return os.Getenv("AGENTMESH_TLS_CERT") != "" && os.Getenv("AGENTMESH_TLS_CA") != "" &&
-		os.Getenv("AGENTMESH_TLS_CLIENT_AUTH") != "none"
 }
 
 // readCredentials reads a credentials file (the broker's format: {"principals": [{name,
@@ -784,7 +779,7 @@ func runAgent(args []string) error {
 		return err
 	}
 	a.address = listener.Addr().String()
-	options, err := serverOptions()
+	options, mutual, err := serverOptions()
 	if err != nil {
 		return err
 	}
@@ -797,7 +792,7 @@ func runAgent(args []string) error {
 			return err
 		}
 	}
-	if mutual := mutualTLS(); principals != nil || mutual {
+	if principals != nil || mutual {
 		options = append(options, grpc.UnaryInterceptor(guard(principals, mutual)))
 	}
 	server := grpc.NewServer(options...)
