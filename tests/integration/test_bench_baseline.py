@@ -23,6 +23,19 @@ from mesh.testing import LocalMesh
 from mesh.v1 import broker_pb2, message_pb2
 
 
+async def until_ready(ready: asyncio.Event, agents: list[asyncio.Task[None]]) -> None:
+    """Waits (10 s at most) for the raw agents to say they are subscribed; one that ended
+    before, failing, says why instead of a bare timeout."""
+    waiting = asyncio.create_task(ready.wait())
+    first = asyncio.FIRST_COMPLETED
+    done, _ = await asyncio.wait([waiting, *agents], timeout=10, return_when=first)
+    if waiting not in done:
+        waiting.cancel()
+        for agent in done:
+            agent.result()  # (raises what stopped it)
+        raise AssertionError(f"the raw agents were not subscribed within 10 s: {agents}")
+
+
 async def test_the_relay_gives_back_what_the_echo_was_sent() -> None:
     echo, echo_address = await start(handler_for("echo", []))
     relay, relay_address = await start(handler_for("relay", [echo_address]))
@@ -94,7 +107,7 @@ async def test_the_raw_agent_and_driver_do_a_roundtrip_through_the_real_broker(
     delivery (nothing is left for redelivery)."""
     ready = asyncio.Event()
     agent = asyncio.create_task(serve_raw_agent(mesh.address, "raw-0", ready.set))
-    await asyncio.wait_for(ready.wait(), 10)
+    await until_ready(ready, [agent])
     driver = ContractClient(mesh.address)
     try:
         for n in range(3):
@@ -135,7 +148,7 @@ async def test_raw_agents_of_a_type_answer_a_raw_gather_with_the_time_they_had_i
         asyncio.create_task(serve_raw_agent(mesh.address, f"rawb-{i}", one_ready, ("rawb",)))
         for i in range(3)
     ]
-    await asyncio.wait_for(ready.wait(), 10)
+    await until_ready(ready, agents)
     driver = ContractClient(mesh.address)
     try:
         asked = message_pb2.Message(from_agent="raw-driver")
