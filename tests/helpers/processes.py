@@ -123,15 +123,16 @@ async def request_once_back(
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port free now, for a process that must listen on a port known before it starts (or
+    come back on it). Not one the kernel picks for port 0: it would hand the same port to the
+    next server bound to port 0, another test's, before this one's process binds it."""
+    return free_ports_in_a_row(1)
 
 
 def free_ports_in_a_row(count: int) -> int:
     """The first of ``count`` ports in a row that are free now (for `agentmesh agent`, whose
     agents' ports, and health ports, count up from the first), away from the ports the
-    kernel hands out for port 0, which a test's other servers take meanwhile."""
+    kernel hands out for port 0 (32768 and up), which a test's other servers take meanwhile."""
     start = random.randrange(20000, 31000)  # (test processes side by side start apart)
     for first in [*range(start, 32000 - count, count), *range(20000, start, count)]:
         with contextlib.ExitStack() as held:

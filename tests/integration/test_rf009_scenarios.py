@@ -8,7 +8,6 @@ import json
 import logging
 import math
 import re
-import socket
 import time
 import urllib.request
 import uuid
@@ -45,6 +44,7 @@ from mesh.core.queue import InMemoryQueueStore
 from mesh.logs import JsonFormatter
 from mesh.server import serve_broker
 from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
+from tests.helpers.processes import free_port
 
 HIGH = message_pb2.PRIORITY_HIGH
 ISO_8601 = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}")
@@ -896,12 +896,6 @@ async def test_scenario_14_parallel_messages(
         r for r in caplog.records if getattr(r, "event", {}).get("category") == "parallel_send"
     ]
     assert logged[-1].event["count"] == 3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def test_scenario_15_retry_with_backoff_on_network_error() -> None:
