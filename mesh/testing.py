@@ -104,10 +104,6 @@ class LocalMesh:
         await self.stop()
 
 
-def free_port() -> int:
-    return free_ports(1)[0]
-
-
 def free_ports(count: int) -> list[int]:
     """Ports free at this moment, all different (held together while they are picked)."""
     held: list[socket.socket] = []
