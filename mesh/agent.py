@@ -484,6 +484,10 @@ class AgentRuntime:
         self._subscription: ClientSubscription | None = None
         self._working: dict[Received, float] = {}
         """The deliveries whose handler runs, with when (loop time) it started."""
+        self._settling: set[Received] = set()
+        """The deliveries whose handler is over, being answered and acked: a withdrawal that
+        comes now stops nothing (cancelled in its write, an answer would be lost, or the
+        session's stream closed under the agent's other deliveries)."""
         self._keeper: asyncio.Task[None] | None = None
         self._stopping = False
         self.subscribed = asyncio.Event()
@@ -658,7 +662,7 @@ class AgentRuntime:
         running in a worker thread goes on there, unless it looks at ``ctx.withdrawn``; its
         result is unused)."""
         task = self._in_flight.get(received)
-        if task is None or task.done():
+        if task is None or task.done() or received in self._settling:
             return
         self.withdrawn += 1
         logger.info(
@@ -676,12 +680,20 @@ class AgentRuntime:
             await self._settle(received)
         finally:
             del self._working[received]
+            self._settling.discard(received)
+
+    async def _handle(self, received: Received) -> Message | None:
+        """:meth:`run_handler` on a delivery; however it ends, what follows is settling."""
+        try:
+            return await self.run_handler(received.message, received)
+        finally:
+            self._settling.add(received)
 
     async def _settle(self, received: Received) -> None:
         """Runs the handler on a delivery, answers it when due, and settles the delivery."""
         message = received.message
         try:
-            answer = await self.run_handler(message, received)
+            answer = await self._handle(received)
         except UnhandledActionError as error:
             # Not answerable (not a REQUEST), and no attempt would go otherwise. A broadcast
             # is for whoever cares for it; anything else was meant for this agent.
