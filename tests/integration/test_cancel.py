@@ -20,7 +20,7 @@ from gateway.client import GatewayClient
 from gateway.embedded import EmbeddedMesh
 from gateway.server import serve_gateway
 from mesh import AgentContext, Message, MessageType, RequestTimeoutError, agent, connect
-from mesh.client import NO_RETRY, MeshClient
+from mesh.client import NO_RETRY, MeshClient, Received
 from mesh.config import BrokerConfig
 from mesh.core.broker import Broker
 from mesh.core.model import new_message_id
@@ -318,3 +318,27 @@ async def test_patterns_left_early_leave_the_others_whole(embedded: EmbeddedMesh
             await asyncio.gather(*(run(leave_after) for leave_after in plan))
             assert len(finished) == sum(1 for p in plan if p is None)
             finished.clear()
+
+
+async def test_a_withdrawal_that_comes_as_the_answer_is_written_stops_nothing(
+    slow_mesh: SlowMesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The handler is over and its answer on its way when the requester's deadline passes:
+    the withdrawal cancels nothing (it would have cut the answer's write, or the session's
+    stream under it), and the answer reaches the broker, late."""
+    mesh, release, _ = slow_mesh
+    assert mesh.broker is not None
+    write = Received.answer
+
+    async def written_once_withdrawn(self: Received, answer: Message) -> None:
+        while not self.withdrawn:  # noqa: ASYNC110 (set by the session's reader)
+            await asyncio.sleep(0.01)
+        await write(self, answer)
+
+    monkeypatch.setattr(Received, "answer", written_once_withdrawn)
+    release.set()  # (answers at once)
+    async with mesh.client("caller") as client:
+        with pytest.raises(RequestTimeoutError):
+            await client.request("Slow", {"action": "quote"}, timeout=1.0)
+        await late_answer_counted(mesh.broker)
+    assert mesh.agents["Slow"].runtime.withdrawn == 0  # (nothing was left to stop)
