@@ -122,11 +122,16 @@ frame per message without it) and the broker's window for its subscription is le
 used; otherwise it goes at once."""
 
 # Reconnect quickly after a broker restart: the retry policy, not the channel, sets the pace.
+# Each client keeps its connection to itself: in gRPC's process-wide pool a new client shares
+# the connection of any other client of the process to the same address, and with it that
+# one's reconnect backoff, so its first call failed at once with "connection refused" though
+# the server was back up.
 CLIENT_OPTIONS = [
     *GRPC_OPTIONS,
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 
 

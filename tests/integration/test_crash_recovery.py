@@ -277,3 +277,30 @@ async def test_shared_state_and_memory_of_a_sigkilled_durable_broker_survive(
             assert newer.insight_id not in (kept.insight_id, dropped.insight_id)
     finally:
         await stop(broker)
+
+
+async def test_a_new_client_reaches_a_restarted_broker_while_an_older_one_waits_to_reconnect() -> (
+    None
+):
+    """Each client has its own connection: a client made once the broker is back is not held
+    to the reconnect backoff of an older client of the process to the same address (through
+    gRPC's process-wide pool its first call failed at once with "connection refused")."""
+    from mesh.config import ServerConfig
+    from mesh.server import serve_broker
+
+    port = free_port()
+    _, server = await serve_broker(server_config=ServerConfig(host="127.0.0.1", port=port))
+    address = server.address
+    async with connect(address, agent_id="Older", retry=NO_RETRY) as older:
+        await older.register("Older")
+        await server.stop(0)
+        with pytest.raises(BrokerUnavailableError):
+            await older.register("Older")
+        await asyncio.sleep(1.0)  # (the older client's connection backs off meanwhile)
+        _, server = await serve_broker(server_config=ServerConfig(host="127.0.0.1", port=port))
+        try:
+            for n in range(3):
+                async with connect(address, agent_id=f"New{n}", retry=NO_RETRY) as new:
+                    assert (await new.register(f"New{n}")).agent_id == f"New{n}"
+        finally:
+            await server.stop(0)

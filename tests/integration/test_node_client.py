@@ -345,6 +345,69 @@ async def test_a_node_agent_is_back_in_service_after_a_broker_restart() -> None:
         await stop(broker)
 
 
+NEW_CLIENTS_AFTER_A_RESTART = """
+const readline = require('node:readline');
+const { MeshClient } = require('./lib/mesh.js');
+const address = process.argv[1];
+const lines = readline.createInterface({ input: process.stdin })[Symbol.asyncIterator]();
+const said = (what) => console.log(JSON.stringify(what));
+(async () => {
+  const older = new MeshClient(address, { agentId: 'Older', retryDelaysMs: [] });
+  await older.register('Older');
+  said('registered');
+  await lines.next(); // the broker is down
+  said(await older.register('Older').then(() => 'OK', (error) => error.codeName));
+  await lines.next(); // the broker is back
+  const news = [];
+  for (let n = 0; n < 3; n += 1) {
+    const client = new MeshClient(address, { agentId: `New${n}`, retryDelaysMs: [] });
+    news.push(await client.register(`New${n}`).then((info) => info.agentId,
+      (error) => `${error.codeName}: ${error.message}`));
+    client.close();
+  }
+  said(news);
+  older.close();
+})();
+"""
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
+async def test_a_new_node_client_reaches_a_restarted_broker_while_an_older_one_waits() -> None:
+    """Each Node client has its own connection: one made once the broker is back is not held to
+    the reconnect backoff of an older client of the process (grpc-js's process-wide pool made
+    its calls fail at once, though the broker was serving)."""
+    from tests.helpers.processes import BROKER_READY, free_port, start, stop, wait_killed
+
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    broker = await start("broker", "--port", str(port), ready=BROKER_READY)
+    node = await asyncio.create_subprocess_exec(
+        "node", "-e", NEW_CLIENTS_AFTER_A_RESTART, address, cwd=NODE_DIR,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert node.stdin is not None and node.stdout is not None
+
+    async def said() -> Any:
+        async with asyncio.timeout(30):
+            return json.loads(await node.stdout.readline())
+
+    try:
+        assert await said() == "registered"
+        await wait_killed(broker)
+        node.stdin.write(b"down\n")
+        assert await said() == "UNAVAILABLE"
+        await asyncio.sleep(1.0)  # (the older client's connection backs off meanwhile)
+        broker = await start("broker", "--port", str(port), ready=BROKER_READY)
+        node.stdin.write(b"up\n")
+        node.stdin.close()
+        assert await said() == ["New0", "New1", "New2"]
+        async with asyncio.timeout(15):
+            assert await node.wait() == 0
+    finally:
+        await kill_if_running(node)
+        await stop(broker)
+
+
 @pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
 async def test_a_node_agent_serves_health_and_reflection_for_plain_grpc_tools() -> None:
     """As every server of the mesh: buf curl finds a Node agent's methods by reflection and

@@ -717,7 +717,15 @@ function security(options = {}) {
   }
   const metadata = new grpc.Metadata();
   if (token) metadata.set('authorization', `Bearer ${token}`);
-  const channelOptions = {};
+  // Each client keeps its connection to itself (in grpc-js's process-wide pool a new client
+  // shares, with any other client of the process to the same address, that one's reconnect
+  // backoff: its first calls failed at once though the server was back up), and reconnects
+  // quickly after a broker restart: the retry delays, not the channel, set the pace.
+  const channelOptions = {
+    'grpc.use_local_subchannel_pool': 1,
+    'grpc.initial_reconnect_backoff_ms': 100,
+    'grpc.max_reconnect_backoff_ms': 2000,
+  };
   const serverName = options.tlsServerName ?? env.AGENTMESH_TLS_SERVER_NAME;
   if (serverName) channelOptions['grpc.ssl_target_name_override'] = serverName;
   // The calls share this metadata (a session clones it as it opens): set in place, the new
