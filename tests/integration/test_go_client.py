@@ -441,6 +441,46 @@ async def test_a_go_agent_is_back_in_service_after_a_broker_restart(
         await stop(broker)
 
 
+async def test_a_go_agent_tries_to_reach_a_broker_that_went_away_at_least_every_2_s(
+    meshgo: Path, go_agents: list[GoAgent]
+) -> None:
+    """While the broker is away, the Go agent's connection tries it again as the Python and
+    Node.js clients do: at once, then backing off to once every 2 s (gRPC's default starts
+    at 1 s and grows to 120 s: a long outage left the agent out of service for long after
+    the broker was back). Where the broker was, a listener that closes each connection counts
+    the tries; then the broker comes back and the agent with it."""
+    import time
+
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    broker = await start("broker", "--port", str(port), ready=BROKER_READY)
+    tries: list[float] = []
+
+    async def closing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        tries.append(time.monotonic())
+        writer.close()
+
+    try:
+        agent = await start_go_agent(meshgo, go_agents, address, "GoEchoAgent")
+        async with watching(agent.address, "mesh.v1.AgentService") as readiness:
+            assert await readiness.until(SERVING) == [SERVING]
+            await wait_killed(broker)
+            gone = time.monotonic()
+            listener = await asyncio.start_server(closing, "127.0.0.1", port, reuse_address=True)
+            async with listener:
+                await asyncio.sleep(8)
+            gaps = [round(b - a, 2) for a, b in zip([gone, *tries], tries, strict=False)]
+            assert len(gaps) >= 6 and max(gaps) <= 3.0, gaps
+
+            broker = await start("broker", "--port", str(port), ready=BROKER_READY)
+            assert await readiness.until(SERVING) == [NOT_SERVING, SERVING]
+        async with connect(address, agent_id="Caller") as client:
+            again = await request_once_back(client, "GoEchoAgent", {"action": "echo", "n": 2})
+            assert again.content["echo"] == {"action": "echo", "n": 2}
+    finally:
+        await stop(broker)
+
+
 async def test_go_retries_a_request_while_the_queue_is_full(meshgo: Path) -> None:
     """RF-009 scenarios 12 and 15 from Go: a request refused with RESOURCE_EXHAUSTED is made
     again after RT-011's backoff (100, 500, 2000 ms), each wait at least the RetryInfo the

@@ -54,6 +54,7 @@ import (
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/health"
@@ -116,6 +117,11 @@ func canonical(name string) string {
 	return out.String()
 }
 
+// reconnectMax is the longest wait between two attempts to reach the broker, the
+// connection's own and the agent's to subscribe or register again (the Python and Node.js
+// clients wait as long).
+const reconnectMax = 2 * time.Second
+
 // dial connects as every client of the mesh does, from the same variables: TLS when
 // AGENTMESH_TLS_CA names the CA of the server's certificate (AGENTMESH_TLS_SERVER_NAME
 // overrides the name checked), a client certificate for mutual TLS from
@@ -154,6 +160,13 @@ func dial(ctx context.Context, target string) (*grpc.ClientConn, error) {
 	} else if token := os.Getenv("AGENTMESH_TOKEN"); token != "" {
 		options = append(options, grpc.WithPerRPCCredentials(bearer(token)))
 	}
+	// Reconnects as the other clients of the mesh do, every 0.1 s at first and at least every
+	// 2 s: gRPC's default backoff (1 s, growing to 120 s) left an agent out of service for
+	// longer than the broker was down.
+	options = append(options, grpc.WithConnectParams(grpc.ConnectParams{
+		Backoff:           backoff.Config{BaseDelay: 100 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: reconnectMax},
+		MinConnectTimeout: 20 * time.Second,
+	}))
 	// (Not blocking: a broker that cannot be reached fails the first call, UNAVAILABLE with
 	// why, rather than the dial with a bare deadline.)
 	return grpc.DialContext(ctx, target, options...)
@@ -888,8 +901,8 @@ func runAgent(args []string) error {
 		case <-time.After(delay):
 		case <-ctx.Done():
 		}
-		if delay < 5*time.Second {
-			delay *= 2
+		if delay *= 2; delay > reconnectMax {
+			delay = reconnectMax
 		}
 	}
 
@@ -961,8 +974,8 @@ func (a *agent) keepRegistered(
 		case <-time.After(delay):
 		case <-ctx.Done():
 		}
-		if delay < 5*time.Second {
-			delay *= 2
+		if delay *= 2; delay > reconnectMax {
+			delay = reconnectMax
 		}
 	}
 }
