@@ -2508,7 +2508,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     console.warn(`${agentId} was deregistered: it takes no more messages `
       + '(start it again to register it again)');
   };
-  const delays = [100, 500, 1000, 2000, 5000];
+  const delays = [100, 500, 1000, 2000]; // (as the Python and Go agents wait)
   const keepSubscribed = async () => {
     let attempt = 0;
     while (!stopped) {
