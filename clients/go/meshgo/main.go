@@ -893,8 +893,12 @@ func runAgent(args []string) error {
 		if lost.IsZero() {
 			lost = time.Now()
 		}
-		if time.Since(lost) > time.Minute {
-			return fmt.Errorf("the broker has been gone for a minute: %s", describe(err))
+		// Never subscribed for a minute: the broker's address leads nowhere, and the start
+		// fails. Once it has served, the agent waits for its broker however long it is away,
+		// not ready meanwhile, as the Python and Node.js agents do (exiting, it would be
+		// restarted with a growing back-off, and be back long after the broker).
+		if !announced && time.Since(lost) > time.Minute {
+			return fmt.Errorf("could not subscribe for a minute: %s", describe(err))
 		}
 		fmt.Fprintf(os.Stderr, "%s: session ended (%s); subscribing again in %s\n", a.id, describe(err), delay)
 		select {
