@@ -21,7 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mesh import LocalMesh, Message, connect
-from mesh.client import RetryPolicy
+from mesh.client import NO_RETRY
 from mesh.config import BrokerConfig
 from mesh.core.errors import MultiAgentCommunicationError
 from mesh.core.model import Priority
@@ -74,17 +74,10 @@ def outcome(result: Any) -> list[str]:
     return ["accepted", result.message_id]
 
 
-# Refusals are outcomes to compare, never retried; UNAVAILABLE is. A channel of this process
-# still open to a port the kernel has since given this mesh (gRPC shares one connection per
-# address among a process's channels) fails a new client's first call at once, "connection
-# refused", until its reconnect backoff (at most 2 s) ends.
-REACHED = RetryPolicy(delays=(0.1, 0.5, 2.0), retry_on=frozenset({"UNAVAILABLE"}))
-
-
 async def run(program: list[list[Any]], address: str) -> list[Any]:
     """The program through the Python SDK, in the shapes node_programs.js writes."""
     seen: list[Any] = []
-    async with connect(address, agent_id="sender", retry=REACHED) as client:
+    async with connect(address, agent_id="sender", retry=NO_RETRY) as client:
         for agent_id, agent_type in AGENTS.items():
             await client.register(agent_id, agent_types=[agent_type])
         await client.register("sender", agent_types=["sender"])
