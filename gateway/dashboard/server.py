@@ -30,7 +30,7 @@ from gateway.client import GatewayClient
 from gateway.events import PatternEvent
 from gateway.server import GatewayServer
 from mesh.agent import AGENT_SERVICE
-from mesh.client import MeshClient
+from mesh.client import CLIENT_OPTIONS, MeshClient
 from mesh.config import SecurityConfig
 from mesh.core.auth import Authenticates
 from mesh.core.errors import MeshError
@@ -261,8 +261,10 @@ class Dashboard:
         if not address:
             return "UNKNOWN"
         channel = self._health.get(address)
-        if channel is None:  # (with the mesh's TLS and credentials: agents serve with them)
-            channel = self._health[address] = open_channel(address, self.security)
+        if channel is None:  # (with the mesh's TLS and credentials: agents serve with them,
+            # and tried again as the mesh's clients do: an agent back on its address is seen
+            # within 2 s, not after gRPC's default backoff of up to 120 s)
+            channel = self._health[address] = open_channel(address, self.security, CLIENT_OPTIONS)
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             async with self._health_checks:

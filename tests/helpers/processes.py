@@ -10,6 +10,7 @@ import re
 import signal
 import socket
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +145,27 @@ def free_ports_in_a_row(count: int) -> int:
                 continue
             return first
     raise RuntimeError(f"no {count} free ports in a row")
+
+
+@contextlib.asynccontextmanager
+async def tries_counted(port: int) -> AsyncIterator[list[float]]:
+    """Where a server was: a listener on ``port`` that closes each connection as it comes,
+    and the list of when (loop time) each came, for a test of how often clients try again."""
+    tries: list[float] = []
+    loop = asyncio.get_running_loop()
+
+    async def closing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        tries.append(loop.time())
+        writer.close()
+
+    listener = await asyncio.start_server(closing, "127.0.0.1", port, reuse_address=True)
+    async with listener:
+        yield tries
+
+
+def gaps_between(start: float, tries: list[float]) -> list[float]:
+    """The waits from ``start`` to the first try and between tries, in seconds, rounded."""
+    return [round(b - a, 2) for a, b in zip([start, *tries], tries, strict=False)]
 
 
 BROKER_READY = r"listening on (\S+?)[,\s]"

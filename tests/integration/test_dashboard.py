@@ -689,6 +689,53 @@ def test_the_health_column_is_each_agents_readiness() -> None:
     asyncio.run(run())
 
 
+def test_the_health_of_an_agent_back_on_its_address_is_asked_again_within_2_s() -> None:
+    """While an agent's server is away, the dashboard's channel to it tries again as the
+    mesh's clients do, backing off to once every 2 s: it sees the agent back on its address
+    at once (gRPC's default backoff, growing to 120 s, showed it UNREACHABLE for as long
+    after it was back). Where the server was, a listener that closes each connection counts
+    the tries."""
+    from gateway.dashboard.server import Dashboard
+    from gateway.server import serve_gateway
+    from mesh import LocalMesh
+    from tests.helpers.plain_agent import PlainAgent, echo, start_plain
+    from tests.helpers.processes import free_port, gaps_between, tries_counted
+
+    async def health(board: Dashboard) -> str:
+        return str((await board.sample())["agents"][0]["health"])
+
+    async def run() -> None:
+        port = free_port()
+        async with LocalMesh() as local:
+            gateway = await serve_gateway(local.address)
+            try:
+                board = Dashboard(gateway.client, gateway)
+                plain, address = await start_plain(PlainAgent(echo), port)
+                async with local.client("Admin") as admin:
+                    await admin.register("PlainDesk", address=address)
+                assert await health(board) == "NO_HEALTH"  # (it answers)
+                await plain.stop(None)
+                gone = asyncio.get_running_loop().time()
+                async with tries_counted(port) as tries:
+                    for _ in range(24):  # (the page samples every second; 4 times here)
+                        assert await health(board) == "UNREACHABLE"
+                        await asyncio.sleep(0.25)
+                gaps = gaps_between(gone, tries)
+                assert len(gaps) >= 6 and max(gaps) <= 3.0, gaps
+                plain, _ = await start_plain(PlainAgent(echo), port)
+                seen = []
+                async with asyncio.timeout(10):
+                    while not seen or seen[-1] != "NO_HEALTH":
+                        seen.append(await health(board))
+                        await asyncio.sleep(0.25)
+                await plain.stop(None)
+                await board.stop()
+            finally:
+                await gateway.stop(0.5)
+
+    asyncio.run(run())
+
+
 async def test_a_gateway_with_a_certificate_serves_its_dashboard_over_https(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

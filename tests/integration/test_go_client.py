@@ -27,10 +27,12 @@ from tests.helpers.health import NOT_SERVING, SERVING, health_of, tls_health, wa
 from tests.helpers.processes import (
     BROKER_READY,
     free_port,
+    gaps_between,
     instances_become,
     request_once_back,
     start,
     stop,
+    tries_counted,
     wait_killed,
 )
 from tests.helpers.secrets import SecretVolume
@@ -449,27 +451,18 @@ async def test_a_go_agent_tries_to_reach_a_broker_that_went_away_at_least_every_
     at 1 s and grows to 120 s: a long outage left the agent out of service for long after
     the broker was back). Where the broker was, a listener that closes each connection counts
     the tries; then the broker comes back and the agent with it."""
-    import time
-
     port = free_port()
     address = f"127.0.0.1:{port}"
     broker = await start("broker", "--port", str(port), ready=BROKER_READY)
-    tries: list[float] = []
-
-    async def closing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        tries.append(time.monotonic())
-        writer.close()
-
     try:
         agent = await start_go_agent(meshgo, go_agents, address, "GoEchoAgent")
         async with watching(agent.address, "mesh.v1.AgentService") as readiness:
             assert await readiness.until(SERVING) == [SERVING]
             await wait_killed(broker)
-            gone = time.monotonic()
-            listener = await asyncio.start_server(closing, "127.0.0.1", port, reuse_address=True)
-            async with listener:
+            gone = asyncio.get_running_loop().time()
+            async with tries_counted(port) as tries:
                 await asyncio.sleep(8)
-            gaps = [round(b - a, 2) for a, b in zip([gone, *tries], tries, strict=False)]
+            gaps = gaps_between(gone, tries)
             assert len(gaps) >= 6 and max(gaps) <= 3.0, gaps
 
             broker = await start("broker", "--port", str(port), ready=BROKER_READY)
