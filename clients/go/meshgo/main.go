@@ -164,7 +164,9 @@ func dial(ctx context.Context, target string) (*grpc.ClientConn, error) {
 	// 2 s: gRPC's default backoff (1 s, growing to 120 s) left an agent out of service for
 	// longer than the broker was down.
 	options = append(options, grpc.WithConnectParams(grpc.ConnectParams{
-		Backoff:           backoff.Config{BaseDelay: 100 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: reconnectMax},
+		Backoff: backoff.Config{
+			BaseDelay: 100 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: reconnectMax,
+		},
 		MinConnectTimeout: 20 * time.Second,
 	}))
 	// (Not blocking: a broker that cannot be reached fails the first call, UNAVAILABLE with
