@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import functools
 import inspect
+import itertools
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar, cast
@@ -508,8 +509,30 @@ class AgentRuntime:
             max_in_flight=self.max_in_flight if self.delivery_mode is DeliveryMode.PUSH else 0,
         )
 
-    async def start(self) -> None:
-        await self.register()
+    async def start(self, wait_for_broker: float = 0.0) -> None:
+        """Registers the agent and starts taking its messages. A broker that cannot be
+        reached yet is waited for, up to ``wait_for_broker`` seconds (tried again after
+        0.1 s growing to 2 s, beyond the client's own retries): agents and their broker
+        started side by side (a deployment) need no order."""
+        give_up = asyncio.get_running_loop().time() + wait_for_broker
+        for attempt in itertools.count():
+            try:
+                await self.register()
+                break
+            except BrokerUnavailableError as error:
+                delay = _RECONNECT_DELAYS[min(attempt, len(_RECONNECT_DELAYS) - 1)]
+                left = give_up - asyncio.get_running_loop().time()
+                if left < delay:
+                    raise
+                logger.log(
+                    logging.WARNING if attempt == 0 else logging.INFO,
+                    "%s waits for its broker (%s): trying again in %.1f s, for %.0f s more",
+                    self.agent.agent_id,
+                    error.message,
+                    delay,
+                    left,
+                )
+                await asyncio.sleep(delay)
         if self.delivery_mode is DeliveryMode.PUSH:
             self._mark_subscribed(True)  # (the broker holds the queue's end: it calls us)
             self._consumer = asyncio.create_task(
@@ -1005,6 +1028,7 @@ async def serve(
     client: MeshClient | None = None,
     delivery_mode: DeliveryMode | str = DeliveryMode.PULL,
     health_port: int = -1,
+    wait_for_broker: float = 0.0,
 ) -> AgentServer:
     """Serves ``agent``: its own gRPC server on host:port (0 picks one), registered with the
     broker at ``broker`` and subscribed to its queue. Returns once it is ready. With
@@ -1012,6 +1036,10 @@ async def serve(
     each message queued for it (the server must be reachable from the broker: ``advertise``).
     ``health_port`` (-1: none, 0: any free one) serves its health alone in plaintext beside a
     TLS server, for probes that cannot speak TLS.
+
+    A broker that cannot be reached yet is waited for up to ``wait_for_broker`` seconds, the
+    agent's server up meanwhile and its readiness NOT_SERVING; 0 (the default): the start
+    fails once the client's retries are spent (`agentmesh agent` waits 60 s).
 
     Agents of one process given one ``client`` (see :func:`serve_all`) share its stream to
     the broker: what is ready for several of them at once (a broadcast) travels in one
@@ -1053,7 +1081,7 @@ async def serve(
     await server.set_service_serving(AGENT_SERVICE, False)
     runtime.subscribed_watchers.append(server.follow([AGENT_SERVICE], runtime.subscribed.is_set))
     try:
-        await runtime.start()
+        await runtime.start(wait_for_broker)
         async with asyncio.timeout(client.default_timeout):
             await runtime.subscribed.wait()
         # (said here too, not only by the follower task: ready as this returns)

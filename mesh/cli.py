@@ -10,6 +10,7 @@ import gc
 import importlib
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -61,6 +62,17 @@ def port(value: str) -> int:
 def port_or_off(value: str) -> int:
     """A port flag of a server that may be off: -1 (off), or 0 to 65535."""
     return _port(value, -1)
+
+
+def non_negative_seconds(value: str) -> float:
+    """A flag of seconds (or its AGENTMESH_* variable): a finite number, 0 or more."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+    if not 0 <= seconds < math.inf:  # (NaN too)
+        raise argparse.ArgumentTypeError(f"{value!r}: seconds must be 0 or more, and finite")
+    return seconds
 
 
 def add_health_port_flag(parser: argparse.ArgumentParser, env: str, what: str = "") -> None:
@@ -339,6 +351,7 @@ async def _run_agent(args: argparse.Namespace) -> int:
         max_in_flight=args.max_in_flight,
         security=security,
         delivery_mode=args.delivery,
+        wait_for_broker=args.wait_for_broker,
     )
     for one in served:
         _print(
@@ -947,6 +960,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="host others reach the agents at (e.g. the pod IP)",
     )
     p.add_argument("--max-in-flight", type=int, default=16)
+    p.add_argument(
+        "--wait-for-broker",
+        type=non_negative_seconds,
+        default=_env("WAIT_FOR_BROKER", "60"),
+        metavar="SECONDS",
+        help="how long to wait for a broker that cannot be reached yet as the agents start,"
+        " their servers up and not ready meanwhile; 0: fail at once (default 60, env"
+        " AGENTMESH_WAIT_FOR_BROKER)",
+    )
     p.add_argument(
         "--delivery",
         choices=["pull", "push"],

@@ -16,9 +16,12 @@ import pytest
 
 from mesh import BrokerUnavailableError, ChangeKind, MessageType, connect
 from mesh.client import NO_RETRY
+from tests.helpers.health import NOT_SERVING, SERVING, health_of, watching
 from tests.helpers.processes import (
     BROKER_READY,
     Proc,
+    free_port,
+    free_ports_in_a_row,
     instances_become,
     signal_process,
     start,
@@ -695,6 +698,39 @@ async def agentmesh(*args: str) -> tuple[int, str]:
     async with asyncio.timeout(30):
         _, err = await process.communicate()
     return process.returncode or 0, err.decode()
+
+
+async def test_agents_started_before_their_broker_wait_for_it() -> None:
+    """A deployment starts the agents and their broker side by side: `agentmesh agent`
+    started first waits for its broker (60 s by default), its server up meanwhile and not
+    ready; once the broker serves, the agents register and take their messages. With
+    `--wait-for-broker 0` it fails at once, saying why (before, it always did: a Kubernetes
+    pod of agents restarted with a growing back-off until the broker was up)."""
+    port, first = free_port(), free_ports_in_a_row(2)
+    address, at = f"127.0.0.1:{port}", f"127.0.0.1:{first}"
+    desk = ("agent", "tests.helpers.process_agents:payment_desk", "--broker", address)
+    agent = await start(*desk, "--port", str(first), ready=r"(PaymentAgent) waits for its broker")
+    broker = None
+    try:
+        assert await health_of(at) == SERVING  # (liveness)
+        assert await health_of(at, "mesh.v1.AgentService") == NOT_SERVING  # (readiness)
+        broker = await start("broker", "--port", str(port), ready=BROKER_READY)
+        async with watching(at, "mesh.v1.AgentService") as readiness:
+            await readiness.until(SERVING, 20)  # (or TimeoutError)
+        async with connect(address, agent_id="Caller") as client:
+            for agent_id in ("PaymentAgent", "BackupPaymentAgent"):
+                answer = await client.request(
+                    agent_id, {"action": "process_payment", "parameters": {"amount": 1}}
+                )
+                assert answer.content["pid"] == agent.process.pid
+        assert await stop(agent) == 0
+    finally:
+        await stop(agent)
+        if broker is not None:
+            await stop(broker)
+    code, err = await agentmesh(*desk, "--port", "0", "--wait-for-broker", "0")
+    assert code == 1 and "error: UNAVAILABLE: failed to connect" in err, err
+    assert "waits for its broker" not in err
 
 
 async def test_a_broker_refuses_tools_it_cannot_load() -> None:

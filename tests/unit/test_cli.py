@@ -142,6 +142,9 @@ def test_a_store_file_that_is_no_database_is_said_in_one_line(
         (["broker"], {"AGENTMESH_PORT": "abc"}, "argument --port: 'abc' is not a port"),
         (["gateway", "--max-runs", "0"], {}, "'0' is not a number of runs (1 or more)"),
         (["up"], {"AGENTMESH_GATEWAY_MAX_RUNS": "¹"}, "'¹' is not a number of runs"),
+        (["agent", "a:b", "--wait-for-broker", "-1"], {}, "'-1': seconds must be 0 or more"),
+        (["agent", "a:b"], {"AGENTMESH_WAIT_FOR_BROKER": "nan"}, "'nan': seconds must be 0"),
+        (["agent", "a:b", "--wait-for-broker", "soon"], {}, "'soon' is not a number of seconds"),
     ],
 )
 def test_a_port_or_a_limit_that_is_none_is_a_usage_error(
