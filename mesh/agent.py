@@ -526,8 +526,9 @@ class AgentRuntime:
                     raise
                 logger.log(
                     logging.WARNING if attempt == 0 else logging.INFO,
-                    "%s waits for its broker (%s): trying again in %.1f s, for %.0f s more",
+                    "%s at %s waits for its broker (%s): trying again in %.1f s, for %.0f s more",
                     self.agent.agent_id,
+                    self.address,
                     error.message,
                     delay,
                     left,

@@ -47,6 +47,7 @@ NODE_TESTS = (
     "an answer JSON cannot carry reaches the requester as an ERROR at once, saying why",
     "TLS files that cannot be used are said as the client or server is made, naming them",
     "an agent's health port is a port, 0 for any free one, or -1 for none",
+    "an agent waits for its broker a number of milliseconds, 0 or more",
 )
 """Tests of clients/node/test/ whose names the run must show."""
 
@@ -343,6 +344,59 @@ async def test_a_node_agent_is_back_in_service_after_a_broker_restart() -> None:
     finally:
         await kill_if_running(node)
         await stop(broker)
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
+async def test_a_node_agent_started_before_its_broker_waits_for_it() -> None:
+    """With AGENTMESH_WAIT_FOR_BROKER (waitForBrokerMs), a Node agent started before its
+    broker waits for it, its server up and not ready meanwhile, then takes its messages;
+    without, its start fails once its client's retries are spent, as before."""
+    from mesh import connect
+    from tests.helpers.processes import BROKER_READY, free_port, start, stop
+
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    node = await asyncio.create_subprocess_exec(
+        "node", "examples/echo-agent.js", "NodeEarlyAgent", cwd=NODE_DIR,
+        env={**os.environ, "AGENTMESH_BROKER": address, "AGENTMESH_WAIT_FOR_BROKER": "30"},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    assert node.stdout is not None
+    broker = None
+
+    async def line_with(text: str) -> str:
+        assert node.stdout is not None
+        async with asyncio.timeout(30):
+            while text not in (line := (await node.stdout.readline()).decode()):
+                assert line, f"the Node agent ended before saying {text!r}"
+        return line
+
+    try:
+        waiting = await line_with("waits for its broker")
+        at = waiting.split(" at ", 1)[1].split(" ", 1)[0]
+        assert await health_of(at) == SERVING  # (liveness)
+        assert await health_of(at, "mesh.v1.AgentService") == NOT_SERVING  # (readiness)
+        broker = await start("broker", "--port", str(port), ready=BROKER_READY)
+        assert f"NodeEarlyAgent serving on {at}" in await line_with("serving on")
+        async with connect(address, agent_id="Caller") as client:
+            answer = await client.request("NodeEarlyAgent", {"action": "echo", "n": 1}, timeout=5)
+            assert answer.content["pid"] == node.pid
+        await stop_echo_agent(node)
+    finally:
+        await kill_if_running(node)
+        if broker is not None:
+            await stop(broker)
+    # Without the variable: the start fails, saying why.
+    nobody = f"127.0.0.1:{free_port()}"
+    ended = await asyncio.create_subprocess_exec(
+        "node", "examples/echo-agent.js", "NodeEarlyAgent", cwd=NODE_DIR,
+        env={**os.environ, "AGENTMESH_BROKER": nobody, "AGENTMESH_WAIT_FOR_BROKER": ""},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    async with asyncio.timeout(30):
+        out, _ = await ended.communicate()
+    assert ended.returncode == 1 and "UNAVAILABLE" in out.decode(), out.decode()
+    assert "waits for its broker" not in out.decode()
 
 
 NEW_CLIENTS_AFTER_A_RESTART = """

@@ -709,9 +709,11 @@ async def test_agents_started_before_their_broker_wait_for_it() -> None:
     port, first = free_port(), free_ports_in_a_row(2)
     address, at = f"127.0.0.1:{port}", f"127.0.0.1:{first}"
     desk = ("agent", "tests.helpers.process_agents:payment_desk", "--broker", address)
-    agent = await start(*desk, "--port", str(first), ready=r"(PaymentAgent) waits for its broker")
+    waiting = r"PaymentAgent at (\S+) waits for its broker"
+    agent = await start(*desk, "--port", str(first), ready=waiting)
     broker = None
     try:
+        assert agent.address == at
         assert await health_of(at) == SERVING  # (liveness)
         assert await health_of(at, "mesh.v1.AgentService") == NOT_SERVING  # (readiness)
         broker = await start("broker", "--port", str(port), ready=BROKER_READY)

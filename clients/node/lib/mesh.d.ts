@@ -941,6 +941,12 @@ export interface AgentOptions extends SecurityOptions, ServerSecurityOptions {
    * default) none.
    */
   healthPort?: number;
+  /**
+   * AGENTMESH_WAIT_FOR_BROKER (in seconds there): how long to wait for a broker that cannot be
+   * reached yet as the agent starts, its server up and not ready meanwhile; 0 (the default):
+   * the start fails once the client's retries are spent.
+   */
+  waitForBrokerMs?: number;
   retryDelaysMs?: number[];
   onRetry?: (retry: RetryEvent) => void;
 }

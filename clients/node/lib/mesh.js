@@ -2306,7 +2306,9 @@ const REFLECTED = reflectable(definition);
  * default). Resolves once the agent takes its messages (subscribed, or registered for push):
  * its health for mesh.v1.AgentService says SERVING from then on, and NOT_SERVING while it has
  * lost the broker (after 10 s without a subscription it resolves all the same, and goes on
- * trying).
+ * trying). A broker that cannot be reached yet as it starts is waited for up to
+ * waitForBrokerMs (AGENTMESH_WAIT_FOR_BROKER seconds; 0 by default: the start fails once the
+ * client's retries are spent), the server up and not ready meanwhile.
  */
 async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
   requiredFields = [], handler, description = 'A Node.js agent', actions = [],
@@ -2314,8 +2316,14 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
   onRefused = (err) => console.warn(
     `${agentId}: the broker refused a frame: ${err.codeName}: ${err.message}`),
   leaseMs, maxLeaseExtensionMs, deliveryMode = 'PULL',
-  healthPort = Number(process.env.AGENTMESH_AGENT_HEALTH_PORT || -1), ...options }) {
+  healthPort = Number(process.env.AGENTMESH_AGENT_HEALTH_PORT || -1),
+  waitForBrokerMs = Number(process.env.AGENTMESH_WAIT_FOR_BROKER || 0) * 1000, ...options }) {
   checkSubscription({ leaseMs, maxLeaseExtensionMs });
+  if (!(typeof waitForBrokerMs === 'number' && waitForBrokerMs >= 0
+    && waitForBrokerMs < Infinity)) {
+    throw new TypeError(`waitForBrokerMs must be 0 or more milliseconds (got ${
+      waitForBrokerMs})`);
+  }
   if (!(Number.isInteger(healthPort) && healthPort >= -1 && healthPort <= 65535)) {
     throw new TypeError(`healthPort must be a port, 0 for any free one, or -1 for none (got ${
       healthPort})`);
@@ -2494,7 +2502,29 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     healthAddress = `${host}:${bound}`;
   }
   const client = new MeshClient(broker, { agentId, ...options });
-  await client.register({ agentTypes, address, capabilities, deliveryMode, requiredFields });
+  const delays = [100, 500, 1000, 2000]; // (as the Python and Go agents wait)
+  // A broker not reachable yet (started beside the agent, as a deployment does) is waited
+  // for up to waitForBrokerMs, the server up meanwhile and not ready.
+  const giveUp = Date.now() + waitForBrokerMs;
+  for (let attempt = 0; ; attempt += 1) {
+    try {
+      await client.register({ agentTypes, address, capabilities, deliveryMode, requiredFields });
+      break;
+    } catch (err) {
+      const delayMs = delays[Math.min(attempt, delays.length - 1)];
+      if (err.codeName !== 'UNAVAILABLE' || Date.now() + delayMs > giveUp) {
+        client.close();
+        server.forceShutdown();
+        if (healthServer) healthServer.forceShutdown();
+        throw err;
+      }
+      if (attempt === 0) {
+        console.warn(`${agentId} at ${address} waits for its broker (${err.message}): for ${
+          Math.round((giveUp - Date.now()) / 1000)} s at most`);
+      }
+      await new Promise((resolve) => { setTimeout(resolve, delayMs); });
+    }
+  }
   const onDelivery = (message, attempt, context) => answer(message, context);
   // The subscription lives as long as the agent: when its stream ends or fails (the broker
   // restarted, the network went away), the agent registers again (a restarted broker may
@@ -2508,7 +2538,6 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     console.warn(`${agentId} was deregistered: it takes no more messages `
       + '(start it again to register it again)');
   };
-  const delays = [100, 500, 1000, 2000]; // (as the Python and Go agents wait)
   const keepSubscribed = async () => {
     let attempt = 0;
     while (!stopped) {

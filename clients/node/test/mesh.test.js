@@ -1744,6 +1744,14 @@ test('TLS files that cannot be used are said as the client or server is made, na
     assert.equal(serverCredentials({ tlsCert: '', tlsKey: '' })._isSecure(), false);
   });
 
+test('an agent waits for its broker a number of milliseconds, 0 or more', async () => {
+  for (const waitForBrokerMs of [-1, NaN, Infinity, '5']) {
+    await assert.rejects(
+      serveAgent({ broker: BROKER, agentId: 'NodeNoAgent', handler: () => null, waitForBrokerMs }),
+      { name: 'TypeError', message: /^waitForBrokerMs must be 0 or more milliseconds/ });
+  }
+});
+
 test('an agent\'s health port is a port, 0 for any free one, or -1 for none', async () => {
   for (const healthPort of [70000, 1.5, '7100', -2]) {
     await assert.rejects(
