@@ -54,6 +54,7 @@ def bench(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.timeout(600)  # (a whole run of the harness: 35 s alone, 4x that on a busy host)
 def test_a_quick_run_writes_every_figure_and_compares_with_an_earlier_result(
     tmp_path: Path,
 ) -> None:
