@@ -354,13 +354,16 @@ async def test_a_node_agent_started_before_its_broker_waits_for_it() -> None:
     from mesh import connect
     from tests.helpers.processes import BROKER_READY, free_port, start, stop
 
+    async def early_agent(broker: str, wait: str) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            "node", "examples/echo-agent.js", "NodeEarlyAgent", cwd=NODE_DIR,
+            env={**os.environ, "AGENTMESH_BROKER": broker, "AGENTMESH_WAIT_FOR_BROKER": wait},
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+
     port = free_port()
     address = f"127.0.0.1:{port}"
-    node = await asyncio.create_subprocess_exec(
-        "node", "examples/echo-agent.js", "NodeEarlyAgent", cwd=NODE_DIR,
-        env={**os.environ, "AGENTMESH_BROKER": address, "AGENTMESH_WAIT_FOR_BROKER": "30"},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
+    node = await early_agent(address, "30")
     assert node.stdout is not None
     broker = None
 
@@ -387,12 +390,7 @@ async def test_a_node_agent_started_before_its_broker_waits_for_it() -> None:
         if broker is not None:
             await stop(broker)
     # Without the variable: the start fails, saying why.
-    nobody = f"127.0.0.1:{free_port()}"
-    ended = await asyncio.create_subprocess_exec(
-        "node", "examples/echo-agent.js", "NodeEarlyAgent", cwd=NODE_DIR,
-        env={**os.environ, "AGENTMESH_BROKER": nobody, "AGENTMESH_WAIT_FOR_BROKER": ""},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
+    ended = await early_agent(f"127.0.0.1:{free_port()}", "")
     async with asyncio.timeout(30):
         out, _ = await ended.communicate()
     assert ended.returncode == 1 and "UNAVAILABLE" in out.decode(), out.decode()
