@@ -31,6 +31,7 @@ from mesh.core.model import (
     Priority,
 )
 from mesh.core.state import StateEntry
+from mesh.core.tasks import cancel_and_wait
 from mesh.core.tools import ToolHost
 from mesh.core.workflows import WORKFLOW_KEY_PREFIX
 from mesh.logs import EVENT_LOG_DAYS, configure_logging, stop_logging
@@ -338,21 +339,32 @@ async def _run_agent(args: argparse.Namespace) -> int:
     ports = [args.port + i if args.port else 0 for i in range(len(agents))]
     health = args.health_port
     # The agents of this process share one client, so one stream to the broker.
-    served = await serve_all(
-        agents,
-        args.broker,
-        host=args.host,
-        ports=ports,
-        health_ports=[health + i if health > 0 else health for i in range(len(agents))],
-        advertise=[
-            f"{args.advertise_host}:{port}" if args.advertise_host and port else None
-            for port in ports
-        ],
-        max_in_flight=args.max_in_flight,
-        security=security,
-        delivery_mode=args.delivery,
-        wait_for_broker=args.wait_for_broker,
+    starting = asyncio.create_task(
+        serve_all(
+            agents,
+            args.broker,
+            host=args.host,
+            ports=ports,
+            health_ports=[health + i if health > 0 else health for i in range(len(agents))],
+            advertise=[
+                f"{args.advertise_host}:{port}" if args.advertise_host and port else None
+                for port in ports
+            ],
+            max_in_flight=args.max_in_flight,
+            security=security,
+            delivery_mode=args.delivery,
+            wait_for_broker=args.wait_for_broker,
+        )
     )
+    signalled = asyncio.create_task(stop.wait())
+    await asyncio.wait({starting, signalled}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():  # (a signal as it starts, waiting for its broker most likely:
+        # what it started stops at once, and what was delivered meanwhile goes back)
+        await cancel_and_wait(starting)
+        _print("agentmesh agent stopped before its broker could be reached")
+        return 0
+    await cancel_and_wait(signalled)
+    served = starting.result()
     for one in served:
         _print(
             f"agentmesh agent {one.agent.agent_id} serving on {one.address}"

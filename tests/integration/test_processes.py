@@ -733,6 +733,14 @@ async def test_agents_started_before_their_broker_wait_for_it() -> None:
     code, err = await agentmesh(*desk, "--port", "0", "--wait-for-broker", "0")
     assert code == 1 and "error: UNAVAILABLE: failed to connect" in err, err
     assert "waits for its broker" not in err
+    # Stopped while it waits (its pod deleted): it ends at once, not when the wait is over.
+    agent = await start(*desk, "--port", "0", ready=waiting)
+    signal_process(agent.process, signal.SIGTERM)
+    async with asyncio.timeout(10):
+        assert await agent.process.wait() == 0
+    assert agent.reader is not None
+    await agent.reader
+    assert "agentmesh agent stopped before its broker could be reached\n" in agent.output
 
 
 async def test_a_broker_refuses_tools_it_cannot_load() -> None:
