@@ -148,6 +148,19 @@ async def _until_signalled(stop: asyncio.Event | None = None) -> None:
     await stop.wait()
 
 
+async def _started(starting: asyncio.Task[Any], stop: asyncio.Event) -> bool:
+    """Whether ``starting`` (a server's start) ended, or was cancelled because ``stop`` came
+    first: a signal while it waits for what it needs (its broker, its queue store) stops it
+    at once; what it had started stops too, and what was delivered meanwhile goes back."""
+    signalled = asyncio.create_task(stop.wait())
+    await asyncio.wait({starting, signalled}, return_when=asyncio.FIRST_COMPLETED)
+    if starting.done():
+        await cancel_and_wait(signalled)
+        return True
+    await cancel_and_wait(starting)
+    return False
+
+
 def _print(line: str) -> None:
     print(line, flush=True)
 
@@ -264,12 +277,19 @@ async def _run_broker(args: argparse.Namespace) -> int:
     )
     broker_config = _broker_config(args)
     tool_host = load_tool_host(args.tools) if args.tools else None
-    _, server = await serve_broker(
-        server_config=server_config,
-        broker_config=broker_config,
-        tool_host=tool_host,
-        security=security_config(args),
+    starting = asyncio.create_task(
+        serve_broker(
+            server_config=server_config,
+            broker_config=broker_config,
+            tool_host=tool_host,
+            security=security_config(args),
+            wait_for_store=args.wait_for_store,
+        )
     )
+    if not await _started(starting, stop):
+        _print("agentmesh broker stopped before its queue store could be reached")
+        return 0
+    _, server = starting.result()
     tools = f"; tools {', '.join(sorted(tool_host.tools))}" if tool_host else ""
     _print(
         f"agentmesh broker listening on {server.address}{served_on(args.host, server)} "
@@ -356,14 +376,9 @@ async def _run_agent(args: argparse.Namespace) -> int:
             wait_for_broker=args.wait_for_broker,
         )
     )
-    signalled = asyncio.create_task(stop.wait())
-    await asyncio.wait({starting, signalled}, return_when=asyncio.FIRST_COMPLETED)
-    if not starting.done():  # (a signal as it starts, waiting for its broker most likely:
-        # what it started stops at once, and what was delivered meanwhile goes back)
-        await cancel_and_wait(starting)
+    if not await _started(starting, stop):
         _print("agentmesh agent stopped before its broker could be reached")
         return 0
-    await cancel_and_wait(signalled)
     served = starting.result()
     for one in served:
         _print(
@@ -938,6 +953,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="HTTP port of /metrics (-1 off, 0 any free port)",
     )
     add_health_port_flag(p, "HEALTH_PORT")
+    p.add_argument(
+        "--wait-for-store",
+        type=non_negative_seconds,
+        default=_env("WAIT_FOR_STORE", "60"),
+        metavar="SECONDS",
+        help="how long to wait for a queue store that cannot be reached yet (Redis) as the"
+        " broker starts, before it serves; 0: fail at once (default 60, env"
+        " AGENTMESH_WAIT_FOR_STORE)",
+    )
     p.add_argument(
         "--tools",
         default=_env("TOOLS", "") or None,

@@ -7,6 +7,7 @@ import bisect
 import collections
 import contextlib
 import functools
+import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from operator import attrgetter
@@ -16,11 +17,12 @@ import grpc
 
 from mesh import codec
 from mesh._status import abort
-from mesh.client import BROKER_SERVICE
+from mesh.client import _RECONNECT_DELAYS, BROKER_SERVICE
 from mesh.config import BrokerConfig, SecurityConfig, ServerConfig
 from mesh.core.auth import Principal
 from mesh.core.broker import Broker, SendOutcome, Subscription
 from mesh.core.errors import (
+    BrokerUnavailableError,
     LimitExceededError,
     MeshError,
     MessageValidationError,
@@ -949,21 +951,50 @@ def _response_batch(frames: list[broker_pb2.ConnectResponse]) -> broker_pb2.Conn
     return out
 
 
+async def _start_waiting_for_store(broker: Broker, wait_for_store: float) -> None:
+    """``broker.start()``, tried again after 0.1 s growing to 2 s while its queue store cannot
+    be reached, for up to ``wait_for_store`` seconds."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + wait_for_store
+    for attempt in itertools.count():
+        try:
+            await broker.start()
+            return
+        except BrokerUnavailableError as error:
+            delay = _RECONNECT_DELAYS[min(attempt, len(_RECONNECT_DELAYS) - 1)]
+            left = give_up - loop.time()
+            if left < delay:
+                raise
+            logger.log(
+                logging.WARNING if attempt == 0 else logging.INFO,
+                "the broker waits for its queue store (%s): trying again in %.1f s, for %.0f s"
+                " more",
+                error.message,
+                delay,
+                left,
+            )
+            await asyncio.sleep(delay)
+
+
 async def serve_broker(
     broker: Broker | None = None,
     server_config: ServerConfig | None = None,
     broker_config: BrokerConfig | None = None,
     tool_host: ToolHost | None = None,
     security: SecurityConfig | None = None,
+    wait_for_store: float = 0.0,
 ) -> tuple[Broker, MeshServer]:
     """Starts a broker and its gRPC server (health, reflection, optional /metrics), with the
-    shared memory pool and shared state and, when a tool host is given, the Tool service."""
+    shared memory pool and shared state and, when a tool host is given, the Tool service.
+    A queue store that cannot be reached yet (Redis started beside the broker, as a
+    deployment does) is waited for up to ``wait_for_store`` seconds, before the server
+    starts; 0: the start fails at once."""
     from mesh.memory_server import MEMORY_SERVICE, MemoryServicer
     from mesh.v1 import memory_pb2_grpc
 
     config = server_config or ServerConfig(port=0)
     broker = broker or Broker(broker_config)
-    await broker.start()
+    await _start_waiting_for_store(broker, wait_for_store)
     servicer = BrokerServicer(broker)
     memory = MemoryServicer(broker.memory, broker.state)
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -209,3 +211,44 @@ async def test_a_client_sees_nothing_of_a_redis_restart_that_ended_before_its_ca
                 assert got.content == {"action": "after", "round": round_}
     finally:
         await server.stop(0)
+
+
+async def test_a_broker_started_before_its_redis_waits_for_it(
+    own_redis: LocalRedis, tmp_path: Path
+) -> None:
+    """A deployment starts Redis and the brokers side by side: `agentmesh broker` started
+    first waits for its store (60 s by default), then serves; stopped while it waits, it
+    ends at once; with `--wait-for-store 0` it fails at once, as it always did."""
+    from tests.helpers.processes import BROKER_READY, signal_process, start, stop
+
+    own_redis.kill()
+    broker_args = ("broker", "--port", "0", "--store", own_redis.url)
+    waiting = r"the broker (waits) for its queue store"
+    broker = await start(*broker_args, ready=waiting)
+    try:
+        own_redis.restart(tmp_path / "redis")
+        async with asyncio.timeout(15):
+            while not any(re.search(BROKER_READY, line) for line in broker.output):  # noqa: ASYNC110 - its output, as its reader task takes it
+                await asyncio.sleep(0.05)
+        address = next(m[1] for line in broker.output if (m := re.search(BROKER_READY, line)))
+        async with connect(address, agent_id="Early", retry=NO_RETRY) as client:
+            await client.register("Early")
+            sent = await client.send("Early", {"action": "note"})
+            [got] = await client.receive("Early")
+            assert got.message_id == sent.message_id
+    finally:
+        assert await stop(broker) == 0
+
+    own_redis.kill()
+    broker = await start(*broker_args, ready=waiting)
+    signal_process(broker.process, signal.SIGTERM)
+    async with asyncio.timeout(10):
+        assert await broker.process.wait() == 0
+    assert broker.reader is not None
+    await broker.reader
+    said = "agentmesh broker stopped before its queue store could be reached\n"
+    assert said in broker.output
+
+    refused = await start(*broker_args, "--wait-for-store", "0", ready=r"(error): UNAVAILABLE")
+    assert await refused.process.wait() == 1
+    assert not any("waits for its queue store" in line for line in refused.output)

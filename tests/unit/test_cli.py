@@ -145,6 +145,7 @@ def test_a_store_file_that_is_no_database_is_said_in_one_line(
         (["agent", "a:b", "--wait-for-broker", "-1"], {}, "'-1': seconds must be 0 or more"),
         (["agent", "a:b"], {"AGENTMESH_WAIT_FOR_BROKER": "nan"}, "'nan': seconds must be 0"),
         (["agent", "a:b", "--wait-for-broker", "soon"], {}, "'soon' is not a number of seconds"),
+        (["broker"], {"AGENTMESH_WAIT_FOR_STORE": "-5"}, "'-5': seconds must be 0 or more"),
     ],
 )
 def test_a_port_or_a_limit_that_is_none_is_a_usage_error(
