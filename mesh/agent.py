@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import functools
 import inspect
-import itertools
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar, cast
@@ -32,6 +31,7 @@ from mesh.client import (
     RetryPolicy,
     content_keys,
     member_named,
+    until_reachable,
     wait_seconds,
 )
 from mesh.config import DEFAULT_LEASE_SECONDS, BrokerConfig, SecurityConfig
@@ -514,26 +514,11 @@ class AgentRuntime:
         reached yet is waited for, up to ``wait_for_broker`` seconds (tried again after
         0.1 s growing to 2 s, beyond the client's own retries): agents and their broker
         started side by side (a deployment) need no order."""
-        give_up = asyncio.get_running_loop().time() + wait_for_broker
-        for attempt in itertools.count():
-            try:
-                await self.register()
-                break
-            except BrokerUnavailableError as error:
-                delay = _RECONNECT_DELAYS[min(attempt, len(_RECONNECT_DELAYS) - 1)]
-                left = give_up - asyncio.get_running_loop().time()
-                if left < delay:
-                    raise
-                logger.log(
-                    logging.WARNING if attempt == 0 else logging.INFO,
-                    "%s at %s waits for its broker (%s): trying again in %.1f s, for %.0f s more",
-                    self.agent.agent_id,
-                    self.address,
-                    error.message,
-                    delay,
-                    left,
-                )
-                await asyncio.sleep(delay)
+        await until_reachable(
+            self.register,
+            wait_for_broker,
+            f"{self.agent.agent_id} at {self.address} waits for its broker",
+        )
         if self.delivery_mode is DeliveryMode.PUSH:
             self._mark_subscribed(True)  # (the broker holds the queue's end: it calls us)
             self._consumer = asyncio.create_task(

@@ -76,6 +76,19 @@ def non_negative_seconds(value: str) -> float:
     return seconds
 
 
+def add_wait_flag(parser: argparse.ArgumentParser, what: str, waits_for: str) -> None:
+    """--wait-for-WHAT (AGENTMESH_WAIT_FOR_WHAT): seconds to wait for what the command needs
+    as it starts, 60 by default; 0 fails at once."""
+    parser.add_argument(
+        f"--wait-for-{what}",
+        type=non_negative_seconds,
+        default=_env(f"WAIT_FOR_{what.upper()}", "60"),
+        metavar="SECONDS",
+        help=f"how long to wait for {waits_for}; 0: fail at once (default 60, env"
+        f" AGENTMESH_WAIT_FOR_{what.upper()})",
+    )
+
+
 def add_health_port_flag(parser: argparse.ArgumentParser, env: str, what: str = "") -> None:
     """--health-port (AGENTMESH_<env>): a plaintext grpc.health.v1 server beside a TLS
     one, for probes that cannot speak TLS."""
@@ -953,14 +966,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="HTTP port of /metrics (-1 off, 0 any free port)",
     )
     add_health_port_flag(p, "HEALTH_PORT")
-    p.add_argument(
-        "--wait-for-store",
-        type=non_negative_seconds,
-        default=_env("WAIT_FOR_STORE", "60"),
-        metavar="SECONDS",
-        help="how long to wait for a queue store that cannot be reached yet (Redis) as the"
-        " broker starts, before it serves; 0: fail at once (default 60, env"
-        " AGENTMESH_WAIT_FOR_STORE)",
+    add_wait_flag(
+        p,
+        "store",
+        "a queue store that cannot be reached yet (Redis) as the broker starts, before it serves",
     )
     p.add_argument(
         "--tools",
@@ -996,14 +1005,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="host others reach the agents at (e.g. the pod IP)",
     )
     p.add_argument("--max-in-flight", type=int, default=16)
-    p.add_argument(
-        "--wait-for-broker",
-        type=non_negative_seconds,
-        default=_env("WAIT_FOR_BROKER", "60"),
-        metavar="SECONDS",
-        help="how long to wait for a broker that cannot be reached yet as the agents start,"
-        " their servers up and not ready meanwhile; 0: fail at once (default 60, env"
-        " AGENTMESH_WAIT_FOR_BROKER)",
+    add_wait_flag(
+        p,
+        "broker",
+        "a broker that cannot be reached yet as the agents start, their"
+        " servers up and not ready meanwhile",
     )
     p.add_argument(
         "--delivery",

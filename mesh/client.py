@@ -115,6 +115,35 @@ class _Ended:
 
 
 _RECONNECT_DELAYS = (0.1, 0.25, 0.5, 1.0, 2.0)
+
+
+async def until_reachable(attempt: Callable[[], Awaitable[T]], seconds: float, waiting: str) -> T:
+    """What ``attempt()`` returns, tried again after 0.1 s growing to 2 s while what it needs
+    cannot be reached yet (:class:`BrokerUnavailableError`), for up to ``seconds``; then its
+    failure is raised. ``waiting`` says who waits for what, for the log ("PaymentAgent at
+    host:port waits for its broker"): a warning the first time, then each try at INFO."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + seconds
+    for tried in itertools.count():
+        try:
+            return await attempt()
+        except BrokerUnavailableError as error:
+            delay = _RECONNECT_DELAYS[min(tried, len(_RECONNECT_DELAYS) - 1)]
+            left = give_up - loop.time()
+            if left < delay:
+                raise
+            logger.log(
+                logging.WARNING if tried == 0 else logging.INFO,
+                "%s (%s): trying again in %.1f s, for %.0f s more",
+                waiting,
+                error.message,
+                delay,
+                left,
+            )
+            await asyncio.sleep(delay)
+    raise AssertionError("unreachable")  # (itertools.count() never ends)
+
+
 ACK_LINGER = 0.002
 """Seconds an ack or nack waits for others to share its frame, when the one before it came less
 than half that ago (a steady trickle of messages, each acked on its own, costs both ends a

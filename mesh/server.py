@@ -7,7 +7,6 @@ import bisect
 import collections
 import contextlib
 import functools
-import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from operator import attrgetter
@@ -17,12 +16,11 @@ import grpc
 
 from mesh import codec
 from mesh._status import abort
-from mesh.client import _RECONNECT_DELAYS, BROKER_SERVICE
+from mesh.client import BROKER_SERVICE, until_reachable
 from mesh.config import BrokerConfig, SecurityConfig, ServerConfig
 from mesh.core.auth import Principal
 from mesh.core.broker import Broker, SendOutcome, Subscription
 from mesh.core.errors import (
-    BrokerUnavailableError,
     LimitExceededError,
     MeshError,
     MessageValidationError,
@@ -951,31 +949,6 @@ def _response_batch(frames: list[broker_pb2.ConnectResponse]) -> broker_pb2.Conn
     return out
 
 
-async def _start_waiting_for_store(broker: Broker, wait_for_store: float) -> None:
-    """``broker.start()``, tried again after 0.1 s growing to 2 s while its queue store cannot
-    be reached, for up to ``wait_for_store`` seconds."""
-    loop = asyncio.get_running_loop()
-    give_up = loop.time() + wait_for_store
-    for attempt in itertools.count():
-        try:
-            await broker.start()
-            return
-        except BrokerUnavailableError as error:
-            delay = _RECONNECT_DELAYS[min(attempt, len(_RECONNECT_DELAYS) - 1)]
-            left = give_up - loop.time()
-            if left < delay:
-                raise
-            logger.log(
-                logging.WARNING if attempt == 0 else logging.INFO,
-                "the broker waits for its queue store (%s): trying again in %.1f s, for %.0f s"
-                " more",
-                error.message,
-                delay,
-                left,
-            )
-            await asyncio.sleep(delay)
-
-
 async def serve_broker(
     broker: Broker | None = None,
     server_config: ServerConfig | None = None,
@@ -994,7 +967,7 @@ async def serve_broker(
 
     config = server_config or ServerConfig(port=0)
     broker = broker or Broker(broker_config)
-    await _start_waiting_for_store(broker, wait_for_store)
+    await until_reachable(broker.start, wait_for_store, "the broker waits for its queue store")
     servicer = BrokerServicer(broker)
     memory = MemoryServicer(broker.memory, broker.state)
 
