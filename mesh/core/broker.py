@@ -1799,8 +1799,10 @@ class Broker:
         """A request's (or a gather's copy's) timeout, with why nobody answered when the
         broker knows."""
         why = self._no_instance(agent_id)
+        # (Two digits: the time left of a requester's 1 s when the request came is 0.998 s;
+        # said as the 1 s the requester asked for.)
         return RequestTimeoutError(
-            f"no response from {agent_id} within {timeout:.3g} s" + (f" ({why})" if why else "")
+            f"no response from {agent_id} within {timeout:.2g} s" + (f" ({why})" if why else "")
         )
 
     def _refuse_if_no_instance(self, agent_id: str) -> None:

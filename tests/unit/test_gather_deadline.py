@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from mesh.config import BrokerConfig
 from mesh.core.broker import Broker
 from mesh.core.errors import RequestTimeoutError
@@ -66,3 +68,16 @@ async def test_an_answer_read_after_the_deadline_that_came_before_it_is_given() 
     rest = [item async for item in items]
     assert [(item.agent_id, item.error) for item in rest] == [("b", None)]
     assert rest[0].response is not None and rest[0].response.from_agent == "b"
+
+
+async def test_a_timeout_says_the_time_the_requester_asked_for() -> None:
+    """The broker times a request from what is left of its requester's deadline as it comes
+    (0.998 s of 1 s): its timeout says "within 1 s", as the requester asked, not 0.998."""
+    broker = Broker(BrokerConfig())
+    await broker.register(AgentInfo(agent_id="Desk"))
+    asked = Message(from_agent="asker", to_agent="Desk", content={"action": "pay"})
+    with pytest.raises(RequestTimeoutError) as timed_out:
+        await broker.request(asked, timeout=0.098)
+    assert timed_out.value.message == "no response from Desk within 0.098 s"
+    for left, said in ((0.998, "1"), (0.25, "0.25"), (1.5, "1.5"), (29.97, "30")):
+        assert broker._no_response("Desk", left).message == f"no response from Desk within {said} s"
