@@ -42,6 +42,12 @@ from mesh.loop import run as run_loop
 from mesh.v1 import agent_pb2, broker_pb2, message_pb2
 
 METHOD = "/bench.Echo/Stream"
+CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1)]
+"""Each channel keeps its connection to itself, as the mesh's clients do (it changes nothing
+on a message's path): in gRPC's process-wide pool a new channel shared the connection, and
+the reconnect backoff, of any other channel of the process to the same address (in a test
+process, one left to a port whose server had gone, that the kernel gave a new server since),
+and its first call failed at once with "connection refused"."""
 
 
 def _identity(data: bytes) -> bytes:
@@ -84,7 +90,7 @@ async def serve_raw_agent(
     """The raw agent: answers each delivery on the stream it came on until the stream ends,
     with the request's content and ``received_at``, the wall-clock time it read the delivery
     (for a broadcast's latency, as the SDK's echo agent answers)."""
-    async with grpc.aio.insecure_channel(broker) as channel:
+    async with grpc.aio.insecure_channel(broker, options=CHANNEL_OPTIONS) as channel:
         await _register(channel, message_pb2.AgentInfo(agent_id=agent_id, agent_types=agent_types))
         call = channel.stream_stream(
             "/mesh.v1.BrokerService/Connect",
@@ -136,7 +142,7 @@ class ContractClient(_Pipelined):
     matched by seq, nothing else."""
 
     def __init__(self, target: str) -> None:
-        self.channel = grpc.aio.insecure_channel(target)
+        self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self.call = self.channel.stream_stream(
             "/mesh.v1.BrokerService/Connect",
             request_serializer=broker_pb2.ConnectRequest.SerializeToString,
@@ -205,7 +211,9 @@ def stamps(answer: bytes) -> list[float]:
 
 
 def _fanout(upstreams: list[str]) -> Any:
-    channels = [grpc.aio.insecure_channel(address) for address in upstreams]
+    channels = [
+        grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) for address in upstreams
+    ]
 
     async def fanout(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
         calls = [
@@ -241,7 +249,7 @@ def _fanout(upstreams: list[str]) -> Any:
 
 
 def _contract_relay(upstream: str) -> Any:
-    channel = grpc.aio.insecure_channel(upstream)
+    channel = grpc.aio.insecure_channel(upstream, options=CHANNEL_OPTIONS)
 
     async def relay(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
         call = channel.stream_stream(
@@ -274,7 +282,7 @@ def _contract_relay(upstream: str) -> Any:
 
 
 def _relay(upstream: str) -> Any:
-    channel = grpc.aio.insecure_channel(upstream)
+    channel = grpc.aio.insecure_channel(upstream, options=CHANNEL_OPTIONS)
 
     async def relay(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
         call = channel.stream_stream(
@@ -330,7 +338,7 @@ async def serve_push_agent(broker: str, agent_id: str, ready: Any) -> None:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
-        async with grpc.aio.insecure_channel(broker) as channel:
+        async with grpc.aio.insecure_channel(broker, options=CHANNEL_OPTIONS) as channel:
             await _register(
                 channel,
                 message_pb2.AgentInfo(
@@ -419,7 +427,7 @@ class StreamClient(_Pipelined):
     """A pipelined client of the echo/relay stream: FIFO answers, many in flight."""
 
     def __init__(self, target: str) -> None:
-        self.channel = grpc.aio.insecure_channel(target)
+        self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self.call = self.channel.stream_stream(
             METHOD, request_serializer=_identity, response_deserializer=_identity
         )()

@@ -166,3 +166,34 @@ async def test_raw_agents_of_a_type_answer_a_raw_gather_with_the_time_they_had_i
         for agent in agents:
             agent.cancel()
         await asyncio.gather(*agents, return_exceptions=True)
+
+
+async def test_a_raw_agent_reaches_a_broker_on_a_port_another_channel_backs_off_from() -> None:
+    """The raw ends keep their connections to themselves, as the mesh's clients do: a raw
+    agent made as a broker comes up on a port that another channel of the process still backs
+    off from (its server gone; in a test process, the kernel gives its port to the next
+    server) reaches that broker (it failed at once, "connection refused": in gRPC's
+    process-wide pool the two channels shared one connection, and its backoff)."""
+    from mesh.config import ServerConfig
+    from mesh.server import serve_broker
+    from tests.helpers.processes import free_port
+
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    _, server = await serve_broker(server_config=ServerConfig(port=port))
+    async with grpc.aio.insecure_channel(address) as older:
+        await older.channel_ready()
+        await server.stop(0)
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await older.unary_unary("/mesh.v1.BrokerService/ListAgents")(b"", timeout=1)
+        await asyncio.sleep(1.0)  # (its connection backs off meanwhile)
+        _, server = await serve_broker(server_config=ServerConfig(port=port))
+        ready = asyncio.Event()
+        agent = asyncio.create_task(serve_raw_agent(address, "rawlate", ready.set, ("late",)))
+        try:
+            await until_ready(ready, [agent])
+        finally:
+            agent.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await agent
+            await server.stop(0)
