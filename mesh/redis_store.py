@@ -92,6 +92,10 @@ FULL_SWEEP_SECONDS = 10.0
 mesh:busy alone): what a lost write to mesh:busy (a failover) could leave unswept is swept
 then."""
 AGENTS = "mesh:agents"
+MARK = "mesh:mark"
+"""String: a random mark the first replica to find none sets. A replica that finds another
+than it saw before knows the store lost everything in between (a Redis restarted without
+persistence, or flushed)."""
 SUBSCRIBE_CHECK_SECONDS = 2.0
 """How long a new subscription of the replica watcher has to answer its PING."""
 REPLICAS = "mesh:replicas"
@@ -649,6 +653,8 @@ class RedisQueueStore:
         self._taken: list[str] = []
         """Ids of answers forwarded to this replica and heard: to be no longer kept for it."""
         self._forgetting: asyncio.Task[None] | None = None
+        self._mark: str | None = None
+        """The store's :data:`MARK` as this replica last saw it."""
 
     def follow(self, channel: str, handler: Callable[[bytes], None]) -> None:
         """Calls ``handler`` with what is published on ``channel`` once this replica watches
@@ -1499,6 +1505,12 @@ class RedisQueueStore:
         raw = await self._call("hget", AGENTS, agent_id)
         return AgentInfo.from_dict(json.loads(raw)) if raw else None
 
+    async def restore_agent(self, info: AgentInfo) -> bool:
+        if not await self._call("hsetnx", AGENTS, info.agent_id, json.dumps(info.to_dict())):
+            return False
+        await self._call("publish", REGISTRY, info.agent_id)
+        return True
+
     # -- replicas --------------------------------------------------------------------------
 
     def _wake_for(self, agent_id: str) -> str:
@@ -1633,6 +1645,7 @@ class RedisQueueStore:
     async def watch(self, listener: Any) -> None:
         """Follows the other replicas: wake-ups, registrations and answers for this one."""
         self.listener = listener
+        self._mark = await self._store_mark()
         await self._subscribe()
         self._watcher = asyncio.create_task(self._follow(listener), name="redis-watch")
         self._heart = asyncio.create_task(self._beat_forever(), name="redis-heartbeat")
@@ -1720,11 +1733,16 @@ class RedisQueueStore:
                 with contextlib.suppress(Exception):
                     await self._pubsub.aclose()
                 with contextlib.suppress(Exception):
+                    mark = await self._store_mark()
                     await self._subscribe()
-                    logger.info("following the other replicas again")
+                    emptied, self._mark = mark != self._mark, mark
+                    logger.info(
+                        "following the other replicas again%s",
+                        "; the store came back empty" if emptied else "",
+                    )
                     failures = 0
                     self.cut_off = False
-                    listener.on_followed_again()
+                    listener.on_followed_again(emptied)
                     # (subscribed first: what is forwarded from now on is heard)
                     await cancel_and_wait(self._taking_over)
                     self._taking_over = asyncio.create_task(
@@ -1732,6 +1750,11 @@ class RedisQueueStore:
                     )
                     for hook in self._refollowed:
                         hook()
+
+    async def _store_mark(self) -> str:
+        """The store's :data:`MARK`, set first if it has none."""
+        await self._call("set", MARK, secrets.token_hex(8), nx=True)
+        return _text(await self._call("get", MARK))
 
     async def _handle(self, event: dict[str, Any], listener: Any) -> None:
         if event.get("type") != "message":

@@ -454,6 +454,9 @@ class Broker:
         """Dead letters' ERRORs on their way to requesters waiting on other replicas."""
         self._catching_up: asyncio.Task[None] | None = None
         """Reading the registry again after the news of the other replicas was lost."""
+        self._restoring = False
+        """The store came back empty, and this replica has not yet kept its registrations
+        there again."""
         self._outliving: set[asyncio.Task[None]] = set()
         """Work that must end even when whoever started it is cancelled (:meth:`outlive`)."""
         self._subscriptions: dict[str, list[Subscription]] = {}
@@ -2116,14 +2119,16 @@ class Broker:
         if not self._offer_answer(message):
             self._late(message)
 
-    def on_followed_again(self) -> None:
+    def on_followed_again(self, emptied: bool = False) -> None:
         """Back in touch with the other replicas after losing them: what they said meanwhile
         was not heard. Every subscription looks at its queue, the next sweep checks their
-        places in flight, and the registry is read again."""
+        places in flight, and the registry is read again (after it is put back in the store,
+        if the store came back ``emptied``)."""
         for subs in self._subscriptions.values():
             for sub in subs:
                 sub.wake()
         self._credit_checked = -CREDIT_CHECK_SECONDS
+        self._restoring |= emptied  # (until done: a catch-up cut off is made again)
         if self._catching_up is not None:
             self._catching_up.cancel()  # (its reading may be of before this loss)
         if not self._stopping:
@@ -2135,8 +2140,20 @@ class Broker:
         """The agents registered, changed or deregistered through other replicas while this
         one did not hear them: each that the store keeps otherwise than this replica's
         registry is read again and taken as news of it (as the news would have been), so
-        that broadcasts, listings and subscriptions here follow the mesh again."""
+        that broadcasts, listings and subscriptions here follow the mesh again.
+
+        A store that came back empty lost every registration, not news of deregistrations:
+        this replica first keeps again those it knows that no other replica has put back,
+        and its agents stay registered (with their subscriptions open)."""
         try:
+            if self._restoring:
+                restored = [i.agent_id for i in self.registry if await self.store.restore_agent(i)]
+                self._restoring = False
+                logger.warning(
+                    "the store came back empty: %d registrations kept again from this replica",
+                    len(restored),
+                    extra={"event": {"category": "registry", "restored": restored[:100]}},
+                )
             saved = {info.agent_id: info.to_dict() for info in await self.store.saved_agents()}
             here = {info.agent_id: info.to_dict() for info in self.registry}
             stale = sorted(a for a in here.keys() | saved.keys() if here.get(a) != saved.get(a))

@@ -266,6 +266,11 @@ class QueueStore(Protocol):
         """The replica waiting for that answer, if any."""
         ...
 
+    async def restore_agent(self, info: AgentInfo) -> bool:
+        """Keeps the registration unless the store keeps one under its id already (another
+        replica restored it first); whether it did. For a store that came back empty."""
+        ...
+
     async def forward_answer(self, replica: str, message: Message) -> bool:
         """Hands an answer to the replica waiting for it; False when that replica is gone."""
         ...
@@ -295,9 +300,11 @@ class ReplicaListener(StoreListener, Protocol):
 
     def on_answer(self, message: Message) -> None: ...
 
-    def on_followed_again(self) -> None:
+    def on_followed_again(self, emptied: bool = False) -> None:
         """Following the other replicas was interrupted (a lost connection) and has resumed:
-        wake-ups sent meanwhile may be lost, so every subscription looks at its queue."""
+        wake-ups sent meanwhile may be lost, so every subscription looks at its queue.
+        ``emptied``: the store came back without what it kept (a Redis restarted without
+        persistence), registrations included."""
         ...
 
     def on_replicas_gone(self, replica_ids: Sequence[str]) -> None:
@@ -590,6 +597,9 @@ class InMemoryQueueStore:
 
     async def route_of(self, key: tuple[str, str]) -> str | None:
         return None
+
+    async def restore_agent(self, info: AgentInfo) -> bool:
+        return False  # (never emptied under its broker: nothing is watched for)
 
     async def forward_answer(self, replica: str, message: Message) -> bool:
         return False

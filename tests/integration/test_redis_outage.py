@@ -110,6 +110,64 @@ async def test_two_brokers_ride_out_a_redis_crash(
         await server_b.stop(0)
 
 
+async def test_brokers_put_their_registrations_back_in_a_redis_that_came_back_empty(
+    own_redis: LocalRedis, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Redis without persistence restarts empty: the registrations are gone from it, but
+    the agents are not gone from the mesh. Each broker finds the store emptied (not the
+    agents deregistered through another replica) and keeps again the registrations it
+    knows; a subscription stays open and gets what is sent through the other broker, and
+    the listing is whole on both. (Before, a broker read every agent missing from the store
+    as deregistered, and ended its subscriptions.)"""
+    caplog.set_level(logging.INFO, logger="mesh")
+    config = BrokerConfig(store=own_redis.url)
+    broker_a, server_a = await serve_broker(broker_config=config)
+    broker_b, server_b = await serve_broker(broker_config=config)
+    try:
+        async with (
+            connect(server_a.address, agent_id="alice", retry=NO_RETRY) as via_a,
+            connect(server_b.address, agent_id="bob", retry=NO_RETRY) as via_b,
+        ):
+            await via_a.register("Writer", agent_types=["writer"])
+            await via_b.register("Listener", agent_types=["listener"])
+            on_b = via_b.subscribe("Listener")
+            await on_b.start()
+
+            own_redis.kill()
+            own_redis.restart(tmp_path / "redis")
+            async with asyncio.timeout(10):
+                for broker in (broker_a, broker_b):
+                    while broker._catching_up is None or not broker._catching_up.done():  # noqa: ASYNC110 - the broker's own task, started by its store's watcher
+                        await asyncio.sleep(0.05)
+            said = [r.getMessage() for r in caplog.records]
+            assert sum(m.endswith("; the store came back empty") for m in said) == 2, said
+            kept = [m for m in said if m.startswith("the store came back empty")]
+            assert len(kept) == 2, said
+
+            store = RedisQueueStore(own_redis.url)
+            try:
+                saved = {info.agent_id: info for info in await store.saved_agents()}
+            finally:
+                await store.close()
+            assert sorted(saved) == ["Listener", "Writer"]
+            assert saved["Listener"].agent_types == ("listener",)
+            for client in (via_a, via_b):
+                assert sorted(a.agent_id for a in await client.list_agents()) == [
+                    "Listener",
+                    "Writer",
+                ]
+
+            after = await via_a.send("Listener", {"action": "after"})
+            got = await asyncio.wait_for(anext(aiter(on_b)), 5)
+            assert got.message.message_id == after.message_id
+            assert got.message.content == {"action": "after"}
+            await got.ack()
+            await on_b.close()
+    finally:
+        await server_a.stop(0)
+        await server_b.stop(0)
+
+
 async def test_while_redis_is_away_the_broker_and_its_gateway_are_not_ready(
     own_redis: LocalRedis, tmp_path: Path
 ) -> None:
