@@ -22,6 +22,7 @@ import grpc
 from mesh import codec
 from mesh._status import abort
 from mesh.client import (
+    LONGEST_RECONNECT_DELAY,
     NO_RETRY,
     BroadcastResult,
     ClientSubscription,
@@ -31,6 +32,7 @@ from mesh.client import (
     RetryPolicy,
     content_keys,
     member_named,
+    reconnect_delay,
     until_reachable,
     wait_seconds,
 )
@@ -68,7 +70,6 @@ AGENT_SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name
 Reply = dict[str, JSON] | Message | JSON | None
 HandlerFn = Callable[[Message, "AgentContext"], Awaitable[Reply] | Reply]
 
-_RECONNECT_DELAYS = (0.1, 0.5, 1.0, 2.0)
 DIRECT_LIMITS = BrokerConfig()
 """The limits a message called to an agent's own server is held to: the broker's defaults,
 RT-011's (the broker in between, when there is one, may hold its own)."""
@@ -591,7 +592,7 @@ class AgentRuntime:
             except (BrokerUnavailableError, SessionClosedError) as error:
                 if self._stopping:
                     return
-                delay = _RECONNECT_DELAYS[min(attempt, len(_RECONNECT_DELAYS) - 1)]
+                delay = reconnect_delay(attempt)
                 logger.warning(
                     "%s lost the broker (%s); reconnecting in %.1f s",
                     self.agent.agent_id,
@@ -608,7 +609,7 @@ class AgentRuntime:
                 logger.error("%s cannot subscribe: %s", self.agent.agent_id, error.message)
                 self._mark_subscribed(False)
                 attempt += 1
-                await asyncio.sleep(_RECONNECT_DELAYS[-1])
+                await asyncio.sleep(LONGEST_RECONNECT_DELAY)
 
     def _taken_off(self) -> None:
         """Taken off the mesh on purpose (`agentmesh deregister`): not registered again behind

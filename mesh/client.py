@@ -117,6 +117,15 @@ class _Ended:
 _RECONNECT_DELAYS = (0.1, 0.25, 0.5, 1.0, 2.0)
 
 
+LONGEST_RECONNECT_DELAY = _RECONNECT_DELAYS[-1]
+
+
+def reconnect_delay(attempt: int) -> float:
+    """How long to wait before try ``attempt`` + 1 to reach what went away (counted from 0):
+    0.1 s growing to 2 s, for every reconnecting part of the SDK alike."""
+    return _RECONNECT_DELAYS[min(attempt, len(_RECONNECT_DELAYS) - 1)]
+
+
 async def until_reachable(attempt: Callable[[], Awaitable[T]], seconds: float, waiting: str) -> T:
     """What ``attempt()`` returns, tried again after 0.1 s growing to 2 s while what it needs
     cannot be reached yet (:class:`BrokerUnavailableError`), for up to ``seconds``; then its
@@ -129,7 +138,7 @@ async def until_reachable(attempt: Callable[[], Awaitable[T]], seconds: float, w
         try:
             return await attempt()
         except BrokerUnavailableError as error:
-            delay = _RECONNECT_DELAYS[min(tried, len(_RECONNECT_DELAYS) - 1)]
+            delay = reconnect_delay(tried)
             left = give_up - loop.time()
             if left < delay:
                 raise
@@ -828,7 +837,7 @@ class ClientSubscription:
         loop = asyncio.get_running_loop()
         give_up = loop.time() + self.client.reconnect_timeout
         for attempt in itertools.count():
-            delay = _RECONNECT_DELAYS[min(attempt, len(_RECONNECT_DELAYS) - 1)]
+            delay = reconnect_delay(attempt)
             logger.warning(
                 "subscription of %s lost the broker (%s); subscribing again in %.1f s",
                 self.agent_id,
@@ -1057,7 +1066,7 @@ class MeshClient:
             if said is not False:
                 said = False
                 yield False
-            await self._sleep(_RECONNECT_DELAYS[min(attempt, len(_RECONNECT_DELAYS) - 1)])
+            await self._sleep(reconnect_delay(attempt))
             attempt += 1
 
     def _refuse_if_closed(self) -> None:
@@ -1980,7 +1989,7 @@ class MeshClient:
                 elif loop.time() >= give_up:
                     raise
                 failure = error
-            delay = _RECONNECT_DELAYS[min(attempt, len(_RECONNECT_DELAYS) - 1)]
+            delay = reconnect_delay(attempt)
             attempt += 1
             logger.warning(
                 "watch of %r: %s; watching again in %.1f s", prefix, failure.message, delay
