@@ -8,30 +8,19 @@ from pathlib import Path
 from typing import Any
 
 from agents._data import read
-from agents.reasoning import Reasoner, reasoner_from_env
+from agents.reasoning import ReasoningAgent
 from gateway.patterns._common import as_float
 from gateway.patterns.consensus import decide, vote_from
 from mesh import Agent, AgentContext, Message, on
 from mesh.core.errors import MessageValidationError
 
 
-class ProposerAgent(Agent):
+class ProposerAgent(ReasoningAgent):
     """Creates a proposal for a problem and writes it to the shared memory pool."""
 
     agent_id = "proposer"
     agent_types = ("consensus", "proposer")
     capabilities = ("propose",)
-
-    def __init__(
-        self,
-        agent_id: str | None = None,
-        *,
-        data_dir: str | Path | None = None,
-        reasoner: Reasoner | None = None,
-    ) -> None:
-        super().__init__(agent_id)
-        self.data_dir = data_dir
-        self.reasoner = reasoner or reasoner_from_env(self._rules)
 
     async def _rules(self, task: str, inputs: dict[str, Any]) -> dict[str, Any]:
         problem = str(inputs["problem"]).lower()
@@ -75,19 +64,12 @@ def insight_ttl(message: Message) -> float:
     return as_float((message.content or {}).get("insight_ttl"), 0.0)
 
 
-class ReviewerAgent(Agent):
+class ReviewerAgent(ReasoningAgent):
     """Reads a proposal from the pool, votes approve / reject / modify from its focus, and
     writes the vote to the pool."""
 
     agent_types = ("consensus", "reviewer")
     capabilities = ("review",)
-
-    def __init__(
-        self, agent_id: str, *, data_dir: str | Path | None = None, reasoner: Reasoner | None = None
-    ) -> None:
-        super().__init__(agent_id)
-        self.data_dir = data_dir
-        self.reasoner = reasoner or reasoner_from_env(self._rules)
 
     async def _rules(self, task: str, inputs: dict[str, Any]) -> dict[str, Any]:
         profile = (await read("consensus.json", self.data_dir))["reviewers"][self.agent_id]

@@ -9,7 +9,10 @@ import os
 import urllib.error
 import urllib.request
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any, Protocol
+
+from mesh import Agent
 
 Rule = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -103,3 +106,24 @@ def reasoner_from_env(rule: Rule, environ: Mapping[str, str] | None = None) -> R
         env.get("AGENTMESH_LLM_MODEL", "gpt-4o-mini"),
         env.get("AGENTMESH_LLM_API_KEY", ""),
     )
+
+
+class ReasoningAgent(Agent):
+    """A sample agent that reasons through a :class:`Reasoner`: its own rules (:meth:`_rules`)
+    over its data files (``data_dir``: the package's own by default), unless
+    ``AGENTMESH_LLM_BASE_URL`` names a model endpoint or ``reasoner`` is given."""
+
+    def __init__(
+        self,
+        agent_id: str | None = None,
+        *,
+        data_dir: str | Path | None = None,
+        reasoner: Reasoner | None = None,
+    ) -> None:
+        super().__init__(agent_id)
+        self.data_dir = data_dir
+        self.reasoner = reasoner or reasoner_from_env(self._rules)
+
+    async def _rules(self, task: str, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The deterministic answer to one reasoning step (each agent has its own)."""
+        raise NotImplementedError

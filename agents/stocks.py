@@ -6,25 +6,14 @@ from pathlib import Path
 from typing import Any
 
 from agents._data import read
-from agents.reasoning import Reasoner, reasoner_from_env
+from agents.reasoning import ReasoningAgent
 from mesh import Agent, AgentContext, Message
 
 
-class StockExpert(Agent):
+class StockExpert(ReasoningAgent):
     """Base of the experts: answers a query with a recommendation, a confidence and a reason."""
 
     agent_types = ("stock_expert",)
-
-    def __init__(
-        self,
-        agent_id: str | None = None,
-        *,
-        data_dir: str | Path | None = None,
-        reasoner: Reasoner | None = None,
-    ) -> None:
-        super().__init__(agent_id)
-        self.data_dir = data_dir
-        self.reasoner = reasoner or reasoner_from_env(self._rules)
 
     async def _rules(self, task: str, inputs: dict[str, Any]) -> dict[str, Any]:
         ticker, confidence, reasoning = self.analyse(inputs["data"])
