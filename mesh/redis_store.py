@@ -92,10 +92,11 @@ FULL_SWEEP_SECONDS = 10.0
 mesh:busy alone): what a lost write to mesh:busy (a failover) could leave unswept is swept
 then."""
 AGENTS = "mesh:agents"
-MARK = "mesh:mark"
-"""String: a random mark the first replica to find none sets. A replica that finds another
-than it saw before knows the store lost everything in between (a Redis restarted without
-persistence, or flushed)."""
+MARK = "mesh:{mesh:agents}:mark"
+"""String: a random mark the first replica to find none sets, in the slot of the
+registrations (:data:`AGENTS`): a replica that finds another than it saw before knows that
+the registrations were lost with it (a Redis, or the cluster node of that slot, restarted
+without persistence, or flushed)."""
 SUBSCRIBE_CHECK_SECONDS = 2.0
 """How long a new subscription of the replica watcher has to answer its PING."""
 REPLICAS = "mesh:replicas"
@@ -1645,7 +1646,7 @@ class RedisQueueStore:
     async def watch(self, listener: Any) -> None:
         """Follows the other replicas: wake-ups, registrations and answers for this one."""
         self.listener = listener
-        self._mark = await self._store_mark()
+        await self._check_mark()
         await self._subscribe()
         self._watcher = asyncio.create_task(self._follow(listener), name="redis-watch")
         self._heart = asyncio.create_task(self._beat_forever(), name="redis-heartbeat")
@@ -1655,6 +1656,7 @@ class RedisQueueStore:
             stop_if_cancelled()
             with contextlib.suppress(BrokerUnavailableError):
                 await self._beat_once()
+                await self._check_mark()
                 # Measured again once a beat has gone through (a host's clock may be
                 # stepped), here and not in the sweeps' beats, five times as frequent.
                 await self._sync_clock(await self._client())
@@ -1733,16 +1735,14 @@ class RedisQueueStore:
                 with contextlib.suppress(Exception):
                     await self._pubsub.aclose()
                 with contextlib.suppress(Exception):
-                    mark = await self._store_mark()
+                    # (the mark first: the registry is read again once it is known whether
+                    # the store lost it; failing, the subscription is not made either)
+                    await self._check_mark()
                     await self._subscribe()
-                    emptied, self._mark = mark != self._mark, mark
-                    logger.info(
-                        "following the other replicas again%s",
-                        "; the store came back empty" if emptied else "",
-                    )
+                    logger.info("following the other replicas again")
                     failures = 0
                     self.cut_off = False
-                    listener.on_followed_again(emptied)
+                    listener.on_followed_again()
                     # (subscribed first: what is forwarded from now on is heard)
                     await cancel_and_wait(self._taking_over)
                     self._taking_over = asyncio.create_task(
@@ -1751,10 +1751,29 @@ class RedisQueueStore:
                     for hook in self._refollowed:
                         hook()
 
-    async def _store_mark(self) -> str:
-        """The store's :data:`MARK`, set first if it has none."""
-        await self._call("set", MARK, secrets.token_hex(8), nx=True)
-        return _text(await self._call("get", MARK))
+    async def still_holds(self) -> bool:
+        return not await self._check_mark()
+
+    async def _check_mark(self) -> bool:
+        """Reads the store's :data:`MARK` (set first if it has none: one round trip); one
+        other than the last seen means the registrations were lost meanwhile: the listener
+        is told, and this says so. Checked on every beat, so that a lost cluster node that
+        this replica's watcher did not follow is noticed too, and before a registration the
+        store does not hold is taken for a deregistration."""
+        mark = _text(
+            (await self._commands([("SET", MARK, secrets.token_hex(8), "NX"), ("GET", MARK)]))[1]
+        )
+        seen, self._mark = self._mark, mark
+        if seen is not None and mark != seen:
+            logger.warning(
+                "the store lost the registrations (its mark %s is now %s: a Redis restarted "
+                "without persistence, or flushed); this replica puts back those it knows",
+                seen,
+                mark,
+            )
+            self.listener.on_store_emptied()
+            return True
+        return False
 
     async def _handle(self, event: dict[str, Any], listener: Any) -> None:
         if event.get("type") != "message":
@@ -1766,7 +1785,10 @@ class RedisQueueStore:
                 listener.on_wake(agent_id)
         elif channel == REGISTRY:
             agent_id = _text(data)
-            listener.on_agent_changed(agent_id, await self.saved_agent(agent_id))
+            info = await self.saved_agent(agent_id)
+            if info is None and await self._check_mark():
+                return  # (lost with the store, not deregistered: put back instead)
+            listener.on_agent_changed(agent_id, info)
         elif channel == self._answers(self.replica_id):
             message = _message(data)
             listener.on_answer(message)

@@ -252,6 +252,45 @@ class LocalRedis:
         self.processes[index].kill()
         self.processes[index].wait()
 
+    def restart_node(self, address: str) -> None:
+        """Starts the node at host:port, killed, again as it was (on a cluster, it joins
+        again with the slots it had, holding nothing: nothing is saved)."""
+        index = self.urls.index(f"redis://{address}/0")
+        killed = self.processes[index]
+        if killed.poll() is None:
+            raise RuntimeError(f"the node at {address} is still running")
+        process = subprocess.Popen(
+            killed.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        self.processes[index] = process
+        if not self._serving(process, int(address.rpartition(":")[2])):
+            raise RuntimeError(f"redis-server did not start again at {address}")
+
+    def slot_holder(self, key: str) -> str:
+        """The address (host:port) of the primary that holds ``key``'s slot."""
+        host, _, port = self.url.removeprefix("redis://").removesuffix("/0").rpartition(":")
+        slot = subprocess.run(
+            ["redis-cli", "-h", host, "-p", port, "cluster", "keyslot", key],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        nodes = subprocess.run(
+            ["redis-cli", "-h", host, "-p", port, "cluster", "nodes"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for line in nodes.splitlines():
+            fields = line.split()
+            if "master" not in fields[2]:
+                continue
+            for held in fields[8:]:
+                first, _, last = held.partition("-")
+                if first.isdigit() and int(first) <= int(slot) <= int(last or first):
+                    return fields[1].split("@")[0]
+        raise RuntimeError(f"no primary holds slot {slot}")
+
     def kill(self) -> None:
         """SIGKILL every node, as in a crash (what they held is gone: nothing is saved)."""
         for process in self.processes:

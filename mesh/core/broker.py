@@ -271,13 +271,32 @@ class Subscription:
             except BrokerUnavailableError:
                 # The store is away (the sweeper says so): the subscription stays, and
                 # looks again at the next wake-up or in a moment.
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(STORE_RETRY_SECONDS):
-                        await self._wake.wait()
+                await self._pause()
+                continue
+            except MeshError:
+                raise
+            except Exception:
+                # A failure the store does not name (its client's connection torn down
+                # under a call, say): the same, said. Raised, it would end the task that
+                # writes this subscription's deliveries, and leave its subscriber waiting
+                # for ever; what a lease cut off took comes back when the lease ends.
+                if (held := self.broker.lease_failures.admit(self.subscription_id)) is not None:
+                    logger.exception(
+                        "leasing for subscription %s failed; trying again%s",
+                        self.subscription_id,
+                        f" ({held} more failures since the last said)" if held else "",
+                    )
+                await self._pause()
                 continue
             self._drained = len(batch) < asked
             if batch:
                 return batch
+
+    async def _pause(self) -> None:
+        """Until the next wake-up, or :data:`STORE_RETRY_SECONDS` at most."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(STORE_RETRY_SECONDS):
+                await self._wake.wait()
 
     async def _lease(self, most: int) -> list[Delivery]:
         """Up to ``most`` ready messages, leased to this subscription (while the store is
@@ -469,6 +488,8 @@ class Broker:
         self.instance = store.replica_id or secrets.token_hex(4)
         self._queue_full_log = LogThrottle(max_keys=self.config.max_agents)
         self._receipt_log = LogThrottle(max_keys=self.config.max_agents)
+        self.lease_failures = LogThrottle(10.0, max_keys=self.config.max_agents)
+        """Subscriptions whose leasing failed unforeseen: said once in ten seconds each."""
         self._workflow_log_at = -math.inf
         """When a workflow status that could not be written was last logged."""
         self._credit_checked = time.monotonic()
@@ -2080,6 +2101,8 @@ class Broker:
 
     def on_agent_changed(self, agent_id: str, info: AgentInfo | None) -> None:
         """An agent registered or left through another replica."""
+        if info is None and self._restoring:
+            return  # (missing from a store that lost it, not deregistered: being put back)
         with contextlib.suppress(MeshError):
             if info is None:
                 if agent_id in self.registry:
@@ -2119,16 +2142,25 @@ class Broker:
         if not self._offer_answer(message):
             self._late(message)
 
-    def on_followed_again(self, emptied: bool = False) -> None:
+    def on_followed_again(self) -> None:
         """Back in touch with the other replicas after losing them: what they said meanwhile
         was not heard. Every subscription looks at its queue, the next sweep checks their
-        places in flight, and the registry is read again (after it is put back in the store,
-        if the store came back ``emptied``)."""
+        places in flight, and the registry is read again."""
         for subs in self._subscriptions.values():
             for sub in subs:
                 sub.wake()
         self._credit_checked = -CREDIT_CHECK_SECONDS
-        self._restoring |= emptied  # (until done: a catch-up cut off is made again)
+        self._catch_up()
+
+    def on_store_emptied(self) -> None:
+        """The store lost every registration: the registry is put back in it (what another
+        replica put back first stays), then read again, rather than every agent taken as
+        deregistered; the next sweep checks the subscriptions' places in flight."""
+        self._credit_checked = -CREDIT_CHECK_SECONDS
+        self._restoring = True  # (until done: a catch-up cut off puts it back next time)
+        self._catch_up()
+
+    def _catch_up(self) -> None:
         if self._catching_up is not None:
             self._catching_up.cancel()  # (its reading may be of before this loss)
         if not self._stopping:
@@ -2149,12 +2181,15 @@ class Broker:
             if self._restoring:
                 restored = [i.agent_id for i in self.registry if await self.store.restore_agent(i)]
                 self._restoring = False
-                logger.warning(
-                    "the store came back empty: %d registrations kept again from this replica",
+                logger.info(
+                    "registrations put back in the store: %d (any others, another replica "
+                    "put back first)",
                     len(restored),
                     extra={"event": {"category": "registry", "restored": restored[:100]}},
                 )
             saved = {info.agent_id: info.to_dict() for info in await self.store.saved_agents()}
+            if not await self.store.still_holds():
+                return  # (emptied before that reading: put back, then read again)
             here = {info.agent_id: info.to_dict() for info in self.registry}
             stale = sorted(a for a in here.keys() | saved.keys() if here.get(a) != saved.get(a))
             for agent_id in stale:

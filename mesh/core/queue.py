@@ -271,6 +271,11 @@ class QueueStore(Protocol):
         replica restored it first); whether it did. For a store that came back empty."""
         ...
 
+    async def still_holds(self) -> bool:
+        """Whether the store still holds what it held when this replica last looked; when
+        not (it lost it), the listener is told (:meth:`ReplicaListener.on_store_emptied`)."""
+        ...
+
     async def forward_answer(self, replica: str, message: Message) -> bool:
         """Hands an answer to the replica waiting for it; False when that replica is gone."""
         ...
@@ -300,11 +305,14 @@ class ReplicaListener(StoreListener, Protocol):
 
     def on_answer(self, message: Message) -> None: ...
 
-    def on_followed_again(self, emptied: bool = False) -> None:
+    def on_followed_again(self) -> None:
         """Following the other replicas was interrupted (a lost connection) and has resumed:
-        wake-ups sent meanwhile may be lost, so every subscription looks at its queue.
-        ``emptied``: the store came back without what it kept (a Redis restarted without
-        persistence), registrations included."""
+        wake-ups sent meanwhile may be lost, so every subscription looks at its queue."""
+        ...
+
+    def on_store_emptied(self) -> None:
+        """The store lost what it kept, registrations included (a Redis restarted without
+        persistence): not news that the agents left."""
         ...
 
     def on_replicas_gone(self, replica_ids: Sequence[str]) -> None:
@@ -600,6 +608,9 @@ class InMemoryQueueStore:
 
     async def restore_agent(self, info: AgentInfo) -> bool:
         return False  # (never emptied under its broker: nothing is watched for)
+
+    async def still_holds(self) -> bool:
+        return True
 
     async def forward_answer(self, replica: str, message: Message) -> bool:
         return False

@@ -17,6 +17,8 @@ import pytest
 from mesh import BrokerUnavailableError, Message, connect
 from mesh.client import NO_RETRY
 from mesh.config import BrokerConfig
+from mesh.redis_store import AGENTS as REGISTRATIONS
+from mesh.redis_store import RedisQueueStore
 from mesh.server import serve_broker
 from mesh.testing import LocalRedis
 
@@ -109,3 +111,67 @@ async def test_a_primary_crash_fails_over_and_loses_nothing_accepted(
     assert all(r.levelno == logging.WARNING for r in failed)
     # Neither broker took the other for dead because both were cut off for a while.
     assert not [r for r in caplog.records if "broker replicas gone" in r.message]
+
+
+async def test_a_primary_without_a_replica_that_restarts_empty_loses_no_registration(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The primary holding the registrations' slot restarts with nothing (no replica to fail
+    over to, no persistence), while the other primaries and the brokers' watchers may not
+    notice at all: each broker sees the store's mark gone with its slot on its next beat, puts
+    back the registrations it knows, and its agents stay on the mesh (a subscription on one
+    broker gets what is sent through the other). Before, they were missing from the store for
+    good, and every replica that read the registry again took them as deregistered."""
+    if why := LocalRedis.unavailable():
+        pytest.skip(f"{why}; .ci/run adds it")
+    cluster = LocalRedis.start_cluster(tmp_path / "cluster", nodes=3)
+    caplog.set_level(logging.INFO, logger="mesh")
+    config = BrokerConfig(store=cluster.url)
+    _, server_a = await serve_broker(broker_config=config)
+    _, server_b = await serve_broker(broker_config=config)
+    try:
+        async with (
+            connect(server_a.address, agent_id="alice", retry=NO_RETRY) as via_a,
+            connect(server_b.address, agent_id="bob", retry=NO_RETRY) as via_b,
+        ):
+            for agent_id in AGENTS:
+                await via_a.register(agent_id, agent_types=["worker"])
+            await via_b.register("Listener")
+            on_b = via_b.subscribe("Listener")
+            await on_b.start()
+
+            holder = cluster.slot_holder(REGISTRATIONS)
+            await asyncio.to_thread(cluster.kill_node, holder)
+            await asyncio.to_thread(cluster.restart_node, holder)
+            async with asyncio.timeout(20):
+                while sum("registrations put back" in r.message for r in caplog.records) < 2:  # noqa: ASYNC110 - each broker's beat notices by itself
+                    await asyncio.sleep(0.1)
+
+            store = RedisQueueStore(cluster.url)
+            try:
+                saved = sorted(info.agent_id for info in await store.saved_agents())
+            finally:
+                await store.close()
+            assert saved == sorted([*AGENTS, "Listener"])
+            for client in (via_a, via_b):
+                workers = await client.list_agents(agent_type="worker")
+                assert sorted(a.agent_id for a in workers) == sorted(AGENTS)
+
+            async with asyncio.timeout(20):
+                while True:  # (until the cluster serves the restarted node's slots again)
+                    try:
+                        sent = await via_a.send("Listener", {"action": "after"})
+                        break
+                    except BrokerUnavailableError:
+                        await asyncio.sleep(0.2)
+                got = await anext(aiter(on_b))
+            assert got.message.message_id == sent.message_id
+            await got.ack()
+            await on_b.close()
+    finally:
+        await server_a.stop(0.5)
+        await server_b.stop(0.5)
+        cluster.stop()
+    lost = [r for r in caplog.records if r.message.startswith("the store lost the registrations")]
+    assert len(lost) == 2  # once by each broker
+    assert not [r for r in caplog.records if "left the registry" in r.message]

@@ -167,6 +167,40 @@ async def test_following_the_other_replicas_again_wakes_every_subscription() -> 
         await sub.close()
 
 
+class TornStore(InMemoryQueueStore):
+    """A store whose client fails a lease in a way it does not name, as redis-py's cluster
+    client can while a node restarts (its connection's writer torn down under the call)."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    async def lease_many(self, *args: Any, **options: Any) -> Any:
+        if self.failures:
+            self.failures -= 1
+            raise AttributeError("'NoneType' object has no attribute 'writelines'")
+        return await super().lease_many(*args, **options)
+
+
+async def test_a_lease_failing_unforeseen_leaves_the_subscription_delivering(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Raised out of the subscription, the failure ended the task that writes its deliveries
+    and the subscriber waited for ever; now it is said once, and the lease is tried again."""
+    store = TornStore(failures=3)
+    async with Broker(BrokerConfig(), store=store) as broker:
+        await broker.register(AgentInfo(agent_id="Listener"))
+        sub = await broker.subscribe("Listener")
+        sent = await broker.send(note("first"))
+        delivery = await asyncio.wait_for(sub.next(), 5)
+        assert delivery.message.message_id == sent.message.message_id
+        assert store.failures == 0
+        await sub.close()
+    said = [r for r in caplog.records if r.getMessage().startswith("leasing for subscription")]
+    assert len(said) == 1  # (the next two within the ten seconds held back)
+    assert said[0].exc_info is not None and said[0].exc_info[0] is AttributeError
+
+
 def note(text: str) -> Message:
     return Message(from_agent="Sender", to_agent="Listener", content={"action": text})
 
