@@ -2015,13 +2015,15 @@ class Broker:
             # A request (or a gather's copy) whose ttl ended before its agent took it: its
             # requester, waiting here or on another replica, hears so now, not at its
             # deadline (a request is then timed out: DEADLINE_EXCEEDED).
+            why = self._no_instance(message.to_agent)
             said = _said_for(
                 message.to_agent,
                 message.reply_target,
                 message.correlation_id,
                 f"{message.to_agent} did not take {message.message_type.value.lower()}"
                 f" {message.message_id} within its ttl of"
-                f" {message.ttl or self.config.default_ttl} s: it expired in the queue",
+                f" {message.ttl or self.config.default_ttl} s: it expired in the queue"
+                + (f" ({why})" if why else ""),
                 EXPIRED_REASON,
             )
             if not self._offer_answer(said) and self.store.shared:
