@@ -13,7 +13,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from mesh.codec import STATUS_CODES, seconds_to_duration
-from mesh.core.errors import FieldViolation, MeshError, error_class_for
+from mesh.core.errors import BrokerUnavailableError, FieldViolation, MeshError, error_class_for
 
 ERROR_DOMAIN = "agentmesh.dev"
 logger = logging.getLogger("mesh.status")
@@ -170,3 +170,14 @@ def from_rpc_error(error: grpc.RpcError) -> MeshError:
         reason=reason or None,
         code=code.name,
     )
+
+
+def stream_error(error: grpc.RpcError) -> MeshError:
+    """What a failed stream stands for: :func:`from_rpc_error`, except that INTERNAL or
+    UNKNOWN without the server's own status (the mesh's errors all carry one) is the stream
+    broken under it, as gRPC reports some connections lost mid-stream ("Stream removed"):
+    like UNAVAILABLE, worth a new stream."""
+    failure = from_rpc_error(error)
+    if failure.code in ("INTERNAL", "UNKNOWN") and not has_rich_status(error):
+        return BrokerUnavailableError(f"the stream broke: {failure.message}")
+    return failure

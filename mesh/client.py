@@ -31,7 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.trace import SpanKind, get_current_span
 
 from mesh import codec
-from mesh._status import PeerStatus, from_rpc_error, has_rich_status
+from mesh._status import PeerStatus, from_rpc_error, has_rich_status, stream_error
 from mesh.config import (
     DEFAULT_LEASE_SECONDS,
     MAX_TTL,
@@ -426,15 +426,9 @@ class _Session:
                 else:
                     await self._take(frame)
         except grpc.RpcError as raised:
-            error = self._status.of(raised)
-            failure = from_rpc_error(error)
+            failure = stream_error(self._status.of(raised))  # (broken: a new session)
             if failure.code == "CANCELLED" and self.closed:
                 failure = SessionClosedError("the session was closed")
-            elif failure.code in ("INTERNAL", "UNKNOWN") and not has_rich_status(error):
-                # Not an error of the broker's (those carry a google.rpc.Status): the stream
-                # broke under it, as gRPC sometimes reports a connection lost mid-frame. Like
-                # UNAVAILABLE, worth a new session.
-                failure = BrokerUnavailableError(f"the session broke: {failure.message}")
         except asyncio.CancelledError:
             pass
         finally:
@@ -2013,7 +2007,7 @@ class MeshClient:
                 entry = entry_from_pb(pb.entry) if pb.HasField("entry") else None
                 yield StateChange(kind, entry)
         except grpc.RpcError as error:
-            raise from_rpc_error(error) from None
+            raise stream_error(error) from None  # (broken: watched again, with resume)
         finally:
             call.cancel()
 

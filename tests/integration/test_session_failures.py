@@ -1,7 +1,7 @@
-"""How the SDK reads the end of its Connect stream: a status gRPC gives a stream that broke
-under the broker (INTERNAL or UNKNOWN without the broker's error details, as a connection lost
-mid-frame sometimes ends) is a broker to reconnect to, like UNAVAILABLE; an error the broker
-itself sent keeps its code."""
+"""How the SDK reads the end of its streams (its Connect session, a state watch): a status
+gRPC gives a stream that broke under the broker (INTERNAL or UNKNOWN without the broker's error
+details, as a connection lost mid-frame sometimes ends) is a broker to reach again, like
+UNAVAILABLE; an error the broker itself sent keeps its code."""
 
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ from mesh import BrokerUnavailableError, LocalMesh, connect
 from mesh._status import to_rpc_status
 from mesh.client import NO_RETRY
 from mesh.core.errors import MeshError, SessionClosedError
+from mesh.core.model import utc_now
+from mesh.core.state import ChangeKind, StateEntry
+from mesh.memory_server import CHANGE_KINDS, entry_to_pb
+from mesh.v1 import memory_pb2, memory_pb2_grpc
 
 CONNECT = "/mesh.v1.BrokerService/Connect"
 
@@ -131,3 +135,56 @@ async def test_a_closed_client_says_so(mesh: LocalMesh) -> None:
     with pytest.raises(SessionClosedError, match="this client is closed"):
         client.subscribe()
     await client.close()  # closing again is harmless
+
+
+class BreakingWatches(memory_pb2_grpc.MemoryServiceServicer):
+    """A memory service whose first state watch tells an entry and SYNCED, then breaks as
+    gRPC reports some connections lost mid-stream (UNKNOWN "Stream removed", without the
+    broker's error details); the next tells the entry's newer version and stays open."""
+
+    def __init__(self) -> None:
+        self.watches = 0
+
+    async def WatchState(
+        self, request: memory_pb2.WatchStateRequest, context: Any
+    ) -> AsyncIterator[memory_pb2.WatchStateResponse]:
+        self.watches += 1
+        version = self.watches
+        current = memory_pb2.WatchStateResponse(kind=CHANGE_KINDS[ChangeKind.CURRENT])
+        entry_to_pb(
+            StateEntry("parcel/1", {"n": version}, version, "Tracker", utc_now()), current.entry
+        )
+        yield current
+        yield memory_pb2.WatchStateResponse(kind=CHANGE_KINDS[ChangeKind.SYNCED])
+        if version == 1:
+            await context.abort(grpc.StatusCode.UNKNOWN, "Stream removed")
+        await asyncio.Event().wait()  # (open until the watcher leaves)
+
+
+async def test_a_state_watch_broken_under_the_broker_is_watched_again() -> None:
+    """Before, the watch with ``resume`` raised the UNKNOWN: `agentmesh state --watch` ended
+    with the broker it watched restarting (once, in a loaded run)."""
+    server = grpc.aio.server()
+    servicer = BreakingWatches()
+    memory_pb2_grpc.add_MemoryServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with connect(f"127.0.0.1:{port}", agent_id="Watcher", retry=NO_RETRY) as client:
+            changes = client.watch_state("parcel/", send_initial=True, resume=True)
+            told = []
+            async with asyncio.timeout(10):
+                for _ in range(4):
+                    change = await anext(changes)
+                    entry = change.entry
+                    told.append((change.kind.value, entry.value if entry else None))
+            await changes.aclose()
+        assert told == [
+            ("current", {"n": 1}),
+            ("synced", None),
+            ("put", {"n": 2}),  # what changed while it was away
+            ("synced", None),
+        ]
+        assert servicer.watches == 2
+    finally:
+        await server.stop(0)

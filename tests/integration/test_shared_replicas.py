@@ -487,11 +487,13 @@ def _told(change: StateChange) -> tuple[object, ...]:
 
 async def _line_with(stream: asyncio.StreamReader, text: str) -> str:
     """The first line of ``stream`` that holds ``text`` (within 30 s)."""
+    read = []
     async with asyncio.timeout(30):
         while line := (await stream.readline()).decode():
             if text in line:
                 return line
-    raise AssertionError(f"no line with {text!r}")
+            read.append(line)
+    raise AssertionError(f"no line with {text!r} before the end: {''.join(read)}")
 
 
 async def test_a_resumed_watch_goes_on_through_its_replica_losing_redis(
