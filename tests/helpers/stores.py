@@ -1,14 +1,22 @@
-"""Queue stores that count what the broker asks of them, and the URL of each kind of store a
-broker process may be started on."""
+"""Queue stores that count what the broker asks of them, the URL of each kind of store a
+broker process may be started on, and two broker replicas sharing a store."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from mesh import connect
+from mesh.client import NO_RETRY, MeshClient
+from mesh.config import BrokerConfig
+from mesh.core.broker import Broker
 from mesh.core.queue import InMemoryQueueStore
+from mesh.server import serve_broker
 
 BROKER_STORES = ["memory", "sqlite", "redis", "redis-cluster"]
 
@@ -36,3 +44,33 @@ class CountingLeases:
 
 class CountingStore(CountingLeases, InMemoryQueueStore):
     """The in-memory store, counting its leases."""
+
+
+@dataclass(frozen=True, slots=True)
+class TwoReplicas:
+    """Two brokers in this process sharing one store, and a client on each."""
+
+    broker_a: Broker
+    broker_b: Broker
+    via_a: MeshClient
+    via_b: MeshClient
+
+
+@asynccontextmanager
+async def two_replicas(url: str, *, grace: float = 0) -> AsyncIterator[TwoReplicas]:
+    """Brokers A and B on the store at ``url`` (Redis, or a Redis Cluster), and a client on
+    each ("alice" on A, "bob" on B, neither retrying); both stopped after (within ``grace``)."""
+    config = BrokerConfig(store=url)
+    broker_a, server_a = await serve_broker(broker_config=config)
+    try:
+        broker_b, server_b = await serve_broker(broker_config=config)
+        try:
+            async with (
+                connect(server_a.address, agent_id="alice", retry=NO_RETRY) as via_a,
+                connect(server_b.address, agent_id="bob", retry=NO_RETRY) as via_b,
+            ):
+                yield TwoReplicas(broker_a, broker_b, via_a, via_b)
+        finally:
+            await server_b.stop(grace)
+    finally:
+        await server_a.stop(grace)

@@ -24,6 +24,7 @@ from mesh.redis_store import RedisQueueStore
 from mesh.server import BROKER_SERVICE, serve_broker
 from mesh.testing import LocalRedis
 from tests.helpers.health import NOT_SERVING, SERVING, health_of, watching
+from tests.helpers.stores import two_replicas
 
 
 class Heard(logging.Handler):
@@ -65,14 +66,9 @@ async def test_two_brokers_ride_out_a_redis_crash(
     caplog.set_level(logging.INFO, logger="mesh")
     followed_again = Heard("following the other replicas again")
     logging.getLogger("mesh").addHandler(followed_again)
-    config = BrokerConfig(store=own_redis.url)
-    _, server_a = await serve_broker(broker_config=config)
-    broker_b, server_b = await serve_broker(broker_config=config)
     try:
-        async with (
-            connect(server_a.address, agent_id="alice", retry=NO_RETRY) as via_a,
-            connect(server_b.address, agent_id="bob", retry=NO_RETRY) as via_b,
-        ):
+        async with two_replicas(own_redis.url) as mesh:
+            via_a, via_b = mesh.via_a, mesh.via_b
             await via_b.register("Listener")
             on_b = via_b.subscribe("Listener")
             await on_b.start()
@@ -86,7 +82,7 @@ async def test_two_brokers_ride_out_a_redis_crash(
                 await via_a.send("Listener", {"action": "during"})
             # A wake-up while the store is away: the subscription finds it unreachable, and
             # stays (it does not end, nor stop delivering once the store is back).
-            broker_b.on_wake("Listener")
+            mesh.broker_b.on_wake("Listener")
 
             # Both brokers keep trying to follow each other, at a walk.
             cpu = time.process_time()
@@ -114,8 +110,6 @@ async def test_two_brokers_ride_out_a_redis_crash(
             await asyncio.wait_for(followed_again.heard.wait(), 10)
     finally:
         logging.getLogger("mesh").removeHandler(followed_again)
-        await server_a.stop(0)
-        await server_b.stop(0)
 
 
 async def test_brokers_put_their_registrations_back_in_a_redis_that_came_back_empty(
@@ -130,14 +124,9 @@ async def test_brokers_put_their_registrations_back_in_a_redis_that_came_back_em
     caplog.set_level(logging.INFO, logger="mesh")
     put_back = Heard("registrations put back in the store")
     logging.getLogger("mesh").addHandler(put_back)
-    config = BrokerConfig(store=own_redis.url)
-    _, server_a = await serve_broker(broker_config=config)
-    _, server_b = await serve_broker(broker_config=config)
     try:
-        async with (
-            connect(server_a.address, agent_id="alice", retry=NO_RETRY) as via_a,
-            connect(server_b.address, agent_id="bob", retry=NO_RETRY) as via_b,
-        ):
+        async with two_replicas(own_redis.url) as mesh:
+            via_a, via_b = mesh.via_a, mesh.via_b
             await via_a.register("Writer", agent_types=["writer"])
             await via_b.register("Listener", agent_types=["listener"])
             on_b = via_b.subscribe("Listener")
@@ -170,8 +159,6 @@ async def test_brokers_put_their_registrations_back_in_a_redis_that_came_back_em
             await on_b.close()
     finally:
         logging.getLogger("mesh").removeHandler(put_back)
-        await server_a.stop(0)
-        await server_b.stop(0)
 
 
 async def test_while_redis_is_away_the_broker_and_its_gateway_are_not_ready(
