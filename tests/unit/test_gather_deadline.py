@@ -13,6 +13,10 @@ from mesh.core.broker import Broker
 from mesh.core.errors import RequestTimeoutError
 from mesh.core.model import AgentInfo, Message, MessageType
 
+DEADLINE = 0.5
+"""The gathers' timeout: long enough that the answers sent "before" it still are on a
+loaded machine (at 0.05 s, one came after it once)."""
+
 
 async def test_answers_before_the_deadline_count_and_one_after_it_does_not() -> None:
     broker = Broker(BrokerConfig())
@@ -20,7 +24,7 @@ async def test_answers_before_the_deadline_count_and_one_after_it_does_not() -> 
         await broker.register(AgentInfo(agent_id=agent_id, agent_types=("expert",)))
     await broker.register(AgentInfo(agent_id="asker"))
     asked = Message(from_agent="asker", to_agent="", content={"action": "vote"})
-    items = broker.gather(asked, agent_types=("expert",), timeout=0.05)
+    items = broker.gather(asked, agent_types=("expert",), timeout=DEADLINE)
 
     def answer(agent_id: str) -> Message:
         return Message(
@@ -35,7 +39,7 @@ async def test_answers_before_the_deadline_count_and_one_after_it_does_not() -> 
     await asyncio.sleep(0.01)
     await broker.send(answer("early"))
     assert (await first).agent_id == "early"
-    await asyncio.sleep(0.1)  # past the deadline, and the reader not back yet
+    await asyncio.sleep(DEADLINE + 0.1)  # past the deadline, and the reader not back yet
     late = await broker.send(answer("late"))
     assert late.recipients == ()  # not taken: it came after the deadline
     rest = [item async for item in items]
@@ -50,7 +54,7 @@ async def test_an_answer_read_after_the_deadline_that_came_before_it_is_given() 
     for agent_id in ("a", "b"):
         await broker.register(AgentInfo(agent_id=agent_id, agent_types=("expert",)))
     asked = Message(from_agent="asker", to_agent="", content={"action": "vote"})
-    items = broker.gather(asked, agent_types=("expert",), timeout=0.05)
+    items = broker.gather(asked, agent_types=("expert",), timeout=DEADLINE)
     first = asyncio.ensure_future(anext(items))
     await asyncio.sleep(0.01)
     for agent_id in ("a", "b"):
@@ -64,7 +68,7 @@ async def test_an_answer_read_after_the_deadline_that_came_before_it_is_given() 
             )
         )
     assert (await first).agent_id == "a"
-    await asyncio.sleep(0.1)  # the deadline passes with b's answer still unread
+    await asyncio.sleep(DEADLINE + 0.1)  # the deadline passes with b's answer still unread
     rest = [item async for item in items]
     assert [(item.agent_id, item.error) for item in rest] == [("b", None)]
     assert rest[0].response is not None and rest[0].response.from_agent == "b"
