@@ -1652,14 +1652,30 @@ class RedisQueueStore:
         self._heart = asyncio.create_task(self._beat_forever(), name="redis-heartbeat")
 
     async def _beat_forever(self) -> None:
+        failing = 0  # beats in a row that failed unforeseen: the first is logged, whole
         while True:
             stop_if_cancelled()
-            with contextlib.suppress(BrokerUnavailableError):
+            try:
                 await self._beat_once()
                 await self._check_mark()
                 # Measured again once a beat has gone through (a host's clock may be
                 # stepped), here and not in the sweeps' beats, five times as frequent.
                 await self._sync_clock(await self._client())
+                failing = 0
+            except BrokerUnavailableError:
+                pass
+            except Exception:
+                # The heartbeat must outlive any one bad beat (redis-py's cluster client
+                # can raise AttributeError while a node restarts): stopped, it would let the
+                # other replicas take this one for dead, and nothing here would see the
+                # store lose its data any more.
+                failing += 1
+                logger.log(
+                    logging.ERROR if failing == 1 else logging.DEBUG,
+                    "a heartbeat failed; beating again in %.0f s",
+                    REPLICA_TIMEOUT_MS / 3000,
+                    exc_info=True,
+                )
             await asyncio.sleep(REPLICA_TIMEOUT_MS / 3000)
 
     async def _subscribe(self) -> None:

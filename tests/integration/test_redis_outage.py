@@ -161,6 +161,46 @@ async def test_brokers_put_their_registrations_back_in_a_redis_that_came_back_em
         logging.getLogger("mesh").removeHandler(put_back)
 
 
+async def test_a_heartbeat_failing_unforeseen_does_not_stop_the_heartbeats(
+    own_redis: LocalRedis, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A beat that fails in a way the store does not name (redis-py's cluster client raised
+    AttributeError while a node restarted) is logged, and the next beat comes: here, it
+    notices Redis flushed, and the registration is put back. Before, the heartbeat task
+    ended with it: the replica beat no more, and saw nothing of the store losing its data."""
+    caplog.set_level(logging.INFO, logger="mesh")
+    put_back = Heard("registrations put back in the store")
+    logging.getLogger("mesh").addHandler(put_back)
+    broker, server = await serve_broker(broker_config=BrokerConfig(store=own_redis.url))
+    store = broker.store
+    assert isinstance(store, RedisQueueStore)
+    check_mark = store._check_mark  # (a heartbeat's own step: the sweeps beat too)
+    torn = 1
+
+    async def torn_check() -> bool:
+        nonlocal torn
+        if torn:
+            torn -= 1
+            raise AttributeError("'NoneType' object has no attribute 'writelines'")
+        return await check_mark()
+
+    monkeypatch.setattr(store, "_check_mark", torn_check)
+    try:
+        async with connect(server.address, agent_id="alice", retry=NO_RETRY) as client:
+            await client.register("Worker")
+            async with asyncio.timeout(5):
+                while torn:  # noqa: ASYNC110 - the store's heartbeat task takes it
+                    await asyncio.sleep(0.05)
+            await asyncio.to_thread(own_redis.flush)
+            await asyncio.wait_for(put_back.heard_times(1), 5)
+            assert [a.agent_id for a in await client.list_agents()] == ["Worker"]
+    finally:
+        logging.getLogger("mesh").removeHandler(put_back)
+        await server.stop(0)
+    failed = [r for r in caplog.records if r.getMessage().startswith("a heartbeat failed")]
+    assert len(failed) == 1 and failed[0].levelno == logging.ERROR
+
+
 async def test_while_redis_is_away_the_broker_and_its_gateway_are_not_ready(
     own_redis: LocalRedis, tmp_path: Path
 ) -> None:
