@@ -10,7 +10,7 @@ import logging
 import re
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -49,6 +49,21 @@ class Heard(logging.Handler):
 
 
 @pytest.fixture
+def hearing() -> Iterator[Callable[[str], Heard]]:
+    """Listens on the mesh's log for each text asked (:class:`Heard`); stops after the test."""
+    mesh_log, attached = logging.getLogger("mesh"), list[Heard]()
+
+    def hear(text: str) -> Heard:
+        attached.append(Heard(text))
+        mesh_log.addHandler(attached[-1])
+        return attached[-1]
+
+    yield hear
+    for handler in attached:
+        mesh_log.removeHandler(handler)
+
+
+@pytest.fixture
 def own_redis(tmp_path: Path) -> Iterator[LocalRedis]:
     """A redis-server of this test's own, since the test kills it."""
     if why := LocalRedis.unavailable():
@@ -61,59 +76,61 @@ def own_redis(tmp_path: Path) -> Iterator[LocalRedis]:
 
 
 async def test_two_brokers_ride_out_a_redis_crash(
-    own_redis: LocalRedis, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    own_redis: LocalRedis,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    hearing: Callable[[str], Heard],
 ) -> None:
     caplog.set_level(logging.INFO, logger="mesh")
-    followed_again = Heard("following the other replicas again")
-    logging.getLogger("mesh").addHandler(followed_again)
-    try:
-        async with two_replicas(own_redis.url) as mesh:
-            via_a, via_b = mesh.via_a, mesh.via_b
-            await via_b.register("Listener")
-            on_b = via_b.subscribe("Listener")
-            await on_b.start()
-            before = await via_a.send("Listener", {"action": "before"})
-            got = await asyncio.wait_for(anext(aiter(on_b)), 5)
-            assert got.message.message_id == before.message_id
-            await got.ack()
+    followed_again = hearing("following the other replicas again")
+    async with two_replicas(own_redis.url) as mesh:
+        via_a, via_b = mesh.via_a, mesh.via_b
+        await via_b.register("Listener")
+        on_b = via_b.subscribe("Listener")
+        await on_b.start()
+        before = await via_a.send("Listener", {"action": "before"})
+        got = await asyncio.wait_for(anext(aiter(on_b)), 5)
+        assert got.message.message_id == before.message_id
+        await got.ack()
 
-            own_redis.kill()
-            with pytest.raises(BrokerUnavailableError):
-                await via_a.send("Listener", {"action": "during"})
-            # A wake-up while the store is away: the subscription finds it unreachable, and
-            # stays (it does not end, nor stop delivering once the store is back).
-            mesh.broker_b.on_wake("Listener")
+        own_redis.kill()
+        with pytest.raises(BrokerUnavailableError):
+            await via_a.send("Listener", {"action": "during"})
+        # A wake-up while the store is away: the subscription finds it unreachable, and
+        # stays (it does not end, nor stop delivering once the store is back).
+        mesh.broker_b.on_wake("Listener")
 
-            # Both brokers keep trying to follow each other, at a walk.
-            cpu = time.process_time()
-            await asyncio.sleep(1.5)
-            assert time.process_time() - cpu < 0.75
-            said = [r.message for r in caplog.records]
-            assert sum("following the other replicas failed" in m for m in said) == 2
-            assert sum("queue sweeps fail until the store is back" in m for m in said) == 2
+        # Both brokers keep trying to follow each other, at a walk.
+        cpu = time.process_time()
+        await asyncio.sleep(1.5)
+        assert time.process_time() - cpu < 0.75
+        said = [r.message for r in caplog.records]
+        assert sum("following the other replicas failed" in m for m in said) == 2
+        assert sum("queue sweeps fail until the store is back" in m for m in said) == 2
 
-            own_redis.restart(tmp_path / "redis")
-            after = None
-            async with asyncio.timeout(10):
-                while after is None:  # until the brokers' connections are back
-                    try:
-                        after = await via_a.send("Listener", {"action": "after"})
-                    except BrokerUnavailableError:
-                        await asyncio.sleep(0.1)
-                got = await anext(aiter(on_b))
-            assert got.message.message_id == after.message_id
-            assert got.message.content == {"action": "after"}
-            await got.ack()
-            await on_b.close()
-            # Each broker's watcher looks again every 0.5 s: the delivery above may come
-            # (through the subscription's own retry) before either has subscribed again.
-            await asyncio.wait_for(followed_again.heard.wait(), 10)
-    finally:
-        logging.getLogger("mesh").removeHandler(followed_again)
+        own_redis.restart(tmp_path / "redis")
+        after = None
+        async with asyncio.timeout(10):
+            while after is None:  # until the brokers' connections are back
+                try:
+                    after = await via_a.send("Listener", {"action": "after"})
+                except BrokerUnavailableError:
+                    await asyncio.sleep(0.1)
+            got = await anext(aiter(on_b))
+        assert got.message.message_id == after.message_id
+        assert got.message.content == {"action": "after"}
+        await got.ack()
+        await on_b.close()
+        # Each broker's watcher looks again every 0.5 s: the delivery above may come
+        # (through the subscription's own retry) before either has subscribed again.
+        await asyncio.wait_for(followed_again.heard.wait(), 10)
 
 
 async def test_brokers_put_their_registrations_back_in_a_redis_that_came_back_empty(
-    own_redis: LocalRedis, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    own_redis: LocalRedis,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    hearing: Callable[[str], Heard],
 ) -> None:
     """A Redis without persistence restarts empty: the registrations are gone from it, but
     the agents are not gone from the mesh. Each broker finds the store emptied (not the
@@ -122,55 +139,53 @@ async def test_brokers_put_their_registrations_back_in_a_redis_that_came_back_em
     the listing is whole on both. (Before, a broker read every agent missing from the store
     as deregistered, and ended its subscriptions.)"""
     caplog.set_level(logging.INFO, logger="mesh")
-    put_back = Heard("registrations put back in the store")
-    logging.getLogger("mesh").addHandler(put_back)
-    try:
-        async with two_replicas(own_redis.url) as mesh:
-            via_a, via_b = mesh.via_a, mesh.via_b
-            await via_a.register("Writer", agent_types=["writer"])
-            await via_b.register("Listener", agent_types=["listener"])
-            on_b = via_b.subscribe("Listener")
-            await on_b.start()
+    put_back = hearing("registrations put back in the store")
+    async with two_replicas(own_redis.url) as mesh:
+        via_a, via_b = mesh.via_a, mesh.via_b
+        await via_a.register("Writer", agent_types=["writer"])
+        await via_b.register("Listener", agent_types=["listener"])
+        on_b = via_b.subscribe("Listener")
+        await on_b.start()
 
-            own_redis.kill()
-            own_redis.restart(tmp_path / "redis")
-            await asyncio.wait_for(put_back.heard_times(2), 10)
-            said = [r.getMessage() for r in caplog.records]
-            assert sum(m.startswith("the store lost the registrations") for m in said) == 2
+        own_redis.kill()
+        own_redis.restart(tmp_path / "redis")
+        await asyncio.wait_for(put_back.heard_times(2), 10)
+        said = [r.getMessage() for r in caplog.records]
+        assert sum(m.startswith("the store lost the registrations") for m in said) == 2
 
-            store = RedisQueueStore(own_redis.url)
-            try:
-                saved = {info.agent_id: info for info in await store.saved_agents()}
-            finally:
-                await store.close()
-            assert sorted(saved) == ["Listener", "Writer"]
-            assert saved["Listener"].agent_types == ("listener",)
-            for client in (via_a, via_b):
-                assert sorted(a.agent_id for a in await client.list_agents()) == [
-                    "Listener",
-                    "Writer",
-                ]
+        store = RedisQueueStore(own_redis.url)
+        try:
+            saved = {info.agent_id: info for info in await store.saved_agents()}
+        finally:
+            await store.close()
+        assert sorted(saved) == ["Listener", "Writer"]
+        assert saved["Listener"].agent_types == ("listener",)
+        for client in (via_a, via_b):
+            assert sorted(a.agent_id for a in await client.list_agents()) == [
+                "Listener",
+                "Writer",
+            ]
 
-            after = await via_a.send("Listener", {"action": "after"})
-            got = await asyncio.wait_for(anext(aiter(on_b)), 5)
-            assert got.message.message_id == after.message_id
-            assert got.message.content == {"action": "after"}
-            await got.ack()
-            await on_b.close()
-    finally:
-        logging.getLogger("mesh").removeHandler(put_back)
+        after = await via_a.send("Listener", {"action": "after"})
+        got = await asyncio.wait_for(anext(aiter(on_b)), 5)
+        assert got.message.message_id == after.message_id
+        assert got.message.content == {"action": "after"}
+        await got.ack()
+        await on_b.close()
 
 
 async def test_a_heartbeat_failing_unforeseen_does_not_stop_the_heartbeats(
-    own_redis: LocalRedis, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    own_redis: LocalRedis,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    hearing: Callable[[str], Heard],
 ) -> None:
     """A beat that fails in a way the store does not name (redis-py's cluster client raised
     AttributeError while a node restarted) is logged, and the next beat comes: here, it
     notices Redis flushed, and the registration is put back. Before, the heartbeat task
     ended with it: the replica beat no more, and saw nothing of the store losing its data."""
     caplog.set_level(logging.INFO, logger="mesh")
-    put_back = Heard("registrations put back in the store")
-    logging.getLogger("mesh").addHandler(put_back)
+    put_back = hearing("registrations put back in the store")
     broker, server = await serve_broker(broker_config=BrokerConfig(store=own_redis.url))
     store = broker.store
     assert isinstance(store, RedisQueueStore)
@@ -195,7 +210,6 @@ async def test_a_heartbeat_failing_unforeseen_does_not_stop_the_heartbeats(
             await asyncio.wait_for(put_back.heard_times(1), 5)
             assert [a.agent_id for a in await client.list_agents()] == ["Worker"]
     finally:
-        logging.getLogger("mesh").removeHandler(put_back)
         await server.stop(0)
     failed = [r for r in caplog.records if r.getMessage().startswith("a heartbeat failed")]
     assert len(failed) == 1 and failed[0].levelno == logging.ERROR
