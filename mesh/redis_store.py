@@ -477,7 +477,33 @@ SCRIPTS = {
 SHAS = {name: hashlib.sha1(source.encode()).hexdigest() for name, source in SCRIPTS.items()}
 
 
-def _unavailable(error: BaseException) -> BrokerUnavailableError:
+CLIENT_FAULTS = (AttributeError, KeyError, IndexError, TypeError)
+"""What redis-py's cluster client has raised from its own code while its map of the cluster
+was out of date (a node restarting, replaced or its slots moving: redis/redis-py#3835,
+#3815, #2437): the store failing for a moment, as a lost connection is, when raised there."""
+
+FAILURES = (RedisError, OSError, *CLIENT_FAULTS)
+"""What a call to Redis may raise when the store fails (see :func:`_failed`)."""
+
+
+def _failed(error: BaseException) -> bool:
+    """Whether ``error``, one of FAILURES (or a refusal already made of one), is the store
+    failing: a Redis error, a connection's, or a fault raised inside redis-py itself. One
+    of CLIENT_FAULTS raised by the mesh's own code is a bug, and no store failure."""
+    if isinstance(error, (RedisError, OSError, BrokerUnavailableError)):
+        return True
+    last = error.__traceback__
+    while last is not None and last.tb_next is not None:
+        last = last.tb_next
+    module = last.tb_frame.f_globals.get("__name__", "") if last is not None else ""
+    return isinstance(module, str) and module.startswith("redis.")
+
+
+def _unavailable(error: BaseException) -> BaseException:
+    """The refusal a store failure makes (UNAVAILABLE, which clients retry); a bug (see
+    :func:`_failed`) stays what it is."""
+    if not _failed(error):
+        return error
     return BrokerUnavailableError(
         f"the Redis queue store is unavailable: {error}", reason="STORE_UNAVAILABLE"
     )
@@ -688,7 +714,7 @@ class RedisQueueStore:
             if self._redis is None:
                 try:
                     client = await connect(self.url)
-                except (RedisError, OSError) as error:
+                except FAILURES as error:
                     raise _unavailable(error) from None
                 for _ in range(3):  # (a busy moment can slow one call down)
                     if await self._sync_clock(client):
@@ -712,7 +738,7 @@ class RedisQueueStore:
             except NoScriptError:  # a restarted or new node: load the scripts, once
                 await self._load_scripts(client)
                 gone, result = await client.evalsha(SHAS[name], len(keys), *keys, *args)
-        except (RedisError, OSError) as error:
+        except FAILURES as error:
             raise _unavailable(error) from None
         self._release(int(gone))
         return result
@@ -741,7 +767,7 @@ class RedisQueueStore:
                     # every key of a call is in one slot, so it goes to that slot's node)
                     pipe.execute_command("EVALSHA", SHAS[name], len(keys), *keys, *calls[i][1])
                 results = await pipe.execute(raise_on_error=False)
-            except (RedisError, OSError) as error:
+            except FAILURES as error:
                 raise _unavailable(error) from None
             if attempt == 0 and before:
                 first, results = results[: len(before)], results[len(before) :]
@@ -767,7 +793,7 @@ class RedisQueueStore:
         client = await self._client()
         try:
             return await getattr(client, method)(*args, **options)
-        except (RedisError, OSError) as error:
+        except FAILURES as error:
             raise _unavailable(error) from None
 
     def _spawn(self, work: Any) -> None:
@@ -810,7 +836,9 @@ class RedisQueueStore:
             before = self._local_clock()
             seconds, micros = await client.time(**where)
             after = self._local_clock()
-        except (RedisError, OSError):
+        except FAILURES as error:
+            if not _failed(error):
+                raise
             return False
         if after - before > CLOCK_RTT_SECONDS:
             return False
@@ -861,7 +889,9 @@ class RedisQueueStore:
             count, self._unreleased = self._unreleased, 0
             try:
                 await (await self._client()).decrby(TOTAL, count)
-            except (RedisError, OSError, BrokerUnavailableError) as error:
+            except (*FAILURES, BrokerUnavailableError) as error:
+                if not _failed(error):
+                    raise
                 self._unreleased += count  # given back by the next sweep
                 logger.warning("could not give back %d places in %s: %s", count, TOTAL, error)
                 return
@@ -930,7 +960,7 @@ class RedisQueueStore:
             for agent_id in agents:
                 pipe.hlen(_keys(agent_id)[2])
             counted, *held = await pipe.execute()
-        except (RedisError, OSError) as error:
+        except FAILURES as error:
             raise _unavailable(error) from None
         difference = int(counted or 0) - sum(int(h) for h in held)
         self._seen_total = int(counted or 0)
@@ -1127,7 +1157,9 @@ class RedisQueueStore:
             if unnamed := sorted(first - set(named)):
                 pipe.sadd(QUEUES, *unnamed)
             await pipe.execute()
-        except (RedisError, OSError, BrokerUnavailableError) as error:
+        except (*FAILURES, BrokerUnavailableError) as error:
+            if not _failed(error):
+                raise
             # (the messages are in: a sweep through every queue names them)
             logger.warning("could not name new queues %s: %s", sorted(first), error)
             return
@@ -1348,7 +1380,7 @@ class RedisQueueStore:
             for agent_id in idle:
                 pipe.exists(_keys(agent_id)[6])
             counters = await pipe.execute()
-        except (RedisError, OSError) as error:
+        except FAILURES as error:
             raise _unavailable(error) from None
         again = [agent_id for agent_id, n in zip(idle, counters, strict=True) if int(n)]
         if again:
@@ -1539,7 +1571,7 @@ class RedisQueueStore:
             for command in commands:
                 pipe.execute_command(*command)
             results: list[Any] = await pipe.execute()
-        except (RedisError, OSError) as error:
+        except FAILURES as error:
             raise _unavailable(error) from None
         return results
 
@@ -1572,7 +1604,7 @@ class RedisQueueStore:
                 HANDED_OVER_KEEP_MS,
                 self._answers(replica),
             )
-        except (RedisError, OSError) as error:
+        except FAILURES as error:
             raise _unavailable(error) from None
         if heard == -1:
             logger.warning(
@@ -1631,12 +1663,15 @@ class RedisQueueStore:
     ) -> None:
         forwards = f"mesh:forwards:{key[0]}:{key[1]}"
         # One round trip; best effort: what is not recorded expires with its request anyway.
-        with contextlib.suppress(RedisError, OSError, BrokerUnavailableError):
+        try:
             pipe = (await self._client()).pipeline(transaction=False)
             pipe.rpush(forwards, f"{agent_id}\n{message_id}")
             pipe.ltrim(forwards, -MAX_FORWARDS, -1)
             pipe.pexpire(forwards, max(1, int(ttl * 1000)))
             await pipe.execute()
+        except (*FAILURES, BrokerUnavailableError) as error:
+            if not _failed(error):
+                raise
 
     async def take_forwards(self, key: tuple[str, str]) -> list[tuple[str, str]]:
         raw = await self._call("lpop", f"mesh:forwards:{key[0]}:{key[1]}", MAX_FORWARDS)
