@@ -1026,8 +1026,11 @@ class RedisQueueStore:
                 if holder != message.from_agent:
                     raise message_id_taken(agent_id, message.message_id, holder)
                 return False
+            # (The count includes places other replicas reserved a moment ago, for puts of
+            # theirs that may yet be refused: never more than the limit are held.)
+            held_now = min(int(result[2]), self.max_total_messages)
             raise MessageQueueFullError(
-                f"{agent_id} queue full: the brokers hold {int(result[2])} of their "
+                f"{agent_id} queue full: the brokers hold {held_now} of their "
                 f"{self.max_total_messages} messages{for_low}",
                 retry_after=self.retry_after_seconds,
             )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,9 +27,10 @@ from mesh.client import NO_RETRY
 from mesh.config import BrokerConfig
 from mesh.core import broker as broker_module
 from mesh.core.broker import Broker
-from mesh.core.errors import AgentNotFoundError, RequestTimeoutError
+from mesh.core.errors import AgentNotFoundError, MessageQueueFullError, RequestTimeoutError
 from mesh.core.model import AgentInfo, MessageType
 from mesh.redis_store import RedisQueueStore
+from mesh.server import serve_broker
 from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
 from tests.helpers.health import NOT_SERVING, SERVING, watching
 from tests.helpers.plain_agent import PlainAgent, echo, start_plain
@@ -677,3 +679,39 @@ async def test_a_pushed_agent_deregistered_through_the_other_replica_is_told(
             assert "ReplicaDesk" not in [x.agent_id for x in await admin.list_agents()]
     finally:
         await served.stop()
+
+
+async def test_senders_on_two_replicas_filling_the_broker_wide_limit_hear_it_told_true(
+    redis_url: str,
+) -> None:
+    """Sixteen senders on two replicas fill eight queues past the broker-wide limit (40): the
+    store holds exactly 40, and every refusal says the brokers hold 40 of their 40. Before,
+    the count a refusal quoted included places the other replica had reserved a moment
+    before, for puts of its own that it was refused then: "hold 54 of their 40"."""
+    config = BrokerConfig(store=redis_url, max_total_messages=40)
+    _, a = await serve_broker(broker_config=config)
+    _, b = await serve_broker(broker_config=config)
+    said: list[str] = []
+
+    async def sender(address: str, n: int) -> None:
+        async with connect(address, agent_id=f"sender{n}", retry=NO_RETRY) as client:
+            for _ in range(30):
+                try:
+                    await client.send(f"Full{n % 8}", {"action": "fill"})
+                except MessageQueueFullError as error:
+                    said.append(error.message)
+
+    try:
+        async with connect(a.address, agent_id="admin", retry=NO_RETRY) as admin:
+            for n in range(8):
+                await admin.register(f"Full{n}")
+            await asyncio.gather(*(sender((a, b)[n % 2].address, n) for n in range(16)))
+            stats = await admin.queue_stats()
+            assert sum(s.depth for s in stats.agents) == 40
+        assert len(said) == 16 * 30 - 40
+        assert {re.sub(r"^Full\d", "Full", m) for m in said} == {
+            "Full queue full: the brokers hold 40 of their 40 messages"
+        }
+    finally:
+        await a.stop(0)
+        await b.stop(0)
