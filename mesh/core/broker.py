@@ -463,6 +463,9 @@ class Broker:
         """Requests and gathers that ended (answered, past their deadline, given up) and until
         when they are remembered, most recent last: an answer to one now (late, or a second
         one after a redelivery) is expected, not an error."""
+        self._routes: dict[tuple[str, str], float] = {}
+        """With replicas (a shared store): until when (``time.monotonic()``) each request and
+        gather waiting here waits, so that a store that lost its routes gets them again."""
         self._forwards: dict[tuple[str, str], list[tuple[str, str]]] = {}
         """For a request sent and not yet answered: where its agents handed it on (agent id,
         message id), so that giving it up withdraws the forwards too."""
@@ -1370,6 +1373,7 @@ class Broker:
         try:
             claim = None
             if self.store.shared:
+                self._routes[key] = time.monotonic() + timeout
                 if message.to_agent == BROADCAST_TARGET:
                     await self.store.claim_route(key, timeout)
                 else:  # (its queue's put claims it, in the same round trip where it can)
@@ -1400,6 +1404,7 @@ class Broker:
         finally:
             forwards = self._forwards.pop(key, ())
             if self._pending.get(key) is waiter:
+                self._routes.pop(key, None)
                 del self._pending[key]
                 answered = waiter.done() and not waiter.cancelled() and not waiter.exception()
                 self._ended(key)  # a second answer (after a redelivery), or one too late
@@ -1486,6 +1491,7 @@ class Broker:
         started = time.perf_counter()
         try:
             if self.store.shared:
+                self._routes[key] = time.monotonic() + timeout
                 await self.store.claim_route(key, timeout)
             errors: dict[str, MeshError] = {}
             copies = []
@@ -1545,6 +1551,7 @@ class Broker:
         finally:
             if self._pending.get(key) is gathering:
                 del self._pending[key]
+                self._routes.pop(key, None)
                 self._ended(key)
                 if self.store.shared and gathering.expected:  # (else left to expire)
                     await self.store.give_up_route(key)
@@ -2182,12 +2189,20 @@ class Broker:
         try:
             if self._restoring:
                 restored = [i.agent_id for i in self.registry if await self.store.restore_agent(i)]
+                routes = await self._claim_routes_again()
                 self._restoring = False
                 logger.info(
                     "registrations put back in the store: %d (any others, another replica "
-                    "put back first)",
+                    "put back first); routes of requests waiting here: %d",
                     len(restored),
-                    extra={"event": {"category": "registry", "restored": restored[:100]}},
+                    routes,
+                    extra={
+                        "event": {
+                            "category": "registry",
+                            "restored": restored[:100],
+                            "routes": routes,
+                        }
+                    },
                 )
             saved = {info.agent_id: info.to_dict() for info in await self.store.saved_agents()}
             if not await self.store.still_holds():
@@ -2205,6 +2220,18 @@ class Broker:
                 len(stale),
                 extra={"event": {"category": "registry", "caught_up": stale[:100]}},
             )
+
+    async def _claim_routes_again(self) -> int:
+        """The store lost the routes of the requests and gathers waiting here: each is claimed
+        again for the rest of its wait, so that an answer given through another replica (by
+        an agent that had its request before the loss) still comes here. How many."""
+        claimed = 0
+        for key, until in list(self._routes.items()):
+            left = until - time.monotonic()
+            if left > 0 and key in self._pending:
+                await self.store.claim_route(key, left)
+                claimed += 1
+        return claimed
 
     def on_replicas_gone(self, replica_ids: Sequence[str]) -> None:
         """Replicas that died: the instances their subscriptions held go in the next sweep

@@ -18,7 +18,7 @@ import pytest
 from mesh import BrokerUnavailableError, connect
 from mesh.client import NO_RETRY
 from mesh.config import BrokerConfig
-from mesh.core.model import Message
+from mesh.core.model import Message, MessageType
 from mesh.memory_server import MEMORY_SERVICE
 from mesh.redis_store import RedisQueueStore
 from mesh.server import BROKER_SERVICE, serve_broker
@@ -171,6 +171,46 @@ async def test_brokers_put_their_registrations_back_in_a_redis_that_came_back_em
         assert got.message.message_id == after.message_id
         assert got.message.content == {"action": "after"}
         await got.ack()
+        await on_b.close()
+
+
+async def test_a_request_waiting_through_a_redis_that_came_back_empty_gets_its_answer(
+    own_redis: LocalRedis,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    hearing: Callable[[str], Heard],
+) -> None:
+    """A request waits on broker A; its agent, on broker B, has it when Redis restarts empty,
+    taking with it the route that says where the requester waits. A claims its waiting
+    requests' routes again as it puts its registrations back, so the answer given through B
+    still reaches the requester. (Before, B found no route, took the answer for a message to
+    an agent named as the requester, and refused it: NOT_FOUND to the answering agent, and
+    the requester waited out its deadline.)"""
+    caplog.set_level(logging.INFO, logger="mesh")
+    put_back = hearing("registrations put back in the store")
+    async with two_replicas(own_redis.url) as mesh:
+        await mesh.via_b.register("Thinker")
+        on_b = mesh.via_b.subscribe("Thinker")
+        await on_b.start()
+        asking = asyncio.create_task(mesh.via_a.request("Thinker", {"action": "think"}, timeout=30))
+        got = await asyncio.wait_for(anext(aiter(on_b)), 5)
+
+        own_redis.kill()
+        own_redis.restart(tmp_path / "redis")
+        await asyncio.wait_for(put_back.heard_times(2), 10)
+        said = [r.getMessage() for r in caplog.records if "put back" in r.getMessage()]
+        assert sorted(m.rsplit(": ", 1)[1] for m in said) == ["0", "1"]  # A's one request
+
+        answer = Message(
+            from_agent="Thinker",
+            to_agent=got.message.reply_target,
+            message_type=MessageType.RESPONSE,
+            correlation_id=got.message.correlation_id,
+            content={"action": "think", "thought": "done"},
+        )
+        await mesh.via_b.send_message(answer)
+        answered = await asyncio.wait_for(asking, 5)
+        assert answered.content == {"action": "think", "thought": "done"}
         await on_b.close()
 
 
