@@ -36,7 +36,12 @@ from mesh.client import (
     until_reachable,
     wait_seconds,
 )
-from mesh.config import DEFAULT_LEASE_SECONDS, BrokerConfig, SecurityConfig
+from mesh.config import (
+    DEFAULT_LEASE_SECONDS,
+    RETRY_BACKOFF_SECONDS,
+    BrokerConfig,
+    SecurityConfig,
+)
 from mesh.core import negotiation
 from mesh.core.errors import (
     DEREGISTERED,
@@ -73,6 +78,9 @@ HandlerFn = Callable[[Message, "AgentContext"], Awaitable[Reply] | Reply]
 DIRECT_LIMITS = BrokerConfig()
 """The limits a message called to an agent's own server is held to: the broker's defaults,
 RT-011's (the broker in between, when there is one, may hold its own)."""
+DELIVERY_ATTEMPTS = DIRECT_LIMITS.max_delivery_attempts
+"""RT-011's deliveries of a message (max_retries = 3, a broker's default): after the last, one
+whose handler failed goes to the dead-letter queue without waiting out a backoff."""
 MAX_LEASE_EXTENSION = 3600.0
 """How long a runtime keeps a delivery leased while its handler still works on it (it extends
 the lease every third of a lease): past that, the broker delivers the message again."""
@@ -492,6 +500,8 @@ class AgentRuntime:
         session's stream closed under the agent's other deliveries)."""
         self._keeper: asyncio.Task[None] | None = None
         self._stopping = False
+        self._stopped = asyncio.Event()
+        """Set as the agent stops: a failed delivery waiting out its backoff goes back now."""
         self.subscribed = asyncio.Event()
         """Set while the agent takes its messages: subscribed to its queue (pull), or
         registered for the broker's calls (push)."""
@@ -721,7 +731,9 @@ class AgentRuntime:
             await received.reject(error.message)
             return
         except Exception:
-            # Not answerable (not a REQUEST): let the broker redeliver, then dead-letter it.
+            # Not answerable (not a REQUEST): handed back for another attempt, then
+            # dead-lettered by the broker once its attempts are used up.
+            await self._back_off(received)
             await received.nack()
             return
         if answer is not None and forwards(message, answer):
@@ -747,6 +759,22 @@ class AgentRuntime:
                     with contextlib.suppress(MeshError):
                         await received.answer(error_to(message, self.agent.agent_id, refused))
         await received.ack()  # nothing to do when the answer acknowledged it
+
+    async def _back_off(self, received: Received) -> None:
+        """Before a delivery whose handler failed goes back: RT-011's backoff (100 ms after
+        the first attempt, 500 ms after the second, 2 s after each later one), as a push
+        agent's failures wait, so that a failure that lasts a moment (a service away, a
+        lock held) is not met again at once, four times in a few milliseconds. The delivery
+        stays leased meanwhile (its place in flight taken, its lease kept as a running
+        handler's is). None after the last of RT-011's attempts (it goes to the dead-letter
+        queue), nor once the agent stops."""
+        if received.attempt >= DELIVERY_ATTEMPTS or self._stopping:
+            return
+        retry = min(max(received.attempt, 1), len(RETRY_BACKOFF_SECONDS)) - 1
+        backoff = RETRY_BACKOFF_SECONDS[retry]
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(backoff):
+                await self._stopped.wait()
 
     async def _hand_on(self, received: Received, forward: Message) -> None:
         """Sends a forward and waits for the broker to take it (tried again under backpressure,
@@ -889,6 +917,7 @@ class AgentRuntime:
     async def stop(self, grace: float = 5.0) -> None:
         """No new deliveries; in-flight work finishes within ``grace`` or goes back to the queue."""
         self._stopping = True
+        self._stopped.set()
         if self._consumer is not None:
             self._consumer.cancel()
             with contextlib.suppress(asyncio.CancelledError):

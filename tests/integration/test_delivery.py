@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import time
 from typing import Any
 
 import grpc
@@ -119,6 +121,51 @@ async def test_nack_redelivers_with_attempt_count(mesh: LocalMesh) -> None:
                     break
         assert seen == [1, 2]
         assert (await client.queue_stats("Worker")).agents[0].in_flight == 0
+
+
+async def test_a_one_way_message_whose_handler_fails_comes_back_after_rt011_backoff(
+    mesh: LocalMesh,
+) -> None:
+    """An agent's handler fails on a hand-off nobody waits for (a lock held a moment): the
+    runtime hands it back after RT-011's backoff, 100 ms after the first attempt and 500 ms
+    after the second, not at once; the third attempt succeeds, and nothing is dead-lettered.
+    One that always fails goes to the dead-letter queue after its four attempts, 2 s after
+    the third."""
+    tries: dict[str, list[float]] = {"post": [], "wreck": []}
+
+    class Ledger(Agent):
+        agent_id = "Ledger"
+
+        async def handle(self, message: Message, ctx: AgentContext) -> None:
+            assert message.handoff is not None
+            task = message.handoff.task_description
+            tries[task].append(time.monotonic())
+            if task == "wreck" or len(tries["post"]) < 3:
+                raise RuntimeError("the ledger is locked")
+
+    def gaps(action: str) -> list[float]:
+        return [later - sooner for sooner, later in itertools.pairwise(tries[action])]
+
+    await mesh.add_agent(Ledger())
+    async with mesh.client("Bookkeeper") as client:
+        await client.handoff("Ledger", "post")
+        async with asyncio.timeout(20):
+            while len(tries["post"]) < 3:  # noqa: ASYNC110 - the agent's own progress
+                await asyncio.sleep(0.05)
+        [first, second] = gaps("post")
+        assert first >= 0.1 and second >= 0.5
+        wrecked = await client.handoff("Ledger", "wreck")
+        async with asyncio.timeout(20):
+            while not await client.dead_letters("Ledger"):  # noqa: ASYNC110 - broker state
+                await asyncio.sleep(0.05)
+        [dead] = await client.dead_letters("Ledger")
+        assert dead.message.message_id == wrecked.message_id
+        assert dead.reason == "nacked after 4 delivery attempts"
+        waited = gaps("wreck")
+        assert len(waited) == 3
+        assert waited[0] >= 0.1 and waited[1] >= 0.5 and waited[2] >= 2.0, waited
+        [queue] = (await client.queue_stats("Ledger")).agents
+        assert (queue.depth, queue.in_flight, queue.dead_letters) == (0, 0, 1)
 
 
 async def test_a_request_and_a_gather_hear_when_their_message_is_dead_lettered() -> None:

@@ -914,8 +914,9 @@ export interface AgentOptions extends SecurityOptions, ServerSecurityOptions {
   requiredFields?: string[];
   /**
    * The response's content (its action is the request's unless it names one), or null/undefined
-   * for none; a throw answers a request with an ERROR and hands anything else back (a Reject:
-   * to the dead-letter queue).
+   * for none; a throw answers a request with an ERROR and hands anything else back after
+   * RT-011's backoff, 100 ms, 500 ms, then 2 s, the fourth failure to the dead-letter queue (a
+   * Reject: to the dead-letter queue at once).
    */
   handler: (message: Message, context: AgentHandlerContext)
   => Promise<JsonObject | Forward | null | undefined> | JsonObject | Forward | null | undefined;

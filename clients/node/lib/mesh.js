@@ -972,6 +972,9 @@ async function allPages(client, method, request, field) {
 
 /** RT-011 retry_backoff_ms: the waits before the retries of a call refused for a moment. */
 const RETRY_DELAYS_MS = [100, 500, 2000];
+// RT-011's deliveries of a message (max_retries = 3, a broker's default): after the last, one
+// whose handler failed goes to the dead-letter queue without waiting out a backoff.
+const DELIVERY_ATTEMPTS = 4;
 /** What is worth trying again: a full queue (backpressure) and a broker out of reach. */
 const RETRY_ON = ['RESOURCE_EXHAUSTED', 'UNAVAILABLE'];
 /** The gateway's refusal of a run before it started (it runs its limit): safe to retry. */
@@ -2357,8 +2360,8 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
       }
     } catch (err) {
       // What is asked always gets an answer: the error, as the Python agents send it (a
-      // gather does not wait its timeout). Anything else is handed back (redelivered, then
-      // dead-lettered).
+      // gather does not wait its timeout). Anything else is handed back (redelivered after
+      // RT-011's backoff, see onDelivery, then dead-lettered).
       if (!asked) throw err;
       return buildMessage({ from: agentId, to, type: 'ERROR', correlationId,
         content: { action: 'error', error: String(err && err.message ? err.message : err),
@@ -2525,7 +2528,27 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
       await new Promise((resolve) => { setTimeout(resolve, delayMs); });
     }
   }
-  const onDelivery = (message, attempt, context) => answer(message, context);
+  // A handler that throws on a message nobody waits for (a hand-off, a plain broadcast)
+  // hands it back after RT-011's backoff: 100 ms after the first attempt, 500 ms after the
+  // second, 2 s after each later one (none after the fourth, when it goes to the dead-letter
+  // queue), held meanwhile with its lease kept, as the Python agents and push delivery wait,
+  // so that a failure that lasts a moment is not met again at once. Stopping cuts it short.
+  let stoppedNow;
+  const whenStopped = new Promise((resolve) => { stoppedNow = resolve; });
+  const onDelivery = async (message, attempt, context) => {
+    try {
+      return await answer(message, context);
+    } catch (err) {
+      if (!(err instanceof Reject) && !stopped && attempt < DELIVERY_ATTEMPTS) {
+        const delayMs = RETRY_DELAYS_MS[Math.min(Math.max(attempt, 1), RETRY_DELAYS_MS.length) - 1];
+        let timer;
+        await Promise.race([whenStopped,
+          new Promise((resolve) => { timer = setTimeout(resolve, delayMs); })]);
+        clearTimeout(timer);
+      }
+      throw err;
+    }
+  };
   // The subscription lives as long as the agent: when its stream ends or fails (the broker
   // restarted, the network went away), the agent registers again (a restarted broker may
   // have forgotten it) and subscribes again, waiting a little longer after each failure.
@@ -2621,6 +2644,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
   let stopping = null;
   const stopOnce = async (graceMs) => {
     stopped = true;
+    stoppedNow();
     // Out of service first: probes and callers look elsewhere while it finishes its work.
     health.setStatus('', 'NOT_SERVING');
     health.setStatus('mesh.v1.AgentService', 'NOT_SERVING');

@@ -1047,6 +1047,46 @@ test('a handler that throws Reject sends the message to the dead-letter queue at
     }
   });
 
+test('a handler that throws on a hand-off has it back after RT-011 backoff, then dead-letters it',
+  async () => {
+    const tries = { post: [], wreck: [] };
+    const agent = await serveAgent({
+      broker: BROKER, agentId: 'NodeLedger',
+      handler: async (message) => {
+        const task = message.content.parameters.task_description;
+        tries[task].push(performance.now());
+        if (task === 'wreck' || tries.post.length < 3) throw new Error('the ledger is locked');
+        return null;
+      },
+    });
+    const client = new MeshClient(BROKER, { agentId: 'NodeBookkeeper' });
+    const gaps = (task) => tries[task].slice(1).map((at, i) => at - tries[task][i]);
+    const until = async (done) => {
+      for (let i = 0; i < 400 && !(await done()); i += 1) {
+        await new Promise((resolve) => { setTimeout(resolve, 50); });
+      }
+    };
+    try {
+      const handOff = (task) => client.send('NodeLedger',
+        { action: 'execute_handoff', parameters: { task_description: task } }, { type: 'HANDOFF' });
+      await handOff('post');
+      await until(() => tries.post.length >= 3);
+      const [first, second] = gaps('post');
+      assert.ok(first >= 99 && second >= 499, `waited ${first} and ${second} ms`);
+      const wrecked = await handOff('wreck');
+      let dead = [];
+      await until(async () => { dead = await client.deadLetters('NodeLedger'); return dead.length; });
+      assert.deepEqual(dead.map((d) => [d.message.messageId, d.reason, d.attempts]),
+        [[wrecked.messageId, 'nacked after 4 delivery attempts', 4]]);
+      const waited = gaps('wreck');
+      assert.ok(waited[0] >= 99 && waited[1] >= 499 && waited[2] >= 1999, `waited ${waited}`);
+    } finally {
+      await agent.stop();
+      await client.deregister('NodeLedger').catch(() => {});
+      client.close();
+    }
+  });
+
 test('listings longer than one answer come whole, page by page: agents, dead letters, insights',
   async () => {
     // 110 agents of 128 capabilities of 250 characters: about 3.6 MB, past the 3 MiB a page
