@@ -168,6 +168,37 @@ async def test_a_one_way_message_whose_handler_fails_comes_back_after_rt011_back
         assert (queue.depth, queue.in_flight, queue.dead_letters) == (0, 0, 1)
 
 
+async def test_an_agent_stopping_hands_back_at_once_a_failed_delivery_waiting_out_its_backoff(
+    mesh: LocalMesh,
+) -> None:
+    """Stopped while a failed hand-off waits out its 2 s backoff (after the third attempt),
+    the agent hands it back then: the stop (given 30 s to finish its work) does not wait for
+    the backoff, and the message is back in the queue for whoever serves the agent next."""
+    tries: list[float] = []
+
+    class Ledger(Agent):
+        agent_id = "Ledger"
+
+        async def handle(self, message: Message, ctx: AgentContext) -> None:
+            tries.append(time.monotonic())
+            raise RuntimeError("the ledger is locked")
+
+    await mesh.add_agent(Ledger())
+    async with mesh.client("Bookkeeper") as client:
+        sent = await client.handoff("Ledger", "post")
+        async with asyncio.timeout(20):
+            while len(tries) < 3:  # noqa: ASYNC110 - the agent's own progress
+                await asyncio.sleep(0.02)
+        stopping = time.monotonic()
+        await mesh.stop_agent("Ledger", grace=30)
+        assert time.monotonic() - stopping < 1.5  # (the backoff alone was 2 s)
+        assert len(tries) == 3
+        [queue] = (await client.queue_stats("Ledger")).agents
+        assert (queue.depth, queue.in_flight, queue.dead_letters) == (1, 0, 0)
+        [back] = await client.receive("Ledger")
+        assert back.message_id == sent.message_id
+
+
 async def test_a_request_and_a_gather_hear_when_their_message_is_dead_lettered() -> None:
     """An agent that takes a request and hands it back every time: after the last attempt
     the request is dead-lettered, and its requester (a gather too, for that agent) hears so
