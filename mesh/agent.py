@@ -36,12 +36,7 @@ from mesh.client import (
     until_reachable,
     wait_seconds,
 )
-from mesh.config import (
-    DEFAULT_LEASE_SECONDS,
-    RETRY_BACKOFF_SECONDS,
-    BrokerConfig,
-    SecurityConfig,
-)
+from mesh.config import DEFAULT_LEASE_SECONDS, BrokerConfig, SecurityConfig, retry_backoff
 from mesh.core import negotiation
 from mesh.core.errors import (
     DEREGISTERED,
@@ -770,10 +765,8 @@ class AgentRuntime:
         queue), nor once the agent stops."""
         if received.attempt >= DELIVERY_ATTEMPTS or self._stopping:
             return
-        retry = min(max(received.attempt, 1), len(RETRY_BACKOFF_SECONDS)) - 1
-        backoff = RETRY_BACKOFF_SECONDS[retry]
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(backoff):
+            async with asyncio.timeout(retry_backoff(received.attempt - 1)):
                 await self._stopped.wait()
 
     async def _hand_on(self, received: Received, forward: Message) -> None:

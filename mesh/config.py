@@ -49,6 +49,11 @@ MAX_RETRY_DELAY = 60.0
 retry waits RT-011's backoff, or the wait the refusal asks for when longer, up to this."""
 
 
+def retry_backoff(retry: int) -> float:
+    """The wait before retry number ``retry`` (from 0): RT-011's backoff, its last repeated."""
+    return RETRY_BACKOFF_SECONDS[min(max(retry, 0), len(RETRY_BACKOFF_SECONDS) - 1)]
+
+
 def retry_wait(backoff: float, asked: float | None) -> float:
     """The wait before a retry: ``backoff``, or the wait the refusal asked for (its RetryInfo)
     when longer, up to MAX_RETRY_DELAY."""

@@ -49,7 +49,7 @@ from mesh import codec
 from mesh._status import from_rpc_error
 from mesh.agent import answer_to, asked_broadcast, error_to, forward_of, forwards
 from mesh.client import CLIENT_OPTIONS
-from mesh.config import RETRY_BACKOFF_SECONDS, SecurityConfig, retry_wait
+from mesh.config import SecurityConfig, retry_backoff, retry_wait
 from mesh.core.broker import Broker, Subscription
 from mesh.core.errors import AgentError, MeshError, MessageValidationError
 from mesh.core.model import (
@@ -328,7 +328,7 @@ class InstancePush:
                     return  # (the agent left the registry: the reconcile forgets this push)
                 self.broker.instance_unreachable(self.agent_id, self.address, self.refusing or "")
                 failures = 0 if reached and self.refusing is None else failures + 1
-                await asyncio.sleep(_backoff(failures))
+                await asyncio.sleep(retry_backoff(failures))
         finally:
             self.broker.instance_reachable(self.agent_id, self.address)  # (pushed no more)
             await channel.close()
@@ -579,7 +579,7 @@ class InstancePush:
         its lease kept, its place in flight taken, so that a server busy a moment is not
         called again at once. To the dead-letter queue at once after the last attempt."""
         if delivery.attempt < self.broker.config.delivery_attempts:
-            await asyncio.sleep(retry_wait(_backoff(delivery.attempt - 1), asked))
+            await asyncio.sleep(retry_wait(retry_backoff(delivery.attempt - 1), asked))
         with contextlib.suppress(MeshError):
             await self.broker.nack(self.agent_id, (delivery.message.message_id,))
 
@@ -595,11 +595,6 @@ class InstancePush:
             )
             if _awaited(message):  # (after: an answer would settle the delivery as handled)
                 await self.broker.send(error_to(message, self.agent_id, error))
-
-
-def _backoff(retry: int) -> float:
-    """The wait before retry number ``retry`` (from 0): RT-011's backoff, its last repeated."""
-    return RETRY_BACKOFF_SECONDS[min(retry, len(RETRY_BACKOFF_SECONDS) - 1)]
 
 
 async def _until_failed(channel: grpc.aio.Channel) -> None:
