@@ -560,8 +560,16 @@ def _retry() -> Retry:
     """How a call on a connection Redis has closed (a restart, a failover, a client timeout)
     is made again on a new one: up to 3 times, a few ms apart, so that what a caller sees of
     an outage is its length, not a failure on each pooled connection after it. (redis-py's
-    constructor retries by default, ``from_url`` does not; the cluster client retries on its
-    own.)"""
+    constructor retries by default, ``from_url`` does not.)
+
+    The cluster client is given it too, rather than its default of 10 attempts: from
+    redis-py 8.2 on it waits out that default's backoff between them (10 ms doubling to 1 s),
+    and a call to a node that is down took 3.7-3.9 s to fail, where with 8.1 it took about
+    0.35 s. Meanwhile its caller waited: a client's send, past its deadline, and the watcher
+    of the other replicas, whose news (registrations, answers, wake-ups) queued behind one
+    look at the registry. With this such a call fails in under 0.2 s (0.25 s more for each
+    attempt a cluster missing the node's slots refuses), ``UNAVAILABLE`` to a client, whose
+    SDK retries, and the watcher follows again from another node."""
     return Retry(ExponentialWithJitterBackoff(cap=0.1, base=0.01), 3)
 
 
@@ -581,7 +589,9 @@ async def connect(url: str) -> Any:
     address, _, query = rest.partition("?")
     address = address.split("/", 1)[0]  # a cluster has only database 0
     cluster = RedisCluster.from_url(
-        f"{scheme}://{address}" + (f"?{query}" if query else ""), decode_responses=False
+        f"{scheme}://{address}" + (f"?{query}" if query else ""),
+        decode_responses=False,
+        retry=_retry(),
     )
     await cluster.initialize()
     return cluster
