@@ -476,6 +476,8 @@ class Broker:
         """Dead letters' ERRORs on their way to requesters waiting on other replicas."""
         self._catching_up: asyncio.Task[None] | None = None
         """Reading the registry again after the news of the other replicas was lost."""
+        self._catch_up_again = False
+        """Asked to read it again since the reading under way began."""
         self._restoring = False
         """The store came back empty, and this replica has not yet kept its registrations
         there again."""
@@ -2170,12 +2172,23 @@ class Broker:
         self._catch_up()
 
     def _catch_up(self) -> None:
-        if self._catching_up is not None:
-            self._catching_up.cancel()  # (its reading may be of before this loss)
-        if not self._stopping:
+        """Reads the registry again; once more after the reading under way, if there is one
+        (it may be of before what calls for this). One at a time: a reading is not cancelled
+        for the next, as a cancellation can be lost inside a store's call (see
+        :mod:`mesh.core.tasks`), and two side by side would each put back and read as if
+        alone."""
+        if self._stopping:
+            return
+        self._catch_up_again = True
+        if self._catching_up is None or self._catching_up.done():
             self._catching_up = asyncio.create_task(
-                self._catch_up_registry(), name="registry-catch-up"
+                self._catch_up_while_asked(), name="registry-catch-up"
             )
+
+    async def _catch_up_while_asked(self) -> None:
+        while self._catch_up_again and not self._stopping:
+            self._catch_up_again = False
+            await self._catch_up_registry()
 
     async def _catch_up_registry(self) -> None:
         """The agents registered, changed or deregistered through other replicas while this

@@ -339,3 +339,65 @@ async def test_a_credit_check_that_spans_a_lease_leaves_the_places_as_they_are()
         await check
         assert sub.in_flight == set()
         await sub.close()
+
+
+class EmptiedStore(InMemoryQueueStore):
+    """A store that keeps registrations as a shared one does, and whose putting one back
+    waits for the test; a cancellation meanwhile is lost, as in a redis-py call on 3.11."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: dict[str, AgentInfo] = {}
+        self.gate, self.entered = asyncio.Event(), asyncio.Event()
+        self.restoring = self.most_at_once = 0
+
+    async def save_agent(self, info: AgentInfo) -> None:
+        self.kept[info.agent_id] = info
+
+    async def saved_agents(self) -> list[AgentInfo]:
+        return list(self.kept.values())
+
+    async def saved_agent(self, agent_id: str) -> AgentInfo | None:
+        return self.kept.get(agent_id)
+
+    async def restore_agent(self, info: AgentInfo) -> bool:
+        self.restoring += 1
+        self.most_at_once = max(self.most_at_once, self.restoring)
+        self.entered.set()
+        try:
+            while not self.gate.is_set():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self.gate.wait()
+            return self.kept.setdefault(info.agent_id, info) is info
+        finally:
+            self.restoring -= 1
+
+
+async def test_a_second_call_to_read_the_registry_again_waits_for_the_reading_under_way(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The store came back empty, and while the broker puts its registrations back there it
+    loses the other replicas and follows them again: the registry is read once more, after
+    the reading under way. Before, that one was cancelled for a new one; the cancellation
+    lost in the store's call, the two ran side by side, each putting back and reading as if
+    alone (seen on Redis Cluster: the test waiting for each broker's "put back" found two
+    from one broker and none yet from the other)."""
+    caplog.set_level(logging.INFO, logger="mesh")
+    store = EmptiedStore()
+    async with Broker(BrokerConfig(), store=store) as broker:
+        for agent_id in ("a1", "a2", "a3"):
+            await broker.register(AgentInfo(agent_id=agent_id))
+        store.kept.clear()  # (lost with the store)
+        broker.on_store_emptied()
+        await asyncio.wait_for(store.entered.wait(), 5)
+        broker.on_followed_again()
+        await asyncio.sleep(0.05)
+        store.gate.set()
+        reading = broker._catching_up
+        assert reading is not None
+        await asyncio.wait_for(asyncio.shield(reading), 5)
+        assert store.most_at_once == 1
+        assert sorted(store.kept) == ["a1", "a2", "a3"]
+        assert sorted(a.agent_id for a in broker.list_agents()) == ["a1", "a2", "a3"]
+    put_back = [r.getMessage() for r in caplog.records if "put back in the store" in r.getMessage()]
+    assert len(put_back) == 1 and put_back[0].startswith("registrations put back in the store: 3")
