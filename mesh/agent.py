@@ -761,9 +761,10 @@ class AgentRuntime:
         agent's failures wait, so that a failure that lasts a moment (a service away, a
         lock held) is not met again at once, four times in a few milliseconds. The delivery
         stays leased meanwhile (its place in flight taken, its lease kept as a running
-        handler's is). None after the last of RT-011's attempts (it goes to the dead-letter
-        queue), nor once the agent stops."""
-        if received.attempt >= DELIVERY_ATTEMPTS or self._stopping:
+        handler's is). None after the last attempt the broker makes (it goes to the
+        dead-letter queue; RT-011's fourth from a broker that does not say), nor once the
+        agent stops."""
+        if received.attempt >= (received.max_attempts or DELIVERY_ATTEMPTS) or self._stopping:
             return
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(retry_backoff(received.attempt - 1)):

@@ -594,12 +594,23 @@ class _Session:
 class Received:
     """A message delivered by a subscription; ack it when done, or nack it to have it again."""
 
-    __slots__ = ("_subscription", "attempt", "done", "lease_expires_at", "message", "withdrawn")
+    __slots__ = (
+        "_subscription",
+        "attempt",
+        "done",
+        "lease_expires_at",
+        "max_attempts",
+        "message",
+        "withdrawn",
+    )
 
     def __init__(self, subscription: ClientSubscription, delivery: Delivery) -> None:
         self._subscription = subscription
         self.message = delivery.message
         self.attempt = delivery.attempt
+        self.max_attempts = delivery.max_attempts
+        """The broker's number of deliveries in all: after the one whose ``attempt`` this is,
+        a failure goes to the dead-letter queue (0: the broker did not say)."""
         self.lease_expires_at = delivery.lease_expires_at
         self.done = False
         self.withdrawn = False

@@ -739,6 +739,7 @@ def delivery_to_pb(
     """``stamps``: for the deliveries of one batch, which share their lease deadline."""
     message_to_pb(delivery.message, out.message)
     out.delivery_attempt = delivery.attempt
+    out.max_delivery_attempts = delivery.max_attempts
     expires = delivery.lease_expires_at
     if expires is not None:
         if stamps is None:
@@ -770,6 +771,7 @@ def delivery_from_pb(pb: broker_pb2.Delivery) -> Delivery:
         message_from_pb(pb.message),
         pb.delivery_attempt,
         timestamp_to_datetime(pb.lease_expires_at) if pb.HasField("lease_expires_at") else None,
+        pb.max_delivery_attempts,
     )
 
 

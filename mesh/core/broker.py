@@ -1920,11 +1920,12 @@ class Broker:
         self.metrics.delivered("subscription", len(leases))
         deliveries = []
         receipts = []
+        attempts = self.config.delivery_attempts
         for lease in leases:
             sub.in_flight.add(lease.message.message_id)
             sub.leased += 1
             message = self._observe_delivery(lease.message, lease.queued_seconds)
-            deliveries.append(Delivery(message, lease.attempt, lease.lease_expires_at))
+            deliveries.append(Delivery(message, lease.attempt, lease.lease_expires_at, attempts))
             if message.ack_required and lease.attempt == 1:
                 receipts.append(message)
         if receipts:

@@ -523,6 +523,9 @@ class Delivery:
     message: Message
     attempt: int
     lease_expires_at: datetime | None = None
+    max_attempts: int = 0
+    """How many deliveries the broker makes in all (the one whose attempt this is, failing,
+    goes to the dead-letter queue); 0 when the broker did not say."""
 
 
 @dataclass(frozen=True, slots=True)

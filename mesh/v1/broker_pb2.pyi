@@ -562,8 +562,15 @@ class Delivery(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     DELIVERY_ATTEMPT_FIELD_NUMBER: _builtins.int
     LEASE_EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    MAX_DELIVERY_ATTEMPTS_FIELD_NUMBER: _builtins.int
     delivery_attempt: _builtins.int
     """1 on first delivery, then 2, 3, ... on redeliveries."""
+    max_delivery_attempts: _builtins.int
+    """How many deliveries the broker makes in all: a message whose attempt this is goes to the
+    dead-letter queue if it is nacked or its lease ends (1 under at-most-once delivery). An
+    agent backing off before it hands a failed delivery back need not wait on that one.
+    0 from a broker that does not say.
+    """
     @_builtins.property
     def message(self) -> _message_pb2.Message:
         """The message."""
@@ -578,10 +585,11 @@ class Delivery(_message.Message):
         message: _message_pb2.Message | None = ...,
         delivery_attempt: _builtins.int = ...,
         lease_expires_at: _timestamp_pb2.Timestamp | None = ...,
+        max_delivery_attempts: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease_expires_at", b"lease_expires_at", "message", b"message"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["delivery_attempt", b"delivery_attempt", "lease_expires_at", b"lease_expires_at", "message", b"message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delivery_attempt", b"delivery_attempt", "lease_expires_at", b"lease_expires_at", "max_delivery_attempts", b"max_delivery_attempts", "message", b"message"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -199,6 +199,42 @@ async def test_an_agent_stopping_hands_back_at_once_a_failed_delivery_waiting_ou
         assert back.message_id == sent.message_id
 
 
+async def test_the_runtime_backs_off_until_the_last_attempt_of_the_broker_it_is_served_by() -> None:
+    """A broker set to five delivery attempts says so with each delivery (a subscriber reads
+    it), and an agent whose handler keeps failing waits out RT-011's backoff before each of
+    the five (2 s before the fifth too) rather than stopping at RT-011's default of four,
+    after which the fifth came at once."""
+    tries: list[float] = []
+
+    class Ledger(Agent):
+        agent_id = "Ledger"
+
+        async def handle(self, message: Message, ctx: AgentContext) -> None:
+            tries.append(time.monotonic())
+            raise RuntimeError("the ledger is locked")
+
+    config = BrokerConfig(sweep_interval=0.05, max_delivery_attempts=5)
+    async with LocalMesh(config) as local, local.client("Bookkeeper") as client:
+        await client.register("Reader")
+        await client.send("Reader", {"action": "look"})
+        async with client.subscribe("Reader") as sub:
+            received = await anext(aiter(sub))
+            assert (received.attempt, received.max_attempts) == (1, 5)
+            await received.ack()
+        await local.add_agent(Ledger())
+        wrecked = await client.handoff("Ledger", "wreck")
+        async with asyncio.timeout(30):
+            while not await client.dead_letters("Ledger"):  # noqa: ASYNC110 - broker state
+                await asyncio.sleep(0.05)
+        [dead] = await client.dead_letters("Ledger")
+        assert dead.message.message_id == wrecked.message_id
+        assert dead.reason == "nacked after 5 delivery attempts"
+        waited = [later - sooner for sooner, later in itertools.pairwise(tries)]
+        assert len(waited) == 4
+        assert waited[0] >= 0.1 and waited[1] >= 0.5 and waited[2] >= 2.0, waited
+        assert waited[3] >= 2.0, waited  # (before: at once, the runtime's fourth its last)
+
+
 async def test_a_request_and_a_gather_hear_when_their_message_is_dead_lettered() -> None:
     """An agent that takes a request and hands it back every time: after the last attempt
     the request is dead-lettered, and its requester (a gather too, for that agent) hears so
