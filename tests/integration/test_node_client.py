@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from gateway.embedded import EmbeddedMesh
-from mesh import LocalMesh
+from mesh import BrokerConfig, LocalMesh
 from tests.helpers.health import NOT_SERVING, SERVING, health_of, watching
 from tests.helpers.node import NODE_DIR, kill_if_running, start_node_example
 
@@ -395,6 +395,58 @@ async def test_a_node_agent_started_before_its_broker_waits_for_it() -> None:
         out, _ = await ended.communicate()
     assert ended.returncode == 1 and "UNAVAILABLE" in out.decode(), out.decode()
     assert "waits for its broker" not in out.decode()
+
+
+FAILING_LEDGER = """
+const { serveAgent } = require('./lib/mesh.js');
+const tries = [];
+const seen = [];
+(async () => {
+  const agent = await serveAgent({
+    broker: process.argv[1], agentId: 'NodeLedger',
+    handler: async (message, context) => {
+      tries.push(performance.now());
+      seen.push(context.maxDeliveryAttempts);
+      throw new Error('the ledger is locked');
+    },
+  });
+  console.log(JSON.stringify('serving'));
+  while (tries.length < 5) await new Promise((resolve) => { setTimeout(resolve, 20); });
+  console.log(JSON.stringify({ gaps: tries.slice(1).map((at, i) => at - tries[i]), seen }));
+  await agent.stop();
+})().catch((error) => { console.error(error); process.exit(1); });
+"""
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
+async def test_a_node_agent_backs_off_until_the_last_attempt_of_its_broker() -> None:
+    """serveAgent reads the broker's number of delivery attempts from each delivery (its
+    handler's context says it) and waits out RT-011's backoff before each of a broker's five
+    (2 s before the fifth too), where it stopped waiting after RT-011's default fourth."""
+    config = BrokerConfig(sweep_interval=0.05, max_delivery_attempts=5)
+    async with LocalMesh(config) as local, local.client("NodeBookkeeper") as client:
+        node = await asyncio.create_subprocess_exec(
+            "node", "-e", FAILING_LEDGER, local.address, cwd=NODE_DIR,
+            stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        assert node.stdout is not None
+        try:
+            async with asyncio.timeout(30):
+                assert json.loads(await node.stdout.readline()) == "serving"
+                wrecked = await client.handoff("NodeLedger", "wreck")
+                said = json.loads(await node.stdout.readline())
+                while not await client.dead_letters("NodeLedger"):  # noqa: ASYNC110 - broker state
+                    await asyncio.sleep(0.05)
+                assert await node.wait() == 0
+        finally:
+            await kill_if_running(node)
+        assert said["seen"] == [5] * 5
+        gaps = said["gaps"]
+        assert gaps[0] >= 99 and gaps[1] >= 499 and gaps[2] >= 1999, gaps
+        assert gaps[3] >= 1999, gaps  # (before: at once, after RT-011's fourth)
+        [dead] = await client.dead_letters("NodeLedger")
+        assert dead.message.message_id == wrecked.message_id
+        assert dead.reason == "nacked after 5 delivery attempts"
 
 
 NEW_CLIENTS_AFTER_A_RESTART = """

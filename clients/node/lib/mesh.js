@@ -973,7 +973,8 @@ async function allPages(client, method, request, field) {
 /** RT-011 retry_backoff_ms: the waits before the retries of a call refused for a moment. */
 const RETRY_DELAYS_MS = [100, 500, 2000];
 // RT-011's deliveries of a message (max_retries = 3, a broker's default): after the last, one
-// whose handler failed goes to the dead-letter queue without waiting out a backoff.
+// whose handler failed goes to the dead-letter queue without waiting out a backoff. A broker
+// says its own with each delivery (max_delivery_attempts); this is for one that does not.
 const DELIVERY_ATTEMPTS = 4;
 /** What is worth trying again: a full queue (backpressure) and a broker out of reach. */
 const RETRY_ON = ['RESOURCE_EXHAUSTED', 'UNAVAILABLE'];
@@ -1761,7 +1762,8 @@ class MeshClient {
       working.set(message.messageId, aborting);
       const done = (async () => {
         try {
-          const answer = await handle(message, delivery.delivery_attempt, { signal });
+          const answer = await handle(message, delivery.delivery_attempt,
+            { signal, maxDeliveryAttempts: delivery.max_delivery_attempts || 0 });
           if (signal.aborted) return; // withdrawn: nobody waits, nothing to ack
           if (answer) write({ send: answer });
           if (!answers(answer, message)) ack(message.messageId);
@@ -1879,7 +1881,8 @@ class MeshClient {
       const { signal } = aborting;
       working.set(message.messageId, aborting);
       try {
-        await onDelivery(message, res.delivery.delivery_attempt, { signal });
+        await onDelivery(message, res.delivery.delivery_attempt,
+          { signal, maxDeliveryAttempts: res.delivery.max_delivery_attempts || 0 });
         if (!signal.aborted) {
           await unary(this.broker, 'Ack', { agent_id: agentId, message_ids: [message.messageId] });
         }
@@ -2432,7 +2435,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
         return;
       }
       const deadline = Number(call.getDeadline());
-      answer(message, { signal: aborting.signal }, { direct: true })
+      answer(message, { signal: aborting.signal, maxDeliveryAttempts: 0 }, { direct: true })
         .then((response) => (response && response.message_type === 'MESSAGE_TYPE_REQUEST'
           ? askOnward(message, response, aborting.signal, deadline) : response))
         .then((response) => callback(null, { response }))
@@ -2530,16 +2533,18 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
   }
   // A handler that throws on a message nobody waits for (a hand-off, a plain broadcast)
   // hands it back after RT-011's backoff: 100 ms after the first attempt, 500 ms after the
-  // second, 2 s after each later one (none after the fourth, when it goes to the dead-letter
-  // queue), held meanwhile with its lease kept, as the Python agents and push delivery wait,
-  // so that a failure that lasts a moment is not met again at once. Stopping cuts it short.
+  // second, 2 s after each later one (none after the broker's last, when it goes to the
+  // dead-letter queue: RT-011's fourth from a broker that does not say), held meanwhile with
+  // its lease kept, as the Python agents and push delivery wait, so that a failure that lasts
+  // a moment is not met again at once. Stopping cuts it short.
   let stoppedNow;
   const whenStopped = new Promise((resolve) => { stoppedNow = resolve; });
   const onDelivery = async (message, attempt, context) => {
     try {
       return await answer(message, context);
     } catch (err) {
-      if (!(err instanceof Reject) && !stopped && attempt < DELIVERY_ATTEMPTS) {
+      const last = context.maxDeliveryAttempts || DELIVERY_ATTEMPTS;
+      if (!(err instanceof Reject) && !stopped && attempt < last) {
         const delayMs = RETRY_DELAYS_MS[Math.min(Math.max(attempt, 1), RETRY_DELAYS_MS.length) - 1];
         let timer;
         await Promise.race([whenStopped,
