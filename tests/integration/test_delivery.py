@@ -17,7 +17,9 @@ from mesh import (
     AgentContext,
     AgentError,
     BrokerConfig,
+    DeadLetter,
     LocalMesh,
+    MeshClient,
     MeshError,
     Message,
     MessageTooLargeError,
@@ -95,10 +97,7 @@ async def test_unacked_delivery_is_redelivered_after_its_lease_then_dead_lettere
                 if len(attempts) == 2:
                     break
         assert attempts == [1, 2]
-        async with asyncio.timeout(5):
-            while not await client.dead_letters("Worker"):  # noqa: ASYNC110 - broker state
-                await asyncio.sleep(0.02)
-        [dead] = await client.dead_letters("Worker")
+        dead = await only_dead_letter(client, "Worker")
         assert dead.message.message_id == sent.message_id
         assert dead.attempts == 2
         stats = await client.queue_stats("Worker")
@@ -155,10 +154,7 @@ async def test_a_one_way_message_whose_handler_fails_comes_back_after_rt011_back
         [first, second] = gaps("post")
         assert first >= 0.1 and second >= 0.5
         wrecked = await client.handoff("Ledger", "wreck")
-        async with asyncio.timeout(20):
-            while not await client.dead_letters("Ledger"):  # noqa: ASYNC110 - broker state
-                await asyncio.sleep(0.05)
-        [dead] = await client.dead_letters("Ledger")
+        dead = await only_dead_letter(client, "Ledger")
         assert dead.message.message_id == wrecked.message_id
         assert dead.reason == "nacked after 4 delivery attempts"
         waited = gaps("wreck")
@@ -166,6 +162,28 @@ async def test_a_one_way_message_whose_handler_fails_comes_back_after_rt011_back
         assert waited[0] >= 0.1 and waited[1] >= 0.5 and waited[2] >= 2.0, waited
         [queue] = (await client.queue_stats("Ledger")).agents
         assert (queue.depth, queue.in_flight, queue.dead_letters) == (0, 0, 1)
+
+
+async def only_dead_letter(client: MeshClient, agent_id: str) -> DeadLetter:
+    """The dead letter the agent's queue comes to hold, waited for: there must be one only."""
+    async with asyncio.timeout(30):
+        while not (dead := await client.dead_letters(agent_id)):  # noqa: ASYNC110 - broker state
+            await asyncio.sleep(0.02)
+    [only] = dead
+    return only
+
+
+def failing_ledger(tries: list[float]) -> Agent:
+    """Agent "Ledger", whose handler notes when it ran into ``tries``, then fails."""
+
+    class Ledger(Agent):
+        agent_id = "Ledger"
+
+        async def handle(self, message: Message, ctx: AgentContext) -> None:
+            tries.append(time.monotonic())
+            raise RuntimeError("the ledger is locked")
+
+    return Ledger()
 
 
 async def test_an_agent_stopping_hands_back_at_once_a_failed_delivery_waiting_out_its_backoff(
@@ -176,14 +194,7 @@ async def test_an_agent_stopping_hands_back_at_once_a_failed_delivery_waiting_ou
     the backoff, and the message is back in the queue for whoever serves the agent next."""
     tries: list[float] = []
 
-    class Ledger(Agent):
-        agent_id = "Ledger"
-
-        async def handle(self, message: Message, ctx: AgentContext) -> None:
-            tries.append(time.monotonic())
-            raise RuntimeError("the ledger is locked")
-
-    await mesh.add_agent(Ledger())
+    await mesh.add_agent(failing_ledger(tries))
     async with mesh.client("Bookkeeper") as client:
         sent = await client.handoff("Ledger", "post")
         async with asyncio.timeout(20):
@@ -206,13 +217,6 @@ async def test_the_runtime_backs_off_until_the_last_attempt_of_the_broker_it_is_
     after which the fifth came at once."""
     tries: list[float] = []
 
-    class Ledger(Agent):
-        agent_id = "Ledger"
-
-        async def handle(self, message: Message, ctx: AgentContext) -> None:
-            tries.append(time.monotonic())
-            raise RuntimeError("the ledger is locked")
-
     config = BrokerConfig(sweep_interval=0.05, max_delivery_attempts=5)
     async with LocalMesh(config) as local, local.client("Bookkeeper") as client:
         await client.register("Reader")
@@ -221,12 +225,9 @@ async def test_the_runtime_backs_off_until_the_last_attempt_of_the_broker_it_is_
             received = await anext(aiter(sub))
             assert (received.attempt, received.max_attempts) == (1, 5)
             await received.ack()
-        await local.add_agent(Ledger())
+        await local.add_agent(failing_ledger(tries))
         wrecked = await client.handoff("Ledger", "wreck")
-        async with asyncio.timeout(30):
-            while not await client.dead_letters("Ledger"):  # noqa: ASYNC110 - broker state
-                await asyncio.sleep(0.05)
-        [dead] = await client.dead_letters("Ledger")
+        dead = await only_dead_letter(client, "Ledger")
         assert dead.message.message_id == wrecked.message_id
         assert dead.reason == "nacked after 5 delivery attempts"
         waited = [later - sooner for sooner, later in itertools.pairwise(tries)]
