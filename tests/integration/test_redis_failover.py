@@ -105,6 +105,11 @@ async def test_a_primary_crash_fails_over_and_loses_nothing_accepted(
     assert not [r for r in caplog.records if "broker replicas gone" in r.message]
 
 
+def lost_said(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    """The brokers' words on finding that the store lost the registrations."""
+    return [r for r in caplog.records if r.message.startswith("the store lost the registrations")]
+
+
 async def test_a_primary_without_a_replica_that_restarts_empty_loses_no_registration(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -138,15 +143,18 @@ async def test_a_primary_without_a_replica_that_restarts_empty_loses_no_registra
             try:
                 deadline = time.monotonic() + 20
                 while time.monotonic() < deadline:
-                    with contextlib.suppress(
-                        BrokerUnavailableError
-                    ):  # (until the slots are served)
+                    # (refused until the cluster serves the restarted node's slots again)
+                    with contextlib.suppress(BrokerUnavailableError):
                         saved = sorted(info.agent_id for info in await store.saved_agents())
                     listed = [
                         sorted(a.agent_id for a in await client.list_agents(agent_type="worker"))
                         for client in (via_a, via_b)
                     ]
-                    if saved == sorted([*AGENTS, "Listener"]) and listed == [sorted(AGENTS)] * 2:
+                    if (
+                        saved == sorted([*AGENTS, "Listener"])
+                        and listed == [sorted(AGENTS)] * 2
+                        and len(lost_said(caplog)) == 2  # (the later broker's beat too)
+                    ):
                         break
                     await asyncio.sleep(0.1)
             finally:
@@ -168,8 +176,7 @@ async def test_a_primary_without_a_replica_that_restarts_empty_loses_no_registra
             await on_b.close()
     finally:
         cluster.stop()
-    lost = [r for r in caplog.records if r.message.startswith("the store lost the registrations")]
-    assert len(lost) == 2  # once by each broker
+    assert len(lost_said(caplog)) == 2  # once by each broker
     assert not [r for r in caplog.records if "left the registry" in r.message]
 
 
