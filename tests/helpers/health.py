@@ -64,11 +64,14 @@ class Watch:
 
 
 @asynccontextmanager
-async def watching(address: str, service: str = "") -> AsyncIterator[Watch]:
-    """A Health.Watch of ``service`` on the server at ``address``, cancelled at the end."""
+async def watching(
+    address: str, service: str = "", *, wait_for_ready: bool = False
+) -> AsyncIterator[Watch]:
+    """A Health.Watch of ``service`` on the server at ``address``, cancelled at the end;
+    ``wait_for_ready``: made once that server is up (its process may start it later)."""
     async with grpc.aio.insecure_channel(address) as channel:
         call = health_pb2_grpc.HealthStub(channel).Watch(
-            health_pb2.HealthCheckRequest(service=service)
+            health_pb2.HealthCheckRequest(service=service), wait_for_ready=wait_for_ready
         )
         try:
             yield Watch(call)

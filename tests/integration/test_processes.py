@@ -717,8 +717,11 @@ async def test_agents_started_before_their_broker_wait_for_it() -> None:
         assert await health_of(at) == SERVING  # (liveness)
         assert await health_of(at, "mesh.v1.AgentService") == NOT_SERVING  # (readiness)
         broker = await start("broker", "--port", str(port), ready=BROKER_READY)
-        async with watching(at, "mesh.v1.AgentService") as readiness:
-            await readiness.until(SERVING, 20)  # (or TimeoutError)
+        # Each agent's server is ready once it takes its messages; the second agent's server
+        # starts once the first is ready.
+        for server in (at, f"127.0.0.1:{first + 1}"):
+            async with watching(server, "mesh.v1.AgentService", wait_for_ready=True) as ready:
+                await ready.until(SERVING, 20)  # (or TimeoutError)
         async with connect(address, agent_id="Caller") as client:
             for agent_id in ("PaymentAgent", "BackupPaymentAgent"):
                 answer = await client.request(
