@@ -13,6 +13,7 @@ from typing import Any
 
 from agents.reasoning import Reasoner, reasoner_from_env
 from agents.research import analysis
+from agents.research.analysis import one_line
 from agents.research.corpus import DATA
 from mesh import Agent, AgentContext, Message
 from mesh.core.errors import MeshError
@@ -358,11 +359,12 @@ class ReportAgent(_Researcher):
 
         def cite(claim: str) -> str:
             ids = [r for key, r in refs.items() if key.endswith("|" + claim)]
-            return f"{claim} [{', '.join(ids)}]" if ids else claim
+            line = one_line(claim)
+            return f"{line} [{', '.join(ids)}]" if ids else line
 
         title = f"Research report: {query}"
         body = [
-            f"# {title}",
+            f"# {one_line(title)}",
             "",
             "## Summary",
             "",
@@ -377,30 +379,32 @@ class ReportAgent(_Researcher):
         for c in conflicts:
             if c["resolution"] == "NEWEST_CURRENT":
                 body.append(
-                    f"- **{c.get('topic')}** (temporal): current ({c.get('current_date')}): "
-                    f"{cite(c['current'])}; earlier ({c.get('previous_date')}): "
+                    f"- **{one_line(c.get('topic'))}** (temporal): current "
+                    f"({one_line(c.get('current_date'))}): "
+                    f"{cite(c['current'])}; earlier ({one_line(c.get('previous_date'))}): "
                     f"{cite(c['previous'])}"
                 )
             elif c["resolution"] == "BOTH_SHOWN":
                 body.append(
-                    f"- **{c.get('topic')}** (interpretive, both perspectives shown): "
+                    f"- **{one_line(c.get('topic'))}** (interpretive, both perspectives shown): "
                     f"{cite(c['claim_a'])} — versus — {cite(c['claim_b'])}"
                 )
             elif c["resolution"] == "UNRESOLVED":
                 body.append(
-                    f"- **{c.get('topic')}** (factual, UNRESOLVED: {c.get('note')}): "
+                    f"- **{one_line(c.get('topic'))}** (factual, UNRESOLVED: "
+                    f"{one_line(c.get('note'))}): "
                     f"{cite(c['claim_a'])} — versus — {cite(c['claim_b'])}"
                 )
             else:
                 body.append(
-                    f"- **{c.get('topic')}** (factual, resolved by source tier: "
-                    f"{c.get('note')}): {cite(c['preferred'])}"
+                    f"- **{one_line(c.get('topic'))}** (factual, resolved by source tier: "
+                    f"{one_line(c.get('note'))}): {cite(c['preferred'])}"
                 )
         if not conflicts:
             body.append("- none")
         gaps = [str(g) for g in constraints.get("open_gaps") or synthesis.get("gaps") or []]
-        body += ["", "## Open gaps", ""] + ([f"- {g}" for g in gaps] or ["- none"])
-        body += ["", "## Sources", ""] + [f"[{c['id']}] {c['source']}" for c in citations]
+        body += ["", "## Open gaps", ""] + ([f"- {one_line(g)}" for g in gaps] or ["- none"])
+        body += ["", "## Sources", ""] + [f"[{c['id']}] {one_line(c['source'])}" for c in citations]
         text = "\n".join(body) + "\n"
         name = str(constraints.get("report_name") or "report")
         report = {"title": title, "body": text, "citations": citations, "gaps": gaps}

@@ -203,6 +203,14 @@ def source_of(finding: Finding) -> str:
     return f"{finding.get('document_id')}:p{finding.get('page')}"
 
 
+def one_line(text: object) -> str:
+    """``text`` as it goes on one line of the Markdown report: each line break (a newline,
+    a carriage return, and the rest Python counts) a space. A claim that came with one would
+    otherwise end its list item there, and what followed would read as the report's own
+    structure (a heading, another item)."""
+    return " ".join(str(text).splitlines())
+
+
 def claim_key(finding: Finding) -> tuple[str, str]:
     return (str(finding.get("topic")), str(finding.get("claim")).strip().lower())
 

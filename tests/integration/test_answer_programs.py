@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from agents.research import RESEARCH_POLICY, research_tools
 from agents.research.agents import ReportAgent, SynthesisAgent
-from agents.research.analysis import claim_key, is_finding, source_of
+from agents.research.analysis import claim_key, is_finding, one_line, source_of
 from agents.research.corpus import DocumentFolder
 from gateway.client import GatewayClient
 from gateway.patterns.group_chat import STRATEGIES
@@ -337,6 +337,21 @@ def research_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     parts=st.fixed_dictionaries({a: researcher_answers for a in RESEARCHERS}),
     iterations=st.integers(1, 3),
 )
+@example(  # (claims that hold line breaks: once found by the program, now always tried)
+    parts={
+        "web-search-agent": ("raise", None),
+        "document-analysis-agent": (
+            "answer",
+            {
+                "findings": [
+                    {"claim": claim, "topic": "recycling_rate", "source_url": "https://a.example"}
+                    for claim in ("Rate is 5%", "0\r", "Rate\n# Injected\r\n- item")
+                ]
+            },
+        ),
+    },
+    iterations=1,
+)
 def test_whatever_the_researchers_answer_the_research_completes_with_what_it_could_read(
     research_world: World, parts: dict[str, tuple[str, Any]], iterations: int
 ) -> None:
@@ -371,5 +386,8 @@ def test_whatever_the_researchers_answer_the_research_completes_with_what_it_cou
     cited = {(c["source"], c["claim"]) for c in report["citations"]}
     assert cited == {(source_of(f), f["claim"]) for f in result["findings"]}
     assert [Path(f).name for f in report["files"]] == ["programs.md", "programs.json"]
-    text = (research_world.output / "programs.md").read_text(encoding="utf-8")  # type: ignore[attr-defined]
-    assert all(f["claim"] in text for f in result["findings"])
+    with (research_world.output / "programs.md").open(encoding="utf-8", newline="") as file:  # type: ignore[attr-defined]
+        lines = file.read().split("\n")
+    # Each finding a list item on a line of its own, whatever line breaks its claim held.
+    for f in result["findings"]:
+        assert any(line.startswith(f"- {one_line(f['claim'])} [ref-") for line in lines), f
