@@ -49,6 +49,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import redis.asyncio as aioredis
+import redis.exceptions
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
@@ -482,15 +483,27 @@ CLIENT_FAULTS = (AttributeError, KeyError, IndexError, TypeError)
 was out of date (a node restarting, replaced or its slots moving: redis/redis-py#3835,
 #3815, #2437): the store failing for a moment, as a lost connection is, when raised there."""
 
-FAILURES = (RedisError, OSError, *CLIENT_FAULTS)
+OUTAGES: tuple[type[Exception], ...] = tuple(
+    getattr(redis.exceptions, name)
+    for name in ("SlotNotCoveredError", "RedisClusterUnreachableError")
+    if hasattr(redis.exceptions, name)
+)
+"""What the cluster client raises, outside RedisError, when no node serves a key's slot or
+none can be reached at all (RedisClusterUnreachableError, from redis-py 8.2 on, where 8.1
+raised a ConnectionError): the store failing, as a lost connection is."""
+
+FAILURES: tuple[type[Exception], ...] = (RedisError, OSError, *OUTAGES, *CLIENT_FAULTS)
 """What a call to Redis may raise when the store fails (see :func:`_failed`)."""
+
+FAILED: tuple[type[Exception], ...] = (*FAILURES, BrokerUnavailableError)
+"""FAILURES, or the refusal already made of one."""
 
 
 def _failed(error: BaseException) -> bool:
     """Whether ``error``, one of FAILURES (or a refusal already made of one), is the store
     failing: a Redis error, a connection's, or a fault raised inside redis-py itself. One
     of CLIENT_FAULTS raised by the mesh's own code is a bug, and no store failure."""
-    if isinstance(error, (RedisError, OSError, BrokerUnavailableError)):
+    if isinstance(error, (RedisError, OSError, *OUTAGES, BrokerUnavailableError)):
         return True
     last = error.__traceback__
     while last is not None and last.tb_next is not None:
@@ -899,7 +912,7 @@ class RedisQueueStore:
             count, self._unreleased = self._unreleased, 0
             try:
                 await (await self._client()).decrby(TOTAL, count)
-            except (*FAILURES, BrokerUnavailableError) as error:
+            except FAILED as error:
                 if not _failed(error):
                     raise
                 self._unreleased += count  # given back by the next sweep
@@ -1170,7 +1183,7 @@ class RedisQueueStore:
             if unnamed := sorted(first - set(named)):
                 pipe.sadd(QUEUES, *unnamed)
             await pipe.execute()
-        except (*FAILURES, BrokerUnavailableError) as error:
+        except FAILED as error:
             if not _failed(error):
                 raise
             # (the messages are in: a sweep through every queue names them)
@@ -1682,7 +1695,7 @@ class RedisQueueStore:
             pipe.ltrim(forwards, -MAX_FORWARDS, -1)
             pipe.pexpire(forwards, max(1, int(ttl * 1000)))
             await pipe.execute()
-        except (*FAILURES, BrokerUnavailableError) as error:
+        except FAILED as error:
             if not _failed(error):
                 raise
 
