@@ -26,6 +26,7 @@ from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
 from tests.helpers.stores import two_replicas
 
 AGENTS = [f"agent-{i}" for i in range(12)]  # their queues fall on every primary
+CLUSTER = "redis.asyncio.cluster"  # redis-py's cluster client's logger
 
 
 @pytest.fixture
@@ -220,3 +221,52 @@ async def test_a_send_to_a_queue_on_a_node_that_is_down_is_refused_within_its_de
             await server.stop(0.5)
     finally:
         cluster.stop()
+
+
+async def test_while_every_node_of_the_cluster_is_down_calls_are_refused_unavailable(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With every node of the cluster down, a plain gRPC client's sends and receives are
+    refused UNAVAILABLE, call after call, and the broker's heartbeat logs no fault.
+    Before, once redis-py 8.2's cluster client had failed to refresh its map of the nodes it
+    raised RedisClusterUnreachableError, which is no RedisError: a receive was answered
+    INTERNAL "internal error", which clients do not retry, and a heartbeat logged an ERROR."""
+    if why := LocalRedis.unavailable():
+        pytest.skip(f"{why}; .ci/run adds it")
+    cluster = LocalRedis.start_cluster(tmp_path / "cluster", nodes=3)
+    try:
+        _, server = await serve_broker(broker_config=BrokerConfig(store=cluster.url))
+        try:
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                stub = broker_pb2_grpc.BrokerServiceStub(channel)
+                for agent_id in ("alice", "Worker"):
+                    await stub.RegisterAgent(
+                        broker_pb2.RegisterAgentRequest(
+                            agent=message_pb2.AgentInfo(agent_id=agent_id)
+                        ),
+                        timeout=10,
+                    )
+                for node in cluster.primaries():
+                    await asyncio.to_thread(cluster.kill_node, node)
+                request = broker_pb2.SendMessageRequest()
+                request.message.from_agent, request.message.to_agent = "alice", "Worker"
+                request.message.content.update({"action": "work"})
+                codes = []
+                for _ in range(4):  # (the later calls after a refresh of the map has failed)
+                    for call in (
+                        stub.SendMessage(request, timeout=5),
+                        stub.ReceiveMessages(
+                            broker_pb2.ReceiveMessagesRequest(agent_id="Worker"), timeout=5
+                        ),
+                    ):
+                        with pytest.raises(grpc.aio.AioRpcError) as refused:
+                            await call
+                        codes.append(refused.value.code())
+                    await asyncio.sleep(1)
+                assert codes == [grpc.StatusCode.UNAVAILABLE] * 8
+        finally:
+            await server.stop(0.5)
+    finally:
+        cluster.stop()
+    # (redis-py says each failed refresh of its map as an ERROR of its own logger)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR and r.name != CLUSTER]
