@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
@@ -181,17 +181,15 @@ async def test_a_primary_without_a_replica_that_restarts_empty_loses_no_registra
     assert not [r for r in caplog.records if "left the registry" in r.message]
 
 
-async def test_a_send_to_a_queue_on_a_node_that_is_down_is_refused_within_its_deadline(
-    tmp_path: Path,
-) -> None:
-    """A plain gRPC client's send, with a 2 s deadline, to an agent whose queue is on a
-    primary that is down (no replica to take over) is refused UNAVAILABLE, the store's
-    reason given, well within the deadline: the broker's call to that node gives up after a
-    few quick attempts. Before, redis-py 8.2's cluster client spent 3.4-5 s waiting out its
-    own default backoff, and the client saw only DEADLINE_EXCEEDED."""
+@contextlib.asynccontextmanager
+async def broker_on_cluster(
+    folder: Path,
+) -> AsyncIterator[tuple[LocalRedis, broker_pb2_grpc.BrokerServiceAsyncStub]]:
+    """A Redis Cluster of three primaries and no replica, a broker on it, and a plain gRPC
+    stub of that broker, agents "alice" and "Worker" registered."""
     if why := LocalRedis.unavailable():
         pytest.skip(f"{why}; .ci/run adds it")
-    cluster = LocalRedis.start_cluster(tmp_path / "cluster", nodes=3)
+    cluster = LocalRedis.start_cluster(folder, nodes=3)
     try:
         _, server = await serve_broker(broker_config=BrokerConfig(store=cluster.url))
         try:
@@ -204,23 +202,37 @@ async def test_a_send_to_a_queue_on_a_node_that_is_down_is_refused_within_its_de
                         ),
                         timeout=10,
                     )
-                await asyncio.to_thread(
-                    cluster.kill_node, cluster.slot_holder("mesh:{Worker}:ready")
-                )
-                request = broker_pb2.SendMessageRequest()
-                request.message.from_agent, request.message.to_agent = "alice", "Worker"
-                request.message.content.update({"action": "work"})
-                codes = []
-                for _ in range(3):
-                    with pytest.raises(grpc.aio.AioRpcError) as refused:
-                        await stub.SendMessage(request, timeout=2)
-                    codes.append(refused.value.code())
-                assert codes == [grpc.StatusCode.UNAVAILABLE] * 3
-                assert "unavailable" in (refused.value.details() or "").lower()
+                yield cluster, stub
         finally:
             await server.stop(0.5)
     finally:
         cluster.stop()
+
+
+def work_for_worker() -> broker_pb2.SendMessageRequest:
+    request = broker_pb2.SendMessageRequest()
+    request.message.from_agent, request.message.to_agent = "alice", "Worker"
+    request.message.content.update({"action": "work"})
+    return request
+
+
+async def test_a_send_to_a_queue_on_a_node_that_is_down_is_refused_within_its_deadline(
+    tmp_path: Path,
+) -> None:
+    """A plain gRPC client's send, with a 2 s deadline, to an agent whose queue is on a
+    primary that is down (no replica to take over) is refused UNAVAILABLE, the store's
+    reason given, well within the deadline: the broker's call to that node gives up after a
+    few quick attempts. Before, redis-py 8.2's cluster client spent 3.4-5 s waiting out its
+    own default backoff, and the client saw only DEADLINE_EXCEEDED."""
+    async with broker_on_cluster(tmp_path / "cluster") as (cluster, stub):
+        await asyncio.to_thread(cluster.kill_node, cluster.slot_holder("mesh:{Worker}:ready"))
+        codes = []
+        for _ in range(3):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.SendMessage(work_for_worker(), timeout=2)
+            codes.append(refused.value.code())
+        assert codes == [grpc.StatusCode.UNAVAILABLE] * 3
+        assert "unavailable" in (refused.value.details() or "").lower()
 
 
 async def test_while_every_node_of_the_cluster_is_down_calls_are_refused_unavailable(
@@ -231,42 +243,21 @@ async def test_while_every_node_of_the_cluster_is_down_calls_are_refused_unavail
     Before, once redis-py 8.2's cluster client had failed to refresh its map of the nodes it
     raised RedisClusterUnreachableError, which is no RedisError: a receive was answered
     INTERNAL "internal error", which clients do not retry, and a heartbeat logged an ERROR."""
-    if why := LocalRedis.unavailable():
-        pytest.skip(f"{why}; .ci/run adds it")
-    cluster = LocalRedis.start_cluster(tmp_path / "cluster", nodes=3)
-    try:
-        _, server = await serve_broker(broker_config=BrokerConfig(store=cluster.url))
-        try:
-            async with grpc.aio.insecure_channel(server.address) as channel:
-                stub = broker_pb2_grpc.BrokerServiceStub(channel)
-                for agent_id in ("alice", "Worker"):
-                    await stub.RegisterAgent(
-                        broker_pb2.RegisterAgentRequest(
-                            agent=message_pb2.AgentInfo(agent_id=agent_id)
-                        ),
-                        timeout=10,
-                    )
-                for node in cluster.primaries():
-                    await asyncio.to_thread(cluster.kill_node, node)
-                request = broker_pb2.SendMessageRequest()
-                request.message.from_agent, request.message.to_agent = "alice", "Worker"
-                request.message.content.update({"action": "work"})
-                codes = []
-                for _ in range(4):  # (the later calls after a refresh of the map has failed)
-                    for call in (
-                        stub.SendMessage(request, timeout=5),
-                        stub.ReceiveMessages(
-                            broker_pb2.ReceiveMessagesRequest(agent_id="Worker"), timeout=5
-                        ),
-                    ):
-                        with pytest.raises(grpc.aio.AioRpcError) as refused:
-                            await call
-                        codes.append(refused.value.code())
-                    await asyncio.sleep(1)
-                assert codes == [grpc.StatusCode.UNAVAILABLE] * 8
-        finally:
-            await server.stop(0.5)
-    finally:
-        cluster.stop()
+    async with broker_on_cluster(tmp_path / "cluster") as (cluster, stub):
+        for node in cluster.primaries():
+            await asyncio.to_thread(cluster.kill_node, node)
+        codes = []
+        for _ in range(4):  # (the later calls after a refresh of the map has failed)
+            for call in (
+                stub.SendMessage(work_for_worker(), timeout=5),
+                stub.ReceiveMessages(
+                    broker_pb2.ReceiveMessagesRequest(agent_id="Worker"), timeout=5
+                ),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call
+                codes.append(refused.value.code())
+            await asyncio.sleep(1)
+        assert codes == [grpc.StatusCode.UNAVAILABLE] * 8
     # (redis-py says each failed refresh of its map as an ERROR of its own logger)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR and r.name != CLUSTER]
