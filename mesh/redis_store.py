@@ -577,7 +577,7 @@ def _retry() -> Retry:
 
     The cluster client is given it too, rather than its default of 10 attempts: from
     redis-py 8.2 on it waits out that default's backoff between them (10 ms doubling to 1 s),
-    and a call to a node that is down took 3.7-3.9 s to fail, where with 8.1 it took about
+    and a call to a node that is down took 3.4-5.1 s to fail, where with 8.1 it took about
     0.35 s. Meanwhile its caller waited: a client's send, past its deadline, and the watcher
     of the other replicas, whose news (registrations, answers, wake-ups) queued behind one
     look at the registry. With this such a call fails in under 0.2 s (0.25 s more for each
