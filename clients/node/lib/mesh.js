@@ -1763,7 +1763,7 @@ class MeshClient {
       const done = (async () => {
         try {
           const answer = await handle(message, delivery.delivery_attempt,
-            { signal, maxDeliveryAttempts: delivery.max_delivery_attempts || 0 });
+            handlerContext(delivery, signal));
           if (signal.aborted) return; // withdrawn: nobody waits, nothing to ack
           if (answer) write({ send: answer });
           if (!answers(answer, message)) ack(message.messageId);
@@ -1882,7 +1882,7 @@ class MeshClient {
       working.set(message.messageId, aborting);
       try {
         await onDelivery(message, res.delivery.delivery_attempt,
-          { signal, maxDeliveryAttempts: res.delivery.max_delivery_attempts || 0 });
+          handlerContext(res.delivery, signal));
         if (!signal.aborted) {
           await unary(this.broker, 'Ack', { agent_id: agentId, message_ids: [message.messageId] });
         }
@@ -1899,6 +1899,11 @@ class MeshClient {
     call.on('error', () => {});
     return call;
   }
+}
+
+/** The context a handler of `delivery` is given (see HandlerContext). */
+function handlerContext(delivery, signal) {
+  return { signal, maxDeliveryAttempts: delivery.max_delivery_attempts || 0 };
 }
 
 /**
