@@ -67,6 +67,11 @@ from mesh.v1 import agent_pb2, agent_pb2_grpc
 logger = logging.getLogger("mesh.agent")
 
 AGENT_SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name
+AGENTS_SERVICE = "agentmesh.agents"
+"""The health name, on every agent server of a process, that says SERVING while every agent
+the process serves takes its messages: the readiness of a process (a pod) serving several
+(:func:`serve_all`, `agentmesh agent` with a list), where each agent's own
+``mesh.v1.AgentService`` speaks for that agent alone."""
 Reply = dict[str, JSON] | Message | JSON | None
 HandlerFn = Callable[[Message, "AgentContext"], Awaitable[Reply] | Reply]
 
@@ -1023,6 +1028,35 @@ class AgentServer:
         await self.stop()
 
 
+class _Together:
+    """The agents one process serves (``size`` of them): each of their servers says SERVING
+    for :data:`AGENTS_SERVICE` while every one of them takes its messages."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.runtimes: list[AgentRuntime] = []
+        self.followers: list[Callable[[], None]] = []
+
+    def serving(self) -> bool:
+        return len(self.runtimes) == self.size and all(
+            runtime.subscribed.is_set() for runtime in self.runtimes
+        )
+
+    def changed(self) -> None:
+        for follower in self.followers:
+            follower()
+
+    def join(self, runtime: AgentRuntime, server: MeshServer) -> None:
+        self.runtimes.append(runtime)
+        self.followers.append(server.follow([AGENTS_SERVICE], self.serving))
+        runtime.subscribed_watchers.append(self.changed)
+        self.changed()
+
+    async def say(self, server: MeshServer) -> None:
+        """Says it on ``server`` now (its follower says it too, a moment later)."""
+        await server.set_service_serving(AGENTS_SERVICE, self.serving())
+
+
 async def serve(
     agent: Agent,
     broker: str,
@@ -1039,6 +1073,7 @@ async def serve(
     delivery_mode: DeliveryMode | str = DeliveryMode.PULL,
     health_port: int = -1,
     wait_for_broker: float = 0.0,
+    _together: _Together | None = None,
 ) -> AgentServer:
     """Serves ``agent``: its own gRPC server on host:port (0 picks one), registered with the
     broker at ``broker`` and subscribed to its queue. Returns once it is ready. With
@@ -1054,6 +1089,9 @@ async def serve(
     Agents of one process given one ``client`` (see :func:`serve_all`) share its stream to
     the broker: what is ready for several of them at once (a broadcast) travels in one
     frame. The caller closes a client it gave, after stopping the agents.
+
+    Its server's health says SERVING for ``mesh.v1.AgentService`` (and ``agentmesh.agents``,
+    :data:`AGENTS_SERVICE`) only while the agent takes its messages: readiness.
 
     A delivery stays leased ``lease_seconds`` unless acknowledged; while a handler still
     works on one, its lease is extended every third of that, for up to
@@ -1089,13 +1127,17 @@ async def serve(
     # (the broker cannot be reached, or forgot it). Readiness takes it out of rotation then
     # (and a rolling update waits for it); its server as a whole, which liveness asks, serves.
     await server.set_service_serving(AGENT_SERVICE, False)
+    await server.set_service_serving(AGENTS_SERVICE, False)
     runtime.subscribed_watchers.append(server.follow([AGENT_SERVICE], runtime.subscribed.is_set))
+    together = _together or _Together(1)
+    together.join(runtime, server)
     try:
         await runtime.start(wait_for_broker)
         async with asyncio.timeout(client.default_timeout):
             await runtime.subscribed.wait()
         # (said here too, not only by the follower task: ready as this returns)
         await server.set_service_serving(AGENT_SERVICE, runtime.subscribed.is_set())
+        await together.say(server)
     except BaseException:
         await server.stop(0)
         with contextlib.suppress(Exception):
@@ -1156,24 +1198,42 @@ async def serve_all(
     or missing picks one; ``health_ports[i]``, the port of its plaintext health server, -1 or
     missing none), sharing one client and so one stream to the broker. ``options``
     are those of :func:`serve` (host, max_in_flight, lease_seconds, max_lease_extension,
-    delivery_mode)."""
+    delivery_mode, wait_for_broker).
+
+    They start side by side: every server is up (alive, not ready) while the broker is
+    waited for. Each says SERVING for ``mesh.v1.AgentService`` while its own agent takes its
+    messages, and for ``agentmesh.agents`` (:data:`AGENTS_SERVICE`) while all of them do:
+    the readiness of the process. Returns once all are ready; if one cannot start, the
+    others are stopped and its error raised."""
     client = MeshClient(broker, retry=retry, security=security)
-    servers: list[AgentServer] = []
+    together = _Together(len(agents))
+    # Side by side: each server up at once, each agent waiting for the broker on its own.
+    starting = [
+        asyncio.create_task(
+            serve(
+                agent,
+                broker,
+                port=ports[i] if i < len(ports) else 0,
+                advertise=advertise[i] if i < len(advertise) else None,
+                health_port=health_ports[i] if i < len(health_ports) else -1,
+                security=security,
+                client=client,
+                _together=together,
+                **options,
+            ),
+            name=f"serve-{agent.agent_id}",
+        )
+        for i, agent in enumerate(agents)
+    ]
     try:
-        for i, agent in enumerate(agents):
-            servers.append(
-                await serve(
-                    agent,
-                    broker,
-                    port=ports[i] if i < len(ports) else 0,
-                    advertise=advertise[i] if i < len(advertise) else None,
-                    health_port=health_ports[i] if i < len(health_ports) else -1,
-                    security=security,
-                    client=client,
-                    **options,
-                )
-            )
+        servers = list(await asyncio.gather(*starting))
     except BaseException:
-        await ServedAgents(servers, client).stop(0)
+        for task in starting:
+            task.cancel()
+        await asyncio.gather(*starting, return_exceptions=True)
+        started = [t.result() for t in starting if not t.cancelled() and t.exception() is None]
+        await ServedAgents(started, client).stop(0)
         raise
+    for server in servers:
+        await together.say(server.server)  # (every one ready as this returns)
     return ServedAgents(servers, client)

@@ -52,7 +52,8 @@ def test_rendered_manifests_have_grpc_probes_and_locked_down_pods() -> None:
     rendered = render("prod")
     assert rendered.count("service: mesh.v1.BrokerService") == 1
     assert rendered.count("service: mesh.v1.GatewayService") == 1
-    assert rendered.count("service: mesh.v1.AgentService") == 5
+    # (a pod of agents is ready while every one of them takes its messages)
+    assert rendered.count("service: agentmesh.agents\n") == 5
     assert rendered.count("runAsNonRoot: true") == 7
     assert rendered.count("readOnlyRootFilesystem: true") == 7
     assert "kind: PodDisruptionBudget" in rendered
@@ -288,12 +289,15 @@ async def test_the_secured_overlay_serves_a_mesh_of_processes_with_its_own_setti
             env=gateway_env,
         )  # fmt: skip
         procs.append(gateway)
-        # What the kubelet asks, in plaintext, on each health port.
-        for variables, service in (
-            (broker_env["AGENTMESH_HEALTH_PORT"], "mesh.v1.BrokerService"),
-            (gateway_env["AGENTMESH_GATEWAY_HEALTH_PORT"], "mesh.v1.GatewayService"),
-            (agents_env["AGENTMESH_AGENT_HEALTH_PORT"], "mesh.v1.AgentService"),
+        # What the kubelet asks (each readiness probe's service), in plaintext, on each
+        # health port.
+        for name, variables in (
+            ("broker", broker_env["AGENTMESH_HEALTH_PORT"]),
+            ("gateway", gateway_env["AGENTMESH_GATEWAY_HEALTH_PORT"]),
+            ("stock-experts", agents_env["AGENTMESH_AGENT_HEALTH_PORT"]),
         ):
+            [container] = pods[name]["containers"]
+            service = container["readinessProbe"]["grpc"]["service"]
             assert await health_of(f"127.0.0.1:{variables}", service) == SERVING, service
         with pytest.raises(grpc.aio.AioRpcError) as plaintext:
             await health_of(address)

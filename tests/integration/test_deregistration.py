@@ -25,14 +25,15 @@ from mesh import (
     RequestTimeoutError,
     agent,
     serve,
+    serve_all,
 )
-from mesh.agent import AGENT_SERVICE
+from mesh.agent import AGENT_SERVICE, AGENTS_SERVICE
 from mesh.client import GatherResult, MeshClient
 from mesh.config import BrokerConfig
 from mesh.core.model import JSON
 from mesh.testing import LocalMesh
 from mesh.v1 import broker_pb2, broker_pb2_grpc
-from tests.helpers.health import NOT_SERVING, SERVING, watching
+from tests.helpers.health import NOT_SERVING, SERVING, health_of, watching
 from tests.helpers.stores import store_url
 
 
@@ -150,6 +151,40 @@ async def test_a_deregistered_sdk_agent_stops_taking_messages_and_says_so(
         "Payment was deregistered: it takes no more messages (start it again to register it again)",
     ) in said
     assert not [m for level, m in said if level == "ERROR"]
+
+
+async def test_agents_served_together_are_ready_while_every_one_takes_its_messages() -> None:
+    """A process serving several agents (a pod of `agentmesh agent` with a list) is ready,
+    `agentmesh.agents` on each of its servers, while all of them take their messages: one of
+    them deregistered takes the process out of rotation, though the others still serve."""
+
+    @agent("Pay")
+    async def pay(message: Message, ctx: AgentContext) -> dict[str, str]:
+        return {"paid": "yes"}
+
+    @agent("Refund")
+    async def refund(message: Message, ctx: AgentContext) -> dict[str, str]:
+        return {"refunded": "yes"}
+
+    async with LocalMesh() as mesh, mesh.client("admin") as admin:
+        served = await serve_all([pay, refund], mesh.address)
+        first, second = (one.address for one in served)
+        try:
+            for address in (first, second):  # (ready as serve_all returns)
+                assert await health_of(address, AGENTS_SERVICE) == SERVING
+                assert await health_of(address, AGENT_SERVICE) == SERVING
+            async with watching(first, AGENTS_SERVICE) as readiness:
+                await readiness.until(SERVING)
+                await admin.deregister("Refund")
+                await readiness.until(NOT_SERVING)
+            async with watching(second, AGENT_SERVICE) as refund_ready:
+                await refund_ready.until(NOT_SERVING)
+            assert await health_of(second, AGENTS_SERVICE) == NOT_SERVING
+            assert await health_of(first, AGENT_SERVICE) == SERVING  # (Pay still takes them)
+            answer = await admin.request("Pay", {"action": "pay"}, timeout=5)
+            assert answer.content["paid"] == "yes"
+        finally:
+            await served.stop(1.0)
 
 
 async def answer_next(agent: MeshClient, content: dict[str, JSON]) -> None:

@@ -705,23 +705,29 @@ async def test_agents_started_before_their_broker_wait_for_it() -> None:
     started first waits for its broker (60 s by default), its server up meanwhile and not
     ready; once the broker serves, the agents register and take their messages. With
     `--wait-for-broker 0` it fails at once, saying why (before, it always did: a Kubernetes
-    pod of agents restarted with a growing back-off until the broker was up)."""
+    pod of agents restarted with a growing back-off until the broker was up). Its two agents
+    start side by side; the process is ready (`agentmesh.agents`, what its pod's probe asks)
+    once both take their messages."""
     port, first = free_port(), free_ports_in_a_row(2)
     address, at = f"127.0.0.1:{port}", f"127.0.0.1:{first}"
+    servers = (at, f"127.0.0.1:{first + 1}")
     desk = ("agent", "tests.helpers.process_agents:payment_desk", "--broker", address)
-    waiting = r"PaymentAgent at (\S+) waits for its broker"
+    waiting = r"\bPaymentAgent at (\S+) waits for its broker"  # (not BackupPaymentAgent)
     agent = await start(*desk, "--port", str(first), ready=waiting)
     broker = None
     try:
         assert agent.address == at
-        assert await health_of(at) == SERVING  # (liveness)
-        assert await health_of(at, "mesh.v1.AgentService") == NOT_SERVING  # (readiness)
+        for server in servers:  # (both up while the broker is waited for)
+            async with watching(server, wait_for_ready=True) as alive:
+                await alive.until(SERVING)  # (liveness)
+            assert await health_of(server, "mesh.v1.AgentService") == NOT_SERVING  # (readiness)
+            assert await health_of(server, "agentmesh.agents") == NOT_SERVING
         broker = await start("broker", "--port", str(port), ready=BROKER_READY)
-        # Each agent's server is ready once it takes its messages; the second agent's server
-        # starts once the first is ready.
-        for server in (at, f"127.0.0.1:{first + 1}"):
-            async with watching(server, "mesh.v1.AgentService", wait_for_ready=True) as ready:
-                await ready.until(SERVING, 20)  # (or TimeoutError)
+        async with watching(at, "agentmesh.agents") as ready:
+            await ready.until(SERVING, 20)  # (or TimeoutError)
+        for server in servers:  # each agent's server is ready once it takes its messages
+            async with watching(server, "mesh.v1.AgentService") as ready:
+                await ready.until(SERVING, 5)
         async with connect(address, agent_id="Caller") as client:
             for agent_id in ("PaymentAgent", "BackupPaymentAgent"):
                 answer = await client.request(
