@@ -21,6 +21,7 @@ from mesh.config import BrokerConfig, SecurityConfig, ServerConfig
 from mesh.core.auth import Principal
 from mesh.core.broker import Broker, SendOutcome, Subscription
 from mesh.core.errors import (
+    BrokerUnavailableError,
     LimitExceededError,
     MeshError,
     MessageValidationError,
@@ -724,36 +725,53 @@ class _Session:
         await self._answer(out)
 
     async def _pump(self, sub: Subscription, max_batch: int) -> None:
+        """Delivers the subscription's messages (:meth:`_deliver`) until it ends. A fault of
+        the broker's own as it does (a bug: no MeshError) is logged with its traceback and
+        ends the subscription as a lost one: what it held goes back to the queue, its
+        attempt counted (a message that cannot be delivered ends in the dead-letter queue),
+        and the subscriber is told UNAVAILABLE, so that it subscribes again. Never a
+        subscription left open that delivers nothing."""
+        try:
+            await self._deliver(sub, max_batch)
+        except SessionClosedError:
+            return
+        except MeshError as error:  # the broker ended it: its agent was deregistered
+            await self._ended(sub, error)
+        except Exception:
+            logger.exception("the session's deliveries to %s failed", sub.agent_id)
+            await sub.close(lost=True)
+            failed = f"the broker failed to deliver {sub.agent_id}'s messages: subscribe again"
+            await self._ended(sub, BrokerUnavailableError(failed))
+
+    async def _ended(self, sub: Subscription, error: MeshError) -> None:
+        """Tells the subscriber that the broker ended ``sub``, and why."""
+        frame = broker_pb2.ConnectResponse()
+        frame.ended.agent_id = sub.agent_id
+        codec.error_to_pb(error, frame.ended.error)
+        if self.subscriptions.get(sub.agent_id, (None,))[0] is sub:
+            del self.subscriptions[sub.agent_id]
+        with contextlib.suppress(Exception):  # (a stream ended meanwhile: nobody to tell)
+            await self.write(frame)
+
+    async def _deliver(self, sub: Subscription, max_batch: int) -> None:
         """Writes deliveries as they become ready: one per frame, or, when the subscriber
         asked for batches, every ready one (up to max_batch and BATCH_BYTES) in one frame.
         Either way every ready one is leased at once (within max_in_flight): leased one at a
         time, the subscription could not tell that it had emptied the queue, and would look
         at it once more after each delivery."""
         while True:
-            try:
-                batch = await sub.next_batch(max_batch if max_batch > 1 else MAX_BATCH)
-            except SessionClosedError:
-                return
-            except MeshError as error:  # the broker ended it: its agent was deregistered
-                frame = broker_pb2.ConnectResponse()
-                frame.ended.agent_id = sub.agent_id
-                codec.error_to_pb(error, frame.ended.error)
-                with contextlib.suppress(Exception):  # (a stream ended meanwhile: nobody to tell)
-                    await self.write(frame)
-                if self.subscriptions.get(sub.agent_id, (None,))[0] is sub:
-                    del self.subscriptions[sub.agent_id]
-                return
+            batch = await sub.next_batch(max_batch if max_batch > 1 else MAX_BATCH)
             if sub.withdrawn:  # (after the deliveries it names, as this writes them all)
                 frame = broker_pb2.ConnectResponse()
                 _withdrawn_to_pb(sub, frame.withdrawn)
-                await self.write(frame)
+                await self._put(frame)
             if not batch:
                 continue
             if max_batch == 1 or len(batch) == 1:
                 for delivery in batch:
                     frame = broker_pb2.ConnectResponse()
                     codec.delivery_to_pb(delivery, frame.delivery)
-                    await self.write(frame)
+                    await self._put(frame)
                 continue
             frame = broker_pb2.ConnectResponse()
             out, size, stamps = frame.deliveries.deliveries, 0, codec.LeaseStamps()
@@ -761,12 +779,20 @@ class _Session:
                 added = codec.delivery_to_pb(delivery, out.add(), stamps).ByteSize()
                 if size and size + added > BATCH_BYTES:
                     del out[-1]  # full: this one starts the next frame
-                    await self.write(frame)
+                    await self._put(frame)
                     frame = broker_pb2.ConnectResponse()
                     out, size = frame.deliveries.deliveries, 0
                     codec.delivery_to_pb(delivery, out.add(), stamps)
                 size += added
+            await self._put(frame)
+
+    async def _put(self, frame: broker_pb2.ConnectResponse) -> None:
+        """Writes a frame of deliveries; a write that fails is the stream's end (its client
+        went), no fault of the broker's."""
+        try:
             await self.write(frame)
+        except Exception as error:
+            raise SessionClosedError("the session's stream ended") from error
 
     async def _request(self, seq: int, request: broker_pb2.SessionRequest) -> None:
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import time
 from typing import Any
 
@@ -1311,3 +1312,54 @@ async def test_a_subscriber_keeps_a_delivery_by_hand(mesh: LocalMesh) -> None:
         stats = (await client.queue_stats()).for_agent("Desk")
         assert stats is not None and (stats.depth, stats.in_flight) == (0, 0)
         assert (await client.queue_stats()).totals["redelivered_count"] == 0
+
+
+async def test_a_delivery_the_broker_fails_to_write_comes_again_on_a_new_subscription(
+    mesh: LocalMesh, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fault of the broker's own as it writes a delivery on a session (a bug: here, its
+    encoding raising) ends that subscription, and says so with the traceback: what it held
+    goes back to the queue with the attempt counted, the agent is told UNAVAILABLE and
+    subscribes again, and takes the message. Before, the session's delivering task died
+    without a word: the subscription stayed open, and the agent's messages waited in its
+    queue. A message that can never be written ends in the dead-letter queue."""
+    from mesh import codec, serve
+
+    caplog.set_level(logging.WARNING)
+    encode = codec.delivery_to_pb
+    written: list[tuple[str, int]] = []
+
+    def faulty(delivery: Any, out: Any, *args: Any) -> Any:
+        action = delivery.message.content["action"]
+        written.append((action, delivery.attempt))
+        if action == "never" or delivery.attempt == 1:
+            raise RuntimeError("a bug in the broker's encoding")
+        return encode(delivery, out, *args)
+
+    monkeypatch.setattr(codec, "delivery_to_pb", faulty)
+    handled: list[str] = []
+
+    @agent("Ledger")
+    async def ledger(message: Message, ctx: AgentContext) -> dict[str, str]:
+        handled.append(message.content["action"])
+        return {"posted": "yes"}
+
+    async with mesh.client("Caller") as caller:
+        served = await serve(ledger, mesh.address)
+        try:
+            answer = await caller.request("Ledger", {"action": "post"}, timeout=10)
+            assert answer.content["posted"] == "yes"
+            assert written == [("post", 1), ("post", 2)] and handled == ["post"]
+            await caller.send("Ledger", {"action": "never"})
+            dead = await only_dead_letter(caller, "Ledger")
+            assert dead.message.content == {"action": "never"} and dead.attempts == 4
+            assert written[2:] == [("never", n) for n in (1, 2, 3, 4)]
+            answer = await caller.request("Ledger", {"action": "post"}, timeout=10)
+            assert answer.content["posted"] == "yes"  # (the agent serves on)
+            assert handled == ["post", "post"]
+        finally:
+            await served.stop(1.0)
+    faults = [r for r in caplog.records if r.name == "mesh.server"]
+    assert {r.getMessage() for r in faults} == {"the session's deliveries to Ledger failed"}
+    assert all(r.levelname == "ERROR" and r.exc_info for r in faults)
+    assert len(faults) == 1 + 4 + 1
