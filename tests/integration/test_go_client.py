@@ -346,19 +346,23 @@ async def test_a_deregistered_go_agent_stops_taking_messages_and_says_so(
 ) -> None:
     """Told by the broker (its session's subscription ended, AGENT_DEREGISTERED; pushed to,
     the broker's NotifyDeregistered call), the Go agent goes NOT_SERVING and stays off the
-    mesh until stopped, rather than registering again."""
+    mesh until stopped, rather than registering again. Its process's readiness
+    (`agentmesh.agents`, which a pod's probe asks, as of the Python agents) says the same."""
     broker = embedded.broker.address
     flags = ("-push",) if push else ()
     agent = await start_go_agent(meshgo, go_agents, broker, "GoLeavingDesk", *flags)
     async with (
         connect(broker, agent_id="PyAdmin") as admin,
         watching(agent.address, "mesh.v1.AgentService") as readiness,
+        watching(agent.address, "agentmesh.agents") as pod,
     ):
         await readiness.until(SERVING)
+        await pod.until(SERVING)
         answer = await admin.request("GoLeavingDesk", {"action": "book"}, timeout=10)
         assert answer.content["echo"] == {"action": "book"}
         await admin.deregister("GoLeavingDesk")
         await readiness.until(NOT_SERVING)
+        await pod.until(NOT_SERVING)
         await asyncio.sleep(1.0)  # (past its first delay before registering again)
         assert "GoLeavingDesk" not in [a.agent_id for a in await admin.list_agents()]
         assert await health_of(agent.address) == SERVING  # (the process itself: alive)

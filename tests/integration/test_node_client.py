@@ -48,6 +48,7 @@ NODE_TESTS = (
     "TLS files that cannot be used are said as the client or server is made, naming them",
     "an agent's health port is a port, 0 for any free one, or -1 for none",
     "an agent waits for its broker a number of milliseconds, 0 or more",
+    "a process serving several Node agents is ready while every one takes its messages",
 )
 """Tests of clients/node/test/ whose names the run must show."""
 

@@ -67,9 +67,11 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 )
 
-// The services whose health the agent reports (its own) and follows (the broker's).
+// The services whose health the agent reports (its own, and its process's readiness as
+// the Python agents name it) and follows (the broker's).
 const (
 	agentService  = "mesh.v1.AgentService"
+	agentsService = "agentmesh.agents"
 	brokerService = "mesh.v1.BrokerService"
 )
 
@@ -814,9 +816,9 @@ func runAgent(args []string) error {
 	meshv1.RegisterAgentServiceServer(server, &agentServer{agent: a})
 	// The server as a whole ("", which liveness asks) serves until it stops; the Agent
 	// service (readiness) only while the agent takes its messages: subscribed on a session,
-	// or registered for push with a broker that serves.
+	// or registered for push with a broker that serves. So does agentmesh.agents, which
+	// speaks for every agent of the process (one here), as the Python agents say it.
 	healthy := health.NewServer()
-	healthy.SetServingStatus(agentService, healthpb.HealthCheckResponse_NOT_SERVING)
 	healthpb.RegisterHealthServer(server, healthy)
 	ready := func(yes bool) {
 		status := healthpb.HealthCheckResponse_NOT_SERVING
@@ -824,7 +826,9 @@ func runAgent(args []string) error {
 			status = healthpb.HealthCheckResponse_SERVING
 		}
 		healthy.SetServingStatus(agentService, status)
+		healthy.SetServingStatus(agentsService, status)
 	}
+	ready(false)
 	reflection.Register(server)
 	go server.Serve(listener)
 	// A health port: the same statuses, in plaintext, for probes that cannot speak TLS (a

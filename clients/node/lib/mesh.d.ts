@@ -970,7 +970,9 @@ export interface ServedAgent {
 /**
  * Serves an agent: its own gRPC server, registered with the broker, taking deliveries.
  * Resolves once it takes its messages (its health for mesh.v1.AgentService says SERVING then,
- * and NOT_SERVING while it has lost the broker), or after 10 s, still trying. Deregistered
+ * and NOT_SERVING while it has lost the broker), or after 10 s, still trying. Its health for
+ * agentmesh.agents, the process's readiness, says SERVING while every agent the process serves
+ * takes its messages. Deregistered
  * (agentmesh deregister), a pulling agent takes no more messages and stays NOT_SERVING: it
  * does not register itself again.
  */

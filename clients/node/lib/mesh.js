@@ -2304,6 +2304,23 @@ function reflectable(pkg) {
 }
 const REFLECTED = reflectable(definition);
 
+/** The health name of a process's readiness: SERVING on each of its agents' servers while
+ * every agent it serves takes its messages (as the Python agents say it). */
+const AGENTS_SERVICE = 'agentmesh.agents';
+/** The agents this process serves, each {health, ready, said}. */
+const servedHere = new Set();
+
+/** Says AGENTS_SERVICE on the server of every agent this process serves. */
+function sayServedHere() {
+  const all = [...servedHere].every((one) => one.ready) ? 'SERVING' : 'NOT_SERVING';
+  for (const one of servedHere) {
+    if (one.said !== all) {
+      one.said = all;
+      one.health.setStatus(AGENTS_SERVICE, all);
+    }
+  }
+}
+
 /**
  * Serves an agent: its own gRPC server (Agent service, with grpc.health.v1 and reflection),
  * registered with the broker, taking its deliveries from a subscription. handler(message,
@@ -2479,18 +2496,23 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
   // liveness asks) serves until it stops; mesh.v1.AgentService (readiness) only while the
   // agent takes its messages: subscribed (pull), or registered with a broker that serves
   // (push).
+  // agentmesh.agents (AGENTS_SERVICE) says the readiness of the process: SERVING while every
+  // agent it serves takes its messages.
   const health = new HealthImplementation(
-    { '': 'SERVING', 'mesh.v1.AgentService': 'NOT_SERVING' });
+    { '': 'SERVING', 'mesh.v1.AgentService': 'NOT_SERVING', [AGENTS_SERVICE]: 'NOT_SERVING' });
   let stopped = false;
   let deregistered = false;
   let ready = false;
+  const here = { health, ready: false, said: 'NOT_SERVING' };
   let tookFirst;
   const firstTake = new Promise((resolve) => { tookFirst = resolve; });
   const takesMessages = (yes) => {
     if (yes) tookFirst();
     if (stopped || yes === ready) return; // (a watcher is told each setStatus, same or not)
     ready = yes;
+    here.ready = yes;
     health.setStatus('mesh.v1.AgentService', yes ? 'SERVING' : 'NOT_SERVING');
+    sayServedHere();
   };
   health.addToServer(server);
   new ReflectionService(REFLECTED, { services: ['mesh.v1.AgentService'] }).addToServer(server);
@@ -2512,6 +2534,8 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     });
     healthAddress = `${host}:${bound}`;
   }
+  servedHere.add(here); // (from here on: a start that fails takes it out again)
+  sayServedHere();
   const client = new MeshClient(broker, { agentId, ...options });
   const delays = [100, 500, 1000, 2000]; // (as the Python and Go agents wait)
   // A broker not reachable yet (started beside the agent, as a deployment does) is waited
@@ -2524,6 +2548,8 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     } catch (err) {
       const delayMs = delays[Math.min(attempt, delays.length - 1)];
       if (err.codeName !== 'UNAVAILABLE' || Date.now() + delayMs > giveUp) {
+        servedHere.delete(here);
+        sayServedHere();
         client.close();
         server.forceShutdown();
         if (healthServer) healthServer.forceShutdown();
@@ -2658,6 +2684,9 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     // Out of service first: probes and callers look elsewhere while it finishes its work.
     health.setStatus('', 'NOT_SERVING');
     health.setStatus('mesh.v1.AgentService', 'NOT_SERVING');
+    health.setStatus(AGENTS_SERVICE, 'NOT_SERVING');
+    servedHere.delete(here); // (no longer one of the process's: the others' readiness is theirs)
+    sayServedHere();
     if (subscription) await subscription.close(graceMs);
     if (watch) watch.cancel();
     if (wake) wake();

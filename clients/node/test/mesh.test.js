@@ -20,16 +20,24 @@ test.before(async () => {
 });
 test.after(() => mesh && mesh.stop());
 
-/** Checks of an agent's readiness (its health for mesh.v1.AgentService) at its address. */
-function readinessProbe(address) {
+/** Checks of an agent's readiness (its health for mesh.v1.AgentService, or service) at its
+ * address; until(status) checks every 20 ms until it says status (10 s at most). */
+function readinessProbe(address, service = 'mesh.v1.AgentService') {
   const health = require('grpc-health-check');
   const Health = grpc.makeGenericClientConstructor(health.service, 'Health');
   const probe = new Health(address, grpc.credentials.createInsecure());
+  const check = () => new Promise((resolve, reject) => {
+    probe.Check({ service }, (err, res) => (err ? reject(err) : resolve(res.status)));
+  });
   return {
-    check: () => new Promise((resolve, reject) => {
-      probe.Check({ service: 'mesh.v1.AgentService' },
-        (err, res) => (err ? reject(err) : resolve(res.status)));
-    }),
+    check,
+    async until(status) {
+      const deadline = Date.now() + 10000;
+      while (await check() !== status && Date.now() < deadline) {
+        await new Promise((resolve) => { setTimeout(resolve, 20); });
+      }
+      return check();
+    },
     close: () => probe.close(),
   };
 }
@@ -385,6 +393,38 @@ test('a Node agent says NOT_SERVING as it stops, and finishes what it was handli
       probe.close();
       client.close();
       await agent.stop(); // (whatever failed above: a server left running holds the process)
+    }
+  });
+
+test('a process serving several Node agents is ready while every one takes its messages',
+  async () => {
+    // agentmesh.agents, on each agent's server: what a pod's readiness probe asks.
+    const first = await serveAgent({ broker: BROKER, agentId: 'NodeDeskA',
+      handler: async () => ({ desk: 'A' }) });
+    const second = await serveAgent({ broker: BROKER, agentId: 'NodeDeskB',
+      handler: async () => ({ desk: 'B' }) });
+    const pod = readinessProbe(first.address, 'agentmesh.agents');
+    const secondsProcess = readinessProbe(second.address, 'agentmesh.agents');
+    const own = readinessProbe(first.address);
+    const client = new MeshClient(BROKER, { agentId: 'NodeDeskAdmin' });
+    const warn = console.warn;
+    console.warn = () => {}; // (NodeDeskB says it was deregistered)
+    try {
+      assert.equal(await pod.check(), 'SERVING');
+      assert.equal(await secondsProcess.check(), 'SERVING');
+      await client.deregister('NodeDeskB'); // it takes no more messages: the process is not ready
+      assert.equal(await pod.until('NOT_SERVING'), 'NOT_SERVING');
+      assert.equal(await own.check(), 'SERVING'); // (NodeDeskA itself still takes them)
+      const answer = await client.request('NodeDeskA', { action: 'ask' }, { timeoutMs: 10000 });
+      assert.equal(answer.content.desk, 'A');
+      await second.stop(); // no longer one of the process's agents
+      assert.equal(await pod.until('SERVING'), 'SERVING');
+    } finally {
+      console.warn = warn;
+      for (const probe of [pod, secondsProcess, own]) probe.close();
+      client.close();
+      await second.stop();
+      await first.stop();
     }
   });
 
