@@ -1001,6 +1001,7 @@ class AgentServer:
         client: MeshClient,
         *,
         owns_client: bool = True,
+        together: _Together | None = None,
     ) -> None:
         self.agent = agent
         self.server = server
@@ -1008,6 +1009,7 @@ class AgentServer:
         self.client = client
         self.owns_client = owns_client
         """False when the client was given to :func:`serve` (shared with other agents)."""
+        self._together = together
 
     @property
     def address(self) -> str:
@@ -1016,6 +1018,8 @@ class AgentServer:
     async def stop(self, grace: float = 5.0) -> None:
         """Graceful shutdown: NOT_SERVING, finish or return work, deregister, stop."""
         await self.server.health.enter_graceful_shutdown()  # (for good: no watcher undoes it)
+        if self._together is not None:
+            self._together.leave(self.runtime)  # (the others' readiness is theirs alone now)
         await self.runtime.stop(grace)
         await self.server.stop(grace)
         if self.owns_client:
@@ -1051,6 +1055,13 @@ class _Together:
         self.followers.append(server.follow([AGENTS_SERVICE], self.serving))
         runtime.subscribed_watchers.append(self.changed)
         self.changed()
+
+    def leave(self, runtime: AgentRuntime) -> None:
+        """An agent stopping: no longer one the process serves."""
+        if runtime in self.runtimes:
+            self.runtimes.remove(runtime)
+            self.size -= 1
+            self.changed()
 
     async def say(self, server: MeshServer) -> None:
         """Says it on ``server`` now (its follower says it too, a moment later)."""
@@ -1147,7 +1158,7 @@ async def serve(
         raise
     # Not a structured event: the broker logs the registration (category "registry").
     logger.info("agent %s serving on %s", agent.agent_id, server.address)
-    return AgentServer(agent, server, runtime, client, owns_client=owns_client)
+    return AgentServer(agent, server, runtime, client, owns_client=owns_client, together=together)
 
 
 class ServedAgents:

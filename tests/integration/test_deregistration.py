@@ -156,7 +156,8 @@ async def test_a_deregistered_sdk_agent_stops_taking_messages_and_says_so(
 async def test_agents_served_together_are_ready_while_every_one_takes_its_messages() -> None:
     """A process serving several agents (a pod of `agentmesh agent` with a list) is ready,
     `agentmesh.agents` on each of its servers, while all of them take their messages: one of
-    them deregistered takes the process out of rotation, though the others still serve."""
+    them deregistered takes the process out of rotation, though the others still serve; once
+    it is stopped, the process is ready again."""
 
     @agent("Pay")
     async def pay(message: Message, ctx: AgentContext) -> dict[str, str]:
@@ -183,6 +184,9 @@ async def test_agents_served_together_are_ready_while_every_one_takes_its_messag
             assert await health_of(first, AGENT_SERVICE) == SERVING  # (Pay still takes them)
             answer = await admin.request("Pay", {"action": "pay"}, timeout=5)
             assert answer.content["paid"] == "yes"
+            async with watching(first, AGENTS_SERVICE) as readiness:
+                await served.servers[1].stop(1.0)  # (no longer one the process serves)
+                await readiness.until(SERVING)
         finally:
             await served.stop(1.0)
 
