@@ -729,13 +729,17 @@ class _Session:
         the broker's own as it does (a bug: no MeshError) is logged with its traceback and
         ends the subscription as a lost one: what it held goes back to the queue, its
         attempt counted (a message that cannot be delivered ends in the dead-letter queue),
-        and the subscriber is told UNAVAILABLE, so that it subscribes again. Never a
-        subscription left open that delivers nothing."""
+        and the subscriber is told UNAVAILABLE, so that it subscribes again. An error the
+        broker names ends it the same way, telling that error (without a word in the log,
+        and, when the broker itself ended the subscription, with nothing left to close).
+        Never a subscription left open that delivers nothing."""
         try:
             await self._deliver(sub, max_batch)
         except SessionClosedError:
             return
-        except MeshError as error:  # the broker ended it: its agent was deregistered
+        except MeshError as error:
+            if sub.ended_by is None:  # (else the broker ended it: its agent was deregistered)
+                await sub.close(lost=True)
             await self._ended(sub, error)
         except Exception:
             logger.exception("the session's deliveries to %s failed", sub.agent_id)

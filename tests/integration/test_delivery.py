@@ -1363,3 +1363,36 @@ async def test_a_delivery_the_broker_fails_to_write_comes_again_on_a_new_subscri
     assert {r.getMessage() for r in faults} == {"the session's deliveries to Ledger failed"}
     assert all(r.levelname == "ERROR" and r.exc_info for r in faults)
     assert len(faults) == 1 + 4 + 1
+
+
+async def test_a_delivery_the_broker_refuses_to_write_goes_back_to_the_queue_at_once(
+    mesh: LocalMesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same with an error the broker names (here, its encoding refusing the message
+    once): the subscription ends saying that error, and what it held is back in the queue at
+    once, not when its lease (30 s) runs out. Before, it stayed leased to a subscription
+    nobody wrote for."""
+    from mesh import codec, serve
+
+    encode = codec.delivery_to_pb
+    written: list[int] = []
+
+    def refusing(delivery: Any, out: Any, *args: Any) -> Any:
+        written.append(delivery.attempt)
+        if delivery.attempt == 1:
+            raise MessageValidationError.for_field("message.content", "cannot be written")
+        return encode(delivery, out, *args)
+
+    monkeypatch.setattr(codec, "delivery_to_pb", refusing)
+
+    @agent("Ledger")
+    async def ledger(message: Message, ctx: AgentContext) -> dict[str, str]:
+        return {"posted": "yes"}
+
+    async with mesh.client("Caller") as caller:
+        served = await serve(ledger, mesh.address)
+        try:
+            answer = await caller.request("Ledger", {"action": "post"}, timeout=10)
+            assert answer.content["posted"] == "yes" and written == [1, 2]
+        finally:
+            await served.stop(1.0)
