@@ -534,6 +534,15 @@ class _Session:
                 raise _invalid("frame", "the frame carries nothing")
         except MeshError as error:
             await self._error(seq, error)
+        except Exception as error:
+            await self._internal(seq, kind, error)
+
+    async def _internal(self, seq: int, kind: str | None, error: Exception) -> None:
+        """A fault of the broker's own as it served a frame (a bug): logged with its
+        traceback, and that frame answered INTERNAL "internal error", nothing more said; the
+        session, and every subscription and request it carries, goes on."""
+        logger.error("a session's %s frame failed", kind or "empty", exc_info=error)
+        await self._error(seq, MeshError("internal error", code="INTERNAL", reason="INTERNAL"))
 
     async def _confirm_later(self, seq: int, outcome: SendOutcome) -> None:
         """Confirms a send once the store has committed it, with the sends taken in before
@@ -644,6 +653,9 @@ class _Session:
         except MeshError as error:
             await self._error(seq, error)
             return
+        except Exception as error:
+            await self._internal(seq, "gather", error)
+            return
         items = self.broker.gather(
             message,
             agent_ids=list(request.agent_ids),
@@ -668,6 +680,9 @@ class _Session:
                     await posted.popleft()
         except MeshError as error:
             await self._error(seq, error)
+            return
+        except Exception as error:
+            await self._internal(seq, "gather", error)
             return
         finally:
             await items.aclose()
@@ -808,6 +823,9 @@ class _Session:
             )
         except MeshError as error:
             await self._error(seq, error)
+            return
+        except Exception as error:
+            await self._internal(seq, "request", error)
             return
         frame = broker_pb2.ConnectResponse(seq=seq)
         codec.message_to_pb(answer, frame.response)

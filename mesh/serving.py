@@ -8,7 +8,7 @@ import logging
 import weakref
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, text_format
@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from mesh._status import abort
 from mesh.config import SecurityConfig, check_environment, seconds_from_env
-from mesh.core.errors import MessageValidationError
+from mesh.core.errors import MeshError, MessageValidationError
 from mesh.core.tasks import cancel_and_wait
 from mesh.headroom import parser_for
 from mesh.security import AuthInterceptor, authenticator_for, server_credentials
@@ -184,6 +184,31 @@ def lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], An
     return decode
 
 
+async def _written(result: Any, context: Any) -> Any:
+    """What a streaming handler returns: an async generator's items written one by one (a
+    handler that writes them itself returns its own result)."""
+    if hasattr(result, "__aiter__"):
+        async for item in result:
+            await context.write(item)
+        return None
+    return await result
+
+
+async def failed(context: Any, method: str, error: Exception) -> NoReturn:
+    """Ends a call whose handler raised ``error``: an abort goes on as it is, a MeshError
+    says its status; anything else is a fault of the server's own (a bug), logged with its
+    traceback and answered INTERNAL "internal error", nothing of it told the caller (whose
+    gRPC would otherwise send the exception's text, as UNKNOWN). A call its client already
+    ended is left to end."""
+    if isinstance(error, grpc.aio.AbortError) or context.done():
+        raise error
+    if isinstance(error, MeshError):
+        await abort(context, error)
+    logger.error("%s failed", method, exc_info=error)
+    await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+    raise AssertionError("unreachable")  # (abort always raises)
+
+
 class ContractInterceptor(grpc.aio.ServerInterceptor):
     """Answers undecodable requests with INVALID_ARGUMENT. Streams receive
     :class:`Malformed` items and answer them one by one (the Connect session does), and so
@@ -208,31 +233,52 @@ class ContractInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or details.method.startswith(("/grpc.health.", "/grpc.reflection.")):
             return handler
-        if handler.request_streaming or details.method in self.reads_malformed:
-            return handler._replace(request_deserializer=lenient(handler.request_deserializer))
+        method = details.method
         decode = lenient(handler.request_deserializer)
+        refuses = not (handler.request_streaming or method in self.reads_malformed)
         if handler.unary_unary:
             inner_uu = handler.unary_unary
 
             async def unary_unary(request: Any, context: Any) -> Any:
-                if isinstance(request, Malformed):
-                    await self._refuse(context, request)
-                return await inner_uu(request, context)
+                try:
+                    if refuses and isinstance(request, Malformed):
+                        await self._refuse(context, request)
+                    return await inner_uu(request, context)
+                except Exception as error:
+                    await failed(context, method, error)
 
             return handler._replace(unary_unary=unary_unary, request_deserializer=decode)
-        inner_us = handler.unary_stream
+        if handler.unary_stream:
+            inner_us = handler.unary_stream
 
-        async def unary_stream(request: Any, context: Any) -> Any:
-            if isinstance(request, Malformed):
-                await self._refuse(context, request)
-            result = inner_us(request, context)
-            if hasattr(result, "__aiter__"):
-                async for item in result:
-                    await context.write(item)
-                return None
-            return await result
+            async def unary_stream(request: Any, context: Any) -> Any:
+                try:
+                    if refuses and isinstance(request, Malformed):
+                        await self._refuse(context, request)
+                    return await _written(inner_us(request, context), context)
+                except Exception as error:
+                    await failed(context, method, error)
 
-        return handler._replace(unary_stream=unary_stream, request_deserializer=decode)
+            return handler._replace(unary_stream=unary_stream, request_deserializer=decode)
+        if handler.stream_stream:
+            inner_ss = handler.stream_stream
+
+            async def stream_stream(requests: Any, context: Any) -> Any:
+                try:
+                    return await _written(inner_ss(requests, context), context)
+                except Exception as error:
+                    await failed(context, method, error)
+
+            return handler._replace(stream_stream=stream_stream, request_deserializer=decode)
+        inner_su = handler.stream_unary
+
+        async def stream_unary(requests: Any, context: Any) -> Any:
+            try:
+                return await inner_su(requests, context)
+            except Exception as error:
+                await failed(context, method, error)
+
+        return handler._replace(stream_unary=stream_unary, request_deserializer=decode)
 
     async def _refuse(self, context: Any, malformed: Malformed) -> None:
         if self.on_malformed is not None:
