@@ -194,7 +194,7 @@ async def _written(result: Any, context: Any) -> Any:
     return await result
 
 
-async def failed(context: Any, method: str, error: Exception) -> NoReturn:
+async def _fail(context: Any, method: str, error: Exception) -> NoReturn:
     """Ends a call whose handler raised ``error``: an abort goes on as it is, a MeshError
     says its status; anything else is a fault of the server's own (a bug), logged with its
     traceback and answered INTERNAL "internal error", nothing of it told the caller (whose
@@ -245,7 +245,7 @@ class ContractInterceptor(grpc.aio.ServerInterceptor):
                         await self._refuse(context, request)
                     return await inner_uu(request, context)
                 except Exception as error:
-                    await failed(context, method, error)
+                    await _fail(context, method, error)
 
             return handler._replace(unary_unary=unary_unary, request_deserializer=decode)
         if handler.unary_stream:
@@ -257,7 +257,7 @@ class ContractInterceptor(grpc.aio.ServerInterceptor):
                         await self._refuse(context, request)
                     return await _written(inner_us(request, context), context)
                 except Exception as error:
-                    await failed(context, method, error)
+                    await _fail(context, method, error)
 
             return handler._replace(unary_stream=unary_stream, request_deserializer=decode)
         if handler.stream_stream:
@@ -267,7 +267,7 @@ class ContractInterceptor(grpc.aio.ServerInterceptor):
                 try:
                     return await _written(inner_ss(requests, context), context)
                 except Exception as error:
-                    await failed(context, method, error)
+                    await _fail(context, method, error)
 
             return handler._replace(stream_stream=stream_stream, request_deserializer=decode)
         inner_su = handler.stream_unary
@@ -276,7 +276,7 @@ class ContractInterceptor(grpc.aio.ServerInterceptor):
             try:
                 return await inner_su(requests, context)
             except Exception as error:
-                await failed(context, method, error)
+                await _fail(context, method, error)
 
         return handler._replace(stream_unary=stream_unary, request_deserializer=decode)
 
