@@ -323,7 +323,10 @@ function readHandoff(content, metadata) {
 
 /** A plain object from a mesh.v1.Message (a HANDOFF's payload read out as `handoff`). */
 function readMessage(pb) {
-  const type = String(pb.message_type).replace('MESSAGE_TYPE_', '');
+  let type = String(pb.message_type).replace('MESSAGE_TYPE_', '');
+  if (type === 'UNSPECIFIED') type = pb.to_agent === 'broadcast' ? 'BROADCAST' : 'REQUEST';
+  let priority = String(pb.priority).replace('PRIORITY_', '');
+  if (priority === 'UNSPECIFIED') priority = 'MEDIUM';
   const content = pb.content ? fromStruct(pb.content) : null;
   const metadata = fromStruct(pb.metadata);
   return {
@@ -335,7 +338,7 @@ function readMessage(pb) {
     timestamp: isoTime(pb.timestamp),
     metadata,
     correlationId: pb.correlation_id,
-    priority: String(pb.priority).replace('PRIORITY_', ''),
+    priority,
     ttl: pb.ttl,
     replyTo: pb.reply_to,
     ackRequired: pb.ack_required,
@@ -396,6 +399,111 @@ function richStatus(metadata) {
  * would refuse it ([field, description] pairs): RT-011's required fields, the content keys the
  * agent requires (of a REQUEST or HANDOFF), and an agent id other than the one the server serves.
  */
+/** What a message called to an agent's own server may be at most, as the broker and the
+ * Python agents hold it (RT-011's defaults). */
+const DIRECT_LIMITS = { messageBytes: 1024 * 1024, ttl: 86400 };
+/** A google.protobuf.Timestamp's range: 0001-01-01T00:00:00Z to 9999-12-31T23:59:59Z. */
+const TIMESTAMP_SECONDS = [-62135596800, 253402300799];
+/** The symbol under which an agent server's deserializer keeps the bytes of a call's
+ * message (its size), or why the call could not be read. */
+const WIRE = Symbol('wire');
+
+/**
+ * What in a message called to an agent's own server the Python agents refuse before their
+ * handler runs, from its wire form (pb, as read) and its size in bytes: a type or priority
+ * the contract does not define, a timestamp out of a Timestamp's range, a ttl that is
+ * negative or past a day, a message past 1 MiB, and a number JSON cannot write (NaN,
+ * Infinity). Each a [field, description] pair.
+ */
+function wireViolations(pb, bytes) {
+  const found = [];
+  const undefinedEnum = (field, value, prefix, names) => {
+    if (!String(value).startsWith(prefix)) {
+      const known = names.map((name, i) => `${name}=${i + 1}`).join(', ');
+      found.push([field, `${field} ${value} is not defined (known: ${known})`]);
+    }
+  };
+  undefinedEnum('message_type', pb.message_type, 'MESSAGE_TYPE_', MESSAGE_TYPES);
+  undefinedEnum('priority', pb.priority, 'PRIORITY_', PRIORITIES);
+  const ts = pb.timestamp;
+  if (ts && !(ts.seconds >= TIMESTAMP_SECONDS[0] && ts.seconds <= TIMESTAMP_SECONDS[1]
+    && ts.nanos >= 0 && ts.nanos <= 999999999)) {
+    found.push(['timestamp', 'timestamp must be from 0001-01-01T00:00:00Z to '
+      + `9999-12-31T23:59:59.999999999Z (seconds ${ts.seconds}, nanos ${ts.nanos})`]);
+  }
+  if (pb.ttl < 0) found.push(['ttl', 'ttl must not be negative']);
+  if (pb.ttl > DIRECT_LIMITS.ttl) {
+    found.push(['ttl', `ttl must be at most ${DIRECT_LIMITS.ttl} seconds`]);
+  }
+  if (bytes > DIRECT_LIMITS.messageBytes) {
+    found.push(['message',
+      `message is ${bytes} bytes; the limit is ${DIRECT_LIMITS.messageBytes} bytes`]);
+  }
+  for (const [name, struct] of [['content', pb.content], ['metadata', pb.metadata]]) {
+    const where = nonFinite(struct && { kind: 'structValue', structValue: struct },
+      `message.${name}`);
+    if (where) { // (said as the Python agents say it: their decoder refuses it)
+      found.push([where, 'the request is not a valid mesh.v1.HandleMessageRequest: '
+        + `${where} is NaN or Infinity, which JSON has no way to write`]);
+    }
+  }
+  return found;
+}
+
+/** Where in a google.protobuf.Value (as read) a number is NaN or Infinity, or null. */
+function nonFinite(value, at) {
+  if (!value) return null;
+  if (value.kind === 'numberValue') return Number.isFinite(value.numberValue) ? null : at;
+  const inner = value.kind === 'structValue'
+    ? Object.entries((value.structValue && value.structValue.fields) || {})
+    : value.kind === 'listValue'
+      ? ((value.listValue && value.listValue.values) || []).map((v, i) => [i, v])
+      : [];
+  for (const [key, item] of inner) {
+    const found = nonFinite(item, `${at}.${key}`);
+    if (found) return found;
+  }
+  return null;
+}
+
+/**
+ * An agent server's service definition: each method's requests read by the contract's
+ * deserializer, a request that cannot be read kept as why (WIRE) for its handler to refuse
+ * INVALID_ARGUMENT (grpc-js would answer INTERNAL), and a HandleMessage's message size kept
+ * beside it (the bytes of field 1, as the Python agents count it).
+ */
+function readableService(service) {
+  return Object.fromEntries(Object.entries(service).map(([name, method]) => [name, {
+    ...method,
+    requestDeserialize: (buffer) => {
+      try {
+        const request = method.requestDeserialize(buffer);
+        request[WIRE] = { bytes: messageBytes(buffer) };
+        return request;
+      } catch (err) {
+        const [, service, rpc] = method.path.split('/'); // ('/mesh.v1.AgentService/HandleMessage')
+        const type = `${service.slice(0, service.lastIndexOf('.') + 1)}${rpc}Request`;
+        return { [WIRE]: { unreadable: `the request is not a valid ${type}: ${err.message}` } };
+      }
+    },
+  }]));
+}
+
+/** A HandleMessageRequest's message when it has none: an empty one, as read. */
+const NO_MESSAGE = meshV1.AgentService.service.HandleMessage
+  .requestDeserialize(Buffer.from([0x0a, 0x00])).message;
+
+/** The size of field 1 (a HandleMessageRequest's message) in a request's bytes; 0 without. */
+function messageBytes(buffer) {
+  if (buffer.length < 2 || buffer[0] !== 0x0a) return 0;
+  let size = 0;
+  for (let i = 1, shift = 0; i < buffer.length && i < 6; i += 1, shift += 7) {
+    size += (buffer[i] & 0x7f) * 2 ** shift;
+    if (!(buffer[i] & 0x80)) return size;
+  }
+  return 0;
+}
+
 function directViolations(message, agentId, requiredFields = []) {
   const found = [];
   if (!message.from) found.push(['from_agent', 'from_agent is required']);
@@ -2440,17 +2548,30 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     { cancellable: true, signal });
     return { ...response, to_agent: message.replyTo || message.from };
   };
-  server.addService(meshV1.AgentService.service, {
+  // (a request that cannot be read is refused INVALID_ARGUMENT, as by every server of the mesh)
+  const unreadable = (call, callback) => {
+    const why = call.request[WIRE] && call.request[WIRE].unreadable;
+    if (why) callback(invalidArgument([['', why]]));
+    return Boolean(why);
+  };
+  server.addService(readableService(meshV1.AgentService.service), {
     HandleMessage: (call, callback) => {
+      if (unreadable(call, callback)) return;
       const aborting = new AbortController(); // the caller gave up: the handler may stop
       call.on('cancelled', () => aborting.abort(new MeshError({ code: grpc.status.CANCELLED,
         details: 'the caller cancelled the call' })));
-      const message = readMessage(call.request.message);
-      const refused = refusal(call, message.from, 'send');
+      const pb = call.request.message || NO_MESSAGE; // (read as the empty message it stands for)
+      const refused = refusal(call, pb.from_agent, 'send');
       if (refused) {
         callback(refused);
         return;
       }
+      const wrong = wireViolations(pb, call.request[WIRE].bytes);
+      if (wrong.length) {
+        callback(invalidArgument(wrong));
+        return;
+      }
+      const message = readMessage(pb);
       const violations = directViolations(message, agentId, requiredFields);
       if (violations.length) {
         callback(invalidArgument(violations));
@@ -2465,13 +2586,14 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
           ? { code: err.code, details: err.message }
           : { code: grpc.status.INTERNAL, details: String(err) }));
     },
-    DescribeAgent: (call, callback) => callback(refusal(call), {
+    DescribeAgent: (call, callback) => unreadable(call, callback) || callback(refusal(call), {
       card: { agent_id: agentId, agent_types: agentTypes, capabilities, tools: [],
         description, actions },
     }),
     // The broker's notice that the agent was deregistered: a pushed agent holds no session
     // whose end would tell it. One that pulls learns it from its subscription instead.
     NotifyDeregistered: (call, callback) => {
+      if (unreadable(call, callback)) return;
       const named = call.request.agent_id;
       const refused = refusal(call, named, 'deregister');
       if (refused) {
