@@ -23,6 +23,11 @@ from mesh import (
     connect,
 )
 from mesh.testing import LocalMesh
+from tests.helpers.direct import (
+    answers_to_bad_direct_calls,
+    assert_said_alike,
+    python_agent_answers,
+)
 from tests.helpers.health import NOT_SERVING, SERVING, health_of, tls_health, watching
 from tests.helpers.processes import (
     BROKER_READY,
@@ -338,6 +343,23 @@ async def test_a_go_agent_names_the_content_fields_it_requires(
             )
             await direct.handle(alert)  # (an alert is not held to them)
     await agent.stop()
+
+
+async def test_a_go_agent_refuses_bad_direct_calls_as_the_python_agents_do(
+    meshgo: Path, go_agents: list[GoAgent]
+) -> None:
+    """Plain gRPC to the agents' own servers, the same bad requests to a Go agent and to a
+    Python one: each refused INVALID_ARGUMENT, saying the same. Before, the Go agent answered
+    garbage INTERNAL (grpc-go's "error unmarshalling request"), and took and echoed an
+    undefined type or priority, a ttl out of range, a timestamp out of range, NaN and
+    messages past 1 MiB."""
+    async with LocalMesh() as mesh:
+        python = await python_agent_answers(mesh, "GoBadCallers")
+        agent = await start_go_agent(meshgo, go_agents, mesh.address, "GoBadCallers")
+        go = await answers_to_bad_direct_calls(agent.address, "GoBadCallers")
+        assert agent.process.returncode is None  # (the Go agent still serves)
+        await agent.stop()
+    assert_said_alike(go, python)
 
 
 @pytest.mark.parametrize("push", [False, True], ids=["pull", "push"])

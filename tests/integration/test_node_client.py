@@ -14,6 +14,11 @@ import pytest
 
 from gateway.embedded import EmbeddedMesh
 from mesh import BrokerConfig, LocalMesh
+from tests.helpers.direct import (
+    answers_to_bad_direct_calls,
+    assert_said_alike,
+    python_agent_answers,
+)
 from tests.helpers.health import NOT_SERVING, SERVING, health_of, watching
 from tests.helpers.node import NODE_DIR, kill_if_running, start_node_example
 
@@ -884,84 +889,18 @@ async def test_a_node_agents_mutual_tls_server_holds_callers_to_their_certificat
             await kill_if_running(node)
 
 
-def bad_direct_calls(agent_id: str) -> dict[str, bytes]:
-    """Requests to an agent's HandleMessage that its server must refuse, by what is wrong:
-    their bytes as a client that is no SDK may send them."""
-    from google.protobuf import struct_pb2
-
-    from mesh.v1 import agent_pb2, message_pb2
-
-    def call(**fields: Any) -> bytes:
-        content = fields.pop("content", {"action": "echo"})
-        message = message_pb2.Message(from_agent="Caller", to_agent=agent_id, **fields)
-        if content is not None:
-            message.content.update(content)
-        return agent_pb2.HandleMessageRequest(message=message).SerializeToString()
-
-    nan = struct_pb2.Struct()
-    nan.update({"action": "echo", "scores": [1, float("nan")]})
-    late = message_pb2.Message(from_agent="Caller", to_agent=agent_id)
-    late.content.update({"action": "echo"})
-    late.timestamp.seconds = 2**44  # (past what a JavaScript Date holds)
-    return {
-        "garbage": b"\xff\xff\x07 not protobuf",
-        "no message": b"",
-        "no content": call(content=None),
-        "an undefined type": call(message_type=99),
-        "an undefined priority": call(priority=77),
-        "a timestamp out of range": agent_pb2.HandleMessageRequest(
-            message=late
-        ).SerializeToString(),
-        "a ttl past a day": call(ttl=86401),
-        "a negative ttl": call(ttl=-1),
-        "over 1 MiB": call(content={"action": "echo", "blob": "x" * (1 << 20)}),
-        "NaN": agent_pb2.HandleMessageRequest(
-            message=message_pb2.Message(from_agent="Caller", to_agent=agent_id, content=nan)
-        ).SerializeToString(),
-    }
-
-
 @pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
 async def test_a_node_agent_refuses_bad_direct_calls_as_the_python_agents_do() -> None:
     """Plain gRPC to the agents' own servers, the same bad requests to a Node.js agent and to
     a Python one: each refused INVALID_ARGUMENT, saying the same. Before, the Node.js agent
     answered garbage INTERNAL, a timestamp a JavaScript Date cannot hold UNKNOWN, and took
     and echoed an undefined type or priority, a ttl out of range, NaN and 2 MiB messages."""
-    from mesh import AgentContext, Message, agent
-
-    @agent("PyBadCallers")  # (as long an id as the Node.js agent's: the same sizes)
-    async def echo(message: Message, ctx: AgentContext) -> dict[str, Any]:
-        return {"echo": message.content}
-
-    async def answers(address: str, agent_id: str) -> dict[str, tuple[str, str]]:
-        said = {}
-        async with grpc.aio.insecure_channel(address) as channel:
-            handle = channel.unary_unary("/mesh.v1.AgentService/HandleMessage")
-            for what, request in bad_direct_calls(agent_id).items():
-                try:
-                    await handle(request, timeout=10)
-                    said[what] = ("OK", "")
-                except grpc.aio.AioRpcError as error:
-                    said[what] = (error.code().name, error.details() or "")
-        return said
-
     async with LocalMesh() as mesh:
-        served = await mesh.add_agent(echo)
+        python = await python_agent_answers(mesh, "NodeBadCalls")
         node, node_at = await start_echo_agent("NodeBadCalls", mesh.address)
         try:
-            python, nodes = (
-                await answers(served.address, "PyBadCallers"),
-                await answers(node_at, "NodeBadCalls"),
-            )
+            nodes = await answers_to_bad_direct_calls(node_at, "NodeBadCalls")
             assert node.returncode is None  # (the Node.js agent still serves)
         finally:
             await stop_echo_agent(node)
-    assert {what: code for what, (code, _) in nodes.items()} == dict.fromkeys(
-        python, "INVALID_ARGUMENT"
-    )
-    for what, (_, details) in nodes.items():
-        if what != "garbage":  # (each side's protobuf library says it its own way)
-            assert details == python[what][1], what
-    unreadable = "the request is not a valid mesh.v1.HandleMessageRequest: "
-    assert nodes["garbage"][1].startswith(unreadable)
-    assert python["garbage"][1].startswith(unreadable)
+    assert_said_alike(nodes, python)

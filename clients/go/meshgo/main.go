@@ -40,9 +40,11 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"os"
 	"os/signal"
+	"sort"
 	"strconv"
 	"strings"
 	"sync"
@@ -57,6 +59,7 @@ import (
 	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/encoding"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
@@ -64,6 +67,7 @@ import (
 	"google.golang.org/grpc/reflection"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/structpb"
 )
 
@@ -639,6 +643,9 @@ type agentServer struct {
 func (s *agentServer) HandleMessage(
 	ctx context.Context, req *meshv1.HandleMessageRequest,
 ) (*meshv1.HandleMessageResponse, error) {
+	if violations := wireViolations(req.GetMessage()); len(violations) > 0 {
+		return nil, invalidArgument(violations)
+	}
 	if violations := s.agent.directViolations(req.GetMessage()); len(violations) > 0 {
 		return nil, invalidArgument(violations)
 	}
@@ -699,6 +706,121 @@ func (a *agent) directViolations(m *meshv1.Message) []*errdetails.BadRequest_Fie
 		add("to_agent", fmt.Sprintf("this server serves %s, not %s", a.id, m.GetToAgent()))
 	}
 	return found
+}
+
+// unreadable holds, for each request of the Agent service that could not be read, why (its
+// reading codec puts it, refuseUnreadable takes it out as the call goes on).
+var unreadable sync.Map
+
+// readingCodec is gRPC's own proto codec, but a request of the Agent service that cannot be
+// read is kept in unreadable (and read as far as it could be) rather than refused INTERNAL.
+type readingCodec struct{ encoding.Codec }
+
+func (c readingCodec) Unmarshal(data []byte, v interface{}) error {
+	err := c.Codec.Unmarshal(data, v)
+	switch v.(type) {
+	case *meshv1.HandleMessageRequest, *meshv1.DescribeAgentRequest,
+		*meshv1.NotifyDeregisteredRequest:
+		if err != nil {
+			unreadable.Store(v, fmt.Sprintf("the request is not a valid %s: %v",
+				proto.MessageName(v.(proto.Message)), err))
+		}
+		return nil
+	}
+	return err
+}
+
+func (c readingCodec) String() string { return c.Codec.Name() }
+
+// refuseUnreadable answers INVALID_ARGUMENT to a request its codec could not read.
+func refuseUnreadable(ctx context.Context, req interface{}, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (interface{}, error) {
+	if why, found := unreadable.LoadAndDelete(req); found {
+		return nil, invalidArgument([]*errdetails.BadRequest_FieldViolation{
+			{Field: "", Description: why.(string)},
+		})
+	}
+	return handler(ctx, req)
+}
+
+// Limits a message called to the agent's own server is held to, as by the broker and the
+// Python agents (RT-011's defaults), and a Timestamp's range (0001-01-01 to 9999-12-31).
+const (
+	maxMessageBytes     = 1 << 20
+	maxTTL              = 86400
+	minTimestampSeconds = -62135596800
+	maxTimestampSeconds = 253402300799
+)
+
+// wireViolations is what in a message called to the agent's own server the Python agents
+// refuse as they read it, in their words: a type or priority the contract does not define,
+// a timestamp out of a Timestamp's range, a ttl below 0 or past a day, a message past 1 MiB,
+// a number JSON cannot write.
+func wireViolations(m *meshv1.Message) []*errdetails.BadRequest_FieldViolation {
+	var found []*errdetails.BadRequest_FieldViolation
+	add := func(field, description string) {
+		found = append(found, &errdetails.BadRequest_FieldViolation{
+			Field: field, Description: description,
+		})
+	}
+	if _, known := meshv1.MessageType_name[int32(m.GetMessageType())]; !known {
+		add("message_type", fmt.Sprintf("message_type %d is not defined (known: %s)",
+			m.GetMessageType(), "REQUEST=1, RESPONSE=2, BROADCAST=3, HANDOFF=4, ERROR=5, ACK=6"))
+	}
+	if _, known := meshv1.Priority_name[int32(m.GetPriority())]; !known {
+		add("priority", fmt.Sprintf("priority %d is not defined (known: %s)",
+			m.GetPriority(), "HIGH=1, MEDIUM=2, LOW=3"))
+	}
+	if ts := m.GetTimestamp(); ts != nil && (ts.GetSeconds() < minTimestampSeconds ||
+		ts.GetSeconds() > maxTimestampSeconds || ts.GetNanos() < 0 || ts.GetNanos() > 999999999) {
+		add("timestamp", fmt.Sprintf("timestamp must be from 0001-01-01T00:00:00Z to "+
+			"9999-12-31T23:59:59.999999999Z (seconds %d, nanos %d)", ts.GetSeconds(), ts.GetNanos()))
+	}
+	if m.GetTtl() < 0 {
+		add("ttl", "ttl must not be negative")
+	} else if m.GetTtl() > maxTTL {
+		add("ttl", fmt.Sprintf("ttl must be at most %d seconds", maxTTL))
+	}
+	if size := proto.Size(m); size > maxMessageBytes {
+		add("message", fmt.Sprintf("message is %d bytes; the limit is %d bytes", size, maxMessageBytes))
+	}
+	for _, part := range []struct {
+		name  string
+		value *structpb.Struct
+	}{{"content", m.GetContent()}, {"metadata", m.GetMetadata()}} {
+		if where := nonFinite(structpb.NewStructValue(part.value), "message."+part.name); where != "" {
+			add(where, "the request is not a valid mesh.v1.HandleMessageRequest: "+where+
+				" is NaN or Infinity, which JSON has no way to write")
+		}
+	}
+	return found
+}
+
+// nonFinite is where in value a number is NaN or an infinity, or "".
+func nonFinite(value *structpb.Value, at string) string {
+	switch kind := value.GetKind().(type) {
+	case *structpb.Value_NumberValue:
+		if math.IsNaN(kind.NumberValue) || math.IsInf(kind.NumberValue, 0) {
+			return at
+		}
+	case *structpb.Value_StructValue:
+		keys := make([]string, 0, len(kind.StructValue.GetFields()))
+		for key := range kind.StructValue.GetFields() {
+			keys = append(keys, key)
+		}
+		sort.Strings(keys) // (the first in key order, whatever the map's)
+		for _, key := range keys {
+			if where := nonFinite(kind.StructValue.GetFields()[key], at+"."+key); where != "" {
+				return where
+			}
+		}
+	case *structpb.Value_ListValue:
+		for i, item := range kind.ListValue.GetValues() {
+			if where := nonFinite(item, at+"."+strconv.Itoa(i)); where != "" {
+				return where
+			}
+		}
+	}
+	return ""
 }
 
 // invalidArgument is INVALID_ARGUMENT with the rich status every server of the mesh sends:
@@ -809,9 +931,14 @@ func runAgent(args []string) error {
 			return err
 		}
 	}
+	// A request that cannot be read is refused INVALID_ARGUMENT, as by every server of the
+	// mesh (grpc-go answers INTERNAL); then the caller's credentials, when they are asked for.
+	interceptors := []grpc.UnaryServerInterceptor{refuseUnreadable}
 	if principals != nil || mutual {
-		options = append(options, grpc.UnaryInterceptor(guard(principals, mutual)))
+		interceptors = append(interceptors, guard(principals, mutual))
 	}
+	options = append(options, grpc.CustomCodec(readingCodec{encoding.GetCodec("proto")}),
+		grpc.ChainUnaryInterceptor(interceptors...))
 	server := grpc.NewServer(options...)
 	meshv1.RegisterAgentServiceServer(server, &agentServer{agent: a})
 	// The server as a whole ("", which liveness asks) serves until it stops; the Agent
