@@ -11,7 +11,6 @@ from mesh._status import abort
 from mesh.core.errors import MeshError
 from mesh.core.memory import Insight, MemoryPool
 from mesh.core.state import ChangeKind, StateEntry, StateStore
-from mesh.server import translating
 from mesh.serving import fill_page, page_offset
 from mesh.v1 import memory_pb2, memory_pb2_grpc
 
@@ -97,7 +96,6 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         self.pool = pool
         self.state = state
 
-    @translating
     async def WriteInsight(
         self, request: memory_pb2.WriteInsightRequest, context: Any
     ) -> memory_pb2.WriteInsightResponse:
@@ -106,7 +104,6 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         insight_to_pb(stored, response.insight)
         return response
 
-    @translating
     async def ReadInsights(
         self, request: memory_pb2.ReadInsightsRequest, context: Any
     ) -> memory_pb2.ReadInsightsResponse:
@@ -124,7 +121,6 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
             response.next_page_token = str(end)
         return response
 
-    @translating
     async def GetMemoryStats(
         self, request: memory_pb2.GetMemoryStatsRequest, context: Any
     ) -> memory_pb2.GetMemoryStatsResponse:
@@ -137,7 +133,6 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
             capacity=stats.capacity,
         )
 
-    @translating
     async def DeleteInsights(
         self, request: memory_pb2.DeleteInsightsRequest, context: Any
     ) -> memory_pb2.DeleteInsightsResponse:
@@ -151,7 +146,6 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
 
     # -- shared state --------------------------------------------------------------------------
 
-    @translating
     async def GetState(
         self, request: memory_pb2.GetStateRequest, context: Any
     ) -> memory_pb2.GetStateResponse:
@@ -159,7 +153,6 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         entry_to_pb(await self.state.get(request.key), response.entry)
         return response
 
-    @translating
     async def ListState(
         self, request: memory_pb2.ListStateRequest, context: Any
     ) -> memory_pb2.ListStateResponse:
@@ -189,7 +182,6 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         finally:
             watch.close()
 
-    @translating
     async def PutState(
         self, request: memory_pb2.PutStateRequest, context: Any
     ) -> memory_pb2.PutStateResponse:
@@ -205,7 +197,6 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         entry_to_pb(entry, response.entry)
         return response
 
-    @translating
     async def DeleteState(
         self, request: memory_pb2.DeleteStateRequest, context: Any
     ) -> memory_pb2.DeleteStateResponse:
@@ -219,7 +210,6 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         entry_to_pb(entry, response.entry)
         return response
 
-    @translating
     async def LockState(
         self, request: memory_pb2.LockStateRequest, context: Any
     ) -> memory_pb2.LockStateResponse:
@@ -233,7 +223,6 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         codec.datetime_to_timestamp(lock.expires_at, response.expires_at)
         return response
 
-    @translating
     async def UnlockState(
         self, request: memory_pb2.UnlockStateRequest, context: Any
     ) -> memory_pb2.UnlockStateResponse:

@@ -6,11 +6,10 @@ import asyncio
 import bisect
 import collections
 import contextlib
-import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from operator import attrgetter
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 
@@ -58,30 +57,6 @@ BATCH_BYTES = 1024 * 1024
 """A `deliveries` frame stops growing past this size (gRPC refuses frames over 4 MiB by
 default; one message may be up to max_message_bytes, 1 MiB by default)."""
 
-Req = TypeVar("Req")
-Resp = TypeVar("Resp")
-Handler = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]  # type: ignore[type-arg]
-
-
-def translating(method: Handler[Req, Resp]) -> Handler[Req, Resp]:
-    """Maps mesh errors to their status; anything else becomes INTERNAL, logged, not leaked."""
-
-    @functools.wraps(method)
-    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:  # type: ignore[type-arg]
-        try:
-            return await method(self, request, context)
-        except MeshError as error:
-            await abort(context, error)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            raise
-        except Exception:
-            logger.exception("%s failed", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error")
-        raise AssertionError("unreachable")
-
-    return wrapper
-
-
 _invalid = MessageValidationError.for_field
 
 
@@ -93,7 +68,6 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         self.pusher: Pusher | None = None
         """Tells the pushed instances of an agent deregistered here (set as push starts)."""
 
-    @translating
     async def RegisterAgent(
         self, request: broker_pb2.RegisterAgentRequest, context: Any
     ) -> broker_pb2.RegisterAgentResponse:
@@ -102,7 +76,6 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         codec.agent_to_pb(registered, response.agent)
         return response
 
-    @translating
     async def DeregisterAgent(
         self, request: broker_pb2.DeregisterAgentRequest, context: Any
     ) -> broker_pb2.DeregisterAgentResponse:
@@ -111,7 +84,6 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
             self.pusher.notify_deregistered(request.agent_id, pushed)
         return broker_pb2.DeregisterAgentResponse()
 
-    @translating
     async def ListAgents(
         self, request: broker_pb2.ListAgentsRequest, context: Any
     ) -> broker_pb2.ListAgentsResponse:
@@ -125,7 +97,6 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
             response.next_page_token = agents[end - 1].agent_id
         return response
 
-    @translating
     async def SendMessage(
         self, request: broker_pb2.SendMessageRequest, context: Any
     ) -> broker_pb2.SendMessageResponse:
@@ -143,7 +114,6 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         codec.message_to_pb(outcome.message, response.message)
         return response
 
-    @translating
     async def SendMessages(
         self, request: broker_pb2.SendMessagesRequest, context: Any
     ) -> broker_pb2.SendMessagesResponse:
@@ -162,7 +132,6 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
                 codec.error_to_pb(result, item.error)
         return response
 
-    @translating
     async def ReceiveMessages(
         self, request: broker_pb2.ReceiveMessagesRequest, context: Any
     ) -> broker_pb2.ReceiveMessagesResponse:
@@ -211,13 +180,11 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
             # (A subscriber ends this stream only by cancelling it, or by going away.)
             await sub.close(lost=True)
 
-    @translating
     async def Ack(self, request: broker_pb2.AckRequest, context: Any) -> broker_pb2.AckResponse:
         return broker_pb2.AckResponse(
             acknowledged=await self.broker.ack(request.agent_id, request.message_ids)
         )
 
-    @translating
     async def Nack(self, request: broker_pb2.NackRequest, context: Any) -> broker_pb2.NackResponse:
         requeued, dead = await self.broker.nack(
             request.agent_id,
@@ -226,7 +193,6 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         )
         return broker_pb2.NackResponse(requeued=requeued, dead_lettered=dead)
 
-    @translating
     async def ExtendLease(
         self, request: broker_pb2.ExtendLeaseRequest, context: Any
     ) -> broker_pb2.ExtendLeaseResponse:
@@ -235,7 +201,6 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         )
         return broker_pb2.ExtendLeaseResponse(extended=extended)
 
-    @translating
     async def Broadcast(
         self, request: broker_pb2.BroadcastRequest, context: Any
     ) -> broker_pb2.BroadcastResponse:
@@ -243,7 +208,6 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         await _broadcast(self.broker, request, response)
         return response
 
-    @translating
     async def SendRequest(
         self, request: broker_pb2.SendRequestRequest, context: Any
     ) -> broker_pb2.SendRequestResponse:
@@ -292,7 +256,6 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         finally:
             await items.aclose()
 
-    @translating
     async def Handoff(
         self, request: broker_pb2.HandoffRequest, context: Any
     ) -> broker_pb2.HandoffResponse:
@@ -310,7 +273,6 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         codec.message_to_pb(message, response.message)
         return response
 
-    @translating
     async def GetQueueStats(
         self, request: broker_pb2.GetQueueStatsRequest, context: Any
     ) -> broker_pb2.GetQueueStatsResponse:
@@ -336,7 +298,6 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
             setattr(t, field, value)  # the counts, latency percentiles and drop rate
         return response
 
-    @translating
     async def ListDeadLetters(
         self, request: broker_pb2.ListDeadLettersRequest, context: Any
     ) -> broker_pb2.ListDeadLettersResponse:
@@ -350,7 +311,6 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
             response.next_page_token = str(end)
         return response
 
-    @translating
     async def RequeueDeadLetters(
         self, request: broker_pb2.RequeueDeadLettersRequest, context: Any
     ) -> broker_pb2.RequeueDeadLettersResponse:

@@ -7,7 +7,7 @@ from typing import Any
 
 from mesh import codec
 from mesh.core.tools import ToolHost
-from mesh.server import _invalid, translating
+from mesh.server import _invalid
 from mesh.v1 import tools_pb2, tools_pb2_grpc
 
 TOOL_SERVICE = tools_pb2.DESCRIPTOR.services_by_name["ToolService"].full_name
@@ -17,7 +17,6 @@ class ToolServicer(tools_pb2_grpc.ToolServiceServicer):
     def __init__(self, host: ToolHost) -> None:
         self.host = host
 
-    @translating
     async def InvokeTool(
         self, request: tools_pb2.InvokeToolRequest, context: Any
     ) -> tools_pb2.InvokeToolResponse:
@@ -38,7 +37,6 @@ class ToolServicer(tools_pb2_grpc.ToolServiceServicer):
         codec.seconds_to_duration(time.perf_counter() - started, response.duration)
         return response
 
-    @translating
     async def ListTools(
         self, request: tools_pb2.ListToolsRequest, context: Any
     ) -> tools_pb2.ListToolsResponse:
