@@ -184,9 +184,14 @@ def lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], An
     return decode
 
 
+_HANDLER_KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+"""The behaviours of a grpc.RpcMethodHandler, one of which a method's handler has."""
+
+
 async def _written(result: Any, context: Any) -> Any:
-    """What a streaming handler returns: an async generator's items written one by one (a
-    handler that writes them itself returns its own result)."""
+    """What a handler's call returns, awaited: a streaming handler's async generator has its
+    items written one by one; any other (a unary handler, or a streaming one that writes
+    itself) gives its own result."""
     if hasattr(result, "__aiter__"):
         async for item in result:
             await context.write(item)
@@ -236,49 +241,18 @@ class ContractInterceptor(grpc.aio.ServerInterceptor):
         method = details.method
         decode = lenient(handler.request_deserializer)
         refuses = not (handler.request_streaming or method in self.reads_malformed)
-        if handler.unary_unary:
-            inner_uu = handler.unary_unary
+        kind = next(k for k in _HANDLER_KINDS if getattr(handler, k) is not None)
+        inner = getattr(handler, kind)
 
-            async def unary_unary(request: Any, context: Any) -> Any:
-                try:
-                    if refuses and isinstance(request, Malformed):
-                        await self._refuse(context, request)
-                    return await inner_uu(request, context)
-                except Exception as error:
-                    await _fail(context, method, error)
-
-            return handler._replace(unary_unary=unary_unary, request_deserializer=decode)
-        if handler.unary_stream:
-            inner_us = handler.unary_stream
-
-            async def unary_stream(request: Any, context: Any) -> Any:
-                try:
-                    if refuses and isinstance(request, Malformed):
-                        await self._refuse(context, request)
-                    return await _written(inner_us(request, context), context)
-                except Exception as error:
-                    await _fail(context, method, error)
-
-            return handler._replace(unary_stream=unary_stream, request_deserializer=decode)
-        if handler.stream_stream:
-            inner_ss = handler.stream_stream
-
-            async def stream_stream(requests: Any, context: Any) -> Any:
-                try:
-                    return await _written(inner_ss(requests, context), context)
-                except Exception as error:
-                    await _fail(context, method, error)
-
-            return handler._replace(stream_stream=stream_stream, request_deserializer=decode)
-        inner_su = handler.stream_unary
-
-        async def stream_unary(requests: Any, context: Any) -> Any:
+        async def guarded(request: Any, context: Any) -> Any:
             try:
-                return await inner_su(requests, context)
+                if refuses and isinstance(request, Malformed):
+                    await self._refuse(context, request)
+                return await _written(inner(request, context), context)
             except Exception as error:
                 await _fail(context, method, error)
 
-        return handler._replace(stream_unary=stream_unary, request_deserializer=decode)
+        return handler._replace(**{kind: guarded}, request_deserializer=decode)
 
     async def _refuse(self, context: Any, malformed: Malformed) -> None:
         if self.on_malformed is not None:
