@@ -904,3 +904,83 @@ async def test_a_node_agent_refuses_bad_direct_calls_as_the_python_agents_do() -
         finally:
             await stop_echo_agent(node)
     assert_said_alike(nodes, python)
+
+
+FAILING_DESK = """
+const { serveAgent } = require('./lib/mesh.js');
+(async () => {
+  const agent = await serveAgent({
+    broker: process.argv[1], agentId: 'FailingDesk',
+    handler: async () => { throw new Error('the ledger at /srv/ledger is locked'); },
+  });
+  console.log(JSON.stringify(agent.address));
+  process.on('SIGTERM', async () => { await agent.stop(); process.exit(0); });
+})().catch((error) => { console.error(error); process.exit(1); });
+"""
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
+async def test_a_direct_call_whose_handler_fails_is_answered_alike_by_node_and_python() -> None:
+    """A handler that throws, called directly: a request is answered with an ERROR saying
+    why, and a hand-off (nobody waits for an answer) INTERNAL "the handler failed", its error
+    said in the agent's own log, by a Node.js agent as by a Python one. Before, the Node.js
+    agent sent the error's text as the status's details."""
+    from mesh import AgentContext, Message, agent
+    from mesh.v1 import agent_pb2, agent_pb2_grpc, message_pb2
+
+    @agent("FailingDesk")
+    async def failing(message: Message, ctx: AgentContext) -> None:
+        raise RuntimeError("the ledger at /srv/ledger is locked")
+
+    async def answers(address: str) -> list[tuple[str, str]]:
+        said = []
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = agent_pb2_grpc.AgentServiceStub(channel)
+            for kind, content in (
+                (message_pb2.MESSAGE_TYPE_REQUEST, {"action": "post"}),
+                (
+                    message_pb2.MESSAGE_TYPE_HANDOFF,
+                    {"action": "post", "parameters": {"task_description": "post it"}},
+                ),
+            ):
+                message = message_pb2.Message(
+                    from_agent="Caller", to_agent="FailingDesk", message_type=kind
+                )
+                message.content.update(content)
+                try:
+                    reply = await stub.HandleMessage(
+                        agent_pb2.HandleMessageRequest(message=message), timeout=10
+                    )
+                    said.append(
+                        (
+                            message_pb2.MessageType.Name(reply.response.message_type),
+                            reply.response.content["error"],
+                        )
+                    )
+                except grpc.aio.AioRpcError as error:
+                    said.append((error.code().name, error.details() or ""))
+        return said
+
+    async with LocalMesh() as mesh:
+        served = await mesh.add_agent(failing)
+        python = await answers(served.address)
+        await mesh.stop_agent("FailingDesk", 0.5)
+        node = await asyncio.create_subprocess_exec(
+            "node", "-e", FAILING_DESK, mesh.address, cwd=NODE_DIR,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        assert node.stdout is not None and node.stderr is not None
+        try:
+            async with asyncio.timeout(30):
+                at = json.loads(await node.stdout.readline())
+            nodes = await answers(at)
+        finally:
+            node.terminate()
+            async with asyncio.timeout(15):
+                _, err = await node.communicate()
+    assert python == [
+        ("MESSAGE_TYPE_ERROR", "the ledger at /srv/ledger is locked"),
+        ("INTERNAL", "the handler failed"),
+    ]
+    assert nodes == python
+    assert "FailingDesk failed on HANDOFF" in err.decode()  # (said where it runs)

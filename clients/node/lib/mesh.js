@@ -2582,9 +2582,16 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
         .then((response) => (response && response.message_type === 'MESSAGE_TYPE_REQUEST'
           ? askOnward(message, response, aborting.signal, deadline) : response))
         .then((response) => callback(null, { response }))
-        .catch((err) => callback(err instanceof MeshError
-          ? { code: err.code, details: err.message }
-          : { code: grpc.status.INTERNAL, details: String(err) }));
+        .catch((err) => {
+          if (err instanceof MeshError) {
+            callback({ code: err.code, details: err.message });
+            return;
+          }
+          // Said here, with its stack; the caller hears only that it failed, as from the
+          // Python agents (a request that fails gets the error in an ERROR answer instead).
+          console.error(`${agentId} failed on ${message.type} ${message.messageId}:`, err);
+          callback({ code: grpc.status.INTERNAL, details: 'the handler failed' });
+        });
     },
     DescribeAgent: (call, callback) => unreadable(call, callback) || callback(refusal(call), {
       card: { agent_id: agentId, agent_types: agentTypes, capabilities, tools: [],
