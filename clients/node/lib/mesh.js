@@ -394,11 +394,6 @@ function richStatus(metadata) {
   return found;
 }
 
-/**
- * What keeps a message called to an agent's own server from being handled, as the broker
- * would refuse it ([field, description] pairs): RT-011's required fields, the content keys the
- * agent requires (of a REQUEST or HANDOFF), and an agent id other than the one the server serves.
- */
 /** What a message called to an agent's own server may be at most, as the broker and the
  * Python agents hold it (RT-011's defaults). */
 const DIRECT_LIMITS = { messageBytes: 1024 * 1024, ttl: 86400 };
@@ -504,6 +499,11 @@ function messageBytes(buffer) {
   return 0;
 }
 
+/**
+ * What keeps a message called to an agent's own server from being handled, as the broker
+ * would refuse it ([field, description] pairs): RT-011's required fields, the content keys the
+ * agent requires (of a REQUEST or HANDOFF), and an agent id other than the one the server serves.
+ */
 function directViolations(message, agentId, requiredFields = []) {
   const found = [];
   if (!message.from) found.push(['from_agent', 'from_agent is required']);
@@ -2631,14 +2631,12 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     { '': 'SERVING', 'mesh.v1.AgentService': 'NOT_SERVING', [AGENTS_SERVICE]: 'NOT_SERVING' });
   let stopped = false;
   let deregistered = false;
-  let ready = false;
-  const here = { health, ready: false, said: 'NOT_SERVING' };
+  const here = { health, ready: false, said: 'NOT_SERVING' }; // (one of servedHere)
   let tookFirst;
   const firstTake = new Promise((resolve) => { tookFirst = resolve; });
   const takesMessages = (yes) => {
     if (yes) tookFirst();
-    if (stopped || yes === ready) return; // (a watcher is told each setStatus, same or not)
-    ready = yes;
+    if (stopped || yes === here.ready) return; // (a watcher is told each setStatus, same or not)
     here.ready = yes;
     health.setStatus('mesh.v1.AgentService', yes ? 'SERVING' : 'NOT_SERVING');
     sayServedHere();
