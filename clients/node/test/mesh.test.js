@@ -453,11 +453,7 @@ test('a deregistered Node agent stops taking messages and does not register itse
       assert.equal(ended.codeName, 'NOT_FOUND');
       assert.equal(ended.reason, 'AGENT_DEREGISTERED');
       assert.equal(ended.message, 'agent NodeEndedDesk was deregistered: its subscription ended');
-      const deadline = Date.now() + 10000;
-      while (await check() !== 'NOT_SERVING' && Date.now() < deadline) {
-        await new Promise((resolve) => { setTimeout(resolve, 20); });
-      }
-      assert.equal(await check(), 'NOT_SERVING');
+      assert.equal(await probe.until('NOT_SERVING'), 'NOT_SERVING');
       // Past its first delay before registering and subscribing again: still off the mesh.
       await new Promise((resolve) => { setTimeout(resolve, 1000); });
       const ids = (await client.listAgents()).map((a) => a.agentId);
