@@ -433,7 +433,6 @@ test('a deregistered Node agent stops taking messages and does not register itse
     const agent = await serveAgent({ broker: BROKER, agentId: 'NodeDeregisteredAgent',
       handler: async () => ({ paid: true }) });
     const probe = readinessProbe(agent.address);
-    const { check } = probe;
     const client = new MeshClient(BROKER, { agentId: 'NodeDeregistering' });
     const warned = [];
     const warn = console.warn;
