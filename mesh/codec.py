@@ -137,25 +137,32 @@ cannot read, and an answer it cannot read reaches nobody. The SDK refuses it fir
 the requester is told why (the Node.js client keeps the same limit)."""
 
 
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
 def check_depth(content: JSON, field: str = "content", limit: int = MAX_ANSWER_DEPTH) -> None:
     """MessageValidationError when ``content`` nests more than ``limit`` levels (a circular
-    one does too): objects and lists count, whatever they hold."""
+    one does too): objects (any mapping) and lists count, whatever they hold."""
     level = [content]
     for _ in range(limit):
-        level = [
-            item
-            for value in level
-            for item in (
-                value.values()
-                if isinstance(value, dict)
-                else value
-                if isinstance(value, list | tuple)
-                else ()
-            )
-            if isinstance(item, dict | list | tuple)
-        ]
-        if not level:
+        below: list[Any] = []
+        for value in level:
+            kind = type(value)
+            if kind is dict or (kind is not list and isinstance(value, Mapping)):
+                items: Any = value.values()
+            elif kind is list or isinstance(value, tuple):
+                items = value
+            else:
+                continue
+            for item in items:
+                kind = type(item)
+                if (kind is dict or kind is list) or (
+                    kind not in _SCALARS and isinstance(item, Mapping | list | tuple)
+                ):
+                    below.append(item)
+        if not below:
             return
+        level = below
     raise MessageValidationError.for_field(
         field, f"{field} nests more than {limit} levels deep (is it circular?)"
     )
@@ -194,7 +201,7 @@ def python_to_value(data: JSON, out: struct_pb2.Value) -> None:
         out.number_value = float(data)
     elif isinstance(data, str):
         out.string_value = data
-    elif isinstance(data, dict):
+    elif isinstance(data, Mapping):  # (a dict subclass, a read-only view, a WireContent)
         dict_to_struct(data, out.struct_value)
     elif isinstance(data, list | tuple):
         values = out.list_value.values

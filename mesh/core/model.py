@@ -158,8 +158,7 @@ class Message:
     @property
     def parameters(self) -> dict[str, JSON]:
         """content["parameters"], or an empty dict."""
-        value = (self.content or {}).get("parameters")
-        return value if isinstance(value, dict) else {}
+        return _as_dict((self.content or {}).get("parameters"))
 
     @property
     def handoff(self) -> Handoff | None:
@@ -402,8 +401,11 @@ class Handoff:
         )
 
 
-def _as_dict(value: JSON) -> dict[str, JSON]:
-    return value if isinstance(value, dict) else {}
+def _as_dict(value: JSON | Mapping[str, JSON]) -> dict[str, JSON]:
+    """An object as a dict (any other mapping copied into one); {} for anything else."""
+    if isinstance(value, dict):
+        return value
+    return dict(value) if isinstance(value, Mapping) else {}
 
 
 def context_size_kb(context: JSON) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from mesh.config import BrokerConfig
 from mesh.core.errors import FieldViolation, MessageTooLargeError, MessageValidationError
 from mesh.core.model import BROADCAST_TARGET, EncodedContent, Handoff, Message, MessageType
@@ -12,7 +14,7 @@ _OBJECT_OR_NOTHING = frozenset({"object", "null", None})
 
 
 def _object_or_nothing(value: object) -> bool:
-    return value is None or isinstance(value, dict)
+    return value is None or type(value) is dict or isinstance(value, Mapping)
 
 
 def message_violations(message: Message, config: BrokerConfig) -> list[FieldViolation]:

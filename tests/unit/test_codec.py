@@ -8,8 +8,10 @@ import enum
 import json
 import re
 import uuid
+from collections.abc import Mapping
 from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal
+from types import MappingProxyType
 
 import pytest
 from google.protobuf import struct_pb2
@@ -19,7 +21,7 @@ from hypothesis import strategies as st
 from mesh import codec
 from mesh.config import BrokerConfig
 from mesh.core.errors import MessageValidationError
-from mesh.core.model import Delivery, Message, MessageType, Priority
+from mesh.core.model import Delivery, Message, MessageType, Priority, plain_content
 from mesh.core.validation import validate_message
 from mesh.v1 import broker_pb2
 
@@ -268,6 +270,45 @@ def test_content_of_other_python_types_is_encoded_by_what_it_is() -> None:
         "other": "00000000-0000-0000-0000-000000000001",
     }
     assert struct.fields["empty"].WhichOneof("kind") == "struct_value"
+
+
+def test_a_mapping_within_content_is_an_object_as_a_dict_is() -> None:
+    """Any mapping is a JSON object, at the top of content or within it: a read-only view,
+    or the content of a message as it came in (a WireContent). Within content it was written
+    as its Python text ("{'k': 1}"), and a validator took it for no object."""
+    came_in = struct_pb2.Struct()
+    came_in.update({"action": "quote", "parameters": {"amount": 450, "legs": [{"to": "MAD"}]}})
+    wire = codec.WireContent(came_in)
+    content = {
+        "action": "review",
+        "parameters": MappingProxyType({"original": wire, "view": MappingProxyType({"k": 1})}),
+    }
+    message = Message(from_agent="A", to_agent="B", content=content)
+    validate_message(message, BrokerConfig(), 0)
+    assert message.parameters == {"original": wire, "view": {"k": 1}}
+    decoded = codec.message_from_pb(codec.message_to_pb(message))
+    assert plain_content(decoded.content) == {
+        "action": "review",
+        "parameters": {
+            "original": {"action": "quote", "parameters": {"amount": 450, "legs": [{"to": "MAD"}]}},
+            "view": {"k": 1},
+        },
+    }
+
+
+def test_a_mapping_within_content_counts_toward_its_depth() -> None:
+    deep: dict[str, object] = {"leaf": 1}
+    for _ in range(24):
+        deep = {"down": deep}
+    came_in = struct_pb2.Struct()
+    came_in.update(deep)  # type: ignore[arg-type]
+    codec.check_depth(codec.WireContent(came_in))  # 25 levels: as deep as an answer goes
+    within: Mapping[str, object]
+    for within in (codec.WireContent(came_in), MappingProxyType(deep)):
+        with pytest.raises(MessageValidationError, match="nests more than 25 levels deep"):
+            codec.check_depth({"result": within})
+        with pytest.raises(MessageValidationError, match="nests more than 25 levels deep"):
+            codec.check_depth({"results": (within,)})
 
 
 def test_an_event_over_the_stream_limit_leaves_out_its_longest_values() -> None:
