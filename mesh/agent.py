@@ -14,7 +14,15 @@ import contextlib
 import functools
 import inspect
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from typing import Any, TypeVar, cast
 
 import grpc
@@ -249,9 +257,10 @@ class AgentContext:
 class Agent:
     """Base class of agents. Override :meth:`handle`, or mark methods with ``@on("action")``.
 
-    A handler returns the response content (a dict), a whole :class:`Message`, any other
-    JSON value (sent as ``{"result": value}``) or None. REQUEST messages always get a
-    RESPONSE; BROADCAST and HANDOFF messages get one when the handler returns something.
+    A handler returns the response content (a dict, or any other mapping), a whole
+    :class:`Message`, any other JSON value (sent as ``{"result": value}``) or None. REQUEST
+    messages always get a RESPONSE; BROADCAST and HANDOFF messages get one when the handler
+    returns something.
     A handler that raises answers a REQUEST with an ERROR message. A REQUEST's handler may
     hand it on instead (``return ctx.forward("OtherAgent")``): the other agent answers.
     """
@@ -395,7 +404,7 @@ def answer_to(message: Message, agent_id: str, reply: Reply) -> Message | None:
             to_agent=reply.to_agent or target,
             correlation_id=reply.correlation_id or correlation_id,
         )
-    if isinstance(reply, dict):
+    if isinstance(reply, Mapping):  # (a dict, or any other mapping: a read-only view...)
         content = dict(reply)
     elif reply is None:
         content = {}

@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import logging
 import time
+from types import MappingProxyType
 from typing import Any
 
 import grpc
@@ -1294,6 +1295,23 @@ async def test_a_plain_function_handler_runs_off_the_event_loop(mesh: LocalMesh)
         assert other.content == {"action": "any", "overridden": True}
         release.set()
         assert (await slow).content == {"action": "lookup", "off_loop": True}
+
+
+async def test_a_mapping_a_handler_returns_is_its_answer_s_content(mesh: LocalMesh) -> None:
+    """Any mapping is content, as a dict is: returned by a handler (it was sent as
+    {"result": "<its Python text>"}), or held within what it returns (sent as that text)."""
+
+    class Viewer(Agent):
+        agent_id = "Viewer"
+
+        @on("view")
+        async def view(self, message: Message, ctx: AgentContext) -> Any:
+            return MappingProxyType({"status": "ok", "limits": MappingProxyType({"max": 3})})
+
+    await mesh.add_agent(Viewer())
+    async with mesh.client("asker") as client:
+        answer = await client.request("Viewer", {"action": "view"}, timeout=5)
+        assert answer.content == {"action": "view", "status": "ok", "limits": {"max": 3}}
 
 
 async def test_a_subscriber_keeps_a_delivery_by_hand(mesh: LocalMesh) -> None:
