@@ -40,6 +40,7 @@ from mesh.client import (
     RetryPolicy,
     content_keys,
     member_named,
+    names_of,
     reconnect_delay,
     until_reachable,
     wait_seconds,
@@ -289,16 +290,24 @@ class Agent:
             self.agent_id = agent_id
         if not self.agent_id:
             raise ValueError("an agent needs an agent_id")
-        if agent_types is not None:
-            self.agent_types = tuple(agent_types)
-        if capabilities is not None:
-            self.capabilities = tuple(capabilities)
+        # (Given here or as the class's own: ``agent_types = ("voter")`` is a string.)
+        self.agent_types = names_of(
+            self.agent_types if agent_types is None else agent_types,
+            "agent.agent_types",
+            "agent types",
+        )
+        self.capabilities = names_of(
+            self.capabilities if capabilities is None else capabilities,
+            "agent.capabilities",
+            "capabilities",
+        )
         if tools is not None:
             self.tools = tuple(tools)
         if description is not None:
             self.description = description
-        if required_fields is not None:
-            self.required_fields = content_keys(required_fields)
+        self.required_fields = content_keys(
+            self.required_fields if required_fields is None else required_fields
+        )
         self._actions: dict[str, Callable[..., Awaitable[Reply]]] = {}
         for _, member in inspect.getmembers(self, inspect.ismethod):
             action = getattr(member, "__mesh_action__", None)

@@ -344,14 +344,21 @@ def in_flight_count(value: int, field: str = "max_in_flight") -> int:
     return value
 
 
-def content_keys(values: Iterable[str], field: str = "agent.required_fields") -> tuple[str, ...]:
-    """The content keys a caller names (an agent's ``required_fields``); a bare string, which
-    would read as a list of its letters, is a MessageValidationError on ``field``."""
+def names_of(values: Iterable[str], field: str, what: str) -> tuple[str, ...]:
+    """The names a caller lists (agent ids or types, tags, message ids...); a bare string,
+    which would read as a list of its letters (an agent of the types "h", "o", "t"...), is a
+    MessageValidationError on ``field``, before anything is sent."""
     if isinstance(values, str):
+        name = field.rpartition(".")[2]
         raise MessageValidationError.for_field(
-            field, "required_fields is a list of content keys, not one"
+            field, f"{name} is a list of {what}, not one string: write [{values!r}]"
         )
     return tuple(values)
+
+
+def content_keys(values: Iterable[str], field: str = "agent.required_fields") -> tuple[str, ...]:
+    """The content keys a caller names (an agent's ``required_fields``), as :func:`names_of`."""
+    return names_of(values, field, "content keys")
 
 
 def member_named(kind: type[E], value: str, field: str) -> E:
@@ -959,7 +966,7 @@ class ClientSubscription:
             return
         frame = broker_pb2.ConnectRequest()
         frame.extend_lease.agent_id = self.agent_id
-        frame.extend_lease.message_ids.extend(message_ids)
+        frame.extend_lease.message_ids.extend(names_of(message_ids, "message_ids", "message ids"))
         codec.seconds_to_duration(seconds, frame.extend_lease.lease)
         with contextlib.suppress(MeshError):
             await session.write(frame)
@@ -1369,8 +1376,8 @@ class MeshClient:
             message = self.build("broadcast", content, **options)
         frame = broker_pb2.ConnectRequest()
         request = frame.gather
-        request.agent_ids.extend(agent_ids)
-        request.agent_types.extend(agent_types)
+        request.agent_ids.extend(names_of(agent_ids, "agent_ids", "agent ids"))
+        request.agent_types.extend(names_of(agent_types, "agent_types", "agent types"))
         request.all_or_none = all_or_none
         codec.message_to_pb(with_trace(message), request.message)
         codec.seconds_to_duration(timeout, request.timeout)
@@ -1410,7 +1417,7 @@ class MeshClient:
         AgentNotFoundError before any peer is asked.
         """
         proposer = from_agent or self.agent_id
-        peers = list(peers)
+        peers = list(names_of(peers, "peers", "agent ids"))
         negotiation.check(peers, rounds, timeout, proposer)
         negotiation_id = new_message_id()
         deadline = time.monotonic() + timeout
@@ -1501,7 +1508,7 @@ class MeshClient:
             options["message_type"] = MessageType.BROADCAST
             message = self.build(BROADCAST_TARGET, content, **options)
         message = with_trace(message)
-        types = list(agent_types)
+        types = names_of(agent_types, "agent_types", "agent types")
 
         async def attempt() -> broker_pb2.BroadcastResponse:
             session = await self._open_session()  # the session's stream: no call per broadcast
@@ -1522,7 +1529,7 @@ class MeshClient:
         self, agent_types: Iterable[str], content: dict[str, JSON], **options: Any
     ) -> BroadcastResult:
         """Selective broadcast: only agents of the given types receive the message."""
-        types = list(agent_types)
+        types = names_of(agent_types, "agent_types", "agent types")
         if not types:
             raise MessageValidationError.for_field(
                 "agent_types", "broadcast_to_types needs at least one agent type"
@@ -1671,7 +1678,8 @@ class MeshClient:
 
     async def ack(self, message_ids: Iterable[str], agent_id: str | None = None) -> int:
         request = broker_pb2.AckRequest(
-            agent_id=agent_id or self.agent_id, message_ids=list(message_ids)
+            agent_id=agent_id or self.agent_id,
+            message_ids=names_of(message_ids, "message_ids", "message ids"),
         )
         response = await self._with_retry(self._unary(self._stub.Ack, request))
         return int(response.acknowledged)
@@ -1687,7 +1695,7 @@ class MeshClient:
         dead-letter queue at once. Returns (requeued, dead-lettered)."""
         request = broker_pb2.NackRequest(
             agent_id=agent_id or self.agent_id,
-            message_ids=list(message_ids),
+            message_ids=names_of(message_ids, "message_ids", "message ids"),
             dead_letter_reason=dead_letter_reason,
         )
         response = await self._with_retry(self._unary(self._stub.Nack, request))
@@ -1716,9 +1724,9 @@ class MeshClient:
         with :class:`MessageValidationError`."""
         info = AgentInfo(
             agent_id=agent_id or self.agent_id,
-            agent_types=tuple(agent_types),
+            agent_types=names_of(agent_types, "agent.agent_types", "agent types"),
             address=address,
-            capabilities=tuple(capabilities),
+            capabilities=names_of(capabilities, "agent.capabilities", "capabilities"),
             delivery_mode=member_named(DeliveryMode, delivery_mode, "delivery_mode"),
             max_in_flight=in_flight_count(max_in_flight),
             required_fields=content_keys(required_fields),
@@ -1849,7 +1857,7 @@ class MeshClient:
             Insight(
                 agent_id=agent_id or self.agent_id,
                 content=content,
-                tags=tuple(tags),
+                tags=names_of(tags, "insight.tags", "tags"),
                 importance=importance,
                 segment=segment,
                 metadata=dict(metadata or {}),
@@ -1871,7 +1879,10 @@ class MeshClient:
         """Removes the insights that match every filter given (at least one is required);
         returns how many left the pool."""
         request = memory_pb2.DeleteInsightsRequest(
-            insight_ids=list(insight_ids), tags=list(tags), segment=segment, agent_id=agent_id
+            insight_ids=names_of(insight_ids, "insight_ids", "insight ids"),
+            tags=names_of(tags, "tags", "tags"),
+            segment=segment,
+            agent_id=agent_id,
         )
         response = await self._with_retry(self._unary(self._memory.DeleteInsights, request))
         return int(response.deleted)
@@ -1890,7 +1901,7 @@ class MeshClient:
         from mesh.memory_server import insight_from_pb
 
         request = memory_pb2.ReadInsightsRequest(
-            tags=list(tags),
+            tags=names_of(tags, "tags", "tags"),
             segment=segment,
             min_importance=min_importance,
             limit=limit,
@@ -2136,7 +2147,7 @@ class MeshClient:
         from zero and its ttl from now. Those the full queue cannot take stay dead letters
         (``left``)."""
         request = broker_pb2.RequeueDeadLettersRequest(
-            agent_id=agent_id, message_ids=list(message_ids)
+            agent_id=agent_id, message_ids=names_of(message_ids, "message_ids", "message ids")
         )
         response = await self._with_retry(self._unary(self._stub.RequeueDeadLetters, request))
         return RequeueResult(response.requeued, response.left)

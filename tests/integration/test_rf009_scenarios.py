@@ -1083,7 +1083,10 @@ async def test_the_required_fields_an_agent_names_are_checked_as_it_registers(
             ([""], "required fields must not be empty"),
             ([f"f{i}" for i in range(33)], "at most 32 required_fields"),
             (["x" * 257], "required_fields must be at most 256 characters"),
-            ("parameters", "required_fields is a list of content keys, not one"),
+            (
+                "parameters",
+                "required_fields is a list of content keys, not one string: write ['parameters']",
+            ),
         ):
             with pytest.raises(MessageValidationError) as refused:
                 await payment.register(required_fields=required)
@@ -1106,6 +1109,54 @@ async def test_the_required_fields_an_agent_names_are_checked_as_it_registers(
         await payment.register()
         await payment.send("PaymentAgent", {"action": "pay"})
         assert [m.action for m in await payment.receive()] == ["pay"]
+
+
+async def test_a_bare_string_where_a_list_is_asked_is_refused_not_read_letter_by_letter(
+    mesh: LocalMesh,
+) -> None:
+    """A string is a list of its letters to Python: ``agent_types="hotel"`` registered the
+    types h, o, t, e and l, and a broadcast to them reached any agent of a type "h"; an ack
+    of "<id>" acked its characters. Each is refused, naming the field, and nothing is done."""
+    async with mesh.client("Hotel") as hotel, mesh.client("boss") as boss:
+        await hotel.register(agent_types=["h"])
+        sent = await boss.send("Hotel", {"action": "book"})
+        inbox = hotel.subscribe(lease_seconds=30)
+        got = await asyncio.wait_for(anext(aiter(inbox)), 5)
+        lease = got.message.message_id
+        calls: list[tuple[str, Any]] = [
+            ("agent.agent_types", lambda: boss.register("Desk", agent_types="hotel")),
+            ("agent.capabilities", lambda: boss.register("Desk", capabilities="book")),
+            ("agent_types", lambda: boss.broadcast({"action": "x"}, agent_types="hotel")),
+            ("agent_types", lambda: boss.broadcast_to_types("hotel", {"action": "x"})),
+            ("agent_ids", lambda: anext(boss.gather({"action": "x"}, agent_ids="Hotel"))),
+            ("agent_types", lambda: anext(boss.gather({"action": "x"}, agent_types="h"))),
+            ("message_ids", lambda: hotel.ack(lease)),
+            ("message_ids", lambda: hotel.nack(lease)),
+            ("message_ids", lambda: boss.requeue_dead_letters("Hotel", lease)),
+            ("insight.tags", lambda: boss.write_insight({"n": 1}, tags="vote")),
+            ("tags", lambda: boss.read_insights(tags="vote")),
+            ("peers", lambda: boss.negotiate("Hotel", {"price": 1})),
+        ]
+        for field, call in calls:
+            with pytest.raises(MessageValidationError) as refused:
+                await call()
+            assert [v.field for v in refused.value.field_violations] == [field]
+            assert "not one string: write [" in refused.value.message
+        assert [a.agent_id for a in await boss.list_agents()] == ["Hotel"]
+        assert await boss.read_insights() == []
+        # No broadcast came to the agent of the type "h"; its delivery was neither acked nor
+        # handed back.
+        [queue] = (await boss.queue_stats("Hotel")).agents
+        assert (queue.depth, queue.in_flight, queue.dead_letters) == (0, 1, 0)
+        assert await hotel.ack([lease]) == 1 and lease == sent.message_id
+        await inbox.close()
+
+    class Voter(Agent):
+        # The mistake: ("voter") is a string, not a tuple of one.
+        agent_types = ("voter")  # fmt: skip
+
+    with pytest.raises(MessageValidationError, match=r"write \['voter'\]"):
+        Voter("v1")
 
 
 async def test_a_durable_broker_keeps_the_fields_an_agent_requires(tmp_path: Path) -> None:
