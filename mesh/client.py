@@ -326,11 +326,27 @@ def wait_seconds(timeout: float | None, default: float, field: str = "timeout") 
     one, or one that is not a finite number, is the caller's mistake (MessageValidationError
     on ``field``) before anything is sent."""
     seconds = default if timeout is None else timeout
-    if not 0 <= seconds < math.inf:  # NaN too
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, int | float)
+        or not 0 <= seconds < math.inf  # NaN too
+    ):
         raise MessageValidationError.for_field(
-            field, f"{field} must be a finite number of seconds, not negative (got {seconds})"
+            field, f"{field} must be a finite number of seconds, not negative (got {seconds!r})"
         )
     return seconds
+
+
+def object_of(value: Mapping[str, Any] | None, field: str) -> dict[str, Any]:
+    """A JSON object a caller gives (a message's ``metadata``, its ``headers``) as a dict;
+    anything but a mapping (or None: empty) is a MessageValidationError on ``field``."""
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise MessageValidationError.for_field(
+        field, f"{field} must be an object (a dict), not a {type(value).__name__}"
+    )
 
 
 def in_flight_count(value: int, field: str = "max_in_flight") -> int:
@@ -1184,8 +1200,8 @@ class MeshClient:
             correlation_id=correlation_id,
             reply_to=reply_to,
             ack_required=ack_required,
-            metadata=dict(metadata or {}),
-            headers=dict(headers or {}),
+            metadata=object_of(metadata, "metadata"),
+            headers=object_of(headers, "headers"),
         )
 
     # -- sending -----------------------------------------------------------------------------
@@ -1860,7 +1876,7 @@ class MeshClient:
                 tags=names_of(tags, "insight.tags", "tags"),
                 importance=importance,
                 segment=segment,
-                metadata=dict(metadata or {}),
+                metadata=object_of(metadata, "insight.metadata"),
                 ttl=wait_seconds(ttl, 0, "ttl"),
             ),
             request.insight,

@@ -1159,6 +1159,29 @@ async def test_a_bare_string_where_a_list_is_asked_is_refused_not_read_letter_by
         Voter("v1")
 
 
+async def test_a_message_s_parts_of_the_wrong_kind_are_refused_naming_them(
+    mesh: LocalMesh,
+) -> None:
+    """Metadata or headers that are no mapping, a timeout that is no number: each was a bare
+    TypeError from deep inside the SDK ("cannot convert dictionary update sequence...",
+    "'<=' not supported..."); now a MessageValidationError on the field, nothing sent."""
+    async with mesh.client("FlightAgent") as flight:
+        await register(flight, "PaymentAgent")
+        content = {"action": "quote"}
+        for field, call in [
+            ("metadata", lambda: flight.send("PaymentAgent", content, metadata=["wf_1"])),
+            ("headers", lambda: flight.send("PaymentAgent", content, headers="k=v")),
+            ("timeout", lambda: flight.request("PaymentAgent", content, timeout=timedelta(1))),
+            ("timeout", lambda: flight.request("PaymentAgent", content, timeout="5")),
+            ("insight.metadata", lambda: flight.write_insight({"n": 1}, metadata=[("k", 1)])),
+        ]:
+            with pytest.raises(MessageValidationError) as refused:
+                await call()
+            assert [v.field for v in refused.value.field_violations] == [field]
+        assert await flight.receive_messages("PaymentAgent") == []
+        assert await flight.read_insights() == []
+
+
 async def test_a_durable_broker_keeps_the_fields_an_agent_requires(tmp_path: Path) -> None:
     config = BrokerConfig(store=f"sqlite:///{tmp_path / 'queues.db'}")
     async with LocalMesh(config) as before, before.client("FlightAgent") as flight:
