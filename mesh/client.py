@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import logging
 import math
+import reprlib
 import time
 from collections.abc import (
     AsyncGenerator,
@@ -345,7 +346,7 @@ def object_of(value: Mapping[str, Any] | None, field: str) -> dict[str, Any]:
     if isinstance(value, Mapping):
         return dict(value)
     raise MessageValidationError.for_field(
-        field, f"{field} must be an object (a dict), not a {type(value).__name__}"
+        field, f"{field} must be an object (a dict), not {reprlib.repr(value)}"
     )
 
 
@@ -1568,23 +1569,33 @@ class MeshClient:
         from_agent: str | None = None,
     ) -> Message:
         """Transfers a task to ``to_agent`` with its context, as a HANDOFF message."""
+        if not isinstance(task_description, str):
+            raise MessageValidationError.for_field(
+                "task_description",
+                f"task_description must be a string, not {reprlib.repr(task_description)}",
+            )
+        if isinstance(step_number, bool) or not isinstance(step_number, int) or step_number < 0:
+            raise MessageValidationError.for_field(
+                "step_number",
+                f"step_number must be a whole number, not negative (got {step_number!r})",
+            )
         handoff = Handoff(
             task_description=task_description,
-            context=dict(context or {}),
+            context=object_of(context, "context"),
             previous_result=previous_result,
-            constraints=dict(constraints or {}),
+            constraints=object_of(constraints, "constraints"),
             workflow_id=workflow_id,
             step_number=step_number,
         )
-        message = Message(
-            from_agent=self.agent_id if from_agent is None else from_agent,
-            to_agent=to_agent,
+        message = self.build(
+            to_agent,
+            handoff.to_content(),
             message_type=MessageType.HANDOFF,
-            content=handoff.to_content(),
             metadata=handoff.to_metadata(),
             priority=priority,
             ttl=ttl,
-            headers=dict(headers or {}),
+            headers=headers,
+            from_agent=from_agent,
         )
         return await self.send_message(message)
 

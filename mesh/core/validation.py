@@ -62,6 +62,7 @@ def message_violations(message: Message, config: BrokerConfig) -> list[FieldViol
         if bad_context:
             found.append(FieldViolation("content.context", "content.context must be an object"))
         if message.message_type is MessageType.HANDOFF:
+            found.extend(_handoff_shape_violations(message))
             found.extend(
                 handoff_violations(
                     Handoff.from_message(message),
@@ -107,6 +108,36 @@ def missing_fields(message: Message, required: tuple[str, ...]) -> list[FieldVio
         FieldViolation(f"content.{key}", f"content.{key} is required by {message.to_agent}")
         for key in lacking
     ]
+
+
+def _handoff_shape_violations(message: Message) -> list[FieldViolation]:
+    """What a hand-off's parts must be before they are read: read as they were, a context
+    that is no object was taken as none, and a step "2" as step 0."""
+    found = []
+    parameters = message.parameters
+    task = parameters.get("task_description")
+    if task is not None and not isinstance(task, str):
+        found.append(
+            FieldViolation(
+                "content.parameters.task_description",
+                "content.parameters.task_description must be a string",
+            )
+        )
+    for name in ("context", "constraints"):
+        if not _object_or_nothing(parameters.get(name)):
+            field = f"content.parameters.{name}"
+            found.append(FieldViolation(field, f"{field} must be an object"))
+    for name in ("step_number", "handoff_step"):
+        step = message.metadata.get(name)
+        if step is not None and (
+            isinstance(step, bool)
+            or not isinstance(step, int | float)
+            or (isinstance(step, float) and not step.is_integer())  # (also NaN, infinities)
+        ):
+            found.append(
+                FieldViolation(f"metadata.{name}", f"metadata.{name} must be a whole number")
+            )
+    return found
 
 
 def handoff_violations(

@@ -541,6 +541,53 @@ async def test_scenario_07_step_increments_when_an_agent_hands_on(mesh: LocalMes
     assert got.from_agent == "SellerAgent"
 
 
+async def test_scenario_07_a_handoff_of_the_wrong_shape_is_refused_naming_the_part(
+    mesh: LocalMesh,
+) -> None:
+    """A step "2" was read as step 0 and a context "x" as none, each without a word; the SDK
+    refuses them before sending, and the broker from a client that is no SDK."""
+    async with mesh.client("CustomerAgent") as customer:
+        await register(customer, "SellerAgent")
+        for field, options in [
+            ("step_number", {"step_number": "2"}),
+            ("step_number", {"step_number": True}),
+            ("context", {"context": "x"}),
+            ("constraints", {"constraints": ["fast"]}),
+            ("task_description", {"task_description": 5}),
+        ]:
+            options.setdefault("task_description", "Approve refund")
+            with pytest.raises(MessageValidationError) as refused:
+                await customer.handoff("SellerAgent", **options)
+            assert [v.field for v in refused.value.field_violations] == [field]
+
+        async with grpc.aio.insecure_channel(mesh.address) as channel:
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)
+            for field, parameters, metadata in [
+                ("metadata.step_number", {}, {"step_number": "2"}),
+                ("metadata.step_number", {}, {"step_number": 1.5}),
+                ("content.parameters.context", {"context": "x"}, {}),
+                ("content.parameters.constraints", {"constraints": [1]}, {}),
+                ("content.parameters.task_description", {"task_description": 5}, {}),
+            ]:
+                message = message_pb2.Message(
+                    from_agent="CustomerAgent",
+                    to_agent="SellerAgent",
+                    message_type=message_pb2.MESSAGE_TYPE_HANDOFF,
+                )
+                message.content.update(
+                    {
+                        "action": "execute_handoff",
+                        "parameters": {"task_description": "Approve refund", **parameters},
+                    }
+                )
+                message.metadata.update({"workflow_id": "wf_1", **metadata})
+                with pytest.raises(grpc.aio.AioRpcError) as refused_rpc:
+                    await stub.SendMessage(broker_pb2.SendMessageRequest(message=message))
+                assert refused_rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert f"{field} must be" in (refused_rpc.value.details() or "")
+        assert await customer.receive_messages("SellerAgent") == []
+
+
 async def test_scenario_08_handoff_with_context_transfer(
     mesh: LocalMesh, caplog: pytest.LogCaptureFixture
 ) -> None:
