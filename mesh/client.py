@@ -361,6 +361,13 @@ def in_flight_count(value: int, field: str = "max_in_flight") -> int:
     return value
 
 
+def _not_a_message(call: str, given: object) -> TypeError:
+    return TypeError(
+        f"{call} takes Message objects (mesh.Message), not {type(given).__name__} "
+        f"{reprlib.repr(given)}"
+    )
+
+
 def names_of(values: Iterable[str], field: str, what: str) -> tuple[str, ...]:
     """The names a caller lists (agent ids or types, tags, message ids...); a bare string,
     which would read as a list of its letters (an agent of the types "h", "o", "t"...), is a
@@ -1229,6 +1236,8 @@ class MeshClient:
             message = self.build(to_agent, fields.pop("content", None), **fields)
         elif fields:
             raise TypeError(f"a prepared message takes no fields: {', '.join(fields)}")
+        elif not isinstance(message, Message):
+            raise _not_a_message("send_message", message)
         if not message.from_agent and self.agent_id:
             message = message.evolve(from_agent=self.agent_id)
         message = with_trace(message)
@@ -1259,6 +1268,8 @@ class MeshClient:
         self, messages: Sequence[Message], *, return_exceptions: bool = False
     ) -> list[Any]:
         """Sends all messages concurrently in one call; results in the order given."""
+        if stray := next((m for m in messages if not isinstance(m, Message)), None):
+            raise _not_a_message("send_parallel", stray)  # (before any of them is sent)
         started = time.perf_counter()
         results = await asyncio.gather(
             *(self.send_message(m) for m in messages), return_exceptions=return_exceptions
@@ -1287,6 +1298,8 @@ class MeshClient:
 
     async def send_batch(self, messages: Sequence[Message]) -> list[Message | MeshError]:
         """Sends messages in one SendMessages call; each gets its own result."""
+        if stray := next((m for m in messages if not isinstance(m, Message)), None):
+            raise _not_a_message("send_batch", stray)
         prepared = [
             m if m.from_agent or not self.agent_id else m.evolve(from_agent=self.agent_id)
             for m in messages
@@ -1838,7 +1851,7 @@ class MeshClient:
 
         timeout = wait_seconds(timeout, 10.0)
         request = tools_pb2.InvokeToolRequest(agent_id=agent_id or self.agent_id, tool=tool)
-        codec.encode_struct(dict(arguments or {}), request.arguments, "arguments")
+        codec.encode_struct(object_of(arguments, "arguments"), request.arguments, "arguments")
         codec.seconds_to_duration(timeout, request.timeout)
         self._refuse_if_closed()
         try:
@@ -2124,9 +2137,9 @@ class MeshClient:
         holder = agent_id or self.agent_id
         request = memory_pb2.LockStateRequest(key=key, agent_id=holder)
         if wait is not None:
-            codec.seconds_to_duration(wait, request.wait)
+            codec.seconds_to_duration(wait_seconds(wait, 0, "wait"), request.wait)
         if lease is not None:
-            codec.seconds_to_duration(lease, request.lease)
+            codec.seconds_to_duration(wait_seconds(lease, 0, "lease"), request.lease)
         response = await self._with_retry(self._unary(self._memory.LockState, request))
         expires_at = codec.timestamp_to_datetime(response.expires_at)
         return StateLock(key, holder, response.lock_token, expires_at)

@@ -850,8 +850,13 @@ def ttl_violation() -> FieldViolation:
 
 def check_ttl(ttl: float) -> None:
     """An entry's ttl, in seconds, as a client checks it before sending."""
-    if not 0 < ttl <= MAX_TTL:
+    if not _seconds(ttl) or not 0 < ttl <= MAX_TTL:
         raise MessageValidationError.from_violations([ttl_violation()])
+
+
+def _seconds(value: object) -> bool:
+    """Whether ``value`` is a number of seconds at all (a bool or a "5" is not)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def lock_terms(
@@ -865,9 +870,9 @@ def lock_terms(
     problems = []
     if not agent_id:
         problems.append(FieldViolation("agent_id", "agent_id is required"))
-    if not 0 <= wait <= lock_timeout:
+    if not _seconds(wait) or not 0 <= wait <= lock_timeout:
         problems.append(FieldViolation("wait", f"wait must be within 0 and {lock_timeout:g} s"))
-    if not 0 < lease <= MAX_LEASE:
+    if not _seconds(lease) or not 0 < lease <= MAX_LEASE:
         problems.append(
             FieldViolation("lease", f"lease must be above 0 and at most {MAX_LEASE:g} s")
         )

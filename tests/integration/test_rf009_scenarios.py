@@ -1221,12 +1221,25 @@ async def test_a_message_s_parts_of_the_wrong_kind_are_refused_naming_them(
             ("timeout", lambda: flight.request("PaymentAgent", content, timeout=timedelta(1))),
             ("timeout", lambda: flight.request("PaymentAgent", content, timeout="5")),
             ("insight.metadata", lambda: flight.write_insight({"n": 1}, metadata=[("k", 1)])),
+            ("arguments", lambda: flight.call_tool("search", ["lithium"])),
+            ("ttl", lambda: flight.put_state("budget", 100, ttl="60")),
+            ("wait", lambda: flight.lock_state("budget", wait="1")),
         ]:
             with pytest.raises(MessageValidationError) as refused:
                 await call()
             assert [v.field for v in refused.value.field_violations] == [field]
-        assert await flight.receive_messages("PaymentAgent") == []
+        sent = await flight.send("PaymentAgent", content)
+        # A message that is no Message, alone or among others: none of them is sent.
+        with pytest.raises(TypeError, match=r"takes Message objects \(mesh.Message\), not dict"):
+            await flight.send_message({"to_agent": "PaymentAgent", "content": content})
+        for call_many in (flight.send_parallel, flight.send_batch):
+            with pytest.raises(TypeError, match="takes Message objects"):
+                await call_many([sent.evolve(message_id=""), "PaymentAgent"])  # type: ignore[list-item]
+        assert [m.message_id for m in await flight.receive_messages("PaymentAgent")] == [
+            sent.message_id
+        ]
         assert await flight.read_insights() == []
+        assert await flight.get_state("budget") is None
 
 
 async def test_a_durable_broker_keeps_the_fields_an_agent_requires(tmp_path: Path) -> None:
