@@ -114,9 +114,24 @@ def _as_coroutine(fn: Callable[..., Any]) -> Callable[..., Awaitable[Reply]]:
 HandlerT = TypeVar("HandlerT", bound=Callable[..., Any])
 
 
+def _check_handler(fn: Callable[..., Any], name: str) -> None:
+    """TypeError, as the agent is made, for a handler that cannot be called with a message and
+    its context: else each message would fail on it, one by one."""
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError:
+        raise TypeError(f"the handler {name} must take (message, ctx)") from None
+    except ValueError:  # (a callable with no signature to read: it is tried as it is)
+        pass
+
+
 def on(action: str) -> Callable[[HandlerT], HandlerT]:
     """Marks an Agent method as the handler of one content.action (``async def``, or a plain
     method, which runs in a worker thread)."""
+    if not isinstance(action, str) or not action:
+        raise TypeError(
+            f'@on takes the name of the action it handles, as in @on("book"), not {action!r}'
+        )
 
     def mark(method: HandlerT) -> HandlerT:
         method.__mesh_action__ = action  # type: ignore[attr-defined]
@@ -309,10 +324,12 @@ class Agent:
             self.required_fields if required_fields is None else required_fields
         )
         self._actions: dict[str, Callable[..., Awaitable[Reply]]] = {}
-        for _, member in inspect.getmembers(self, inspect.ismethod):
+        for name, member in inspect.getmembers(self, inspect.ismethod):
             action = getattr(member, "__mesh_action__", None)
             if action:
+                _check_handler(member, f"{type(self).__name__}.{name}")
                 self._actions[action] = _as_coroutine(member)
+        _check_handler(self.handle, f"{type(self).__name__}.handle")
         if not inspect.iscoroutinefunction(self.handle):  # a plain `def handle` overridden
             self.handle = _as_coroutine(self.handle)  # type: ignore[method-assign,assignment]
 
@@ -347,6 +364,7 @@ class FunctionAgent(Agent):
 
     def __init__(self, fn: HandlerFn, agent_id: str, **kwargs: Any) -> None:
         kwargs.setdefault("description", (inspect.getdoc(fn) or "").split("\n")[0])
+        _check_handler(fn, getattr(fn, "__qualname__", repr(fn)))
         super().__init__(agent_id, **kwargs)
         self._fn = _as_coroutine(fn)
 

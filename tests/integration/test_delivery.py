@@ -1297,6 +1297,64 @@ async def test_a_plain_function_handler_runs_off_the_event_loop(mesh: LocalMesh)
         assert (await slow).content == {"action": "lookup", "off_loop": True}
 
 
+async def test_a_handler_that_cannot_be_called_is_refused_as_its_agent_is_made(
+    mesh: LocalMesh,
+) -> None:
+    """A handler missing ``ctx`` failed on every message, one by one, as an ERROR answer; a
+    bare ``@on`` (no action named) made the method no handler at all, without a word."""
+    with pytest.raises(
+        TypeError, match=r'@on takes the name of the action it handles, as in @on\("book"\)'
+    ):
+
+        class Bare(Agent):
+            @on  # type: ignore[arg-type]
+            async def book(self, message: Message, ctx: AgentContext) -> None: ...
+
+    class NoContext(Agent):
+        agent_id = "NoContext"
+
+        @on("book")
+        async def book(self, message: Message) -> None: ...
+
+    with pytest.raises(TypeError, match=r"the handler NoContext\.book must take \(message, ctx\)"):
+        NoContext()
+
+    class Handles(Agent):
+        agent_id = "Handles"
+
+        async def handle(self, message: Message) -> None:  # type: ignore[override]
+            ...
+
+    with pytest.raises(TypeError, match=r"the handler Handles\.handle must take"):
+        Handles()
+    with pytest.raises(TypeError, match=r"must take \(message, ctx\)"):
+
+        @agent("Lone")
+        async def lone(message: Message) -> None: ...
+
+    class Lenient(Agent):  # what can be called with a message and its context is taken
+        agent_id = "Lenient"
+
+        @on("book")
+        async def book(self, message: Message, ctx: AgentContext | None = None) -> Any:
+            return {"booked": message.parameters["room"]}
+
+        @on("any")
+        def anything(self, *args: Any) -> Any:
+            return {"args": len(args)}
+
+    await mesh.add_agent(Lenient())
+    async with mesh.client("asker") as client:
+        booked = await client.request(
+            "Lenient", {"action": "book", "parameters": {"room": 12}}, timeout=5
+        )
+        assert booked.content == {"action": "book", "booked": 12}
+        assert (await client.request("Lenient", {"action": "any"}, timeout=5)).content == {
+            "action": "any",
+            "args": 2,
+        }
+
+
 async def test_a_mapping_a_handler_returns_is_its_answer_s_content(mesh: LocalMesh) -> None:
     """Any mapping is content, as a dict is: returned by a handler (it was sent as
     {"result": "<its Python text>"}), or held within what it returns (sent as that text)."""
