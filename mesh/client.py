@@ -85,7 +85,7 @@ from mesh.metrics import RT011_FIGURES
 from mesh.security import open_channel
 from mesh.serving import ANSWER_BYTES, GRPC_OPTIONS
 from mesh.streams import BATCH_HEADER, FrameWriter
-from mesh.tracing import current_span, inject
+from mesh.tracing import current_span, inject, without_trace
 from mesh.v1 import (
     agent_pb2,
     agent_pb2_grpc,
@@ -683,11 +683,15 @@ class Received:
         if not self.done:
             await self._subscription.extend_leases([self.message.message_id], seconds)
 
-    async def answer(self, answer: Message) -> None:
+    async def answer(self, answer: Message | Mapping[str, JSON]) -> None:
         """Sends the answer to this request on the subscription's own stream, fire-and-forget;
         the broker takes it as the acknowledgement (when it answers this message's id), and
         it arrives before the stream ends, so closing the subscription right after loses
-        nothing. Falls back to the client's session when the subscription's is gone."""
+        nothing. Falls back to the client's session when the subscription's is gone.
+        ``answer`` is a :class:`Message`, or the content of the RESPONSE to make, as a
+        handler's return value is (this message's correlation, priority and sender)."""
+        if not isinstance(answer, Message):
+            answer = self._response(answer)
         codec.check_depth(answer.content)  # (a frame too deep to read would tell nobody)
         frame = broker_pb2.ConnectRequest()
         codec.message_to_pb(with_trace(answer), frame.send)
@@ -701,6 +705,25 @@ class Received:
                     self._subscription._taken.pop(self.message.message_id, None)
                 return
         await self._subscription.client.send_nowait(answer)
+
+    def _response(self, content: Mapping[str, JSON]) -> Message:
+        if not isinstance(content, Mapping):
+            raise TypeError(
+                "answer takes a Message or the answer's content (a dict), not "
+                f"{type(content).__name__} {reprlib.repr(content)}"
+            )
+        message = self.message
+        body = dict(content)
+        body.setdefault("action", message.action or "response")
+        return Message(
+            from_agent=self._subscription.agent_id,
+            to_agent=message.reply_target,
+            message_type=MessageType.RESPONSE,
+            content=body,
+            correlation_id=message.correlation_id or message.message_id,
+            priority=message.priority,
+            headers=inject(without_trace(message.headers)),
+        )
 
     def __repr__(self) -> str:
         return f"Received({self.message.message_id}, attempt={self.attempt})"

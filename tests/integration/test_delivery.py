@@ -1372,6 +1372,31 @@ async def test_a_mapping_a_handler_returns_is_its_answer_s_content(mesh: LocalMe
         assert answer.content == {"action": "view", "status": "ok", "limits": {"max": 3}}
 
 
+async def test_a_subscriber_answers_with_content_as_a_handler_does(mesh: LocalMesh) -> None:
+    """``delivery.answer({...})``, outside the agent runtime: the RESPONSE is made as a
+    handler's return value makes it (it was an AttributeError: only a Message was taken)."""
+    async with mesh.client("Desk") as desk, mesh.client("asker") as asker:
+        await desk.register("Desk")
+        async with desk.subscribe("Desk") as inbox:
+            asking = asyncio.create_task(
+                asker.request("Desk", {"action": "quote"}, priority="HIGH", timeout=5)
+            )
+            delivery = await asyncio.wait_for(anext(aiter(inbox)), 5)
+            with pytest.raises(TypeError, match=r"answer takes a Message or the answer's content"):
+                await delivery.answer("450")  # type: ignore[arg-type]
+            await delivery.answer({"price": 450})
+            answer = await asking
+        assert answer.content == {"action": "quote", "price": 450}
+        assert (answer.message_type, answer.from_agent, answer.priority) == (
+            MessageType.RESPONSE,
+            "Desk",
+            Priority.HIGH,
+        )
+        assert answer.correlation_id == delivery.message.message_id and delivery.done
+        [queue] = (await asker.queue_stats("Desk")).agents
+        assert (queue.depth, queue.in_flight, queue.dead_letters) == (0, 0, 0)
+
+
 async def test_a_subscriber_keeps_a_delivery_by_hand(mesh: LocalMesh) -> None:
     """`Received.extend_lease()` outside the agent runtime: the delivery is not redelivered at
     its first lease's end, and acked after it, it is gone."""
