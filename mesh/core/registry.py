@@ -22,13 +22,22 @@ MAX_INSTANCES = 64
 
 
 _SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+_URLS = ("http://", "https://", "grpc://", "grpcs://")
+"""What tools such as buf curl are given, and gRPC cannot dial (it reads them as host names)."""
 
 
 def address_problem(address: str) -> str | None:
     """What is wrong with a server's address for gRPC to dial it as meant, or None: it is
-    empty, or a host:port whose port is past 65535 (gRPC would wrap it round to another)."""
+    empty, a URL (``http://host:port``), or a host:port whose port is past 65535 (gRPC would
+    wrap it round to another)."""
     if not address.strip():
         return "an address is required: host:port (or any gRPC target)"
+    if address.lower().startswith(_URLS):
+        scheme, _, rest = address.partition("://")
+        return (
+            f"{address} is a URL, not a gRPC target: give host:port ({rest.rstrip('/')}; "
+            f"TLS is set apart, not by {scheme}://)"
+        )
     if not address.startswith(_SCHEMES) and "://" not in address:
         port = address.rpartition(":")[2]
         if port.isascii() and port.isdigit() and not 0 < int(port) < 65536:

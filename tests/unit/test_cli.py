@@ -445,6 +445,7 @@ def test_certificates_that_cannot_be_used_are_said_in_a_line(tmp_path: Path) -> 
     [
         ("", "INVALID_ARGUMENT: an address is required: host:port"),
         ("127.0.0.1:99999", "INVALID_ARGUMENT: 127.0.0.1:99999: a port is from 1 to 65535"),
+        ("http://127.0.0.1:50051", "INVALID_ARGUMENT: http://127.0.0.1:50051 is a URL"),
     ],
 )
 def test_a_broker_address_grpc_cannot_dial_as_meant_is_said_so(

@@ -207,6 +207,12 @@ def test_each_instance_keeps_the_delivery_it_registered_with() -> None:
         ("127.0.0.1:99999", "127.0.0.1:99999: a port is from 1 to 65535"),
         ("10.0.0.1:0", "10.0.0.1:0: a port is from 1 to 65535"),
         ("   ", "an address is required"),
+        (
+            "http://ledger.svc:50051/",  # (what buf curl is given: gRPC reads it as a host name)
+            "http://ledger.svc:50051/ is a URL, not a gRPC target: give host:port "
+            "(ledger.svc:50051; TLS is set apart, not by http://)",
+        ),
+        ("GRPCS://10.0.0.1:7000", "is a URL, not a gRPC target: give host:port (10.0.0.1:7000"),
     ],
 )
 def test_an_address_grpc_would_dial_elsewhere_is_refused(address: str, said: str) -> None:
