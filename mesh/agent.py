@@ -125,6 +125,16 @@ def _check_handler(fn: Callable[..., Any], name: str) -> None:
         pass
 
 
+def _check_agent(agent: object) -> None:
+    """TypeError for what is served as an agent and is none (before any server starts)."""
+    if not isinstance(agent, Agent):
+        made = isinstance(agent, type) and issubclass(agent, Agent)
+        raise TypeError(
+            f"an agent to serve is an Agent object, not {agent!r}"
+            + (f": make one, {getattr(agent, '__name__', '')}()" if made else "")
+        )
+
+
 def on(action: str) -> Callable[[HandlerT], HandlerT]:
     """Marks an Agent method as the handler of one content.action (``async def``, or a plain
     method, which runs in a worker thread)."""
@@ -1143,6 +1153,7 @@ async def serve(
     A delivery stays leased ``lease_seconds`` unless acknowledged; while a handler still
     works on one, its lease is extended every third of that, for up to
     ``max_lease_extension`` seconds, so that a slow handler is not run twice."""
+    _check_agent(agent)
     owns_client = client is None
     if client is None:
         client = MeshClient(broker, agent_id=agent.agent_id, retry=retry, security=security)
@@ -1252,6 +1263,8 @@ async def serve_all(
     messages, and for ``agentmesh.agents`` (:data:`AGENTS_SERVICE`) while all of them do:
     the readiness of the process. Returns once all are ready; if one cannot start, the
     others are stopped and its error raised."""
+    for agent in agents:
+        _check_agent(agent)
     client = MeshClient(broker, retry=retry, security=security)
     together = _Together(len(agents))
     # Side by side: each server up at once, each agent waiting for the broker on its own.

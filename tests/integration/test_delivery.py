@@ -31,6 +31,7 @@ from mesh import (
     RequestTimeoutError,
     agent,
     on,
+    serve_all,
 )
 from mesh.core.broker import Broker
 from mesh.core.errors import AgentNotFoundError
@@ -1343,6 +1344,14 @@ async def test_a_handler_that_cannot_be_called_is_refused_as_its_agent_is_made(
         def anything(self, *args: Any) -> Any:
             return {"args": len(args)}
 
+    # What is served as an agent and is none: said before any server starts.
+    with pytest.raises(
+        TypeError,
+        match=r"an agent to serve is an Agent object, not <class .*: make one, Lenient\(\)",
+    ):
+        await serve_all([Lenient], mesh.address)  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="an agent to serve is an Agent object, not 'Lenient'"):
+        await mesh.add_agent("Lenient")  # type: ignore[arg-type]
     await mesh.add_agent(Lenient())
     async with mesh.client("asker") as client:
         booked = await client.request(
