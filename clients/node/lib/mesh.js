@@ -1136,7 +1136,7 @@ class MeshClient {
     this.stats = { retries: {} };
     const { credentials, metadata, channelOptions, stop } = security(options);
     this._stopLooking = stop;
-    this.broker = new meshV1.BrokerService(address, credentials, channelOptions);
+    this.broker = new meshV1.BrokerService(checkTarget(address), credentials, channelOptions);
     this.broker.meshMetadata = metadata;
     // The shared state is served beside the broker, on the same channel.
     this.memory = new meshV1.MemoryService(address, credentials,
@@ -1264,8 +1264,8 @@ class MeshClient {
         `requiredFields is a list of content keys: ${JSON.stringify(requiredFields)}`);
     }
     const res = await this._withRetry(() => unary(this.broker, 'RegisterAgent', {
-      agent: { agent_id: agentId, agent_types: agentTypes, address, capabilities,
-        delivery_mode: `DELIVERY_MODE_${deliveryMode}`, max_in_flight: maxInFlight,
+      agent: { agent_id: agentId, agent_types: namesOf(agentTypes, 'agentTypes'), address,
+        capabilities: namesOf(capabilities, 'capabilities'), delivery_mode: `DELIVERY_MODE_${deliveryMode}`, max_in_flight: maxInFlight,
         required_fields: requiredFields },
     }));
     return readAgent(res.agent);
@@ -1467,7 +1467,7 @@ class MeshClient {
    */
   async requeueDeadLetters(agentId, messageIds = []) {
     const res = await this._withRetry(() => unary(this.broker, 'RequeueDeadLetters',
-      { agent_id: agentId, message_ids: messageIds }));
+      { agent_id: agentId, message_ids: namesOf(messageIds, 'messageIds') }));
     return { requeued: res.requeued, left: res.left };
   }
 
@@ -1482,6 +1482,8 @@ class MeshClient {
     if (signal?.aborted) return Promise.reject(signal.reason);
     try {
       checkWait(timeoutMs);
+      namesOf(agentIds, 'agentIds');
+      namesOf(agentTypes, 'agentTypes');
     } catch (err) {
       return Promise.reject(err);
     }
@@ -1519,6 +1521,7 @@ class MeshClient {
    */
   async negotiate(peers, proposal, { topic = '', rounds = 3, timeoutMs = 5000,
     revise = adoptCounters } = {}) {
+    namesOf(peers, 'peers');
     const problems = [];
     if (!peers.length || peers.length > 10 || new Set(peers).size !== peers.length
       || peers.includes(this.agentId)) {
@@ -1578,8 +1581,8 @@ class MeshClient {
   async writeInsight(content, { tags = [], importance = 0.5, segment = 'default', metadata = {},
     agentId = this.agentId, ttlMs = 0 } = {}) {
     checkWait(ttlMs, 'ttlMs');
-    const insight = { agent_id: agentId, content: toValue(content), tags, importance, segment,
-      metadata: toStruct(metadata, 'metadata') };
+    const insight = { agent_id: agentId, content: toValue(content), tags: namesOf(tags, 'tags'),
+      importance, segment, metadata: toStruct(metadata, 'metadata') };
     if (ttlMs) insight.ttl = toDuration(ttlMs);
     return readInsight((await unary(this.memory, 'WriteInsight', { insight })).insight);
   }
@@ -1587,15 +1590,17 @@ class MeshClient {
   /** Insights with all of tags (and of segment, agentId), most important first, then newest. */
   async readInsights({ tags = [], segment = '', minImportance = 0, limit = 0,
     agentId = '' } = {}) {
-    const insights = await allPages(this.memory, 'ReadInsights', { tags, segment,
+    const insights = await allPages(this.memory, 'ReadInsights', { tags: namesOf(tags, 'tags'),
+      segment,
       min_importance: minImportance, limit, agent_id: agentId }, 'insights');
     return insights.map(readInsight);
   }
 
   /** Removes the insights matching every filter given (at least one); resolves with how many. */
   async deleteInsights({ insightIds = [], tags = [], segment = '', agentId = '' } = {}) {
-    const res = await unary(this.memory, 'DeleteInsights', { insight_ids: insightIds, tags,
-      segment, agent_id: agentId });
+    const res = await unary(this.memory, 'DeleteInsights', {
+      insight_ids: namesOf(insightIds, 'insightIds'), tags: namesOf(tags, 'tags'), segment,
+      agent_id: agentId });
     return res.deleted;
   }
 
@@ -1780,7 +1785,7 @@ class MeshClient {
     const message = buildMessage({ from: this.agentId, to: 'broadcast', type: 'BROADCAST',
       content, ...options });
     const { broadcasted: res } = await this._ask(
-      { broadcast: { message, agent_types: agentTypes } }, 10000);
+      { broadcast: { message, agent_types: namesOf(agentTypes, 'agentTypes') } }, 10000);
     return {
       messageId: res.message_id,
       recipients: res.recipients,
@@ -2096,6 +2101,44 @@ function keepLeases(inFlight, leaseMs, maxExtensionMs, extend) {
 const camel = (name) => name.replace(/_([a-z])/g, (_, c) => c.toUpperCase());
 
 /** A google.protobuf.Duration from milliseconds, "2s" / "1.5s" / "500ms", or {seconds, nanos}. */
+/**
+ * The address of a server for gRPC to dial as meant, else a TypeError that says why (as the
+ * Python SDK says it): empty, a URL (what buf curl is given: gRPC reads it as a host name and
+ * fails every call UNAVAILABLE), or a host:port whose port is past 65535.
+ */
+function checkTarget(address) {
+  if (typeof address !== 'string' || !address.trim()) {
+    throw new TypeError('an address is required: host:port (or any gRPC target)');
+  }
+  const url = /^(https?|grpcs?):\/\/(.*)$/i.exec(address);
+  if (url) {
+    throw new TypeError(`${address} is a URL, not a gRPC target: give host:port `
+      + `(${url[2].replace(/\/+$/, '')}; TLS is set apart, not by ${url[1]}://)`);
+  }
+  if (!/^(dns|unix|unix-abstract|ipv4|ipv6|vsock):/.test(address) && !address.includes('://')) {
+    const port = address.slice(address.lastIndexOf(':') + 1);
+    if (/^[0-9]+$/.test(port) && !(Number(port) > 0 && Number(port) < 65536)) {
+      throw new TypeError(`${address}: a port is from 1 to 65535`);
+    }
+  }
+  return address;
+}
+
+/**
+ * The names a caller lists (agent ids or types, capabilities, tags, message ids): an array of
+ * strings. A bare string is a TypeError naming the field (the wire refused it as "array
+ * expected", said as INTERNAL), as it is in the Python SDK.
+ */
+function namesOf(values, field) {
+  if (typeof values === 'string') {
+    throw new TypeError(`${field} is a list, not one string: write [${JSON.stringify(values)}]`);
+  }
+  if (!Array.isArray(values) || values.some((v) => typeof v !== 'string')) {
+    throw new TypeError(`${field} is a list of strings, not ${JSON.stringify(values)}`);
+  }
+  return values;
+}
+
 function toDuration(v) {
   if (typeof v === 'number') {
     return { seconds: Math.floor(v / 1000), nanos: Math.round((v % 1000) * 1e6) };
@@ -2195,7 +2238,7 @@ class GatewayClient {
   constructor(address, { retryDelaysMs = RETRY_DELAYS_MS, onRetry = undefined, ...options } = {}) {
     const { credentials, metadata, channelOptions, stop } = security(options);
     this._stopLooking = stop;
-    this.gateway = new meshV1.GatewayService(address, credentials, channelOptions);
+    this.gateway = new meshV1.GatewayService(checkTarget(address), credentials, channelOptions);
     this.metadata = metadata;
     this.retryDelaysMs = retryDelaysMs;
     this.onRetry = onRetry;
@@ -2300,7 +2343,7 @@ class AgentClient {
     this.agentId = agentId;
     const { credentials, metadata, channelOptions, stop } = security(options);
     this._stopLooking = stop;
-    this.agent = new meshV1.AgentService(address, credentials, channelOptions);
+    this.agent = new meshV1.AgentService(checkTarget(address), credentials, channelOptions);
     this.agent.meshMetadata = metadata;
   }
 
@@ -2455,6 +2498,8 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
   healthPort = Number(process.env.AGENTMESH_AGENT_HEALTH_PORT || -1),
   waitForBrokerMs = Number(process.env.AGENTMESH_WAIT_FOR_BROKER || 0) * 1000, ...options }) {
   checkSubscription({ leaseMs, maxLeaseExtensionMs });
+  namesOf(agentTypes, 'agentTypes');
+  namesOf(capabilities, 'capabilities');
   if (!(typeof waitForBrokerMs === 'number' && waitForBrokerMs >= 0
     && waitForBrokerMs < Infinity)) {
     throw new TypeError(`waitForBrokerMs must be 0 or more milliseconds (got ${

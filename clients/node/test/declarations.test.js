@@ -106,3 +106,39 @@ test('content travels as JSON.stringify reads it; what JSON cannot carry is a Ty
       (err) => err instanceof TypeError && said.test(err.message), JSON.stringify(fields));
   }
 });
+
+test('a bare string where a list is asked, or a URL for an address, is a TypeError saying so',
+  async () => {
+    for (const [address, said] of [
+      ['http://127.0.0.1:50051', /^http:\/\/127\.0\.0\.1:50051 is a URL, not a gRPC target: give host:port \(127\.0\.0\.1:50051; TLS/],
+      ['GRPCS://broker.svc:443/', /is a URL, not a gRPC target: give host:port \(broker\.svc:443;/],
+      ['127.0.0.1:99999', /^127\.0\.0\.1:99999: a port is from 1 to 65535$/],
+      ['', /^an address is required/],
+    ]) {
+      for (const Client of [mesh.MeshClient, mesh.GatewayClient, mesh.AgentClient]) {
+        assert.throws(() => new Client(address), (err) => err instanceof TypeError
+          && said.test(err.message), `${Client.name} ${address}`);
+      }
+    }
+    // Nothing is dialled for what is refused: no broker listens at port 1.
+    const client = new mesh.MeshClient('127.0.0.1:1', { agentId: 'me', retryDelaysMs: [] });
+    try {
+      for (const [call, said] of [
+        [() => client.register({ agentTypes: 'hotel' }), /^agentTypes is a list, not one string: write \["hotel"\]$/],
+        [() => client.register({ capabilities: 'book' }), /^capabilities is a list, not one/],
+        [() => client.broadcast({ alert: 'x' }, { agentTypes: 'hotel' }), /^agentTypes is a list/],
+        [() => client.gather({ action: 'x' }, { agentIds: 'Hotel' }), /^agentIds is a list/],
+        [() => client.gather({ action: 'x' }, { agentTypes: ['a', 1] }), /^agentTypes is a list of strings, not \["a",1\]$/],
+        [() => client.readInsights({ tags: 'vote' }), /^tags is a list/],
+        [() => client.writeInsight({ n: 1 }, { tags: 'vote' }), /^tags is a list/],
+        [() => client.deleteInsights({ insightIds: 'i-1' }), /^insightIds is a list/],
+        [() => client.requeueDeadLetters('Hotel', 'm-1'), /^messageIds is a list/],
+        [() => client.negotiate('Hotel', { price: 1 }), /^peers is a list/],
+      ]) {
+        await assert.rejects(call(), (err) => err instanceof TypeError && said.test(err.message),
+          String(said));
+      }
+    } finally {
+      client.close();
+    }
+  });
