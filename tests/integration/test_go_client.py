@@ -224,6 +224,34 @@ async def test_meshgo_groupchat_starts_a_run_the_full_gateway_refused_again(
     assert full.asked == ["held0", "later"]
 
 
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (
+            ["request", "-broker", "http://127.0.0.1:50051", "-to", "Desk", "-action", "x"],
+            "meshgo: http://127.0.0.1:50051 is a URL, not a gRPC target: give host:port "
+            "(127.0.0.1:50051; TLS is set apart, not by http://)",
+        ),
+        (
+            ["agent", "-broker", "127.0.0.1:99999", "-id", "Desk"],
+            "meshgo: 127.0.0.1:99999: a port is from 1 to 65535",
+        ),
+        (
+            ["groupchat", "-gateway", "GRPCS://gateway.svc:443/", "-agents", "a", "-query", "q"],
+            "is a URL, not a gRPC target: give host:port (gateway.svc:443; TLS is set apart",
+        ),
+    ],
+)
+async def test_meshgo_refuses_an_address_grpc_cannot_dial_as_meant(
+    meshgo: Path, flags: list[str], said: str
+) -> None:
+    """As the Python and Node.js clients do: at once, and saying why. Before, a URL was dialled
+    as a host name, UNAVAILABLE after every retry ("too many colons in address")."""
+    code, out, err = await run(meshgo, *flags)
+    assert (code, out) == (1, "")
+    assert said in err and "retry" not in err, err
+
+
 async def test_a_go_agent_answers_python_asks_go_and_leaves_when_stopped(
     embedded: EmbeddedMesh, meshgo: Path, go_agents: list[GoAgent]
 ) -> None:

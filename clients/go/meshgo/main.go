@@ -128,6 +128,38 @@ func canonical(name string) string {
 // clients wait as long).
 const reconnectMax = 2 * time.Second
 
+// targetProblem says what is wrong with an address for gRPC to dial it as meant, as the
+// Python and Node.js clients say it, or "": it is empty, a URL (what buf curl is given: gRPC
+// dials no http://), or a host:port whose port is past 65535.
+func targetProblem(target string) string {
+	if strings.TrimSpace(target) == "" {
+		return "an address is required: host:port (or any gRPC target)"
+	}
+	lower := strings.ToLower(target)
+	for _, scheme := range []string{"http://", "https://", "grpc://", "grpcs://"} {
+		if strings.HasPrefix(lower, scheme) {
+			rest := strings.TrimRight(target[len(scheme):], "/")
+			return fmt.Sprintf("%s is a URL, not a gRPC target: give host:port (%s; TLS is set "+
+				"apart, not by %s)", target, rest, target[:len(scheme)])
+		}
+	}
+	for _, scheme := range []string{"dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:"} {
+		if strings.HasPrefix(target, scheme) {
+			return ""
+		}
+	}
+	if strings.Contains(target, "://") {
+		return ""
+	}
+	port := target[strings.LastIndex(target, ":")+1:]
+	if port != "" && strings.Trim(port, "0123456789") == "" {
+		if number, err := strconv.Atoi(port); err != nil || number < 1 || number > 65535 {
+			return fmt.Sprintf("%s: a port is from 1 to 65535", target)
+		}
+	}
+	return ""
+}
+
 // dial connects as every client of the mesh does, from the same variables: TLS when
 // AGENTMESH_TLS_CA names the CA of the server's certificate (AGENTMESH_TLS_SERVER_NAME
 // overrides the name checked), a client certificate for mutual TLS from
@@ -135,6 +167,9 @@ const reconnectMax = 2 * time.Second
 // what AGENTMESH_TOKEN_FILE holds, else AGENTMESH_TOKEN. The CA, the client certificate and
 // the token file are read again when they change (renewed, rotated), without a restart.
 func dial(ctx context.Context, target string) (*grpc.ClientConn, error) {
+	if problem := targetProblem(target); problem != "" {
+		return nil, errors.New(problem)
+	}
 	var options []grpc.DialOption
 	if ca := os.Getenv("AGENTMESH_TLS_CA"); ca != "" {
 		roots, err := renewedRoots(ca)
