@@ -2287,6 +2287,10 @@ class AgentClient:
         await self._channel.close()
 
     async def handle(self, message: Message, *, timeout: float | None = None) -> Message | None:
+        """Calls the agent's own server with ``message`` (no broker between): its answer, or
+        None when it gives none."""
+        if not isinstance(message, Message):
+            raise _not_a_message("handle", message)
         request = agent_pb2.HandleMessageRequest()
         codec.message_to_pb(message, request.message)
         try:

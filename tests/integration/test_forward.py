@@ -157,6 +157,8 @@ async def test_a_direct_call_to_an_agent_that_forwards_gets_the_next_agents_answ
     desk = await mesh.add_agent(Desk("Desk", "Expert"))
     await mesh.add_agent(Expert())
     async with AgentClient(desk.address) as direct:
+        with pytest.raises(TypeError, match=r"handle takes Message objects \(mesh.Message\)"):
+            await direct.handle({"action": "ask"})  # type: ignore[arg-type]
         answer = await direct.handle(
             Message(from_agent="caller", to_agent="Desk", content={"action": "ask"}),
             timeout=5,
