@@ -397,6 +397,10 @@ def agent(
     async def payment(message, ctx):
         return {"status": "PAID"}
     """
+    if not isinstance(agent_id, str) or not agent_id:
+        raise TypeError(
+            f'@agent takes the agent\'s id, as in @agent("PaymentAgent"), not {agent_id!r}'
+        )
 
     def wrap(fn: HandlerFn) -> FunctionAgent:
         return FunctionAgent(

@@ -1333,6 +1333,13 @@ async def test_a_handler_that_cannot_be_called_is_refused_as_its_agent_is_made(
         @agent("Lone")
         async def lone(message: Message) -> None: ...
 
+    with pytest.raises(
+        TypeError, match=r'@agent takes the agent\'s id, as in @agent\("PaymentAgent"\)'
+    ):
+
+        @agent  # type: ignore[arg-type]
+        async def nameless(message: Message, ctx: AgentContext) -> None: ...
+
     class Lenient(Agent):  # what can be called with a message and its context is taken
         agent_id = "Lenient"
 
