@@ -112,7 +112,8 @@ def missing_fields(message: Message, required: tuple[str, ...]) -> list[FieldVio
 
 def _handoff_shape_violations(message: Message) -> list[FieldViolation]:
     """What a hand-off's parts must be before they are read: read as they were, a context
-    that is no object was taken as none, and a step "2" as step 0."""
+    that is no object was taken as none, a step "2" as step 0, and a workflow id {"a": 1}
+    as the text "{'a': 1}"."""
     found = []
     parameters = message.parameters
     task = parameters.get("task_description")
@@ -127,6 +128,11 @@ def _handoff_shape_violations(message: Message) -> list[FieldViolation]:
         if not _object_or_nothing(parameters.get(name)):
             field = f"content.parameters.{name}"
             found.append(FieldViolation(field, f"{field} must be an object"))
+    workflow_id = message.metadata.get("workflow_id")
+    if workflow_id is not None and not isinstance(workflow_id, str):
+        found.append(
+            FieldViolation("metadata.workflow_id", "metadata.workflow_id must be a string")
+        )
     for name in ("step_number", "handoff_step"):
         step = message.metadata.get(name)
         if step is not None and (

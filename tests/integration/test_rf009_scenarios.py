@@ -565,6 +565,7 @@ async def test_scenario_07_a_handoff_of_the_wrong_shape_is_refused_naming_the_pa
             for field, parameters, metadata in [
                 ("metadata.step_number", {}, {"step_number": "2"}),
                 ("metadata.step_number", {}, {"step_number": 1.5}),
+                ("metadata.workflow_id", {}, {"workflow_id": {"id": 1}}),
                 ("content.parameters.context", {"context": "x"}, {}),
                 ("content.parameters.constraints", {"constraints": [1]}, {}),
                 ("content.parameters.task_description", {"task_description": 5}, {}),
