@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.trace import SpanKind, get_current_span
 
@@ -101,6 +102,7 @@ logger = logging.getLogger("mesh.client")
 
 BROKER_SERVICE = broker_pb2.DESCRIPTOR.services_by_name["BrokerService"].full_name
 T = TypeVar("T")
+R = TypeVar("R")
 E = TypeVar("E", MessageType, Priority, DeliveryMode)
 
 _CLOSED = object()
@@ -359,6 +361,52 @@ def in_flight_count(value: int, field: str = "max_in_flight") -> int:
             field, f"{field} must be a whole number, not negative (got {value!r})"
         )
     return value
+
+
+_KINDS = {
+    FieldDescriptor.CPPTYPE_STRING: "a string",
+    FieldDescriptor.CPPTYPE_BOOL: "true or false",
+    FieldDescriptor.CPPTYPE_DOUBLE: "a number",
+    FieldDescriptor.CPPTYPE_FLOAT: "a number",
+}
+"""What a field of a request holds, as a refusal says it (the rest: whole numbers)."""
+
+
+def _request(kind: Callable[..., R], **fields: Any) -> R:
+    """``kind(**fields)``, a request made of what a caller gave; a value of the wrong type is
+    a MessageValidationError naming its field (protobuf's own TypeError names none: "bad
+    argument type for built-in operation"). Nothing is checked before: a request made right
+    costs what it did."""
+    try:
+        return kind(**fields)
+    except (TypeError, ValueError):
+        descriptor = getattr(kind, "DESCRIPTOR", None)
+        for name, value in fields.items():
+            try:
+                kind(**{name: value})
+            except (TypeError, ValueError):
+                field = descriptor.fields_by_name[name] if descriptor is not None else None
+                held = (
+                    "a list"
+                    if field is not None and field.is_repeated
+                    else _KINDS.get(field.cpp_type, "a whole number")
+                    if field is not None
+                    else "something else"
+                )
+                raise MessageValidationError.for_field(
+                    name, f"{name} must be {held}, not {type(value).__name__} {reprlib.repr(value)}"
+                ) from None
+        raise
+
+
+def _text(value: str, field: str) -> str:
+    """A name a caller gives (an agent id) for a frame's field: anything but a string is a
+    MessageValidationError naming the field."""
+    if isinstance(value, str):
+        return value
+    raise MessageValidationError.for_field(
+        field, f"{field} must be a string, not {type(value).__name__} {reprlib.repr(value)}"
+    )
 
 
 def _not_a_message(call: str, given: object) -> TypeError:
@@ -1107,7 +1155,7 @@ class MeshClient:
         False while it cannot be reached or says anything but SERVING (it is draining to
         stop), True again when it serves. Runs until closed or cancelled."""
         stub = health_pb2_grpc.HealthStub(self._channel)
-        request = health_pb2.HealthCheckRequest(service=service)
+        request = _request(health_pb2.HealthCheckRequest, service=service)
         said: bool | None = None
         attempt = 0
         while not self._closed:
@@ -1682,7 +1730,7 @@ class MeshClient:
             await self._settle_lingering()  # (as a unary call does: it asks, so it writes first)
             session = await self._open_session()
             frame = broker_pb2.ConnectRequest()
-            frame.receive.agent_id = agent_id or self.agent_id
+            frame.receive.agent_id = _text(agent_id or self.agent_id, "agent_id")
             frame.receive.max_messages = max_messages
             answer = await session.call(frame, timeout=self.default_timeout)
             return answer.received
@@ -1728,7 +1776,7 @@ class MeshClient:
         self._refuse_if_closed()
         sub = ClientSubscription(
             self,
-            agent_id or self.agent_id,
+            _text(agent_id or self.agent_id, "agent_id"),
             max_in_flight,
             lease_seconds,
             reconnect=reconnect,
@@ -1740,7 +1788,8 @@ class MeshClient:
         return sub
 
     async def ack(self, message_ids: Iterable[str], agent_id: str | None = None) -> int:
-        request = broker_pb2.AckRequest(
+        request = _request(
+            broker_pb2.AckRequest,
             agent_id=agent_id or self.agent_id,
             message_ids=names_of(message_ids, "message_ids", "message ids"),
         )
@@ -1756,7 +1805,8 @@ class MeshClient:
     ) -> tuple[int, int]:
         """Hands deliveries back for redelivery; with ``dead_letter_reason`` they go to the
         dead-letter queue at once. Returns (requeued, dead-lettered)."""
-        request = broker_pb2.NackRequest(
+        request = _request(
+            broker_pb2.NackRequest,
             agent_id=agent_id or self.agent_id,
             message_ids=names_of(message_ids, "message_ids", "message ids"),
             dead_letter_reason=dead_letter_reason,
@@ -1786,7 +1836,7 @@ class MeshClient:
         carry (e.g. ``["action", "parameters"]``); the broker refuses one that lacks any
         with :class:`MessageValidationError`."""
         info = AgentInfo(
-            agent_id=agent_id or self.agent_id,
+            agent_id=_text(agent_id or self.agent_id, "agent.agent_id"),
             agent_types=names_of(agent_types, "agent.agent_types", "agent types"),
             address=address,
             capabilities=names_of(capabilities, "agent.capabilities", "capabilities"),
@@ -1807,8 +1857,8 @@ class MeshClient:
         leaves (the agent stays while other processes serve it: what an agent does as it
         stops). Taken off whole, its processes hear of it: those that pull as their
         subscriptions end, those pushed to through the broker's NotifyDeregistered call."""
-        request = broker_pb2.DeregisterAgentRequest(
-            agent_id=agent_id or self.agent_id, address=address
+        request = _request(
+            broker_pb2.DeregisterAgentRequest, agent_id=agent_id or self.agent_id, address=address
         )
         self._registered.pop(request.agent_id, None)
         await self._with_retry(self._unary(self._stub.DeregisterAgent, request))
@@ -1816,7 +1866,7 @@ class MeshClient:
     async def list_agents(self, agent_type: str = "") -> list[AgentInfo]:
         """Every registered agent (of ``agent_type`` when given), by id: the broker answers
         a page of up to 3 MiB at a time, and this reads them all."""
-        request = broker_pb2.ListAgentsRequest(agent_type=agent_type)
+        request = _request(broker_pb2.ListAgentsRequest, agent_type=agent_type)
         pages = await self._every_page(self._stub.ListAgents, request, "agents")
         return [codec.agent_from_pb(a) for a in pages]
 
@@ -1832,7 +1882,7 @@ class MeshClient:
             request.page_token = response.next_page_token
 
     async def queue_stats(self, agent_id: str = "") -> QueueStatsReport:
-        request = broker_pb2.GetQueueStatsRequest(agent_id=agent_id)
+        request = _request(broker_pb2.GetQueueStatsRequest, agent_id=agent_id)
         response = await self._with_retry(self._unary(self._stub.GetQueueStats, request))
         t = response.totals
         return QueueStatsReport(
@@ -1873,7 +1923,9 @@ class MeshClient:
         )
 
         timeout = wait_seconds(timeout, 10.0)
-        request = tools_pb2.InvokeToolRequest(agent_id=agent_id or self.agent_id, tool=tool)
+        request = _request(
+            tools_pb2.InvokeToolRequest, agent_id=agent_id or self.agent_id, tool=tool
+        )
         codec.encode_struct(object_of(arguments, "arguments"), request.arguments, "arguments")
         codec.seconds_to_duration(timeout, request.timeout)
         self._refuse_if_closed()
@@ -1915,6 +1967,14 @@ class MeshClient:
         that many seconds (else until it is deleted)."""
         from mesh.memory_server import insight_from_pb, insight_to_pb
 
+        if (
+            isinstance(importance, bool)
+            or not isinstance(importance, int | float)
+            or not 0 <= importance <= 1  # (NaN too)
+        ):
+            raise MessageValidationError.for_field(
+                "insight.importance", f"importance must be within 0 and 1, not {importance!r}"
+            )
         request = memory_pb2.WriteInsightRequest()
         insight_to_pb(
             Insight(
@@ -1941,7 +2001,8 @@ class MeshClient:
     ) -> int:
         """Removes the insights that match every filter given (at least one is required);
         returns how many left the pool."""
-        request = memory_pb2.DeleteInsightsRequest(
+        request = _request(
+            memory_pb2.DeleteInsightsRequest,
             insight_ids=names_of(insight_ids, "insight_ids", "insight ids"),
             tags=names_of(tags, "tags", "tags"),
             segment=segment,
@@ -1963,7 +2024,8 @@ class MeshClient:
         ``limit`` (0: 100), read 3 MiB at a time."""
         from mesh.memory_server import insight_from_pb
 
-        request = memory_pb2.ReadInsightsRequest(
+        request = _request(
+            memory_pb2.ReadInsightsRequest,
             tags=names_of(tags, "tags", "tags"),
             segment=segment,
             min_importance=min_importance,
@@ -1979,7 +2041,7 @@ class MeshClient:
         """The shared state's entry ``key`` at its latest version (None when there is none)."""
         from mesh.memory_server import entry_from_pb
 
-        request = memory_pb2.GetStateRequest(key=key)
+        request = _request(memory_pb2.GetStateRequest, key=key)
         try:
             response = await self._with_retry(self._unary(self._memory.GetState, request))
         except NotFoundError:
@@ -1995,8 +2057,8 @@ class MeshClient:
         :meth:`state_entries` walks every page."""
         from mesh.memory_server import entry_from_pb
 
-        request = memory_pb2.ListStateRequest(
-            prefix=prefix, page_size=page_size, page_token=page_token
+        request = _request(
+            memory_pb2.ListStateRequest, prefix=prefix, page_size=page_size, page_token=page_token
         )
         response = await self._with_retry(self._unary(self._memory.ListState, request))
         return StatePage(
@@ -2082,7 +2144,7 @@ class MeshClient:
         from mesh.memory_server import KINDS_OF_CHANGES, entry_from_pb
 
         self._refuse_if_closed()
-        request = memory_pb2.WatchStateRequest(prefix=prefix, send_initial=send_initial)
+        request = _request(memory_pb2.WatchStateRequest, prefix=prefix, send_initial=send_initial)
         call = self._memory.WatchState(request)
         try:
             async for pb in call:
@@ -2114,8 +2176,11 @@ class MeshClient:
         stays until deleted."""
         from mesh.memory_server import entry_from_pb
 
-        request = memory_pb2.PutStateRequest(
-            key=key, agent_id=agent_id or self.agent_id, lock_token=lock.token if lock else ""
+        request = _request(
+            memory_pb2.PutStateRequest,
+            key=key,
+            agent_id=agent_id or self.agent_id,
+            lock_token=lock.token if lock else "",
         )
         codec.encode_value(value, request.value, "value")
         if expected_version is not None:
@@ -2137,8 +2202,11 @@ class MeshClient:
         """Removes ``key`` (under the rules of :meth:`put_state`); returns its last version."""
         from mesh.memory_server import entry_from_pb
 
-        request = memory_pb2.DeleteStateRequest(
-            key=key, agent_id=agent_id or self.agent_id, lock_token=lock.token if lock else ""
+        request = _request(
+            memory_pb2.DeleteStateRequest,
+            key=key,
+            agent_id=agent_id or self.agent_id,
+            lock_token=lock.token if lock else "",
         )
         if expected_version is not None:
             request.expected_version = expected_version
@@ -2158,7 +2226,7 @@ class MeshClient:
         another agent still holds it, or 5 agents hold locks. The lock lapses after ``lease``
         seconds (10 by default) unless released or asked for again."""
         holder = agent_id or self.agent_id
-        request = memory_pb2.LockStateRequest(key=key, agent_id=holder)
+        request = _request(memory_pb2.LockStateRequest, key=key, agent_id=holder)
         if wait is not None:
             codec.seconds_to_duration(wait_seconds(wait, 0, "wait"), request.wait)
         if lease is not None:
@@ -2168,7 +2236,7 @@ class MeshClient:
         return StateLock(key, holder, response.lock_token, expires_at)
 
     async def unlock_state(self, lock: StateLock) -> None:
-        request = memory_pb2.UnlockStateRequest(key=lock.key, lock_token=lock.token)
+        request = _request(memory_pb2.UnlockStateRequest, key=lock.key, lock_token=lock.token)
         await self._with_retry(self._unary(self._memory.UnlockState, request))
 
     @contextlib.asynccontextmanager
@@ -2198,7 +2266,7 @@ class MeshClient:
 
     async def dead_letters(self, agent_id: str = "") -> list[DeadLetter]:
         """Every dead letter (of ``agent_id``, when given), oldest first, page by page."""
-        request = broker_pb2.ListDeadLettersRequest(agent_id=agent_id)
+        request = _request(broker_pb2.ListDeadLettersRequest, agent_id=agent_id)
         pages = await self._every_page(self._stub.ListDeadLetters, request, "dead_letters")
         return [codec.dead_letter_from_pb(d) for d in pages]
 
@@ -2209,8 +2277,10 @@ class MeshClient:
         queue once what failed them is fixed: oldest first, each with its delivery attempts
         from zero and its ttl from now. Those the full queue cannot take stay dead letters
         (``left``)."""
-        request = broker_pb2.RequeueDeadLettersRequest(
-            agent_id=agent_id, message_ids=names_of(message_ids, "message_ids", "message ids")
+        request = _request(
+            broker_pb2.RequeueDeadLettersRequest,
+            agent_id=agent_id,
+            message_ids=names_of(message_ids, "message_ids", "message ids"),
         )
         response = await self._with_retry(self._unary(self._stub.RequeueDeadLetters, request))
         return RequeueResult(response.requeued, response.left)

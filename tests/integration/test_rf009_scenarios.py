@@ -1225,6 +1225,14 @@ async def test_a_message_s_parts_of_the_wrong_kind_are_refused_naming_them(
             ("arguments", lambda: flight.call_tool("search", ["lithium"])),
             ("ttl", lambda: flight.put_state("budget", 100, ttl="60")),
             ("wait", lambda: flight.lock_state("budget", wait="1")),
+            # An id that is no string was protobuf's "bad argument type for built-in operation".
+            ("key", lambda: flight.put_state(5, 100)),  # type: ignore[arg-type]
+            ("agent_id", lambda: flight.queue_stats(5)),  # type: ignore[arg-type]
+            ("agent_id", lambda: flight.receive(5)),  # type: ignore[arg-type]
+            ("agent.agent_id", lambda: flight.register(5)),  # type: ignore[arg-type]
+            ("agent_type", lambda: flight.list_agents(["payment"])),  # type: ignore[arg-type]
+            ("page_size", lambda: flight.list_state("", page_size="5")),  # type: ignore[arg-type]
+            ("insight.importance", lambda: flight.write_insight({"n": 1}, importance="high")),  # type: ignore[arg-type]
         ]:
             with pytest.raises(MessageValidationError) as refused:
                 await call()
