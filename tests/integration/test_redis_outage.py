@@ -160,11 +160,16 @@ async def test_brokers_put_their_registrations_back_in_a_redis_that_came_back_em
             await store.close()
         assert sorted(saved) == ["Listener", "Writer"]
         assert saved["Listener"].agent_types == ("listener",)
-        for client in (via_a, via_b):
-            assert sorted(a.agent_id for a in await client.list_agents()) == [
-                "Listener",
-                "Writer",
-            ]
+        # Each listing is the replica's own view: the other's registration put back while it
+        # was not listening yet is heard of once it follows the others again (it looks again
+        # every 0.5 s, and then reads the registry whole).
+        async with asyncio.timeout(10):
+            for client in (via_a, via_b):
+                while sorted(a.agent_id for a in await client.list_agents()) != [  # noqa: ASYNC110 - asked as a client would
+                    "Listener",
+                    "Writer",
+                ]:
+                    await asyncio.sleep(0.1)
 
         after = await via_a.send("Listener", {"action": "after"})
         got = await asyncio.wait_for(anext(aiter(on_b)), 5)
