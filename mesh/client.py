@@ -68,6 +68,7 @@ from mesh.core.model import (
     Message,
     MessageType,
     Priority,
+    is_number,
     new_message_id,
     utc_now,
 )
@@ -329,11 +330,7 @@ def wait_seconds(timeout: float | None, default: float, field: str = "timeout") 
     one, or one that is not a finite number, is the caller's mistake (MessageValidationError
     on ``field``) before anything is sent."""
     seconds = default if timeout is None else timeout
-    if (
-        isinstance(seconds, bool)
-        or not isinstance(seconds, int | float)
-        or not 0 <= seconds < math.inf  # NaN too
-    ):
+    if not is_number(seconds) or not 0 <= seconds < math.inf:  # NaN too
         raise MessageValidationError.for_field(
             field, f"{field} must be a finite number of seconds, not negative (got {seconds!r})"
         )
@@ -1967,11 +1964,7 @@ class MeshClient:
         that many seconds (else until it is deleted)."""
         from mesh.memory_server import insight_from_pb, insight_to_pb
 
-        if (
-            isinstance(importance, bool)
-            or not isinstance(importance, int | float)
-            or not 0 <= importance <= 1  # (NaN too)
-        ):
+        if not is_number(importance) or not 0 <= importance <= 1:  # (NaN too)
             raise MessageValidationError.for_field(
                 "insight.importance", f"importance must be within 0 and 1, not {importance!r}"
             )

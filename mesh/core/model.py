@@ -103,6 +103,12 @@ def plain_content(content: Mapping[str, JSON] | None) -> dict[str, JSON] | None:
     return dict(content)
 
 
+def is_number(value: object) -> bool:
+    """Whether a caller's ``value`` is a number (seconds, a share, a step) at all: an int or
+    a float, not a bool, and not a "5"."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def new_message_id() -> str:
     """A fresh message id: a random UUID (version 4) in its usual text form, made without
     building a uuid.UUID (half the cost, and every message needs one)."""

@@ -51,7 +51,7 @@ from mesh.core.errors import (
     StateConflictError,
 )
 from mesh.core.logthrottle import LogThrottle
-from mesh.core.model import JSON, utc_now
+from mesh.core.model import JSON, is_number, utc_now
 
 logger = logging.getLogger("mesh.state")
 
@@ -850,13 +850,8 @@ def ttl_violation() -> FieldViolation:
 
 def check_ttl(ttl: float) -> None:
     """An entry's ttl, in seconds, as a client checks it before sending."""
-    if not _seconds(ttl) or not 0 < ttl <= MAX_TTL:
+    if not is_number(ttl) or not 0 < ttl <= MAX_TTL:
         raise MessageValidationError.from_violations([ttl_violation()])
-
-
-def _seconds(value: object) -> bool:
-    """Whether ``value`` is a number of seconds at all (a bool or a "5" is not)."""
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def lock_terms(
@@ -870,9 +865,9 @@ def lock_terms(
     problems = []
     if not agent_id:
         problems.append(FieldViolation("agent_id", "agent_id is required"))
-    if not _seconds(wait) or not 0 <= wait <= lock_timeout:
+    if not is_number(wait) or not 0 <= wait <= lock_timeout:
         problems.append(FieldViolation("wait", f"wait must be within 0 and {lock_timeout:g} s"))
-    if not _seconds(lease) or not 0 < lease <= MAX_LEASE:
+    if not is_number(lease) or not 0 < lease <= MAX_LEASE:
         problems.append(
             FieldViolation("lease", f"lease must be above 0 and at most {MAX_LEASE:g} s")
         )

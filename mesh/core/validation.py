@@ -6,7 +6,14 @@ from collections.abc import Mapping
 
 from mesh.config import BrokerConfig
 from mesh.core.errors import FieldViolation, MessageTooLargeError, MessageValidationError
-from mesh.core.model import BROADCAST_TARGET, EncodedContent, Handoff, Message, MessageType
+from mesh.core.model import (
+    BROADCAST_TARGET,
+    EncodedContent,
+    Handoff,
+    Message,
+    MessageType,
+    is_number,
+)
 from mesh.core.workflows import workflow_id_problem
 
 _OBJECT_OR_NOTHING = frozenset({"object", "null", None})
@@ -136,10 +143,8 @@ def _handoff_shape_violations(message: Message) -> list[FieldViolation]:
     for name in ("step_number", "handoff_step"):
         step = message.metadata.get(name)
         if step is not None and (
-            isinstance(step, bool)
-            or not isinstance(step, int | float)
-            or (isinstance(step, float) and not step.is_integer())  # (also NaN, infinities)
-        ):
+            not is_number(step) or (isinstance(step, float) and not step.is_integer())
+        ):  # (is_integer: NaN and the infinities are not either)
             found.append(
                 FieldViolation(f"metadata.{name}", f"metadata.{name} must be a whole number")
             )
