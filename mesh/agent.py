@@ -42,6 +42,7 @@ from mesh.client import (
     member_named,
     names_of,
     reconnect_delay,
+    response_to,
     until_reachable,
     wait_seconds,
 )
@@ -435,32 +436,17 @@ def answer_to(message: Message, agent_id: str, reply: Reply) -> Message | None:
         return None
     if message.message_type is MessageType.BROADCAST and not asked_broadcast(message):
         return None
-    target = message.reply_target
-    correlation_id = message.correlation_id or message.message_id
     if isinstance(reply, Message) and forwards(message, reply):
         return forward_of(message, agent_id, reply)
     if isinstance(reply, Message):
         return reply.evolve(
             from_agent=reply.from_agent or agent_id,
-            to_agent=reply.to_agent or target,
-            correlation_id=reply.correlation_id or correlation_id,
+            to_agent=reply.to_agent or message.reply_target,
+            correlation_id=reply.correlation_id or message.correlation_id or message.message_id,
         )
     if isinstance(reply, Mapping):  # (a dict, or any other mapping: a read-only view...)
-        content = dict(reply)
-    elif reply is None:
-        content = {}
-    else:
-        content = {"result": reply}
-    content.setdefault("action", message.action or "response")
-    return Message(
-        from_agent=agent_id,
-        to_agent=target,
-        message_type=MessageType.RESPONSE,
-        content=content,
-        correlation_id=correlation_id,
-        priority=message.priority,
-        headers=inject(without_trace(message.headers)),
-    )
+        return response_to(message, agent_id, reply)
+    return response_to(message, agent_id, {} if reply is None else {"result": reply})
 
 
 def forwards(message: Message, reply: Message) -> bool:

@@ -406,6 +406,23 @@ def _text(value: str, field: str) -> str:
     )
 
 
+def response_to(message: Message, agent_id: str, content: Mapping[str, JSON]) -> Message:
+    """The RESPONSE to ``message`` from ``agent_id`` carrying ``content`` (its action, unless
+    it names one, the message's): to the message's reply target, under its correlation id,
+    at its priority, with its headers (the trace this one's)."""
+    body = dict(content)
+    body.setdefault("action", message.action or "response")
+    return Message(
+        from_agent=agent_id,
+        to_agent=message.reply_target,
+        message_type=MessageType.RESPONSE,
+        content=body,
+        correlation_id=message.correlation_id or message.message_id,
+        priority=message.priority,
+        headers=inject(without_trace(message.headers)),
+    )
+
+
 def _not_a_message(call: str, given: object) -> TypeError:
     return TypeError(
         f"{call} takes Message objects (mesh.Message), not {type(given).__name__} "
@@ -757,18 +774,7 @@ class Received:
                 "answer takes a Message or the answer's content (a dict), not "
                 f"{type(content).__name__} {reprlib.repr(content)}"
             )
-        message = self.message
-        body = dict(content)
-        body.setdefault("action", message.action or "response")
-        return Message(
-            from_agent=self._subscription.agent_id,
-            to_agent=message.reply_target,
-            message_type=MessageType.RESPONSE,
-            content=body,
-            correlation_id=message.correlation_id or message.message_id,
-            priority=message.priority,
-            headers=inject(without_trace(message.headers)),
-        )
+        return response_to(self.message, self._subscription.agent_id, content)
 
     def __repr__(self) -> str:
         return f"Received({self.message.message_id}, attempt={self.attempt})"
