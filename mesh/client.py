@@ -430,6 +430,12 @@ def _not_a_message(call: str, given: object) -> TypeError:
     )
 
 
+def _messages_only(call: str, messages: Iterable[object]) -> None:
+    """TypeError (:func:`_not_a_message`) for the first of ``messages`` that is no Message."""
+    if stray := next((m for m in messages if not isinstance(m, Message)), None):
+        raise _not_a_message(call, stray)
+
+
 def names_of(values: Iterable[str], field: str, what: str) -> tuple[str, ...]:
     """The names a caller lists (agent ids or types, tags, message ids...); a bare string,
     which would read as a list of its letters (an agent of the types "h", "o", "t"...), is a
@@ -1342,8 +1348,7 @@ class MeshClient:
         self, messages: Sequence[Message], *, return_exceptions: bool = False
     ) -> list[Any]:
         """Sends all messages concurrently in one call; results in the order given."""
-        if stray := next((m for m in messages if not isinstance(m, Message)), None):
-            raise _not_a_message("send_parallel", stray)  # (before any of them is sent)
+        _messages_only("send_parallel", messages)  # (before any of them is sent)
         started = time.perf_counter()
         results = await asyncio.gather(
             *(self.send_message(m) for m in messages), return_exceptions=return_exceptions
@@ -1372,8 +1377,7 @@ class MeshClient:
 
     async def send_batch(self, messages: Sequence[Message]) -> list[Message | MeshError]:
         """Sends messages in one SendMessages call; each gets its own result."""
-        if stray := next((m for m in messages if not isinstance(m, Message)), None):
-            raise _not_a_message("send_batch", stray)
+        _messages_only("send_batch", messages)
         prepared = [
             m if m.from_agent or not self.agent_id else m.evolve(from_agent=self.agent_id)
             for m in messages
