@@ -552,10 +552,21 @@ def _where(info: AgentInfo) -> str:
     return (info.address or "-") + more + how
 
 
-def _table(rows: Sequence[Sequence[str]]) -> None:
+def _table(rows: Sequence[Sequence[str]], *, numbers: bool = False) -> None:
+    """Columns as wide as their widest cell; with ``numbers``, every column after the first
+    is right-aligned, as counts are read."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
-        _print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+        cells = [
+            cell.rjust(w) if numbers and i else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(r, widths, strict=True))
+        ]
+        _print("  ".join(cells).rstrip())
+
+
+def _figure(value: float) -> str:
+    """A count as it is, a measurement (milliseconds, a rate) to three decimals."""
+    return str(int(value)) if float(value).is_integer() else f"{value:.3f}"
 
 
 async def _workflows(args: argparse.Namespace) -> int:
@@ -597,12 +608,32 @@ async def _stats(args: argparse.Namespace) -> int:
     async with connect(args.broker, security=security_config(args)) as client:
         report = await client.queue_stats(args.agent or "")
         dead = await client.dead_letters(args.agent or "")
-    header = ("AGENT", "DEPTH", "HIGH", "MEDIUM", "LOW", "IN FLIGHT", "DEAD")
-    _print(f"{header[0]:<24} " + " ".join(f"{h:>6}" for h in header[1:]))
+    if args.json:
+        _print(
+            json.dumps(
+                {
+                    "agents": [dataclasses.asdict(a) for a in report.agents],
+                    "totals": report.totals,
+                    "dead_letters": [
+                        {
+                            "message_id": d.message.message_id,
+                            "to_agent": d.message.to_agent,
+                            "reason": d.reason,
+                        }
+                        for d in dead
+                    ],
+                },
+                indent=2,
+            )
+        )
+        return 0
+    header = ("AGENT", "DEPTH", "HIGH", "MEDIUM", "LOW", "IN FLIGHT", "DEAD", "SUBSCRIBERS")
+    rows = [header]
     for a in report.agents:
-        values = (a.depth, a.high, a.medium, a.low, a.in_flight, a.dead_letters)
-        _print(f"{a.agent_id:<24} " + " ".join(f"{v:>6}" for v in values))
-    _print("totals: " + ", ".join(f"{k}={v}" for k, v in report.totals.items()))
+        values = (a.depth, a.high, a.medium, a.low, a.in_flight, a.dead_letters, a.subscribers)
+        rows.append((a.agent_id, *map(str, values)))
+    _table(rows, numbers=True)
+    _print("totals: " + ", ".join(f"{k}={_figure(v)}" for k, v in report.totals.items()))
     for d in dead:
         _print(f"dead letter {d.message.message_id} to {d.message.to_agent}: {d.reason}")
     return 0
@@ -1165,6 +1196,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stats", help="queue depths, counters and dead letters")
     p.add_argument("--broker", default=broker_default)
     p.add_argument("--agent")
+    p.add_argument("--json", action="store_true")
     add_security_flags(p, server=False)
     p.set_defaults(run=_stats)
 

@@ -465,6 +465,18 @@ async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
         first = (await client.dead_letters("PaymentAgent"))[0].message.message_id
     code, out = await cli("stats", "--agent", "PaymentAgent")
     assert code == 0 and out.count("no refund handler yet") == 2, out
+    header, row = out.splitlines()[:2]
+    assert header.split("  ")[0].strip() == "AGENT" and row.split()[0] == "PaymentAgent"
+    # Each count ends under the end of its heading.
+    for heading, count in (("DEPTH", "0"), ("DEAD", "2")):
+        end = header.index(heading) + len(heading)
+        assert row[end - len(count) : end] == count, (header, row)
+    totals = next(line for line in out.splitlines() if line.startswith("totals: "))
+    assert "dead_lettered_count=2" in totals and "dead_lettered_count=2.0" not in totals
+    code, out = await cli("stats", "--agent", "PaymentAgent", "--json")
+    report = json.loads(out)
+    assert code == 0 and [a["dead_letters"] for a in report["agents"]] == [2], out
+    assert [d["reason"] for d in report["dead_letters"]] == ["no refund handler yet"] * 2
     code, out = await cli("requeue", "PaymentAgent", first)
     assert code == 0 and out.strip() == "1 dead letters of PaymentAgent requeued", out
     code, out = await cli("requeue", "PaymentAgent")
