@@ -628,7 +628,7 @@ async def _stats(args: argparse.Namespace) -> int:
         )
         return 0
     header = ("AGENT", "DEPTH", "HIGH", "MEDIUM", "LOW", "IN FLIGHT", "DEAD", "SUBSCRIBERS")
-    rows = [header]
+    rows: list[tuple[str, ...]] = [header]
     for a in report.agents:
         values = (a.depth, a.high, a.medium, a.low, a.in_flight, a.dead_letters, a.subscribers)
         rows.append((a.agent_id, *map(str, values)))
