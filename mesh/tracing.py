@@ -385,7 +385,9 @@ def configure_tracing(
     provider = (
         current
         if isinstance(current, TracerProvider)
-        else TracerProvider(resource=Resource.create({"service.name": service}))
+        else TracerProvider(
+            resource=Resource.create({"service.name": env.get("OTEL_SERVICE_NAME") or service})
+        )
     )
     if folder:
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", service)
@@ -394,15 +396,10 @@ def configure_tracing(
         exporter = JsonlSpanExporter(Path(folder) / f"spans-{safe}-{os.getpid()}.jsonl")
         provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200))
     if otlp:
-        try:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-        except ImportError:
-            logger.warning(
-                "OTEL_EXPORTER_OTLP_ENDPOINT is set but the OTLP exporter is not "
-                "installed (pip install opentelemetry-exporter-otlp-proto-grpc)"
-            )
-        else:
-            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        # Imported only when asked for: it loads the OTLP protos, which no other path needs.
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     if provider is not current:
         trace.set_tracer_provider(provider)
     _provider = provider

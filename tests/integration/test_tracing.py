@@ -16,11 +16,12 @@ from typing import Any
 import grpc
 import pytest
 from opentelemetry import trace
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
 from gateway.client import GatewayClient
-from mesh import AgentContext, LocalMesh, MeshError, Message, agent
+from mesh import AgentContext, LocalMesh, MeshError, Message, agent, connect
 from mesh.logs import JsonFormatter
 from mesh.push import HANDLE_MESSAGE
 from mesh.tracing import configure_tracing, load_spans
@@ -193,3 +194,77 @@ async def test_a_push_to_an_agents_server_is_a_client_span_of_the_trace(
     [handled] = [s for s in spans if s.name == "quote_desk.handle"]
     assert handled.parent is not None
     assert handled.parent.span_id == calls["QuoteDesk"].context.span_id
+
+
+class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+    """The receiving end of OTLP over gRPC, as an OpenTelemetry Collector serves it: keeps
+    each export's spans with the service.name of the process that sent them."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, Any]] = []
+        self.arrived = asyncio.Event()
+
+    async def Export(
+        self, request: trace_service_pb2.ExportTraceServiceRequest, context: Any
+    ) -> trace_service_pb2.ExportTraceServiceResponse:
+        for resource_spans in request.resource_spans:
+            attributes = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans:
+                    self.spans.append((attributes.get("service.name", ""), span))
+        self.arrived.set()
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+async def test_spans_reach_an_otlp_collector_as_one_trace() -> None:
+    """OTEL_EXPORTER_OTLP_ENDPOINT, as a deployment beside an OpenTelemetry Collector sets it:
+    the broker's and the agent's spans of one request arrive there over OTLP/gRPC, in the
+    caller's trace, each under its process's service name (the agent's named by
+    OTEL_SERVICE_NAME), the agent's span under the broker's."""
+    collector = Collector()
+    server = grpc.aio.server()
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+    }
+    broker = agent = None
+    try:
+        broker = await start("broker", "--port", "0", ready=r"listening on (\S+?)[,\s]", env=env)
+        agent = await start(
+            "agent",
+            "tests.helpers.process_agents:Payment",
+            "--broker",
+            broker.address,
+            ready=r"serving on (\S+)",
+            env={**env, "OTEL_SERVICE_NAME": "payments"},
+        )
+        trace_id, caller_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+        async with connect(broker.address, agent_id="Cashier") as client:
+            answer = await client.request(
+                "PaymentAgent",
+                {"action": "process_payment", "parameters": {"amount": 450}},
+                headers={"traceparent": f"00-{trace_id}-{caller_span}-01"},
+            )
+        assert answer.content["status"] == "PAID"
+        async with asyncio.timeout(20):  # exported within a tenth of a second, as configured
+            while {"agentmesh-broker", "payments"} - {s for s, _ in collector.spans}:
+                await collector.arrived.wait()
+                collector.arrived.clear()
+    finally:
+        for proc in (agent, broker):
+            if proc is not None:
+                assert await stop(proc) == 0
+        await server.stop(None)
+    ours = [(s, span) for s, span in collector.spans if span.trace_id.hex() == trace_id]
+    [(_, queued)] = [(s, x) for s, x in ours if x.name == "broker.queue"]
+    [(_, handled)] = [(s, x) for s, x in ours if s == "payments"]  # OTEL_SERVICE_NAME's
+    assert {s for s, x in ours if x is queued} == {"agentmesh-broker"}
+    assert queued.parent_span_id.hex() == caller_span
+    assert handled.parent_span_id == queued.span_id
+    assert handled.name == "payment.handle"  # the agent's type, as every agent's span is
+    attributes = {a.key: a.value for a in handled.attributes}
+    assert attributes["agent"].string_value == "PaymentAgent"
+    assert attributes["action"].string_value == "process_payment"
