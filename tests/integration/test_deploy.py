@@ -41,9 +41,9 @@ def test_every_overlay_renders_and_validates() -> None:
     result = check()
     assert result.returncode == 0, result.stdout + result.stderr
     assert "dev: 33 objects rendered and valid" in result.stdout
-    assert "prod: 34 objects rendered and valid" in result.stdout
+    assert "prod: 35 objects rendered and valid" in result.stdout
     assert "replicas: 38 objects rendered and valid" in result.stdout
-    assert "secured: 35 objects rendered and valid" in result.stdout
+    assert "secured: 36 objects rendered and valid" in result.stdout
 
 
 def test_rendered_manifests_have_grpc_probes_and_locked_down_pods() -> None:
@@ -58,7 +58,7 @@ def test_rendered_manifests_have_grpc_probes_and_locked_down_pods() -> None:
     assert rendered.count("readOnlyRootFilesystem: true") == 7
     assert "kind: PodDisruptionBudget" in rendered
     assert rendered.count("kind: HorizontalPodAutoscaler") == 6
-    assert rendered.count("kind: NetworkPolicy") == 8
+    assert rendered.count("kind: NetworkPolicy") == 9
     # The broker may call the agents' servers (push delivery), on their ports alone.
     policies = {
         o["metadata"]["name"]: o["spec"]
@@ -80,6 +80,28 @@ def test_rendered_manifests_have_grpc_probes_and_locked_down_pods() -> None:
     assert "- agent\n        - agents.research:research_agents\n" in rendered
     assert "AGENTMESH_REPORTS_DIR: /var/lib/agentmesh-reports" in rendered
     assert "mountPath: /var/lib/agentmesh-reports" in rendered
+    # Traces go to an OpenTelemetry Collector (deploy/components/tracing), a request in ten
+    # sampled where it starts: every role reads agentmesh-config, and may reach the collector.
+    objects = {(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(rendered) if o}
+    config = objects[("ConfigMap", "agentmesh-config")]["data"]
+    assert config["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.monitoring.svc:4317"
+    assert (config["OTEL_TRACES_SAMPLER"], config["OTEL_TRACES_SAMPLER_ARG"]) == (
+        "parentbased_traceidratio",
+        "0.1",
+    )
+    deployments = [o for (kind, _), o in objects.items() if kind == "Deployment"]
+    assert len(deployments) == 7
+    for deployment in deployments:
+        [container] = deployment["spec"]["template"]["spec"]["containers"]
+        assert {"configMapRef": {"name": "agentmesh-config"}} in container["envFrom"]
+    collector = policies["agentmesh-egress-to-collector"]
+    assert collector["podSelector"] == {} and collector["policyTypes"] == ["Egress"]
+    to_collector, dns = collector["egress"]
+    assert to_collector["to"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "monitoring"
+    }
+    assert to_collector["ports"] == [{"port": 4317, "protocol": "TCP"}]
+    assert {p["port"] for p in dns["ports"]} == {53}
 
 
 def test_replicas_overlay_runs_several_brokers_on_redis() -> None:
