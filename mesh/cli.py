@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import gc
 import importlib
+import importlib.util
 import json
 import logging
 import math
@@ -316,14 +317,50 @@ async def _run_broker(args: argparse.Namespace) -> int:
 
 
 def import_spec(spec: str, what: str) -> Any:
-    """What ``module:attribute`` names; ``what`` (a flag, an argument) names it in the errors."""
-    module_name, _, attr = spec.partition(":")
+    """What ``module:attribute`` or ``path/to/file.py:attribute`` names; ``what`` (a flag, an
+    argument) names it in the errors. A module is looked for in the working directory first,
+    as ``python -m`` looks (the ``agentmesh`` script's own folder is what Python would look in
+    otherwise); a file is loaded as the module its name makes, its folder searched for what
+    it imports, as ``python file.py`` does."""
+    module_name, _, attr = spec.rpartition(":")
     if not module_name or not attr:
         raise UsageError(f"{what} must be module:attribute, got {spec!r}")
     try:
-        return getattr(importlib.import_module(module_name), attr)
+        if module_name.endswith(".py") or os.sep in module_name:
+            module = _import_file(Path(module_name))
+        else:
+            if os.getcwd() not in sys.path and "" not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(module_name)
+        return getattr(module, attr)
     except (ImportError, AttributeError) as error:
         raise UsageError(f"{what} {spec}: {error}") from None
+
+
+def _import_file(path: Path) -> Any:
+    """The module of a Python file, imported under its name."""
+    if not path.is_file():
+        raise ImportError(f"no file {path}")
+    name = path.stem
+    loaded = sys.modules.get(name)
+    if loaded is not None:
+        if Path(getattr(loaded, "__file__", "") or "").resolve() == path.resolve():
+            return loaded
+        raise ImportError(f"a module named {name} is imported already: rename {path}")
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path} is not a Python module")
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before it runs: its dataclasses look themselves up there
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def load_tool_host(spec: str) -> ToolHost:

@@ -17,6 +17,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 
 
+SCRIPT = (str(Path(sys.executable).parent / "agentmesh"),)
+"""The `agentmesh` script that installing the project puts beside the interpreter."""
+
+
 class Proc:
     """A running `agentmesh` process and the address its ready line named."""
 
@@ -46,15 +50,15 @@ async def start(
     env: dict[str, str] | None = None,
     prefix: tuple[str, ...] = (),
     cwd: Path = ROOT,
+    program: tuple[str, ...] = (sys.executable, "-m", "mesh"),
 ) -> Proc:
     """Starts `agentmesh ARGS` (after ``prefix``, e.g. `ip netns exec NS`) in ``cwd`` and
-    waits for its ready line, which names its address."""
+    waits for its ready line, which names its address. ``program`` is how agentmesh is run:
+    `python -m mesh`, or the `agentmesh` script as a user's shell runs it (SCRIPT)."""
     environ = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     process = await asyncio.create_subprocess_exec(
         *prefix,
-        sys.executable,
-        "-m",
-        "mesh",
+        *program,
         *args,
         cwd=cwd,
         env=environ,

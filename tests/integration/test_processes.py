@@ -19,6 +19,7 @@ from mesh.client import NO_RETRY
 from tests.helpers.health import NOT_SERVING, SERVING, health_of, watching
 from tests.helpers.processes import (
     BROKER_READY,
+    SCRIPT,
     Proc,
     free_port,
     free_ports_in_a_row,
@@ -236,6 +237,65 @@ async def test_an_agent_process_that_dies_is_taken_off_its_agents_instances(
     log = "".join(broker_proc.output)
     for proc in (second, first):
         assert f"the instance at {proc.address} is gone" in log
+
+
+SHOP = """
+from mesh import Agent, on
+{imports}
+
+class Shop(Agent):
+    agent_id = "{agent_id}"
+
+    @on("price")
+    async def price(self, message, ctx):
+        return {{"price": {price}}}
+"""
+
+
+async def test_the_agentmesh_script_serves_an_agent_from_the_working_directory_or_a_file(
+    broker_proc: Proc, tmp_path: Path
+) -> None:
+    """`agentmesh agent shop:Shop` run (by the installed script, as a user's shell runs it)
+    where shop.py is, as `python -m` and uvicorn find a module; `agentmesh agent
+    path/to/file.py:Attr` from anywhere, the file's own imports found beside it."""
+    (tmp_path / "shop.py").write_text(SHOP.format(imports="", agent_id="ShopAgent", price=450))
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "tariff.py").write_text("PRICE = 120\n")
+    (tmp_path / "elsewhere" / "kiosk.py").write_text(
+        SHOP.format(imports="from tariff import PRICE", agent_id="KioskAgent", price="PRICE")
+    )
+    broker = ("--broker", broker_proc.address)
+    ready = r"serving on (\S+)"
+    shop = await start("agent", "shop:Shop", *broker, ready=ready, cwd=tmp_path, program=SCRIPT)
+    kiosk = None
+    try:
+        kiosk = await start(
+            "agent", "elsewhere/kiosk.py:Shop", *broker, ready=ready, cwd=tmp_path, program=SCRIPT
+        )
+        async with connect(broker_proc.address, agent_id="Buyer") as client:
+            answer = await client.request("ShopAgent", {"action": "price"}, timeout=10)
+            assert answer.content["price"] == 450
+            answer = await client.request("KioskAgent", {"action": "price"}, timeout=10)
+            assert answer.content["price"] == 120
+    finally:
+        for proc in (kiosk, shop):
+            if proc is not None:
+                assert await stop(proc) == 0
+    for spec, said in (
+        ("missing.py:Shop", "an agent spec missing.py:Shop: no file missing.py"),
+        ("shop:Nope", "an agent spec shop:Nope: module 'shop' has no attribute 'Nope'"),
+    ):
+        process = await asyncio.create_subprocess_exec(
+            *SCRIPT,
+            "agent",
+            spec,
+            *broker,
+            cwd=tmp_path,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        out, _ = await process.communicate()
+        assert process.returncode == 2 and said in out.decode(), out.decode()
 
 
 async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
