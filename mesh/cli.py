@@ -1105,8 +1105,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--action")
     p.add_argument("--params", help="JSON object for content.parameters")
     p.add_argument("--content", help="the whole content as a JSON object")
-    p.add_argument("--type", default="REQUEST", choices=[t.value for t in MessageType])
-    p.add_argument("--priority", default="MEDIUM", choices=[x.value for x in Priority])
+    # (any case, as the SDK takes them: --priority high)
+    p.add_argument(
+        "--type", default="REQUEST", type=str.upper, choices=[t.value for t in MessageType]
+    )
+    p.add_argument(
+        "--priority", default="MEDIUM", type=str.upper, choices=[x.value for x in Priority]
+    )
     p.add_argument("--ttl", type=int, default=0)
     p.add_argument("--correlation-id")
     p.add_argument("--ack-required", action="store_true")

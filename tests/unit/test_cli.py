@@ -30,6 +30,21 @@ def test_action_and_params_make_the_content() -> None:
     }
 
 
+def test_a_priority_or_a_type_is_taken_in_any_case_and_an_unknown_one_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    parsed = build_parser().parse_args(
+        ["send", "--to", "PaymentAgent", "--priority", "high", "--type", "Request"]
+    )
+    assert (parsed.priority, parsed.type) == ("HIGH", "REQUEST")
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["send", "--to", "PaymentAgent", "--priority", "urgent"])
+    assert exited.value.code == 2
+    assert "invalid choice: 'URGENT' (choose from 'HIGH', 'MEDIUM', 'LOW')" in (
+        capsys.readouterr().err
+    )
+
+
 def test_params_without_an_action_reach_the_broker_to_be_refused_there() -> None:
     assert _content(args(params='{"amount": 1}')) == {"parameters": {"amount": 1}}
 
