@@ -16,6 +16,7 @@ from mesh.client import CLIENT_OPTIONS, RetryPolicy, with_retries
 from mesh.codec import struct_to_dict
 from mesh.config import SecurityConfig, retry_wait
 from mesh.core.errors import TOO_MANY_RUNS, MessageValidationError
+from mesh.loop import AsyncOnly
 from mesh.security import open_channel
 from mesh.tracing import inject
 from mesh.v1 import gateway_pb2, gateway_pb2_grpc
@@ -39,7 +40,7 @@ def event_dict(pb: gateway_pb2.PatternEvent) -> dict[str, Any]:
     }
 
 
-class GatewayClient:
+class GatewayClient(AsyncOnly):
     """``async with GatewayClient(address) as gw: async for event in gw.route(...)``.
 
     A run the gateway refuses before it starts, because it already runs its limit

@@ -70,6 +70,7 @@ from mesh.core.model import (
 from mesh.core.state import StateEntry
 from mesh.core.tasks import cancel_and_wait
 from mesh.core.validation import missing_fields, validate_message
+from mesh.loop import AsyncOnly
 from mesh.serving import MeshServer, start_server
 from mesh.tracing import current_span, extract, inject, span_name, without_trace
 from mesh.v1 import agent_pb2, agent_pb2_grpc
@@ -1026,7 +1027,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         return agent_pb2.NotifyDeregisteredResponse()
 
 
-class AgentServer:
+class AgentServer(AsyncOnly):
     """A served agent: its gRPC server, its broker client and its runtime."""
 
     def __init__(
@@ -1198,7 +1199,7 @@ async def serve(
     return AgentServer(agent, server, runtime, client, owns_client=owns_client, together=together)
 
 
-class ServedAgents:
+class ServedAgents(AsyncOnly):
     """Agents served together by :func:`serve_all`, on one client."""
 
     def __init__(self, servers: list[AgentServer], client: MeshClient) -> None:

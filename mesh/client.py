@@ -83,6 +83,7 @@ from mesh.core.state import (
     not_found,
 )
 from mesh.core.tasks import cancel_and_wait
+from mesh.loop import AsyncOnly
 from mesh.metrics import RT011_FIGURES
 from mesh.security import open_channel
 from mesh.serving import ANSWER_BYTES, GRPC_OPTIONS
@@ -786,7 +787,7 @@ class Received:
         return f"Received({self.message.message_id}, attempt={self.attempt})"
 
 
-class ClientSubscription:
+class ClientSubscription(AsyncOnly):
     """An async iterator over an agent's deliveries. The subscriptions of one client share
     its Connect stream (one per agent; a second subscription of the same agent gets a stream
     of its own), so that the broker writes what is ready for several of them at once in one
@@ -1109,7 +1110,7 @@ class ClientSubscription:
             await session.close()
 
 
-class MeshClient:
+class MeshClient(AsyncOnly):
     """A connection to the broker. Use :func:`connect` to make one."""
 
     def __init__(
@@ -2333,7 +2334,7 @@ def connect(
     )
 
 
-class AgentClient:
+class AgentClient(AsyncOnly):
     """Calls an agent's own gRPC server directly (the Agent service)."""
 
     def __init__(

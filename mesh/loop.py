@@ -46,3 +46,17 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     finally:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+class AsyncOnly:
+    """For a class used with ``async with``: a plain ``with`` says so, instead of Python's
+    bare "does not support the context manager protocol"."""
+
+    def __enter__(self) -> None:
+        name = type(self).__name__
+        raise TypeError(
+            f"{name} is asynchronous: use 'async with', in an async def run by asyncio.run()"
+        )
+
+    def __exit__(self, *exc: object) -> None:
+        """Never reached: :meth:`__enter__` refuses."""

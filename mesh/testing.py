@@ -26,11 +26,12 @@ from mesh.client import MeshClient, RetryPolicy
 from mesh.config import BrokerConfig, SecurityConfig, ServerConfig
 from mesh.core.broker import Broker
 from mesh.core.tools import ToolHost
+from mesh.loop import AsyncOnly
 from mesh.server import serve_broker
 from mesh.serving import MeshServer
 
 
-class LocalMesh:
+class LocalMesh(AsyncOnly):
     """A broker server and any number of agent servers, all in this process."""
 
     def __init__(

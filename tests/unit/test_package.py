@@ -95,3 +95,21 @@ def test_a_star_import_of_mesh_gives_every_name() -> None:
     namespace: dict[str, object] = {}
     exec("from mesh import *", namespace)
     assert set(mesh.__all__) <= set(namespace)
+
+
+def test_a_plain_with_on_what_takes_async_with_says_to_use_async_with() -> None:
+    """A mistake every new asyncio user makes: `with connect(...)` (as aiohttp says of its
+    session, the error names the fix)."""
+    from gateway.client import GatewayClient
+    from mesh.testing import LocalMesh
+
+    for make in (
+        lambda: mesh.connect("127.0.0.1:1", agent_id="X"),
+        lambda: mesh.AgentClient("127.0.0.1:1"),
+        lambda: GatewayClient("127.0.0.1:1"),
+        LocalMesh,
+    ):
+        made = make()
+        with pytest.raises(TypeError, match=r"is asynchronous: use 'async with', in an async def"):
+            with made:
+                pass
