@@ -110,6 +110,6 @@ def test_a_plain_with_on_what_takes_async_with_says_to_use_async_with() -> None:
         LocalMesh,
     ):
         made = make()
-        with pytest.raises(TypeError, match=r"is asynchronous: use 'async with', in an async def"):
-            with made:
-                pass
+        refused = r"is asynchronous: use 'async with', in an async def"
+        with pytest.raises(TypeError, match=refused), made:
+            pass
