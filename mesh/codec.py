@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import enum
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import UTC, date, datetime, timedelta
 from datetime import time as dt_time
 from decimal import Decimal
@@ -142,7 +143,7 @@ _SCALARS = frozenset({str, int, float, bool, type(None)})
 
 def check_depth(content: JSON, field: str = "content", limit: int = MAX_ANSWER_DEPTH) -> None:
     """MessageValidationError when ``content`` nests more than ``limit`` levels (a circular
-    one does too): objects (any mapping) and lists count, whatever they hold."""
+    one does too): objects (any mapping, a dataclass) and lists count, whatever they hold."""
     level = [content]
     for _ in range(limit):
         below: list[Any] = []
@@ -152,12 +153,18 @@ def check_depth(content: JSON, field: str = "content", limit: int = MAX_ANSWER_D
                 items: Any = value.values()
             elif kind is list or isinstance(value, tuple):
                 items = value
+            elif (fields := _dataclass_fields(value)) is not None:
+                items = [getattr(value, name) for name in fields]
             else:
                 continue
             for item in items:
                 kind = type(item)
                 if (kind is dict or kind is list) or (
-                    kind not in _SCALARS and isinstance(item, Mapping | list | tuple)
+                    kind not in _SCALARS
+                    and (
+                        isinstance(item, Mapping | list | tuple)
+                        or hasattr(kind, "__dataclass_fields__")
+                    )
                 ):
                     below.append(item)
         if not below:
@@ -221,8 +228,19 @@ def python_to_value(data: JSON, out: struct_pb2.Value) -> None:
             f"{type(data).__name__} is not a JSON value: send "
             + ("a list" if isinstance(data, set | frozenset) else "its base64 text"),
         )
+    elif isinstance(data, enum.Enum):
+        python_to_value(data.value, out)  # (as orjson and FastAPI write one: its value)
+    elif (fields := _dataclass_fields(data)) is not None:
+        dict_to_struct({name: getattr(data, name) for name in fields}, out.struct_value)
     else:
-        out.string_value = str(data)  # (a UUID, an enum member, a path: their text)
+        out.string_value = str(data)  # (a UUID, a path: their text)
+
+
+def _dataclass_fields(data: object) -> Iterable[str] | None:
+    """The field names of a dataclass instance (an object, as orjson and FastAPI write one,
+    not its repr), else None."""
+    fields = getattr(type(data), "__dataclass_fields__", None)
+    return fields if fields is not None and not isinstance(data, type) else None
 
 
 def dict_to_struct(data: Mapping[str, JSON], out: struct_pb2.Struct) -> None:

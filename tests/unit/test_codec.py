@@ -296,6 +296,43 @@ def test_a_mapping_within_content_is_an_object_as_a_dict_is() -> None:
     }
 
 
+@dataclasses.dataclass
+class _Leg:
+    to: str
+    seats: int = 1
+    then: _Leg | None = None
+
+
+class _Cabin(enum.Enum):
+    ECONOMY = "economy"
+    BUSINESS = "business"
+
+
+def test_a_dataclass_is_an_object_and_an_enum_member_its_value_as_orjson_writes_them() -> None:
+    """They were written as their Python text: "_Leg(to='MAD', seats=1, then=None)" and
+    "_Cabin.BUSINESS"."""
+    struct = struct_pb2.Struct()
+    codec.dict_to_struct(
+        {"leg": _Leg("MAD", 2, _Leg("LIS")), "cabin": _Cabin.BUSINESS, "legs": [_Leg("OPO")]},
+        struct,
+    )
+    assert codec.struct_to_dict(struct) == {
+        "leg": {"to": "MAD", "seats": 2, "then": {"to": "LIS", "seats": 1, "then": None}},
+        "cabin": "business",
+        "legs": [{"to": "OPO", "seats": 1, "then": None}],
+    }
+    codec.dict_to_struct({"kind": _Leg}, struct)  # (a class is no instance: its text)
+    assert struct.fields["kind"].string_value == str(_Leg)
+
+
+def test_a_dataclass_within_content_counts_toward_its_depth() -> None:
+    circular = _Leg("MAD")
+    circular.then = circular
+    with pytest.raises(MessageValidationError, match="nests more than 25 levels deep"):
+        codec.check_depth({"result": circular})
+    codec.check_depth({"result": _Leg("MAD", then=_Leg("LIS"))})
+
+
 def test_a_mapping_within_content_counts_toward_its_depth() -> None:
     deep: dict[str, object] = {"leaf": 1}
     for _ in range(24):
