@@ -232,6 +232,8 @@ def python_to_value(data: JSON, out: struct_pb2.Value) -> None:
         python_to_value(data.value, out)  # (as orjson and FastAPI write one: its value)
     elif (fields := _dataclass_fields(data)) is not None:
         dict_to_struct({name: getattr(data, name) for name in fields}, out.struct_value)
+    elif callable(dump := getattr(data, "model_dump", None)):
+        python_to_value(dump(mode="json"), out)  # (a pydantic model: its JSON, as it says it)
     else:
         out.string_value = str(data)  # (a UUID, a path: their text)
 

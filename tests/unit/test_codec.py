@@ -13,6 +13,7 @@ from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal
 from types import MappingProxyType
 
+import pydantic
 import pytest
 from google.protobuf import struct_pb2
 from hypothesis import given, settings
@@ -323,6 +324,23 @@ def test_a_dataclass_is_an_object_and_an_enum_member_its_value_as_orjson_writes_
     }
     codec.dict_to_struct({"kind": _Leg}, struct)  # (a class is no instance: its text)
     assert struct.fields["kind"].string_value == str(_Leg)
+
+
+def test_a_pydantic_model_is_the_json_it_dumps() -> None:
+    """A model, as a handler returns the structured output it parsed, is what its
+    model_dump(mode="json") says; it was sent as its Python text ("to='MAD' seats=2")."""
+
+    class Leg(pydantic.BaseModel):
+        to: str
+        seats: int = 1
+        cabin: _Cabin = _Cabin.ECONOMY
+        when: date | None = None
+
+    struct = struct_pb2.Struct()
+    codec.dict_to_struct({"leg": Leg(to="MAD", seats=2, when=date(2026, 1, 2))}, struct)
+    assert codec.struct_to_dict(struct) == {
+        "leg": {"to": "MAD", "seats": 2, "cabin": "economy", "when": "2026-01-02"}
+    }
 
 
 def test_a_dataclass_within_content_counts_toward_its_depth() -> None:
