@@ -9,6 +9,7 @@ import dataclasses
 import gc
 import importlib
 import importlib.util
+import inspect
 import json
 import logging
 import math
@@ -386,7 +387,18 @@ def load_agents(spec: str, agent_id: str | None = None) -> list[Agent]:
     target = import_spec(spec, "an agent spec")
     is_class = isinstance(target, type) and issubclass(target, Agent)
     if is_class or (not isinstance(target, Agent) and callable(target)):
-        target = target(agent_id) if agent_id and is_class else target()
+        given = (agent_id,) if agent_id and is_class else ()
+        try:
+            inspect.signature(target).bind(*given)
+        except TypeError as error:  # (the user's __init__ or factory wants arguments)
+            raise UsageError(
+                f"an agent spec {spec}: {getattr(target, '__name__', spec)}"
+                f"({', '.join(map(repr, given))}) cannot be called: {error}; name an agent "
+                "made already, or a function that makes the agents"
+            ) from None
+        except ValueError:  # (no signature to read: it is called as it is)
+            pass
+        target = target(*given)
     found = list(target) if isinstance(target, list | tuple) else [target]
     if not found or not all(isinstance(a, Agent) for a in found):
         raise SystemExit(f"{spec} is not an agent")

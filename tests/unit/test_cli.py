@@ -80,6 +80,29 @@ def test_a_spec_that_names_nothing_is_a_usage_error(
     assert said in capsys.readouterr().err
 
 
+def test_an_agent_that_cannot_be_made_without_arguments_is_said_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "path", [*sys.path])  # (the file's folder is put on it)
+    (tmp_path / "priced.py").write_text(
+        "from mesh import Agent\n\n"
+        "class Priced(Agent):\n"
+        "    agent_id = 'Priced'\n\n"
+        "    def __init__(self, rate):\n"
+        "        super().__init__()\n"
+        "        self.rate = rate\n"
+    )
+    try:
+        with pytest.raises(SystemExit) as exited:
+            main(["agent", f"{tmp_path / 'priced.py'}:Priced", "--broker", "127.0.0.1:1"])
+    finally:
+        sys.modules.pop("priced", None)
+    assert exited.value.code == 2
+    assert "Priced() cannot be called: missing a required argument: 'rate'; name an agent " in (
+        capsys.readouterr().err
+    )
+
+
 @pytest.mark.parametrize(
     "args",
     [
