@@ -97,19 +97,22 @@ def test_a_star_import_of_mesh_gives_every_name() -> None:
     assert set(mesh.__all__) <= set(namespace)
 
 
-def test_a_plain_with_on_what_takes_async_with_says_to_use_async_with() -> None:
-    """A mistake every new asyncio user makes: `with connect(...)` (as aiohttp says of its
-    session, the error names the fix)."""
+async def test_a_plain_with_on_what_takes_async_with_says_to_use_async_with() -> None:
+    """A mistake every new asyncio user makes, inside a coroutine: `with connect(...)` (as
+    aiohttp says of its session, the error names the fix)."""
     from gateway.client import GatewayClient
     from mesh.testing import LocalMesh
 
-    for make in (
-        lambda: mesh.connect("127.0.0.1:1", agent_id="X"),
-        lambda: mesh.AgentClient("127.0.0.1:1"),
-        lambda: GatewayClient("127.0.0.1:1"),
-        LocalMesh,
+    refused = r"is asynchronous: use 'async with', in an async def"
+    with pytest.raises(TypeError, match=refused), LocalMesh():
+        pass
+    for made in (
+        mesh.connect("127.0.0.1:1", agent_id="X"),
+        mesh.AgentClient("127.0.0.1:1"),
+        GatewayClient("127.0.0.1:1"),
     ):
-        made = make()
-        refused = r"is asynchronous: use 'async with', in an async def"
-        with pytest.raises(TypeError, match=refused), made:
-            pass
+        try:
+            with pytest.raises(TypeError, match=refused), made:
+                pass
+        finally:
+            await made.__aexit__(None, None, None)  # (its channel, closed)
