@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -17,7 +18,7 @@ from mesh.codec import struct_to_dict
 from mesh.config import SecurityConfig, retry_wait
 from mesh.core.errors import TOO_MANY_RUNS, MessageValidationError
 from mesh.loop import AsyncOnly
-from mesh.security import open_channel
+from mesh.security import check_target, open_channel
 from mesh.tracing import inject
 from mesh.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -60,18 +61,27 @@ class GatewayClient(AsyncOnly):
         security: SecurityConfig | None = None,
         retry: RetryPolicy | None = None,
     ) -> None:
+        self.target = target
         self.timeout = timeout
         self.retry = retry if retry is not None else RetryPolicy()
-        self._channel = open_channel(
-            target, security if security is not None else SecurityConfig.from_env(), CLIENT_OPTIONS
-        )
-        self.stub = gateway_pb2_grpc.GatewayServiceStub(self._channel)
+        self.security = security if security is not None else SecurityConfig.from_env()
+        check_target(target)
+
+    @functools.cached_property
+    def _channel(self) -> grpc.aio.Channel:
+        """Made on first use, in the event loop that uses it (as mesh's MeshClient's)."""
+        return open_channel(self.target, self.security, CLIENT_OPTIONS)
+
+    @functools.cached_property
+    def stub(self) -> gateway_pb2_grpc.GatewayServiceAsyncStub:
+        return gateway_pb2_grpc.GatewayServiceStub(self._channel)
 
     async def __aenter__(self) -> GatewayClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self._channel.close()
+        if "_channel" in self.__dict__:  # (none made: none to close)
+            await self._channel.close()
 
     async def _stream(self, start: Callable[[], Any]) -> AsyncGenerator[dict[str, Any], None]:
         delays = self.retry.delays

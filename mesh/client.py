@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -85,7 +86,7 @@ from mesh.core.state import (
 from mesh.core.tasks import cancel_and_wait
 from mesh.loop import AsyncOnly
 from mesh.metrics import RT011_FIGURES
-from mesh.security import open_channel
+from mesh.security import check_target, open_channel
 from mesh.serving import ANSWER_BYTES, GRPC_OPTIONS
 from mesh.streams import BATCH_HEADER, FrameWriter
 from mesh.tracing import current_span, inject, without_trace
@@ -1139,14 +1140,34 @@ class MeshClient(AsyncOnly):
         self._own_channel = channel is None
         # TLS and credentials from ``security``, else from AGENTMESH_TLS_CA, AGENTMESH_TOKEN...
         self.security = security if security is not None else SecurityConfig.from_env()
-        self._channel = channel or open_channel(target, self.security, CLIENT_OPTIONS)
-        self._stub = broker_pb2_grpc.BrokerServiceStub(self._channel)
-        self._memory = memory_pb2_grpc.MemoryServiceStub(self._channel)
-        self._tools = tools_pb2_grpc.ToolServiceStub(self._channel)
+        self._given_channel = channel
+        if channel is None:
+            check_target(target)  # (the channel itself is made on first use: _channel)
         self._session: _Session | None = None
         self._session_lock = asyncio.Lock()
         self._subscriptions: set[ClientSubscription] = set()
         self._closed = False
+
+    @functools.cached_property
+    def _channel(self) -> grpc.aio.Channel:
+        """Made on first use, so in the event loop that uses it: a client made before
+        ``asyncio.run(main())`` (at a module's top) works in the loop that runs main, where
+        a grpc.aio channel made outside any loop is tied to another one."""
+        if self._given_channel is not None:
+            return self._given_channel
+        return open_channel(self.target, self.security, CLIENT_OPTIONS)
+
+    @functools.cached_property
+    def _stub(self) -> broker_pb2_grpc.BrokerServiceAsyncStub:
+        return broker_pb2_grpc.BrokerServiceStub(self._channel)
+
+    @functools.cached_property
+    def _memory(self) -> memory_pb2_grpc.MemoryServiceAsyncStub:
+        return memory_pb2_grpc.MemoryServiceStub(self._channel)
+
+    @functools.cached_property
+    def _tools(self) -> tools_pb2_grpc.ToolServiceAsyncStub:
+        return tools_pb2_grpc.ToolServiceStub(self._channel)
 
     async def __aenter__(self) -> MeshClient:
         return self
@@ -1199,7 +1220,7 @@ class MeshClient(AsyncOnly):
         if self._session is not None:
             await self._session.close()
             self._session = None
-        if self._own_channel:
+        if self._own_channel and "_channel" in self.__dict__:  # (none made: none to close)
             await self._channel.close()
 
     # -- plumbing ----------------------------------------------------------------------------
@@ -2346,10 +2367,17 @@ class AgentClient(AsyncOnly):
     ) -> None:
         self.target = target
         self.default_timeout = default_timeout
-        self._channel = open_channel(
-            target, security if security is not None else SecurityConfig.from_env(), CLIENT_OPTIONS
-        )
-        self._stub = agent_pb2_grpc.AgentServiceStub(self._channel)
+        self.security = security if security is not None else SecurityConfig.from_env()
+        check_target(target)
+
+    @functools.cached_property
+    def _channel(self) -> grpc.aio.Channel:
+        """Made on first use, in the event loop that uses it (as :class:`MeshClient`'s)."""
+        return open_channel(self.target, self.security, CLIENT_OPTIONS)
+
+    @functools.cached_property
+    def _stub(self) -> agent_pb2_grpc.AgentServiceAsyncStub:
+        return agent_pb2_grpc.AgentServiceStub(self._channel)
 
     async def __aenter__(self) -> AgentClient:
         return self
@@ -2358,7 +2386,8 @@ class AgentClient(AsyncOnly):
         await self.close()
 
     async def close(self) -> None:
-        await self._channel.close()
+        if "_channel" in self.__dict__:
+            await self._channel.close()
 
     async def handle(self, message: Message, *, timeout: float | None = None) -> Message | None:
         """Calls the agent's own server with ``message`` (no broker between): its answer, or

@@ -667,15 +667,22 @@ class _RenewingChannel(grpc.aio.Channel):
         return _OnCurrent(self, "stream_stream", args, kwargs)
 
 
+def check_target(target: str) -> None:
+    """MeshError (INVALID_ARGUMENT, BAD_ADDRESS) for an address gRPC would not dial as meant,
+    and a ValueError for a setting of the environment that is none: what making a channel to
+    ``target`` would refuse, said before one is made."""
+    check_environment()
+    problem = address_problem(target)  # (gRPC dials port 99999 as 34463; "" fails UNKNOWN)
+    if problem is not None:
+        raise MeshError(problem, code="INVALID_ARGUMENT", reason="BAD_ADDRESS")
+
+
 def open_channel(
     target: str, config: SecurityConfig | None = None, options: Iterable[tuple[str, Any]] = ()
 ) -> grpc.aio.Channel:
     """A channel to ``target``: TLS when a CA is configured (with the client certificate, for
     mutual TLS, when one is), and the bearer token on every call when one is."""
-    check_environment()
-    problem = address_problem(target)  # (gRPC dials port 99999 as 34463; "" fails UNKNOWN)
-    if problem is not None:
-        raise MeshError(problem, code="INVALID_ARGUMENT", reason="BAD_ADDRESS")
+    check_target(target)
     config = config or SecurityConfig()
     opts = list(options)
     if config.tls_server_name:

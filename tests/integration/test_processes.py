@@ -298,6 +298,43 @@ async def test_the_agentmesh_script_serves_an_agent_from_the_working_directory_o
         assert process.returncode == 2 and said in out.decode(), out.decode()
 
 
+MODULE_LEVEL_CLIENT = """
+import asyncio, sys
+from mesh import connect
+
+client = connect(sys.argv[1], agent_id="Notes")  # made before any event loop runs
+
+
+async def main():
+    async with client:
+        await client.register()
+        await client.send("Notes", {"action": "remember", "parameters": {"n": 1}})
+        print([m.parameters["n"] for m in await client.receive()])
+
+
+asyncio.run(main())
+"""
+
+
+async def test_a_client_made_before_asyncio_run_works_in_the_loop_that_runs(
+    broker_proc: Proc, tmp_path: Path
+) -> None:
+    """A client made at a module's top, then used in asyncio.run(main()): a grpc.aio
+    channel made outside any loop is tied to another one ("attached to a different loop")."""
+    script = tmp_path / "notes.py"
+    script.write_text(MODULE_LEVEL_CLIENT)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(script),
+        broker_proc.address,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode == 0 and out.decode().splitlines()[-1] == "[1]", out.decode()
+
+
 async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "AGENTMESH_BROKER": broker_proc.address}
 
