@@ -13,12 +13,10 @@ import grpc
 from google.protobuf import json_format
 
 from mesh._status import from_rpc_error
-from mesh.client import CLIENT_OPTIONS, RetryPolicy, with_retries
+from mesh.client import ChannelOnFirstUse, RetryPolicy, with_retries
 from mesh.codec import struct_to_dict
 from mesh.config import SecurityConfig, retry_wait
 from mesh.core.errors import TOO_MANY_RUNS, MessageValidationError
-from mesh.loop import AsyncOnly
-from mesh.security import check_target, open_channel
 from mesh.tracing import inject
 from mesh.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -41,7 +39,7 @@ def event_dict(pb: gateway_pb2.PatternEvent) -> dict[str, Any]:
     }
 
 
-class GatewayClient(AsyncOnly):
+class GatewayClient(ChannelOnFirstUse):
     """``async with GatewayClient(address) as gw: async for event in gw.route(...)``.
 
     A run the gateway refuses before it starts, because it already runs its limit
@@ -61,16 +59,9 @@ class GatewayClient(AsyncOnly):
         security: SecurityConfig | None = None,
         retry: RetryPolicy | None = None,
     ) -> None:
-        self.target = target
+        super().__init__(target, security)
         self.timeout = timeout
         self.retry = retry if retry is not None else RetryPolicy()
-        self.security = security if security is not None else SecurityConfig.from_env()
-        check_target(target)
-
-    @functools.cached_property
-    def _channel(self) -> grpc.aio.Channel:
-        """Made on first use, in the event loop that uses it (as mesh's MeshClient's)."""
-        return open_channel(self.target, self.security, CLIENT_OPTIONS)
 
     @functools.cached_property
     def stub(self) -> gateway_pb2_grpc.GatewayServiceAsyncStub:
@@ -80,8 +71,7 @@ class GatewayClient(AsyncOnly):
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if "_channel" in self.__dict__:  # (none made: none to close)
-            await self._channel.close()
+        await self._close_channel()
 
     async def _stream(self, start: Callable[[], Any]) -> AsyncGenerator[dict[str, Any], None]:
         delays = self.retry.delays

@@ -1111,7 +1111,39 @@ class ClientSubscription(AsyncOnly):
             await session.close()
 
 
-class MeshClient(AsyncOnly):
+class ChannelOnFirstUse(AsyncOnly):
+    """A client's gRPC channel to ``target``, made on first use, so in the event loop that
+    uses it: a client made before ``asyncio.run(main())`` (at a module's top) works in the
+    loop that runs main, where a grpc.aio channel made outside any loop is tied to another
+    one ("attached to a different loop"). Its address is checked as the client is made."""
+
+    def __init__(
+        self,
+        target: str,
+        security: SecurityConfig | None,
+        channel: grpc.aio.Channel | None = None,
+    ) -> None:
+        self.target = target
+        # TLS and credentials from ``security``, else from AGENTMESH_TLS_CA, AGENTMESH_TOKEN...
+        self.security = security if security is not None else SecurityConfig.from_env()
+        self._given_channel = channel
+        if channel is None:
+            check_target(target)
+
+    @functools.cached_property
+    def _channel(self) -> grpc.aio.Channel:
+        if self._given_channel is not None:
+            return self._given_channel
+        return open_channel(self.target, self.security, CLIENT_OPTIONS)
+
+    async def _close_channel(self) -> None:
+        """Closes the channel the client made, if it made one (one it was given is not its
+        own to close)."""
+        if self._given_channel is None and "_channel" in self.__dict__:
+            await self._channel.close()
+
+
+class MeshClient(ChannelOnFirstUse):
     """A connection to the broker. Use :func:`connect` to make one."""
 
     def __init__(
@@ -1127,7 +1159,7 @@ class MeshClient(AsyncOnly):
         channel: grpc.aio.Channel | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
-        self.target = target
+        super().__init__(target, security, channel)
         self.agent_id = agent_id
         self.retry = retry or RetryPolicy()
         self.default_timeout = default_timeout
@@ -1137,25 +1169,10 @@ class MeshClient(AsyncOnly):
         self.stats = ClientStats()
         self._registered: dict[str, AgentInfo] = {}
         self._sleep = sleep
-        self._own_channel = channel is None
-        # TLS and credentials from ``security``, else from AGENTMESH_TLS_CA, AGENTMESH_TOKEN...
-        self.security = security if security is not None else SecurityConfig.from_env()
-        self._given_channel = channel
-        if channel is None:
-            check_target(target)  # (the channel itself is made on first use: _channel)
         self._session: _Session | None = None
         self._session_lock = asyncio.Lock()
         self._subscriptions: set[ClientSubscription] = set()
         self._closed = False
-
-    @functools.cached_property
-    def _channel(self) -> grpc.aio.Channel:
-        """Made on first use, so in the event loop that uses it: a client made before
-        ``asyncio.run(main())`` (at a module's top) works in the loop that runs main, where
-        a grpc.aio channel made outside any loop is tied to another one."""
-        if self._given_channel is not None:
-            return self._given_channel
-        return open_channel(self.target, self.security, CLIENT_OPTIONS)
 
     @functools.cached_property
     def _stub(self) -> broker_pb2_grpc.BrokerServiceAsyncStub:
@@ -1220,8 +1237,7 @@ class MeshClient(AsyncOnly):
         if self._session is not None:
             await self._session.close()
             self._session = None
-        if self._own_channel and "_channel" in self.__dict__:  # (none made: none to close)
-            await self._channel.close()
+        await self._close_channel()
 
     # -- plumbing ----------------------------------------------------------------------------
 
@@ -2355,7 +2371,7 @@ def connect(
     )
 
 
-class AgentClient(AsyncOnly):
+class AgentClient(ChannelOnFirstUse):
     """Calls an agent's own gRPC server directly (the Agent service)."""
 
     def __init__(
@@ -2365,15 +2381,8 @@ class AgentClient(AsyncOnly):
         default_timeout: float = 30.0,
         security: SecurityConfig | None = None,
     ) -> None:
-        self.target = target
+        super().__init__(target, security)
         self.default_timeout = default_timeout
-        self.security = security if security is not None else SecurityConfig.from_env()
-        check_target(target)
-
-    @functools.cached_property
-    def _channel(self) -> grpc.aio.Channel:
-        """Made on first use, in the event loop that uses it (as :class:`MeshClient`'s)."""
-        return open_channel(self.target, self.security, CLIENT_OPTIONS)
 
     @functools.cached_property
     def _stub(self) -> agent_pb2_grpc.AgentServiceAsyncStub:
@@ -2386,8 +2395,7 @@ class AgentClient(AsyncOnly):
         await self.close()
 
     async def close(self) -> None:
-        if "_channel" in self.__dict__:
-            await self._channel.close()
+        await self._close_channel()
 
     async def handle(self, message: Message, *, timeout: float | None = None) -> Message | None:
         """Calls the agent's own server with ``message`` (no broker between): its answer, or
