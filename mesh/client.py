@@ -1111,6 +1111,9 @@ class ClientSubscription(AsyncOnly):
             await session.close()
 
 
+CLOSED_CLIENT = "this client is closed: connect again (or keep it open while it is used)"
+
+
 class ChannelOnFirstUse(AsyncOnly):
     """A client's gRPC channel to ``target``, made on first use, so in the event loop that
     uses it: a client made before ``asyncio.run(main())`` (at a module's top) works in the
@@ -1127,6 +1130,7 @@ class ChannelOnFirstUse(AsyncOnly):
         # TLS and credentials from ``security``, else from AGENTMESH_TLS_CA, AGENTMESH_TOKEN...
         self.security = security if security is not None else SecurityConfig.from_env()
         self._given_channel = channel
+        self._channel_closed = False
         if channel is None:
             check_target(target)
 
@@ -1134,11 +1138,14 @@ class ChannelOnFirstUse(AsyncOnly):
     def _channel(self) -> grpc.aio.Channel:
         if self._given_channel is not None:
             return self._given_channel
+        if self._channel_closed:  # (closed before its first use: no channel to make now)
+            raise SessionClosedError(CLOSED_CLIENT)
         return open_channel(self.target, self.security, CLIENT_OPTIONS)
 
     async def _close_channel(self) -> None:
         """Closes the channel the client made, if it made one (one it was given is not its
         own to close)."""
+        self._channel_closed = True
         if self._given_channel is None and "_channel" in self.__dict__:
             await self._channel.close()
 
@@ -1226,9 +1233,7 @@ class MeshClient(ChannelOnFirstUse):
 
     def _refuse_if_closed(self) -> None:
         if self._closed:
-            raise SessionClosedError(
-                "this client is closed: connect again (or keep it open while it is used)"
-            )
+            raise SessionClosedError(CLOSED_CLIENT)
 
     async def close(self) -> None:
         self._closed = True
