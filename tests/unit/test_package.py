@@ -118,12 +118,19 @@ async def test_a_plain_with_on_what_takes_async_with_says_to_use_async_with() ->
             await made.__aexit__(None, None, None)  # (its channel, closed)
 
 
-async def test_a_client_closed_before_its_first_call_refuses_every_call_as_closed() -> None:
-    """Its channel is made on first use: closed first, it makes none, and says why."""
+async def test_a_client_closed_before_its_first_call_refuses_every_call_as_closed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its channel is made on first use: closed first, it makes none (none left open), and
+    says why."""
+    import mesh.client
     from mesh.core.errors import SessionClosedError
 
+    made: list[str] = []
+    monkeypatch.setattr(mesh.client, "open_channel", lambda target, *_: made.append(target))
     client = mesh.connect("127.0.0.1:1", agent_id="X")
     await client.close()
     for call in (client.list_agents(), client.send("A", {"action": "x"})):
         with pytest.raises(SessionClosedError, match="this client is closed: connect again"):
             await call
+    assert made == []
