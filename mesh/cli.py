@@ -754,8 +754,10 @@ async def _state(args: argparse.Namespace) -> int:
             try:
                 value = json.loads(args.value)
             except json.JSONDecodeError as error:
+                text = args.value.lstrip()[:1] not in ("{", "[")
+                hint = f" (a text is quoted in JSON: '{json.dumps(args.value)}')" if text else ""
                 raise MessageValidationError.for_field(
-                    "value", f"value is not JSON: {error}"
+                    "value", f"value is not JSON: {error}{hint}"
                 ) from None
             entry = await client.put_state(
                 args.key, value, expected_version=args.expect_version, ttl=args.ttl

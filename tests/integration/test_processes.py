@@ -394,6 +394,9 @@ async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
     assert code == 1 and "ABORTED: 'budget' is at version 1, not 0" in out, out
     code, out = await cli("state", "budget", "{left: 0}")
     assert code == 1 and "INVALID_ARGUMENT: value is not JSON" in out, out
+    assert "quoted" not in out  # (an object misspelt: no hint of text)
+    code, out = await cli("state", "plan", "v2")  # a text, unquoted
+    assert code == 1 and out.rstrip().endswith("""(a text is quoted in JSON: '"v2"')"""), out
     code, out = await cli("state", "budget", "--delete")
     assert code == 0 and out.strip() == "deleted budget at version 1"
     code, out = await cli("state", "budget")
