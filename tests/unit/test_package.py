@@ -124,13 +124,12 @@ async def test_a_client_closed_before_its_first_call_refuses_every_call_as_close
     """Its channel is made on first use: closed first, it makes none (none left open), and
     says why."""
     import mesh.client
-    from mesh.core.errors import SessionClosedError
 
     made: list[str] = []
     monkeypatch.setattr(mesh.client, "open_channel", lambda target, *_: made.append(target))
     client = mesh.connect("127.0.0.1:1", agent_id="X")
     await client.close()
     for call in (client.list_agents(), client.send("A", {"action": "x"})):
-        with pytest.raises(SessionClosedError, match="this client is closed: connect again"):
+        with pytest.raises(mesh.SessionClosedError, match="this client is closed: connect again"):
             await call
     assert made == []
