@@ -1064,12 +1064,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_security_flags(p, server=True)
     p.set_defaults(run=_run_broker)
 
-    p = sub.add_parser("agent", help="run agents from module:attribute specs")
+    p = sub.add_parser(
+        "agent", help="run agents from module:attribute (or path/to/file.py:attribute) specs"
+    )
     p.add_argument(
         "spec",
         nargs="+",
-        help="module:attribute naming an Agent (instance, class, or a factory of one "
-        "or a list), e.g. agents.stocks:stock_experts",
+        help="module:attribute (a module of the working directory, or installed) or "
+        "path/to/file.py:attribute naming an Agent (instance, class, or a factory of one "
+        "or a list), e.g. agents.stocks:stock_experts or ./my_agent.py:MyAgent",
     )
     p.add_argument("--id", help="agent id to use instead of the agent's own")
     p.add_argument("--broker", default=broker_default)
