@@ -74,6 +74,7 @@ class GatewayClient(ChannelOnFirstUse):
         await self._close_channel()
 
     async def _stream(self, start: Callable[[], Any]) -> AsyncGenerator[dict[str, Any], None]:
+        self._check_loop()
         delays = self.retry.delays
         for attempt in itertools.count():
             call, started = start(), False
@@ -173,6 +174,7 @@ class GatewayClient(ChannelOnFirstUse):
         """A call that may be made again (reading the figures; a rating replaces the last):
         made again after each of ``retry``'s delays while it is refused for now
         (RESOURCE_EXHAUSTED, UNAVAILABLE: the gateway restarting, say)."""
+        self._check_loop()
         return await with_retries(call, self.retry, log=logger)
 
 

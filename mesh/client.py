@@ -1131,16 +1131,31 @@ class ChannelOnFirstUse(AsyncOnly):
         self.security = security if security is not None else SecurityConfig.from_env()
         self._given_channel = channel
         self._channel_closed = False
+        self._channel_loop: asyncio.AbstractEventLoop | None = None
         if channel is None:
             check_target(target)
 
     @functools.cached_property
     def _channel(self) -> grpc.aio.Channel:
+        with contextlib.suppress(RuntimeError):  # (no loop runs: none to tell apart)
+            self._channel_loop = asyncio.get_running_loop()
         if self._given_channel is not None:
             return self._given_channel
         if self._channel_closed:  # (closed before its first use: no channel to make now)
             raise SessionClosedError(CLOSED_CLIENT)
         return open_channel(self.target, self.security, CLIENT_OPTIONS)
+
+    def _check_loop(self) -> None:
+        """RuntimeError, saying what to do, for a call from another event loop than the one
+        the channel was made in (a second ``asyncio.run()``, a test's own loop): gRPC would
+        fail it with "Event loop is closed" or "attached to a different loop"."""
+        loop = self._channel_loop
+        if loop is not None and loop is not asyncio.get_running_loop():
+            raise RuntimeError(
+                f"this {type(self).__name__} was first used in another event loop, and its "
+                "connection belongs to that one: make a client in each event loop (connect "
+                "inside the coroutine, or the fixture of the same loop scope, that uses it)"
+            )
 
     async def _close_channel(self) -> None:
         """Closes the channel the client made, if it made one (one it was given is not its
@@ -1234,6 +1249,7 @@ class MeshClient(ChannelOnFirstUse):
     def _refuse_if_closed(self) -> None:
         if self._closed:
             raise SessionClosedError(CLOSED_CLIENT)
+        self._check_loop()
 
     async def close(self) -> None:
         self._closed = True
@@ -2409,6 +2425,7 @@ class AgentClient(ChannelOnFirstUse):
             raise _not_a_message("handle", message)
         request = agent_pb2.HandleMessageRequest()
         codec.message_to_pb(message, request.message)
+        self._check_loop()
         try:
             response = await self._stub.HandleMessage(
                 request, timeout=wait_seconds(timeout, self.default_timeout)
@@ -2418,6 +2435,7 @@ class AgentClient(ChannelOnFirstUse):
         return codec.message_from_pb(response.response) if response.HasField("response") else None
 
     async def describe(self, *, timeout: float | None = None) -> AgentCard:
+        self._check_loop()
         try:
             response = await self._stub.DescribeAgent(
                 agent_pb2.DescribeAgentRequest(),
