@@ -135,6 +135,11 @@ def _check_agent(agent: object) -> None:
             f"an agent to serve is an Agent object, not {agent!r}"
             + (f": make one, {getattr(agent, '__name__', '')}()" if made else "")
         )
+    if "_actions" not in vars(agent):  # (Agent.__init__ finds the handlers: it never ran)
+        raise TypeError(
+            f"{type(agent).__name__}.__init__ does not call super().__init__(), where an "
+            "Agent finds its handlers and checks its fields: call it first"
+        )
 
 
 def on(action: str) -> Callable[[HandlerT], HandlerT]:

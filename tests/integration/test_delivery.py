@@ -1359,6 +1359,16 @@ async def test_a_handler_that_cannot_be_called_is_refused_as_its_agent_is_made(
         await serve_all([Lenient], mesh.address)  # type: ignore[list-item]
     with pytest.raises(TypeError, match="an agent to serve is an Agent object, not 'Lenient'"):
         await mesh.add_agent("Lenient")  # type: ignore[arg-type]
+
+    class Forgetful(Lenient):
+        def __init__(self, rate: int) -> None:
+            self.rate = rate  # (super().__init__() forgotten: no handler was found)
+
+    with pytest.raises(
+        TypeError,
+        match=r"Forgetful\.__init__ does not call super\(\)\.__init__\(\), where an Agent finds",
+    ):
+        await mesh.add_agent(Forgetful(3))
     await mesh.add_agent(Lenient())
     async with mesh.client("asker") as client:
         booked = await client.request(
