@@ -341,10 +341,18 @@ class Agent:
             self.required_fields if required_fields is None else required_fields
         )
         self._actions: dict[str, Callable[..., Awaitable[Reply]]] = {}
+        handlers: dict[str, str] = {}
         for name, member in inspect.getmembers(self, inspect.ismethod):
             action = getattr(member, "__mesh_action__", None)
             if action:
-                _check_handler(member, f"{type(self).__name__}.{name}")
+                where = f"{type(self).__name__}.{name}"
+                _check_handler(member, where)
+                if action in handlers:  # (else one of them would be dropped unsaid)
+                    raise TypeError(
+                        f"{handlers[action]} and {where} both handle {action!r}: an action "
+                        "has one handler"
+                    )
+                handlers[action] = where
                 self._actions[action] = _as_coroutine(member)
         _check_handler(self.handle, f"{type(self).__name__}.handle")
         if not inspect.iscoroutinefunction(self.handle):  # a plain `def handle` overridden

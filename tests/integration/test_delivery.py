@@ -1360,6 +1360,21 @@ async def test_a_handler_that_cannot_be_called_is_refused_as_its_agent_is_made(
     with pytest.raises(TypeError, match="an agent to serve is an Agent object, not 'Lenient'"):
         await mesh.add_agent("Lenient")  # type: ignore[arg-type]
 
+    with pytest.raises(
+        TypeError, match=r"Twice\.price and Twice\.price_v2 both handle 'price': an action has one"
+    ):
+
+        class Twice(Agent):
+            agent_id = "Twice"
+
+            @on("price")
+            async def price(self, message: Message, ctx: AgentContext) -> None: ...
+
+            @on("price")  # (copied, and the name alone changed)
+            async def price_v2(self, message: Message, ctx: AgentContext) -> None: ...
+
+        Twice()
+
     class Forgetful(Lenient):
         def __init__(self, rate: int) -> None:
             self.rate = rate  # (super().__init__() forgotten: no handler was found)
