@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections.abc import Iterable, Iterator, Mapping
@@ -240,9 +241,10 @@ def python_to_value(data: JSON, out: struct_pb2.Value) -> None:
 
 def _dataclass_fields(data: object) -> Iterable[str] | None:
     """The field names of a dataclass instance (an object, as orjson and FastAPI write one,
-    not its repr), else None."""
-    fields = getattr(type(data), "__dataclass_fields__", None)
-    return fields if fields is not None and not isinstance(data, type) else None
+    not its repr; its ClassVar and InitVar pseudo-fields are none), else None."""
+    if isinstance(data, type) or not hasattr(type(data), "__dataclass_fields__"):
+        return None
+    return [f.name for f in dataclasses.fields(data)]  # type: ignore[arg-type]
 
 
 def dict_to_struct(data: Mapping[str, JSON], out: struct_pb2.Struct) -> None:

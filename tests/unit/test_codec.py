@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal
 from types import MappingProxyType
+from typing import ClassVar
 
 import pydantic
 import pytest
@@ -302,6 +303,11 @@ class _Leg:
     to: str
     seats: int = 1
     then: _Leg | None = None
+    kind: ClassVar[str] = "leg"  # (no field of its objects: not written)
+    checked: dataclasses.InitVar[bool] = True  # (given to __init__ alone: not written)
+
+    def __post_init__(self, checked: bool) -> None:
+        pass
 
 
 class _Cabin(enum.Enum):
