@@ -16,10 +16,11 @@ def _env(name: str, default: str) -> str:
 
 async def _up(args: argparse.Namespace) -> int:
     from gateway.embedded import start_embedded
-    from mesh.cli import _print, _stop_on_signals, _until_signalled
+    from mesh.cli import _print, _until_signalled
     from mesh.config import BrokerConfig
+    from mesh.loop import stop_on_signals
 
-    stop = _stop_on_signals()
+    stop = stop_on_signals()
     mesh = await start_embedded(
         docs_dir=args.docs,
         reports_dir=args.reports_dir,
@@ -61,17 +62,17 @@ async def _gateway(args: argparse.Namespace) -> int:
     from mesh.cli import (
         UsageError,
         _print,
-        _stop_on_signals,
         _until_signalled,
         security_config,
         served_on,
     )
+    from mesh.loop import stop_on_signals
 
     try:
         router = Router.from_file(Path(args.routes)) if args.routes else None
     except ValueError as error:
         raise UsageError(f"--routes: {error}") from None
-    stop = _stop_on_signals()
+    stop = stop_on_signals()
     try:
         gateway = await serve_gateway(
             args.broker,

@@ -28,6 +28,7 @@ if _TYPE_CHECKING:
         ServedAgents,
         agent,
         on,
+        run_agents,
         serve,
         serve_all,
     )
@@ -171,6 +172,7 @@ __all__ = [
     "connect",
     "negotiation",
     "on",
+    "run_agents",
     "serve",
     "serve_all",
     "serve_broker",

@@ -14,6 +14,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import os
 from collections.abc import (
     AsyncGenerator,
     Awaitable,
@@ -46,7 +47,13 @@ from mesh.client import (
     until_reachable,
     wait_seconds,
 )
-from mesh.config import DEFAULT_LEASE_SECONDS, BrokerConfig, SecurityConfig, retry_backoff
+from mesh.config import (
+    DEFAULT_BROKER,
+    DEFAULT_LEASE_SECONDS,
+    BrokerConfig,
+    SecurityConfig,
+    retry_backoff,
+)
 from mesh.core import negotiation
 from mesh.core.errors import (
     DEREGISTERED,
@@ -70,7 +77,8 @@ from mesh.core.model import (
 from mesh.core.state import StateEntry
 from mesh.core.tasks import cancel_and_wait
 from mesh.core.validation import missing_fields, validate_message
-from mesh.loop import AsyncOnly
+from mesh.loop import AsyncOnly, started_before, stop_on_signals
+from mesh.loop import run as run_loop
 from mesh.serving import MeshServer, start_server
 from mesh.tracing import current_span, extract, inject, span_name, without_trace
 from mesh.v1 import agent_pb2, agent_pb2_grpc
@@ -1301,3 +1309,35 @@ async def serve_all(
     for server in servers:
         await together.say(server.server)  # (every one ready as this returns)
     return ServedAgents(servers, client)
+
+
+def run_agents(*agents: Agent, broker: str = "", **options: Any) -> None:
+    """Serves ``agents`` (as :func:`serve_all` does, with its options) until Ctrl-C or
+    SIGTERM, then stops them gracefully (their servers NOT_SERVING, work in flight finished or
+    handed back, deregistered): the whole main of a script that is one or more agents, as
+    ``agentmesh agent`` runs them::
+
+        if __name__ == "__main__":
+            run_agents(Payment(), broker="127.0.0.1:50051")
+
+    ``broker`` defaults to AGENTMESH_BROKER, else 127.0.0.1:50051. A signal while the broker
+    is still waited for (``wait_for_broker``) ends it at once. Runs its own event loop: from
+    a coroutine, ``await serve_all(...)`` instead."""
+    if not agents:
+        raise TypeError("run_agents serves at least one agent: run_agents(MyAgent(), ...)")
+    for agent in agents:
+        _check_agent(agent)
+    target = broker or os.environ.get("AGENTMESH_BROKER") or DEFAULT_BROKER
+
+    async def main() -> None:
+        stop = stop_on_signals()
+        starting = asyncio.create_task(serve_all(agents, target, **options))
+        if not await started_before(starting, stop):
+            return
+        served = starting.result()
+        try:
+            await stop.wait()
+        finally:
+            await served.stop()
+
+    run_loop(main())

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import gc
 import importlib
@@ -14,7 +13,6 @@ import json
 import logging
 import math
 import os
-import signal
 import sys
 from collections.abc import Sequence
 from datetime import UTC
@@ -23,7 +21,13 @@ from typing import Any
 
 from mesh.agent import Agent, serve_all
 from mesh.client import connect
-from mesh.config import BrokerConfig, SecurityConfig, ServerConfig, check_environment
+from mesh.config import (
+    DEFAULT_BROKER,
+    BrokerConfig,
+    SecurityConfig,
+    ServerConfig,
+    check_environment,
+)
 from mesh.core.errors import MeshError, MessageValidationError
 from mesh.core.model import (
     BROADCAST_TARGET,
@@ -33,15 +37,13 @@ from mesh.core.model import (
     Priority,
 )
 from mesh.core.state import StateEntry
-from mesh.core.tasks import cancel_and_wait
 from mesh.core.tools import ToolHost
 from mesh.core.workflows import WORKFLOW_KEY_PREFIX
 from mesh.logs import EVENT_LOG_DAYS, configure_logging, stop_logging
-from mesh.loop import loop_name
+from mesh.loop import loop_name, started_before, stop_on_signals
 from mesh.loop import run as run_loop
 from mesh.security import authenticator_for, check_security_files
 
-DEFAULT_BROKER = "127.0.0.1:50051"
 TRACED = {
     "broker": "agentmesh-broker",
     "gateway": "agentmesh-gateway",
@@ -143,37 +145,13 @@ def settle_heap() -> None:
     gc.set_threshold(young, middle, FULL_COLLECTION_AFTER)
 
 
-def _stop_on_signals() -> asyncio.Event:
-    """Set by SIGINT or SIGTERM from now on. Taken as a command starts, so that a signal while
-    it starts stops it gracefully once started, instead of killing it half-way."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    return stop
-
-
 async def _until_signalled(stop: asyncio.Event | None = None) -> None:
-    """Serves until ``stop`` (:func:`_stop_on_signals`; by default, the signals from now on),
+    """Serves until ``stop`` (:func:`stop_on_signals`; by default, the signals from now on),
     the heap settled (:func:`settle_heap`)."""
     if stop is None:
-        stop = _stop_on_signals()
+        stop = stop_on_signals()
     settle_heap()
     await stop.wait()
-
-
-async def _started(starting: asyncio.Task[Any], stop: asyncio.Event) -> bool:
-    """Whether ``starting`` (a server's start) ended, or was cancelled because ``stop`` came
-    first: a signal while it waits for what it needs (its broker, its queue store) stops it
-    at once; what it had started stops too, and what was delivered meanwhile goes back."""
-    signalled = asyncio.create_task(stop.wait())
-    await asyncio.wait({starting, signalled}, return_when=asyncio.FIRST_COMPLETED)
-    if starting.done():
-        await cancel_and_wait(signalled)
-        return True
-    await cancel_and_wait(starting)
-    return False
 
 
 def _print(line: str) -> None:
@@ -283,7 +261,7 @@ def _broker_config(args: argparse.Namespace) -> BrokerConfig:
 async def _run_broker(args: argparse.Namespace) -> int:
     from mesh.server import serve_broker
 
-    stop = _stop_on_signals()
+    stop = stop_on_signals()
     server_config = ServerConfig(
         host=args.host,
         port=args.port,
@@ -301,7 +279,7 @@ async def _run_broker(args: argparse.Namespace) -> int:
             wait_for_store=args.wait_for_store,
         )
     )
-    if not await _started(starting, stop):
+    if not await started_before(starting, stop):
         _print("agentmesh broker stopped before its queue store could be reached")
         return 0
     _, server = starting.result()
@@ -415,7 +393,7 @@ def load_agent(spec: str, agent_id: str | None = None) -> Agent:
 
 
 async def _run_agent(args: argparse.Namespace) -> int:
-    stop = _stop_on_signals()
+    stop = stop_on_signals()
     agents = [a for spec in args.spec for a in load_agents(spec, args.id)]
     security = security_config(args)
     ports = [args.port + i if args.port else 0 for i in range(len(agents))]
@@ -438,7 +416,7 @@ async def _run_agent(args: argparse.Namespace) -> int:
             wait_for_broker=args.wait_for_broker,
         )
     )
-    if not await _started(starting, stop):
+    if not await started_before(starting, stop):
         _print("agentmesh agent stopped before its broker could be reached")
         return 0
     served = starting.result()

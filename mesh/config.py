@@ -38,6 +38,9 @@ QUEUE_TYPES = ("priority_queue", "fifo")
 DELIVERY_GUARANTEES = ("at_least_once", "at_most_once")
 
 
+DEFAULT_BROKER = "127.0.0.1:50051"
+"""Where a broker listens, and its clients and agents look for it, unless told
+(AGENTMESH_BROKER for them)."""
 MAX_TTL = 86_400
 """The longest ttl a message may ask for by default, in seconds (a day)."""
 DEFAULT_LEASE_SECONDS = 30.0

@@ -5,6 +5,7 @@ the standard loop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
@@ -46,6 +47,32 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     finally:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def stop_on_signals() -> asyncio.Event:
+    """Set by SIGINT (Ctrl-C) or SIGTERM from now on. Taken as a process starts, so that a
+    signal while it starts stops it gracefully once started, instead of killing it half-way."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def started_before(starting: asyncio.Task[Any], stop: asyncio.Event) -> bool:
+    """Whether ``starting`` (a server's start) ended, or was cancelled because ``stop`` came
+    first: a signal while it waits for what it needs (its broker, its queue store) stops it
+    at once; what it had started stops too, and what was delivered meanwhile goes back."""
+    from mesh.core.tasks import cancel_and_wait
+
+    signalled = asyncio.create_task(stop.wait())
+    await asyncio.wait({starting, signalled}, return_when=asyncio.FIRST_COMPLETED)
+    if starting.done():
+        await cancel_and_wait(signalled)
+        return True
+    await cancel_and_wait(starting)
+    return False
 
 
 class AsyncOnly:

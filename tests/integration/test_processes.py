@@ -24,6 +24,7 @@ from tests.helpers.processes import (
     free_port,
     free_ports_in_a_row,
     instances_become,
+    request_once_back,
     signal_process,
     start,
     stop,
@@ -296,6 +297,59 @@ async def test_the_agentmesh_script_serves_an_agent_from_the_working_directory_o
         )
         out, _ = await process.communicate()
         assert process.returncode == 2 and said in out.decode(), out.decode()
+
+
+AGENT_SCRIPT = """
+import sys
+from mesh import Agent, on, run_agents
+
+
+class Payment(Agent):
+    agent_id = "ScriptPayment"
+
+    @on("process_payment")
+    async def pay(self, message, ctx):
+        return {"status": "PAID", "amount": message.parameters["amount"]}
+
+
+if __name__ == "__main__":
+    run_agents(Payment(), broker=sys.argv[1])
+    print("stopped")
+"""
+
+
+async def test_a_script_that_is_an_agent_serves_until_sigterm_then_leaves_the_mesh(
+    broker_proc: Proc, tmp_path: Path
+) -> None:
+    """`run_agents(Payment(), broker=...)` is a script's whole main: it serves until a
+    signal, then stops gracefully (deregistered) and returns."""
+    script = tmp_path / "pay.py"
+    script.write_text(AGENT_SCRIPT)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(script),
+        broker_proc.address,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    try:
+        async with connect(broker_proc.address, agent_id="Cashier", retry=NO_RETRY) as client:
+            answer = await request_once_back(
+                client,
+                "ScriptPayment",
+                {"action": "process_payment", "parameters": {"amount": 450}},
+            )
+            assert answer.content["status"] == "PAID" and answer.content["amount"] == 450
+            signal_process(process, signal.SIGTERM)
+            out, _ = await asyncio.wait_for(process.communicate(), 30)
+            assert process.returncode == 0 and out.decode().splitlines()[-1] == "stopped", out
+            listed = [a.agent_id for a in await client.list_agents()]
+            assert "ScriptPayment" not in listed, listed
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
 
 
 MODULE_LEVEL_CLIENT = """
