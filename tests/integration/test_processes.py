@@ -299,6 +299,19 @@ async def test_the_agentmesh_script_serves_an_agent_from_the_working_directory_o
         assert process.returncode == 2 and said in out.decode(), out.decode()
 
 
+async def run_script(path: Path, text: str, *args: str) -> asyncio.subprocess.Process:
+    """A user's own Python script, written to ``path`` and run with ``args`` (output piped)."""
+    await asyncio.to_thread(path.write_text, text)
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(path),
+        *args,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+
+
 AGENT_SCRIPT = """
 import sys
 from mesh import Agent, on, run_agents
@@ -323,16 +336,7 @@ async def test_a_script_that_is_an_agent_serves_until_sigterm_then_leaves_the_me
 ) -> None:
     """`run_agents(Payment(), broker=...)` is a script's whole main: it serves until a
     signal, then stops gracefully (deregistered) and returns."""
-    script = tmp_path / "pay.py"
-    script.write_text(AGENT_SCRIPT)
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(script),
-        broker_proc.address,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
+    process = await run_script(tmp_path / "pay.py", AGENT_SCRIPT, broker_proc.address)
     try:
         async with connect(broker_proc.address, agent_id="Cashier", retry=NO_RETRY) as client:
             answer = await request_once_back(
@@ -380,16 +384,7 @@ async def test_a_client_made_before_asyncio_run_works_in_the_loop_that_runs(
     channel made outside any loop is tied to another one ("attached to a different loop").
     Used again in a second asyncio.run(), it says what to do (gRPC said "Event loop is
     closed")."""
-    script = tmp_path / "notes.py"
-    script.write_text(MODULE_LEVEL_CLIENT)
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(script),
-        broker_proc.address,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
+    process = await run_script(tmp_path / "notes.py", MODULE_LEVEL_CLIENT, broker_proc.address)
     out, _ = await asyncio.wait_for(process.communicate(), 60)
     lines = out.decode().splitlines()
     assert process.returncode == 0 and lines[-2] == "[1]", out.decode()
