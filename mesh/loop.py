@@ -12,6 +12,8 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from mesh.core.tasks import cancel_and_wait
+
 T = TypeVar("T")
 
 
@@ -64,8 +66,6 @@ async def started_before(starting: asyncio.Task[Any], stop: asyncio.Event) -> bo
     """Whether ``starting`` (a server's start) ended, or was cancelled because ``stop`` came
     first: a signal while it waits for what it needs (its broker, its queue store) stops it
     at once; what it had started stops too, and what was delivered meanwhile goes back."""
-    from mesh.core.tasks import cancel_and_wait
-
     signalled = asyncio.create_task(stop.wait())
     await asyncio.wait({starting, signalled}, return_when=asyncio.FIRST_COMPLETED)
     if starting.done():
