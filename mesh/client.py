@@ -725,11 +725,14 @@ class Received:
             self.done = True
             self._subscription._settle("ack", self.message.message_id)
 
-    async def nack(self) -> None:
-        """Hands the message back for redelivery (sent like acks)."""
+    async def nack(self, redeliver_after: float | None = None) -> None:
+        """Hands the message back for redelivery (sent like acks): at once, or
+        ``redeliver_after`` seconds from now, this subscription's place in flight free
+        meanwhile (one whose attempts are used up goes to the dead-letter queue at once)."""
+        delay = wait_seconds(redeliver_after, 0.0, "redeliver_after")
         if not self.done:
             self.done = True
-            self._subscription._settle("nack", self.message.message_id)
+            self._subscription._settle("nack", self.message.message_id, delay=delay)
 
     async def reject(self, reason: str) -> None:
         """Sends the message to the dead-letter queue at once, with ``reason`` (cut to the
@@ -826,7 +829,7 @@ class ClientSubscription(AsyncOnly):
         self._own_session = False
         """The session is this subscription's alone (closed with it), not the client's."""
         self._closed = False
-        self._settled: dict[tuple[str, str], list[str]] = {}
+        self._settled: dict[tuple[str, str, float], list[str]] = {}
         """Acks and nacks to send, by kind and dead-letter reason."""
         self._settling: asyncio.Task[None] | None = None
         self._settlers: set[asyncio.Task[None]] = set()
@@ -995,7 +998,9 @@ class ClientSubscription(AsyncOnly):
         registered = self.client._registered.get(self.agent_id)
         return registered.address if registered is not None else ""
 
-    def _settle(self, kind: str, message_id: str, dead_letter_reason: str = "") -> None:
+    def _settle(
+        self, kind: str, message_id: str, dead_letter_reason: str = "", *, delay: float = 0.0
+    ) -> None:
         """Queues an ack or nack; one task writes all of those queued in the meantime as one
         frame each (AckRequest and NackRequest carry many ids). In a steady flow (the one
         before came less than half ``ack_linger`` ago) the task lingers that long for more,
@@ -1004,7 +1009,7 @@ class ClientSubscription(AsyncOnly):
         subscription closes, it writes at once, so that the broker never waits on a lingering
         ack to deliver more. One that comes after a pause goes at once: lingering would cost a
         wake-up of its own and join nothing."""
-        self._settled.setdefault((kind, dead_letter_reason), []).append(message_id)
+        self._settled.setdefault((kind, dead_letter_reason, delay), []).append(message_id)
         self._taken.pop(message_id, None)
         loop = asyncio.get_running_loop()
         now = loop.time()
@@ -1049,7 +1054,7 @@ class ClientSubscription(AsyncOnly):
         self._settling = None
         if session is None or session.closed:
             return  # the broker returns the leases by itself when the session ends
-        for (kind, reason), message_ids in settled.items():
+        for (kind, reason, delay), message_ids in settled.items():
             frame = broker_pb2.ConnectRequest()
             if kind == "ack":
                 frame.ack.agent_id = self.agent_id
@@ -1058,6 +1063,8 @@ class ClientSubscription(AsyncOnly):
                 frame.nack.agent_id = self.agent_id
                 frame.nack.message_ids.extend(message_ids)
                 frame.nack.dead_letter_reason = reason
+                if delay:
+                    codec.seconds_to_duration(delay, frame.nack.redeliver_after)
             with contextlib.suppress(MeshError):
                 await session.write(frame)
                 self.client.stats.settle_frames += 1
@@ -1868,8 +1875,10 @@ class MeshClient(ChannelOnFirstUse):
         agent_id: str | None = None,
         *,
         dead_letter_reason: str = "",
+        redeliver_after: float | None = None,
     ) -> tuple[int, int]:
-        """Hands deliveries back for redelivery; with ``dead_letter_reason`` they go to the
+        """Hands deliveries back for redelivery (``redeliver_after`` seconds from now, held
+        by nobody meanwhile, when given); with ``dead_letter_reason`` they go to the
         dead-letter queue at once. Returns (requeued, dead-lettered)."""
         request = _request(
             broker_pb2.NackRequest,
@@ -1877,6 +1886,8 @@ class MeshClient(ChannelOnFirstUse):
             message_ids=names_of(message_ids, "message_ids", "message ids"),
             dead_letter_reason=dead_letter_reason,
         )
+        if delay := wait_seconds(redeliver_after, 0.0, "redeliver_after"):
+            codec.seconds_to_duration(delay, request.redeliver_after)
         response = await self._with_retry(self._unary(self._stub.Nack, request))
         return int(response.requeued), int(response.dead_lettered)
 

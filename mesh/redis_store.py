@@ -77,6 +77,8 @@ RANK_SPAN = 10**15  # ~31 years of microseconds per priority band, exact in a do
 WAKE = "mesh:wake"
 RELEASED = "mesh:released:"
 REGISTRY = "mesh:registry"
+DEFERRED = "~"
+"""The subscriber a message nacked with a delay is held by (nobody) until it comes back."""
 REGISTRATION_TRIES = 64
 """How often a change to one registration is tried while other replicas' changes come
 first (each round, one of the changes racing goes through)."""
@@ -135,6 +137,8 @@ _COMMON = """
 local ready, leased, msgs, meta, expiry, dead, seqkey =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local gone = 0 -- messages that left the store: their places in mesh:total are given back
+-- The subscriber of a message nacked with a delay: held by nobody until its lease ends.
+local DEFERRED = '~'
 local function drop(id)
   if redis.call('HDEL', msgs, id) == 1 then gone = gone + 1 end
   redis.call('HDEL', meta, id)
@@ -165,6 +169,7 @@ local function give_back(id, now, max_attempts, why, at, max_dead, out, final, u
   local info = cjson.decode(m)
   if unseen then info.a = math.max(info.a - 1, 0) end
   local sub = info.s
+  if sub == DEFERRED then sub = '' end
   local body = redis.call('HGET', msgs, id)
   if info.e <= now then
     table.insert(out, {'expired', id, sub, body})
@@ -334,7 +339,9 @@ _EXTEND = """
 local now, lease_end, count = tonumber(ARGV[1]), tonumber(ARGV[2]), 0
 for i = 3, #ARGV do
   local ends = redis.call('ZSCORE', leased, ARGV[i])
-  if ends and tonumber(ends) > now then  -- (one that ended waits for the sweep)
+  local m = ends and tonumber(ends) > now and redis.call('HGET', meta, ARGV[i])
+  -- (one that ended waits for the sweep; a deferred one comes back when its delay ends)
+  if m and cjson.decode(m).s ~= DEFERRED then
     redis.call('ZADD', leased, lease_end, ARGV[i])
     count = count + 1
   end
@@ -365,11 +372,25 @@ return removed
 _NACK = """
 local now, max_attempts, at, max_dead = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3],
   tonumber(ARGV[4])
-local final = ARGV[5]
+local final, back_at = ARGV[5], tonumber(ARGV[6])
 local out = {}
-for i = 6, #ARGV do
-  if redis.call('ZSCORE', leased, ARGV[i]) then
-    give_back(ARGV[i], now, max_attempts, 'nacked', at, max_dead, out, final)
+for i = 7, #ARGV do
+  local id = ARGV[i]
+  local m = redis.call('ZSCORE', leased, id) and redis.call('HGET', meta, id)
+  local info = m and cjson.decode(m)
+  if not m then
+    redis.call('ZREM', leased, id)  -- (nothing, or a stale entry the sweep would take out)
+  elseif info.s == DEFERRED then
+    -- nacked with a delay already: it comes back when that ends
+  elseif back_at > 0 and final == '' and info.e > now and info.a < max_attempts then
+    -- Back in the queue at back_at, held by nobody meanwhile: its subscriber's place in
+    -- flight is free now (the 'deferred' event), and the sweep puts it back then.
+    table.insert(out, {'deferred', id, info.s, ''})
+    info.s = DEFERRED
+    redis.call('HSET', meta, id, cjson.encode(info))
+    redis.call('ZADD', leased, back_at, id)
+  else
+    give_back(id, now, max_attempts, 'nacked', at, max_dead, out, final)
   end
 end
 return out
@@ -922,6 +943,8 @@ class RedisQueueStore:
     def _released(self, released: Released) -> None:
         """A lease ended: its subscription gets the credit back, here or on the replica it is
         held through (an ack may come through another replica than the subscription's)."""
+        if released.subscriber == DEFERRED:
+            return  # (nacked with a delay: its subscriber had its place back then)
         owner = _replica_of(released.subscriber)
         if owner and owner != self.replica_id:
             notice = {
@@ -1332,14 +1355,21 @@ class RedisQueueStore:
         ]
 
     async def nack(
-        self, agent_id: str, message_ids: Iterable[str], *, dead_letter_reason: str = ""
+        self,
+        agent_id: str,
+        message_ids: Iterable[str],
+        *,
+        dead_letter_reason: str = "",
+        delay: float = 0.0,
     ) -> tuple[int, int]:
+        args = self._return_args()
+        back_at = int(args[0] + delay * 1000) if delay > 0 else 0
         events = await self._run(
-            "nack", agent_id, [*self._return_args(), dead_letter_reason, *list(message_ids)]
+            "nack", agent_id, [*args, dead_letter_reason, back_at, *list(message_ids)]
         )
         self._report(agent_id, events)
         kinds = [_text(e[0]) for e in events]
-        return kinds.count("requeued"), kinds.count("dead")
+        return kinds.count("requeued") + kinds.count("deferred"), kinds.count("dead")
 
     async def still_leased(
         self, agent_id: str, subscriber: str, message_ids: Collection[str]

@@ -190,6 +190,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
             request.agent_id,
             request.message_ids,
             dead_letter_reason=request.dead_letter_reason,
+            redeliver_after=codec.duration_seconds(request.redeliver_after),
         )
         return broker_pb2.NackResponse(requeued=requeued, dead_lettered=dead)
 
@@ -456,10 +457,12 @@ class _Session:
             elif kind == "ack":
                 await self.broker.ack(self._agent(frame.ack.agent_id), frame.ack.message_ids)
             elif kind == "nack":
+                nack = frame.nack
                 await self.broker.nack(
-                    self._agent(frame.nack.agent_id),
-                    frame.nack.message_ids,
-                    dead_letter_reason=frame.nack.dead_letter_reason,
+                    self._agent(nack.agent_id),
+                    nack.message_ids,
+                    dead_letter_reason=nack.dead_letter_reason,
+                    redeliver_after=codec.duration_seconds(nack.redeliver_after),
                 )
             elif kind == "extend_lease":
                 extend = frame.extend_lease

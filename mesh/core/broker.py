@@ -1994,9 +1994,11 @@ class Broker:
         *,
         dead_letter_reason: str = "",
         tell_requester: bool = True,
+        redeliver_after: float = 0.0,
     ) -> tuple[int, int]:
-        """Hands deliveries back for another attempt; with ``dead_letter_reason`` (a message
-        its agent can never process) they are dead-lettered at once with that reason. A
+        """Hands deliveries back for another attempt (``redeliver_after`` seconds from now,
+        held by nobody meanwhile, when given); with ``dead_letter_reason`` (a message its
+        agent can never process) they are dead-lettered at once with that reason. A
         dead-lettered message's requester, waiting here, is told so at once, unless
         ``tell_requester`` is False (the refusing side tells it in its own words)."""
         named(agent_id)
@@ -2005,9 +2007,23 @@ class Broker:
                 "dead_letter_reason",
                 f"dead_letter_reason must be at most {MAX_DEAD_LETTER_REASON} characters",
             )
+        if not 0 <= redeliver_after <= self.config.max_ttl:
+            raise MessageValidationError.for_field(
+                "redeliver_after",
+                f"redeliver_after must be within 0..{self.config.max_ttl} seconds",
+            )
+        if redeliver_after and dead_letter_reason:
+            raise MessageValidationError.for_field(
+                "redeliver_after",
+                "redeliver_after is for messages handed back for another attempt; a"
+                " dead_letter_reason sends them to the dead-letter queue: give one or the other",
+            )
         if not dead_letter_reason or tell_requester:
             return await self.store.nack(
-                agent_id, message_ids, dead_letter_reason=dead_letter_reason
+                agent_id,
+                message_ids,
+                dead_letter_reason=dead_letter_reason,
+                delay=redeliver_after,
             )
         ids = list(message_ids)
         marked = [i for i in ids if i not in self._refusing]

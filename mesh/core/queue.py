@@ -163,11 +163,19 @@ class QueueStore(Protocol):
         ...
 
     async def nack(
-        self, agent_id: str, message_ids: Iterable[str], *, dead_letter_reason: str = ""
+        self,
+        agent_id: str,
+        message_ids: Iterable[str],
+        *,
+        dead_letter_reason: str = "",
+        delay: float = 0.0,
     ) -> tuple[int, int]:
         """Returns leased messages for redelivery, or, with ``dead_letter_reason``, sends them
         to the dead-letter queue at once with that reason; returns (requeued,
-        dead-lettered)."""
+        dead-lettered). With ``delay`` (seconds, no ``dead_letter_reason``) they go back that
+        long from now, held by nobody meanwhile (their subscriber's places in flight free, an
+        ack still taking them out), except those whose attempts are used up or whose ttl has
+        ended, which leave at once as without it; a deferred one counts as requeued."""
         ...
 
     async def extend_lease(
@@ -389,6 +397,8 @@ class _Entry:
     state: _State = _State.QUEUED
     subscriber: str = ""
     lease_until: float = 0.0
+    deferred: bool = False
+    """Nacked with a delay: held by nobody until ``lease_until``, then back in its place."""
 
     def key(self) -> tuple[int, float, int]:
         return (self.rank, self.sort_time, self.seq)
@@ -696,6 +706,7 @@ class InMemoryQueueStore:
             return None
         entry.state = _State.LEASED
         entry.subscriber = subscriber
+        entry.deferred = False
         entry.attempts += 1
         entry.lease_until = now + lease_seconds
         queue.leased[entry.message.message_id] = entry
@@ -745,7 +756,12 @@ class InMemoryQueueStore:
         return count
 
     async def nack(
-        self, agent_id: str, message_ids: Iterable[str], *, dead_letter_reason: str = ""
+        self,
+        agent_id: str,
+        message_ids: Iterable[str],
+        *,
+        dead_letter_reason: str = "",
+        delay: float = 0.0,
     ) -> tuple[int, int]:
         queue = self._queues.get(agent_id)
         if queue is None:
@@ -753,15 +769,34 @@ class InMemoryQueueStore:
         requeued = dead = 0
         now = self._clock()
         for message_id in message_ids:
-            entry = queue.leased.pop(message_id, None)
-            if entry is None:
+            entry = queue.leased.get(message_id)
+            if entry is None or entry.deferred:
                 continue
+            if (
+                delay > 0
+                and not dead_letter_reason
+                and entry.expires_at > now
+                and entry.attempts < self.max_delivery_attempts
+            ):
+                self._defer(entry, now + delay)
+                requeued += 1
+                continue
+            del queue.leased[message_id]
             outcome = self._return(queue, entry, now, "nacked", final=dead_letter_reason)
             if outcome == "requeued":
                 requeued += 1
             elif outcome == "dead":
                 dead += 1
         return (requeued, dead)
+
+    def _defer(self, entry: _Entry, until: float) -> None:
+        """A nacked delivery held by nobody until ``until``, when the sweep puts it back in
+        its place as it does a lease that ended; its subscriber's place in flight is free."""
+        self._released(entry)
+        entry.subscriber = ""
+        entry.deferred = True
+        entry.lease_until = until  # (the heap's earlier item for it is now stale)
+        heapq.heappush(self._lease_heap, (until, entry.seq, entry))
 
     async def extend_lease(
         self, agent_id: str, message_ids: Iterable[str], lease_seconds: float
@@ -774,8 +809,8 @@ class InMemoryQueueStore:
         count = 0
         for message_id in message_ids:
             entry = queue.leased.get(message_id)
-            if entry is None or entry.lease_until <= now:  # (ended, the sweep to come)
-                continue
+            if entry is None or entry.lease_until <= now or entry.deferred:
+                continue  # (ended, the sweep to come; or nacked, to come back later)
             entry.lease_until = until  # (the heap's earlier item for it is now stale)
             heapq.heappush(self._lease_heap, (until, entry.seq, entry))
             count += 1

@@ -654,6 +654,7 @@ class NackRequest(_message.Message):
     AGENT_ID_FIELD_NUMBER: _builtins.int
     MESSAGE_IDS_FIELD_NUMBER: _builtins.int
     DEAD_LETTER_REASON_FIELD_NUMBER: _builtins.int
+    REDELIVER_AFTER_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     """The subscribed agent (may be empty on a session with one subscription)."""
     dead_letter_reason: _builtins.str
@@ -666,16 +667,27 @@ class NackRequest(_message.Message):
     def message_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Ids of the delivered messages."""
 
+    @_builtins.property
+    def redeliver_after(self) -> _duration_pb2.Duration:
+        """When set (without dead_letter_reason), the messages go back to the queue only this long
+        from now (at most 86400 s): a failure that lasts a moment (a service away, a lock held)
+        is not met again at once. Meanwhile they are held by nobody: the subscriber's places in
+        flight are free for its other messages, closing the subscription does not bring them
+        back sooner, and an ack still takes them out. One whose attempts are used up goes to the
+        dead-letter queue at once, as without a delay. Unset or zero: back at once.
+        """
+
     def __init__(
         self,
         *,
         agent_id: _builtins.str = ...,
         message_ids: _abc.Iterable[_builtins.str] | None = ...,
         dead_letter_reason: _builtins.str = ...,
+        redeliver_after: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["redeliver_after", b"redeliver_after"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "dead_letter_reason", b"dead_letter_reason", "message_ids", b"message_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "dead_letter_reason", b"dead_letter_reason", "message_ids", b"message_ids", "redeliver_after", b"redeliver_after"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -690,7 +702,7 @@ class NackResponse(_message.Message):
     REQUEUED_FIELD_NUMBER: _builtins.int
     DEAD_LETTERED_FIELD_NUMBER: _builtins.int
     requeued: _builtins.int
-    """How many went back to the queue."""
+    """How many went back to the queue (or go back after redeliver_after)."""
     dead_lettered: _builtins.int
     """How many had exhausted their attempts and went to the dead-letter queue."""
     def __init__(

@@ -909,6 +909,64 @@ async def test_a_message_no_handler_takes_is_not_tried_again(
     assert not any("maintenance" in w or "BROADCAST" in w for w in warnings)
 
 
+async def test_a_nack_with_a_delay_frees_the_place_in_flight_until_the_message_comes_back(
+    mesh: LocalMesh,
+) -> None:
+    """``redeliver_after`` on a nack (the SDK's ``nack(redeliver_after=)``, a frame on its
+    session; the unary ``Nack``): the subscriber's one place in flight takes its next message
+    at once, and the nacked one comes back after the delay with its attempt counted. A bad
+    delay, or one beside a dead_letter_reason, is INVALID_ARGUMENT and the delivery stays
+    held; the SDK refuses a negative one before anything is sent."""
+    async with mesh.client("sender") as client:
+        await client.register("Worker")
+        first = (await client.send("Worker", {"action": "work", "i": 1})).message_id
+        second = (await client.send("Worker", {"action": "work", "i": 2})).message_id
+        seen = []
+        async with client.subscribe("Worker", max_in_flight=1) as sub:
+            async for received in sub:
+                seen.append((received.message.message_id, received.attempt))
+                if len(seen) == 1:
+                    with pytest.raises(MessageValidationError, match="redeliver_after"):
+                        await received.nack(redeliver_after=-1)
+                    await received.nack(redeliver_after=0.3)
+                elif len(seen) == 2:
+                    await received.ack()
+                else:
+                    break  # (closing hands it back: attempt 2 counted)
+        # A plain nack would have had the first back first, in its place ahead of the second.
+        assert seen == [(first, 1), (second, 1), (first, 2)]
+        async with (
+            grpc.aio.insecure_channel(mesh.address) as channel,
+            client.subscribe("Worker", max_in_flight=1) as again,
+        ):
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)
+            leased = await anext(again)
+            assert (leased.message.message_id, leased.attempt) == (first, 3)
+
+            def nack(seconds: float, reason: str = "") -> broker_pb2.NackRequest:
+                request = broker_pb2.NackRequest(
+                    agent_id="Worker", message_ids=[first], dead_letter_reason=reason
+                )
+                request.redeliver_after.FromNanoseconds(int(seconds * 1e9))
+                return request
+
+            for bad, said in [
+                (nack(-1), "redeliver_after must be within 0..86400 seconds"),
+                (nack(86401), "redeliver_after must be within 0..86400 seconds"),
+                (nack(1, reason="broken"), "give one or the other"),
+            ]:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.Nack(bad)
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert said in (info.value.details() or "")
+            assert await client.dead_letters("Worker") == []
+            reply = await stub.Nack(nack(0.2))
+            assert (reply.requeued, reply.dead_lettered) == (1, 0)
+            back = await asyncio.wait_for(anext(again), 5)
+            assert (back.message.message_id, back.attempt) == (first, 4)
+            await back.ack()
+
+
 async def test_nack_with_a_reason_dead_letters_through_every_way_in(mesh: LocalMesh) -> None:
     async with mesh.client("sender") as client:
         await client.register("Worker")

@@ -513,6 +513,72 @@ async def test_nack_with_a_reason_dead_letters_at_once(
     assert len(await store.dead_letters("PaymentAgent")) == 1
 
 
+async def test_a_nack_with_a_delay_brings_the_message_back_only_then(
+    store: QueueStore, clock: FakeClock, recorder: Recorder
+) -> None:
+    """Nacked with ``delay``, a delivery is held by nobody until the delay ends (its
+    subscriber's place in flight free at once, the others' messages going first, closing
+    its subscription bringing it no sooner), then comes back in its place for its next
+    attempt."""
+    await store.put(msg("m1", at=0), 3600)
+    await store.put(msg("m2", at=1), 3600)
+    first = await store.lease("PaymentAgent", "s", 30)
+    assert first is not None and first.message.message_id == "m1"
+    assert await store.nack("PaymentAgent", ["m1"], delay=5) == (1, 0)
+    assert recorder.released == [Released("m1", "PaymentAgent", "s")]
+    assert recorder.redelivered == []
+    assert await store.still_leased("PaymentAgent", "s", {"m1"}) == set()
+    # Deferred, it is neither nacked again nor extended (its delay stands).
+    assert await store.nack("PaymentAgent", ["m1"]) == (0, 0)
+    assert await store.extend_lease("PaymentAgent", ["m1"], 60) == 0
+    second = await store.lease("PaymentAgent", "s", 30)
+    assert second is not None and second.message.message_id == "m2"
+    [stats] = await store.stats("PaymentAgent")
+    assert (stats.depth, stats.in_flight) == (0, 2)  # out of the queue, both
+    clock.advance(4)
+    await store.sweep()
+    assert await store.lease("PaymentAgent", "s", 30) is None
+    assert await store.release_subscriber("PaymentAgent", "s") == 1  # m2 alone
+    clock.advance(2)  # 6 s: the delay has ended
+    await store.sweep()
+    back = await store.lease_many("PaymentAgent", "s2", 30, 2)
+    assert [(lease.message.message_id, lease.attempt) for lease in back] == [("m1", 2), ("m2", 2)]
+    assert ("m1", 2) in recorder.redelivered
+
+
+async def test_a_nack_with_a_delay_leaves_at_once_what_cannot_come_back(
+    store: QueueStore, clock: FakeClock, recorder: Recorder
+) -> None:
+    """A delivery whose attempts are used up goes to the dead-letter queue at once, one past
+    its ttl expires at once, and a deferred one is still acked (its handler got there
+    after all)."""
+    await store.put(msg("tired", at=0), 3600)
+    await store.put(msg("late", at=1), 10)
+    await store.put(msg("done", at=2), 3600)
+    for _ in range(2):  # OPTIONS: 3 attempts
+        await store.lease("PaymentAgent", "s", 30)
+        assert await store.nack("PaymentAgent", ["tired"]) == (1, 0)
+    leases = await store.lease_many("PaymentAgent", "s", 30, 3)
+    assert [(lease.message.message_id, lease.attempt) for lease in leases] == [
+        ("tired", 3),
+        ("late", 1),
+        ("done", 1),
+    ]
+    assert await store.nack("PaymentAgent", ["tired"], delay=60) == (0, 1)
+    [dead] = await store.dead_letters("PaymentAgent")
+    assert (dead.message.message_id, dead.attempts) == ("tired", 3)
+    assert await store.nack("PaymentAgent", ["done"], delay=60) == (1, 0)
+    assert await store.ack("PaymentAgent", ["done"]) == 1
+    clock.advance(11)
+    assert await store.nack("PaymentAgent", ["late"], delay=60) == (0, 0)
+    assert [m.message_id for m in recorder.expired] == ["late"]
+    clock.advance(60)
+    await store.sweep()
+    assert await store.lease("PaymentAgent", "s", 30) is None
+    [stats] = await store.stats("PaymentAgent")
+    assert (stats.depth, stats.in_flight, stats.dead_letters) == (0, 0, 1)
+
+
 async def test_lease_many_takes_what_is_ready_in_queue_order(
     store: QueueStore, clock: FakeClock, recorder: Recorder
 ) -> None:

@@ -1,15 +1,15 @@
 """Random programs of queue operations, run on every store side by side.
 
 Hypothesis writes programs of puts (two agents, reused ids, every priority, timestamps out
-of order, short and long TTLs), leases, acks, nacks, dead-lettering, withdrawals, departures,
-pops and the passing of time. The in-memory store runs each program next to the Redis store
-(one server, two replicas sharing one, and a three-node cluster), and every answer and every
-queue's state after each step must be the same in both: the stores are one contract. Each
-store's answers are also held to rules of their own: what one lease or pop hands out comes
-in priority order (in arrival order for a FIFO queue), no attempt is counted past the limit,
-and every message accepted is accounted for (taken, expired, dead-lettered or still held).
-The SQLite store, closed and opened again after a program, must give back every message it
-held, in order, with its attempts.
+of order, short and long TTLs), leases, acks, nacks (at once or after a delay),
+dead-lettering, withdrawals, departures, pops and the passing of time. The in-memory store runs
+each program next to the Redis store (one server, two replicas sharing one, and a three-node
+cluster), and every answer and every queue's state after each step must be the same in both:
+the stores are one contract. Each store's answers are also held to rules of their own: what
+one lease or pop hands out comes in priority order (in arrival order for a FIFO queue), no
+attempt is counted past the limit, and every message accepted is accounted for (taken,
+expired, dead-lettered or still held). The SQLite store, closed and opened again after a
+program, must give back every message it held, in order, with its attempts.
 """
 
 from __future__ import annotations
@@ -105,6 +105,7 @@ operations = st.one_of(  # (puts and leases more often than the rest)
     leases,
     st.tuples(st.just("ack"), agents, some_ids),
     st.tuples(st.just("nack"), agents, some_ids, st.sampled_from(["", "poison"])),
+    st.tuples(st.just("nack_later"), agents, some_ids, st.sampled_from([1.0, 5.0])),
     st.tuples(st.just("withdraw"), agents, some_ids),
     st.tuples(st.just("release"), agents, st.sampled_from(SUBSCRIBERS)),
     st.tuples(st.just("release_seen"), agents, st.sampled_from(SUBSCRIBERS), some_ids),
@@ -149,6 +150,8 @@ async def step(store: QueueStore, op: tuple[Any, ...], last: dict[str, list[str]
         return await store.ack(args[0], args[1])
     if kind == "nack":
         return await store.nack(args[0], args[1], dead_letter_reason=args[2])
+    if kind == "nack_later":
+        return await store.nack(args[0], args[1], delay=args[2])
     if kind == "withdraw":
         return await store.withdraw(args[0], args[1])
     if kind == "release":
@@ -375,7 +378,8 @@ def test_the_sqlite_store_gives_back_after_a_restart_what_it_held(
 ) -> None:
     """After any program, the SQLite store closed and opened again holds what it held:
     waiting and leased messages queued in their places with their attempts (a lease ends
-    with the process: as when its subscriber leaves), the dead letters kept."""
+    with the process: as when its subscriber leaves; a nack's delay ends with it too), the
+    dead letters kept."""
 
     async def run() -> None:
         path = tmp_path / f"queues-{secrets.token_hex(6)}.db"  # (one a program)
@@ -387,6 +391,10 @@ def test_the_sqlite_store_gives_back_after_a_restart_what_it_held(
         for subscriber in SUBSCRIBERS:  # what a restart does to the leases
             for agent_id in AGENTS:
                 await reference.release_subscriber(agent_id, subscriber)
+        # ... and to the messages nacked with a delay: back at once (the reference has them
+        # back once the longest delay has passed; the TTLs pass as long for both).
+        clock.now += 5.0
+        await reference.sweep()
         reopened = SqliteQueueStore(
             path, **{**OPTIONS, **options}, clock=clock, wall_clock=clock.wall
         )
