@@ -61,6 +61,7 @@ from mesh.core.errors import (
     BrokerUnavailableError,
     MeshError,
     MessageValidationError,
+    RetryLater,
     SessionClosedError,
     UnhandledActionError,
 )
@@ -174,11 +175,15 @@ class AgentContext:
         client: MeshClient,
         message: Message,
         received: Received | None = None,
+        attempt: int = 1,
     ) -> None:
         self.agent = agent
         self.client = client
         self.message = message
         self._received = received
+        self.attempt = received.attempt if received is not None else max(attempt, 1)
+        """Which delivery of the message this is: 1 the first, more after a failure or a
+        :class:`RetryLater` (1 for a direct call to the agent's server)."""
 
     @property
     def agent_id(self) -> str:
@@ -544,6 +549,8 @@ class AgentRuntime:
         self.address = address
         self.handled = 0
         self.failed = 0
+        self.postponed = 0
+        """Deliveries whose handler raised RetryLater (handed back for later)."""
         self._consumer: asyncio.Task[None] | None = None
         self._in_flight: dict[Received, asyncio.Task[None]] = {}
         """The deliveries being handled, with the task that handles each."""
@@ -788,6 +795,18 @@ class AgentRuntime:
             )
             await received.reject(error.message)
             return
+        except RetryLater as later:
+            logger.info(
+                "%s: %s %s from %s comes back in %s s: %s",
+                self.agent.agent_id,
+                message.message_type.value,
+                message.message_id,
+                message.from_agent,
+                f"{later.retry_after:g}",
+                later.message,
+            )
+            await received.nack(redeliver_after=later.retry_after)
+            return
         except Exception:
             # Not answerable (not a REQUEST): handed back for another attempt, then
             # dead-lettered by the broker once its attempts are used up.
@@ -880,11 +899,12 @@ class AgentRuntime:
             raise MessageValidationError.from_violations(found)
 
     async def run_handler(
-        self, message: Message, received: Received | None = None
+        self, message: Message, received: Received | None = None, *, attempt: int = 1
     ) -> Message | None:
         """Calls the handler (on ``received``, a delivery, or a message handed to the agent's
-        own server); returns the answer (RESPONSE or ERROR) that is due, if any."""
-        ctx = AgentContext(self.agent, self.client, message, received)
+        own server, ``attempt`` its delivery when the broker pushed it); returns the answer
+        (RESPONSE or ERROR) that is due, if any."""
+        ctx = AgentContext(self.agent, self.client, message, received, attempt)
         if message.message_type is MessageType.ACK:
             await self.agent.on_ack(message, ctx)
             return None
@@ -929,6 +949,10 @@ class AgentRuntime:
                     )
             except asyncio.CancelledError:
                 raise
+            except RetryLater as later:
+                span.set_attribute("retry_after", later.retry_after or 0.0)
+                self.postponed += 1
+                raise  # (its delivery goes back for later: nothing is answered now)
             except Exception as error:
                 self.failed += 1
                 span.set_attribute("error", str(error))
@@ -1009,7 +1033,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         try:
             message = codec.message_from_pb(request.message, strict=True)
             self.runtime.check_direct(message, request.message.ByteSize())
-            answer = await self.runtime.run_handler(message)
+            answer = await self.runtime.run_handler(message, attempt=request.delivery_attempt)
             if answer is not None and forwards(message, answer):
                 answer = await self._forward(message, answer, context.time_remaining())
         except MeshError as error:

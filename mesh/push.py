@@ -12,7 +12,11 @@ ones do), with at-least-once delivery as any subscription has it:
 - a transient status (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED, CANCELLED,
   INTERNAL, UNKNOWN) hands the delivery back for another attempt after the RT-011 backoff
   (100 ms, 500 ms, 2 s) or the longer wait the status asks for (google.rpc.RetryInfo, up to
-  a minute), the dead-letter queue after the last; any other status (the
+  a minute), the dead-letter queue after the last; UNAVAILABLE with the reason
+  ``RETRY_LATER`` (what an SDK agent answers when its handler raises ``RetryLater``) is the
+  handler asking for the message later: it goes back to the broker at once, to come again
+  after the RetryInfo's wait (a nack's ``redeliver_after``), the instance's place in flight
+  free meanwhile; any other status (the
   agent refused the message: INVALID_ARGUMENT, UNIMPLEMENTED, ...) dead-letters it at once,
   its requester told why with an ERROR;
 - two refusals are of the instance, not of the message: a server that refuses a message as
@@ -51,7 +55,7 @@ from mesh.agent import answer_to, asked_broadcast, error_to, forward_of, forward
 from mesh.client import CLIENT_OPTIONS
 from mesh.config import SecurityConfig, retry_backoff, retry_wait
 from mesh.core.broker import Broker, Subscription
-from mesh.core.errors import AgentError, MeshError, MessageValidationError
+from mesh.core.errors import AgentError, MeshError, MessageValidationError, RetryLater
 from mesh.core.model import (
     ANSWER_TYPES,
     MAX_DEAD_LETTER_REASON,
@@ -452,7 +456,7 @@ class InstancePush:
             if span is None
             else message.evolve(headers=headers_for(span, without_trace(message.headers)))
         )
-        request = agent_pb2.HandleMessageRequest()
+        request = agent_pb2.HandleMessageRequest(delivery_attempt=delivery.attempt)
         codec.message_to_pb(sent, request.message)
         # The trace context travels in the call's metadata too, where a server's own gRPC
         # instrumentation (OpenTelemetry's, any language's) looks for it.
@@ -470,11 +474,21 @@ class InstancePush:
                 self._calls.pop(message.message_id, None)
                 self._unreachable.set()
                 return
+            refused = from_rpc_error(error)
+            if refused.reason == RetryLater.reason and refused.retry_after:
+                # The handler asked for the message later: back then, its place free now.
+                self._reached_it()
+                with contextlib.suppress(MeshError):
+                    await self.broker.nack(
+                        self.agent_id,
+                        (message.message_id,),
+                        redeliver_after=min(refused.retry_after, self.broker.config.max_ttl),
+                    )
+                return
             if error.code() in TRANSIENT:
                 self._reached_it()
-                await self._retry_later(delivery, from_rpc_error(error).retry_after)
+                await self._retry_later(delivery, refused.retry_after)
                 return
-            refused = from_rpc_error(error)
             if why := _refusal_of_instance(refused):
                 self._calls.pop(message.message_id, None)  # (back counting no attempt)
                 self._refused_whole(why)

@@ -159,6 +159,34 @@ class UnhandledActionError(MultiAgentCommunicationError, LookupError):
     reason = "UNHANDLED_ACTION"
 
 
+class RetryLater(MultiAgentCommunicationError):
+    """Raised by a handler for a message it cannot handle yet (a rate limit met, a resource
+    not ready, an order not paid yet): the message goes back to the broker and comes again
+    ``after`` seconds from now (a nack's ``redeliver_after``, up to a day), to whichever
+    instance of the agent is free then; meanwhile its place in flight takes the agent's other
+    messages. Whatever its type: a requester waits on (within its own timeout), and nothing is
+    answered now. The delivery counts as an attempt: after the broker's last the message goes
+    to the dead-letter queue. Called directly, by the broker's push or by a caller of the
+    agent's own server, the agent answers ``UNAVAILABLE`` with a RetryInfo of ``after``."""
+
+    code = "UNAVAILABLE"
+    reason = "RETRY_LATER"
+    LONGEST = 86400.0
+    """The longest wait a broker takes by default (its ``max_ttl``)."""
+
+    def __init__(self, after: float, why: str = "") -> None:
+        if (
+            isinstance(after, bool)
+            or not isinstance(after, int | float)
+            or not 0 < after <= self.LONGEST  # (NaN too)
+        ):
+            raise ValueError(
+                f"RetryLater takes the seconds to wait, more than 0 and at most"
+                f" {self.LONGEST:.0f}, not {shown(after)}"
+            )
+        super().__init__(why or f"retry in {after:g} s", retry_after=float(after))
+
+
 class SessionClosedError(MultiAgentCommunicationError):
     """The session or subscription was closed."""
 

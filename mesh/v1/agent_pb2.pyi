@@ -24,6 +24,11 @@ class HandleMessageRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     MESSAGE_FIELD_NUMBER: _builtins.int
+    DELIVERY_ATTEMPT_FIELD_NUMBER: _builtins.int
+    delivery_attempt: _builtins.int
+    """Which delivery of the message this is, when the broker pushes it: 1 the first, more
+    after a failure or a handler's RetryLater. 0 when the caller does not say (a direct call).
+    """
     @_builtins.property
     def message(self) -> _message_pb2.Message:
         """The message; to_agent should be this agent's id. A server that serves another agent
@@ -36,10 +41,11 @@ class HandleMessageRequest(_message.Message):
         self,
         *,
         message: _message_pb2.Message | None = ...,
+        delivery_attempt: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delivery_attempt", b"delivery_attempt", "message", b"message"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

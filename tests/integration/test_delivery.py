@@ -16,6 +16,7 @@ from google.protobuf import duration_pb2
 
 from mesh import (
     Agent,
+    AgentClient,
     AgentContext,
     AgentError,
     BrokerConfig,
@@ -29,6 +30,7 @@ from mesh import (
     MessageValidationError,
     Priority,
     RequestTimeoutError,
+    RetryLater,
     agent,
     on,
     serve_all,
@@ -165,6 +167,66 @@ async def test_a_one_way_message_whose_handler_fails_comes_back_after_rt011_back
         assert waited[0] >= 0.1 and waited[1] >= 0.5 and waited[2] >= 2.0, waited
         [queue] = (await client.queue_stats("Ledger")).agents
         assert (queue.depth, queue.in_flight, queue.dead_letters) == (0, 0, 1)
+
+
+async def test_a_handler_that_raises_retry_later_has_its_message_again_then(
+    mesh: LocalMesh,
+) -> None:
+    """A handler that cannot handle a message yet raises ``RetryLater(seconds)``: the message
+    goes back to the broker and comes again after that wait, its attempt counted, while the
+    agent's place in flight (one, here) takes its next message at once. A request is not
+    answered meanwhile: its requester gets the answer of the attempt that succeeds. Called
+    directly, the agent's server answers UNAVAILABLE with the wait in a RetryInfo. Once the
+    broker's attempts are used up, the message is dead-lettered."""
+    seen: list[tuple[str, int]] = []
+
+    class Shipping(Agent):
+        agent_id = "Shipping"
+
+        @on("ship")
+        async def ship(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
+            order = str(message.parameters["order"])
+            seen.append((order, ctx.attempt))
+            if order == "never":
+                raise RetryLater(0.05, "the carrier is not taking parcels")
+            if order in ("o1", "asked") and ctx.attempt == 1:
+                raise RetryLater(1.0, f"{order} is not packed yet")
+            return {"shipped": order}
+
+    served = await mesh.add_agent(Shipping(), max_in_flight=1)
+    with pytest.raises(ValueError, match="more than 0"):
+        RetryLater(0)
+    async with mesh.client("Store") as client:
+        await client.register()  # (the sends are requests too: their answers come here)
+        await client.send("Shipping", {"action": "ship", "parameters": {"order": "o1"}})
+        await client.send("Shipping", {"action": "ship", "parameters": {"order": "o2"}})
+        answer = await client.request(
+            "Shipping", {"action": "ship", "parameters": {"order": "asked"}}, timeout=10
+        )
+        assert answer.content["shipped"] == "asked"
+        async with asyncio.timeout(10):
+            while ("o1", 2) not in seen:  # noqa: ASYNC110 - the agent's own progress
+                await asyncio.sleep(0.02)
+        # o2 was handled while o1 waited; each came back once, with its attempt counted.
+        assert seen.index(("o2", 1)) < seen.index(("o1", 2))
+        assert sorted(seen) == [("asked", 1), ("asked", 2), ("o1", 1), ("o1", 2), ("o2", 1)]
+        assert served.runtime.postponed == 2 and served.runtime.failed == 0
+        direct = Message(
+            from_agent="Store",
+            to_agent="Shipping",
+            content={"action": "ship", "parameters": {"order": "o1"}},
+        )
+        async with AgentClient(served.address) as agent:
+            with pytest.raises(MeshError) as info:
+                await agent.handle(direct)
+        assert (info.value.code, info.value.reason) == ("UNAVAILABLE", "RETRY_LATER")
+        assert info.value.retry_after == pytest.approx(1.0)
+        assert "o1 is not packed yet" in info.value.message
+        never = await client.send("Shipping", {"action": "ship", "parameters": {"order": "never"}})
+        dead = await only_dead_letter(client, "Shipping")
+        assert dead.message.message_id == never.message_id
+        assert dead.reason == "nacked after 4 delivery attempts"
+        assert [attempt for order, attempt in seen if order == "never"] == [1, 2, 3, 4]
 
 
 async def only_dead_letter(client: MeshClient, agent_id: str) -> DeadLetter:

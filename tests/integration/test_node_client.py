@@ -54,6 +54,7 @@ NODE_TESTS = (
     "an agent's health port is a port, 0 for any free one, or -1 for none",
     "an agent waits for its broker a number of milliseconds, 0 or more",
     "a process serving several Node agents is ready while every one takes its messages",
+    "a handler that throws RetryLater has the message again then, taking the next meanwhile",
 )
 """Tests of clients/node/test/ whose names the run must show."""
 

@@ -37,6 +37,7 @@ from mesh import (
     MessageValidationError,
     Priority,
     RequestTimeoutError,
+    RetryLater,
     agent,
     connect,
     on,
@@ -524,6 +525,41 @@ async def test_a_handler_slower_than_its_lease_is_called_once() -> None:
     assert len(agent.seen) == 1  # its lease kept while the call ran: not delivered again
     view = stats.for_agent("LedgerAgent")
     assert view is not None and view.depth == 0 and view.in_flight == 0
+
+
+async def test_a_push_agent_that_asks_for_a_message_later_takes_its_next_one_meanwhile(
+    mesh: LocalMesh,
+) -> None:
+    """An SDK agent taking its messages by push raises ``RetryLater`` in its handler: its
+    server answers UNAVAILABLE (reason RETRY_LATER, the wait in a RetryInfo), and the broker
+    hands the message back to come again after that wait rather than holding it: the one
+    call the agent takes at once goes to its next message meanwhile. Each call says which
+    delivery it is (``ctx.attempt``)."""
+    seen: list[tuple[str, int]] = []
+
+    class Packing(Agent):
+        agent_id = "Packing"
+
+        @on("pack")
+        async def pack(self, message: Message, ctx: AgentContext) -> None:
+            order = str(message.parameters["order"])
+            seen.append((order, ctx.attempt))
+            if order == "o1" and ctx.attempt == 1:
+                raise RetryLater(1.0, "the box is not there yet")
+
+    await mesh.add_agent(Packing(), delivery_mode="push", max_in_flight=1)
+    async with mesh.client("Store") as client:
+        await client.register()  # (the sends are requests: their answers come here)
+        for order in ("o1", "o2"):
+            await client.send("Packing", {"action": "pack", "parameters": {"order": order}})
+        async with asyncio.timeout(10):
+            while ("o1", 2) not in seen:  # noqa: ASYNC110 - the agent's own progress
+                await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)  # (anything more would come now)
+        assert seen == [("o1", 1), ("o2", 1), ("o1", 2)]
+        assert await client.dead_letters("Packing") == []
+        view = (await client.queue_stats("Packing")).for_agent("Packing")
+        assert view is not None and (view.depth, view.in_flight) == (0, 0)
 
 
 async def test_a_server_busy_with_one_message_keeps_the_others_going(mesh: LocalMesh) -> None:

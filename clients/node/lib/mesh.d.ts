@@ -151,6 +151,19 @@ export class Reject extends Error {
   constructor(reason: string);
 }
 
+/**
+ * Thrown by a handler for a message it cannot handle yet (a rate limit met, a resource not
+ * ready): the message goes back to the broker and comes again afterMs from now (more than 0,
+ * at most a day; a RangeError otherwise), to whichever instance of the agent is free then,
+ * its place in flight taking the agent's other messages meanwhile. A requester waits on
+ * (within its own timeout); nothing is answered now. The delivery counts as an attempt. Called
+ * directly, the agent answers UNAVAILABLE, reason RETRY_LATER, with the wait in a RetryInfo.
+ */
+export class RetryLater extends Error {
+  constructor(afterMs: number, reason?: string);
+  readonly afterMs: number;
+}
+
 // -- security -----------------------------------------------------------------------------------
 
 /** TLS and token options; each falls back on its AGENTMESH_* environment variable. */
@@ -524,6 +537,11 @@ export interface HandlerContext {
    * the agent's own server, which is not a delivery).
    */
   maxDeliveryAttempts: number;
+  /**
+   * Which delivery of the message this is: 1 the first, more after a failure or a
+   * RetryLater (1 on a direct call to the agent's own server).
+   */
+  attempt: number;
 }
 
 /**
@@ -937,6 +955,11 @@ export interface AgentOptions extends SecurityOptions, ServerSecurityOptions {
   leaseMs?: number;
   /** How long a handler may keep its delivery leased by extending it (3,600,000). */
   maxLeaseExtensionMs?: number;
+  /**
+   * How many of its messages the agent handles at once (16): deliveries outstanding on its
+   * session, or the broker's calls at once to its server when it takes them by push.
+   */
+  maxInFlight?: number;
   /**
    * 'PULL' (the default): the agent takes its messages on a session; 'PUSH': the broker calls
    * its server's HandleMessage with each one (the server must be reachable from the broker).

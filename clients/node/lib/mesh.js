@@ -538,20 +538,31 @@ function directViolations(message, agentId, requiredFields = []) {
 /** An INVALID_ARGUMENT for a server's callback, with the rich status the mesh's servers send. */
 function invalidArgument(violations) {
   const details = violations.map(([, description]) => description).join('; ');
+  return richError(grpc.status.INVALID_ARGUMENT, details,
+    { reason: 'VALIDATION_FAILED', violations });
+}
+
+/**
+ * An error for a server's callback with the rich status the mesh's servers send (the
+ * grpc-status-details-bin trailer): an ErrorInfo of reason, a BadRequest of violations
+ * ([field, description] pairs) and a RetryInfo of retryAfterMs, each when given.
+ */
+function richError(code, details, { reason, violations = [], retryAfterMs } = {}) {
   const pack = (name, value) => ({ type_url: `type.googleapis.com/google.rpc.${name}`,
     value: RPC.lookupType(`google.rpc.${name}`).encode(value).finish() });
-  const status = RPC.lookupType('google.rpc.Status').encode({
-    code: grpc.status.INVALID_ARGUMENT,
-    message: details,
-    details: [
-      pack('ErrorInfo', { reason: 'VALIDATION_FAILED', domain: 'agentmesh.dev' }),
-      pack('BadRequest', { field_violations: violations.map(([field, description]) => ({
-        field, description })) }),
-    ],
-  }).finish();
+  const parts = [pack('ErrorInfo', { reason, domain: 'agentmesh.dev' })];
+  if (violations.length) {
+    parts.push(pack('BadRequest', { field_violations: violations.map(([field, description]) => ({
+      field, description })) }));
+  }
+  if (retryAfterMs !== undefined) {
+    parts.push(pack('RetryInfo', { retry_delay: toDuration(retryAfterMs) }));
+  }
+  const status = RPC.lookupType('google.rpc.Status').encode({ code, message: details,
+    details: parts }).finish();
   const metadata = new grpc.Metadata();
   metadata.add('grpc-status-details-bin', Buffer.from(status));
-  return { code: grpc.status.INVALID_ARGUMENT, details, metadata };
+  return { code, details, metadata };
 }
 
 /**
@@ -610,6 +621,39 @@ class Reject extends Error {
     super(reason);
     this.name = 'Reject';
   }
+}
+
+/** The longest wait a broker takes by default for a message handed back for later (a day). */
+const LONGEST_RETRY_LATER_MS = 86400000;
+
+/**
+ * Thrown by a handler for a message it cannot handle yet (a rate limit met, a resource not
+ * ready): the message goes back to the broker and comes again afterMs from now (a nack's
+ * redeliver_after), to whichever instance of the agent is free then, its place in flight
+ * taking the agent's other messages meanwhile. Whatever its type: a requester waits on (within
+ * its own timeout), and nothing is answered now. The delivery counts as an attempt: after the
+ * broker's last, the message goes to the dead-letter queue. Called directly (by the broker's
+ * push, or a caller of the agent's own server), the agent answers UNAVAILABLE, reason
+ * RETRY_LATER, with the wait in a RetryInfo. As the Python SDK's RetryLater.
+ */
+class RetryLater extends Error {
+  constructor(afterMs, reason = '') {
+    if (typeof afterMs !== 'number' || !(afterMs > 0 && afterMs <= LONGEST_RETRY_LATER_MS)) {
+      throw new RangeError('RetryLater takes the milliseconds to wait, more than 0 and at most '
+        + `${LONGEST_RETRY_LATER_MS}, not ${String(afterMs)}`);
+    }
+    super(reason || `retry in ${afterMs} ms`);
+    this.name = 'RetryLater';
+    this.afterMs = afterMs;
+  }
+}
+
+/** A nack of the message a handler threw err on: RetryLater's wait, Reject's reason. */
+function nackOf(agentId, messageId, err) {
+  const nack = { agent_id: agentId, message_ids: [messageId] };
+  if (err instanceof Reject) nack.dead_letter_reason = err.message;
+  if (err instanceof RetryLater) nack.redeliver_after = toDuration(err.afterMs);
+  return nack;
 }
 
 // -- TLS and credentials ----------------------------------------------------------------------
@@ -1882,9 +1926,7 @@ class MeshClient {
           if (!answers(answer, message)) ack(message.messageId);
         } catch (err) {
           if (signal.aborted) return;
-          const nack = { agent_id: agentId, message_ids: [message.messageId] };
-          if (err instanceof Reject) nack.dead_letter_reason = err.message;
-          write({ nack });
+          write({ nack: nackOf(agentId, message.messageId, err) });
         }
       })();
       inFlight.set(done, { id: message.messageId, started: performance.now() });
@@ -2001,8 +2043,8 @@ class MeshClient {
         }
       } catch (err) {
         if (!signal.aborted) {
-          await unary(this.broker, 'Nack', { agent_id: agentId,
-            message_ids: [message.messageId] }).catch(() => {});
+          await unary(this.broker, 'Nack', nackOf(agentId, message.messageId, err))
+            .catch(() => {});
         }
       } finally {
         inFlight.delete(work);
@@ -2016,7 +2058,8 @@ class MeshClient {
 
 /** The context a handler of `delivery` is given (see HandlerContext). */
 function handlerContext(delivery, signal) {
-  return { signal, maxDeliveryAttempts: delivery.max_delivery_attempts || 0 };
+  return { signal, maxDeliveryAttempts: delivery.max_delivery_attempts || 0,
+    attempt: delivery.delivery_attempt || 1 };
 }
 
 /**
@@ -2494,10 +2537,10 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
   host = '127.0.0.1', port = 0,
   onRefused = (err) => console.warn(
     `${agentId}: the broker refused a frame: ${err.codeName}: ${err.message}`),
-  leaseMs, maxLeaseExtensionMs, deliveryMode = 'PULL',
+  leaseMs, maxLeaseExtensionMs, maxInFlight = 16, deliveryMode = 'PULL',
   healthPort = Number(process.env.AGENTMESH_AGENT_HEALTH_PORT || -1),
   waitForBrokerMs = Number(process.env.AGENTMESH_WAIT_FOR_BROKER || 0) * 1000, ...options }) {
-  checkSubscription({ leaseMs, maxLeaseExtensionMs });
+  checkSubscription({ leaseMs, maxLeaseExtensionMs, maxInFlight });
   namesOf(agentTypes, 'agentTypes');
   namesOf(capabilities, 'capabilities');
   if (!(typeof waitForBrokerMs === 'number' && waitForBrokerMs >= 0
@@ -2539,8 +2582,9 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     } catch (err) {
       // What is asked always gets an answer: the error, as the Python agents send it (a
       // gather does not wait its timeout). Anything else is handed back (redelivered after
-      // RT-011's backoff, see onDelivery, then dead-lettered).
-      if (!asked) throw err;
+      // RT-011's backoff, see onDelivery, then dead-lettered), and so is anything the
+      // handler asks to have later (RetryLater), asked or not.
+      if (!asked || err instanceof RetryLater) throw err;
       return buildMessage({ from: agentId, to, type: 'ERROR', correlationId,
         content: { action: 'error', error: String(err && err.message ? err.message : err),
           reason: (err && err.name) || 'Error' } });
@@ -2623,13 +2667,19 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
         return;
       }
       const deadline = Number(call.getDeadline());
-      answer(message, { signal: aborting.signal, maxDeliveryAttempts: 0 }, { direct: true })
+      answer(message, { signal: aborting.signal, maxDeliveryAttempts: 0,
+        attempt: call.request.delivery_attempt || 1 }, { direct: true })
         .then((response) => (response && response.message_type === 'MESSAGE_TYPE_REQUEST'
           ? askOnward(message, response, aborting.signal, deadline) : response))
         .then((response) => callback(null, { response }))
         .catch((err) => {
           if (err instanceof MeshError) {
             callback({ code: err.code, details: err.message });
+            return;
+          }
+          if (err instanceof RetryLater) { // (the broker's push hands the message back for then)
+            callback(richError(grpc.status.UNAVAILABLE, err.message,
+              { reason: 'RETRY_LATER', retryAfterMs: err.afterMs }));
             return;
           }
           // Said here, with its stack; the caller hears only that it failed, as from the
@@ -2709,13 +2759,16 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
   servedHere.add(here); // (from here on: a start that fails takes it out again)
   sayServedHere();
   const client = new MeshClient(broker, { agentId, ...options });
+  // (maxInFlight: what the broker's push calls at once; else the session's window, below)
+  const registration = { agentTypes, address, capabilities, deliveryMode, requiredFields,
+    maxInFlight: deliveryMode === 'PUSH' ? maxInFlight : 0 };
   const delays = [100, 500, 1000, 2000]; // (as the Python and Go agents wait)
   // A broker not reachable yet (started beside the agent, as a deployment does) is waited
   // for up to waitForBrokerMs, the server up meanwhile and not ready.
   const giveUp = Date.now() + waitForBrokerMs;
   for (let attempt = 0; ; attempt += 1) {
     try {
-      await client.register({ agentTypes, address, capabilities, deliveryMode, requiredFields });
+      await client.register(registration);
       break;
     } catch (err) {
       const delayMs = delays[Math.min(attempt, delays.length - 1)];
@@ -2747,7 +2800,8 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
       return await answer(message, context);
     } catch (err) {
       const last = context.maxDeliveryAttempts || DELIVERY_ATTEMPTS;
-      if (!(err instanceof Reject) && !stopped && attempt < last) {
+      if (!(err instanceof Reject) && !(err instanceof RetryLater) && !stopped
+        && attempt < last) {
         const delayMs = RETRY_DELAYS_MS[Math.min(Math.max(attempt, 1), RETRY_DELAYS_MS.length) - 1];
         let timer;
         await Promise.race([whenStopped,
@@ -2774,12 +2828,11 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
     while (!stopped) {
       try {
         if (attempt) {
-          await client.register(
-            { agentTypes, address, capabilities, deliveryMode, requiredFields });
+          await client.register(registration);
         }
         // (Naming its instance: should this process die, the broker takes it off.)
         subscription = client.session(onDelivery,
-          { leaseMs, maxLeaseExtensionMs, instance: address });
+          { leaseMs, maxLeaseExtensionMs, maxInFlight, instance: address });
         subscription.on('refused', onRefused);
         const ended = await new Promise((resolve) => {
           subscription.on('error', resolve);
@@ -2827,7 +2880,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
           }
           if (!lost) return;
           lost = false;
-          client.register({ agentTypes, address, capabilities, deliveryMode, requiredFields })
+          client.register(registration)
             .then(() => { if (!deregistered) takesMessages(true); })
             .catch((err) => {
               lost = true; // (registered on the broker's next change, or its next watch)
@@ -2890,6 +2943,7 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
 }
 
 module.exports = {
-  MeshClient, GatewayClient, AgentClient, MeshError, Reject, serveAgent, buildMessage, readMessage,
+  MeshClient, GatewayClient, AgentClient, MeshError, Reject, RetryLater, serveAgent,
+  buildMessage, readMessage,
   toStruct, fromStruct, toRequest, toDuration, security, serverCredentials, TYPES, PROTO_ROOT,
 };

@@ -7,7 +7,7 @@ const test = require('node:test');
 const assert = require('node:assert/strict');
 const grpc = require('@grpc/grpc-js');
 const {
-  MeshClient, GatewayClient, AgentClient, MeshError, Reject, serveAgent,
+  MeshClient, GatewayClient, AgentClient, MeshError, Reject, RetryLater, serveAgent,
 } = require('../lib/mesh');
 const { meshUp } = require('../scripts/mesh-up');
 
@@ -1079,6 +1079,54 @@ test('a handler that throws Reject sends the message to the dead-letter queue at
     } finally {
       await agent.stop();
       client.close();
+    }
+  });
+
+test('a handler that throws RetryLater has the message again then, taking the next meanwhile',
+  async () => {
+    assert.throws(() => new RetryLater(0), RangeError);
+    assert.throws(() => new RetryLater(Number.NaN), RangeError);
+    for (const deliveryMode of ['PULL', 'PUSH']) {
+      const agentId = `NodePacking${deliveryMode}`;
+      const seen = [];
+      const agent = await serveAgent({
+        broker: BROKER, agentId, deliveryMode, maxInFlight: 1,
+        handler: async (message, { attempt }) => {
+          const { order } = message.content.parameters;
+          seen.push([order, attempt]);
+          if (order === 'o1' && attempt === 1) throw new RetryLater(1000, 'o1 is not packed yet');
+          return null;
+        },
+      });
+      const client = new MeshClient(BROKER, { agentId: `NodeStore${deliveryMode}` });
+      try {
+        for (const order of ['o1', 'o2']) {
+          await client.send(agentId, { action: 'pack', parameters: { task_description: order, order } },
+            { type: 'HANDOFF' });
+        }
+        for (let i = 0; i < 200 && seen.length < 3; i += 1) {
+          await new Promise((resolve) => { setTimeout(resolve, 25); });
+        }
+        // o2 went while o1 waited (a plain failure holds its place: o1 would have come first).
+        assert.deepEqual(seen, [['o1', 1], ['o2', 1], ['o1', 2]], deliveryMode);
+        assert.deepEqual(await client.deadLetters(agentId), []);
+        if (deliveryMode === 'PUSH') {
+          // Called directly, the agent says so: UNAVAILABLE, RETRY_LATER, the wait asked.
+          const direct = new AgentClient(agent.address, { agentId: 'NodeStorePUSH' });
+          try {
+            await assert.rejects(direct.handle(agentId,
+              { action: 'pack', parameters: { order: 'o1' } }),
+            (err) => err instanceof MeshError && err.codeName === 'UNAVAILABLE'
+              && err.reason === 'RETRY_LATER' && err.retryAfterMs === 1000
+              && err.message.includes('o1 is not packed yet'));
+          } finally {
+            direct.close();
+          }
+        }
+      } finally {
+        await agent.stop();
+        client.close();
+      }
     }
   });
 
