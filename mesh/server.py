@@ -159,6 +159,10 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
             )
         except MeshError as error:
             await abort(context, error)
+        # A fault of the broker's own as it delivers (a bug: no MeshError) is logged with its
+        # traceback and ends the stream UNAVAILABLE, as a session's subscription ends: what it
+        # held goes back to the queue, its attempt counted, and the subscriber subscribes again.
+        failed: BrokerUnavailableError | None = None
         try:
             while True:
                 try:
@@ -176,9 +180,18 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
                     response = broker_pb2.SubscribeResponse()
                     codec.delivery_to_pb(delivery, response.delivery)
                     yield response
+        except (MeshError, grpc.aio.AbortError):
+            raise
+        except Exception:
+            logger.exception("the deliveries to %s failed", request.agent_id)
+            failed = BrokerUnavailableError(
+                f"the broker failed to deliver {request.agent_id}'s messages: subscribe again"
+            )
         finally:
             # (A subscriber ends this stream only by cancelling it, or by going away.)
             await sub.close(lost=True)
+        if failed is not None:
+            await abort(context, failed)
 
     async def Ack(self, request: broker_pb2.AckRequest, context: Any) -> broker_pb2.AckResponse:
         return broker_pb2.AckResponse(

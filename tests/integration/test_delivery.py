@@ -1627,6 +1627,46 @@ async def test_a_delivery_the_broker_fails_to_write_comes_again_on_a_new_subscri
     assert len(faults) == 1 + 4 + 1
 
 
+async def test_a_fault_as_the_broker_writes_on_a_plain_subscribe_stream_ends_it_unavailable(
+    mesh: LocalMesh, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same fault on the unary-stream ``Subscribe`` of a plain gRPC client: the stream
+    ends UNAVAILABLE ("subscribe again"), as a session's subscription ends, not INTERNAL;
+    the fault is logged with its traceback, and the message is back in the queue at once
+    with its attempt counted, for the next subscription."""
+    from mesh import codec
+
+    caplog.set_level(logging.WARNING)
+    encode = codec.delivery_to_pb
+
+    def faulty(delivery: Any, out: Any, *args: Any) -> Any:
+        if delivery.attempt == 1:
+            raise RuntimeError("a bug in the broker's encoding")
+        return encode(delivery, out, *args)
+
+    monkeypatch.setattr(codec, "delivery_to_pb", faulty)
+    async with mesh.client("Caller") as caller:
+        await caller.register("Ledger")
+        sent = await caller.send("Ledger", {"action": "post"})
+        async with grpc.aio.insecure_channel(mesh.address) as channel:
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)
+            stream = stub.Subscribe(broker_pb2.SubscribeRequest(agent_id="Ledger"))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await asyncio.wait_for(stream.read(), 5)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert info.value.details() == (
+                "the broker failed to deliver Ledger's messages: subscribe again"
+            )
+            again = stub.Subscribe(broker_pb2.SubscribeRequest(agent_id="Ledger"))
+            second = await asyncio.wait_for(again.read(), 5)
+            assert second.delivery.message.message_id == sent.message_id
+            assert second.delivery.delivery_attempt == 2
+            again.cancel()
+    faults = [r for r in caplog.records if r.name == "mesh.server"]
+    assert [r.getMessage() for r in faults] == ["the deliveries to Ledger failed"]
+    assert faults[0].levelname == "ERROR" and faults[0].exc_info
+
+
 async def test_a_delivery_the_broker_refuses_to_write_goes_back_to_the_queue_at_once(
     mesh: LocalMesh, monkeypatch: pytest.MonkeyPatch
 ) -> None:
