@@ -360,6 +360,11 @@ class BrokerMetrics:
             "agentmesh_leases_extended",
             "Leases extended while their handler still worked (ExtendLease).",
         )
+        self.deferred = loop.counter(
+            "agentmesh_messages_deferred",
+            "Deliveries handed back to come again later (a nack's redeliver_after, a"
+            " handler's RetryLater).",
+        )
         self.withdrawn = loop.counter(
             "agentmesh_messages_withdrawn",
             "Requests taken out of their agent's queue because their requester gave up"

@@ -2019,12 +2019,15 @@ class Broker:
                 " dead_letter_reason sends them to the dead-letter queue: give one or the other",
             )
         if not dead_letter_reason or tell_requester:
-            return await self.store.nack(
+            requeued, dead = await self.store.nack(
                 agent_id,
                 message_ids,
                 dead_letter_reason=dead_letter_reason,
                 delay=redeliver_after,
             )
+            if redeliver_after:
+                self.metrics.deferred.inc(requeued)
+            return requeued, dead
         ids = list(message_ids)
         marked = [i for i in ids if i not in self._refusing]
         self._refusing.update(marked)

@@ -1024,6 +1024,8 @@ async def test_a_nack_with_a_delay_frees_the_place_in_flight_until_the_message_c
             assert await client.dead_letters("Worker") == []
             reply = await stub.Nack(nack(0.2))
             assert (reply.requeued, reply.dead_lettered) == (1, 0)
+            deferred = "agentmesh_messages_deferred_total"
+            assert mesh.broker.metrics.registry.get_sample_value(deferred) == 2
             back = await asyncio.wait_for(anext(again), 5)
             assert (back.message.message_id, back.attempt) == (first, 4)
             await back.ack()
