@@ -6,7 +6,7 @@
 
 import assert from 'node:assert/strict';
 import {
-  AgentClient, GatewayClient, MeshClient, MeshError, Reject, buildMessage, serveAgent,
+  AgentClient, GatewayClient, MeshClient, MeshError, Reject, RetryLater, buildMessage, serveAgent,
   type AgentInfo, type BrokerTotals, type Insight, type JsonObject, type Message,
   type PatternEvent, type PatternStats, type StateChange, type StateEntry, type StatePage,
   type WireMessage,
@@ -42,6 +42,8 @@ export async function misuses(client: MeshClient, gateway: GatewayClient): Promi
   await serveAgent({ broker: '', agentId: 'A', handler: (_m, { forward }) => forward('B', { n: 1 }) });
   // @ts-expect-error: a lock comes from lockState
   await client.putState('k', 1, { lock: 'token' });
+  // @ts-expect-error: RetryLater takes milliseconds, a number
+  throw new RetryLater('500ms');
 }
 
 async function tour(broker: string, gateway: string): Promise<JsonObject> {
@@ -53,9 +55,11 @@ async function tour(broker: string, gateway: string): Promise<JsonObject> {
     agentId: 'TsAdder',
     agentTypes: ['ts'],
     actions: ['add'],
-    handler: async (message: Message) => {
+    maxInFlight: 4,
+    handler: async (message: Message, { attempt }) => {
       const numbers = (message.content?.parameters as JsonObject | undefined)?.numbers;
       if (!Array.isArray(numbers)) throw new Reject('parameters.numbers is required');
+      if (numbers.length > 100 && attempt === 1) throw new RetryLater(500, 'a long sum: later');
       return { sum: numbers.reduce<number>((total, n) => total + Number(n), 0) };
     },
   });
