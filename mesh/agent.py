@@ -176,6 +176,7 @@ class AgentContext:
         message: Message,
         received: Received | None = None,
         attempt: int = 1,
+        max_attempts: int = 0,
     ) -> None:
         self.agent = agent
         self.client = client
@@ -184,6 +185,10 @@ class AgentContext:
         self.attempt = received.attempt if received is not None else max(attempt, 1)
         """Which delivery of the message this is: 1 the first, more after a failure or a
         :class:`RetryLater` (1 for a direct call to the agent's server)."""
+        self.max_attempts = received.max_attempts if received is not None else max_attempts
+        """How many deliveries the broker makes in all: after the one whose ``attempt`` this
+        is, a failure (or a RetryLater) sends the message to the dead-letter queue. 0 when
+        the broker does not say, and for a direct call to the agent's server."""
 
     @property
     def agent_id(self) -> str:
@@ -899,12 +904,17 @@ class AgentRuntime:
             raise MessageValidationError.from_violations(found)
 
     async def run_handler(
-        self, message: Message, received: Received | None = None, *, attempt: int = 1
+        self,
+        message: Message,
+        received: Received | None = None,
+        *,
+        attempt: int = 1,
+        max_attempts: int = 0,
     ) -> Message | None:
         """Calls the handler (on ``received``, a delivery, or a message handed to the agent's
-        own server, ``attempt`` its delivery when the broker pushed it); returns the answer
-        (RESPONSE or ERROR) that is due, if any."""
-        ctx = AgentContext(self.agent, self.client, message, received, attempt)
+        own server, ``attempt`` of ``max_attempts`` its delivery when the broker pushed it);
+        returns the answer (RESPONSE or ERROR) that is due, if any."""
+        ctx = AgentContext(self.agent, self.client, message, received, attempt, max_attempts)
         if message.message_type is MessageType.ACK:
             await self.agent.on_ack(message, ctx)
             return None
@@ -1033,7 +1043,11 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         try:
             message = codec.message_from_pb(request.message, strict=True)
             self.runtime.check_direct(message, request.message.ByteSize())
-            answer = await self.runtime.run_handler(message, attempt=request.delivery_attempt)
+            answer = await self.runtime.run_handler(
+                message,
+                attempt=request.delivery_attempt,
+                max_attempts=request.max_delivery_attempts,
+            )
             if answer is not None and forwards(message, answer):
                 answer = await self._forward(message, answer, context.time_remaining())
         except MeshError as error:

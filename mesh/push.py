@@ -456,7 +456,9 @@ class InstancePush:
             if span is None
             else message.evolve(headers=headers_for(span, without_trace(message.headers)))
         )
-        request = agent_pb2.HandleMessageRequest(delivery_attempt=delivery.attempt)
+        request = agent_pb2.HandleMessageRequest(
+            delivery_attempt=delivery.attempt, max_delivery_attempts=delivery.max_attempts
+        )
         codec.message_to_pb(sent, request.message)
         # The trace context travels in the call's metadata too, where a server's own gRPC
         # instrumentation (OpenTelemetry's, any language's) looks for it.

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from mesh.v1 import message_pb2 as mesh_dot_v1_dot_message__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13mesh/v1/agent.proto\x12\x07mesh.v1\x1a\x15mesh/v1/message.proto\"S\n\x14HandleMessageRequest\x12!\n\x07message\x18\x01 \x01(\x0b\x32\x10.mesh.v1.Message\x12\x18\n\x10\x64\x65livery_attempt\x18\x02 \x01(\x05\";\n\x15HandleMessageResponse\x12\"\n\x08response\x18\x01 \x01(\x0b\x32\x10.mesh.v1.Message\"\x16\n\x14\x44\x65scribeAgentRequest\"9\n\x15\x44\x65scribeAgentResponse\x12 \n\x04\x63\x61rd\x18\x01 \x01(\x0b\x32\x12.mesh.v1.AgentCard\"-\n\x19NotifyDeregisteredRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\"\x1c\n\x1aNotifyDeregisteredResponse2\x8d\x02\n\x0c\x41gentService\x12N\n\rHandleMessage\x12\x1d.mesh.v1.HandleMessageRequest\x1a\x1e.mesh.v1.HandleMessageResponse\x12N\n\rDescribeAgent\x12\x1d.mesh.v1.DescribeAgentRequest\x1a\x1e.mesh.v1.DescribeAgentResponse\x12]\n\x12NotifyDeregistered\x12\".mesh.v1.NotifyDeregisteredRequest\x1a#.mesh.v1.NotifyDeregisteredResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13mesh/v1/agent.proto\x12\x07mesh.v1\x1a\x15mesh/v1/message.proto\"r\n\x14HandleMessageRequest\x12!\n\x07message\x18\x01 \x01(\x0b\x32\x10.mesh.v1.Message\x12\x18\n\x10\x64\x65livery_attempt\x18\x02 \x01(\x05\x12\x1d\n\x15max_delivery_attempts\x18\x03 \x01(\x05\";\n\x15HandleMessageResponse\x12\"\n\x08response\x18\x01 \x01(\x0b\x32\x10.mesh.v1.Message\"\x16\n\x14\x44\x65scribeAgentRequest\"9\n\x15\x44\x65scribeAgentResponse\x12 \n\x04\x63\x61rd\x18\x01 \x01(\x0b\x32\x12.mesh.v1.AgentCard\"-\n\x19NotifyDeregisteredRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\"\x1c\n\x1aNotifyDeregisteredResponse2\x8d\x02\n\x0c\x41gentService\x12N\n\rHandleMessage\x12\x1d.mesh.v1.HandleMessageRequest\x1a\x1e.mesh.v1.HandleMessageResponse\x12N\n\rDescribeAgent\x12\x1d.mesh.v1.DescribeAgentRequest\x1a\x1e.mesh.v1.DescribeAgentResponse\x12]\n\x12NotifyDeregistered\x12\".mesh.v1.NotifyDeregisteredRequest\x1a#.mesh.v1.NotifyDeregisteredResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mesh.v1.agent_pb2', _global
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_HANDLEMESSAGEREQUEST']._serialized_start=55
-  _globals['_HANDLEMESSAGEREQUEST']._serialized_end=138
-  _globals['_HANDLEMESSAGERESPONSE']._serialized_start=140
-  _globals['_HANDLEMESSAGERESPONSE']._serialized_end=199
-  _globals['_DESCRIBEAGENTREQUEST']._serialized_start=201
-  _globals['_DESCRIBEAGENTREQUEST']._serialized_end=223
-  _globals['_DESCRIBEAGENTRESPONSE']._serialized_start=225
-  _globals['_DESCRIBEAGENTRESPONSE']._serialized_end=282
-  _globals['_NOTIFYDEREGISTEREDREQUEST']._serialized_start=284
-  _globals['_NOTIFYDEREGISTEREDREQUEST']._serialized_end=329
-  _globals['_NOTIFYDEREGISTEREDRESPONSE']._serialized_start=331
-  _globals['_NOTIFYDEREGISTEREDRESPONSE']._serialized_end=359
-  _globals['_AGENTSERVICE']._serialized_start=362
-  _globals['_AGENTSERVICE']._serialized_end=631
+  _globals['_HANDLEMESSAGEREQUEST']._serialized_end=169
+  _globals['_HANDLEMESSAGERESPONSE']._serialized_start=171
+  _globals['_HANDLEMESSAGERESPONSE']._serialized_end=230
+  _globals['_DESCRIBEAGENTREQUEST']._serialized_start=232
+  _globals['_DESCRIBEAGENTREQUEST']._serialized_end=254
+  _globals['_DESCRIBEAGENTRESPONSE']._serialized_start=256
+  _globals['_DESCRIBEAGENTRESPONSE']._serialized_end=313
+  _globals['_NOTIFYDEREGISTEREDREQUEST']._serialized_start=315
+  _globals['_NOTIFYDEREGISTEREDREQUEST']._serialized_end=360
+  _globals['_NOTIFYDEREGISTEREDRESPONSE']._serialized_start=362
+  _globals['_NOTIFYDEREGISTEREDRESPONSE']._serialized_end=390
+  _globals['_AGENTSERVICE']._serialized_start=393
+  _globals['_AGENTSERVICE']._serialized_end=662
 # @@protoc_insertion_point(module_scope)

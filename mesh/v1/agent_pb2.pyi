@@ -25,9 +25,15 @@ class HandleMessageRequest(_message.Message):
 
     MESSAGE_FIELD_NUMBER: _builtins.int
     DELIVERY_ATTEMPT_FIELD_NUMBER: _builtins.int
+    MAX_DELIVERY_ATTEMPTS_FIELD_NUMBER: _builtins.int
     delivery_attempt: _builtins.int
     """Which delivery of the message this is, when the broker pushes it: 1 the first, more
     after a failure or a handler's RetryLater. 0 when the caller does not say (a direct call).
+    """
+    max_delivery_attempts: _builtins.int
+    """How many deliveries the broker makes in all, when it pushes the message: after the one
+    whose delivery_attempt this is, a failure sends it to the dead-letter queue. 0 when the
+    caller does not say.
     """
     @_builtins.property
     def message(self) -> _message_pb2.Message:
@@ -42,10 +48,11 @@ class HandleMessageRequest(_message.Message):
         *,
         message: _message_pb2.Message | None = ...,
         delivery_attempt: _builtins.int = ...,
+        max_delivery_attempts: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["delivery_attempt", b"delivery_attempt", "message", b"message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delivery_attempt", b"delivery_attempt", "max_delivery_attempts", b"max_delivery_attempts", "message", b"message"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -179,6 +179,7 @@ async def test_a_handler_that_raises_retry_later_has_its_message_again_then(
     directly, the agent's server answers UNAVAILABLE with the wait in a RetryInfo. Once the
     broker's attempts are used up, the message is dead-lettered."""
     seen: list[tuple[str, int]] = []
+    most: dict[str, int] = {}
 
     class Shipping(Agent):
         agent_id = "Shipping"
@@ -187,9 +188,10 @@ async def test_a_handler_that_raises_retry_later_has_its_message_again_then(
         async def ship(self, message: Message, ctx: AgentContext) -> dict[str, Any]:
             order = str(message.parameters["order"])
             seen.append((order, ctx.attempt))
+            most[order] = ctx.max_attempts
             if order == "never":
                 raise RetryLater(0.05, "the carrier is not taking parcels")
-            if order in ("o1", "asked") and ctx.attempt == 1:
+            if order in ("o1", "asked", "direct") and ctx.attempt == 1:
                 raise RetryLater(1.0, f"{order} is not packed yet")
             return {"shipped": order}
 
@@ -214,14 +216,16 @@ async def test_a_handler_that_raises_retry_later_has_its_message_again_then(
         direct = Message(
             from_agent="Store",
             to_agent="Shipping",
-            content={"action": "ship", "parameters": {"order": "o1"}},
+            content={"action": "ship", "parameters": {"order": "direct"}},
         )
         async with AgentClient(served.address) as agent:
             with pytest.raises(MeshError) as info:
                 await agent.handle(direct)
         assert (info.value.code, info.value.reason) == ("UNAVAILABLE", "RETRY_LATER")
         assert info.value.retry_after == pytest.approx(1.0)
-        assert "o1 is not packed yet" in info.value.message
+        assert "direct is not packed yet" in info.value.message
+        # (each delivery says the broker's number of attempts; a direct call is none)
+        assert most == {"o1": 4, "o2": 4, "asked": 4, "direct": 0}
         never = await client.send("Shipping", {"action": "ship", "parameters": {"order": "never"}})
         dead = await only_dead_letter(client, "Shipping")
         assert dead.message.message_id == never.message_id

@@ -534,8 +534,9 @@ async def test_a_push_agent_that_asks_for_a_message_later_takes_its_next_one_mea
     server answers UNAVAILABLE (reason RETRY_LATER, the wait in a RetryInfo), and the broker
     hands the message back to come again after that wait rather than holding it: the one
     call the agent takes at once goes to its next message meanwhile. Each call says which
-    delivery it is (``ctx.attempt``)."""
+    delivery it is of how many (``ctx.attempt``, ``ctx.max_attempts``)."""
     seen: list[tuple[str, int]] = []
+    most: set[int] = set()
 
     class Packing(Agent):
         agent_id = "Packing"
@@ -544,6 +545,7 @@ async def test_a_push_agent_that_asks_for_a_message_later_takes_its_next_one_mea
         async def pack(self, message: Message, ctx: AgentContext) -> None:
             order = str(message.parameters["order"])
             seen.append((order, ctx.attempt))
+            most.add(ctx.max_attempts)
             if order == "o1" and ctx.attempt == 1:
                 raise RetryLater(1.0, "the box is not there yet")
 
@@ -557,6 +559,7 @@ async def test_a_push_agent_that_asks_for_a_message_later_takes_its_next_one_mea
                 await asyncio.sleep(0.02)
         await asyncio.sleep(0.2)  # (anything more would come now)
         assert seen == [("o1", 1), ("o2", 1), ("o1", 2)]
+        assert most == {4}  # (the broker's number of attempts, said with each call)
         assert await client.dead_letters("Packing") == []
         view = (await client.queue_stats("Packing")).for_agent("Packing")
         assert view is not None and (view.depth, view.in_flight) == (0, 0)

@@ -533,8 +533,8 @@ export interface HandlerContext {
   signal: AbortSignal;
   /**
    * How many deliveries the broker makes in all: after the one whose attempt this is, a
-   * failure goes to the dead-letter queue (0 when the broker does not say, and on a call to
-   * the agent's own server, which is not a delivery).
+   * failure goes to the dead-letter queue (0 when the broker does not say, and on a direct
+   * call to the agent's own server, which is not a delivery; the broker's push says it).
    */
   maxDeliveryAttempts: number;
   /**

@@ -2667,7 +2667,8 @@ async function serveAgent({ broker, agentId, agentTypes = [], capabilities = [],
         return;
       }
       const deadline = Number(call.getDeadline());
-      answer(message, { signal: aborting.signal, maxDeliveryAttempts: 0,
+      answer(message, { signal: aborting.signal,
+        maxDeliveryAttempts: call.request.max_delivery_attempts || 0,
         attempt: call.request.delivery_attempt || 1 }, { direct: true })
         .then((response) => (response && response.message_type === 'MESSAGE_TYPE_REQUEST'
           ? askOnward(message, response, aborting.signal, deadline) : response))

@@ -1089,11 +1089,13 @@ test('a handler that throws RetryLater has the message again then, taking the ne
     for (const deliveryMode of ['PULL', 'PUSH']) {
       const agentId = `NodePacking${deliveryMode}`;
       const seen = [];
+      const most = new Set();
       const agent = await serveAgent({
         broker: BROKER, agentId, deliveryMode, maxInFlight: 1,
-        handler: async (message, { attempt }) => {
+        handler: async (message, { attempt, maxDeliveryAttempts }) => {
           const { order } = message.content.parameters;
           seen.push([order, attempt]);
+          most.add(maxDeliveryAttempts);
           if (order === 'o1' && attempt === 1) throw new RetryLater(1000, 'o1 is not packed yet');
           return null;
         },
@@ -1109,6 +1111,7 @@ test('a handler that throws RetryLater has the message again then, taking the ne
         }
         // o2 went while o1 waited (a plain failure holds its place: o1 would have come first).
         assert.deepEqual(seen, [['o1', 1], ['o2', 1], ['o1', 2]], deliveryMode);
+        assert.deepEqual([...most], [4], deliveryMode); // (the broker's, said by push too)
         assert.deepEqual(await client.deadLetters(agentId), []);
         if (deliveryMode === 'PUSH') {
           // Called directly, the agent says so: UNAVAILABLE, RETRY_LATER, the wait asked.
