@@ -74,6 +74,7 @@ if _TYPE_CHECKING:
         Tool,
         UnauthenticatedError,
         UnhandledActionError,
+        WaitingMessage,
         negotiation,
     )
     from mesh.server import serve_broker
@@ -170,6 +171,7 @@ __all__ = [
     "Tool",
     "UnauthenticatedError",
     "UnhandledActionError",
+    "WaitingMessage",
     "agent",
     "connect",
     "negotiation",

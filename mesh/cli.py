@@ -15,7 +15,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from datetime import UTC
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -519,6 +519,60 @@ async def _receive(args: argparse.Namespace) -> int:
         for m in messages:
             _print(_message_line(m))
     return 0
+
+
+async def _queue(args: argparse.Namespace) -> int:
+    """The messages waiting in an agent's queue, in the order they will be delivered, left
+    there."""
+    async with connect(args.broker, security=security_config(args)) as client:
+        waiting = await client.waiting(args.agent)
+    if args.json:
+        listed = [
+            {
+                "message": w.message.to_dict(),
+                "attempts": w.attempts,
+                "accepted_at": w.accepted_at.isoformat(),
+                "expires_at": w.expires_at.isoformat(),
+            }
+            for w in waiting
+        ]
+        _print(json.dumps(listed, indent=2))
+        return 0
+    if not waiting:
+        _print(f"no messages waiting for {args.agent}")
+        return 0
+    now = datetime.now(UTC)
+    rows = [("MESSAGE", "PRIORITY", "TYPE", "FROM", "ACTION", "ATTEMPTS", "WAITING", "EXPIRES IN")]
+    for w in waiting:
+        m = w.message
+        rows.append(
+            (
+                m.message_id,
+                m.priority.value,
+                m.message_type.value,
+                m.from_agent,
+                m.action or "-",
+                str(w.attempts),
+                _span((now - w.accepted_at).total_seconds()),
+                _span((w.expires_at - now).total_seconds()),
+            )
+        )
+    _table(rows)
+    _print(f"{len(waiting)} messages waiting for {args.agent}")
+    return 0
+
+
+def _span(seconds: float) -> str:
+    """A length of time as it is read at a glance: 4.2s, 3m05s, 2h10m, 1d3h."""
+    seconds = max(seconds, 0.0)
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    whole = int(seconds)
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    if whole < 86400:
+        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+    return f"{whole // 86400}d{whole % 86400 // 3600}h"
 
 
 async def _agents(args: argparse.Namespace) -> int:
@@ -1124,6 +1178,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     add_security_flags(p, server=False)
     p.set_defaults(run=_receive)
+
+    p = sub.add_parser(
+        "queue", help="the messages waiting in an agent's queue, in delivery order, not taken"
+    )
+    p.add_argument("agent", metavar="AGENT")
+    p.add_argument("--broker", default=broker_default)
+    p.add_argument("--json", action="store_true")
+    add_security_flags(p, server=False)
+    p.set_defaults(run=_queue)
 
     p = sub.add_parser("agents", help="list registered agents")
     p.add_argument("--broker", default=broker_default)

@@ -69,6 +69,7 @@ from mesh.core.model import (
     Message,
     MessageType,
     Priority,
+    WaitingMessage,
     is_number,
     new_message_id,
     utc_now,
@@ -830,7 +831,7 @@ class ClientSubscription(AsyncOnly):
         """The session is this subscription's alone (closed with it), not the client's."""
         self._closed = False
         self._settled: dict[tuple[str, str, float], list[str]] = {}
-        """Acks and nacks to send, by kind and dead-letter reason."""
+        """Acks and nacks to send, by kind, dead-letter reason and redelivery delay."""
         self._settling: asyncio.Task[None] | None = None
         self._settlers: set[asyncio.Task[None]] = set()
         self._lingering: asyncio.Future[None] | None = None
@@ -2342,6 +2343,14 @@ class MeshClient(ChannelOnFirstUse):
         request = _request(broker_pb2.ListDeadLettersRequest, agent_id=agent_id)
         pages = await self._every_page(self._stub.ListDeadLetters, request, "dead_letters")
         return [codec.dead_letter_from_pb(d) for d in pages]
+
+    async def waiting(self, agent_id: str | None = None) -> list[WaitingMessage]:
+        """The messages waiting in the queue of ``agent_id`` (this client's agent when None),
+        in the order they will be delivered, page by page, left where they are: what is
+        stuck there, and since when."""
+        request = _request(broker_pb2.ListMessagesRequest, agent_id=agent_id or self.agent_id)
+        pages = await self._every_page(self._stub.ListMessages, request, "messages")
+        return [codec.waiting_from_pb(w) for w in pages]
 
     async def requeue_dead_letters(
         self, agent_id: str, message_ids: Iterable[str] = ()

@@ -29,6 +29,7 @@ from mesh.core.model import (
     MessageType,
     Priority,
     Tool,
+    WaitingMessage,
     assemble_message,
     new_message_id,
     utc_now,
@@ -810,6 +811,25 @@ def dead_letter_to_pb(dead: DeadLetter, out: broker_pb2.DeadLetter) -> broker_pb
     out.delivery_attempts = dead.attempts
     datetime_to_timestamp(dead.dead_lettered_at, out.dead_lettered_at)
     return out
+
+
+def waiting_to_pb(
+    waiting: WaitingMessage, out: broker_pb2.WaitingMessage
+) -> broker_pb2.WaitingMessage:
+    message_to_pb(waiting.message, out.message)
+    out.delivery_attempts = waiting.attempts
+    datetime_to_timestamp(waiting.accepted_at, out.accepted_at)
+    datetime_to_timestamp(waiting.expires_at, out.expires_at)
+    return out
+
+
+def waiting_from_pb(pb: broker_pb2.WaitingMessage) -> WaitingMessage:
+    return WaitingMessage(
+        message_from_pb(pb.message),
+        pb.delivery_attempts,
+        timestamp_to_datetime(pb.accepted_at),
+        timestamp_to_datetime(pb.expires_at),
+    )
 
 
 def dead_letter_from_pb(pb: broker_pb2.DeadLetter) -> DeadLetter:

@@ -66,6 +66,7 @@ from mesh.core.queue import (
     QueueStats,
     Released,
     RouteClaim,
+    StoredEntry,
     capacity_limits,
 )
 from mesh.core.tasks import cancel_and_wait, stop_if_cancelled
@@ -287,6 +288,20 @@ end
 return {popped, out}
 """
 
+_WAITING = """
+local out, listed = {}, {}
+expire_due(tonumber(ARGV[1]), out)
+for _, member in ipairs(redis.call('ZRANGE', ready, 0, -1)) do
+  local id = string.sub(member, 22)
+  local m = redis.call('HGET', meta, id)
+  if m then
+    local info = cjson.decode(m)
+    table.insert(listed, {redis.call('HGET', msgs, id), tostring(info.c), tostring(info.e), info.a})
+  end
+end
+return {listed, out}
+"""
+
 _TAKE_BACK = """
 local out = {}
 for i = 1, #ARGV do
@@ -483,6 +498,7 @@ SCRIPTS = {
         ("put", _PUT),
         ("lease", _LEASE),
         ("pop", _POP),
+        ("waiting", _WAITING),
         ("take_back", _TAKE_BACK),
         ("ack", _ACK),
         ("extend", _EXTEND),
@@ -1512,6 +1528,20 @@ class RedisQueueStore:
 
     async def depth(self, agent_id: str) -> int:
         return int(await self._call("zcard", _keys(agent_id)[0]))
+
+    async def waiting(self, agent_id: str) -> list[StoredEntry]:
+        listed, events = await self._run("waiting", agent_id, [self._now_ms()])
+        self._report(agent_id, events)
+        return [
+            StoredEntry(
+                _message(body),
+                agent_id,
+                float(_text(accepted)) / 1000,
+                float(_text(expires)) / 1000,
+                int(attempts),
+            )
+            for body, accepted, expires, attempts in listed
+        ]
 
     async def dead_letters(self, agent_id: str | None = None) -> list[DeadLetter]:
         out = []

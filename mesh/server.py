@@ -325,6 +325,17 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
             response.next_page_token = str(end)
         return response
 
+    async def ListMessages(
+        self, request: broker_pb2.ListMessagesRequest, context: Any
+    ) -> broker_pb2.ListMessagesResponse:
+        start = page_offset(request.page_token)
+        waiting = await self.broker.waiting(request.agent_id)
+        response = broker_pb2.ListMessagesResponse()
+        end = fill_page(response.messages, waiting, start, request.page_size, codec.waiting_to_pb)
+        if end < len(waiting):
+            response.next_page_token = str(end)
+        return response
+
     async def RequeueDeadLetters(
         self, request: broker_pb2.RequeueDeadLettersRequest, context: Any
     ) -> broker_pb2.RequeueDeadLettersResponse:

@@ -43,6 +43,7 @@ from mesh.core.model import (
     MessageType,
     Priority,
     Tool,
+    WaitingMessage,
 )
 from mesh.core.queue import InMemoryQueueStore, QueueStore
 from mesh.core.state import ChangeKind, StateChange, StateEntry, StateLock, StatePage
@@ -93,5 +94,6 @@ __all__ = [
     "Tool",
     "UnauthenticatedError",
     "UnhandledActionError",
+    "WaitingMessage",
     "negotiation",
 ]

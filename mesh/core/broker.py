@@ -17,7 +17,7 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, Callable, Collection, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple
 
 from mesh.config import BrokerConfig
@@ -52,6 +52,7 @@ from mesh.core.model import (
     Message,
     MessageType,
     Priority,
+    WaitingMessage,
     receipt_of,
     utc_now,
 )
@@ -2307,6 +2308,24 @@ class Broker:
 
     async def dead_letters(self, agent_id: str = "") -> list[DeadLetter]:
         return await self.store.dead_letters(agent_id or None)
+
+    async def waiting(self, agent_id: str) -> list[WaitingMessage]:
+        """The messages waiting in the agent's queue, in the order they will be delivered,
+        left there: what is stuck in it, and since when. AgentNotFoundError for an agent
+        that is not registered and has none waiting."""
+        named(agent_id)
+        entries = await self.store.waiting(agent_id)
+        if not entries and not await self._is_registered(agent_id):
+            raise AgentNotFoundError(f"agent {agent_id} is not registered")
+        return [
+            WaitingMessage(
+                message=entry.message,
+                attempts=entry.attempts,
+                accepted_at=datetime.fromtimestamp(entry.accepted_at, UTC),
+                expires_at=datetime.fromtimestamp(entry.expires_at, UTC),
+            )
+            for entry in entries
+        ]
 
     async def requeue_dead_letters(
         self, agent_id: str, message_ids: Collection[str] = ()

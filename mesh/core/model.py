@@ -544,3 +544,16 @@ class DeadLetter:
     reason: str
     attempts: int
     dead_lettered_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class WaitingMessage:
+    """A message in its agent's queue, not delivered yet (or given back for another
+    attempt), as a listing of the queue shows it."""
+
+    message: Message
+    attempts: int
+    """How many times it was delivered before (and given back); 0: never."""
+    accepted_at: datetime
+    expires_at: datetime
+    """When its ttl ends: it is never delivered after that."""

@@ -227,6 +227,11 @@ class QueueStore(Protocol):
         """Messages waiting for one agent."""
         ...
 
+    async def waiting(self, agent_id: str) -> list[StoredEntry]:
+        """The messages waiting in the agent's queue (those past their ttl leave first), in
+        the order they will be delivered, left where they are."""
+        ...
+
     async def sync(self) -> None:
         """Returns once every message put so far survives a crash of the process."""
         ...
@@ -986,6 +991,15 @@ class InMemoryQueueStore:
 
     async def held(self) -> int:
         return self._total
+
+    async def waiting(self, agent_id: str) -> list[StoredEntry]:
+        queue = self._queues.get(agent_id)
+        if queue is None:
+            return []
+        self._expire(self._clock())
+        queued = [e for e in queue.by_id.values() if e.state is _State.QUEUED]
+        queued.sort(key=(lambda e: e.seq) if self.fifo else _Entry.key)
+        return [self._stored(entry) for entry in queued]
 
     async def depth(self, agent_id: str) -> int:
         q = self._queues.get(agent_id)

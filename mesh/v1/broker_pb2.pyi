@@ -1444,6 +1444,113 @@ class ListDeadLettersResponse(_message.Message):
 Global___ListDeadLettersResponse: _TypeAlias = ListDeadLettersResponse  # noqa: Y015
 
 @_typing.final
+class ListMessagesRequest(_message.Message):
+    """ListMessagesRequest asks for the messages waiting in one agent's queue."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """The agent whose queue is listed; required (NOT_FOUND when it is not registered and its
+    queue holds nothing).
+    """
+    page_size: _builtins.int
+    """At most this many messages in the answer; 0: as many as fit in 3 MiB (an answer never
+    holds more, the first whatever its size).
+    """
+    page_token: _builtins.str
+    """The next_page_token of the previous answer, to go on from there; empty: from the first.
+    (Offsets in the queue: a listing taken while messages come and go may repeat or miss
+    some.)
+    """
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListMessagesRequest: _TypeAlias = ListMessagesRequest  # noqa: Y015
+
+@_typing.final
+class WaitingMessage(_message.Message):
+    """WaitingMessage is a message in its queue, not delivered yet (or given back for another
+    attempt).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    DELIVERY_ATTEMPTS_FIELD_NUMBER: _builtins.int
+    ACCEPTED_AT_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    delivery_attempts: _builtins.int
+    """How many times it was delivered before (and given back); 0: never."""
+    @_builtins.property
+    def message(self) -> _message_pb2.Message:
+        """The message."""
+
+    @_builtins.property
+    def accepted_at(self) -> _timestamp_pb2.Timestamp:
+        """When the broker accepted it."""
+
+    @_builtins.property
+    def expires_at(self) -> _timestamp_pb2.Timestamp:
+        """When its ttl ends: it is never delivered after that."""
+
+    def __init__(
+        self,
+        *,
+        message: _message_pb2.Message | None = ...,
+        delivery_attempts: _builtins.int = ...,
+        accepted_at: _timestamp_pb2.Timestamp | None = ...,
+        expires_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["accepted_at", b"accepted_at", "expires_at", b"expires_at", "message", b"message"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_at", b"accepted_at", "delivery_attempts", b"delivery_attempts", "expires_at", b"expires_at", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WaitingMessage: _TypeAlias = WaitingMessage  # noqa: Y015
+
+@_typing.final
+class ListMessagesResponse(_message.Message):
+    """ListMessagesResponse lists waiting messages in the order they will be delivered."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Set when more follow: pass it as page_token for the next page."""
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___WaitingMessage]:
+        """The messages."""
+
+    def __init__(
+        self,
+        *,
+        messages: _abc.Iterable[Global___WaitingMessage] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "next_page_token", b"next_page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListMessagesResponse: _TypeAlias = ListMessagesResponse  # noqa: Y015
+
+@_typing.final
 class RequeueDeadLettersRequest(_message.Message):
     """RequeueDeadLettersRequest selects dead letters to deliver again."""
 

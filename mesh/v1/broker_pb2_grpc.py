@@ -122,6 +122,11 @@ class BrokerServiceStub:
                 request_serializer=mesh_dot_v1_dot_broker__pb2.RequeueDeadLettersRequest.SerializeToString,
                 response_deserializer=mesh_dot_v1_dot_broker__pb2.RequeueDeadLettersResponse.FromString,
                 _registered_method=True)
+        self.ListMessages = channel.unary_unary(
+                '/mesh.v1.BrokerService/ListMessages',
+                request_serializer=mesh_dot_v1_dot_broker__pb2.ListMessagesRequest.SerializeToString,
+                response_deserializer=mesh_dot_v1_dot_broker__pb2.ListMessagesResponse.FromString,
+                _registered_method=True)
         self.Connect = channel.stream_stream(
                 '/mesh.v1.BrokerService/Connect',
                 request_serializer=mesh_dot_v1_dot_broker__pb2.ConnectRequest.SerializeToString,
@@ -265,6 +270,14 @@ class BrokerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListMessages(self, request, context):
+        """Lists the messages waiting in an agent's queue, in the order they will be delivered,
+        without taking them (what is stuck there, and since when), a page at a time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Connect(self, request_iterator, context):
         """A long-lived session that carries sends, requests, deliveries, acks and responses as
         frames on one bidirectional stream: the fast path the SDK uses.
@@ -360,6 +373,11 @@ def add_BrokerServiceServicer_to_server(servicer, server):
                     servicer.RequeueDeadLetters,
                     request_deserializer=mesh_dot_v1_dot_broker__pb2.RequeueDeadLettersRequest.FromString,
                     response_serializer=mesh_dot_v1_dot_broker__pb2.RequeueDeadLettersResponse.SerializeToString,
+            ),
+            'ListMessages': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListMessages,
+                    request_deserializer=mesh_dot_v1_dot_broker__pb2.ListMessagesRequest.FromString,
+                    response_serializer=mesh_dot_v1_dot_broker__pb2.ListMessagesResponse.SerializeToString,
             ),
             'Connect': grpc.stream_stream_rpc_method_handler(
                     servicer.Connect,
@@ -829,6 +847,33 @@ class BrokerService:
             '/mesh.v1.BrokerService/RequeueDeadLetters',
             mesh_dot_v1_dot_broker__pb2.RequeueDeadLettersRequest.SerializeToString,
             mesh_dot_v1_dot_broker__pb2.RequeueDeadLettersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListMessages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mesh.v1.BrokerService/ListMessages',
+            mesh_dot_v1_dot_broker__pb2.ListMessagesRequest.SerializeToString,
+            mesh_dot_v1_dot_broker__pb2.ListMessagesResponse.FromString,
             options,
             channel_credentials,
             insecure,

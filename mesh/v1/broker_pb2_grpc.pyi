@@ -87,6 +87,10 @@ class BrokerServiceStub:
     """Puts an agent's dead letters back in its queue (once what failed them is fixed), all
     of them or those named, oldest first, each for a new round of delivery attempts.
     """
+    ListMessages: _grpc.UnaryUnaryMultiCallable[_broker_pb2.ListMessagesRequest, _broker_pb2.ListMessagesResponse]
+    """Lists the messages waiting in an agent's queue, in the order they will be delivered,
+    without taking them (what is stuck there, and since when), a page at a time.
+    """
     Connect: _grpc.StreamStreamMultiCallable[_broker_pb2.ConnectRequest, _broker_pb2.ConnectResponse]
     """A long-lived session that carries sends, requests, deliveries, acks and responses as
     frames on one bidirectional stream: the fast path the SDK uses.
@@ -150,6 +154,10 @@ class BrokerServiceAsyncStub(BrokerServiceStub):
     RequeueDeadLetters: _aio.UnaryUnaryMultiCallable[_broker_pb2.RequeueDeadLettersRequest, _broker_pb2.RequeueDeadLettersResponse]  # type: ignore[assignment]
     """Puts an agent's dead letters back in its queue (once what failed them is fixed), all
     of them or those named, oldest first, each for a new round of delivery attempts.
+    """
+    ListMessages: _aio.UnaryUnaryMultiCallable[_broker_pb2.ListMessagesRequest, _broker_pb2.ListMessagesResponse]  # type: ignore[assignment]
+    """Lists the messages waiting in an agent's queue, in the order they will be delivered,
+    without taking them (what is stuck there, and since when), a page at a time.
     """
     Connect: _aio.StreamStreamMultiCallable[_broker_pb2.ConnectRequest, _broker_pb2.ConnectResponse]  # type: ignore[assignment]
     """A long-lived session that carries sends, requests, deliveries, acks and responses as
@@ -313,6 +321,16 @@ class BrokerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_broker_pb2.RequeueDeadLettersResponse, _abc.Awaitable[_broker_pb2.RequeueDeadLettersResponse]]:
         """Puts an agent's dead letters back in its queue (once what failed them is fixed), all
         of them or those named, oldest first, each for a new round of delivery attempts.
+        """
+
+    @_abc_1.abstractmethod
+    def ListMessages(
+        self,
+        request: _broker_pb2.ListMessagesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.ListMessagesResponse, _abc.Awaitable[_broker_pb2.ListMessagesResponse]]:
+        """Lists the messages waiting in an agent's queue, in the order they will be delivered,
+        without taking them (what is stuck there, and since when), a page at a time.
         """
 
     @_abc_1.abstractmethod

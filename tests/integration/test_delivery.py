@@ -1126,6 +1126,76 @@ async def test_dead_letters_are_listed_a_page_at_a_time(mesh: LocalMesh) -> None
         assert [d.message.message_id for d in await client.dead_letters("Worker")] == expected
 
 
+async def test_a_queue_is_listed_in_delivery_order_without_taking_anything(
+    mesh: LocalMesh,
+) -> None:
+    """``ListMessages`` (the SDK's ``waiting``, ``agentmesh queue``): what waits in an agent's
+    queue, in the order it will be delivered, with its attempts and times, a page at a time,
+    left in the queue; the one in flight is not listed. An agent that is not registered and
+    has nothing waiting is NOT_FOUND; no agent, a bad page token or size INVALID_ARGUMENT."""
+    async with mesh.client("Desk") as client:
+        await client.register("Worker")
+        low = await client.send("Worker", {"action": "archive"}, priority=Priority.LOW)
+        taken = await client.send("Worker", {"action": "pay"}, priority=Priority.HIGH)
+        medium = [await client.send("Worker", {"action": f"job{i}"}) for i in range(3)]
+        urgent = await client.send("Worker", {"action": "refund"}, priority=Priority.HIGH)
+        async with client.subscribe("Worker", max_in_flight=1) as sub:
+            held = await anext(aiter(sub))  # (kept unacked while the queue is listed)
+            assert held.message.message_id == taken.message_id
+            expected = [urgent, *medium, low]
+            waiting = await client.waiting("Worker")
+            assert [w.message.message_id for w in waiting] == [m.message_id for m in expected]
+            assert [w.message.content["action"] for w in waiting] == [
+                "refund",
+                "job0",
+                "job1",
+                "job2",
+                "archive",
+            ]
+            assert all(w.attempts == 0 for w in waiting)
+            for w in waiting:
+                assert round((w.expires_at - w.accepted_at).total_seconds()) == 3600
+            async with grpc.aio.insecure_channel(mesh.address) as channel:
+                stub = broker_pb2_grpc.BrokerServiceStub(channel)
+                request = broker_pb2.ListMessagesRequest(agent_id="Worker", page_size=2)
+                pages = []
+                while True:
+                    page = await stub.ListMessages(request)
+                    pages.append([w.message.message_id for w in page.messages])
+                    if not page.next_page_token:
+                        break
+                    request.page_token = page.next_page_token
+                assert [len(p) for p in pages] == [2, 2, 1]
+                assert [mid for p in pages for mid in p] == [m.message_id for m in expected]
+                for wrong, code in (
+                    (broker_pb2.ListMessagesRequest(agent_id="Nobody"), "NOT_FOUND"),
+                    (broker_pb2.ListMessagesRequest(), "INVALID_ARGUMENT"),
+                    (
+                        broker_pb2.ListMessagesRequest(agent_id="Worker", page_token="x"),
+                        "INVALID_ARGUMENT",
+                    ),
+                    (
+                        broker_pb2.ListMessagesRequest(agent_id="Worker", page_size=-1),
+                        "INVALID_ARGUMENT",
+                    ),
+                ):
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await stub.ListMessages(wrong)
+                    assert info.value.code().name == code
+            await held.nack()
+        # Given back, it is listed in its place again, its attempt counted; nothing was taken.
+        waiting = await client.waiting("Worker")
+        assert [(w.message.message_id, w.attempts) for w in waiting][:2] == [
+            (taken.message_id, 1),
+            (urgent.message_id, 0),
+        ]
+        assert (await client.queue_stats("Worker")).agents[0].depth == 7 - 1
+        assert [m.message_id for m in await client.receive("Worker")] == [
+            w.message.message_id for w in waiting
+        ]
+        assert await client.waiting("Worker") == []
+
+
 class Slow(Agent):
     """Takes ``seconds`` over each message, counting the runs of each."""
 

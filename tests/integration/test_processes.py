@@ -640,6 +640,32 @@ async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
     assert code == 0 and out.strip() == "1 dead letters of PaymentAgent requeued", out
     code, out = await cli("requeue", "PaymentAgent")
     assert code == 0 and out.strip() == "1 dead letters of PaymentAgent requeued", out
+    # What waits in the queue, in delivery order, left there.
+    code, out = await cli("queue", "PaymentAgent")
+    assert code == 0, out
+    header, *rows, summary = out.strip().splitlines()
+    assert header.split() == [
+        "MESSAGE",
+        "PRIORITY",
+        "TYPE",
+        "FROM",
+        "ACTION",
+        "ATTEMPTS",
+        "WAITING",
+        "EXPIRES",
+        "IN",
+    ]
+    assert [row.split()[1:6] for row in rows] == [
+        ["MEDIUM", "REQUEST", "PaymentAgent", "refund", "0"]
+    ] * 2
+    assert rows[0].split()[0] == first  # (requeued first: back in its place)
+    waited, expires_in = rows[0].split()[6:8]  # (its ttl of an hour from the requeue)
+    assert re.fullmatch(r"\d+\.\ds", waited) and re.fullmatch(r"59m[0-5]\ds", expires_in)
+    assert summary == "2 messages waiting for PaymentAgent"
+    code, out = await cli("queue", "PaymentAgent", "--json")
+    assert code == 0 and [w["message"]["content"]["n"] for w in json.loads(out)] == [0, 1], out
+    code, out = await cli("queue", "Nobody")
+    assert code == 1 and "NOT_FOUND: agent Nobody is not registered" in out, out
     async with connect(broker_proc.address) as client:
         assert [m.content["n"] for m in await client.receive("PaymentAgent")] == [0, 1]
         assert await client.dead_letters("PaymentAgent") == []

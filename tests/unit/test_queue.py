@@ -579,6 +579,57 @@ async def test_a_nack_with_a_delay_leaves_at_once_what_cannot_come_back(
     assert (stats.depth, stats.in_flight, stats.dead_letters) == (0, 0, 1)
 
 
+async def test_waiting_lists_the_queue_in_delivery_order_and_leaves_it(
+    store: QueueStore, clock: FakeClock
+) -> None:
+    """What is waiting, in the order it will be delivered (HIGH first, then by timestamp; one
+    handed back in its place, with its attempt), each with when it was accepted and when its
+    ttl ends; what is leased, deferred or past its ttl is not listed, and nothing is taken."""
+    await store.put(msg("low", priority=Priority.LOW, at=0), 3600)
+    await store.put(msg("late", at=3), 10)
+    await store.put(msg("medium", at=1), 3600)
+    await store.put(msg("high", priority=Priority.HIGH, at=2), 3600)
+    await store.put(msg("later", at=0.7), 3600)
+    leases = await store.lease_many("PaymentAgent", "s", 30, 2)
+    assert [lease.message.message_id for lease in leases] == ["high", "later"]
+    assert await store.nack("PaymentAgent", ["high"]) == (1, 0)
+    assert await store.nack("PaymentAgent", ["later"], delay=60) == (1, 0)
+    clock.advance(5)
+    waiting = await store.waiting("PaymentAgent")
+    assert [(w.message.message_id, w.attempts) for w in waiting] == [
+        ("high", 1),
+        ("medium", 0),
+        ("late", 0),
+        ("low", 0),
+    ]
+    accepted = waiting[0].accepted_at  # (all came at the same moment)
+    assert [round(w.accepted_at - accepted, 2) for w in waiting] == [0.0] * 4
+    assert [round(w.expires_at - accepted, 2) for w in waiting] == [3600.0, 3600.0, 10.0, 3600.0]
+    clock.advance(6)  # past late's ttl
+    assert [w.message.message_id for w in await store.waiting("PaymentAgent")] == [
+        "high",
+        "medium",
+        "low",
+    ]
+    assert await store.waiting("Nobody") == []
+    assert [p.message.message_id for p in await store.pop("PaymentAgent")] == [
+        "high",
+        "medium",
+        "low",
+    ]
+
+
+async def test_waiting_in_a_fifo_queue_is_arrival_order(fifo_store: QueueStore) -> None:
+    await fifo_store.put(msg("first", priority=Priority.LOW, at=5), 3600)
+    await fifo_store.put(msg("second", priority=Priority.HIGH, at=0), 3600)
+    await fifo_store.put(msg("third", at=1), 3600)
+    assert [w.message.message_id for w in await fifo_store.waiting("PaymentAgent")] == [
+        "first",
+        "second",
+        "third",
+    ]
+
+
 async def test_lease_many_takes_what_is_ready_in_queue_order(
     store: QueueStore, clock: FakeClock, recorder: Recorder
 ) -> None:

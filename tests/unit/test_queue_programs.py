@@ -2,14 +2,15 @@
 
 Hypothesis writes programs of puts (two agents, reused ids, every priority, timestamps out
 of order, short and long TTLs), leases, acks, nacks (at once or after a delay),
-dead-lettering, withdrawals, departures, pops and the passing of time. The in-memory store runs
-each program next to the Redis store (one server, two replicas sharing one, and a three-node
-cluster), and every answer and every queue's state after each step must be the same in both:
-the stores are one contract. Each store's answers are also held to rules of their own: what
-one lease or pop hands out comes in priority order (in arrival order for a FIFO queue), no
-attempt is counted past the limit, and every message accepted is accounted for (taken,
-expired, dead-lettered or still held). The SQLite store, closed and opened again after a
-program, must give back every message it held, in order, with its attempts.
+dead-lettering, withdrawals, departures, pops, listings and the passing of time. The
+in-memory store runs each program next to the Redis store (one server, two replicas sharing
+one, and a three-node cluster), and every answer and every queue's state after each step
+must be the same in both: the stores are one contract. Each store's answers are also held to
+rules of their own: what one lease or pop hands out comes in priority order (in arrival
+order for a FIFO queue), no attempt is counted past the limit, and every message accepted is
+accounted for (taken, expired, dead-lettered or still held). The SQLite store, closed and
+opened again after a program, must give back every message it held, in order, with its
+attempts.
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ operations = st.one_of(  # (puts and leases more often than the rest)
     st.tuples(st.just("undead"), agents, some_ids),
     st.tuples(st.just("extend"), agents, some_ids, st.sampled_from([2.0, 100.0])),
     st.tuples(st.just("pop"), agents, st.integers(0, 2)),
+    st.tuples(st.just("waiting"), agents),
     st.tuples(st.just("advance"), st.sampled_from([0.5, 1.5, 3.0, 200.0])),
 )
 programs = st.lists(operations, min_size=10, max_size=40)
@@ -164,6 +166,8 @@ async def step(store: QueueStore, op: tuple[Any, ...], last: dict[str, list[str]
         return await store.remove_dead_letters(args[0], args[1])
     if kind == "extend":
         return await store.extend_lease(args[0], args[1], args[2])
+    if kind == "waiting":
+        return [(w.message.message_id, w.attempts) for w in await store.waiting(args[0])]
     if kind == "pop":
         popped = await store.pop(args[0], args[1])
         return [(p.message.message_id, p.attempts) for p in popped]

@@ -349,6 +349,17 @@ export interface DeadLetter {
   deadLetteredAt: string | null;
 }
 
+/** A message waiting in its agent's queue (MeshClient.waiting). */
+export interface WaitingMessage {
+  message: Message;
+  /** How many times it was delivered before (and given back); 0: never. */
+  attempts: number;
+  /** ISO 8601. */
+  acceptedAt: string | null;
+  /** ISO 8601: when its ttl ends. */
+  expiresAt: string | null;
+}
+
 export interface Tool {
   name: string;
   description: string;
@@ -645,6 +656,11 @@ export class MeshClient {
   listTools(agentId?: string): Promise<Tool[]>;
   /** The dead-letter queue (of agentId, when given), oldest first: all the broker's pages. */
   deadLetters(agentId?: string): Promise<DeadLetter[]>;
+  /**
+   * The messages waiting in the agent's queue (this client's agent by default), in delivery
+   * order, left there: all the broker's pages.
+   */
+  waiting(agentId?: string): Promise<WaitingMessage[]>;
   /** Puts dead letters back in the agent's queue (all, or those named). */
   requeueDeadLetters(agentId: string, messageIds?: string[]):
   Promise<{ requeued: number; left: number }>;

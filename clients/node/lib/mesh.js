@@ -1505,6 +1505,18 @@ class MeshClient {
   }
 
   /**
+   * The messages waiting in agentId's queue (this client's agent by default), in the order
+   * they will be delivered, page by page, left where they are: {message, attempts,
+   * acceptedAt, expiresAt}. As the Python SDK's waiting (ListMessages).
+   */
+  async waiting(agentId = this.agentId) {
+    const listed = await allPages(this.broker, 'ListMessages', { agent_id: agentId },
+      'messages');
+    return listed.map((w) => ({ message: readMessage(w.message), attempts: w.delivery_attempts,
+      acceptedAt: isoTime(w.accepted_at), expiresAt: isoTime(w.expires_at) }));
+  }
+
+  /**
    * Puts agentId's dead letters (all, or those of messageIds) back in its queue once what
    * failed them is fixed, oldest first, each for a new round of delivery attempts; resolves
    * with {requeued, left} (left: those a full queue could not take, still dead letters).
