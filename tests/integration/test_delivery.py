@@ -1026,8 +1026,11 @@ async def test_a_nack_with_a_delay_frees_the_place_in_flight_until_the_message_c
                 assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert said in (info.value.details() or "")
             assert await client.dead_letters("Worker") == []
-            reply = await stub.Nack(nack(0.2))
-            assert (reply.requeued, reply.dead_lettered) == (1, 0)
+            # (the SDK's unary nack: its value checked before anything is sent)
+            with pytest.raises(MessageValidationError, match="redeliver_after"):
+                await client.nack([first], "Worker", redeliver_after=float("nan"))
+            assert await client.nack([first], "Worker", redeliver_after=0.2) == (1, 0)
+            assert await client.nack([first], "Worker", redeliver_after=0.2) == (0, 0)  # (held)
             deferred = "agentmesh_messages_deferred_total"
             assert mesh.broker.metrics.registry.get_sample_value(deferred) == 2
             back = await asyncio.wait_for(anext(again), 5)
