@@ -305,6 +305,29 @@ async def test_a_message_another_replica_hands_back_wakes_the_agents_subscriber_
         await staying.close()
 
 
+async def test_a_delivery_nacked_for_later_comes_back_through_the_replica_that_sweeps(
+    one_redis: str,
+) -> None:
+    """A nack with ``redeliver_after`` through replica B (whose sweep is 30 s away): B's
+    subscription has its one place back at once and takes the next message; replica A's
+    sweep puts the nacked one back when its delay ends, and wakes B's subscriber for it."""
+    async with running(replica(one_redis, 0.05), replica(one_redis, 30)) as (a, b):
+        await b.register(AgentInfo(agent_id="Later"))
+        sub = await b.subscribe("Later", max_in_flight=1)
+        first = await a.send(Message(from_agent="S", to_agent="Later", content={"action": "x"}))
+        second = await a.send(Message(from_agent="S", to_agent="Later", content={"action": "y"}))
+        got = await asyncio.wait_for(sub.next(), 5)
+        assert (got.message.message_id, got.attempt) == (first.message.message_id, 1)
+        assert await b.nack("Later", [first.message.message_id], redeliver_after=0.5) == (1, 0)
+        nxt = await asyncio.wait_for(sub.next(), 5)
+        assert (nxt.message.message_id, nxt.attempt) == (second.message.message_id, 1)
+        await b.ack("Later", [second.message.message_id])
+        back = await asyncio.wait_for(sub.next(), 5)
+        assert (back.message.message_id, back.attempt) == (first.message.message_id, 2)
+        await b.ack("Later", [first.message.message_id])
+        await sub.close()
+
+
 class CountingRedisStore(CountingLeases, RedisQueueStore):
     """The Redis store, counting its lease scripts."""
 
