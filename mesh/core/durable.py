@@ -11,7 +11,8 @@ which at-least-once delivery allows.
 Commits are grouped: whatever was recorded while the previous commit ran goes into the next
 one, so a burst of senders shares commits instead of queueing behind one commit each.
 On start, the store is rebuilt from the database: waiting and leased messages come back
-queued, in their places, with their delivery attempts and what remains of their TTL.
+queued, in their places, with their delivery attempts and what remains of their TTL; one
+nacked with a delay first waits out what remains of it.
 
 The same database keeps the broker's shared state and shared memory pool
 (:meth:`SqliteQueueStore.shared_memory`): each write is committed before it is answered, and
@@ -53,6 +54,7 @@ CREATE TABLE IF NOT EXISTS messages (
     expires_at REAL NOT NULL,
     attempts INTEGER NOT NULL DEFAULT 0,
     body TEXT NOT NULL,
+    not_before REAL,
     PRIMARY KEY (agent_id, message_id)
 );
 CREATE TABLE IF NOT EXISTS agents (
@@ -118,6 +120,9 @@ class SqliteJournal:
             # WAL file once written); only a power cut can lose the last commits.
             db.execute("PRAGMA synchronous=NORMAL")
             db.executescript(_SCHEMA)
+            columns = {row[1] for row in db.execute("PRAGMA table_info(messages)")}
+            if "not_before" not in columns:  # (a database of an earlier version)
+                db.execute("ALTER TABLE messages ADD COLUMN not_before REAL")
         except sqlite3.DatabaseError as error:  # (not a database, or not one of ours)
             raise BrokerUnavailableError(
                 f"the SQLite queue store {self.path} cannot be used: {error}",
@@ -146,10 +151,10 @@ class SqliteJournal:
     def load(self) -> tuple[list[StoredEntry], list[tuple[str, DeadLetter]]]:
         """What the database holds: messages in acceptance order, and the dead letters."""
         entries = [
-            StoredEntry(_message(body), agent_id, accepted, expires, attempts)
-            for agent_id, accepted, expires, attempts, body in self._db.execute(
-                "SELECT agent_id, accepted_at, expires_at, attempts, body FROM messages "
-                "ORDER BY accepted_at"
+            StoredEntry(_message(body), agent_id, accepted, expires, attempts, not_before)
+            for agent_id, accepted, expires, attempts, body, not_before in self._db.execute(
+                "SELECT agent_id, accepted_at, expires_at, attempts, body, not_before"
+                " FROM messages ORDER BY accepted_at"
             )
         ]
         dead = [
@@ -179,6 +184,9 @@ class SqliteJournal:
 
     def attempted(self, entry: StoredEntry) -> None:
         self._record(("attempts", entry.agent_id, entry.message.message_id, entry.attempts))
+
+    def deferred(self, agent_id: str, message_id: str, until: float) -> None:
+        self._record(("deferred", agent_id, message_id, until))
 
     def removed(self, agent_id: str, message_id: str) -> None:
         self._record(("delete", agent_id, message_id))
@@ -279,7 +287,8 @@ class SqliteJournal:
                 if kind == "put":
                     entry: StoredEntry = op[1]
                     db.execute(
-                        "INSERT OR REPLACE INTO messages VALUES (?, ?, ?, ?, ?, ?)",
+                        "INSERT OR REPLACE INTO messages (agent_id, message_id, accepted_at,"
+                        " expires_at, attempts, body) VALUES (?, ?, ?, ?, ?, ?)",
                         (
                             entry.agent_id,
                             entry.message.message_id,
@@ -289,9 +298,15 @@ class SqliteJournal:
                             json.dumps(entry.message.to_dict(), separators=(",", ":")),
                         ),
                     )
-                elif kind == "attempts":
+                elif kind == "attempts":  # (leased, or back in its place: not deferred)
                     db.execute(
-                        "UPDATE messages SET attempts = ? WHERE agent_id = ? AND message_id = ?",
+                        "UPDATE messages SET attempts = ?, not_before = NULL"
+                        " WHERE agent_id = ? AND message_id = ?",
+                        (op[3], op[1], op[2]),
+                    )
+                elif kind == "deferred":
+                    db.execute(
+                        "UPDATE messages SET not_before = ? WHERE agent_id = ? AND message_id = ?",
                         (op[3], op[1], op[2]),
                     )
                 elif kind == "delete":

@@ -347,6 +347,11 @@ class Journal(Protocol):
         """The entry's delivery attempts changed (leased, or returned to its queue)."""
         ...
 
+    def deferred(self, agent_id: str, message_id: str, until: float) -> None:
+        """The message was nacked with a delay: not delivered before ``until`` (wall-clock
+        seconds), not even after a restart."""
+        ...
+
     def removed(self, agent_id: str, message_id: str) -> None: ...
 
     def dead(self, agent_id: str, dead: DeadLetter) -> None: ...
@@ -371,6 +376,9 @@ class StoredEntry:
     expires_at: float
     """Wall-clock seconds (epoch) at which the TTL ends."""
     attempts: int
+    not_before: float | None = None
+    """Wall-clock seconds (epoch) before which it is not delivered again (nacked with a
+    delay); None: it waits in its place."""
 
 
 def capacity_limits(
@@ -539,16 +547,22 @@ class InMemoryQueueStore:
             self._journal.put(StoredEntry(message, agent_id, wall, wall + ttl_seconds, 0))
         return True
 
-    def _admit(self, queue: _AgentQueue, entry: _Entry) -> None:
+    def _admit(self, queue: _AgentQueue, entry: _Entry, *, deferred_until: float = 0.0) -> None:
         queue.by_id[entry.message.message_id] = entry
-        self._push(queue, entry)
+        if deferred_until:
+            entry.state = _State.LEASED
+            queue.leased[entry.message.message_id] = entry
+            self._defer(entry, deferred_until)
+        else:
+            self._push(queue, entry)
         self._total += 1
         heapq.heappush(self._expiry, (entry.expires_at, entry.seq, entry))
         if len(self._expiry) > _compact_at(self._total):
             self._expiry = _live(self._expiry, lambda item: item[2].state is not _State.GONE)
 
     def restore(self, stored: StoredEntry) -> None:
-        """Puts back a message a journal kept, as queued, with its attempts and remaining TTL.
+        """Puts back a message a journal kept, as queued, with its attempts and remaining TTL
+        (one nacked with a delay that has not ended waits it out first).
 
         Capacity is not checked: what was accepted before a restart stays accepted.
         """
@@ -569,7 +583,8 @@ class InMemoryQueueStore:
             expires_at=now + (stored.expires_at - wall),
             attempts=stored.attempts,
         )
-        self._admit(queue, entry)
+        wait = 0.0 if stored.not_before is None else stored.not_before - wall
+        self._admit(queue, entry, deferred_until=now + wait if wait > 0 else 0.0)
 
     def restore_dead_letter(self, agent_id: str, dead: DeadLetter) -> None:
         self._add_dead(agent_id, dead)
@@ -802,6 +817,9 @@ class InMemoryQueueStore:
         entry.deferred = True
         entry.lease_until = until  # (the heap's earlier item for it is now stale)
         heapq.heappush(self._lease_heap, (until, entry.seq, entry))
+        if self._journal:
+            wall_until = self._wall().timestamp() + (until - self._clock())
+            self._journal.deferred(entry.agent_id, entry.message.message_id, wall_until)
 
     async def extend_lease(
         self, agent_id: str, message_ids: Iterable[str], lease_seconds: float

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import secrets
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -1134,6 +1136,78 @@ async def test_reopened_store_keeps_what_remains_of_the_ttl(tmp_path: Path) -> N
     second = SqliteQueueStore(path, **OPTIONS, wall_clock=lambda: wall[0], listener=recorder)
     assert await ids(second) == ["long"]
     assert [m.message_id for m in recorder.expired] == ["short"]
+    await second.close()
+
+
+async def test_a_delay_asked_by_a_nack_survives_a_reopen(tmp_path: Path) -> None:
+    """A message nacked with a delay waits out what remains of it after a restart, where a
+    lease ends with the process; once it has come back, a restart leaves it in its place."""
+    path = tmp_path / "queues.db"
+    wall = [BASE]
+    clock = FakeClock()
+    first = SqliteQueueStore(path, **OPTIONS, clock=clock, wall_clock=lambda: wall[0])
+    for mid in ("later", "leased", "kept"):
+        await first.put(msg(mid, at={"later": 0, "leased": 1, "kept": 2}[mid]), 3600)
+    assert len(await first.lease_many("PaymentAgent", "s", 30, 2)) == 2
+    assert await first.nack("PaymentAgent", ["later"], delay=60) == (1, 0)
+    await first.close()
+    wall[0] = BASE + timedelta(seconds=20)  # down for 20 s: 40 s of the delay remain
+    second = SqliteQueueStore(path, **OPTIONS, clock=clock, wall_clock=lambda: wall[0])
+    [stats] = await second.stats("PaymentAgent")
+    assert (stats.depth, stats.in_flight) == (2, 1)
+    assert [(p.message.message_id, p.attempts) for p in await second.pop("PaymentAgent")] == [
+        ("leased", 1),
+        ("kept", 0),
+    ]
+    clock.advance(39)
+    await second.sweep()
+    assert await second.lease("PaymentAgent", "s", 30) is None
+    clock.advance(2)
+    await second.sweep()
+    back = await second.lease("PaymentAgent", "s", 30)
+    assert back is not None and (back.message.message_id, back.attempt) == ("later", 2)
+    assert await second.nack("PaymentAgent", ["later"]) == (1, 0)  # (back at once)
+    await second.close()
+    third = SqliteQueueStore(path, **OPTIONS, clock=clock, wall_clock=lambda: wall[0])
+    assert [(p.message.message_id, p.attempts) for p in await third.pop("PaymentAgent")] == [
+        ("later", 2)
+    ]
+    await third.close()
+
+
+async def test_a_database_of_an_earlier_version_is_read_and_written(tmp_path: Path) -> None:
+    """A database written before messages could be nacked with a delay (no ``not_before``
+    column) opens: its messages are restored, and a delay asked now is kept."""
+    path = tmp_path / "queues.db"
+    old = sqlite3.connect(path)
+    old.execute(
+        "CREATE TABLE messages (agent_id TEXT NOT NULL, message_id TEXT NOT NULL,"
+        " accepted_at REAL NOT NULL, expires_at REAL NOT NULL,"
+        " attempts INTEGER NOT NULL DEFAULT 0, body TEXT NOT NULL,"
+        " PRIMARY KEY (agent_id, message_id))"
+    )
+    now = datetime.now(UTC).timestamp()
+    body = json.dumps(msg("old").to_dict())
+    old.execute(
+        "INSERT INTO messages VALUES (?, ?, ?, ?, ?, ?)",
+        ("PaymentAgent", "old", now, now + 3600, 1, body),
+    )
+    old.commit()
+    old.close()
+    first = SqliteQueueStore(path, **OPTIONS)
+    assert first.restored == 1
+    await first.put(msg("new", at=1), 3600)
+    leased = await first.lease_many("PaymentAgent", "s", 30, 2)
+    assert [(lease.message.message_id, lease.attempt) for lease in leased] == [
+        ("old", 2),
+        ("new", 1),
+    ]
+    assert await first.nack("PaymentAgent", ["old"], delay=3600) == (1, 0)
+    await first.close()
+    second = SqliteQueueStore(path, **OPTIONS)
+    assert [p.message.message_id for p in await second.pop("PaymentAgent")] == ["new"]
+    [stats] = await second.stats("PaymentAgent")
+    assert (stats.depth, stats.in_flight) == (0, 1)  # (old: an hour to wait)
     await second.close()
 
 

@@ -382,8 +382,8 @@ def test_the_sqlite_store_gives_back_after_a_restart_what_it_held(
 ) -> None:
     """After any program, the SQLite store closed and opened again holds what it held:
     waiting and leased messages queued in their places with their attempts (a lease ends
-    with the process: as when its subscriber leaves; a nack's delay ends with it too), the
-    dead letters kept."""
+    with the process: as when its subscriber leaves), those nacked with a delay waiting it
+    out still, the dead letters kept."""
 
     async def run() -> None:
         path = tmp_path / f"queues-{secrets.token_hex(6)}.db"  # (one a program)
@@ -395,15 +395,15 @@ def test_the_sqlite_store_gives_back_after_a_restart_what_it_held(
         for subscriber in SUBSCRIBERS:  # what a restart does to the leases
             for agent_id in AGENTS:
                 await reference.release_subscriber(agent_id, subscriber)
-        # ... and to the messages nacked with a delay: back at once (the reference has them
-        # back once the longest delay has passed; the TTLs pass as long for both).
-        clock.now += 5.0
-        await reference.sweep()
         reopened = SqliteQueueStore(
             path, **{**OPTIONS, **options}, clock=clock, wall_clock=clock.wall
         )
         try:
             assert await state(reopened) == await state(reference)
+            # The messages nacked with a delay wait it out still, then come back alike.
+            clock.now += 5.0
+            await reference.sweep()
+            await reopened.sweep()
             assert await drain(reopened) == await drain(reference)
         finally:
             await reopened.close()
