@@ -12,6 +12,8 @@ import reprlib
 from dataclasses import dataclass
 from typing import Any
 
+from mesh.config import MAX_TTL
+
 _SHOWN = reprlib.Repr()  # (Python 3.11 takes no limits as arguments)
 _SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxdict = 3, 5, 5
 _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 80, 80, 40
@@ -171,18 +173,16 @@ class RetryLater(MultiAgentCommunicationError):
 
     code = "UNAVAILABLE"
     reason = "RETRY_LATER"
-    LONGEST = 86400.0
-    """The longest wait a broker takes by default (its ``max_ttl``)."""
 
     def __init__(self, after: float, why: str = "") -> None:
         if (
             isinstance(after, bool)
             or not isinstance(after, int | float)
-            or not 0 < after <= self.LONGEST  # (NaN too)
+            or not 0 < after <= MAX_TTL  # (NaN too; a broker's longest wait by default)
         ):
             raise ValueError(
-                f"RetryLater takes the seconds to wait, more than 0 and at most"
-                f" {self.LONGEST:.0f}, not {shown(after)}"
+                f"RetryLater takes the seconds to wait, more than 0 and at most {MAX_TTL},"
+                f" not {shown(after)}"
             )
         super().__init__(why or f"retry in {after:g} s", retry_after=float(after))
 
