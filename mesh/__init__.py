@@ -62,6 +62,8 @@ if _TYPE_CHECKING:
         NotFoundError,
         PermissionDeniedError,
         Priority,
+        QueuedMessage,
+        QueuedState,
         RequestTimeoutError,
         RetryLater,
         RoutingError,
@@ -74,7 +76,6 @@ if _TYPE_CHECKING:
         Tool,
         UnauthenticatedError,
         UnhandledActionError,
-        WaitingMessage,
         negotiation,
     )
     from mesh.server import serve_broker
@@ -154,6 +155,8 @@ __all__ = [
     "NotFoundError",
     "PermissionDeniedError",
     "Priority",
+    "QueuedMessage",
+    "QueuedState",
     "Received",
     "RequestTimeoutError",
     "RetryLater",
@@ -171,7 +174,6 @@ __all__ = [
     "Tool",
     "UnauthenticatedError",
     "UnhandledActionError",
-    "WaitingMessage",
     "agent",
     "connect",
     "negotiation",

@@ -35,6 +35,7 @@ from mesh.core.model import (
     Message,
     MessageType,
     Priority,
+    QueuedState,
 )
 from mesh.core.state import StateEntry
 from mesh.core.tools import ToolHost
@@ -522,43 +523,64 @@ async def _receive(args: argparse.Namespace) -> int:
 
 
 async def _queue(args: argparse.Namespace) -> int:
-    """The messages waiting in an agent's queue, in the order they will be delivered, left
-    there."""
+    """What an agent's queue holds, left there: the messages waiting, in the order they will
+    be delivered, then those in flight or deferred."""
     async with connect(args.broker, security=security_config(args)) as client:
-        waiting = await client.waiting(args.agent)
+        queued = await client.list_messages(args.agent)
     if args.json:
         listed = [
             {
-                "message": w.message.to_dict(),
-                "attempts": w.attempts,
-                "accepted_at": w.accepted_at.isoformat(),
-                "expires_at": w.expires_at.isoformat(),
+                "message": q.message.to_dict(),
+                "state": q.state.value,
+                "attempts": q.attempts,
+                "accepted_at": q.accepted_at.isoformat(),
+                "expires_at": q.expires_at.isoformat(),
+                "until": q.until.isoformat() if q.until else None,
             }
-            for w in waiting
+            for q in queued
         ]
         _print(json.dumps(listed, indent=2))
         return 0
-    if not waiting:
-        _print(f"no messages waiting for {args.agent}")
+    if not queued:
+        _print(f"no messages for {args.agent}")
         return 0
     now = datetime.now(UTC)
-    rows = [("MESSAGE", "PRIORITY", "TYPE", "FROM", "ACTION", "ATTEMPTS", "WAITING", "EXPIRES IN")]
-    for w in waiting:
-        m = w.message
+    rows = [
+        (
+            "MESSAGE",
+            "STATE",
+            "PRIORITY",
+            "TYPE",
+            "FROM",
+            "ACTION",
+            "ATTEMPTS",
+            "AGE",
+            "EXPIRES IN",
+            "UNTIL",
+        )
+    ]
+    for q in queued:
+        m = q.message
         rows.append(
             (
                 m.message_id,
+                q.state.value,
                 m.priority.value,
                 m.message_type.value,
                 m.from_agent,
                 m.action or "-",
-                str(w.attempts),
-                _span((now - w.accepted_at).total_seconds()),
-                _span((w.expires_at - now).total_seconds()),
+                str(q.attempts),
+                _span((now - q.accepted_at).total_seconds()),
+                _span((q.expires_at - now).total_seconds()),
+                _span((q.until - now).total_seconds()) if q.until else "-",
             )
         )
     _table(rows)
-    _print(f"{len(waiting)} messages waiting for {args.agent}")
+    counts = {state: sum(q.state is state for q in queued) for state in QueuedState}
+    _print(
+        f"{args.agent}: "
+        + ", ".join(f"{n} {state.value.lower().replace('_', ' ')}" for state, n in counts.items())
+    )
     return 0
 
 
@@ -1180,7 +1202,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_receive)
 
     p = sub.add_parser(
-        "queue", help="the messages waiting in an agent's queue, in delivery order, not taken"
+        "queue",
+        help="what an agent's queue holds (waiting in delivery order, in flight, deferred),"
+        " not taken",
     )
     p.add_argument("agent", metavar="AGENT")
     p.add_argument("--broker", default=broker_default)

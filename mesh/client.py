@@ -69,7 +69,7 @@ from mesh.core.model import (
     Message,
     MessageType,
     Priority,
-    WaitingMessage,
+    QueuedMessage,
     is_number,
     new_message_id,
     utc_now,
@@ -2344,13 +2344,14 @@ class MeshClient(ChannelOnFirstUse):
         pages = await self._every_page(self._stub.ListDeadLetters, request, "dead_letters")
         return [codec.dead_letter_from_pb(d) for d in pages]
 
-    async def waiting(self, agent_id: str | None = None) -> list[WaitingMessage]:
-        """The messages waiting in the queue of ``agent_id`` (this client's agent when None),
-        in the order they will be delivered, page by page, left where they are: what is
-        stuck there, and since when."""
+    async def list_messages(self, agent_id: str | None = None) -> list[QueuedMessage]:
+        """What the queue of ``agent_id`` (this client's agent when None) holds, page by page,
+        left where it is: the messages waiting, in the order they will be delivered, then
+        those in flight or deferred (``state``, ``until``): what is stuck, where, and since
+        when."""
         request = _request(broker_pb2.ListMessagesRequest, agent_id=agent_id or self.agent_id)
         pages = await self._every_page(self._stub.ListMessages, request, "messages")
-        return [codec.waiting_from_pb(w) for w in pages]
+        return [codec.queued_from_pb(q) for q in pages]
 
     async def requeue_dead_letters(
         self, agent_id: str, message_ids: Iterable[str] = ()

@@ -28,8 +28,9 @@ from mesh.core.model import (
     Message,
     MessageType,
     Priority,
+    QueuedMessage,
+    QueuedState,
     Tool,
-    WaitingMessage,
     assemble_message,
     new_message_id,
     utc_now,
@@ -813,22 +814,26 @@ def dead_letter_to_pb(dead: DeadLetter, out: broker_pb2.DeadLetter) -> broker_pb
     return out
 
 
-def waiting_to_pb(
-    waiting: WaitingMessage, out: broker_pb2.WaitingMessage
-) -> broker_pb2.WaitingMessage:
-    message_to_pb(waiting.message, out.message)
-    out.delivery_attempts = waiting.attempts
-    datetime_to_timestamp(waiting.accepted_at, out.accepted_at)
-    datetime_to_timestamp(waiting.expires_at, out.expires_at)
+def queued_to_pb(queued: QueuedMessage, out: broker_pb2.QueuedMessage) -> broker_pb2.QueuedMessage:
+    message_to_pb(queued.message, out.message)
+    out.delivery_attempts = queued.attempts
+    datetime_to_timestamp(queued.accepted_at, out.accepted_at)
+    datetime_to_timestamp(queued.expires_at, out.expires_at)
+    out.state = broker_pb2.QueuedState.Value(f"QUEUED_STATE_{queued.state.value}")
+    if queued.until is not None:
+        datetime_to_timestamp(queued.until, out.until)
     return out
 
 
-def waiting_from_pb(pb: broker_pb2.WaitingMessage) -> WaitingMessage:
-    return WaitingMessage(
+def queued_from_pb(pb: broker_pb2.QueuedMessage) -> QueuedMessage:
+    state = broker_pb2.QueuedState.Name(pb.state).removeprefix("QUEUED_STATE_")
+    return QueuedMessage(
         message_from_pb(pb.message),
         pb.delivery_attempts,
         timestamp_to_datetime(pb.accepted_at),
         timestamp_to_datetime(pb.expires_at),
+        QueuedState(state) if state in QueuedState.__members__ else QueuedState.WAITING,
+        timestamp_to_datetime(pb.until) if pb.HasField("until") else None,
     )
 
 

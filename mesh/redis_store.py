@@ -56,17 +56,17 @@ from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
 from mesh.core.errors import BrokerUnavailableError, MessageQueueFullError, message_id_taken
-from mesh.core.model import AgentInfo, DeadLetter, Message, Priority
+from mesh.core.model import AgentInfo, DeadLetter, Message, Priority, QueuedState
 from mesh.core.queue import (
     GIVEN_UP_ROUTE,
     GIVEN_UP_SECONDS,
     MAX_FORWARDS,
+    Held,
     Lease,
     Popped,
     QueueStats,
     Released,
     RouteClaim,
-    StoredEntry,
     capacity_limits,
 )
 from mesh.core.tasks import cancel_and_wait, stop_if_cancelled
@@ -80,6 +80,8 @@ RELEASED = "mesh:released:"
 REGISTRY = "mesh:registry"
 DEFERRED = "~"
 """The subscriber a message nacked with a delay is held by (nobody) until it comes back."""
+_LISTED = {"w": QueuedState.WAITING, "f": QueuedState.IN_FLIGHT, "d": QueuedState.DEFERRED}
+"""The states the listing script names."""
 REGISTRATION_TRIES = 64
 """How often a change to one registration is tried while other replicas' changes come
 first (each round, one of the changes racing goes through)."""
@@ -288,7 +290,7 @@ end
 return {popped, out}
 """
 
-_WAITING = """
+_LISTING = """
 local out, listed = {}, {}
 expire_due(tonumber(ARGV[1]), out)
 for _, member in ipairs(redis.call('ZRANGE', ready, 0, -1)) do
@@ -296,7 +298,20 @@ for _, member in ipairs(redis.call('ZRANGE', ready, 0, -1)) do
   local m = redis.call('HGET', meta, id)
   if m then
     local info = cjson.decode(m)
-    table.insert(listed, {redis.call('HGET', msgs, id), tostring(info.c), tostring(info.e), info.a})
+    table.insert(listed,
+      {redis.call('HGET', msgs, id), tostring(info.c), tostring(info.e), info.a, 'w', ''})
+  end
+end
+-- (by the end of the lease or delay, then by id: the sorted set's own order)
+local held = redis.call('ZRANGE', leased, 0, -1, 'WITHSCORES')
+for i = 1, #held, 2 do
+  local id = held[i]
+  local m = redis.call('HGET', meta, id)
+  if m then
+    local info = cjson.decode(m)
+    local state = info.s == DEFERRED and 'd' or 'f'
+    table.insert(listed, {redis.call('HGET', msgs, id), tostring(info.c), tostring(info.e),
+      info.a, state, held[i + 1]})
   end
 end
 return {listed, out}
@@ -498,7 +513,7 @@ SCRIPTS = {
         ("put", _PUT),
         ("lease", _LEASE),
         ("pop", _POP),
-        ("waiting", _WAITING),
+        ("listing", _LISTING),
         ("take_back", _TAKE_BACK),
         ("ack", _ACK),
         ("extend", _EXTEND),
@@ -1529,18 +1544,19 @@ class RedisQueueStore:
     async def depth(self, agent_id: str) -> int:
         return int(await self._call("zcard", _keys(agent_id)[0]))
 
-    async def waiting(self, agent_id: str) -> list[StoredEntry]:
-        listed, events = await self._run("waiting", agent_id, [self._now_ms()])
+    async def listing(self, agent_id: str) -> list[Held]:
+        listed, events = await self._run("listing", agent_id, [self._now_ms()])
         self._report(agent_id, events)
         return [
-            StoredEntry(
+            Held(
                 _message(body),
-                agent_id,
+                int(attempts),
                 float(_text(accepted)) / 1000,
                 float(_text(expires)) / 1000,
-                int(attempts),
+                _LISTED[_text(state)],
+                float(_text(until)) / 1000 if _text(until) else None,
             )
-            for body, accepted, expires, attempts in listed
+            for body, accepted, expires, attempts, state, until in listed
         ]
 
     async def dead_letters(self, agent_id: str | None = None) -> list[DeadLetter]:

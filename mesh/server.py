@@ -329,10 +329,10 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         self, request: broker_pb2.ListMessagesRequest, context: Any
     ) -> broker_pb2.ListMessagesResponse:
         start = page_offset(request.page_token)
-        waiting = await self.broker.waiting(request.agent_id)
+        queued = await self.broker.queued(request.agent_id)
         response = broker_pb2.ListMessagesResponse()
-        end = fill_page(response.messages, waiting, start, request.page_size, codec.waiting_to_pb)
-        if end < len(waiting):
+        end = fill_page(response.messages, queued, start, request.page_size, codec.queued_to_pb)
+        if end < len(queued):
             response.next_page_token = str(end)
         return response
 

@@ -42,8 +42,9 @@ from mesh.core.model import (
     Message,
     MessageType,
     Priority,
+    QueuedMessage,
+    QueuedState,
     Tool,
-    WaitingMessage,
 )
 from mesh.core.queue import InMemoryQueueStore, QueueStore
 from mesh.core.state import ChangeKind, StateChange, StateEntry, StateLock, StatePage
@@ -80,6 +81,8 @@ __all__ = [
     "PermissionDeniedError",
     "Priority",
     "QueueStore",
+    "QueuedMessage",
+    "QueuedState",
     "RequestTimeoutError",
     "RetryLater",
     "RoutingError",
@@ -94,6 +97,5 @@ __all__ = [
     "Tool",
     "UnauthenticatedError",
     "UnhandledActionError",
-    "WaitingMessage",
     "negotiation",
 ]

@@ -52,7 +52,7 @@ from mesh.core.model import (
     Message,
     MessageType,
     Priority,
-    WaitingMessage,
+    QueuedMessage,
     receipt_of,
     utc_now,
 )
@@ -2309,22 +2309,25 @@ class Broker:
     async def dead_letters(self, agent_id: str = "") -> list[DeadLetter]:
         return await self.store.dead_letters(agent_id or None)
 
-    async def waiting(self, agent_id: str) -> list[WaitingMessage]:
-        """The messages waiting in the agent's queue, in the order they will be delivered,
-        left there: what is stuck in it, and since when. AgentNotFoundError for an agent
-        that is not registered and has none waiting."""
+    async def queued(self, agent_id: str) -> list[QueuedMessage]:
+        """What the agent's queue holds, left there: the messages waiting, in the order they
+        will be delivered, then those in flight or deferred, by when their lease or delay
+        ends (what is stuck, where, and since when). AgentNotFoundError for an agent that is
+        not registered and has none."""
         named(agent_id)
-        entries = await self.store.waiting(agent_id)
-        if not entries and not await self._is_registered(agent_id):
+        held = await self.store.listing(agent_id)
+        if not held and not await self._is_registered(agent_id):
             raise AgentNotFoundError(f"agent {agent_id} is not registered")
         return [
-            WaitingMessage(
-                message=entry.message,
-                attempts=entry.attempts,
-                accepted_at=datetime.fromtimestamp(entry.accepted_at, UTC),
-                expires_at=datetime.fromtimestamp(entry.expires_at, UTC),
+            QueuedMessage(
+                message=h.message,
+                attempts=h.attempts,
+                accepted_at=datetime.fromtimestamp(h.accepted_at, UTC),
+                expires_at=datetime.fromtimestamp(h.expires_at, UTC),
+                state=h.state,
+                until=None if h.until is None else datetime.fromtimestamp(h.until, UTC),
             )
-            for entry in entries
+            for h in held
         ]
 
     async def requeue_dead_letters(

@@ -546,14 +546,27 @@ class DeadLetter:
     dead_lettered_at: datetime
 
 
+class QueuedState(_Named):
+    """Where a message its queue holds is."""
+
+    WAITING = "WAITING"
+    """Waiting for its delivery (or for another, after it was given back)."""
+    IN_FLIGHT = "IN_FLIGHT"
+    """Delivered, not acknowledged yet: back in the queue when its lease ends."""
+    DEFERRED = "DEFERRED"
+    """Nacked with a delay (a handler's RetryLater): held by nobody until it comes back."""
+
+
 @dataclass(frozen=True, slots=True)
-class WaitingMessage:
-    """A message in its agent's queue, not delivered yet (or given back for another
-    attempt), as a listing of the queue shows it."""
+class QueuedMessage:
+    """A message its agent's queue holds, as a listing of the queue shows it."""
 
     message: Message
     attempts: int
-    """How many times it was delivered before (and given back); 0: never."""
+    """How many times it was delivered (the one in flight included); 0: never."""
     accepted_at: datetime
     expires_at: datetime
     """When its ttl ends: it is never delivered after that."""
+    state: QueuedState = QueuedState.WAITING
+    until: datetime | None = None
+    """In flight: when its lease ends; deferred: when it comes back; None while waiting."""

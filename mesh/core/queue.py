@@ -26,7 +26,7 @@ from datetime import datetime, timedelta
 from typing import Any, Protocol, TypeVar
 
 from mesh.core.errors import MessageQueueFullError, message_id_taken
-from mesh.core.model import AgentInfo, DeadLetter, Message, Priority, utc_now
+from mesh.core.model import AgentInfo, DeadLetter, Message, Priority, QueuedState, utc_now
 
 Clock = Callable[[], float]
 WallClock = Callable[[], datetime]
@@ -227,9 +227,10 @@ class QueueStore(Protocol):
         """Messages waiting for one agent."""
         ...
 
-    async def waiting(self, agent_id: str) -> list[StoredEntry]:
-        """The messages waiting in the agent's queue (those past their ttl leave first), in
-        the order they will be delivered, left where they are."""
+    async def listing(self, agent_id: str) -> list[Held]:
+        """What the agent's queue holds, left where it is (what is past its ttl and waiting
+        leaves first): the messages waiting, in the order they will be delivered, then those
+        in flight or deferred, by when their lease or delay ends (then by id)."""
         ...
 
     async def sync(self) -> None:
@@ -379,6 +380,21 @@ class StoredEntry:
     not_before: float | None = None
     """Wall-clock seconds (epoch) before which it is not delivered again (nacked with a
     delay); None: it waits in its place."""
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A message a queue holds, as a listing of the queue shows it."""
+
+    message: Message
+    attempts: int
+    accepted_at: float
+    """Wall-clock seconds (epoch) of acceptance."""
+    expires_at: float
+    """Wall-clock seconds (epoch) at which the TTL ends."""
+    state: QueuedState
+    until: float | None = None
+    """Wall-clock seconds (epoch) at which its lease or its delay ends; None while waiting."""
 
 
 def capacity_limits(
@@ -1010,14 +1026,42 @@ class InMemoryQueueStore:
     async def held(self) -> int:
         return self._total
 
-    async def waiting(self, agent_id: str) -> list[StoredEntry]:
+    async def listing(self, agent_id: str) -> list[Held]:
         queue = self._queues.get(agent_id)
         if queue is None:
             return []
-        self._expire(self._clock())
+        now = self._clock()
+        self._expire(now)
+        wall = self._wall().timestamp()
         queued = [e for e in queue.by_id.values() if e.state is _State.QUEUED]
         queued.sort(key=(lambda e: e.seq) if self.fifo else _Entry.key)
-        return [self._stored(entry) for entry in queued]
+        out = [self._held(entry, now, wall, QueuedState.WAITING) for entry in queued]
+        out.extend(
+            self._held(
+                entry,
+                now,
+                wall,
+                QueuedState.DEFERRED if entry.deferred else QueuedState.IN_FLIGHT,
+                wall + (entry.lease_until - now),
+            )
+            for entry in sorted(
+                queue.leased.values(), key=lambda e: (e.lease_until, e.message.message_id)
+            )
+        )
+        return out
+
+    @staticmethod
+    def _held(
+        entry: _Entry, now: float, wall: float, state: QueuedState, until: float | None = None
+    ) -> Held:
+        return Held(
+            entry.message,
+            entry.attempts,
+            wall - (now - entry.accepted_at),
+            wall + (entry.expires_at - now),
+            state,
+            until,
+        )
 
     async def depth(self, agent_id: str) -> int:
         q = self._queues.get(agent_id)

@@ -9,6 +9,7 @@ from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from mesh.v1 import message_pb2 as _message_pb2
 import builtins as _builtins
 import sys
@@ -20,6 +21,34 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _QueuedState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _QueuedStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_QueuedState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    QUEUED_STATE_UNSPECIFIED: _QueuedState.ValueType  # 0
+    """Not set."""
+    QUEUED_STATE_WAITING: _QueuedState.ValueType  # 1
+    """Waiting for its delivery (or for another, after it was given back)."""
+    QUEUED_STATE_IN_FLIGHT: _QueuedState.ValueType  # 2
+    """Delivered, not acknowledged yet: back in the queue when its lease ends."""
+    QUEUED_STATE_DEFERRED: _QueuedState.ValueType  # 3
+    """Nacked with redeliver_after (a handler's RetryLater): held by nobody until it comes back."""
+
+class QueuedState(_QueuedState, metaclass=_QueuedStateEnumTypeWrapper):
+    """QueuedState is where a message its queue holds is."""
+
+QUEUED_STATE_UNSPECIFIED: QueuedState.ValueType  # 0
+"""Not set."""
+QUEUED_STATE_WAITING: QueuedState.ValueType  # 1
+"""Waiting for its delivery (or for another, after it was given back)."""
+QUEUED_STATE_IN_FLIGHT: QueuedState.ValueType  # 2
+"""Delivered, not acknowledged yet: back in the queue when its lease ends."""
+QUEUED_STATE_DEFERRED: QueuedState.ValueType  # 3
+"""Nacked with redeliver_after (a handler's RetryLater): held by nobody until it comes back."""
+Global___QueuedState: _TypeAlias = QueuedState  # noqa: Y015
 
 @_typing.final
 class RegisterAgentRequest(_message.Message):
@@ -1445,7 +1474,7 @@ Global___ListDeadLettersResponse: _TypeAlias = ListDeadLettersResponse  # noqa: 
 
 @_typing.final
 class ListMessagesRequest(_message.Message):
-    """ListMessagesRequest asks for the messages waiting in one agent's queue."""
+    """ListMessagesRequest asks for the messages one agent's queue holds."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1481,10 +1510,8 @@ class ListMessagesRequest(_message.Message):
 Global___ListMessagesRequest: _TypeAlias = ListMessagesRequest  # noqa: Y015
 
 @_typing.final
-class WaitingMessage(_message.Message):
-    """WaitingMessage is a message in its queue, not delivered yet (or given back for another
-    attempt).
-    """
+class QueuedMessage(_message.Message):
+    """QueuedMessage is a message its agent's queue holds."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1492,8 +1519,12 @@ class WaitingMessage(_message.Message):
     DELIVERY_ATTEMPTS_FIELD_NUMBER: _builtins.int
     ACCEPTED_AT_FIELD_NUMBER: _builtins.int
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    UNTIL_FIELD_NUMBER: _builtins.int
     delivery_attempts: _builtins.int
-    """How many times it was delivered before (and given back); 0: never."""
+    """How many times it was delivered (the one in flight included); 0: never."""
+    state: Global___QueuedState.ValueType
+    """Waiting, in flight or deferred."""
     @_builtins.property
     def message(self) -> _message_pb2.Message:
         """The message."""
@@ -1506,6 +1537,10 @@ class WaitingMessage(_message.Message):
     def expires_at(self) -> _timestamp_pb2.Timestamp:
         """When its ttl ends: it is never delivered after that."""
 
+    @_builtins.property
+    def until(self) -> _timestamp_pb2.Timestamp:
+        """In flight: when its lease ends; deferred: when it comes back. Unset while waiting."""
+
     def __init__(
         self,
         *,
@@ -1513,18 +1548,22 @@ class WaitingMessage(_message.Message):
         delivery_attempts: _builtins.int = ...,
         accepted_at: _timestamp_pb2.Timestamp | None = ...,
         expires_at: _timestamp_pb2.Timestamp | None = ...,
+        state: Global___QueuedState.ValueType = ...,
+        until: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["accepted_at", b"accepted_at", "expires_at", b"expires_at", "message", b"message"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["accepted_at", b"accepted_at", "expires_at", b"expires_at", "message", b"message", "until", b"until"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_at", b"accepted_at", "delivery_attempts", b"delivery_attempts", "expires_at", b"expires_at", "message", b"message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_at", b"accepted_at", "delivery_attempts", b"delivery_attempts", "expires_at", b"expires_at", "message", b"message", "state", b"state", "until", b"until"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___WaitingMessage: _TypeAlias = WaitingMessage  # noqa: Y015
+Global___QueuedMessage: _TypeAlias = QueuedMessage  # noqa: Y015
 
 @_typing.final
 class ListMessagesResponse(_message.Message):
-    """ListMessagesResponse lists waiting messages in the order they will be delivered."""
+    """ListMessagesResponse lists the messages a queue holds: those waiting in the order they
+    will be delivered, then those in flight or deferred by when their lease or delay ends.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1533,13 +1572,13 @@ class ListMessagesResponse(_message.Message):
     next_page_token: _builtins.str
     """Set when more follow: pass it as page_token for the next page."""
     @_builtins.property
-    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___WaitingMessage]:
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___QueuedMessage]:
         """The messages."""
 
     def __init__(
         self,
         *,
-        messages: _abc.Iterable[Global___WaitingMessage] | None = ...,
+        messages: _abc.Iterable[Global___QueuedMessage] | None = ...,
         next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015

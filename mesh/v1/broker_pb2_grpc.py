@@ -271,8 +271,9 @@ class BrokerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListMessages(self, request, context):
-        """Lists the messages waiting in an agent's queue, in the order they will be delivered,
-        without taking them (what is stuck there, and since when), a page at a time.
+        """Lists the messages an agent's queue holds without taking them: those waiting, in the
+        order they will be delivered, then those in flight or deferred (what is stuck there,
+        where, and since when), a page at a time.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

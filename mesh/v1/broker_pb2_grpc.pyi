@@ -88,8 +88,9 @@ class BrokerServiceStub:
     of them or those named, oldest first, each for a new round of delivery attempts.
     """
     ListMessages: _grpc.UnaryUnaryMultiCallable[_broker_pb2.ListMessagesRequest, _broker_pb2.ListMessagesResponse]
-    """Lists the messages waiting in an agent's queue, in the order they will be delivered,
-    without taking them (what is stuck there, and since when), a page at a time.
+    """Lists the messages an agent's queue holds without taking them: those waiting, in the
+    order they will be delivered, then those in flight or deferred (what is stuck there,
+    where, and since when), a page at a time.
     """
     Connect: _grpc.StreamStreamMultiCallable[_broker_pb2.ConnectRequest, _broker_pb2.ConnectResponse]
     """A long-lived session that carries sends, requests, deliveries, acks and responses as
@@ -156,8 +157,9 @@ class BrokerServiceAsyncStub(BrokerServiceStub):
     of them or those named, oldest first, each for a new round of delivery attempts.
     """
     ListMessages: _aio.UnaryUnaryMultiCallable[_broker_pb2.ListMessagesRequest, _broker_pb2.ListMessagesResponse]  # type: ignore[assignment]
-    """Lists the messages waiting in an agent's queue, in the order they will be delivered,
-    without taking them (what is stuck there, and since when), a page at a time.
+    """Lists the messages an agent's queue holds without taking them: those waiting, in the
+    order they will be delivered, then those in flight or deferred (what is stuck there,
+    where, and since when), a page at a time.
     """
     Connect: _aio.StreamStreamMultiCallable[_broker_pb2.ConnectRequest, _broker_pb2.ConnectResponse]  # type: ignore[assignment]
     """A long-lived session that carries sends, requests, deliveries, acks and responses as
@@ -329,8 +331,9 @@ class BrokerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _broker_pb2.ListMessagesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_broker_pb2.ListMessagesResponse, _abc.Awaitable[_broker_pb2.ListMessagesResponse]]:
-        """Lists the messages waiting in an agent's queue, in the order they will be delivered,
-        without taking them (what is stuck there, and since when), a page at a time.
+        """Lists the messages an agent's queue holds without taking them: those waiting, in the
+        order they will be delivered, then those in flight or deferred (what is stuck there,
+        where, and since when), a page at a time.
         """
 
     @_abc_1.abstractmethod

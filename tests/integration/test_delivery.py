@@ -1132,10 +1132,10 @@ async def test_dead_letters_are_listed_a_page_at_a_time(mesh: LocalMesh) -> None
 async def test_a_queue_is_listed_in_delivery_order_without_taking_anything(
     mesh: LocalMesh,
 ) -> None:
-    """``ListMessages`` (the SDK's ``waiting``, ``agentmesh queue``): what waits in an agent's
-    queue, in the order it will be delivered, with its attempts and times, a page at a time,
-    left in the queue; the one in flight is not listed. An agent that is not registered and
-    has nothing waiting is NOT_FOUND; no agent, a bad page token or size INVALID_ARGUMENT."""
+    """``ListMessages`` (the SDK's ``list_messages``, ``agentmesh queue``): what an agent's
+    queue holds, left there: what waits, in the order it will be delivered, then what is in
+    flight, with its attempts and times, a page at a time. An agent that is not registered
+    and has nothing is NOT_FOUND; no agent, a bad page token or size INVALID_ARGUMENT."""
     async with mesh.client("Desk") as client:
         await client.register("Worker")
         low = await client.send("Worker", {"action": "archive"}, priority=Priority.LOW)
@@ -1145,30 +1145,34 @@ async def test_a_queue_is_listed_in_delivery_order_without_taking_anything(
         async with client.subscribe("Worker", max_in_flight=1) as sub:
             held = await anext(aiter(sub))  # (kept unacked while the queue is listed)
             assert held.message.message_id == taken.message_id
-            expected = [urgent, *medium, low]
-            waiting = await client.waiting("Worker")
-            assert [w.message.message_id for w in waiting] == [m.message_id for m in expected]
-            assert [w.message.content["action"] for w in waiting] == [
-                "refund",
-                "job0",
-                "job1",
-                "job2",
-                "archive",
+            expected = [urgent, *medium, low, taken]
+            listed = await client.list_messages("Worker")
+            assert [q.message.message_id for q in listed] == [m.message_id for m in expected]
+            assert [(q.message.content["action"], q.state.value, q.attempts) for q in listed] == [
+                ("refund", "WAITING", 0),
+                ("job0", "WAITING", 0),
+                ("job1", "WAITING", 0),
+                ("job2", "WAITING", 0),
+                ("archive", "WAITING", 0),
+                ("pay", "IN_FLIGHT", 1),
             ]
-            assert all(w.attempts == 0 for w in waiting)
-            for w in waiting:
-                assert round((w.expires_at - w.accepted_at).total_seconds()) == 3600
+            for q in listed:
+                assert round((q.expires_at - q.accepted_at).total_seconds()) == 3600
+            assert [q.until is None for q in listed] == [True] * 5 + [False]
+            until = listed[-1].until
+            assert until is not None  # (in flight: when its lease ends, as its delivery said)
+            assert abs((until - held.lease_expires_at).total_seconds()) < 0.01
             async with grpc.aio.insecure_channel(mesh.address) as channel:
                 stub = broker_pb2_grpc.BrokerServiceStub(channel)
                 request = broker_pb2.ListMessagesRequest(agent_id="Worker", page_size=2)
                 pages = []
                 while True:
                     page = await stub.ListMessages(request)
-                    pages.append([w.message.message_id for w in page.messages])
+                    pages.append([q.message.message_id for q in page.messages])
                     if not page.next_page_token:
                         break
                     request.page_token = page.next_page_token
-                assert [len(p) for p in pages] == [2, 2, 1]
+                assert [len(p) for p in pages] == [2, 2, 2]
                 assert [mid for p in pages for mid in p] == [m.message_id for m in expected]
                 for wrong, code in (
                     (broker_pb2.ListMessagesRequest(agent_id="Nobody"), "NOT_FOUND"),
@@ -1185,18 +1189,22 @@ async def test_a_queue_is_listed_in_delivery_order_without_taking_anything(
                     with pytest.raises(grpc.aio.AioRpcError) as info:
                         await stub.ListMessages(wrong)
                     assert info.value.code().name == code
-            await held.nack()
-        # Given back, it is listed in its place again, its attempt counted; nothing was taken.
-        waiting = await client.waiting("Worker")
-        assert [(w.message.message_id, w.attempts) for w in waiting][:2] == [
-            (taken.message_id, 1),
-            (urgent.message_id, 0),
+            await held.nack(redeliver_after=3600)
+            async with asyncio.timeout(5):
+                while (await client.list_messages("Worker"))[-1].state.value != "DEFERRED":  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)
+        # Deferred for an hour, it is listed last; nothing was taken.
+        listed = await client.list_messages("Worker")
+        assert [(q.message.message_id, q.state.value) for q in listed][-2:] == [
+            (low.message_id, "WAITING"),
+            (taken.message_id, "DEFERRED"),
         ]
-        assert (await client.queue_stats("Worker")).agents[0].depth == 7 - 1
+        assert round((listed[-1].until - listed[-1].accepted_at).total_seconds() / 60) == 60
+        assert (await client.queue_stats("Worker")).agents[0].depth == 5
         assert [m.message_id for m in await client.receive("Worker")] == [
-            w.message.message_id for w in waiting
+            q.message.message_id for q in listed[:5]
         ]
-        assert await client.waiting("Worker") == []
+        assert [q.state.value for q in await client.list_messages("Worker")] == ["DEFERRED"]
 
 
 class Slow(Agent):

@@ -640,30 +640,35 @@ async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
     assert code == 0 and out.strip() == "1 dead letters of PaymentAgent requeued", out
     code, out = await cli("requeue", "PaymentAgent")
     assert code == 0 and out.strip() == "1 dead letters of PaymentAgent requeued", out
-    # What waits in the queue, in delivery order, left there.
+    # What the queue holds, in delivery order, left there.
     code, out = await cli("queue", "PaymentAgent")
     assert code == 0, out
     header, *rows, summary = out.strip().splitlines()
     assert header.split() == [
         "MESSAGE",
+        "STATE",
         "PRIORITY",
         "TYPE",
         "FROM",
         "ACTION",
         "ATTEMPTS",
-        "WAITING",
+        "AGE",
         "EXPIRES",
         "IN",
+        "UNTIL",
     ]
-    assert [row.split()[1:6] for row in rows] == [
-        ["MEDIUM", "REQUEST", "PaymentAgent", "refund", "0"]
+    assert [row.split()[1:7] for row in rows] == [
+        ["WAITING", "MEDIUM", "REQUEST", "PaymentAgent", "refund", "0"]
     ] * 2
     assert rows[0].split()[0] == first  # (requeued first: back in its place)
-    waited, expires_in = rows[0].split()[6:8]  # (its ttl of an hour from the requeue)
-    assert re.fullmatch(r"\d+\.\ds", waited) and re.fullmatch(r"59m[0-5]\ds", expires_in)
-    assert summary == "2 messages waiting for PaymentAgent"
+    age, expires_in, until = rows[0].split()[7:10]  # (its ttl of an hour from the requeue)
+    assert re.fullmatch(r"\d+\.\ds", age) and re.fullmatch(r"59m[0-5]\ds", expires_in)
+    assert until == "-"  # (waiting: no lease or delay to end)
+    assert summary == "PaymentAgent: 2 waiting, 0 in flight, 0 deferred"
     code, out = await cli("queue", "PaymentAgent", "--json")
-    assert code == 0 and [w["message"]["content"]["n"] for w in json.loads(out)] == [0, 1], out
+    listed = json.loads(out)
+    assert code == 0 and [q["message"]["content"]["n"] for q in listed] == [0, 1], out
+    assert [(q["state"], q["until"]) for q in listed] == [("WAITING", None)] * 2
     code, out = await cli("queue", "Nobody")
     assert code == 1 and "NOT_FOUND: agent Nobody is not registered" in out, out
     async with connect(broker_proc.address) as client:

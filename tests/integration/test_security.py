@@ -269,8 +269,10 @@ async def test_an_agent_acts_only_as_itself(token_mesh: LocalMesh) -> None:
         await payment.requeue_dead_letters("HotelAgent")
     assert (await payment.requeue_dead_letters("PaymentAgent")).requeued == 0
     with pytest.raises(PermissionDeniedError, match="may not read the queue as HotelAgent"):
-        await payment.waiting("HotelAgent")
-    assert [w.message.from_agent for w in await admin.waiting("HotelAgent")] == ["PaymentAgent"] * 2
+        await payment.list_messages("HotelAgent")
+    assert [w.message.from_agent for w in await admin.list_messages("HotelAgent")] == [
+        "PaymentAgent"
+    ] * 2
     received = await hotel.receive("HotelAgent")
     # Nothing spoofed got in: two sends and one batch from PaymentAgent itself.
     assert [m.from_agent for m in received] == ["PaymentAgent", "PaymentAgent"]

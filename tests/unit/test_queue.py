@@ -581,12 +581,13 @@ async def test_a_nack_with_a_delay_leaves_at_once_what_cannot_come_back(
     assert (stats.depth, stats.in_flight, stats.dead_letters) == (0, 0, 1)
 
 
-async def test_waiting_lists_the_queue_in_delivery_order_and_leaves_it(
+async def test_a_listing_shows_what_the_queue_holds_and_leaves_it(
     store: QueueStore, clock: FakeClock
 ) -> None:
     """What is waiting, in the order it will be delivered (HIGH first, then by timestamp; one
-    handed back in its place, with its attempt), each with when it was accepted and when its
-    ttl ends; what is leased, deferred or past its ttl is not listed, and nothing is taken."""
+    handed back in its place, with its attempt), then what is in flight or deferred, by when
+    its lease or delay ends; each with when it was accepted and when its ttl ends. What is
+    past its ttl leaves; nothing is taken."""
     await store.put(msg("low", priority=Priority.LOW, at=0), 3600)
     await store.put(msg("late", at=3), 10)
     await store.put(msg("medium", at=1), 3600)
@@ -596,36 +597,39 @@ async def test_waiting_lists_the_queue_in_delivery_order_and_leaves_it(
     assert [lease.message.message_id for lease in leases] == ["high", "later"]
     assert await store.nack("PaymentAgent", ["high"]) == (1, 0)
     assert await store.nack("PaymentAgent", ["later"], delay=60) == (1, 0)
+    leased = await store.lease("PaymentAgent", "s", 100)
+    assert leased is not None and leased.message.message_id == "high"
     clock.advance(5)
-    waiting = await store.waiting("PaymentAgent")
-    assert [(w.message.message_id, w.attempts) for w in waiting] == [
-        ("high", 1),
-        ("medium", 0),
-        ("late", 0),
-        ("low", 0),
+    listed = await store.listing("PaymentAgent")
+    assert [(h.message.message_id, h.attempts, h.state.value) for h in listed] == [
+        ("medium", 0, "WAITING"),
+        ("late", 0, "WAITING"),
+        ("low", 0, "WAITING"),
+        ("later", 1, "DEFERRED"),
+        ("high", 2, "IN_FLIGHT"),
     ]
-    accepted = waiting[0].accepted_at  # (all came at the same moment)
-    assert [round(w.accepted_at - accepted, 2) for w in waiting] == [0.0] * 4
-    assert [round(w.expires_at - accepted, 2) for w in waiting] == [3600.0, 3600.0, 10.0, 3600.0]
+    accepted = listed[0].accepted_at  # (all came at the same moment)
+    assert [round(h.accepted_at - accepted, 2) for h in listed] == [0.0] * 5
+    assert [round(h.expires_at - accepted, 2) for h in listed] == [3600, 10, 3600, 3600, 3600]
+    # (waiting: no end; the delay of 60 s and the lease of 100 s from when they began)
+    assert [h.until is None for h in listed] == [True, True, True, False, False]
+    assert [round((h.until or 0) - accepted, 2) for h in listed[3:]] == [60.0, 100.0]
     clock.advance(6)  # past late's ttl
-    assert [w.message.message_id for w in await store.waiting("PaymentAgent")] == [
-        "high",
+    assert [h.message.message_id for h in await store.listing("PaymentAgent")] == [
         "medium",
         "low",
-    ]
-    assert await store.waiting("Nobody") == []
-    assert [p.message.message_id for p in await store.pop("PaymentAgent")] == [
+        "later",
         "high",
-        "medium",
-        "low",
     ]
+    assert await store.listing("Nobody") == []
+    assert [p.message.message_id for p in await store.pop("PaymentAgent")] == ["medium", "low"]
 
 
-async def test_waiting_in_a_fifo_queue_is_arrival_order(fifo_store: QueueStore) -> None:
+async def test_a_listing_of_a_fifo_queue_is_in_arrival_order(fifo_store: QueueStore) -> None:
     await fifo_store.put(msg("first", priority=Priority.LOW, at=5), 3600)
     await fifo_store.put(msg("second", priority=Priority.HIGH, at=0), 3600)
     await fifo_store.put(msg("third", at=1), 3600)
-    assert [w.message.message_id for w in await fifo_store.waiting("PaymentAgent")] == [
+    assert [h.message.message_id for h in await fifo_store.listing("PaymentAgent")] == [
         "first",
         "second",
         "third",

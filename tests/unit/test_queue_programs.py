@@ -114,7 +114,7 @@ operations = st.one_of(  # (puts and leases more often than the rest)
     st.tuples(st.just("undead"), agents, some_ids),
     st.tuples(st.just("extend"), agents, some_ids, st.sampled_from([2.0, 100.0])),
     st.tuples(st.just("pop"), agents, st.integers(0, 2)),
-    st.tuples(st.just("waiting"), agents),
+    st.tuples(st.just("listing"), agents),
     st.tuples(st.just("advance"), st.sampled_from([0.5, 1.5, 3.0, 200.0])),
 )
 programs = st.lists(operations, min_size=10, max_size=40)
@@ -166,8 +166,9 @@ async def step(store: QueueStore, op: tuple[Any, ...], last: dict[str, list[str]
         return await store.remove_dead_letters(args[0], args[1])
     if kind == "extend":
         return await store.extend_lease(args[0], args[1], args[2])
-    if kind == "waiting":
-        return [(w.message.message_id, w.attempts) for w in await store.waiting(args[0])]
+    if kind == "listing":
+        held = await store.listing(args[0])
+        return [(h.message.message_id, h.attempts, h.state.value) for h in held]
     if kind == "pop":
         popped = await store.pop(args[0], args[1])
         return [(p.message.message_id, p.attempts) for p in popped]

@@ -349,15 +349,19 @@ export interface DeadLetter {
   deadLetteredAt: string | null;
 }
 
-/** A message waiting in its agent's queue (MeshClient.waiting). */
-export interface WaitingMessage {
+/** A message its agent's queue holds (MeshClient.listMessages). */
+export interface QueuedMessage {
   message: Message;
-  /** How many times it was delivered before (and given back); 0: never. */
+  /** Waiting for delivery, delivered and not acknowledged yet, or nacked for later. */
+  state: 'WAITING' | 'IN_FLIGHT' | 'DEFERRED';
+  /** How many times it was delivered (the one in flight included); 0: never. */
   attempts: number;
   /** ISO 8601. */
   acceptedAt: string | null;
   /** ISO 8601: when its ttl ends. */
   expiresAt: string | null;
+  /** ISO 8601: when its lease (in flight) or its delay (deferred) ends; null while waiting. */
+  until: string | null;
 }
 
 export interface Tool {
@@ -657,10 +661,10 @@ export class MeshClient {
   /** The dead-letter queue (of agentId, when given), oldest first: all the broker's pages. */
   deadLetters(agentId?: string): Promise<DeadLetter[]>;
   /**
-   * The messages waiting in the agent's queue (this client's agent by default), in delivery
-   * order, left there: all the broker's pages.
+   * What the agent's queue holds (this client's agent by default), left there: the messages
+   * waiting in delivery order, then those in flight or deferred; all the broker's pages.
    */
-  waiting(agentId?: string): Promise<WaitingMessage[]>;
+  listMessages(agentId?: string): Promise<QueuedMessage[]>;
   /** Puts dead letters back in the agent's queue (all, or those named). */
   requeueDeadLetters(agentId: string, messageIds?: string[]):
   Promise<{ requeued: number; left: number }>;

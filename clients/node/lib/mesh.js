@@ -1505,15 +1505,19 @@ class MeshClient {
   }
 
   /**
-   * The messages waiting in agentId's queue (this client's agent by default), in the order
-   * they will be delivered, page by page, left where they are: {message, attempts,
-   * acceptedAt, expiresAt}. As the Python SDK's waiting (ListMessages).
+   * What agentId's queue holds (this client's agent by default), page by page, left where
+   * it is: the messages waiting, in the order they will be delivered, then those in flight
+   * or deferred, by when their lease or delay ends: {message, state ('WAITING', 'IN_FLIGHT'
+   * or 'DEFERRED'), attempts, acceptedAt, expiresAt, until (null while waiting)}. As the
+   * Python SDK's list_messages (ListMessages).
    */
-  async waiting(agentId = this.agentId) {
+  async listMessages(agentId = this.agentId) {
     const listed = await allPages(this.broker, 'ListMessages', { agent_id: agentId },
       'messages');
-    return listed.map((w) => ({ message: readMessage(w.message), attempts: w.delivery_attempts,
-      acceptedAt: isoTime(w.accepted_at), expiresAt: isoTime(w.expires_at) }));
+    return listed.map((q) => ({ message: readMessage(q.message),
+      state: String(q.state).replace(/^QUEUED_STATE_/, ''), attempts: q.delivery_attempts,
+      acceptedAt: isoTime(q.accepted_at), expiresAt: isoTime(q.expires_at),
+      until: q.until ? isoTime(q.until) : null }));
   }
 
   /**

@@ -50,13 +50,13 @@ test('sends and receives messages in priority order', async () => {
       { action: 'process_payment', parameters: { amount: 450 } }, { priority: 'LOW' });
     const high = await client.send('NodePaymentAgent', { action: 'refund' }, { priority: 'HIGH' });
     assert.deepEqual(low.recipients, ['NodePaymentAgent']);
-    // What waits, in delivery order, looked at and left there (ListMessages).
-    const waiting = await client.waiting('NodePaymentAgent');
-    assert.deepEqual(waiting.map((w) => [w.message.messageId, w.attempts]),
-      [[high.messageId, 0], [low.messageId, 0]]);
-    const ttlMs = Date.parse(waiting[0].expiresAt) - Date.parse(waiting[0].acceptedAt);
+    // What the queue holds, in delivery order, looked at and left there (ListMessages).
+    const listed = await client.listMessages('NodePaymentAgent');
+    assert.deepEqual(listed.map((q) => [q.message.messageId, q.state, q.attempts, q.until]),
+      [[high.messageId, 'WAITING', 0, null], [low.messageId, 'WAITING', 0, null]]);
+    const ttlMs = Date.parse(listed[0].expiresAt) - Date.parse(listed[0].acceptedAt);
     assert.ok(Math.abs(ttlMs - 3600000) <= 1, `ttl ${ttlMs} ms`); // (the default, an hour)
-    await assert.rejects(client.waiting('Nobody'), (err) => err.codeName === 'NOT_FOUND');
+    await assert.rejects(client.listMessages('Nobody'), (err) => err.codeName === 'NOT_FOUND');
     const got = await client.receive('NodePaymentAgent');
     assert.deepEqual(got.map((m) => m.messageId), [high.messageId, low.messageId]);
     assert.equal(got[1].from, 'NodeFlightAgent');
