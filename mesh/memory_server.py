@@ -11,7 +11,7 @@ from mesh._status import abort
 from mesh.core.errors import MeshError
 from mesh.core.memory import Insight, MemoryPool
 from mesh.core.state import ChangeKind, StateEntry, StateStore
-from mesh.serving import fill_page, page_offset
+from mesh.serving import offset_page, page_offset
 from mesh.v1 import memory_pb2, memory_pb2_grpc
 
 MEMORY_SERVICE = memory_pb2.DESCRIPTOR.services_by_name["MemoryService"].full_name
@@ -116,9 +116,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
             agent_id=request.agent_id,
         )
         response = memory_pb2.ReadInsightsResponse()
-        end = fill_page(response.insights, insights, start, 0, insight_to_pb)
-        if end < len(insights):
-            response.next_page_token = str(end)
+        response.next_page_token = offset_page(response.insights, insights, start, 0, insight_to_pb)
         return response
 
     async def GetMemoryStats(

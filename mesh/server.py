@@ -38,6 +38,7 @@ from mesh.serving import (
     MeshServer,
     fill_page,
     lenient,
+    offset_page,
     page_offset,
     start_server,
 )
@@ -318,11 +319,9 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         start = page_offset(request.page_token)
         letters = await self.broker.dead_letters(request.agent_id)
         response = broker_pb2.ListDeadLettersResponse()
-        end = fill_page(
+        response.next_page_token = offset_page(
             response.dead_letters, letters, start, request.page_size, codec.dead_letter_to_pb
         )
-        if end < len(letters):
-            response.next_page_token = str(end)
         return response
 
     async def ListMessages(
@@ -331,9 +330,9 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         start = page_offset(request.page_token)
         queued = await self.broker.queued(request.agent_id)
         response = broker_pb2.ListMessagesResponse()
-        end = fill_page(response.messages, queued, start, request.page_size, codec.queued_to_pb)
-        if end < len(queued):
-            response.next_page_token = str(end)
+        response.next_page_token = offset_page(
+            response.messages, queued, start, request.page_size, codec.queued_to_pb
+        )
         return response
 
     async def RequeueDeadLetters(

@@ -76,6 +76,15 @@ def fill_page(
     return end
 
 
+def offset_page(
+    out: Any, items: Sequence[T], start: int, page_size: int, encode: Callable[[T, Any], Any]
+) -> str:
+    """:func:`fill_page` for a listing whose next_page_token is an offset (``start``, from
+    :func:`page_offset`): the next page's token, empty after the last page."""
+    end = fill_page(out, items, start, page_size, encode)
+    return str(end) if end < len(items) else ""
+
+
 def page_offset(token: str) -> int:
     """Where a page given by a page_token starts, for a listing whose next_page_token is an
     offset."""
