@@ -1663,7 +1663,8 @@ class Broker:
         """Removes and returns the agent's waiting messages, HIGH first, then oldest first:
         up to ``max_messages`` (0: all), and with ``max_bytes`` only as many as fit in it
         (``size_of`` measures a message; the first comes whatever its size), the rest
-        staying queued for the next call."""
+        staying queued for the next call. AgentNotFoundError for an agent that is not
+        registered and has nothing queued (a misspelt id is not an empty queue)."""
         named(agent_id)
         if max_messages < 0:
             raise MessageValidationError.for_field(
@@ -1671,6 +1672,8 @@ class Broker:
             )
         started = time.perf_counter()
         popped = await self.store.pop(agent_id, max_messages, max_bytes, size_of)
+        if not popped and not await self._is_registered(agent_id):
+            raise AgentNotFoundError(f"agent {agent_id} is not registered")
         if popped:
             self.metrics.delivered("receive", len(popped))
         messages = [self._observe_delivery(item.message, item.queued_seconds) for item in popped]

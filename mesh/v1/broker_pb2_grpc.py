@@ -181,6 +181,7 @@ class BrokerServiceServicer:
 
     def ReceiveMessages(self, request, context):
         """Removes and returns an agent's queued messages: HIGH, MEDIUM, LOW, then oldest first.
+        NOT_FOUND for an agent that is not registered and has none.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -52,7 +52,9 @@ class BrokerServiceStub:
     SendMessages: _grpc.UnaryUnaryMultiCallable[_broker_pb2.SendMessagesRequest, _broker_pb2.SendMessagesResponse]
     """Enqueues several messages in one call; each has its own result."""
     ReceiveMessages: _grpc.UnaryUnaryMultiCallable[_broker_pb2.ReceiveMessagesRequest, _broker_pb2.ReceiveMessagesResponse]
-    """Removes and returns an agent's queued messages: HIGH, MEDIUM, LOW, then oldest first."""
+    """Removes and returns an agent's queued messages: HIGH, MEDIUM, LOW, then oldest first.
+    NOT_FOUND for an agent that is not registered and has none.
+    """
     Subscribe: _grpc.UnaryStreamMultiCallable[_broker_pb2.SubscribeRequest, _broker_pb2.SubscribeResponse]
     """Pushes an agent's messages as they arrive. Each delivery stays leased until acked;
     a nack or an expired lease redelivers it. Ends with NOT_FOUND (reason
@@ -121,7 +123,9 @@ class BrokerServiceAsyncStub(BrokerServiceStub):
     SendMessages: _aio.UnaryUnaryMultiCallable[_broker_pb2.SendMessagesRequest, _broker_pb2.SendMessagesResponse]  # type: ignore[assignment]
     """Enqueues several messages in one call; each has its own result."""
     ReceiveMessages: _aio.UnaryUnaryMultiCallable[_broker_pb2.ReceiveMessagesRequest, _broker_pb2.ReceiveMessagesResponse]  # type: ignore[assignment]
-    """Removes and returns an agent's queued messages: HIGH, MEDIUM, LOW, then oldest first."""
+    """Removes and returns an agent's queued messages: HIGH, MEDIUM, LOW, then oldest first.
+    NOT_FOUND for an agent that is not registered and has none.
+    """
     Subscribe: _aio.UnaryStreamMultiCallable[_broker_pb2.SubscribeRequest, _broker_pb2.SubscribeResponse]  # type: ignore[assignment]
     """Pushes an agent's messages as they arrive. Each delivery stays leased until acked;
     a nack or an expired lease redelivers it. Ends with NOT_FOUND (reason
@@ -223,7 +227,9 @@ class BrokerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _broker_pb2.ReceiveMessagesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_broker_pb2.ReceiveMessagesResponse, _abc.Awaitable[_broker_pb2.ReceiveMessagesResponse]]:
-        """Removes and returns an agent's queued messages: HIGH, MEDIUM, LOW, then oldest first."""
+        """Removes and returns an agent's queued messages: HIGH, MEDIUM, LOW, then oldest first.
+        NOT_FOUND for an agent that is not registered and has none.
+        """
 
     @_abc_1.abstractmethod
     def Subscribe(

@@ -499,6 +499,44 @@ async def test_unknown_agent_is_not_found(mesh: LocalMesh) -> None:
             await client.request("Ghost", {"action": "x"}, timeout=1)
 
 
+async def test_receiving_for_an_agent_that_is_not_registered_is_not_found(
+    mesh: LocalMesh,
+) -> None:
+    """A misspelt agent id is NOT_FOUND, not an empty queue, through the SDK, the unary RPC
+    and a session's ``receive`` frame (the session going on); a registered agent's empty
+    queue is an empty list; a deregistered agent is NOT_FOUND once its queue is empty."""
+    async with mesh.client("Desk") as client:
+        await client.register("Worker")
+        assert await client.receive("Worker") == []
+        with pytest.raises(AgentNotFoundError, match="agent Wroker is not registered"):
+            await client.receive("Wroker")
+        sent = await client.send("Worker", {"action": "pay"})
+        async with grpc.aio.insecure_channel(mesh.address) as channel:
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as unary:
+                await stub.ReceiveMessages(broker_pb2.ReceiveMessagesRequest(agent_id="Wroker"))
+            assert unary.value.code() is grpc.StatusCode.NOT_FOUND
+            assert unary.value.details() == "agent Wroker is not registered"
+            session = stub.Connect()
+            ask = broker_pb2.ConnectRequest(seq=1)
+            ask.receive.agent_id = "Wroker"
+            await session.write(ask)
+            refused = await session.read()
+            assert (refused.seq, refused.WhichOneof("frame")) == (1, "error")
+            assert refused.error.code == grpc.StatusCode.NOT_FOUND.value[0]
+            assert refused.error.reason == "AGENT_NOT_FOUND"
+            ask = broker_pb2.ConnectRequest(seq=2)
+            ask.receive.agent_id = "Worker"
+            await session.write(ask)
+            taken = await session.read()
+            assert (taken.seq, taken.WhichOneof("frame")) == (2, "received")
+            assert [m.message_id for m in taken.received.messages] == [sent.message_id]
+            await session.done_writing()
+        await client.deregister("Worker")
+        with pytest.raises(AgentNotFoundError):
+            await client.receive("Worker")
+
+
 async def test_oversize_message_gets_a_clear_error_and_nothing_is_enqueued() -> None:
     limit = BrokerConfig(max_message_bytes=64 * 1024)
     async with LocalMesh(limit) as local, local.client("sender") as client:
