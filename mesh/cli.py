@@ -478,7 +478,11 @@ async def _send(args: argparse.Namespace) -> int:
             ttl=args.ttl,
             correlation_id=args.correlation_id or "",
             ack_required=args.ack_required,
+            delay=args.delay,
         )
+        due = ""
+        if message.deliver_at is not None:
+            due = f" (due {message.deliver_at.isoformat(timespec='seconds')})"
         if args.to == BROADCAST_TARGET:
             if args.request:
                 raise UsageError("send: a broadcast is not a request (drop --request)")
@@ -488,10 +492,11 @@ async def _send(args: argparse.Namespace) -> int:
                 priority=message.priority,
                 ttl=message.ttl,
                 correlation_id=message.correlation_id,
+                deliver_at=message.deliver_at,
             )
             failed = [f"{agent_id} ({error.message})" for agent_id, error in result.failures]
             _print(
-                f"broadcast {result.message_id} to {len(result.recipients)} agents: "
+                f"broadcast {result.message_id}{due} to {len(result.recipients)} agents: "
                 + (", ".join(result.recipients) or "none")
                 + (f"; refused by {', '.join(failed)}" if failed else "")
             )
@@ -502,7 +507,11 @@ async def _send(args: argparse.Namespace) -> int:
             )
         else:
             sent = await client.send_message(message)
-            _print(json.dumps(sent.to_dict(), indent=2) if args.json else f"sent {sent.message_id}")
+            _print(
+                json.dumps(sent.to_dict(), indent=2)
+                if args.json
+                else f"sent {sent.message_id}{due}"
+            )
     return 0
 
 
@@ -1184,6 +1193,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--priority", default="MEDIUM", type=str.upper, choices=[x.value for x in Priority]
     )
     p.add_argument("--ttl", type=int, default=0)
+    p.add_argument(
+        "--delay",
+        type=float,
+        metavar="SECONDS",
+        help="deliver it this many seconds from now, not before (the broker holds it)",
+    )
     p.add_argument("--correlation-id")
     p.add_argument("--ack-required", action="store_true")
     p.add_argument("--request", action="store_true", help="wait for the response")

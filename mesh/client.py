@@ -26,6 +26,7 @@ from collections.abc import (
     Sequence,
 )
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 import grpc
@@ -338,6 +339,18 @@ def wait_seconds(timeout: float | None, default: float, field: str = "timeout") 
             field, f"{field} must be a finite number of seconds, not negative (got {seconds!r})"
         )
     return seconds
+
+
+def delay_of(delay: float | timedelta) -> timedelta:
+    """A scheduled message's ``delay``: seconds or a timedelta, finite and not negative;
+    MessageValidationError on ``delay`` otherwise, before anything is sent."""
+    if isinstance(delay, timedelta):
+        if delay < timedelta(0):
+            raise MessageValidationError.for_field(
+                "delay", f"delay must not be negative (got {delay})"
+            )
+        return delay
+    return timedelta(seconds=wait_seconds(delay, 0.0, "delay"))
 
 
 def object_of(value: Mapping[str, Any] | None, field: str) -> dict[str, Any]:
@@ -1317,12 +1330,16 @@ class MeshClient(ChannelOnFirstUse):
         headers: dict[str, str] | None = None,
         from_agent: str | None = None,
         message_id: str = "",
+        deliver_at: datetime | None = None,
+        delay: float | timedelta | None = None,
     ) -> Message:
         """A message from this client (``agent_id``) with a fresh id (unless one is given: a
         re-sent id is accepted once) and timestamp: a REQUEST, or a BROADCAST when it goes to
         "broadcast", unless ``message_type`` says otherwise. A type or priority may be given
         by name ("REQUEST", "high"); one that is not known, or a ttl that is not a whole
-        number of seconds, raises MessageValidationError naming it."""
+        number of seconds, raises MessageValidationError naming it. ``deliver_at`` (a time),
+        or ``delay`` (seconds or a timedelta from now), schedules it: the broker holds it
+        until then."""
         if type(ttl) is not int:
             raise MessageValidationError.for_field(
                 "ttl", f"ttl must be a whole number of seconds (got {ttl!r})"
@@ -1330,6 +1347,19 @@ class MeshClient(ChannelOnFirstUse):
         if not -(2**31) <= ttl < 2**31:  # (what the wire carries; the broker says the rest)
             raise MessageValidationError.for_field(
                 "ttl", f"ttl must be within 0 and {MAX_TTL} seconds (got {ttl})"
+            )
+        if delay is not None:
+            if deliver_at is not None:
+                raise TypeError("give deliver_at or delay, not both")
+            try:
+                deliver_at = utc_now() + delay_of(delay)
+            except OverflowError:
+                raise MessageValidationError.for_field(
+                    "delay", f"delay must be at most {MAX_TTL} seconds (got {delay!r:.60})"
+                ) from None
+        elif deliver_at is not None and not isinstance(deliver_at, datetime):
+            raise MessageValidationError.for_field(
+                "deliver_at", f"deliver_at must be a datetime (got {deliver_at!r:.60})"
             )
         sender = self.agent_id if from_agent is None else from_agent
         if not sender:
@@ -1357,6 +1387,7 @@ class MeshClient(ChannelOnFirstUse):
             ack_required=ack_required,
             metadata=object_of(metadata, "metadata"),
             headers=object_of(headers, "headers"),
+            deliver_at=deliver_at,
         )
 
     # -- sending -----------------------------------------------------------------------------

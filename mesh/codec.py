@@ -456,6 +456,7 @@ def _message_from_pb(
         pb.reply_to,
         pb.ack_required,
         {key: headers[key] for key in headers} if headers else {},
+        timestamp_to_datetime(pb.deliver_at, "deliver_at") if pb.HasField("deliver_at") else None,
         wire,
     )
 
@@ -536,6 +537,8 @@ def message_to_pb(message: Message, out: message_pb2.Message | None = None) -> m
                 raise MessageValidationError.for_field(
                     "headers", f"headers must map strings to strings, not {key!r}: {value!r}"
                 ) from None
+        if message.deliver_at is not None:
+            datetime_to_timestamp(message.deliver_at, pb.deliver_at)
     except (TypeError, ValueError, AttributeError, KeyError, OverflowError):
         raise _misfilled(message) from None
     except RecursionError:  # (content that holds itself, or nests past Python's own limit)
@@ -552,6 +555,7 @@ _ENVELOPE_KINDS: tuple[tuple[str, tuple[type, ...], str], ...] = (
     ("correlation_id", (str,), "a string"),
     ("reply_to", (str,), "a string"),
     ("timestamp", (datetime,), "a datetime"),
+    ("deliver_at", (datetime, type(None)), "a datetime or None"),
     ("ack_required", (bool,), "True or False"),
     ("headers", (Mapping,), "a dict of strings"),
 )

@@ -187,10 +187,12 @@ local function give_back(id, now, max_attempts, why, at, max_dead, out, final, u
     table.insert(out, {'dead', id, sub, body, reason, info.a})
     drop(id)
   else
+    -- (a scheduled message, never delivered, is due rather than redelivered)
+    local kind = (info.s == DEFERRED and info.a == 0) and 'due' or 'requeued'
     info.s = ''
     redis.call('HSET', meta, id, cjson.encode(info))
     redis.call('ZADD', ready, info.p, info.m)
-    table.insert(out, {'requeued', id, sub, body, '', info.a})
+    table.insert(out, {kind, id, sub, body, '', info.a})
   end
 end
 -- The first queued message still within its TTL (id, info), taking it off the ready set;
@@ -237,12 +239,21 @@ if redis.call('HLEN', msgs) >= limit then
 end
 local seq = redis.call('INCR', seqkey)
 local member = string.format('%020d', seq) .. ':' .. id
-redis.call('ZADD', ready, score, member)
+local due = tonumber(ARGV[11])
+local holder = ''
+if due > now then
+  -- Scheduled: held by nobody until due, as a message nacked with a delay; the sweep puts
+  -- it in its place then (and wakes its subscribers).
+  holder = DEFERRED
+  redis.call('ZADD', leased, due, id)
+else
+  redis.call('ZADD', ready, score, member)
+end
 redis.call('HSET', msgs, id, body)
 redis.call('HSET', meta, id, cjson.encode(
-  {e = expires, a = 0, c = now, m = member, p = score, s = '', r = tonumber(ARGV[9])}))
+  {e = expires, a = 0, c = now, m = member, p = score, s = holder, r = tonumber(ARGV[9])}))
 redis.call('ZADD', expiry, expires, id)
-redis.call('PUBLISH', ARGV[7], ARGV[8])
+if holder == '' then redis.call('PUBLISH', ARGV[7], ARGV[8]) end
 -- the third answer: the queue's first message (ever, or since it was forgotten)
 return {1, out, seq == 1 and 1 or 0}
 """
@@ -929,7 +940,7 @@ class RedisQueueStore:
             message_id, subscriber, body = _text(event[1]), _text(event[2]), event[3]
             if subscriber:
                 self._released(Released(message_id, agent_id, subscriber))
-            if kind == "requeued":
+            if kind in ("requeued", "due"):
                 self._notify(WAKE, self._wake_for(agent_id))
             if not self.listener:
                 continue
@@ -946,6 +957,8 @@ class RedisQueueStore:
                 )
             elif kind == "requeued":
                 self.listener.on_redelivery(_message(body), int(event[5]) + 1)
+            elif kind == "due":
+                self.listener.on_due(_message(body))
 
     # -- the broker-wide count -------------------------------------------------------------
 
@@ -1055,7 +1068,11 @@ class RedisQueueStore:
     # -- producing -------------------------------------------------------------------------
 
     async def put(
-        self, message: Message, ttl_seconds: float, claim: RouteClaim | None = None
+        self,
+        message: Message,
+        ttl_seconds: float,
+        claim: RouteClaim | None = None,
+        delay: float = 0.0,
     ) -> bool:
         route = None
         if claim is not None:
@@ -1083,6 +1100,7 @@ class RedisQueueStore:
             self._wake_for(agent_id),
             message.priority.rank,
             message.from_agent,
+            now + int(delay * 1000) if delay > 0 else 0,
         ]
         result = await self._put(agent_id, args, total, route)
         if int(result[0]) == -2:

@@ -53,6 +53,7 @@ from mesh.core.model import (
     MessageType,
     Priority,
     QueuedMessage,
+    due_in,
     receipt_of,
     utc_now,
 )
@@ -1100,7 +1101,20 @@ class Broker:
             lifetime = message.ttl - age if age > 0 else float(message.ttl)
         else:
             lifetime = float(self.config.default_ttl)
+            if message.deliver_at is not None:  # (the default counts from when it is due)
+                lifetime += due_in(message.deliver_at)
         return lifetime if cap is None else min(lifetime, cap)
+
+    def _due_before_deadline(self, message: Message, timeout: float) -> None:
+        """A scheduled request or gather must be due before its deadline (it would expire
+        unasked): MessageValidationError on deliver_at, before anything is queued."""
+        if message.deliver_at is not None and due_in(message.deliver_at) >= timeout:
+            self.metrics.invalid()
+            raise MessageValidationError.for_field(
+                "deliver_at",
+                f"deliver_at must come before the deadline of the {message.message_type.value}"
+                f" ({timeout:g} s from now)",
+            )
 
     @staticmethod
     def _expired_question(message: Message) -> RequestTimeoutError:
@@ -1120,16 +1134,20 @@ class Broker:
         if lifetime <= 0:
             self.on_expired(message)  # accepted, and already past its ttl: never delivered
             return
+        delay = 0.0 if message.deliver_at is None else due_in(message.deliver_at)
         try:
-            accepted = await self.store.put(message, lifetime, claim)
+            accepted = await self.store.put(message, lifetime, claim, delay)
         except MessageQueueFullError:
             self.metrics.dropped("queue_full")
             self._log_queue_full(message)
             raise
         if not accepted:
             return  # a retried send of a message the queue already holds
-        for sub in self._subscriptions.get(message.to_agent, ()):
-            sub.wake()
+        if delay > 0:
+            self.metrics.scheduled.inc()  # (its subscribers are woken when it is due)
+        else:
+            for sub in self._subscriptions.get(message.to_agent, ()):
+                sub.wake()
         if message.message_type is MessageType.HANDOFF:
             self._log_handoff(message)
             await self._note_workflow(message)
@@ -1359,6 +1377,7 @@ class Broker:
         timeout = self.config.default_request_timeout if timeout is None else timeout
         if timeout <= 0:
             raise RequestTimeoutError("the request's deadline has already passed")
+        self._due_before_deadline(message, timeout)
         correlation_id = message.correlation_id or message.message_id
         # The request must not outlive its caller: it expires from the queue with the deadline.
         ttl_cap = max(1, math.ceil(timeout))
@@ -1459,6 +1478,7 @@ class Broker:
         ``size_bytes``, as for :meth:`send`: the message's size on the wire, for its limit.
         """
         timeout = self.config.default_request_timeout if timeout is None else timeout
+        self._due_before_deadline(message, timeout)
         correlation_id = message.correlation_id or message.message_id
         kind = (
             message.message_type if message.message_type in _ASKING_TYPES else MessageType.BROADCAST
@@ -2126,6 +2146,10 @@ class Broker:
 
     def on_redelivery(self, message: Message, attempt: int) -> None:
         self.metrics.redelivery()
+        for sub in self._subscriptions.get(message.to_agent, ()):
+            sub.wake()
+
+    def on_due(self, message: Message) -> None:
         for sub in self._subscriptions.get(message.to_agent, ()):
             sub.wake()
 

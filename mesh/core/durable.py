@@ -288,7 +288,7 @@ class SqliteJournal:
                     entry: StoredEntry = op[1]
                     db.execute(
                         "INSERT OR REPLACE INTO messages (agent_id, message_id, accepted_at,"
-                        " expires_at, attempts, body) VALUES (?, ?, ?, ?, ?, ?)",
+                        " expires_at, attempts, body, not_before) VALUES (?, ?, ?, ?, ?, ?, ?)",
                         (
                             entry.agent_id,
                             entry.message.message_id,
@@ -296,6 +296,7 @@ class SqliteJournal:
                             entry.expires_at,
                             entry.attempts,
                             json.dumps(entry.message.to_dict(), separators=(",", ":")),
+                            entry.not_before,
                         ),
                     )
                 elif kind == "attempts":  # (leased, or back in its place: not deferred)

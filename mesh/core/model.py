@@ -123,6 +123,13 @@ def utc_now() -> datetime:
     return datetime.now(UTC)
 
 
+def due_in(deliver_at: datetime) -> float:
+    """Seconds from now until ``deliver_at`` (a naive time taken as UTC); 0 once it is past."""
+    if deliver_at.tzinfo is None:
+        deliver_at = deliver_at.replace(tzinfo=UTC)
+    return max(0.0, (deliver_at - utc_now()).total_seconds())
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Message:
     """The envelope every agent exchange travels in.
@@ -130,7 +137,8 @@ class Message:
     ``content`` is a dict with ``action`` (required except on BROADCAST), ``parameters``,
     ``context`` and ``previous_result``; ``None`` means the content is missing, which the broker
     refuses. (Inside the broker it may be an :class:`EncodedContent`, a mapping read in place.)
-    ``ttl`` is in seconds; 0 means the broker's default.
+    ``ttl`` is in seconds; 0 means the broker's default. ``deliver_at`` (aware UTC): not
+    delivered before then (a scheduled message); None means at once.
     """
 
     from_agent: str
@@ -146,6 +154,7 @@ class Message:
     reply_to: str = ""
     ack_required: bool = False
     headers: dict[str, str] = field(default_factory=dict)
+    deliver_at: datetime | None = None
     encoded: object = field(default=None, init=False, repr=False, compare=False)
     """The message in the form it arrived in, when the codec kept it (the broker does): passed
     on unchanged, it is written out in one copy. A copy (:meth:`evolve`, :meth:`copy_to`)
@@ -217,12 +226,14 @@ class Message:
             "reply_to": self.reply_to or None,
             "ack_required": self.ack_required,
             "headers": self.headers,
+            **({"deliver_at": self.deliver_at.isoformat()} if self.deliver_at else {}),
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, JSON]) -> Message:
         """Reads the JSON form back; missing optional fields take their defaults."""
         timestamp = data.get("timestamp")
+        deliver_at = data.get("deliver_at")
         return cls(
             message_id=str(data.get("message_id") or new_message_id()),
             from_agent=str(data.get("from_agent") or ""),
@@ -237,6 +248,7 @@ class Message:
             reply_to=str(data.get("reply_to") or ""),
             ack_required=bool(data.get("ack_required", False)),
             headers={str(k): str(v) for k, v in dict(data.get("headers") or {}).items()},
+            deliver_at=datetime.fromisoformat(str(deliver_at)) if deliver_at else None,
         )
 
 
@@ -289,6 +301,7 @@ _SLOTS = tuple(
     _put_reply_to,
     _put_ack,
     _put_headers,
+    _put_deliver_at,
     _put_encoded,
 ) = (
     getattr(Message, name).__set__
@@ -306,6 +319,7 @@ _SLOTS = tuple(
         "reply_to",
         "ack_required",
         "headers",
+        "deliver_at",
         "encoded",
     )
 )
@@ -325,6 +339,7 @@ def assemble_message(
     reply_to: str,
     ack_required: bool,
     headers: dict[str, str],
+    deliver_at: datetime | None = None,
     encoded: object = None,
 ) -> Message:
     """A Message from every one of its fields, as a decoder has them: what ``Message(...)``
@@ -344,6 +359,7 @@ def assemble_message(
     _put_reply_to(message, reply_to)
     _put_ack(message, ack_required)
     _put_headers(message, headers)
+    _put_deliver_at(message, deliver_at)
     _put_encoded(message, encoded)
     return message
 

@@ -90,6 +90,10 @@ class StoreListener(Protocol):
 
     def on_redelivery(self, message: Message, attempt: int) -> None: ...
 
+    def on_due(self, message: Message) -> None:
+        """A scheduled message (``put`` with a delay) came due: waiting in its place now."""
+        ...
+
     def on_released(self, released: Released) -> None: ...
 
 
@@ -122,7 +126,11 @@ class QueueStore(Protocol):
     replica_id: str
 
     async def put(
-        self, message: Message, ttl_seconds: float, claim: RouteClaim | None = None
+        self,
+        message: Message,
+        ttl_seconds: float,
+        claim: RouteClaim | None = None,
+        delay: float = 0.0,
     ) -> bool:
         """Enqueues a message for ``message.to_agent``.
 
@@ -131,6 +139,8 @@ class QueueStore(Protocol):
         ``claim`` (a shared store): the route of the request the message is, recorded as
         :meth:`claim_route` records it and no later than the message is queued (so that the
         answer, from whichever replica, finds it), in the same round trip where it can.
+        ``delay`` (seconds, a scheduled message): held as a nack's ``delay`` holds one, by
+        nobody, with no attempt used, then in its place once it ends.
         """
         ...
 
@@ -513,7 +523,11 @@ class InMemoryQueueStore:
     # -- producing ---------------------------------------------------------------------------
 
     async def put(
-        self, message: Message, ttl_seconds: float, claim: RouteClaim | None = None
+        self,
+        message: Message,
+        ttl_seconds: float,
+        claim: RouteClaim | None = None,
+        delay: float = 0.0,
     ) -> bool:
         # (claim: no replica shares this store, so no route is ever looked for)
         agent_id = message.to_agent
@@ -557,10 +571,19 @@ class InMemoryQueueStore:
             accepted_at=now,
             expires_at=now + ttl_seconds,
         )
-        self._admit(queue, entry)
+        self._admit(queue, entry, deferred_until=now + delay if delay > 0 else 0.0)
         if self._journal:
             wall = self._wall().timestamp()
-            self._journal.put(StoredEntry(message, agent_id, wall, wall + ttl_seconds, 0))
+            self._journal.put(
+                StoredEntry(
+                    message,
+                    agent_id,
+                    wall,
+                    wall + ttl_seconds,
+                    0,
+                    wall + delay if delay > 0 else None,
+                )
+            )
         return True
 
     def _admit(self, queue: _AgentQueue, entry: _Entry, *, deferred_until: float = 0.0) -> None:
@@ -815,6 +838,8 @@ class InMemoryQueueStore:
                 and entry.attempts < self.max_delivery_attempts
             ):
                 self._defer(entry, now + delay)
+                if self._journal:
+                    self._journal.deferred(agent_id, message_id, self._wall().timestamp() + delay)
                 requeued += 1
                 continue
             del queue.leased[message_id]
@@ -833,9 +858,6 @@ class InMemoryQueueStore:
         entry.deferred = True
         entry.lease_until = until  # (the heap's earlier item for it is now stale)
         heapq.heappush(self._lease_heap, (until, entry.seq, entry))
-        if self._journal:
-            wall_until = self._wall().timestamp() + (until - self._clock())
-            self._journal.deferred(entry.agent_id, entry.message.message_id, wall_until)
 
     async def extend_lease(
         self, agent_id: str, message_ids: Iterable[str], lease_seconds: float
@@ -920,6 +942,7 @@ class InMemoryQueueStore:
         self._released(entry)
         if unseen:
             entry.attempts = max(entry.attempts - 1, 0)
+        due = entry.deferred and not entry.attempts  # (scheduled, never delivered yet)
         if entry.expires_at <= now:
             self._drop_expired(queue, entry)
             return "expired"
@@ -941,7 +964,10 @@ class InMemoryQueueStore:
         if self._journal:
             self._journal.attempted(self._stored(entry))
         if self.listener:
-            self.listener.on_redelivery(entry.message, entry.attempts + 1)
+            if due:
+                self.listener.on_due(entry.message)
+            else:
+                self.listener.on_redelivery(entry.message, entry.attempts + 1)
         return "requeued"
 
     def _add_dead(self, agent_id: str, dead: DeadLetter) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import datetime
 
 from mesh.config import BrokerConfig
 from mesh.core.errors import FieldViolation, MessageTooLargeError, MessageValidationError
@@ -12,7 +13,9 @@ from mesh.core.model import (
     Handoff,
     Message,
     MessageType,
+    due_in,
     is_number,
+    utc_now,
 )
 from mesh.core.workflows import workflow_id_problem
 
@@ -84,6 +87,8 @@ def message_violations(message: Message, config: BrokerConfig) -> list[FieldViol
         found.append(FieldViolation("ttl", "ttl must not be negative"))
     elif ttl > config.max_ttl:
         found.append(FieldViolation("ttl", f"ttl must be at most {config.max_ttl} seconds"))
+    if message.deliver_at is not None:
+        found.extend(_schedule_violations(message, message.deliver_at, config))
 
     headers = message.headers
     if len(headers) > config.max_headers:
@@ -115,6 +120,43 @@ def missing_fields(message: Message, required: tuple[str, ...]) -> list[FieldVio
         FieldViolation(f"content.{key}", f"content.{key} is required by {message.to_agent}")
         for key in lacking
     ]
+
+
+_UNSCHEDULED = (MessageType.RESPONSE, MessageType.ERROR, MessageType.ACK)
+"""What goes to its requester (or sender) at once: never scheduled."""
+
+
+def _schedule_violations(
+    message: Message, deliver_at: datetime, config: BrokerConfig
+) -> list[FieldViolation]:
+    """A scheduled message's ``deliver_at``: not on an answer or an ack, at most
+    ``max_ttl`` ahead, and before a ttl the message gives ends (counted as the broker counts
+    it: from its timestamp, or from now for a timestamp ahead of this clock)."""
+    kind = message.message_type
+    if kind in _UNSCHEDULED:
+        return [
+            FieldViolation("deliver_at", f"deliver_at is not for a {kind.value}: it goes at once")
+        ]
+    wait = due_in(deliver_at)
+    if wait > config.max_ttl:
+        return [
+            FieldViolation(
+                "deliver_at", f"deliver_at must be at most {config.max_ttl} seconds ahead"
+            )
+        ]
+    ttl = message.ttl
+    if ttl > 0 and wait > 0:
+        age = (utc_now() - message.timestamp).total_seconds()
+        left = ttl - age if age > 0 else float(ttl)
+        if wait >= left:
+            return [
+                FieldViolation(
+                    "deliver_at",
+                    f"deliver_at must come before the message's ttl of {ttl} s ends"
+                    f" ({max(left, 0.0):.1f} s from now, counted from its timestamp)",
+                )
+            ]
+    return []
 
 
 def _handoff_shape_violations(message: Message) -> list[FieldViolation]:

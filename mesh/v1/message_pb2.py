@@ -26,7 +26,7 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15mesh/v1/message.proto\x12\x07mesh.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xc5\x03\n\x07Message\x12\x12\n\nmessage_id\x18\x01 \x01(\t\x12\x12\n\nfrom_agent\x18\x02 \x01(\t\x12\x10\n\x08to_agent\x18\x03 \x01(\t\x12*\n\x0cmessage_type\x18\x04 \x01(\x0e\x32\x14.mesh.v1.MessageType\x12(\n\x07\x63ontent\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12-\n\ttimestamp\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x08metadata\x18\x07 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x16\n\x0e\x63orrelation_id\x18\x08 \x01(\t\x12#\n\x08priority\x18\t \x01(\x0e\x32\x11.mesh.v1.Priority\x12\x0b\n\x03ttl\x18\n \x01(\x05\x12\x10\n\x08reply_to\x18\x0b \x01(\t\x12\x14\n\x0c\x61\x63k_required\x18\x0c \x01(\x08\x12.\n\x07headers\x18\r \x03(\x0b\x32\x1d.mesh.v1.Message.HeadersEntry\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd6\x01\n\x07Handoff\x12\x18\n\x10task_description\x18\x01 \x01(\t\x12(\n\x07\x63ontext\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\x12/\n\x0fprevious_result\x18\x03 \x01(\x0b\x32\x16.google.protobuf.Value\x12,\n\x0b\x63onstraints\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x13\n\x0bworkflow_id\x18\x05 \x01(\t\x12\x13\n\x0bstep_number\x18\x06 \x01(\x05\"\xc2\x02\n\tAgentInfo\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61gent_types\x18\x02 \x03(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x14\n\x0c\x63\x61pabilities\x18\x04 \x03(\t\x12\x31\n\rregistered_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tinstances\x18\x06 \x03(\t\x12+\n\x07lost_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\rdelivery_mode\x18\x08 \x01(\x0e\x32\x15.mesh.v1.DeliveryMode\x12\x15\n\rmax_in_flight\x18\t \x01(\r\x12\x16\n\x0epush_instances\x18\n \x03(\t\x12\x17\n\x0frequired_fields\x18\x0b \x03(\t\")\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\"\x8c\x01\n\tAgentCard\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61gent_types\x18\x02 \x03(\t\x12\x14\n\x0c\x63\x61pabilities\x18\x03 \x03(\t\x12\x1c\n\x05tools\x18\x04 \x03(\x0b\x32\r.mesh.v1.Tool\x12\x13\n\x0b\x64\x65scription\x18\x05 \x01(\t\x12\x0f\n\x07\x61\x63tions\x18\x06 \x03(\t*\xc4\x01\n\x0bMessageType\x12\x1c\n\x18MESSAGE_TYPE_UNSPECIFIED\x10\x00\x12\x18\n\x14MESSAGE_TYPE_REQUEST\x10\x01\x12\x19\n\x15MESSAGE_TYPE_RESPONSE\x10\x02\x12\x1a\n\x16MESSAGE_TYPE_BROADCAST\x10\x03\x12\x18\n\x14MESSAGE_TYPE_HANDOFF\x10\x04\x12\x16\n\x12MESSAGE_TYPE_ERROR\x10\x05\x12\x14\n\x10MESSAGE_TYPE_ACK\x10\x06*^\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x11\n\rPRIORITY_HIGH\x10\x01\x12\x13\n\x0fPRIORITY_MEDIUM\x10\x02\x12\x10\n\x0cPRIORITY_LOW\x10\x03*]\n\x0c\x44\x65liveryMode\x12\x1d\n\x19\x44\x45LIVERY_MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12\x44\x45LIVERY_MODE_PULL\x10\x01\x12\x16\n\x12\x44\x45LIVERY_MODE_PUSH\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15mesh/v1/message.proto\x12\x07mesh.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xf5\x03\n\x07Message\x12\x12\n\nmessage_id\x18\x01 \x01(\t\x12\x12\n\nfrom_agent\x18\x02 \x01(\t\x12\x10\n\x08to_agent\x18\x03 \x01(\t\x12*\n\x0cmessage_type\x18\x04 \x01(\x0e\x32\x14.mesh.v1.MessageType\x12(\n\x07\x63ontent\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12-\n\ttimestamp\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x08metadata\x18\x07 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x16\n\x0e\x63orrelation_id\x18\x08 \x01(\t\x12#\n\x08priority\x18\t \x01(\x0e\x32\x11.mesh.v1.Priority\x12\x0b\n\x03ttl\x18\n \x01(\x05\x12\x10\n\x08reply_to\x18\x0b \x01(\t\x12\x14\n\x0c\x61\x63k_required\x18\x0c \x01(\x08\x12.\n\x07headers\x18\r \x03(\x0b\x32\x1d.mesh.v1.Message.HeadersEntry\x12.\n\ndeliver_at\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd6\x01\n\x07Handoff\x12\x18\n\x10task_description\x18\x01 \x01(\t\x12(\n\x07\x63ontext\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\x12/\n\x0fprevious_result\x18\x03 \x01(\x0b\x32\x16.google.protobuf.Value\x12,\n\x0b\x63onstraints\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x13\n\x0bworkflow_id\x18\x05 \x01(\t\x12\x13\n\x0bstep_number\x18\x06 \x01(\x05\"\xc2\x02\n\tAgentInfo\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61gent_types\x18\x02 \x03(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x14\n\x0c\x63\x61pabilities\x18\x04 \x03(\t\x12\x31\n\rregistered_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tinstances\x18\x06 \x03(\t\x12+\n\x07lost_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\rdelivery_mode\x18\x08 \x01(\x0e\x32\x15.mesh.v1.DeliveryMode\x12\x15\n\rmax_in_flight\x18\t \x01(\r\x12\x16\n\x0epush_instances\x18\n \x03(\t\x12\x17\n\x0frequired_fields\x18\x0b \x03(\t\")\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\"\x8c\x01\n\tAgentCard\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61gent_types\x18\x02 \x03(\t\x12\x14\n\x0c\x63\x61pabilities\x18\x03 \x03(\t\x12\x1c\n\x05tools\x18\x04 \x03(\x0b\x32\r.mesh.v1.Tool\x12\x13\n\x0b\x64\x65scription\x18\x05 \x01(\t\x12\x0f\n\x07\x61\x63tions\x18\x06 \x03(\t*\xc4\x01\n\x0bMessageType\x12\x1c\n\x18MESSAGE_TYPE_UNSPECIFIED\x10\x00\x12\x18\n\x14MESSAGE_TYPE_REQUEST\x10\x01\x12\x19\n\x15MESSAGE_TYPE_RESPONSE\x10\x02\x12\x1a\n\x16MESSAGE_TYPE_BROADCAST\x10\x03\x12\x18\n\x14MESSAGE_TYPE_HANDOFF\x10\x04\x12\x16\n\x12MESSAGE_TYPE_ERROR\x10\x05\x12\x14\n\x10MESSAGE_TYPE_ACK\x10\x06*^\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x11\n\rPRIORITY_HIGH\x10\x01\x12\x13\n\x0fPRIORITY_MEDIUM\x10\x02\x12\x10\n\x0cPRIORITY_LOW\x10\x03*]\n\x0c\x44\x65liveryMode\x12\x1d\n\x19\x44\x45LIVERY_MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12\x44\x45LIVERY_MODE_PULL\x10\x01\x12\x16\n\x12\x44\x45LIVERY_MODE_PUSH\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,22 +35,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MESSAGE_HEADERSENTRY']._loaded_options = None
   _globals['_MESSAGE_HEADERSENTRY']._serialized_options = b'8\001'
-  _globals['_MESSAGETYPE']._serialized_start=1282
-  _globals['_MESSAGETYPE']._serialized_end=1478
-  _globals['_PRIORITY']._serialized_start=1480
-  _globals['_PRIORITY']._serialized_end=1574
-  _globals['_DELIVERYMODE']._serialized_start=1576
-  _globals['_DELIVERYMODE']._serialized_end=1669
+  _globals['_MESSAGETYPE']._serialized_start=1330
+  _globals['_MESSAGETYPE']._serialized_end=1526
+  _globals['_PRIORITY']._serialized_start=1528
+  _globals['_PRIORITY']._serialized_end=1622
+  _globals['_DELIVERYMODE']._serialized_start=1624
+  _globals['_DELIVERYMODE']._serialized_end=1717
   _globals['_MESSAGE']._serialized_start=98
-  _globals['_MESSAGE']._serialized_end=551
-  _globals['_MESSAGE_HEADERSENTRY']._serialized_start=505
-  _globals['_MESSAGE_HEADERSENTRY']._serialized_end=551
-  _globals['_HANDOFF']._serialized_start=554
-  _globals['_HANDOFF']._serialized_end=768
-  _globals['_AGENTINFO']._serialized_start=771
-  _globals['_AGENTINFO']._serialized_end=1093
-  _globals['_TOOL']._serialized_start=1095
-  _globals['_TOOL']._serialized_end=1136
-  _globals['_AGENTCARD']._serialized_start=1139
-  _globals['_AGENTCARD']._serialized_end=1279
+  _globals['_MESSAGE']._serialized_end=599
+  _globals['_MESSAGE_HEADERSENTRY']._serialized_start=553
+  _globals['_MESSAGE_HEADERSENTRY']._serialized_end=599
+  _globals['_HANDOFF']._serialized_start=602
+  _globals['_HANDOFF']._serialized_end=816
+  _globals['_AGENTINFO']._serialized_start=819
+  _globals['_AGENTINFO']._serialized_end=1141
+  _globals['_TOOL']._serialized_start=1143
+  _globals['_TOOL']._serialized_end=1184
+  _globals['_AGENTCARD']._serialized_start=1187
+  _globals['_AGENTCARD']._serialized_end=1327
 # @@protoc_insertion_point(module_scope)

@@ -190,6 +190,7 @@ class Message(_message.Message):
     REPLY_TO_FIELD_NUMBER: _builtins.int
     ACK_REQUIRED_FIELD_NUMBER: _builtins.int
     HEADERS_FIELD_NUMBER: _builtins.int
+    DELIVER_AT_FIELD_NUMBER: _builtins.int
     message_id: _builtins.str
     """Unique id of the message: any text (e.g. "msg_001"; at most 256 characters by default),
     a UUID assigned by the broker when empty. A message sent again with the id of one the
@@ -241,6 +242,16 @@ class Message(_message.Message):
     def headers(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Transport headers that travel with the message, e.g. W3C traceparent."""
 
+    @_builtins.property
+    def deliver_at(self) -> _timestamp_pb2.Timestamp:
+        """Not delivered before this time, by the broker's clock (a scheduled message): the queue
+        holds it meanwhile (it takes a place, and ListMessages lists it as DEFERRED until then),
+        then it waits in its place as any other. Unset, or a time already past, means at once.
+        At most the broker's max_ttl (86400 s) ahead, and before a ttl the message gives ends
+        (a message without a ttl has the broker's default from this time); refused on a
+        RESPONSE, ERROR or ACK.
+        """
+
     def __init__(
         self,
         *,
@@ -257,10 +268,11 @@ class Message(_message.Message):
         reply_to: _builtins.str = ...,
         ack_required: _builtins.bool = ...,
         headers: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        deliver_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "metadata", b"metadata", "timestamp", b"timestamp"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "deliver_at", b"deliver_at", "metadata", b"metadata", "timestamp", b"timestamp"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack_required", b"ack_required", "content", b"content", "correlation_id", b"correlation_id", "from_agent", b"from_agent", "headers", b"headers", "message_id", b"message_id", "message_type", b"message_type", "metadata", b"metadata", "priority", b"priority", "reply_to", b"reply_to", "timestamp", b"timestamp", "to_agent", b"to_agent", "ttl", b"ttl"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack_required", b"ack_required", "content", b"content", "correlation_id", b"correlation_id", "deliver_at", b"deliver_at", "from_agent", b"from_agent", "headers", b"headers", "message_id", b"message_id", "message_type", b"message_type", "metadata", b"metadata", "priority", b"priority", "reply_to", b"reply_to", "timestamp", b"timestamp", "to_agent", b"to_agent", "ttl", b"ttl"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -565,6 +565,78 @@ async def test_validation_errors_carry_field_violations_in_the_grpc_status(mesh:
         assert [v.field for v in bad.field_violations] == ["from_agent", "content"]
 
 
+async def test_a_scheduled_message_is_delivered_when_due_and_not_before(
+    mesh: LocalMesh,
+) -> None:
+    """``deliver_at`` (the SDK's ``delay``): the broker holds the message (ListMessages says
+    DEFERRED, until when) and delivers it to a subscriber once due, after a message sent
+    later. Over plain gRPC a deliver_at past the broker's max_ttl, after the message's ttl
+    ends, after a request's deadline, or on a RESPONSE is INVALID_ARGUMENT, and nothing is
+    queued."""
+    async with mesh.client("Desk") as client:
+        await client.register("Worker")
+        later = await client.send("Worker", {"action": "remind"}, delay=0.6)
+        sent = time.monotonic()
+        await client.send("Worker", {"action": "pay"})
+        listed = await client.list_messages("Worker")
+        assert [(q.message.content["action"], q.state.value, q.attempts) for q in listed] == [
+            ("pay", "WAITING", 0),
+            ("remind", "DEFERRED", 0),
+        ]
+        assert later.deliver_at is not None and listed[1].until is not None
+        assert abs((listed[1].until - later.deliver_at).total_seconds()) < 0.01
+        got = []
+        async with client.subscribe("Worker") as sub:
+            async for delivery in sub:
+                got.append((delivery.message.content["action"], delivery.attempt))
+                await delivery.ack()
+                if len(got) == 2:
+                    due = time.monotonic() - sent
+                    assert delivery.message.deliver_at == later.deliver_at  # (it travels)
+                    break
+        assert got == [("pay", 1), ("remind", 1)]
+        assert due >= 0.5  # (not before its time)
+
+        async with grpc.aio.insecure_channel(mesh.address) as channel:
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)
+
+            def scheduled(ahead: float, **fields: Any) -> message_pb2.Message:
+                message = message_pb2.Message(from_agent="Desk", to_agent="Worker", **fields)
+                message.content.update({"action": "remind"})
+                message.deliver_at.FromSeconds(int(time.time() + ahead))
+                return message
+
+            refusals = [
+                stub.SendMessage(broker_pb2.SendMessageRequest(message=scheduled(2 * 86400))),
+                stub.SendMessage(broker_pb2.SendMessageRequest(message=scheduled(30, ttl=10))),
+                stub.SendMessage(
+                    broker_pb2.SendMessageRequest(
+                        message=scheduled(
+                            30, message_type=message_pb2.MESSAGE_TYPE_RESPONSE, correlation_id="x"
+                        )
+                    )
+                ),
+                stub.SendRequest(broker_pb2.SendRequestRequest(message=scheduled(30)), timeout=2),
+            ]
+            details = []
+            for call in refusals:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call
+                assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+                details.append(refused.value.details())
+            assert details == [
+                "deliver_at must be at most 86400 seconds ahead",
+                "deliver_at must come before the message's ttl of 10 s ends"
+                " (10.0 s from now, counted from its timestamp)",
+                "deliver_at is not for a RESPONSE: it goes at once",
+                details[3],
+            ]
+            assert details[3].startswith("deliver_at must come before the deadline of the REQUEST")
+        # Nothing queued: only the ERROR that tells Worker the answer it waits for was refused.
+        left = await client.list_messages("Worker")
+        assert [q.message.message_type for q in left] == [MessageType.ERROR]
+
+
 async def test_batch_results_are_per_message(mesh: LocalMesh) -> None:
     async with mesh.client("sender") as client:
         await client.register("Worker")

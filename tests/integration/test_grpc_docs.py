@@ -7,6 +7,7 @@ import json
 import os
 import re
 import sys
+from datetime import datetime
 from pathlib import Path
 
 from gateway.embedded import EmbeddedMesh
@@ -84,6 +85,14 @@ async def test_every_documented_call_works(embedded: EmbeddedMesh) -> None:
     [first_receive, *_] = [o for c, o in receives if "PaymentDesk" in c]
     received = json.loads(first_receive)["messages"]
     assert [m["fromAgent"] for m in received] == ["HotelAgent", "CarAgent", "FlightAgent"]
+    # A scheduled message: held, deferred until its time.
+    [(_, scheduled)] = [
+        (c, o) for c, o in ran if c.rstrip().endswith("/ListMessages") and "ReminderDesk" in c
+    ]
+    [held] = json.loads(scheduled)["messages"]
+    assert held["state"] == "QUEUED_STATE_DEFERRED"
+    due, until = (datetime.fromisoformat(t) for t in (held["message"]["deliverAt"], held["until"]))
+    assert abs((until - due).total_seconds()) < 0.01
     # The dead letter, requeued, is in the queue again (and no longer a dead letter).
     assert json.loads(by_rpc["mesh.v1.BrokerService/RequeueDeadLetters"]) == {"requeued": 1}
     [(_, back)] = [(c, o) for c, o in ran if '"max_messages": 10' in c]

@@ -671,6 +671,15 @@ async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
     assert [(q["state"], q["until"]) for q in listed] == [("WAITING", None)] * 2
     code, out = await cli("queue", "Nobody")
     assert code == 1 and "NOT_FOUND: agent Nobody is not registered" in out, out
+    # A scheduled message (--delay): held, deferred, until it is due.
+    code, out = await cli("send", "--to", "PaymentAgent", "--action", "remind", "--delay", "60")
+    assert code == 0 and re.fullmatch(
+        r"sent \S+ \(due \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00\)", out.strip()
+    ), out
+    code, out = await cli("queue", "PaymentAgent")
+    *_, deferred, summary = out.strip().splitlines()
+    assert deferred.split()[1:6] == ["DEFERRED", "MEDIUM", "REQUEST", "cli", "remind"]
+    assert summary == "PaymentAgent: 2 waiting, 0 in flight, 1 deferred", out
     async with connect(broker_proc.address) as client:
         assert [m.content["n"] for m in await client.receive("PaymentAgent")] == [0, 1]
         assert await client.dead_letters("PaymentAgent") == []

@@ -507,6 +507,7 @@ def test_what_json_or_the_envelope_cannot_carry_is_a_validation_error(
         ({"ttl": "5"}, "ttl must be a whole number of seconds, not '5'"),
         ({"ttl": 2**40}, "ttl must be a whole number of seconds, not 1099511627776"),
         ({"timestamp": "2026-11-26T12:00:00Z"}, "timestamp must be a datetime, not str"),
+        ({"deliver_at": 30}, "deliver_at must be a datetime or None, not int 30"),
         ({"correlation_id": 5}, "correlation_id must be a string, not int 5"),
         ({"ack_required": "yes"}, "ack_required must be True or False, not str 'yes'"),
         ({"headers": None}, "headers must be a dict of strings, not NoneType None"),
@@ -554,7 +555,9 @@ def test_a_decoded_message_is_the_message_its_fields_make() -> None:
         reply_to="Desk",
         ack_required=True,
         headers={"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"},
+        deliver_at=datetime(2026, 12, 8, 9, 30, 0, 250000, tzinfo=UTC),
     )
+    assert Message.from_dict(sent.to_dict()) == sent  # (the JSON form: logs, stores)
     for in_place in (False, True):
         decoded = codec.message_from_pb(codec.message_to_pb(sent), in_place=in_place)
         assert decoded == sent  # every field compared (encoded is not)

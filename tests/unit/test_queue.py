@@ -42,6 +42,7 @@ class Recorder:
         self.expired: list[Message] = []
         self.dead: list[DeadLetter] = []
         self.redelivered: list[tuple[str, int]] = []
+        self.due: list[str] = []
         self.released: list[Released] = []
 
     def on_expired(self, message: Message) -> None:
@@ -52,6 +53,9 @@ class Recorder:
 
     def on_redelivery(self, message: Message, attempt: int) -> None:
         self.redelivered.append((message.message_id, attempt))
+
+    def on_due(self, message: Message) -> None:
+        self.due.append(message.message_id)
 
     def on_released(self, released: Released) -> None:
         self.released.append(released)
@@ -546,6 +550,46 @@ async def test_a_nack_with_a_delay_brings_the_message_back_only_then(
     back = await store.lease_many("PaymentAgent", "s2", 30, 2)
     assert [(lease.message.message_id, lease.attempt) for lease in back] == [("m1", 2), ("m2", 2)]
     assert ("m1", 2) in recorder.redelivered
+
+
+async def test_a_scheduled_message_waits_for_its_time_then_in_its_place(
+    store: QueueStore, clock: FakeClock, recorder: Recorder
+) -> None:
+    """Put with a ``delay``, a message is held (it takes its place in the queue's capacity,
+    and a listing shows it DEFERRED) but neither leased nor received until the delay ends;
+    then it waits in its place (by priority and timestamp) for its first delivery: due,
+    not redelivered. One whose ttl ends first expires; a re-sent one is taken once."""
+    await store.put(msg("later", at=0), 3600, None, 5)
+    await store.put(msg("now", at=1), 3600)
+    await store.put(msg("never", at=2), 3, None, 5)
+    assert await store.put(msg("later", at=0), 3600, None, 5) is False  # (a retry)
+    assert await store.held() == 3
+    leases = await store.lease_many("PaymentAgent", "s", 30, 5)
+    assert [lease.message.message_id for lease in leases] == ["now"]
+    assert await store.ack("PaymentAgent", ["now"]) == 1
+    assert await store.pop("PaymentAgent") == []
+    listed = await store.listing("PaymentAgent")
+    assert [(h.message.message_id, h.attempts, h.state.value) for h in listed] == [
+        ("later", 0, "DEFERRED"),
+        ("never", 0, "DEFERRED"),
+    ]
+    assert recorder.released == [Released("now", "PaymentAgent", "s")]  # (its ack alone)
+    clock.advance(4)
+    await store.sweep()
+    assert await store.lease("PaymentAgent", "s", 30) is None
+    assert [m.message_id for m in recorder.expired] == []
+    await store.put(msg("newer", at=3), 3600)
+    clock.advance(2)  # 6 s: due (and "never" is past its ttl of 3 s)
+    await store.sweep()
+    assert recorder.due == ["later"]
+    assert recorder.redelivered == []
+    assert [m.message_id for m in recorder.expired] == ["never"]
+    back = await store.lease_many("PaymentAgent", "s", 30, 5)
+    assert [(lease.message.message_id, lease.attempt) for lease in back] == [
+        ("later", 1),
+        ("newer", 1),
+    ]
+    assert await store.held() == 2
 
 
 async def test_a_nack_with_a_delay_leaves_at_once_what_cannot_come_back(
@@ -1177,6 +1221,35 @@ async def test_a_delay_asked_by_a_nack_survives_a_reopen(tmp_path: Path) -> None
         ("later", 2)
     ]
     await third.close()
+
+
+async def test_a_scheduled_message_keeps_its_time_through_a_reopen(tmp_path: Path) -> None:
+    """A scheduled message waits out what remains of its delay after a restart, and is then
+    delivered for the first time."""
+    path = tmp_path / "queues.db"
+    wall = [BASE]
+    clock = FakeClock()
+    first = SqliteQueueStore(path, **OPTIONS, clock=clock, wall_clock=lambda: wall[0])
+    await first.put(msg("later", at=0), 3600, None, 60)
+    await first.put(msg("now", at=1), 3600)
+    await first.close()
+    wall[0] = BASE + timedelta(seconds=20)  # down for 20 s: 40 s of the delay remain
+    second = SqliteQueueStore(path, **OPTIONS, clock=clock, wall_clock=lambda: wall[0])
+    assert [p.message.message_id for p in await second.pop("PaymentAgent")] == ["now"]
+    [listed] = await second.listing("PaymentAgent")
+    assert (listed.message.message_id, listed.state.value, listed.attempts) == (
+        "later",
+        "DEFERRED",
+        0,
+    )
+    clock.advance(39)
+    await second.sweep()
+    assert await second.lease("PaymentAgent", "s", 30) is None
+    clock.advance(2)
+    await second.sweep()
+    back = await second.lease("PaymentAgent", "s", 30)
+    assert back is not None and (back.message.message_id, back.attempt) == ("later", 1)
+    await second.close()
 
 
 async def test_a_database_of_an_earlier_version_is_read_and_written(tmp_path: Path) -> None:

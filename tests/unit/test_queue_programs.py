@@ -71,6 +71,9 @@ class Events:
     def on_redelivery(self, message: Message, attempt: int) -> None:
         pass
 
+    def on_due(self, message: Message) -> None:
+        pass
+
     def on_released(self, released: Released) -> None:
         pass
 
@@ -90,6 +93,7 @@ puts = st.tuples(
     st.sampled_from([0.0, 1.0, 2.0]),  # the message's timestamp, seconds after BASE
     st.sampled_from([1.0, 5.0, 1000.0]),  # ttl
     st.sampled_from(("Sender", "Sender", "Other")),  # (an id reused by another: refused)
+    st.sampled_from([0.0, 0.0, 0.0, 2.0]),  # a delay (a scheduled message)
 )
 leases = st.tuples(
     st.just("lease"),
@@ -137,9 +141,9 @@ async def step(store: QueueStore, op: tuple[Any, ...], last: dict[str, list[str]
     kind, *args = op
     args = [last.get(args[0], []) if arg == "last" else arg for arg in args]
     if kind == "put":
-        agent_id, mid, priority, at, ttl, sender = args
+        agent_id, mid, priority, at, ttl, sender, delay = args
         try:
-            return await store.put(message(mid, agent_id, priority, at, sender), ttl)
+            return await store.put(message(mid, agent_id, priority, at, sender), ttl, None, delay)
         except MessageQueueFullError:
             return "full"
         except MessageIdTakenError as error:

@@ -56,6 +56,8 @@ export interface Message {
   replyTo: string;
   ackRequired: boolean;
   headers: Record<string, string>;
+  /** ISO 8601: a scheduled message, not delivered before then; null when sent at once. */
+  deliverAt: string | null;
   /** A HANDOFF's payload; null for every other type. */
   handoff: Handoff | null;
 }
@@ -77,6 +79,10 @@ export interface MessageOptions {
    * (RF-009's acknowledgement of receipt). */
   ackRequired?: boolean;
   headers?: Record<string, string>;
+  /** Not delivered before this time (by the broker's clock): a scheduled message. */
+  deliverAt?: Date | string;
+  /** Not delivered before this many milliseconds from now (deliverAt, worked out here). */
+  delayMs?: number;
 }
 
 /** A message to build (buildMessage). */
@@ -101,6 +107,7 @@ export interface WireMessage {
   reply_to: string;
   ack_required: boolean;
   headers: Record<string, string>;
+  deliver_at?: { seconds: number; nanos: number };
 }
 
 /** A message as the broker accepted it: with its id and the agents it was queued for. */
@@ -635,7 +642,8 @@ export class MeshClient {
   readonly stats: { retries: Partial<Record<StatusName, number>> };
 
   close(): void;
-  register(registration?: Registration): Promise<AgentInfo>;
+  /** A string alone is the agent id. */
+  register(registration?: Registration | string): Promise<AgentInfo>;
   deregister(agentId?: string, options?: { address?: string }): Promise<void>;
   /** Every registered agent (of agentType, when given), by id: all the broker's pages. */
   listAgents(agentType?: string): Promise<AgentInfo[]>;

@@ -204,6 +204,7 @@ function buildMessage(m) {
   if (m.ttl !== undefined && !Number.isInteger(m.ttl)) {
     throw new TypeError(`ttl must be a whole number of seconds, not ${JSON.stringify(m.ttl)}`);
   }
+  const deliverAt = deliveryTime(m);
   for (const [field, value] of [['from', m.from], ['to', m.to], ['messageId', m.messageId],
     ['correlationId', m.correlationId], ['replyTo', m.replyTo],
     ...Object.entries(m.headers || {}).flatMap(([k, v]) => [['a header', k], ['a header', v]])]) {
@@ -224,7 +225,33 @@ function buildMessage(m) {
     reply_to: m.replyTo || '',
     ack_required: Boolean(m.ackRequired),
     headers: m.headers || {},
+    ...(deliverAt === null ? {} : { deliver_at: deliverAt }),
   };
+}
+
+/**
+ * When a message is scheduled for (m.deliverAt: a Date or an ISO 8601 string; m.delayMs:
+ * milliseconds from now), as a Timestamp; null for at once. Both, or either unreadable, is a
+ * TypeError.
+ */
+function deliveryTime(m) {
+  if (m.deliverAt !== undefined && m.delayMs !== undefined) {
+    throw new TypeError('give deliverAt or delayMs, not both');
+  }
+  let ms;
+  if (m.delayMs !== undefined) {
+    ms = Date.now() + checkWait(m.delayMs, 'delayMs');
+  } else if (m.deliverAt !== undefined) {
+    ms = m.deliverAt instanceof Date ? m.deliverAt.getTime()
+      : typeof m.deliverAt === 'string' ? Date.parse(m.deliverAt) : NaN;
+    if (!Number.isFinite(ms)) {
+      throw new TypeError(
+        `deliverAt must be a Date or an ISO 8601 time, not ${JSON.stringify(m.deliverAt)}`);
+    }
+  } else {
+    return null;
+  }
+  return { seconds: Math.floor(ms / 1000), nanos: (((ms % 1000) + 1000) % 1000) * 1e6 };
 }
 
 /** A google.protobuf.Timestamp in ISO 8601, or null. */
@@ -343,6 +370,7 @@ function readMessage(pb) {
     replyTo: pb.reply_to,
     ackRequired: pb.ack_required,
     headers: pb.headers || {},
+    deliverAt: isoTime(pb.deliver_at),
     handoff: type === 'HANDOFF' ? readHandoff(content, metadata) : null,
   };
 }
@@ -1293,9 +1321,16 @@ class MeshClient {
    * agent (any gRPC server of the Agent service); by default ('PULL') the agent takes them.
    * requiredFields: content keys every REQUEST and HANDOFF sent to the agent must carry
    * (e.g. ['action', 'parameters']); the broker refuses one that lacks any (INVALID_ARGUMENT).
+   * A string alone is the agent id: register('PaymentAgent'), as deregister takes it.
    */
-  async register({ agentId = this.agentId, agentTypes = [], address = '', capabilities = [],
-    deliveryMode = 'PULL', maxInFlight = 0, requiredFields = [] } = {}) {
+  async register(registration = {}) {
+    if (typeof registration === 'string') return this.register({ agentId: registration });
+    if (typeof registration !== 'object' || registration === null) {
+      throw new TypeError(`register takes an agent id or {agentId, agentTypes, ...}, not ${
+        JSON.stringify(registration)}`);
+    }
+    const { agentId = this.agentId, agentTypes = [], address = '', capabilities = [],
+      deliveryMode = 'PULL', maxInFlight = 0, requiredFields = [] } = registration;
     if (!DELIVERY_MODES.includes(deliveryMode)) {
       throw new TypeError(`deliveryMode ${JSON.stringify(deliveryMode)} is not one of `
         + DELIVERY_MODES.join(', '));

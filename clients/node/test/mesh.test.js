@@ -7,7 +7,7 @@ const test = require('node:test');
 const assert = require('node:assert/strict');
 const grpc = require('@grpc/grpc-js');
 const {
-  MeshClient, GatewayClient, AgentClient, MeshError, Reject, RetryLater, serveAgent,
+  MeshClient, GatewayClient, AgentClient, MeshError, Reject, RetryLater, serveAgent, buildMessage,
 } = require('../lib/mesh');
 const { meshUp } = require('../scripts/mesh-up');
 
@@ -76,6 +76,40 @@ test('sends and receives messages in priority order', async () => {
     assert.equal(copy.messageId, alert.messageId);
   } finally {
     await client.deregister('NodePaymentAgent').catch(() => {});
+    client.close();
+  }
+});
+
+test('a scheduled message (delayMs, deliverAt) waits in the broker until it is due', async () => {
+  const client = new MeshClient(BROKER, { agentId: 'NodeScheduler' });
+  try {
+    await client.register('NodeReminded');
+    const later = await client.send('NodeReminded', { action: 'remind' }, { delayMs: 600 });
+    const sent = Date.now();
+    assert.ok(Math.abs(Date.parse(later.deliverAt) - (sent + 600)) < 100, later.deliverAt);
+    const now = await client.send('NodeReminded', { action: 'pay' });
+    assert.equal(now.deliverAt, null);
+    const listed = await client.listMessages('NodeReminded');
+    assert.deepEqual(listed.map((q) => [q.message.content.action, q.state, q.attempts]),
+      [['pay', 'WAITING', 0], ['remind', 'DEFERRED', 0]]);
+    assert.equal(Date.parse(listed[1].until), Date.parse(later.deliverAt));
+    assert.deepEqual((await client.receive('NodeReminded')).map((m) => m.content.action), ['pay']);
+    let got = [];
+    while (got.length === 0) {
+      await new Promise((resolve) => setTimeout(resolve, 100));
+      got = await client.receive('NodeReminded');
+    }
+    assert.ok(Date.now() - sent >= 500, `due after ${Date.now() - sent} ms`);
+    assert.deepEqual(got.map((m) => [m.content.action, m.deliverAt]), [['remind', later.deliverAt]]);
+    assert.throws(() => buildMessage({ to: 'x', content: {}, delayMs: 1, deliverAt: new Date() }),
+      /deliverAt or delayMs/);
+    assert.throws(() => buildMessage({ to: 'x', content: {}, deliverAt: 'soon' }), /deliverAt/);
+    await assert.rejects(client.register(42), TypeError); // (an id, or the registration's fields)
+    await assert.rejects(
+      client.send('NodeReminded', { action: 'remind' }, { delayMs: 10000, ttl: 5 }),
+      (err) => err.codeName === 'INVALID_ARGUMENT' && err.fieldViolations[0].field === 'deliver_at');
+  } finally {
+    await client.deregister('NodeReminded').catch(() => {});
     client.close();
   }
 });
