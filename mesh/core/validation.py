@@ -129,15 +129,18 @@ _UNSCHEDULED = (MessageType.RESPONSE, MessageType.ERROR, MessageType.ACK)
 def _schedule_violations(
     message: Message, deliver_at: datetime, config: BrokerConfig
 ) -> list[FieldViolation]:
-    """A scheduled message's ``deliver_at``: not on an answer or an ack, at most
-    ``max_ttl`` ahead, and before a ttl the message gives ends (counted as the broker counts
-    it: from its timestamp, or from now for a timestamp ahead of this clock)."""
+    """A scheduled message's ``deliver_at``, when ahead (one already past means at once,
+    as a copy of a message that was scheduled carries it): not on an answer or an ack, at
+    most ``max_ttl`` ahead, and before a ttl the message gives ends (counted as the broker
+    counts it: from its timestamp, or from now for a timestamp ahead of this clock)."""
+    wait = due_in(deliver_at)
+    if wait <= 0:
+        return []
     kind = message.message_type
     if kind in _UNSCHEDULED:
         return [
             FieldViolation("deliver_at", f"deliver_at is not for a {kind.value}: it goes at once")
         ]
-    wait = due_in(deliver_at)
     if wait > config.max_ttl:
         return [
             FieldViolation(
@@ -145,7 +148,7 @@ def _schedule_violations(
             )
         ]
     ttl = message.ttl
-    if ttl > 0 and wait > 0:
+    if ttl > 0:
         age = (utc_now() - message.timestamp).total_seconds()
         left = ttl - age if age > 0 else float(ttl)
         if wait >= left:

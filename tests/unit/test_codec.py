@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal
 from types import MappingProxyType
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pydantic
 import pytest
@@ -608,3 +608,39 @@ def test_a_json_value_a_caller_gives_with_text_utf8_cannot_write_names_where() -
     out = struct_pb2.Value()
     codec.encode_value({"plan": ["café"]}, out, "value")
     assert codec.value_to_python(out) == {"plan": ["café"]}
+
+
+def test_a_deliver_at_ahead_is_held_to_its_limits_and_one_past_means_at_once() -> None:
+    """A scheduled message (``deliver_at`` ahead of this clock) is at most ``max_ttl`` ahead,
+    due before a ttl it gives ends, and never an answer or an ack; a ``deliver_at`` already
+    past passes on any message, as an answer made from a scheduled request carries it."""
+    config = BrokerConfig(max_ttl=600, default_ttl=600)
+    now = datetime.now(UTC)
+
+    def problems(ahead: float, **fields: Any) -> list[str]:
+        message = Message(
+            from_agent="a",
+            to_agent="b",
+            content={"action": "x"},
+            deliver_at=now + timedelta(seconds=ahead),
+            **fields,
+        )
+        try:
+            validate_message(message, config)
+        except MessageValidationError as error:
+            return [v.description for v in error.field_violations]
+        return []
+
+    assert problems(300) == []
+    assert problems(900) == ["deliver_at must be at most 600 seconds ahead"]
+    assert problems(30, ttl=60) == []
+    assert problems(90, ttl=60) == [
+        "deliver_at must come before the message's ttl of 60 s ends"
+        " (60.0 s from now, counted from its timestamp)"
+    ]
+    for kind in (MessageType.RESPONSE, MessageType.ERROR, MessageType.ACK):
+        assert problems(30, message_type=kind, correlation_id="c") == [
+            f"deliver_at is not for a {kind.value}: it goes at once"
+        ]
+        assert problems(-30, message_type=kind, correlation_id="c") == []
+    assert problems(-86400 * 2) == []
