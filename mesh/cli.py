@@ -739,10 +739,29 @@ async def _stats(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    header = ("AGENT", "DEPTH", "HIGH", "MEDIUM", "LOW", "IN FLIGHT", "DEAD", "SUBSCRIBERS")
+    header = (
+        "AGENT",
+        "DEPTH",
+        "HIGH",
+        "MEDIUM",
+        "LOW",
+        "IN FLIGHT",
+        "DEFERRED",
+        "DEAD",
+        "SUBSCRIBERS",
+    )
     rows: list[tuple[str, ...]] = [header]
     for a in report.agents:
-        values = (a.depth, a.high, a.medium, a.low, a.in_flight, a.dead_letters, a.subscribers)
+        values = (
+            a.depth,
+            a.high,
+            a.medium,
+            a.low,
+            a.in_flight,
+            a.deferred,
+            a.dead_letters,
+            a.subscribers,
+        )
         rows.append((a.agent_id, *map(str, values)))
     _table(rows, numbers=True)
     _print("totals: " + ", ".join(f"{k}={_figure(v)}" for k, v in report.totals.items()))

@@ -296,6 +296,8 @@ class QueueStatsView:
     in_flight: int
     dead_letters: int
     subscribers: int
+    deferred: int = 0
+    """Held until a time: scheduled (``deliver_at``), or nacked with a delay."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -2005,6 +2007,7 @@ class MeshClient(ChannelOnFirstUse):
                     a.in_flight,
                     a.dead_letters,
                     a.subscribers,
+                    a.deferred,
                 )
                 for a in response.agents
             ),

@@ -507,14 +507,21 @@ else
     redis.call('ZCOUNT', ready, 2 * span, '+inf'),
   }
 end
+-- (deferred: held until a time by nobody, counted apart from those in flight)
+local deferred = 0
+for _, id in ipairs(redis.call('ZRANGE', leased, 0, -1)) do
+  local m = redis.call('HGET', meta, id)
+  if m and cjson.decode(m).s == DEFERRED then deferred = deferred + 1 end
+end
 return {
   counts[1],
   counts[2],
   counts[3],
-  redis.call('ZCARD', leased),
+  redis.call('ZCARD', leased) - deferred,
   redis.call('LLEN', dead),
   redis.call('HLEN', msgs),
-  out
+  out,
+  deferred
 }
 """
 
@@ -1543,15 +1550,15 @@ class RedisQueueStore:
         for aid, result in zip(agents, results, strict=True):
             if isinstance(result, BaseException):
                 raise result
-            self._report(aid, result[-1])
+            self._report(aid, result[6])
             out.append((aid, result))
         return out
 
     async def stats(self, agent_id: str | None = None) -> list[QueueStats]:
         return [
-            QueueStats(aid, int(high), int(medium), int(low), int(leased), int(dead))
-            for aid, (high, medium, low, leased, dead, _held, _events) in await self._stats(
-                agent_id
+            QueueStats(aid, int(high), int(medium), int(low), int(leased), int(dead), int(deferred))
+            for aid, (high, medium, low, leased, dead, _held, _events, deferred) in (
+                await self._stats(agent_id)
             )
         ]
 

@@ -304,6 +304,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
                 in_flight=q.in_flight,
                 dead_letters=q.dead_letters,
                 subscribers=item.subscribers,
+                deferred=q.deferred,
             )
         t = response.totals
         t.held = await self.broker.held()

@@ -766,7 +766,7 @@ class Broker:
         depths = dict.fromkeys(self.registry.ids(), 0)
         held = 0
         for queue in await self.store.stats():
-            held += queue.depth + queue.in_flight
+            held += queue.held
             if queue.depth or queue.agent_id in depths:
                 depths[queue.agent_id] = queue.depth
         gauges = self.metrics.queues
@@ -2312,7 +2312,7 @@ class Broker:
 
     async def queue_stats(self, agent_id: str = "") -> tuple[list[AgentQueueStats], Totals]:
         if agent_id and not await self._is_registered(agent_id):
-            stats = [s for s in await self.store.stats(agent_id) if s.depth or s.in_flight]
+            stats = [s for s in await self.store.stats(agent_id) if s.held]
             if not stats:
                 raise AgentNotFoundError(f"agent {agent_id} is not registered")
         known = {s.agent_id: s for s in await self.store.stats(agent_id or None)}

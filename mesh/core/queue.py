@@ -74,11 +74,19 @@ class QueueStats:
     medium: int
     low: int
     in_flight: int
+    """Delivered and not yet settled."""
     dead_letters: int
+    deferred: int = 0
+    """Held until a time: scheduled, or nacked with a delay (in flight no more)."""
 
     @property
     def depth(self) -> int:
         return self.high + self.medium + self.low
+
+    @property
+    def held(self) -> int:
+        """Messages held in all: waiting, in flight and deferred."""
+        return self.depth + self.in_flight + self.deferred
 
 
 class StoreListener(Protocol):
@@ -1044,8 +1052,17 @@ class InMemoryQueueStore:
             if q is None:
                 out.append(QueueStats(aid, 0, 0, 0, 0, 0))
                 continue
+            deferred = sum(1 for entry in q.leased.values() if entry.deferred)
             out.append(
-                QueueStats(aid, q.waiting[0], q.waiting[1], q.waiting[2], len(q.leased), q.dead)
+                QueueStats(
+                    aid,
+                    q.waiting[0],
+                    q.waiting[1],
+                    q.waiting[2],
+                    len(q.leased) - deferred,
+                    q.dead,
+                    deferred,
+                )
             )
         return out
 

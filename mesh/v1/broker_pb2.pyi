@@ -1166,6 +1166,7 @@ class AgentQueueStats(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _builtins.int
     DEAD_LETTERS_FIELD_NUMBER: _builtins.int
     SUBSCRIBERS_FIELD_NUMBER: _builtins.int
+    DEFERRED_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     """The agent."""
     depth: _builtins.int
@@ -1182,6 +1183,10 @@ class AgentQueueStats(_message.Message):
     """Messages in the dead-letter queue."""
     subscribers: _builtins.int
     """Open subscriptions."""
+    deferred: _builtins.int
+    """Messages held until a time: scheduled (deliver_at ahead), or nacked with a delay
+    (redeliver_after). Neither waiting nor in flight meanwhile.
+    """
     def __init__(
         self,
         *,
@@ -1193,10 +1198,11 @@ class AgentQueueStats(_message.Message):
         in_flight: _builtins.int = ...,
         dead_letters: _builtins.int = ...,
         subscribers: _builtins.int = ...,
+        deferred: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "dead_letters", b"dead_letters", "depth", b"depth", "high", b"high", "in_flight", b"in_flight", "low", b"low", "medium", b"medium", "subscribers", b"subscribers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "dead_letters", b"dead_letters", "deferred", b"deferred", "depth", b"depth", "high", b"high", "in_flight", b"in_flight", "low", b"low", "medium", b"medium", "subscribers", b"subscribers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -249,9 +249,17 @@ async def run(program: list[tuple[Any, ...]], broker: Broker) -> list[Any]:
                     report = await client.queue_stats()
                     seen.append(
                         sorted(
-                            (q.agent_id, q.high, q.medium, q.low, q.in_flight, q.dead_letters)
+                            (
+                                q.agent_id,
+                                q.high,
+                                q.medium,
+                                q.low,
+                                q.in_flight,
+                                q.deferred,
+                                q.dead_letters,
+                            )
                             for q in report.agents
-                            if q.depth or q.in_flight or q.dead_letters
+                            if q.depth or q.in_flight or q.deferred or q.dead_letters
                         )
                     )
                 elif kind == "take":

@@ -585,6 +585,8 @@ async def test_a_scheduled_message_is_delivered_when_due_and_not_before(
         ]
         assert later.deliver_at is not None and listed[1].until is not None
         assert abs((listed[1].until - later.deliver_at).total_seconds()) < 0.01
+        [queue] = (await client.queue_stats("Worker")).agents
+        assert (queue.depth, queue.in_flight, queue.deferred) == (1, 0, 1)
         got = []
         async with client.subscribe("Worker") as sub:
             async for delivery in sub:

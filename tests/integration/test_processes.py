@@ -680,6 +680,11 @@ async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
     *_, deferred, summary = out.strip().splitlines()
     assert deferred.split()[1:6] == ["DEFERRED", "MEDIUM", "REQUEST", "cli", "remind"]
     assert summary == "PaymentAgent: 2 waiting, 0 in flight, 1 deferred", out
+    code, out = await cli("stats", "--agent", "PaymentAgent")
+    header, row = out.splitlines()[:2]
+    for heading, count in (("DEPTH", "2"), ("IN FLIGHT", "0"), ("DEFERRED", "1")):
+        end = header.index(heading) + len(heading)
+        assert row[end - len(count) : end] == count, (header, row)
     async with connect(broker_proc.address) as client:
         assert [m.content["n"] for m in await client.receive("PaymentAgent")] == [0, 1]
         assert await client.dead_letters("PaymentAgent") == []

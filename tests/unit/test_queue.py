@@ -540,7 +540,7 @@ async def test_a_nack_with_a_delay_brings_the_message_back_only_then(
     second = await store.lease("PaymentAgent", "s", 30)
     assert second is not None and second.message.message_id == "m2"
     [stats] = await store.stats("PaymentAgent")
-    assert (stats.depth, stats.in_flight) == (0, 2)  # out of the queue, both
+    assert (stats.depth, stats.in_flight, stats.deferred) == (0, 1, 1)  # (m2 in flight)
     clock.advance(4)
     await store.sweep()
     assert await store.lease("PaymentAgent", "s", 30) is None
@@ -573,6 +573,8 @@ async def test_a_scheduled_message_waits_for_its_time_then_in_its_place(
         ("later", 0, "DEFERRED"),
         ("never", 0, "DEFERRED"),
     ]
+    [stats] = await store.stats("PaymentAgent")
+    assert (stats.depth, stats.in_flight, stats.deferred, stats.held) == (0, 0, 2, 2)
     assert recorder.released == [Released("now", "PaymentAgent", "s")]  # (its ack alone)
     clock.advance(4)
     await store.sweep()
@@ -1202,7 +1204,7 @@ async def test_a_delay_asked_by_a_nack_survives_a_reopen(tmp_path: Path) -> None
     wall[0] = BASE + timedelta(seconds=20)  # down for 20 s: 40 s of the delay remain
     second = SqliteQueueStore(path, **OPTIONS, clock=clock, wall_clock=lambda: wall[0])
     [stats] = await second.stats("PaymentAgent")
-    assert (stats.depth, stats.in_flight) == (2, 1)
+    assert (stats.depth, stats.in_flight, stats.deferred) == (2, 0, 1)
     assert [(p.message.message_id, p.attempts) for p in await second.pop("PaymentAgent")] == [
         ("leased", 1),
         ("kept", 0),
@@ -1284,7 +1286,7 @@ async def test_a_database_of_an_earlier_version_is_read_and_written(tmp_path: Pa
     second = SqliteQueueStore(path, **OPTIONS)
     assert [p.message.message_id for p in await second.pop("PaymentAgent")] == ["new"]
     [stats] = await second.stats("PaymentAgent")
-    assert (stats.depth, stats.in_flight) == (0, 1)  # (old: an hour to wait)
+    assert (stats.depth, stats.in_flight, stats.deferred) == (0, 0, 1)  # (old: an hour to wait)
     await second.close()
 
 

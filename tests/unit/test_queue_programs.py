@@ -183,9 +183,9 @@ async def step(store: QueueStore, op: tuple[Any, ...], last: dict[str, list[str]
 async def state(store: QueueStore) -> dict[str, Any]:
     """Every queue's counts and dead letters, and what the store holds in all."""
     stats = {
-        s.agent_id: (s.high, s.medium, s.low, s.in_flight, s.dead_letters)
+        s.agent_id: (s.high, s.medium, s.low, s.in_flight, s.deferred, s.dead_letters)
         for s in await store.stats()
-        if (s.high, s.medium, s.low, s.in_flight, s.dead_letters) != (0, 0, 0, 0, 0)
+        if s.held or s.dead_letters
     }
     dead = sorted(
         (d.message.to_agent, d.message.message_id, d.reason, d.attempts)

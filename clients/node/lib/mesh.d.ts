@@ -306,6 +306,8 @@ export interface AgentQueueStats {
   inFlight: number;
   deadLetters: number;
   subscribers: number;
+  /** Held until a time: scheduled (deliverAt), or nacked with a delay. */
+  deferred: number;
 }
 
 /** The broker-wide counters (mesh.v1.BrokerTotals). */

@@ -1502,8 +1502,8 @@ class MeshClient {
 
   /**
    * Queue depths and counters (GetQueueStats), of one agent's queue or of all: {agents:
-   * [{agentId, depth, high, medium, low, inFlight, deadLetters, subscribers}], totals: the
-   * broker-wide counters of BrokerTotals, camelCased: held, sentCount, droppedCount, ...}.
+   * [{agentId, depth, high, medium, low, inFlight, deferred, deadLetters, subscribers}],
+   * totals: the broker-wide counters of BrokerTotals, camelCased: held, sentCount, ...}.
    */
   async queueStats(agentId = '') {
     const res = await unary(this.broker, 'GetQueueStats', { agent_id: agentId });

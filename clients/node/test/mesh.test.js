@@ -93,6 +93,8 @@ test('a scheduled message (delayMs, deliverAt) waits in the broker until it is d
     assert.deepEqual(listed.map((q) => [q.message.content.action, q.state, q.attempts]),
       [['pay', 'WAITING', 0], ['remind', 'DEFERRED', 0]]);
     assert.equal(Date.parse(listed[1].until), Date.parse(later.deliverAt));
+    const [stats] = (await client.queueStats('NodeReminded')).agents;
+    assert.deepEqual([stats.depth, stats.inFlight, stats.deferred], [1, 0, 1]);
     assert.deepEqual((await client.receive('NodeReminded')).map((m) => m.content.action), ['pay']);
     let got = [];
     while (got.length === 0) {
@@ -187,7 +189,7 @@ test('sends a batch in one call: each message goes in or is refused on its own',
     assert.equal(results[3].error, undefined);
     const [desk] = (await client.queueStats('NodeBatchDesk')).agents;
     assert.deepEqual(desk, { agentId: 'NodeBatchDesk', depth: 2, high: 1, medium: 0, low: 1,
-      inFlight: 0, deadLetters: 0, subscribers: 0 });
+      inFlight: 0, deadLetters: 0, subscribers: 0, deferred: 0 });
     const after = (await client.queueStats()).totals;
     assert.equal(after.maxMessagesPerAgent, 1000);
     assert.ok(after.sentCount >= before.sentCount + 2);
