@@ -305,6 +305,7 @@ class Dashboard:
                     "medium": q.medium if q else 0,
                     "low": q.low if q else 0,
                     "in_flight": q.in_flight if q else 0,
+                    "deferred": q.deferred if q else 0,
                     "dead_letters": q.dead_letters if q else 0,
                 }
             )

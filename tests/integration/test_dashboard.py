@@ -133,6 +133,9 @@ def test_the_agent_list_matches_the_registry(mesh_up: dict[str, str], browser: o
     for agent_id, cells in shown.items():
         assert cells[1].text == ", ".join(expected[agent_id])
         assert cells[2].text == "SERVING"  # each agent's own health service
+    headings = [th.text for th in driver.find_elements(By.CSS_SELECTOR, "#agents thead th")]  # type: ignore[attr-defined]
+    assert headings[6:9] == ["in flight", "deferred", "dead"], headings
+    assert all(cells[7].text == "0" for cells in shown.values())  # (nothing scheduled)
 
 
 def test_a_group_chat_started_from_the_page_unfolds_live_and_has_a_waterfall(

@@ -23,7 +23,7 @@ var V,g,vt,jt,N,pt,$t,gt,K,W,L,yt,tt,Y,Z,Vt,J={},B=[],zt=/acit|ex(?:s|g|n|p|$)|r
       <thead>
         <tr>
           <th>agent</th><th>types</th><th>health</th><th>HIGH</th><th>MEDIUM</th><th>LOW</th>
-          <th>in flight</th><th>dead</th><th>address</th>
+          <th>in flight</th><th>deferred</th><th>dead</th><th>address</th>
         </tr>
       </thead>
       <tbody>
@@ -32,7 +32,7 @@ var V,g,vt,jt,N,pt,$t,gt,K,W,L,yt,tt,Y,Z,Vt,J={},B=[],zt=/acit|ex(?:s|g|n|p|$)|r
             <td>${t.agent_types.join(", ")}</td>
             <td class=${`health ${t.health}`}>${t.health}</td>
             <td>${t.high}</td><td>${t.medium}</td><td>${t.low}</td>
-            <td>${t.in_flight}</td><td>${t.dead_letters}</td>
+            <td>${t.in_flight}</td><td>${t.deferred}</td><td>${t.dead_letters}</td>
             <td class="addr">${t.address}${re(t)}</td>
           </tr>`)}
       </tbody>

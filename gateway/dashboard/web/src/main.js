@@ -124,7 +124,7 @@ function Agents({ agents }) {
       <thead>
         <tr>
           <th>agent</th><th>types</th><th>health</th><th>HIGH</th><th>MEDIUM</th><th>LOW</th>
-          <th>in flight</th><th>dead</th><th>address</th>
+          <th>in flight</th><th>deferred</th><th>dead</th><th>address</th>
         </tr>
       </thead>
       <tbody>
@@ -134,7 +134,7 @@ function Agents({ agents }) {
             <td>${a.agent_types.join(", ")}</td>
             <td class=${`health ${a.health}`}>${a.health}</td>
             <td>${a.high}</td><td>${a.medium}</td><td>${a.low}</td>
-            <td>${a.in_flight}</td><td>${a.dead_letters}</td>
+            <td>${a.in_flight}</td><td>${a.deferred}</td><td>${a.dead_letters}</td>
             <td class="addr">${a.address}${pushLabel(a)}</td>
           </tr>`,
         )}
