@@ -348,9 +348,12 @@ _ACK = """
 local out = {}
 for i = 1, #ARGV do
   local id = ARGV[i]
-  if redis.call('ZREM', leased, id) == 1 then
-    local info = cjson.decode(redis.call('HGET', meta, id))
-    table.insert(out, {id, info.s})
+  local m = redis.call('ZSCORE', leased, id) and redis.call('HGET', meta, id)
+  local info = m and cjson.decode(m)
+  if info and info.s == DEFERRED and info.a == 0 then
+    -- scheduled, never delivered: nothing to acknowledge
+  elseif redis.call('ZREM', leased, id) == 1 then
+    table.insert(out, {id, info and info.s or ''})
     drop(id)
   end
 end

@@ -814,9 +814,10 @@ class InMemoryQueueStore:
             return 0
         count = 0
         for message_id in message_ids:
-            entry = queue.leased.pop(message_id, None)
-            if entry is None:
-                continue
+            entry = queue.leased.get(message_id)
+            if entry is None or (entry.deferred and not entry.attempts):
+                continue  # (scheduled, never delivered: nothing to acknowledge)
+            del queue.leased[message_id]
             self._forget(queue, entry)
             self._released(entry)
             count += 1

@@ -567,6 +567,9 @@ async def test_a_scheduled_message_waits_for_its_time_then_in_its_place(
     leases = await store.lease_many("PaymentAgent", "s", 30, 5)
     assert [lease.message.message_id for lease in leases] == ["now"]
     assert await store.ack("PaymentAgent", ["now"]) == 1
+    assert await store.ack("PaymentAgent", ["later"]) == 0  # (never delivered)
+    assert await store.nack("PaymentAgent", ["later"]) == (0, 0)
+    assert await store.extend_lease("PaymentAgent", ["later"], 60) == 0
     assert await store.pop("PaymentAgent") == []
     listed = await store.listing("PaymentAgent")
     assert [(h.message.message_id, h.attempts, h.state.value) for h in listed] == [
