@@ -16,6 +16,7 @@ import contextlib
 import itertools
 import re
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from typing import Any
 
 import grpc
@@ -28,7 +29,7 @@ from mesh.config import BrokerConfig
 from mesh.core import broker as broker_module
 from mesh.core.broker import Broker
 from mesh.core.errors import AgentNotFoundError, MessageQueueFullError, RequestTimeoutError
-from mesh.core.model import AgentInfo, MessageType
+from mesh.core.model import AgentInfo, MessageType, utc_now
 from mesh.redis_store import RedisQueueStore
 from mesh.server import serve_broker
 from mesh.v1 import broker_pb2, broker_pb2_grpc, message_pb2
@@ -325,6 +326,30 @@ async def test_a_delivery_nacked_for_later_comes_back_through_the_replica_that_s
         back = await asyncio.wait_for(sub.next(), 5)
         assert (back.message.message_id, back.attempt) == (first.message.message_id, 2)
         await b.ack("Later", [first.message.message_id])
+        await sub.close()
+
+
+async def test_a_scheduled_message_reaches_a_subscriber_on_another_replica_when_due(
+    one_redis: str,
+) -> None:
+    """A message scheduled through replica B (whose sweep is 30 s away) for 0.5 s from now:
+    replica A's sweep puts it in its place when due, and wakes B's subscriber for it, its
+    first delivery."""
+    async with running(replica(one_redis, 0.05), replica(one_redis, 30)) as (_sweeping, b):
+        await b.register(AgentInfo(agent_id="Reminded"))
+        sub = await b.subscribe("Reminded")
+        due = utc_now() + timedelta(seconds=0.5)
+        sent = await b.send(
+            Message(from_agent="S", to_agent="Reminded", content={"action": "x"}, deliver_at=due)
+        )
+        now = await b.send(Message(from_agent="S", to_agent="Reminded", content={"action": "y"}))
+        got = await asyncio.wait_for(sub.next(), 5)
+        assert got.message.message_id == now.message.message_id
+        await b.ack("Reminded", [got.message.message_id])
+        back = await asyncio.wait_for(sub.next(), 5)
+        assert (back.message.message_id, back.attempt) == (sent.message.message_id, 1)
+        assert utc_now() >= due
+        await b.ack("Reminded", [back.message.message_id])
         await sub.close()
 
 
