@@ -4,6 +4,7 @@ INVALID_ARGUMENT, saying what the Python agents say."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import grpc
@@ -31,6 +32,13 @@ def bad_direct_calls(agent_id: str) -> dict[str, bytes]:
     late = message_pb2.Message(from_agent="Caller", to_agent=agent_id)
     late.content.update({"action": "echo"})
     late.timestamp.seconds = 2**44  # (past what a JavaScript Date holds)
+
+    def scheduled(seconds: int) -> bytes:
+        message = message_pb2.Message(from_agent="Caller", to_agent=agent_id)
+        message.content.update({"action": "echo"})
+        message.deliver_at.seconds = seconds
+        return agent_pb2.HandleMessageRequest(message=message).SerializeToString()
+
     return {
         "garbage": b"\xff\xff\x07 not protobuf",
         "no message": b"",
@@ -40,6 +48,8 @@ def bad_direct_calls(agent_id: str) -> dict[str, bytes]:
         "a timestamp out of range": agent_pb2.HandleMessageRequest(
             message=late
         ).SerializeToString(),
+        "a deliver_at out of range": scheduled(2**44),
+        "a deliver_at more than a day ahead": scheduled(int(time.time()) + 2 * 86400),
         "a ttl past a day": call(ttl=86401),
         "a negative ttl": call(ttl=-1),
         "over 1 MiB": call(content={"action": "echo", "blob": "x" * (1 << 20)}),

@@ -69,6 +69,7 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/structpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
 )
 
 // The services whose health the agent reports (its own, and its process's readiness as
@@ -788,7 +789,7 @@ const (
 
 // wireViolations is what in a message called to the agent's own server the Python agents
 // refuse as they read it, in their words: a type or priority the contract does not define,
-// a timestamp out of a Timestamp's range, a ttl below 0 or past a day, a message past 1 MiB,
+// a timestamp (or deliver_at) out of a Timestamp's range, a ttl below 0 or past a day, a message past 1 MiB,
 // a number JSON cannot write.
 func wireViolations(m *meshv1.Message) []*errdetails.BadRequest_FieldViolation {
 	var found []*errdetails.BadRequest_FieldViolation
@@ -805,10 +806,20 @@ func wireViolations(m *meshv1.Message) []*errdetails.BadRequest_FieldViolation {
 		add("priority", fmt.Sprintf("priority %d is not defined (known: %s)",
 			m.GetPriority(), "HIGH=1, MEDIUM=2, LOW=3"))
 	}
-	if ts := m.GetTimestamp(); ts != nil && (ts.GetSeconds() < minTimestampSeconds ||
-		ts.GetSeconds() > maxTimestampSeconds || ts.GetNanos() < 0 || ts.GetNanos() > 999999999) {
-		add("timestamp", fmt.Sprintf("timestamp must be from 0001-01-01T00:00:00Z to "+
-			"9999-12-31T23:59:59.999999999Z (seconds %d, nanos %d)", ts.GetSeconds(), ts.GetNanos()))
+	for _, stamp := range []struct {
+		name  string
+		value *timestamppb.Timestamp
+	}{{"timestamp", m.GetTimestamp()}, {"deliver_at", m.GetDeliverAt()}} {
+		ts := stamp.value
+		if ts != nil && (ts.GetSeconds() < minTimestampSeconds ||
+			ts.GetSeconds() > maxTimestampSeconds || ts.GetNanos() < 0 || ts.GetNanos() > 999999999) {
+			add(stamp.name, fmt.Sprintf("%s must be from 0001-01-01T00:00:00Z to "+
+				"9999-12-31T23:59:59.999999999Z (seconds %d, nanos %d)",
+				stamp.name, ts.GetSeconds(), ts.GetNanos()))
+		} else if stamp.name == "deliver_at" && ts != nil &&
+			time.Until(ts.AsTime()) > maxTTL*time.Second {
+			add("deliver_at", fmt.Sprintf("deliver_at must be at most %d seconds ahead", maxTTL))
+		}
 	}
 	if m.GetTtl() < 0 {
 		add("ttl", "ttl must not be negative")

@@ -434,8 +434,8 @@ const WIRE = Symbol('wire');
 /**
  * What in a message called to an agent's own server the Python agents refuse before their
  * handler runs, from its wire form (pb, as read) and its size in bytes: a type or priority
- * the contract does not define, a timestamp out of a Timestamp's range, a ttl that is
- * negative or past a day, a message past 1 MiB, and a number JSON cannot write (NaN,
+ * the contract does not define, a timestamp (or deliver_at) out of a Timestamp's range, a
+ * deliver_at more than a day ahead, a ttl that is negative or past a day, a message past 1 MiB, and a number JSON cannot write (NaN,
  * Infinity). Each a [field, description] pair.
  */
 function wireViolations(pb, bytes) {
@@ -448,11 +448,15 @@ function wireViolations(pb, bytes) {
   };
   undefinedEnum('message_type', pb.message_type, 'MESSAGE_TYPE_', MESSAGE_TYPES);
   undefinedEnum('priority', pb.priority, 'PRIORITY_', PRIORITIES);
-  const ts = pb.timestamp;
-  if (ts && !(ts.seconds >= TIMESTAMP_SECONDS[0] && ts.seconds <= TIMESTAMP_SECONDS[1]
-    && ts.nanos >= 0 && ts.nanos <= 999999999)) {
-    found.push(['timestamp', 'timestamp must be from 0001-01-01T00:00:00Z to '
-      + `9999-12-31T23:59:59.999999999Z (seconds ${ts.seconds}, nanos ${ts.nanos})`]);
+  for (const [field, ts] of [['timestamp', pb.timestamp], ['deliver_at', pb.deliver_at]]) {
+    if (ts && !(ts.seconds >= TIMESTAMP_SECONDS[0] && ts.seconds <= TIMESTAMP_SECONDS[1]
+      && ts.nanos >= 0 && ts.nanos <= 999999999)) {
+      found.push([field, `${field} must be from 0001-01-01T00:00:00Z to `
+        + `9999-12-31T23:59:59.999999999Z (seconds ${ts.seconds}, nanos ${ts.nanos})`]);
+    } else if (field === 'deliver_at' && ts
+      && Number(ts.seconds) * 1000 + ts.nanos / 1e6 - Date.now() > DIRECT_LIMITS.ttl * 1000) {
+      found.push([field, `deliver_at must be at most ${DIRECT_LIMITS.ttl} seconds ahead`]);
+    }
   }
   if (pb.ttl < 0) found.push(['ttl', 'ttl must not be negative']);
   if (pb.ttl > DIRECT_LIMITS.ttl) {
