@@ -12,6 +12,7 @@ import json
 import logging
 import shutil
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,27 @@ async def register_push(mesh: LocalMesh, agent_id: str, address: str) -> message
             )
         )
     return response.agent
+
+
+async def test_a_scheduled_message_is_pushed_when_due(mesh: LocalMesh) -> None:
+    """A request scheduled for a push agent is called to its server once due, not before,
+    and answered then; the pushed message carries its deliver_at."""
+    agent = PlainAgent(echo)
+    server, address = await start_plain(agent)
+    try:
+        await register_push(mesh, "ReminderDesk", address)
+        async with mesh.client("Cashier") as client:
+            started = time.monotonic()
+            answer = await client.request(
+                "ReminderDesk", {"action": "remind", "parameters": {"n": 1}}, delay=0.5
+            )
+            waited = time.monotonic() - started
+        assert answer.content["echo"] == {"n": 1}
+        assert waited >= 0.45  # (not before its time)
+        (pushed,) = agent.seen
+        assert pushed.HasField("deliver_at")
+    finally:
+        await server.stop(None)
 
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
