@@ -770,6 +770,17 @@ async def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _cancel(args: argparse.Namespace) -> int:
+    """Takes back messages a sender sent, not delivered yet."""
+    async with connect(args.broker, agent_id=args.sender, security=security_config(args)) as client:
+        taken = await client.cancel_messages(args.agent, args.message_ids)
+    asked = len(dict.fromkeys(args.message_ids))
+    _print(f"{len(taken)} of {asked} messages from {args.sender} to {args.agent} cancelled")
+    for message_id in taken:
+        _print(f"cancelled {message_id}")
+    return 0
+
+
 async def _requeue(args: argparse.Namespace) -> int:
     """Puts an agent's dead letters (all, or those named) back in its queue."""
     async with connect(args.broker, agent_id=args.agent, security=security_config(args)) as client:
@@ -1366,6 +1377,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--broker", default=broker_default)
     add_security_flags(p, server=False)
     p.set_defaults(run=_requeue)
+
+    p = sub.add_parser(
+        "cancel",
+        help="take back messages a sender sent to an agent, not delivered yet (waiting or"
+        " scheduled)",
+    )
+    p.add_argument("agent", help="the agent the messages were sent to")
+    p.add_argument("message_ids", nargs="+", metavar="MESSAGE_ID")
+    p.add_argument("--from", dest="sender", default="cli", help="their sender (default: cli)")
+    p.add_argument("--broker", default=broker_default)
+    add_security_flags(p, server=False)
+    p.set_defaults(run=_cancel)
 
     p = sub.add_parser(
         "deregister",

@@ -2387,6 +2387,29 @@ class MeshClient(ChannelOnFirstUse):
         pages = await self._every_page(self._stub.ListMessages, request, "messages")
         return [codec.queued_from_pb(q) for q in pages]
 
+    async def cancel_messages(
+        self,
+        to_agent: str,
+        messages: Iterable[str | Message],
+        *,
+        from_agent: str | None = None,
+    ) -> list[str]:
+        """Takes back messages this client's agent (or ``from_agent``) sent to ``to_agent``
+        that are not delivered yet: waiting, or scheduled for later (``delay``). ``messages``
+        are their ids, or the messages as :meth:`send` returned them. Returns the ids taken
+        back; one in flight, another sender's, or one no longer held stays as it is."""
+        if isinstance(messages, str):  # (a bare id would read as its letters)
+            names_of(messages, "message_ids", "message ids or messages")
+        ids = tuple(m.message_id if isinstance(m, Message) else m for m in messages)
+        request = _request(
+            broker_pb2.CancelMessagesRequest,
+            from_agent=self.agent_id if from_agent is None else from_agent,
+            to_agent=to_agent,
+            message_ids=ids,
+        )
+        response = await self._with_retry(self._unary(self._stub.CancelMessages, request))
+        return list(response.message_ids)
+
     async def requeue_dead_letters(
         self, agent_id: str, message_ids: Iterable[str] = ()
     ) -> RequeueResult:

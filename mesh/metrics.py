@@ -365,6 +365,10 @@ class BrokerMetrics:
             "Deliveries handed back to come again later (a nack's redeliver_after, a"
             " handler's RetryLater).",
         )
+        self.cancelled = loop.counter(
+            "agentmesh_messages_cancelled",
+            "Messages their sender took back before delivery (CancelMessages).",
+        )
         self.scheduled = loop.counter(
             "agentmesh_messages_scheduled",
             "Messages accepted to be delivered later (deliver_at ahead of the broker's clock).",

@@ -379,6 +379,29 @@ end
 return out
 """
 
+_CANCEL = """
+local out = {}
+for i = 2, #ARGV do
+  local id = ARGV[i]
+  local m = redis.call('HGET', meta, id)
+  local body = m and redis.call('HGET', msgs, id)
+  if body and cjson.decode(body).from_agent == ARGV[1] then
+    local info = cjson.decode(m)
+    local taken = false
+    if info.s == '' then
+      taken = redis.call('ZREM', ready, info.m) == 1
+    elseif info.s == DEFERRED then
+      taken = redis.call('ZREM', leased, id) == 1
+    end -- (in flight: its handler has it)
+    if taken then
+      table.insert(out, id)
+      drop(id)
+    end
+  end
+end
+return out
+"""
+
 _EXTEND = """
 local now, lease_end, count = tonumber(ARGV[1]), tonumber(ARGV[2]), 0
 for i = 3, #ARGV do
@@ -539,6 +562,7 @@ SCRIPTS = {
         ("ack", _ACK),
         ("extend", _EXTEND),
         ("withdraw", _WITHDRAW),
+        ("cancel", _CANCEL),
         ("undead", _UNDEAD),
         ("nack", _NACK),
         ("release", _RELEASE),
@@ -1404,6 +1428,12 @@ class RedisQueueStore:
             else:
                 waiting += 1
         return (waiting, leased)
+
+    async def cancel(self, agent_id: str, sender: str, message_ids: Iterable[str]) -> list[str]:
+        ids = list(dict.fromkeys(message_ids))
+        if not ids:
+            return []
+        return [_text(i) for i in await self._run("cancel", agent_id, [sender, *ids])]
 
     def _return_args(self) -> list[Any]:
         return [

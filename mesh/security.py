@@ -70,6 +70,7 @@ ACTING: dict[type, Acting] = {
     broker_pb2.ListDeadLettersRequest: lambda r: [(r.agent_id, "read the dead letters")],
     broker_pb2.RequeueDeadLettersRequest: lambda r: [(r.agent_id, "requeue the dead letters")],
     broker_pb2.ListMessagesRequest: lambda r: [(r.agent_id, "read the queue")],
+    broker_pb2.CancelMessagesRequest: lambda r: [(r.from_agent, "cancel messages")],
     memory_pb2.WriteInsightRequest: lambda r: [(r.insight.agent_id, "write insights")],
     memory_pb2.DeleteInsightsRequest: lambda r: [(r.agent_id, "delete insights")],
     memory_pb2.PutStateRequest: lambda r: [(r.agent_id, "write shared state")],

@@ -336,6 +336,14 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         )
         return response
 
+    async def CancelMessages(
+        self, request: broker_pb2.CancelMessagesRequest, context: Any
+    ) -> broker_pb2.CancelMessagesResponse:
+        cancelled = await self.broker.cancel(
+            request.from_agent, request.to_agent, list(request.message_ids)
+        )
+        return broker_pb2.CancelMessagesResponse(cancelled=len(cancelled), message_ids=cancelled)
+
     async def RequeueDeadLetters(
         self, request: broker_pb2.RequeueDeadLettersRequest, context: Any
     ) -> broker_pb2.RequeueDeadLettersResponse:

@@ -2357,6 +2357,39 @@ class Broker:
             for h in held
         ]
 
+    async def cancel(self, from_agent: str, to_agent: str, message_ids: Sequence[str]) -> list[str]:
+        """Takes back messages ``from_agent`` sent to ``to_agent`` that are not delivered now
+        (waiting, or held until a time); returns their ids. One in flight, another sender's,
+        or one no longer held stays as it is. A request taken back this way leaves its
+        requester waiting until its deadline (a session's ``cancel`` gives one up)."""
+        for field, value in (("from_agent", from_agent), ("to_agent", to_agent)):
+            if not value:
+                raise MessageValidationError.for_field(field, f"{field} is required")
+        if not message_ids:
+            raise MessageValidationError.for_field(
+                "message_ids", "message_ids must name at least one message"
+            )
+        cancelled = await self.store.cancel(to_agent, from_agent, message_ids)
+        await self.store.sync()
+        self.metrics.cancelled.inc(len(cancelled))
+        logger.info(
+            "%d of %d messages from %s to %s cancelled",
+            len(cancelled),
+            len(set(message_ids)),
+            from_agent,
+            to_agent,
+            extra={
+                "event": {
+                    "category": "cancelled",
+                    "from_agent": from_agent,
+                    "to_agent": to_agent,
+                    "cancelled": len(cancelled),
+                    "message_ids": cancelled[:100],
+                }
+            },
+        )
+        return cancelled
+
     async def requeue_dead_letters(
         self, agent_id: str, message_ids: Collection[str] = ()
     ) -> tuple[int, int]:

@@ -210,6 +210,12 @@ class QueueStore(Protocol):
         (withdrawn while waiting, withdrawn while leased)."""
         ...
 
+    async def cancel(self, agent_id: str, sender: str, message_ids: Iterable[str]) -> list[str]:
+        """Takes out of the agent's queue for good those of ``message_ids`` that ``sender``
+        sent and that are not delivered now: waiting, or deferred (scheduled, or nacked with
+        a delay). Returns their ids, in the order given; one in flight stays."""
+        ...
+
     async def still_leased(
         self, agent_id: str, subscriber: str, message_ids: Collection[str]
     ) -> set[str]:
@@ -906,6 +912,25 @@ class InMemoryQueueStore:
             self._forget(queue, entry)
             self._released(entry, withdrawn=True)
         return (waiting, leased)
+
+    async def cancel(self, agent_id: str, sender: str, message_ids: Iterable[str]) -> list[str]:
+        queue = self._queues.get(agent_id)
+        if queue is None:
+            return []
+        cancelled = []
+        for message_id in dict.fromkeys(message_ids):
+            entry = queue.by_id.get(message_id)
+            if entry is None or entry.message.from_agent != sender:
+                continue
+            if entry.state is _State.QUEUED:
+                queue.waiting[entry.rank] -= 1  # (its heap item goes stale)
+            elif entry.deferred:
+                del queue.leased[message_id]  # (its lease heap item goes stale)
+            else:
+                continue  # in flight: its handler has it
+            self._forget(queue, entry)
+            cancelled.append(message_id)
+        return cancelled
 
     async def still_leased(
         self, agent_id: str, subscriber: str, message_ids: Collection[str]

@@ -1479,6 +1479,68 @@ class ListDeadLettersResponse(_message.Message):
 Global___ListDeadLettersResponse: _TypeAlias = ListDeadLettersResponse  # noqa: Y015
 
 @_typing.final
+class CancelMessagesRequest(_message.Message):
+    """CancelMessagesRequest names messages its sender takes back from their agent's queue."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FROM_AGENT_FIELD_NUMBER: _builtins.int
+    TO_AGENT_FIELD_NUMBER: _builtins.int
+    MESSAGE_IDS_FIELD_NUMBER: _builtins.int
+    from_agent: _builtins.str
+    """The sender: only its own messages are taken back (under credentials, the caller must
+    act as this agent).
+    """
+    to_agent: _builtins.str
+    """The agent whose queue holds them."""
+    @_builtins.property
+    def message_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The messages, by id. At least one."""
+
+    def __init__(
+        self,
+        *,
+        from_agent: _builtins.str = ...,
+        to_agent: _builtins.str = ...,
+        message_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_agent", b"from_agent", "message_ids", b"message_ids", "to_agent", b"to_agent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelMessagesRequest: _TypeAlias = CancelMessagesRequest  # noqa: Y015
+
+@_typing.final
+class CancelMessagesResponse(_message.Message):
+    """CancelMessagesResponse says which messages were taken back."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CANCELLED_FIELD_NUMBER: _builtins.int
+    MESSAGE_IDS_FIELD_NUMBER: _builtins.int
+    cancelled: _builtins.int
+    """How many were taken back."""
+    @_builtins.property
+    def message_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Their ids, in the order asked."""
+
+    def __init__(
+        self,
+        *,
+        cancelled: _builtins.int = ...,
+        message_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled", "message_ids", b"message_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelMessagesResponse: _TypeAlias = CancelMessagesResponse  # noqa: Y015
+
+@_typing.final
 class ListMessagesRequest(_message.Message):
     """ListMessagesRequest asks for the messages one agent's queue holds."""
 

@@ -127,6 +127,11 @@ class BrokerServiceStub:
                 request_serializer=mesh_dot_v1_dot_broker__pb2.ListMessagesRequest.SerializeToString,
                 response_deserializer=mesh_dot_v1_dot_broker__pb2.ListMessagesResponse.FromString,
                 _registered_method=True)
+        self.CancelMessages = channel.unary_unary(
+                '/mesh.v1.BrokerService/CancelMessages',
+                request_serializer=mesh_dot_v1_dot_broker__pb2.CancelMessagesRequest.SerializeToString,
+                response_deserializer=mesh_dot_v1_dot_broker__pb2.CancelMessagesResponse.FromString,
+                _registered_method=True)
         self.Connect = channel.stream_stream(
                 '/mesh.v1.BrokerService/Connect',
                 request_serializer=mesh_dot_v1_dot_broker__pb2.ConnectRequest.SerializeToString,
@@ -280,6 +285,15 @@ class BrokerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CancelMessages(self, request, context):
+        """Takes back messages a sender sent that are not delivered yet: waiting in their queue,
+        or held until a time (scheduled with deliver_at, or nacked with a delay). One in flight
+        (a handler has it), another sender's, or one no longer held stays as it is.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Connect(self, request_iterator, context):
         """A long-lived session that carries sends, requests, deliveries, acks and responses as
         frames on one bidirectional stream: the fast path the SDK uses.
@@ -380,6 +394,11 @@ def add_BrokerServiceServicer_to_server(servicer, server):
                     servicer.ListMessages,
                     request_deserializer=mesh_dot_v1_dot_broker__pb2.ListMessagesRequest.FromString,
                     response_serializer=mesh_dot_v1_dot_broker__pb2.ListMessagesResponse.SerializeToString,
+            ),
+            'CancelMessages': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelMessages,
+                    request_deserializer=mesh_dot_v1_dot_broker__pb2.CancelMessagesRequest.FromString,
+                    response_serializer=mesh_dot_v1_dot_broker__pb2.CancelMessagesResponse.SerializeToString,
             ),
             'Connect': grpc.stream_stream_rpc_method_handler(
                     servicer.Connect,
@@ -876,6 +895,33 @@ class BrokerService:
             '/mesh.v1.BrokerService/ListMessages',
             mesh_dot_v1_dot_broker__pb2.ListMessagesRequest.SerializeToString,
             mesh_dot_v1_dot_broker__pb2.ListMessagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelMessages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mesh.v1.BrokerService/CancelMessages',
+            mesh_dot_v1_dot_broker__pb2.CancelMessagesRequest.SerializeToString,
+            mesh_dot_v1_dot_broker__pb2.CancelMessagesResponse.FromString,
             options,
             channel_credentials,
             insecure,

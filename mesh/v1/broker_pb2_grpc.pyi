@@ -94,6 +94,11 @@ class BrokerServiceStub:
     order they will be delivered, then those in flight or deferred (what is stuck there,
     where, and since when), a page at a time.
     """
+    CancelMessages: _grpc.UnaryUnaryMultiCallable[_broker_pb2.CancelMessagesRequest, _broker_pb2.CancelMessagesResponse]
+    """Takes back messages a sender sent that are not delivered yet: waiting in their queue,
+    or held until a time (scheduled with deliver_at, or nacked with a delay). One in flight
+    (a handler has it), another sender's, or one no longer held stays as it is.
+    """
     Connect: _grpc.StreamStreamMultiCallable[_broker_pb2.ConnectRequest, _broker_pb2.ConnectResponse]
     """A long-lived session that carries sends, requests, deliveries, acks and responses as
     frames on one bidirectional stream: the fast path the SDK uses.
@@ -164,6 +169,11 @@ class BrokerServiceAsyncStub(BrokerServiceStub):
     """Lists the messages an agent's queue holds without taking them: those waiting, in the
     order they will be delivered, then those in flight or deferred (what is stuck there,
     where, and since when), a page at a time.
+    """
+    CancelMessages: _aio.UnaryUnaryMultiCallable[_broker_pb2.CancelMessagesRequest, _broker_pb2.CancelMessagesResponse]  # type: ignore[assignment]
+    """Takes back messages a sender sent that are not delivered yet: waiting in their queue,
+    or held until a time (scheduled with deliver_at, or nacked with a delay). One in flight
+    (a handler has it), another sender's, or one no longer held stays as it is.
     """
     Connect: _aio.StreamStreamMultiCallable[_broker_pb2.ConnectRequest, _broker_pb2.ConnectResponse]  # type: ignore[assignment]
     """A long-lived session that carries sends, requests, deliveries, acks and responses as
@@ -340,6 +350,17 @@ class BrokerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Lists the messages an agent's queue holds without taking them: those waiting, in the
         order they will be delivered, then those in flight or deferred (what is stuck there,
         where, and since when), a page at a time.
+        """
+
+    @_abc_1.abstractmethod
+    def CancelMessages(
+        self,
+        request: _broker_pb2.CancelMessagesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.CancelMessagesResponse, _abc.Awaitable[_broker_pb2.CancelMessagesResponse]]:
+        """Takes back messages a sender sent that are not delivered yet: waiting in their queue,
+        or held until a time (scheduled with deliver_at, or nacked with a delay). One in flight
+        (a handler has it), another sender's, or one no longer held stays as it is.
         """
 
     @_abc_1.abstractmethod

@@ -639,6 +639,58 @@ async def test_a_scheduled_message_is_delivered_when_due_and_not_before(
         assert [q.message.message_type for q in left] == [MessageType.ERROR]
 
 
+async def test_a_sender_takes_back_what_it_sent_before_it_is_delivered(
+    mesh: LocalMesh,
+) -> None:
+    """``CancelMessages`` (the SDK's ``cancel_messages``): a sender's messages still waiting,
+    or scheduled, leave the queue; one in flight, another sender's, or one unknown stays.
+    No message ids, or no sender, is INVALID_ARGUMENT."""
+    async with mesh.client("Desk") as client, mesh.client("Audit") as other:
+        await client.register("Worker")
+        reminder = await client.send("Worker", {"action": "remind"}, delay=60)
+        pay = await client.send("Worker", {"action": "pay"})
+        audit = await other.send("Worker", {"action": "audit"})
+        refund = await client.send("Worker", {"action": "refund"})
+        async with client.subscribe("Worker", max_in_flight=1) as sub:
+            held = await anext(aiter(sub))
+            assert held.message.message_id == pay.message_id
+            taken = await client.cancel_messages(
+                "Worker", [reminder, pay, audit.message_id, refund, "nope"]
+            )
+            assert taken == [reminder.message_id, refund.message_id]
+            listed = await client.list_messages("Worker")
+            assert [(q.message.content["action"], q.state.value) for q in listed] == [
+                ("audit", "WAITING"),
+                ("pay", "IN_FLIGHT"),
+            ]
+            await held.ack()
+        with pytest.raises(MessageValidationError, match="a list of message ids or messages"):
+            await client.cancel_messages("Worker", audit.message_id)  # type: ignore[arg-type]
+        async with grpc.aio.insecure_channel(mesh.address) as channel:
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)
+            for request, said in (
+                (
+                    broker_pb2.CancelMessagesRequest(from_agent="Desk", to_agent="Worker"),
+                    "message_ids must name at least one message",
+                ),
+                (
+                    broker_pb2.CancelMessagesRequest(to_agent="Worker", message_ids=["x"]),
+                    "from_agent is required",
+                ),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.CancelMessages(request)
+                assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+                assert refused.value.details() == said
+            answer = await stub.CancelMessages(
+                broker_pb2.CancelMessagesRequest(
+                    from_agent="Audit", to_agent="Worker", message_ids=[audit.message_id]
+                )
+            )
+            assert (answer.cancelled, list(answer.message_ids)) == (1, [audit.message_id])
+        assert await client.list_messages("Worker") == []
+
+
 async def test_batch_results_are_per_message(mesh: LocalMesh) -> None:
     async with mesh.client("sender") as client:
         await client.register("Worker")

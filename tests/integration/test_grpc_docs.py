@@ -93,6 +93,10 @@ async def test_every_documented_call_works(embedded: EmbeddedMesh) -> None:
     assert held["state"] == "QUEUED_STATE_DEFERRED"
     due, until = (datetime.fromisoformat(t) for t in (held["message"]["deliverAt"], held["until"]))
     assert abs((until - due).total_seconds()) < 0.01
+    assert json.loads(by_rpc["mesh.v1.BrokerService/CancelMessages"]) == {
+        "cancelled": 1,
+        "messageIds": ["reminder-2"],
+    }
     # The dead letter, requeued, is in the queue again (and no longer a dead letter).
     assert json.loads(by_rpc["mesh.v1.BrokerService/RequeueDeadLetters"]) == {"requeued": 1}
     [(_, back)] = [(c, o) for c, o in ran if '"max_messages": 10' in c]

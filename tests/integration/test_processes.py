@@ -685,6 +685,16 @@ async def test_cli_send_receive_and_agents(broker_proc: Proc) -> None:
     for heading, count in (("DEPTH", "2"), ("IN FLIGHT", "0"), ("DEFERRED", "1")):
         end = header.index(heading) + len(heading)
         assert row[end - len(count) : end] == count, (header, row)
+    # Taken back by its sender before it is due (`cancel`).
+    scheduled = deferred.split()[0]
+    code, out = await cli("cancel", "PaymentAgent", scheduled, "nope")
+    assert code == 0, out
+    assert out.splitlines() == [
+        "1 of 2 messages from cli to PaymentAgent cancelled",
+        f"cancelled {scheduled}",
+    ]
+    code, out = await cli("queue", "PaymentAgent")
+    assert out.strip().splitlines()[-1] == "PaymentAgent: 2 waiting, 0 in flight, 0 deferred"
     async with connect(broker_proc.address) as client:
         assert [m.content["n"] for m in await client.receive("PaymentAgent")] == [0, 1]
         assert await client.dead_letters("PaymentAgent") == []

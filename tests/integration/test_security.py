@@ -273,6 +273,11 @@ async def test_an_agent_acts_only_as_itself(token_mesh: LocalMesh) -> None:
     assert [w.message.from_agent for w in await admin.list_messages("HotelAgent")] == [
         "PaymentAgent"
     ] * 2
+    # A sender takes back only what it sent, as itself.
+    held = [w.message.message_id for w in await admin.list_messages("HotelAgent")]
+    with pytest.raises(PermissionDeniedError, match="may not cancel messages as PaymentAgent"):
+        await hotel.cancel_messages("HotelAgent", held, from_agent="PaymentAgent")
+    assert await hotel.cancel_messages("HotelAgent", held) == []  # (not hotel's to take)
     received = await hotel.receive("HotelAgent")
     # Nothing spoofed got in: two sends and one batch from PaymentAgent itself.
     assert [m.from_agent for m in received] == ["PaymentAgent", "PaymentAgent"]

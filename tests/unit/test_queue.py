@@ -597,6 +597,48 @@ async def test_a_scheduled_message_waits_for_its_time_then_in_its_place(
     assert await store.held() == 2
 
 
+async def test_a_sender_takes_back_what_is_not_delivered_yet(
+    store: QueueStore, clock: FakeClock, recorder: Recorder
+) -> None:
+    """``cancel``: a sender's messages waiting or held until a time (scheduled, or nacked
+    with a delay) leave the queue for good; one in flight, another sender's, or one no
+    longer held stays as it is."""
+    await store.put(msg("nacked", at=0), 3600)
+    await store.put(msg("leased", at=1), 3600)
+    await store.put(msg("waiting", at=2), 3600)
+    await store.put(msg("later", at=3), 3600, None, 60)
+    other = Message(
+        message_id="other",
+        from_agent="HotelAgent",
+        to_agent="PaymentAgent",
+        content={"action": "x"},
+        timestamp=BASE + timedelta(seconds=4),
+    )
+    await store.put(other, 3600)
+    leases = await store.lease_many("PaymentAgent", "s", 30, 2)
+    assert [lease.message.message_id for lease in leases] == ["nacked", "leased"]
+    assert await store.nack("PaymentAgent", ["nacked"], delay=60) == (1, 0)
+    asked = ["nacked", "leased", "later", "other", "gone", "waiting", "later"]
+    assert await store.cancel("PaymentAgent", "FlightAgent", asked) == [
+        "nacked",
+        "later",
+        "waiting",
+    ]
+    assert await store.cancel("PaymentAgent", "FlightAgent", ["later"]) == []
+    assert await store.cancel("Nobody", "FlightAgent", ["later"]) == []
+    listed = await store.listing("PaymentAgent")
+    assert [(h.message.message_id, h.state.value) for h in listed] == [
+        ("other", "WAITING"),
+        ("leased", "IN_FLIGHT"),
+    ]
+    assert await store.held() == 2
+    [stats] = await store.stats("PaymentAgent")
+    assert (stats.depth, stats.in_flight, stats.deferred) == (1, 1, 0)
+    clock.advance(61)
+    await store.sweep()
+    assert (recorder.due, recorder.redelivered) == ([], [("leased", 2)])
+
+
 async def test_a_nack_with_a_delay_leaves_at_once_what_cannot_come_back(
     store: QueueStore, clock: FakeClock, recorder: Recorder
 ) -> None:

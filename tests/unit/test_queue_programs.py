@@ -112,6 +112,7 @@ operations = st.one_of(  # (puts and leases more often than the rest)
     st.tuples(st.just("nack"), agents, some_ids, st.sampled_from(["", "poison"])),
     st.tuples(st.just("nack_later"), agents, some_ids, st.sampled_from([1.0, 5.0])),
     st.tuples(st.just("withdraw"), agents, some_ids),
+    st.tuples(st.just("cancel"), agents, st.sampled_from(("Sender", "Other")), some_ids),
     st.tuples(st.just("release"), agents, st.sampled_from(SUBSCRIBERS)),
     st.tuples(st.just("release_seen"), agents, st.sampled_from(SUBSCRIBERS), some_ids),
     st.tuples(st.just("still_leased"), agents, st.sampled_from(SUBSCRIBERS), some_ids),
@@ -160,6 +161,8 @@ async def step(store: QueueStore, op: tuple[Any, ...], last: dict[str, list[str]
         return await store.nack(args[0], args[1], delay=args[2])
     if kind == "withdraw":
         return await store.withdraw(args[0], args[1])
+    if kind == "cancel":
+        return await store.cancel(args[0], args[1], args[2])
     if kind == "release":
         return await store.release_subscriber(args[0], args[1])
     if kind == "release_seen":
@@ -210,7 +213,7 @@ class Ledger:
             self.taken += answer
         elif kind == "withdraw":
             self.taken += sum(answer)
-        elif kind == "pop":
+        elif kind in ("cancel", "pop"):
             self.taken += len(answer)
 
     async def check(self, store: QueueStore, events: Events, where: str) -> None:

@@ -675,6 +675,10 @@ export class MeshClient {
    * waiting in delivery order, then those in flight or deferred; all the broker's pages.
    */
   listMessages(agentId?: string): Promise<QueuedMessage[]>;
+  /** Takes back messages sent to `to` not delivered yet (waiting or scheduled): the ids
+   * taken back. */
+  cancelMessages(to: string, messages: Array<string | Message>, options?: { from?: string }):
+  Promise<string[]>;
   /** Puts dead letters back in the agent's queue (all, or those named). */
   requeueDeadLetters(agentId: string, messageIds?: string[]):
   Promise<{ requeued: number; left: number }>;

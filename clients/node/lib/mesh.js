@@ -1564,6 +1564,21 @@ class MeshClient {
    * failed them is fixed, oldest first, each for a new round of delivery attempts; resolves
    * with {requeued, left} (left: those a full queue could not take, still dead letters).
    */
+  /**
+   * Takes back messages this client's agent (or from) sent to `to` that are not delivered
+   * yet: waiting, or scheduled for later (delayMs, deliverAt). messages are their ids, or the
+   * messages as send resolved them. Resolves with the ids taken back; one in flight, another
+   * sender's, or one no longer held stays as it is.
+   */
+  async cancelMessages(to, messages, { from = this.agentId } = {}) {
+    if (!Array.isArray(messages)) namesOf(messages, 'messages'); // (says what is wrong)
+    const ids = namesOf(messages.map((m) => (m && typeof m === 'object' ? m.messageId : m)),
+      'messages');
+    const res = await this._withRetry(() => unary(this.broker, 'CancelMessages',
+      { from_agent: from, to_agent: to, message_ids: ids }));
+    return res.message_ids;
+  }
+
   async requeueDeadLetters(agentId, messageIds = []) {
     const res = await this._withRetry(() => unary(this.broker, 'RequeueDeadLetters',
       { agent_id: agentId, message_ids: namesOf(messageIds, 'messageIds') }));

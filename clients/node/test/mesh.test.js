@@ -96,6 +96,11 @@ test('a scheduled message (delayMs, deliverAt) waits in the broker until it is d
     const [stats] = (await client.queueStats('NodeReminded')).agents;
     assert.deepEqual([stats.depth, stats.inFlight, stats.deferred], [1, 0, 1]);
     assert.deepEqual((await client.receive('NodeReminded')).map((m) => m.content.action), ['pay']);
+    // A scheduled message taken back before it is due.
+    const dropped = await client.send('NodeReminded', { action: 'drop' }, { delayMs: 60000 });
+    assert.deepEqual(await client.cancelMessages('NodeReminded', [dropped, 'nope']),
+      [dropped.messageId]);
+    await assert.rejects(client.cancelMessages('NodeReminded', dropped.messageId), TypeError);
     let got = [];
     while (got.length === 0) {
       await new Promise((resolve) => setTimeout(resolve, 100));
